@@ -1,0 +1,310 @@
+//! The gateway's settings: command line, environment (including Kernel Gateway's `KG_*`
+//! names for drop-in use) and an optional TOML file, in that order of precedence.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Args;
+use serde::Deserialize;
+
+use crate::sandbox::Backend;
+
+/// Options of `cellgate serve`. Every option can also be set in the config file.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ServeArgs {
+    /// Address to listen on [env: CELLGATE_IP, KG_IP] [default: 127.0.0.1].
+    #[arg(long)]
+    pub ip: Option<IpAddr>,
+    /// Port to listen on; 0 picks a free one [env: CELLGATE_PORT, KG_PORT] [default: 8888].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Token clients must present (`Authorization: token T`, `Bearer T` or `?token=T`)
+    /// [env: CELLGATE_AUTH_TOKEN, KG_AUTH_TOKEN]. Without one, only loopback addresses are allowed.
+    #[arg(long, hide_env_values = true)]
+    pub token: Option<String>,
+    /// TOML config file; command-line options and environment variables override it.
+    #[arg(long, env = "CELLGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Directory of kernelspecs [env: CELLGATE_KERNELS_DIR] [default: ./kernels].
+    #[arg(long)]
+    pub kernels_dir: Option<PathBuf>,
+    /// Kernelspec used when a request names none [env: KG_DEFAULT_KERNEL_NAME] [default: python3].
+    #[arg(long)]
+    pub default_kernel_name: Option<String>,
+    /// Sandbox backend: namespaces, gvisor, or process (no isolation, development only).
+    #[arg(long, env = "CELLGATE_SANDBOX")]
+    pub sandbox: Option<Backend>,
+    /// Maximum number of kernels at once [env: KG_MAX_KERNELS] [default: unlimited].
+    #[arg(long)]
+    pub max_kernels: Option<usize>,
+    /// Cull kernels idle for this many seconds; 0 disables culling [default: 0].
+    #[arg(long)]
+    pub cull_idle_timeout: Option<u64>,
+    /// Seconds between culling passes [default: 300].
+    #[arg(long)]
+    pub cull_interval: Option<u64>,
+    /// Also cull idle kernels that have open connections [default: false].
+    #[arg(long)]
+    pub cull_connected: Option<bool>,
+    /// Seconds a kernel may take to become ready [default: 60].
+    #[arg(long)]
+    pub start_timeout: Option<u64>,
+    /// Value of Access-Control-Allow-Origin; `*` also disables the WebSocket origin check
+    /// [env: KG_ALLOW_ORIGIN].
+    #[arg(long)]
+    pub allow_origin: Option<String>,
+    /// Environment variable names clients may pass to kernels besides KERNEL_*, comma
+    /// separated [env: KG_ENV_WHITELIST].
+    #[arg(long, value_delimiter = ',')]
+    pub env_allowlist: Option<Vec<String>>,
+    /// Largest WebSocket message accepted from a client, in MiB [default: 64].
+    #[arg(long)]
+    pub max_message_mib: Option<usize>,
+    /// Directory for kernels' private runtime directories [default: a fresh one under $TMPDIR].
+    #[arg(long)]
+    pub runtime_dir: Option<PathBuf>,
+    /// Path prefix of every route [env: KG_BASE_URL] [default: /].
+    #[arg(long)]
+    pub base_url: Option<String>,
+}
+
+/// The config file. Unknown keys are errors, reported with their line.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    ip: Option<IpAddr>,
+    port: Option<u16>,
+    token: Option<String>,
+    kernels_dir: Option<PathBuf>,
+    default_kernel_name: Option<String>,
+    sandbox: Option<Backend>,
+    max_kernels: Option<usize>,
+    cull_idle_timeout: Option<u64>,
+    cull_interval: Option<u64>,
+    cull_connected: Option<bool>,
+    start_timeout: Option<u64>,
+    allow_origin: Option<String>,
+    env_allowlist: Option<Vec<String>>,
+    max_message_mib: Option<usize>,
+    runtime_dir: Option<PathBuf>,
+    base_url: Option<String>,
+}
+
+/// Resolved settings of a running gateway.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub token: Option<String>,
+    pub kernels_dir: PathBuf,
+    pub default_kernel_name: Option<String>,
+    pub sandbox: Backend,
+    pub max_kernels: Option<usize>,
+    pub cull_idle_timeout: Option<Duration>,
+    pub cull_interval: Duration,
+    pub cull_connected: bool,
+    pub start_timeout: Duration,
+    pub allow_origin: Option<String>,
+    pub env_allowlist: Vec<String>,
+    pub max_message_bytes: usize,
+    pub runtime_dir: Option<PathBuf>,
+    /// Always starts and ends with `/`.
+    pub base_url: String,
+}
+
+/// Errors in settings.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("environment variable {name}: {message}")]
+    Env { name: &'static str, message: String },
+    #[error("refusing to listen on {ip} without a token: set --token or CELLGATE_AUTH_TOKEN, or listen on a loopback address")]
+    TokenRequired { ip: IpAddr },
+    #[error("base_url {0:?} must be a path")]
+    BadBaseUrl(String),
+}
+
+/// Reads an environment variable, treating an empty value as unset.
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn env_parse<T: std::str::FromStr>(name: &'static str) -> Result<Option<T>, ConfigError>
+where
+    T::Err: std::fmt::Display,
+{
+    env_var(name)
+        .map(|v| {
+            v.parse::<T>().map_err(|err| ConfigError::Env {
+                name,
+                message: err.to_string(),
+            })
+        })
+        .transpose()
+}
+
+fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|err| ConfigError::Parse {
+        path: path.to_owned(),
+        message: err.to_string(),
+    })
+}
+
+impl GatewayConfig {
+    /// Resolves the settings: command line, then environment, then file, then defaults.
+    pub fn resolve(args: &ServeArgs) -> Result<GatewayConfig, ConfigError> {
+        let file = match &args.config {
+            Some(path) => load_file(path)?,
+            None => FileConfig::default(),
+        };
+        let ip = match args.ip {
+            Some(ip) => Some(ip),
+            None => env_parse::<IpAddr>("CELLGATE_IP")?.or(env_parse("KG_IP")?),
+        }
+        .or(file.ip)
+        .unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        let port = match args.port {
+            Some(port) => Some(port),
+            None => env_parse::<u16>("CELLGATE_PORT")?.or(env_parse("KG_PORT")?),
+        }
+        .or(file.port)
+        .unwrap_or(8888);
+        let token = args
+            .token
+            .clone()
+            .or_else(|| env_var("CELLGATE_AUTH_TOKEN"))
+            .or_else(|| env_var("KG_AUTH_TOKEN"))
+            .or(file.token)
+            .filter(|t| !t.is_empty());
+        if token.is_none() && !ip.is_loopback() {
+            return Err(ConfigError::TokenRequired { ip });
+        }
+        let base_url = args
+            .base_url
+            .clone()
+            .or_else(|| env_var("KG_BASE_URL"))
+            .or(file.base_url)
+            .unwrap_or_else(|| "/".to_owned());
+        if base_url.contains(['?', '#', ' ']) || base_url.contains("..") {
+            return Err(ConfigError::BadBaseUrl(base_url));
+        }
+        let base_url = format!("/{}/", base_url.trim_matches('/')).replace("//", "/");
+        let cull = args
+            .cull_idle_timeout
+            .or(file.cull_idle_timeout)
+            .unwrap_or(0);
+        Ok(GatewayConfig {
+            ip,
+            port,
+            token,
+            kernels_dir: args
+                .kernels_dir
+                .clone()
+                .or_else(|| env_var("CELLGATE_KERNELS_DIR").map(PathBuf::from))
+                .or(file.kernels_dir)
+                .unwrap_or_else(|| PathBuf::from("kernels")),
+            default_kernel_name: args
+                .default_kernel_name
+                .clone()
+                .or_else(|| env_var("KG_DEFAULT_KERNEL_NAME"))
+                .or(file.default_kernel_name),
+            sandbox: args.sandbox.or(file.sandbox).unwrap_or(Backend::Namespaces),
+            max_kernels: match args.max_kernels {
+                Some(max) => Some(max),
+                None => env_parse("KG_MAX_KERNELS")?,
+            }
+            .or(file.max_kernels),
+            cull_idle_timeout: (cull > 0).then(|| Duration::from_secs(cull)),
+            cull_interval: Duration::from_secs(
+                args.cull_interval
+                    .or(file.cull_interval)
+                    .unwrap_or(300)
+                    .max(1),
+            ),
+            cull_connected: args.cull_connected.or(file.cull_connected).unwrap_or(false),
+            start_timeout: Duration::from_secs(
+                args.start_timeout
+                    .or(file.start_timeout)
+                    .unwrap_or(60)
+                    .max(1),
+            ),
+            allow_origin: args
+                .allow_origin
+                .clone()
+                .or_else(|| env_var("KG_ALLOW_ORIGIN"))
+                .or(file.allow_origin),
+            env_allowlist: args
+                .env_allowlist
+                .clone()
+                .or_else(|| {
+                    env_var("KG_ENV_WHITELIST")
+                        .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
+                })
+                .or(file.env_allowlist)
+                .unwrap_or_default(),
+            max_message_bytes: args
+                .max_message_mib
+                .or(file.max_message_mib)
+                .unwrap_or(64)
+                .max(1)
+                << 20,
+            runtime_dir: args.runtime_dir.clone().or(file.runtime_dir),
+            base_url,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_are_reported_with_their_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "port = 9000\nprot = 1\n").unwrap();
+        let args = ServeArgs {
+            config: Some(path),
+            ..ServeArgs::default()
+        };
+        let err = GatewayConfig::resolve(&args).unwrap_err().to_string();
+        assert!(err.contains("prot") && err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn no_token_means_loopback_only() {
+        let args = ServeArgs {
+            ip: Some("0.0.0.0".parse().unwrap()),
+            token: Some(String::new()),
+            ..ServeArgs::default()
+        };
+        // An empty token counts as none.
+        if std::env::var("CELLGATE_AUTH_TOKEN").is_err() && std::env::var("KG_AUTH_TOKEN").is_err()
+        {
+            assert!(matches!(
+                GatewayConfig::resolve(&args),
+                Err(ConfigError::TokenRequired { .. })
+            ));
+        }
+        let args = ServeArgs {
+            ip: Some("0.0.0.0".parse().unwrap()),
+            token: Some("t".into()),
+            base_url: Some("gw/".into()),
+            ..ServeArgs::default()
+        };
+        let config = GatewayConfig::resolve(&args).unwrap();
+        assert_eq!(config.base_url, "/gw/");
+    }
+}

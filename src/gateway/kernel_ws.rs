@@ -1,0 +1,261 @@
+//! The kernel channels WebSocket, `/api/kernels/{id}/channels?session_id=…`.
+//!
+//! Both framings are served (legacy JSON by default, v1 when the client offers its
+//! subprotocol, which is then echoed). Each socket attaches to the kernel's router: iopub from
+//! every requester, replies and `input_request`s for its own requests, and, when its
+//! `session_id` had no socket for a while, the output buffered meanwhile. Several sockets may
+//! share a `session_id`; none is evicted for it.
+//!
+//! A reader loop decodes client frames and sends them to the kernel; a writer task encodes
+//! kernel messages for this client and pings it. A frame that cannot be decoded closes this
+//! socket with 1007 and the reason; the kernel and every other socket carry on.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::{SinkExt, StreamExt};
+use serde::Deserialize;
+use tokio::sync::{mpsc, oneshot};
+
+use super::kernels::is_kernel_id;
+use super::state::AppState;
+use crate::kernel::Kernel;
+use crate::protocol::websocket::{self, Frame, Framing, V1_SUBPROTOCOL};
+use crate::protocol::Message;
+
+/// How often idle sockets are pinged (Kernel Gateway uses 30 s).
+const PING_INTERVAL: Duration = Duration::from_secs(30);
+/// Messages encoded per flush when output is queued.
+const WRITE_BATCH: usize = 64;
+
+#[derive(Deserialize)]
+pub struct ChannelsQuery {
+    session_id: Option<String>,
+}
+
+/// Whether a browser page from `Origin` may open the socket: no Origin (GatewayClient, CLI
+/// clients), the configured allowed origin (`*` allows all), or the gateway's own origin.
+fn origin_allowed(headers: &HeaderMap, allow_origin: Option<&str>) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok()) else {
+        return true;
+    };
+    if allow_origin == Some("*") || allow_origin == Some(origin) {
+        return true;
+    }
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    let origin_host = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"));
+    origin_host.is_some() && origin_host == host
+}
+
+pub async fn channels(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<ChannelsQuery>,
+    headers: HeaderMap,
+    upgrade: WebSocketUpgrade,
+) -> Response {
+    if !origin_allowed(&headers, state.config.allow_origin.as_deref()) {
+        return (StatusCode::FORBIDDEN, "Cross origin websockets not allowed").into_response();
+    }
+    let kernel = match is_kernel_id(&id).then(|| state.kernels.get(&id)).flatten() {
+        Some(kernel) => kernel,
+        None => return StatusCode::NOT_FOUND.into_response(),
+    };
+    let session = query
+        .session_id
+        .filter(|s| !s.is_empty() && s.len() <= 256)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let upgrade = upgrade
+        .protocols([V1_SUBPROTOCOL])
+        .max_message_size(state.config.max_message_bytes)
+        .max_frame_size(state.config.max_message_bytes);
+    let framing = if upgrade.selected_protocol().is_some() {
+        Framing::V1
+    } else {
+        Framing::Legacy
+    };
+    upgrade.on_upgrade(move |socket| serve_socket(socket, kernel, session, framing))
+}
+
+fn encode(message: &Message, framing: Framing) -> Option<WsMessage> {
+    match framing {
+        Framing::V1 => Some(WsMessage::Binary(websocket::encode_v1(message).into())),
+        Framing::Legacy => match websocket::encode_legacy(message) {
+            Ok(Frame::Text(text)) => Some(WsMessage::Text(text.into())),
+            Ok(Frame::Binary(bytes)) => Some(WsMessage::Binary(bytes.into())),
+            Err(err) => {
+                tracing::warn!(%err, msg_type = message.msg_type(), "kernel message not valid JSON; not sent to a legacy client");
+                None
+            }
+        },
+    }
+}
+
+fn decode(
+    frame: &WsMessage,
+    framing: Framing,
+) -> Option<Result<Message, crate::protocol::ProtocolError>> {
+    match (frame, framing) {
+        (WsMessage::Text(text), Framing::Legacy) => {
+            Some(websocket::decode_legacy_text(text.as_str()))
+        }
+        (WsMessage::Binary(bytes), Framing::Legacy) => Some(websocket::decode_legacy_binary(bytes)),
+        (WsMessage::Binary(bytes), Framing::V1) => Some(websocket::decode_v1(bytes)),
+        (WsMessage::Text(text), Framing::V1) => {
+            // Lenient: a v1 client that sends a JSON text frame means a legacy message.
+            Some(websocket::decode_legacy_text(text.as_str()))
+        }
+        _ => None,
+    }
+}
+
+async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, framing: Framing) {
+    let (mut sink, mut stream) = socket.split();
+    if let Err(err) = kernel.wait_ready().await {
+        let reason = format!("kernel unavailable: {err}");
+        let _ = sink
+            .send(WsMessage::Close(Some(CloseFrame {
+                code: 1011,
+                reason: reason.chars().take(120).collect::<String>().into(),
+            })))
+            .await;
+        return;
+    }
+    let (outbox, mut inbox) = mpsc::unbounded_channel::<Arc<Message>>();
+    let (client, replayed) = kernel.router().attach(&session, outbox);
+    tracing::info!(kernel_id = %kernel.id, session_id = %session, ?framing, replayed, "client connected");
+    let (close_tx, mut close_rx) = oneshot::channel::<CloseFrame>();
+
+    let writer = tokio::spawn(async move {
+        let mut ping = tokio::time::interval(PING_INTERVAL);
+        ping.tick().await;
+        loop {
+            tokio::select! {
+                message = inbox.recv() => {
+                    let Some(message) = message else {
+                        // The kernel was shut down: its router let go of us.
+                        let _ = sink.send(WsMessage::Close(Some(CloseFrame { code: 1001, reason: "kernel shut down".into() }))).await;
+                        return;
+                    };
+                    let mut batch = vec![message];
+                    while batch.len() < WRITE_BATCH {
+                        match inbox.try_recv() {
+                            Ok(more) => batch.push(more),
+                            Err(_) => break,
+                        }
+                    }
+                    for message in &batch {
+                        if let Some(frame) = encode(message, framing) {
+                            if sink.feed(frame).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    if sink.flush().await.is_err() {
+                        return;
+                    }
+                }
+                _ = ping.tick() => {
+                    if sink.send(WsMessage::Ping(Default::default())).await.is_err() {
+                        return;
+                    }
+                }
+                close = &mut close_rx => {
+                    if let Ok(frame) = close {
+                        let _ = sink.send(WsMessage::Close(Some(frame))).await;
+                    }
+                    return;
+                }
+            }
+        }
+    });
+
+    let mut close_tx = Some(close_tx);
+    while let Some(frame) = stream.next().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(err) => {
+                tracing::info!(kernel_id = %kernel.id, session_id = %session, %err, "client socket error");
+                if let Some(tx) = close_tx.take() {
+                    let reason: String = err.to_string().chars().take(120).collect();
+                    let code = if reason.contains("too long") || reason.contains("too big") {
+                        1009
+                    } else {
+                        1002
+                    };
+                    let _ = tx.send(CloseFrame {
+                        code,
+                        reason: reason.into(),
+                    });
+                }
+                break;
+            }
+        };
+        if matches!(frame, WsMessage::Close(_)) {
+            break;
+        }
+        let Some(decoded) = decode(&frame, framing) else {
+            continue;
+        };
+        match decoded {
+            Ok(message) => {
+                let msg_id = message.msg_id().to_owned();
+                if let Err(err) = kernel.send(client, &session, message).await {
+                    tracing::warn!(kernel_id = %kernel.id, session_id = %session, %msg_id, %err, "could not send a client message to the kernel");
+                }
+            }
+            Err(err) => {
+                tracing::warn!(kernel_id = %kernel.id, session_id = %session, %err, "invalid message from client; closing its socket");
+                if let Some(tx) = close_tx.take() {
+                    let reason: String = format!("invalid message: {err}")
+                        .chars()
+                        .take(120)
+                        .collect();
+                    let _ = tx.send(CloseFrame {
+                        code: 1007,
+                        reason: reason.into(),
+                    });
+                }
+                break;
+            }
+        }
+    }
+    // Ends the writer unless it is sending the close frame it was asked for.
+    drop(close_tx);
+    kernel.router().detach(client);
+    // Give the writer a moment to send a close frame it was asked for.
+    let _ = tokio::time::timeout(Duration::from_millis(500), writer).await;
+    tracing::info!(kernel_id = %kernel.id, session_id = %session, "client disconnected");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn origins() {
+        let mut headers = HeaderMap::new();
+        assert!(origin_allowed(&headers, None));
+        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8888"));
+        headers.insert(
+            header::ORIGIN,
+            HeaderValue::from_static("http://127.0.0.1:8888"),
+        );
+        assert!(origin_allowed(&headers, None));
+        headers.insert(
+            header::ORIGIN,
+            HeaderValue::from_static("http://evil.example"),
+        );
+        assert!(!origin_allowed(&headers, None));
+        assert!(origin_allowed(&headers, Some("*")));
+        assert!(origin_allowed(&headers, Some("http://evil.example")));
+        assert!(!origin_allowed(&headers, Some("http://other.example")));
+    }
+}

@@ -1,0 +1,119 @@
+//! The HTTP and WebSocket surfaces. Handlers parse requests into calls on the kernel registry
+//! and turn results into Kernel Gateway–shaped responses; nothing below this module sees axum.
+//!
+//! Layers, outermost first: CORS (answers preflights before anything else), token auth, then
+//! the routes. Unknown routes answer 404 `{"reason":"Not Found","message":""}`.
+
+mod api_error;
+mod auth;
+mod kernel_ws;
+mod kernels;
+mod state;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::{HeaderName, HeaderValue, Method};
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use axum::{middleware, Router};
+use tower_http::cors::{AllowOrigin, CorsLayer};
+
+pub use api_error::ApiError;
+pub use state::AppState;
+
+use crate::config::GatewayConfig;
+use crate::kernel::KernelManager;
+
+/// The routes of the Kernel Gateway API (gateway-contract.md 1.2), under `base_url`.
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/api", get(kernels::api_root))
+        .route("/api/kernelspecs", get(kernels::list_kernelspecs))
+        .route("/api/kernelspecs/{name}", get(kernels::get_kernelspec))
+        .route(
+            "/kernelspecs/{name}/{file}",
+            get(kernels::kernelspec_resource),
+        )
+        .route(
+            "/api/kernels",
+            get(kernels::list_kernels).post(kernels::start_kernel),
+        )
+        .route(
+            "/api/kernels/{id}",
+            get(kernels::get_kernel).delete(kernels::delete_kernel),
+        )
+        .route(
+            "/api/kernels/{id}/interrupt",
+            post(kernels::interrupt_kernel),
+        )
+        .route("/api/kernels/{id}/restart", post(kernels::restart_kernel))
+        .route("/api/kernels/{id}/channels", get(kernel_ws::channels))
+        .fallback(|| async { ApiError::not_found("") })
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
+    let health = Router::new().route("/healthz", get(|| async { "ok" }));
+    let routes = api.merge(health).with_state(state.clone());
+    let routes = if state.config.base_url == "/" {
+        routes
+    } else {
+        Router::new()
+            .nest(state.config.base_url.trim_end_matches('/'), routes)
+            .fallback(|| async { ApiError::not_found("") })
+    };
+    match cors_layer(&state.config) {
+        Some(cors) => routes.layer(cors),
+        None => routes,
+    }
+}
+
+fn cors_layer(config: &GatewayConfig) -> Option<CorsLayer> {
+    let origin = config.allow_origin.as_deref()?;
+    let allow_origin = if origin == "*" {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::exact(HeaderValue::from_str(origin).ok()?)
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow_origin)
+            .allow_methods([
+                Method::GET,
+                Method::POST,
+                Method::DELETE,
+                Method::PUT,
+                Method::PATCH,
+                Method::OPTIONS,
+            ])
+            .allow_headers([
+                HeaderName::from_static("authorization"),
+                HeaderName::from_static("content-type"),
+                HeaderName::from_static("x-requested-with"),
+            ]),
+    )
+}
+
+/// Binds the listener (TCP_NODELAY on every connection) and serves until `shutdown` resolves.
+pub async fn serve(
+    config: Arc<GatewayConfig>,
+    kernels: Arc<KernelManager>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let state = AppState { config, kernels };
+    let app = router(state);
+    let listener = listener.tap_io(|stream| {
+        // Nagle's algorithm costs Kernel Gateway ~40 ms per round trip.
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::warn!(%err, "cannot set TCP_NODELAY");
+        }
+    });
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+}

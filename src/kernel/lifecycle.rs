@@ -1,0 +1,516 @@
+//! One kernel's life: start, readiness, interrupt, restart (same id), shutdown, death.
+//!
+//! A [`Kernel`] outlives its processes. Each start or restart launches a new *generation*
+//! (a fresh connection file, key and sockets) in the sandbox, while the [`Router`] with its
+//! attached clients and buffers stays. Readiness means the gateway's own `kernel_info_request`
+//! was answered and the iopub subscription delivered a status: from then on no output can be
+//! lost to the ZMQ subscription race, so clients attach without any nudge of their own.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use time::OffsetDateTime;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::channels::{spawn_heartbeat, Channels};
+use super::launch::{kernel_env, write_connection_file, KernelDirs};
+use super::router::{ClientId, Router};
+use super::spec::{InterruptMode, KernelSpec};
+use super::KernelError;
+use crate::protocol::{Channel, Message};
+use crate::sandbox::{ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxHandle};
+
+/// Timeouts of the lifecycle.
+#[derive(Debug, Clone)]
+pub struct KernelOptions {
+    /// From launch to ready; past it the kernel is killed and reported dead.
+    pub start_timeout: Duration,
+    /// How long a kernel may take to exit after `shutdown_request` before it is killed.
+    pub shutdown_grace: Duration,
+    pub limits: Limits,
+}
+
+impl Default for KernelOptions {
+    fn default() -> Self {
+        KernelOptions {
+            start_timeout: Duration::from_secs(60),
+            shutdown_grace: Duration::from_secs(3),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// Where a kernel is in its life.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    Starting,
+    Ready,
+    Dead(String),
+    Terminated,
+}
+
+struct Instance {
+    generation: u64,
+    handle: Arc<dyn SandboxHandle>,
+    exit: watch::Receiver<Option<ExitReport>>,
+    expected_exit: Arc<AtomicBool>,
+    channels: Channels,
+    heartbeat: JoinHandle<()>,
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        self.heartbeat.abort();
+    }
+}
+
+/// A running (or dead) kernel and everything the gateway knows about it.
+pub struct Kernel {
+    pub id: String,
+    pub spec: Arc<KernelSpec>,
+    router: Arc<Router>,
+    sandbox: Arc<dyn Sandbox>,
+    dirs: KernelDirs,
+    env: BTreeMap<String, String>,
+    options: KernelOptions,
+    readiness: watch::Sender<Readiness>,
+    instance: parking_lot::Mutex<Option<Arc<Instance>>>,
+    generation: AtomicU64,
+    /// Serialises restart and shutdown.
+    ops: tokio::sync::Mutex<()>,
+    /// The gateway's own session id in the headers of messages it originates.
+    session: String,
+}
+
+/// `YYYY-MM-DDTHH:MM:SS.ffffffZ`, always six digits: GatewayClient parses `last_activity` with
+/// `strptime("%Y-%m-%dT%H:%M:%S.%fZ")`.
+pub fn format_timestamp(at: OffsetDateTime) -> String {
+    format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
+        at.year(),
+        u8::from(at.month()),
+        at.day(),
+        at.hour(),
+        at.minute(),
+        at.second(),
+        at.microsecond()
+    )
+}
+
+impl Kernel {
+    /// Launches the first generation and returns once the process exists; readiness follows
+    /// in the background.
+    pub async fn start(
+        id: String,
+        spec: Arc<KernelSpec>,
+        sandbox: Arc<dyn Sandbox>,
+        dirs: KernelDirs,
+        client_env: BTreeMap<String, String>,
+        options: KernelOptions,
+    ) -> Result<Arc<Kernel>, KernelError> {
+        let env = kernel_env(&spec, &id, &dirs.work, &client_env);
+        let (readiness, _) = watch::channel(Readiness::Starting);
+        let kernel = Arc::new(Kernel {
+            router: Arc::new(Router::new(&id)),
+            session: uuid::Uuid::new_v4().to_string(),
+            id,
+            spec,
+            sandbox,
+            dirs,
+            env,
+            options,
+            readiness,
+            instance: parking_lot::Mutex::new(None),
+            generation: AtomicU64::new(0),
+            ops: tokio::sync::Mutex::new(()),
+        });
+        let launched = kernel.launch_generation().await?;
+        let booting = kernel.clone();
+        tokio::spawn(async move { booting.finish_boot(launched).await });
+        Ok(kernel)
+    }
+
+    async fn launch_generation(&self) -> Result<(u64, Launched), KernelError> {
+        let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        let (connection_file, connection) =
+            write_connection_file(&self.dirs, generation, &self.spec.name)?;
+        let spec = LaunchSpec {
+            kernel_id: self.id.clone(),
+            argv: self.spec.command(&connection_file)?,
+            env: self.env.clone(),
+            runtime_dir: self.dirs.run.clone(),
+            connection_file,
+            connection,
+            workspace: self.dirs.work.clone(),
+            log_file: self.dirs.root.join("kernel.log"),
+            limits: self.options.limits.clone(),
+        };
+        let launched = self.sandbox.launch(&spec).await?;
+        tracing::info!(kernel_id = %self.id, generation, backend = self.sandbox.backend().as_str(), pid = ?launched.handle.pid(), "kernel process launched");
+        Ok((generation, launched))
+    }
+
+    /// Connects to a launched generation, watches its exit and waits until it is ready.
+    async fn finish_boot(self: Arc<Self>, (generation, launched): (u64, Launched)) {
+        let expected_exit = Arc::new(AtomicBool::new(false));
+        self.spawn_exit_watch(generation, launched.exit.clone(), expected_exit.clone());
+        let result = tokio::time::timeout(self.options.start_timeout, async {
+            let mut exit = launched.exit.clone();
+            let identity = format!("cellgate-{}", uuid::Uuid::new_v4().simple());
+            let channels = tokio::select! {
+                channels = Channels::connect(&launched.connection, &identity, self.router.clone()) => channels?,
+                _ = exit.wait_for(Option::is_some) => return Err(KernelError::DiedDuringStart),
+            };
+            let instance = Arc::new(Instance {
+                generation,
+                handle: launched.handle.clone(),
+                exit: launched.exit.clone(),
+                expected_exit: expected_exit.clone(),
+                channels,
+                heartbeat: spawn_heartbeat(launched.connection.hb_endpoint(), self.id.clone()),
+            });
+            *self.instance.lock() = Some(instance.clone());
+            self.nudge_until_ready(&instance).await
+        })
+        .await;
+        match result {
+            Ok(Ok(())) => {
+                tracing::info!(kernel_id = %self.id, generation, "kernel ready");
+                self.readiness.send_replace(Readiness::Ready);
+            }
+            Ok(Err(KernelError::DiedDuringStart)) => {
+                // The exit watch reports the death with its reason.
+            }
+            Ok(Err(err)) => self.fail_start(generation, &launched, err.to_string()),
+            Err(_) => self.fail_start(
+                generation,
+                &launched,
+                format!(
+                    "kernel did not become ready within {} s",
+                    self.options.start_timeout.as_secs()
+                ),
+            ),
+        }
+    }
+
+    fn fail_start(&self, generation: u64, launched: &Launched, reason: String) {
+        tracing::error!(kernel_id = %self.id, generation, %reason, "kernel start failed");
+        let _ = launched.handle.kill();
+        self.mark_dead(reason);
+    }
+
+    /// Sends `kernel_info_request`s every half second until one is answered and the iopub
+    /// subscription has delivered the status it caused.
+    async fn nudge_until_ready(&self, instance: &Instance) -> Result<(), KernelError> {
+        loop {
+            let request = Message::new(
+                Channel::Shell,
+                "kernel_info_request",
+                &self.session,
+                None,
+                &json!({}),
+            );
+            let reply = self.router.register_internal(request.msg_id());
+            instance.channels.send(&request).await?;
+            let deadline = tokio::time::sleep(Duration::from_millis(500));
+            tokio::pin!(deadline);
+            let mut replied = false;
+            let mut reply = reply;
+            loop {
+                tokio::select! {
+                    answer = &mut reply, if !replied => { replied = answer.is_ok(); }
+                    _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                    _ = &mut deadline => break,
+                }
+                if replied && self.router.activity().execution_state != "starting" {
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn spawn_exit_watch(
+        self: &Arc<Self>,
+        generation: u64,
+        mut exit: watch::Receiver<Option<ExitReport>>,
+        expected: Arc<AtomicBool>,
+    ) {
+        let kernel = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let report = match exit.wait_for(Option::is_some).await {
+                Ok(report) => report.clone().unwrap_or(ExitReport {
+                    code: None,
+                    signal: None,
+                    reason: None,
+                }),
+                Err(_) => return,
+            };
+            let Some(kernel) = kernel.upgrade() else {
+                return;
+            };
+            if expected.load(Ordering::SeqCst) {
+                tracing::info!(kernel_id = %kernel.id, generation, "kernel process exited as asked");
+                return;
+            }
+            let mut reason = report.describe();
+            if let Some(tail) = kernel.log_tail(3) {
+                reason.push_str(": ");
+                reason.push_str(&tail);
+            }
+            tracing::error!(kernel_id = %kernel.id, generation, %reason, "kernel died");
+            kernel.mark_dead(reason);
+        });
+    }
+
+    fn mark_dead(&self, reason: String) {
+        if matches!(*self.readiness.borrow(), Readiness::Terminated) {
+            return;
+        }
+        self.readiness.send_replace(Readiness::Dead(reason));
+        self.router.clear_internal();
+        self.router.set_execution_state("dead");
+        // Clients learn it the way jupyter_server tells them.
+        self.router.broadcast(Message::new(
+            Channel::Iopub,
+            "status",
+            &self.session,
+            None,
+            &json!({"execution_state": "dead"}),
+        ));
+    }
+
+    fn log_tail(&self, lines: usize) -> Option<String> {
+        let text = std::fs::read_to_string(self.dirs.root.join("kernel.log")).ok()?;
+        let tail: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .rev()
+            .take(lines)
+            .collect();
+        if tail.is_empty() {
+            return None;
+        }
+        let joined = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
+        Some(joined.chars().take(500).collect())
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        self.readiness.borrow().clone()
+    }
+
+    /// Waits until the kernel is ready to take messages (or fails).
+    async fn ready_instance(&self) -> Result<Arc<Instance>, KernelError> {
+        let mut watch = self.readiness.subscribe();
+        let wait = async {
+            loop {
+                let state = watch.borrow_and_update().clone();
+                match state {
+                    Readiness::Ready => {
+                        if let Some(instance) = self.instance.lock().clone() {
+                            return Ok(instance);
+                        }
+                    }
+                    Readiness::Dead(reason) => return Err(KernelError::Dead(reason)),
+                    Readiness::Terminated => return Err(KernelError::Terminated),
+                    Readiness::Starting => {}
+                }
+                if watch.changed().await.is_err() {
+                    return Err(KernelError::Terminated);
+                }
+            }
+        };
+        tokio::time::timeout(self.options.start_timeout, wait)
+            .await
+            .map_err(|_| KernelError::NotReady)?
+    }
+
+    /// Waits for readiness, for clients that attach while the kernel starts.
+    pub async fn wait_ready(&self) -> Result<(), KernelError> {
+        self.ready_instance().await.map(|_| ())
+    }
+
+    /// Sends a client's message to the kernel, remembering who asked.
+    pub async fn send(
+        &self,
+        client: ClientId,
+        session: &str,
+        mut message: Message,
+    ) -> Result<(), KernelError> {
+        let instance = self.ready_instance().await?;
+        if message.msg_type() == "shutdown_request" && message.channel == Channel::Shell {
+            // Protocol 5.4 moved shutdown to control; old clients still use shell.
+            message.channel = Channel::Control;
+        }
+        self.router.register_request(client, session, &message);
+        instance.channels.send(&message).await
+    }
+
+    pub fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+
+    async fn internal_request(
+        &self,
+        instance: &Instance,
+        channel: Channel,
+        msg_type: &str,
+        content: Value,
+        timeout: Duration,
+    ) -> Result<Arc<Message>, KernelError> {
+        let request = Message::new(channel, msg_type, &self.session, None, &content);
+        let reply = self.router.register_internal(request.msg_id());
+        instance.channels.send(&request).await?;
+        tokio::time::timeout(timeout, reply)
+            .await
+            .map_err(|_| KernelError::NoReply(msg_type.to_owned()))?
+            .map_err(|_| KernelError::NoReply(msg_type.to_owned()))
+    }
+
+    /// Interrupts the running execution, the way the kernelspec asks.
+    pub async fn interrupt(&self) -> Result<(), KernelError> {
+        let instance = self.instance.lock().clone().ok_or(KernelError::NotReady)?;
+        match self.spec.interrupt_mode {
+            InterruptMode::Signal => Ok(instance.handle.signal(libc::SIGINT)?),
+            InterruptMode::Message => self
+                .internal_request(
+                    &instance,
+                    Channel::Control,
+                    "interrupt_request",
+                    json!({}),
+                    Duration::from_secs(5),
+                )
+                .await
+                .map(|_| ()),
+        }
+    }
+
+    /// Stops the current generation: `shutdown_request` on control, a grace period, then kill.
+    async fn stop_instance(&self, restart: bool) {
+        let Some(instance) = self.instance.lock().take() else {
+            return;
+        };
+        instance.expected_exit.store(true, Ordering::SeqCst);
+        let mut exit = instance.exit.clone();
+        if exit.borrow().is_none() {
+            let graceful = self.internal_request(
+                &instance,
+                Channel::Control,
+                "shutdown_request",
+                json!({"restart": restart}),
+                self.options.shutdown_grace,
+            );
+            let _ = graceful.await;
+            let exited =
+                tokio::time::timeout(self.options.shutdown_grace, exit.wait_for(Option::is_some))
+                    .await
+                    .is_ok_and(|r| r.is_ok());
+            if !exited {
+                tracing::warn!(kernel_id = %self.id, generation = instance.generation, "kernel ignored shutdown_request; killing it");
+                let _ = instance.handle.kill();
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(5), exit.wait_for(Option::is_some))
+                        .await;
+            }
+        }
+        self.router.clear_internal();
+    }
+
+    /// Replaces the kernel process, keeping the id, the clients and their buffers.
+    /// Returns when the new process is ready.
+    pub async fn restart(self: &Arc<Self>) -> Result<(), KernelError> {
+        let _ops = self.ops.lock().await;
+        if self.readiness() == Readiness::Terminated {
+            return Err(KernelError::Terminated);
+        }
+        self.stop_instance(true).await;
+        self.readiness.send_replace(Readiness::Starting);
+        self.router.set_execution_state("starting");
+        let launched = match self.launch_generation().await {
+            Ok(launched) => launched,
+            Err(err) => {
+                self.mark_dead(err.to_string());
+                return Err(err);
+            }
+        };
+        self.clone().finish_boot(launched).await;
+        match self.readiness() {
+            Readiness::Ready => Ok(()),
+            Readiness::Dead(reason) => Err(KernelError::Dead(reason)),
+            _ => Err(KernelError::NotReady),
+        }
+    }
+
+    /// Shuts the kernel down for good: its clients are disconnected and its directories removed.
+    pub async fn shutdown(&self) {
+        let _ops = self.ops.lock().await;
+        if self.readiness() == Readiness::Terminated {
+            return;
+        }
+        self.stop_instance(false).await;
+        self.readiness.send_replace(Readiness::Terminated);
+        self.router.close_all();
+        self.dirs.remove();
+        tracing::info!(kernel_id = %self.id, "kernel shut down");
+    }
+
+    /// Kills the process at once (gateway shutdown after the grace period).
+    pub fn kill_now(&self) {
+        if let Some(instance) = self.instance.lock().as_ref() {
+            instance.expected_exit.store(true, Ordering::SeqCst);
+            let _ = instance.handle.kill();
+        }
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.instance.lock().as_ref().and_then(|i| i.handle.pid())
+    }
+
+    pub fn last_activity(&self) -> OffsetDateTime {
+        self.router.activity().last_activity
+    }
+
+    pub fn connections(&self) -> usize {
+        self.router.connections()
+    }
+
+    /// The kernel model of the Kernel Gateway API.
+    pub fn model(&self) -> Value {
+        let activity = self.router.activity();
+        let readiness = self.readiness();
+        let mut model = json!({
+            "id": self.id,
+            "name": self.spec.name,
+            "last_activity": format_timestamp(activity.last_activity),
+            "execution_state": match &readiness {
+                Readiness::Dead(_) => "dead",
+                _ => activity.execution_state.as_str(),
+            },
+            "connections": self.router.connections(),
+        });
+        if let Readiness::Dead(reason) = readiness {
+            model["reason"] = json!(reason);
+        }
+        model
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_always_have_six_digits_and_z() {
+        let at = OffsetDateTime::from_unix_timestamp(1_700_000_000).unwrap();
+        assert_eq!(format_timestamp(at), "2023-11-14T22:13:20.000000Z");
+        let at = at + time::Duration::microseconds(42);
+        assert_eq!(format_timestamp(at), "2023-11-14T22:13:20.000042Z");
+    }
+}

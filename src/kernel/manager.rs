@@ -1,0 +1,200 @@
+//! The registry of kernels: start, look up, list, shut down, cull idle ones.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::RwLock;
+use time::OffsetDateTime;
+
+use super::launch::{filter_client_env, KernelDirs};
+use super::lifecycle::{Kernel, KernelOptions, Readiness};
+use super::spec::KernelSpecs;
+use super::KernelError;
+use crate::sandbox::Sandbox;
+
+/// Settings of the kernel registry.
+#[derive(Debug, Clone)]
+pub struct ManagerOptions {
+    /// Where each kernel's private directories go (created 0700, removed on drop).
+    pub runtime_root: PathBuf,
+    pub max_kernels: Option<usize>,
+    /// Extra environment variable names clients may pass besides `KERNEL_*`.
+    pub env_allowlist: Vec<String>,
+    /// Kernels idle this long are shut down; `None` disables culling.
+    pub cull_idle_timeout: Option<Duration>,
+    pub cull_interval: Duration,
+    /// Whether kernels with open connections may be culled.
+    pub cull_connected: bool,
+    pub kernel: KernelOptions,
+}
+
+/// All kernels of this gateway.
+pub struct KernelManager {
+    kernels: RwLock<HashMap<String, Arc<Kernel>>>,
+    specs: KernelSpecs,
+    sandbox: Arc<dyn Sandbox>,
+    options: ManagerOptions,
+}
+
+impl KernelManager {
+    pub fn new(
+        specs: KernelSpecs,
+        sandbox: Arc<dyn Sandbox>,
+        options: ManagerOptions,
+    ) -> Result<Arc<KernelManager>, KernelError> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&options.runtime_root)
+            .map_err(|source| KernelError::Io {
+                what: format!("create {}", options.runtime_root.display()),
+                source,
+            })?;
+        Ok(Arc::new(KernelManager {
+            kernels: RwLock::new(HashMap::new()),
+            specs,
+            sandbox,
+            options,
+        }))
+    }
+
+    pub fn specs(&self) -> &KernelSpecs {
+        &self.specs
+    }
+
+    /// Starts a kernel of kernelspec `name` (the default when `None`).
+    pub async fn start(
+        &self,
+        name: Option<&str>,
+        requested_env: &BTreeMap<String, String>,
+    ) -> Result<Arc<Kernel>, KernelError> {
+        let name = name.unwrap_or(self.specs.default_name());
+        let spec = self
+            .specs
+            .get(name)
+            .ok_or_else(|| KernelError::NoSuchSpec {
+                name: name.to_owned(),
+                known: self.specs.names(),
+            })?;
+        if let Some(max) = self.options.max_kernels {
+            if self.kernels.read().len() >= max {
+                return Err(KernelError::TooManyKernels { max });
+            }
+        }
+        let client_env = filter_client_env(requested_env, &self.options.env_allowlist)?;
+        let id = uuid::Uuid::new_v4().to_string();
+        let dirs = KernelDirs::create(&self.options.runtime_root, &id)?;
+        let started = Kernel::start(
+            id.clone(),
+            Arc::new(spec.clone()),
+            self.sandbox.clone(),
+            dirs.clone(),
+            client_env,
+            self.options.kernel.clone(),
+        )
+        .await;
+        match started {
+            Ok(kernel) => {
+                self.kernels.write().insert(id, kernel.clone());
+                Ok(kernel)
+            }
+            Err(err) => {
+                dirs.remove();
+                Err(err)
+            }
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Kernel>> {
+        self.kernels.read().get(id).cloned()
+    }
+
+    pub fn list(&self) -> Vec<Arc<Kernel>> {
+        let mut kernels: Vec<_> = self.kernels.read().values().cloned().collect();
+        kernels.sort_by(|a, b| a.id.cmp(&b.id));
+        kernels
+    }
+
+    /// Shuts one kernel down and forgets it.
+    pub async fn shutdown(&self, id: &str) -> Result<(), KernelError> {
+        let kernel = self
+            .kernels
+            .write()
+            .remove(id)
+            .ok_or(KernelError::NoSuchKernel)?;
+        kernel.shutdown().await;
+        Ok(())
+    }
+
+    /// Shuts every kernel down, in parallel, then kills whatever is left.
+    pub async fn shutdown_all(&self) {
+        let kernels: Vec<_> = self.kernels.write().drain().map(|(_, k)| k).collect();
+        let all = kernels.iter().map(|k| k.shutdown());
+        let graceful = futures_util::future::join_all(all);
+        if tokio::time::timeout(Duration::from_secs(10), graceful)
+            .await
+            .is_err()
+        {
+            for kernel in &kernels {
+                kernel.kill_now();
+            }
+        }
+    }
+
+    /// Kills every kernel at once, without waiting (used when the process is going down).
+    pub fn kill_all(&self) {
+        for kernel in self.kernels.read().values() {
+            kernel.kill_now();
+        }
+    }
+
+    /// Culls idle kernels every `cull_interval` until the manager is dropped.
+    pub fn spawn_culler(self: &Arc<Self>) {
+        let Some(timeout) = self.options.cull_idle_timeout else {
+            return;
+        };
+        let manager = Arc::downgrade(self);
+        let interval = self.options.cull_interval;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(interval).await;
+                let Some(manager) = manager.upgrade() else {
+                    return;
+                };
+                manager.cull_once(timeout).await;
+            }
+        });
+    }
+
+    async fn cull_once(&self, timeout: Duration) {
+        let now = OffsetDateTime::now_utc();
+        let idle: Vec<Arc<Kernel>> = self
+            .list()
+            .into_iter()
+            .filter(|k| {
+                let dead = matches!(k.readiness(), Readiness::Dead(_));
+                let quiet = (now - k.last_activity()) > timeout;
+                let unattended = self.options.cull_connected || k.connections() == 0;
+                dead || (quiet && unattended && k.router().activity().execution_state != "busy")
+            })
+            .collect();
+        for kernel in idle {
+            tracing::info!(kernel_id = %kernel.id, connections = kernel.connections(), "culling idle kernel");
+            let _ = self.shutdown(&kernel.id).await;
+        }
+    }
+}
+
+impl Drop for KernelManager {
+    fn drop(&mut self) {
+        self.kill_all();
+        if let Err(err) = std::fs::remove_dir_all(&self.options.runtime_root) {
+            if err.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %self.options.runtime_root.display(), %err, "could not remove the runtime directory");
+            }
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! Kernels: kernelspecs, launching a kernel in a sandbox, the ZMQ channels to it, routing its
+//! messages to clients, and its lifecycle; [`KernelManager`] keeps them all.
+//!
+//! Must not depend on: HTTP (axum types never reach this module).
+
+mod channels;
+mod launch;
+mod lifecycle;
+mod manager;
+mod router;
+pub mod spec;
+
+use std::path::PathBuf;
+
+pub use channels::DROPPED_INVALID;
+pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
+pub use manager::{KernelManager, ManagerOptions};
+pub use router::{ClientId, Outbox, Router};
+pub use spec::{KernelSpec, KernelSpecs};
+
+use crate::protocol::Channel;
+use crate::sandbox::SandboxError;
+
+/// Errors of kernel management.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("cannot read {path}: {source}")]
+    SpecRead {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot parse {path}: {source}")]
+    SpecParse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("invalid kernelspec {path}: {reason}")]
+    SpecInvalid { path: PathBuf, reason: String },
+    #[error("no kernelspecs in {dir}")]
+    NoSpecs { dir: PathBuf },
+    #[error("Kernel spec {name} not found")]
+    NoSuchSpec { name: String, known: Vec<String> },
+    #[error("the environment of kernel {name} is missing ({expected} does not exist); run `./dev setup`")]
+    EnvironmentMissing { name: String, expected: PathBuf },
+    #[error("environment variable {name} has a value that is not allowed")]
+    BadEnv { name: String },
+    #[error("the gateway runs its maximum of {max} kernels")]
+    TooManyKernels { max: usize },
+    #[error("no such kernel")]
+    NoSuchKernel,
+    #[error("kernel is dead: {0}")]
+    Dead(String),
+    #[error("kernel was shut down")]
+    Terminated,
+    #[error("kernel is not ready")]
+    NotReady,
+    #[error("kernel process died while starting")]
+    DiedDuringStart,
+    #[error("no reply to {0} from the kernel")]
+    NoReply(String),
+    #[error("cannot send on the {0} channel")]
+    BadChannel(Channel),
+    #[error("ZMQ: {0}")]
+    Zmq(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+}

@@ -1,0 +1,380 @@
+//! Routes one kernel's messages to the WebSocket clients attached to it.
+//!
+//! The gateway holds a single set of ZMQ sockets per kernel (one identity for shell, control
+//! and stdin, one SUB for iopub) and does the routing itself:
+//! - iopub goes to every attached client;
+//! - a shell or control reply goes to the client that sent the request, found by the reply's
+//!   `parent_header.msg_id`; an `input_request` on stdin goes to the client that sent the
+//!   execute it belongs to;
+//! - a client whose socket is gone keeps its replies: they go to another socket of the same
+//!   `session_id` if there is one, else into that session's offline buffer, replayed when a
+//!   socket with the same `session_id` attaches.
+//!
+//! Routing by request id rather than by ZMQ identity is what makes a newer socket that
+//! reuses the `session_id` of a closing one safe (Kernel Gateway 3.0.1 loses replies there,
+//! gateway-contract.md 1.12), and it costs no sockets per connection.
+//!
+//! Messages caused by the gateway's own requests (start-up nudges, interrupts, shutdowns) are
+//! answered to the gateway and never shown to clients.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use serde::Deserialize;
+use time::OffsetDateTime;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::protocol::{Channel, Message};
+
+/// Identifies one attached WebSocket.
+pub type ClientId = u64;
+
+/// What a client's writer task receives.
+pub type Outbox = mpsc::UnboundedSender<Arc<Message>>;
+
+/// Requests whose replies are still expected are remembered up to this many; older entries
+/// are forgotten (a request without a reply, such as `comm_msg`, must not leak forever).
+const MAX_PENDING: usize = 16_384;
+/// Sessions buffered at once while they have no socket.
+const MAX_OFFLINE_SESSIONS: usize = 8;
+/// Bytes buffered per offline session before further output is dropped (and counted).
+const MAX_OFFLINE_BYTES: usize = 64 << 20;
+
+struct Client {
+    session: String,
+    outbox: Outbox,
+}
+
+#[derive(Clone)]
+struct Requester {
+    client: ClientId,
+    session: String,
+}
+
+#[derive(Default)]
+struct OfflineBuffer {
+    messages: Vec<Arc<Message>>,
+    bytes: usize,
+    dropped: usize,
+    /// Order of creation, to evict the oldest buffer first.
+    serial: u64,
+}
+
+/// Kernel state visible in the kernel model, kept here because deliveries change it.
+#[derive(Debug, Clone)]
+pub struct Activity {
+    pub execution_state: String,
+    pub last_activity: OffsetDateTime,
+}
+
+struct State {
+    clients: HashMap<ClientId, Client>,
+    next_client: ClientId,
+    pending: HashMap<String, Requester>,
+    pending_order: VecDeque<String>,
+    internal_replies: HashMap<String, oneshot::Sender<Arc<Message>>>,
+    internal_parents: HashSet<String>,
+    offline: HashMap<String, OfflineBuffer>,
+    offline_serial: u64,
+    activity: Activity,
+    dropped_replies: u64,
+}
+
+/// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
+/// process is replaced.
+pub struct Router {
+    state: Mutex<State>,
+    kernel_id: String,
+}
+
+#[derive(Deserialize)]
+struct StatusContent<'a> {
+    #[serde(borrow)]
+    execution_state: std::borrow::Cow<'a, str>,
+}
+
+fn status_of(message: &Message) -> Option<String> {
+    if message.msg_type() != "status" {
+        return None;
+    }
+    serde_json::from_slice::<StatusContent<'_>>(&message.content)
+        .ok()
+        .map(|c| c.execution_state.into_owned())
+}
+
+impl Router {
+    pub fn new(kernel_id: &str) -> Router {
+        Router {
+            kernel_id: kernel_id.to_owned(),
+            state: Mutex::new(State {
+                clients: HashMap::new(),
+                next_client: 1,
+                pending: HashMap::new(),
+                pending_order: VecDeque::new(),
+                internal_replies: HashMap::new(),
+                internal_parents: HashSet::new(),
+                offline: HashMap::new(),
+                offline_serial: 0,
+                activity: Activity {
+                    execution_state: "starting".to_owned(),
+                    last_activity: OffsetDateTime::now_utc(),
+                },
+                dropped_replies: 0,
+            }),
+        }
+    }
+
+    /// Attaches a client. Output buffered for its session while it had no socket is queued to
+    /// it first, atomically with the attachment, so nothing is lost or duplicated.
+    /// Returns the client's id and how many buffered messages were replayed.
+    pub fn attach(&self, session: &str, outbox: Outbox) -> (ClientId, usize) {
+        let mut state = self.state.lock();
+        let id = state.next_client;
+        state.next_client += 1;
+        let mut replayed = 0;
+        if let Some(buffer) = state.offline.remove(session) {
+            replayed = buffer.messages.len();
+            for message in buffer.messages {
+                let _ = outbox.send(message);
+            }
+            if buffer.dropped > 0 {
+                let notice = Message::new(
+                    Channel::Iopub,
+                    "stream",
+                    "cellgate",
+                    None,
+                    &serde_json::json!({
+                        "name": "stderr",
+                        "text": format!(
+                            "[cellgate] {} messages of output were dropped while no client was connected (buffer limit {} MiB)\n",
+                            buffer.dropped,
+                            MAX_OFFLINE_BYTES >> 20
+                        ),
+                    }),
+                );
+                let _ = outbox.send(Arc::new(notice));
+            }
+            tracing::info!(kernel_id = %self.kernel_id, session, replayed, "replayed buffered messages");
+        }
+        state.clients.insert(
+            id,
+            Client {
+                session: session.to_owned(),
+                outbox,
+            },
+        );
+        (id, replayed)
+    }
+
+    /// Detaches a client. When it was the last socket of its session, that session's output
+    /// is buffered from now on.
+    pub fn detach(&self, id: ClientId) {
+        let mut state = self.state.lock();
+        let Some(client) = state.clients.remove(&id) else {
+            return;
+        };
+        let session_still_open = state.clients.values().any(|c| c.session == client.session);
+        if session_still_open || state.offline.contains_key(&client.session) {
+            return;
+        }
+        if state.offline.len() >= MAX_OFFLINE_SESSIONS {
+            let oldest = state
+                .offline
+                .iter()
+                .min_by_key(|(_, b)| b.serial)
+                .map(|(s, _)| s.clone());
+            if let Some(oldest) = oldest {
+                state.offline.remove(&oldest);
+            }
+        }
+        state.offline_serial += 1;
+        let serial = state.offline_serial;
+        state.offline.insert(
+            client.session,
+            OfflineBuffer {
+                serial,
+                ..OfflineBuffer::default()
+            },
+        );
+    }
+
+    pub fn connections(&self) -> usize {
+        self.state.lock().clients.len()
+    }
+
+    pub fn activity(&self) -> Activity {
+        self.state.lock().activity.clone()
+    }
+
+    pub fn set_execution_state(&self, execution_state: &str) {
+        let mut state = self.state.lock();
+        state.activity.execution_state = execution_state.to_owned();
+        state.activity.last_activity = OffsetDateTime::now_utc();
+    }
+
+    /// Records who sent a request, so its reply finds its way back.
+    pub fn register_request(&self, client: ClientId, session: &str, message: &Message) {
+        let mut state = self.state.lock();
+        state.activity.last_activity = OffsetDateTime::now_utc();
+        let expects_reply = matches!(message.channel, Channel::Shell | Channel::Control)
+            && message.msg_type().ends_with("_request");
+        if !expects_reply {
+            return;
+        }
+        let msg_id = message.msg_id().to_owned();
+        if state.pending.len() >= MAX_PENDING {
+            if let Some(old) = state.pending_order.pop_front() {
+                state.pending.remove(&old);
+            }
+        }
+        state.pending_order.push_back(msg_id.clone());
+        state.pending.insert(
+            msg_id,
+            Requester {
+                client,
+                session: session.to_owned(),
+            },
+        );
+    }
+
+    /// Registers a request the gateway itself sends; its reply comes back on the receiver and
+    /// the iopub messages it causes are hidden from clients.
+    pub fn register_internal(&self, msg_id: &str) -> oneshot::Receiver<Arc<Message>> {
+        let (tx, rx) = oneshot::channel();
+        let mut state = self.state.lock();
+        state.internal_replies.insert(msg_id.to_owned(), tx);
+        state.internal_parents.insert(msg_id.to_owned());
+        rx
+    }
+
+    /// Forgets the gateway's own requests, for a kernel process that is gone.
+    pub fn clear_internal(&self) {
+        let mut state = self.state.lock();
+        state.internal_replies.clear();
+        state.internal_parents.clear();
+    }
+
+    /// Delivers one message from the kernel.
+    pub fn deliver(&self, message: Message) {
+        let message = Arc::new(message);
+        let mut state = self.state.lock();
+        let parent = message.parent_msg_id().map(str::to_owned);
+        match message.channel {
+            Channel::Iopub => {
+                let status = status_of(&message);
+                if let Some(parent) = parent.as_deref() {
+                    if state.internal_parents.contains(parent) {
+                        if let Some(status) = status {
+                            // The first status of any request ends `starting`, as in
+                            // jupyter_server; later internal ones do not touch the state.
+                            if state.activity.execution_state == "starting" {
+                                state.activity.execution_state = status.clone();
+                            }
+                            if status == "idle" {
+                                state.internal_parents.remove(parent);
+                            }
+                        }
+                        return;
+                    }
+                }
+                if let Some(status) = status {
+                    state.activity.execution_state = status;
+                }
+                if message.msg_type() != "iopub_welcome" {
+                    state.activity.last_activity = OffsetDateTime::now_utc();
+                }
+                Self::broadcast_locked(&mut state, &message);
+            }
+            Channel::Shell | Channel::Control => {
+                let Some(parent) = parent else {
+                    tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "dropping an unparented reply");
+                    return;
+                };
+                if let Some(waiter) = state.internal_replies.remove(&parent) {
+                    let _ = waiter.send(message);
+                    return;
+                }
+                match state.pending.remove(&parent) {
+                    Some(requester) => self.route_locked(&mut state, &requester, message),
+                    None => {
+                        state.dropped_replies += 1;
+                        tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "reply to an unknown request dropped");
+                    }
+                }
+            }
+            Channel::Stdin => {
+                let requester = parent.as_ref().and_then(|p| state.pending.get(p).cloned());
+                match requester {
+                    Some(requester) => self.route_locked(&mut state, &requester, message),
+                    None => {
+                        tracing::warn!(kernel_id = %self.kernel_id, "input_request for an unknown execution: sent to every client");
+                        Self::broadcast_locked(&mut state, &message);
+                    }
+                }
+            }
+            Channel::Heartbeat => {}
+        }
+    }
+
+    /// Sends a message the gateway made (a synthesised status) to every client.
+    pub fn broadcast(&self, message: Message) {
+        let message = Arc::new(message);
+        let mut state = self.state.lock();
+        Self::broadcast_locked(&mut state, &message);
+    }
+
+    fn broadcast_locked(state: &mut State, message: &Arc<Message>) {
+        for client in state.clients.values() {
+            let _ = client.outbox.send(message.clone());
+        }
+        for buffer in state.offline.values_mut() {
+            Self::buffer(buffer, message);
+        }
+    }
+
+    fn buffer(buffer: &mut OfflineBuffer, message: &Arc<Message>) {
+        let size = message.byte_len();
+        if buffer.bytes + size > MAX_OFFLINE_BYTES {
+            buffer.dropped += 1;
+            return;
+        }
+        buffer.bytes += size;
+        buffer.messages.push(message.clone());
+    }
+
+    fn route_locked(&self, state: &mut State, requester: &Requester, message: Arc<Message>) {
+        if let Some(client) = state.clients.get(&requester.client) {
+            let _ = client.outbox.send(message);
+            return;
+        }
+        if let Some(client) = state
+            .clients
+            .values()
+            .find(|c| c.session == requester.session)
+        {
+            let _ = client.outbox.send(message);
+            return;
+        }
+        if let Some(buffer) = state.offline.get_mut(&requester.session) {
+            Self::buffer(buffer, &message);
+            return;
+        }
+        state.dropped_replies += 1;
+        tracing::warn!(kernel_id = %self.kernel_id, session = %requester.session, msg_type = message.msg_type(), "reply for a session with no socket and no buffer dropped");
+    }
+
+    /// Detaches every client (their sockets close) and forgets every buffer.
+    pub fn close_all(&self) {
+        let mut state = self.state.lock();
+        state.clients.clear();
+        state.offline.clear();
+        state.pending.clear();
+        state.pending_order.clear();
+        state.internal_replies.clear();
+        state.internal_parents.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests;

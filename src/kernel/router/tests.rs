@@ -1,0 +1,195 @@
+use super::*;
+use bytes::Bytes;
+
+fn msg(channel: Channel, msg_type: &str, id: &str, parent: Option<&str>, content: &str) -> Message {
+    let parent = match parent {
+        Some(p) => format!(r#"{{"msg_id":"{p}","msg_type":"x"}}"#),
+        None => "{}".to_owned(),
+    };
+    Message::from_parts(
+        channel,
+        Bytes::from(format!(r#"{{"msg_id":"{id}","msg_type":"{msg_type}"}}"#)),
+        Bytes::from(parent),
+        Bytes::from_static(b"{}"),
+        Bytes::from(content.to_owned()),
+        vec![],
+    )
+    .unwrap()
+}
+
+fn request(id: &str) -> Message {
+    msg(Channel::Shell, "execute_request", id, None, "{}")
+}
+
+fn drain(rx: &mut mpsc::UnboundedReceiver<Arc<Message>>) -> Vec<String> {
+    let mut out = vec![];
+    while let Ok(m) = rx.try_recv() {
+        out.push(m.msg_id().to_owned());
+    }
+    out
+}
+
+#[test]
+fn replies_go_to_the_requester_and_iopub_to_all() {
+    let router = Router::new("k");
+    let (a_tx, mut a) = mpsc::unbounded_channel();
+    let (b_tx, mut b) = mpsc::unbounded_channel();
+    let (a_id, _) = router.attach("sa", a_tx);
+    let (_b_id, _) = router.attach("sb", b_tx);
+    router.register_request(a_id, "sa", &request("r1"));
+    router.deliver(msg(Channel::Iopub, "stream", "o1", Some("r1"), "{}"));
+    router.deliver(msg(
+        Channel::Shell,
+        "execute_reply",
+        "rep1",
+        Some("r1"),
+        "{}",
+    ));
+    assert_eq!(drain(&mut a), ["o1", "rep1"]);
+    assert_eq!(drain(&mut b), ["o1"]);
+    // A second reply to the same request has nowhere to go.
+    router.deliver(msg(
+        Channel::Shell,
+        "execute_reply",
+        "rep2",
+        Some("r1"),
+        "{}",
+    ));
+    assert!(drain(&mut a).is_empty());
+}
+
+#[test]
+fn a_newer_socket_with_the_same_session_gets_the_reply() {
+    // The Kernel Gateway race: the old socket closes after sending a request and a new one
+    // with the same session_id attaches before the reply arrives.
+    let router = Router::new("k");
+    let (old_tx, _old) = mpsc::unbounded_channel();
+    let (old_id, _) = router.attach("s", old_tx);
+    router.register_request(old_id, "s", &request("r1"));
+    let (new_tx, mut new) = mpsc::unbounded_channel();
+    router.attach("s", new_tx);
+    router.detach(old_id);
+    router.deliver(msg(
+        Channel::Shell,
+        "execute_reply",
+        "rep",
+        Some("r1"),
+        "{}",
+    ));
+    assert_eq!(drain(&mut new), ["rep"]);
+}
+
+#[test]
+fn offline_output_is_replayed_once_to_the_same_session_only() {
+    let router = Router::new("k");
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let (id, _) = router.attach("s", tx);
+    router.register_request(id, "s", &request("r1"));
+    router.detach(id);
+    router.deliver(msg(Channel::Iopub, "stream", "o1", Some("r1"), "{}"));
+    router.deliver(msg(
+        Channel::Shell,
+        "execute_reply",
+        "rep",
+        Some("r1"),
+        "{}",
+    ));
+    router.deliver(msg(
+        Channel::Iopub,
+        "status",
+        "o2",
+        Some("r1"),
+        r#"{"execution_state":"idle"}"#,
+    ));
+    let (other_tx, mut other) = mpsc::unbounded_channel();
+    let (_, replayed) = router.attach("different", other_tx);
+    assert_eq!(replayed, 0);
+    assert!(drain(&mut other).is_empty());
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (_, replayed) = router.attach("s", tx);
+    assert_eq!(replayed, 3);
+    assert_eq!(drain(&mut rx), ["o1", "rep", "o2"]);
+    // Live output continues after the replay, without duplicates.
+    router.deliver(msg(Channel::Iopub, "stream", "o3", None, "{}"));
+    assert_eq!(drain(&mut rx), ["o3"]);
+    assert_eq!(drain(&mut other), ["o3"]);
+}
+
+#[test]
+fn input_requests_follow_the_execute() {
+    let router = Router::new("k");
+    let (a_tx, mut a) = mpsc::unbounded_channel();
+    let (b_tx, mut b) = mpsc::unbounded_channel();
+    let (a_id, _) = router.attach("sa", a_tx);
+    router.attach("sb", b_tx);
+    router.register_request(a_id, "sa", &request("r1"));
+    router.deliver(msg(
+        Channel::Stdin,
+        "input_request",
+        "in1",
+        Some("r1"),
+        "{}",
+    ));
+    assert_eq!(drain(&mut a), ["in1"]);
+    assert!(drain(&mut b).is_empty());
+}
+
+#[test]
+fn internal_requests_are_hidden_and_answered() {
+    let router = Router::new("k");
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    router.attach("s", tx);
+    let mut reply = router.register_internal("nudge");
+    assert_eq!(router.activity().execution_state, "starting");
+    router.deliver(msg(
+        Channel::Iopub,
+        "status",
+        "st1",
+        Some("nudge"),
+        r#"{"execution_state":"busy"}"#,
+    ));
+    router.deliver(msg(
+        Channel::Shell,
+        "kernel_info_reply",
+        "ki",
+        Some("nudge"),
+        "{}",
+    ));
+    router.deliver(msg(
+        Channel::Iopub,
+        "status",
+        "st2",
+        Some("nudge"),
+        r#"{"execution_state":"idle"}"#,
+    ));
+    assert!(drain(&mut rx).is_empty());
+    assert_eq!(reply.try_recv().unwrap().msg_id(), "ki");
+    // The first status moved the kernel out of `starting`.
+    assert_eq!(router.activity().execution_state, "busy");
+    router.deliver(msg(
+        Channel::Iopub,
+        "status",
+        "st3",
+        Some("client"),
+        r#"{"execution_state":"idle"}"#,
+    ));
+    assert_eq!(router.activity().execution_state, "idle");
+    assert_eq!(drain(&mut rx), ["st3"]);
+}
+
+#[test]
+fn offline_buffer_is_bounded_and_says_what_it_dropped() {
+    let router = Router::new("k");
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let (id, _) = router.attach("s", tx);
+    router.detach(id);
+    let big = format!(r#"{{"text":"{}"}}"#, "x".repeat(1 << 20));
+    for i in 0..80 {
+        router.deliver(msg(Channel::Iopub, "stream", &format!("o{i}"), None, &big));
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (_, replayed) = router.attach("s", tx);
+    assert!(replayed < 80 && replayed > 50, "{replayed}");
+    let all = drain(&mut rx);
+    assert_eq!(all.len(), replayed + 1, "one notice follows the replay");
+}

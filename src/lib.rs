@@ -1,0 +1,18 @@
+//! cellgate: a Jupyter kernel gateway that runs every kernel in its own sandbox.
+//!
+//! Layout, following the request path (see ARCHITECTURE.md):
+//! - [`gateway`]: the HTTP and WebSocket surfaces (Kernel Gateway API), auth, errors.
+//! - [`kernel`]: one kernel's life (launch, channels, routing replies to clients, restart,
+//!   shutdown) and the registry of kernels.
+//! - [`sandbox`]: where a kernel process runs; one trait, one module per backend.
+//! - [`protocol`]: the Jupyter wire format: multipart codec, signing, WebSocket framings.
+//! - [`config`]: the gateway's settings from the command line, environment and file.
+
+#![deny(unsafe_code)]
+
+pub mod config;
+pub mod gateway;
+pub mod kernel;
+pub mod protocol;
+pub mod sandbox;
+pub mod telemetry;

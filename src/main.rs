@@ -1,0 +1,104 @@
+//! The `cellgate` command: parse the command line, set up logging, run the chosen subcommand.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use cellgate::config::{GatewayConfig, ServeArgs};
+use cellgate::kernel::{KernelManager, KernelOptions, KernelSpecs, ManagerOptions};
+use cellgate::sandbox::{Backend, ProcessSandbox, Sandbox};
+
+#[derive(Parser)]
+#[command(
+    name = "cellgate",
+    version,
+    about = "A sandboxed Jupyter kernel gateway"
+)]
+struct Cli {
+    /// Log as JSON lines instead of text.
+    #[arg(long, global = true)]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the Kernel Gateway API (JupyterLab: --gateway-url=http://IP:PORT).
+    Serve(ServeArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    cellgate::telemetry::init(cli.log_json);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    match cli.command {
+        Command::Serve(args) => runtime.block_on(serve(args)),
+    }
+}
+
+fn make_sandbox(backend: Backend) -> anyhow::Result<Arc<dyn Sandbox>> {
+    match backend {
+        Backend::Process => Ok(Arc::new(ProcessSandbox::new()?)),
+        other => anyhow::bail!(
+            "the {} sandbox backend is not available yet; run with --sandbox process for development (no isolation)",
+            other.as_str()
+        ),
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let config = Arc::new(GatewayConfig::resolve(&args)?);
+    let specs = KernelSpecs::load(&config.kernels_dir, config.default_kernel_name.as_deref())
+        .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
+    let sandbox = make_sandbox(config.sandbox)?;
+    let runtime_root = match &config.runtime_dir {
+        Some(dir) => dir.join(format!("cellgate-{}", std::process::id())),
+        None => std::env::temp_dir().join(format!("cellgate-{}", uuid::Uuid::new_v4().simple())),
+    };
+    let kernels = KernelManager::new(
+        specs,
+        sandbox,
+        ManagerOptions {
+            runtime_root,
+            max_kernels: config.max_kernels,
+            env_allowlist: config.env_allowlist.clone(),
+            cull_idle_timeout: config.cull_idle_timeout,
+            cull_interval: config.cull_interval,
+            cull_connected: config.cull_connected,
+            kernel: KernelOptions {
+                start_timeout: config.start_timeout,
+                ..KernelOptions::default()
+            },
+        },
+    )?;
+    kernels.spawn_culler();
+    let listener = tokio::net::TcpListener::bind((config.ip, config.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
+    let local = listener.local_addr()?;
+    tracing::info!(
+        url = %format!("http://{local}{}", config.base_url),
+        sandbox = config.sandbox.as_str(),
+        auth = if config.token.is_some() { "token" } else { "none (loopback only)" },
+        "cellgate is serving the Kernel Gateway API"
+    );
+    // Tools that start us (tests, benchmarks) read the port from this line.
+    println!("cellgate listening on http://{local}{}", config.base_url);
+    let shutdown = async {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {},
+        }
+        tracing::info!("shutting down");
+    };
+    cellgate::gateway::serve(config, kernels.clone(), listener, shutdown).await?;
+    kernels.shutdown_all().await;
+    Ok(())
+}

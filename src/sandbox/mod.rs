@@ -1,0 +1,179 @@
+//! Where a kernel process runs. One trait, one module per backend; the rest of the gateway
+//! never knows which backend it is talking to.
+//!
+//! A backend receives a [`LaunchSpec`] (the command, its environment, the kernel's private
+//! runtime directory holding the ipc sockets and the connection file, the workspace and the
+//! limits) and returns a [`Launched`] kernel: a handle to signal and kill it, an exit watch,
+//! and the connection info as the *gateway* must use it (a backend that exposes the runtime
+//! directory under another path inside the sandbox rewrites the paths).
+//!
+//! Invariants every backend keeps:
+//! - the kernel dies with the gateway, also when the gateway is killed with SIGKILL;
+//! - `kill` ends the kernel and everything it started;
+//! - the exit watch reports exactly one [`ExitReport`] when the kernel is gone.
+//!
+//! Must not depend on: kernels' channels, sessions, HTTP.
+
+mod process;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::sync::watch;
+
+use crate::protocol::ConnectionInfo;
+
+pub use process::ProcessSandbox;
+
+/// The sandbox backends, by the names policies and the config use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// No isolation: a plain child process. Development only; refused unless named.
+    Process,
+    /// Linux namespaces, seccomp, cgroups (the default once available).
+    Namespaces,
+    /// gVisor's runsc.
+    Gvisor,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Process => "process",
+            Backend::Namespaces => "namespaces",
+            Backend::Gvisor => "gvisor",
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = SandboxError;
+    fn from_str(s: &str) -> Result<Backend, SandboxError> {
+        match s {
+            "process" => Ok(Backend::Process),
+            "namespaces" => Ok(Backend::Namespaces),
+            "gvisor" => Ok(Backend::Gvisor),
+            other => Err(SandboxError::UnknownBackend(other.to_owned())),
+        }
+    }
+}
+
+/// Resource limits a backend enforces where it can. `None` means "no limit from the policy";
+/// a backend that cannot enforce a set limit says so in [`Sandbox::unsupported_limits`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: Option<u64>,
+    /// Thousandths of a CPU, so limits stay `Eq`.
+    pub cpu_millis: Option<u32>,
+    pub pids: Option<u64>,
+    pub workspace_bytes: Option<u64>,
+}
+
+/// Everything a backend needs to start one kernel.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    /// The kernel's id, for logs and cgroup names.
+    pub kernel_id: String,
+    /// The command, placeholders already substituted. `argv[0]` is a host path.
+    pub argv: Vec<String>,
+    /// The complete environment of the kernel: nothing of the gateway's leaks in.
+    pub env: BTreeMap<String, String>,
+    /// Private 0700 directory with the connection file and the ipc sockets.
+    pub runtime_dir: PathBuf,
+    /// The connection file inside `runtime_dir`, as the gateway wrote it.
+    pub connection_file: PathBuf,
+    /// The connection info in the file (paths as the gateway sees them).
+    pub connection: ConnectionInfo,
+    /// The kernel's writable working directory.
+    pub workspace: PathBuf,
+    /// Where the kernel's stdout and stderr go (inside `runtime_dir`'s parent, never inside
+    /// the workspace): the gateway reads its tail to explain a kernel that died.
+    pub log_file: PathBuf,
+    pub limits: Limits,
+}
+
+/// How a kernel process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitReport {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+    /// A backend's explanation when it knows more (OOM kill, limit hit, sandbox failure).
+    pub reason: Option<String>,
+}
+
+impl ExitReport {
+    /// A short human-readable description for the kernel model's `reason`.
+    pub fn describe(&self) -> String {
+        if let Some(reason) = &self.reason {
+            return reason.clone();
+        }
+        match (self.code, self.signal) {
+            (_, Some(sig)) => format!("kernel process killed by signal {sig}"),
+            (Some(code), None) => format!("kernel process exited with code {code}"),
+            (None, None) => "kernel process ended".to_owned(),
+        }
+    }
+}
+
+/// Control of a running sandboxed kernel.
+pub trait SandboxHandle: Send + Sync {
+    /// The kernel's process id as the host sees it, when there is one.
+    fn pid(&self) -> Option<u32>;
+    /// Delivers a signal to the kernel process itself (interrupts use SIGINT).
+    fn signal(&self, signal: i32) -> Result<(), SandboxError>;
+    /// Ends the kernel and everything it started, at once.
+    fn kill(&self) -> Result<(), SandboxError>;
+    /// CPU time and memory used so far, where the backend can measure them.
+    fn usage(&self) -> ResourceUsage {
+        ResourceUsage::default()
+    }
+}
+
+/// Resource use of one kernel, as far as the backend knows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ResourceUsage {
+    pub cpu_time: Option<Duration>,
+    pub memory_bytes: Option<u64>,
+    pub memory_peak_bytes: Option<u64>,
+}
+
+/// A started kernel.
+pub struct Launched {
+    pub handle: Arc<dyn SandboxHandle>,
+    /// `None` while running, then the exit report, exactly once.
+    pub exit: watch::Receiver<Option<ExitReport>>,
+    /// The connection info the gateway connects with.
+    pub connection: ConnectionInfo,
+}
+
+/// A sandbox backend.
+pub trait Sandbox: Send + Sync {
+    fn backend(&self) -> Backend;
+    /// Starts a kernel. Returns once the kernel process exists (not once it is ready).
+    fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>>;
+}
+
+/// Errors of sandbox backends.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("unknown sandbox backend {0:?} (known: process, namespaces, gvisor)")]
+    UnknownBackend(String),
+    #[error("the {0} backend is not available in this build yet")]
+    NotImplemented(&'static str),
+    #[error("the process backend runs kernels without any isolation; name it explicitly (--sandbox process) to use it")]
+    ProcessNotAllowed,
+    #[error("could not start {program}: {source}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("could not signal the kernel: {0}")]
+    Signal(#[source] std::io::Error),
+    #[error("sandbox set-up failed: {0}")]
+    Setup(String),
+}

@@ -1,0 +1,227 @@
+//! The `process` backend: the kernel as a plain child process, with no isolation at all.
+//!
+//! For development and for tests of everything above the sandbox. The gateway refuses it
+//! unless the configuration names it, and logs every start as unsandboxed.
+//!
+//! Dying with the gateway: each kernel gets `PR_SET_PDEATHSIG(SIGKILL)`. The kernel receives
+//! that signal when the *thread* that forked it exits, so all spawns happen on one dedicated
+//! thread that lives as long as this backend does. Each kernel leads its own process group,
+//! so `kill` and interrupts reach the processes it started too.
+
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+
+use futures_util::future::BoxFuture;
+use tokio::process::{Child, Command};
+use tokio::sync::{oneshot, watch};
+
+use super::{
+    Backend, ExitReport, LaunchSpec, Launched, ResourceUsage, Sandbox, SandboxError, SandboxHandle,
+};
+
+struct SpawnRequest {
+    command: Command,
+    reply: oneshot::Sender<io::Result<Child>>,
+}
+
+/// Starts kernels as child processes of the gateway.
+pub struct ProcessSandbox {
+    spawner: mpsc::Sender<SpawnRequest>,
+}
+
+impl ProcessSandbox {
+    /// Must be called from within a tokio runtime: the spawner thread registers children
+    /// with it.
+    pub fn new() -> Result<ProcessSandbox, SandboxError> {
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|err| SandboxError::Setup(format!("no tokio runtime: {err}")))?;
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("cellgate-spawner".to_owned())
+            .spawn(move || {
+                let _runtime = runtime.enter();
+                for mut request in rx {
+                    let result = request.command.spawn();
+                    let _ = request.reply.send(result);
+                }
+            })
+            .map_err(|err| {
+                SandboxError::Setup(format!("cannot start the spawner thread: {err}"))
+            })?;
+        Ok(ProcessSandbox { spawner: tx })
+    }
+
+    async fn spawn(&self, command: Command) -> io::Result<Child> {
+        let (reply, response) = oneshot::channel();
+        self.spawner
+            .send(SpawnRequest { command, reply })
+            .map_err(|_| io::Error::other("spawner thread is gone"))?;
+        response
+            .await
+            .unwrap_or_else(|_| Err(io::Error::other("spawner thread dropped the request")))
+    }
+}
+
+impl Sandbox for ProcessSandbox {
+    fn backend(&self) -> Backend {
+        Backend::Process
+    }
+
+    fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
+        Box::pin(self.launch_process(spec))
+    }
+}
+
+impl ProcessSandbox {
+    async fn launch_process(&self, spec: &LaunchSpec) -> Result<Launched, SandboxError> {
+        tracing::warn!(
+            kernel_id = %spec.kernel_id,
+            "starting kernel WITHOUT a sandbox (process backend): its code runs with the gateway's privileges"
+        );
+        let program = spec.argv.first().cloned().unwrap_or_default();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&spec.log_file)
+            .map_err(|err| {
+                SandboxError::Setup(format!("open {}: {err}", spec.log_file.display()))
+            })?;
+        let log_err = log
+            .try_clone()
+            .map_err(|err| SandboxError::Setup(format!("dup the kernel log: {err}")))?;
+        let mut command = Command::new(&program);
+        command
+            .args(&spec.argv[1..])
+            .env_clear()
+            .envs(&spec.env)
+            .current_dir(&spec.workspace)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .process_group(0)
+            .kill_on_drop(false);
+        // SAFETY: the closure runs in the forked child before exec and only calls
+        // async-signal-safe functions (prctl, getppid, _exit).
+        unsafe {
+            let parent = libc::getpid();
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The gateway may have died between fork and prctl.
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let child = self
+            .spawn(command)
+            .await
+            .map_err(|source| SandboxError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+        let pid = child.id().unwrap_or(0);
+        let exited = Arc::new(AtomicBool::new(false));
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let watcher_exited = exited.clone();
+        tokio::spawn(async move {
+            let mut child = child;
+            let report = match child.wait().await {
+                Ok(status) => ExitReport {
+                    code: status.code(),
+                    signal: status.signal(),
+                    reason: None,
+                },
+                Err(err) => ExitReport {
+                    code: None,
+                    signal: None,
+                    reason: Some(format!("lost track of the kernel process: {err}")),
+                },
+            };
+            watcher_exited.store(true, Ordering::SeqCst);
+            // The process group may still hold the kernel's children.
+            // SAFETY: kill(2) with a negative pid signals a process group; no memory involved.
+            unsafe {
+                libc::kill(-(pid as i32), libc::SIGKILL);
+            }
+            let _ = exit_tx.send(Some(report));
+        });
+        Ok(Launched {
+            handle: Arc::new(ProcessHandle { pid, exited }),
+            exit: exit_rx,
+            connection: spec.connection.clone(),
+        })
+    }
+}
+
+struct ProcessHandle {
+    pid: u32,
+    exited: Arc<AtomicBool>,
+}
+
+impl ProcessHandle {
+    fn signal_group(&self, signal: i32) -> Result<(), SandboxError> {
+        if self.exited.load(Ordering::SeqCst) || self.pid == 0 {
+            // Never signal a pid that may have been reused.
+            return Ok(());
+        }
+        // SAFETY: kill(2) with a negative pid signals the kernel's process group.
+        let rc = unsafe { libc::kill(-(self.pid as i32), signal) };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::ESRCH) {
+                return Err(SandboxError::Signal(err));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SandboxHandle for ProcessHandle {
+    fn pid(&self) -> Option<u32> {
+        Some(self.pid)
+    }
+
+    fn signal(&self, signal: i32) -> Result<(), SandboxError> {
+        // jupyter_client interrupts the whole process group too, so `!sleep 60` stops.
+        self.signal_group(signal)
+    }
+
+    fn kill(&self) -> Result<(), SandboxError> {
+        self.signal_group(libc::SIGKILL)
+    }
+
+    fn usage(&self) -> ResourceUsage {
+        proc_usage(self.pid).unwrap_or_default()
+    }
+}
+
+/// CPU time and memory of one process from /proc.
+fn proc_usage(pid: u32) -> Option<ResourceUsage> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|v| v * 1024)
+    };
+    Some(ResourceUsage {
+        // Linux reports in clock ticks of 1/100 s on every architecture we run on.
+        cpu_time: Some(std::time::Duration::from_millis(ticks * 10)),
+        memory_bytes: kib("VmRSS:"),
+        memory_peak_bytes: kib("VmHWM:"),
+    })
+}
