@@ -1,0 +1,301 @@
+//! The REST contract and bad input: tokens, ids, bodies, frames.
+
+use std::time::Duration;
+
+use futures_util::SinkExt;
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+use crate::support::*;
+
+fn is_kg_timestamp(s: &str) -> bool {
+    // YYYY-MM-DDTHH:MM:SS.ffffffZ
+    s.len() == 27
+        && s.ends_with('Z')
+        && s.as_bytes()[10] == b'T'
+        && s.as_bytes()[19] == b'.'
+        && s[20..26].chars().all(|c| c.is_ascii_digit())
+}
+
+#[tokio::test]
+async fn rest_contract() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let (status, specs) = gateway.get_json("/api/kernelspecs").await?;
+    assert_eq!(status, 200);
+    assert_eq!(specs["default"], "python3");
+    let spec = &specs["kernelspecs"]["python3"];
+    assert_eq!(spec["name"], "python3");
+    assert!(
+        spec["spec"]["argv"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|a| !a.as_str().unwrap().starts_with('/')),
+        "no host paths: {spec}"
+    );
+    assert_eq!(spec["spec"]["env"], json!({}));
+    // The GatewayClient bug: ?user=bob/python3 means the single spec.
+    let (status, single) = gateway
+        .get_json("/api/kernelspecs?user=bob/python3")
+        .await?;
+    assert_eq!((status, &single["name"]), (200, &json!("python3")));
+    let (status, body) = gateway.get_json("/api/kernelspecs/nope").await?;
+    assert_eq!(
+        (status, body["message"].as_str().unwrap()),
+        (404, "Kernel spec nope not found")
+    );
+
+    let response = gateway
+        .request(reqwest::Method::POST, "/api/kernels")
+        .json(&json!({"name": "python3", "env": {"KERNEL_USERNAME": "bob", "KERNEL_WORKING_DIR": "/home/bob", "SECRET": "x"}}))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 201);
+    let location = response.headers()["location"].to_str()?.to_owned();
+    let model: Value = response.json().await?;
+    let id = model["id"].as_str().unwrap().to_owned();
+    assert_eq!(location, format!("/api/kernels/{id}"));
+    assert!(
+        is_kg_timestamp(model["last_activity"].as_str().unwrap()),
+        "{model}"
+    );
+    assert_eq!(model["connections"], 0);
+    let keys: Vec<&String> = model.as_object().unwrap().keys().collect();
+    assert_eq!(
+        keys,
+        [
+            "connections",
+            "execution_state",
+            "id",
+            "last_activity",
+            "name"
+        ]
+    );
+
+    // The environment the kernel really got.
+    let mut client = gateway.connect(&id, "env", false).await?;
+    let msgs = client
+        .run("import os; print(os.environ.get('KERNEL_USERNAME'), os.environ.get('KERNEL_WORKING_DIR'), os.environ.get('SECRET'), 'CELLGATE_AUTH_TOKEN' in os.environ)")
+        .await?;
+    assert_eq!(stdout(&msgs), "bob None None False\n");
+
+    let (status, list) = gateway.get_json("/api/kernels").await?;
+    assert_eq!(status, 200);
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    assert_eq!(list[0]["execution_state"], "idle");
+    assert_eq!(list[0]["connections"], 1);
+
+    let status = gateway
+        .request(
+            reqwest::Method::POST,
+            &format!("/api/kernels/{id}/interrupt"),
+        )
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 204);
+
+    // Unknown ids: a well-formed one is "Kernel does not exist", a malformed one the catch-all.
+    let (status, body) = gateway
+        .get_json("/api/kernels/00000000-0000-0000-0000-000000000000")
+        .await?;
+    assert_eq!(status, 404);
+    assert!(body["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("Kernel does not exist"));
+    let (status, body) = gateway.get_json("/api/kernels/abc").await?;
+    assert_eq!(
+        (status, &body),
+        (404, &json!({"reason": "Not Found", "message": ""}))
+    );
+    let (status, _) = gateway.get_json("/no/such/route").await?;
+    assert_eq!(status, 404);
+
+    // Bad bodies are 400 with a reason, unknown kernel names 404.
+    for body in [
+        "{",
+        "[]",
+        r#"{"env": "x"}"#,
+        r#"{"env": {"KERNEL_X": "$(id)"}}"#,
+    ] {
+        let response = gateway
+            .request(reqwest::Method::POST, "/api/kernels")
+            .body(body)
+            .send()
+            .await?;
+        assert_eq!(response.status().as_u16(), 400, "{body}");
+        let json: Value = response.json().await?;
+        assert_eq!(json["reason"], "Bad Request");
+    }
+    let response = gateway
+        .request(reqwest::Method::POST, "/api/kernels")
+        .json(&json!({"name": "nope"}))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 404);
+    let text = response.text().await?;
+    assert!(
+        !text.contains("Traceback") && !text.contains('/'),
+        "no internals leak: {text}"
+    );
+    assert_eq!(gateway.delete_kernel(&id).await?, 204);
+    Ok(())
+}
+
+#[tokio::test]
+async fn tokens_are_required_everywhere() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let id = gateway.start_kernel().await?;
+    let url = |p: &str| format!("{}{}", gateway.base, p);
+    let plain = reqwest::Client::new();
+    for (auth, expected) in [
+        (None, 401),
+        (Some("token wrong"), 401),
+        (Some("token "), 401),
+        (Some("Basic dGVzdA=="), 401),
+        (Some(&*format!("token {TOKEN}")), 200),
+        (Some(&*format!("Bearer {TOKEN}")), 200),
+    ] {
+        let mut request = plain.get(url("/api/kernels"));
+        if let Some(auth) = auth {
+            request = request.header("Authorization", auth);
+        }
+        let response = request.send().await?;
+        assert_eq!(response.status().as_u16(), expected, "{auth:?}");
+        if expected == 401 {
+            let body: Value = response.json().await?;
+            assert_eq!(body, json!({"reason": "Unauthorized", "message": ""}));
+        }
+    }
+    assert_eq!(
+        plain
+            .get(url(&format!("/api/kernels?token={TOKEN}")))
+            .send()
+            .await?
+            .status()
+            .as_u16(),
+        200
+    );
+    assert_eq!(
+        plain
+            .get(url("/api/kernels?token=nope"))
+            .send()
+            .await?
+            .status()
+            .as_u16(),
+        401
+    );
+    assert_eq!(
+        plain
+            .post(url("/api/kernels"))
+            .send()
+            .await?
+            .status()
+            .as_u16(),
+        401
+    );
+    assert_eq!(
+        plain
+            .delete(url(&format!("/api/kernels/{id}")))
+            .send()
+            .await?
+            .status()
+            .as_u16(),
+        401
+    );
+
+    // WebSocket: no token → 401; token in the query works (browsers cannot set headers).
+    let ws_url = gateway.ws_url(&id, "s");
+    let err = tokio_tungstenite::connect_async(ws_url.clone())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("401"), "{err}");
+    let (mut socket, _) =
+        tokio_tungstenite::connect_async(format!("{ws_url}&token={TOKEN}")).await?;
+    socket.close(None).await?;
+    // A foreign Origin is refused, an unknown kernel is 404.
+    let mut request = format!("{ws_url}&token={TOKEN}").into_client_request()?;
+    request
+        .headers_mut()
+        .insert("Origin", "http://evil.example".parse()?);
+    let err = tokio_tungstenite::connect_async(request).await.unwrap_err();
+    assert!(err.to_string().contains("403"), "{err}");
+    let missing = gateway.ws_url("00000000-0000-0000-0000-000000000000", "s");
+    let err = tokio_tungstenite::connect_async(format!("{missing}&token={TOKEN}"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("404"), "{err}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_a_token_serve_refuses_public_addresses() -> anyhow::Result<()> {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_cellgate"))
+        .args([
+            "serve",
+            "--ip",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--sandbox",
+            "process",
+        ])
+        .env_remove("CELLGATE_AUTH_TOKEN")
+        .env_remove("KG_AUTH_TOKEN")
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("without a token"), "{stderr}");
+    Ok(())
+}
+
+/// Garbage on one socket closes that socket with a reason; the kernel and other sockets carry on.
+#[tokio::test]
+async fn malformed_frames_close_only_their_socket() -> anyhow::Result<()> {
+    let gateway = Gateway::builder()
+        .arg("--max-message-mib")
+        .arg("1")
+        .start()
+        .await?;
+    let id = gateway.start_kernel().await?;
+    let mut bystander = gateway.connect(&id, "bystander", false).await?;
+    let cases: Vec<(bool, WsMessage)> = vec![
+        (false, WsMessage::Text("not json".into())),
+        (
+            false,
+            WsMessage::Text(r#"{"header": {"msg_type": "execute_request"}}"#.into()),
+        ),
+        (
+            false,
+            WsMessage::Text(
+                r#"{"header": {"msg_id": "a", "msg_type": "x"}, "channel": "nope"}"#.into(),
+            ),
+        ),
+        (false, WsMessage::Binary(vec![0, 0, 0, 9, 1, 2].into())),
+        (true, WsMessage::Binary(vec![255; 40].into())),
+        (true, WsMessage::Binary(vec![0; 3].into())),
+        (false, WsMessage::Text("x".repeat(2 << 20).into())),
+    ];
+    for (i, (v1, frame)) in cases.into_iter().enumerate() {
+        let mut attacker = gateway.connect(&id, &format!("attacker-{i}"), v1).await?;
+        let _ = attacker.socket.send(frame).await;
+        let outcome = attacker.recv(Duration::from_secs(5)).await;
+        let err = outcome.expect_err("the socket is closed").to_string();
+        assert!(
+            err.contains("1007")
+                || err.contains("1009")
+                || err.contains("Invalid")
+                || err.contains("invalid")
+                || err.contains("closed"),
+            "case {i}: {err}"
+        );
+        let msgs = bystander.run(&format!("{i} + 1")).await?;
+        assert_eq!(
+            of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+            (i + 1).to_string()
+        );
+    }
+    Ok(())
+}

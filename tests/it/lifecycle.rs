@@ -1,0 +1,182 @@
+//! Interrupt, restart, shutdown, a kernel dying, and the gateway dying.
+
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn interrupt_stops_a_long_sleep() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "s-int", false).await?;
+    let id = client.execute("import time; time.sleep(60)").await?;
+    // Wait until the cell is running.
+    loop {
+        let msg = client.recv(Duration::from_secs(30)).await?;
+        if msg.msg_type() == "execute_input" {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let status = gateway
+        .request(
+            reqwest::Method::POST,
+            &format!("/api/kernels/{kernel}/interrupt"),
+        )
+        .body("{}")
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 204);
+    let msgs = client.collect(&id, Duration::from_secs(20)).await?;
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert_eq!(
+        of_type(&msgs, "error")[0].content["ename"],
+        "KeyboardInterrupt"
+    );
+    assert_eq!(reply(&msgs).content["status"], "error");
+    // The kernel still works and kept its state.
+    let msgs = client.run("time.time() > 0").await?;
+    assert_eq!(
+        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+        "True"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn restart_keeps_the_id_and_loses_the_state() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "s-restart", true).await?;
+    client.run("secret = 41").await?;
+    let old_pids = pids_with(&kernel);
+    assert_eq!(old_pids.len(), 1, "one kernel process: {old_pids:?}");
+    let response = gateway
+        .request(
+            reqwest::Method::POST,
+            &format!("/api/kernels/{kernel}/restart"),
+        )
+        .body("{}")
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 200);
+    let model: serde_json::Value = response.json().await?;
+    assert_eq!(model["id"], kernel.as_str());
+    assert!(
+        eventually(Duration::from_secs(5), || !old_pids
+            .iter()
+            .any(|p| alive(*p)))
+        .await
+    );
+    // The same socket keeps working with the new process.
+    let msgs = client.run("secret").await?;
+    assert_eq!(of_type(&msgs, "error")[0].content["ename"], "NameError");
+    let msgs = client.run("secret = 1; secret + 1").await?;
+    assert_eq!(
+        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+        "2"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn shutdown_removes_kernel_and_process() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "s-del", false).await?;
+    client.run("1").await?;
+    let pids = pids_with(&kernel);
+    assert_eq!(pids.len(), 1);
+    assert_eq!(gateway.delete_kernel(&kernel).await?, 204);
+    assert!(
+        !pids.iter().any(|p| alive(*p)),
+        "the process is gone when DELETE returns"
+    );
+    let (status, body) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
+    assert_eq!(status, 404);
+    assert_eq!(body["reason"], "Not Found");
+    assert_eq!(gateway.delete_kernel(&kernel).await?, 404);
+    // The socket was closed by the gateway.
+    let closed = client.recv(Duration::from_secs(5)).await;
+    assert!(closed.is_err());
+    Ok(())
+}
+
+#[tokio::test]
+async fn kernel_killed_from_outside_is_reported_dead_within_a_second() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "s-kill", false).await?;
+    client.run("1").await?;
+    let pids = pids_with(&kernel);
+    assert_eq!(pids.len(), 1);
+    let killed_at = Instant::now();
+    // SAFETY-free: kill(1) from the shell keeps this test free of unsafe code.
+    std::process::Command::new("kill")
+        .args(["-9", &pids[0].to_string()])
+        .status()?;
+    let mut dead_after = None;
+    while killed_at.elapsed() < Duration::from_secs(3) {
+        let (_, model) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
+        if model["execution_state"] == "dead" {
+            dead_after = Some(killed_at.elapsed());
+            let reason = model["reason"].as_str().unwrap_or_default();
+            assert!(
+                reason.contains("signal 9"),
+                "reason says how it died: {reason}"
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dead_after = dead_after.expect("kernel reported dead");
+    println!("dead reported {dead_after:?} after the kill");
+    assert!(dead_after < Duration::from_secs(1));
+    // Connected clients are told too.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let msg = client.recv(deadline - Instant::now()).await?;
+        if msg.msg_type() == "status" && msg.content["execution_state"] == "dead" {
+            break;
+        }
+    }
+    // A restart brings it back under the same id.
+    let status = gateway
+        .request(
+            reqwest::Method::POST,
+            &format!("/api/kernels/{kernel}/restart"),
+        )
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 200);
+    let msgs = client.run("2+2").await?;
+    assert_eq!(
+        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+        "4"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn no_kernel_survives_a_killed_gateway() -> anyhow::Result<()> {
+    let mut gateway = Gateway::start().await?;
+    let a = gateway.start_kernel().await?;
+    let b = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&a, "s", false).await?;
+    client.run("1").await?;
+    let mut pids = pids_with(&a);
+    pids.extend(pids_with(&b));
+    assert_eq!(pids.len(), 2);
+    gateway.child.kill()?; // SIGKILL
+    gateway.child.wait()?;
+    let gone = eventually(Duration::from_secs(3), || !pids.iter().any(|p| alive(*p))).await;
+    assert!(
+        gone,
+        "kernels outlived the gateway: {:?}",
+        pids.iter().filter(|p| alive(**p)).collect::<Vec<_>>()
+    );
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! Integration tests: a real `cellgate serve` process and real ipykernels, driven through the
+//! Kernel Gateway HTTP API and both WebSocket framings.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod clients;
+mod http;
+mod lifecycle;
+mod messaging;

@@ -1,0 +1,171 @@
+//! Every kind of message a notebook produces, through both framings.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::*;
+
+async fn all_output_kinds(v1: bool) -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "sess-out", v1).await?;
+
+    // stream + execute_result
+    let msgs = client.run("print('hello'); 6*7").await?;
+    assert_eq!(stdout(&msgs), "hello\n");
+    let result = of_type(&msgs, "execute_result");
+    assert_eq!(result.len(), 1);
+    assert_eq!(result[0].content["data"]["text/plain"], "42");
+    assert_eq!(reply(&msgs).content["status"], "ok");
+    assert!(of_type(&msgs, "execute_input").len() == 1);
+
+    // display_data and update_display_data with a display id, across two cells
+    let msgs = client
+        .run("from IPython.display import display, HTML\nh = display(HTML('<b>one</b>'), display_id=True)")
+        .await?;
+    let shown = of_type(&msgs, "display_data");
+    assert_eq!(shown[0].content["data"]["text/html"], "<b>one</b>");
+    let display_id = shown[0].content["transient"]["display_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let msgs = client.run("h.update(HTML('<b>two</b>'))").await?;
+    let updated = of_type(&msgs, "update_display_data");
+    assert_eq!(updated[0].content["data"]["text/html"], "<b>two</b>");
+    assert_eq!(
+        updated[0].content["transient"]["display_id"],
+        display_id.as_str()
+    );
+
+    // error
+    let msgs = client.run("1/0").await?;
+    let errors = of_type(&msgs, "error");
+    assert_eq!(errors[0].content["ename"], "ZeroDivisionError");
+    assert_eq!(reply(&msgs).content["status"], "error");
+
+    // stderr, unicode and a large-ish output keep their bytes
+    let msgs = client
+        .run("import sys; sys.stderr.write('warn é☃\\n'); print('x' * 100000)")
+        .await?;
+    let err: String = msgs
+        .iter()
+        .filter(|m| m.msg_type() == "stream" && m.content["name"] == "stderr")
+        .map(|m| m.content["text"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(err, "warn é☃\n");
+    assert_eq!(stdout(&msgs).len(), 100001);
+
+    // input_request / input_reply on stdin
+    let id = client
+        .execute("name = input('who? '); print('hi', name)")
+        .await?;
+    let request = loop {
+        let msg = client.recv(Duration::from_secs(30)).await?;
+        if msg.msg_type() == "input_request" {
+            break msg;
+        }
+    };
+    assert_eq!(request.channel, "stdin");
+    assert_eq!(request.content["prompt"], "who? ");
+    client
+        .send("stdin", "input_reply", json!({"value": "Ada"}), vec![])
+        .await?;
+    let msgs = client.collect(&id, Duration::from_secs(30)).await?;
+    assert_eq!(stdout(&msgs), "hi Ada\n");
+
+    // kernel_info and comm_info round trips keep the kernel's own fields
+    let id = client
+        .send("shell", "kernel_info_request", json!({}), vec![])
+        .await?;
+    let msgs = client.collect(&id, Duration::from_secs(30)).await?;
+    let info = reply(&msgs);
+    assert_eq!(info.msg_type(), "kernel_info_reply");
+    assert!(
+        info.content["supported_features"].is_array(),
+        "supported_features survives the relay: {}",
+        info.content
+    );
+    assert_eq!(info.content["language_info"]["name"], "python");
+
+    gateway.delete_kernel(&kernel).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn all_output_kinds_legacy_framing() -> anyhow::Result<()> {
+    all_output_kinds(false).await
+}
+
+#[tokio::test]
+async fn all_output_kinds_v1_framing() -> anyhow::Result<()> {
+    all_output_kinds(true).await
+}
+
+/// Comm messages with binary buffers both ways: the kernel echoes what it receives.
+async fn comm_buffers(v1: bool) -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "sess-comm", v1).await?;
+    let setup = r#"
+def _target(comm, open_msg):
+    @comm.on_msg
+    def _echo(msg):
+        bufs = [bytes(b)[::-1] for b in msg['buffers']]
+        comm.send({'got': len(msg['buffers']), 'sizes': [len(b) for b in bufs]}, buffers=bufs)
+    comm.send({'opened': True}, buffers=[b'\x00\x01\x02open'])
+get_ipython().kernel.comm_manager.register_target('echo', _target)
+"#;
+    let msgs = client.run(setup).await?;
+    assert_eq!(reply(&msgs).content["status"], "ok", "{:?}", msgs);
+
+    let comm_id = uuid::Uuid::new_v4().to_string();
+    client
+        .send(
+            "shell",
+            "comm_open",
+            json!({"comm_id": comm_id, "target_name": "echo", "data": {}}),
+            vec![],
+        )
+        .await?;
+    let opened = loop {
+        let msg = client.recv(Duration::from_secs(30)).await?;
+        if msg.msg_type() == "comm_msg" {
+            break msg;
+        }
+    };
+    assert_eq!(opened.content["data"]["opened"], true);
+    assert_eq!(opened.buffers, vec![b"\x00\x01\x02open".to_vec()]);
+
+    let payload: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    client
+        .send(
+            "shell",
+            "comm_msg",
+            json!({"comm_id": comm_id, "data": {"ping": 1}}),
+            vec![payload.clone(), b"\xff".to_vec()],
+        )
+        .await?;
+    let echoed = loop {
+        let msg = client.recv(Duration::from_secs(30)).await?;
+        if msg.msg_type() == "comm_msg" && msg.content["data"]["got"].is_number() {
+            break msg;
+        }
+    };
+    assert_eq!(echoed.content["data"]["got"], 2);
+    let mut reversed = payload.clone();
+    reversed.reverse();
+    assert_eq!(echoed.buffers, vec![reversed, b"\xff".to_vec()]);
+    gateway.delete_kernel(&kernel).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn comm_buffers_legacy_framing() -> anyhow::Result<()> {
+    comm_buffers(false).await
+}
+
+#[tokio::test]
+async fn comm_buffers_v1_framing() -> anyhow::Result<()> {
+    comm_buffers(true).await
+}

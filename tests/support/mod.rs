@@ -1,0 +1,537 @@
+//! Test harness: a real `cellgate serve` process on 127.0.0.1:0 with real kernels, plus an
+//! HTTP client and a Jupyter WebSocket client speaking either framing.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+pub const TOKEN: &str = "test-token-0123456789";
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The kernels directory: `CELLGATE_KERNELS_DIR` or the repository's `kernels/`. A missing
+/// kernel environment is a loud failure, never a skip: `./dev setup` creates it.
+pub fn kernels_dir() -> PathBuf {
+    let dir = std::env::var("CELLGATE_KERNELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join("kernels"));
+    let python = dir.join("python3/.venv/bin/python");
+    assert!(
+        python.exists(),
+        "the kernel environment {} is missing: run `./dev setup` (these tests need a real ipykernel)",
+        python.display()
+    );
+    dir
+}
+
+/// The Python with jupyter_server, jupyter_client and Kernel Gateway (`.venv-tools`).
+pub fn tools_python() -> PathBuf {
+    let python = std::env::var("CELLGATE_TOOLS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join(".venv-tools/bin/python"));
+    assert!(
+        python.exists(),
+        "the tools environment {} is missing: run `./dev setup`",
+        python.display()
+    );
+    python
+}
+
+/// A running gateway process. Killed (SIGKILL) on drop.
+pub struct Gateway {
+    pub child: Child,
+    pub base: String,
+    pub port: u16,
+    pub token: Option<String>,
+    pub http: reqwest::Client,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+pub struct GatewayBuilder {
+    args: Vec<String>,
+    token: Option<String>,
+    kernels_dir: PathBuf,
+    env: HashMap<String, String>,
+}
+
+impl GatewayBuilder {
+    pub fn arg(mut self, arg: &str) -> Self {
+        self.args.push(arg.to_owned());
+        self
+    }
+    pub fn token(mut self, token: Option<&str>) -> Self {
+        self.token = token.map(str::to_owned);
+        self
+    }
+    pub fn kernels_dir(mut self, dir: PathBuf) -> Self {
+        self.kernels_dir = dir;
+        self
+    }
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.insert(key.to_owned(), value.to_owned());
+        self
+    }
+
+    pub async fn start(self) -> Result<Gateway> {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_cellgate"));
+        command
+            .arg("serve")
+            .args(["--ip", "127.0.0.1", "--port", "0", "--sandbox", "process"])
+            .arg("--kernels-dir")
+            .arg(&self.kernels_dir)
+            .args(&self.args)
+            .env_remove("CELLGATE_AUTH_TOKEN")
+            .env_remove("KG_AUTH_TOKEN")
+            .env("RUST_LOG", "info,zeromq=error")
+            .envs(&self.env)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(token) = &self.token {
+            command.args(["--token", token]);
+        }
+        let mut child = command.spawn().context("spawn cellgate")?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let stderr = child.stderr.take().context("stderr")?;
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log_err = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                log_err.lock().unwrap().push(line);
+            }
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("cellgate listening on ") {
+                    let _ = tx.send(url.trim_end_matches('/').to_owned());
+                }
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(30))
+            .map_err(|_| anyhow!("cellgate did not start: {:?}", log.lock().unwrap()))?;
+        let port = base
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .context("port")?;
+        Ok(Gateway {
+            child,
+            base,
+            port,
+            token: self.token,
+            http: reqwest::Client::new(),
+            log,
+        })
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Gateway {
+    pub fn builder() -> GatewayBuilder {
+        GatewayBuilder {
+            args: vec![],
+            token: Some(TOKEN.to_owned()),
+            kernels_dir: kernels_dir(),
+            env: HashMap::new(),
+        }
+    }
+
+    pub async fn start() -> Result<Gateway> {
+        Gateway::builder().start().await
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let mut request = self.http.request(method, format!("{}{}", self.base, path));
+        if let Some(token) = &self.token {
+            request = request.header("Authorization", format!("token {token}"));
+        }
+        request
+    }
+
+    pub async fn get_json(&self, path: &str) -> Result<(u16, Value)> {
+        let response = self.request(reqwest::Method::GET, path).send().await?;
+        let status = response.status().as_u16();
+        let body = response.text().await?;
+        Ok((
+            status,
+            serde_json::from_str(&body).unwrap_or(Value::String(body)),
+        ))
+    }
+
+    pub async fn start_kernel(&self) -> Result<String> {
+        let response = self
+            .request(reqwest::Method::POST, "/api/kernels")
+            .json(&json!({"name": "python3"}))
+            .send()
+            .await?;
+        if response.status().as_u16() != 201 {
+            bail!(
+                "start kernel: {} {}",
+                response.status(),
+                response.text().await?
+            );
+        }
+        let model: Value = response.json().await?;
+        Ok(model["id"].as_str().context("id")?.to_owned())
+    }
+
+    pub async fn delete_kernel(&self, id: &str) -> Result<u16> {
+        Ok(self
+            .request(reqwest::Method::DELETE, &format!("/api/kernels/{id}"))
+            .send()
+            .await?
+            .status()
+            .as_u16())
+    }
+
+    pub fn ws_url(&self, kernel: &str, session: &str) -> String {
+        format!(
+            "{}/api/kernels/{kernel}/channels?session_id={session}",
+            self.base.replace("http://", "ws://")
+        )
+    }
+
+    /// Connects a Jupyter client to a kernel.
+    pub async fn connect(&self, kernel: &str, session: &str, v1: bool) -> Result<Client> {
+        let mut request = self.ws_url(kernel, session).into_client_request()?;
+        if let Some(token) = &self.token {
+            request
+                .headers_mut()
+                .insert("Authorization", format!("token {token}").parse()?);
+        }
+        if v1 {
+            request.headers_mut().insert(
+                "Sec-WebSocket-Protocol",
+                "v1.kernel.websocket.jupyter.org".parse()?,
+            );
+        }
+        let (socket, response) = tokio_tungstenite::connect_async(request).await?;
+        let protocol = response
+            .headers()
+            .get("sec-websocket-protocol")
+            .map(|v| v.to_str().unwrap_or_default().to_owned());
+        if v1 {
+            assert_eq!(protocol.as_deref(), Some("v1.kernel.websocket.jupyter.org"));
+        } else {
+            assert_eq!(protocol, None);
+        }
+        Ok(Client {
+            socket,
+            session: session.to_owned(),
+            v1,
+        })
+    }
+}
+
+pub type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// A message as a client sees it.
+#[derive(Debug, Clone)]
+pub struct Msg {
+    pub channel: String,
+    pub header: Value,
+    pub parent_header: Value,
+    pub metadata: Value,
+    pub content: Value,
+    pub buffers: Vec<Vec<u8>>,
+}
+
+impl Msg {
+    pub fn msg_type(&self) -> &str {
+        self.header["msg_type"].as_str().unwrap_or_default()
+    }
+    pub fn parent_id(&self) -> &str {
+        self.parent_header["msg_id"].as_str().unwrap_or_default()
+    }
+    pub fn is_idle_for(&self, msg_id: &str) -> bool {
+        self.msg_type() == "status"
+            && self.content["execution_state"] == "idle"
+            && self.parent_id() == msg_id
+    }
+}
+
+pub struct Client {
+    pub socket: Socket,
+    pub session: String,
+    pub v1: bool,
+}
+
+fn header(msg_type: &str, session: &str) -> Value {
+    json!({
+        "msg_id": uuid::Uuid::new_v4().to_string(),
+        "msg_type": msg_type,
+        "session": session,
+        "username": "test",
+        "date": "2026-11-22T00:00:00.000000Z",
+        "version": "5.4",
+    })
+}
+
+fn v1_encode(channel: &str, parts: &[Vec<u8>]) -> Vec<u8> {
+    let mut all = vec![channel.as_bytes().to_vec()];
+    all.extend(parts.iter().cloned());
+    let k = all.len() + 1;
+    let mut out = (k as u64).to_le_bytes().to_vec();
+    let mut offset = 8 * (k as u64 + 1);
+    for p in &all {
+        out.extend_from_slice(&offset.to_le_bytes());
+        offset += p.len() as u64;
+    }
+    out.extend_from_slice(&offset.to_le_bytes());
+    for p in &all {
+        out.extend_from_slice(p);
+    }
+    out
+}
+
+fn legacy_binary_encode(json: &[u8], buffers: &[Vec<u8>]) -> Vec<u8> {
+    let n = 1 + buffers.len();
+    let mut out = (n as u32).to_be_bytes().to_vec();
+    let mut offset = 4 * (n as u32 + 1);
+    out.extend_from_slice(&offset.to_be_bytes());
+    offset += json.len() as u32;
+    for b in buffers {
+        out.extend_from_slice(&offset.to_be_bytes());
+        offset += b.len() as u32;
+    }
+    out.extend_from_slice(json);
+    for b in buffers {
+        out.extend_from_slice(b);
+    }
+    out
+}
+
+fn decode_frame(frame: WsMessage, v1: bool) -> Result<Option<Msg>> {
+    match frame {
+        WsMessage::Text(text) => {
+            let v: Value = serde_json::from_str(text.as_str())?;
+            Ok(Some(Msg {
+                channel: v["channel"].as_str().unwrap_or_default().to_owned(),
+                header: v["header"].clone(),
+                parent_header: v["parent_header"].clone(),
+                metadata: v["metadata"].clone(),
+                content: v["content"].clone(),
+                buffers: vec![],
+            }))
+        }
+        WsMessage::Binary(bytes) if v1 => {
+            let k = u64::from_le_bytes(bytes[0..8].try_into()?) as usize;
+            let offsets: Vec<usize> = (0..k)
+                .map(|i| {
+                    u64::from_le_bytes(bytes[8 + 8 * i..16 + 8 * i].try_into().unwrap()) as usize
+                })
+                .collect();
+            let parts: Vec<&[u8]> = offsets.windows(2).map(|w| &bytes[w[0]..w[1]]).collect();
+            Ok(Some(Msg {
+                channel: String::from_utf8(parts[0].to_vec())?,
+                header: serde_json::from_slice(parts[1])?,
+                parent_header: serde_json::from_slice(parts[2])?,
+                metadata: serde_json::from_slice(parts[3])?,
+                content: serde_json::from_slice(parts[4])?,
+                buffers: parts[5..].iter().map(|p| p.to_vec()).collect(),
+            }))
+        }
+        WsMessage::Binary(bytes) => {
+            let n = u32::from_be_bytes(bytes[0..4].try_into()?) as usize;
+            let mut offsets: Vec<usize> = (0..n)
+                .map(|i| {
+                    u32::from_be_bytes(bytes[4 + 4 * i..8 + 4 * i].try_into().unwrap()) as usize
+                })
+                .collect();
+            offsets.push(bytes.len());
+            let parts: Vec<&[u8]> = offsets.windows(2).map(|w| &bytes[w[0]..w[1]]).collect();
+            let v: Value = serde_json::from_slice(parts[0])?;
+            Ok(Some(Msg {
+                channel: v["channel"].as_str().unwrap_or_default().to_owned(),
+                header: v["header"].clone(),
+                parent_header: v["parent_header"].clone(),
+                metadata: v["metadata"].clone(),
+                content: v["content"].clone(),
+                buffers: parts[1..].iter().map(|p| p.to_vec()).collect(),
+            }))
+        }
+        _ => Ok(None),
+    }
+}
+
+impl Client {
+    /// Sends a message; returns its msg_id.
+    pub async fn send(
+        &mut self,
+        channel: &str,
+        msg_type: &str,
+        content: Value,
+        buffers: Vec<Vec<u8>>,
+    ) -> Result<String> {
+        let header = header(msg_type, &self.session);
+        let msg_id = header["msg_id"].as_str().unwrap_or_default().to_owned();
+        let frame = if self.v1 {
+            let parts = vec![
+                serde_json::to_vec(&header)?,
+                b"{}".to_vec(),
+                b"{}".to_vec(),
+                serde_json::to_vec(&content)?,
+            ];
+            let mut all = parts;
+            all.extend(buffers);
+            WsMessage::Binary(v1_encode(channel, &all).into())
+        } else {
+            let msg = json!({"header": header, "parent_header": {}, "metadata": {}, "content": content, "channel": channel});
+            if buffers.is_empty() {
+                WsMessage::Text(msg.to_string().into())
+            } else {
+                WsMessage::Binary(legacy_binary_encode(msg.to_string().as_bytes(), &buffers).into())
+            }
+        };
+        self.socket.send(frame).await?;
+        Ok(msg_id)
+    }
+
+    pub async fn execute(&mut self, code: &str) -> Result<String> {
+        self.send(
+            "shell",
+            "execute_request",
+            json!({"code": code, "silent": false, "store_history": true, "user_expressions": {}, "allow_stdin": true, "stop_on_error": true}),
+            vec![],
+        )
+        .await
+    }
+
+    /// The next Jupyter message, or an error after `timeout`.
+    pub async fn recv(&mut self, timeout: Duration) -> Result<Msg> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let frame = tokio::time::timeout(left, self.socket.next())
+                .await
+                .map_err(|_| anyhow!("no message within {timeout:?}"))?
+                .ok_or_else(|| anyhow!("socket closed"))??;
+            if let WsMessage::Close(frame) = &frame {
+                bail!("socket closed by the gateway: {frame:?}");
+            }
+            if let Some(msg) = decode_frame(frame, self.v1)? {
+                return Ok(msg);
+            }
+        }
+    }
+
+    /// Every message until the idle status of `msg_id` and its shell reply have both arrived.
+    pub async fn collect(&mut self, msg_id: &str, timeout: Duration) -> Result<Vec<Msg>> {
+        let deadline = Instant::now() + timeout;
+        let mut out = vec![];
+        let (mut idle, mut reply) = (false, false);
+        while !(idle && reply) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let msg = self.recv(left).await.with_context(|| {
+                format!(
+                    "waiting for {msg_id}; got so far: {:?}",
+                    out.iter()
+                        .map(|m: &Msg| m.msg_type().to_owned())
+                        .collect::<Vec<_>>()
+                )
+            })?;
+            if msg.is_idle_for(msg_id) {
+                idle = true;
+            }
+            if msg.channel == "shell" && msg.parent_id() == msg_id {
+                reply = true;
+            }
+            out.push(msg);
+        }
+        Ok(out)
+    }
+
+    pub async fn run(&mut self, code: &str) -> Result<Vec<Msg>> {
+        let id = self.execute(code).await?;
+        self.collect(&id, Duration::from_secs(60)).await
+    }
+
+    pub async fn close(mut self) {
+        let _ = self.socket.close(None).await;
+    }
+}
+
+/// Concatenated stdout of a list of messages.
+pub fn stdout(msgs: &[Msg]) -> String {
+    msgs.iter()
+        .filter(|m| m.msg_type() == "stream" && m.content["name"] == "stdout")
+        .map(|m| m.content["text"].as_str().unwrap_or_default())
+        .collect()
+}
+
+pub fn of_type<'a>(msgs: &'a [Msg], msg_type: &str) -> Vec<&'a Msg> {
+    msgs.iter().filter(|m| m.msg_type() == msg_type).collect()
+}
+
+pub fn reply(msgs: &[Msg]) -> &Msg {
+    msgs.iter()
+        .find(|m| m.channel == "shell" && m.msg_type().ends_with("_reply"))
+        .expect("a shell reply")
+}
+
+/// Whether a process is alive (and not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit_once(')')
+            .map(|(_, r)| r.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Pids of the processes whose command line contains `needle`.
+pub fn pids_with(needle: &str) -> Vec<u32> {
+    let mut out = vec![];
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            if String::from_utf8_lossy(&cmd).contains(needle) && alive(pid) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+/// Polls `check` until it holds or `timeout` passes.
+pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut check: F) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check()
+}
