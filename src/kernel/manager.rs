@@ -120,12 +120,10 @@ impl KernelManager {
 
     /// Shuts one kernel down and forgets it.
     pub async fn shutdown(&self, id: &str) -> Result<(), KernelError> {
-        let kernel = self
-            .kernels
-            .write()
-            .remove(id)
-            .ok_or(KernelError::NoSuchKernel)?;
+        let kernel = self.get(id).ok_or(KernelError::NoSuchKernel)?;
         kernel.shutdown().await;
+        // Listed until its process is gone, so a 404 means the kernel really is.
+        self.kernels.write().remove(id);
         Ok(())
     }
 

@@ -266,10 +266,11 @@ impl Router {
                 if let Some(parent) = parent.as_deref() {
                     if state.internal_parents.contains(parent) {
                         if let Some(status) = status {
-                            // The first status of any request ends `starting`, as in
-                            // jupyter_server; later internal ones do not touch the state.
+                            // The first status of any request ends `starting` with `idle`,
+                            // as in jupyter_server; the gateway's own requests never make a
+                            // kernel look busy.
                             if state.activity.execution_state == "starting" {
-                                state.activity.execution_state = status.clone();
+                                state.activity.execution_state = "idle".to_owned();
                             }
                             if status == "idle" {
                                 state.internal_parents.remove(parent);
@@ -278,12 +279,15 @@ impl Router {
                         return;
                     }
                 }
+                if message.msg_type() == "iopub_welcome" {
+                    // The welcome answers the gateway's own SUB subscription; clients never
+                    // subscribed and would see it arrive unasked after every restart.
+                    return;
+                }
                 if let Some(status) = status {
                     state.activity.execution_state = status;
                 }
-                if message.msg_type() != "iopub_welcome" {
-                    state.activity.last_activity = OffsetDateTime::now_utc();
-                }
+                state.activity.last_activity = OffsetDateTime::now_utc();
                 Self::broadcast_locked(&mut state, &message);
             }
             Channel::Shell | Channel::Control => {

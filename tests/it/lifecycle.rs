@@ -180,3 +180,81 @@ async fn no_kernel_survives_a_killed_gateway() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn message_mode_interrupts_go_over_control() -> anyhow::Result<()> {
+    let gateway = Gateway::builder()
+        .kernels_dir(repo().join("tests/kernels"))
+        .start()
+        .await?;
+    let kernel = gateway
+        .start_kernel_named("python3-message-interrupt")
+        .await?;
+    let mut client = gateway.connect(&kernel, "s-msg", false).await?;
+    let id = client.execute("import time; time.sleep(60)").await?;
+    loop {
+        if client.recv(Duration::from_secs(30)).await?.msg_type() == "execute_input" {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = gateway
+        .request(
+            reqwest::Method::POST,
+            &format!("/api/kernels/{kernel}/interrupt"),
+        )
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 204);
+    let msgs = client.collect(&id, Duration::from_secs(20)).await?;
+    assert_eq!(
+        of_type(&msgs, "error")[0].content["ename"],
+        "KeyboardInterrupt"
+    );
+    // The interrupt_reply went to the gateway, not to the client.
+    assert!(of_type(&msgs, "interrupt_reply").is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn idle_kernels_are_culled_and_busy_or_connected_ones_kept() -> anyhow::Result<()> {
+    let gateway = Gateway::builder()
+        .args(&["--cull-idle-timeout", "1", "--cull-interval", "1"])
+        .start()
+        .await?;
+    let idle = gateway.start_kernel().await?;
+    let connected = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&connected, "keep", false).await?;
+    client.run("1").await?;
+    let culled = async {
+        loop {
+            let (status, _) = gateway
+                .get_json(&format!("/api/kernels/{idle}"))
+                .await
+                .unwrap();
+            if status == 404 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), culled).await?;
+    assert!(
+        pids_with(&idle).is_empty(),
+        "a culled kernel's process is gone"
+    );
+    let (status, model) = gateway
+        .get_json(&format!("/api/kernels/{connected}"))
+        .await?;
+    assert_eq!(
+        status, 200,
+        "a kernel with a connection is not culled: {model}"
+    );
+    let msgs = client.run("40 + 2").await?;
+    assert_eq!(
+        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+        "42"
+    );
+    Ok(())
+}

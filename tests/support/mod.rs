@@ -67,6 +67,10 @@ pub struct GatewayBuilder {
 }
 
 impl GatewayBuilder {
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
     pub fn arg(mut self, arg: &str) -> Self {
         self.args.push(arg.to_owned());
         self
@@ -186,9 +190,13 @@ impl Gateway {
     }
 
     pub async fn start_kernel(&self) -> Result<String> {
+        self.start_kernel_named("python3").await
+    }
+
+    pub async fn start_kernel_named(&self, name: &str) -> Result<String> {
         let response = self
             .request(reqwest::Method::POST, "/api/kernels")
-            .json(&json!({"name": "python3"}))
+            .json(&json!({"name": name}))
             .send()
             .await?;
         if response.status().as_u16() != 201 {

@@ -164,8 +164,8 @@ fn internal_requests_are_hidden_and_answered() {
     ));
     assert!(drain(&mut rx).is_empty());
     assert_eq!(reply.try_recv().unwrap().msg_id(), "ki");
-    // The first status moved the kernel out of `starting`.
-    assert_eq!(router.activity().execution_state, "busy");
+    // The first status moved the kernel out of `starting`, and not to busy.
+    assert_eq!(router.activity().execution_state, "idle");
     router.deliver(msg(
         Channel::Iopub,
         "status",

@@ -34,7 +34,7 @@ fn v1_layout_matches_the_captured_kernel_info_request() {
     let header = format!(
         "{{\"msg_id\":\"{}\",\"msg_type\":\"kernel_info_request\",\"pad\":\"{}\"}}",
         "m".repeat(10),
-        "x".repeat(187 - 67)
+        "x".repeat(187 - 65)
     );
     assert_eq!(header.len(), 187);
     let frame = v1_frame(&[b"shell", header.as_bytes(), b"{}", b"{}", b"{}"]);

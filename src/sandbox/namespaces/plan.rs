@@ -1,0 +1,101 @@
+//! What the gateway tells the sandbox helper to build, and what the helper reports back.
+//!
+//! The gateway decides everything (paths, identities, limits, the kernel's command) and
+//! writes one [`Plan`] as a JSON line to the helper's stdin. The helper and the in-sandbox
+//! init answer with [`Event`]s, one JSON line each, on the helper's stdout. Keeping the
+//! decisions on the gateway side means the code that runs inside the sandbox has no policy of
+//! its own and can be read as a fixed sequence of steps.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// The line the gateway writes after the plan, once the helper's user namespace has its
+/// uid/gid maps and the helper sits in the kernel's cgroups.
+pub const GO: &str = "go";
+
+/// One sandbox, as the helper must build it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Plan {
+    pub kernel_id: String,
+    /// The kernel's command; `argv[0]` is an absolute path valid inside the sandbox.
+    pub argv: Vec<String>,
+    /// The kernel's complete environment.
+    pub env: BTreeMap<String, String>,
+    /// The kernel's working directory: a fresh tmpfs of `workspace_bytes` at this path.
+    pub workspace: PathBuf,
+    pub workspace_bytes: u64,
+    /// Size of the private `/tmp` (and of `/dev/shm`).
+    pub tmp_bytes: u64,
+    /// The kernel's runtime directory, bind-mounted read-write at the same path.
+    pub runtime_dir: PathBuf,
+    /// Host directories made visible read-only at the same path (the Python environment).
+    pub ro_binds: Vec<PathBuf>,
+    /// The kernel's uid and gid inside the sandbox (never 0).
+    pub uid: u32,
+    pub gid: u32,
+    pub hostname: String,
+    /// `RLIMIT_AS` for the kernel, set only when no memory cgroup could be made.
+    pub address_space_limit: Option<u64>,
+    /// Whether to add a Landlock ruleset (best effort: skipped where the kernel lacks it).
+    pub landlock: bool,
+}
+
+/// A report from the helper or the init, in the order they happen.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// The helper has its new user namespace and waits for its id maps and cgroups.
+    Unshared,
+    /// The init (PID 1 of the sandbox) exists; `pid` is its host pid.
+    Init { pid: i32 },
+    /// The kernel process has exec'd its program; `pid` is its pid inside the sandbox.
+    Kernel { pid: i32 },
+    /// A step failed; nothing of the sandbox is left running after this.
+    Failed { stage: String, error: String },
+    /// The kernel process ended (the init then ends every other process of the sandbox).
+    Exited { code: Option<i32>, signal: Option<i32> },
+}
+
+impl Event {
+    /// One JSON line.
+    pub fn to_line(&self) -> String {
+        // Serialising this enum cannot fail (strings and integers only); keep a readable
+        // fallback all the same rather than a panic inside the sandbox.
+        let mut line = serde_json::to_string(self).unwrap_or_else(|_| {
+            r#"{"event":"failed","stage":"report","error":"cannot encode an event"}"#.to_owned()
+        });
+        line.push('\n');
+        line
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_round_trip_as_tagged_lines() {
+        let events = [
+            Event::Unshared,
+            Event::Init { pid: 42 },
+            Event::Kernel { pid: 2 },
+            Event::Failed {
+                stage: "mount".into(),
+                error: "EPERM".into(),
+            },
+            Event::Exited {
+                code: None,
+                signal: Some(9),
+            },
+        ];
+        for event in events {
+            let line = event.to_line();
+            assert!(line.ends_with('\n'));
+            let back: Event = serde_json::from_str(line.trim_end()).unwrap();
+            assert_eq!(back, event);
+        }
+        assert_eq!(Event::Unshared.to_line(), "{\"event\":\"unshared\"}\n");
+    }
+}
