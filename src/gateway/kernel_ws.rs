@@ -19,11 +19,11 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
 use serde::Deserialize;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::kernels::is_kernel_id;
 use super::state::AppState;
-use crate::kernel::Kernel;
+use crate::kernel::{client_queue, Kernel};
 use crate::protocol::websocket::{self, Frame, Framing, V1_SUBPROTOCOL};
 use crate::protocol::Message;
 
@@ -74,6 +74,10 @@ pub async fn channels(
     let upgrade = upgrade
         .protocols([V1_SUBPROTOCOL])
         .max_message_size(state.config.max_message_bytes)
+        // Read buffers are allocated per socket; most client frames are small, so keep idle
+        // connections cheap (tungstenite's default is 128 KiB).
+        .read_buffer_size(8 << 10)
+        .write_buffer_size(8 << 10)
         .max_frame_size(state.config.max_message_bytes);
     let framing = if upgrade.selected_protocol().is_some() {
         Framing::V1
@@ -127,7 +131,7 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
             .await;
         return;
     }
-    let (outbox, mut inbox) = mpsc::unbounded_channel::<Arc<Message>>();
+    let (outbox, mut inbox) = client_queue();
     let (client, replayed) = kernel.router().attach(&session, outbox);
     tracing::info!(kernel_id = %kernel.id, session_id = %session, ?framing, replayed, "client connected");
     let (close_tx, mut close_rx) = oneshot::channel::<CloseFrame>();
@@ -139,15 +143,20 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
             tokio::select! {
                 message = inbox.recv() => {
                     let Some(message) = message else {
-                        // The kernel was shut down: its router let go of us.
-                        let _ = sink.send(WsMessage::Close(Some(CloseFrame { code: 1001, reason: "kernel shut down".into() }))).await;
+                        // The router let go of us: too slow, or the kernel was shut down.
+                        let frame = if inbox.evicted() {
+                            CloseFrame { code: 1008, reason: "client too slow: its output queue passed the limit".into() }
+                        } else {
+                            CloseFrame { code: 1001, reason: "kernel shut down".into() }
+                        };
+                        let _ = sink.send(WsMessage::Close(Some(frame))).await;
                         return;
                     };
                     let mut batch = vec![message];
                     while batch.len() < WRITE_BATCH {
                         match inbox.try_recv() {
-                            Ok(more) => batch.push(more),
-                            Err(_) => break,
+                            Some(more) => batch.push(more),
+                            None => break,
                         }
                     }
                     for message in &batch {

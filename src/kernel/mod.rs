@@ -15,7 +15,7 @@ use std::path::PathBuf;
 pub use channels::DROPPED_INVALID;
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
 pub use manager::{KernelManager, ManagerOptions};
-pub use router::{ClientId, Outbox, Router};
+pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
 pub use spec::{KernelSpec, KernelSpecs};
 
 use crate::protocol::Channel;

@@ -30,8 +30,83 @@ use crate::protocol::{Channel, Message};
 /// Identifies one attached WebSocket.
 pub type ClientId = u64;
 
-/// What a client's writer task receives.
-pub type Outbox = mpsc::UnboundedSender<Arc<Message>>;
+/// Bytes queued for one client before it counts as too slow and is disconnected (its session
+/// then buffers like any disconnected one). Without this a stalled reader grows the gateway's
+/// memory without bound.
+pub const MAX_CLIENT_QUEUE_BYTES: usize = 256 << 20;
+
+/// The router's end of one client's queue.
+#[derive(Clone)]
+pub struct Outbox {
+    tx: mpsc::UnboundedSender<Arc<Message>>,
+    shared: Arc<QueueState>,
+}
+
+/// The writer's end of one client's queue.
+pub struct Inbox {
+    rx: mpsc::UnboundedReceiver<Arc<Message>>,
+    shared: Arc<QueueState>,
+}
+
+#[derive(Default)]
+struct QueueState {
+    bytes: std::sync::atomic::AtomicUsize,
+    evicted: std::sync::atomic::AtomicBool,
+}
+
+/// A queue from the router to one client's writer, with byte accounting.
+pub fn client_queue() -> (Outbox, Inbox) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let shared = Arc::new(QueueState::default());
+    (
+        Outbox {
+            tx,
+            shared: shared.clone(),
+        },
+        Inbox { rx, shared },
+    )
+}
+
+impl Outbox {
+    /// Queues a message; false when the client is over its limit.
+    fn push(&self, message: Arc<Message>) -> bool {
+        use std::sync::atomic::Ordering;
+        let size = message.byte_len();
+        if self.shared.bytes.fetch_add(size, Ordering::Relaxed) + size > MAX_CLIENT_QUEUE_BYTES {
+            self.shared.evicted.store(true, Ordering::Relaxed);
+            return false;
+        }
+        let _ = self.tx.send(message);
+        true
+    }
+}
+
+impl Inbox {
+    fn account(&self, message: &Arc<Message>) {
+        self.shared
+            .bytes
+            .fetch_sub(message.byte_len(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub async fn recv(&mut self) -> Option<Arc<Message>> {
+        let message = self.rx.recv().await?;
+        self.account(&message);
+        Some(message)
+    }
+
+    pub fn try_recv(&mut self) -> Option<Arc<Message>> {
+        let message = self.rx.try_recv().ok()?;
+        self.account(&message);
+        Some(message)
+    }
+
+    /// Whether the router dropped this client for being too slow.
+    pub fn evicted(&self) -> bool {
+        self.shared
+            .evicted
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
 
 /// Requests whose replies are still expected are remembered up to this many; older entries
 /// are forgotten (a request without a reply, such as `comm_msg`, must not leak forever).
@@ -136,7 +211,7 @@ impl Router {
         if let Some(buffer) = state.offline.remove(session) {
             replayed = buffer.messages.len();
             for message in buffer.messages {
-                let _ = outbox.send(message);
+                outbox.push(message);
             }
             if buffer.dropped > 0 {
                 let notice = Message::new(
@@ -153,7 +228,7 @@ impl Router {
                         ),
                     }),
                 );
-                let _ = outbox.send(Arc::new(notice));
+                outbox.push(Arc::new(notice));
             }
             tracing::info!(kernel_id = %self.kernel_id, session, replayed, "replayed buffered messages");
         }
@@ -171,6 +246,10 @@ impl Router {
     /// is buffered from now on.
     pub fn detach(&self, id: ClientId) {
         let mut state = self.state.lock();
+        Self::detach_locked(&mut state, id);
+    }
+
+    fn detach_locked(state: &mut State, id: ClientId) {
         let Some(client) = state.clients.remove(&id) else {
             return;
         };
@@ -329,8 +408,18 @@ impl Router {
     }
 
     fn broadcast_locked(state: &mut State, message: &Arc<Message>) {
-        for client in state.clients.values() {
-            let _ = client.outbox.send(message.clone());
+        let mut too_slow = Vec::new();
+        for (id, client) in &state.clients {
+            if !client.outbox.push(message.clone()) {
+                too_slow.push(*id);
+            }
+        }
+        for id in too_slow {
+            tracing::warn!(
+                client = id,
+                "disconnecting a client that does not keep up with the kernel's output"
+            );
+            Self::detach_locked(state, id);
         }
         for buffer in state.offline.values_mut() {
             Self::buffer(buffer, message);
@@ -349,7 +438,7 @@ impl Router {
 
     fn route_locked(&self, state: &mut State, requester: &Requester, message: Arc<Message>) {
         if let Some(client) = state.clients.get(&requester.client) {
-            let _ = client.outbox.send(message);
+            client.outbox.push(message);
             return;
         }
         if let Some(client) = state
@@ -357,7 +446,7 @@ impl Router {
             .values()
             .find(|c| c.session == requester.session)
         {
-            let _ = client.outbox.send(message);
+            client.outbox.push(message);
             return;
         }
         if let Some(buffer) = state.offline.get_mut(&requester.session) {

@@ -21,9 +21,9 @@ fn request(id: &str) -> Message {
     msg(Channel::Shell, "execute_request", id, None, "{}")
 }
 
-fn drain(rx: &mut mpsc::UnboundedReceiver<Arc<Message>>) -> Vec<String> {
+fn drain(rx: &mut Inbox) -> Vec<String> {
     let mut out = vec![];
-    while let Ok(m) = rx.try_recv() {
+    while let Some(m) = rx.try_recv() {
         out.push(m.msg_id().to_owned());
     }
     out
@@ -32,8 +32,8 @@ fn drain(rx: &mut mpsc::UnboundedReceiver<Arc<Message>>) -> Vec<String> {
 #[test]
 fn replies_go_to_the_requester_and_iopub_to_all() {
     let router = Router::new("k");
-    let (a_tx, mut a) = mpsc::unbounded_channel();
-    let (b_tx, mut b) = mpsc::unbounded_channel();
+    let (a_tx, mut a) = client_queue();
+    let (b_tx, mut b) = client_queue();
     let (a_id, _) = router.attach("sa", a_tx);
     let (_b_id, _) = router.attach("sb", b_tx);
     router.register_request(a_id, "sa", &request("r1"));
@@ -63,10 +63,10 @@ fn a_newer_socket_with_the_same_session_gets_the_reply() {
     // The Kernel Gateway race: the old socket closes after sending a request and a new one
     // with the same session_id attaches before the reply arrives.
     let router = Router::new("k");
-    let (old_tx, _old) = mpsc::unbounded_channel();
+    let (old_tx, _old) = client_queue();
     let (old_id, _) = router.attach("s", old_tx);
     router.register_request(old_id, "s", &request("r1"));
-    let (new_tx, mut new) = mpsc::unbounded_channel();
+    let (new_tx, mut new) = client_queue();
     router.attach("s", new_tx);
     router.detach(old_id);
     router.deliver(msg(
@@ -82,7 +82,7 @@ fn a_newer_socket_with_the_same_session_gets_the_reply() {
 #[test]
 fn offline_output_is_replayed_once_to_the_same_session_only() {
     let router = Router::new("k");
-    let (tx, _rx) = mpsc::unbounded_channel();
+    let (tx, _rx) = client_queue();
     let (id, _) = router.attach("s", tx);
     router.register_request(id, "s", &request("r1"));
     router.detach(id);
@@ -101,11 +101,11 @@ fn offline_output_is_replayed_once_to_the_same_session_only() {
         Some("r1"),
         r#"{"execution_state":"idle"}"#,
     ));
-    let (other_tx, mut other) = mpsc::unbounded_channel();
+    let (other_tx, mut other) = client_queue();
     let (_, replayed) = router.attach("different", other_tx);
     assert_eq!(replayed, 0);
     assert!(drain(&mut other).is_empty());
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = client_queue();
     let (_, replayed) = router.attach("s", tx);
     assert_eq!(replayed, 3);
     assert_eq!(drain(&mut rx), ["o1", "rep", "o2"]);
@@ -118,8 +118,8 @@ fn offline_output_is_replayed_once_to_the_same_session_only() {
 #[test]
 fn input_requests_follow_the_execute() {
     let router = Router::new("k");
-    let (a_tx, mut a) = mpsc::unbounded_channel();
-    let (b_tx, mut b) = mpsc::unbounded_channel();
+    let (a_tx, mut a) = client_queue();
+    let (b_tx, mut b) = client_queue();
     let (a_id, _) = router.attach("sa", a_tx);
     router.attach("sb", b_tx);
     router.register_request(a_id, "sa", &request("r1"));
@@ -137,7 +137,7 @@ fn input_requests_follow_the_execute() {
 #[test]
 fn internal_requests_are_hidden_and_answered() {
     let router = Router::new("k");
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = client_queue();
     router.attach("s", tx);
     let mut reply = router.register_internal("nudge");
     assert_eq!(router.activity().execution_state, "starting");
@@ -180,16 +180,33 @@ fn internal_requests_are_hidden_and_answered() {
 #[test]
 fn offline_buffer_is_bounded_and_says_what_it_dropped() {
     let router = Router::new("k");
-    let (tx, _rx) = mpsc::unbounded_channel();
+    let (tx, _rx) = client_queue();
     let (id, _) = router.attach("s", tx);
     router.detach(id);
     let big = format!(r#"{{"text":"{}"}}"#, "x".repeat(1 << 20));
     for i in 0..80 {
         router.deliver(msg(Channel::Iopub, "stream", &format!("o{i}"), None, &big));
     }
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = client_queue();
     let (_, replayed) = router.attach("s", tx);
     assert!(replayed < 80 && replayed > 50, "{replayed}");
     let all = drain(&mut rx);
     assert_eq!(all.len(), replayed + 1, "one notice follows the replay");
+}
+
+#[test]
+fn a_client_that_does_not_read_is_dropped_and_its_session_buffers() {
+    let router = Router::new("k");
+    let (slow_tx, slow) = client_queue();
+    let (fast_tx, mut fast) = client_queue();
+    router.attach("slow", slow_tx);
+    router.attach("fast", fast_tx);
+    let big = format!(r#"{{"text":"{}"}}"#, "x".repeat(1 << 20));
+    for i in 0..300 {
+        router.deliver(msg(Channel::Iopub, "stream", &format!("o{i}"), None, &big));
+        // The fast client keeps up.
+        assert_eq!(drain(&mut fast).len(), 1);
+    }
+    assert!(slow.evicted());
+    assert_eq!(router.connections(), 1);
 }
