@@ -299,3 +299,59 @@ async fn malformed_frames_close_only_their_socket() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn kernelspec_resources_are_served() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let (_, specs) = gateway.get_json("/api/kernelspecs").await?;
+    let resources = &specs["kernelspecs"]["python3"]["resources"];
+    let logo = resources["logo-64x64"].as_str().expect("a 64x64 logo");
+    assert_eq!(logo, "/kernelspecs/python3/logo-64x64.png");
+    let response = gateway.request(reqwest::Method::GET, logo).send().await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.headers()["content-type"], "image/png");
+    let bytes = response.bytes().await?;
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(resources["logo-svg"].as_str().unwrap().ends_with("logo-svg.svg"));
+    // Nothing else in the spec's directory is reachable.
+    for path in ["/kernelspecs/python3/kernel.json", "/kernelspecs/python3/..%2Fpython3%2Fkernel.json", "/kernelspecs/python3/requirements.txt"] {
+        let status = gateway.request(reqwest::Method::GET, path).send().await?.status().as_u16();
+        assert_eq!(status, 404, "{path}");
+    }
+    Ok(())
+}
+
+/// Browsers send preflights without credentials; Kernel Gateway refuses them (403), so browser
+/// apps cannot talk to it. We answer them before auth.
+#[tokio::test]
+async fn cors_preflight_is_answered_before_auth() -> anyhow::Result<()> {
+    let gateway = Gateway::builder().args(&["--allow-origin", "https://app.example"]).start().await?;
+    let response = reqwest::Client::new()
+        .request(reqwest::Method::OPTIONS, format!("{}/api/kernels", gateway.base))
+        .header("Origin", "https://app.example")
+        .header("Access-Control-Request-Method", "POST")
+        .header("Access-Control-Request-Headers", "authorization, content-type")
+        .send()
+        .await?;
+    assert!(response.status().is_success(), "{}", response.status());
+    assert_eq!(response.headers()["access-control-allow-origin"], "https://app.example");
+    let allowed = response.headers()["access-control-allow-headers"].to_str()?.to_lowercase();
+    assert!(allowed.contains("authorization"), "{allowed}");
+    // The actual request still needs the token, and carries the CORS header.
+    let response = reqwest::Client::new()
+        .get(format!("{}/api/kernels", gateway.base))
+        .header("Origin", "https://app.example")
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 401);
+    let response = gateway.request(reqwest::Method::GET, "/api/kernels").header("Origin", "https://app.example").send().await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.headers()["access-control-allow-origin"], "https://app.example");
+    // Another origin gets no CORS grant (the header, as in Kernel Gateway, names only the
+    // configured origin, which the browser compares with its own).
+    let response = gateway.request(reqwest::Method::GET, "/api/kernels").header("Origin", "https://evil.example").send().await?;
+    let granted = response.headers().get("access-control-allow-origin").map(|v| v.to_str().unwrap_or_default().to_owned());
+    assert_ne!(granted.as_deref(), Some("https://evil.example"));
+    assert_ne!(granted.as_deref(), Some("*"));
+    Ok(())
+}
