@@ -6,6 +6,7 @@
 //!   shutdown) and the registry of kernels.
 //! - [`sandbox`]: where a kernel process runs; one trait, one module per backend.
 //! - [`protocol`]: the Jupyter wire format: multipart codec, signing, WebSocket framings.
+//! - [`policy`]: policy files (sandbox backend and limits), parsed and validated.
 //! - [`config`]: the gateway's settings from the command line, environment and file.
 
 #![deny(unsafe_code)]
@@ -13,6 +14,7 @@
 pub mod config;
 pub mod gateway;
 pub mod kernel;
+pub mod policy;
 pub mod protocol;
 pub mod sandbox;
 pub mod telemetry;

@@ -1,0 +1,342 @@
+//! Policies: named, documented TOML files in `policies/` that say how a tenant's kernels run.
+//! This part covers the sandbox backend and the limits; packages and egress come with their
+//! own sections.
+//!
+//! Every field has a default (the values of `policies/default.toml`), a unit, and is
+//! validated on load; unknown fields are refused with the file and line, so a typo never
+//! silently means "no limit". After loading, policies are plain values: no IO, no state.
+//!
+//! Must not depend on: kernels, HTTP. (It names a sandbox backend, nothing more.)
+
+mod units;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::sandbox::Backend;
+pub use units::{parse_duration, parse_size};
+
+/// Errors in policy files.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}: {field}: {reason}")]
+    Invalid {
+        path: PathBuf,
+        field: &'static str,
+        reason: String,
+    },
+    #[error("no policy named {name:?} (known: {known})")]
+    Unknown { name: String, known: String },
+    #[error("no policies in {0} (a default.toml is required)")]
+    NoDefault(PathBuf),
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyFile {
+    description: Option<String>,
+    #[serde(default)]
+    sandbox: SandboxSection,
+    #[serde(default)]
+    limits: LimitsSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SandboxSection {
+    backend: Option<Backend>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LimitsSection {
+    #[serde(default, with = "units::serde_duration")]
+    execution_timeout: Option<Duration>,
+    #[serde(default, with = "units::serde_duration")]
+    interrupt_grace: Option<Duration>,
+    #[serde(default, with = "units::serde_duration")]
+    idle_timeout: Option<Duration>,
+    #[serde(default, with = "units::serde_duration")]
+    lifetime: Option<Duration>,
+    #[serde(default, with = "units::serde_size")]
+    memory: Option<u64>,
+    cpus: Option<f64>,
+    pids: Option<u64>,
+    #[serde(default, with = "units::serde_size")]
+    workspace: Option<u64>,
+    #[serde(default, with = "units::serde_size")]
+    output_per_execution: Option<u64>,
+    max_kernels: Option<usize>,
+}
+
+/// The limits of one policy, with defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyLimits {
+    /// A cell running longer is interrupted…
+    pub execution_timeout: Duration,
+    /// …and if it is still running this much later, the kernel is restarted.
+    pub interrupt_grace: Duration,
+    /// A kernel with no activity this long is shut down.
+    pub idle_timeout: Duration,
+    /// A kernel is shut down this long after it started, whatever it does.
+    pub lifetime: Duration,
+    pub memory_bytes: u64,
+    /// Thousandths of a CPU.
+    pub cpu_millis: u32,
+    pub pids: u64,
+    pub workspace_bytes: u64,
+    /// Output of one execution beyond this is dropped (with a marker); the kernel keeps running.
+    pub output_per_execution_bytes: u64,
+    /// Kernels under this policy at once.
+    pub max_kernels: usize,
+}
+
+impl Default for PolicyLimits {
+    fn default() -> Self {
+        PolicyLimits {
+            execution_timeout: Duration::from_secs(300),
+            interrupt_grace: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30 * 60),
+            lifetime: Duration::from_secs(12 * 3600),
+            memory_bytes: 1 << 30,
+            cpu_millis: 1000,
+            pids: 256,
+            workspace_bytes: 1 << 30,
+            output_per_execution_bytes: 10 << 20,
+            max_kernels: 64,
+        }
+    }
+}
+
+/// One named policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    pub name: String,
+    pub description: String,
+    pub backend: Backend,
+    pub limits: PolicyLimits,
+}
+
+fn invalid(path: &Path, field: &'static str, reason: impl Into<String>) -> PolicyError {
+    PolicyError::Invalid {
+        path: path.to_owned(),
+        field,
+        reason: reason.into(),
+    }
+}
+
+impl Policy {
+    /// Parses one policy file; `name` is the file's stem.
+    pub fn parse(name: &str, path: &Path, text: &str) -> Result<Policy, PolicyError> {
+        let file: PolicyFile = toml::from_str(text).map_err(|err| PolicyError::Parse {
+            path: path.to_owned(),
+            message: err.to_string(),
+        })?;
+        let d = PolicyLimits::default();
+        let l = file.limits;
+        let limits = PolicyLimits {
+            execution_timeout: l.execution_timeout.unwrap_or(d.execution_timeout),
+            interrupt_grace: l.interrupt_grace.unwrap_or(d.interrupt_grace),
+            idle_timeout: l.idle_timeout.unwrap_or(d.idle_timeout),
+            lifetime: l.lifetime.unwrap_or(d.lifetime),
+            memory_bytes: l.memory.unwrap_or(d.memory_bytes),
+            cpu_millis: match l.cpus {
+                None => d.cpu_millis,
+                Some(cpus) if cpus.is_finite() && cpus >= 0.01 && cpus <= 1024.0 => {
+                    (cpus * 1000.0).round() as u32
+                }
+                Some(cpus) => {
+                    return Err(invalid(
+                        path,
+                        "limits.cpus",
+                        format!("{cpus} is not between 0.01 and 1024"),
+                    ))
+                }
+            },
+            pids: l.pids.unwrap_or(d.pids),
+            workspace_bytes: l.workspace.unwrap_or(d.workspace_bytes),
+            output_per_execution_bytes: l
+                .output_per_execution
+                .unwrap_or(d.output_per_execution_bytes),
+            max_kernels: l.max_kernels.unwrap_or(d.max_kernels),
+        };
+        if limits.memory_bytes < 64 << 20 {
+            return Err(invalid(
+                path,
+                "limits.memory",
+                "below 64MiB a Python kernel cannot start",
+            ));
+        }
+        if limits.pids < 16 {
+            return Err(invalid(
+                path,
+                "limits.pids",
+                "below 16 ipykernel's own threads do not fit",
+            ));
+        }
+        if limits.execution_timeout.is_zero()
+            || limits.idle_timeout.is_zero()
+            || limits.lifetime.is_zero()
+        {
+            return Err(invalid(path, "limits", "timeouts must be longer than zero"));
+        }
+        if limits.workspace_bytes < 1 << 20 {
+            return Err(invalid(path, "limits.workspace", "below 1MiB"));
+        }
+        if limits.max_kernels == 0 {
+            return Err(invalid(path, "limits.max_kernels", "must be at least 1"));
+        }
+        Ok(Policy {
+            name: name.to_owned(),
+            description: file.description.unwrap_or_default(),
+            backend: file.sandbox.backend.unwrap_or(Backend::Namespaces),
+            limits,
+        })
+    }
+
+    pub fn load(path: &Path) -> Result<Policy, PolicyError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Policy::parse(&name, path, &text)
+    }
+}
+
+/// All policies of a gateway, by name. `default` always exists.
+#[derive(Debug, Clone)]
+pub struct Policies {
+    by_name: BTreeMap<String, Policy>,
+}
+
+impl Policies {
+    /// Loads every `*.toml` in `dir`; one bad file fails the whole load, so a gateway never
+    /// starts with a policy silently missing.
+    pub fn load(dir: &Path) -> Result<Policies, PolicyError> {
+        let entries = std::fs::read_dir(dir).map_err(|source| PolicyError::Read {
+            path: dir.to_owned(),
+            source,
+        })?;
+        let mut by_name = BTreeMap::new();
+        let mut paths: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+            .collect();
+        paths.sort();
+        for path in paths {
+            let policy = Policy::load(&path)?;
+            by_name.insert(policy.name.clone(), policy);
+        }
+        if !by_name.contains_key("default") {
+            return Err(PolicyError::NoDefault(dir.to_owned()));
+        }
+        Ok(Policies { by_name })
+    }
+
+    pub fn get(&self, name: &str) -> Result<&Policy, PolicyError> {
+        self.by_name.get(name).ok_or_else(|| PolicyError::Unknown {
+            name: name.to_owned(),
+            known: self.by_name.keys().cloned().collect::<Vec<_>>().join(", "),
+        })
+    }
+
+    pub fn default_policy(&self) -> &Policy {
+        // load() refuses a directory without default.toml.
+        &self.by_name["default"]
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Policy> {
+        self.by_name.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Policy, PolicyError> {
+        Policy::parse("t", Path::new("policies/t.toml"), text)
+    }
+
+    #[test]
+    fn empty_file_means_defaults() {
+        let p = parse("").unwrap();
+        assert_eq!(p.limits, PolicyLimits::default());
+        assert_eq!(p.backend, Backend::Namespaces);
+    }
+
+    #[test]
+    fn fields_parse_with_units() {
+        let p = parse(
+            "description = \"x\"\n[sandbox]\nbackend = \"gvisor\"\n[limits]\nmemory = \"2GiB\"\ncpus = 1.5\nexecution_timeout = \"1m\"\n",
+        )
+        .unwrap();
+        assert_eq!(p.backend, Backend::Gvisor);
+        assert_eq!(p.limits.memory_bytes, 2 << 30);
+        assert_eq!(p.limits.cpu_millis, 1500);
+        assert_eq!(p.limits.execution_timeout, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_name_file_and_line() {
+        let err = parse("[limits]\nmemory = \"1GiB\"\nmemroy = \"2GiB\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("policies/t.toml") && err.contains("line 3") && err.contains("memroy"),
+            "{err}"
+        );
+        let err = parse("[limits]\nmemory = \"1GB\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2") && err.contains("GiB"), "{err}");
+        let err = parse("[limits]\ncpus = 0\n").unwrap_err().to_string();
+        assert!(err.contains("limits.cpus"), "{err}");
+        let err = parse("[limits]\nmemory = \"1MiB\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("limits.memory"), "{err}");
+        let err = parse("[sandbox]\nbackend = \"docker\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("docker"), "{err}");
+    }
+
+    #[test]
+    fn the_shipped_policies_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
+        let policies = Policies::load(&dir).unwrap();
+        let d = policies.default_policy();
+        assert_eq!(
+            d.limits,
+            PolicyLimits::default(),
+            "default.toml states the built-in defaults"
+        );
+        assert_eq!(d.backend, Backend::Namespaces);
+        for name in ["strict", "data-science"] {
+            let p = policies.get(name).unwrap();
+            assert!(!p.description.is_empty());
+        }
+        assert!(policies
+            .get("nope")
+            .unwrap_err()
+            .to_string()
+            .contains("default"));
+    }
+}
