@@ -153,9 +153,7 @@ impl Policy {
             memory_bytes: l.memory.unwrap_or(d.memory_bytes),
             cpu_millis: match l.cpus {
                 None => d.cpu_millis,
-                Some(cpus) if cpus.is_finite() && cpus >= 0.01 && cpus <= 1024.0 => {
-                    (cpus * 1000.0).round() as u32
-                }
+                Some(cpus) if (0.01..=1024.0).contains(&cpus) => (cpus * 1000.0).round() as u32,
                 Some(cpus) => {
                     return Err(invalid(
                         path,
