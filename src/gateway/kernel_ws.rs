@@ -53,6 +53,17 @@ fn origin_allowed(headers: &HeaderMap, allow_origin: Option<&str>) -> bool {
     origin_host.is_some() && origin_host == host
 }
 
+/// Whether the socket comes from jupyter_server's GatewayClient (JupyterLab with
+/// `--gateway-url`): a Tornado client without an Origin. It relays our frames to the browser
+/// as text and cannot take binary ones.
+fn is_gateway_client_relay(headers: &HeaderMap) -> bool {
+    let tornado = headers
+        .get(header::USER_AGENT)
+        .and_then(|ua| ua.to_str().ok())
+        .is_some_and(|ua| ua.starts_with("Tornado/"));
+    tornado && !headers.contains_key(header::ORIGIN)
+}
+
 pub async fn channels(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -81,6 +92,9 @@ pub async fn channels(
         .max_frame_size(state.config.max_message_bytes);
     let framing = if upgrade.selected_protocol().is_some() {
         Framing::V1
+    } else if is_gateway_client_relay(&headers) {
+        // jupyter_server's GatewayClient dies on binary frames (gateway-contract.md 1.12.6).
+        Framing::LegacyTextOnly
     } else {
         Framing::Legacy
     };
@@ -90,7 +104,11 @@ pub async fn channels(
 fn encode(message: &Message, framing: Framing) -> Option<WsMessage> {
     match framing {
         Framing::V1 => Some(WsMessage::Binary(websocket::encode_v1(message).into())),
-        Framing::Legacy => match websocket::encode_legacy(message) {
+        Framing::Legacy | Framing::LegacyTextOnly => match if framing == Framing::Legacy {
+            websocket::encode_legacy(message)
+        } else {
+            websocket::encode_legacy_text_only(message)
+        } {
             Ok(Frame::Text(text)) => Some(WsMessage::Text(text.into())),
             Ok(Frame::Binary(bytes)) => Some(WsMessage::Binary(bytes.into())),
             Err(err) => {
@@ -105,17 +123,24 @@ fn decode(
     frame: &WsMessage,
     framing: Framing,
 ) -> Option<Result<Message, crate::protocol::ProtocolError>> {
-    match (frame, framing) {
-        (WsMessage::Text(text), Framing::Legacy) => {
-            Some(websocket::decode_legacy_text(text.as_str()))
+    // Matched on the framing first, with no wildcard, so a new framing cannot silently
+    // drop client frames.
+    match framing {
+        // A v1 client that sends a JSON text frame means a legacy message.
+        Framing::Legacy | Framing::LegacyTextOnly | Framing::V1
+            if matches!(frame, WsMessage::Text(_)) =>
+        {
+            let text = frame.to_text().ok()?;
+            Some(websocket::decode_legacy_text(text))
         }
-        (WsMessage::Binary(bytes), Framing::Legacy) => Some(websocket::decode_legacy_binary(bytes)),
-        (WsMessage::Binary(bytes), Framing::V1) => Some(websocket::decode_v1(bytes)),
-        (WsMessage::Text(text), Framing::V1) => {
-            // Lenient: a v1 client that sends a JSON text frame means a legacy message.
-            Some(websocket::decode_legacy_text(text.as_str()))
-        }
-        _ => None,
+        Framing::Legacy | Framing::LegacyTextOnly => match frame {
+            WsMessage::Binary(bytes) => Some(websocket::decode_legacy_binary(bytes)),
+            _ => None,
+        },
+        Framing::V1 => match frame {
+            WsMessage::Binary(bytes) => Some(websocket::decode_v1(bytes)),
+            _ => None,
+        },
     }
 }
 

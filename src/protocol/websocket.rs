@@ -21,6 +21,8 @@ pub const V1_SUBPROTOCOL: &str = "v1.kernel.websocket.jupyter.org";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Framing {
     Legacy,
+    /// Legacy, but never a binary frame (see [`encode_legacy_text_only`]).
+    LegacyTextOnly,
     V1,
 }
 
@@ -227,6 +229,35 @@ pub fn encode_v1(message: &Message) -> Vec<u8> {
         out.extend_from_slice(part);
     }
     out
+}
+
+/// Encodes a message with buffers as a legacy *text* frame, buffers base64-encoded in its
+/// `buffers` list. For clients that cannot take binary frames: jupyter_server's gateway relay
+/// UTF-8-decodes every frame from the gateway, and one binary frame kills its reader (and every
+/// later message of that connection). Widgets that need the raw buffers degrade; the
+/// connection survives.
+pub fn encode_legacy_text_only(message: &Message) -> Result<Frame, ProtocolError> {
+    use base64::Engine;
+    if message.buffers.is_empty() {
+        return encode_legacy(message);
+    }
+    let mut without = message.clone();
+    without.buffers = Vec::new();
+    let Frame::Text(json) = encode_legacy(&without)? else {
+        return Err(ProtocolError::BadFrame("expected a text frame"));
+    };
+    let encoded: Vec<serde_json::Value> = message
+        .buffers
+        .iter()
+        .map(|b| base64::engine::general_purpose::STANDARD.encode(b).into())
+        .collect();
+    let list = serde_json::Value::Array(encoded).to_string();
+    // encode_legacy wrote `"buffers":[]` once, right before the channel.
+    Ok(Frame::Text(json.replacen(
+        ",\"buffers\":[],\"channel\":",
+        &format!(",\"buffers\":{list},\"channel\":"),
+        1,
+    )))
 }
 
 /// Encodes a kernel message for a legacy client: a text frame, or a binary frame when the

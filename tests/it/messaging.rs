@@ -169,3 +169,58 @@ async fn comm_buffers_legacy_framing() -> anyhow::Result<()> {
 async fn comm_buffers_v1_framing() -> anyhow::Result<()> {
     comm_buffers(true).await
 }
+
+/// jupyter_server's GatewayClient (User-Agent Tornado, no Origin) dies on binary frames, so it
+/// gets buffers base64-encoded in text frames and every later message still arrives.
+#[tokio::test]
+async fn gateway_client_relays_get_text_frames_only() -> anyhow::Result<()> {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut request = gateway.ws_url(&kernel, "relay").into_client_request()?;
+    request
+        .headers_mut()
+        .insert("Authorization", format!("token {TOKEN}").parse()?);
+    request
+        .headers_mut()
+        .insert("User-Agent", "Tornado/6.6.1".parse()?);
+    let (socket, _) = tokio_tungstenite::connect_async(request).await?;
+    let mut client = Client {
+        socket,
+        session: "relay".into(),
+        v1: false,
+    };
+    let code = "from comm import create_comm\nc = create_comm(target_name='t', data={}, buffers=[b'\\x00\\xffbin'])\nprint('after')";
+    let id = client.execute(code).await?;
+    let mut saw_comm = false;
+    let mut saw_after = false;
+    loop {
+        let frame = tokio::time::timeout(Duration::from_secs(30), client.socket.next())
+            .await?
+            .expect("open")?;
+        let text = match frame {
+            WsMessage::Text(text) => text,
+            WsMessage::Binary(_) => panic!("a binary frame reached a GatewayClient relay"),
+            _ => continue,
+        };
+        let msg: serde_json::Value = serde_json::from_str(text.as_str())?;
+        if msg["msg_type"] == "comm_open" {
+            assert_eq!(msg["buffers"], json!(["AP9iaW4="]));
+            saw_comm = true;
+        }
+        if msg["msg_type"] == "stream" && msg["content"]["text"] == "after\n" {
+            saw_after = true;
+        }
+        if msg["msg_type"] == "status"
+            && msg["content"]["execution_state"] == "idle"
+            && msg["parent_header"]["msg_id"] == id.as_str()
+        {
+            break;
+        }
+    }
+    assert!(saw_comm && saw_after);
+    Ok(())
+}

@@ -176,3 +176,21 @@ fn legacy_encoding_refuses_parts_that_are_not_json() {
     msg.content = Bytes::from_static(b"{\"a\": ");
     assert!(encode_legacy(&msg).is_err());
 }
+
+#[test]
+fn text_only_legacy_carries_buffers_as_base64() {
+    let msg = kernel_message(vec![Bytes::from_static(b"\x00\xffhi")]);
+    let Frame::Text(text) = encode_legacy_text_only(&msg).unwrap() else {
+        panic!("always text");
+    };
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["buffers"], serde_json::json!(["AP9oaQ=="]));
+    assert_eq!(v["channel"], "iopub");
+    assert_eq!(v["content"]["comm_id"], "c");
+    // Without buffers it is the ordinary text frame.
+    let plain = kernel_message(Vec::new());
+    assert_eq!(
+        encode_legacy_text_only(&plain).unwrap(),
+        encode_legacy(&plain).unwrap()
+    );
+}
