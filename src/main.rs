@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 
 use cellgate::config::{GatewayConfig, ServeArgs};
 use cellgate::kernel::{KernelManager, KernelOptions, KernelSpecs, ManagerOptions};
-use cellgate::sandbox::{Backend, ProcessSandbox, Sandbox};
+use cellgate::sandbox::{Backend, NamespacesConfig, NamespacesSandbox, ProcessSandbox, Sandbox};
 
 #[derive(Parser)]
 #[command(
@@ -30,6 +30,14 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The namespaces sandbox re-executes this binary as its in-sandbox helper; that mode must
+    // run before anything else (no runtime, no threads, no argument parsing).
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|arg| arg == cellgate::sandbox::SANDBOX_INIT_ARG)
+    {
+        cellgate::sandbox::sandbox_init_main()
+    }
     let cli = Cli::parse();
     cellgate::telemetry::init(cli.log_json);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -44,9 +52,12 @@ fn main() -> anyhow::Result<()> {
 fn make_sandbox(backend: Backend) -> anyhow::Result<Arc<dyn Sandbox>> {
     match backend {
         Backend::Process => Ok(Arc::new(ProcessSandbox::new()?)),
-        other => anyhow::bail!(
-            "the {} sandbox backend is not available yet; run with --sandbox process for development (no isolation)",
-            other.as_str()
+        Backend::Namespaces => Ok(Arc::new(
+            NamespacesSandbox::new(NamespacesConfig::default())
+                .context("the namespaces sandbox cannot run on this host")?,
+        )),
+        Backend::Gvisor => anyhow::bail!(
+            "the gvisor sandbox backend is not available yet; use --sandbox namespaces (the default)"
         ),
     }
 }

@@ -14,6 +14,7 @@
 //!
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
+mod namespaces;
 mod process;
 
 use std::collections::BTreeMap;
@@ -26,6 +27,9 @@ use tokio::sync::watch;
 
 use crate::protocol::ConnectionInfo;
 
+pub use namespaces::{
+    sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox, SANDBOX_INIT_ARG,
+};
 pub use process::ProcessSandbox;
 
 /// The sandbox backends, by the names policies and the config use.
@@ -176,4 +180,6 @@ pub enum SandboxError {
     Signal(#[source] std::io::Error),
     #[error("sandbox set-up failed: {0}")]
     Setup(String),
+    #[error(transparent)]
+    Namespaces(#[from] NamespacesError),
 }

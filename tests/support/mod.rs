@@ -36,6 +36,12 @@ pub fn kernels_dir() -> PathBuf {
     dir
 }
 
+/// The sandbox the tests run kernels in: the real default (`namespaces`) unless
+/// `CELLGATE_TEST_SANDBOX` names another.
+pub fn sandbox_backend() -> String {
+    std::env::var("CELLGATE_TEST_SANDBOX").unwrap_or_else(|_| "namespaces".to_owned())
+}
+
 /// The Python with jupyter_server, jupyter_client and Kernel Gateway (`.venv-tools`).
 pub fn tools_python() -> PathBuf {
     let python = std::env::var("CELLGATE_TOOLS_PYTHON")
@@ -92,7 +98,7 @@ impl GatewayBuilder {
         let mut command = Command::new(env!("CARGO_BIN_EXE_cellgate"));
         command
             .arg("serve")
-            .args(["--ip", "127.0.0.1", "--port", "0", "--sandbox", "process"])
+            .args(["--ip", "127.0.0.1", "--port", "0", "--sandbox", &sandbox_backend()])
             .arg("--kernels-dir")
             .arg(&self.kernels_dir)
             .args(&self.args)

@@ -30,7 +30,8 @@ pub struct Plan {
     pub tmp_bytes: u64,
     /// The kernel's runtime directory, bind-mounted read-write at the same path.
     pub runtime_dir: PathBuf,
-    /// Host directories made visible read-only at the same path (the Python environment).
+    /// Host directories and files made visible read-only at the same path (the Python
+    /// environment, files named in the command).
     pub ro_binds: Vec<PathBuf>,
     /// The kernel's uid and gid inside the sandbox (never 0).
     pub uid: u32,
@@ -55,7 +56,10 @@ pub enum Event {
     /// A step failed; nothing of the sandbox is left running after this.
     Failed { stage: String, error: String },
     /// The kernel process ended (the init then ends every other process of the sandbox).
-    Exited { code: Option<i32>, signal: Option<i32> },
+    Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
 }
 
 impl Event {

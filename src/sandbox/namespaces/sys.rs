@@ -1,11 +1,13 @@
 //! Thin wrappers over the Linux system calls the sandbox needs, each turning the C convention
 //! (`-1` and `errno`) into an [`io::Result`].
 //!
-//! Every `unsafe` block of the backend that calls into libc lives here, so the rest of the
-//! backend reads as ordinary Rust. The wrappers add no policy: they neither retry nor ignore
-//! errors. `libc` is used directly rather than `nix` or `rustix` because the calls are few,
-//! some are raw syscalls neither crate wraps (`mount_setattr`, `pidfd_send_signal` on an
-//! arbitrary fd, `capset` with a zero set), and the crate already depends on `libc`.
+//! Every call into libc of the backend lives here (the one exception is the gateway's
+//! `pre_exec` hook in `mod.rs`), so the rest of the backend reads as ordinary Rust; the only
+//! `unsafe` left to callers is [`fork`], whose contract (a single-threaded caller) cannot be
+//! checked here. The wrappers add no policy: they neither retry nor ignore errors. `libc` is
+//! used directly rather than `nix` or `rustix`: the calls are few, several are raw syscalls
+//! anyway (`mount_setattr`, `pivot_root`, `pidfd_*`, `capset` with an empty set), and the
+//! crate already depends on `libc`.
 
 #![allow(unsafe_code)]
 
@@ -83,10 +85,10 @@ pub const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
 pub const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
 pub const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
 
-/// mount_setattr(2) on a whole mount tree: sets `attr_set` on `target` and every mount below
-/// it. Unlike a `MS_REMOUNT|MS_BIND` remount it leaves the flags it is not asked to set alone,
-/// so it never trips over flags the host locked on the original mount.
-pub fn mount_setattr_recursive(target: &Path, attr_set: u64) -> io::Result<()> {
+/// mount_setattr(2): sets `attr_set` on the mount at `target` (and every mount below it when
+/// `recursive`). Unlike a `MS_REMOUNT|MS_BIND` remount it leaves the flags it is not asked to
+/// set alone, so it never trips over flags the host locked on the original mount.
+pub fn mount_setattr(target: &Path, attr_set: u64, recursive: bool) -> io::Result<()> {
     let target = cstring(target)?;
     let attr = MountAttr {
         attr_set,
@@ -101,7 +103,11 @@ pub fn mount_setattr_recursive(target: &Path, attr_set: u64) -> io::Result<()> {
             libc::SYS_mount_setattr,
             libc::AT_FDCWD,
             target.as_ptr(),
-            libc::AT_RECURSIVE as libc::c_uint,
+            if recursive {
+                libc::AT_RECURSIVE as libc::c_uint
+            } else {
+                0
+            },
             &attr as *const MountAttr,
             std::mem::size_of::<MountAttr>(),
         )
@@ -157,7 +163,16 @@ pub fn getegid() -> u32 {
 
 fn prctl(option: libc::c_int, arg2: libc::c_ulong) -> io::Result<()> {
     // SAFETY: every prctl option used in this module takes integer arguments only.
-    check(unsafe { libc::prctl(option, arg2, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong) }).map(drop)
+    check(unsafe {
+        libc::prctl(
+            option,
+            arg2,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    })
+    .map(drop)
 }
 
 pub fn set_parent_death_signal(signal: libc::c_int) -> io::Result<()> {
@@ -326,12 +341,13 @@ impl SignalSet {
     /// Waits for one of these (blocked) signals and returns it with the sender's pid.
     pub fn wait(&self) -> io::Result<(libc::c_int, libc::pid_t)> {
         loop {
-            // SAFETY: `info` is a valid out pointer; the set is initialised.
+            // SAFETY: an all-zero siginfo_t is a valid value of this plain C struct.
             let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `info` is a valid out pointer; the set is initialised.
             let rc = unsafe { libc::sigwaitinfo(&self.0, &mut info) };
             if rc >= 0 {
-                // SAFETY: si_pid is valid for signals sent by kill(2) and SIGCHLD; for others
-                // it reads as whatever the kernel filled in, which we only log.
+                // SAFETY: si_pid is valid for signals sent by kill(2) and for SIGCHLD; for
+                // others it reads whatever the kernel filled in, which callers only log.
                 let pid = unsafe { info.si_pid() };
                 return Ok((rc, pid));
             }
@@ -374,19 +390,17 @@ pub fn dup2(old: RawFd, new: RawFd) -> io::Result<()> {
     check(unsafe { libc::dup2(old, new) }).map(drop)
 }
 
-/// Moves `fd` to the lowest free descriptor at or above `min`, close-on-exec.
-pub fn dup_cloexec_above(fd: RawFd, min: RawFd) -> io::Result<OwnedFd> {
-    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor that we then own.
-    let new = check(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) })?;
-    // SAFETY: `new` was just created and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(new) })
-}
-
-/// Closes every descriptor from `first` up.
-pub fn close_from(first: RawFd) -> io::Result<()> {
-    // SAFETY: closing descriptors we own by inheritance; nothing of ours refers to them after
-    // this point (callers only use descriptors below `first`).
-    check(unsafe { libc::close_range(first as libc::c_uint, libc::c_uint::MAX, 0) }).map(drop)
+/// Closes every descriptor above stdio except `keep`.
+pub fn close_all_above_stdio_except(keep: RawFd) -> io::Result<()> {
+    let close_range = |first: RawFd, last: libc::c_uint| {
+        // SAFETY: closing descriptors this process inherited; nothing of ours refers to them
+        // afterwards (the caller keeps only stdio and `keep`).
+        check(unsafe { libc::close_range(first as libc::c_uint, last, 0) }).map(drop)
+    };
+    if keep > 3 {
+        close_range(3, (keep - 1) as libc::c_uint)?;
+    }
+    close_range(keep.max(2) + 1, libc::c_uint::MAX)
 }
 
 pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -422,7 +436,8 @@ pub fn pipe_hung_up(fd: &OwnedFd) -> bool {
 /// Brings the loopback interface of the current network namespace up.
 pub fn loopback_up() -> io::Result<()> {
     // SAFETY: socket(2) with constant arguments; the descriptor is wrapped at once.
-    let sock = check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
+    let sock =
+        check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
     // SAFETY: `sock` is new and ours.
     let sock = unsafe { OwnedFd::from_raw_fd(sock) };
     // SAFETY: an all-zero ifreq is valid; the name and flags are filled in below.

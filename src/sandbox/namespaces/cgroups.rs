@@ -1,0 +1,610 @@
+//! Memory, process-count and CPU limits through cgroups, v2 where the host delegates the
+//! controllers to a unified hierarchy and v1 otherwise.
+//!
+//! Runs in the gateway, which creates one cgroup per kernel process nested under the
+//! gateway's *own* cgroup (`<own>/cellgate/<kernel>`), so whoever accounts for the gateway
+//! (a systemd unit, a container, a job scheduler) still accounts for its kernels. The
+//! sandbox helper is moved into it before it creates the sandbox's init, so every process of
+//! the sandbox is inside from its first instruction; the init then unshares a cgroup
+//! namespace rooted there, so the kernel sees `/` as its cgroup.
+//!
+//! Layouts:
+//! * **v2** (`cgroup2` mount whose cgroup lists `memory` in `cgroup.controllers`):
+//!   `memory.max`, `memory.swap.max = 0`, `pids.max`, `cpu.max`. Enabling controllers for
+//!   children needs the gateway's own cgroup to have no processes of its own (the "no
+//!   internal processes" rule); if it has, creation fails and the gateway runs the kernel
+//!   without cgroup limits, saying so. Not exercised on the development hosts, which only
+//!   have v1 controllers.
+//! * **v1** (hybrid hosts such as ours: `cgroup` mounts per controller, the unified mount has
+//!   no controllers): `memory.limit_in_bytes` (and `memory.memsw.limit_in_bytes`, so swap is
+//!   no way around it), `pids.max`, `cpu.cfs_quota_us`/`cpu.cfs_period_us`, and `cpuacct`
+//!   for CPU accounting.
+//!
+//! Creating cgroups needs root or a delegated subtree. An unprivileged gateway without one
+//! gets no cgroup; the launcher then logs which limits are not enforced, and sets
+//! `RLIMIT_AS` for a memory limit as the nearest substitute.
+//!
+//! The pid limit counts threads as well as processes, and includes the sandbox's two helper
+//! processes (the helper outside and the init inside), which are added to the policy's
+//! number.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::sandbox::{Limits, ResourceUsage};
+
+/// The directory under the gateway's own cgroup that holds the kernels' cgroups.
+const PARENT: &str = "cellgate";
+
+/// CFS period for CPU limits.
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// Processes of the sandbox machinery that share the kernel's cgroup.
+pub const HELPER_PROCESSES: u64 = 2;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("cgroups unavailable: {0}")]
+    Unavailable(String),
+    #[error("cannot {what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> CgroupError {
+    let what = what.into();
+    move |source| CgroupError::Io { what, source }
+}
+
+/// One v1 controller hierarchy: its name and the gateway's own cgroup directory in it.
+#[derive(Debug, Clone)]
+pub struct V1Controller {
+    name: &'static str,
+    own_dir: PathBuf,
+}
+
+/// Where kernels' cgroups go on this host.
+#[derive(Debug, Clone)]
+pub enum Hierarchy {
+    V2 { own_dir: PathBuf },
+    V1 { controllers: Vec<V1Controller> },
+    Unavailable(String),
+}
+
+/// A mount of a cgroup file system, from /proc/self/mountinfo.
+struct CgroupMount {
+    root: String,
+    mount_point: PathBuf,
+    version: u8,
+    options: Vec<String>,
+}
+
+fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
+    let mut mounts = Vec::new();
+    for line in text.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let left: Vec<&str> = left.split(' ').collect();
+        let right: Vec<&str> = right.split(' ').collect();
+        let (Some(root), Some(mount_point), Some(fstype), Some(super_options)) =
+            (left.get(3), left.get(4), right.first(), right.get(2))
+        else {
+            continue;
+        };
+        let version = match *fstype {
+            "cgroup" => 1,
+            "cgroup2" => 2,
+            _ => continue,
+        };
+        mounts.push(CgroupMount {
+            root: unescape_mountinfo(root),
+            mount_point: PathBuf::from(unescape_mountinfo(mount_point)),
+            version,
+            options: super_options.split(',').map(str::to_owned).collect(),
+        });
+    }
+    mounts
+}
+
+/// mountinfo escapes spaces, tabs, newlines and backslashes as octal.
+fn unescape_mountinfo(field: &str) -> String {
+    field
+        .replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+/// The gateway's own cgroup paths from /proc/self/cgroup: `(controllers, path)` per line;
+/// the v2 line has no controllers.
+fn parse_proc_cgroup(text: &str) -> Vec<(Vec<String>, String)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let _id = parts.next()?;
+            let controllers = parts.next()?;
+            let path = parts.next()?;
+            let controllers = controllers
+                .split(',')
+                .filter(|c| !c.is_empty())
+                .map(str::to_owned)
+                .collect();
+            Some((controllers, path.to_owned()))
+        })
+        .collect()
+}
+
+/// The directory of cgroup `path` within a mount whose root is `root`.
+fn dir_in_mount(mount: &CgroupMount, path: &str) -> Option<PathBuf> {
+    let relative = if mount.root == "/" {
+        path.trim_start_matches('/')
+    } else {
+        path.strip_prefix(mount.root.as_str())?
+            .trim_start_matches('/')
+    };
+    Some(mount.mount_point.join(relative))
+}
+
+impl Hierarchy {
+    /// Looks at this process's mounts and cgroups.
+    pub fn detect() -> Hierarchy {
+        let (Ok(mountinfo), Ok(own)) = (
+            fs::read_to_string("/proc/self/mountinfo"),
+            fs::read_to_string("/proc/self/cgroup"),
+        ) else {
+            return Hierarchy::Unavailable(
+                "cannot read /proc/self/mountinfo or /proc/self/cgroup".into(),
+            );
+        };
+        Hierarchy::from_tables(&mountinfo, &own)
+    }
+
+    fn from_tables(mountinfo: &str, own: &str) -> Hierarchy {
+        let mounts = parse_mountinfo(mountinfo);
+        let own = parse_proc_cgroup(own);
+
+        // v2 first, when it carries the memory controller.
+        if let Some((_, path)) = own.iter().find(|(controllers, _)| controllers.is_empty()) {
+            for mount in mounts.iter().filter(|m| m.version == 2) {
+                let Some(dir) = dir_in_mount(mount, path) else {
+                    continue;
+                };
+                let controllers =
+                    fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
+                if controllers.split_whitespace().any(|c| c == "memory") {
+                    return Hierarchy::V2 { own_dir: dir };
+                }
+            }
+        }
+
+        let mut controllers = Vec::new();
+        for name in ["memory", "pids", "cpu", "cpuacct"] {
+            let Some((_, path)) = own.iter().find(|(ctls, _)| ctls.iter().any(|c| c == name))
+            else {
+                continue;
+            };
+            let Some(mount) = mounts
+                .iter()
+                .find(|m| m.version == 1 && m.options.iter().any(|o| o == name))
+            else {
+                continue;
+            };
+            if let Some(own_dir) = dir_in_mount(mount, path) {
+                controllers.push(V1Controller { name, own_dir });
+            }
+        }
+        if controllers.is_empty() {
+            Hierarchy::Unavailable(
+                "no cgroup v2 controllers and no v1 memory, pids or cpu hierarchy".into(),
+            )
+        } else {
+            Hierarchy::V1 { controllers }
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Hierarchy::V2 { own_dir } => format!("cgroup v2 under {}", own_dir.display()),
+            Hierarchy::V1 { controllers } => format!(
+                "cgroup v1 ({})",
+                controllers
+                    .iter()
+                    .map(|c| c.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Hierarchy::Unavailable(reason) => format!("no cgroups: {reason}"),
+        }
+    }
+
+    /// Creates the cgroup of one kernel process and writes its limits.
+    pub fn create(&self, name: &str, limits: &Limits) -> Result<KernelCgroup, CgroupError> {
+        match self {
+            Hierarchy::Unavailable(reason) => Err(CgroupError::Unavailable(reason.clone())),
+            Hierarchy::V2 { own_dir } => create_v2(own_dir, name, limits),
+            Hierarchy::V1 { controllers } => create_v1(controllers, name, limits),
+        }
+    }
+
+    /// Removes empty kernel cgroups a previous gateway left behind (one killed with SIGKILL
+    /// cannot clean up). rmdir refuses non-empty ones, so live kernels of another gateway
+    /// sharing our cgroup are safe; cgroups younger than a minute are left alone, since
+    /// another gateway may be about to move its sandbox helper into one it just created.
+    pub fn sweep(&self) {
+        let parents: Vec<PathBuf> = match self {
+            Hierarchy::V2 { own_dir } => vec![own_dir.join(PARENT)],
+            Hierarchy::V1 { controllers } => {
+                controllers.iter().map(|c| c.own_dir.join(PARENT)).collect()
+            }
+            Hierarchy::Unavailable(_) => Vec::new(),
+        };
+        for parent in parents {
+            let Ok(entries) = fs::read_dir(&parent) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let old = entry
+                    .metadata()
+                    .ok()
+                    .filter(|m| m.is_dir())
+                    .and_then(|m| m.modified().ok()?.elapsed().ok());
+                if old.is_some_and(|age| age > Duration::from_secs(60)) {
+                    let _ = fs::remove_dir(entry.path());
+                }
+            }
+        }
+    }
+}
+
+/// A cgroup name from a kernel id: only characters that are safe in a path component.
+pub fn cgroup_name(kernel_id: &str, unique: &str) -> String {
+    let clean: String = kernel_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    format!("{clean}.{unique}")
+}
+
+fn write(dir: &Path, file: &str, value: &str) -> Result<(), CgroupError> {
+    fs::write(dir.join(file), value).map_err(io_err(format!(
+        "write {value:?} to {}",
+        dir.join(file).display()
+    )))
+}
+
+fn make_dir(dir: &Path) -> Result<(), CgroupError> {
+    match fs::create_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(err) => Err(io_err(format!("create {}", dir.display()))(err)),
+    }
+}
+
+fn create_v2(own_dir: &Path, name: &str, limits: &Limits) -> Result<KernelCgroup, CgroupError> {
+    let parent = own_dir.join(PARENT);
+    make_dir(&parent)?;
+    let available = fs::read_to_string(own_dir.join("cgroup.controllers")).unwrap_or_default();
+    let wanted: Vec<&str> = ["memory", "pids", "cpu"]
+        .into_iter()
+        .filter(|c| available.split_whitespace().any(|a| a == *c))
+        .collect();
+    let enable = wanted
+        .iter()
+        .map(|c| format!("+{c}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    if !enable.is_empty() {
+        write(own_dir, "cgroup.subtree_control", &enable)?;
+        write(&parent, "cgroup.subtree_control", &enable)?;
+    }
+    let dir = parent.join(name);
+    make_dir(&dir)?;
+    let cgroup = KernelCgroup {
+        version: 2,
+        dirs: vec![("unified", dir.clone())],
+        memory_limited: false,
+    };
+    let result = (|| {
+        let mut memory_limited = false;
+        if let Some(bytes) = limits.memory_bytes {
+            write(&dir, "memory.max", &bytes.to_string())?;
+            if dir.join("memory.swap.max").exists() {
+                write(&dir, "memory.swap.max", "0")?;
+            }
+            memory_limited = true;
+        }
+        if let Some(pids) = limits.pids {
+            write(&dir, "pids.max", &(pids + HELPER_PROCESSES).to_string())?;
+        }
+        if let Some(millis) = limits.cpu_millis {
+            write(
+                &dir,
+                "cpu.max",
+                &format!("{} {CPU_PERIOD_US}", cpu_quota_us(millis)),
+            )?;
+        }
+        Ok(memory_limited)
+    })();
+    match result {
+        Ok(memory_limited) => Ok(KernelCgroup {
+            memory_limited,
+            ..cgroup
+        }),
+        Err(err) => {
+            cgroup.remove();
+            Err(err)
+        }
+    }
+}
+
+fn create_v1(
+    controllers: &[V1Controller],
+    name: &str,
+    limits: &Limits,
+) -> Result<KernelCgroup, CgroupError> {
+    let mut cgroup = KernelCgroup {
+        version: 1,
+        dirs: Vec::new(),
+        memory_limited: false,
+    };
+    let result = (|| {
+        for controller in controllers {
+            let parent = controller.own_dir.join(PARENT);
+            make_dir(&parent)?;
+            let dir = parent.join(name);
+            make_dir(&dir)?;
+            cgroup.dirs.push((controller.name, dir.clone()));
+            match controller.name {
+                "memory" => {
+                    if let Some(bytes) = limits.memory_bytes {
+                        write(&dir, "memory.limit_in_bytes", &bytes.to_string())?;
+                        // Swap must not be a way around the limit; absent without swap
+                        // accounting, so a failure here is not an error.
+                        let _ = write(&dir, "memory.memsw.limit_in_bytes", &bytes.to_string());
+                        cgroup.memory_limited = true;
+                    }
+                }
+                "pids" => {
+                    if let Some(pids) = limits.pids {
+                        write(&dir, "pids.max", &(pids + HELPER_PROCESSES).to_string())?;
+                    }
+                }
+                "cpu" => {
+                    if let Some(millis) = limits.cpu_millis {
+                        write(&dir, "cpu.cfs_period_us", &CPU_PERIOD_US.to_string())?;
+                        write(&dir, "cpu.cfs_quota_us", &cpu_quota_us(millis).to_string())?;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    })();
+    match result {
+        Ok(()) => Ok(cgroup),
+        Err(err) => {
+            cgroup.remove();
+            Err(err)
+        }
+    }
+}
+
+/// CFS quota for a share of CPUs in thousandths; the kernel's minimum is 1 ms.
+fn cpu_quota_us(millis: u32) -> u64 {
+    (u64::from(millis) * CPU_PERIOD_US / 1000).max(1000)
+}
+
+/// The cgroup (one directory per v1 controller, or one v2 directory) of one kernel process.
+#[derive(Debug)]
+pub struct KernelCgroup {
+    version: u8,
+    dirs: Vec<(&'static str, PathBuf)>,
+    memory_limited: bool,
+}
+
+impl KernelCgroup {
+    /// Whether a memory limit is enforced by this cgroup.
+    pub fn memory_limited(&self) -> bool {
+        self.memory_limited
+    }
+
+    /// Whether this cgroup enforces pid and CPU limits (it has those controllers).
+    pub fn has(&self, controller: &str) -> bool {
+        self.version == 2 || self.dirs.iter().any(|(name, _)| *name == controller)
+    }
+
+    /// Moves a process (and so its future children) into the cgroup.
+    pub fn join(&self, pid: u32) -> Result<(), CgroupError> {
+        for (_, dir) in &self.dirs {
+            write(dir, "cgroup.procs", &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn dir(&self, controller: &str) -> Option<&Path> {
+        self.dirs
+            .iter()
+            .find(|(name, _)| self.version == 2 || *name == controller)
+            .map(|(_, dir)| dir.as_path())
+    }
+
+    fn read_u64(&self, controller: &str, file: &str) -> Option<u64> {
+        fs::read_to_string(self.dir(controller)?.join(file))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// How many processes the OOM killer has killed in this cgroup.
+    pub fn oom_kills(&self) -> Option<u64> {
+        let file = if self.version == 2 {
+            "memory.events"
+        } else {
+            "memory.oom_control"
+        };
+        let text = fs::read_to_string(self.dir("memory")?.join(file)).ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix("oom_kill "))
+            .and_then(|n| n.trim().parse().ok())
+    }
+
+    pub fn usage(&self) -> ResourceUsage {
+        if self.version == 2 {
+            let cpu_usec = self.dir("cpu").and_then(|dir| {
+                fs::read_to_string(dir.join("cpu.stat"))
+                    .ok()?
+                    .lines()
+                    .find_map(|line| {
+                        line.strip_prefix("usage_usec ")
+                            .and_then(|v| v.trim().parse::<u64>().ok())
+                    })
+            });
+            ResourceUsage {
+                cpu_time: cpu_usec.map(Duration::from_micros),
+                memory_bytes: self.read_u64("memory", "memory.current"),
+                memory_peak_bytes: self.read_u64("memory", "memory.peak"),
+            }
+        } else {
+            ResourceUsage {
+                cpu_time: self
+                    .read_u64("cpuacct", "cpuacct.usage")
+                    .map(Duration::from_nanos),
+                memory_bytes: self.read_u64("memory", "memory.usage_in_bytes"),
+                memory_peak_bytes: self.read_u64("memory", "memory.max_usage_in_bytes"),
+            }
+        }
+    }
+
+    /// SIGKILLs every process in the cgroup.
+    pub fn kill_all(&self) {
+        if self.version == 2 {
+            if let Some(dir) = self.dir("memory") {
+                if fs::write(dir.join("cgroup.kill"), "1").is_ok() {
+                    return;
+                }
+            }
+        }
+        for (_, dir) in &self.dirs {
+            let Ok(procs) = fs::read_to_string(dir.join("cgroup.procs")) else {
+                continue;
+            };
+            for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
+                let _ = super::sys::kill(pid, libc::SIGKILL);
+            }
+        }
+    }
+
+    /// Kills what is left and removes the directories. Blocking (it waits briefly for killed
+    /// processes to leave): call it off the async runtime.
+    pub fn remove(&self) {
+        for attempt in 0..50 {
+            let mut busy = false;
+            for (_, dir) in &self.dirs {
+                match fs::remove_dir(dir) {
+                    Ok(()) => {}
+                    Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                    Err(_) => busy = true,
+                }
+            }
+            if !busy {
+                return;
+            }
+            if attempt == 0 {
+                self.kill_all();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        tracing::warn!(dirs = ?self.dirs, "could not remove a kernel's cgroup");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HYBRID_MOUNTINFO: &str = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+33 31 0:30 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+";
+
+    const HYBRID_CGROUP: &str = "\
+8:pids:/
+4:memory:/process_api/49dadd
+2:cpuacct:/
+1:cpu:/
+0::/
+";
+
+    #[test]
+    fn hybrid_layout_uses_v1_under_the_own_cgroup() {
+        let Hierarchy::V1 { controllers } = Hierarchy::from_tables(HYBRID_MOUNTINFO, HYBRID_CGROUP)
+        else {
+            panic!("expected v1");
+        };
+        let dirs: Vec<(&str, PathBuf)> = controllers
+            .into_iter()
+            .map(|c| (c.name, c.own_dir))
+            .collect();
+        assert_eq!(
+            dirs,
+            vec![
+                (
+                    "memory",
+                    PathBuf::from("/sys/fs/cgroup/memory/process_api/49dadd")
+                ),
+                ("pids", PathBuf::from("/sys/fs/cgroup/pids")),
+                ("cpu", PathBuf::from("/sys/fs/cgroup/cpu")),
+                ("cpuacct", PathBuf::from("/sys/fs/cgroup/cpuacct")),
+            ]
+        );
+    }
+
+    #[test]
+    fn comounted_controllers_and_mount_roots_are_understood() {
+        let mountinfo =
+            "40 31 0:37 /docker/abc /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n";
+        let own = "3:cpu,cpuacct:/docker/abc/sub\n";
+        let Hierarchy::V1 { controllers } = Hierarchy::from_tables(mountinfo, own) else {
+            panic!("expected v1");
+        };
+        assert_eq!(controllers.len(), 2);
+        assert_eq!(
+            controllers[0].own_dir,
+            PathBuf::from("/sys/fs/cgroup/cpu,cpuacct/sub")
+        );
+    }
+
+    #[test]
+    fn nothing_mounted_means_unavailable() {
+        assert!(matches!(
+            Hierarchy::from_tables("", "0::/\n"),
+            Hierarchy::Unavailable(_)
+        ));
+    }
+
+    #[test]
+    fn names_and_quotas() {
+        assert_eq!(cgroup_name("a/b c", "1"), "a_b_c.1");
+        assert_eq!(cpu_quota_us(500), 50_000);
+        assert_eq!(cpu_quota_us(2000), 200_000);
+        assert_eq!(cpu_quota_us(1), 1000);
+    }
+}

@@ -1,0 +1,93 @@
+//! The kernel process's last steps before `execve`: the confinement that only this process
+//! and what it starts carry.
+//!
+//! Forked by the init, already uid/gid 1000 with no capabilities, inside the finished root.
+//! In order:
+//! 1. default signal actions and an empty mask (the init blocks the signals it waits for,
+//!    and masks survive `execve`), `PR_SET_PDEATHSIG(SIGKILL)`, a session and process group
+//!    of its own (so interrupts reach `!sleep 60` too);
+//! 2. stdio: stdin from `/dev/null`, stdout and stderr to the kernel's output pipe (the
+//!    helper's stderr, which the gateway copies into the log file; a pipe, so the kernel can
+//!    reopen `/dev/stderr` and never learns the log's host path); every other inherited
+//!    descriptor is closed, so the event channel to the gateway is out of its reach;
+//! 3. rlimits: no core dumps; `RLIMIT_AS` when the plan asks for it (no memory cgroup);
+//! 4. the workspace as working directory;
+//! 5. `PR_SET_NO_NEW_PRIVS`, then Landlock (best effort), then the seccomp filter, last,
+//!    because it also denies calls the earlier steps make;
+//! 6. `execve` of the kernel's command with exactly the plan's environment.
+//!
+//! Any failure is written to the init's close-on-exec pipe and the process exits with 127;
+//! the init turns that into a failed launch.
+
+use std::convert::Infallible;
+use std::ffi::CString;
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+
+use seccompiler::BpfProgram;
+
+use super::landlock;
+use super::plan::Plan;
+use super::seccomp;
+use super::sys;
+
+pub fn exec_kernel(plan: &Plan, programs: &[BpfProgram], error_pipe: OwnedFd) -> ! {
+    let Err(message) = confine_and_exec(plan, programs, error_pipe.as_raw_fd());
+    let mut error_pipe = std::fs::File::from(error_pipe);
+    let _ = error_pipe.write_all(message.as_bytes());
+    sys::exit_now(127)
+}
+
+fn step<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> String {
+    move |err| format!("{what}: {err}")
+}
+
+fn confine_and_exec(
+    plan: &Plan,
+    programs: &[BpfProgram],
+    error_fd: RawFd,
+) -> Result<Infallible, String> {
+    sys::reset_signals().map_err(step("reset signals"))?;
+    sys::set_parent_death_signal(libc::SIGKILL).map_err(step("set parent death signal"))?;
+    sys::setsid().map_err(step("setsid"))?;
+
+    let null = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .map_err(step("open /dev/null"))?;
+    sys::dup2(null.as_raw_fd(), 0).map_err(step("stdin"))?;
+    drop(null);
+    sys::dup2(2, 1).map_err(step("stdout"))?;
+
+    sys::setrlimit(libc::RLIMIT_CORE, 0, 0).map_err(step("RLIMIT_CORE"))?;
+    if let Some(bytes) = plan.address_space_limit {
+        sys::setrlimit(libc::RLIMIT_AS, bytes, bytes).map_err(step("RLIMIT_AS"))?;
+    }
+
+    std::env::set_current_dir(&plan.workspace).map_err(step("enter the workspace"))?;
+
+    let argv: Vec<CString> = plan
+        .argv
+        .iter()
+        .map(sys::cstring)
+        .collect::<Result<_, _>>()
+        .map_err(step("argv"))?;
+    let env: Vec<CString> = plan
+        .env
+        .iter()
+        .map(|(k, v)| sys::cstring(format!("{k}={v}")))
+        .collect::<Result<_, _>>()
+        .map_err(step("environment"))?;
+    let program = argv.first().ok_or("empty command")?.clone();
+
+    sys::set_no_new_privs().map_err(step("no_new_privs"))?;
+    if plan.landlock {
+        landlock::restrict(plan).map_err(step("landlock"))?;
+    }
+    // The error pipe stays open (it is close-on-exec); everything else inherited goes.
+    sys::close_all_above_stdio_except(error_fd).map_err(step("close inherited descriptors"))?;
+    seccomp::install(programs).map_err(step("seccomp"))?;
+    let err = sys::execve(&program, &argv, &env);
+    Err(format!("execve {}: {err}", plan.argv[0]))
+}

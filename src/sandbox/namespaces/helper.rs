@@ -1,0 +1,133 @@
+//! The sandbox helper: the gateway's binary re-executed as `cellgate __sandbox-init`, the
+//! first process of every sandbox.
+//!
+//! Why a re-exec: the gateway is a multithreaded tokio process, and after `fork` in such a
+//! process only async-signal-safe calls are allowed until `exec`, which rules out building a
+//! file system, compiling a seccomp filter or a Landlock ruleset there. A freshly exec'd
+//! helper is single-threaded, so it and the processes it forks may allocate, use the
+//! standard library and report errors in plain Rust.
+//!
+//! The helper, in order:
+//! 1. reads the [`Plan`] (one JSON line on stdin);
+//! 2. unshares new user, mount, network, IPC, UTS and pid namespaces (the pid namespace
+//!    applies to its children), reports [`Event::Unshared`] and waits for the gateway's `go`
+//!    line: meanwhile the gateway writes the uid/gid maps and moves the helper into the
+//!    kernel's cgroups;
+//! 3. unshares a cgroup namespace (now rooted at the kernel's cgroup) and forks the init,
+//!    which becomes PID 1 of the new pid namespace (see [`super::pid1`]);
+//! 4. reports the init's host pid, waits for it and exits with its status.
+//!
+//! It stays outside the sandbox's pid namespace, with `PR_SET_PDEATHSIG(SIGKILL)` set by the
+//! gateway: if the gateway dies, the helper dies, the init (whose parent-death signal points
+//! at the helper) dies, and the kernel takes every process of the pid namespace with it.
+//! The helper's stdout is the event channel back to the gateway; its stderr is a pipe the
+//! gateway copies into the kernel's log file, and the kernel's stdout and stderr.
+
+#![allow(unsafe_code)]
+
+use std::io::{self, BufRead, Write};
+
+use super::pid1;
+use super::plan::{Event, Plan, GO};
+use super::sys::{self, Ended, Forked};
+
+/// The hidden first argument that makes the gateway's binary the sandbox helper.
+pub const SANDBOX_INIT_ARG: &str = "__sandbox-init";
+
+/// Writes one event to the gateway. Losing the channel means the gateway is gone, and the
+/// parent-death signal is about to end us; nothing useful can be done about a failure.
+pub fn report(event: &Event) {
+    let mut out = io::stdout().lock();
+    let _ = out.write_all(event.to_line().as_bytes());
+    let _ = out.flush();
+}
+
+/// A failed step, for [`Event::Failed`].
+pub struct Failure {
+    pub stage: &'static str,
+    pub error: String,
+}
+
+/// `map_err` helper: labels an error with the step that failed.
+pub fn at<E: std::fmt::Display>(stage: &'static str) -> impl FnOnce(E) -> Failure {
+    move |err| Failure {
+        stage,
+        error: err.to_string(),
+    }
+}
+
+/// Entry point of `cellgate __sandbox-init`. Call it before anything starts a thread (in
+/// particular before the tokio runtime): `unshare(CLONE_NEWUSER)` fails in a multithreaded
+/// process.
+pub fn sandbox_init_main() -> ! {
+    let code = match run() {
+        Ok(code) => code,
+        Err(failure) => {
+            report(&Event::Failed {
+                stage: failure.stage.to_owned(),
+                error: failure.error,
+            });
+            1
+        }
+    };
+    sys::exit_now(code)
+}
+
+fn run() -> Result<i32, Failure> {
+    let stdin = io::stdin();
+    let mut input = stdin.lock();
+    let mut line = String::new();
+    input.read_line(&mut line).map_err(at("read plan"))?;
+    let plan: Plan = serde_json::from_str(line.trim_end()).map_err(at("parse plan"))?;
+
+    sys::unshare(
+        libc::CLONE_NEWUSER
+            | libc::CLONE_NEWNS
+            | libc::CLONE_NEWNET
+            | libc::CLONE_NEWIPC
+            | libc::CLONE_NEWUTS
+            | libc::CLONE_NEWPID,
+    )
+    .map_err(at("unshare namespaces"))?;
+    report(&Event::Unshared);
+
+    line.clear();
+    input
+        .read_line(&mut line)
+        .map_err(at("wait for the gateway"))?;
+    if line.trim_end() != GO {
+        // The gateway gave up (its end closed): nothing was started.
+        return Ok(1);
+    }
+    drop(input);
+
+    sys::unshare(libc::CLONE_NEWCGROUP).map_err(at("unshare cgroup namespace"))?;
+
+    // The init watches this pipe: when its write end (held only by us) closes, we are gone.
+    let (alive_read, alive_write) = sys::pipe().map_err(at("pipe"))?;
+    // SAFETY: this process is single-threaded: it was exec'd moments ago and starts no
+    // threads (reading stdin and writing stdout do not).
+    match unsafe { sys::fork() }.map_err(at("fork the init"))? {
+        Forked::Child => {
+            drop(alive_write);
+            pid1::run(plan, alive_read)
+        }
+        Forked::Parent { child } => {
+            drop(alive_read);
+            report(&Event::Init { pid: child });
+            let ended = loop {
+                match sys::waitpid(child, 0) {
+                    Ok(Some((_, ended))) => break ended,
+                    Ok(None) => continue,
+                    Err(err) if err.raw_os_error() == Some(libc::EINTR) => continue,
+                    Err(err) => return Err(at("wait for the init")(err)),
+                }
+            };
+            drop(alive_write);
+            Ok(match ended {
+                Ended::Exited(code) => code,
+                Ended::Signaled(signal) => 128 + signal,
+            })
+        }
+    }
+}

@@ -1,0 +1,925 @@
+//! The `namespaces` backend: every kernel in its own Linux namespaces, on a read-only root
+//! holding only its Python environment, with seccomp, Landlock, rlimits and cgroup limits.
+//!
+//! # Design
+//!
+//! The syscalls are implemented here in Rust rather than by driving Debian's bubblewrap: no
+//! external binary to install, find and version-check, identical behaviour on every host,
+//! errors reported per step in our own terms, and the pieces bwrap does not have (cgroups
+//! nested under the gateway's own cgroup, a Landlock ruleset, a seccomp filter that needs no
+//! libseccomp) live in the same sequence. bwrap and `nsrun.c` from
+//! ../shared/research/isolation/ (measurements in ../shared/research/isolation.md) were the
+//! references.
+//!
+//! Four processes, each with one job:
+//!
+//! ```text
+//! gateway (tokio, multithreaded)
+//!  └─ helper   `cellgate __sandbox-init`, re-exec of the gateway's binary   (helper.rs)
+//!      │       new user/mount/net/ipc/uts/pid (+cgroup) namespaces; outside the pid ns
+//!      └─ init    PID 1: root fs, lo, drops capabilities, reaps    (pid1.rs, mounts.rs)
+//!          └─ kernel  stdio, rlimits, no_new_privs, Landlock, seccomp, execve  (confine.rs)
+//! ```
+//!
+//! 1. The gateway computes a [`plan::Plan`] (command, environment, paths, the Python
+//!    environment's directories, sizes), creates the kernel's cgroup ([`cgroups`]) and, when
+//!    it is root, hands the runtime directory to the sandbox's host uid ([`idmap`]).
+//! 2. It spawns the helper from one dedicated thread with `PR_SET_PDEATHSIG(SIGKILL)` (the
+//!    signal fires when the *thread* that forked exits, as in the process backend), writes
+//!    the plan to its stdin and reads events from its stdout. The helper's stderr is a pipe
+//!    that becomes the kernel's stdout and stderr; the gateway copies it into the log file
+//!    (at most 64 MiB).
+//! 3. The helper unshares its namespaces and says so; the gateway writes its uid/gid maps
+//!    from outside and moves it into the cgroup, then says `go`.
+//! 4. The helper forks the init; the init builds the sandbox and forks the kernel process;
+//!    the gateway learns the init's host pid, then the kernel's (from the init's `children`
+//!    in /proc), and returns [`Launched`].
+//! 5. A watcher task reads the last event (the kernel's exit status), waits for the helper,
+//!    reads the cgroup's OOM counter, removes the cgroup and reports exactly one
+//!    [`ExitReport`].
+//!
+//! Dying with the gateway: gateway → helper by parent-death signal, helper → init by
+//! parent-death signal, init → everything in the pid namespace by the kernel's rule that a
+//! pid namespace dies with its PID 1. `kill` SIGKILLs the init (through a pidfd, so never a
+//! recycled pid) and every task in the cgroup. `signal` goes to the kernel's process group
+//! by its host pid, so SIGINT interrupts the kernel and whatever it runs in the foreground.
+//!
+//! ZMQ uses `ipc://` sockets in the kernel's runtime directory, which the sandbox shows at
+//! the same path, so the connection info is the same on both sides and is not rewritten.
+//! The workspace is a size-limited tmpfs at the workspace's path (the host directory stays
+//! empty; while the kernel runs, the gateway can reach the files through
+//! `/proc/<init pid>/root/<workspace>`).
+//!
+//! Workspace, `/tmp` and `/dev/shm` are tmpfs: what the kernel writes there is memory,
+//! charged to its memory cgroup, so the memory limit bounds them too.
+//!
+//! What is not isolated: the host kernel itself (seccomp narrows, does not remove, its
+//! surface), CPU caches and timing. Without cgroups (an unprivileged gateway without a
+//! delegated subtree) memory, pid and CPU limits are not enforced except for `RLIMIT_AS`.
+//! An unprivileged gateway's kernel keeps the gateway's supplementary groups (see
+//! [`idmap`]). cgroup v2 support is written but untested: our hosts only have v1
+//! controllers.
+
+#![allow(unsafe_code)]
+
+mod cgroups;
+mod confine;
+mod error;
+mod helper;
+mod idmap;
+mod landlock;
+mod mounts;
+mod pid1;
+mod plan;
+mod seccomp;
+mod sys;
+
+use std::collections::BTreeSet;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::sync::{oneshot, watch};
+
+use super::{
+    Backend, ExitReport, LaunchSpec, Launched, ResourceUsage, Sandbox, SandboxError, SandboxHandle,
+};
+use cgroups::{Hierarchy, KernelCgroup};
+pub use error::NamespacesError;
+pub use helper::{sandbox_init_main, SANDBOX_INIT_ARG};
+use idmap::{IdMap, INSIDE_ID};
+use plan::{Event, Plan, GO};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// Settings of the namespaces backend.
+#[derive(Debug, Clone)]
+pub struct NamespacesConfig {
+    /// The binary to run as the sandbox helper with [`SANDBOX_INIT_ARG`]. `None` means the
+    /// running binary (`/proc/self/exe`), whose `main` must dispatch to
+    /// [`sandbox_init_main`].
+    pub init_program: Option<PathBuf>,
+    /// The host uid and gid of the sandbox user when the gateway runs as root.
+    pub root_maps_to: (u32, u32),
+    /// More host directories to show read-only at the same path (besides `/usr`, the
+    /// kernel's Python environment and the files named in its command, which are found from
+    /// the command). A kernelspec whose program needs its whole resource directory lists it
+    /// here.
+    pub extra_ro_paths: Vec<PathBuf>,
+    /// Workspace size when the limits set none.
+    pub default_workspace_bytes: u64,
+    /// Size of the private `/tmp` and of `/dev/shm`.
+    pub tmp_bytes: u64,
+    /// Add a Landlock ruleset where the host kernel supports it.
+    pub landlock: bool,
+    /// Create cgroups (where permitted) for limits and accounting.
+    pub cgroups: bool,
+    /// How long the sandbox may take to exist (not the kernel to be ready).
+    pub start_timeout: Duration,
+    pub hostname: String,
+}
+
+impl Default for NamespacesConfig {
+    fn default() -> NamespacesConfig {
+        NamespacesConfig {
+            init_program: None,
+            root_maps_to: (65534, 65534),
+            extra_ro_paths: Vec::new(),
+            default_workspace_bytes: GIB,
+            tmp_bytes: 256 * MIB,
+            landlock: true,
+            cgroups: true,
+            start_timeout: Duration::from_secs(30),
+            hostname: "sandbox".to_owned(),
+        }
+    }
+}
+
+struct SpawnRequest {
+    command: Command,
+    reply: oneshot::Sender<io::Result<Child>>,
+}
+
+/// Starts kernels in namespaced sandboxes.
+pub struct NamespacesSandbox {
+    config: NamespacesConfig,
+    ids: IdMap,
+    hierarchy: Hierarchy,
+    spawner: mpsc::Sender<SpawnRequest>,
+}
+
+impl NamespacesSandbox {
+    /// Must be called from within a tokio runtime: the spawner thread registers the helpers'
+    /// pipes with it.
+    pub fn new(config: NamespacesConfig) -> Result<NamespacesSandbox, SandboxError> {
+        if let Ok(max) = std::fs::read_to_string("/proc/sys/user/max_user_namespaces") {
+            if max.trim() == "0" {
+                return Err(SandboxError::Setup(
+                    "user namespaces are disabled on this host (user.max_user_namespaces = 0)"
+                        .to_owned(),
+                ));
+            }
+        }
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|err| SandboxError::Setup(format!("no tokio runtime: {err}")))?;
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("cellgate-ns-spawner".to_owned())
+            .spawn(move || {
+                let _runtime = runtime.enter();
+                for mut request in rx {
+                    let result = request.command.spawn();
+                    let _ = request.reply.send(result);
+                }
+            })
+            .map_err(|err| {
+                SandboxError::Setup(format!("cannot start the spawner thread: {err}"))
+            })?;
+        let hierarchy = if config.cgroups {
+            Hierarchy::detect()
+        } else {
+            Hierarchy::Unavailable("disabled in the configuration".to_owned())
+        };
+        hierarchy.sweep();
+        let ids = IdMap::for_this_process(config.root_maps_to);
+        tracing::info!(
+            cgroups = %hierarchy.describe(),
+            sandbox_uid = ids.outside_uid,
+            "namespaces sandbox backend ready"
+        );
+        Ok(NamespacesSandbox {
+            config,
+            ids,
+            hierarchy,
+            spawner: tx,
+        })
+    }
+
+    async fn spawn(&self, command: Command) -> io::Result<Child> {
+        let (reply, response) = oneshot::channel();
+        self.spawner
+            .send(SpawnRequest { command, reply })
+            .map_err(|_| io::Error::other("spawner thread is gone"))?;
+        response
+            .await
+            .unwrap_or_else(|_| Err(io::Error::other("spawner thread dropped the request")))
+    }
+
+    fn init_program(&self) -> PathBuf {
+        self.config
+            .init_program
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/proc/self/exe"))
+    }
+
+    /// What the helper must build for `spec`.
+    fn plan(&self, spec: &LaunchSpec) -> Result<Plan, NamespacesError> {
+        let program = spec.argv.first().ok_or(NamespacesError::EmptyCommand)?;
+        if !Path::new(program).is_absolute() {
+            return Err(NamespacesError::RelativeProgram(program.clone()));
+        }
+        let mut wanted = python_roots(Path::new(program));
+        wanted.extend(argv_files(&spec.argv[1..]));
+        wanted.extend(self.config.extra_ro_paths.iter().cloned());
+        Ok(Plan {
+            kernel_id: spec.kernel_id.clone(),
+            argv: spec.argv.clone(),
+            env: spec.env.clone(),
+            workspace: spec.workspace.clone(),
+            // tmpfs reads `size=0` as "unlimited": never ask for less than 1 MiB.
+            workspace_bytes: spec
+                .limits
+                .workspace_bytes
+                .unwrap_or(self.config.default_workspace_bytes)
+                .max(MIB),
+            tmp_bytes: self.config.tmp_bytes.max(MIB),
+            runtime_dir: spec.runtime_dir.clone(),
+            ro_binds: visible_roots(wanted, &spec.runtime_dir, &spec.workspace),
+            uid: INSIDE_ID,
+            gid: INSIDE_ID,
+            hostname: self.config.hostname.clone(),
+            address_space_limit: None,
+            landlock: self.config.landlock,
+        })
+    }
+
+    /// The kernel's cgroup, or `None` (with a warning) where cgroups cannot be made.
+    fn cgroup(&self, spec: &LaunchSpec) -> Option<Arc<KernelCgroup>> {
+        let unique = uuid::Uuid::new_v4().simple().to_string();
+        let name = cgroups::cgroup_name(&spec.kernel_id, &unique[..8]);
+        match self.hierarchy.create(&name, &spec.limits) {
+            Ok(cgroup) => {
+                let limits = &spec.limits;
+                for (set, controller) in [
+                    (limits.pids.is_some(), "pids"),
+                    (limits.cpu_millis.is_some(), "cpu"),
+                ] {
+                    if set && !cgroup.has(controller) {
+                        tracing::warn!(kernel_id = %spec.kernel_id, controller, "no such cgroup controller here: limit NOT enforced");
+                    }
+                }
+                Some(Arc::new(cgroup))
+            }
+            Err(err) => {
+                let limits = &spec.limits;
+                if limits.memory_bytes.is_some()
+                    || limits.pids.is_some()
+                    || limits.cpu_millis.is_some()
+                {
+                    tracing::warn!(
+                        kernel_id = %spec.kernel_id,
+                        %err,
+                        "kernel runs without cgroup limits: memory (except RLIMIT_AS), pids and CPU limits are NOT enforced"
+                    );
+                } else {
+                    tracing::debug!(kernel_id = %spec.kernel_id, %err, "kernel runs without a cgroup");
+                }
+                None
+            }
+        }
+    }
+
+    /// Gives the runtime directory and the connection file to the sandbox user, so the
+    /// kernel can read the file and create its sockets. Only when the gateway is root (an
+    /// unprivileged gateway's kernel already has its uid).
+    fn hand_over(&self, spec: &LaunchSpec) -> Result<(), NamespacesError> {
+        if !self.ids.privileged {
+            return Ok(());
+        }
+        for path in [&spec.runtime_dir, &spec.connection_file] {
+            let owner = Some(self.ids.outside_uid);
+            match std::os::unix::fs::chown(path, owner, Some(self.ids.outside_gid)) {
+                Ok(()) => {}
+                // A command that takes no connection file (tests, tools) has none.
+                Err(err) if err.kind() == io::ErrorKind::NotFound && path != &spec.runtime_dir => {}
+                Err(source) => {
+                    return Err(NamespacesError::Io {
+                        what: "hand over",
+                        path: path.clone(),
+                        source,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn launch_namespaced(&self, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
+        let mut plan = self.plan(spec)?;
+        let cgroup = self.cgroup(spec);
+        if !cgroup.as_ref().is_some_and(|c| c.memory_limited()) {
+            plan.address_space_limit = spec.limits.memory_bytes;
+        }
+        if let Err(err) = self.hand_over(spec) {
+            remove_cgroup(cgroup).await;
+            return Err(err);
+        }
+
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&spec.log_file);
+        let log = match log {
+            Ok(log) => log,
+            Err(source) => {
+                remove_cgroup(cgroup).await;
+                return Err(NamespacesError::Io {
+                    what: "open the kernel log",
+                    path: spec.log_file.clone(),
+                    source,
+                });
+            }
+        };
+        let program = self.init_program();
+        let mut command = Command::new(&program);
+        command
+            .arg(SANDBOX_INIT_ARG)
+            .env_clear()
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(false);
+        // SAFETY: the closure runs in the forked child before exec and only calls
+        // async-signal-safe functions (prctl, getppid, _exit).
+        unsafe {
+            let parent = libc::getpid();
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The gateway may have died between fork and prctl.
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let mut child = match self.spawn(command).await {
+            Ok(child) => child,
+            Err(source) => {
+                remove_cgroup(cgroup).await;
+                return Err(NamespacesError::SpawnHelper { program, source });
+            }
+        };
+        let helper_pid = child.id().unwrap_or(0);
+        let log_copy = match child.stderr.take() {
+            Some(stderr) => {
+                // The kernel's stdout and stderr are this pipe: hand it to the sandbox user
+                // too, so the kernel can reopen it as /dev/stdout or /dev/stderr.
+                if self.ids.privileged {
+                    if let Err(err) = std::os::unix::fs::fchown(
+                        &stderr,
+                        Some(self.ids.outside_uid),
+                        Some(self.ids.outside_gid),
+                    ) {
+                        tracing::warn!(%err, "cannot hand the kernel's output pipe to the sandbox user");
+                    }
+                }
+                Some(tokio::spawn(copy_log(stderr, log)))
+            }
+            None => None,
+        };
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            remove_cgroup(cgroup).await;
+            return Err(NamespacesError::Handshake(
+                "helper has no stdio pipes".to_owned(),
+            ));
+        };
+        let mut events = BufReader::new(stdout).lines();
+        let handshake = handshake(
+            stdin,
+            &mut events,
+            &plan,
+            helper_pid,
+            self.ids,
+            cgroup.as_deref(),
+        );
+        let started = match tokio::time::timeout(self.config.start_timeout, handshake).await {
+            Ok(Ok(started)) => Ok(started),
+            Ok(Err(err)) => Err(err),
+            Err(_) => Err(NamespacesError::Timeout(
+                self.config.start_timeout.as_secs(),
+            )),
+        };
+        let started = match started {
+            Ok(started) => started,
+            Err(err) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                remove_cgroup(cgroup).await;
+                return Err(err);
+            }
+        };
+
+        let exited = Arc::new(AtomicBool::new(false));
+        let handle = Arc::new(NamespacesHandle {
+            helper_pid,
+            init_pid: started.init_pid,
+            init: started.init_pidfd,
+            kernel_pid: started.kernel_pid,
+            kernel: started.kernel_pidfd,
+            exited: exited.clone(),
+            cgroup: cgroup.clone(),
+        });
+        tracing::info!(
+            kernel_id = %spec.kernel_id,
+            init_pid = started.init_pid,
+            kernel_pid = started.kernel_pid,
+            "kernel started in a namespaces sandbox"
+        );
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let memory_limit = cgroup
+            .as_ref()
+            .filter(|c| c.memory_limited())
+            .and(spec.limits.memory_bytes);
+        tokio::spawn(watch_exit(
+            child,
+            events,
+            exited,
+            cgroup,
+            memory_limit,
+            log_copy,
+            exit_tx,
+        ));
+        Ok(Launched {
+            handle,
+            exit: exit_rx,
+            connection: spec.connection.clone(),
+        })
+    }
+}
+
+impl Sandbox for NamespacesSandbox {
+    fn backend(&self) -> Backend {
+        Backend::Namespaces
+    }
+
+    fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
+        Box::pin(async move { Ok(self.launch_namespaced(spec).await?) })
+    }
+}
+
+/// What the handshake learned.
+struct Started {
+    init_pid: i32,
+    init_pidfd: Option<OwnedFd>,
+    kernel_pid: Option<i32>,
+    kernel_pidfd: Option<OwnedFd>,
+}
+
+async fn next_event(
+    events: &mut Lines<BufReader<ChildStdout>>,
+    waiting_for: &str,
+) -> Result<Event, NamespacesError> {
+    let line = events
+        .next_line()
+        .await
+        .map_err(|err| NamespacesError::Handshake(format!("reading events: {err}")))?
+        .ok_or_else(|| {
+            NamespacesError::Handshake(format!("exited while the gateway waited for {waiting_for}"))
+        })?;
+    let event: Event = serde_json::from_str(&line)
+        .map_err(|err| NamespacesError::Handshake(format!("unreadable event {line:?}: {err}")))?;
+    if let Event::Failed { stage, error } = event {
+        return Err(NamespacesError::Step { stage, error });
+    }
+    Ok(event)
+}
+
+async fn handshake(
+    mut stdin: ChildStdin,
+    events: &mut Lines<BufReader<ChildStdout>>,
+    plan: &Plan,
+    helper_pid: u32,
+    ids: IdMap,
+    cgroup: Option<&KernelCgroup>,
+) -> Result<Started, NamespacesError> {
+    let mut line = serde_json::to_string(plan)
+        .map_err(|err| NamespacesError::Handshake(format!("cannot encode the plan: {err}")))?;
+    line.push('\n');
+    let broken =
+        |err: io::Error| NamespacesError::Handshake(format!("writing to the helper: {err}"));
+    stdin.write_all(line.as_bytes()).await.map_err(broken)?;
+    stdin.flush().await.map_err(broken)?;
+
+    match next_event(events, "its namespaces").await? {
+        Event::Unshared => {}
+        other => return Err(NamespacesError::Handshake(format!("unexpected {other:?}"))),
+    }
+    ids.write(helper_pid).map_err(NamespacesError::IdMap)?;
+    if let Some(cgroup) = cgroup {
+        cgroup.join(helper_pid)?;
+    }
+    stdin
+        .write_all(format!("{GO}\n").as_bytes())
+        .await
+        .map_err(broken)?;
+    stdin.flush().await.map_err(broken)?;
+    drop(stdin);
+
+    // The helper reports the init and the init reports the kernel, from two processes:
+    // either line may come first.
+    let (mut init_pid, mut kernel_started) = (None, false);
+    while init_pid.is_none() || !kernel_started {
+        match next_event(events, "the init and the kernel process").await? {
+            Event::Init { pid } => init_pid = Some(pid),
+            Event::Kernel { .. } => kernel_started = true,
+            other => return Err(NamespacesError::Handshake(format!("unexpected {other:?}"))),
+        }
+    }
+    let Some(init_pid) = init_pid else {
+        return Err(NamespacesError::Handshake("no init pid".to_owned()));
+    };
+    // The init's pid is not reused before the helper reaps it, and the init only ends after
+    // the kernel process, which has just started: this pidfd names the init. (If the kernel
+    // ended at once, the init may be ending too; then the exit watch reports it.)
+    let init_pidfd = sys::pidfd_open(init_pid).ok();
+    // A kernel process that already ended has no pid any more; the launch still succeeded,
+    // and its exit report follows.
+    let kernel_pid = first_child(init_pid);
+    let kernel_pidfd = kernel_pid.and_then(|pid| sys::pidfd_open(pid).ok());
+    Ok(Started {
+        init_pid,
+        init_pidfd,
+        kernel_pid,
+        kernel_pidfd,
+    })
+}
+
+/// The host pid of the init's (only, at this point) child: the kernel process.
+fn first_child(parent: i32) -> Option<i32> {
+    if let Ok(children) = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+    {
+        return children.split_whitespace().find_map(|p| p.parse().ok());
+    }
+    // Kernels without CONFIG_PROC_CHILDREN: scan for a process whose parent is the init.
+    let entries = std::fs::read_dir("/proc").ok()?;
+    entries.flatten().find_map(|entry| {
+        let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+        let status = std::fs::read_to_string(entry.path().join("status")).ok()?;
+        let ppid: i32 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))?
+            .trim()
+            .parse()
+            .ok()?;
+        (ppid == parent).then_some(pid)
+    })
+}
+
+/// At most this much of a kernel's output is kept in its log file.
+const LOG_LIMIT: u64 = 64 * MIB;
+
+/// Appends the kernel's output (and the helper's own stderr) to the log file, up to
+/// [`LOG_LIMIT`]; the rest is read and dropped so the kernel never blocks on a full pipe.
+async fn copy_log(mut output: tokio::process::ChildStderr, log: std::fs::File) {
+    use tokio::io::AsyncReadExt;
+    let mut log = tokio::fs::File::from_std(log);
+    let mut written: u64 = 0;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match output.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if written < LOG_LIMIT {
+            let keep = n.min(usize::try_from(LOG_LIMIT - written).unwrap_or(n));
+            if log.write_all(&buf[..keep]).await.is_err() {
+                written = LOG_LIMIT;
+                continue;
+            }
+            written += keep as u64;
+            if written >= LOG_LIMIT {
+                let _ = log.write_all(b"\n[cellgate: kernel log truncated]\n").await;
+            }
+        }
+    }
+    let _ = log.flush().await;
+}
+
+async fn remove_cgroup(cgroup: Option<Arc<KernelCgroup>>) {
+    if let Some(cgroup) = cgroup {
+        let _ = tokio::task::spawn_blocking(move || cgroup.remove()).await;
+    }
+}
+
+async fn watch_exit(
+    mut child: Child,
+    mut events: Lines<BufReader<ChildStdout>>,
+    exited: Arc<AtomicBool>,
+    cgroup: Option<Arc<KernelCgroup>>,
+    memory_limit: Option<u64>,
+    log_copy: Option<tokio::task::JoinHandle<()>>,
+    exit_tx: watch::Sender<Option<ExitReport>>,
+) {
+    let mut kernel_status = None;
+    let mut failure = None;
+    while let Ok(Some(line)) = events.next_line().await {
+        match serde_json::from_str::<Event>(&line) {
+            Ok(Event::Exited { code, signal }) => kernel_status = Some((code, signal)),
+            Ok(Event::Failed { stage, error }) => {
+                failure = Some(format!("sandbox failure at {stage}: {error}"))
+            }
+            _ => {}
+        }
+    }
+    let helper = child.wait().await;
+    exited.store(true, Ordering::SeqCst);
+    // Every writer of the output pipe is gone with the pid namespace: let the copy finish,
+    // so the log is complete when the exit is reported.
+    if let Some(copy) = log_copy {
+        let _ = tokio::time::timeout(Duration::from_secs(2), copy).await;
+    }
+    let oom_kills = cgroup.as_ref().and_then(|c| c.oom_kills()).unwrap_or(0);
+    remove_cgroup(cgroup).await;
+
+    let (code, signal) = match (kernel_status, &helper) {
+        (Some(status), _) => status,
+        // No report from the init: it was killed (kill(), the OOM killer, or the gateway's
+        // death). The helper exits with 128 + the init's signal.
+        (None, Ok(status)) => {
+            use std::os::unix::process::ExitStatusExt;
+            match (status.code(), status.signal()) {
+                (Some(code), _) if code > 128 => (None, Some(code - 128)),
+                (code, signal) => (code, signal),
+            }
+        }
+        (None, Err(_)) => (None, None),
+    };
+    let reason = if signal == Some(libc::SIGKILL) && oom_kills > 0 {
+        Some(match memory_limit {
+            Some(bytes) => format!(
+                "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes)"
+            ),
+            None => "kernel process killed by the out-of-memory killer".to_owned(),
+        })
+    } else if let Err(err) = helper {
+        Some(format!("lost track of the sandbox: {err}"))
+    } else {
+        failure
+    };
+    let _ = exit_tx.send(Some(ExitReport {
+        code,
+        signal,
+        reason,
+    }));
+}
+
+/// Control of one sandboxed kernel.
+struct NamespacesHandle {
+    helper_pid: u32,
+    init_pid: i32,
+    init: Option<OwnedFd>,
+    kernel_pid: Option<i32>,
+    kernel: Option<OwnedFd>,
+    exited: Arc<AtomicBool>,
+    cgroup: Option<Arc<KernelCgroup>>,
+}
+
+impl NamespacesHandle {
+    fn gone(&self) -> bool {
+        self.exited.load(Ordering::SeqCst)
+    }
+}
+
+fn ignore_esrch(result: io::Result<()>) -> Result<(), SandboxError> {
+    match result {
+        Err(err) if err.raw_os_error() != Some(libc::ESRCH) => Err(SandboxError::Signal(err)),
+        _ => Ok(()),
+    }
+}
+
+impl SandboxHandle for NamespacesHandle {
+    fn pid(&self) -> Option<u32> {
+        self.kernel_pid.and_then(|pid| u32::try_from(pid).ok())
+    }
+
+    /// The signals the init forwards go through the init's pidfd (which cannot name a
+    /// recycled process); the init passes them to the kernel's process group. Others go to
+    /// the kernel's process group directly, while its pidfd says it exists.
+    fn signal(&self, signal: i32) -> Result<(), SandboxError> {
+        if self.gone() {
+            return Ok(());
+        }
+        if let (true, Some(init)) = (pid1::FORWARDED.contains(&signal), &self.init) {
+            return ignore_esrch(sys::pidfd_send_signal(init, signal));
+        }
+        match (self.kernel_pid, &self.kernel) {
+            (Some(_), Some(pidfd)) if sys::pidfd_exited(pidfd) => Ok(()),
+            (Some(pid), Some(pidfd)) => match sys::kill(-pid, signal) {
+                Ok(()) => Ok(()),
+                Err(_) => ignore_esrch(sys::pidfd_send_signal(pidfd, signal)),
+            },
+            (Some(pid), None) => ignore_esrch(sys::kill(-pid, signal)),
+            (None, _) => Ok(()),
+        }
+    }
+
+    fn kill(&self) -> Result<(), SandboxError> {
+        if self.gone() {
+            return Ok(());
+        }
+        // The init's death ends the pid namespace, and with it every process inside.
+        let result = match &self.init {
+            Some(pidfd) => sys::pidfd_send_signal(pidfd, libc::SIGKILL),
+            None => sys::kill(self.init_pid, libc::SIGKILL),
+        };
+        if let Some(cgroup) = &self.cgroup {
+            cgroup.kill_all();
+        }
+        if let Ok(pid) = i32::try_from(self.helper_pid) {
+            if pid > 0 {
+                let _ = sys::kill(pid, libc::SIGKILL);
+            }
+        }
+        ignore_esrch(result)
+    }
+
+    fn usage(&self) -> ResourceUsage {
+        if let Some(cgroup) = &self.cgroup {
+            let usage = cgroup.usage();
+            if usage.memory_bytes.is_some() {
+                return usage;
+            }
+        }
+        self.kernel_pid.and_then(proc_usage).unwrap_or_default()
+    }
+}
+
+/// CPU time and memory of the kernel process from /proc (when there is no cgroup).
+fn proc_usage(pid: i32) -> Option<ResourceUsage> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|v| v * 1024)
+    };
+    Some(ResourceUsage {
+        cpu_time: Some(Duration::from_millis(ticks * 10)),
+        memory_bytes: kib("VmRSS:"),
+        memory_peak_bytes: kib("VmHWM:"),
+    })
+}
+
+/// The directories of the Python environment behind `program`: a venv's own directory and,
+/// from its `pyvenv.cfg`, the base interpreter's prefix; and the prefix of the real
+/// executable behind any symlinks. Only these are shown, never their parents (a pyenv
+/// prefix under `/root` does not show the rest of `/root`).
+fn python_roots(program: &Path) -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    if let Some(prefix) = program.parent().and_then(Path::parent) {
+        if let Ok(cfg) = std::fs::read_to_string(prefix.join("pyvenv.cfg")) {
+            roots.push(prefix.to_path_buf());
+            let home = cfg.lines().find_map(|line| {
+                let (key, value) = line.split_once('=')?;
+                (key.trim() == "home").then(|| PathBuf::from(value.trim()))
+            });
+            if let Some(home) = home {
+                match home.parent() {
+                    Some(parent) if home.ends_with("bin") => roots.push(parent.to_path_buf()),
+                    _ => roots.push(home),
+                }
+            }
+        }
+    }
+    if let Ok(real) = std::fs::canonicalize(program) {
+        if let Some(prefix) = real
+            .parent()
+            .filter(|dir| dir.ends_with("bin"))
+            .and_then(Path::parent)
+        {
+            roots.push(prefix.to_path_buf());
+        }
+    }
+    roots
+}
+
+/// Regular files the command names by absolute path (a kernelspec's own script, say):
+/// shown read-only, each file alone, not its directory. Files in the runtime directory (the
+/// connection file) are there anyway and are filtered out later.
+fn argv_files(args: &[String]) -> Vec<PathBuf> {
+    args.iter()
+        .map(PathBuf::from)
+        .filter(|path| path.is_absolute() && path.is_file())
+        .collect()
+}
+
+/// Host paths that are always visible (or never may be bound) inside the sandbox.
+const SYSTEM_PREFIXES: &[&str] = &[
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/dev", "/proc", "/sys",
+];
+
+/// Cleans the list of read-only binds. Each is shown at the path the gateway named (so a
+/// venv reached through a symlink keeps working: Python finds `pyvenv.cfg` next to the path
+/// it was started as), and judged by where it really leads: it must exist, must not be the
+/// root or a system directory, must not be an ancestor of the runtime directory or workspace
+/// (which would show other kernels' directories) nor lie inside them; a directory inside
+/// another one kept is dropped.
+fn visible_roots(wanted: Vec<PathBuf>, runtime_dir: &Path, workspace: &Path) -> Vec<PathBuf> {
+    let real = |path: &Path| std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let (runtime_real, workspace_real) = (real(runtime_dir), real(workspace));
+    let mut kept = BTreeSet::new();
+    for path in wanted {
+        let literal_ok = path.is_absolute()
+            && path
+                .components()
+                .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+        let Ok(resolved) = std::fs::canonicalize(&path) else {
+            tracing::warn!(path = %path.display(), "not shown in the sandbox: it does not exist");
+            continue;
+        };
+        let system = |p: &Path| SYSTEM_PREFIXES.iter().any(|prefix| p.starts_with(prefix));
+        let overlaps = |p: &Path, dir: &Path| dir.starts_with(p) || p.starts_with(dir);
+        let too_wide = path == Path::new("/")
+            || resolved == Path::new("/")
+            || overlaps(&resolved, &runtime_real)
+            || overlaps(&resolved, &workspace_real)
+            || overlaps(&path, runtime_dir)
+            || overlaps(&path, workspace);
+        if too_wide || !literal_ok {
+            tracing::warn!(path = %path.display(), "not shown in the sandbox: it would expose the runtime directory or workspace, or is not a plain absolute path");
+            continue;
+        }
+        if !system(&path) && !system(&resolved) {
+            kept.insert(path);
+        }
+    }
+    let all: Vec<PathBuf> = kept.iter().cloned().collect();
+    kept.into_iter()
+        .filter(|path| {
+            !all.iter()
+                .any(|other| other != path && path.starts_with(other))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn venv_roots_include_the_base_prefix_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base");
+        std::fs::create_dir_all(base.join("bin")).unwrap();
+        std::fs::write(base.join("bin/python3.11"), "").unwrap();
+        let venv = dir.path().join("venv");
+        std::fs::create_dir_all(venv.join("bin")).unwrap();
+        std::os::unix::fs::symlink(base.join("bin/python3.11"), venv.join("bin/python")).unwrap();
+        std::fs::write(
+            venv.join("pyvenv.cfg"),
+            format!(
+                "home = {}\ninclude-system-site-packages = false\n",
+                base.join("bin").display()
+            ),
+        )
+        .unwrap();
+        let roots = python_roots(&venv.join("bin/python"));
+        assert!(roots.contains(&venv));
+        assert!(roots.contains(&base));
+        let shown = visible_roots(roots, Path::new("/run/k/1/run"), Path::new("/run/k/1/work"));
+        assert_eq!(shown.len(), 2);
+        assert!(shown.contains(&base) && shown.contains(&venv));
+    }
+
+    #[test]
+    fn wide_or_system_paths_are_never_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = dir.path().join("k1/run");
+        std::fs::create_dir_all(&runtime).unwrap();
+        let inner = dir.path().join("env/lib");
+        std::fs::create_dir_all(&inner).unwrap();
+        let shown = visible_roots(
+            vec![
+                "/".into(),
+                "/usr/local".into(),
+                dir.path().to_path_buf(),
+                dir.path().join("env"),
+                inner,
+            ],
+            &std::fs::canonicalize(&runtime).unwrap(),
+            Path::new("/nonexistent/work"),
+        );
+        assert_eq!(
+            shown,
+            vec![std::fs::canonicalize(dir.path().join("env")).unwrap()]
+        );
+    }
+}

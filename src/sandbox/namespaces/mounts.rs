@@ -1,0 +1,455 @@
+//! The sandbox's file system: a fresh, read-only root that holds only what the kernel needs.
+//!
+//! Runs in the sandbox's init (PID 1 of the new pid namespace), inside the new mount and user
+//! namespaces, in two steps:
+//!
+//! 1. [`RootFs::prepare`], while the init still has the gateway's file-system identity: every
+//!    host path the sandbox will see is opened with `O_PATH`. After that the init switches to
+//!    the sandbox uid (an unprivileged host uid when the gateway is root), which could not
+//!    even traverse `/root` to reach a pyenv interpreter; the open descriptors, used as bind
+//!    sources through `/proc/self/fd/N`, make that unnecessary and also pin the exact files
+//!    the gateway named (no symlink swapped in between the check and the mount).
+//! 2. [`RootFs::build`]: make every mount private (nothing propagates back to the host),
+//!    mount a small tmpfs on `/tmp` as the new root (inside our private mount namespace, so
+//!    the host's `/tmp` is untouched), create the tree in it, `pivot_root` into it, detach
+//!    the old root, and remount the new root read-only.
+//!
+//! What the tree contains, and nothing else: `/usr` and the merged-usr links (`/bin`, `/lib`,
+//! …; bound read-only where a host has real directories), a generated `/etc` (passwd and group
+//! with the sandbox user, hosts with localhost, no `resolv.conf`) plus a few read-only host
+//! files the C library and Python read (`ld.so.cache`, certificates, fonts, time zone, MIME
+//! types, alternatives), `/dev` with null, zero, full, random, urandom and tty bound from the
+//! host, a private devpts and `/dev/shm`, a fresh `/proc` for the new pid namespace, a
+//! size-limited private `/tmp`, the size-limited tmpfs workspace, the kernel's runtime
+//! directory (read-write, same path, so the connection file's ipc paths stay valid on both
+//! sides), the Python environment and the files the command names (read-only, same paths).
+//! No `/sys`, `/run`, `/var/run`, `/home`, `/root` contents, host `/tmp`, gateway files or
+//! other kernels' directories: every host unix socket visible inside would be a way out, so
+//! none is.
+//!
+//! Mount points are created in order of path depth, so a mount never hides a shallower one's
+//! contents (the workspace may live under the runtime root, or under `/tmp` in tests).
+
+use std::fs;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use super::plan::Plan;
+use super::sys::{self, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY};
+
+/// Where the new root is assembled before `pivot_root`. Mounting over `/tmp` only affects our
+/// own mount namespace and needs no directory to be created on the host.
+const STAGING: &str = "/tmp";
+
+/// Size of the root tmpfs: generated `/etc` files and mount points only.
+const ROOT_TMPFS_OPTIONS: &str = "mode=0755,size=4m,nr_inodes=4096";
+
+/// Top-level host entries that are symlinks into `/usr` on merged-usr systems (Debian since
+/// bookworm) and directories elsewhere.
+const USR_LINKS: &[&str] = &["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"];
+
+/// Host `/etc` entries the kernel may read: the dynamic linker's cache, TLS certificates,
+/// fonts, time zone, MIME types and Debian's alternatives links. Never `shadow`, `ssl/private`,
+/// `resolv.conf` or the gateway's configuration.
+const ETC_ENTRIES: &[&str] = &[
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/ssl/certs",
+    "/etc/ssl/openssl.cnf",
+    "/etc/ca-certificates",
+    "/etc/ca-certificates.conf",
+    "/etc/pki",
+    "/etc/crypto-policies",
+    "/etc/fonts",
+    "/etc/localtime",
+    "/etc/timezone",
+    "/etc/mime.types",
+    "/etc/os-release",
+    "/etc/debian_version",
+    "/etc/protocols",
+    "/etc/services",
+    "/etc/gai.conf",
+    "/etc/host.conf",
+    "/etc/inputrc",
+    "/etc/locale.alias",
+];
+
+/// Device nodes bound from the host's `/dev`.
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+
+enum Op {
+    /// Bind-mount an opened host file or directory (recursively) at `target`.
+    Bind {
+        target: PathBuf,
+        source: OwnedFd,
+        is_dir: bool,
+        attrs: u64,
+    },
+    Symlink {
+        target: PathBuf,
+        points_to: PathBuf,
+    },
+    Tmpfs {
+        target: PathBuf,
+        flags: libc::c_ulong,
+        options: String,
+    },
+    Proc {
+        target: PathBuf,
+    },
+    Devpts {
+        target: PathBuf,
+    },
+    File {
+        target: PathBuf,
+        contents: String,
+    },
+}
+
+impl Op {
+    fn target(&self) -> &Path {
+        match self {
+            Op::Bind { target, .. }
+            | Op::Symlink { target, .. }
+            | Op::Tmpfs { target, .. }
+            | Op::Proc { target }
+            | Op::Devpts { target }
+            | Op::File { target, .. } => target,
+        }
+    }
+}
+
+/// The sandbox's root file system, with every host source already opened.
+pub struct RootFs {
+    ops: Vec<Op>,
+}
+
+/// Error context for one failed step.
+fn ctx(what: String) -> impl FnOnce(io::Error) -> io::Error {
+    move |err| io::Error::new(err.kind(), format!("{what}: {err}"))
+}
+
+impl RootFs {
+    /// Opens every host source. Runs before the init drops the gateway's file-system identity.
+    pub fn prepare(plan: &Plan) -> io::Result<RootFs> {
+        let mut ops = Vec::new();
+        let ro = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
+
+        ops.push(bind(Path::new("/usr"), ro)?);
+        for entry in USR_LINKS {
+            if let Some(op) = mirror(Path::new(entry), ro)? {
+                ops.push(op);
+            }
+        }
+        for entry in ETC_ENTRIES {
+            if let Some(op) = mirror(Path::new(entry), ro)? {
+                ops.push(op);
+            }
+        }
+        for file in etc_files(plan) {
+            ops.push(file);
+        }
+
+        ops.push(Op::Tmpfs {
+            target: "/dev".into(),
+            flags: libc::MS_NOSUID | libc::MS_NOEXEC,
+            options: "mode=0755,size=64k,nr_inodes=64".into(),
+        });
+        for device in DEVICES {
+            let host = Path::new("/dev").join(device);
+            if host.exists() {
+                ops.push(bind(&host, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC)?);
+            }
+        }
+        for (name, points_to) in [
+            ("fd", "/proc/self/fd"),
+            ("stdin", "/proc/self/fd/0"),
+            ("stdout", "/proc/self/fd/1"),
+            ("stderr", "/proc/self/fd/2"),
+            ("ptmx", "pts/ptmx"),
+        ] {
+            ops.push(Op::Symlink {
+                target: Path::new("/dev").join(name),
+                points_to: points_to.into(),
+            });
+        }
+        ops.push(Op::Devpts {
+            target: "/dev/pts".into(),
+        });
+        ops.push(Op::Tmpfs {
+            target: "/dev/shm".into(),
+            flags: libc::MS_NOSUID | libc::MS_NODEV,
+            options: format!("mode=1777,size={}", plan.tmp_bytes),
+        });
+        ops.push(Op::Proc {
+            target: "/proc".into(),
+        });
+        ops.push(Op::Tmpfs {
+            target: "/tmp".into(),
+            flags: libc::MS_NOSUID | libc::MS_NODEV,
+            options: format!("mode=1777,size={}", plan.tmp_bytes),
+        });
+        ops.push(Op::Symlink {
+            target: "/var/tmp".into(),
+            points_to: "/tmp".into(),
+        });
+        ops.push(Op::Tmpfs {
+            target: plan.workspace.clone(),
+            flags: libc::MS_NOSUID | libc::MS_NODEV,
+            options: format!(
+                "mode=0700,size={},uid={},gid={}",
+                plan.workspace_bytes, plan.uid, plan.gid
+            ),
+        });
+        ops.push(bind(
+            &plan.runtime_dir,
+            MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+        )?);
+        for dir in &plan.ro_binds {
+            ops.push(bind(dir, ro)?);
+        }
+        // Shallow mounts first; the sort is stable, so equal depths keep the order above.
+        ops.sort_by_key(|op| depth(op.target()));
+        Ok(RootFs { ops })
+    }
+
+    /// Builds the tree and pivots into it. Needs CAP_SYS_ADMIN in the user namespace that owns
+    /// the mount namespace, and runs as PID 1 of the new pid namespace (for `/proc`).
+    pub fn build(self) -> io::Result<()> {
+        let staging = Path::new(STAGING);
+        sys::mount(
+            None,
+            Path::new("/"),
+            None,
+            libc::MS_REC | libc::MS_PRIVATE,
+            None,
+        )
+        .map_err(ctx("make / private".into()))?;
+        sys::mount(
+            Some(Path::new("tmpfs")),
+            staging,
+            Some("tmpfs"),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            Some(ROOT_TMPFS_OPTIONS),
+        )
+        .map_err(ctx("mount the root tmpfs".into()))?;
+
+        for op in self.ops {
+            let at = staging.join(relative(op.target()));
+            apply(op, &at)?;
+        }
+
+        // /dev is complete: make its tmpfs read-only (pts and shm are mounts of their own).
+        sys::mount_setattr(
+            &staging.join("dev"),
+            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC,
+            false,
+        )
+        .map_err(ctx("make /dev read-only".into()))?;
+
+        std::env::set_current_dir(staging).map_err(ctx("enter the new root".into()))?;
+        sys::pivot_root(Path::new("."), Path::new(".")).map_err(ctx("pivot_root".into()))?;
+        sys::umount_detach(Path::new(".")).map_err(ctx("detach the old root".into()))?;
+        std::env::set_current_dir("/").map_err(ctx("chdir /".into()))?;
+        sys::mount_setattr(
+            Path::new("/"),
+            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+            false,
+        )
+        .map_err(ctx("make / read-only".into()))?;
+        Ok(())
+    }
+}
+
+fn apply(op: Op, at: &Path) -> io::Result<()> {
+    match op {
+        Op::Bind {
+            target,
+            source,
+            is_dir,
+            attrs,
+        } => {
+            make_mount_point(at, is_dir)
+                .map_err(ctx(format!("mount point {}", target.display())))?;
+            let source_path = PathBuf::from(format!("/proc/self/fd/{}", source.as_raw_fd()));
+            sys::mount(
+                Some(&source_path),
+                at,
+                None,
+                libc::MS_BIND | libc::MS_REC,
+                None,
+            )
+            .map_err(ctx(format!("bind {}", target.display())))?;
+            sys::mount_setattr(at, attrs, true)
+                .map_err(ctx(format!("set flags on {}", target.display())))?;
+            drop(source);
+        }
+        Op::Symlink { target, points_to } => {
+            make_parent(at)?;
+            std::os::unix::fs::symlink(&points_to, at)
+                .map_err(ctx(format!("symlink {}", target.display())))?;
+        }
+        Op::Tmpfs {
+            target,
+            flags,
+            options,
+        } => {
+            make_mount_point(at, true).map_err(ctx(format!("mount point {}", target.display())))?;
+            sys::mount(
+                Some(Path::new("tmpfs")),
+                at,
+                Some("tmpfs"),
+                flags,
+                Some(&options),
+            )
+            .map_err(ctx(format!("tmpfs on {}", target.display())))?;
+        }
+        Op::Proc { target } => {
+            make_mount_point(at, true).map_err(ctx(format!("mount point {}", target.display())))?;
+            sys::mount(
+                Some(Path::new("proc")),
+                at,
+                Some("proc"),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                None,
+            )
+            .map_err(ctx("mount /proc".into()))?;
+        }
+        Op::Devpts { target } => {
+            make_mount_point(at, true).map_err(ctx(format!("mount point {}", target.display())))?;
+            sys::mount(
+                Some(Path::new("devpts")),
+                at,
+                Some("devpts"),
+                libc::MS_NOSUID | libc::MS_NOEXEC,
+                Some("newinstance,ptmxmode=0666,mode=0620"),
+            )
+            .map_err(ctx("mount /dev/pts".into()))?;
+        }
+        Op::File { target, contents } => {
+            make_parent(at)?;
+            fs::write(at, contents).map_err(ctx(format!("write {}", target.display())))?;
+            fs::set_permissions(at, fs::Permissions::from_mode(0o644))?;
+        }
+    }
+    Ok(())
+}
+
+/// A bind of an existing host file or directory, opened now.
+fn bind(host: &Path, attrs: u64) -> io::Result<Op> {
+    let source = sys::open_path(host).map_err(ctx(format!("open {}", host.display())))?;
+    let meta = fs::metadata(format!("/proc/self/fd/{}", source.as_raw_fd()))
+        .map_err(ctx(format!("stat {}", host.display())))?;
+    Ok(Op::Bind {
+        target: host.to_path_buf(),
+        source,
+        is_dir: meta.is_dir(),
+        attrs,
+    })
+}
+
+/// The host entry as it is: the same symlink, or a bind of the file or directory; nothing
+/// when the host has no such entry.
+fn mirror(host: &Path, attrs: u64) -> io::Result<Option<Op>> {
+    match fs::symlink_metadata(host) {
+        Ok(meta) if meta.file_type().is_symlink() => Ok(Some(Op::Symlink {
+            target: host.to_path_buf(),
+            points_to: fs::read_link(host)?,
+        })),
+        Ok(_) => bind(host, attrs).map(Some),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(ctx(format!("stat {}", host.display()))(err)),
+    }
+}
+
+/// The generated `/etc` files: who the sandbox user is, and localhost.
+fn etc_files(plan: &Plan) -> Vec<Op> {
+    let home = plan.workspace.display();
+    let (uid, gid, host) = (plan.uid, plan.gid, &plan.hostname);
+    let files = [
+        (
+            "passwd",
+            format!(
+                "root:x:0:0:root:/root:/usr/sbin/nologin\n\
+                 kernel:x:{uid}:{gid}:kernel:{home}:/bin/sh\n\
+                 nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+            ),
+        ),
+        (
+            "group",
+            format!("root:x:0:\nkernel:x:{gid}:\nnogroup:x:65534:\n"),
+        ),
+        (
+            "hosts",
+            format!("127.0.0.1\tlocalhost {host}\n::1\tlocalhost ip6-localhost ip6-loopback\n"),
+        ),
+        ("hostname", format!("{host}\n")),
+        (
+            "nsswitch.conf",
+            "passwd: files\ngroup: files\nshadow: files\nhosts: files\nnetworks: files\n\
+             protocols: files\nservices: files\n"
+                .to_owned(),
+        ),
+    ];
+    files
+        .into_iter()
+        .map(|(name, contents)| Op::File {
+            target: Path::new("/etc").join(name),
+            contents,
+        })
+        .collect()
+}
+
+fn depth(path: &Path) -> usize {
+    path.components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .count()
+}
+
+/// `path` without its leading `/`, so it can be joined under the staging root.
+fn relative(path: &Path) -> PathBuf {
+    path.components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .collect()
+}
+
+fn make_parent(at: &Path) -> io::Result<()> {
+    match at.parent() {
+        Some(parent) => fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(parent)
+            .map_err(ctx(format!("mkdir {}", parent.display()))),
+        None => Ok(()),
+    }
+}
+
+fn make_mount_point(at: &Path, is_dir: bool) -> io::Result<()> {
+    if is_dir {
+        fs::DirBuilder::new().recursive(true).mode(0o755).create(at)
+    } else {
+        make_parent(at)?;
+        match fs::OpenOptions::new().write(true).create_new(true).open(at) {
+            Ok(_) => Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depth_counts_normal_components() {
+        assert_eq!(depth(Path::new("/")), 0);
+        assert_eq!(depth(Path::new("/dev")), 1);
+        assert_eq!(depth(Path::new("/dev/pts")), 2);
+        assert_eq!(relative(Path::new("/a/b")), PathBuf::from("a/b"));
+    }
+}
