@@ -2,7 +2,26 @@
 
 use bytes::Bytes;
 
+use serde::de::IgnoredAny;
+
 use super::{Channel, HeaderFields, ProtocolError};
+
+/// Checks that a part is UTF-8 text holding exactly one JSON object.
+pub(crate) fn check_object(part: &[u8], name: &'static str) -> Result<(), ProtocolError> {
+    // serde_json does not check the UTF-8 of strings it skips, so check the whole part first.
+    let text = std::str::from_utf8(part).map_err(|_| ProtocolError::NotUtf8)?;
+    if !text.trim_start().starts_with('{') {
+        return Err(ProtocolError::BadJson {
+            part: name,
+            reason: "expected an object".to_owned(),
+        });
+    }
+    serde_json::from_str::<IgnoredAny>(text).map_err(|err| ProtocolError::BadJson {
+        part: name,
+        reason: err.to_string(),
+    })?;
+    Ok(())
+}
 
 /// A message between a client and a kernel. The four JSON parts are the sender's exact bytes;
 /// `header` and `parent` are parsed copies of the fields routing needs.
@@ -19,7 +38,10 @@ pub struct Message {
 }
 
 impl Message {
-    /// Builds a message from raw parts, parsing the header and parent header.
+    /// Builds a message from raw parts, parsing the header and parent header. Every one of the
+    /// four parts must be a UTF-8 JSON object: a message that is not is refused here, at the
+    /// edge, so no client is ever sent a part it cannot parse, and a broken reply never
+    /// takes the routing entry of the valid one that may follow.
     pub fn from_parts(
         channel: Channel,
         header_bytes: Bytes,
@@ -28,6 +50,10 @@ impl Message {
         content: Bytes,
         buffers: Vec<Bytes>,
     ) -> Result<Message, ProtocolError> {
+        check_object(&header_bytes, "header")?;
+        check_object(&parent_header_bytes, "parent_header")?;
+        check_object(&metadata, "metadata")?;
+        check_object(&content, "content")?;
         let header = HeaderFields::parse(&header_bytes, "header")?;
         let parent = HeaderFields::parse_parent(&parent_header_bytes)?;
         Ok(Message {

@@ -16,7 +16,7 @@ mod channel;
 mod connection_file;
 mod error;
 mod header;
-mod message;
+pub(crate) mod message;
 mod signing;
 pub mod websocket;
 mod wire;

@@ -12,6 +12,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use super::message::check_object;
 use super::{Channel, Message, ProtocolError};
 
 /// The subprotocol name of the v1 framing.
@@ -118,12 +119,6 @@ pub fn decode_v1(frame: &[u8]) -> Result<Message, ProtocolError> {
     }
     let channel_name = std::str::from_utf8(parts[0]).map_err(|_| ProtocolError::NotUtf8)?;
     let channel = client_channel(Some(channel_name))?;
-    for (part, name) in parts[1..5]
-        .iter()
-        .zip(["header", "parent_header", "metadata", "content"])
-    {
-        check_object(part, name)?;
-    }
     Message::from_parts(
         channel,
         Bytes::copy_from_slice(parts[1]),
@@ -135,22 +130,6 @@ pub fn decode_v1(frame: &[u8]) -> Result<Message, ProtocolError> {
             .map(|p| Bytes::copy_from_slice(p))
             .collect(),
     )
-}
-
-fn check_object(part: &[u8], name: &'static str) -> Result<(), ProtocolError> {
-    let text = std::str::from_utf8(part).map_err(|_| ProtocolError::NotUtf8)?;
-    let raw: &RawValue = serde_json::from_str(text).map_err(|err| ProtocolError::BadJson {
-        part: name,
-        reason: err.to_string(),
-    })?;
-    if raw.get().starts_with('{') {
-        Ok(())
-    } else {
-        Err(ProtocolError::BadJson {
-            part: name,
-            reason: "expected an object".to_owned(),
-        })
-    }
 }
 
 /// Splits a frame laid out as `count, offset[count], parts…` where each part runs from its
