@@ -56,7 +56,10 @@ impl From<KernelError> for ApiError {
                 ApiError::not_found(format!("Kernel spec {name} not found"))
             }
             E::NoSuchKernel => ApiError::not_found("Kernel does not exist"),
-            E::BadEnv { .. } => ApiError::bad_request(err.to_string()),
+            E::BadEnv { .. } | E::BackendMismatch { .. } => ApiError::bad_request(err.to_string()),
+            E::Policy(crate::policy::PolicyError::Unknown { .. }) => {
+                ApiError::bad_request(err.to_string())
+            }
             E::TooManyKernels { .. } => ApiError::new(StatusCode::FORBIDDEN, "Resource Limit"),
             E::Terminated => ApiError::not_found("Kernel does not exist"),
             E::Dead(_) | E::NotReady | E::DiedDuringStart | E::NoReply(_) => {

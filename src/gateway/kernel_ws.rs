@@ -10,6 +10,7 @@
 //! kernel messages for this client and pings it. A frame that cannot be decoded closes this
 //! socket with 1007 and the reason; the kernel and every other socket carry on.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,14 +24,23 @@ use tokio::sync::oneshot;
 
 use super::kernels::is_kernel_id;
 use super::state::AppState;
-use crate::kernel::{client_queue, Kernel};
+use crate::kernel::{client_queue, Inbox, Kernel};
 use crate::protocol::websocket::{self, Frame, Framing, V1_SUBPROTOCOL};
-use crate::protocol::Message;
+use crate::protocol::{Channel, Message};
 
 /// How often idle sockets are pinged (Kernel Gateway uses 30 s).
 const PING_INTERVAL: Duration = Duration::from_secs(30);
 /// Messages encoded per flush when output is queued.
 const WRITE_BATCH: usize = 64;
+/// Replies remembered per socket for re-delivery after an abrupt disconnect.
+const RECENT_REPLIES: usize = 16;
+
+/// What a socket's writer hands back when it stops.
+struct WriterEnd {
+    inbox: Inbox,
+    unsent: Vec<Arc<Message>>,
+    recent_replies: VecDeque<Arc<Message>>,
+}
 
 #[derive(Deserialize)]
 pub struct ChannelsQuery {
@@ -164,6 +174,14 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
     let writer = tokio::spawn(async move {
         let mut ping = tokio::time::interval(PING_INTERVAL);
         ping.tick().await;
+        // Replies written most recently: on an abrupt disconnect they may never have reached
+        // the client, so they go back to the router (a rare duplicate beats a lost reply).
+        let mut recent_replies: VecDeque<Arc<Message>> = VecDeque::with_capacity(RECENT_REPLIES);
+        let end = |inbox, unsent, recent_replies| WriterEnd {
+            inbox,
+            unsent,
+            recent_replies,
+        };
         loop {
             tokio::select! {
                 message = inbox.recv() => {
@@ -175,7 +193,7 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
                             CloseFrame { code: 1001, reason: "kernel shut down".into() }
                         };
                         let _ = sink.send(WsMessage::Close(Some(frame))).await;
-                        return;
+                        return end(inbox, Vec::new(), recent_replies);
                     };
                     let mut batch = vec![message];
                     while batch.len() < WRITE_BATCH {
@@ -184,33 +202,42 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
                             None => break,
                         }
                     }
-                    for message in &batch {
+                    for (i, message) in batch.iter().enumerate() {
                         if let Some(frame) = encode(message, framing) {
                             if sink.feed(frame).await.is_err() {
-                                return;
+                                return end(inbox, batch[i..].to_vec(), recent_replies);
                             }
+                        }
+                        if message.channel != Channel::Iopub {
+                            if recent_replies.len() == RECENT_REPLIES {
+                                recent_replies.pop_front();
+                            }
+                            recent_replies.push_back(message.clone());
                         }
                     }
                     if sink.flush().await.is_err() {
-                        return;
+                        return end(inbox, Vec::new(), recent_replies);
                     }
                 }
                 _ = ping.tick() => {
                     if sink.send(WsMessage::Ping(Default::default())).await.is_err() {
-                        return;
+                        return end(inbox, Vec::new(), recent_replies);
                     }
                 }
                 close = &mut close_rx => {
                     if let Ok(frame) = close {
                         let _ = sink.send(WsMessage::Close(Some(frame))).await;
                     }
-                    return;
+                    return end(inbox, Vec::new(), recent_replies);
                 }
             }
         }
     });
 
     let mut close_tx = Some(close_tx);
+    // A client that closes with a close frame read everything it wanted; one that vanishes
+    // may have missed what was last written to it.
+    let mut graceful = false;
     while let Some(frame) = stream.next().await {
         let frame = match frame {
             Ok(frame) => frame,
@@ -232,6 +259,7 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
             }
         };
         if matches!(frame, WsMessage::Close(_)) {
+            graceful = true;
             break;
         }
         let Some(decoded) = decode(&frame, framing) else {
@@ -260,11 +288,21 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
             }
         }
     }
-    // Ends the writer unless it is sending the close frame it was asked for.
+    // Ends the writer (after a close frame it was asked to send), which hands back what it
+    // did not deliver; the router keeps that for the session's next socket.
     drop(close_tx);
-    kernel.router().detach(client);
-    // Give the writer a moment to send a close frame it was asked for.
-    let _ = tokio::time::timeout(Duration::from_millis(500), writer).await;
+    match tokio::time::timeout(Duration::from_secs(2), writer).await {
+        Ok(Ok(end)) => {
+            let mut leftovers = if graceful {
+                Vec::new()
+            } else {
+                end.recent_replies.into_iter().collect()
+            };
+            leftovers.extend(end.unsent);
+            kernel.router().detach_with(client, end.inbox, leftovers);
+        }
+        _ => kernel.router().detach(client),
+    }
     tracing::info!(kernel_id = %kernel.id, session_id = %session, "client disconnected");
 }
 

@@ -278,6 +278,46 @@ impl Router {
         );
     }
 
+    /// Detaches a client whose socket ended, taking back what it never delivered:
+    /// `leftovers` (oldest first) and whatever is still queued in its inbox. Replies among them
+    /// go to another socket of the same session if there is one; otherwise everything opens
+    /// the session's offline buffer, ahead of what arrives later.
+    pub fn detach_with(&self, id: ClientId, mut inbox: Inbox, mut leftovers: Vec<Arc<Message>>) {
+        let mut state = self.state.lock();
+        let Some(session) = state.clients.get(&id).map(|c| c.session.clone()) else {
+            return;
+        };
+        Self::detach_locked(&mut state, id);
+        while let Some(message) = inbox.try_recv() {
+            leftovers.push(message);
+        }
+        if leftovers.is_empty() {
+            return;
+        }
+        if let Some(other) = state.clients.values().find(|c| c.session == session) {
+            for message in leftovers {
+                if message.channel != Channel::Iopub {
+                    other.outbox.push(message);
+                }
+            }
+            return;
+        }
+        if let Some(buffer) = state.offline.get_mut(&session) {
+            let mut rest = std::mem::take(&mut buffer.messages);
+            buffer.bytes = 0;
+            for message in leftovers.iter().chain(rest.iter()) {
+                let size = message.byte_len();
+                if buffer.bytes + size > MAX_OFFLINE_BYTES {
+                    buffer.dropped += 1;
+                    continue;
+                }
+                buffer.bytes += size;
+                buffer.messages.push(message.clone());
+            }
+            rest.clear();
+        }
+    }
+
     pub fn connections(&self) -> usize {
         self.state.lock().clients.len()
     }

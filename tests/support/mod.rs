@@ -69,6 +69,7 @@ pub struct GatewayBuilder {
     args: Vec<String>,
     token: Option<String>,
     kernels_dir: PathBuf,
+    policies_dir: PathBuf,
     env: HashMap<String, String>,
 }
 
@@ -85,6 +86,10 @@ impl GatewayBuilder {
         self.token = token.map(str::to_owned);
         self
     }
+    pub fn policies_dir(mut self, dir: PathBuf) -> Self {
+        self.policies_dir = dir;
+        self
+    }
     pub fn kernels_dir(mut self, dir: PathBuf) -> Self {
         self.kernels_dir = dir;
         self
@@ -98,9 +103,18 @@ impl GatewayBuilder {
         let mut command = Command::new(env!("CARGO_BIN_EXE_cellgate"));
         command
             .arg("serve")
-            .args(["--ip", "127.0.0.1", "--port", "0", "--sandbox", &sandbox_backend()])
+            .args([
+                "--ip",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--sandbox",
+                &sandbox_backend(),
+            ])
             .arg("--kernels-dir")
             .arg(&self.kernels_dir)
+            .arg("--policies-dir")
+            .arg(&self.policies_dir)
             .args(&self.args)
             .env_remove("CELLGATE_AUTH_TOKEN")
             .env_remove("KG_AUTH_TOKEN")
@@ -161,6 +175,7 @@ impl Gateway {
             args: vec![],
             token: Some(TOKEN.to_owned()),
             kernels_dir: kernels_dir(),
+            policies_dir: repo().join("policies"),
             env: HashMap::new(),
         }
     }
@@ -341,6 +356,11 @@ fn legacy_binary_encode(json: &[u8], buffers: &[Vec<u8>]) -> Vec<u8> {
         out.extend_from_slice(b);
     }
     out
+}
+
+/// Decodes one frame as a client of the given framing sees it.
+pub fn decode_for_test(frame: WsMessage, v1: bool) -> Result<Option<Msg>> {
+    decode_frame(frame, v1)
 }
 
 fn decode_frame(frame: WsMessage, v1: bool) -> Result<Option<Msg>> {

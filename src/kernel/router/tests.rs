@@ -210,3 +210,48 @@ fn a_client_that_does_not_read_is_dropped_and_its_session_buffers() {
     assert!(slow.evicted());
     assert_eq!(router.connections(), 1);
 }
+
+#[test]
+fn undelivered_messages_of_a_dead_socket_open_its_buffer_in_order() {
+    let router = Router::new("k");
+    let (tx, mut rx) = client_queue();
+    let (id, _) = router.attach("s", tx);
+    router.register_request(id, "s", &request("r1"));
+    router.deliver(msg(Channel::Iopub, "stream", "o1", Some("r1"), "{}"));
+    router.deliver(msg(Channel::Iopub, "stream", "o2", Some("r1"), "{}"));
+    // The writer took o1 and failed to write it; o2 is still queued.
+    let unsent = rx.try_recv().unwrap();
+    router.detach_with(id, rx, vec![unsent]);
+    router.deliver(msg(
+        Channel::Shell,
+        "execute_reply",
+        "rep",
+        Some("r1"),
+        "{}",
+    ));
+    let (tx, mut rx) = client_queue();
+    let (_, replayed) = router.attach("s", tx);
+    assert_eq!(replayed, 3);
+    assert_eq!(drain(&mut rx), ["o1", "o2", "rep"]);
+}
+
+#[test]
+fn replies_of_a_dead_socket_go_to_its_sibling() {
+    let router = Router::new("k");
+    let (a_tx, a) = client_queue();
+    let (b_tx, mut b) = client_queue();
+    let (a_id, _) = router.attach("s", a_tx);
+    router.attach("s", b_tx);
+    router.register_request(a_id, "s", &request("r1"));
+    router.deliver(msg(Channel::Iopub, "stream", "o1", Some("r1"), "{}"));
+    router.deliver(msg(
+        Channel::Shell,
+        "execute_reply",
+        "rep",
+        Some("r1"),
+        "{}",
+    ));
+    router.detach_with(a_id, a, vec![]);
+    // b had its own copy of the iopub message and now gets a's reply too.
+    assert_eq!(drain(&mut b), ["o1", "rep"]);
+}
