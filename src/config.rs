@@ -29,6 +29,9 @@ pub struct ServeArgs {
     /// Directory of kernelspecs [env: CELLGATE_KERNELS_DIR] [default: ./kernels].
     #[arg(long)]
     pub kernels_dir: Option<PathBuf>,
+    /// Directory of policy files [env: CELLGATE_POLICIES_DIR] [default: ./policies].
+    #[arg(long)]
+    pub policies_dir: Option<PathBuf>,
     /// Kernelspec used when a request names none [env: KG_DEFAULT_KERNEL_NAME] [default: python3].
     #[arg(long)]
     pub default_kernel_name: Option<String>,
@@ -77,6 +80,7 @@ struct FileConfig {
     port: Option<u16>,
     token: Option<String>,
     kernels_dir: Option<PathBuf>,
+    policies_dir: Option<PathBuf>,
     default_kernel_name: Option<String>,
     sandbox: Option<Backend>,
     max_kernels: Option<usize>,
@@ -98,6 +102,7 @@ pub struct GatewayConfig {
     pub port: u16,
     pub token: Option<String>,
     pub kernels_dir: PathBuf,
+    pub policies_dir: PathBuf,
     pub default_kernel_name: Option<String>,
     pub sandbox: Backend,
     pub max_kernels: Option<usize>,
@@ -215,6 +220,12 @@ impl GatewayConfig {
                 .or_else(|| env_var("CELLGATE_KERNELS_DIR").map(PathBuf::from))
                 .or(file.kernels_dir)
                 .unwrap_or_else(|| PathBuf::from("kernels")),
+            policies_dir: args
+                .policies_dir
+                .clone()
+                .or_else(|| env_var("CELLGATE_POLICIES_DIR").map(PathBuf::from))
+                .or(file.policies_dir)
+                .unwrap_or_else(|| PathBuf::from("policies")),
             default_kernel_name: args
                 .default_kernel_name
                 .clone()

@@ -66,6 +66,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = Arc::new(GatewayConfig::resolve(&args)?);
     let specs = KernelSpecs::load(&config.kernels_dir, config.default_kernel_name.as_deref())
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
+    let policies = cellgate::policy::Policies::load(&config.policies_dir)
+        .with_context(|| format!("loading policies from {}", config.policies_dir.display()))?;
     let sandbox = make_sandbox(config.sandbox)?;
     let runtime_root = match &config.runtime_dir {
         Some(dir) => dir.join(format!("cellgate-{}", std::process::id())),
@@ -85,6 +87,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 start_timeout: config.start_timeout,
                 ..KernelOptions::default()
             },
+            policies,
         },
     )?;
     kernels.spawn_culler();

@@ -72,6 +72,8 @@ impl Drop for Instance {
 pub struct Kernel {
     pub id: String,
     pub spec: Arc<KernelSpec>,
+    /// The name of the policy the kernel runs under.
+    pub policy: String,
     router: Arc<Router>,
     sandbox: Arc<dyn Sandbox>,
     dirs: KernelDirs,
@@ -107,6 +109,7 @@ impl Kernel {
     pub async fn start(
         id: String,
         spec: Arc<KernelSpec>,
+        policy: String,
         sandbox: Arc<dyn Sandbox>,
         dirs: KernelDirs,
         client_env: BTreeMap<String, String>,
@@ -119,6 +122,7 @@ impl Kernel {
             session: uuid::Uuid::new_v4().to_string(),
             id,
             spec,
+            policy,
             sandbox,
             dirs,
             env,

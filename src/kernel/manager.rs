@@ -12,7 +12,13 @@ use super::launch::{filter_client_env, KernelDirs};
 use super::lifecycle::{Kernel, KernelOptions, Readiness};
 use super::spec::KernelSpecs;
 use super::KernelError;
-use crate::sandbox::Sandbox;
+use crate::policy::{Policies, Policy};
+use crate::sandbox::{Backend, Limits, Sandbox};
+
+/// The environment variable (from the start request) that names a kernel's policy.
+/// GatewayClient forwards every `KERNEL_*` variable of the lab server's environment, so a
+/// JupyterLab user picks a policy with `KERNEL_POLICY=data-science jupyter lab …`.
+pub const POLICY_ENV: &str = "KERNEL_POLICY";
 
 /// Settings of the kernel registry.
 #[derive(Debug, Clone)]
@@ -28,6 +34,7 @@ pub struct ManagerOptions {
     /// Whether kernels with open connections may be culled.
     pub cull_connected: bool,
     pub kernel: KernelOptions,
+    pub policies: Policies,
 }
 
 /// All kernels of this gateway.
@@ -85,15 +92,35 @@ impl KernelManager {
             }
         }
         let client_env = filter_client_env(requested_env, &self.options.env_allowlist)?;
+        let policy = self.policy_for(spec, &client_env)?.clone();
+        let running = self
+            .kernels
+            .read()
+            .values()
+            .filter(|k| k.policy == policy.name)
+            .count();
+        if running >= policy.limits.max_kernels {
+            return Err(KernelError::TooManyKernels {
+                max: policy.limits.max_kernels,
+            });
+        }
+        let mut options = self.options.kernel.clone();
+        options.limits = Limits {
+            memory_bytes: Some(policy.limits.memory_bytes),
+            cpu_millis: Some(policy.limits.cpu_millis),
+            pids: Some(policy.limits.pids),
+            workspace_bytes: Some(policy.limits.workspace_bytes),
+        };
         let id = uuid::Uuid::new_v4().to_string();
         let dirs = KernelDirs::create(&self.options.runtime_root, &id)?;
         let started = Kernel::start(
             id.clone(),
             Arc::new(spec.clone()),
+            policy.name.clone(),
             self.sandbox.clone(),
             dirs.clone(),
             client_env,
-            self.options.kernel.clone(),
+            options,
         )
         .await;
         match started {
@@ -106,6 +133,37 @@ impl KernelManager {
                 Err(err)
             }
         }
+    }
+
+    /// The policy a kernel runs under: `KERNEL_POLICY` from the request, else the
+    /// kernelspec's `metadata.cellgate.policy`, else `default`. Its backend must be the one
+    /// this gateway runs, except in the explicit development mode (`--sandbox process`),
+    /// where every kernel is unsandboxed.
+    fn policy_for(
+        &self,
+        spec: &super::KernelSpec,
+        client_env: &BTreeMap<String, String>,
+    ) -> Result<&Policy, KernelError> {
+        let from_spec = spec
+            .metadata
+            .get("cellgate")
+            .and_then(|c| c.get("policy"))
+            .and_then(|p| p.as_str());
+        let name = client_env
+            .get(POLICY_ENV)
+            .map(String::as_str)
+            .or(from_spec)
+            .unwrap_or("default");
+        let policy = self.options.policies.get(name)?;
+        let backend = self.sandbox.backend();
+        if backend != Backend::Process && policy.backend != backend {
+            return Err(KernelError::BackendMismatch {
+                policy: policy.name.clone(),
+                wanted: policy.backend.as_str(),
+                running: backend.as_str(),
+            });
+        }
+        Ok(policy)
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Kernel>> {

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
-pub use manager::{KernelManager, ManagerOptions};
+pub use manager::{KernelManager, ManagerOptions, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
 pub use spec::{KernelSpec, KernelSpecs};
 
@@ -72,4 +72,12 @@ pub enum KernelError {
     },
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
+    #[error(transparent)]
+    Policy(#[from] crate::policy::PolicyError),
+    #[error("policy {policy} asks for the {wanted} sandbox; this gateway runs {running}")]
+    BackendMismatch {
+        policy: String,
+        wanted: &'static str,
+        running: &'static str,
+    },
 }

@@ -258,3 +258,87 @@ async fn idle_kernels_are_culled_and_busy_or_connected_ones_kept() -> anyhow::Re
     );
     Ok(())
 }
+
+/// The policy's limits reach the sandbox: under `strict` (512 MiB) a child allocating 700 MiB
+/// is killed while the kernel lives on; under `default` (1 GiB) the same child succeeds.
+#[tokio::test]
+async fn policy_limits_reach_the_sandbox() -> anyhow::Result<()> {
+    if sandbox_backend() == "process" {
+        panic!("this test needs a real sandbox; it cannot run with CELLGATE_TEST_SANDBOX=process");
+    }
+    let gateway = Gateway::start().await?;
+    let allocate = "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'b = bytearray(700 * 2**20); b[::4096] = b\"x\" * len(b[::4096])'])\nprint('rc', r.returncode)";
+    for (policy, expected) in [("strict", "rc -9\n"), ("default", "rc 0\n")] {
+        let response = gateway
+            .request(reqwest::Method::POST, "/api/kernels")
+            .json(&serde_json::json!({"name": "python3", "env": {"KERNEL_POLICY": policy}}))
+            .send()
+            .await?;
+        assert_eq!(response.status().as_u16(), 201, "{policy}");
+        let id = response.json::<serde_json::Value>().await?["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let mut client = gateway.connect(&id, policy, false).await?;
+        let msgs = client.run(allocate).await?;
+        assert_eq!(stdout(&msgs), expected, "{policy}: {msgs:?}");
+        let msgs = client.run("1 + 1").await?;
+        assert_eq!(
+            of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+            "2"
+        );
+    }
+    // An unknown policy, or one for another backend, is a clear 400.
+    let response = gateway
+        .request(reqwest::Method::POST, "/api/kernels")
+        .json(&serde_json::json!({"env": {"KERNEL_POLICY": "nope"}}))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 400);
+    let body: serde_json::Value = response.json().await?;
+    assert!(body["message"].as_str().unwrap().contains("nope"), "{body}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_policy_for_another_backend_is_refused() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("default.toml"), "")?;
+    std::fs::write(
+        dir.path().join("gv.toml"),
+        "[sandbox]\nbackend = \"gvisor\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    let response = gateway
+        .request(reqwest::Method::POST, "/api/kernels")
+        .json(&serde_json::json!({"env": {"KERNEL_POLICY": "gv"}}))
+        .send()
+        .await?;
+    if sandbox_backend() == "process" {
+        // Development mode runs every policy unsandboxed.
+        assert_eq!(response.status().as_u16(), 201);
+    } else {
+        assert_eq!(response.status().as_u16(), 400);
+        let body: serde_json::Value = response.json().await?;
+        assert!(
+            body["message"].as_str().unwrap().contains("gvisor"),
+            "{body}"
+        );
+    }
+    // A broken policy file stops the gateway from starting, with the file and line.
+    std::fs::write(dir.path().join("bad.toml"), "[limits]\nmemroy = \"1GiB\"\n")?;
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_cellgate"))
+        .args(["serve", "--port", "0", "--policies-dir"])
+        .arg(dir.path())
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("bad.toml") && stderr.contains("memroy") && stderr.contains("line 2"),
+        "{stderr}"
+    );
+    Ok(())
+}
