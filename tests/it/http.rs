@@ -312,10 +312,22 @@ async fn kernelspec_resources_are_served() -> anyhow::Result<()> {
     assert_eq!(response.headers()["content-type"], "image/png");
     let bytes = response.bytes().await?;
     assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-    assert!(resources["logo-svg"].as_str().unwrap().ends_with("logo-svg.svg"));
+    assert!(resources["logo-svg"]
+        .as_str()
+        .unwrap()
+        .ends_with("logo-svg.svg"));
     // Nothing else in the spec's directory is reachable.
-    for path in ["/kernelspecs/python3/kernel.json", "/kernelspecs/python3/..%2Fpython3%2Fkernel.json", "/kernelspecs/python3/requirements.txt"] {
-        let status = gateway.request(reqwest::Method::GET, path).send().await?.status().as_u16();
+    for path in [
+        "/kernelspecs/python3/kernel.json",
+        "/kernelspecs/python3/..%2Fpython3%2Fkernel.json",
+        "/kernelspecs/python3/requirements.txt",
+    ] {
+        let status = gateway
+            .request(reqwest::Method::GET, path)
+            .send()
+            .await?
+            .status()
+            .as_u16();
         assert_eq!(status, 404, "{path}");
     }
     Ok(())
@@ -325,17 +337,31 @@ async fn kernelspec_resources_are_served() -> anyhow::Result<()> {
 /// apps cannot talk to it. We answer them before auth.
 #[tokio::test]
 async fn cors_preflight_is_answered_before_auth() -> anyhow::Result<()> {
-    let gateway = Gateway::builder().args(&["--allow-origin", "https://app.example"]).start().await?;
+    let gateway = Gateway::builder()
+        .args(&["--allow-origin", "https://app.example"])
+        .start()
+        .await?;
     let response = reqwest::Client::new()
-        .request(reqwest::Method::OPTIONS, format!("{}/api/kernels", gateway.base))
+        .request(
+            reqwest::Method::OPTIONS,
+            format!("{}/api/kernels", gateway.base),
+        )
         .header("Origin", "https://app.example")
         .header("Access-Control-Request-Method", "POST")
-        .header("Access-Control-Request-Headers", "authorization, content-type")
+        .header(
+            "Access-Control-Request-Headers",
+            "authorization, content-type",
+        )
         .send()
         .await?;
     assert!(response.status().is_success(), "{}", response.status());
-    assert_eq!(response.headers()["access-control-allow-origin"], "https://app.example");
-    let allowed = response.headers()["access-control-allow-headers"].to_str()?.to_lowercase();
+    assert_eq!(
+        response.headers()["access-control-allow-origin"],
+        "https://app.example"
+    );
+    let allowed = response.headers()["access-control-allow-headers"]
+        .to_str()?
+        .to_lowercase();
     assert!(allowed.contains("authorization"), "{allowed}");
     // The actual request still needs the token, and carries the CORS header.
     let response = reqwest::Client::new()
@@ -344,13 +370,27 @@ async fn cors_preflight_is_answered_before_auth() -> anyhow::Result<()> {
         .send()
         .await?;
     assert_eq!(response.status().as_u16(), 401);
-    let response = gateway.request(reqwest::Method::GET, "/api/kernels").header("Origin", "https://app.example").send().await?;
+    let response = gateway
+        .request(reqwest::Method::GET, "/api/kernels")
+        .header("Origin", "https://app.example")
+        .send()
+        .await?;
     assert_eq!(response.status().as_u16(), 200);
-    assert_eq!(response.headers()["access-control-allow-origin"], "https://app.example");
+    assert_eq!(
+        response.headers()["access-control-allow-origin"],
+        "https://app.example"
+    );
     // Another origin gets no CORS grant (the header, as in Kernel Gateway, names only the
     // configured origin, which the browser compares with its own).
-    let response = gateway.request(reqwest::Method::GET, "/api/kernels").header("Origin", "https://evil.example").send().await?;
-    let granted = response.headers().get("access-control-allow-origin").map(|v| v.to_str().unwrap_or_default().to_owned());
+    let response = gateway
+        .request(reqwest::Method::GET, "/api/kernels")
+        .header("Origin", "https://evil.example")
+        .send()
+        .await?;
+    let granted = response
+        .headers()
+        .get("access-control-allow-origin")
+        .map(|v| v.to_str().unwrap_or_default().to_owned());
     assert_ne!(granted.as_deref(), Some("https://evil.example"));
     assert_ne!(granted.as_deref(), Some("*"));
     Ok(())

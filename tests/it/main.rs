@@ -5,6 +5,8 @@
 mod support;
 
 mod clients;
+mod compat;
+mod hostile;
 mod http;
 mod lifecycle;
 mod messaging;
