@@ -32,6 +32,10 @@ pub struct KernelOptions {
     /// How long a kernel may take to exit after `shutdown_request` before it is killed.
     pub shutdown_grace: Duration,
     pub limits: Limits,
+    /// A cell running longer is interrupted and reported as `CellTimeoutError`.
+    pub execution_timeout: Option<Duration>,
+    /// After that interrupt, how long before the kernel is restarted.
+    pub interrupt_grace: Duration,
 }
 
 impl Default for KernelOptions {
@@ -40,6 +44,8 @@ impl Default for KernelOptions {
             start_timeout: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(3),
             limits: Limits::default(),
+            execution_timeout: None,
+            interrupt_grace: Duration::from_secs(10),
         }
     }
 }
@@ -86,6 +92,22 @@ pub struct Kernel {
     ops: tokio::sync::Mutex<()>,
     /// The gateway's own session id in the headers of messages it originates.
     session: String,
+    /// Why the gateway last restarted the kernel on its own (a timeout the kernel ignored).
+    last_restart_reason: parking_lot::Mutex<Option<String>>,
+}
+
+/// A duration as people write it: `300 s`, `10 min`, `2 h`.
+fn human(d: Duration) -> String {
+    let secs = d.as_secs();
+    if secs >= 3600 && secs.is_multiple_of(3600) {
+        format!("{} h", secs / 3600)
+    } else if secs >= 60 && secs.is_multiple_of(60) {
+        format!("{} min", secs / 60)
+    } else if secs >= 1 {
+        format!("{secs} s")
+    } else {
+        format!("{} ms", d.as_millis())
+    }
 }
 
 /// `YYYY-MM-DDTHH:MM:SS.ffffffZ`, always six digits: GatewayClient parses `last_activity` with
@@ -131,7 +153,9 @@ impl Kernel {
             instance: parking_lot::Mutex::new(None),
             generation: AtomicU64::new(0),
             ops: tokio::sync::Mutex::new(()),
+            last_restart_reason: parking_lot::Mutex::new(None),
         });
+        kernel.spawn_watchdog();
         let launched = kernel.launch_generation().await?;
         let booting = kernel.clone();
         tokio::spawn(async move { booting.finish_boot(launched).await });
@@ -235,6 +259,64 @@ impl Kernel {
                 }
             }
         }
+    }
+
+    /// Enforces the execution timeout: interrupt a cell that runs too long, and restart the
+    /// kernel if the cell is still running `interrupt_grace` later.
+    fn spawn_watchdog(self: &Arc<Self>) {
+        let Some(limit) = self.options.execution_timeout else {
+            return;
+        };
+        let grace = self.options.interrupt_grace;
+        let kernel = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tick.tick().await;
+                let Some(kernel) = kernel.upgrade() else {
+                    return;
+                };
+                if kernel.readiness() == Readiness::Terminated {
+                    return;
+                }
+                let Some((msg_id, elapsed)) = kernel.router.running() else {
+                    continue;
+                };
+                if elapsed < limit {
+                    continue;
+                }
+                match kernel.router.timed_out_since(&msg_id) {
+                    None => {
+                        let evalue = format!(
+                            "the cell ran longer than the {} execution timeout of policy {} and was interrupted",
+                            human(limit),
+                            kernel.policy
+                        );
+                        tracing::warn!(kernel_id = %kernel.id, %msg_id, "execution timeout: interrupting");
+                        kernel.router.mark_timed_out(&msg_id, evalue);
+                        if let Err(err) = kernel.interrupt().await {
+                            tracing::warn!(kernel_id = %kernel.id, %err, "interrupt after timeout failed");
+                        }
+                    }
+                    Some(since) if since.elapsed() >= grace => {
+                        let evalue = format!(
+                            "the cell ran longer than the {} execution timeout of policy {}, ignored the interrupt for {}, and the kernel was restarted: its variables are lost",
+                            human(limit),
+                            kernel.policy,
+                            human(grace)
+                        );
+                        tracing::warn!(kernel_id = %kernel.id, %msg_id, "cell ignored the interrupt: restarting the kernel");
+                        *kernel.last_restart_reason.lock() = Some(evalue.clone());
+                        let restarted = kernel.restart().await;
+                        kernel.router.fail_timed_out(&msg_id, &evalue);
+                        if let Err(err) = restarted {
+                            tracing::error!(kernel_id = %kernel.id, %err, "restart after timeout failed");
+                        }
+                    }
+                    Some(_) => {}
+                }
+            }
+        });
     }
 
     fn spawn_exit_watch(
@@ -431,6 +513,7 @@ impl Kernel {
             return Err(KernelError::Terminated);
         }
         self.stop_instance(true).await;
+        self.router.clear_running();
         self.readiness.send_replace(Readiness::Starting);
         self.router.set_execution_state("starting");
         let launched = match self.launch_generation().await {
@@ -502,6 +585,14 @@ impl Kernel {
         if let Readiness::Dead(reason) = readiness {
             model["reason"] = json!(reason);
         }
+        // cellgate's own fields, namespaced so Kernel Gateway clients are not confused.
+        // `state_generation` changes whenever the kernel's variables were lost.
+        model["cellgate"] = json!({
+            "policy": self.policy,
+            "sandbox": self.sandbox.backend().as_str(),
+            "state_generation": self.generation(),
+            "last_restart_reason": *self.last_restart_reason.lock(),
+        });
         model
     }
 }

@@ -20,12 +20,16 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::Deserialize;
+use serde_json::json;
 use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::protocol::{Channel, Message};
+use crate::protocol::{Channel, HeaderFields, Message};
 
 /// Identifies one attached WebSocket.
 pub type ClientId = u64;
@@ -125,6 +129,14 @@ struct Client {
 struct Requester {
     client: ClientId,
     session: String,
+    /// For execute requests: the request's header, to answer it in the kernel's stead.
+    request: Option<(HeaderFields, Bytes)>,
+}
+
+/// An execution the gateway interrupted because it ran past the policy's timeout.
+struct TimedOut {
+    since: Instant,
+    evalue: String,
 }
 
 #[derive(Default)]
@@ -154,6 +166,9 @@ struct State {
     offline_serial: u64,
     activity: Activity,
     dropped_replies: u64,
+    /// The execute request the kernel is busy with, and since when.
+    running: Option<(String, Instant)>,
+    timed_out: HashMap<String, TimedOut>,
 }
 
 /// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
@@ -196,6 +211,8 @@ impl Router {
                     last_activity: OffsetDateTime::now_utc(),
                 },
                 dropped_replies: 0,
+                running: None,
+                timed_out: HashMap::new(),
             }),
         }
     }
@@ -348,11 +365,14 @@ impl Router {
             }
         }
         state.pending_order.push_back(msg_id.clone());
+        let request = (message.msg_type() == "execute_request")
+            .then(|| (message.header.clone(), message.header_bytes.clone()));
         state.pending.insert(
             msg_id,
             Requester {
                 client,
                 session: session.to_owned(),
+                request,
             },
         );
     }
@@ -404,9 +424,30 @@ impl Router {
                     return;
                 }
                 if let Some(status) = status {
+                    let parent_is_execute = message
+                        .parent
+                        .as_ref()
+                        .is_some_and(|p| p.msg_type == "execute_request");
+                    match (status.as_str(), parent.as_deref()) {
+                        ("busy", Some(p)) if parent_is_execute => {
+                            state.running = Some((p.to_owned(), Instant::now()));
+                        }
+                        ("idle", Some(p))
+                            if state.running.as_ref().is_some_and(|(r, _)| r == p) =>
+                        {
+                            state.running = None;
+                        }
+                        _ => {}
+                    }
                     state.activity.execution_state = status;
                 }
                 state.activity.last_activity = OffsetDateTime::now_utc();
+                let message = match parent.as_deref().and_then(|p| state.timed_out.get(p)) {
+                    Some(timed_out) if message.msg_type() == "error" => {
+                        Arc::new(timeout_error(&message, &timed_out.evalue))
+                    }
+                    _ => message,
+                };
                 Self::broadcast_locked(&mut state, &message);
             }
             Channel::Shell | Channel::Control => {
@@ -418,6 +459,14 @@ impl Router {
                     let _ = waiter.send(message);
                     return;
                 }
+                let message = match state.timed_out.get(&parent) {
+                    Some(timed_out) if message.msg_type() == "execute_reply" => {
+                        let substituted = timeout_reply(&message, &timed_out.evalue);
+                        state.timed_out.remove(&parent);
+                        Arc::new(substituted)
+                    }
+                    _ => message,
+                };
                 match state.pending.remove(&parent) {
                     Some(requester) => self.route_locked(&mut state, &requester, message),
                     None => {
@@ -438,6 +487,86 @@ impl Router {
             }
             Channel::Heartbeat => {}
         }
+    }
+
+    /// The execution the kernel is busy with, and for how long.
+    pub fn running(&self) -> Option<(String, Duration)> {
+        let state = self.state.lock();
+        state
+            .running
+            .as_ref()
+            .map(|(id, since)| (id.clone(), since.elapsed()))
+    }
+
+    /// When the gateway interrupted `msg_id` for running too long, if it did.
+    pub fn timed_out_since(&self, msg_id: &str) -> Option<Instant> {
+        self.state.lock().timed_out.get(msg_id).map(|t| t.since)
+    }
+
+    /// Marks an execution as interrupted for its timeout: its KeyboardInterrupt error and
+    /// reply reach clients as `CellTimeoutError` with `evalue`.
+    pub fn mark_timed_out(&self, msg_id: &str, evalue: String) {
+        let mut state = self.state.lock();
+        if state.timed_out.len() > 64 {
+            state.timed_out.clear();
+        }
+        state.timed_out.insert(
+            msg_id.to_owned(),
+            TimedOut {
+                since: Instant::now(),
+                evalue,
+            },
+        );
+    }
+
+    /// Answers a timed-out execution whose kernel had to be restarted (the process that
+    /// would have replied is gone): an error, the execute_reply and an idle status.
+    pub fn fail_timed_out(&self, msg_id: &str, evalue: &str) {
+        let mut state = self.state.lock();
+        state.timed_out.remove(msg_id);
+        state.running = None;
+        let Some(requester) = state.pending.remove(msg_id) else {
+            return;
+        };
+        let Some((header, header_bytes)) = requester.request.clone() else {
+            return;
+        };
+        let error = timeout_content(evalue);
+        let iopub_error = Message::answering(
+            &header,
+            &header_bytes,
+            Channel::Iopub,
+            "error",
+            &error,
+            &json!({}),
+        );
+        let mut reply_content = error.clone();
+        reply_content["status"] = json!("error");
+        reply_content["execution_count"] = json!(null);
+        let reply = Message::answering(
+            &header,
+            &header_bytes,
+            Channel::Shell,
+            "execute_reply",
+            &reply_content,
+            &json!({"cellgate": {"outcome": "timeout"}}),
+        );
+        let idle = Message::answering(
+            &header,
+            &header_bytes,
+            Channel::Iopub,
+            "status",
+            &json!({"execution_state": "idle"}),
+            &json!({}),
+        );
+        Self::broadcast_locked(&mut state, &Arc::new(iopub_error));
+        self.route_locked(&mut state, &requester, Arc::new(reply));
+        Self::broadcast_locked(&mut state, &Arc::new(idle));
+    }
+
+    /// Forgets the running execution (its kernel process is gone).
+    pub fn clear_running(&self) {
+        self.state.lock().running = None;
     }
 
     /// Sends a message the gateway made (a synthesised status) to every client.
@@ -507,6 +636,34 @@ impl Router {
         state.internal_replies.clear();
         state.internal_parents.clear();
     }
+}
+
+fn timeout_content(evalue: &str) -> serde_json::Value {
+    json!({
+        "ename": "CellTimeoutError",
+        "evalue": evalue,
+        "traceback": [format!("CellTimeoutError: {evalue}")],
+    })
+}
+
+/// The kernel's KeyboardInterrupt error, reported as the timeout it really was.
+fn timeout_error(original: &Message, evalue: &str) -> Message {
+    original.with_content(
+        &timeout_content(evalue),
+        &json!({"cellgate": {"outcome": "timeout"}}),
+    )
+}
+
+/// The kernel's error execute_reply, reported as a timeout; the execution count is kept.
+fn timeout_reply(original: &Message, evalue: &str) -> Message {
+    let count = original
+        .content_json()
+        .and_then(|c| c.get("execution_count").cloned())
+        .unwrap_or(serde_json::Value::Null);
+    let mut content = timeout_content(evalue);
+    content["status"] = json!("error");
+    content["execution_count"] = count;
+    original.with_content(&content, &json!({"cellgate": {"outcome": "timeout"}}))
 }
 
 #[cfg(test)]

@@ -97,6 +97,56 @@ impl Message {
         }
     }
 
+    /// A message of the same channel, type, session and parent with new content: how the
+    /// gateway substitutes its own outcome for a kernel's (a timeout for a KeyboardInterrupt).
+    pub fn with_content(
+        &self,
+        content: &serde_json::Value,
+        metadata: &serde_json::Value,
+    ) -> Message {
+        let (msg_id, header_bytes) = super::new_header(self.msg_type(), &self.header.session);
+        Message {
+            channel: self.channel,
+            header: HeaderFields {
+                msg_id,
+                msg_type: self.header.msg_type.clone(),
+                session: self.header.session.clone(),
+            },
+            parent: self.parent.clone(),
+            header_bytes: Bytes::from(header_bytes),
+            parent_header_bytes: self.parent_header_bytes.clone(),
+            metadata: Bytes::from(metadata.to_string()),
+            content: Bytes::from(content.to_string()),
+            buffers: Vec::new(),
+        }
+    }
+
+    /// A message answering `request` (its header becomes the parent), made by the gateway.
+    pub fn answering(
+        request_header: &HeaderFields,
+        request_header_bytes: &Bytes,
+        channel: Channel,
+        msg_type: &str,
+        content: &serde_json::Value,
+        metadata: &serde_json::Value,
+    ) -> Message {
+        let (msg_id, header_bytes) = super::new_header(msg_type, &request_header.session);
+        Message {
+            channel,
+            header: HeaderFields {
+                msg_id,
+                msg_type: msg_type.to_owned(),
+                session: request_header.session.clone(),
+            },
+            parent: Some(request_header.clone()),
+            header_bytes: Bytes::from(header_bytes),
+            parent_header_bytes: request_header_bytes.clone(),
+            metadata: Bytes::from(metadata.to_string()),
+            content: Bytes::from(content.to_string()),
+            buffers: Vec::new(),
+        }
+    }
+
     pub fn msg_type(&self) -> &str {
         &self.header.msg_type
     }

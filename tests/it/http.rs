@@ -62,9 +62,11 @@ async fn rest_contract() -> anyhow::Result<()> {
     );
     assert_eq!(model["connections"], 0);
     let keys: Vec<&String> = model.as_object().unwrap().keys().collect();
+    // Kernel Gateway's fields, plus cellgate's own under one namespaced key.
     assert_eq!(
         keys,
         [
+            "cellgate",
             "connections",
             "execution_state",
             "id",
@@ -72,6 +74,8 @@ async fn rest_contract() -> anyhow::Result<()> {
             "name"
         ]
     );
+    assert_eq!(model["cellgate"]["policy"], "default");
+    assert_eq!(model["cellgate"]["state_generation"], 1);
 
     // The environment the kernel really got.
     let mut client = gateway.connect(&id, "env", false).await?;

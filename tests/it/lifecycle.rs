@@ -342,3 +342,88 @@ async fn a_policy_for_another_backend_is_refused() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+async fn timeout_gateway() -> anyhow::Result<(tempfile::TempDir, Gateway)> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        "[limits]\nexecution_timeout = \"1s\"\ninterrupt_grace = \"1s\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    Ok((dir, gateway))
+}
+
+/// A cell past the policy's execution timeout is interrupted and reported as a timeout, not
+/// as a KeyboardInterrupt; the kernel keeps its variables.
+#[tokio::test]
+async fn execution_timeout_interrupts_and_reports_a_timeout() -> anyhow::Result<()> {
+    let (_dir, gateway) = timeout_gateway().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "slow", false).await?;
+    client.run("kept = 7").await?;
+    let started = Instant::now();
+    let msgs = client.run("import time; time.sleep(30)").await?;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    let errors = of_type(&msgs, "error");
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0].content["ename"], "CellTimeoutError");
+    assert!(errors[0].content["evalue"]
+        .as_str()
+        .unwrap()
+        .contains("1 s execution timeout"));
+    let reply = reply(&msgs);
+    assert_eq!(reply.content["status"], "error");
+    assert_eq!(reply.content["ename"], "CellTimeoutError");
+    assert!(reply.content["execution_count"].is_number());
+    assert_eq!(reply.metadata["cellgate"]["outcome"], "timeout");
+    // Quick cells are untouched, and the variables survived.
+    let msgs = client.run("kept * 6").await?;
+    assert_eq!(
+        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+        "42"
+    );
+    let (_, model) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
+    assert_eq!(model["cellgate"]["state_generation"], 1);
+    Ok(())
+}
+
+/// A cell that ignores the interrupt gets its kernel restarted after the grace period; the
+/// client still receives an error, a reply and idle, and the state generation moves on.
+#[tokio::test]
+async fn a_cell_ignoring_the_interrupt_gets_the_kernel_restarted() -> anyhow::Result<()> {
+    let (_dir, gateway) = timeout_gateway().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "stubborn", true).await?;
+    client.run("lost = 1").await?;
+    let code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)";
+    let started = Instant::now();
+    let msgs = client.run(code).await?;
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let errors = of_type(&msgs, "error");
+    assert_eq!(errors[0].content["ename"], "CellTimeoutError");
+    assert!(errors[0].content["evalue"]
+        .as_str()
+        .unwrap()
+        .contains("restarted"));
+    assert_eq!(reply(&msgs).content["status"], "error");
+    let (_, model) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
+    assert_eq!(model["cellgate"]["state_generation"], 2, "{model}");
+    assert!(model["cellgate"]["last_restart_reason"]
+        .as_str()
+        .unwrap()
+        .contains("ignored the interrupt"));
+    let msgs = client.run("lost").await?;
+    assert_eq!(of_type(&msgs, "error")[0].content["ename"], "NameError");
+    Ok(())
+}
