@@ -36,6 +36,8 @@ pub struct KernelOptions {
     pub execution_timeout: Option<Duration>,
     /// After that interrupt, how long before the kernel is restarted.
     pub interrupt_grace: Duration,
+    /// Output bytes one execution may produce before the rest is dropped.
+    pub output_limit: Option<u64>,
 }
 
 impl Default for KernelOptions {
@@ -46,6 +48,7 @@ impl Default for KernelOptions {
             limits: Limits::default(),
             execution_timeout: None,
             interrupt_grace: Duration::from_secs(10),
+            output_limit: None,
         }
     }
 }
@@ -140,7 +143,7 @@ impl Kernel {
         let env = kernel_env(&spec, &id, &dirs.work, &client_env);
         let (readiness, _) = watch::channel(Readiness::Starting);
         let kernel = Arc::new(Kernel {
-            router: Arc::new(Router::new(&id)),
+            router: Arc::new(Router::new(&id).with_output_limit(options.output_limit)),
             session: uuid::Uuid::new_v4().to_string(),
             id,
             spec,

@@ -107,6 +107,7 @@ impl KernelManager {
         let mut options = self.options.kernel.clone();
         options.execution_timeout = Some(policy.limits.execution_timeout);
         options.interrupt_grace = policy.limits.interrupt_grace;
+        options.output_limit = Some(policy.limits.output_per_execution_bytes);
         options.limits = Limits {
             memory_bytes: Some(policy.limits.memory_bytes),
             cpu_millis: Some(policy.limits.cpu_millis),

@@ -169,6 +169,11 @@ struct State {
     /// The execute request the kernel is busy with, and since when.
     running: Option<(String, Instant)>,
     timed_out: HashMap<String, TimedOut>,
+    /// Output bytes of the running execution, and whether it was cut off.
+    cell_output: u64,
+    cell_truncated: bool,
+    /// Executions whose output was cut off, for their reply's outcome.
+    truncated: HashSet<String>,
 }
 
 /// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
@@ -176,6 +181,8 @@ struct State {
 pub struct Router {
     state: Mutex<State>,
     kernel_id: String,
+    /// Output bytes one execution may produce; the rest is dropped with a marker.
+    output_limit: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -213,8 +220,18 @@ impl Router {
                 dropped_replies: 0,
                 running: None,
                 timed_out: HashMap::new(),
+                cell_output: 0,
+                cell_truncated: false,
+                truncated: HashSet::new(),
             }),
+            output_limit: None,
         }
+    }
+
+    /// Caps the output of each execution (policy `output_per_execution`).
+    pub fn with_output_limit(mut self, limit: Option<u64>) -> Router {
+        self.output_limit = limit;
+        self
     }
 
     /// Attaches a client. Output buffered for its session while it had no socket is queued to
@@ -431,6 +448,8 @@ impl Router {
                     match (status.as_str(), parent.as_deref()) {
                         ("busy", Some(p)) if parent_is_execute => {
                             state.running = Some((p.to_owned(), Instant::now()));
+                            state.cell_output = 0;
+                            state.cell_truncated = false;
                         }
                         ("idle", Some(p))
                             if state.running.as_ref().is_some_and(|(r, _)| r == p) =>
@@ -442,6 +461,28 @@ impl Router {
                     state.activity.execution_state = status;
                 }
                 state.activity.last_activity = OffsetDateTime::now_utc();
+                if let (Some(limit), Some(p)) = (self.output_limit, parent.as_deref()) {
+                    let is_output = matches!(
+                        message.msg_type(),
+                        "stream" | "display_data" | "execute_result" | "update_display_data"
+                    );
+                    let of_running = state.running.as_ref().is_some_and(|(r, _)| r == p);
+                    if is_output && of_running {
+                        state.cell_output += message.byte_len() as u64;
+                        if state.cell_output > limit {
+                            if !state.cell_truncated {
+                                state.cell_truncated = true;
+                                if state.truncated.len() > 256 {
+                                    state.truncated.clear();
+                                }
+                                state.truncated.insert(p.to_owned());
+                                let marker = truncation_marker(&message, limit);
+                                Self::broadcast_locked(&mut state, &Arc::new(marker));
+                            }
+                            return;
+                        }
+                    }
+                }
                 let message = match parent.as_deref().and_then(|p| state.timed_out.get(p)) {
                     Some(timed_out) if message.msg_type() == "error" => {
                         Arc::new(timeout_error(&message, &timed_out.evalue))
@@ -467,6 +508,12 @@ impl Router {
                     }
                     _ => message,
                 };
+                let message =
+                    if message.msg_type() == "execute_reply" && state.truncated.remove(&parent) {
+                        Arc::new(with_outcome(&message, "output_truncated"))
+                    } else {
+                        message
+                    };
                 match state.pending.remove(&parent) {
                     Some(requester) => self.route_locked(&mut state, &requester, message),
                     None => {
@@ -636,6 +683,35 @@ impl Router {
         state.internal_replies.clear();
         state.internal_parents.clear();
     }
+}
+
+/// The stderr line that replaces a cell's output past the limit.
+fn truncation_marker(dropped: &Message, limit: u64) -> Message {
+    let text = format!(
+        "\n[cellgate] this cell's output passed the limit of {} MiB; the rest of its output is dropped (the cell keeps running)\n",
+        limit as f64 / (1u64 << 20) as f64
+    );
+    let parent = dropped.parent.clone().unwrap_or_default();
+    Message::answering(
+        &parent,
+        &dropped.parent_header_bytes,
+        Channel::Iopub,
+        "stream",
+        &json!({"name": "stderr", "text": text}),
+        &json!({"cellgate": {"outcome": "output_truncated"}}),
+    )
+}
+
+/// The same message with `metadata.cellgate.outcome` set; header and content keep their bytes.
+fn with_outcome(message: &Message, outcome: &str) -> Message {
+    let mut metadata: serde_json::Value =
+        serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
+    if let Some(object) = metadata.as_object_mut() {
+        object.insert("cellgate".to_owned(), json!({"outcome": outcome}));
+    }
+    let mut changed = message.clone();
+    changed.metadata = Bytes::from(metadata.to_string());
+    changed
 }
 
 fn timeout_content(evalue: &str) -> serde_json::Value {

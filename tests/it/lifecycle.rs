@@ -427,3 +427,50 @@ async fn a_cell_ignoring_the_interrupt_gets_the_kernel_restarted() -> anyhow::Re
     assert_eq!(of_type(&msgs, "error")[0].content["ename"], "NameError");
     Ok(())
 }
+
+/// Output past the policy's per-cell limit is dropped with one marker; the cell runs to the
+/// end, its reply says `output_truncated`, and the next cell's output flows again.
+#[tokio::test]
+async fn output_past_the_limit_is_dropped_with_a_marker() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        "[limits]\noutput_per_execution = \"64KiB\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "flood", false).await?;
+    let msgs = client
+        .run("for i in range(20000):\n    print('x' * 100, flush=(i % 100 == 0))\nfinished = True")
+        .await?;
+    let out = stdout(&msgs);
+    assert!(out.len() <= 64 << 10, "{} bytes got through", out.len());
+    assert!(
+        out.len() > 16 << 10,
+        "output before the limit arrives: {}",
+        out.len()
+    );
+    let markers: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.msg_type() == "stream" && m.content["name"] == "stderr")
+        .collect();
+    assert_eq!(markers.len(), 1);
+    assert!(markers[0].content["text"]
+        .as_str()
+        .unwrap()
+        .contains("limit"));
+    let reply = reply(&msgs);
+    assert_eq!(reply.content["status"], "ok");
+    assert_eq!(reply.metadata["cellgate"]["outcome"], "output_truncated");
+    let msgs = client.run("print(finished)").await?;
+    assert_eq!(stdout(&msgs), "True\n");
+    assert!(reply_metadata_is_plain(&msgs));
+    Ok(())
+}
+
+fn reply_metadata_is_plain(msgs: &[Msg]) -> bool {
+    reply(msgs).metadata.get("cellgate").is_none()
+}
