@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// Also cull idle kernels that have open connections [default: false].
     #[arg(long)]
     pub cull_connected: Option<bool>,
+    /// Ready kernels kept for the default kernelspec and policy, handed out on start; 0
+    /// disables the pool [default: 1].
+    #[arg(long)]
+    pub pool_size: Option<usize>,
     /// Seconds a kernel may take to become ready [default: 60].
     #[arg(long)]
     pub start_timeout: Option<u64>,
@@ -88,6 +92,7 @@ struct FileConfig {
     cull_interval: Option<u64>,
     cull_connected: Option<bool>,
     start_timeout: Option<u64>,
+    pool_size: Option<usize>,
     allow_origin: Option<String>,
     env_allowlist: Option<Vec<String>>,
     max_message_mib: Option<usize>,
@@ -110,6 +115,7 @@ pub struct GatewayConfig {
     pub cull_interval: Duration,
     pub cull_connected: bool,
     pub start_timeout: Duration,
+    pub pool_size: usize,
     pub allow_origin: Option<String>,
     pub env_allowlist: Vec<String>,
     pub max_message_bytes: usize,
@@ -251,6 +257,7 @@ impl GatewayConfig {
                     .unwrap_or(60)
                     .max(1),
             ),
+            pool_size: args.pool_size.or(file.pool_size).unwrap_or(1),
             allow_origin: args
                 .allow_origin
                 .clone()

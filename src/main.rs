@@ -88,9 +88,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 ..KernelOptions::default()
             },
             policies,
+            pool_size: config.pool_size,
         },
     )?;
     kernels.spawn_culler();
+    kernels.refill_pool();
     let listener = tokio::net::TcpListener::bind((config.ip, config.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;

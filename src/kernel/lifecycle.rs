@@ -438,6 +438,41 @@ impl Kernel {
         instance.channels.send(&message).await
     }
 
+    /// Sets environment variables in the running kernel (a silent execute that leaves no
+    /// history and no execution count): how a pooled kernel gets a client's `KERNEL_*`
+    /// variables after it started.
+    pub async fn set_env(&self, vars: &BTreeMap<String, String>) -> Result<(), KernelError> {
+        let instance = self.ready_instance().await?;
+        let json = serde_json::to_string(vars).unwrap_or_else(|_| "{}".to_owned());
+        // A JSON string literal is a valid Python string literal.
+        let literal = serde_json::Value::String(json).to_string();
+        let code = format!(
+            "import json as _cg_json, os as _cg_os\n_cg_os.environ.update(_cg_json.loads({literal}))\ndel _cg_json, _cg_os"
+        );
+        let content = json!({"code": code, "silent": true, "store_history": false, "user_expressions": {}, "allow_stdin": false, "stop_on_error": false});
+        let reply = self
+            .internal_request(
+                &instance,
+                Channel::Shell,
+                "execute_request",
+                content,
+                Duration::from_secs(10),
+            )
+            .await?;
+        match reply.content_json() {
+            Some(c) if c["status"] == "ok" => Ok(()),
+            other => Err(KernelError::NoReply(format!(
+                "execute_request setting the environment ({:?})",
+                other.map(|c| c["status"].clone())
+            ))),
+        }
+    }
+
+    /// Counts as activity now (a kernel leaving the pool starts its idle clock).
+    pub fn touch(&self) {
+        self.router.touch();
+    }
+
     pub fn router(&self) -> &Arc<Router> {
         &self.router
     }

@@ -35,6 +35,8 @@ pub struct ManagerOptions {
     pub cull_connected: bool,
     pub kernel: KernelOptions,
     pub policies: Policies,
+    /// Ready kernels kept for the default kernelspec under the default policy; 0 disables.
+    pub pool_size: usize,
 }
 
 /// All kernels of this gateway.
@@ -43,6 +45,16 @@ pub struct KernelManager {
     specs: KernelSpecs,
     sandbox: Arc<dyn Sandbox>,
     options: ManagerOptions,
+    /// The warm pool: started, ready, never touched by a client. A kernel leaves the pool
+    /// for good when it is handed out.
+    pool: parking_lot::Mutex<Pool>,
+}
+
+#[derive(Default)]
+struct Pool {
+    ready: std::collections::VecDeque<Arc<Kernel>>,
+    /// Kernels being started for the pool.
+    filling: usize,
 }
 
 impl KernelManager {
@@ -65,6 +77,7 @@ impl KernelManager {
             specs,
             sandbox,
             options,
+            pool: parking_lot::Mutex::new(Pool::default()),
         }))
     }
 
@@ -72,9 +85,10 @@ impl KernelManager {
         &self.specs
     }
 
-    /// Starts a kernel of kernelspec `name` (the default when `None`).
+    /// Starts a kernel of kernelspec `name` (the default when `None`), from the warm pool
+    /// when one fits.
     pub async fn start(
-        &self,
+        self: &Arc<Self>,
         name: Option<&str>,
         requested_env: &BTreeMap<String, String>,
     ) -> Result<Arc<Kernel>, KernelError> {
@@ -104,6 +118,40 @@ impl KernelManager {
                 max: policy.limits.max_kernels,
             });
         }
+        let poolable = spec.name == self.specs.default_name() && policy.name == "default";
+        if poolable {
+            if let Some(kernel) = self.take_from_pool() {
+                let extra: BTreeMap<String, String> = client_env
+                    .into_iter()
+                    .filter(|(k, _)| k != POLICY_ENV)
+                    .collect();
+                if !extra.is_empty() {
+                    kernel.set_env(&extra).await?;
+                }
+                kernel.touch();
+                self.kernels
+                    .write()
+                    .insert(kernel.id.clone(), kernel.clone());
+                self.refill_pool();
+                tracing::info!(kernel_id = %kernel.id, "kernel handed out from the warm pool");
+                return Ok(kernel);
+            }
+            self.refill_pool();
+        }
+        let kernel = self.launch(spec, &policy, client_env).await?;
+        self.kernels
+            .write()
+            .insert(kernel.id.clone(), kernel.clone());
+        Ok(kernel)
+    }
+
+    /// Launches a kernel (not registered).
+    async fn launch(
+        &self,
+        spec: &super::KernelSpec,
+        policy: &Policy,
+        client_env: BTreeMap<String, String>,
+    ) -> Result<Arc<Kernel>, KernelError> {
         let mut options = self.options.kernel.clone();
         options.execution_timeout = Some(policy.limits.execution_timeout);
         options.interrupt_grace = policy.limits.interrupt_grace;
@@ -117,7 +165,7 @@ impl KernelManager {
         let id = uuid::Uuid::new_v4().to_string();
         let dirs = KernelDirs::create(&self.options.runtime_root, &id)?;
         let started = Kernel::start(
-            id.clone(),
+            id,
             Arc::new(spec.clone()),
             policy.name.clone(),
             self.sandbox.clone(),
@@ -126,15 +174,60 @@ impl KernelManager {
             options,
         )
         .await;
-        match started {
-            Ok(kernel) => {
-                self.kernels.write().insert(id, kernel.clone());
-                Ok(kernel)
+        if started.is_err() {
+            dirs.remove();
+        }
+        started
+    }
+
+    fn take_from_pool(&self) -> Option<Arc<Kernel>> {
+        let mut pool = self.pool.lock();
+        while let Some(kernel) = pool.ready.pop_front() {
+            if kernel.readiness() == Readiness::Ready {
+                return Some(kernel);
             }
-            Err(err) => {
-                dirs.remove();
-                Err(err)
-            }
+            // Died while waiting: drop it (its exit was already reported in the log).
+            tokio::spawn(async move { kernel.shutdown().await });
+        }
+        None
+    }
+
+    /// Starts pool kernels in the background until the pool holds `pool_size`.
+    pub fn refill_pool(self: &Arc<Self>) {
+        let wanted = self.options.pool_size;
+        let missing = {
+            let mut pool = self.pool.lock();
+            let missing = wanted.saturating_sub(pool.ready.len() + pool.filling);
+            pool.filling += missing;
+            missing
+        };
+        for _ in 0..missing {
+            let manager = Arc::downgrade(self);
+            tokio::spawn(async move {
+                let Some(manager) = manager.upgrade() else {
+                    return;
+                };
+                let kernel = match (
+                    manager.specs.get(manager.specs.default_name()),
+                    manager.options.policies.get("default"),
+                ) {
+                    (Some(spec), Ok(policy)) => {
+                        let (spec, policy) = (spec.clone(), policy.clone());
+                        manager.launch(&spec, &policy, BTreeMap::new()).await
+                    }
+                    _ => Err(KernelError::NotReady),
+                };
+                let ready = match kernel {
+                    Ok(kernel) => kernel.wait_ready().await.map(|_| kernel),
+                    Err(err) => Err(err),
+                };
+                let mut pool = manager.pool.lock();
+                pool.filling = pool.filling.saturating_sub(1);
+                match ready {
+                    Ok(kernel) => pool.ready.push_back(kernel),
+                    Err(err) => tracing::warn!(%err, "could not start a pool kernel"),
+                }
+            });
         }
     }
 
@@ -190,7 +283,8 @@ impl KernelManager {
 
     /// Shuts every kernel down, in parallel, then kills whatever is left.
     pub async fn shutdown_all(&self) {
-        let kernels: Vec<_> = self.kernels.write().drain().map(|(_, k)| k).collect();
+        let mut kernels: Vec<_> = self.kernels.write().drain().map(|(_, k)| k).collect();
+        kernels.extend(self.pool.lock().ready.drain(..));
         let all = kernels.iter().map(|k| k.shutdown());
         let graceful = futures_util::future::join_all(all);
         if tokio::time::timeout(Duration::from_secs(10), graceful)
@@ -206,6 +300,9 @@ impl KernelManager {
     /// Kills every kernel at once, without waiting (used when the process is going down).
     pub fn kill_all(&self) {
         for kernel in self.kernels.read().values() {
+            kernel.kill_now();
+        }
+        for kernel in self.pool.lock().ready.iter() {
             kernel.kill_now();
         }
     }

@@ -360,6 +360,10 @@ impl Router {
         self.state.lock().activity.clone()
     }
 
+    pub fn touch(&self) {
+        self.state.lock().activity.last_activity = OffsetDateTime::now_utc();
+    }
+
     pub fn set_execution_state(&self, execution_state: &str) {
         let mut state = self.state.lock();
         state.activity.execution_state = execution_state.to_owned();

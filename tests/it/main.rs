@@ -10,3 +10,4 @@ mod hostile;
 mod http;
 mod lifecycle;
 mod messaging;
+mod pool;

@@ -125,6 +125,10 @@ impl GatewayBuilder {
         if let Some(token) = &self.token {
             command.args(["--token", token]);
         }
+        // No warm pool unless a test asks for one: each pooled kernel costs a kernel start.
+        if !self.args.iter().any(|a| a == "--pool-size") {
+            command.args(["--pool-size", "0"]);
+        }
         let mut child = command.spawn().context("spawn cellgate")?;
         let stdout = child.stdout.take().context("stdout")?;
         let stderr = child.stderr.take().context("stderr")?;

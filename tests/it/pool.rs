@@ -1,0 +1,90 @@
+//! The warm pool: ready kernels handed out on start, refilled, never reused.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::support::*;
+
+/// Kernels that became ready so far, from the gateway's log.
+fn ready_count(gateway: &Gateway) -> usize {
+    gateway.log().matches("kernel ready").count()
+}
+
+#[tokio::test]
+async fn kernels_come_ready_from_the_pool_and_are_never_reused() -> anyhow::Result<()> {
+    let gateway = Gateway::builder()
+        .args(&["--pool-size", "2"])
+        .start()
+        .await?;
+    // The pool fills in the background; wait until two kernels answer from it.
+    let before_ready = Instant::now();
+    let mut pooled_ids = vec![];
+    while pooled_ids.len() < 2 {
+        assert!(
+            before_ready.elapsed() < Duration::from_secs(60),
+            "the pool never filled"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (_, list) = gateway.get_json("/api/kernels").await?;
+        assert_eq!(list, json!([]), "pooled kernels are not listed");
+        let log = gateway.log();
+        pooled_ids = log.matches("kernel ready").map(|_| ()).collect();
+    }
+
+    // A start now is served by a ready kernel: it is idle at once, and it gets the client's
+    // KERNEL_* variables although it started before the request.
+    let started = Instant::now();
+    let response = gateway
+        .request(reqwest::Method::POST, "/api/kernels")
+        .json(&json!({"name": "python3", "env": {"KERNEL_USERNAME": "ada"}}))
+        .send()
+        .await?;
+    let post_time = started.elapsed();
+    assert_eq!(response.status().as_u16(), 201);
+    let model: serde_json::Value = response.json().await?;
+    assert_eq!(model["execution_state"], "idle", "{model}");
+    let id = model["id"].as_str().unwrap().to_owned();
+    let mut client = gateway.connect(&id, "pool", false).await?;
+    let msgs = client
+        .run("import os; print(os.environ['KERNEL_USERNAME'])")
+        .await?;
+    assert_eq!(stdout(&msgs), "ada\n");
+    let count = reply(&msgs).content["execution_count"].clone();
+    assert_eq!(
+        count, 1,
+        "setting the environment left no trace in the history"
+    );
+    println!("POST /api/kernels from the pool took {post_time:?}");
+    assert!(gateway.log().contains("handed out from the warm pool"));
+
+    // A handed-out kernel, once deleted, is gone for good; the pool refills with new ones.
+    client.run("touched = True").await?;
+    assert_eq!(gateway.delete_kernel(&id).await?, 204);
+    let second = gateway.start_kernel().await?;
+    assert_ne!(second, id);
+    let mut client = gateway.connect(&second, "pool2", false).await?;
+    let msgs = client.run("'touched' in dir()").await?;
+    assert_eq!(
+        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+        "False"
+    );
+    // Refill: each hand-out started a replacement.
+    let refilled = eventually(Duration::from_secs(60), || ready_count(&gateway) >= 4).await;
+    assert!(
+        refilled,
+        "the pool refilled: {} kernels ready",
+        ready_count(&gateway)
+    );
+
+    // Other policies do not come from the pool.
+    let response = gateway
+        .request(reqwest::Method::POST, "/api/kernels")
+        .json(&json!({"env": {"KERNEL_POLICY": "strict"}}))
+        .send()
+        .await?;
+    let model: serde_json::Value = response.json().await?;
+    assert_eq!(model["execution_state"], "starting");
+    assert_eq!(model["cellgate"]["policy"], "strict");
+    Ok(())
+}
