@@ -38,6 +38,9 @@ pub struct KernelOptions {
     pub interrupt_grace: Duration,
     /// Output bytes one execution may produce before the rest is dropped.
     pub output_limit: Option<u64>,
+    /// The policy's idle timeout and lifetime, enforced by the manager's culler.
+    pub idle_timeout: Option<Duration>,
+    pub lifetime: Option<Duration>,
 }
 
 impl Default for KernelOptions {
@@ -49,6 +52,8 @@ impl Default for KernelOptions {
             execution_timeout: None,
             interrupt_grace: Duration::from_secs(10),
             output_limit: None,
+            idle_timeout: None,
+            lifetime: None,
         }
     }
 }
@@ -97,6 +102,7 @@ pub struct Kernel {
     session: String,
     /// Why the gateway last restarted the kernel on its own (a timeout the kernel ignored).
     last_restart_reason: parking_lot::Mutex<Option<String>>,
+    started: std::time::Instant,
 }
 
 /// A duration as people write it: `300 s`, `10 min`, `2 h`.
@@ -157,6 +163,7 @@ impl Kernel {
             generation: AtomicU64::new(0),
             ops: tokio::sync::Mutex::new(()),
             last_restart_reason: parking_lot::Mutex::new(None),
+            started: std::time::Instant::now(),
         });
         kernel.spawn_watchdog();
         let launched = kernel.launch_generation().await?;
@@ -588,6 +595,18 @@ impl Kernel {
             instance.expected_exit.store(true, Ordering::SeqCst);
             let _ = instance.handle.kill();
         }
+    }
+
+    pub fn age(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    pub fn policy_idle_timeout(&self) -> Option<Duration> {
+        self.options.idle_timeout
+    }
+
+    pub fn policy_lifetime(&self) -> Option<Duration> {
+        self.options.lifetime
     }
 
     pub fn generation(&self) -> u64 {

@@ -156,6 +156,8 @@ impl KernelManager {
         options.execution_timeout = Some(policy.limits.execution_timeout);
         options.interrupt_grace = policy.limits.interrupt_grace;
         options.output_limit = Some(policy.limits.output_per_execution_bytes);
+        options.idle_timeout = Some(policy.limits.idle_timeout);
+        options.lifetime = Some(policy.limits.lifetime);
         options.limits = Limits {
             memory_bytes: Some(policy.limits.memory_bytes),
             cpu_millis: Some(policy.limits.cpu_millis),
@@ -309,9 +311,6 @@ impl KernelManager {
 
     /// Culls idle kernels every `cull_interval` until the manager is dropped.
     pub fn spawn_culler(self: &Arc<Self>) {
-        let Some(timeout) = self.options.cull_idle_timeout else {
-            return;
-        };
         let manager = Arc::downgrade(self);
         let interval = self.options.cull_interval;
         tokio::spawn(async move {
@@ -320,25 +319,40 @@ impl KernelManager {
                 let Some(manager) = manager.upgrade() else {
                     return;
                 };
-                manager.cull_once(timeout).await;
+                manager.cull_once().await;
             }
         });
     }
 
-    async fn cull_once(&self, timeout: Duration) {
+    /// Shuts down kernels that are idle past the gateway's culling timeout (unconnected ones
+    /// only, unless `cull_connected`), idle past their policy's `idle_timeout`, or older than
+    /// their policy's `lifetime`. A kernel busy with a cell is never idle.
+    async fn cull_once(&self) {
         let now = OffsetDateTime::now_utc();
-        let idle: Vec<Arc<Kernel>> = self
-            .list()
-            .into_iter()
-            .filter(|k| {
-                let dead = matches!(k.readiness(), Readiness::Dead(_));
-                let quiet = (now - k.last_activity()) > timeout;
-                let unattended = self.options.cull_connected || k.connections() == 0;
-                dead || (quiet && unattended && k.router().activity().execution_state != "busy")
-            })
-            .collect();
-        for kernel in idle {
-            tracing::info!(kernel_id = %kernel.id, connections = kernel.connections(), "culling idle kernel");
+        let mut doomed = Vec::new();
+        for kernel in self.list() {
+            let idle_for = now - kernel.last_activity();
+            let busy = kernel.router().activity().execution_state == "busy";
+            let dead = matches!(kernel.readiness(), Readiness::Dead(_));
+            let unattended = self.options.cull_connected || kernel.connections() == 0;
+            let reason = match (self.options.cull_idle_timeout, kernel.policy_idle_timeout()) {
+                (Some(t), _) if (dead || (!busy && unattended)) && idle_for > t => {
+                    Some("idle past the gateway's culling timeout")
+                }
+                (_, Some(t)) if !busy && idle_for > t => {
+                    Some("idle past its policy's idle_timeout")
+                }
+                _ if kernel.age() > kernel.policy_lifetime().unwrap_or(Duration::MAX) => {
+                    Some("older than its policy's lifetime")
+                }
+                _ => None,
+            };
+            if let Some(reason) = reason {
+                doomed.push((kernel, reason));
+            }
+        }
+        for (kernel, reason) in doomed {
+            tracing::info!(kernel_id = %kernel.id, connections = kernel.connections(), reason, "culling kernel");
             let _ = self.shutdown(&kernel.id).await;
         }
     }

@@ -474,3 +474,50 @@ async fn output_past_the_limit_is_dropped_with_a_marker() -> anyhow::Result<()> 
 fn reply_metadata_is_plain(msgs: &[Msg]) -> bool {
     reply(msgs).metadata.get("cellgate").is_none()
 }
+
+/// The policy's idle_timeout culls even a connected kernel that does nothing, and its
+/// lifetime ends even a busy one.
+#[tokio::test]
+async fn policy_idle_timeout_and_lifetime_end_kernels() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        "[limits]\nidle_timeout = \"2s\"\nlifetime = \"6s\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .args(&["--cull-interval", "1"])
+        .start()
+        .await?;
+    let idle = gateway.start_kernel().await?;
+    let busy = gateway.start_kernel().await?;
+    let _idle_client = gateway.connect(&idle, "idle", false).await?;
+    let mut busy_client = gateway.connect(&busy, "busy", false).await?;
+    let started = Instant::now();
+    let mut idle_gone_at = None;
+    let mut busy_gone_at = None;
+    while started.elapsed() < Duration::from_secs(20) && busy_gone_at.is_none() {
+        if busy_client.run("1").await.is_err() {
+            // The socket closed under us: the kernel was shut down.
+        }
+        let (status, _) = gateway.get_json(&format!("/api/kernels/{idle}")).await?;
+        if status == 404 && idle_gone_at.is_none() {
+            idle_gone_at = Some(started.elapsed());
+        }
+        let (status, _) = gateway.get_json(&format!("/api/kernels/{busy}")).await?;
+        if status == 404 {
+            busy_gone_at = Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let idle_gone_at = idle_gone_at.expect("the idle kernel was culled");
+    let busy_gone_at = busy_gone_at.expect("the busy kernel reached its lifetime");
+    println!("idle culled after {idle_gone_at:?}, busy ended after {busy_gone_at:?}");
+    assert!(idle_gone_at >= Duration::from_secs(2) && idle_gone_at < Duration::from_secs(6));
+    assert!(
+        busy_gone_at >= Duration::from_secs(5),
+        "kept busy, it outlived its idle timeout"
+    );
+    assert!(gateway.log().contains("older than its policy's lifetime"));
+    Ok(())
+}
