@@ -352,12 +352,45 @@ impl Kernel {
                 tracing::info!(kernel_id = %kernel.id, generation, "kernel process exited as asked");
                 return;
             }
+            if report.is_oom() {
+                // The kernel's own memory ran out: like Jupyter's auto-restart, but the cell
+                // that caused it is told why, and the state generation moves on.
+                let evalue = format!(
+                    "{}; the kernel was restarted and its variables are lost",
+                    report.describe()
+                );
+                tracing::warn!(kernel_id = %kernel.id, generation, %evalue, "kernel ran out of memory: restarting");
+                // Hold client messages until the new process is ready, and tell clients the
+                // way jupyter_server does for an automatic restart.
+                kernel.readiness.send_replace(Readiness::Starting);
+                kernel.router.set_execution_state("restarting");
+                kernel.router.broadcast(Message::new(
+                    Channel::Iopub,
+                    "status",
+                    &kernel.session,
+                    None,
+                    &json!({"execution_state": "restarting"}),
+                ));
+                *kernel.last_restart_reason.lock() = Some(evalue.clone());
+                kernel
+                    .router
+                    .fail_pending_executions("OutOfMemoryError", &evalue, "oom");
+                if let Err(err) = kernel.restart().await {
+                    tracing::error!(kernel_id = %kernel.id, %err, "restart after out-of-memory failed");
+                }
+                return;
+            }
             let mut reason = report.describe();
             if let Some(tail) = kernel.log_tail(3) {
                 reason.push_str(": ");
                 reason.push_str(&tail);
             }
             tracing::error!(kernel_id = %kernel.id, generation, %reason, "kernel died");
+            kernel.router.fail_pending_executions(
+                "KernelDiedError",
+                &format!("the kernel process ended: {reason}"),
+                "sandbox_lost",
+            );
             kernel.mark_dead(reason);
         });
     }

@@ -576,20 +576,65 @@ impl Router {
         let mut state = self.state.lock();
         state.timed_out.remove(msg_id);
         state.running = None;
-        let Some(requester) = state.pending.remove(msg_id) else {
-            return;
-        };
+        if let Some(requester) = state.pending.remove(msg_id) {
+            self.fail_locked(
+                &mut state,
+                &requester,
+                "CellTimeoutError",
+                evalue,
+                "timeout",
+            );
+        }
+    }
+
+    /// Answers every execution still waiting for a reply from a kernel process that is gone:
+    /// the running one with `evalue`, queued ones with a note that they never ran.
+    pub fn fail_pending_executions(&self, ename: &str, evalue: &str, outcome: &str) {
+        let mut state = self.state.lock();
+        let running = state.running.take().map(|(id, _)| id);
+        let waiting: Vec<String> = state
+            .pending
+            .iter()
+            .filter(|(_, r)| r.request.is_some())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for msg_id in waiting {
+            let Some(requester) = state.pending.remove(&msg_id) else {
+                continue;
+            };
+            let text = if running.as_deref() == Some(msg_id.as_str()) {
+                evalue.to_owned()
+            } else {
+                format!("this cell never ran: {evalue}")
+            };
+            self.fail_locked(&mut state, &requester, ename, &text, outcome);
+        }
+    }
+
+    fn fail_locked(
+        &self,
+        state: &mut State,
+        requester: &Requester,
+        ename: &str,
+        evalue: &str,
+        outcome: &str,
+    ) {
         let Some((header, header_bytes)) = requester.request.clone() else {
             return;
         };
-        let error = timeout_content(evalue);
+        let error = json!({
+            "ename": ename,
+            "evalue": evalue,
+            "traceback": [format!("{ename}: {evalue}")],
+        });
+        let metadata = json!({"cellgate": {"outcome": outcome}});
         let iopub_error = Message::answering(
             &header,
             &header_bytes,
             Channel::Iopub,
             "error",
             &error,
-            &json!({}),
+            &metadata,
         );
         let mut reply_content = error.clone();
         reply_content["status"] = json!("error");
@@ -600,7 +645,7 @@ impl Router {
             Channel::Shell,
             "execute_reply",
             &reply_content,
-            &json!({"cellgate": {"outcome": "timeout"}}),
+            &metadata,
         );
         let idle = Message::answering(
             &header,
@@ -610,9 +655,9 @@ impl Router {
             &json!({"execution_state": "idle"}),
             &json!({}),
         );
-        Self::broadcast_locked(&mut state, &Arc::new(iopub_error));
-        self.route_locked(&mut state, &requester, Arc::new(reply));
-        Self::broadcast_locked(&mut state, &Arc::new(idle));
+        Self::broadcast_locked(state, &Arc::new(iopub_error));
+        self.route_locked(state, requester, Arc::new(reply));
+        Self::broadcast_locked(state, &Arc::new(idle));
     }
 
     /// Forgets the running execution (its kernel process is gone).

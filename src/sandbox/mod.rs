@@ -110,6 +110,14 @@ pub struct ExitReport {
 }
 
 impl ExitReport {
+    /// Whether the kernel process was killed by the out-of-memory killer (its memory limit).
+    /// Backends say so in `reason`; the namespaces backend reads the cgroup's OOM events.
+    pub fn is_oom(&self) -> bool {
+        self.reason
+            .as_deref()
+            .is_some_and(|r| r.contains("out-of-memory"))
+    }
+
     /// A short human-readable description for the kernel model's `reason`.
     pub fn describe(&self) -> String {
         if let Some(reason) = &self.reason {

@@ -521,3 +521,77 @@ async fn policy_idle_timeout_and_lifetime_end_kernels() -> anyhow::Result<()> {
     assert!(gateway.log().contains("older than its policy's lifetime"));
     Ok(())
 }
+
+/// The kernel process itself running out of memory: the cell gets OutOfMemoryError (outcome
+/// `oom`), the kernel is restarted under the same id, the state generation moves on.
+#[tokio::test]
+async fn kernel_out_of_memory_restarts_it_with_outcome_oom() -> anyhow::Result<()> {
+    if sandbox_backend() == "process" {
+        panic!(
+            "this test needs a sandbox with a memory limit; CELLGATE_TEST_SANDBOX=process has none"
+        );
+    }
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        "[limits]\nmemory = \"256MiB\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "oom", false).await?;
+    client.run("before = 1").await?;
+    let msgs = client.run("hog = b'x' * (600 * 2**20)").await?;
+    let errors = of_type(&msgs, "error");
+    assert_eq!(errors.len(), 1, "{msgs:?}");
+    assert_eq!(errors[0].content["ename"], "OutOfMemoryError");
+    assert!(errors[0].content["evalue"]
+        .as_str()
+        .unwrap()
+        .contains("out-of-memory"));
+    let reply = reply(&msgs);
+    assert_eq!(reply.content["status"], "error");
+    assert_eq!(reply.metadata["cellgate"]["outcome"], "oom");
+    // Same id, new state.
+    let msgs = client.run("'before' in dir()").await?;
+    assert_eq!(
+        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+        "False"
+    );
+    let (_, model) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
+    assert_eq!(model["execution_state"], "idle");
+    assert_eq!(model["cellgate"]["state_generation"], 2, "{model}");
+    assert!(model["cellgate"]["last_restart_reason"]
+        .as_str()
+        .unwrap()
+        .contains("out-of-memory"));
+    Ok(())
+}
+
+/// A kernel that dies in the middle of a cell: the cell is answered (outcome `sandbox_lost`)
+/// instead of waiting forever, and the kernel is reported dead with its reason.
+#[tokio::test]
+async fn a_kernel_dying_mid_cell_answers_the_cell() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "dies", true).await?;
+    let msgs = client
+        .run("import os, signal, time\ntime.sleep(0.2)\nos.kill(os.getpid(), signal.SIGKILL)")
+        .await?;
+    let errors = of_type(&msgs, "error");
+    assert_eq!(errors[0].content["ename"], "KernelDiedError");
+    assert!(
+        errors[0].content["evalue"]
+            .as_str()
+            .unwrap()
+            .contains("signal 9"),
+        "{}",
+        errors[0].content
+    );
+    assert_eq!(reply(&msgs).metadata["cellgate"]["outcome"], "sandbox_lost");
+    let (_, model) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
+    assert_eq!(model["execution_state"], "dead");
+    Ok(())
+}
