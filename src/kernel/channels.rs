@@ -35,6 +35,89 @@ pub struct Channels {
     stdin: Mutex<DealerSendHalf>,
     signer: Signer,
     tasks: Vec<JoinHandle<()>>,
+    /// `O_PATH` handles of the kernel's ipc sockets; every (re)connect goes through them.
+    _pinned: Vec<std::fs::File>,
+    /// The heartbeat endpoint, through its pinned handle.
+    pub hb_endpoint: String,
+}
+
+/// The kernel's ipc sockets, pinned: the gateway (which may run as root, outside the
+/// sandbox) must never connect through a path the sandboxed kernel can rewrite. It waits until
+/// the kernel has bound all five sockets, opens each with `O_PATH | O_NOFOLLOW` (a symlink is
+/// refused, not followed), checks it is a socket, and connects through `/proc/self/fd/N` from
+/// then on — ZMQ reconnects included — so swapping a socket for a link later changes nothing.
+struct Pinned {
+    files: Vec<std::fs::File>,
+    info: ConnectionInfo,
+    endpoints: [String; 5],
+}
+
+async fn pin_sockets(info: &ConnectionInfo) -> Result<Pinned, KernelError> {
+    if info.transport != "ipc" {
+        let endpoints = [
+            info.shell_endpoint(),
+            info.iopub_endpoint(),
+            info.stdin_endpoint(),
+            info.control_endpoint(),
+            info.hb_endpoint(),
+        ];
+        return Ok(Pinned {
+            files: Vec::new(),
+            info: info.clone(),
+            endpoints,
+        });
+    }
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    use std::os::unix::io::AsRawFd;
+    let ports = [
+        info.shell_port,
+        info.iopub_port,
+        info.stdin_port,
+        info.control_port,
+        info.hb_port,
+    ];
+    let paths: Vec<std::path::PathBuf> = ports
+        .iter()
+        .map(|port| std::path::PathBuf::from(format!("{}-{}", info.ip, port)))
+        .collect();
+    // The caller bounds this wait with the start timeout and the kernel's exit.
+    while !paths.iter().all(|p| std::fs::symlink_metadata(p).is_ok()) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut files = Vec::with_capacity(5);
+    let mut endpoints = Vec::with_capacity(5);
+    for path in &paths {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|source| KernelError::Io {
+                what: format!(
+                    "open the kernel's socket {} (a symlink is refused)",
+                    path.display()
+                ),
+                source,
+            })?;
+        let is_socket = file
+            .metadata()
+            .map(|m| m.file_type().is_socket())
+            .unwrap_or(false);
+        if !is_socket {
+            return Err(KernelError::NotASocket {
+                path: path.display().to_string(),
+            });
+        }
+        endpoints.push(format!("ipc:///proc/self/fd/{}", file.as_raw_fd()));
+        files.push(file);
+    }
+    let endpoints: [String; 5] = endpoints
+        .try_into()
+        .map_err(|_| KernelError::Zmq("five sockets expected".into()))?;
+    Ok(Pinned {
+        files,
+        info: info.clone(),
+        endpoints,
+    })
 }
 
 impl Drop for Channels {
@@ -67,6 +150,8 @@ impl Channels {
         identity: &str,
         router: Arc<Router>,
     ) -> Result<Channels, KernelError> {
+        let pinned = pin_sockets(info).await?;
+        let info = &pinned.info;
         let signer = Signer::new(info.key.as_bytes());
         let mut sub_options = SocketOptions::default();
         sub_options.no_connect_timeout();
@@ -75,12 +160,7 @@ impl Channels {
             .subscribe("")
             .await
             .map_err(|err| KernelError::Zmq(err.to_string()))?;
-        let (iopub_at, shell_at, control_at, stdin_at) = (
-            info.iopub_endpoint(),
-            info.shell_endpoint(),
-            info.control_endpoint(),
-            info.stdin_endpoint(),
-        );
+        let [shell_at, iopub_at, stdin_at, control_at, hb_at] = pinned.endpoints.clone();
         let (iopub_conn, shell, control, stdin) = tokio::join!(
             iopub.connect(&iopub_at),
             dealer(&shell_at, identity),
@@ -103,6 +183,8 @@ impl Channels {
             stdin: Mutex::new(stdin_tx),
             signer,
             tasks,
+            _pinned: pinned.files,
+            hb_endpoint: hb_at,
         })
     }
 
@@ -199,4 +281,62 @@ pub fn spawn_heartbeat(endpoint: String, kernel_id: String) -> JoinHandle<()> {
             tokio::time::sleep(INTERVAL).await;
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    fn info(dir: &std::path::Path) -> ConnectionInfo {
+        ConnectionInfo::ipc(&dir.join("k"), "key".into(), "python3")
+    }
+
+    #[tokio::test]
+    async fn sockets_are_pinned_and_links_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let listeners: Vec<UnixListener> = (1..=5)
+            .map(|p| UnixListener::bind(dir.path().join(format!("k-{p}"))).unwrap())
+            .collect();
+        let pinned = pin_sockets(&info(dir.path())).await.unwrap();
+        assert!(pinned
+            .endpoints
+            .iter()
+            .all(|e| e.starts_with("ipc:///proc/self/fd/")));
+        // Replacing a socket by a link to somewhere else after pinning changes nothing: the
+        // handle still reaches the original listener.
+        let elsewhere = tempfile::tempdir().unwrap();
+        let decoy = UnixListener::bind(elsewhere.path().join("decoy")).unwrap();
+        decoy.set_nonblocking(true).unwrap();
+        std::fs::remove_file(dir.path().join("k-1")).unwrap();
+        std::os::unix::fs::symlink(elsewhere.path().join("decoy"), dir.path().join("k-1")).unwrap();
+        let path = pinned.endpoints[0].trim_start_matches("ipc://");
+        std::os::unix::net::UnixStream::connect(path).unwrap();
+        listeners[0].accept().unwrap();
+        assert!(decoy.accept().is_err(), "the decoy got nothing");
+
+        // A link where a socket should be is refused, not followed.
+        let planted = tempfile::tempdir().unwrap();
+        for p in 1..=5 {
+            std::os::unix::fs::symlink(
+                elsewhere.path().join("decoy"),
+                planted.path().join(format!("k-{p}")),
+            )
+            .unwrap();
+        }
+        // (O_PATH | O_NOFOLLOW opens the link itself, which is no socket.)
+        assert!(matches!(
+            pin_sockets(&info(planted.path())).await,
+            Err(KernelError::NotASocket { .. })
+        ));
+        // So is a file that is not a socket.
+        let files = tempfile::tempdir().unwrap();
+        for p in 1..=5 {
+            std::fs::write(files.path().join(format!("k-{p}")), b"").unwrap();
+        }
+        assert!(matches!(
+            pin_sockets(&info(files.path())).await,
+            Err(KernelError::NotASocket { .. })
+        ));
+    }
 }

@@ -52,18 +52,30 @@ pub fn new_key() -> String {
     hex::encode(bytes)
 }
 
-/// Writes the connection file of one kernel process (generation `generation`) with mode 0600.
+/// Creates the private directory of one kernel process (generation `generation`) and writes
+/// its connection file (0600) there; the kernel binds its ipc sockets beside it. The name has
+/// a random part and the directory is new for every generation: a kernel (which may write
+/// into its own directory) cannot prepare a later generation's files, such as a symlink where
+/// a future socket will be. Returns the directory, the file and the connection info.
 pub fn write_connection_file(
     dirs: &KernelDirs,
     generation: u64,
     kernel_name: &str,
-) -> Result<(PathBuf, ConnectionInfo), KernelError> {
-    let info = ConnectionInfo::ipc(
-        &dirs.run.join(format!("g{generation}")),
-        new_key(),
-        kernel_name,
-    );
-    let path = dirs.run.join(format!("connection-g{generation}.json"));
+) -> Result<(PathBuf, PathBuf, ConnectionInfo), KernelError> {
+    let mut nonce = [0u8; 4];
+    rand::rng().fill_bytes(&mut nonce);
+    let dir = dirs
+        .run
+        .join(format!("g{generation}-{}", hex::encode(nonce)));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|source| KernelError::Io {
+            what: format!("create {}", dir.display()),
+            source,
+        })?;
+    let info = ConnectionInfo::ipc(&dir.join("k"), new_key(), kernel_name);
+    let path = dir.join("connection.json");
     let json = serde_json::to_vec_pretty(&info).map_err(|err| KernelError::Io {
         what: "serialise the connection file".to_owned(),
         source: std::io::Error::other(err),
@@ -81,7 +93,7 @@ pub fn write_connection_file(
         what: format!("write {}", path.display()),
         source,
     })?;
-    Ok((path, info))
+    Ok((dir, path, info))
 }
 
 /// Environment variable names a client may set when it starts a kernel, besides `KERNEL_*`.
@@ -181,9 +193,13 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let root = tempfile::tempdir().unwrap();
         let dirs = KernelDirs::create(root.path(), "k").unwrap();
-        let (path, info) = write_connection_file(&dirs, 1, "python3").unwrap();
-        let (_, info2) = write_connection_file(&dirs, 2, "python3").unwrap();
+        let (dir, path, info) = write_connection_file(&dirs, 1, "python3").unwrap();
+        let (dir2, _, info2) = write_connection_file(&dirs, 2, "python3").unwrap();
         assert_ne!(info.key, info2.key);
+        assert_ne!(dir, dir2);
+        assert!(path.starts_with(&dir));
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
         assert_eq!(info.key.len(), 64);
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);

@@ -174,13 +174,13 @@ impl Kernel {
 
     async fn launch_generation(&self) -> Result<(u64, Launched), KernelError> {
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
-        let (connection_file, connection) =
+        let (runtime_dir, connection_file, connection) =
             write_connection_file(&self.dirs, generation, &self.spec.name)?;
         let spec = LaunchSpec {
             kernel_id: self.id.clone(),
             argv: self.spec.command(&connection_file)?,
             env: self.env.clone(),
-            runtime_dir: self.dirs.run.clone(),
+            runtime_dir,
             connection_file,
             connection,
             workspace: self.dirs.work.clone(),
@@ -203,13 +203,14 @@ impl Kernel {
                 channels = Channels::connect(&launched.connection, &identity, self.router.clone()) => channels?,
                 _ = exit.wait_for(Option::is_some) => return Err(KernelError::DiedDuringStart),
             };
+            let heartbeat = spawn_heartbeat(channels.hb_endpoint.clone(), self.id.clone());
             let instance = Arc::new(Instance {
                 generation,
                 handle: launched.handle.clone(),
                 exit: launched.exit.clone(),
                 expected_exit: expected_exit.clone(),
                 channels,
-                heartbeat: spawn_heartbeat(launched.connection.hb_endpoint(), self.id.clone()),
+                heartbeat,
             });
             *self.instance.lock() = Some(instance.clone());
             self.nudge_until_ready(&instance).await
@@ -381,9 +382,14 @@ impl Kernel {
                 return;
             }
             let mut reason = report.describe();
-            if let Some(tail) = kernel.log_tail(3) {
-                reason.push_str(": ");
-                reason.push_str(&tail);
+            // The log tail explains a kernel that never started (a broken environment). Once
+            // the kernel ran user code its log is the user's text, so it is not repeated as
+            // the gateway's explanation.
+            if kernel.readiness() == Readiness::Starting {
+                if let Some(tail) = kernel.log_tail(3) {
+                    reason.push_str(": ");
+                    reason.push_str(&tail);
+                }
             }
             tracing::error!(kernel_id = %kernel.id, generation, %reason, "kernel died");
             kernel.router.fail_pending_executions(

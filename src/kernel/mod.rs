@@ -62,6 +62,8 @@ pub enum KernelError {
     NoReply(String),
     #[error("cannot send on the {0} channel")]
     BadChannel(Channel),
+    #[error("the kernel's socket {path} is not a socket (links are refused, not followed)")]
+    NotASocket { path: String },
     #[error("ZMQ: {0}")]
     Zmq(String),
     #[error("{what}: {source}")]

@@ -591,12 +591,20 @@ impl Router {
     /// the running one with `evalue`, queued ones with a note that they never ran.
     pub fn fail_pending_executions(&self, ename: &str, evalue: &str, outcome: &str) {
         let mut state = self.state.lock();
-        let running = state.running.take().map(|(id, _)| id);
+        // The kernel runs executions in order, so without a `busy` seen yet (the process can
+        // die before its status gets out) the oldest waiting execute is the running one.
+        let running = state.running.take().map(|(id, _)| id).or_else(|| {
+            state
+                .pending_order
+                .iter()
+                .find(|id| state.pending.get(*id).is_some_and(|r| r.request.is_some()))
+                .cloned()
+        });
         let waiting: Vec<String> = state
-            .pending
+            .pending_order
             .iter()
-            .filter(|(_, r)| r.request.is_some())
-            .map(|(id, _)| id.clone())
+            .filter(|id| state.pending.get(*id).is_some_and(|r| r.request.is_some()))
+            .cloned()
             .collect();
         for msg_id in waiting {
             let Some(requester) = state.pending.remove(&msg_id) else {

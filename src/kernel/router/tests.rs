@@ -255,3 +255,27 @@ fn replies_of_a_dead_socket_go_to_its_sibling() {
     // b had its own copy of the iopub message and now gets a's reply too.
     assert_eq!(drain(&mut b), ["o1", "rep"]);
 }
+
+#[test]
+fn a_dead_kernel_answers_the_oldest_execute_as_the_running_one() {
+    let router = Router::new("k");
+    let (tx, mut rx) = client_queue();
+    let (id, _) = router.attach("s", tx);
+    router.register_request(id, "s", &request("first"));
+    router.register_request(id, "s", &request("second"));
+    // No busy status arrived before the process died.
+    router.fail_pending_executions("OutOfMemoryError", "out of memory", "oom");
+    let mut texts = vec![];
+    while let Some(m) = rx.try_recv() {
+        if m.msg_type() == "error" {
+            let c = m.content_json().unwrap();
+            texts.push((
+                m.parent_msg_id().unwrap().to_owned(),
+                c["evalue"].as_str().unwrap().to_owned(),
+            ));
+        }
+    }
+    assert_eq!(texts.len(), 2);
+    assert_eq!(texts[0], ("first".to_owned(), "out of memory".to_owned()));
+    assert!(texts[1].1.starts_with("this cell never ran"));
+}
