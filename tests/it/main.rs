@@ -4,6 +4,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod attacks;
 mod clients;
 mod compat;
 mod hostile;

@@ -1,0 +1,1437 @@
+//! Attacks driven through the gateway, as a user's notebook code would attack.
+//!
+//! Each test starts a real gateway (namespaces sandbox unless `CELLGATE_TEST_SANDBOX` says
+//! otherwise, which these tests refuse), a *bystander* kernel in another session, and an
+//! *attacker* kernel. The attacker's cell runs hostile code sent over the WebSocket; the test
+//! asserts the attempt fails and is reported (an exception in the cell's output, or a typed
+//! outcome), and that the bystander keeps answering `1+1` meanwhile.
+//!
+//! Latency of the bystander: the median of [`SAMPLES`] `1+1` round trips right before the
+//! attack, with both kernels started and idle (baseline), and the median of the round trips
+//! taken while the attack runs. Quick attacks repeat inside one cell for
+//! [`SUSTAIN_SECONDS`] (see [`sustained`]) and the cell is run again until the bystander has
+//! [`SAMPLES`] samples during it; attacks that end sooner and cannot be repeated are measured
+//! over "during and right after", and the printed line says so. Only a generous bound
+//! ([`MAX_RATIO`]) is asserted on the median of at least [`SAMPLES`] samples: this runs on a
+//! 2-core machine, beside other tests, where single round trips are noisy.
+//!
+//! Weaknesses these tests found (they assert the safe behaviour, so they fail until fixed):
+//! - `ipc_directory_tricks`: the kernel owns its run directory, so it can plant symlinks
+//!   under the ipc socket names of the next generation (`run/g2-1` … `g2-5`). On restart the
+//!   gateway, outside the sandbox, connects its ZMQ sockets through them to whatever host unix
+//!   socket they name (here one the test listens on), then the restart fails after the start
+//!   timeout. ZMQ also reconnects by path, so a running kernel can do the same by replacing a
+//!   socket with a symlink. Suggested fix: a fresh, unpredictably named directory per
+//!   generation created by the gateway, and connecting through `/proc/self/fd/<n>` of an
+//!   `O_PATH|O_NOFOLLOW` descriptor of the socket the kernel bound (resolved beneath the run
+//!   directory with `openat2(RESOLVE_NO_SYMLINKS)`), never by a path the kernel can rewrite.
+//! - `memory_bombs`: when the kernel itself is OOM-killed, the cell that was running is
+//!   sometimes answered "this cell never ran: …" (the gateway had not yet seen the kernel's
+//!   `busy` on iopub when the exit was noticed).
+
+use std::future::Future;
+use std::io::ErrorKind;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use serde_json::{json, Value};
+
+use crate::support::*;
+
+/// Samples per median.
+const SAMPLES: usize = 20;
+/// Bound on the bystander's median `1+1` round trip during an attack, relative to before.
+const MAX_RATIO: f64 = 2.0;
+
+/// Policies of these tests, besides an empty `default.toml` (the built-in defaults: 1 GiB,
+/// pids 256, 1 CPU, 300 s, 10 MiB of output, 1 GiB workspace).
+const POLICIES: &[(&str, &str)] = &[
+    ("default", ""),
+    ("oom", "[limits]\nmemory = \"512MiB\"\n"),
+    (
+        "timeout",
+        "[limits]\nexecution_timeout = \"2s\"\ninterrupt_grace = \"2s\"\n",
+    ),
+    ("flood", "[limits]\noutput_per_execution = \"64KiB\"\n"),
+    ("disk", "[limits]\nworkspace = \"64MiB\"\n"),
+];
+
+fn require_sandbox() {
+    if sandbox_backend() == "process" {
+        panic!("the attack suite needs a real sandbox; it cannot run with CELLGATE_TEST_SANDBOX=process");
+    }
+}
+
+/// One gateway with a bystander session (its own kernel) whose `1+1` latency is watched.
+struct Arena {
+    _policies: tempfile::TempDir,
+    gateway: Gateway,
+    bystander_id: String,
+    bystander: Client,
+}
+
+async fn arena() -> Result<Arena> {
+    arena_with(&[]).await
+}
+
+async fn arena_with(args: &[&str]) -> Result<Arena> {
+    require_sandbox();
+    let policies = tempfile::tempdir()?;
+    for (name, text) in POLICIES {
+        std::fs::write(policies.path().join(format!("{name}.toml")), text)?;
+    }
+    let gateway = Gateway::builder()
+        .policies_dir(policies.path().to_owned())
+        .args(args)
+        .start()
+        .await?;
+    let bystander_id = gateway.start_kernel().await?;
+    let mut bystander = gateway.connect(&bystander_id, "bystander", true).await?;
+    for _ in 0..3 {
+        one_plus_one(&mut bystander).await?;
+    }
+    Ok(Arena {
+        _policies: policies,
+        gateway,
+        bystander_id,
+        bystander,
+    })
+}
+
+impl Arena {
+    /// Starts a kernel under `policy` and connects to it.
+    async fn attacker(&self, policy: &str) -> Result<(String, Client)> {
+        self.attacker_with(json!({"KERNEL_POLICY": policy})).await
+    }
+
+    /// Starts a kernel with the given client environment and connects to it.
+    async fn attacker_with(&self, env: Value) -> Result<(String, Client)> {
+        let policy = env["KERNEL_POLICY"]
+            .as_str()
+            .unwrap_or("default")
+            .to_owned();
+        let response = self
+            .gateway
+            .request(reqwest::Method::POST, "/api/kernels")
+            .json(&json!({"name": "python3", "env": env}))
+            .send()
+            .await?;
+        ensure!(
+            response.status().as_u16() == 201,
+            "start an attacker under {policy}: {}",
+            response.text().await?
+        );
+        let id = response.json::<Value>().await?["id"]
+            .as_str()
+            .context("id")?
+            .to_owned();
+        let mut client = self.gateway.connect(&id, "attacker", false).await?;
+        let msgs = client.run("1").await?;
+        ensure!(reply(&msgs).content["status"] == "ok", "{msgs:?}");
+        Ok((id, client))
+    }
+
+    /// The gateway is alive and serves its API.
+    async fn assert_gateway_serves(&self) -> Result<()> {
+        ensure!(
+            alive(self.gateway.pid()),
+            "the gateway died:\n{}",
+            self.gateway.log()
+        );
+        let (status, _) = self.gateway.get_json("/api/kernels").await?;
+        ensure!(status == 200, "GET /api/kernels: {status}");
+        Ok(())
+    }
+
+    async fn model(&self, kernel: &str) -> Result<Value> {
+        let (status, model) = self
+            .gateway
+            .get_json(&format!("/api/kernels/{kernel}"))
+            .await?;
+        ensure!(status == 200, "GET kernel {kernel}: {status} {model}");
+        Ok(model)
+    }
+}
+
+async fn one_plus_one(client: &mut Client) -> Result<Duration> {
+    let started = Instant::now();
+    let msgs = tokio::time::timeout(Duration::from_secs(30), client.run("1+1"))
+        .await
+        .map_err(|_| anyhow!("1+1 took more than 30 s"))??;
+    let elapsed = started.elapsed();
+    let results = of_type(&msgs, "execute_result");
+    ensure!(
+        results.len() == 1 && results[0].content["data"]["text/plain"] == "2",
+        "1+1 did not answer 2: {msgs:?}"
+    );
+    Ok(elapsed)
+}
+
+fn median(samples: &mut [Duration]) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+/// Shared between an attack and the bystander's sampler.
+#[derive(Clone, Default)]
+struct Probe {
+    during: Arc<AtomicUsize>,
+    done: Arc<AtomicBool>,
+}
+
+impl Probe {
+    /// Whether a repeatable attack has run long enough for the measurement.
+    fn enough(&self) -> bool {
+        self.during.load(Ordering::SeqCst) >= SAMPLES
+    }
+}
+
+/// Runs `attack` while the bystander answers `1+1` in a loop; prints and bounds the ratio of
+/// medians. Returns the attack's result.
+async fn under_attack<T>(
+    name: &str,
+    bystander: &mut Client,
+    probe: &Probe,
+    attack: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    // The baseline: both kernels started and idle, right before the attack.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut before = vec![];
+    for _ in 0..SAMPLES {
+        before.push(
+            one_plus_one(bystander)
+                .await
+                .with_context(|| format!("{name}: baseline"))?,
+        );
+    }
+    let baseline = median(&mut before);
+    let attack = async {
+        let result = attack.await;
+        probe.done.store(true, Ordering::SeqCst);
+        result
+    };
+    let sampler = async {
+        let (mut during, mut after) = (vec![], vec![]);
+        let result = async {
+            while !probe.done.load(Ordering::SeqCst) || during.len() + after.len() < SAMPLES {
+                let sample = one_plus_one(bystander).await?;
+                if probe.done.load(Ordering::SeqCst) {
+                    after.push(sample);
+                } else {
+                    during.push(sample);
+                    probe.during.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            Ok::<(), anyhow::Error>(())
+        }
+        .await;
+        if result.is_err() {
+            // Let a repeating attack stop.
+            probe.during.store(usize::MAX / 2, Ordering::SeqCst);
+        }
+        result.map(|()| (during, after))
+    };
+    let (attack_result, sampled) = tokio::join!(attack, sampler);
+    let (mut during, after) =
+        sampled.with_context(|| format!("{name}: the second session stopped answering 1+1"))?;
+    let (label, window) = if during.len() >= SAMPLES {
+        ("during", median(&mut during))
+    } else {
+        let mut all: Vec<Duration> = during.iter().chain(after.iter()).copied().collect();
+        ("during+right after", median(&mut all))
+    };
+    let ratio = window.as_secs_f64() / baseline.as_secs_f64();
+    println!(
+        "ATTACK {name}: bystander 1+1 median {baseline:?} before, {window:?} {label} ({} samples during, {} after), ratio {ratio:.2}",
+        during.len(),
+        after.len()
+    );
+    let result = attack_result.with_context(|| format!("attack {name}"))?;
+    ensure!(
+        ratio <= MAX_RATIO,
+        "{name}: the bystander's median 1+1 round trip went from {baseline:?} to {window:?} ({label}), ratio {ratio:.2} > {MAX_RATIO}"
+    );
+    Ok(result)
+}
+
+/// The JSON object printed on the last stdout line of a cell that must succeed.
+fn json_out(msgs: &[Msg]) -> Result<Value> {
+    let errors = of_type(msgs, "error");
+    ensure!(
+        errors.is_empty(),
+        "the probe cell itself failed: {:?}",
+        errors.iter().map(|e| &e.content).collect::<Vec<_>>()
+    );
+    let out = stdout(msgs);
+    let line = out
+        .lines()
+        .last()
+        .with_context(|| format!("no output: {msgs:?}"))?;
+    serde_json::from_str(line).with_context(|| format!("not JSON: {out}"))
+}
+
+/// The cell raised one of `enames`, reported both as an `error` message and in the reply.
+fn expect_error(msgs: &[Msg], enames: &[&str]) -> Result<String> {
+    let errors = of_type(msgs, "error");
+    ensure!(
+        errors.len() == 1,
+        "expected one error ({enames:?}), got stdout {:?} and {:?}",
+        stdout(msgs),
+        errors.iter().map(|e| &e.content).collect::<Vec<_>>()
+    );
+    let ename = errors[0].content["ename"].as_str().unwrap_or_default();
+    ensure!(
+        enames.contains(&ename),
+        "expected one of {enames:?}, got {ename}: {}",
+        errors[0].content["evalue"]
+    );
+    ensure!(
+        reply(msgs).content["status"] == "error",
+        "{:?}",
+        reply(msgs).content
+    );
+    Ok(ename.to_owned())
+}
+
+/// Python helper: `attempt(f)` is `"ok:<repr>"` or the exception's class name and errno.
+const PRELUDE: &str = r#"
+import json, os, sys, socket, errno as _errno
+def attempt(f):
+    try:
+        r = f()
+        return 'ok:' + repr(r)[:80]
+    except OSError as e:
+        return type(e).__name__ + ':' + str(_errno.errorcode.get(e.errno, e.errno))
+    except Exception as e:
+        return type(e).__name__
+"#;
+
+/// Every value of a JSON object of `attempt` results is an error (not `ok:`).
+fn all_refused(results: &Value) -> Result<()> {
+    let map = results.as_object().context("an object")?;
+    ensure!(!map.is_empty());
+    let succeeded: Vec<_> = map
+        .iter()
+        .filter(|(_, v)| v.as_str().is_none_or(|s| s.starts_with("ok")))
+        .collect();
+    ensure!(
+        succeeded.is_empty(),
+        "these succeeded: {succeeded:?} (all: {results})"
+    );
+    Ok(())
+}
+
+/// The gateway's runtime root (`$TMPDIR/cellgate-*`) holding `kernel`'s directory.
+fn runtime_root_of(kernel: &str) -> Result<PathBuf> {
+    for entry in std::fs::read_dir(std::env::temp_dir())? {
+        let path = entry?.path();
+        let is_ours = path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("cellgate-"));
+        if is_ours && path.join(kernel).is_dir() {
+            return Ok(path);
+        }
+    }
+    bail!(
+        "no cellgate-* runtime root under {:?} holds {kernel}",
+        std::env::temp_dir()
+    )
+}
+
+fn py_str(path: &Path) -> String {
+    serde_json::to_string(&path.display().to_string()).unwrap()
+}
+
+/// How long a quick attack repeats inside one cell.
+const SUSTAIN_SECONDS: f64 = 1.0;
+
+/// Wraps a quick attack so that it repeats inside the kernel for [`SUSTAIN_SECONDS`]: the
+/// client sees the last round's stdout and exception; a cell whose rounds end differently
+/// fails with an AssertionError (attacks here are deterministic).
+fn sustained(cell: &str) -> String {
+    let source = serde_json::to_string(cell).unwrap();
+    format!(
+        r#"
+import contextlib as _cl, io as _io, time as _time, sys as _sys
+_code = compile({source}, '<attack>', 'exec')
+_outs, _errs, _rounds = set(), set(), 0
+_end = _time.time() + {SUSTAIN_SECONDS}
+while True:
+    _rounds += 1
+    _buf, _exc = _io.StringIO(), None
+    try:
+        with _cl.redirect_stdout(_buf):
+            exec(_code, globals())
+    except Exception as _e:
+        _exc = _e
+    _outs.add(_buf.getvalue())
+    _errs.add(type(_exc).__name__)
+    if _time.time() >= _end:
+        break
+print(f'sustained {{_rounds}} rounds', file=_sys.stderr)
+if len(_outs) != 1 or len(_errs) != 1:
+    raise AssertionError(f'rounds differ: {{_outs}} {{_errs}}')
+_sys.stdout.write(_outs.pop())
+if _exc is not None:
+    raise _exc
+"#
+    )
+}
+
+/// Runs `cell` [`sustained`] on `client`, checking each outcome, until the probe has enough
+/// samples. Returns the number of cells run.
+async fn repeat_until_measured(
+    client: &mut Client,
+    probe: &Probe,
+    cell: &str,
+    check: impl Fn(&[Msg]) -> Result<()>,
+) -> Result<usize> {
+    let cell = sustained(cell);
+    let mut rounds = 0;
+    loop {
+        let msgs = client.run(&cell).await?;
+        check(&msgs).with_context(|| format!("round {rounds}"))?;
+        rounds += 1;
+        if probe.enough() {
+            return Ok(rounds);
+        }
+    }
+}
+
+#[tokio::test]
+async fn read_etc_shadow() -> Result<()> {
+    let mut arena = arena().await?;
+    let (_id, mut attacker) = arena.attacker("default").await?;
+    let probe = Probe::default();
+    let rounds = under_attack(
+        "read /etc/shadow",
+        &mut arena.bystander,
+        &probe,
+        repeat_until_measured(
+            &mut attacker,
+            &probe,
+            "print(open('/etc/shadow').read())",
+            |msgs| {
+                expect_error(msgs, &["FileNotFoundError", "PermissionError"])?;
+                ensure!(stdout(msgs).is_empty(), "{:?}", stdout(msgs));
+                Ok(())
+            },
+        ),
+    )
+    .await?;
+    println!("read /etc/shadow refused {rounds} times");
+    arena.assert_gateway_serves().await
+}
+
+/// The token is on the gateway's command line (`--token`). The kernel looks for it in every
+/// `/proc/*/cmdline` and `/proc/*/environ` it can see and in every regular file under the
+/// roots of its filesystem (except /proc, /sys, /dev), within a time budget. The cell holds
+/// the token only hex-encoded, so its own history cannot match.
+#[tokio::test]
+async fn the_gateway_token_is_nowhere_the_kernel_can_read() -> Result<()> {
+    let mut arena = arena().await?;
+    // A canary in the kernel's own environment proves the search finds what is there.
+    let canary = format!("canary-{}", uuid::Uuid::new_v4().simple());
+    let (_id, mut attacker) = arena
+        .attacker_with(json!({"KERNEL_POLICY": "default", "KERNEL_CANARY": canary}))
+        .await?;
+    let cell = format!(
+        "{PRELUDE}{}",
+        r#"
+import time
+needle = bytes.fromhex('NEEDLE')
+canary = bytes.fromhex('CANARY')
+start, budget = time.time(), 45
+r = {'hits': [], 'canary': [], 'scanned': 0, 'unreadable': 0, 'procs': [], 'complete': True, 'roots': [], 'visible_roots': sorted(os.listdir('/')), 'stopped_in': None}
+def check(path, limit):
+    try:
+        with open(path, 'rb') as f:
+            data = f.read(limit)
+    except OSError:
+        r['unreadable'] += 1
+        return
+    r['scanned'] += 1
+    if needle in data:
+        r['hits'].append(path)
+    if canary in data:
+        r['canary'].append(path)
+for pid in os.listdir('/proc'):
+    if pid.isdigit():
+        r['procs'].append(int(pid))
+        for name in ('cmdline', 'environ'):
+            check(f'/proc/{pid}/{name}', 1 << 20)
+check('/proc/self/cmdline', 1 << 20)
+check('/proc/self/environ', 1 << 20)
+r['env_hit'] = any(needle.decode() in k + '=' + v for k, v in os.environ.items())
+def walk():
+    # /usr (large, system files) last, so the budget covers everything else first.
+    for root in sorted(os.listdir('/'), key=lambda r: (r == 'usr', r)):
+        if root in ('proc', 'sys', 'dev'):
+            continue
+        r['roots'].append(root)
+        for dirpath, dirnames, filenames in os.walk('/' + root, followlinks=False):
+            for fn in filenames:
+                if time.time() - start > budget:
+                    r['complete'] = False
+                    r['stopped_in'] = dirpath
+                    return
+                path = os.path.join(dirpath, fn)
+                if os.path.islink(path) or not os.path.isfile(path):
+                    continue
+                check(path, 16 << 20)
+walk()
+print(json.dumps(r))
+"#
+        .replace("NEEDLE", &hex::encode(TOKEN))
+        .replace("CANARY", &hex::encode(&canary))
+    );
+    let probe = Probe::default();
+    let result = under_attack(
+        "search for the token",
+        &mut arena.bystander,
+        &probe,
+        async {
+            let msgs = attacker.run(&cell).await?;
+            json_out(&msgs)
+        },
+    )
+    .await?;
+    println!(
+        "token search: {} files and /proc entries read, {} unreadable, complete: {} (stopped in {}), roots searched: {} of {}, pids seen: {}",
+        result["scanned"],
+        result["unreadable"],
+        result["complete"],
+        result["stopped_in"],
+        result["roots"],
+        result["visible_roots"],
+        result["procs"]
+    );
+    // Everything but /usr must have been searched within the budget.
+    let visible = result["visible_roots"].as_array().context("roots")?;
+    let searched = result["roots"].as_array().context("roots")?;
+    for root in visible {
+        let name = root.as_str().unwrap_or_default();
+        if !["proc", "sys", "dev", "usr"].contains(&name) {
+            assert!(
+                searched.contains(root),
+                "/{name} was not searched: {result}"
+            );
+        }
+    }
+    if result["complete"] == false {
+        let stopped = result["stopped_in"].as_str().unwrap_or_default();
+        assert!(
+            stopped.starts_with("/usr"),
+            "the budget ran out before /usr: {stopped}"
+        );
+    }
+    let canary_hits = result["canary"].as_array().context("canary")?;
+    assert!(
+        canary_hits.contains(&json!("/proc/self/environ")),
+        "the search did not find the canary in the kernel's own environment: {result}"
+    );
+    assert_eq!(result["hits"], json!([]), "the token is readable: {result}");
+    assert_eq!(result["env_hit"], false);
+    assert!(
+        result["scanned"].as_u64().unwrap_or(0) > 500,
+        "the search read too little to mean anything: {result}"
+    );
+    assert!(!result["procs"].as_array().unwrap().is_empty());
+    arena.assert_gateway_serves().await
+}
+
+/// Kernel A tries to read kernel B's (the bystander's) connection file, workspace and
+/// kernel directory at their host paths, found from the test side under the runtime root.
+#[tokio::test]
+async fn another_sessions_connection_file_and_workspace() -> Result<()> {
+    let mut arena = arena().await?;
+    let msgs = arena
+        .bystander
+        .run("open('secret.txt', 'w').write('bystander-secret'); import os; print(os.getcwd())")
+        .await?;
+    let b_cwd = stdout(&msgs).trim().to_owned();
+    let (a_id, mut attacker) = arena.attacker("default").await?;
+    let root = runtime_root_of(&arena.bystander_id)?;
+    let b_root = root.join(&arena.bystander_id);
+    // Each generation has its own directory, `run/g1-<random>/`.
+    let b_gen = std::fs::read_dir(b_root.join("run"))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("g1-"))
+        })
+        .ok_or_else(|| anyhow::anyhow!("B's generation directory"))?;
+    let b_conn = b_gen.join("connection.json");
+    let b_sock = b_gen.join("k-1");
+    let b_work = b_root.join("work");
+    assert!(b_conn.is_file(), "B's connection file exists on the host");
+    assert_eq!(Path::new(&b_cwd), b_work, "B's workspace path");
+    let cell = format!(
+        "{PRELUDE}
+root, b_root, b_conn, b_work, b_sock = {}, {}, {}, {}, {}
+r = {{
+    'b_conn': attempt(lambda: open(b_conn, 'rb').read()),
+    'b_secret': attempt(lambda: open(b_work + '/secret.txt').read()),
+    'b_work_list': attempt(lambda: os.listdir(b_work)),
+    'b_root_list': attempt(lambda: os.listdir(b_root)),
+    'b_log': attempt(lambda: open(b_root + '/kernel.log', 'rb').read()),
+    'b_run_list': attempt(lambda: os.listdir(b_root + '/run')),
+    'b_shell_socket': attempt(lambda: socket.socket(socket.AF_UNIX).connect(b_sock)),
+    'own_log': attempt(lambda: open(os.path.join(root, {:?}, 'kernel.log'), 'rb').read()),
+}}
+root_list = attempt(lambda: os.listdir(root))
+print(json.dumps({{'r': r, 'root_list': root_list}}))
+",
+        py_str(&root),
+        py_str(&b_root),
+        py_str(&b_conn),
+        py_str(&b_work),
+        py_str(&b_sock),
+        a_id,
+    );
+    let b_id = arena.bystander_id.clone();
+    let probe = Probe::default();
+    let rounds = under_attack(
+        "read another session's files",
+        &mut arena.bystander,
+        &probe,
+        repeat_until_measured(&mut attacker, &probe, &cell, |msgs| {
+            let out = json_out(msgs)?;
+            all_refused(&out["r"])?;
+            let listing = out["root_list"].as_str().unwrap_or_default();
+            ensure!(
+                !listing.contains(&b_id),
+                "the runtime root listing shows B: {listing}"
+            );
+            ensure!(!stdout(msgs).contains("bystander-secret"));
+            Ok(())
+        }),
+    )
+    .await?;
+    let last = json_out(&attacker.run(&cell).await?)?;
+    println!("another session's files, refused {rounds} times: {last}");
+    arena.assert_gateway_serves().await
+}
+
+/// Host processes are invisible: the kernel sees a handful of pids, none the gateway's,
+/// none running `cellgate serve`; signalling or ptracing the gateway's pid finds nothing.
+#[tokio::test]
+async fn host_processes_are_invisible_and_the_gateway_cannot_be_killed() -> Result<()> {
+    let mut arena = arena().await?;
+    let (_id, mut attacker) = arena.attacker("default").await?;
+    let gateway_pid = arena.gateway.pid();
+    let test_pid = std::process::id();
+    let cell = format!(
+        "{PRELUDE}
+import ctypes, signal
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+procs = {{}}
+for p in os.listdir('/proc'):
+    if p.isdigit():
+        procs[p] = attempt(lambda: open(f'/proc/{{p}}/cmdline', 'rb').read().replace(b'\\0', b' ').decode())
+ctypes.set_errno(0)
+rc = libc.syscall(ctypes.c_long(101), ctypes.c_long(16), ctypes.c_long({gateway_pid}), ctypes.c_long(0), ctypes.c_long(0))
+r = {{
+    'procs': procs,
+    'ptrace_attach': [rc, _errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno())],
+    'gateway_proc': attempt(lambda: os.listdir('/proc/{gateway_pid}')),
+    'test_proc': attempt(lambda: os.listdir('/proc/{test_pid}')),
+    'kill0': attempt(lambda: os.kill({gateway_pid}, 0)),
+}}
+print(json.dumps(r))
+os.kill({gateway_pid}, signal.SIGKILL)
+"
+    );
+    let probe = Probe::default();
+    let last = under_attack(
+        "signal the gateway's pid",
+        &mut arena.bystander,
+        &probe,
+        async {
+            let cell = sustained(&cell);
+            loop {
+                let msgs = attacker.run(&cell).await?;
+                expect_error(&msgs, &["ProcessLookupError"])?;
+                let out = json_out_lenient(&msgs)?;
+                let procs = out["procs"].as_object().context("procs")?;
+                ensure!(
+                    procs.len() < 20,
+                    "the kernel sees {} processes: {procs:?}",
+                    procs.len()
+                );
+                ensure!(
+                    !procs.contains_key(&gateway_pid.to_string()),
+                    "the gateway's pid is visible: {procs:?}"
+                );
+                ensure!(
+                    !procs
+                        .values()
+                        .any(|c| c.as_str().unwrap_or_default().contains("serve")),
+                    "a `cellgate serve` is visible: {procs:?}"
+                );
+                ensure!(
+                    out["ptrace_attach"] == json!([-1, "ESRCH"])
+                        || out["ptrace_attach"] == json!([-1, "EPERM"]),
+                    "ptrace attach: {}",
+                    out["ptrace_attach"]
+                );
+                ensure!(out["gateway_proc"] == "FileNotFoundError:ENOENT", "{out}");
+                ensure!(out["test_proc"] == "FileNotFoundError:ENOENT", "{out}");
+                ensure!(out["kill0"] == "ProcessLookupError:ESRCH", "{out}");
+                ensure!(alive(gateway_pid), "the gateway died");
+                if probe.enough() {
+                    return Ok::<Value, anyhow::Error>(out);
+                }
+            }
+        },
+    )
+    .await?;
+    println!("visible processes and kill attempts: {last}");
+    arena.assert_gateway_serves().await
+}
+
+/// Like [`json_out`] for a cell that prints its JSON and then raises.
+fn json_out_lenient(msgs: &[Msg]) -> Result<Value> {
+    let out = stdout(msgs);
+    let line = out
+        .lines()
+        .last()
+        .with_context(|| format!("no output: {msgs:?}"))?;
+    serde_json::from_str(line).with_context(|| format!("not JSON: {out}"))
+}
+
+/// Writes outside the workspace and `/tmp` fail; what the kernel writes in its workspace and
+/// `/tmp` never reaches the host's paths of the same name.
+#[tokio::test]
+async fn writes_outside_the_workspace() -> Result<()> {
+    let mut arena = arena().await?;
+    let (a_id, mut attacker) = arena.attacker("default").await?;
+    let root = runtime_root_of(&a_id)?;
+    let marker = format!("cellgate-attack-{}", uuid::Uuid::new_v4().simple());
+    let targets = [
+        "/".to_owned(),
+        "/etc".to_owned(),
+        "/usr".to_owned(),
+        "/usr/local/bin".to_owned(),
+        repo().display().to_string(),
+        kernels_dir().join("python3/.venv").display().to_string(),
+        kernels_dir()
+            .join("python3/.venv/bin")
+            .display()
+            .to_string(),
+    ];
+    let cell = format!(
+        "{PRELUDE}
+import sys
+marker = {marker:?}
+def write(d):
+    with open(os.path.join(d, marker), 'w') as f:
+        f.write('x')
+r = {{d: attempt(lambda d=d: write(d)) for d in {targets:?} + [sys.prefix, os.path.dirname(sys.executable)]}}
+r['proc_sys'] = attempt(lambda: open('/proc/sys/kernel/hostname', 'w').write('x'))
+r['sysrq'] = attempt(lambda: open('/proc/sysrq-trigger', 'w').write('h'))
+r['mkdir_root'] = attempt(lambda: os.mkdir('/' + marker))
+
+# The sandbox's private /tmp (which holds the scaffolding of the runtime root's path) and the
+# workspace are writable: the test checks the host's paths stay untouched.
+ok = {{'workspace': attempt(lambda: write(os.getcwd())), 'tmp': attempt(lambda: write('/tmp')),
+      'runtime_root': attempt(lambda: write({root})), 'kernel_root': attempt(lambda: write({kroot})),
+      'kernel_log': attempt(lambda: open(os.path.join({kroot}, 'kernel.log'), 'a').write(marker))}}
+print(json.dumps({{'refused': r, 'allowed': ok, 'cwd': os.getcwd()}}))
+",
+        root = py_str(&root),
+        kroot = py_str(&root.join(&a_id)),
+    );
+    let probe = Probe::default();
+    let rounds = under_attack(
+        "write outside the workspace",
+        &mut arena.bystander,
+        &probe,
+        repeat_until_measured(&mut attacker, &probe, &cell, |msgs| {
+            let out = json_out(msgs)?;
+            all_refused(&out["refused"])?;
+            ensure!(out["allowed"]["workspace"] == "ok:None", "{out}");
+            ensure!(out["allowed"]["tmp"] == "ok:None", "{out}");
+            ensure!(out["allowed"]["runtime_root"] == "ok:None", "{out}");
+            ensure!(out["allowed"]["kernel_root"] == "ok:None", "{out}");
+            ensure!(out["allowed"]["kernel_log"].as_str().is_some(), "{out}");
+            Ok(())
+        }),
+    )
+    .await?;
+    let log = std::fs::read(root.join(&a_id).join("kernel.log")).unwrap_or_default();
+    assert!(
+        !String::from_utf8_lossy(&log).contains(&marker),
+        "the kernel wrote into its host log file directly"
+    );
+    for dir in targets.iter().map(PathBuf::from).chain([
+        std::env::temp_dir(),
+        root.clone(),
+        root.join(&a_id),
+        root.join(&a_id).join("work"),
+    ]) {
+        assert!(
+            !dir.join(&marker).exists(),
+            "{} appeared on the host",
+            dir.join(&marker).display()
+        );
+    }
+    println!("writes outside the workspace refused {rounds} times");
+    arena.assert_gateway_serves().await
+}
+
+/// The kernel's network namespace has only `lo`: neither the gateway's port nor a listener
+/// the test opens on 127.0.0.1 is reachable, nor unix sockets the test binds (in its
+/// tempdir, under /tmp, and in the abstract namespace).
+#[tokio::test]
+async fn network_and_host_sockets_are_unreachable() -> Result<()> {
+    use std::os::linux::net::SocketAddrExt;
+    let mut arena = arena().await?;
+    let (_id, mut attacker) = arena.attacker("default").await?;
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0")?;
+    tcp.set_nonblocking(true)?;
+    let tcp_port = tcp.local_addr()?.port();
+    let dir = tempfile::tempdir()?;
+    let private_path = dir.path().join("host.sock");
+    let private = UnixListener::bind(&private_path)?;
+    let tmp_path = std::env::temp_dir().join(format!(
+        "cellgate-attack-{}.sock",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let tmp = UnixListener::bind(&tmp_path)?;
+    let abstract_name = format!("cellgate-attack-{}", uuid::Uuid::new_v4().simple());
+    let abstract_addr = std::os::unix::net::SocketAddr::from_abstract_name(&abstract_name)?;
+    let abstract_listener = UnixListener::bind_addr(&abstract_addr)?;
+    for listener in [&private, &tmp, &abstract_listener] {
+        listener.set_nonblocking(true)?;
+    }
+    let cell = format!(
+        "{PRELUDE}
+def tcp(port):
+    s = socket.socket(); s.settimeout(3)
+    try:
+        s.connect(('127.0.0.1', port))
+    finally:
+        s.close()
+def unix(path):
+    s = socket.socket(socket.AF_UNIX); s.settimeout(3)
+    try:
+        s.connect(path)
+    finally:
+        s.close()
+r = {{
+    'gateway_port': attempt(lambda: tcp({gw})),
+    'test_listener': attempt(lambda: tcp({tcp_port})),
+    'unix_tempdir': attempt(lambda: unix({private})),
+    'unix_tmp': attempt(lambda: unix({tmp})),
+    'unix_abstract': attempt(lambda: unix('\\0' + {abstract_name:?})),
+}}
+ifs = socket.if_nameindex()
+dev = [l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:]]
+print(json.dumps({{'refused': r, 'ifs': ifs, 'dev': dev}}))
+",
+        gw = arena.gateway.port,
+        private = py_str(&private_path),
+        tmp = py_str(&tmp_path),
+    );
+    let probe = Probe::default();
+    let rounds = under_attack(
+        "connect to host sockets",
+        &mut arena.bystander,
+        &probe,
+        repeat_until_measured(&mut attacker, &probe, &cell, |msgs| {
+            let out = json_out(msgs)?;
+            all_refused(&out["refused"])?;
+            ensure!(
+                out["ifs"] == json!([[1, "lo"]]),
+                "interfaces: {}",
+                out["ifs"]
+            );
+            ensure!(out["dev"] == json!(["lo"]), "/proc/net/dev: {}", out["dev"]);
+            Ok(())
+        }),
+    )
+    .await?;
+    let last = json_out(&attacker.run(&cell).await?)?;
+    println!("network, refused {rounds} times: {last}");
+    assert_eq!(
+        tcp.accept().err().map(|e| e.kind()),
+        Some(ErrorKind::WouldBlock),
+        "the test's TCP listener accepted a connection"
+    );
+    for (name, listener) in [
+        ("tempdir", &private),
+        ("/tmp", &tmp),
+        ("abstract", &abstract_listener),
+    ] {
+        assert_eq!(
+            listener.accept().err().map(|e| e.kind()),
+            Some(ErrorKind::WouldBlock),
+            "the {name} unix listener accepted a connection"
+        );
+    }
+    let _ = std::fs::remove_file(&tmp_path);
+    arena.assert_gateway_serves().await
+}
+
+/// Privileged or attack-surface syscalls through ctypes fail with EPERM or ENOSYS.
+#[tokio::test]
+async fn privileged_syscalls_are_refused() -> Result<()> {
+    let mut arena = arena().await?;
+    let (_id, mut attacker) = arena.attacker("default").await?;
+    let cell = format!(
+        "{PRELUDE}{}",
+        r#"
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def sc(nr, *args):
+    ctypes.set_errno(0)
+    rc = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    return [rc, _errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno())]
+buf = ctypes.create_string_buffer(256)
+nsfd = os.open('/proc/self/ns/net', os.O_RDONLY)
+src = ctypes.create_string_buffer(b'none')
+dst = ctypes.create_string_buffer(b'/tmp')
+fs = ctypes.create_string_buffer(b'tmpfs')
+desc = ctypes.create_string_buffer(b'x')
+def raw():
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); s.close()
+    return [0, 'ok']
+def raw_errno():
+    try:
+        return raw()
+    except OSError as e:
+        return [-1, _errno.errorcode.get(e.errno, e.errno)]
+r = {
+    'mount': sc(165, ctypes.addressof(src), ctypes.addressof(dst), ctypes.addressof(fs), 0, 0),
+    'unshare_user': sc(272, 0x10000000),
+    'unshare_net': sc(272, 0x40000000),
+    'unshare_mount': sc(272, 0x00020000),
+    'setns': sc(308, nsfd, 0),
+    'init_module': sc(175, ctypes.addressof(buf), 256, ctypes.addressof(desc)),
+    'finit_module': sc(313, 0, ctypes.addressof(desc), 0),
+    'keyctl': sc(250, 0, 0, 0, 0, 0),
+    'add_key': sc(248, ctypes.addressof(desc), ctypes.addressof(desc), 0, 0, -2),
+    'bpf': sc(321, 0, ctypes.addressof(buf), 48),
+    'io_uring_setup': sc(425, 1, ctypes.addressof(buf)),
+    'perf_event_open': sc(298, ctypes.addressof(buf), 0, -1, -1, 0),
+    'raw_socket': raw_errno(),
+}
+try:
+    socket.socket(17, socket.SOCK_RAW, 0).close(); r['packet_socket'] = [0, 'ok']
+except OSError as e:
+    r['packet_socket'] = [-1, _errno.errorcode.get(e.errno, e.errno)]
+os.close(nsfd)
+print(json.dumps(r))
+"#
+    );
+    let probe = Probe::default();
+    let rounds = under_attack(
+        "privileged syscalls",
+        &mut arena.bystander,
+        &probe,
+        repeat_until_measured(&mut attacker, &probe, &cell, |msgs| {
+            let out = json_out(msgs)?;
+            let bad: Vec<_> = out
+                .as_object()
+                .context("object")?
+                .iter()
+                .filter(|(_, v)| !(v[0] == -1 && (v[1] == "EPERM" || v[1] == "ENOSYS")))
+                .collect();
+            ensure!(
+                bad.is_empty(),
+                "not refused with EPERM/ENOSYS: {bad:?}\nall: {out}"
+            );
+            Ok(())
+        }),
+    )
+    .await?;
+    let last = json_out(&attacker.run(&cell).await?)?;
+    println!("privileged syscalls refused {rounds} times: {last}");
+    arena.assert_gateway_serves().await
+}
+
+/// The kernel plants, in its own run directory, entries under the names the gateway will use
+/// for the next generations, all pointing at things the test owns: generation 2's ipc socket
+/// paths as symlinks to a unix socket the test listens on, generation 3's connection file as
+/// a symlink to a decoy file, generation 4's as a fifo, plus a directory symlink to a decoy
+/// directory and a symlink to /etc/shadow. Then the kernel is restarted three times and
+/// deleted. Checked from the test side: the decoys are untouched and the decoy directory
+/// survives the deletion (the gateway followed no symlink), the test's unix socket saw no
+/// connection, no restart hung on the fifo, /etc/shadow is unchanged, and hard links to
+/// files outside the run directory failed.
+#[tokio::test]
+async fn ipc_directory_tricks() -> Result<()> {
+    let mut arena = arena_with(&["--start-timeout", "10"]).await?;
+    let (a_id, mut attacker) = arena.attacker("default").await?;
+    let root = runtime_root_of(&a_id)?;
+    let run = root.join(&a_id).join("run");
+    let decoys = tempfile::tempdir()?;
+    let decoy_file = decoys.path().join("decoy.txt");
+    std::fs::write(&decoy_file, "decoy\n")?;
+    let decoy_dir = decoys.path().join("dir");
+    std::fs::create_dir(&decoy_dir)?;
+    std::fs::write(decoy_dir.join("keep.txt"), "keep\n")?;
+    let sock_path = std::env::temp_dir().join(format!(
+        "cellgate-attack-{}.sock",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let listener = UnixListener::bind(&sock_path)?;
+    listener.set_nonblocking(true)?;
+    let host_shadow = std::fs::read("/etc/shadow").ok();
+    let cell = format!(
+        "{PRELUDE}
+run = {run}
+decoy_file, decoy_dir, sock = {decoy_file}, {decoy_dir}, {sock}
+r = {{}}
+for port in range(1, 6):
+    r[f'g2-{{port}}'] = attempt(lambda port=port: os.symlink(sock, f'{{run}}/g2-{{port}}'))
+r['conn_g3_symlink'] = attempt(lambda: os.symlink(decoy_file, run + '/connection-g3.json'))
+r['conn_g4_fifo'] = attempt(lambda: os.mkfifo(run + '/connection-g4.json'))
+r['symlink_shadow'] = attempt(lambda: os.symlink('/etc/shadow', run + '/shadow'))
+r['symlink_dir'] = attempt(lambda: os.symlink(decoy_dir, run + '/dir'))
+links = {{}}
+for src in ['/etc/passwd', sys.executable, os.path.realpath(sys.executable), '/usr/bin/env', decoy_file, '/etc/shadow']:
+    links[src] = attempt(lambda src=src: os.link(src, run + '/hl-' + os.path.basename(src)))
+seen = {{'decoy': attempt(lambda: open(decoy_file).read()), 'shadow': attempt(lambda: open(run + '/shadow').read())}}
+print(json.dumps({{'planted': r, 'hard_links': links, 'seen': seen, 'listing': sorted(os.listdir(run))}}))
+",
+        run = py_str(&run),
+        decoy_file = py_str(&decoy_file),
+        decoy_dir = py_str(&decoy_dir),
+        sock = py_str(&sock_path),
+    );
+    let probe = Probe::default();
+    let gateway = &arena.gateway;
+    let (planted, restarts, killed) = under_attack(
+        "ipc directory tricks",
+        &mut arena.bystander,
+        &probe,
+        async {
+            let planted = json_out(&attacker.run(&cell).await?)?;
+            let mut restarts = vec![];
+            for _ in 0..3 {
+                let started = Instant::now();
+                let response = tokio::time::timeout(
+                    Duration::from_secs(40),
+                    gateway
+                        .request(
+                            reqwest::Method::POST,
+                            &format!("/api/kernels/{a_id}/restart"),
+                        )
+                        .send(),
+                )
+                .await;
+                let (status, body) = match response {
+                    Ok(response) => {
+                        let response = response?;
+                        (response.status().as_u16(), response.text().await?)
+                    }
+                    Err(_) => (0, "no answer within 40 s".to_owned()),
+                };
+                let (_, model) = gateway.get_json(&format!("/api/kernels/{a_id}")).await?;
+                let works = if status == 200 {
+                    one_plus_one(&mut attacker).await.is_ok()
+                } else {
+                    false
+                };
+                restarts.push(json!({
+                    "status": status, "body": body, "after": format!("{:?}", started.elapsed()),
+                    "state": model["execution_state"], "reason": model["reason"],
+                    "generation": model["cellgate"]["state_generation"], "1+1": works,
+                }));
+            }
+            let killed = gateway.delete_kernel(&a_id).await?;
+            Ok((planted, restarts, killed))
+        },
+    )
+    .await?;
+    println!(
+        "ipc tricks: planted {planted}\nrestarts: {}\ndelete: {killed}",
+        serde_json::to_string_pretty(&restarts)?
+    );
+    all_refused(&planted["hard_links"])?;
+    all_refused(&planted["seen"])?;
+    // What the kernel could plant is printed above, not asserted: a fix may well forbid it.
+    assert_eq!(std::fs::read_to_string(&decoy_file)?, "decoy\n");
+    assert_eq!(
+        std::fs::read_to_string(decoy_dir.join("keep.txt"))?,
+        "keep\n"
+    );
+    assert_eq!(
+        std::fs::read("/etc/shadow").ok(),
+        host_shadow,
+        "/etc/shadow changed"
+    );
+    // SAFE behaviour: the gateway never connects to what a kernel-planted symlink names.
+    // Fails as of this writing: see the module's notes on weaknesses.
+    let connected: Vec<String> = std::iter::from_fn(|| listener.accept().ok())
+        .map(|(mut stream, _)| {
+            use std::io::Read;
+            let _ = stream.set_nonblocking(false);
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+            let mut buf = [0u8; 64];
+            let n = stream.read(&mut buf).unwrap_or(0);
+            format!("{:02x?}", &buf[..n])
+        })
+        .collect();
+    assert!(
+        connected.is_empty(),
+        "the gateway (outside the sandbox) followed a symlink the kernel planted in its run \
+         directory and connected to the test's unix socket {} {} time(s); first bytes it sent: {connected:?}",
+        sock_path.display(),
+        connected.len()
+    );
+    let log = arena.gateway.log();
+    assert!(!log.contains("decoy\n") && !log.contains("root:"), "{log}");
+    let hung: Vec<_> = restarts.iter().filter(|r| r["status"] == 0).collect();
+    assert!(hung.is_empty(), "restarts hung: {hung:?}");
+    assert_eq!(killed, 204, "the kernel can still be deleted");
+    assert!(!run.exists(), "the kernel's directory is removed");
+    assert!(
+        pids_with(&a_id).is_empty(),
+        "no process of the kernel is left"
+    );
+    let _ = std::fs::remove_file(&sock_path);
+    arena.assert_gateway_serves().await
+}
+
+/// Every process forks until the pids limit (256 by default) stops it: the kernel's own fork
+/// fails with BlockingIOError (EAGAIN) in the cell, and the kernel answers afterwards.
+#[tokio::test]
+async fn fork_bomb() -> Result<()> {
+    let mut arena = arena().await?;
+    let (id, mut attacker) = arena.attacker("default").await?;
+    let cell = r#"
+import os, time
+def bomb():
+    while True:
+        if os.fork() == 0:
+            try:
+                while True:
+                    os.fork()
+            except BaseException:
+                pass
+            finally:
+                time.sleep(3)
+                os._exit(0)
+bomb()
+"#;
+    let probe = Probe::default();
+    let msgs = under_attack("fork bomb", &mut arena.bystander, &probe, async {
+        attacker.run(cell).await
+    })
+    .await?;
+    let ename = expect_error(&msgs, &["BlockingIOError"])?;
+    println!(
+        "fork bomb: the cell failed with {ename}: {}",
+        of_type(&msgs, "error")[0].content["evalue"]
+    );
+    // While the pids are taken, ipykernel cannot start the thread a cell needs ("can't start
+    // new thread"). The bomb's processes exit after 3 s, but the kernel's direct children stay
+    // zombies, holding pids, until the kernel reaps them, which needs a cell to run. Either the
+    // kernel answers again within 20 s, or it is wedged and a restart through the API brings
+    // it back; the test prints which.
+    let started = Instant::now();
+    let mut answered = None;
+    while started.elapsed() < Duration::from_secs(20) {
+        if one_plus_one(&mut attacker).await.is_ok() {
+            answered = Some(started.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    match answered {
+        Some(after) => {
+            println!("fork bomb: the kernel answered 1+1 again {after:?} after the cell");
+            let msgs = attacker
+                .run("import os, time, subprocess\nn = 0\ntry:\n    while True:\n        os.waitpid(-1, 0); n += 1\nexcept ChildProcessError:\n    pass\nfor _ in range(100):\n    try:\n        rc = subprocess.run(['true']).returncode; break\n    except OSError:\n        time.sleep(0.1)\nprint(rc)")
+                .await?;
+            assert_eq!(stdout(&msgs), "0\n", "{msgs:?}");
+        }
+        None => {
+            let model = arena.model(&id).await?;
+            println!("fork bomb: the kernel did not answer 1+1 within 20 s (model {model}); restarting it");
+            let status = arena
+                .gateway
+                .request(reqwest::Method::POST, &format!("/api/kernels/{id}/restart"))
+                .send()
+                .await?
+                .status();
+            assert_eq!(status.as_u16(), 200);
+            one_plus_one(&mut attacker).await?;
+        }
+    }
+    let model = arena.model(&id).await?;
+    println!("fork bomb: model afterwards {model}");
+    arena.assert_gateway_serves().await
+}
+
+/// Runs `code` and reads until its reply and idle, or a `dead` status for the kernel.
+async fn run_or_death(client: &mut Client, code: &str) -> Result<(Vec<Msg>, bool)> {
+    let id = client.execute(code).await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (mut msgs, mut idle, mut replied) = (vec![], false, false);
+    while !(idle && replied) {
+        let msg = client
+            .recv(deadline.saturating_duration_since(Instant::now()))
+            .await?;
+        if msg.msg_type() == "status" && msg.content["execution_state"] == "dead" {
+            msgs.push(msg);
+            return Ok((msgs, true));
+        }
+        idle |= msg.is_idle_for(&id);
+        replied |= msg.channel == "shell" && msg.parent_id() == id;
+        msgs.push(msg);
+    }
+    Ok((msgs, false))
+}
+
+/// Under a 512 MiB policy: a child allocating 2 GiB is killed and the kernel survives; the
+/// kernel itself allocating 2 GiB either gets a MemoryError or is killed by the OOM killer
+/// with a reason on its model, then a restart brings it back.
+#[tokio::test]
+async fn memory_bombs() -> Result<()> {
+    let mut arena = arena().await?;
+    let (id, mut attacker) = arena.attacker("oom").await?;
+    let child = "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'b = bytearray(2**31)'])\nprint('rc', r.returncode)";
+    let probe = Probe::default();
+    let msgs = under_attack(
+        "memory bomb in a child",
+        &mut arena.bystander,
+        &probe,
+        async { attacker.run(child).await },
+    )
+    .await?;
+    assert_eq!(stdout(&msgs), "rc -9\n", "{msgs:?}");
+    one_plus_one(&mut attacker).await?;
+
+    let probe = Probe::default();
+    let (msgs, died) = under_attack(
+        "memory bomb in the kernel",
+        &mut arena.bystander,
+        &probe,
+        run_or_death(&mut attacker, "b = bytearray(2**31)"),
+    )
+    .await?;
+    if died {
+        let model = arena.model(&id).await?;
+        println!("memory bomb in the kernel: the kernel died: {model}");
+        assert_eq!(model["execution_state"], "dead", "{model}");
+        let reason = model["reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("out-of-memory"),
+            "the reason names the OOM killer: {reason}"
+        );
+        let status = arena
+            .gateway
+            .request(reqwest::Method::POST, &format!("/api/kernels/{id}/restart"))
+            .send()
+            .await?
+            .status();
+        assert_eq!(status.as_u16(), 200);
+    } else {
+        let ename = expect_error(&msgs, &["MemoryError", "OutOfMemoryError"])?;
+        let error = &of_type(&msgs, "error")[0].content;
+        let model = arena.model(&id).await?;
+        println!("memory bomb in the kernel: the cell failed with {error}; model {model}");
+        if ename == "OutOfMemoryError" {
+            // The gateway restarted the kernel on its own.
+            let evalue = error["evalue"].as_str().unwrap_or_default();
+            assert!(evalue.contains("out-of-memory"), "{evalue}");
+            assert!(
+                !evalue.starts_with("this cell never ran"),
+                "the cell that ran out of memory is told it never ran: {evalue}"
+            );
+            assert_eq!(reply(&msgs).metadata["cellgate"]["outcome"], "oom");
+            assert_eq!(model["cellgate"]["state_generation"], 2, "{model}");
+        }
+    }
+    one_plus_one(&mut attacker).await?;
+    arena.assert_gateway_serves().await
+}
+
+/// Under a 64 MiB workspace: writing until the disk is full ends with ENOSPC near the limit,
+/// and the host's directory behind the workspace stays empty.
+#[tokio::test]
+async fn fill_the_workspace() -> Result<()> {
+    let mut arena = arena().await?;
+    let (id, mut attacker) = arena.attacker("disk").await?;
+    let host_work = runtime_root_of(&id)?.join(&id).join("work");
+    let cell = r#"
+import os
+chunk = b'x' * (1 << 20)
+written = 0
+with open('fill.bin', 'wb', buffering=0) as f:
+    try:
+        while True:
+            written += f.write(chunk)
+    finally:
+        print(written)
+"#;
+    let probe = Probe::default();
+    let msgs = under_attack("fill the workspace", &mut arena.bystander, &probe, async {
+        attacker.run(cell).await
+    })
+    .await?;
+    expect_error(&msgs, &["OSError"])?;
+    let error = &of_type(&msgs, "error")[0].content;
+    assert!(
+        error["evalue"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("No space left"),
+        "{error}"
+    );
+    let written: u64 = stdout(&msgs).trim().parse()?;
+    println!("fill the workspace: {written} bytes written before ENOSPC");
+    assert!(written <= 64 << 20, "{written} bytes in a 64 MiB workspace");
+    assert!(written >= 32 << 20, "only {written} bytes");
+    let mut host_bytes = 0;
+    for entry in std::fs::read_dir(&host_work)? {
+        host_bytes += entry?.metadata()?.len();
+    }
+    assert_eq!(
+        host_bytes,
+        0,
+        "the host's {} got the bytes",
+        host_work.display()
+    );
+    let msgs = attacker
+        .run("import os; os.remove('fill.bin'); open('ok.txt', 'w').write('ok')")
+        .await?;
+    assert_eq!(reply(&msgs).content["status"], "ok", "{msgs:?}");
+    arena.assert_gateway_serves().await
+}
+
+/// Under a 2 s execution timeout: the kernel and four forked children spin; the cell ends as
+/// a CellTimeoutError with outcome `timeout` and the kernel answers afterwards.
+#[tokio::test]
+async fn cpu_spin_past_the_timeout() -> Result<()> {
+    let mut arena = arena().await?;
+    let (_id, mut attacker) = arena.attacker("timeout").await?;
+    let cell = r#"
+import os, time
+for _ in range(4):
+    if os.fork() == 0:
+        try:
+            end = time.time() + 5
+            while time.time() < end:
+                pass
+        finally:
+            os._exit(0)
+while True:
+    pass
+"#;
+    let probe = Probe::default();
+    let started = Instant::now();
+    let msgs = under_attack("CPU spin", &mut arena.bystander, &probe, async {
+        attacker.run(cell).await
+    })
+    .await?;
+    println!("CPU spin: cell ended after {:?}", started.elapsed());
+    expect_error(&msgs, &["CellTimeoutError"])?;
+    assert_eq!(reply(&msgs).metadata["cellgate"]["outcome"], "timeout");
+    one_plus_one(&mut attacker).await?;
+    arena.assert_gateway_serves().await
+}
+
+/// Under a 64 KiB output limit: 20 MB of prints reach the client as at most 64 KiB, one
+/// marker and the outcome `output_truncated`.
+#[tokio::test]
+async fn output_flood() -> Result<()> {
+    let mut arena = arena().await?;
+    let (_id, mut attacker) = arena.attacker("flood").await?;
+    let probe = Probe::default();
+    let msgs = under_attack(
+        "output flood",
+        &mut arena.bystander,
+        &probe,
+        async {
+            attacker
+                .run("import sys\nfor i in range(200000):\n    sys.stdout.write('x' * 99 + '\\n')\nprint('done')")
+                .await
+        },
+    )
+    .await?;
+    let out = stdout(&msgs);
+    println!(
+        "output flood: {} bytes reached the client in {} messages",
+        out.len(),
+        msgs.len()
+    );
+    assert!(out.len() <= 64 << 10, "{} bytes got through", out.len());
+    assert!(!out.contains("done"));
+    let markers: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.msg_type() == "stream" && m.content["name"] == "stderr")
+        .collect();
+    assert_eq!(markers.len(), 1, "one marker");
+    assert_eq!(
+        reply(&msgs).metadata["cellgate"]["outcome"],
+        "output_truncated"
+    );
+    one_plus_one(&mut attacker).await?;
+    arena.assert_gateway_serves().await
+}
+
+/// `kill(-1, SIGKILL)` from the kernel reaches only the sandbox's own processes (here a
+/// child it started), never the gateway, the bystander or the test; `kill(1, SIGKILL)` does
+/// nothing to the sandbox's init.
+#[tokio::test]
+async fn kill_everything_from_inside() -> Result<()> {
+    let mut arena = arena().await?;
+    let (id, mut attacker) = arena.attacker("default").await?;
+    let bystander_pids = pids_with(&arena.bystander_id);
+    assert_eq!(bystander_pids.len(), 1, "{bystander_pids:?}");
+    let cell = r#"
+import os, signal, subprocess, time, json
+child = subprocess.Popen(['sleep', '60'])
+time.sleep(0.2)
+os.kill(-1, signal.SIGKILL)
+time.sleep(0.5)
+rc = child.poll()
+try:
+    os.kill(1, signal.SIGKILL)
+    init = 'sent'
+except OSError as e:
+    init = type(e).__name__
+time.sleep(0.2)
+print(json.dumps({'child_rc': rc, 'init': init, 'init_alive': os.path.exists('/proc/1')}))
+"#;
+    let probe = Probe::default();
+    let (msgs, died) = under_attack(
+        "kill(-1, SIGKILL)",
+        &mut arena.bystander,
+        &probe,
+        run_or_death(&mut attacker, cell),
+    )
+    .await?;
+    let model = arena.model(&id).await?;
+    println!(
+        "kill(-1): died {died}, output {:?}, model {model}",
+        stdout(&msgs)
+    );
+    assert!(!died, "the kernel died: {model}");
+    let out = json_out(&msgs)?;
+    assert_eq!(
+        out["child_rc"], -9,
+        "the sandbox's own child was killed: {out}"
+    );
+    assert_eq!(out["init_alive"], true, "{out}");
+    assert!(alive(std::process::id()));
+    assert!(
+        bystander_pids.iter().all(|p| alive(*p)),
+        "the bystander was killed"
+    );
+    one_plus_one(&mut attacker).await?;
+    one_plus_one(&mut arena.bystander).await?;
+    arena.assert_gateway_serves().await
+}
