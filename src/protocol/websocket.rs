@@ -12,7 +12,6 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::message::check_object;
 use super::{Channel, Message, ProtocolError};
 
 /// The subprotocol name of the v1 framing.
@@ -240,34 +239,32 @@ pub fn encode_legacy_text_only(message: &Message) -> Result<Frame, ProtocolError
 }
 
 /// Encodes a kernel message for a legacy client: a text frame, or a binary frame when the
-/// message has buffers. The JSON parts are spliced in verbatim after checking they are valid
-/// UTF-8 JSON, so a client never receives a frame it cannot parse.
+/// message has buffers. The JSON parts are spliced in verbatim: [`Message::from_parts`]
+/// already refused any part that is not a UTF-8 JSON object, so they are not parsed again on
+/// this hot path (only the UTF-8 view is taken, which a `String` needs).
 pub fn encode_legacy(message: &Message) -> Result<Frame, ProtocolError> {
-    let parts = [
-        ("header", &message.header_bytes),
-        ("parent_header", &message.parent_header_bytes),
-        ("metadata", &message.metadata),
-        ("content", &message.content),
-    ];
-    for (name, part) in parts {
-        check_object(part, name)?;
+    fn text(b: &Bytes) -> Result<&str, ProtocolError> {
+        std::str::from_utf8(b).map_err(|_| ProtocolError::NotUtf8)
     }
-    let utf8 = |b: &Bytes| std::str::from_utf8(b).map(str::to_owned);
-    // check_object already proved each part is UTF-8.
-    let text = |b: &Bytes| utf8(b).unwrap_or_default();
+    let (header, parent, metadata, content) = (
+        text(&message.header_bytes)?,
+        text(&message.parent_header_bytes)?,
+        text(&message.metadata)?,
+        text(&message.content)?,
+    );
     let mut json = String::with_capacity(message.byte_len() + 128);
     json.push_str("{\"header\":");
-    json.push_str(&text(&message.header_bytes));
+    json.push_str(header);
     json.push_str(",\"msg_id\":");
     json.push_str(&serde_json::Value::from(message.msg_id()).to_string());
     json.push_str(",\"msg_type\":");
     json.push_str(&serde_json::Value::from(message.msg_type()).to_string());
     json.push_str(",\"parent_header\":");
-    json.push_str(&text(&message.parent_header_bytes));
+    json.push_str(parent);
     json.push_str(",\"metadata\":");
-    json.push_str(&text(&message.metadata));
+    json.push_str(metadata);
     json.push_str(",\"content\":");
-    json.push_str(&text(&message.content));
+    json.push_str(content);
     if message.buffers.is_empty() {
         json.push_str(",\"buffers\":[],\"channel\":\"");
         json.push_str(message.channel.as_str());
