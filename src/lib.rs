@@ -8,10 +8,12 @@
 //! - [`protocol`]: the Jupyter wire format: multipart codec, signing, WebSocket framings.
 //! - [`policy`]: policy files (sandbox backend and limits), parsed and validated.
 //! - [`config`]: the gateway's settings from the command line, environment and file.
+//! - [`doctor`]: `cellgate doctor`, which backends this host can run and how to fix the rest.
 
 #![deny(unsafe_code)]
 
 pub mod config;
+pub mod doctor;
 pub mod gateway;
 pub mod kernel;
 pub mod policy;

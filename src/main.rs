@@ -7,7 +7,10 @@ use clap::{Parser, Subcommand};
 
 use cellgate::config::{GatewayConfig, ServeArgs};
 use cellgate::kernel::{KernelManager, KernelOptions, KernelSpecs, ManagerOptions};
-use cellgate::sandbox::{Backend, NamespacesConfig, NamespacesSandbox, ProcessSandbox, Sandbox};
+use cellgate::sandbox::{
+    Backend, GvisorConfig, GvisorSandbox, NamespacesConfig, NamespacesSandbox, ProcessSandbox,
+    Sandbox,
+};
 
 #[derive(Parser)]
 #[command(
@@ -23,10 +26,33 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start-up: the size difference between the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Serve the Kernel Gateway API (JupyterLab: --gateway-url=http://IP:PORT).
     Serve(ServeArgs),
+    /// Check which sandbox backends this host can run, and how to fix the rest.
+    Doctor(DoctorArgs),
+}
+
+#[derive(clap::Args)]
+struct DoctorArgs {
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Directory of kernelspecs to check.
+    #[arg(long, env = "CELLGATE_KERNELS_DIR", default_value = "kernels")]
+    kernels_dir: std::path::PathBuf,
+    /// Directory of policy files to check.
+    #[arg(long, env = "CELLGATE_POLICIES_DIR", default_value = "policies")]
+    policies_dir: std::path::PathBuf,
+    /// The backend the gateway would use; the exit code says whether it works.
+    #[arg(long, env = "CELLGATE_SANDBOX", default_value = "namespaces")]
+    sandbox: Backend,
+    /// Only inspect the host; do not start probe sandboxes.
+    #[arg(long)]
+    no_probe: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,6 +72,21 @@ fn main() -> anyhow::Result<()> {
         .context("cannot start the async runtime")?;
     match cli.command {
         Command::Serve(args) => runtime.block_on(serve(args)),
+        Command::Doctor(args) => {
+            let report =
+                runtime.block_on(cellgate::doctor::run(&cellgate::doctor::DoctorOptions {
+                    kernels_dir: args.kernels_dir,
+                    policies_dir: args.policies_dir,
+                    default_backend: args.sandbox,
+                    probe: !args.no_probe,
+                }));
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.to_text());
+            }
+            std::process::exit(if report.ok { 0 } else { 1 })
+        }
     }
 }
 
@@ -56,9 +97,10 @@ fn make_sandbox(backend: Backend) -> anyhow::Result<Arc<dyn Sandbox>> {
             NamespacesSandbox::new(NamespacesConfig::default())
                 .context("the namespaces sandbox cannot run on this host")?,
         )),
-        Backend::Gvisor => anyhow::bail!(
-            "the gvisor sandbox backend is not available yet; use --sandbox namespaces (the default)"
-        ),
+        Backend::Gvisor => Ok(Arc::new(
+            GvisorSandbox::new(GvisorConfig::default())
+                .context("the gvisor sandbox cannot run on this host (see `cellgate doctor`)")?,
+        )),
     }
 }
 

@@ -14,6 +14,7 @@
 //!
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
+mod gvisor;
 mod namespaces;
 mod process;
 
@@ -27,6 +28,7 @@ use tokio::sync::watch;
 
 use crate::protocol::ConnectionInfo;
 
+pub use gvisor::{GvisorConfig, GvisorSandbox, PIDS_OVERHEAD as GVISOR_PIDS_OVERHEAD};
 pub use namespaces::{
     sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox, SANDBOX_INIT_ARG,
 };

@@ -782,7 +782,7 @@ fn proc_usage(pid: i32) -> Option<ResourceUsage> {
 /// from its `pyvenv.cfg`, the base interpreter's prefix; and the prefix of the real
 /// executable behind any symlinks. Only these are shown, never their parents (a pyenv
 /// prefix under `/root` does not show the rest of `/root`).
-fn python_roots(program: &Path) -> Vec<PathBuf> {
+pub(super) fn python_roots(program: &Path) -> Vec<PathBuf> {
     let mut roots = Vec::new();
     if let Some(prefix) = program.parent().and_then(Path::parent) {
         if let Ok(cfg) = std::fs::read_to_string(prefix.join("pyvenv.cfg")) {
@@ -814,7 +814,7 @@ fn python_roots(program: &Path) -> Vec<PathBuf> {
 /// Regular files the command names by absolute path (a kernelspec's own script, say):
 /// shown read-only, each file alone, not its directory. Files in the runtime directory (the
 /// connection file) are there anyway and are filtered out later.
-fn argv_files(args: &[String]) -> Vec<PathBuf> {
+pub(super) fn argv_files(args: &[String]) -> Vec<PathBuf> {
     args.iter()
         .map(PathBuf::from)
         .filter(|path| path.is_absolute() && path.is_file())
@@ -832,7 +832,11 @@ const SYSTEM_PREFIXES: &[&str] = &[
 /// root or a system directory, must not be an ancestor of the runtime directory or workspace
 /// (which would show other kernels' directories) nor lie inside them; a directory inside
 /// another one kept is dropped.
-fn visible_roots(wanted: Vec<PathBuf>, runtime_dir: &Path, workspace: &Path) -> Vec<PathBuf> {
+pub(super) fn visible_roots(
+    wanted: Vec<PathBuf>,
+    runtime_dir: &Path,
+    workspace: &Path,
+) -> Vec<PathBuf> {
     let real = |path: &Path| std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let (runtime_real, workspace_real) = (real(runtime_dir), real(workspace));
     let mut kept = BTreeSet::new();

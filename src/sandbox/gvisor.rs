@@ -1,0 +1,957 @@
+//! The `gvisor` backend: every kernel in its own gVisor sandbox (`runsc`), whose Sentry, a
+//! user-space kernel written in Go, serves the kernel's system calls; the host kernel sees
+//! only the Sentry's narrow, seccomp-filtered set.
+//!
+//! # Design
+//!
+//! **OCI bundle, not `runsc do`.** `runsc do` shows the host's whole `/` (copy-on-write) and
+//! has no way to bind the runtime directory read-write at its own path or to pick the user,
+//! so the backend writes a bundle per launch: `config.json` (serde_json) and a `rootfs`
+//! directory that holds only mount points, the generated `/etc` files and the `bin`/`lib`
+//! symlinks of a merged-`/usr` host. The root is read-only; on top of it:
+//!
+//! * `/usr` read-only, the host's harmless `/etc` entries (dynamic linker cache,
+//!   certificates, time zone…) read-only, one by one; never `shadow` or the gateway's files;
+//! * the kernel's Python environment (the venv and its base interpreter's prefix) and files
+//!   named in its command, read-only at the same paths (the same selection as the namespaces
+//!   backend, see `namespaces::python_roots`);
+//! * `/tmp` a tmpfs of the Sentry (memory, charged to the sandbox);
+//! * the runtime directory **bind-mounted read-write at the same path**, so the connection
+//!   file and the `ipc://` endpoints need no rewriting. `--host-uds=all` is what makes a
+//!   socket the kernel *binds* there a real host socket the gateway can connect to (without
+//!   it the socket exists only inside the Sentry); this 2022 build has no narrower mode
+//!   (`open`/`create` came later);
+//! * the workspace bind-mounted read-write at its path (unlike the namespaces backend's
+//!   tmpfs, so its size is not limited; the gateway sees the files directly).
+//!
+//! The kernel runs as uid/gid 65534 inside and out, with no capabilities and
+//! `noNewPrivileges`; the gateway (which must be root: runsc without `--rootless` creates
+//! namespaces and cgroups) hands the runtime directory, connection file and workspace to
+//! that uid, as the namespaces backend does. `--network=none` leaves only loopback.
+//!
+//! **Limits.** runsc puts the sandbox (Sentry and gofer) in the cgroup named by the spec's
+//! `linux.cgroupsPath` (relative: below the gateway's own cgroup, `cellgate-gvisor/<id>`)
+//! and writes `linux.resources` there: pids and CPU quota. The memory cgroup is made by the
+//! gateway with its limit before runsc starts, because runsc removes the cgroups it made
+//! before `runsc run` returns and the exit watcher must read the OOM counter to report an
+//! out-of-memory kill. This build does not enforce limits per process inside the Sentry:
+//! exceeding the memory limit kills the **whole** sandbox, and the pids limit counts the
+//! Sentry's threads and the ptrace stubs (one host process per guest process), so
+//! [`PIDS_OVERHEAD`] is added to the policy's number. The workspace size is not limited.
+//! Cgroups of a `runsc run` killed with its gateway are swept when the backend next starts.
+//!
+//! **Lifetime.** `runsc run` (attached) is spawned from one dedicated thread with
+//! `PR_SET_PDEATHSIG(SIGKILL)`, as in the other backends, and leads its own process group.
+//! runsc gives its own children (the sandbox and the gofer) a parent-death signal, so the
+//! chain gateway → `runsc run` → sandbox ends everything when the gateway dies, also by
+//! SIGKILL. `kill` asks runsc to kill every process of the container, then SIGKILLs the
+//! `runsc run` group; the exit watcher then runs `runsc delete --force` and removes the
+//! bundle, runsc's state directory and the sandbox's cgroups. `signal` runs a tiny Python
+//! program in the container (`runsc exec`) that sends the signal to the kernel's *main
+//! thread* and to every other process of the container: `runsc kill` would hand SIGINT to
+//! an arbitrary thread, and CPython only notices it when its main thread wakes (see
+//! [`GvisorHandle::signal`]). `signal` and `kill` wait for runsc (about 0.15 s and 0.05 s).
+//!
+//! **Platform.** `ptrace` (this build has `ptrace` and `kvm`; `kvm` stalls on PVM hosts and
+//! `systrap` came in 2023). Syscall-heavy work is 2–4× slower; a kernel is ready in ~2 s.
+
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use serde_json::{json, Value};
+use tokio::process::{Child, Command};
+use tokio::sync::{oneshot, watch};
+
+use super::namespaces::{argv_files, python_roots, visible_roots};
+use super::{
+    Backend, ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxError, SandboxHandle,
+};
+
+/// Host threads and processes of the runsc machinery (Sentry threads, gofer, ptrace stubs)
+/// that count against a pids limit besides the kernel's own.
+pub const PIDS_OVERHEAD: u64 = 256;
+
+/// The cgroup (relative to the gateway's own) that holds the sandboxes' cgroups.
+const CGROUP_PARENT: &str = "cellgate-gvisor";
+
+/// CFS period for CPU limits.
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// Host `/etc` entries shown read-only (each alone): what Python, TLS and time zones need.
+const ETC_ENTRIES: &[&str] = &[
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/alternatives",
+    "/etc/ssl/certs",
+    "/etc/ssl/openssl.cnf",
+    "/etc/ca-certificates",
+    "/etc/fonts",
+    "/etc/localtime",
+    "/etc/timezone",
+    "/etc/mime.types",
+    "/etc/os-release",
+    "/etc/debian_version",
+    "/etc/protocols",
+    "/etc/services",
+];
+
+/// Top-level host paths that are symlinks into `/usr` on merged-`/usr` hosts.
+const USR_LINKS: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32"];
+
+/// Settings of the gvisor backend.
+#[derive(Debug, Clone)]
+pub struct GvisorConfig {
+    /// The runsc binary; `None` means `runsc` from `PATH`.
+    pub runsc: Option<PathBuf>,
+    /// runsc's `--platform`.
+    pub platform: String,
+    /// The kernel's uid and gid, inside the sandbox and on the host.
+    pub uid: u32,
+    pub gid: u32,
+    /// More host paths to show read-only at the same path.
+    pub extra_ro_paths: Vec<PathBuf>,
+    /// Put the sandbox in a cgroup with the launch's limits.
+    pub cgroups: bool,
+    pub hostname: String,
+    /// How long `runsc kill` and `runsc delete` may take.
+    pub command_timeout: Duration,
+}
+
+impl Default for GvisorConfig {
+    fn default() -> GvisorConfig {
+        GvisorConfig {
+            runsc: None,
+            platform: "ptrace".to_owned(),
+            uid: 65534,
+            gid: 65534,
+            extra_ro_paths: Vec::new(),
+            cgroups: true,
+            hostname: "sandbox".to_owned(),
+            command_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+struct SpawnRequest {
+    command: Command,
+    reply: oneshot::Sender<io::Result<Child>>,
+}
+
+/// Starts kernels in gVisor sandboxes.
+pub struct GvisorSandbox {
+    config: GvisorConfig,
+    runsc: PathBuf,
+    spawner: mpsc::Sender<SpawnRequest>,
+}
+
+fn setup(message: impl Into<String>) -> SandboxError {
+    SandboxError::Setup(message.into())
+}
+
+impl GvisorSandbox {
+    /// Finds runsc and checks the gateway may use it. Must be called from within a tokio
+    /// runtime: the spawner thread registers children with it.
+    pub fn new(config: GvisorConfig) -> Result<GvisorSandbox, SandboxError> {
+        let runsc = match &config.runsc {
+            Some(path) => path.clone(),
+            None => crate::doctor::find_on_path("runsc").ok_or_else(|| {
+                setup("runsc is not on PATH (install it: apt-get install -y runsc)")
+            })?,
+        };
+        // SAFETY: geteuid(2) cannot fail and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(setup(
+                "the gvisor backend needs a root gateway (runsc creates namespaces and cgroups)",
+            ));
+        }
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|err| setup(format!("no tokio runtime: {err}")))?;
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("cellgate-gvisor-spawner".to_owned())
+            .spawn(move || {
+                let _runtime = runtime.enter();
+                for mut request in rx {
+                    let result = request.command.spawn();
+                    let _ = request.reply.send(result);
+                }
+            })
+            .map_err(|err| setup(format!("cannot start the spawner thread: {err}")))?;
+        if config.cgroups {
+            sweep_cgroups();
+        }
+        tracing::info!(runsc = %runsc.display(), platform = %config.platform, "gvisor sandbox backend ready");
+        Ok(GvisorSandbox {
+            config,
+            runsc,
+            spawner: tx,
+        })
+    }
+
+    async fn spawn(&self, command: Command) -> io::Result<Child> {
+        let (reply, response) = oneshot::channel();
+        self.spawner
+            .send(SpawnRequest { command, reply })
+            .map_err(|_| io::Error::other("spawner thread is gone"))?;
+        response
+            .await
+            .unwrap_or_else(|_| Err(io::Error::other("spawner thread dropped the request")))
+    }
+
+    /// Gives the runtime directory, the connection file and the workspace to the kernel's
+    /// uid (the gofer checks permissions as that uid).
+    fn hand_over(&self, spec: &LaunchSpec) -> Result<(), SandboxError> {
+        for path in [&spec.runtime_dir, &spec.connection_file, &spec.workspace] {
+            match std::os::unix::fs::chown(path, Some(self.config.uid), Some(self.config.gid)) {
+                Ok(()) => {}
+                Err(err)
+                    if err.kind() == io::ErrorKind::NotFound && path == &spec.connection_file => {}
+                Err(err) => return Err(setup(format!("hand over {}: {err}", path.display()))),
+            }
+        }
+        Ok(())
+    }
+
+    /// The read-only host paths the kernel needs besides `/usr` and `/etc` entries.
+    fn ro_paths(&self, spec: &LaunchSpec) -> Result<Vec<PathBuf>, SandboxError> {
+        let program = spec
+            .argv
+            .first()
+            .ok_or_else(|| setup("the kernel's command is empty"))?;
+        if !Path::new(program).is_absolute() {
+            return Err(setup(format!(
+                "the kernel's program {program:?} is not an absolute path"
+            )));
+        }
+        let mut wanted = python_roots(Path::new(program));
+        wanted.extend(argv_files(&spec.argv[1..]));
+        wanted.extend(self.config.extra_ro_paths.iter().cloned());
+        Ok(visible_roots(wanted, &spec.runtime_dir, &spec.workspace))
+    }
+
+    async fn launch_gvisor(&self, spec: &LaunchSpec) -> Result<Launched, SandboxError> {
+        let ro_paths = self.ro_paths(spec)?;
+        self.hand_over(spec)?;
+        let unique = &uuid::Uuid::new_v4().simple().to_string()[..12];
+        let container_id = format!("cellgate-{unique}");
+        let base = spec
+            .log_file
+            .parent()
+            .ok_or_else(|| setup("the log file has no parent directory"))?;
+        let bundle = base.join(format!("gvisor-{unique}"));
+        let state = bundle.join("state");
+        let cgroup_path = format!("{CGROUP_PARENT}/{container_id}");
+        // Made (with its limit) here rather than by runsc: runsc removes the cgroups it
+        // creates before `runsc run` returns, and the watcher must read the OOM counter
+        // first. runsc joins a cgroup that exists and leaves it in place (and its limits to
+        // us); the watcher removes it.
+        let memory_cgroup = (self.config.cgroups && spec.limits.memory_bytes.is_some())
+            .then(|| memory_cgroup_dir(&cgroup_path))
+            .flatten()
+            .filter(|dir| match create_memory_cgroup(dir, spec.limits.memory_bytes) {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::warn!(kernel_id = %spec.kernel_id, %err, dir = %dir.display(), "cannot pre-create the memory cgroup: OOM kills will be reported as SIGKILL only");
+                    false
+                }
+            });
+        let built = tokio::task::spawn_blocking({
+            let bundle = bundle.clone();
+            let config = self.config.clone();
+            let spec = spec.clone();
+            let cgroup = cgroup_path.clone();
+            move || write_bundle(&bundle, &config, &spec, &ro_paths, &cgroup)
+        })
+        .await
+        .map_err(|err| setup(format!("bundle task: {err}")))?;
+        if let Err(err) = built {
+            let _ = std::fs::remove_dir_all(&bundle);
+            return Err(err);
+        }
+        let open_log = || {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&spec.log_file)
+                .map_err(|err| setup(format!("open {}: {err}", spec.log_file.display())))
+        };
+        let (log, log_err) = (open_log()?, open_log()?);
+        let mut command = Command::new(&self.runsc);
+        command
+            .args(self.global_args(&state))
+            .args(["--network=none", "--host-uds=all"])
+            .args(if self.config.cgroups {
+                &[][..]
+            } else {
+                &["--ignore-cgroups"][..]
+            })
+            .arg("run")
+            .arg("--bundle")
+            .arg(&bundle)
+            .arg(&container_id)
+            .env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .current_dir(&bundle)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .process_group(0)
+            .kill_on_drop(false);
+        // SAFETY: the closure runs in the forked child before exec and only calls
+        // async-signal-safe functions (prctl, getppid, _exit).
+        unsafe {
+            let parent = libc::getpid();
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let child = match self.spawn(command).await {
+            Ok(child) => child,
+            Err(source) => {
+                let _ = std::fs::remove_dir_all(&bundle);
+                return Err(SandboxError::Spawn {
+                    program: self.runsc.display().to_string(),
+                    source,
+                });
+            }
+        };
+        let pid = child.id().unwrap_or(0);
+        let exited = Arc::new(AtomicBool::new(false));
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let runsc = Runsc {
+            program: self.runsc.clone(),
+            global: self.global_args(&state),
+            id: container_id.clone(),
+            timeout: self.config.command_timeout,
+        };
+        tokio::spawn(watch_exit(
+            child,
+            cgroup_path,
+            exited.clone(),
+            runsc.clone(),
+            bundle,
+            spec.limits.memory_bytes,
+            memory_cgroup,
+            exit_tx,
+        ));
+        tracing::info!(kernel_id = %spec.kernel_id, container = %container_id, runsc_pid = pid, "kernel started in gVisor");
+        Ok(Launched {
+            handle: Arc::new(GvisorHandle {
+                pid,
+                uid: self.config.uid,
+                gid: self.config.gid,
+                exited,
+                runsc,
+            }),
+            exit: exit_rx,
+            connection: spec.connection.clone(),
+        })
+    }
+
+    fn global_args(&self, state: &Path) -> Vec<String> {
+        vec![
+            "--root".to_owned(),
+            state.display().to_string(),
+            "--platform".to_owned(),
+            self.config.platform.clone(),
+        ]
+    }
+}
+
+impl Sandbox for GvisorSandbox {
+    fn backend(&self) -> Backend {
+        Backend::Gvisor
+    }
+
+    fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
+        Box::pin(self.launch_gvisor(spec))
+    }
+}
+
+/// Writes `bundle/config.json` and `bundle/rootfs`.
+fn write_bundle(
+    bundle: &Path,
+    config: &GvisorConfig,
+    spec: &LaunchSpec,
+    ro_paths: &[PathBuf],
+    cgroup: &str,
+) -> Result<(), SandboxError> {
+    let io = |what: &str, path: &Path| {
+        let what = format!("{what} {}", path.display());
+        move |err: io::Error| setup(format!("{what}: {err}"))
+    };
+    let rootfs = bundle.join("rootfs");
+    std::fs::create_dir_all(rootfs.join("etc")).map_err(io("mkdir", &rootfs))?;
+    for dir in ["usr", "proc", "tmp", "dev"] {
+        std::fs::create_dir_all(rootfs.join(dir)).map_err(io("mkdir", &rootfs))?;
+    }
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+               "options": ["nosuid", "nodev", "mode=1777"]}),
+        ro_bind(Path::new("/usr")),
+    ];
+    for name in USR_LINKS {
+        let host = Path::new("/").join(name);
+        match std::fs::read_link(&host) {
+            Ok(target) => std::os::unix::fs::symlink(&target, rootfs.join(name))
+                .map_err(io("symlink", &rootfs.join(name)))?,
+            Err(_) if host.is_dir() => {
+                std::fs::create_dir_all(rootfs.join(name)).map_err(io("mkdir", &host))?;
+                mounts.push(ro_bind(&host));
+            }
+            Err(_) => {}
+        }
+    }
+    for (name, contents) in etc_files(config, spec) {
+        let path = rootfs.join("etc").join(name);
+        std::fs::write(&path, contents).map_err(io("write", &path))?;
+    }
+    let mut binds: Vec<(PathBuf, bool)> = ETC_ENTRIES
+        .iter()
+        .map(PathBuf::from)
+        .filter(|p| p.exists())
+        .map(|p| (p, false))
+        .collect();
+    binds.extend(ro_paths.iter().map(|p| (p.clone(), false)));
+    binds.push((spec.runtime_dir.clone(), true));
+    binds.push((spec.workspace.clone(), true));
+    for (host, writable) in binds {
+        let inside = rootfs.join(host.strip_prefix("/").unwrap_or(&host));
+        // Mount points must exist in the read-only root; under /tmp (a tmpfs) runsc makes
+        // them itself, but creating them here too is harmless.
+        if host.is_dir() {
+            std::fs::create_dir_all(&inside).map_err(io("mkdir", &inside))?;
+        } else {
+            if let Some(parent) = inside.parent() {
+                std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+            }
+            std::fs::write(&inside, b"").map_err(io("create", &inside))?;
+        }
+        mounts.push(if writable {
+            json!({"destination": host, "type": "bind", "source": host,
+                   "options": ["rbind", "rw", "nosuid", "nodev"]})
+        } else {
+            ro_bind(&host)
+        });
+    }
+    let env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let no_caps = json!([]);
+    let mut linux = json!({
+        "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                       {"type": "uts"}, {"type": "mount"}],
+    });
+    if config.cgroups {
+        linux["cgroupsPath"] = json!(cgroup);
+        linux["resources"] = resources(&spec.limits);
+    }
+    let oci = json!({
+        "ociVersion": "1.0.2",
+        "hostname": config.hostname,
+        "process": {
+            "terminal": false,
+            "user": {"uid": config.uid, "gid": config.gid},
+            "args": spec.argv,
+            "env": env,
+            "cwd": spec.workspace,
+            "capabilities": {"bounding": no_caps, "effective": no_caps, "inheritable": no_caps,
+                             "permitted": no_caps, "ambient": no_caps},
+            "noNewPrivileges": true,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
+        },
+        "root": {"path": "rootfs", "readonly": true},
+        "mounts": mounts,
+        "linux": linux,
+    });
+    let text =
+        serde_json::to_vec_pretty(&oci).map_err(|err| setup(format!("config.json: {err}")))?;
+    let path = bundle.join("config.json");
+    std::fs::write(&path, text).map_err(io("write", &path))
+}
+
+fn ro_bind(host: &Path) -> Value {
+    json!({"destination": host, "type": "bind", "source": host,
+           "options": ["rbind", "ro", "nosuid", "nodev"]})
+}
+
+/// OCI `linux.resources` for the limits.
+fn resources(limits: &Limits) -> Value {
+    let mut resources = json!({});
+    if let Some(bytes) = limits.memory_bytes {
+        resources["memory"] = json!({"limit": bytes, "swap": bytes});
+    }
+    if let Some(pids) = limits.pids {
+        resources["pids"] = json!({"limit": pids + PIDS_OVERHEAD});
+    }
+    if let Some(millis) = limits.cpu_millis {
+        let quota = u64::from(millis) * CPU_PERIOD_US / 1000;
+        resources["cpu"] = json!({"quota": quota.max(1000), "period": CPU_PERIOD_US});
+    }
+    resources
+}
+
+/// The generated `/etc` files: who the kernel is, and localhost.
+fn etc_files(config: &GvisorConfig, spec: &LaunchSpec) -> Vec<(&'static str, String)> {
+    let home = spec.workspace.display();
+    let (uid, gid, host) = (config.uid, config.gid, &config.hostname);
+    vec![
+        (
+            "passwd",
+            format!(
+                "root:x:0:0:root:/root:/usr/sbin/nologin\n\
+                 kernel:x:{uid}:{gid}:kernel:{home}:/bin/sh\n"
+            ),
+        ),
+        ("group", format!("root:x:0:\nkernel:x:{gid}:\n")),
+        (
+            "hosts",
+            format!("127.0.0.1\tlocalhost {host}\n::1\tlocalhost ip6-localhost ip6-loopback\n"),
+        ),
+        ("hostname", format!("{host}\n")),
+        (
+            "nsswitch.conf",
+            "passwd: files\ngroup: files\nhosts: files\nnetworks: files\nprotocols: files\nservices: files\n"
+                .to_owned(),
+        ),
+    ]
+}
+
+/// How to reach one container through runsc's command line.
+#[derive(Clone)]
+struct Runsc {
+    program: PathBuf,
+    global: Vec<String>,
+    id: String,
+    timeout: Duration,
+}
+
+impl Runsc {
+    /// Runs `runsc <global> <args…> <id> [tail…]` to completion (blocking, bounded).
+    fn run(&self, args: &[&str], tail: &[&str]) -> io::Result<()> {
+        let mut child = std::process::Command::new(&self.program)
+            .args(&self.global)
+            .args(args)
+            .arg(&self.id)
+            .args(tail)
+            .env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let deadline = std::time::Instant::now() + self.timeout;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                if status.success() {
+                    return Ok(());
+                }
+                let mut stderr = String::new();
+                if let Some(mut pipe) = child.stderr.take() {
+                    use std::io::Read;
+                    let _ = pipe.read_to_string(&mut stderr);
+                }
+                return Err(io::Error::other(format!(
+                    "runsc {} failed ({status}): {}",
+                    args.join(" "),
+                    stderr.trim()
+                )));
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(io::Error::other(format!(
+                    "runsc {} did not finish within {:?}",
+                    args.join(" "),
+                    self.timeout
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn watch_exit(
+    mut child: Child,
+    cgroups_path: String,
+    exited: Arc<AtomicBool>,
+    runsc: Runsc,
+    bundle: PathBuf,
+    memory_limit: Option<u64>,
+    memory_cgroup: Option<PathBuf>,
+    exit_tx: watch::Sender<Option<ExitReport>>,
+) {
+    let cgroups_path = memory_cgroup.as_ref().map(|_| cgroups_path);
+    let status = child.wait().await;
+    exited.store(true, Ordering::SeqCst);
+    let pid = child.id();
+    // Whatever of the `runsc run` group is left (nothing, normally).
+    if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+        // SAFETY: kill(2) with a negative pid signals a process group; no memory involved.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
+    // Read before `runsc delete` removes the cgroup.
+    let oom_kills = memory_cgroup
+        .as_deref()
+        .and_then(|dir| std::fs::read_to_string(dir.join("memory.oom_control")).ok())
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("oom_kill "))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .or_else(|| {
+            let dir = memory_cgroup.as_deref()?;
+            let events = std::fs::read_to_string(dir.join("memory.events")).ok()?;
+            events
+                .lines()
+                .find_map(|l| l.strip_prefix("oom_kill "))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0);
+    let cleanup = tokio::task::spawn_blocking(move || {
+        let _ = runsc.run(&["delete", "--force"], &[]);
+        let _ = std::fs::remove_dir_all(&bundle);
+        // runsc leaves its cgroups in place when one of them existed before (the memory
+        // cgroup made by the launch): remove the sandbox's cgroup in every hierarchy.
+        // Each is empty once the sandbox's last process is gone, which may take a moment.
+        if let Some(cgroups_path) = cgroups_path {
+            for dir in cgroup_dirs(&cgroups_path) {
+                for _ in 0..50 {
+                    match std::fs::remove_dir(&dir) {
+                        Err(err) if err.kind() != io::ErrorKind::NotFound => {
+                            std::thread::sleep(Duration::from_millis(20))
+                        }
+                        _ => break,
+                    }
+                }
+            }
+        }
+    });
+    let _ = cleanup.await;
+    let report = match status {
+        Ok(status) => {
+            // runsc exits with the container's status, 128 + n for a signal.
+            let (code, signal) = match (status.code(), status.signal()) {
+                (Some(code), _) if code > 128 => (None, Some(code - 128)),
+                (code, signal) => (code, signal),
+            };
+            let reason = (signal == Some(libc::SIGKILL) && oom_kills > 0).then(|| match memory_limit {
+                Some(bytes) => format!(
+                    "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes; \
+                     gVisor ends the whole sandbox)"
+                ),
+                None => "kernel process killed by the out-of-memory killer".to_owned(),
+            });
+            ExitReport {
+                code,
+                signal,
+                reason,
+            }
+        }
+        Err(err) => ExitReport {
+            code: None,
+            signal: None,
+            reason: Some(format!("lost track of runsc: {err}")),
+        },
+    };
+    let _ = exit_tx.send(Some(report));
+}
+
+/// The interpreter that runs [`signal_script`] inside the sandbox (`/usr` is always shown).
+const SIGNAL_PYTHON: &str = "/usr/bin/python3";
+
+/// Sends signal `argv[1]` to the main thread of PID 1 and to every other process.
+fn signal_script() -> String {
+    format!(
+        "import os, sys, ctypes\n\
+         sig = int(sys.argv[1])\n\
+         ctypes.CDLL(None, use_errno=True).syscall({tgkill}, 1, 1, sig)\n\
+         for p in os.listdir('/proc'):\n    \
+             if p.isdigit() and int(p) not in (1, os.getpid()):\n        \
+                 try: os.kill(int(p), sig)\n        \
+                 except OSError: pass\n",
+        tgkill = libc::SYS_tgkill
+    )
+}
+
+/// Control of one gVisor sandbox.
+struct GvisorHandle {
+    /// `runsc run`'s pid, leader of its process group.
+    pid: u32,
+    /// The kernel's uid and gid, for the signalling program.
+    uid: u32,
+    gid: u32,
+    exited: Arc<AtomicBool>,
+    runsc: Runsc,
+}
+
+impl SandboxHandle for GvisorHandle {
+    /// The kernel has no host process of its own under gVisor (the Sentry runs it).
+    fn pid(&self) -> Option<u32> {
+        None
+    }
+
+    /// A process-directed signal in gVisor may be handed to any thread that does not block
+    /// it, and CPython only notices a signal when its *main* thread wakes: a SIGINT that
+    /// lands on one of ipykernel's helper threads never interrupts `time.sleep(60)`. So a
+    /// small program run inside the sandbox (`runsc exec`) sends the signal to the kernel's
+    /// main thread (`tgkill(1, 1, sig)`: the kernel is the container's PID 1) and to every
+    /// other process of the container, like a process-group signal. Without a Python in
+    /// `/usr` to run it, `runsc kill --all` is the fallback.
+    fn signal(&self, signal: i32) -> Result<(), SandboxError> {
+        if self.exited.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let sig = signal.to_string();
+        let result = if Path::new(SIGNAL_PYTHON).exists() {
+            let user = format!("{}:{}", self.uid, self.gid);
+            let script = signal_script();
+            self.runsc.run(
+                &["exec", "--user", &user, "--cwd", "/"],
+                &[SIGNAL_PYTHON, "-S", "-c", &script, &sig],
+            )
+        } else {
+            self.runsc.run(&["kill", "--all"], &[&sig])
+        };
+        match result {
+            Ok(()) => Ok(()),
+            // The container may have ended in the meantime.
+            Err(_) if self.exited.load(Ordering::SeqCst) => Ok(()),
+            Err(err) => Err(SandboxError::Signal(err)),
+        }
+    }
+
+    fn kill(&self) -> Result<(), SandboxError> {
+        if self.exited.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        // Let runsc end the container's processes (so `runsc run` reaps its children), then
+        // make sure: the sandbox and gofer die with `runsc run` by their parent-death signal.
+        let _ = self.runsc.run(&["kill", "--all"], &["KILL"]);
+        if self.exited.load(Ordering::SeqCst) || self.pid == 0 {
+            return Ok(());
+        }
+        let pid = i32::try_from(self.pid)
+            .map_err(|_| SandboxError::Signal(io::Error::other("pid out of range")))?;
+        // SAFETY: kill(2) with a negative pid signals runsc's process group; `runsc run` is
+        // not reaped before `exited` is set, so the group id is not reused.
+        let rc = unsafe { libc::kill(-pid, libc::SIGKILL) };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::ESRCH) {
+                return Err(SandboxError::Signal(err));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where runsc makes the memory cgroup for the relative `cgroups_path`: below the gateway's
+/// own cgroup in the memory hierarchy (v1), or in the unified hierarchy (v2).
+fn memory_cgroup_dir(cgroups_path: &str) -> Option<PathBuf> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    for line in own.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if controllers.split(',').any(|c| c == "memory") {
+            let dir = Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
+            return Some(dir.join(cgroups_path));
+        }
+    }
+    own.lines().find_map(|l| l.strip_prefix("0::")).map(|path| {
+        Path::new("/sys/fs/cgroup")
+            .join(path.trim_start_matches('/'))
+            .join(cgroups_path)
+    })
+}
+
+/// Creates the sandbox's memory cgroup with its limit (swap included, so swap is no way
+/// around it).
+fn create_memory_cgroup(dir: &Path, limit: Option<u64>) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let Some(bytes) = limit else {
+        return Ok(());
+    };
+    let bytes = bytes.to_string();
+    let result = if dir.join("memory.limit_in_bytes").exists() {
+        std::fs::write(dir.join("memory.limit_in_bytes"), &bytes).and_then(|()| {
+            // Absent without swap accounting: then there is no swap to escape to either.
+            match std::fs::write(dir.join("memory.memsw.limit_in_bytes"), &bytes) {
+                Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
+                _ => Ok(()),
+            }
+        })
+    } else {
+        std::fs::write(dir.join("memory.max"), &bytes).and_then(|()| {
+            match std::fs::write(dir.join("memory.swap.max"), "0") {
+                Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
+                _ => Ok(()),
+            }
+        })
+    };
+    if result.is_err() {
+        let _ = std::fs::remove_dir(dir);
+    }
+    result
+}
+
+/// The directory of the relative cgroup path `cgroups_path` in every cgroup hierarchy this
+/// process is in (v1: one per mounted hierarchy; v2: the unified one).
+fn cgroup_dirs(cgroups_path: &str) -> Vec<PathBuf> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut mounts: Vec<(Vec<String>, PathBuf, bool)> = Vec::new();
+    for line in mountinfo.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let left: Vec<&str> = left.split(' ').collect();
+        let right: Vec<&str> = right.split(' ').collect();
+        if let (Some(mount), Some(fstype), Some(options)) =
+            (left.get(4), right.first(), right.get(2))
+        {
+            let v2 = *fstype == "cgroup2";
+            if *fstype == "cgroup" || v2 {
+                let options = options.split(',').map(str::to_owned).collect();
+                mounts.push((options, PathBuf::from(mount), v2));
+            }
+        }
+    }
+    let mut dirs = Vec::new();
+    for line in own.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let mount = if controllers.is_empty() {
+            mounts.iter().find(|(_, _, v2)| *v2)
+        } else {
+            let first = controllers.split(',').next().unwrap_or_default();
+            mounts
+                .iter()
+                .find(|(options, _, v2)| !*v2 && options.iter().any(|o| o == first))
+        };
+        if let Some((_, mount, _)) = mount {
+            dirs.push(mount.join(path.trim_start_matches('/')).join(cgroups_path));
+        }
+    }
+    dirs
+}
+
+/// Removes the empty cgroups of sandboxes whose `runsc run` was killed before it could
+/// (a gateway that died). A cgroup with processes in it cannot be removed, so running
+/// sandboxes of other gateways keep theirs.
+fn sweep_cgroups() {
+    for parent in cgroup_dirs(CGROUP_PARENT) {
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let stale = entry
+                .file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with("cellgate-"))
+                && entry.path().is_dir();
+            if stale {
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn bundle_shows_only_what_the_kernel_needs() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("k/run");
+        let work = dir.path().join("k/work");
+        std::fs::create_dir_all(&run).unwrap();
+        std::fs::create_dir_all(&work).unwrap();
+        let spec = LaunchSpec {
+            kernel_id: "k".into(),
+            argv: vec!["/usr/bin/python3".into(), "-c".into(), "pass".into()],
+            env: BTreeMap::from([("PATH".to_owned(), "/usr/bin".to_owned())]),
+            connection_file: run.join("c.json"),
+            connection: crate::protocol::ConnectionInfo::ipc(&run.join("g1"), "k".into(), "p"),
+            runtime_dir: run.clone(),
+            workspace: work.clone(),
+            log_file: dir.path().join("k/kernel.log"),
+            limits: Limits {
+                memory_bytes: Some(1 << 30),
+                pids: Some(10),
+                cpu_millis: Some(500),
+                workspace_bytes: None,
+            },
+        };
+        let bundle = dir.path().join("bundle");
+        write_bundle(
+            &bundle,
+            &GvisorConfig::default(),
+            &spec,
+            &[],
+            "cellgate-gvisor/x",
+        )
+        .unwrap();
+        let config: Value =
+            serde_json::from_slice(&std::fs::read(bundle.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["root"]["readonly"], true);
+        assert_eq!(config["process"]["user"]["uid"], 65534);
+        assert_eq!(config["process"]["noNewPrivileges"], true);
+        assert_eq!(config["process"]["capabilities"]["bounding"], json!([]));
+        assert_eq!(config["process"]["cwd"], json!(work));
+        assert_eq!(
+            config["linux"]["resources"]["pids"]["limit"],
+            10 + PIDS_OVERHEAD
+        );
+        assert_eq!(config["linux"]["resources"]["cpu"]["quota"], 50_000);
+        let mounts = config["mounts"].as_array().unwrap();
+        let find = |dest: &Path| {
+            mounts
+                .iter()
+                .find(|m| m["destination"] == json!(dest))
+                .unwrap_or_else(|| panic!("no mount at {}", dest.display()))
+        };
+        let rw = |m: &Value| m["options"].as_array().unwrap().contains(&json!("rw"));
+        assert!(rw(find(&run)), "runtime dir writable at the same path");
+        assert!(rw(find(&work)), "workspace writable");
+        assert!(!rw(find(Path::new("/usr"))));
+        assert!(mounts
+            .iter()
+            .all(|m| m["destination"] != "/etc/shadow" && m["destination"] != "/"));
+        let passwd = std::fs::read_to_string(bundle.join("rootfs/etc/passwd")).unwrap();
+        assert!(passwd.contains("kernel:x:65534:65534"));
+    }
+
+    #[test]
+    fn the_signal_program_is_valid_python() {
+        if !Path::new(SIGNAL_PYTHON).exists() {
+            return;
+        }
+        let status = std::process::Command::new(SIGNAL_PYTHON)
+            .args(["-c", "import sys; compile(sys.argv[1], 'signal', 'exec')"])
+            .arg(signal_script())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}

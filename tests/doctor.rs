@@ -1,0 +1,126 @@
+//! `cellgate doctor` as users run it: the real binary, on this host, with `--json`.
+//!
+//! The development and CI hosts run as root with user namespaces and cgroup v1 controllers,
+//! so the namespaces backend must be reported available, with the facts it found.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn doctor(args: &[&str]) -> (Option<i32>, Value) {
+    let output = Command::new(env!("CARGO_BIN_EXE_cellgate"))
+        .arg("doctor")
+        .arg("--json")
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cellgate doctor");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let report = serde_json::from_str(&stdout).unwrap_or_else(|err| {
+        panic!(
+            "doctor --json printed no JSON ({err}):\n{stdout}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (output.status.code(), report)
+}
+
+fn section<'a>(report: &'a Value, group: &str, name: &str) -> &'a Value {
+    report[group]
+        .as_array()
+        .and_then(|sections| sections.iter().find(|s| s["name"] == name))
+        .unwrap_or_else(|| panic!("no {group} section {name:?} in {report:#}"))
+}
+
+#[test]
+fn namespaces_is_available_here_with_real_facts() {
+    let (code, report) = doctor(&[]);
+    let ns = section(&report, "backends", "namespaces");
+    assert_eq!(ns["available"], true, "{ns:#}");
+    assert_eq!(report["default_backend"], "namespaces");
+    assert_eq!(report["ok"], true, "{report:#}");
+    assert_eq!(code, Some(0), "exit code follows the default backend");
+
+    let facts = &ns["facts"];
+    // The cgroup version the host really has, and where each controller lives.
+    let version = facts["cgroup_version"].as_str().expect("cgroup_version");
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    if mountinfo.contains(" - cgroup cgroup ") {
+        assert!(
+            version.contains("v1") || version.contains("hybrid"),
+            "{version}"
+        );
+    } else {
+        assert_eq!(version, "v2");
+    }
+    assert!(
+        facts["cgroup_controllers"]["memory"].is_string(),
+        "{facts:#}"
+    );
+    let max: u64 = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+        .expect("max_user_namespaces")
+        .trim()
+        .parse()
+        .expect("number");
+    assert_eq!(facts["max_user_namespaces"], max);
+    assert_eq!(facts["seccomp"], "supported");
+    assert!(
+        facts["landlock_abi"].as_i64().is_some_and(|abi| abi >= 1),
+        "{facts:#}"
+    );
+    // The probe started a real sandbox.
+    assert!(
+        facts["probe"]
+            .as_str()
+            .is_some_and(|p| p.contains("/usr/bin/true")),
+        "{facts:#}"
+    );
+
+    // Every backend is reported, each with a reason when unavailable.
+    for name in ["process", "namespaces", "gvisor", "microvm"] {
+        let backend = section(&report, "backends", name);
+        if backend["available"] == false {
+            let problems = backend["problems"].as_array().expect("problems");
+            assert!(!problems.is_empty(), "{name} unavailable without a reason");
+            assert!(problems.iter().all(|p| p["fix"].is_string()), "{backend:#}");
+        }
+    }
+    let microvm = section(&report, "backends", "microvm");
+    assert_eq!(
+        microvm["facts"]["dev_kvm"],
+        std::path::Path::new("/dev/kvm").exists()
+    );
+    assert_eq!(section(&report, "setup", "policies")["available"], true);
+}
+
+#[test]
+fn a_missing_kernels_dir_is_reported_as_a_problem() {
+    let (code, report) = doctor(&["--kernels-dir", "/nonexistent", "--no-probe"]);
+    let kernels = section(&report, "setup", "kernels");
+    assert_eq!(kernels["available"], false, "{kernels:#}");
+    let problems = kernels["problems"].as_array().expect("problems");
+    assert!(
+        problems.iter().any(|p| p["problem"]
+            .as_str()
+            .is_some_and(|t| t.contains("/nonexistent"))
+            && p["fix"]
+                .as_str()
+                .is_some_and(|f| f.contains("--kernels-dir"))),
+        "{kernels:#}"
+    );
+    // The backend still works, so the exit code is still 0.
+    assert_eq!(code, Some(0));
+}
+
+#[test]
+fn text_output_is_readable() {
+    let output = Command::new(env!("CARGO_BIN_EXE_cellgate"))
+        .args(["doctor", "--no-probe", "--kernels-dir", "/nonexistent"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cellgate doctor");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("namespaces [default]: ok"), "{text}");
+    assert!(text.contains("kernels: NOT AVAILABLE"), "{text}");
+    assert!(text.contains("fix: "), "{text}");
+}
