@@ -12,6 +12,41 @@ use subtle::ConstantTimeEq;
 use super::api_error::ApiError;
 use super::state::AppState;
 
+/// Who a request comes from; `require_token` puts it in the request's extensions, so handlers
+/// take `Extension<Principal>`.
+///
+/// Tenancy rule for every surface: a tenant sees only what it owns, and anything else answers
+/// 404 exactly as a missing id would (never 403, which would confirm that the id exists).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Principal {
+    /// The static token, or no token configured (loopback only): sees everything.
+    Admin,
+    /// A JWT bearer: one tenant, capped at the most permissive policy it may use.
+    Tenant {
+        tenant: String,
+        subject: String,
+        policy: String,
+    },
+}
+
+impl Principal {
+    /// The tenant that owns what this principal creates (`None` for the admin).
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            Principal::Admin => None,
+            Principal::Tenant { tenant, .. } => Some(tenant),
+        }
+    }
+
+    /// Whether this principal may see something owned by `owner` (`None`: made by the admin).
+    pub fn may_see(&self, owner: Option<&str>) -> bool {
+        match self {
+            Principal::Admin => true,
+            Principal::Tenant { tenant, .. } => owner == Some(tenant.as_str()),
+        }
+    }
+}
+
 /// The credential a request presents, if any.
 pub fn credential(request: &Request) -> Option<String> {
     let from_query = request.uri().query().and_then(|query| {
@@ -75,17 +110,21 @@ pub fn token_matches(expected: &str, presented: &str) -> bool {
 /// credentials).
 pub async fn require_token(
     State(state): State<AppState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     let Some(expected) = state.config.token.as_deref() else {
+        request.extensions_mut().insert(Principal::Admin);
         return next.run(request).await;
     };
     if request.method() == Method::OPTIONS {
         return next.run(request).await;
     }
     match credential(&request) {
-        Some(presented) if token_matches(expected, &presented) => next.run(request).await,
+        Some(presented) if token_matches(expected, &presented) => {
+            request.extensions_mut().insert(Principal::Admin);
+            next.run(request).await
+        }
         _ => ApiError::unauthorized().into_response(),
     }
 }

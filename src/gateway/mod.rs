@@ -20,6 +20,7 @@ use axum::{middleware, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 pub use api_error::ApiError;
+pub use auth::Principal;
 pub use state::AppState;
 
 use crate::config::GatewayConfig;

@@ -650,7 +650,11 @@ async fn watch_exit(
                 (Some(code), _) if code > 128 => (None, Some(code - 128)),
                 (code, signal) => (code, signal),
             };
-            let reason = (signal == Some(libc::SIGKILL) && oom_kills > 0).then(|| match memory_limit {
+            // The OOM killer may pick any process of the sandbox: the sentry (runsc reports
+            // SIGKILL) or a runsc helper (runsc then fails with its own status, seen as 2 on
+            // a CI run). Any abnormal end with an OOM kill counted is an out-of-memory end.
+            let abnormal = signal.is_some() || code != Some(0);
+            let reason = (abnormal && oom_kills > 0).then(|| match memory_limit {
                 Some(bytes) => format!(
                     "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes; \
                      gVisor ends the whole sandbox)"
