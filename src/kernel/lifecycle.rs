@@ -213,6 +213,7 @@ impl Kernel {
                 heartbeat,
             });
             *self.instance.lock() = Some(instance.clone());
+            self.router.set_sandbox(Some(launched.handle.clone()));
             self.nudge_until_ready(&instance).await
         })
         .await;

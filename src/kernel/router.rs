@@ -30,6 +30,7 @@ use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::protocol::{Channel, HeaderFields, Message};
+use crate::sandbox::SandboxHandle;
 
 /// Identifies one attached WebSocket.
 pub type ClientId = u64;
@@ -174,6 +175,10 @@ struct State {
     cell_truncated: bool,
     /// Executions whose output was cut off, for their reply's outcome.
     truncated: HashSet<String>,
+    /// The running generation's sandbox, asked after a failed execution whether the pids
+    /// limit refused a fork; and the count already reported.
+    pids_probe: Option<Arc<dyn SandboxHandle>>,
+    pids_seen: u64,
 }
 
 /// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
@@ -223,6 +228,8 @@ impl Router {
                 cell_output: 0,
                 cell_truncated: false,
                 truncated: HashSet::new(),
+                pids_probe: None,
+                pids_seen: 0,
             }),
             output_limit: None,
         }
@@ -232,6 +239,13 @@ impl Router {
     pub fn with_output_limit(mut self, limit: Option<u64>) -> Router {
         self.output_limit = limit;
         self
+    }
+
+    /// The sandbox of a new generation (its pids counter starts again at zero).
+    pub fn set_sandbox(&self, handle: Option<Arc<dyn SandboxHandle>>) {
+        let mut state = self.state.lock();
+        state.pids_probe = handle;
+        state.pids_seen = 0;
     }
 
     /// Attaches a client. Output buffered for its session while it had no socket is queued to
@@ -515,6 +529,8 @@ impl Router {
                 let message =
                     if message.msg_type() == "execute_reply" && state.truncated.remove(&parent) {
                         Arc::new(with_outcome(&message, "output_truncated"))
+                    } else if message.msg_type() == "execute_reply" {
+                        Self::pids_outcome(&mut state, message)
                     } else {
                         message
                     };
@@ -538,6 +554,38 @@ impl Router {
             }
             Channel::Heartbeat => {}
         }
+    }
+
+    /// A failed execution during which the pids limit refused a fork gets the outcome `pids`
+    /// and a stderr line saying so (its own error, often `BlockingIOError`, stays as it is).
+    /// Only failed replies pay for reading the counter: a cell that caught the refusal and
+    /// succeeded did not end because of the limit.
+    fn pids_outcome(state: &mut State, message: Arc<Message>) -> Arc<Message> {
+        let Some(probe) = state.pids_probe.clone() else {
+            return message;
+        };
+        if !reply_failed(&message) || has_outcome(&message) {
+            return message;
+        }
+        let Some(hits) = probe.pids_limit_hits() else {
+            return message;
+        };
+        if hits <= state.pids_seen {
+            return message;
+        }
+        state.pids_seen = hits;
+        let text = "\n[cellgate] this execution reached the sandbox's process limit (policy `pids`): new processes and threads were refused\n";
+        let parent = message.parent.clone().unwrap_or_default();
+        let marker = Message::answering(
+            &parent,
+            &message.parent_header_bytes,
+            Channel::Iopub,
+            "stream",
+            &json!({"name": "stderr", "text": text}),
+            &json!({"cellgate": {"outcome": "pids"}}),
+        );
+        Self::broadcast_locked(state, &Arc::new(marker));
+        Arc::new(with_outcome(&message, "pids"))
     }
 
     /// The execution the kernel is busy with, and for how long.
@@ -759,12 +807,40 @@ fn truncation_marker(dropped: &Message, limit: u64) -> Message {
     )
 }
 
-/// The same message with `metadata.cellgate.outcome` set; header and content keep their bytes.
+#[derive(Deserialize)]
+struct ReplyStatus<'a> {
+    #[serde(borrow)]
+    status: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// Whether a reply's `status` is anything but `ok`.
+fn reply_failed(message: &Message) -> bool {
+    serde_json::from_slice::<ReplyStatus<'_>>(&message.content)
+        .ok()
+        .and_then(|c| c.status)
+        .is_some_and(|s| s != "ok")
+}
+
+/// Whether the gateway already gave this message an outcome.
+fn has_outcome(message: &Message) -> bool {
+    serde_json::from_slice::<serde_json::Value>(&message.metadata)
+        .ok()
+        .is_some_and(|m| m["cellgate"]["outcome"].is_string())
+}
+
+/// The same message with `metadata.cellgate.outcome` set (other `cellgate` fields, such as
+/// denials, are kept); header and content keep their bytes.
 fn with_outcome(message: &Message, outcome: &str) -> Message {
     let mut metadata: serde_json::Value =
         serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
     if let Some(object) = metadata.as_object_mut() {
-        object.insert("cellgate".to_owned(), json!({"outcome": outcome}));
+        let cellgate = object
+            .entry("cellgate".to_owned())
+            .or_insert_with(|| json!({}));
+        if !cellgate.is_object() {
+            *cellgate = json!({});
+        }
+        cellgate["outcome"] = json!(outcome);
     }
     let mut changed = message.clone();
     changed.metadata = Bytes::from(metadata.to_string());

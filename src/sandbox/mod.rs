@@ -145,6 +145,11 @@ pub trait SandboxHandle: Send + Sync {
     fn usage(&self) -> ResourceUsage {
         ResourceUsage::default()
     }
+    /// How many times a process or thread creation was refused for the sandbox's pids limit,
+    /// where the backend can tell (cgroup `pids.events`).
+    fn pids_limit_hits(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Resource use of one kernel, as far as the backend knows.

@@ -1142,6 +1142,22 @@ bomb()
         "fork bomb: the cell failed with {ename}: {}",
         of_type(&msgs, "error")[0].content["evalue"]
     );
+    // The client learns which limit it was: outcome `pids` on the reply, and a stderr line.
+    let reply = reply(&msgs);
+    ensure!(
+        reply.metadata["cellgate"]["outcome"] == "pids",
+        "reply metadata names the pids limit: {}",
+        reply.metadata
+    );
+    let stderr: String = of_type(&msgs, "stream")
+        .iter()
+        .filter(|m| m.content["name"] == "stderr")
+        .filter_map(|m| m.content["text"].as_str())
+        .collect();
+    ensure!(
+        stderr.contains("process limit"),
+        "a stderr line names the limit: {stderr:?}"
+    );
     // While the pids are taken, ipykernel cannot start the thread a cell needs ("can't start
     // new thread"). The bomb's processes exit after 3 s, but the kernel's direct children stay
     // zombies, holding pids, until the kernel reaps them, which needs a cell to run. Either the

@@ -754,6 +754,10 @@ impl SandboxHandle for NamespacesHandle {
         }
         self.kernel_pid.and_then(proc_usage).unwrap_or_default()
     }
+
+    fn pids_limit_hits(&self) -> Option<u64> {
+        self.cgroup.as_ref()?.pids_limit_hits()
+    }
 }
 
 /// CPU time and memory of the kernel process from /proc (when there is no cgroup).
