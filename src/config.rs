@@ -35,7 +35,8 @@ pub struct ServeArgs {
     /// Kernelspec used when a request names none [env: KG_DEFAULT_KERNEL_NAME] [default: python3].
     #[arg(long)]
     pub default_kernel_name: Option<String>,
-    /// Sandbox backend: namespaces, gvisor, or process (no isolation, development only).
+    /// Run every kernel in this sandbox backend, whatever its policy names: namespaces,
+    /// gvisor, or process (no isolation, development only) [default: each policy's backend].
     #[arg(long, env = "CELLGATE_SANDBOX")]
     pub sandbox: Option<Backend>,
     /// Maximum number of kernels at once [env: KG_MAX_KERNELS] [default: unlimited].
@@ -109,7 +110,8 @@ pub struct GatewayConfig {
     pub kernels_dir: PathBuf,
     pub policies_dir: PathBuf,
     pub default_kernel_name: Option<String>,
-    pub sandbox: Backend,
+    /// A backend forced on every kernel; `None`: each policy's own.
+    pub sandbox: Option<Backend>,
     pub max_kernels: Option<usize>,
     pub cull_idle_timeout: Option<Duration>,
     pub cull_interval: Duration,
@@ -237,7 +239,7 @@ impl GatewayConfig {
                 .clone()
                 .or_else(|| env_var("KG_DEFAULT_KERNEL_NAME"))
                 .or(file.default_kernel_name),
-            sandbox: args.sandbox.or(file.sandbox).unwrap_or(Backend::Namespaces),
+            sandbox: args.sandbox.or(file.sandbox),
             max_kernels: match args.max_kernels {
                 Some(max) => Some(max),
                 None => env_parse("KG_MAX_KERNELS")?,

@@ -7,10 +7,7 @@ use clap::{Parser, Subcommand};
 
 use cellgate::config::{GatewayConfig, ServeArgs};
 use cellgate::kernel::{KernelManager, KernelOptions, KernelSpecs, ManagerOptions};
-use cellgate::sandbox::{
-    Backend, GvisorConfig, GvisorSandbox, NamespacesConfig, NamespacesSandbox, ProcessSandbox,
-    Sandbox,
-};
+use cellgate::sandbox::{Backend, Backends};
 
 #[derive(Parser)]
 #[command(
@@ -90,27 +87,30 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-fn make_sandbox(backend: Backend) -> anyhow::Result<Arc<dyn Sandbox>> {
-    match backend {
-        Backend::Process => Ok(Arc::new(ProcessSandbox::new()?)),
-        Backend::Namespaces => Ok(Arc::new(
-            NamespacesSandbox::new(NamespacesConfig::default())
-                .context("the namespaces sandbox cannot run on this host")?,
-        )),
-        Backend::Gvisor => Ok(Arc::new(
-            GvisorSandbox::new(GvisorConfig::default())
-                .context("the gvisor sandbox cannot run on this host (see `cellgate doctor`)")?,
-        )),
-    }
-}
-
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = Arc::new(GatewayConfig::resolve(&args)?);
     let specs = KernelSpecs::load(&config.kernels_dir, config.default_kernel_name.as_deref())
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&config.policies_dir)
         .with_context(|| format!("loading policies from {}", config.policies_dir.display()))?;
-    let sandbox = make_sandbox(config.sandbox)?;
+    let backends = Backends::new(config.sandbox);
+    // Fail at start, not at the first kernel, when the default policy's backend cannot run;
+    // other policies' backends are made on first use (and `cellgate doctor` checks them).
+    let default_backend = policies
+        .get("default")
+        .map(|p| p.backend)
+        .unwrap_or(Backend::Namespaces);
+    backends.get(default_backend).with_context(|| {
+        format!(
+            "the {} sandbox (default policy) cannot run on this host (see `cellgate doctor`)",
+            config.sandbox.unwrap_or(default_backend).as_str()
+        )
+    })?;
+    for policy in policies.iter() {
+        if let Err(err) = backends.get(policy.backend) {
+            tracing::warn!(policy = %policy.name, backend = config.sandbox.unwrap_or(policy.backend).as_str(), %err, "this policy's sandbox cannot run on this host: its kernels will be refused");
+        }
+    }
     let runtime_root = match &config.runtime_dir {
         Some(dir) => dir.join(format!("cellgate-{}", std::process::id())),
         // Short: ipc socket paths below it must stay under the 108-byte unix socket limit.
@@ -121,7 +121,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let kernels = KernelManager::new(
         specs,
-        sandbox,
+        backends,
         ManagerOptions {
             runtime_root,
             max_kernels: config.max_kernels,
@@ -145,7 +145,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let local = listener.local_addr()?;
     tracing::info!(
         url = %format!("http://{local}{}", config.base_url),
-        sandbox = config.sandbox.as_str(),
+        sandbox = config.sandbox.map_or("per policy", Backend::as_str),
         auth = if config.token.is_some() { "token" } else { "none (loopback only)" },
         "cellgate is serving the Kernel Gateway API"
     );

@@ -76,10 +76,10 @@ pub enum KernelError {
     Sandbox(#[from] SandboxError),
     #[error(transparent)]
     Policy(#[from] crate::policy::PolicyError),
-    #[error("policy {policy} asks for the {wanted} sandbox; this gateway runs {running}")]
-    BackendMismatch {
+    #[error("policy {policy} runs kernels in the {backend} sandbox, which this host cannot run ({reason}); `cellgate doctor` says how to fix it")]
+    BackendUnavailable {
         policy: String,
-        wanted: &'static str,
-        running: &'static str,
+        backend: &'static str,
+        reason: String,
     },
 }

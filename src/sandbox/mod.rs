@@ -35,7 +35,7 @@ pub use namespaces::{
 pub use process::ProcessSandbox;
 
 /// The sandbox backends, by the names policies and the config use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// No isolation: a plain child process. Development only; refused unless named.
@@ -65,6 +65,65 @@ impl std::str::FromStr for Backend {
             "gvisor" => Ok(Backend::Gvisor),
             other => Err(SandboxError::UnknownBackend(other.to_owned())),
         }
+    }
+}
+
+/// Makes the sandbox of `backend` with its default configuration.
+pub fn create(backend: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
+    Ok(match backend {
+        Backend::Process => Arc::new(ProcessSandbox::new()?),
+        Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig::default())?),
+        Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
+    })
+}
+
+/// The backends of one gateway. Each policy names its backend; a backend is made on first
+/// use and then shared by all its kernels, so a gateway serves namespaces and gVisor
+/// kernels side by side. An operator may force one backend for every kernel (`--sandbox`):
+/// `process` for development, or e.g. `gvisor` to run everything in the stronger sandbox.
+pub struct Backends {
+    forced: Option<Backend>,
+    made: parking_lot::Mutex<std::collections::HashMap<Backend, Arc<dyn Sandbox>>>,
+    factory: fn(Backend) -> Result<Arc<dyn Sandbox>, SandboxError>,
+}
+
+impl Backends {
+    pub fn new(forced: Option<Backend>) -> Backends {
+        Backends::with_factory(forced, create)
+    }
+
+    /// With another way to make backends (tests).
+    pub fn with_factory(
+        forced: Option<Backend>,
+        factory: fn(Backend) -> Result<Arc<dyn Sandbox>, SandboxError>,
+    ) -> Backends {
+        Backends {
+            forced,
+            made: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            factory,
+        }
+    }
+
+    /// The backend every kernel runs in, when the operator forced one.
+    pub fn forced(&self) -> Option<Backend> {
+        self.forced
+    }
+
+    /// The sandbox for a policy that names `wanted` (or the forced one). A backend this host
+    /// cannot run is an error each time it is asked for, so a fixed host needs no restart.
+    pub fn get(&self, wanted: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
+        let backend = self.forced.unwrap_or(wanted);
+        if backend == Backend::Process && self.forced != Some(Backend::Process) {
+            // A policy file alone never turns isolation off.
+            return Err(SandboxError::ProcessNotAllowed);
+        }
+        let mut made = self.made.lock();
+        if let Some(sandbox) = made.get(&backend) {
+            return Ok(sandbox.clone());
+        }
+        let sandbox = (self.factory)(backend)?;
+        made.insert(backend, sandbox.clone());
+        Ok(sandbox)
     }
 }
 

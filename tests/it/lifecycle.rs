@@ -300,33 +300,68 @@ async fn policy_limits_reach_the_sandbox() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Each policy names its backend: one gateway runs a gVisor kernel beside a namespaces one,
+/// and a policy file alone cannot turn isolation off (`process` needs `--sandbox process`).
 #[tokio::test]
-async fn a_policy_for_another_backend_is_refused() -> anyhow::Result<()> {
+async fn policies_choose_their_backend() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("default.toml"), "")?;
     std::fs::write(
         dir.path().join("gv.toml"),
         "[sandbox]\nbackend = \"gvisor\"\n",
     )?;
+    std::fs::write(
+        dir.path().join("bare.toml"),
+        "[sandbox]\nbackend = \"process\"\n",
+    )?;
     let gateway = Gateway::builder()
         .policies_dir(dir.path().to_owned())
         .start()
         .await?;
-    let response = gateway
-        .request(reqwest::Method::POST, "/api/kernels")
-        .json(&serde_json::json!({"env": {"KERNEL_POLICY": "gv"}}))
-        .send()
-        .await?;
-    if sandbox_backend() == "process" {
-        // Development mode runs every policy unsandboxed.
+    let start = |policy: &'static str| {
+        gateway
+            .request(reqwest::Method::POST, "/api/kernels")
+            .json(&serde_json::json!({"env": {"KERNEL_POLICY": policy}}))
+            .send()
+    };
+    let forced = forced_sandbox();
+    let mut kernels = Vec::new();
+    for (policy, expected) in [("default", "namespaces"), ("gv", "gvisor")] {
+        let response = start(policy).await?;
+        let status = response.status().as_u16();
+        let body: serde_json::Value = response.json().await?;
+        assert_eq!(status, 201, "policy {policy}: {body}");
+        let wanted = forced.as_deref().unwrap_or(expected);
+        assert_eq!(
+            body["cellgate"]["sandbox"], wanted,
+            "policy {policy}: {body}"
+        );
+        let id = body["id"].as_str().unwrap().to_owned();
+        let mut client = gateway
+            .connect(&id, &uuid::Uuid::new_v4().to_string(), true)
+            .await?;
+        let msgs = client.run("import os; print(os.getpid())").await?;
+        assert_eq!(reply(&msgs).content["status"], "ok", "{policy}: {msgs:?}");
+        println!(
+            "policy {policy}: kernel in {wanted}, pid inside {}",
+            stdout(&msgs).trim()
+        );
+        kernels.push(id);
+    }
+    let response = start("bare").await?;
+    if forced.as_deref() == Some("process") {
         assert_eq!(response.status().as_u16(), 201);
     } else {
         assert_eq!(response.status().as_u16(), 400);
         let body: serde_json::Value = response.json().await?;
+        let message = body["message"].as_str().unwrap();
         assert!(
-            body["message"].as_str().unwrap().contains("gvisor"),
+            message.contains("bare") && message.contains("process"),
             "{body}"
         );
+    }
+    for id in kernels {
+        gateway.delete_kernel(&id).await?;
     }
     // A broken policy file stops the gateway from starting, with the file and line.
     std::fs::write(dir.path().join("bad.toml"), "[limits]\nmemroy = \"1GiB\"\n")?;

@@ -36,10 +36,18 @@ pub fn kernels_dir() -> PathBuf {
     dir
 }
 
-/// The sandbox the tests run kernels in: the real default (`namespaces`) unless
-/// `CELLGATE_TEST_SANDBOX` names another.
+/// The sandbox the tests run kernels in: the real default (`namespaces`, what the policies
+/// name) unless `CELLGATE_TEST_SANDBOX` names another, which the gateways then force on
+/// every kernel (`--sandbox`).
 pub fn sandbox_backend() -> String {
-    std::env::var("CELLGATE_TEST_SANDBOX").unwrap_or_else(|_| "namespaces".to_owned())
+    forced_sandbox().unwrap_or_else(|| "namespaces".to_owned())
+}
+
+/// The backend `CELLGATE_TEST_SANDBOX` forces, if any.
+pub fn forced_sandbox() -> Option<String> {
+    std::env::var("CELLGATE_TEST_SANDBOX")
+        .ok()
+        .filter(|s| !s.is_empty())
 }
 
 /// The Python with jupyter_server, jupyter_client and Kernel Gateway (`.venv-tools`).
@@ -103,14 +111,12 @@ impl GatewayBuilder {
         let mut command = Command::new(env!("CARGO_BIN_EXE_cellgate"));
         command
             .arg("serve")
-            .args([
-                "--ip",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--sandbox",
-                &sandbox_backend(),
-            ])
+            .args(["--ip", "127.0.0.1", "--port", "0"])
+            .args(
+                forced_sandbox()
+                    .map(|backend| vec!["--sandbox".to_owned(), backend])
+                    .unwrap_or_default(),
+            )
             .arg("--kernels-dir")
             .arg(&self.kernels_dir)
             .arg("--policies-dir")
