@@ -354,14 +354,21 @@ impl Kernel {
                 tracing::info!(kernel_id = %kernel.id, generation, "kernel process exited as asked");
                 return;
             }
-            if report.is_oom() {
-                // The kernel's own memory ran out: like Jupyter's auto-restart, but the cell
-                // that caused it is told why, and the state generation moves on.
+            let limit = if report.is_oom() {
+                Some(("OutOfMemoryError", "oom", "out of memory"))
+            } else if report.is_pids_limit() {
+                Some(("ProcessLimitError", "pids", "reached its process limit"))
+            } else {
+                None
+            };
+            if let Some((ename, outcome, what)) = limit {
+                // A limit ended the kernel: like Jupyter's auto-restart, but the cell that
+                // caused it is told why, and the state generation moves on.
                 let evalue = format!(
                     "{}; the kernel was restarted and its variables are lost",
                     report.describe()
                 );
-                tracing::warn!(kernel_id = %kernel.id, generation, %evalue, "kernel ran out of memory: restarting");
+                tracing::warn!(kernel_id = %kernel.id, generation, %evalue, "kernel {what}: restarting");
                 // Hold client messages until the new process is ready, and tell clients the
                 // way jupyter_server does for an automatic restart.
                 kernel.readiness.send_replace(Readiness::Starting);
@@ -376,9 +383,9 @@ impl Kernel {
                 *kernel.last_restart_reason.lock() = Some(evalue.clone());
                 kernel
                     .router
-                    .fail_pending_executions("OutOfMemoryError", &evalue, "oom");
+                    .fail_pending_executions(ename, &evalue, outcome);
                 if let Err(err) = kernel.restart().await {
-                    tracing::error!(kernel_id = %kernel.id, %err, "restart after out-of-memory failed");
+                    tracing::error!(kernel_id = %kernel.id, %err, "restart after the kernel {what} failed");
                 }
                 return;
             }

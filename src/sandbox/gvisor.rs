@@ -21,8 +21,9 @@
 //!   socket the kernel *binds* there a real host socket the gateway can connect to (without
 //!   it the socket exists only inside the Sentry); this 2022 build has no narrower mode
 //!   (`open`/`create` came later);
-//! * the workspace bind-mounted read-write at its path (unlike the namespaces backend's
-//!   tmpfs, so its size is not limited; the gateway sees the files directly).
+//! * the workspace: with a size limit (every policy has one) a tmpfs of the Sentry of that
+//!   size, owned by the kernel's uid, as in the namespaces backend; without one, the host
+//!   directory bind-mounted read-write.
 //!
 //! The kernel runs as uid/gid 65534 inside and out, with no capabilities and
 //! `noNewPrivileges`; the gateway (which must be root: runsc without `--rootless` creates
@@ -37,7 +38,7 @@
 //! out-of-memory kill. This build does not enforce limits per process inside the Sentry:
 //! exceeding the memory limit kills the **whole** sandbox, and the pids limit counts the
 //! Sentry's threads and the ptrace stubs (one host process per guest process), so
-//! [`PIDS_OVERHEAD`] is added to the policy's number. The workspace size is not limited.
+//! [`PIDS_OVERHEAD`] is added to the policy's number.
 //! Cgroups of a `runsc run` killed with its gateway are swept when the backend next starts.
 //!
 //! **Lifetime.** `runsc run` (attached) is spawned from one dedicated thread with
@@ -262,6 +263,19 @@ impl GvisorSandbox {
                     false
                 }
             });
+        // The pids cgroup too, so its `pids.events` outlives `runsc run`: when the guest's
+        // forks exhaust the limit the Sentry dies, and the watcher reports which limit.
+        if let (true, Some(pids)) = (self.config.cgroups, spec.limits.pids) {
+            if let Some(dir) = controller_cgroup_dir("pids", &cgroup_path) {
+                let made = std::fs::create_dir_all(&dir).and_then(|()| {
+                    std::fs::write(dir.join("pids.max"), (pids + PIDS_OVERHEAD).to_string())
+                });
+                if let Err(err) = made {
+                    tracing::warn!(kernel_id = %spec.kernel_id, %err, dir = %dir.display(), "cannot pre-create the pids cgroup: runsc sets the limit, and its exhaustion is reported as a plain death");
+                    let _ = std::fs::remove_dir(&dir);
+                }
+            }
+        }
         let built = tokio::task::spawn_blocking({
             let bundle = bundle.clone();
             let config = self.config.clone();
@@ -337,6 +351,7 @@ impl GvisorSandbox {
             id: container_id.clone(),
             timeout: self.config.command_timeout,
         };
+        let handle_cgroup = self.config.cgroups.then(|| cgroup_path.clone());
         tokio::spawn(watch_exit(
             child,
             cgroup_path,
@@ -355,6 +370,7 @@ impl GvisorSandbox {
                 gid: self.config.gid,
                 exited,
                 runsc,
+                cgroups_path: handle_cgroup,
             }),
             exit: exit_rx,
             connection: spec.connection.clone(),
@@ -428,7 +444,21 @@ fn write_bundle(
         .collect();
     binds.extend(ro_paths.iter().map(|p| (p.clone(), false)));
     binds.push((spec.runtime_dir.clone(), true));
-    binds.push((spec.workspace.clone(), true));
+    match spec.limits.workspace_bytes {
+        // A size-limited tmpfs of the Sentry (charged to the sandbox's memory), as in the
+        // namespaces backend: a bind-mounted host directory would let the kernel fill the
+        // host's disk (an attack test once wrote 45 GB that way).
+        Some(bytes) => {
+            let inside = rootfs.join(spec.workspace.strip_prefix("/").unwrap_or(&spec.workspace));
+            std::fs::create_dir_all(&inside).map_err(io("mkdir", &inside))?;
+            mounts.push(json!({
+                "destination": spec.workspace, "type": "tmpfs", "source": "tmpfs",
+                "options": ["nosuid", "nodev", "mode=0700", format!("size={bytes}"),
+                            format!("uid={}", config.uid), format!("gid={}", config.gid)],
+            }));
+        }
+        None => binds.push((spec.workspace.clone(), true)),
+    }
     for (host, writable) in binds {
         let inside = rootfs.join(host.strip_prefix("/").unwrap_or(&host));
         // Mount points must exist in the read-only root; under /tmp (a tmpfs) runsc makes
@@ -594,7 +624,8 @@ async fn watch_exit(
     memory_cgroup: Option<PathBuf>,
     exit_tx: watch::Sender<Option<ExitReport>>,
 ) {
-    let cgroups_path = memory_cgroup.as_ref().map(|_| cgroups_path);
+    // Removed after the exit in every hierarchy: ours (memory, pids) stay until then.
+    let cgroups_path = Some(cgroups_path);
     let status = child.wait().await;
     exited.store(true, Ordering::SeqCst);
     let pid = child.id();
@@ -605,7 +636,22 @@ async fn watch_exit(
             libc::kill(-pid, libc::SIGKILL);
         }
     }
-    // Read before `runsc delete` removes the cgroup.
+    // Read before `runsc delete` removes the cgroups.
+    let pids_hits = cgroups_path
+        .as_deref()
+        .map(|path| {
+            cgroup_dirs(path)
+                .into_iter()
+                .find_map(|dir| {
+                    std::fs::read_to_string(dir.join("pids.events"))
+                        .ok()?
+                        .lines()
+                        .find_map(|line| line.strip_prefix("max "))
+                        .and_then(|n| n.trim().parse::<u64>().ok())
+                })
+                .unwrap_or(0)
+        })
+        .unwrap_or(0);
     let oom_kills = memory_cgroup
         .as_deref()
         .and_then(|dir| std::fs::read_to_string(dir.join("memory.oom_control")).ok())
@@ -654,13 +700,24 @@ async fn watch_exit(
             // SIGKILL) or a runsc helper (runsc then fails with its own status, seen as 2 on
             // a CI run). Any abnormal end with an OOM kill counted is an out-of-memory end.
             let abnormal = signal.is_some() || code != Some(0);
-            let reason = (abnormal && oom_kills > 0).then(|| match memory_limit {
-                Some(bytes) => format!(
-                    "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes; \
-                     gVisor ends the whole sandbox)"
-                ),
-                None => "kernel process killed by the out-of-memory killer".to_owned(),
-            });
+            let reason = if abnormal && oom_kills > 0 {
+                Some(match memory_limit {
+                    Some(bytes) => format!(
+                        "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes; \
+                         gVisor ends the whole sandbox)"
+                    ),
+                    None => "kernel process killed by the out-of-memory killer".to_owned(),
+                })
+            } else if abnormal && pids_hits > 0 {
+                // The Sentry cannot run without creating threads: when the guest's forks
+                // exhaust the pids limit, gVisor itself fails and the sandbox ends.
+                Some(format!(
+                    "the sandbox reached its process limit ({}: {pids_hits} forks refused) and gVisor ended it",
+                    crate::sandbox::PIDS_LIMIT_REASON
+                ))
+            } else {
+                None
+            };
             ExitReport {
                 code,
                 signal,
@@ -702,9 +759,24 @@ struct GvisorHandle {
     gid: u32,
     exited: Arc<AtomicBool>,
     runsc: Runsc,
+    /// The sandbox's cgroup (relative), when runsc manages cgroups.
+    cgroups_path: Option<String>,
 }
 
 impl SandboxHandle for GvisorHandle {
+    /// Every guest process has a ptrace stub on the host, so a refused guest fork shows in
+    /// the `pids` cgroup of the sandbox like any other.
+    fn pids_limit_hits(&self) -> Option<u64> {
+        let path = self.cgroups_path.as_deref()?;
+        cgroup_dirs(path).into_iter().find_map(|dir| {
+            std::fs::read_to_string(dir.join("pids.events"))
+                .ok()?
+                .lines()
+                .find_map(|line| line.strip_prefix("max "))
+                .and_then(|n| n.trim().parse().ok())
+        })
+    }
+
     /// The kernel has no host process of its own under gVisor (the Sentry runs it).
     fn pid(&self) -> Option<u32> {
         None
@@ -768,12 +840,19 @@ impl SandboxHandle for GvisorHandle {
 /// Where runsc makes the memory cgroup for the relative `cgroups_path`: below the gateway's
 /// own cgroup in the memory hierarchy (v1), or in the unified hierarchy (v2).
 fn memory_cgroup_dir(cgroups_path: &str) -> Option<PathBuf> {
+    controller_cgroup_dir("memory", cgroups_path)
+}
+
+/// The same for another v1 controller (or the unified hierarchy).
+fn controller_cgroup_dir(controller: &str, cgroups_path: &str) -> Option<PathBuf> {
     let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     for line in own.lines() {
         let mut parts = line.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        if controllers.split(',').any(|c| c == "memory") {
-            let dir = Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
+        if controllers.split(',').any(|c| c == controller) {
+            let dir = Path::new("/sys/fs/cgroup")
+                .join(controller)
+                .join(path.trim_start_matches('/'));
             return Some(dir.join(cgroups_path));
         }
     }

@@ -161,6 +161,9 @@ pub struct LaunchSpec {
     pub limits: Limits,
 }
 
+/// The words an [`ExitReport`] reason uses for the pids limit.
+pub const PIDS_LIMIT_REASON: &str = "policy pids limit";
+
 /// How a kernel process ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExitReport {
@@ -177,6 +180,14 @@ impl ExitReport {
         self.reason
             .as_deref()
             .is_some_and(|r| r.contains("out-of-memory"))
+    }
+
+    /// Whether the sandbox ended because its pids limit was reached (gVisor cannot survive
+    /// that; the namespaces backend can, and reports it per execution instead).
+    pub fn is_pids_limit(&self) -> bool {
+        self.reason
+            .as_deref()
+            .is_some_and(|r| r.contains(PIDS_LIMIT_REASON))
     }
 
     /// A short human-readable description for the kernel model's `reason`.
