@@ -70,7 +70,7 @@ use serde_json::{json, Value};
 use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 
-use super::namespaces::{argv_files, python_roots, visible_roots};
+use super::namespaces::{argv_files, masked_site_packages, python_roots, visible_roots};
 use super::{
     Backend, ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxError, SandboxHandle,
 };
@@ -221,7 +221,8 @@ impl GvisorSandbox {
     }
 
     /// The read-only host paths the kernel needs besides `/usr` and `/etc` entries.
-    fn ro_paths(&self, spec: &LaunchSpec) -> Result<Vec<PathBuf>, SandboxError> {
+    /// The read-only host paths, and the directories among them to hide.
+    fn ro_paths(&self, spec: &LaunchSpec) -> Result<(Vec<PathBuf>, Vec<PathBuf>), SandboxError> {
         let program = spec
             .argv
             .first()
@@ -232,13 +233,17 @@ impl GvisorSandbox {
             )));
         }
         let mut wanted = python_roots(Path::new(program));
+        let masked = masked_site_packages(Path::new(program), &wanted);
         wanted.extend(argv_files(&spec.argv[1..]));
         wanted.extend(self.config.extra_ro_paths.iter().cloned());
-        Ok(visible_roots(wanted, &spec.runtime_dir, &spec.workspace))
+        Ok((
+            visible_roots(wanted, &spec.runtime_dir, &spec.workspace),
+            masked,
+        ))
     }
 
     async fn launch_gvisor(&self, spec: &LaunchSpec) -> Result<Launched, SandboxError> {
-        let ro_paths = self.ro_paths(spec)?;
+        let (ro_paths, masked) = self.ro_paths(spec)?;
         self.hand_over(spec)?;
         let unique = &uuid::Uuid::new_v4().simple().to_string()[..12];
         let container_id = format!("cellgate-{unique}");
@@ -281,7 +286,7 @@ impl GvisorSandbox {
             let config = self.config.clone();
             let spec = spec.clone();
             let cgroup = cgroup_path.clone();
-            move || write_bundle(&bundle, &config, &spec, &ro_paths, &cgroup)
+            move || write_bundle(&bundle, &config, &spec, &ro_paths, &masked, &cgroup)
         })
         .await
         .map_err(|err| setup(format!("bundle task: {err}")))?;
@@ -403,6 +408,7 @@ fn write_bundle(
     config: &GvisorConfig,
     spec: &LaunchSpec,
     ro_paths: &[PathBuf],
+    masked: &[PathBuf],
     cgroup: &str,
 ) -> Result<(), SandboxError> {
     let io = |what: &str, path: &Path| {
@@ -477,6 +483,13 @@ fn write_bundle(
         } else {
             ro_bind(&host)
         });
+    }
+    for dir in masked {
+        // After the binds they sit in (OCI mounts apply in order).
+        mounts.push(
+            json!({"destination": dir, "type": "tmpfs", "source": "tmpfs",
+                           "options": ["ro", "nosuid", "nodev", "noexec", "size=4096"]}),
+        );
     }
     let env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let no_caps = json!([]);
@@ -639,18 +652,7 @@ async fn watch_exit(
     // Read before `runsc delete` removes the cgroups.
     let pids_hits = cgroups_path
         .as_deref()
-        .map(|path| {
-            cgroup_dirs(path)
-                .into_iter()
-                .find_map(|dir| {
-                    std::fs::read_to_string(dir.join("pids.events"))
-                        .ok()?
-                        .lines()
-                        .find_map(|line| line.strip_prefix("max "))
-                        .and_then(|n| n.trim().parse::<u64>().ok())
-                })
-                .unwrap_or(0)
-        })
+        .and_then(pids_limit_hits)
         .unwrap_or(0);
     let oom_kills = memory_cgroup
         .as_deref()
@@ -669,26 +671,6 @@ async fn watch_exit(
                 .and_then(|n| n.trim().parse::<u64>().ok())
         })
         .unwrap_or(0);
-    let cleanup = tokio::task::spawn_blocking(move || {
-        let _ = runsc.run(&["delete", "--force"], &[]);
-        let _ = std::fs::remove_dir_all(&bundle);
-        // runsc leaves its cgroups in place when one of them existed before (the memory
-        // cgroup made by the launch): remove the sandbox's cgroup in every hierarchy.
-        // Each is empty once the sandbox's last process is gone, which may take a moment.
-        if let Some(cgroups_path) = cgroups_path {
-            for dir in cgroup_dirs(&cgroups_path) {
-                for _ in 0..50 {
-                    match std::fs::remove_dir(&dir) {
-                        Err(err) if err.kind() != io::ErrorKind::NotFound => {
-                            std::thread::sleep(Duration::from_millis(20))
-                        }
-                        _ => break,
-                    }
-                }
-            }
-        }
-    });
-    let _ = cleanup.await;
     let report = match status {
         Ok(status) => {
             // runsc exits with the container's status, 128 + n for a signal.
@@ -730,7 +712,35 @@ async fn watch_exit(
             reason: Some(format!("lost track of runsc: {err}")),
         },
     };
+    // Reported at once (a death within a second), then cleaned up: the Sentry and the gofer
+    // already have their parent-death signal from `runsc run`, and `runsc delete` makes sure.
     let _ = exit_tx.send(Some(report));
+    let _ = tokio::task::spawn_blocking({
+        let runsc = runsc.clone();
+        move || {
+            let _ = runsc.run(&["delete", "--force"], &[]);
+        }
+    })
+    .await;
+    let cleanup = tokio::task::spawn_blocking(move || {
+        let _ = std::fs::remove_dir_all(&bundle);
+        // runsc leaves its cgroups in place when one of them existed before (the memory
+        // cgroup made by the launch): remove the sandbox's cgroup in every hierarchy.
+        // Each is empty once the sandbox's last process is gone, which may take a moment.
+        if let Some(cgroups_path) = cgroups_path {
+            for dir in cgroup_dirs(&cgroups_path) {
+                for _ in 0..50 {
+                    match std::fs::remove_dir(&dir) {
+                        Err(err) if err.kind() != io::ErrorKind::NotFound => {
+                            std::thread::sleep(Duration::from_millis(20))
+                        }
+                        _ => break,
+                    }
+                }
+            }
+        }
+    });
+    let _ = cleanup.await;
 }
 
 /// The interpreter that runs [`signal_script`] inside the sandbox (`/usr` is always shown).
@@ -767,14 +777,7 @@ impl SandboxHandle for GvisorHandle {
     /// Every guest process has a ptrace stub on the host, so a refused guest fork shows in
     /// the `pids` cgroup of the sandbox like any other.
     fn pids_limit_hits(&self) -> Option<u64> {
-        let path = self.cgroups_path.as_deref()?;
-        cgroup_dirs(path).into_iter().find_map(|dir| {
-            std::fs::read_to_string(dir.join("pids.events"))
-                .ok()?
-                .lines()
-                .find_map(|line| line.strip_prefix("max "))
-                .and_then(|n| n.trim().parse().ok())
-        })
+        pids_limit_hits(self.cgroups_path.as_deref()?)
     }
 
     /// The kernel has no host process of its own under gVisor (the Sentry runs it).
@@ -835,6 +838,17 @@ impl SandboxHandle for GvisorHandle {
         }
         Ok(())
     }
+}
+
+/// How many forks the sandbox's pids cgroup refused (`max` in `pids.events`).
+fn pids_limit_hits(cgroups_path: &str) -> Option<u64> {
+    cgroup_dirs(cgroups_path).into_iter().find_map(|dir| {
+        std::fs::read_to_string(dir.join("pids.events"))
+            .ok()?
+            .lines()
+            .find_map(|line| line.strip_prefix("max "))
+            .and_then(|n| n.trim().parse().ok())
+    })
 }
 
 /// Where runsc makes the memory cgroup for the relative `cgroups_path`: below the gateway's
@@ -991,6 +1005,7 @@ mod tests {
             &bundle,
             &GvisorConfig::default(),
             &spec,
+            &[],
             &[],
             "cellgate-gvisor/x",
         )

@@ -552,6 +552,22 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
+/// How many host processes carry a kernel's id on their command line: the kernel itself, or
+/// under gVisor `runsc run`, the Sentry and the gofer (the kernel has no host process).
+pub fn host_processes_per_kernel() -> usize {
+    if sandbox_backend() == "gvisor" {
+        3
+    } else {
+        1
+    }
+}
+
+/// Whether a child process's OOM kill ends the whole sandbox (gVisor: the Sentry is one
+/// process for the cgroup's OOM killer) rather than only the child (namespaces).
+pub fn child_oom_ends_the_sandbox() -> bool {
+    sandbox_backend() == "gvisor"
+}
+
 /// Pids of the processes whose command line contains `needle`.
 pub fn pids_with(needle: &str) -> Vec<u32> {
     let mut out = vec![];

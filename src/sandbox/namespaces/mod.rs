@@ -226,6 +226,7 @@ impl NamespacesSandbox {
             return Err(NamespacesError::RelativeProgram(program.clone()));
         }
         let mut wanted = python_roots(Path::new(program));
+        let masked = masked_site_packages(Path::new(program), &wanted);
         wanted.extend(argv_files(&spec.argv[1..]));
         wanted.extend(self.config.extra_ro_paths.iter().cloned());
         Ok(Plan {
@@ -242,6 +243,7 @@ impl NamespacesSandbox {
             tmp_bytes: self.config.tmp_bytes.max(MIB),
             runtime_dir: spec.runtime_dir.clone(),
             ro_binds: visible_roots(wanted, &spec.runtime_dir, &spec.workspace),
+            masked,
             uid: INSIDE_ID,
             gid: INSIDE_ID,
             hostname: self.config.hostname.clone(),
@@ -786,6 +788,42 @@ fn proc_usage(pid: i32) -> Option<ResourceUsage> {
 /// from its `pyvenv.cfg`, the base interpreter's prefix; and the prefix of the real
 /// executable behind any symlinks. Only these are shown, never their parents (a pyenv
 /// prefix under `/root` does not show the rest of `/root`).
+/// The base interpreter's `site-packages` directories among `roots`, when `program` runs in
+/// a venv that does not use them (`include-system-site-packages = false`, the default):
+/// whatever the host installed globally (cloud CLIs, their credentials helpers …) stays out
+/// of sight.
+pub(super) fn masked_site_packages(program: &Path, roots: &[PathBuf]) -> Vec<PathBuf> {
+    let Some(venv) = program.parent().and_then(Path::parent) else {
+        return Vec::new();
+    };
+    let Ok(cfg) = std::fs::read_to_string(venv.join("pyvenv.cfg")) else {
+        return Vec::new();
+    };
+    let uses_system = cfg.lines().any(|line| {
+        line.split_once('=').is_some_and(|(k, v)| {
+            k.trim() == "include-system-site-packages" && v.trim().eq_ignore_ascii_case("true")
+        })
+    });
+    if uses_system {
+        return Vec::new();
+    }
+    let mut masked = Vec::new();
+    for root in roots.iter().filter(|r| r.as_path() != venv) {
+        let Ok(entries) = std::fs::read_dir(root.join("lib")) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let site = entry.path().join("site-packages");
+            let is_python = entry.file_name().to_string_lossy().starts_with("python");
+            if is_python && site.is_dir() {
+                masked.push(site);
+            }
+        }
+    }
+    masked.sort();
+    masked
+}
+
 pub(super) fn python_roots(program: &Path) -> Vec<PathBuf> {
     let mut roots = Vec::new();
     if let Some(prefix) = program.parent().and_then(Path::parent) {

@@ -33,6 +33,10 @@ pub struct Plan {
     /// Host directories and files made visible read-only at the same path (the Python
     /// environment, files named in the command).
     pub ro_binds: Vec<PathBuf>,
+    /// Directories inside `ro_binds` hidden behind an empty read-only tmpfs (the base
+    /// interpreter's site-packages, which the kernel's venv does not use).
+    #[serde(default)]
+    pub masked: Vec<PathBuf>,
     /// The kernel's uid and gid inside the sandbox (never 0).
     pub uid: u32,
     pub gid: u32,
