@@ -1517,7 +1517,7 @@ print(json.dumps({'child_rc': rc, 'init': init, 'init_alive': os.path.exists('/p
 /// directory inside the sandbox; the kernel's own venv still imports its packages.
 #[tokio::test]
 async fn host_python_packages_are_hidden() -> Result<()> {
-    let mut arena = arena().await?;
+    let arena = arena().await?;
     let (_id, mut attacker) = arena.attacker("default").await?;
     let cell = r#"
 import glob, json, os, sys, numpy
