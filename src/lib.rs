@@ -12,6 +12,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod artifacts;
 pub mod config;
 pub mod doctor;
 pub mod gateway;
@@ -19,4 +20,6 @@ pub mod kernel;
 pub mod policy;
 pub mod protocol;
 pub mod sandbox;
+pub mod sessions;
 pub mod telemetry;
+pub mod workspace;

@@ -9,6 +9,7 @@ mod auth;
 mod kernel_ws;
 mod kernels;
 mod state;
+pub mod v1;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -50,6 +51,8 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/api/kernels/{id}/restart", post(kernels::restart_kernel))
         .route("/api/kernels/{id}/channels", get(kernel_ws::channels))
+        // API v1 (chat apps and agents), behind the same auth layer.
+        .merge(v1::routes())
         .fallback(|| async { ApiError::not_found("") })
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -96,6 +99,26 @@ fn cors_layer(config: &GatewayConfig) -> Option<CorsLayer> {
     )
 }
 
+/// The session layer of API v1; artifacts live beside the kernels' runtime directories.
+fn v1_sessions(
+    config: &GatewayConfig,
+    kernels: &Arc<KernelManager>,
+) -> std::io::Result<Arc<crate::sessions::Sessions>> {
+    let artifacts = crate::artifacts::ArtifactStore::new(
+        kernels.runtime_root().join("artifacts"),
+        std::time::Duration::from_secs(3600),
+    )
+    .map_err(std::io::Error::other)?;
+    Ok(crate::sessions::Sessions::new(
+        kernels.clone(),
+        Arc::new(artifacts),
+        crate::sessions::SessionOptions {
+            base_url: config.base_url.clone(),
+            ..Default::default()
+        },
+    ))
+}
+
 /// Binds the listener (TCP_NODELAY on every connection) and serves until `shutdown` resolves.
 pub async fn serve(
     config: Arc<GatewayConfig>,
@@ -103,7 +126,13 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let state = AppState { config, kernels };
+    let sessions = v1_sessions(&config, &kernels)?;
+    sessions.spawn_reaper(std::time::Duration::from_secs(30));
+    let state = AppState {
+        config,
+        kernels,
+        sessions,
+    };
     let app = router(state);
     let listener = listener.tap_io(|stream| {
         // Nagle's algorithm costs Kernel Gateway ~40 ms per round trip.

@@ -656,6 +656,31 @@ impl Kernel {
         self.options.lifetime
     }
 
+    /// How long a cell may ignore a timeout's interrupt before the kernel is restarted.
+    pub fn interrupt_grace(&self) -> Duration {
+        self.options.interrupt_grace
+    }
+
+    /// The workspace of the running process as the gateway reaches it (the namespaces
+    /// backend's workspace exists only inside the sandbox), or `None` without a process:
+    /// a trusted directory and a path below it to resolve without following links
+    /// (see [`crate::sandbox::SandboxHandle::workspace_root`]).
+    pub fn workspace(&self) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+        let instance = self.instance.lock().clone()?;
+        Some(instance.handle.workspace_root(&self.dirs.work))
+    }
+
+    /// The workspace path as the kernel sees it.
+    pub fn workspace_in_sandbox(&self) -> &std::path::Path {
+        &self.dirs.work
+    }
+
+    /// CPU time and memory of the running process, where the backend measures them.
+    pub fn usage(&self) -> Option<crate::sandbox::ResourceUsage> {
+        let instance = self.instance.lock().clone()?;
+        Some(instance.handle.usage())
+    }
+
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::SeqCst)
     }

@@ -81,6 +81,17 @@ impl KernelManager {
         }))
     }
 
+    /// The policies kernels run under.
+    pub fn policies(&self) -> &Policies {
+        &self.options.policies
+    }
+
+    /// Where kernels' private directories go; the gateway keeps its other runtime state
+    /// (artifacts) beside them.
+    pub fn runtime_root(&self) -> &std::path::Path {
+        &self.options.runtime_root
+    }
+
     pub fn specs(&self) -> &KernelSpecs {
         &self.specs
     }

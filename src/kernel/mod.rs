@@ -4,6 +4,7 @@
 //! Must not depend on: HTTP (axum types never reach this module).
 
 mod channels;
+pub mod client;
 mod launch;
 mod lifecycle;
 mod manager;
@@ -13,6 +14,7 @@ pub mod spec;
 use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
+pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
 pub use manager::{KernelManager, ManagerOptions, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};

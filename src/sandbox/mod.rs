@@ -220,6 +220,15 @@ pub trait SandboxHandle: Send + Sync {
     fn pids_limit_hits(&self) -> Option<u64> {
         None
     }
+    /// Where the gateway reaches the kernel's `workspace`: a directory the gateway may open
+    /// normally (it trusts every component), and a path relative to it that the sandbox may
+    /// have changed, to be resolved without following any link (openat2 with
+    /// `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`). Backends whose workspace is a host
+    /// directory answer the workspace itself and `.`; the namespaces backend's workspace is
+    /// a tmpfs in the sandbox's mount namespace, reached through its root in /proc.
+    fn workspace_root(&self, workspace: &std::path::Path) -> (PathBuf, PathBuf) {
+        (workspace.to_owned(), PathBuf::from("."))
+    }
 }
 
 /// Resource use of one kernel, as far as the backend knows.

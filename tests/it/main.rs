@@ -4,6 +4,8 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod api_v1;
+mod api_v1_flow;
 mod attacks;
 mod clients;
 mod compat;

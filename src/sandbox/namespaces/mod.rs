@@ -747,6 +747,18 @@ impl SandboxHandle for NamespacesHandle {
         ignore_esrch(result)
     }
 
+    /// The workspace is a tmpfs in the sandbox's mount namespace: reached through the
+    /// kernel's root (the same mount namespace as the init's; the kernel's pid is the one
+    /// whose liveness the caller can check).
+    fn workspace_root(&self, workspace: &Path) -> (PathBuf, PathBuf) {
+        let pid = self.kernel_pid.unwrap_or(self.init_pid);
+        let relative = workspace.strip_prefix("/").unwrap_or(workspace);
+        (
+            PathBuf::from(format!("/proc/{pid}/root")),
+            relative.to_owned(),
+        )
+    }
+
     fn usage(&self) -> ResourceUsage {
         if let Some(cgroup) = &self.cgroup {
             let usage = cgroup.usage();
