@@ -47,8 +47,9 @@ const SAMPLES: usize = 20;
 /// Bound on the bystander's median `1+1` round trip during an attack, relative to before.
 const MAX_RATIO: f64 = 2.0;
 
-/// Policies of these tests, besides an empty `default.toml` (the built-in defaults: 1 GiB,
-/// pids 256, 1 CPU, 300 s, 10 MiB of output, 1 GiB workspace).
+/// Policies of these tests' attackers (`default` is the built-in defaults: 1 GiB, pids 256,
+/// 1 CPU, 300 s, 10 MiB of output, 1 GiB workspace). The bystander has its own `bystander`
+/// policy, the defaults in the default backend, whatever the attackers' backend.
 const POLICIES: &[(&str, &str)] = &[
     ("default", ""),
     ("oom", "[limits]\nmemory = \"512MiB\"\n"),
@@ -81,15 +82,31 @@ async fn arena() -> Result<Arena> {
 async fn arena_with(args: &[&str]) -> Result<Arena> {
     require_sandbox();
     let policies = tempfile::tempdir()?;
+    let backend = attacker_backend();
     for (name, text) in POLICIES {
+        let text = format!("[sandbox]\nbackend = \"{backend}\"\n{text}");
         std::fs::write(policies.path().join(format!("{name}.toml")), text)?;
     }
+    std::fs::write(policies.path().join("bystander.toml"), "")?;
     let gateway = Gateway::builder()
         .policies_dir(policies.path().to_owned())
         .args(args)
         .start()
         .await?;
-    let bystander_id = gateway.start_kernel().await?;
+    let response = gateway
+        .request(reqwest::Method::POST, "/api/kernels")
+        .json(&json!({"name": "python3", "env": {"KERNEL_POLICY": "bystander"}}))
+        .send()
+        .await?;
+    ensure!(
+        response.status().as_u16() == 201,
+        "start the bystander: {}",
+        response.text().await?
+    );
+    let bystander_id = response.json::<Value>().await?["id"]
+        .as_str()
+        .context("id")?
+        .to_owned();
     let mut bystander = gateway.connect(&bystander_id, "bystander", true).await?;
     for _ in 0..3 {
         one_plus_one(&mut bystander).await?;
@@ -491,7 +508,7 @@ print(json.dumps(r))
         // gVisor reads files 3-4× slower; the budget keeps the search complete there too.
         .replace(
             "BUDGET",
-            if sandbox_backend() == "gvisor" { "60" } else { "45" },
+            if attacker_backend() == "gvisor" { "60" } else { "45" },
         )
         .replace("NEEDLE", &hex::encode(TOKEN))
         .replace("CANARY", &hex::encode(&canary))
@@ -965,7 +982,7 @@ print(json.dumps(r))
             // Sentry answers them itself (the host kernel never sees them); it refuses the
             // rest with its own errno and implements unshare(CLONE_NEWNS) and io_uring
             // inside its user-space kernel, which gives no way out.
-            let gvisor = sandbox_backend() == "gvisor";
+            let gvisor = attacker_backend() == "gvisor";
             let bad: Vec<_> = out
                 .as_object()
                 .context("object")?
@@ -1265,7 +1282,7 @@ async fn memory_bombs() -> Result<()> {
         async { attacker.run(child).await },
     )
     .await?;
-    if child_oom_ends_the_sandbox() {
+    if child_oom_ends_the_sandbox(&attacker_backend()) {
         // gVisor: the OOM killer ends the whole sandbox; the cell is told, the kernel
         // restarts.
         expect_error(&msgs, &["OutOfMemoryError"])?;
@@ -1317,7 +1334,11 @@ async fn memory_bombs() -> Result<()> {
             );
             assert_eq!(reply(&msgs).metadata["cellgate"]["outcome"], "oom");
             // One restart per OOM end: the child's too under gVisor.
-            let expected = if child_oom_ends_the_sandbox() { 3 } else { 2 };
+            let expected = if child_oom_ends_the_sandbox(&attacker_backend()) {
+                3
+            } else {
+                2
+            };
             assert_eq!(model["cellgate"]["state_generation"], expected, "{model}");
         }
     }
@@ -1461,7 +1482,7 @@ async fn kill_everything_from_inside() -> Result<()> {
     let bystander_pids = pids_with(&arena.bystander_id);
     assert_eq!(
         bystander_pids.len(),
-        host_processes_per_kernel(),
+        host_processes_per_kernel(&sandbox_backend()),
         "{bystander_pids:?}"
     );
     let cell = r#"

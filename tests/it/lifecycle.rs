@@ -54,7 +54,7 @@ async fn restart_keeps_the_id_and_loses_the_state() -> anyhow::Result<()> {
     let old_pids = pids_with(&kernel);
     assert_eq!(
         old_pids.len(),
-        host_processes_per_kernel(),
+        host_processes_per_kernel(&sandbox_backend()),
         "the kernel's processes: {old_pids:?}"
     );
     let response = gateway
@@ -92,7 +92,11 @@ async fn shutdown_removes_kernel_and_process() -> anyhow::Result<()> {
     let mut client = gateway.connect(&kernel, "s-del", false).await?;
     client.run("1").await?;
     let pids = pids_with(&kernel);
-    assert_eq!(pids.len(), host_processes_per_kernel(), "{pids:?}");
+    assert_eq!(
+        pids.len(),
+        host_processes_per_kernel(&sandbox_backend()),
+        "{pids:?}"
+    );
     assert_eq!(gateway.delete_kernel(&kernel).await?, 204);
     assert!(
         !pids.iter().any(|p| alive(*p)),
@@ -117,7 +121,11 @@ async fn kernel_killed_from_outside_is_reported_dead_within_a_second() -> anyhow
     // The first is the kernel itself, or `runsc run` under gVisor (whose death ends the
     // sandbox the same way).
     let pids = pids_with(&kernel);
-    assert_eq!(pids.len(), host_processes_per_kernel(), "{pids:?}");
+    assert_eq!(
+        pids.len(),
+        host_processes_per_kernel(&sandbox_backend()),
+        "{pids:?}"
+    );
     let killed_at = Instant::now();
     // SAFETY-free: kill(1) from the shell keeps this test free of unsafe code.
     std::process::Command::new("kill")
@@ -175,7 +183,11 @@ async fn no_kernel_survives_a_killed_gateway() -> anyhow::Result<()> {
     client.run("1").await?;
     let mut pids = pids_with(&a);
     pids.extend(pids_with(&b));
-    assert_eq!(pids.len(), 2 * host_processes_per_kernel(), "{pids:?}");
+    assert_eq!(
+        pids.len(),
+        2 * host_processes_per_kernel(&sandbox_backend()),
+        "{pids:?}"
+    );
     gateway.child.kill()?; // SIGKILL
     gateway.child.wait()?;
     let gone = eventually(Duration::from_secs(3), || !pids.iter().any(|p| alive(*p))).await;
@@ -275,7 +287,7 @@ async fn policy_limits_reach_the_sandbox() -> anyhow::Result<()> {
     let gateway = Gateway::start().await?;
     let allocate = "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'b = bytearray(700 * 2**20); b[::4096] = b\"x\" * len(b[::4096])'])\nprint('rc', r.returncode)";
     for (policy, expected) in [("strict", "rc -9\n"), ("default", "rc 0\n")] {
-        let child_kills_all = policy == "strict" && child_oom_ends_the_sandbox();
+        let child_kills_all = policy == "strict" && child_oom_ends_the_sandbox(&sandbox_backend());
         let response = gateway
             .request(reqwest::Method::POST, "/api/kernels")
             .json(&serde_json::json!({"name": "python3", "env": {"KERNEL_POLICY": policy}}))

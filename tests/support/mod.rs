@@ -43,6 +43,16 @@ pub fn sandbox_backend() -> String {
     forced_sandbox().unwrap_or_else(|| "namespaces".to_owned())
 }
 
+/// The backend of the attack suite's attackers: `CELLGATE_TEST_ATTACKER_SANDBOX` (their
+/// policies name it, while the bystander stays in the default sandbox), else the one every
+/// kernel runs in.
+pub fn attacker_backend() -> String {
+    std::env::var("CELLGATE_TEST_ATTACKER_SANDBOX")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(sandbox_backend)
+}
+
 /// The backend `CELLGATE_TEST_SANDBOX` forces, if any.
 pub fn forced_sandbox() -> Option<String> {
     std::env::var("CELLGATE_TEST_SANDBOX")
@@ -554,8 +564,8 @@ pub fn alive(pid: u32) -> bool {
 
 /// How many host processes carry a kernel's id on their command line: the kernel itself, or
 /// under gVisor `runsc run`, the Sentry and the gofer (the kernel has no host process).
-pub fn host_processes_per_kernel() -> usize {
-    if sandbox_backend() == "gvisor" {
+pub fn host_processes_per_kernel(backend: &str) -> usize {
+    if backend == "gvisor" {
         3
     } else {
         1
@@ -564,8 +574,8 @@ pub fn host_processes_per_kernel() -> usize {
 
 /// Whether a child process's OOM kill ends the whole sandbox (gVisor: the Sentry is one
 /// process for the cgroup's OOM killer) rather than only the child (namespaces).
-pub fn child_oom_ends_the_sandbox() -> bool {
-    sandbox_backend() == "gvisor"
+pub fn child_oom_ends_the_sandbox(backend: &str) -> bool {
+    backend == "gvisor"
 }
 
 /// Pids of the processes whose command line contains `needle`.
