@@ -649,6 +649,20 @@ async fn watch_exit(
             libc::kill(-pid, libc::SIGKILL);
         }
     }
+    // "Gone" means no process left: the Sentry and the gofer die from their parent-death
+    // signal a moment after `runsc run`; their (pre-created) pids cgroup says when.
+    if let Some(procs) = cgroups_path
+        .as_deref()
+        .and_then(|path| controller_cgroup_dir("pids", path))
+        .map(|dir| dir.join("cgroup.procs"))
+    {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        while std::fs::read_to_string(&procs).is_ok_and(|t| !t.trim().is_empty())
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
     // Read before `runsc delete` removes the cgroups.
     let pids_hits = cgroups_path
         .as_deref()
