@@ -8,6 +8,7 @@ mod api_error;
 mod auth;
 mod kernel_ws;
 mod kernels;
+mod notebooks;
 mod state;
 
 use std::net::SocketAddr;
@@ -50,6 +51,17 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/api/kernels/{id}/restart", post(kernels::restart_kernel))
         .route("/api/kernels/{id}/channels", get(kernel_ws::channels))
+        // Notebook export and replay (cellgate extensions).
+        .route(
+            "/api/kernels/{id}/notebook",
+            get(notebooks::export_kernel_notebook),
+        )
+        .route(
+            "/api/notebooks/replay",
+            post(notebooks::replay_notebook).layer(axum::extract::DefaultBodyLimit::max(
+                notebooks::MAX_NOTEBOOK_BYTES,
+            )),
+        )
         .fallback(|| async { ApiError::not_found("") })
         .layer(middleware::from_fn_with_state(
             state.clone(),

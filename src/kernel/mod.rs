@@ -4,6 +4,7 @@
 //! Must not depend on: HTTP (axum types never reach this module).
 
 mod channels;
+pub mod history;
 mod launch;
 mod lifecycle;
 mod manager;
@@ -13,6 +14,7 @@ pub mod spec;
 use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
+pub use history::{History, HistorySnapshot};
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
 pub use manager::{KernelManager, ManagerOptions, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
