@@ -15,7 +15,7 @@ mod replay;
 
 pub use compare::{compare_outputs, image_dimensions, normalize_text};
 pub use export::{export_notebook, KernelspecInfo};
-pub use parse::{parse_notebook, ParsedNotebook};
+pub use parse::{parse_notebook, write_notebook, ParsedNotebook};
 pub use replay::{
     replay, replay_with, CellReport, CellRun, CellRunner, CellStatus, KernelRunner, Progress,
     ReplayOptions, ReplayOutcome,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nbformat::v4;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -42,7 +42,7 @@ pub struct ReplayOptions {
 }
 
 /// How one cell came out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CellStatus {
     Same,
@@ -52,7 +52,7 @@ pub enum CellStatus {
 }
 
 /// One line of the replay report, per code cell.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CellReport {
     /// Position among all cells of the notebook.
     pub index: usize,
