@@ -157,7 +157,8 @@ impl KernelRunner {
                 ));
             }
             "error" => {
-                if let Some(content) = message.content_json() {
+                // After a timeout the interrupt's KeyboardInterrupt is not the cell's error.
+                if let Some(content) = message.content_json().filter(|_| !run.timed_out) {
                     run.error = Some(format!(
                         "{}: {}",
                         content["ename"].as_str().unwrap_or(""),
@@ -303,7 +304,8 @@ pub async fn replay_with<R: CellRunner>(
         .filter(|c| matches!(c, v4::Cell::Code { .. }))
         .count();
     let mut report = Vec::with_capacity(total);
-    let mut executed: Vec<(usize, OutputLog)> = Vec::new();
+    // Per executed cell: its position in the report and in the notebook, and its outputs.
+    let mut executed: Vec<(usize, usize, OutputLog)> = Vec::new();
     let mut stopped = false;
     for (index, cell) in notebook.cells.iter_mut().enumerate() {
         let v4::Cell::Code {
@@ -345,7 +347,7 @@ pub async fn replay_with<R: CellRunner>(
                 .execute(&code, cell_timeout(metadata, default_timeout))
                 .await?;
             for (display_id, data, meta) in &run.display_updates {
-                for (_, log) in executed.iter_mut() {
+                for (_, _, log) in executed.iter_mut() {
                     log.update_display(display_id, data, meta);
                 }
             }
@@ -378,7 +380,7 @@ pub async fn replay_with<R: CellRunner>(
                 }
             }
             *execution_count = run.execution_count.and_then(|c| i32::try_from(c).ok());
-            executed.push((index, run.outputs));
+            executed.push((report.len(), index, run.outputs));
         }
         report.push(line.clone());
         if let Some(progress) = progress {
@@ -389,10 +391,25 @@ pub async fn replay_with<R: CellRunner>(
             });
         }
     }
-    // Outputs go in last: display updates may have changed earlier cells.
-    for (index, log) in executed {
+    // Display updates may have changed earlier cells' outputs: compare (again) and write the
+    // outputs only now. Progress reported the comparison as it stood then.
+    for (report_index, index, log) in executed {
+        let produced = log.to_json();
+        let line = &mut report[report_index];
+        if matches!(line.status, CellStatus::Same | CellStatus::Different) {
+            let expected = original_outputs
+                .get(index)
+                .map(Vec::as_slice)
+                .unwrap_or(&[]);
+            line.diff = compare_outputs(expected, &produced);
+            line.status = if line.diff.is_none() {
+                CellStatus::Same
+            } else {
+                CellStatus::Different
+            };
+        }
         if let Some(v4::Cell::Code { outputs, .. }) = notebook.cells.get_mut(index) {
-            *outputs = typed_outputs(&log.to_json());
+            *outputs = typed_outputs(&produced);
         }
     }
     if let Some(info) = runner
