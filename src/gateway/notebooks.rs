@@ -188,7 +188,17 @@ pub async fn replay_notebook(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/event-stream"));
     if !wants_events {
-        let outcome = replay(&state.kernels, parsed, &options, None).await?;
+        // In its own task: a client that hangs up must not cancel the replay half-way, which
+        // would leave its kernel running (the task shuts it down when done).
+        let kernels = state.kernels.clone();
+        let task = tokio::spawn(async move { replay(&kernels, parsed, &options, None).await });
+        let outcome = task.await.map_err(|err| {
+            tracing::error!(%err, "replay task failed");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Internal error; see the gateway's log",
+            )
+        })??;
         return Ok(Json(outcome_json(&outcome)).into_response());
     }
     let (events_tx, events_rx) = mpsc::unbounded_channel::<Event>();

@@ -612,6 +612,40 @@ mod tests {
     }
 
     #[test]
+    fn memory_is_bounded_and_the_snapshot_says_so() {
+        let history = History::new();
+        let req = request("spam()");
+        history.on_request(&req);
+        let chunk = "x".repeat(4 << 20);
+        for name in ["stdout", "stderr"].iter().cycle().take(18) {
+            history.on_iopub(&iopub(&req, "stream", json!({"name": name, "text": chunk})));
+        }
+        let snapshot = history.snapshot();
+        assert!(snapshot.truncated);
+        let outputs = snapshot.cells[0].outputs.to_json();
+        let kept: usize = outputs
+            .iter()
+            .map(|o| o["text"].as_str().unwrap().len())
+            .sum();
+        assert!(kept <= MAX_HISTORY_BYTES, "{kept}");
+        assert!(outputs.last().unwrap()["text"]
+            .as_str()
+            .unwrap()
+            .contains("not recorded"));
+        // Clearing frees the room again.
+        history.on_iopub(&iopub(&req, "clear_output", json!({"wait": false})));
+        history.on_iopub(&iopub(
+            &req,
+            "stream",
+            json!({"name": "stdout", "text": chunk}),
+        ));
+        finish(&history, &req, 1);
+        let outputs = history.snapshot().cells[0].outputs.to_json();
+        assert_eq!(outputs.len(), 1);
+        assert_eq!(outputs[0]["text"].as_str().unwrap().len(), 4 << 20);
+    }
+
+    #[test]
     fn language_info_comes_from_kernel_info_reply() {
         let history = History::new();
         let req = Message::new(Channel::Shell, "kernel_info_request", "g", None, &json!({}));
