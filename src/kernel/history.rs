@@ -646,6 +646,31 @@ mod tests {
     }
 
     #[test]
+    fn cell_ids_come_from_the_frontend_when_usable() {
+        let history = History::new();
+        let with_id = |id: &str| {
+            let mut message = request("1");
+            message.metadata = bytes::Bytes::from(json!({"cellId": id}).to_string());
+            message
+        };
+        history.on_request(&with_id("lab-cell-1"));
+        history.on_request(&with_id("lab-cell-1"));
+        history.on_request(&with_id("not a valid id!"));
+        let ids: Vec<String> = history
+            .snapshot()
+            .cells
+            .iter()
+            .map(|c| c.id.clone())
+            .collect();
+        assert_eq!(ids[0], "lab-cell-1");
+        assert_ne!(
+            ids[1], "lab-cell-1",
+            "ids stay unique when a cell runs twice"
+        );
+        assert!(valid_cell_id(&ids[1]) && valid_cell_id(&ids[2]));
+    }
+
+    #[test]
     fn language_info_comes_from_kernel_info_reply() {
         let history = History::new();
         let req = Message::new(Channel::Shell, "kernel_info_request", "g", None, &json!({}));
