@@ -261,7 +261,7 @@ async fn local(args: &ReplayArgs, text: &str) -> anyhow::Result<Finished> {
         while let Some(progress) = progress_rx.recv().await {
             if !quiet {
                 eprintln!(
-                    "[{}/{}] cell {}",
+                    "[{}/{}] cell {} ran",
                     progress.done, progress.total, progress.cell.index
                 );
             }

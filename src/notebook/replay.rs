@@ -426,30 +426,53 @@ pub async fn replay_with<R: CellRunner>(
     })
 }
 
-/// Replays a notebook in a fresh kernel of `manager` (the notebook's kernelspec when this
-/// gateway has it, else the default) under `options.policy`; the kernel is shut down after.
+/// The kernelspec to replay on: the notebook's by name; else, because kernelspec names differ
+/// between machines (`python3`, `conda-env-x-py`, …), one of the notebook's language; else
+/// the default when the notebook names none.
+fn kernel_for(
+    specs: &crate::kernel::KernelSpecs,
+    metadata: &v4::Metadata,
+) -> Result<Option<String>, NotebookError> {
+    let Some(wanted) = &metadata.kernelspec else {
+        return Ok(None);
+    };
+    if specs.get(&wanted.name).is_some() {
+        return Ok(Some(wanted.name.clone()));
+    }
+    let language = wanted
+        .language
+        .clone()
+        .or_else(|| metadata.language_info.as_ref().map(|l| l.name.clone()));
+    let same_language = |spec: &&crate::kernel::KernelSpec| {
+        language
+            .as_deref()
+            .is_some_and(|l| spec.language.eq_ignore_ascii_case(l))
+    };
+    let by_language = specs
+        .get(specs.default_name())
+        .filter(same_language)
+        .or_else(|| specs.iter().find(same_language));
+    match by_language {
+        Some(spec) => {
+            tracing::info!(wanted = %wanted.name, using = %spec.name, "replaying on a kernelspec of the notebook's language");
+            Ok(Some(spec.name.clone()))
+        }
+        None => Err(NotebookError::UnknownKernel {
+            name: wanted.name.clone(),
+            available: specs.names().join(", "),
+        }),
+    }
+}
+
+/// Replays a notebook in a fresh kernel of `manager` (see [`kernel_for`] for which) under
+/// `options.policy`; the kernel is shut down after.
 pub async fn replay(
     manager: &Arc<KernelManager>,
     parsed: ParsedNotebook,
     options: &ReplayOptions,
     progress: Option<&mpsc::UnboundedSender<Progress>>,
 ) -> Result<ReplayOutcome, NotebookError> {
-    let wanted = parsed
-        .notebook
-        .metadata
-        .kernelspec
-        .as_ref()
-        .map(|k| k.name.clone());
-    let name = match wanted {
-        Some(name) if manager.specs().get(&name).is_some() => Some(name),
-        Some(name) => {
-            return Err(NotebookError::UnknownKernel {
-                name,
-                available: manager.specs().names().join(", "),
-            })
-        }
-        None => None,
-    };
+    let name = kernel_for(manager.specs(), &parsed.notebook.metadata)?;
     let mut env = BTreeMap::new();
     if let Some(policy) = &options.policy {
         env.insert(POLICY_ENV.to_owned(), policy.clone());

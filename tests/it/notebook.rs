@@ -417,6 +417,26 @@ async fn malformed_notebooks_get_clear_errors_and_the_gateway_keeps_serving() ->
         .unwrap_or_default()
         .contains("CellTimeoutError"));
 
+    // Kernelspec names differ between machines: the notebook's language decides; a language
+    // this gateway has no kernel for is refused.
+    let with_spec = |name: &str, language: &str| {
+        json!({"nbformat": 4, "nbformat_minor": 5,
+               "metadata": {"kernelspec": {"name": name, "display_name": name, "language": language}},
+               "cells": [{"cell_type": "code", "id": "one", "metadata": {}, "source": "print(1)", "execution_count": 1,
+                          "outputs": [{"output_type": "stream", "name": "stdout", "text": "1\n"}]}]})
+        .to_string()
+    };
+    let (status, answer) =
+        replay_http(&gateway, &with_spec("conda-env-x-py", "python"), "").await?;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["matched"], true, "{answer}");
+    let (status, answer) = replay_http(&gateway, &with_spec("ir", "R"), "").await?;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer["message"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("kernel ir is not available"));
+
     // Nothing else broke: the kernel answers and no replay kernel is left behind.
     let mut client = gateway.connect(&kernel, "after-bad-input", false).await?;
     let msgs = client.run("1+1").await?;
