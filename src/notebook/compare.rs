@@ -1,10 +1,9 @@
 //! Comparing a cell's outputs with what a replay produced, ignoring what changes from run to
 //! run: execution counts, memory addresses in reprs (`0x7f…`), timestamps, kernel temp-file
-//! names, uuids, terminal colours, tracebacks (their frames name the cell by its execution
-//! count and the kernel's temp file; the exception type and message are compared), and image
-//! bytes (images are compared by their decoded dimensions: PNG and JPEG encoders are not
-//! byte-stable across library versions).
-
+//! names, uuids and widget model ids, terminal colours, tracebacks (their frames name the cell
+//! by its execution count and the kernel's temp file; the exception type and message are
+//! compared), and image bytes (images are compared by their decoded dimensions: PNG and JPEG
+//! encoders are not byte-stable across library versions).
 use std::sync::OnceLock;
 
 use base64::Engine;
@@ -34,7 +33,9 @@ fn volatile() -> &'static [Volatile] {
                 r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?",
                 "<timestamp>",
             ),
-            (r"0x[0-9a-fA-F]{4,}", "0x<address>"),
+            // Widget model ids and other random 128-bit hex ids.
+            (r"\b[0-9a-f]{32}\b", "<id>"),
+            (r"0x[0-9a-fA-F]{6,}", "0x<address>"),
         ]
         .into_iter()
         .map(|(pattern, replacement)| Volatile {
