@@ -4,6 +4,7 @@
 //! by its execution count and the kernel's temp file; the exception type and message are
 //! compared), and image bytes (images are compared by their decoded dimensions: PNG and JPEG
 //! encoders are not byte-stable across library versions).
+
 use std::sync::OnceLock;
 
 use base64::Engine;
