@@ -357,6 +357,18 @@ impl History {
         if !relevant {
             return;
         }
+        let mut inner = self.inner.lock();
+        if msg_type == "update_display_data" {
+            Self::update_display(&mut inner, &message.content);
+            return;
+        }
+        let Some(parent) = message.parent_msg_id() else {
+            return;
+        };
+        // Content is parsed only past this point: the message belongs to a recorded execution.
+        let Some(&index) = inner.open.get(parent) else {
+            return;
+        };
         let status = if msg_type == "status" {
             let Some(state) = message.content_json().and_then(|c| {
                 c.get("execution_state")
@@ -370,17 +382,6 @@ impl History {
             None
         };
         let status = status.as_deref();
-        let mut inner = self.inner.lock();
-        if msg_type == "update_display_data" {
-            Self::update_display(&mut inner, &message.content);
-            return;
-        }
-        let Some(parent) = message.parent_msg_id() else {
-            return;
-        };
-        let Some(&index) = inner.open.get(parent) else {
-            return;
-        };
         if let Some(status) = status {
             let key = match status {
                 "busy" => "iopub.status.busy",
