@@ -672,6 +672,26 @@ mod tests {
     }
 
     #[test]
+    fn cells_the_kernel_aborted_never_ran_and_are_not_exported() {
+        let history = History::new();
+        let failing = request("1/0");
+        let queued = request("print('never')");
+        history.on_request(&failing);
+        history.on_request(&queued);
+        finish(&history, &failing, 1);
+        history.on_reply(&Message::new(
+            Channel::Shell,
+            "execute_reply",
+            "k",
+            Some(&queued),
+            &json!({"status": "aborted", "execution_count": null}),
+        ));
+        let cells = history.snapshot().cells;
+        assert_eq!(cells.len(), 1);
+        assert_eq!(cells[0].source, "1/0");
+    }
+
+    #[test]
     fn language_info_comes_from_kernel_info_reply() {
         let history = History::new();
         let req = Message::new(Channel::Shell, "kernel_info_request", "g", None, &json!({}));

@@ -213,6 +213,22 @@ async fn websocket_session_exports_valid_notebook_that_replays_the_same() -> Res
     let via_cli: Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
     assert_eq!(via_cli["cells"].as_array().map(Vec::len), Some(8));
 
+    // Both routes sit behind the token.
+    let anonymous = reqwest::Client::new();
+    let status = anonymous
+        .get(format!("{}/api/kernels/{kernel}/notebook", gateway.base))
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 401);
+    let status = anonymous
+        .post(format!("{}/api/notebooks/replay", gateway.base))
+        .body(text.clone())
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 401);
+
     // An unknown kernel is a 404, and the kernel still works.
     let (status, _) = gateway
         .get_json("/api/kernels/00000000-0000-0000-0000-000000000000/notebook")
