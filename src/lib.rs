@@ -6,6 +6,7 @@
 //!   shutdown) and the registry of kernels.
 //! - [`sandbox`]: where a kernel process runs; one trait, one module per backend.
 //! - [`protocol`]: the Jupyter wire format: multipart codec, signing, WebSocket framings.
+//! - [`notebook`]: notebook export (a kernel's history as nbformat 4.5) and replay.
 //! - [`policy`]: policy files (sandbox backend and limits), parsed and validated.
 //! - [`config`]: the gateway's settings from the command line, environment and file.
 //! - [`doctor`]: `cellgate doctor`, which backends this host can run and how to fix the rest.
@@ -17,6 +18,7 @@ pub mod config;
 pub mod doctor;
 pub mod gateway;
 pub mod kernel;
+pub mod notebook;
 pub mod policy;
 pub mod protocol;
 pub mod sandbox;

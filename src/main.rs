@@ -1,5 +1,7 @@
 //! The `cellgate` command: parse the command line, set up logging, run the chosen subcommand.
 
+mod notebook_cli;
+
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -31,6 +33,11 @@ enum Command {
     Serve(ServeArgs),
     /// Check which sandbox backends this host can run, and how to fix the rest.
     Doctor(DoctorArgs),
+    /// Export a kernel's history from a running gateway as a notebook (.ipynb, nbformat 4.5).
+    Export(notebook_cli::ExportArgs),
+    /// Replay a notebook's code cells in a fresh sandboxed kernel and compare the outputs
+    /// (exit 0: all matched, 1: a cell differed or errored, 2: unusable notebook or arguments).
+    Replay(notebook_cli::ReplayArgs),
 }
 
 #[derive(clap::Args)]
@@ -62,6 +69,12 @@ fn main() -> anyhow::Result<()> {
         cellgate::sandbox::sandbox_init_main()
     }
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Export(_) | Command::Replay(_))
+        && std::env::var_os("RUST_LOG").is_none()
+    {
+        // A one-shot command reports its own progress; the gateway's info log is noise there.
+        std::env::set_var("RUST_LOG", "warn,zeromq=error");
+    }
     cellgate::telemetry::init(cli.log_json);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -83,6 +96,13 @@ fn main() -> anyhow::Result<()> {
                 print!("{}", report.to_text());
             }
             std::process::exit(if report.ok { 0 } else { 1 })
+        }
+        Command::Export(args) => runtime.block_on(notebook_cli::export(args)),
+        Command::Replay(args) => {
+            let code = runtime.block_on(notebook_cli::replay_command(args));
+            // Kernels are shut down by now; do not wait for the runtime's idle tasks.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+            std::process::exit(code)
         }
     }
 }

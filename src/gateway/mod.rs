@@ -8,6 +8,7 @@ mod api_error;
 mod auth;
 mod kernel_ws;
 mod kernels;
+mod notebooks;
 mod state;
 pub mod v1;
 
@@ -53,6 +54,17 @@ pub fn router(state: AppState) -> Router {
         .route("/api/kernels/{id}/channels", get(kernel_ws::channels))
         // API v1 (chat apps and agents), behind the same auth layer.
         .merge(v1::routes())
+        // Notebook export and replay (cellgate extensions).
+        .route(
+            "/api/kernels/{id}/notebook",
+            get(notebooks::export_kernel_notebook),
+        )
+        .route(
+            "/api/notebooks/replay",
+            post(notebooks::replay_notebook).layer(axum::extract::DefaultBodyLimit::max(
+                notebooks::MAX_NOTEBOOK_BYTES,
+            )),
+        )
         .fallback(|| async { ApiError::not_found("") })
         .layer(middleware::from_fn_with_state(
             state.clone(),

@@ -5,6 +5,7 @@
 
 mod channels;
 pub mod client;
+pub mod history;
 mod launch;
 mod lifecycle;
 mod manager;
@@ -15,6 +16,7 @@ use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
 pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
+pub use history::{History, HistorySnapshot};
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
 pub use manager::{KernelManager, ManagerOptions, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};

@@ -29,6 +29,7 @@ use serde_json::json;
 use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
 
+use super::history::History;
 use crate::protocol::{Channel, HeaderFields, Message};
 use crate::sandbox::SandboxHandle;
 
@@ -179,6 +180,8 @@ struct State {
     /// limit refused a fork; and the count already reported.
     pids_probe: Option<Arc<dyn SandboxHandle>>,
     pids_seen: u64,
+    /// What clients executed and saw, for notebook export.
+    history: Arc<History>,
 }
 
 /// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
@@ -230,6 +233,7 @@ impl Router {
                 truncated: HashSet::new(),
                 pids_probe: None,
                 pids_seen: 0,
+                history: Arc::new(History::new()),
             }),
             output_limit: None,
         }
@@ -388,6 +392,7 @@ impl Router {
     pub fn register_request(&self, client: ClientId, session: &str, message: &Message) {
         let mut state = self.state.lock();
         state.activity.last_activity = OffsetDateTime::now_utc();
+        state.history.on_request(message);
         let expects_reply = matches!(message.channel, Channel::Shell | Channel::Control)
             && message.msg_type().ends_with("_request");
         if !expects_reply {
@@ -514,6 +519,7 @@ impl Router {
                     tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "dropping an unparented reply");
                     return;
                 };
+                state.history.on_reply(&message);
                 if let Some(waiter) = state.internal_replies.remove(&parent) {
                     let _ = waiter.send(message);
                     return;
@@ -729,6 +735,7 @@ impl Router {
     }
 
     fn broadcast_locked(state: &mut State, message: &Arc<Message>) {
+        state.history.on_iopub(message);
         let mut too_slow = Vec::new();
         for (id, client) in &state.clients {
             if !client.outbox.push(message.clone()) {
@@ -776,6 +783,11 @@ impl Router {
         }
         state.dropped_replies += 1;
         tracing::warn!(kernel_id = %self.kernel_id, session = %requester.session, msg_type = message.msg_type(), "reply for a session with no socket and no buffer dropped");
+    }
+
+    /// The kernel's execution history (for notebook export).
+    pub fn history(&self) -> Arc<History> {
+        self.state.lock().history.clone()
     }
 
     /// Detaches every client (their sockets close) and forgets every buffer.

@@ -13,4 +13,5 @@ mod hostile;
 mod http;
 mod lifecycle;
 mod messaging;
+mod notebook;
 mod pool;
