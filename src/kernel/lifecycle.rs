@@ -667,7 +667,7 @@ impl Kernel {
     /// (see [`crate::sandbox::SandboxHandle::workspace_root`]).
     pub fn workspace(&self) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
         let instance = self.instance.lock().clone()?;
-        Some(instance.handle.workspace_root(&self.dirs.work))
+        instance.handle.workspace_root(&self.dirs.work)
     }
 
     /// The workspace path as the kernel sees it.

@@ -788,6 +788,12 @@ struct GvisorHandle {
 }
 
 impl SandboxHandle for GvisorHandle {
+    /// The size-limited workspace is a tmpfs of the Sentry: no host path reaches it (file
+    /// transfer would go through `runsc exec`; not built yet).
+    fn workspace_root(&self, _workspace: &Path) -> Option<(PathBuf, PathBuf)> {
+        None
+    }
+
     /// Every guest process has a ptrace stub on the host, so a refused guest fork shows in
     /// the `pids` cgroup of the sandbox like any other.
     fn pids_limit_hits(&self) -> Option<u64> {

@@ -226,8 +226,9 @@ pub trait SandboxHandle: Send + Sync {
     /// `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`). Backends whose workspace is a host
     /// directory answer the workspace itself and `.`; the namespaces backend's workspace is
     /// a tmpfs in the sandbox's mount namespace, reached through its root in /proc.
-    fn workspace_root(&self, workspace: &std::path::Path) -> (PathBuf, PathBuf) {
-        (workspace.to_owned(), PathBuf::from("."))
+    /// `None`: the host cannot reach it (gVisor keeps it inside the Sentry's memory).
+    fn workspace_root(&self, workspace: &std::path::Path) -> Option<(PathBuf, PathBuf)> {
+        Some((workspace.to_owned(), PathBuf::from(".")))
     }
 }
 

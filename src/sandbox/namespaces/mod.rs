@@ -750,13 +750,13 @@ impl SandboxHandle for NamespacesHandle {
     /// The workspace is a tmpfs in the sandbox's mount namespace: reached through the
     /// kernel's root (the same mount namespace as the init's; the kernel's pid is the one
     /// whose liveness the caller can check).
-    fn workspace_root(&self, workspace: &Path) -> (PathBuf, PathBuf) {
+    fn workspace_root(&self, workspace: &Path) -> Option<(PathBuf, PathBuf)> {
         let pid = self.kernel_pid.unwrap_or(self.init_pid);
         let relative = workspace.strip_prefix("/").unwrap_or(workspace);
-        (
+        Some((
             PathBuf::from(format!("/proc/{pid}/root")),
             relative.to_owned(),
-        )
+        ))
     }
 
     fn usage(&self) -> ResourceUsage {
