@@ -14,8 +14,10 @@
 
 pub mod config;
 pub mod doctor;
+pub mod egress;
 pub mod gateway;
 pub mod kernel;
+pub mod packages;
 pub mod policy;
 pub mod protocol;
 pub mod sandbox;

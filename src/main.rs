@@ -104,6 +104,37 @@ fn make_sandbox(backend: Backend) -> anyhow::Result<Arc<dyn Sandbox>> {
     }
 }
 
+/// The egress proxy and package index (src/egress, src/packages), from the gateway config.
+fn egress_attach(
+    config: &GatewayConfig,
+    gateway: std::net::SocketAddr,
+    policies: &cellgate::policy::Policies,
+) -> anyhow::Result<cellgate::egress::Attach> {
+    use cellgate::packages::{IndexConfig, PackageIndex, Source};
+    let source = match &config.wheelhouse {
+        Some(dir) => Source::Wheelhouse(dir.clone()),
+        None => Source::Upstream(config.package_index.clone()),
+    };
+    let index = PackageIndex::new(IndexConfig {
+        source,
+        cache_dir: config.package_cache_dir.clone(),
+    })?;
+    let egress = cellgate::egress::Egress::new(
+        cellgate::egress::EgressConfig {
+            resolver: cellgate::egress::Resolver {
+                host_map: config.egress_hosts.clone().into_iter().collect(),
+                gateway: Some(gateway),
+            },
+            max_connections_per_session: config.egress_max_connections,
+        },
+        index,
+    );
+    Ok(cellgate::egress::Attach {
+        egress,
+        policy: Arc::new(policies.default_policy().clone()),
+    })
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = Arc::new(GatewayConfig::resolve(&args)?);
     let specs = KernelSpecs::load(&config.kernels_dir, config.default_kernel_name.as_deref())
@@ -119,6 +150,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             &uuid::Uuid::new_v4().simple().to_string()[..12]
         )),
     };
+    let listener = tokio::net::TcpListener::bind((config.ip, config.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
+    let local = listener.local_addr()?;
+    // Bound first: the egress proxy must know the gateway's own address to refuse it.
+    let egress = egress_attach(&config, local, &policies)?;
     let kernels = KernelManager::new(
         specs,
         sandbox,
@@ -131,6 +168,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             cull_connected: config.cull_connected,
             kernel: KernelOptions {
                 start_timeout: config.start_timeout,
+                egress: Some(egress),
                 ..KernelOptions::default()
             },
             policies,
@@ -139,10 +177,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )?;
     kernels.spawn_culler();
     kernels.refill_pool();
-    let listener = tokio::net::TcpListener::bind((config.ip, config.port))
-        .await
-        .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
-    let local = listener.local_addr()?;
     tracing::info!(
         url = %format!("http://{local}{}", config.base_url),
         sandbox = config.sandbox.as_str(),

@@ -174,6 +174,8 @@ struct State {
     cell_truncated: bool,
     /// Executions whose output was cut off, for their reply's outcome.
     truncated: HashSet<String>,
+    /// Policy denials (egress, packages) of executions not yet replied to.
+    denials: HashMap<String, Vec<serde_json::Value>>,
 }
 
 /// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
@@ -223,6 +225,7 @@ impl Router {
                 cell_output: 0,
                 cell_truncated: false,
                 truncated: HashSet::new(),
+                denials: HashMap::new(),
             }),
             output_limit: None,
         }
@@ -518,6 +521,16 @@ impl Router {
                     } else {
                         message
                     };
+                // Only executions with denials pay for a rewrite.
+                let message = if !state.denials.is_empty() && message.msg_type() == "execute_reply"
+                {
+                    match state.denials.remove(&parent) {
+                        Some(denials) => Arc::new(with_denials(&message, denials)),
+                        None => message,
+                    }
+                } else {
+                    message
+                };
                 match state.pending.remove(&parent) {
                     Some(requester) => self.route_locked(&mut state, &requester, message),
                     None => {
@@ -547,6 +560,44 @@ impl Router {
             .running
             .as_ref()
             .map(|(id, since)| (id.clone(), since.elapsed()))
+    }
+
+    /// Attaches a policy denial (`{"kind","target","policy","reason"}`) to the running
+    /// execution: a stderr line on iopub now, and `metadata.cellgate.denials` on its
+    /// execute_reply. Without a running execution (a thread of the kernel's own, say) the
+    /// denial is only logged by the caller.
+    pub fn record_denial(&self, denial: serde_json::Value) {
+        let mut state = self.state.lock();
+        let Some((msg_id, _)) = state.running.clone() else {
+            return;
+        };
+        let Some((header, header_bytes)) =
+            state.pending.get(&msg_id).and_then(|r| r.request.clone())
+        else {
+            return;
+        };
+        let reason = denial
+            .get("reason")
+            .and_then(|r| r.as_str())
+            .unwrap_or("denied by policy");
+        let line = Message::answering(
+            &header,
+            &header_bytes,
+            Channel::Iopub,
+            "stream",
+            &json!({"name": "stderr", "text": format!("cellgate: {reason}\n")}),
+            &json!({"cellgate": {"denial": denial}}),
+        );
+        let list = state.denials.entry(msg_id).or_default();
+        // A loop of denied requests must not grow the reply without bound.
+        if list.len() < 100 {
+            list.push(denial);
+        }
+        if state.denials.len() > 256 {
+            let running = state.running.as_ref().map(|(r, _)| r.clone());
+            state.denials.retain(|k, _| Some(k) == running.as_ref());
+        }
+        Self::broadcast_locked(&mut state, &Arc::new(line));
     }
 
     /// When the gateway interrupted `msg_id` for running too long, if it did.
@@ -765,6 +816,29 @@ fn with_outcome(message: &Message, outcome: &str) -> Message {
         serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
     if let Some(object) = metadata.as_object_mut() {
         object.insert("cellgate".to_owned(), json!({"outcome": outcome}));
+    }
+    let mut changed = message.clone();
+    changed.metadata = Bytes::from(metadata.to_string());
+    changed
+}
+
+/// The same message with `metadata.cellgate.denials` set, merged into any `cellgate` object.
+fn with_denials(message: &Message, denials: Vec<serde_json::Value>) -> Message {
+    let mut metadata: serde_json::Value =
+        serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
+    if !metadata.is_object() {
+        metadata = json!({});
+    }
+    let cellgate = metadata
+        .as_object_mut()
+        .map(|m| m.entry("cellgate").or_insert_with(|| json!({})));
+    if let Some(cellgate) = cellgate {
+        if !cellgate.is_object() {
+            *cellgate = json!({});
+        }
+        if let Some(object) = cellgate.as_object_mut() {
+            object.insert("denials".to_owned(), serde_json::Value::Array(denials));
+        }
     }
     let mut changed = message.clone();
     changed.metadata = Bytes::from(metadata.to_string());

@@ -62,6 +62,7 @@
 
 #![allow(unsafe_code)]
 
+mod bridge;
 mod cgroups;
 mod confine;
 mod error;
@@ -247,6 +248,10 @@ impl NamespacesSandbox {
             hostname: self.config.hostname.clone(),
             address_space_limit: None,
             landlock: self.config.landlock,
+            // The gateway opened the proxy socket for this generation (see crate::egress):
+            // the init runs the bridge to it.
+            egress_socket: Some(spec.runtime_dir.join(crate::egress::SOCKET_NAME))
+                .filter(|p| p.exists()),
         })
     }
 

@@ -16,7 +16,9 @@
 //! 5. Gives up every capability for good: locked securebits (`NOROOT`, no setuid fixup), an
 //!    empty bounding set, no ambient, effective, permitted or inheritable capabilities.
 //!    From here on the init and the kernel are plain uid 1000 processes.
-//! 6. Blocks the signals it handles and forks the kernel process (see [`super::confine`]),
+//! 6. Blocks the signals it handles; when the plan names an egress socket, binds
+//!    127.0.0.1:3128 and forks the egress bridge ([`super::bridge`]). Then forks the kernel
+//!    process (see [`super::confine`]),
 //!    then waits until the kernel's `execve` succeeded (a close-on-exec pipe stays silent)
 //!    or failed (the pipe carries the error), and reports either.
 //! 7. Loops on `sigwaitinfo`: `SIGCHLD` reaps whatever ended (orphans are reparented to
@@ -33,6 +35,7 @@
 use std::io::Read;
 use std::os::fd::OwnedFd;
 
+use super::bridge;
 use super::confine;
 use super::helper::{at, report, Failure};
 use super::mounts::RootFs;
@@ -101,6 +104,15 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
         SignalSet::of(&list)
     };
     signals.block().map_err(at("block signals"))?;
+
+    if let Some(socket) = plan.egress_socket.clone() {
+        let listener = bridge::bind().map_err(at("bind the egress bridge"))?;
+        // SAFETY: the init is a fork of the single-threaded helper and starts no threads.
+        match unsafe { sys::fork() }.map_err(at("fork the egress bridge"))? {
+            Forked::Child => bridge::run(&plan, &programs, listener, socket),
+            Forked::Parent { .. } => drop(listener),
+        }
+    }
 
     let (exec_read, exec_write) = sys::pipe().map_err(at("pipe"))?;
     // SAFETY: the init is a fork of the single-threaded helper and starts no threads.
