@@ -7,6 +7,7 @@ mod support;
 mod attacks;
 mod clients;
 mod compat;
+mod egress;
 mod hostile;
 mod http;
 mod lifecycle;

@@ -252,6 +252,19 @@ impl NamespacesSandbox {
             // the init runs the bridge to it.
             egress_socket: Some(spec.runtime_dir.join(crate::egress::SOCKET_NAME))
                 .filter(|p| p.exists()),
+            // Python caches a missing sys.path entry as "no finder" for good, so a directory
+            // on PYTHONPATH that pip creates later (the per-session site-packages) would stay
+            // invisible to `import` in the same kernel: make them before Python starts.
+            workspace_dirs: spec
+                .env
+                .get("PYTHONPATH")
+                .map(|p| {
+                    std::env::split_paths(p)
+                        .filter(|d| d.is_absolute() && d.starts_with(&spec.workspace))
+                        .filter(|d| !d.components().any(|c| c.as_os_str() == ".."))
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 
@@ -298,7 +311,10 @@ impl NamespacesSandbox {
         if !self.ids.privileged {
             return Ok(());
         }
-        for path in [&spec.runtime_dir, &spec.connection_file] {
+        // The egress proxy's socket, when the gateway opened one: connecting needs write
+        // permission on it.
+        let egress = spec.runtime_dir.join(crate::egress::SOCKET_NAME);
+        for path in [&spec.runtime_dir, &spec.connection_file, &egress] {
             let owner = Some(self.ids.outside_uid);
             match std::os::unix::fs::chown(path, owner, Some(self.ids.outside_gid)) {
                 Ok(()) => {}

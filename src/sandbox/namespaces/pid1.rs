@@ -12,7 +12,8 @@
 //!    unprivileged host id. The uid change clears the parent-death signal, so it is set
 //!    (and the helper checked) once more.
 //! 4. Builds the root file system and pivots into it ([`RootFs::build`]), brings up the
-//!    loopback interface of the empty network namespace, sets the host name.
+//!    loopback interface of the empty network namespace, sets the host name, and makes the
+//!    plan's workspace directories (the per-session site-packages on `PYTHONPATH`).
 //! 5. Gives up every capability for good: locked securebits (`NOROOT`, no setuid fixup), an
 //!    empty bounding set, no ambient, effective, permitted or inheritable capabilities.
 //!    From here on the init and the kernel are plain uid 1000 processes.
@@ -92,6 +93,9 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
     }
 
     root.build().map_err(at("build the root file system"))?;
+    for dir in &plan.workspace_dirs {
+        std::fs::create_dir_all(dir).map_err(at("create a workspace directory"))?;
+    }
     sys::loopback_up().map_err(at("bring up lo"))?;
     sys::sethostname(&plan.hostname).map_err(at("sethostname"))?;
 

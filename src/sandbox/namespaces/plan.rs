@@ -45,6 +45,9 @@ pub struct Plan {
     /// bridge from 127.0.0.1:3128 to it.
     #[serde(default)]
     pub egress_socket: Option<PathBuf>,
+    /// Directories inside the workspace made (by the sandbox user) before the kernel starts.
+    #[serde(default)]
+    pub workspace_dirs: Vec<PathBuf>,
 }
 
 /// A report from the helper or the init, in the order they happen.
