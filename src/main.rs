@@ -53,6 +53,16 @@ struct DoctorArgs {
     /// Only inspect the host; do not start probe sandboxes.
     #[arg(long)]
     no_probe: bool,
+    /// Upstream index the package index would serve from (checked for reachability).
+    #[arg(
+        long,
+        env = "CELLGATE_PACKAGE_INDEX",
+        default_value = "https://pypi.org/simple"
+    )]
+    package_index: String,
+    /// A wheelhouse directory instead of the upstream index.
+    #[arg(long, env = "CELLGATE_WHEELHOUSE")]
+    wheelhouse: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -79,6 +89,10 @@ fn main() -> anyhow::Result<()> {
                     policies_dir: args.policies_dir,
                     default_backend: args.sandbox,
                     probe: !args.no_probe,
+                    package_source: Some(match args.wheelhouse {
+                        Some(dir) => cellgate::packages::Source::Wheelhouse(dir),
+                        None => cellgate::packages::Source::Upstream(args.package_index),
+                    }),
                 }));
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
