@@ -199,8 +199,7 @@ impl Egress {
                 tokio::spawn(async move {
                     match permit {
                         Ok(permit) => {
-                            proxy::serve_connection(egress, session, stream).await;
-                            drop(permit);
+                            proxy::serve_connection(egress, session, stream, permit).await
                         }
                         Err(_) => proxy::refuse_busy(&session, stream).await,
                     }
@@ -244,7 +243,9 @@ pub fn kernel_env(kernel_dir: &Path, workspace: &Path) -> Vec<(String, String)> 
     env.push(("PIP_TRUSTED_HOST".to_owned(), INDEX_HOST.to_owned()));
     env.push(("PIP_NO_INPUT".to_owned(), "1".to_owned()));
     env.push(("PIP_RETRIES".to_owned(), "0".to_owned()));
-    env.push(("PIP_TIMEOUT".to_owned(), "15".to_owned()));
+    // A socket read timeout, not a deadline: denials are answered at once whatever it is,
+    // and a large wheel the index is still fetching upstream must not time out.
+    env.push(("PIP_TIMEOUT".to_owned(), "60".to_owned()));
     env.push(("PIP_DISABLE_PIP_VERSION_CHECK".to_owned(), "1".to_owned()));
     env.push(("PIP_NO_CACHE_DIR".to_owned(), "1".to_owned()));
     env.push(("PIP_PREFIX".to_owned(), prefix.display().to_string()));

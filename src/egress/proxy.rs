@@ -11,11 +11,14 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::{Egress, Session, INDEX_HOST};
 
-/// Response bodies of the proxy: streamed from upstream or built here.
-pub type Body = BoxBody<Bytes, hyper::Error>;
+/// Errors of a response body while it streams.
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+/// Response bodies of the proxy: streamed from upstream or from disk, or built here.
+pub type Body = BoxBody<Bytes, BodyError>;
 
 /// How long a dial may take; a black-holed destination must not hold the cell.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -42,10 +45,20 @@ pub async fn refuse_busy(session: &Session, mut stream: UnixStream) {
         .await;
 }
 
-pub async fn serve_connection(egress: Arc<Egress>, session: Arc<Session>, stream: UnixStream) {
+/// The session's connection slot, shared with the service so that a `CONNECT` tunnel (which
+/// outlives the HTTP connection it came on) keeps it until the tunnel closes.
+type Slot = Arc<parking_lot::Mutex<Option<OwnedSemaphorePermit>>>;
+
+pub async fn serve_connection(
+    egress: Arc<Egress>,
+    session: Arc<Session>,
+    stream: UnixStream,
+    permit: OwnedSemaphorePermit,
+) {
+    let slot: Slot = Arc::new(parking_lot::Mutex::new(Some(permit)));
     let service = hyper::service::service_fn(move |req| {
-        let (egress, session) = (egress.clone(), session.clone());
-        async move { Ok::<_, std::convert::Infallible>(handle(egress, session, req).await) }
+        let (egress, session, slot) = (egress.clone(), session.clone(), slot.clone());
+        async move { Ok::<_, std::convert::Infallible>(handle(egress, session, slot, req).await) }
     });
     let result = hyper::server::conn::http1::Builder::new()
         .preserve_header_case(true)
@@ -78,14 +91,12 @@ fn host_port(authority: &str, default_port: u16) -> Option<(String, u16)> {
 async fn handle(
     egress: Arc<Egress>,
     session: Arc<Session>,
+    slot: Slot,
     req: Request<Incoming>,
 ) -> Response<Body> {
     let is_connect = req.method() == Method::CONNECT;
-    let target = if is_connect {
-        req.uri().authority().map(|a| a.as_str().to_owned())
-    } else {
-        req.uri().authority().map(|a| a.as_str().to_owned())
-    };
+    // CONNECT carries an authority, absolute-form requests a full URI: both have one.
+    let target = req.uri().authority().map(|a| a.as_str().to_owned());
     let default_port = if req.uri().scheme_str() == Some("https") {
         443
     } else {
@@ -134,7 +145,9 @@ async fn handle(
         if is_connect { "connect" } else { "http" },
     );
     if is_connect {
+        let permit = slot.lock().take();
         tokio::spawn(async move {
+            let _permit = permit;
             match hyper::upgrade::on(req).await {
                 Ok(upgraded) => {
                     let mut client = TokioIo::new(upgraded);
@@ -190,7 +203,7 @@ async fn forward(req: Request<Incoming>, upstream: TcpStream) -> Response<Body> 
         let _ = conn.await;
     });
     match sender.send_request(Request::from_parts(parts, body)).await {
-        Ok(response) => response.map(|b| b.boxed()),
+        Ok(response) => response.map(|b| b.map_err(BodyError::from).boxed()),
         Err(err) => text(
             StatusCode::BAD_GATEWAY,
             format!("cellgate: upstream: {err}"),

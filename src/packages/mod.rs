@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::egress::proxy::{text, Body};
+use crate::egress::proxy::{text, Body, BodyError};
 use crate::egress::{Session, INDEX_HOST};
 use crate::policy::access::{normalize_project, PackageRule};
 use crate::policy::Dependencies;
@@ -523,8 +523,8 @@ impl PackageIndex {
                 return text(StatusCode::BAD_GATEWAY, format!("cellgate index: {err}"));
             }
         };
-        let bytes = match tokio::fs::read(&path).await {
-            Ok(bytes) => bytes,
+        let file = match tokio::fs::File::open(&path).await {
+            Ok(file) => file,
             Err(err) => {
                 return text(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -532,17 +532,25 @@ impl PackageIndex {
                 )
             }
         };
+        let implied = if session.policy.packages.dependencies == Dependencies::Implicit
+            && entry.filename.ends_with(".whl")
+        {
+            read_small(&path).await.map(|b| wheel_requirements(&b))
+        } else {
+            None
+        };
         {
             let mut state = session.packages.lock();
             state.last_allowed = Some((entry.project.clone(), session.msg_id()));
-            if session.policy.packages.dependencies == Dependencies::Implicit
-                && entry.filename.ends_with(".whl")
-            {
-                state.implied.extend(wheel_requirements(&bytes));
-            }
+            state.implied.extend(implied.unwrap_or_default());
         }
         session.allow("package", &entry.project, &entry.filename);
-        respond(StatusCode::OK, "application/octet-stream", bytes)
+        let mut response = Response::new(stream_file(file));
+        response.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("application/octet-stream"),
+        );
+        response
     }
 
     /// The file on disk: the wheelhouse's, or the cache's (downloaded and verified first).
@@ -606,6 +614,36 @@ impl PackageIndex {
         self.verified.lock().insert(got);
         Ok(cached)
     }
+}
+
+/// Wheels up to this size are read for their dependencies (implicit mode); a larger one's
+/// dependencies must be listed.
+const MAX_WHEEL_SCAN: u64 = 256 << 20;
+
+async fn read_small(path: &Path) -> Option<Vec<u8>> {
+    let meta = tokio::fs::metadata(path).await.ok()?;
+    if meta.len() > MAX_WHEEL_SCAN {
+        return None;
+    }
+    tokio::fs::read(path).await.ok()
+}
+
+/// A file as a streamed response body, read in 64 KiB chunks.
+fn stream_file(file: tokio::fs::File) -> Body {
+    use hyper::body::Frame;
+    use tokio::io::AsyncReadExt;
+    let stream = futures_util::stream::unfold(file, |mut file| async move {
+        let mut buf = vec![0u8; 64 << 10];
+        match file.read(&mut buf).await {
+            Ok(0) => None,
+            Ok(n) => {
+                buf.truncate(n);
+                Some((Ok(Frame::data(Bytes::from(buf))), file))
+            }
+            Err(err) => Some((Err(BodyError::from(err)), file)),
+        }
+    });
+    http_body_util::StreamBody::new(stream).boxed()
 }
 
 /// Project names a wheel's `METADATA` declares in `Requires-Dist` (without extras markers:

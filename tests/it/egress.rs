@@ -161,11 +161,18 @@ async fn wheelhouse_packages_install_import_and_denials_name_the_package() -> Re
     build_wheel(wheels.path(), "cgparent", "1.0", &["cgchild"])?;
     build_wheel(wheels.path(), "cgchild", "1.0", &[])?;
     let setup = gateway_with(
-        &[(
-            "pkgs",
-            "description = \"test\"\n[packages]\nallow = [\"CGTiny==1.*\", \"cgparent\"]\n"
-                .to_owned(),
-        )],
+        &[
+            (
+                "pkgs",
+                "description = \"test\"\n[packages]\nallow = [\"CGTiny==1.*\", \"cgparent\"]\n"
+                    .to_owned(),
+            ),
+            (
+                "implicit",
+                "description = \"test\"\n[packages]\nallow = [\"cgparent\"]\ndependencies = \"implicit\"\n"
+                    .to_owned(),
+            ),
+        ],
         format!("wheelhouse = {:?}\n", wheels.path()),
     )
     .await?;
@@ -257,6 +264,20 @@ async fn wheelhouse_packages_install_import_and_denials_name_the_package() -> Re
     assert_eq!(stdout(&msgs), "404\n", "{}", stderr(&msgs));
     assert_eq!(denials(&msgs).len(), 1);
     client.close().await;
+
+    // With implicit dependencies, what an allowed wheel declares comes along; nothing else.
+    let kernel = start_with_policy(gateway, "implicit").await?;
+    let mut client = gateway.connect(&kernel, "implicit", false).await?;
+    let msgs = run_long(&mut client, "%pip install cgparent").await?;
+    let out = stdout(&msgs);
+    assert!(
+        out.contains("Successfully installed") && out.contains("cgchild-1.0"),
+        "{out}{}",
+        stderr(&msgs)
+    );
+    assert!(denials(&msgs).is_empty(), "{:?}", denials(&msgs));
+    let msgs = run_long(&mut client, "%pip install cgtiny").await?;
+    assert_eq!(denials(&msgs)[0]["target"], "cgtiny");
     Ok(())
 }
 
