@@ -279,3 +279,52 @@ fn a_dead_kernel_answers_the_oldest_execute_as_the_running_one() {
     assert_eq!(texts[0], ("first".to_owned(), "out of memory".to_owned()));
     assert!(texts[1].1.starts_with("this cell never ran"));
 }
+
+#[test]
+fn denials_reach_the_running_execution_only() {
+    let router = Router::new("k");
+    let (a_tx, mut a) = client_queue();
+    let (a_id, _) = router.attach("sa", a_tx);
+    router.register_request(a_id, "sa", &request("r1"));
+    // No execution running: nothing is attached.
+    router.record_denial(serde_json::json!({"kind": "egress", "reason": "early"}));
+    let busy = Message::from_parts(
+        Channel::Iopub,
+        Bytes::from_static(br#"{"msg_id":"s1","msg_type":"status"}"#),
+        Bytes::from_static(br#"{"msg_id":"r1","msg_type":"execute_request"}"#),
+        Bytes::from_static(b"{}"),
+        Bytes::from_static(br#"{"execution_state":"busy"}"#),
+        vec![],
+    )
+    .unwrap();
+    router.deliver(busy);
+    let denial = serde_json::json!({"kind": "package", "target": "x", "policy": "p", "reason": "package 'x' is not allowed by policy 'p'"});
+    router.record_denial(denial.clone());
+    let mut reply = msg(Channel::Shell, "execute_reply", "rep1", Some("r1"), "{}");
+    reply.metadata = Bytes::from_static(br#"{"cellgate":{"outcome":"timeout"},"other":1}"#);
+    router.deliver(reply);
+    let mut got = vec![];
+    while let Some(m) = a.try_recv() {
+        got.push(m);
+    }
+    let line = got
+        .iter()
+        .find(|m| m.msg_type() == "stream")
+        .expect("a stderr line");
+    let content: serde_json::Value = serde_json::from_slice(&line.content).unwrap();
+    assert_eq!(content["name"], "stderr");
+    assert_eq!(
+        content["text"],
+        "cellgate: package 'x' is not allowed by policy 'p'\n"
+    );
+    assert_eq!(line.parent_msg_id(), Some("r1"));
+    let reply = got.last().unwrap();
+    assert_eq!(reply.msg_type(), "execute_reply");
+    let metadata: serde_json::Value = serde_json::from_slice(&reply.metadata).unwrap();
+    assert_eq!(metadata["cellgate"]["denials"], serde_json::json!([denial]));
+    assert_eq!(
+        metadata["cellgate"]["outcome"], "timeout",
+        "merged, not replaced"
+    );
+    assert_eq!(metadata["other"], 1);
+}
