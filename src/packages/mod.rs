@@ -107,7 +107,15 @@ pub struct PackageIndex {
     local_hashes: Mutex<HashMap<(PathBuf, u64, i64), String>>,
     /// Cache files whose hash was checked by this process.
     verified: Mutex<HashSet<String>>,
+    /// Upstream listings, by project, for [`LISTING_TTL`]: an install of a cached wheel
+    /// should not wait for the upstream index each time.
+    listings: Mutex<HashMap<String, (std::time::Instant, Vec<FileEntry>)>>,
 }
+
+/// How long an upstream project listing is reused.
+const LISTING_TTL: std::time::Duration = std::time::Duration::from_secs(300);
+/// Upstream listings kept at most (the oldest go first).
+const MAX_LISTINGS: usize = 1024;
 
 #[derive(Deserialize)]
 struct UpstreamProject {
@@ -197,6 +205,7 @@ impl PackageIndex {
             files: Mutex::new(HashMap::new()),
             local_hashes: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashSet::new()),
+            listings: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -422,61 +431,85 @@ impl PackageIndex {
                 Ok(files)
             }
             Source::Upstream(base) => {
-                let url = format!("{}/{project}/", base.trim_end_matches('/'));
-                let upstream_err = |reason: String| IndexError::Upstream {
-                    url: url.clone(),
-                    reason,
-                };
-                let response = self
-                    .client
-                    .get(&url)
-                    .header("Accept", JSON_TYPE)
-                    .send()
-                    .await
-                    .map_err(|e| upstream_err(e.to_string()))?;
-                if response.status() == reqwest::StatusCode::NOT_FOUND {
-                    return Ok(vec![]);
-                }
-                if !response.status().is_success() {
-                    return Err(upstream_err(response.status().to_string()));
-                }
-                let base_url = response.url().clone();
-                let listing: UpstreamProject = response
-                    .json()
-                    .await
-                    .map_err(|e| upstream_err(e.to_string()))?;
-                let mut files = vec![];
-                for f in listing.files {
-                    let (Some(sha256), Some((name, version))) =
-                        (f.hashes.get("sha256"), parse_filename(&f.filename))
-                    else {
-                        continue;
-                    };
-                    if name != project
-                        || sha256.len() != 64
-                        || !sha256.chars().all(|c| c.is_ascii_hexdigit())
-                    {
-                        continue;
+                if let Some((at, files)) = self.listings.lock().get(project) {
+                    if at.elapsed() < LISTING_TTL {
+                        return Ok(files.clone());
                     }
-                    let Ok(url) = base_url.join(&f.url) else {
-                        continue;
-                    };
-                    files.push(FileEntry {
-                        project: name,
-                        version,
-                        filename: f.filename,
-                        sha256: sha256.to_ascii_lowercase(),
-                        requires_python: f.requires_python,
-                        yanked: !matches!(
-                            f.yanked,
-                            serde_json::Value::Bool(false) | serde_json::Value::Null
-                        ),
-                        origin: Origin::Url(url.to_string()),
-                    });
                 }
+                let files = self.list_upstream(base, project).await?;
+                let mut listings = self.listings.lock();
+                if listings.len() >= MAX_LISTINGS {
+                    if let Some(oldest) = listings
+                        .iter()
+                        .min_by_key(|(_, (at, _))| *at)
+                        .map(|(k, _)| k.clone())
+                    {
+                        listings.remove(&oldest);
+                    }
+                }
+                listings.insert(
+                    project.to_owned(),
+                    (std::time::Instant::now(), files.clone()),
+                );
                 Ok(files)
             }
         }
+    }
+
+    async fn list_upstream(&self, base: &str, project: &str) -> Result<Vec<FileEntry>, IndexError> {
+        let url = format!("{}/{project}/", base.trim_end_matches('/'));
+        let upstream_err = |reason: String| IndexError::Upstream {
+            url: url.clone(),
+            reason,
+        };
+        let response = self
+            .client
+            .get(&url)
+            .header("Accept", JSON_TYPE)
+            .send()
+            .await
+            .map_err(|e| upstream_err(e.to_string()))?;
+        if response.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(vec![]);
+        }
+        if !response.status().is_success() {
+            return Err(upstream_err(response.status().to_string()));
+        }
+        let base_url = response.url().clone();
+        let listing: UpstreamProject = response
+            .json()
+            .await
+            .map_err(|e| upstream_err(e.to_string()))?;
+        let mut files = vec![];
+        for f in listing.files {
+            let (Some(sha256), Some((name, version))) =
+                (f.hashes.get("sha256"), parse_filename(&f.filename))
+            else {
+                continue;
+            };
+            if name != project
+                || sha256.len() != 64
+                || !sha256.chars().all(|c| c.is_ascii_hexdigit())
+            {
+                continue;
+            }
+            let Ok(url) = base_url.join(&f.url) else {
+                continue;
+            };
+            files.push(FileEntry {
+                project: name,
+                version,
+                filename: f.filename,
+                sha256: sha256.to_ascii_lowercase(),
+                requires_python: f.requires_python,
+                yanked: !matches!(
+                    f.yanked,
+                    serde_json::Value::Bool(false) | serde_json::Value::Null
+                ),
+                origin: Origin::Url(url.to_string()),
+            });
+        }
+        Ok(files)
     }
 
     fn local_hash(&self, path: &Path) -> Result<String, IndexError> {
