@@ -107,7 +107,7 @@ impl Session {
 
     /// The execution running now, for logs.
     pub fn msg_id(&self) -> Option<String> {
-        self.router.running().map(|(id, _)| id)
+        self.router.current_execution()
     }
 
     /// Logs an allowed decision.

@@ -562,13 +562,35 @@ impl Router {
             .map(|(id, since)| (id.clone(), since.elapsed()))
     }
 
+    /// The execution the kernel is running as far as the gateway can tell: the one whose
+    /// `busy` was seen, else the oldest execute still waiting for its reply (the kernel runs
+    /// them in order, and a cell's side effects, such as a proxy request, can reach the
+    /// gateway before its `busy` status does).
+    pub fn current_execution(&self) -> Option<String> {
+        Self::current_execution_locked(&self.state.lock())
+    }
+
+    fn current_execution_locked(state: &State) -> Option<String> {
+        state
+            .running
+            .as_ref()
+            .map(|(id, _)| id.clone())
+            .or_else(|| {
+                state
+                    .pending_order
+                    .iter()
+                    .find(|id| state.pending.get(*id).is_some_and(|r| r.request.is_some()))
+                    .cloned()
+            })
+    }
+
     /// Attaches a policy denial (`{"kind","target","policy","reason"}`) to the running
     /// execution: a stderr line on iopub now, and `metadata.cellgate.denials` on its
     /// execute_reply. Without a running execution (a thread of the kernel's own, say) the
     /// denial is only logged by the caller.
     pub fn record_denial(&self, denial: serde_json::Value) {
         let mut state = self.state.lock();
-        let Some((msg_id, _)) = state.running.clone() else {
+        let Some(msg_id) = Self::current_execution_locked(&state) else {
             return;
         };
         let Some((header, header_bytes)) =
@@ -594,8 +616,8 @@ impl Router {
             list.push(denial);
         }
         if state.denials.len() > 256 {
-            let running = state.running.as_ref().map(|(r, _)| r.clone());
-            state.denials.retain(|k, _| Some(k) == running.as_ref());
+            let current = Self::current_execution_locked(&state);
+            state.denials.retain(|k, _| Some(k) == current.as_ref());
         }
         Self::broadcast_locked(&mut state, &Arc::new(line));
     }
@@ -698,7 +720,7 @@ impl Router {
         let mut reply_content = error.clone();
         reply_content["status"] = json!("error");
         reply_content["execution_count"] = json!(null);
-        let reply = Message::answering(
+        let mut reply = Message::answering(
             &header,
             &header_bytes,
             Channel::Shell,
@@ -706,6 +728,10 @@ impl Router {
             &reply_content,
             &metadata,
         );
+        // A cell whose kernel died or timed out still reports what the policy denied it.
+        if let Some(denials) = state.denials.remove(&header.msg_id) {
+            reply = with_denials(&reply, denials);
+        }
         let idle = Message::answering(
             &header,
             &header_bytes,

@@ -412,6 +412,24 @@ async fn egress_reaches_named_hosts_only_and_never_internal_addresses() -> Resul
         assert_eq!(denials(&msgs)[0]["target"], target.as_str());
     }
 
+    // Garbage to the proxy gets a 400 on that connection; the proxy keeps serving.
+    let msgs = client
+        .run(&format!(concat!(
+            "import socket, urllib.request\n",
+            "s = socket.create_connection(('127.0.0.1', 3128), timeout=5)\n",
+            "s.sendall(b'\\x00\\xff\\xfe not http at all\\r\\n\\r\\n')\n",
+            "print(s.recv(12).decode())\n",
+            "s.close()\n",
+            "print(urllib.request.urlopen('http://allowed.test:{port}/', timeout=10).read().decode())\n",
+        ), port = port))
+        .await?;
+    assert_eq!(
+        stdout(&msgs),
+        "HTTP/1.1 400\nhello from allowed\n",
+        "{}",
+        stderr(&msgs)
+    );
+
     // No way around the proxy: no route to the host's loopback, no resolver.
     let msgs = client
         .run(&format!(

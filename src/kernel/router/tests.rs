@@ -285,9 +285,12 @@ fn denials_reach_the_running_execution_only() {
     let router = Router::new("k");
     let (a_tx, mut a) = client_queue();
     let (a_id, _) = router.attach("sa", a_tx);
-    router.register_request(a_id, "sa", &request("r1"));
-    // No execution running: nothing is attached.
+    // No execution at all: nothing is attached.
     router.record_denial(serde_json::json!({"kind": "egress", "reason": "early"}));
+    router.register_request(a_id, "sa", &request("r1"));
+    // Sent but its `busy` not seen yet: the oldest waiting execute is the running one.
+    let before_busy = serde_json::json!({"kind": "egress", "target": "h:1", "policy": "p", "reason": "egress to h:1 is not allowed by policy 'p'"});
+    router.record_denial(before_busy.clone());
     let busy = Message::from_parts(
         Channel::Iopub,
         Bytes::from_static(br#"{"msg_id":"s1","msg_type":"status"}"#),
@@ -307,10 +310,9 @@ fn denials_reach_the_running_execution_only() {
     while let Some(m) = a.try_recv() {
         got.push(m);
     }
-    let line = got
-        .iter()
-        .find(|m| m.msg_type() == "stream")
-        .expect("a stderr line");
+    let lines: Vec<_> = got.iter().filter(|m| m.msg_type() == "stream").collect();
+    assert_eq!(lines.len(), 2);
+    let line = lines[1];
     let content: serde_json::Value = serde_json::from_slice(&line.content).unwrap();
     assert_eq!(content["name"], "stderr");
     assert_eq!(
@@ -321,7 +323,10 @@ fn denials_reach_the_running_execution_only() {
     let reply = got.last().unwrap();
     assert_eq!(reply.msg_type(), "execute_reply");
     let metadata: serde_json::Value = serde_json::from_slice(&reply.metadata).unwrap();
-    assert_eq!(metadata["cellgate"]["denials"], serde_json::json!([denial]));
+    assert_eq!(
+        metadata["cellgate"]["denials"],
+        serde_json::json!([before_busy, denial])
+    );
     assert_eq!(
         metadata["cellgate"]["outcome"], "timeout",
         "merged, not replaced"
