@@ -86,8 +86,10 @@ impl EgressRule {
         let host_ok = match &self.host {
             HostPattern::Exact(name) => name.eq_ignore_ascii_case(host),
             HostPattern::Suffix(suffix) => {
+                // Bytes, not str slicing: a non-ASCII host must not split a character.
                 host.len() > suffix.len()
-                    && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+                    && host.as_bytes()[host.len() - suffix.len()..]
+                        .eq_ignore_ascii_case(suffix.as_bytes())
             }
         };
         host_ok && self.port.is_none_or(|p| p == port)
@@ -248,6 +250,7 @@ mod tests {
         assert!(r.matches("a.example.org", 443) && r.matches("A.b.Example.org", 443));
         assert!(!r.matches("example.org", 443) && !r.matches("a.example.org", 80));
         assert!(!r.matches("evilexample.org", 443));
+        assert!(!r.matches("ééééééééééééé", 443));
         let r = EgressRule::parse("api.github.com:*").unwrap();
         assert!(r.matches("api.github.com", 1) && r.names_exactly("API.github.com"));
         assert!(EgressRule::parse("nohost").is_err());
