@@ -75,6 +75,18 @@ pub struct ServeArgs {
     /// Path prefix of every route [env: KG_BASE_URL] [default: /].
     #[arg(long)]
     pub base_url: Option<String>,
+    // --- egress proxy and package index (src/egress, src/packages) ---
+    /// Upstream simple index (PEP 691 JSON) the package index serves from
+    /// [env: CELLGATE_PACKAGE_INDEX] [default: https://pypi.org/simple].
+    #[arg(long, env = "CELLGATE_PACKAGE_INDEX")]
+    pub package_index: Option<String>,
+    /// Serve packages from this directory of wheels and sdists instead (offline mode)
+    /// [env: CELLGATE_WHEELHOUSE].
+    #[arg(long, env = "CELLGATE_WHEELHOUSE")]
+    pub wheelhouse: Option<PathBuf>,
+    /// Shared cache of downloaded package files [default: ~/.cache/cellgate/packages].
+    #[arg(long)]
+    pub package_cache_dir: Option<PathBuf>,
 }
 
 /// The config file. Unknown keys are errors, reported with their line.
@@ -99,6 +111,13 @@ struct FileConfig {
     max_message_mib: Option<usize>,
     runtime_dir: Option<PathBuf>,
     base_url: Option<String>,
+    package_index: Option<String>,
+    wheelhouse: Option<PathBuf>,
+    package_cache_dir: Option<PathBuf>,
+    /// Names the egress proxy resolves without DNS (tests map names to loopback servers).
+    #[serde(default)]
+    egress_hosts: std::collections::BTreeMap<String, IpAddr>,
+    egress_max_connections: Option<usize>,
 }
 
 /// Resolved settings of a running gateway.
@@ -124,6 +143,14 @@ pub struct GatewayConfig {
     pub runtime_dir: Option<PathBuf>,
     /// Always starts and ends with `/`.
     pub base_url: String,
+    /// Upstream simple index; ignored when `wheelhouse` is set.
+    pub package_index: String,
+    pub wheelhouse: Option<PathBuf>,
+    pub package_cache_dir: PathBuf,
+    /// Static host map of the egress proxy's resolver (file only).
+    pub egress_hosts: std::collections::BTreeMap<String, IpAddr>,
+    /// Proxy connections one kernel may hold at once.
+    pub egress_max_connections: usize,
 }
 
 /// Errors in settings.
@@ -173,6 +200,15 @@ fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
         path: path.to_owned(),
         message: err.to_string(),
     })
+}
+
+fn default_package_cache() -> PathBuf {
+    env_var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env_var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("cellgate")
+        .join("packages")
 }
 
 impl GatewayConfig {
@@ -282,6 +318,23 @@ impl GatewayConfig {
                 << 20,
             runtime_dir: args.runtime_dir.clone().or(file.runtime_dir),
             base_url,
+            package_index: args
+                .package_index
+                .clone()
+                .or(file.package_index)
+                .unwrap_or_else(|| "https://pypi.org/simple".to_owned()),
+            wheelhouse: args.wheelhouse.clone().or(file.wheelhouse),
+            package_cache_dir: args
+                .package_cache_dir
+                .clone()
+                .or(file.package_cache_dir)
+                .unwrap_or_else(default_package_cache),
+            egress_hosts: file
+                .egress_hosts
+                .into_iter()
+                .map(|(k, v)| (k.to_ascii_lowercase(), v))
+                .collect(),
+            egress_max_connections: file.egress_max_connections.unwrap_or(32).max(1),
         })
     }
 }

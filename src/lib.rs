@@ -16,9 +16,11 @@
 pub mod artifacts;
 pub mod config;
 pub mod doctor;
+pub mod egress;
 pub mod gateway;
 pub mod kernel;
 pub mod notebook;
+pub mod packages;
 pub mod policy;
 pub mod protocol;
 pub mod sandbox;

@@ -57,6 +57,16 @@ struct DoctorArgs {
     /// Only inspect the host; do not start probe sandboxes.
     #[arg(long)]
     no_probe: bool,
+    /// Upstream index the package index would serve from (checked for reachability).
+    #[arg(
+        long,
+        env = "CELLGATE_PACKAGE_INDEX",
+        default_value = "https://pypi.org/simple"
+    )]
+    package_index: String,
+    /// A wheelhouse directory instead of the upstream index.
+    #[arg(long, env = "CELLGATE_WHEELHOUSE")]
+    wheelhouse: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -89,6 +99,10 @@ fn main() -> anyhow::Result<()> {
                     policies_dir: args.policies_dir,
                     default_backend: args.sandbox,
                     probe: !args.no_probe,
+                    package_source: Some(match args.wheelhouse {
+                        Some(dir) => cellgate::packages::Source::Wheelhouse(dir),
+                        None => cellgate::packages::Source::Upstream(args.package_index),
+                    }),
                 }));
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -105,6 +119,37 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(code)
         }
     }
+}
+
+/// The egress proxy and package index (src/egress, src/packages), from the gateway config.
+fn egress_attach(
+    config: &GatewayConfig,
+    gateway: std::net::SocketAddr,
+    policies: &cellgate::policy::Policies,
+) -> anyhow::Result<cellgate::egress::Attach> {
+    use cellgate::packages::{IndexConfig, PackageIndex, Source};
+    let source = match &config.wheelhouse {
+        Some(dir) => Source::Wheelhouse(dir.clone()),
+        None => Source::Upstream(config.package_index.clone()),
+    };
+    let index = PackageIndex::new(IndexConfig {
+        source,
+        cache_dir: config.package_cache_dir.clone(),
+    })?;
+    let egress = cellgate::egress::Egress::new(
+        cellgate::egress::EgressConfig {
+            resolver: cellgate::egress::Resolver {
+                host_map: config.egress_hosts.clone().into_iter().collect(),
+                gateway: Some(gateway),
+            },
+            max_connections_per_session: config.egress_max_connections,
+        },
+        index,
+    );
+    Ok(cellgate::egress::Attach {
+        egress,
+        policy: Arc::new(policies.default_policy().clone()),
+    })
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -139,6 +184,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             &uuid::Uuid::new_v4().simple().to_string()[..12]
         )),
     };
+    let listener = tokio::net::TcpListener::bind((config.ip, config.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
+    let local = listener.local_addr()?;
+    // Bound first: the egress proxy must know the gateway's own address to refuse it.
+    let egress = egress_attach(&config, local, &policies)?;
     let kernels = KernelManager::new(
         specs,
         backends,
@@ -151,6 +202,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             cull_connected: config.cull_connected,
             kernel: KernelOptions {
                 start_timeout: config.start_timeout,
+                egress: Some(egress),
                 ..KernelOptions::default()
             },
             policies,
@@ -159,10 +211,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )?;
     kernels.spawn_culler();
     kernels.refill_pool();
-    let listener = tokio::net::TcpListener::bind((config.ip, config.port))
-        .await
-        .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
-    let local = listener.local_addr()?;
     tracing::info!(
         url = %format!("http://{local}{}", config.base_url),
         sandbox = config.sandbox.map_or("per policy", Backend::as_str),

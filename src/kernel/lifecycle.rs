@@ -41,6 +41,9 @@ pub struct KernelOptions {
     /// The policy's idle timeout and lifetime, enforced by the manager's culler.
     pub idle_timeout: Option<Duration>,
     pub lifetime: Option<Duration>,
+    /// The egress proxy and the policy it applies (namespaces backend only; elsewhere the
+    /// kernel has no network at all).
+    pub egress: Option<crate::egress::Attach>,
 }
 
 impl Default for KernelOptions {
@@ -54,6 +57,7 @@ impl Default for KernelOptions {
             output_limit: None,
             idle_timeout: None,
             lifetime: None,
+            egress: None,
         }
     }
 }
@@ -103,6 +107,8 @@ pub struct Kernel {
     /// Why the gateway last restarted the kernel on its own (a timeout the kernel ignored).
     last_restart_reason: parking_lot::Mutex<Option<String>>,
     started: std::time::Instant,
+    /// The egress proxy's listener of the current generation.
+    egress: parking_lot::Mutex<Option<crate::egress::Listener>>,
 }
 
 /// A duration as people write it: `300 s`, `10 min`, `2 h`.
@@ -146,7 +152,14 @@ impl Kernel {
         client_env: BTreeMap<String, String>,
         options: KernelOptions,
     ) -> Result<Arc<Kernel>, KernelError> {
-        let env = kernel_env(&spec, &id, &dirs.work, &client_env);
+        let mut env = kernel_env(&spec, &id, &dirs.work, &client_env);
+        if options.egress.is_some() && sandbox.backend() == crate::sandbox::Backend::Namespaces {
+            for (k, v) in crate::egress::kernel_env(&spec.dir, &dirs.work) {
+                // A client's own choice (PIP_INDEX_URL, say) cannot open anything: the proxy
+                // decides. The defaults only fill what the client left unset.
+                env.entry(k).or_insert(v);
+            }
+        }
         let (readiness, _) = watch::channel(Readiness::Starting);
         let kernel = Arc::new(Kernel {
             router: Arc::new(Router::new(&id).with_output_limit(options.output_limit)),
@@ -164,6 +177,7 @@ impl Kernel {
             ops: tokio::sync::Mutex::new(()),
             last_restart_reason: parking_lot::Mutex::new(None),
             started: std::time::Instant::now(),
+            egress: parking_lot::Mutex::new(None),
         });
         kernel.spawn_watchdog();
         let launched = kernel.launch_generation().await?;
@@ -176,6 +190,26 @@ impl Kernel {
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
         let (runtime_dir, connection_file, connection) =
             write_connection_file(&self.dirs, generation, &self.spec.name)?;
+        if let Some(attach) = self
+            .options
+            .egress
+            .as_ref()
+            .filter(|_| self.sandbox.backend() == crate::sandbox::Backend::Namespaces)
+        {
+            let listener = attach
+                .egress
+                .listen(
+                    &runtime_dir,
+                    &self.id,
+                    attach.policy.clone(),
+                    self.router.clone(),
+                )
+                .map_err(|err| KernelError::Io {
+                    what: "open the egress proxy socket".to_owned(),
+                    source: std::io::Error::other(err),
+                })?;
+            *self.egress.lock() = Some(listener);
+        }
         let spec = LaunchSpec {
             kernel_id: self.id.clone(),
             argv: self.spec.command(&connection_file)?,

@@ -182,6 +182,8 @@ struct State {
     pids_seen: u64,
     /// What clients executed and saw, for notebook export.
     history: Arc<History>,
+    /// Policy denials (egress, packages) of executions not yet replied to.
+    denials: HashMap<String, Vec<serde_json::Value>>,
 }
 
 /// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
@@ -234,6 +236,7 @@ impl Router {
                 pids_probe: None,
                 pids_seen: 0,
                 history: Arc::new(History::new()),
+                denials: HashMap::new(),
             }),
             output_limit: None,
         }
@@ -540,6 +543,16 @@ impl Router {
                     } else {
                         message
                     };
+                // Only executions with denials pay for a rewrite.
+                let message = if !state.denials.is_empty() && message.msg_type() == "execute_reply"
+                {
+                    match state.denials.remove(&parent) {
+                        Some(denials) => Arc::new(with_denials(&message, denials)),
+                        None => message,
+                    }
+                } else {
+                    message
+                };
                 match state.pending.remove(&parent) {
                     Some(requester) => self.route_locked(&mut state, &requester, message),
                     None => {
@@ -601,6 +614,66 @@ impl Router {
             .running
             .as_ref()
             .map(|(id, since)| (id.clone(), since.elapsed()))
+    }
+
+    /// The execution the kernel is running as far as the gateway can tell: the one whose
+    /// `busy` was seen, else the oldest execute still waiting for its reply (the kernel runs
+    /// them in order, and a cell's side effects, such as a proxy request, can reach the
+    /// gateway before its `busy` status does).
+    pub fn current_execution(&self) -> Option<String> {
+        Self::current_execution_locked(&self.state.lock())
+    }
+
+    fn current_execution_locked(state: &State) -> Option<String> {
+        state
+            .running
+            .as_ref()
+            .map(|(id, _)| id.clone())
+            .or_else(|| {
+                state
+                    .pending_order
+                    .iter()
+                    .find(|id| state.pending.get(*id).is_some_and(|r| r.request.is_some()))
+                    .cloned()
+            })
+    }
+
+    /// Attaches a policy denial (`{"kind","target","policy","reason"}`) to the running
+    /// execution: a stderr line on iopub now, and `metadata.cellgate.denials` on its
+    /// execute_reply. Without a running execution (a thread of the kernel's own, say) the
+    /// denial is only logged by the caller.
+    pub fn record_denial(&self, denial: serde_json::Value) {
+        let mut state = self.state.lock();
+        let Some(msg_id) = Self::current_execution_locked(&state) else {
+            return;
+        };
+        let Some((header, header_bytes)) =
+            state.pending.get(&msg_id).and_then(|r| r.request.clone())
+        else {
+            return;
+        };
+        let reason = denial
+            .get("reason")
+            .and_then(|r| r.as_str())
+            .unwrap_or("denied by policy");
+        let line = Message::answering(
+            &header,
+            &header_bytes,
+            Channel::Iopub,
+            "stream",
+            &json!({"name": "stderr", "text": format!("cellgate: {reason}\n")}),
+            &json!({"cellgate": {"denial": denial}}),
+        );
+        let list = state.denials.entry(msg_id).or_default();
+        // A loop of denied requests must not grow the reply without bound.
+        if list.len() < 100 {
+            list.push(denial);
+        }
+        if state.denials.len() > 256 {
+            let current = Self::current_execution_locked(&state);
+            state.denials.retain(|k, _| Some(k) == current.as_ref());
+        }
+        Self::broadcast_locked(&mut state, &Arc::new(line));
     }
 
     /// When the gateway interrupted `msg_id` for running too long, if it did.
@@ -701,7 +774,7 @@ impl Router {
         let mut reply_content = error.clone();
         reply_content["status"] = json!("error");
         reply_content["execution_count"] = json!(null);
-        let reply = Message::answering(
+        let mut reply = Message::answering(
             &header,
             &header_bytes,
             Channel::Shell,
@@ -709,6 +782,10 @@ impl Router {
             &reply_content,
             &metadata,
         );
+        // A cell whose kernel died or timed out still reports what the policy denied it.
+        if let Some(denials) = state.denials.remove(&header.msg_id) {
+            reply = with_denials(&reply, denials);
+        }
         let idle = Message::answering(
             &header,
             &header_bytes,
@@ -853,6 +930,29 @@ fn with_outcome(message: &Message, outcome: &str) -> Message {
             *cellgate = json!({});
         }
         cellgate["outcome"] = json!(outcome);
+    }
+    let mut changed = message.clone();
+    changed.metadata = Bytes::from(metadata.to_string());
+    changed
+}
+
+/// The same message with `metadata.cellgate.denials` set, merged into any `cellgate` object.
+fn with_denials(message: &Message, denials: Vec<serde_json::Value>) -> Message {
+    let mut metadata: serde_json::Value =
+        serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
+    if !metadata.is_object() {
+        metadata = json!({});
+    }
+    let cellgate = metadata
+        .as_object_mut()
+        .map(|m| m.entry("cellgate").or_insert_with(|| json!({})));
+    if let Some(cellgate) = cellgate {
+        if !cellgate.is_object() {
+            *cellgate = json!({});
+        }
+        if let Some(object) = cellgate.as_object_mut() {
+            object.insert("denials".to_owned(), serde_json::Value::Array(denials));
+        }
     }
     let mut changed = message.clone();
     changed.metadata = Bytes::from(metadata.to_string());

@@ -1,6 +1,7 @@
 //! Policies: named, documented TOML files in `policies/` that say how a tenant's kernels run.
-//! This part covers the sandbox backend and the limits; packages and egress come with their
-//! own sections.
+//! Sections: the sandbox backend, the limits, and what a kernel may reach (`[egress]`, the
+//! hosts of cellgate's proxy) and install (`[packages]`, the projects of cellgate's index);
+//! see [`access`].
 //!
 //! Every field has a default (the values of `policies/default.toml`), a unit, and is
 //! validated on load; unknown fields are refused with the file and line, so a typo never
@@ -8,6 +9,7 @@
 //!
 //! Must not depend on: kernels, HTTP. (It names a sandbox backend, nothing more.)
 
+pub mod access;
 mod units;
 
 use std::collections::BTreeMap;
@@ -17,6 +19,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::sandbox::Backend;
+pub use access::{Dependencies, EgressRules, PackageRules};
 pub use units::{parse_duration, parse_size};
 
 /// Errors in policy files.
@@ -50,6 +53,10 @@ struct PolicyFile {
     sandbox: SandboxSection,
     #[serde(default)]
     limits: LimitsSection,
+    #[serde(default)]
+    egress: access::EgressSection,
+    #[serde(default)]
+    packages: access::PackagesSection,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -126,6 +133,10 @@ pub struct Policy {
     pub description: String,
     pub backend: Backend,
     pub limits: PolicyLimits,
+    /// Hosts reachable through the egress proxy (none by default).
+    pub egress: EgressRules,
+    /// Projects the package index lists (none by default).
+    pub packages: PackageRules,
 }
 
 fn invalid(path: &Path, field: &'static str, reason: impl Into<String>) -> PolicyError {
@@ -195,11 +206,17 @@ impl Policy {
         if limits.max_kernels == 0 {
             return Err(invalid(path, "limits.max_kernels", "must be at least 1"));
         }
+        let egress =
+            access::egress_rules(file.egress).map_err(|(field, why)| invalid(path, field, why))?;
+        let packages = access::package_rules(file.packages)
+            .map_err(|(field, why)| invalid(path, field, why))?;
         Ok(Policy {
             name: name.to_owned(),
             description: file.description.unwrap_or_default(),
             backend: file.sandbox.backend.unwrap_or(Backend::Namespaces),
             limits,
+            egress,
+            packages,
         })
     }
 
@@ -310,6 +327,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("limits.memory"), "{err}");
+        let err = parse("[egress]\nallow = []\nalow = []\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 3") && err.contains("alow"), "{err}");
+        let err = parse("[packages]\nallow = [\"x>=1\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("packages.allow"), "{err}");
+        let p = parse("[egress]\nallow = [\"*.a.org:443\"]\n[packages]\nallow = [\"Numpy\"]\ndependencies = \"implicit\"\n").unwrap();
+        assert!(p.egress.allowing("x.a.org", 443).is_some());
+        assert_eq!(p.packages.dependencies, Dependencies::Implicit);
+        assert!(p.packages.rule("numpy").is_some());
         let err = parse("[sandbox]\nbackend = \"docker\"\n")
             .unwrap_err()
             .to_string();

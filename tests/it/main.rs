@@ -9,6 +9,7 @@ mod api_v1_flow;
 mod attacks;
 mod clients;
 mod compat;
+mod egress;
 mod hostile;
 mod http;
 mod lifecycle;

@@ -369,3 +369,57 @@ fn history_records_what_clients_executed_and_saw() {
     assert_eq!(outputs[1]["name"], "stderr");
     assert!(outputs[1]["text"].as_str().unwrap().contains("limit"));
 }
+
+#[test]
+fn denials_reach_the_running_execution_only() {
+    let router = Router::new("k");
+    let (a_tx, mut a) = client_queue();
+    let (a_id, _) = router.attach("sa", a_tx);
+    // No execution at all: nothing is attached.
+    router.record_denial(serde_json::json!({"kind": "egress", "reason": "early"}));
+    router.register_request(a_id, "sa", &request("r1"));
+    // Sent but its `busy` not seen yet: the oldest waiting execute is the running one.
+    let before_busy = serde_json::json!({"kind": "egress", "target": "h:1", "policy": "p", "reason": "egress to h:1 is not allowed by policy 'p'"});
+    router.record_denial(before_busy.clone());
+    let busy = Message::from_parts(
+        Channel::Iopub,
+        Bytes::from_static(br#"{"msg_id":"s1","msg_type":"status"}"#),
+        Bytes::from_static(br#"{"msg_id":"r1","msg_type":"execute_request"}"#),
+        Bytes::from_static(b"{}"),
+        Bytes::from_static(br#"{"execution_state":"busy"}"#),
+        vec![],
+    )
+    .unwrap();
+    router.deliver(busy);
+    let denial = serde_json::json!({"kind": "package", "target": "x", "policy": "p", "reason": "package 'x' is not allowed by policy 'p'"});
+    router.record_denial(denial.clone());
+    let mut reply = msg(Channel::Shell, "execute_reply", "rep1", Some("r1"), "{}");
+    reply.metadata = Bytes::from_static(br#"{"cellgate":{"outcome":"timeout"},"other":1}"#);
+    router.deliver(reply);
+    let mut got = vec![];
+    while let Some(m) = a.try_recv() {
+        got.push(m);
+    }
+    let lines: Vec<_> = got.iter().filter(|m| m.msg_type() == "stream").collect();
+    assert_eq!(lines.len(), 2);
+    let line = lines[1];
+    let content: serde_json::Value = serde_json::from_slice(&line.content).unwrap();
+    assert_eq!(content["name"], "stderr");
+    assert_eq!(
+        content["text"],
+        "cellgate: package 'x' is not allowed by policy 'p'\n"
+    );
+    assert_eq!(line.parent_msg_id(), Some("r1"));
+    let reply = got.last().unwrap();
+    assert_eq!(reply.msg_type(), "execute_reply");
+    let metadata: serde_json::Value = serde_json::from_slice(&reply.metadata).unwrap();
+    assert_eq!(
+        metadata["cellgate"]["denials"],
+        serde_json::json!([before_busy, denial])
+    );
+    assert_eq!(
+        metadata["cellgate"]["outcome"], "timeout",
+        "merged, not replaced"
+    );
+    assert_eq!(metadata["other"], 1);
+}

@@ -62,6 +62,7 @@
 
 #![allow(unsafe_code)]
 
+mod bridge;
 mod cgroups;
 mod confine;
 mod error;
@@ -249,6 +250,23 @@ impl NamespacesSandbox {
             hostname: self.config.hostname.clone(),
             address_space_limit: None,
             landlock: self.config.landlock,
+            // The gateway opened the proxy socket for this generation (see crate::egress):
+            // the init runs the bridge to it.
+            egress_socket: Some(spec.runtime_dir.join(crate::egress::SOCKET_NAME))
+                .filter(|p| p.exists()),
+            // Python caches a missing sys.path entry as "no finder" for good, so a directory
+            // on PYTHONPATH that pip creates later (the per-session site-packages) would stay
+            // invisible to `import` in the same kernel: make them before Python starts.
+            workspace_dirs: spec
+                .env
+                .get("PYTHONPATH")
+                .map(|p| {
+                    std::env::split_paths(p)
+                        .filter(|d| d.is_absolute() && d.starts_with(&spec.workspace))
+                        .filter(|d| !d.components().any(|c| c.as_os_str() == ".."))
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 
@@ -295,7 +313,10 @@ impl NamespacesSandbox {
         if !self.ids.privileged {
             return Ok(());
         }
-        for path in [&spec.runtime_dir, &spec.connection_file] {
+        // The egress proxy's socket, when the gateway opened one: connecting needs write
+        // permission on it.
+        let egress = spec.runtime_dir.join(crate::egress::SOCKET_NAME);
+        for path in [&spec.runtime_dir, &spec.connection_file, &egress] {
             let owner = Some(self.ids.outside_uid);
             match std::os::unix::fs::chown(path, owner, Some(self.ids.outside_gid)) {
                 Ok(()) => {}

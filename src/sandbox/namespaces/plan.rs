@@ -45,6 +45,13 @@ pub struct Plan {
     pub address_space_limit: Option<u64>,
     /// Whether to add a Landlock ruleset (best effort: skipped where the kernel lacks it).
     pub landlock: bool,
+    /// The egress proxy's unix socket (inside `runtime_dir`): when set, the init runs the
+    /// bridge from 127.0.0.1:3128 to it.
+    #[serde(default)]
+    pub egress_socket: Option<PathBuf>,
+    /// Directories inside the workspace made (by the sandbox user) before the kernel starts.
+    #[serde(default)]
+    pub workspace_dirs: Vec<PathBuf>,
 }
 
 /// A report from the helper or the init, in the order they happen.
