@@ -8,6 +8,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -101,15 +102,10 @@ fn parse_request(
     let root: Value = serde_json::from_str(text)
         .map_err(|err| ApiError::from(NotebookError::NotJson(err.to_string())))?;
     let wrapped = root.get("notebook").is_some() && root.get("cells").is_none();
-    let (parsed, fields) = if wrapped {
-        let inner = match &root["notebook"] {
-            // The .ipynb text itself, as a string.
-            Value::String(text) => parse_notebook(text)?,
-            other => parse_notebook(&other.to_string())?,
-        };
-        (inner, root.as_object().cloned())
+    let fields = if wrapped {
+        root.as_object().cloned()
     } else {
-        (parse_notebook(text)?, None)
+        None
     };
     let get = |key: &str| {
         fields
@@ -148,6 +144,13 @@ fn parse_request(
         }
         None => None,
     };
+    // Options first: they are cheap to check, the notebook may be large.
+    let parsed = match (wrapped, &root["notebook"]) {
+        // The .ipynb text itself, as a string.
+        (true, Value::String(text)) => parse_notebook(text)?,
+        (true, other) => parse_notebook(&other.to_string())?,
+        (false, _) => parse_notebook(text)?,
+    };
     Ok((
         parsed,
         ReplayOptions {
@@ -167,10 +170,11 @@ fn outcome_json(outcome: &ReplayOutcome) -> Value {
 pub async fn replay_notebook(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-    Query(query): Query<ReplayQuery>,
+    query: Result<Query<ReplayQuery>, QueryRejection>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
     let (parsed, mut options) = parse_request(&body, query)?;
     if let Principal::Tenant { policy, .. } = &principal {
         // A tenant replays under its own policy only.

@@ -795,6 +795,7 @@ impl Router {
             &json!({}),
         );
         Self::broadcast_locked(state, &Arc::new(iopub_error));
+        state.history.on_reply(&reply);
         self.route_locked(state, requester, Arc::new(reply));
         Self::broadcast_locked(state, &Arc::new(idle));
     }

@@ -95,6 +95,9 @@ pub struct CellRun {
     pub timed_out: bool,
     /// Display updates (display id, data, metadata) for outputs of earlier cells.
     pub display_updates: Vec<(String, Value, Value)>,
+    /// The kernel could not run the cell at all (it died, or stopped answering): the replay
+    /// ends here whatever errors are allowed.
+    pub kernel_lost: bool,
 }
 
 /// Executes code cells one after another in one kernel.
@@ -343,9 +346,18 @@ pub async fn replay_with<R: CellRunner>(
                 }
             };
         } else {
-            let run = runner
+            let run = match runner
                 .execute(&code, cell_timeout(metadata, default_timeout))
-                .await?;
+                .await
+            {
+                Ok(run) => run,
+                // The report so far is worth more than an error for the whole replay.
+                Err(err) => CellRun {
+                    error: Some(err.to_string()),
+                    kernel_lost: true,
+                    ..CellRun::default()
+                },
+            };
             for (display_id, data, meta) in &run.display_updates {
                 for (_, _, log) in executed.iter_mut() {
                     log.update_display(display_id, data, meta);
@@ -358,6 +370,11 @@ pub async fn replay_with<R: CellRunner>(
                 .is_some_and(|t| t.iter().any(|t| t == "raises-exception"));
             let produced = run.outputs.to_json();
             match (&run.error, tagged || options.allow_errors) {
+                (Some(error), _) if run.kernel_lost => {
+                    line.status = CellStatus::Error;
+                    line.error = Some(error.clone());
+                    stopped = true;
+                }
                 (Some(error), false) => {
                     line.status = CellStatus::Error;
                     line.error = Some(error.clone());
@@ -535,6 +552,47 @@ mod tests {
         fn language_info(&self) -> Option<Value> {
             Some(json!({"name": "python"}))
         }
+    }
+
+    /// A kernel that dies on the second cell.
+    struct Dying(usize);
+
+    impl CellRunner for Dying {
+        async fn execute(
+            &mut self,
+            _code: &str,
+            _timeout: Duration,
+        ) -> Result<CellRun, NotebookError> {
+            self.0 += 1;
+            if self.0 == 2 {
+                return Err(NotebookError::KernelLost("gone".to_owned()));
+            }
+            Ok(CellRun::default())
+        }
+        fn language_info(&self) -> Option<Value> {
+            None
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lost_kernel_ends_the_replay_with_a_report() {
+        let nb = json!({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+            code("a", json!([]), &[]), code("b", json!([]), &[]), code("c", json!([]), &[]),
+        ]});
+        let parsed = parse_notebook(&nb.to_string()).unwrap();
+        let options = ReplayOptions {
+            allow_errors: true,
+            ..ReplayOptions::default()
+        };
+        let outcome = replay_with(&mut Dying(0), parsed, &options, None)
+            .await
+            .unwrap();
+        let statuses: Vec<CellStatus> = outcome.report.iter().map(|r| r.status).collect();
+        assert_eq!(
+            statuses,
+            vec![CellStatus::Same, CellStatus::Error, CellStatus::Skipped]
+        );
+        assert!(outcome.report[1].error.as_deref().unwrap().contains("gone"));
     }
 
     fn code(source: &str, outputs: Value, tags: &[&str]) -> Value {

@@ -417,8 +417,29 @@ async fn malformed_notebooks_get_clear_errors_and_the_gateway_keeps_serving() ->
         let message = answer["message"].as_str().unwrap_or_default();
         assert!(message.contains(expected), "{body}: {message}");
     }
-    let (status, answer) = replay_http(&gateway, "{}", "?timeout_s=-1").await?;
+    let empty =
+        json!({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": []}).to_string();
+    for (query, expected) in [
+        ("?timeout_s=-1", "timeout_s"),
+        ("?allow_errors=maybe", "allow_errors"),
+    ] {
+        let (status, answer) = replay_http(&gateway, &empty, query).await?;
+        assert_eq!(status, 400, "{answer}");
+        let message = answer["message"].as_str().unwrap_or_default();
+        assert!(message.contains(expected), "{query}: {message}");
+    }
+    let wrapped = json!({"notebook": empty, "timeout_s": "soon"}).to_string();
+    let (status, answer) = replay_http(&gateway, &wrapped, "").await?;
     assert_eq!(status, 400, "{answer}");
+    assert!(answer["message"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("timeout_s"));
+    // The wrapped form works, with the notebook given as text.
+    let wrapped = json!({"notebook": empty, "allow_errors": true}).to_string();
+    let (status, answer) = replay_http(&gateway, &wrapped, "").await?;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["matched"], true);
 
     // A cell past its own timeout is interrupted and reported; later cells are skipped.
     let slow = json!({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [

@@ -423,3 +423,35 @@ fn denials_reach_the_running_execution_only() {
     );
     assert_eq!(metadata["other"], 1);
 }
+
+#[test]
+fn history_records_the_gateways_answer_for_a_cell_whose_kernel_died() {
+    let router = Router::new("k");
+    let (tx, _rx) = client_queue();
+    let (id, _) = router.attach("s", tx);
+    // fail_locked answers in the kernel's stead with the request's own header.
+    let mut request = msg(
+        Channel::Shell,
+        "execute_request",
+        "r1",
+        None,
+        r#"{"code":"crash()","silent":false}"#,
+    );
+    request.header.session = "s".to_owned();
+    router.register_request(id, "s", &request);
+    router.deliver(of_execute(
+        "status",
+        "b",
+        "r1",
+        r#"{"execution_state":"busy"}"#,
+    ));
+    router.fail_pending_executions(
+        "KernelDiedError",
+        "the kernel process ended",
+        "sandbox_lost",
+    );
+    let cell = &router.history().snapshot().cells[0];
+    let outputs = cell.outputs.to_json();
+    assert_eq!(outputs.len(), 1);
+    assert_eq!(outputs[0]["ename"], "KernelDiedError");
+}
