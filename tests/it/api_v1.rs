@@ -1231,3 +1231,129 @@ async fn openapi_document_lists_every_route() -> Result<()> {
     }
     Ok(())
 }
+
+/// Hostile code shaping `outputs/`: links to host files (a file link and `outputs` itself
+/// as a link), a FIFO that would block a reader, and artifact ids that look like paths. None
+/// of it leaks a host file, hangs the execution, or harms the session.
+#[tokio::test]
+async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
+    let gateway = Gateway::start().await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nos.makedirs('outputs/sub', exist_ok=True)\n\
+         os.symlink('/etc/passwd', 'outputs/passwd.txt')\n\
+         os.symlink('/etc', 'outputs/etc')\n\
+         os.mkfifo('outputs/pipe.txt')\n\
+         open('outputs/sub/real.txt', 'w').write('real')\n'ok'",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let artifacts = r["artifacts"].as_array().context("artifacts")?;
+    assert_eq!(artifacts.len(), 1, "only the regular file: {artifacts:?}");
+    assert_eq!(artifacts[0]["path"], "outputs/sub/real.txt");
+    let body = fetch_artifact(&gateway, artifacts[0]["id"].as_str().unwrap())
+        .await?
+        .text()
+        .await?;
+    assert_eq!(body, "real");
+
+    // outputs itself replaced by a link to a host directory full of files.
+    let r = execute(
+        &gateway,
+        &id,
+        "import os, shutil\nshutil.rmtree('outputs')\nos.symlink('/etc', 'outputs')\n'swapped'",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["artifacts"], json!([]), "{r}");
+    let (_, listed) = gateway
+        .get_json(&format!("/v1/sessions/{id}/artifacts"))
+        .await?;
+    for artifact in listed.as_array().context("listed")? {
+        let body = fetch_artifact(&gateway, artifact["id"].as_str().unwrap())
+            .await?
+            .text()
+            .await?;
+        assert!(!body.contains("root:"), "{artifact} leaked a host file");
+    }
+
+    // Artifact ids that look like paths: 404, never a file.
+    for id in [
+        "..%2f..%2f..%2fetc%2fpasswd",
+        "%2e%2e",
+        "%2fetc%2fpasswd",
+        "x%00",
+    ] {
+        let (status, body) =
+            raw_request(&gateway, "GET", &format!("/v1/artifacts/{id}"), b"").await?;
+        assert!((400..500).contains(&status), "{id}: {status}");
+        assert!(!body.contains("root:"), "{id}: {body}");
+    }
+    assert_eq!(execute(&gateway, &id, "1 + 1").await?["result"], "2");
+    Ok(())
+}
+
+/// Interrupt over HTTP stops a running cell (KeyboardInterrupt, variables kept); a deleted
+/// session's artifacts stay fetchable for the retention period while the session is gone.
+#[tokio::test]
+async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
+    let gateway = Gateway::start().await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "kept = 5\nfrom IPython.display import display, SVG\n\
+         display(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"20\"/>'))",
+    )
+    .await?;
+    let artifact = r["artifacts"][0]["id"]
+        .as_str()
+        .context("an artifact")?
+        .to_owned();
+
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"code": "import time\nprint('sleeping', flush=True)\ntime.sleep(60)"}),
+    )
+    .await?;
+    loop {
+        let (name, event) = sse.next().await?;
+        assert_ne!(name, "done", "{event}");
+        if name == "stream" && event["text"] == "sleeping\n" {
+            break;
+        }
+    }
+    let (status, body) = post(&gateway, &format!("/v1/sessions/{id}/interrupt"), json!({})).await?;
+    assert_eq!(status, 204, "{body}");
+    let result = loop {
+        let (name, event) = sse.next().await?;
+        if name == "done" {
+            break event["result"].clone();
+        }
+    };
+    assert_eq!(result["status"], "error", "{result}");
+    assert_eq!(result["error"]["ename"], "KeyboardInterrupt", "{result}");
+    assert_eq!(execute(&gateway, &id, "kept").await?["result"], "5");
+
+    let status = gateway
+        .request(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?
+        .status()
+        .as_u16();
+    assert_eq!(status, 204);
+    assert_eq!(
+        gateway
+            .get_json(&format!("/v1/sessions/{id}/artifacts"))
+            .await?
+            .0,
+        404
+    );
+    let response = fetch_artifact(&gateway, &artifact).await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(response.text().await?.contains("height=\"20\""));
+    Ok(())
+}
