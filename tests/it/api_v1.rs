@@ -986,6 +986,16 @@ async fn files_upload_download_and_attacks() -> Result<()> {
         "'seeded'"
     );
 
+    // Uploaded files belong to the sandbox's user: the kernel may change and remove them.
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nst = os.stat('seed/hello.txt')\nopen('seed/hello.txt', 'a').write('!')\n\
+         os.rename('seed/hello.txt', 'seed/moved.txt')\n(st.st_uid == os.getuid(), st.st_gid == os.getgid())",
+    )
+    .await?;
+    assert_eq!(r["result"], "(True, True)", "{r}");
+
     let csv = b"a,b\n1,2\n3,4\n".to_vec();
     assert_eq!(
         put_file(&gateway, &id, "data/in.csv", csv.clone()).await?,
@@ -1024,7 +1034,7 @@ async fn files_upload_download_and_attacks() -> Result<()> {
         .iter()
         .filter_map(|e| e["path"].as_str())
         .collect();
-    for want in ["data/in.csv", "data/out.csv", "seed/hello.txt"] {
+    for want in ["data/in.csv", "data/out.csv", "seed/moved.txt"] {
         assert!(paths.contains(&want), "{want} missing from {listing}");
     }
     let entry = listing
@@ -1071,7 +1081,14 @@ async fn files_upload_download_and_attacks() -> Result<()> {
     )
     .await?;
     assert_eq!(r["result"], "'planted'", "{r}");
-    for path in ["passwd", "etc/passwd", "root/etc/passwd"] {
+    let planted = format!("cellgate-pwned-{}", std::process::id());
+    for path in [
+        "passwd".to_owned(),
+        "etc/passwd".to_owned(),
+        "root/etc/passwd".to_owned(),
+        format!("etc/{planted}"),
+        format!("root/tmp/{planted}"),
+    ] {
         let url = format!("/v1/sessions/{id}/files/{path}");
         let (status, body) = raw_request(&gateway, "GET", &url, b"").await?;
         assert!((400..500).contains(&status), "GET {path}: {status} {body}");
@@ -1088,7 +1105,19 @@ async fn files_upload_download_and_attacks() -> Result<()> {
         passwd,
         "the host's /etc/passwd changed"
     );
-    assert!(!std::path::Path::new("/etc/pwned").exists());
+    for host in [format!("/etc/{planted}"), format!("/tmp/{planted}")] {
+        assert!(!std::path::Path::new(&host).exists(), "{host} was created");
+    }
+    // A FIFO the kernel made: refused, never a download that hangs.
+    execute(&gateway, &id, "import os\nos.mkfifo('pipe')").await?;
+    let (status, body) = raw_request(
+        &gateway,
+        "GET",
+        &format!("/v1/sessions/{id}/files/pipe"),
+        b"",
+    )
+    .await?;
+    assert!((400..500).contains(&status), "GET pipe: {status} {body}");
     let (status, listing) = gateway
         .get_json(&format!("/v1/sessions/{id}/files"))
         .await?;
