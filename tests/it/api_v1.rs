@@ -1386,3 +1386,73 @@ async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
     assert!(response.text().await?.contains("height=\"20\""));
     Ok(())
 }
+
+/// Executions sent at once to one session are queued, and each result holds only its own
+/// output; a busy session never holds up another one.
+#[tokio::test]
+async fn concurrent_executes_keep_their_own_output() -> Result<()> {
+    let gateway = Gateway::start().await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let other = create_session(&gateway, json!({})).await?;
+
+    let runs = (0..4).map(|i| {
+        let gateway = &gateway;
+        let id = id.clone();
+        async move {
+            let code = format!(
+                "import time\nfor j in range(5):\n    print('run{i}', j, flush=True)\n    time.sleep(0.01)\nrun{i} = {i}\n{i} * 100"
+            );
+            (i, execute(gateway, &id, &code).await)
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    let mut counts = vec![];
+    for (i, result) in results {
+        let r = result?;
+        assert_eq!(r["status"], "ok", "{r}");
+        let want: String = (0..5).map(|j| format!("run{i} {j}\n")).collect();
+        assert_eq!(
+            r["stdout"],
+            want.as_str(),
+            "run {i} got another's output: {r}"
+        );
+        assert_eq!(r["result"], (i * 100).to_string());
+        counts.push(r["execution_count"].as_i64().context("count")?);
+    }
+    counts.sort();
+    counts.dedup();
+    assert_eq!(
+        counts.len(),
+        4,
+        "each execution has its own count: {counts:?}"
+    );
+
+    // Session `id` busy (waiting for the test), `other` still answers.
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"code": format!("print('busy', flush=True)\n{}'released'", wait_for_file("release"))}),
+    )
+    .await?;
+    loop {
+        let (name, event) = sse.next().await?;
+        assert_ne!(name, "done", "{event}");
+        if name == "stream" {
+            break;
+        }
+    }
+    let r = execute(&gateway, &other, "'other answers'").await?;
+    assert_eq!(r["result"], "'other answers'");
+    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(status, 200);
+    assert_eq!(model["state"], "busy", "{model}");
+    assert_eq!(put_file(&gateway, &id, "release", vec![]).await?, 201);
+    loop {
+        let (name, event) = sse.next().await?;
+        if name == "done" {
+            assert_eq!(event["result"]["result"], "'released'", "{event}");
+            break;
+        }
+    }
+    Ok(())
+}
