@@ -1456,3 +1456,80 @@ async fn concurrent_executes_keep_their_own_output() -> Result<()> {
     }
     Ok(())
 }
+
+/// Bad requests around files lose nothing: initial files with a bad path or encoding refuse
+/// the session (no kernel left behind), also for the one-shot execute; an oversize upload
+/// without a Content-Length (chunked, as a streaming client sends it) is cut off with 413.
+#[tokio::test]
+async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        "[limits]\nworkspace = \"2MiB\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    for files in [
+        json!([{"path": "../escape.txt", "content": "x"}]),
+        json!([{"path": "/etc/cellgate-escape", "content": "x"}]),
+        json!([{"path": "ok.txt", "content": "%%%", "encoding": "base64"}]),
+        json!([{"path": "ok.txt", "content": "x", "encoding": "rot13"}]),
+    ] {
+        let (status, body) = post(&gateway, "/v1/sessions", json!({ "files": files })).await?;
+        assert_eq!(status, 400, "{files}: {body}");
+        let (status, body) = post(
+            &gateway,
+            "/v1/execute",
+            json!({"code": "1", "files": files}),
+        )
+        .await?;
+        assert_eq!(status, 400, "{files}: {body}");
+    }
+    assert!(!std::path::Path::new("/etc/cellgate-escape").exists());
+    let (_, sessions) = gateway.get_json("/v1/sessions").await?;
+    assert_eq!(sessions, json!([]), "a refused session was kept");
+    let (_, kernels) = gateway.get_json("/api/kernels").await?;
+    assert_eq!(kernels, json!([]), "a refused session's kernel was kept");
+
+    let id = create_session(&gateway, json!({})).await?;
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", gateway.port)).await?;
+    let head = format!(
+        "PUT /v1/sessions/{id}/files/stream.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+         Authorization: token {}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        gateway.token.clone().unwrap_or_default()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    let chunk = vec![b'z'; 64 << 10];
+    // Up to 8 MiB; the gateway may stop reading (and answer) long before.
+    for _ in 0..128 {
+        let mut frame = format!("{:x}\r\n", chunk.len()).into_bytes();
+        frame.extend_from_slice(&chunk);
+        frame.extend_from_slice(b"\r\n");
+        if stream.write_all(&frame).await.is_err() {
+            break;
+        }
+    }
+    let _ = stream.write_all(b"0\r\n\r\n").await;
+    let mut response = Vec::new();
+    let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut response)).await?;
+    let text = String::from_utf8_lossy(&response);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    let (_, listing) = gateway
+        .get_json(&format!("/v1/sessions/{id}/files"))
+        .await?;
+    // The workspace is the kernel's home (.ipython and such): only the upload matters.
+    assert!(
+        !listing.as_array().context("listing")?.iter().any(|e| {
+            let path = e["path"].as_str().unwrap_or_default();
+            path.contains("stream.bin") || path.contains(".cellgate-upload")
+        }),
+        "a partial upload was left: {listing}"
+    );
+    assert_eq!(
+        put_file(&gateway, &id, "fits.bin", vec![0u8; 1 << 20]).await?,
+        201
+    );
+    Ok(())
+}
