@@ -209,6 +209,32 @@ impl Session {
         let _ = self.events.send(event);
     }
 
+    /// The kernel's life as the session's subscribers see it: starting, restarting, ready,
+    /// dead, terminated.
+    fn kernel_state(&self) -> (String, u64, Option<String>) {
+        let generation = self.kernel.generation();
+        match self.kernel.readiness() {
+            Readiness::Ready => ("ready".to_owned(), generation, None),
+            Readiness::Starting => {
+                let restarting = self.kernel.router().activity().execution_state == "restarting"
+                    || generation > 1;
+                let state = if restarting { "restarting" } else { "starting" };
+                (state.to_owned(), generation, None)
+            }
+            Readiness::Dead(reason) => ("dead".to_owned(), generation, Some(reason)),
+            Readiness::Terminated => ("terminated".to_owned(), generation, None),
+        }
+    }
+
+    fn publish_kernel_state(&self) {
+        let (state, state_generation, reason) = self.kernel_state();
+        self.publish(Arc::new(SessionEvent::Kernel {
+            state,
+            state_generation,
+            reason,
+        }));
+    }
+
     pub async fn interrupt(&self) -> Result<(), SessionError> {
         Ok(self.client.interrupt().await?)
     }
@@ -218,11 +244,6 @@ impl Session {
     pub async fn restart(&self) -> Result<(), SessionError> {
         let result = self.client.restart().await;
         self.outputs_seen.lock().clear();
-        self.publish(Arc::new(SessionEvent::Kernel {
-            state: if result.is_ok() { "restarted" } else { "dead" }.to_owned(),
-            state_generation: self.kernel.generation(),
-            reason: result.as_ref().err().map(ToString::to_string),
-        }));
         Ok(result?)
     }
 
@@ -250,6 +271,34 @@ impl Session {
         tokio::spawn(async move { session.run(code, timeout, tx).await });
         rx
     }
+}
+
+/// Tells the session's subscribers when its kernel's life changes (a restart after a
+/// timeout or OOM, a death, a shutdown from the Kernel Gateway API), polled: cheap, and no
+/// hook in the kernel's lifecycle.
+fn spawn_monitor(session: &Arc<Session>) {
+    let weak = Arc::downgrade(session);
+    let mut last = session.kernel_state();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let Some(session) = weak.upgrade() else {
+                return;
+            };
+            let now = session.kernel_state();
+            if now != last {
+                session.publish(Arc::new(SessionEvent::Kernel {
+                    state: now.0.clone(),
+                    state_generation: now.1,
+                    reason: now.2.clone(),
+                }));
+                if now.0 == "terminated" {
+                    return;
+                }
+                last = now;
+            }
+        }
+    });
 }
 
 /// Every session of the gateway.
@@ -326,6 +375,7 @@ impl Sessions {
         self.sessions
             .write()
             .insert(session.id.clone(), session.clone());
+        spawn_monitor(&session);
         tracing::info!(session_id = %session.id, tenant = ?session.owner, policy = %session.kernel.policy, "session created");
         Ok(session)
     }
@@ -354,6 +404,7 @@ impl Sessions {
             Ok(()) | Err(KernelError::NoSuchKernel) => {}
             Err(err) => return Err(err.into()),
         }
+        session.publish_kernel_state();
         self.artifacts.expire_session(id);
         tracing::info!(session_id = %id, "session deleted");
         Ok(())
