@@ -121,16 +121,8 @@ fn new_session(
     }
 }
 
-/// Writes the initial files; the session is deleted again when one cannot be written.
-async fn write_initial_files(
-    state: &AppState,
-    session: &Arc<Session>,
-    files: Vec<InitialFile>,
-) -> Result<(), ApiError> {
-    if files.is_empty() {
-        return Ok(());
-    }
-    let limit = super::files::upload_limit(state, session);
+/// Decodes and checks the initial files before any kernel starts.
+fn decode_files(files: Vec<InitialFile>) -> Result<Vec<(String, Vec<u8>)>, ApiError> {
     let mut decoded = Vec::new();
     for file in files {
         let bytes = match file.encoding.as_deref() {
@@ -150,10 +142,23 @@ async fn write_initial_files(
         crate::workspace::check_path(&file.path)?;
         decoded.push((file.path, bytes));
     }
+    Ok(decoded)
+}
+
+/// Writes the initial files into a new session's workspace.
+async fn write_initial_files(
+    state: &AppState,
+    session: &Arc<Session>,
+    files: Vec<(String, Vec<u8>)>,
+) -> Result<(), ApiError> {
+    if files.is_empty() {
+        return Ok(());
+    }
+    let limit = super::files::upload_limit(state, session);
     let session = session.clone();
     tokio::task::spawn_blocking(move || -> Result<(), ApiError> {
         let workspace = session.open_workspace()?;
-        for (path, bytes) in decoded {
+        for (path, bytes) in files {
             let mut upload = workspace.create(&path)?;
             upload.write(&bytes, limit)?;
             upload.commit()?;
@@ -169,9 +174,10 @@ async fn create_session(
     principal: &Principal,
     request: CreateSession,
 ) -> Result<Arc<Session>, ApiError> {
+    let files = decode_files(request.files)?;
     let new = new_session(principal, request.kernel_name, request.policy, request.env);
     let session = state.sessions.create(new).await?;
-    if let Err(err) = write_initial_files(state, &session, request.files).await {
+    if let Err(err) = write_initial_files(state, &session, files).await {
         let _ = state.sessions.delete(&session.id).await;
         return Err(err);
     }
