@@ -74,6 +74,10 @@ pub struct ServeArgs {
     /// Path prefix of every route [env: KG_BASE_URL] [default: /].
     #[arg(long)]
     pub base_url: Option<String>,
+    /// Seconds an API v1 session's artifacts stay fetchable after the session ended
+    /// [default: 3600].
+    #[arg(long)]
+    pub artifact_retention: Option<u64>,
 }
 
 /// The config file. Unknown keys are errors, reported with their line.
@@ -98,6 +102,7 @@ struct FileConfig {
     max_message_mib: Option<usize>,
     runtime_dir: Option<PathBuf>,
     base_url: Option<String>,
+    artifact_retention: Option<u64>,
 }
 
 /// Resolved settings of a running gateway.
@@ -122,6 +127,8 @@ pub struct GatewayConfig {
     pub runtime_dir: Option<PathBuf>,
     /// Always starts and ends with `/`.
     pub base_url: String,
+    /// How long artifacts outlive their API v1 session.
+    pub artifact_retention: Duration,
 }
 
 /// Errors in settings.
@@ -258,6 +265,11 @@ impl GatewayConfig {
                     .max(1),
             ),
             pool_size: args.pool_size.or(file.pool_size).unwrap_or(1),
+            artifact_retention: Duration::from_secs(
+                args.artifact_retention
+                    .or(file.artifact_retention)
+                    .unwrap_or(3600),
+            ),
             allow_origin: args
                 .allow_origin
                 .clone()

@@ -24,7 +24,9 @@ use tokio::sync::{broadcast, mpsc};
 use crate::artifacts::{ArtifactError, ArtifactStore};
 use crate::kernel::{Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV};
 use crate::workspace::{Workspace, WorkspaceError};
-pub use events::{ArtifactRef, ExecError, ExecutionResult, Resources, SessionEvent, Status};
+pub use events::{
+    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, Status,
+};
 
 /// Events kept for WebSocket subscribers that fall behind.
 const EVENT_BACKLOG: usize = 4096;
@@ -36,7 +38,8 @@ const MAX_HISTORY: usize = 10_000;
 pub struct SessionOptions {
     /// Bytes of stdout and of stderr kept in a result (the events carry everything).
     pub stream_cap: usize,
-    /// Largest artifact stored; bigger outputs are reported but not kept.
+    /// Largest artifact stored; bigger outputs are left out (and logged). Each session
+    /// takes its policy's `artifact_size`.
     pub artifact_max_bytes: u64,
     /// How long artifacts of a deleted session stay fetchable.
     pub artifact_retention: Duration,
@@ -358,6 +361,10 @@ impl Sessions {
             let _ = self.kernels.shutdown(&kernel.id).await;
             return Err(err.into());
         }
+        let mut options = self.options.clone();
+        if let Ok(policy) = self.kernels.policies().get(&kernel.policy) {
+            options.artifact_max_bytes = policy.limits.artifact_bytes;
+        }
         let (events, _) = broadcast::channel(EVENT_BACKLOG);
         let session = Arc::new(Session {
             id: kernel.id.clone(),
@@ -370,7 +377,7 @@ impl Sessions {
             history: Mutex::new(Vec::new()),
             outputs_seen: Mutex::new(HashMap::new()),
             artifacts: self.artifacts.clone(),
-            options: self.options.clone(),
+            options,
         });
         self.sessions
             .write()

@@ -438,3 +438,62 @@ async fn initial_files_listing_and_output_files() -> Result<()> {
     assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
     Ok(())
 }
+
+/// The policy's artifact_size and upload_size, and the gateway's artifact retention: an
+/// output too large is named in `omitted` (never inlined, never silent), an upload too large
+/// is a 413, and a deleted session's artifacts go after the retention period.
+#[tokio::test]
+async fn policy_caps_and_artifact_retention() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        "[limits]\nartifact_size = \"2KiB\"\nupload_size = \"4KiB\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .args(&["--artifact-retention", "1"])
+        .start()
+        .await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let code = "from IPython.display import display, HTML, Markdown\nimport os\ndisplay(HTML('<p>' + 'x' * 5000 + '</p>'))\ndisplay(Markdown('*small*'))\nos.makedirs('outputs', exist_ok=True)\nopen('outputs/big.txt', 'w').write('y' * 3000)";
+    let result = run(&gateway, &id, code).await?;
+    assert_eq!(result["status"], "ok", "{result}");
+    let artifacts = result["artifacts"].as_array().context("artifacts")?;
+    assert_eq!(artifacts.len(), 1, "{result}");
+    assert_eq!(artifacts[0]["mime"], "text/markdown");
+    let omitted = result["omitted"].as_array().context("omitted")?;
+    assert_eq!(omitted.len(), 2, "{result}");
+    assert_eq!(omitted[0]["mime"], "text/html");
+    assert!(omitted[0]["reason"].as_str().unwrap().contains("artifact_size"));
+    assert_eq!(omitted[1]["path"], "outputs/big.txt");
+    assert!(!result.to_string().contains("xxxxxxxxxx"), "no inlined output");
+
+    let put = |body: Vec<u8>| {
+        gateway
+            .request(Method::PUT, &format!("/v1/sessions/{id}/files/up.bin"))
+            .body(body)
+            .send()
+    };
+    assert_eq!(put(vec![0; 5000]).await?.status().as_u16(), 413);
+    assert_eq!(put(vec![0; 4096]).await?.status().as_u16(), 201);
+
+    let url = artifacts[0]["url"].as_str().context("url")?.to_owned();
+    let status = gateway
+        .request(Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 204);
+    let mut gone = false;
+    for _ in 0..100 {
+        let status = gateway.request(Method::GET, &url).send().await?.status();
+        if status.as_u16() == 404 {
+            gone = true;
+            break;
+        }
+        assert_eq!(status.as_u16(), 200);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "artifacts of a deleted session go after the retention period");
+    Ok(())
+}
