@@ -320,7 +320,7 @@ impl KernelClient {
         Ok(true)
     }
 
-    /// Whether an execution waits for `input()`, and its prompt.
+    /// The execution waiting for `input()`, if one is.
     pub fn awaiting_input(&self) -> Option<String> {
         self.shared
             .lock()

@@ -195,6 +195,13 @@ impl Session {
 
     /// The kernel's workspace (files), while it has a process.
     pub fn open_workspace(&self) -> Result<Workspace, WorkspaceError> {
+        // A dead kernel's pid may name another process by now: never look there.
+        if matches!(
+            self.kernel.readiness(),
+            Readiness::Dead(_) | Readiness::Terminated
+        ) {
+            return Err(WorkspaceError::Unavailable);
+        }
         let (trusted, relative) = self.kernel.workspace().ok_or(WorkspaceError::Unavailable)?;
         Workspace::open(&trusted, &relative)
     }
