@@ -1533,3 +1533,54 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
     );
     Ok(())
 }
+
+/// What a chat user actually does: a DataFrame as the last expression (text in `result`, the
+/// HTML table as an artifact) and a matplotlib chart through the inline backend (a PNG
+/// artifact with its size), no `display` calls by hand.
+#[tokio::test]
+async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
+    let gateway = Gateway::start().await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "import pandas as pd\ndf = pd.DataFrame({'city': ['Oslo', 'Lima'], 'temp': [3.5, 19.0]})\ndf",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let text = r["result"].as_str().context("text/plain result")?;
+    assert!(text.contains("Oslo") && text.contains("19.0"), "{text}");
+    let html = r["artifacts"]
+        .as_array()
+        .context("artifacts")?
+        .iter()
+        .find(|a| a["mime"] == "text/html")
+        .with_context(|| format!("no HTML table: {r}"))?;
+    let body = fetch_artifact(&gateway, html["id"].as_str().unwrap())
+        .await?
+        .text()
+        .await?;
+    assert!(body.contains("<table") && body.contains("Lima"), "{body}");
+
+    let r = execute(
+        &gateway,
+        &id,
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\nfig = plt.figure(figsize=(3, 2), dpi=100)\nplt.plot([1, 3, 2])\nplt.show()",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let png = r["artifacts"]
+        .as_array()
+        .context("artifacts")?
+        .iter()
+        .find(|a| a["mime"] == "image/png")
+        .with_context(|| format!("no chart: {r}"))?;
+    assert!(png["width"].as_u64().unwrap_or(0) > 100, "{png}");
+    assert!(png["height"].as_u64().unwrap_or(0) > 50, "{png}");
+    let bytes = fetch_artifact(&gateway, png["id"].as_str().unwrap())
+        .await?
+        .bytes()
+        .await?;
+    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    Ok(())
+}
