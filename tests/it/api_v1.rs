@@ -37,6 +37,25 @@ fn wait_for_file(name: &str) -> String {
     )
 }
 
+/// A gateway whose default policy runs the test sandbox (`CELLGATE_TEST_SANDBOX`, so the
+/// suite also runs under gvisor) with these extra `[limits]` lines. The directory must
+/// outlive the gateway.
+async fn start_gateway(limits: &str) -> Result<(Gateway, tempfile::TempDir)> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        format!(
+            "[sandbox]\nbackend = \"{}\"\n[limits]\n{limits}",
+            sandbox_backend()
+        ),
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    Ok((gateway, dir))
+}
+
 async fn json_of(response: reqwest::Response) -> Result<(u16, Value)> {
     let status = response.status().as_u16();
     let body = response.text().await?;
@@ -264,7 +283,7 @@ async fn fetch_artifact(gateway: &Gateway, id: &str) -> Result<reqwest::Response
 /// every route.
 #[tokio::test]
 async fn sessions_execute_and_typed_results() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
 
     let (status, list) = gateway.get_json("/v1/sessions").await?;
@@ -433,7 +452,7 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
 /// Without credentials API v1 answers 401 like the rest of the gateway.
 #[tokio::test]
 async fn api_v1_requires_auth() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     for path in ["/v1/sessions", "/v1/artifacts/x", "/v1/sessions/x/files"] {
         let status = reqwest::get(format!("{}{path}", gateway.base))
             .await?
@@ -456,7 +475,7 @@ async fn api_v1_requires_auth() -> Result<()> {
 /// interrupt, not a restart). Restart then changes `state_generation` and loses them.
 #[tokio::test]
 async fn timeout_keeps_state_and_restart_changes_generation() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(&gateway, &id, "kept = 'yes'").await?;
     let generation = r["state_generation"].as_u64().context("state_generation")?;
@@ -488,7 +507,7 @@ async fn timeout_keeps_state_and_restart_changes_generation() -> Result<()> {
 /// the gateway keeps serving.
 #[tokio::test]
 async fn kernel_death_is_sandbox_lost() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
@@ -519,15 +538,8 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
             "this test needs a sandbox with a memory limit; CELLGATE_TEST_SANDBOX=process has none"
         );
     }
-    let dir = tempfile::tempdir()?;
-    std::fs::write(
-        dir.path().join("default.toml"),
-        "[limits]\nmemory = \"256MiB\"\noutput_per_execution = \"64KiB\"\n",
-    )?;
-    let gateway = Gateway::builder()
-        .policies_dir(dir.path().to_owned())
-        .start()
-        .await?;
+    let (gateway, _policies) =
+        start_gateway("memory = \"256MiB\"\noutput_per_execution = \"64KiB\"\n").await?;
     let id = create_session(&gateway, json!({})).await?;
 
     let r = execute(
@@ -562,7 +574,7 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
 /// The result's stdout is capped (the full stream went out as events); the kernel runs on.
 #[tokio::test]
 async fn large_stdout_is_capped_in_the_result() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
@@ -591,7 +603,7 @@ async fn large_stdout_is_capped_in_the_result() -> Result<()> {
 /// bytes served are the bytes displayed; images carry their size.
 #[tokio::test]
 async fn artifacts_of_every_mime_type() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let code = r#"
 import base64, hashlib, io, json
@@ -726,7 +738,7 @@ print(json.dumps(digests))
 /// `outputs/` become artifacts too, once.
 #[tokio::test]
 async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
@@ -779,7 +791,7 @@ async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
 /// answered through `POST /input`; 409 when nothing waits for input.
 #[tokio::test]
 async fn sse_streams_progressively_and_input_works() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let code = format!(
         "print('first', flush=True)\n{}print('second')\nname = input('who? ')\nprint('hi', name)\n42",
@@ -856,7 +868,7 @@ async fn sse_streams_progressively_and_input_works() -> Result<()> {
 /// order, as they happen.
 #[tokio::test]
 async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let mut socket = ws_connect(&gateway, &id).await?;
     let hello = ws_next(&mut socket).await?;
@@ -967,15 +979,7 @@ async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()>
 /// change nothing on the host.
 #[tokio::test]
 async fn files_upload_download_and_attacks() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    std::fs::write(
-        dir.path().join("default.toml"),
-        "[limits]\nworkspace = \"4MiB\"\n",
-    )?;
-    let gateway = Gateway::builder()
-        .policies_dir(dir.path().to_owned())
-        .start()
-        .await?;
+    let (gateway, _policies) = start_gateway("workspace = \"4MiB\"\n").await?;
     let id = create_session(
         &gateway,
         json!({"files": [{"path": "seed/hello.txt", "content": "seeded"}]}),
@@ -1163,7 +1167,7 @@ async fn files_upload_download_and_attacks() -> Result<()> {
 /// too); artifacts stay fetchable; also as SSE.
 #[tokio::test]
 async fn one_shot_execute() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let (status, r) = post(
         &gateway,
         "/v1/execute",
@@ -1219,7 +1223,7 @@ async fn one_shot_execute() -> Result<()> {
 /// event schemas.
 #[tokio::test]
 async fn openapi_document_lists_every_route() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let (status, doc) = gateway.get_json("/v1/openapi.json").await?;
     assert_eq!(status, 200);
     assert!(
@@ -1266,7 +1270,7 @@ async fn openapi_document_lists_every_route() -> Result<()> {
 /// of it leaks a host file, hangs the execution, or harms the session.
 #[tokio::test]
 async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
@@ -1328,7 +1332,7 @@ async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
 /// session's artifacts stay fetchable for the retention period while the session is gone.
 #[tokio::test]
 async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
@@ -1391,7 +1395,7 @@ async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
 /// output; a busy session never holds up another one.
 #[tokio::test]
 async fn concurrent_executes_keep_their_own_output() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let other = create_session(&gateway, json!({})).await?;
 
@@ -1462,15 +1466,7 @@ async fn concurrent_executes_keep_their_own_output() -> Result<()> {
 /// without a Content-Length (chunked, as a streaming client sends it) is cut off with 413.
 #[tokio::test]
 async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    std::fs::write(
-        dir.path().join("default.toml"),
-        "[limits]\nworkspace = \"2MiB\"\n",
-    )?;
-    let gateway = Gateway::builder()
-        .policies_dir(dir.path().to_owned())
-        .start()
-        .await?;
+    let (gateway, _policies) = start_gateway("workspace = \"2MiB\"\n").await?;
     for files in [
         json!([{"path": "../escape.txt", "content": "x"}]),
         json!([{"path": "/etc/cellgate-escape", "content": "x"}]),
@@ -1539,7 +1535,7 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
 /// artifact with its size), no `display` calls by hand.
 #[tokio::test]
 async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
