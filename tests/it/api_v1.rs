@@ -1580,3 +1580,64 @@ async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
     assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
     Ok(())
 }
+
+/// SSE and the session WebSocket carry the same events, in the kernel's order: output
+/// interleaved with displays exactly as produced.
+#[tokio::test]
+async fn sse_and_websocket_carry_the_same_ordered_events() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let mut socket = ws_connect(&gateway, &id).await?;
+    assert_eq!(ws_next(&mut socket).await?["type"], "session");
+    let code = "from IPython.display import display, Markdown\nimport sys\n\
+                print('a', flush=True)\ndisplay(Markdown('*m1*'))\n\
+                print('b', flush=True)\nprint('e', file=sys.stderr, flush=True)\n\
+                display(Markdown('*m2*'))\nprint('c', flush=True)\n'end'";
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({ "code": code }),
+    )
+    .await?;
+    let mut from_sse = vec![];
+    loop {
+        let (name, event) = sse.next().await?;
+        from_sse.push(event);
+        if name == "done" {
+            break;
+        }
+    }
+    let from_ws = ws_until_done(&mut socket).await?;
+    assert_eq!(from_sse, from_ws, "SSE and WebSocket differ");
+    let shape: Vec<String> = from_sse
+        .iter()
+        .map(|e| match e["type"].as_str().unwrap_or_default() {
+            "stream" => format!(
+                "{}:{}",
+                e["name"].as_str().unwrap(),
+                e["text"].as_str().unwrap().trim()
+            ),
+            "display" => format!("display:{}", e["text"].as_str().unwrap_or_default()),
+            other => other.to_owned(),
+        })
+        .collect();
+    let stdout_and_displays: Vec<&String> = shape
+        .iter()
+        .filter(|s| s.starts_with("stdout:") || s.starts_with("display:"))
+        .collect();
+    assert_eq!(
+        stdout_and_displays,
+        [
+            "stdout:a",
+            "display:<IPython.core.display.Markdown object>",
+            "stdout:b",
+            "display:<IPython.core.display.Markdown object>",
+            "stdout:c"
+        ],
+        "{shape:?}"
+    );
+    assert_eq!(shape.first().map(String::as_str), Some("started"));
+    assert_eq!(&shape[shape.len() - 2..], ["result", "done"], "{shape:?}");
+    assert!(shape.contains(&"stderr:e".to_owned()), "{shape:?}");
+    Ok(())
+}
