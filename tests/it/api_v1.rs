@@ -1641,3 +1641,49 @@ async fn sse_and_websocket_carry_the_same_ordered_events() -> Result<()> {
     assert!(shape.contains(&"stderr:e".to_owned()), "{shape:?}");
     Ok(())
 }
+
+/// Two sessions share nothing: files, artifacts and variables of one never show in the other.
+#[tokio::test]
+async fn sessions_are_separate() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let a = create_session(&gateway, json!({})).await?;
+    let b = create_session(&gateway, json!({})).await?;
+    assert_eq!(
+        put_file(&gateway, &a, "only-a.txt", b"a".to_vec()).await?,
+        201
+    );
+    let r = execute(
+        &gateway,
+        &a,
+        "secret = 'a'\nfrom IPython.display import display, Markdown\ndisplay(Markdown('only a'))",
+    )
+    .await?;
+    let artifact_a = r["artifacts"][0]["id"].clone();
+    assert!(artifact_a.is_string(), "{r}");
+
+    let r = execute(
+        &gateway,
+        &b,
+        "import os\n('secret' in dir(), os.path.exists('only-a.txt'))",
+    )
+    .await?;
+    assert_eq!(r["result"], "(False, False)", "{r}");
+    let (_, files) = gateway.get_json(&format!("/v1/sessions/{b}/files")).await?;
+    assert!(
+        !files.to_string().contains("only-a.txt"),
+        "b lists a's file: {files}"
+    );
+    let (status, _) = gateway
+        .get_json(&format!("/v1/sessions/{b}/files/only-a.txt"))
+        .await?;
+    assert_eq!(status, 404);
+    let (_, artifacts) = gateway
+        .get_json(&format!("/v1/sessions/{b}/artifacts"))
+        .await?;
+    assert_eq!(artifacts, json!([]), "b lists a's artifacts");
+    let (_, artifacts) = gateway
+        .get_json(&format!("/v1/sessions/{a}/artifacts"))
+        .await?;
+    assert_eq!(artifacts[0]["id"], artifact_a);
+    Ok(())
+}
