@@ -371,8 +371,13 @@ impl Session {
             };
             let content: Vec<u8> = match value {
                 Value::String(s) if is_base64_mime(mime) => {
-                    let cleaned: String = s.chars().filter(|c| !c.is_whitespace()).collect();
-                    match base64::engine::general_purpose::STANDARD.decode(cleaned) {
+                    // Kernels send one line; only line-wrapped base64 pays for a cleaned copy.
+                    let engine = &base64::engine::general_purpose::STANDARD;
+                    let decoded = engine.decode(s).or_else(|_| {
+                        let cleaned: String = s.chars().filter(|c| !c.is_whitespace()).collect();
+                        engine.decode(cleaned)
+                    });
+                    match decoded {
                         Ok(bytes) => bytes,
                         Err(err) => {
                             tracing::warn!(session_id = %self.id, mime, %err, "output is not valid base64; not stored");
