@@ -203,7 +203,13 @@ impl Session {
             return Err(WorkspaceError::Unavailable);
         }
         let (trusted, relative) = self.kernel.workspace().ok_or(WorkspaceError::Unavailable)?;
-        Workspace::open(&trusted, &relative)
+        let workspace = Workspace::open(&trusted, &relative)?;
+        // Opened through /proc/<pid>: the process must still be there now, so the pid was
+        // not reused by another (host) process in between.
+        if !self.kernel.process_alive() {
+            return Err(WorkspaceError::Unavailable);
+        }
+        Ok(workspace)
     }
 
     fn workspace(&self) -> Option<Workspace> {
