@@ -464,9 +464,15 @@ async fn policy_caps_and_artifact_retention() -> Result<()> {
     let omitted = result["omitted"].as_array().context("omitted")?;
     assert_eq!(omitted.len(), 2, "{result}");
     assert_eq!(omitted[0]["mime"], "text/html");
-    assert!(omitted[0]["reason"].as_str().unwrap().contains("artifact_size"));
+    assert!(omitted[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("artifact_size"));
     assert_eq!(omitted[1]["path"], "outputs/big.txt");
-    assert!(!result.to_string().contains("xxxxxxxxxx"), "no inlined output");
+    assert!(
+        !result.to_string().contains("xxxxxxxxxx"),
+        "no inlined output"
+    );
 
     let put = |body: Vec<u8>| {
         gateway
@@ -494,6 +500,9 @@ async fn policy_caps_and_artifact_retention() -> Result<()> {
         assert_eq!(status.as_u16(), 200);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(gone, "artifacts of a deleted session go after the retention period");
+    assert!(
+        gone,
+        "artifacts of a deleted session go after the retention period"
+    );
     Ok(())
 }
