@@ -87,6 +87,10 @@ pub struct ServeArgs {
     /// Shared cache of downloaded package files [default: ~/.cache/cellgate/packages].
     #[arg(long)]
     pub package_cache_dir: Option<PathBuf>,
+    /// Seconds an API v1 session's artifacts stay fetchable after the session ended
+    /// [default: 3600].
+    #[arg(long)]
+    pub artifact_retention: Option<u64>,
 }
 
 /// The config file. Unknown keys are errors, reported with their line.
@@ -118,6 +122,7 @@ struct FileConfig {
     #[serde(default)]
     egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     egress_max_connections: Option<usize>,
+    artifact_retention: Option<u64>,
 }
 
 /// Resolved settings of a running gateway.
@@ -151,6 +156,8 @@ pub struct GatewayConfig {
     pub egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     /// Proxy connections one kernel may hold at once.
     pub egress_max_connections: usize,
+    /// How long artifacts outlive their API v1 session.
+    pub artifact_retention: Duration,
 }
 
 /// Errors in settings.
@@ -296,6 +303,11 @@ impl GatewayConfig {
                     .max(1),
             ),
             pool_size: args.pool_size.or(file.pool_size).unwrap_or(1),
+            artifact_retention: Duration::from_secs(
+                args.artifact_retention
+                    .or(file.artifact_retention)
+                    .unwrap_or(3600),
+            ),
             allow_origin: args
                 .allow_origin
                 .clone()

@@ -1,9 +1,12 @@
 //! cellgate: a Jupyter kernel gateway that runs every kernel in its own sandbox.
 //!
 //! Layout, following the request path (see ARCHITECTURE.md):
-//! - [`gateway`]: the HTTP and WebSocket surfaces (Kernel Gateway API), auth, errors.
+//! - [`gateway`]: the HTTP and WebSocket surfaces (Kernel Gateway API, API v1), auth, errors.
+//! - [`sessions`]: API v1 sessions: a kernel, its history, typed results and events.
+//! - [`artifacts`]: rich outputs and output files stored by content, referenced by id.
+//! - [`workspace`]: a kernel's files, reached without ever following a sandbox's link.
 //! - [`kernel`]: one kernel's life (launch, channels, routing replies to clients, restart,
-//!   shutdown) and the registry of kernels.
+//!   shutdown), the registry of kernels, and the gateway's own kernel client.
 //! - [`sandbox`]: where a kernel process runs; one trait, one module per backend.
 //! - [`protocol`]: the Jupyter wire format: multipart codec, signing, WebSocket framings.
 //! - [`notebook`]: notebook export (a kernel's history as nbformat 4.5) and replay.

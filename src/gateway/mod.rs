@@ -118,7 +118,7 @@ fn v1_sessions(
 ) -> std::io::Result<Arc<crate::sessions::Sessions>> {
     let artifacts = crate::artifacts::ArtifactStore::new(
         kernels.runtime_root().join("artifacts"),
-        std::time::Duration::from_secs(3600),
+        config.artifact_retention,
     )
     .map_err(std::io::Error::other)?;
     Ok(crate::sessions::Sessions::new(
@@ -139,7 +139,12 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let sessions = v1_sessions(&config, &kernels)?;
-    sessions.spawn_reaper(std::time::Duration::from_secs(30));
+    // Often enough for short retention periods, cheap at any size.
+    let reap_every = (config.artifact_retention / 2).clamp(
+        std::time::Duration::from_millis(250),
+        std::time::Duration::from_secs(30),
+    );
+    sessions.spawn_reaper(reap_every);
     let state = AppState {
         config,
         kernels,

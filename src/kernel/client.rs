@@ -150,6 +150,9 @@ struct Pending {
     events: mpsc::UnboundedSender<ExecEvent>,
     reply: Option<ExecuteReply>,
     idle: bool,
+    /// The router's truncation marker went by: the output limit cut this cell off, even
+    /// when its reply overtook the output (iopub and shell race) and carries no outcome.
+    truncated: bool,
 }
 
 #[derive(Default)]
@@ -185,13 +188,16 @@ impl Drop for KernelClient {
 impl Shared {
     fn finish(&mut self, msg_id: &str) {
         if let Some(pending) = self.pending.remove(msg_id) {
-            let reply = pending.reply.unwrap_or_else(|| {
+            let mut reply = pending.reply.unwrap_or_else(|| {
                 ExecuteReply::synthetic(
                     "KernelDiedError",
                     "the kernel ended before it answered",
                     Some("sandbox_lost"),
                 )
             });
+            if pending.truncated && reply.outcome.is_none() {
+                reply.outcome = Some("output_truncated".to_owned());
+            }
             let _ = pending.events.send(ExecEvent::Done(reply));
         }
         if self
@@ -270,6 +276,7 @@ impl KernelClient {
                     events: tx,
                     reply: None,
                     idle: false,
+                    truncated: false,
                 },
             );
         }
@@ -313,7 +320,7 @@ impl KernelClient {
         Ok(true)
     }
 
-    /// Whether an execution waits for `input()`, and its prompt.
+    /// The execution waiting for `input()`, if one is.
     pub fn awaiting_input(&self) -> Option<String> {
         self.shared
             .lock()
@@ -492,6 +499,13 @@ fn handle_iopub(shared: &mut Shared, parent: &str, message: &Message) {
             }
         }
         "stream" => {
+            let marker = serde_json::from_slice::<Value>(&message.metadata)
+                .is_ok_and(|m| m["cellgate"]["outcome"] == "output_truncated");
+            if marker {
+                if let Some(pending) = shared.pending.get_mut(parent) {
+                    pending.truncated = true;
+                }
+            }
             let content = content();
             Some(ExecEvent::Stream {
                 name: content["name"].as_str().unwrap_or("stdout").to_owned(),

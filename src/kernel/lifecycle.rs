@@ -704,6 +704,14 @@ impl Kernel {
         instance.handle.workspace_root(&self.dirs.work)
     }
 
+    /// Whether the current process still exists (see [`crate::sandbox::SandboxHandle::alive`]).
+    pub fn process_alive(&self) -> bool {
+        self.instance
+            .lock()
+            .as_ref()
+            .is_some_and(|instance| instance.handle.alive())
+    }
+
     /// The workspace path as the kernel sees it.
     pub fn workspace_in_sandbox(&self) -> &std::path::Path {
         &self.dirs.work

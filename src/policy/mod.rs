@@ -85,6 +85,10 @@ struct LimitsSection {
     #[serde(default, with = "units::serde_size")]
     output_per_execution: Option<u64>,
     max_kernels: Option<usize>,
+    #[serde(default, with = "units::serde_size")]
+    artifact_size: Option<u64>,
+    #[serde(default, with = "units::serde_size")]
+    upload_size: Option<u64>,
 }
 
 /// The limits of one policy, with defaults applied.
@@ -107,6 +111,10 @@ pub struct PolicyLimits {
     pub output_per_execution_bytes: u64,
     /// Kernels under this policy at once.
     pub max_kernels: usize,
+    /// Largest rich output or `outputs/` file kept as an API v1 artifact.
+    pub artifact_bytes: u64,
+    /// Largest file uploaded into the workspace through API v1.
+    pub upload_bytes: u64,
 }
 
 impl Default for PolicyLimits {
@@ -122,6 +130,8 @@ impl Default for PolicyLimits {
             workspace_bytes: 1 << 30,
             output_per_execution_bytes: 10 << 20,
             max_kernels: 64,
+            artifact_bytes: 32 << 20,
+            upload_bytes: 1 << 30,
         }
     }
 }
@@ -179,6 +189,8 @@ impl Policy {
                 .output_per_execution
                 .unwrap_or(d.output_per_execution_bytes),
             max_kernels: l.max_kernels.unwrap_or(d.max_kernels),
+            artifact_bytes: l.artifact_size.unwrap_or(d.artifact_bytes),
+            upload_bytes: l.upload_size.unwrap_or(d.upload_bytes),
         };
         if limits.memory_bytes < 64 << 20 {
             return Err(invalid(

@@ -230,6 +230,12 @@ pub trait SandboxHandle: Send + Sync {
     fn workspace_root(&self, workspace: &std::path::Path) -> Option<(PathBuf, PathBuf)> {
         Some((workspace.to_owned(), PathBuf::from(".")))
     }
+    /// Whether the kernel process still exists. Checked *after* opening a path from
+    /// [`SandboxHandle::workspace_root`] under `/proc/<pid>`: a process that has not exited
+    /// cannot have had its pid reused, so the handle opened was the sandbox's.
+    fn alive(&self) -> bool {
+        true
+    }
 }
 
 /// Resource use of one kernel, as far as the backend knows.

@@ -56,6 +56,17 @@ pub struct ExecError {
     pub traceback: Vec<String>,
 }
 
+/// An output that is not in `artifacts`, and why (too large for the policy's
+/// `artifact_size`, or not decodable).
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Omitted {
+    pub mime: String,
+    pub bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    pub reason: String,
+}
+
 /// Resource use of the sandbox during one execution, where measurable.
 #[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
 pub struct Resources {
@@ -100,6 +111,8 @@ pub struct ExecutionResult {
     pub result: Option<String>,
     pub error: Option<ExecError>,
     pub artifacts: Vec<ArtifactRef>,
+    /// Outputs left out of `artifacts` (never silently).
+    pub omitted: Vec<Omitted>,
     /// Policy denials (egress, packages) caused by this execution.
     pub denials: Vec<Value>,
     pub duration_ms: u64,

@@ -8,7 +8,9 @@ use base64::Engine;
 use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 
-use super::events::{ArtifactRef, ExecError, ExecutionResult, Resources, SessionEvent, Status};
+use super::events::{
+    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, Status,
+};
 use super::{HistoryEntry, Session, MAX_HISTORY};
 use crate::artifacts::{
     is_base64_mime, strip_ansi, ArtifactError, NewArtifact, Origin, RICH_MIME_TYPES,
@@ -24,6 +26,7 @@ struct Collected {
     result: Option<String>,
     error: Option<ExecError>,
     artifacts: Vec<ArtifactRef>,
+    omitted: Vec<Omitted>,
 }
 
 fn push_capped(buffer: &mut String, truncated: &mut bool, text: &str, cap: usize) {
@@ -116,6 +119,7 @@ impl Session {
                         traceback: Vec::new(),
                     }),
                     artifacts: Vec::new(),
+                    omitted: Vec::new(),
                     denials: Vec::new(),
                     duration_ms: 0,
                     state_generation: self.kernel.generation(),
@@ -142,6 +146,7 @@ impl Session {
             result: None,
             error: None,
             artifacts: Vec::new(),
+            omitted: Vec::new(),
         };
         let mut reply = None;
         while let Some(event) = execution.events.recv().await {
@@ -177,7 +182,13 @@ impl Session {
                     };
                     let text = plain_text(&data);
                     let refs = self
-                        .store_bundle(&data, origin, &id, display_id.as_deref())
+                        .store_bundle(
+                            &data,
+                            origin,
+                            &id,
+                            display_id.as_deref(),
+                            &mut collected.omitted,
+                        )
                         .await;
                     collected.artifacts.extend(refs.iter().cloned());
                     let event = if update {
@@ -204,7 +215,13 @@ impl Session {
                 } => {
                     let text = plain_text(&data);
                     let refs = self
-                        .store_bundle(&data, Origin::ExecuteResult, &id, None)
+                        .store_bundle(
+                            &data,
+                            Origin::ExecuteResult,
+                            &id,
+                            None,
+                            &mut collected.omitted,
+                        )
                         .await;
                     collected.artifacts.extend(refs.iter().cloned());
                     collected.result = text.clone();
@@ -262,8 +279,9 @@ impl Session {
         }
         let reply = reply.unwrap_or_default();
         // Files the code wrote under outputs/ become artifacts.
-        let files = self.collect_outputs(&execution_id).await;
+        let (files, omitted) = self.collect_outputs(&execution_id).await;
         collected.artifacts.extend(files);
+        collected.omitted.extend(omitted);
         let status = status_of(&reply);
         let error = collected.error.or_else(|| {
             (reply.status != "ok").then(|| ExecError {
@@ -296,6 +314,7 @@ impl Session {
             result: collected.result,
             error,
             artifacts: collected.artifacts,
+            omitted: collected.omitted,
             denials: reply.denials,
             duration_ms: started.elapsed().as_millis() as u64,
             state_generation: self.kernel.generation(),
@@ -342,6 +361,7 @@ impl Session {
         origin: Origin,
         execution_id: &str,
         display_id: Option<&str>,
+        omitted: &mut Vec<Omitted>,
     ) -> Vec<ArtifactRef> {
         let text = plain_text(data);
         let mut refs = Vec::new();
@@ -351,11 +371,22 @@ impl Session {
             };
             let content: Vec<u8> = match value {
                 Value::String(s) if is_base64_mime(mime) => {
-                    let cleaned: String = s.chars().filter(|c| !c.is_whitespace()).collect();
-                    match base64::engine::general_purpose::STANDARD.decode(cleaned) {
+                    // Kernels send one line; only line-wrapped base64 pays for a cleaned copy.
+                    let engine = &base64::engine::general_purpose::STANDARD;
+                    let decoded = engine.decode(s).or_else(|_| {
+                        let cleaned: String = s.chars().filter(|c| !c.is_whitespace()).collect();
+                        engine.decode(cleaned)
+                    });
+                    match decoded {
                         Ok(bytes) => bytes,
                         Err(err) => {
                             tracing::warn!(session_id = %self.id, mime, %err, "output is not valid base64; not stored");
+                            omitted.push(Omitted {
+                                mime: (*mime).to_owned(),
+                                bytes: s.len() as u64,
+                                path: None,
+                                reason: format!("not valid base64: {err}"),
+                            });
                             continue;
                         }
                     }
@@ -372,6 +403,12 @@ impl Session {
             let limit = self.options.artifact_max_bytes;
             if content.len() as u64 > limit {
                 tracing::warn!(session_id = %self.id, mime, bytes = content.len(), limit, "output larger than the artifact limit; not stored");
+                omitted.push(Omitted {
+                    mime: (*mime).to_owned(),
+                    bytes: content.len() as u64,
+                    path: None,
+                    reason: format!("larger than the policy's artifact_size of {limit} bytes"),
+                });
                 continue;
             }
             let store = self.artifacts.clone();
@@ -409,9 +446,9 @@ impl Session {
     }
 
     /// Turns new or changed files under the workspace's `outputs/` into artifacts.
-    async fn collect_outputs(&self, execution_id: &str) -> Vec<ArtifactRef> {
+    async fn collect_outputs(&self, execution_id: &str) -> (Vec<ArtifactRef>, Vec<Omitted>) {
         let Some(workspace) = self.workspace() else {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         };
         let store = self.artifacts.clone();
         let (session, owner, exec) = (self.id.clone(), self.owner.clone(), execution_id.to_owned());
@@ -419,10 +456,11 @@ impl Session {
         let limit = self.options.artifact_max_bytes;
         let scanned = tokio::task::spawn_blocking(move || {
             let mut stored = Vec::new();
+            let mut omitted = Vec::new();
             let mut seen = seen;
             let files = match workspace.list("outputs") {
                 Ok(files) => files,
-                Err(_) => return (stored, seen),
+                Err(_) => return (stored, omitted, seen),
             };
             for file in files.into_iter().filter(|f| f.kind == "file") {
                 let stamp = (file.size, file.mtime_s, file.mtime_ns);
@@ -432,6 +470,14 @@ impl Session {
                 seen.insert(file.path.clone(), stamp);
                 if file.size > limit {
                     tracing::warn!(session_id = %session, path = %file.path, "output file larger than the artifact limit; not stored");
+                    omitted.push(Omitted {
+                        mime: crate::workspace::mime_for(&file.path).to_owned(),
+                        bytes: file.size,
+                        path: Some(file.path.clone()),
+                        reason: format!(
+                            "larger than the policy's artifact_size of {limit} bytes"
+                        ),
+                    });
                     continue;
                 }
                 let mut reader = match workspace.open_read(&file.path) {
@@ -458,18 +504,19 @@ impl Session {
                     Err(err) => log_store_error(&session, &err),
                 }
             }
-            (stored, seen)
+            (stored, omitted, seen)
         })
         .await;
         match scanned {
-            Ok((stored, seen)) => {
+            Ok((stored, omitted, seen)) => {
                 *self.outputs_seen.lock() = seen;
-                stored
+                let refs = stored
                     .iter()
                     .map(|a| ArtifactRef::new(a, &self.options.base_url))
-                    .collect()
+                    .collect();
+                (refs, omitted)
             }
-            Err(_) => Vec::new(),
+            Err(_) => (Vec::new(), Vec::new()),
         }
     }
 }

@@ -24,7 +24,9 @@ use tokio::sync::{broadcast, mpsc};
 use crate::artifacts::{ArtifactError, ArtifactStore};
 use crate::kernel::{Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV};
 use crate::workspace::{Workspace, WorkspaceError};
-pub use events::{ArtifactRef, ExecError, ExecutionResult, Resources, SessionEvent, Status};
+pub use events::{
+    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, Status,
+};
 
 /// Events kept for WebSocket subscribers that fall behind.
 const EVENT_BACKLOG: usize = 4096;
@@ -36,7 +38,8 @@ const MAX_HISTORY: usize = 10_000;
 pub struct SessionOptions {
     /// Bytes of stdout and of stderr kept in a result (the events carry everything).
     pub stream_cap: usize,
-    /// Largest artifact stored; bigger outputs are reported but not kept.
+    /// Largest artifact stored; bigger outputs are left out (and logged). Each session
+    /// takes its policy's `artifact_size`.
     pub artifact_max_bytes: u64,
     /// How long artifacts of a deleted session stay fetchable.
     pub artifact_retention: Duration,
@@ -192,8 +195,21 @@ impl Session {
 
     /// The kernel's workspace (files), while it has a process.
     pub fn open_workspace(&self) -> Result<Workspace, WorkspaceError> {
+        // A dead kernel's pid may name another process by now: never look there.
+        if matches!(
+            self.kernel.readiness(),
+            Readiness::Dead(_) | Readiness::Terminated
+        ) {
+            return Err(WorkspaceError::Unavailable);
+        }
         let (trusted, relative) = self.kernel.workspace().ok_or(WorkspaceError::Unavailable)?;
-        Workspace::open(&trusted, &relative)
+        let workspace = Workspace::open(&trusted, &relative)?;
+        // Opened through /proc/<pid>: the process must still be there now, so the pid was
+        // not reused by another (host) process in between.
+        if !self.kernel.process_alive() {
+            return Err(WorkspaceError::Unavailable);
+        }
+        Ok(workspace)
     }
 
     fn workspace(&self) -> Option<Workspace> {
@@ -209,6 +225,32 @@ impl Session {
         let _ = self.events.send(event);
     }
 
+    /// The kernel's life as the session's subscribers see it: starting, restarting, ready,
+    /// dead, terminated.
+    fn kernel_state(&self) -> (String, u64, Option<String>) {
+        let generation = self.kernel.generation();
+        match self.kernel.readiness() {
+            Readiness::Ready => ("ready".to_owned(), generation, None),
+            Readiness::Starting => {
+                let restarting = self.kernel.router().activity().execution_state == "restarting"
+                    || generation > 1;
+                let state = if restarting { "restarting" } else { "starting" };
+                (state.to_owned(), generation, None)
+            }
+            Readiness::Dead(reason) => ("dead".to_owned(), generation, Some(reason)),
+            Readiness::Terminated => ("terminated".to_owned(), generation, None),
+        }
+    }
+
+    fn publish_kernel_state(&self) {
+        let (state, state_generation, reason) = self.kernel_state();
+        self.publish(Arc::new(SessionEvent::Kernel {
+            state,
+            state_generation,
+            reason,
+        }));
+    }
+
     pub async fn interrupt(&self) -> Result<(), SessionError> {
         Ok(self.client.interrupt().await?)
     }
@@ -218,11 +260,6 @@ impl Session {
     pub async fn restart(&self) -> Result<(), SessionError> {
         let result = self.client.restart().await;
         self.outputs_seen.lock().clear();
-        self.publish(Arc::new(SessionEvent::Kernel {
-            state: if result.is_ok() { "restarted" } else { "dead" }.to_owned(),
-            state_generation: self.kernel.generation(),
-            reason: result.as_ref().err().map(ToString::to_string),
-        }));
         Ok(result?)
     }
 
@@ -250,6 +287,34 @@ impl Session {
         tokio::spawn(async move { session.run(code, timeout, tx).await });
         rx
     }
+}
+
+/// Tells the session's subscribers when its kernel's life changes (a restart after a
+/// timeout or OOM, a death, a shutdown from the Kernel Gateway API), polled: cheap, and no
+/// hook in the kernel's lifecycle.
+fn spawn_monitor(session: &Arc<Session>) {
+    let weak = Arc::downgrade(session);
+    let mut last = session.kernel_state();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let Some(session) = weak.upgrade() else {
+                return;
+            };
+            let now = session.kernel_state();
+            if now != last {
+                session.publish(Arc::new(SessionEvent::Kernel {
+                    state: now.0.clone(),
+                    state_generation: now.1,
+                    reason: now.2.clone(),
+                }));
+                if now.0 == "terminated" {
+                    return;
+                }
+                last = now;
+            }
+        }
+    });
 }
 
 /// Every session of the gateway.
@@ -309,6 +374,10 @@ impl Sessions {
             let _ = self.kernels.shutdown(&kernel.id).await;
             return Err(err.into());
         }
+        let mut options = self.options.clone();
+        if let Ok(policy) = self.kernels.policies().get(&kernel.policy) {
+            options.artifact_max_bytes = policy.limits.artifact_bytes;
+        }
         let (events, _) = broadcast::channel(EVENT_BACKLOG);
         let session = Arc::new(Session {
             id: kernel.id.clone(),
@@ -321,11 +390,12 @@ impl Sessions {
             history: Mutex::new(Vec::new()),
             outputs_seen: Mutex::new(HashMap::new()),
             artifacts: self.artifacts.clone(),
-            options: self.options.clone(),
+            options,
         });
         self.sessions
             .write()
             .insert(session.id.clone(), session.clone());
+        spawn_monitor(&session);
         tracing::info!(session_id = %session.id, tenant = ?session.owner, policy = %session.kernel.policy, "session created");
         Ok(session)
     }
@@ -354,6 +424,7 @@ impl Sessions {
             Ok(()) | Err(KernelError::NoSuchKernel) => {}
             Err(err) => return Err(err.into()),
         }
+        session.publish_kernel_state();
         self.artifacts.expire_session(id);
         tracing::info!(session_id = %id, "session deleted");
         Ok(())

@@ -13,8 +13,8 @@
 //!
 //! Files are written to a temporary name in their directory and renamed into place, so a
 //! failed or oversized upload leaves nothing behind, and a symlink at the target is replaced,
-//! never followed. New files and directories belong to the workspace's owner (the sandbox's
-//! user), so the kernel can change and delete them.
+//! never followed. New files and directories are created with the workspace owner's uid and
+//! gid (the sandbox's user; see [`AsOwner`]), so the kernel can change and delete them.
 //!
 //! Paths from clients are checked first: relative, no `.`/`..` components, no NUL, at most
 //! 4096 bytes and 255 per component.
@@ -23,7 +23,7 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::Path;
 
 use rustix::fs::{Gid, Mode, OFlags, ResolveFlags, Uid};
@@ -176,16 +176,6 @@ impl Workspace {
         AsOwner::enter(self.owner)
     }
 
-    fn chown(&self, fd: impl AsFd) {
-        // An unprivileged gateway cannot give files away; they then stay its own, which
-        // the sandbox (same uid in that mode) can still change.
-        if let Err(err) = rustix::fs::fchown(fd, Some(self.owner.0), Some(self.owner.1)) {
-            if err != rustix::io::Errno::PERM {
-                tracing::warn!(%err, "cannot hand a workspace file to the sandbox's user");
-            }
-        }
-    }
-
     /// Opens the directory `parts` (all of them), creating missing ones when `create`.
     fn open_dir(
         &self,
@@ -210,10 +200,8 @@ impl Workspace {
                         Ok(()) | Err(rustix::io::Errno::EXIST) => {}
                         Err(e) => return Err(io_error("create directory", shown, e)),
                     }
-                    let fd = rustix::fs::openat2(&current, *part, flags, Mode::empty(), resolve())
-                        .map_err(|e| io_error("open", shown, e))?;
-                    self.chown(&fd);
-                    fd
+                    rustix::fs::openat2(&current, *part, flags, Mode::empty(), resolve())
+                        .map_err(|e| io_error("open", shown, e))?
                 }
                 Err(e) => return Err(io_error("open", shown, e)),
             };
@@ -267,7 +255,6 @@ impl Workspace {
             resolve(),
         )
         .map_err(|e| io_error("create", path, e))?;
-        self.chown(&fd);
         Ok(Upload {
             workspace: self,
             dir,

@@ -37,6 +37,25 @@ fn wait_for_file(name: &str) -> String {
     )
 }
 
+/// A gateway whose default policy runs the test sandbox (`CELLGATE_TEST_SANDBOX`, so the
+/// suite also runs under gvisor) with these extra `[limits]` lines. The directory must
+/// outlive the gateway.
+async fn start_gateway(limits: &str) -> Result<(Gateway, tempfile::TempDir)> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        format!(
+            "[sandbox]\nbackend = \"{}\"\n[limits]\n{limits}",
+            sandbox_backend()
+        ),
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    Ok((gateway, dir))
+}
+
 async fn json_of(response: reqwest::Response) -> Result<(u16, Value)> {
     let status = response.status().as_u16();
     let body = response.text().await?;
@@ -264,7 +283,7 @@ async fn fetch_artifact(gateway: &Gateway, id: &str) -> Result<reqwest::Response
 /// every route.
 #[tokio::test]
 async fn sessions_execute_and_typed_results() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
 
     let (status, list) = gateway.get_json("/v1/sessions").await?;
@@ -433,7 +452,7 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
 /// Without credentials API v1 answers 401 like the rest of the gateway.
 #[tokio::test]
 async fn api_v1_requires_auth() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     for path in ["/v1/sessions", "/v1/artifacts/x", "/v1/sessions/x/files"] {
         let status = reqwest::get(format!("{}{path}", gateway.base))
             .await?
@@ -456,7 +475,7 @@ async fn api_v1_requires_auth() -> Result<()> {
 /// interrupt, not a restart). Restart then changes `state_generation` and loses them.
 #[tokio::test]
 async fn timeout_keeps_state_and_restart_changes_generation() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(&gateway, &id, "kept = 'yes'").await?;
     let generation = r["state_generation"].as_u64().context("state_generation")?;
@@ -488,7 +507,7 @@ async fn timeout_keeps_state_and_restart_changes_generation() -> Result<()> {
 /// the gateway keeps serving.
 #[tokio::test]
 async fn kernel_death_is_sandbox_lost() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
@@ -519,15 +538,8 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
             "this test needs a sandbox with a memory limit; CELLGATE_TEST_SANDBOX=process has none"
         );
     }
-    let dir = tempfile::tempdir()?;
-    std::fs::write(
-        dir.path().join("default.toml"),
-        "[limits]\nmemory = \"256MiB\"\noutput_per_execution = \"64KiB\"\n",
-    )?;
-    let gateway = Gateway::builder()
-        .policies_dir(dir.path().to_owned())
-        .start()
-        .await?;
+    let (gateway, _policies) =
+        start_gateway("memory = \"256MiB\"\noutput_per_execution = \"64KiB\"\n").await?;
     let id = create_session(&gateway, json!({})).await?;
 
     let r = execute(
@@ -562,7 +574,7 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
 /// The result's stdout is capped (the full stream went out as events); the kernel runs on.
 #[tokio::test]
 async fn large_stdout_is_capped_in_the_result() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
@@ -591,7 +603,7 @@ async fn large_stdout_is_capped_in_the_result() -> Result<()> {
 /// bytes served are the bytes displayed; images carry their size.
 #[tokio::test]
 async fn artifacts_of_every_mime_type() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let code = r#"
 import base64, hashlib, io, json
@@ -726,7 +738,7 @@ print(json.dumps(digests))
 /// `outputs/` become artifacts too, once.
 #[tokio::test]
 async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let r = execute(
         &gateway,
@@ -779,7 +791,7 @@ async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
 /// answered through `POST /input`; 409 when nothing waits for input.
 #[tokio::test]
 async fn sse_streams_progressively_and_input_works() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let code = format!(
         "print('first', flush=True)\n{}print('second')\nname = input('who? ')\nprint('hi', name)\n42",
@@ -856,7 +868,7 @@ async fn sse_streams_progressively_and_input_works() -> Result<()> {
 /// order, as they happen.
 #[tokio::test]
 async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let id = create_session(&gateway, json!({})).await?;
     let mut socket = ws_connect(&gateway, &id).await?;
     let hello = ws_next(&mut socket).await?;
@@ -967,15 +979,7 @@ async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()>
 /// change nothing on the host.
 #[tokio::test]
 async fn files_upload_download_and_attacks() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    std::fs::write(
-        dir.path().join("default.toml"),
-        "[limits]\nworkspace = \"4MiB\"\n",
-    )?;
-    let gateway = Gateway::builder()
-        .policies_dir(dir.path().to_owned())
-        .start()
-        .await?;
+    let (gateway, _policies) = start_gateway("workspace = \"4MiB\"\n").await?;
     let id = create_session(
         &gateway,
         json!({"files": [{"path": "seed/hello.txt", "content": "seeded"}]}),
@@ -985,6 +989,16 @@ async fn files_upload_download_and_attacks() -> Result<()> {
         execute(&gateway, &id, "open('seed/hello.txt').read()").await?["result"],
         "'seeded'"
     );
+
+    // Uploaded files belong to the sandbox's user: the kernel may change and remove them.
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nst = os.stat('seed/hello.txt')\nopen('seed/hello.txt', 'a').write('!')\n\
+         os.rename('seed/hello.txt', 'seed/moved.txt')\n(st.st_uid == os.getuid(), st.st_gid == os.getgid())",
+    )
+    .await?;
+    assert_eq!(r["result"], "(True, True)", "{r}");
 
     let csv = b"a,b\n1,2\n3,4\n".to_vec();
     assert_eq!(
@@ -1024,7 +1038,7 @@ async fn files_upload_download_and_attacks() -> Result<()> {
         .iter()
         .filter_map(|e| e["path"].as_str())
         .collect();
-    for want in ["data/in.csv", "data/out.csv", "seed/hello.txt"] {
+    for want in ["data/in.csv", "data/out.csv", "seed/moved.txt"] {
         assert!(paths.contains(&want), "{want} missing from {listing}");
     }
     let entry = listing
@@ -1071,7 +1085,14 @@ async fn files_upload_download_and_attacks() -> Result<()> {
     )
     .await?;
     assert_eq!(r["result"], "'planted'", "{r}");
-    for path in ["passwd", "etc/passwd", "root/etc/passwd"] {
+    let planted = format!("cellgate-pwned-{}", std::process::id());
+    for path in [
+        "passwd".to_owned(),
+        "etc/passwd".to_owned(),
+        "root/etc/passwd".to_owned(),
+        format!("etc/{planted}"),
+        format!("root/tmp/{planted}"),
+    ] {
         let url = format!("/v1/sessions/{id}/files/{path}");
         let (status, body) = raw_request(&gateway, "GET", &url, b"").await?;
         assert!((400..500).contains(&status), "GET {path}: {status} {body}");
@@ -1088,7 +1109,19 @@ async fn files_upload_download_and_attacks() -> Result<()> {
         passwd,
         "the host's /etc/passwd changed"
     );
-    assert!(!std::path::Path::new("/etc/pwned").exists());
+    for host in [format!("/etc/{planted}"), format!("/tmp/{planted}")] {
+        assert!(!std::path::Path::new(&host).exists(), "{host} was created");
+    }
+    // A FIFO the kernel made: refused, never a download that hangs.
+    execute(&gateway, &id, "import os\nos.mkfifo('pipe')").await?;
+    let (status, body) = raw_request(
+        &gateway,
+        "GET",
+        &format!("/v1/sessions/{id}/files/pipe"),
+        b"",
+    )
+    .await?;
+    assert!((400..500).contains(&status), "GET pipe: {status} {body}");
     let (status, listing) = gateway
         .get_json(&format!("/v1/sessions/{id}/files"))
         .await?;
@@ -1134,7 +1167,7 @@ async fn files_upload_download_and_attacks() -> Result<()> {
 /// too); artifacts stay fetchable; also as SSE.
 #[tokio::test]
 async fn one_shot_execute() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let (status, r) = post(
         &gateway,
         "/v1/execute",
@@ -1190,7 +1223,7 @@ async fn one_shot_execute() -> Result<()> {
 /// event schemas.
 #[tokio::test]
 async fn openapi_document_lists_every_route() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = start_gateway("").await?;
     let (status, doc) = gateway.get_json("/v1/openapi.json").await?;
     assert_eq!(status, 200);
     assert!(
@@ -1229,5 +1262,428 @@ async fn openapi_document_lists_every_route() -> Result<()> {
     for schema in ["ExecutionResult", "SessionEvent", "ArtifactRef"] {
         assert!(schemas.contains_key(schema), "{schema} missing");
     }
+    Ok(())
+}
+
+/// Hostile code shaping `outputs/`: links to host files (a file link and `outputs` itself
+/// as a link), a FIFO that would block a reader, and artifact ids that look like paths. None
+/// of it leaks a host file, hangs the execution, or harms the session.
+#[tokio::test]
+async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nos.makedirs('outputs/sub', exist_ok=True)\n\
+         os.symlink('/etc/passwd', 'outputs/passwd.txt')\n\
+         os.symlink('/etc', 'outputs/etc')\n\
+         os.mkfifo('outputs/pipe.txt')\n\
+         open('outputs/sub/real.txt', 'w').write('real')\n'ok'",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let artifacts = r["artifacts"].as_array().context("artifacts")?;
+    assert_eq!(artifacts.len(), 1, "only the regular file: {artifacts:?}");
+    assert_eq!(artifacts[0]["path"], "outputs/sub/real.txt");
+    let body = fetch_artifact(&gateway, artifacts[0]["id"].as_str().unwrap())
+        .await?
+        .text()
+        .await?;
+    assert_eq!(body, "real");
+
+    // outputs itself replaced by a link to a host directory full of files.
+    let r = execute(
+        &gateway,
+        &id,
+        "import os, shutil\nshutil.rmtree('outputs')\nos.symlink('/etc', 'outputs')\n'swapped'",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["artifacts"], json!([]), "{r}");
+    let (_, listed) = gateway
+        .get_json(&format!("/v1/sessions/{id}/artifacts"))
+        .await?;
+    for artifact in listed.as_array().context("listed")? {
+        let body = fetch_artifact(&gateway, artifact["id"].as_str().unwrap())
+            .await?
+            .text()
+            .await?;
+        assert!(!body.contains("root:"), "{artifact} leaked a host file");
+    }
+
+    // Artifact ids that look like paths: 404, never a file.
+    for id in [
+        "..%2f..%2f..%2fetc%2fpasswd",
+        "%2e%2e",
+        "%2fetc%2fpasswd",
+        "x%00",
+    ] {
+        let (status, body) =
+            raw_request(&gateway, "GET", &format!("/v1/artifacts/{id}"), b"").await?;
+        assert!((400..500).contains(&status), "{id}: {status}");
+        assert!(!body.contains("root:"), "{id}: {body}");
+    }
+    assert_eq!(execute(&gateway, &id, "1 + 1").await?["result"], "2");
+    Ok(())
+}
+
+/// Interrupt over HTTP stops a running cell (KeyboardInterrupt, variables kept); a deleted
+/// session's artifacts stay fetchable for the retention period while the session is gone.
+#[tokio::test]
+async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "kept = 5\nfrom IPython.display import display, SVG\n\
+         display(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"20\"/>'))",
+    )
+    .await?;
+    let artifact = r["artifacts"][0]["id"]
+        .as_str()
+        .context("an artifact")?
+        .to_owned();
+
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"code": "import time\nprint('sleeping', flush=True)\ntime.sleep(60)"}),
+    )
+    .await?;
+    loop {
+        let (name, event) = sse.next().await?;
+        assert_ne!(name, "done", "{event}");
+        if name == "stream" && event["text"] == "sleeping\n" {
+            break;
+        }
+    }
+    let (status, body) = post(&gateway, &format!("/v1/sessions/{id}/interrupt"), json!({})).await?;
+    assert_eq!(status, 204, "{body}");
+    let result = loop {
+        let (name, event) = sse.next().await?;
+        if name == "done" {
+            break event["result"].clone();
+        }
+    };
+    assert_eq!(result["status"], "error", "{result}");
+    assert_eq!(result["error"]["ename"], "KeyboardInterrupt", "{result}");
+    assert_eq!(execute(&gateway, &id, "kept").await?["result"], "5");
+
+    let status = gateway
+        .request(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?
+        .status()
+        .as_u16();
+    assert_eq!(status, 204);
+    assert_eq!(
+        gateway
+            .get_json(&format!("/v1/sessions/{id}/artifacts"))
+            .await?
+            .0,
+        404
+    );
+    let response = fetch_artifact(&gateway, &artifact).await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(response.text().await?.contains("height=\"20\""));
+    Ok(())
+}
+
+/// Executions sent at once to one session are queued, and each result holds only its own
+/// output; a busy session never holds up another one.
+#[tokio::test]
+async fn concurrent_executes_keep_their_own_output() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let other = create_session(&gateway, json!({})).await?;
+
+    let runs = (0..4).map(|i| {
+        let gateway = &gateway;
+        let id = id.clone();
+        async move {
+            let code = format!(
+                "import time\nfor j in range(5):\n    print('run{i}', j, flush=True)\n    time.sleep(0.01)\nrun{i} = {i}\n{i} * 100"
+            );
+            (i, execute(gateway, &id, &code).await)
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    let mut counts = vec![];
+    for (i, result) in results {
+        let r = result?;
+        assert_eq!(r["status"], "ok", "{r}");
+        let want: String = (0..5).map(|j| format!("run{i} {j}\n")).collect();
+        assert_eq!(
+            r["stdout"],
+            want.as_str(),
+            "run {i} got another's output: {r}"
+        );
+        assert_eq!(r["result"], (i * 100).to_string());
+        counts.push(r["execution_count"].as_i64().context("count")?);
+    }
+    counts.sort();
+    counts.dedup();
+    assert_eq!(
+        counts.len(),
+        4,
+        "each execution has its own count: {counts:?}"
+    );
+
+    // Session `id` busy (waiting for the test), `other` still answers.
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"code": format!("print('busy', flush=True)\n{}'released'", wait_for_file("release"))}),
+    )
+    .await?;
+    loop {
+        let (name, event) = sse.next().await?;
+        assert_ne!(name, "done", "{event}");
+        if name == "stream" {
+            break;
+        }
+    }
+    let r = execute(&gateway, &other, "'other answers'").await?;
+    assert_eq!(r["result"], "'other answers'");
+    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(status, 200);
+    assert_eq!(model["state"], "busy", "{model}");
+    assert_eq!(put_file(&gateway, &id, "release", vec![]).await?, 201);
+    loop {
+        let (name, event) = sse.next().await?;
+        if name == "done" {
+            assert_eq!(event["result"]["result"], "'released'", "{event}");
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Bad requests around files lose nothing: initial files with a bad path or encoding refuse
+/// the session (no kernel left behind), also for the one-shot execute; an oversize upload
+/// without a Content-Length (chunked, as a streaming client sends it) is cut off with 413.
+#[tokio::test]
+async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
+    let (gateway, _policies) = start_gateway("workspace = \"2MiB\"\n").await?;
+    for files in [
+        json!([{"path": "../escape.txt", "content": "x"}]),
+        json!([{"path": "/etc/cellgate-escape", "content": "x"}]),
+        json!([{"path": "ok.txt", "content": "%%%", "encoding": "base64"}]),
+        json!([{"path": "ok.txt", "content": "x", "encoding": "rot13"}]),
+    ] {
+        let (status, body) = post(&gateway, "/v1/sessions", json!({ "files": files })).await?;
+        assert_eq!(status, 400, "{files}: {body}");
+        let (status, body) = post(
+            &gateway,
+            "/v1/execute",
+            json!({"code": "1", "files": files}),
+        )
+        .await?;
+        assert_eq!(status, 400, "{files}: {body}");
+    }
+    assert!(!std::path::Path::new("/etc/cellgate-escape").exists());
+    let (_, sessions) = gateway.get_json("/v1/sessions").await?;
+    assert_eq!(sessions, json!([]), "a refused session was kept");
+    let (_, kernels) = gateway.get_json("/api/kernels").await?;
+    assert_eq!(kernels, json!([]), "a refused session's kernel was kept");
+
+    let id = create_session(&gateway, json!({})).await?;
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", gateway.port)).await?;
+    let head = format!(
+        "PUT /v1/sessions/{id}/files/stream.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+         Authorization: token {}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        gateway.token.clone().unwrap_or_default()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    let chunk = vec![b'z'; 64 << 10];
+    // Up to 8 MiB; the gateway may stop reading (and answer) long before.
+    for _ in 0..128 {
+        let mut frame = format!("{:x}\r\n", chunk.len()).into_bytes();
+        frame.extend_from_slice(&chunk);
+        frame.extend_from_slice(b"\r\n");
+        if stream.write_all(&frame).await.is_err() {
+            break;
+        }
+    }
+    let _ = stream.write_all(b"0\r\n\r\n").await;
+    let mut response = Vec::new();
+    let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut response)).await?;
+    let text = String::from_utf8_lossy(&response);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    let (_, listing) = gateway
+        .get_json(&format!("/v1/sessions/{id}/files"))
+        .await?;
+    // The workspace is the kernel's home (.ipython and such): only the upload matters.
+    assert!(
+        !listing.as_array().context("listing")?.iter().any(|e| {
+            let path = e["path"].as_str().unwrap_or_default();
+            path.contains("stream.bin") || path.contains(".cellgate-upload")
+        }),
+        "a partial upload was left: {listing}"
+    );
+    assert_eq!(
+        put_file(&gateway, &id, "fits.bin", vec![0u8; 1 << 20]).await?,
+        201
+    );
+    Ok(())
+}
+
+/// What a chat user actually does: a DataFrame as the last expression (text in `result`, the
+/// HTML table as an artifact) and a matplotlib chart through the inline backend (a PNG
+/// artifact with its size), no `display` calls by hand.
+#[tokio::test]
+async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "import pandas as pd\ndf = pd.DataFrame({'city': ['Oslo', 'Lima'], 'temp': [3.5, 19.0]})\ndf",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let text = r["result"].as_str().context("text/plain result")?;
+    assert!(text.contains("Oslo") && text.contains("19.0"), "{text}");
+    let html = r["artifacts"]
+        .as_array()
+        .context("artifacts")?
+        .iter()
+        .find(|a| a["mime"] == "text/html")
+        .with_context(|| format!("no HTML table: {r}"))?;
+    let body = fetch_artifact(&gateway, html["id"].as_str().unwrap())
+        .await?
+        .text()
+        .await?;
+    assert!(body.contains("<table") && body.contains("Lima"), "{body}");
+
+    let r = execute(
+        &gateway,
+        &id,
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\nfig = plt.figure(figsize=(3, 2), dpi=100)\nplt.plot([1, 3, 2])\nplt.show()",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let png = r["artifacts"]
+        .as_array()
+        .context("artifacts")?
+        .iter()
+        .find(|a| a["mime"] == "image/png")
+        .with_context(|| format!("no chart: {r}"))?;
+    assert!(png["width"].as_u64().unwrap_or(0) > 100, "{png}");
+    assert!(png["height"].as_u64().unwrap_or(0) > 50, "{png}");
+    let bytes = fetch_artifact(&gateway, png["id"].as_str().unwrap())
+        .await?
+        .bytes()
+        .await?;
+    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    Ok(())
+}
+
+/// SSE and the session WebSocket carry the same events, in the kernel's order: output
+/// interleaved with displays exactly as produced.
+#[tokio::test]
+async fn sse_and_websocket_carry_the_same_ordered_events() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let mut socket = ws_connect(&gateway, &id).await?;
+    assert_eq!(ws_next(&mut socket).await?["type"], "session");
+    let code = "from IPython.display import display, Markdown\nimport sys\n\
+                print('a', flush=True)\ndisplay(Markdown('*m1*'))\n\
+                print('b', flush=True)\nprint('e', file=sys.stderr, flush=True)\n\
+                display(Markdown('*m2*'))\nprint('c', flush=True)\n'end'";
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({ "code": code }),
+    )
+    .await?;
+    let mut from_sse = vec![];
+    loop {
+        let (name, event) = sse.next().await?;
+        from_sse.push(event);
+        if name == "done" {
+            break;
+        }
+    }
+    let from_ws = ws_until_done(&mut socket).await?;
+    assert_eq!(from_sse, from_ws, "SSE and WebSocket differ");
+    let shape: Vec<String> = from_sse
+        .iter()
+        .map(|e| match e["type"].as_str().unwrap_or_default() {
+            "stream" => format!(
+                "{}:{}",
+                e["name"].as_str().unwrap(),
+                e["text"].as_str().unwrap().trim()
+            ),
+            "display" => format!("display:{}", e["text"].as_str().unwrap_or_default()),
+            other => other.to_owned(),
+        })
+        .collect();
+    let stdout_and_displays: Vec<&String> = shape
+        .iter()
+        .filter(|s| s.starts_with("stdout:") || s.starts_with("display:"))
+        .collect();
+    assert_eq!(
+        stdout_and_displays,
+        [
+            "stdout:a",
+            "display:<IPython.core.display.Markdown object>",
+            "stdout:b",
+            "display:<IPython.core.display.Markdown object>",
+            "stdout:c"
+        ],
+        "{shape:?}"
+    );
+    assert_eq!(shape.first().map(String::as_str), Some("started"));
+    assert_eq!(&shape[shape.len() - 2..], ["result", "done"], "{shape:?}");
+    assert!(shape.contains(&"stderr:e".to_owned()), "{shape:?}");
+    Ok(())
+}
+
+/// Two sessions share nothing: files, artifacts and variables of one never show in the other.
+#[tokio::test]
+async fn sessions_are_separate() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let a = create_session(&gateway, json!({})).await?;
+    let b = create_session(&gateway, json!({})).await?;
+    assert_eq!(
+        put_file(&gateway, &a, "only-a.txt", b"a".to_vec()).await?,
+        201
+    );
+    let r = execute(
+        &gateway,
+        &a,
+        "secret = 'a'\nfrom IPython.display import display, Markdown\ndisplay(Markdown('only a'))",
+    )
+    .await?;
+    let artifact_a = r["artifacts"][0]["id"].clone();
+    assert!(artifact_a.is_string(), "{r}");
+
+    let r = execute(
+        &gateway,
+        &b,
+        "import os\n('secret' in dir(), os.path.exists('only-a.txt'))",
+    )
+    .await?;
+    assert_eq!(r["result"], "(False, False)", "{r}");
+    let (_, files) = gateway.get_json(&format!("/v1/sessions/{b}/files")).await?;
+    assert!(
+        !files.to_string().contains("only-a.txt"),
+        "b lists a's file: {files}"
+    );
+    let (status, _) = gateway
+        .get_json(&format!("/v1/sessions/{b}/files/only-a.txt"))
+        .await?;
+    assert_eq!(status, 404);
+    let (_, artifacts) = gateway
+        .get_json(&format!("/v1/sessions/{b}/artifacts"))
+        .await?;
+    assert_eq!(artifacts, json!([]), "b lists a's artifacts");
+    let (_, artifacts) = gateway
+        .get_json(&format!("/v1/sessions/{a}/artifacts"))
+        .await?;
+    assert_eq!(artifacts[0]["id"], artifact_a);
     Ok(())
 }

@@ -280,3 +280,229 @@ async fn websocket_streams_events_progressively() -> Result<()> {
     assert_eq!(result["result"], "42");
     Ok(())
 }
+
+/// The session WebSocket follows the kernel's life: a kernel killed mid-cell answers the
+/// cell (`sandbox_lost`) and the socket hears `kernel: dead`; deleting the session ends
+/// with `kernel: terminated` and the server closing the socket.
+#[tokio::test]
+async fn websocket_follows_the_kernels_life() -> Result<()> {
+    let gateway = Gateway::start().await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let mut socket = connect_ws(&gateway, &id).await?;
+    assert_eq!(next_json(&mut socket).await?["type"], "session");
+    let code = "import os, signal\nprint('bye', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)";
+    let result = run(&gateway, &id, code).await?;
+    assert_eq!(result["status"], "sandbox_lost", "{result}");
+    assert_eq!(result["error"]["ename"], "KernelDiedError");
+    let mut types = vec![];
+    loop {
+        let event = next_json(&mut socket).await?;
+        let kind = event["type"].as_str().unwrap_or_default().to_owned();
+        types.push(kind.clone());
+        if kind == "kernel" {
+            assert_eq!(event["state"], "dead", "{event}");
+            break;
+        }
+    }
+    assert!(types.contains(&"done".to_owned()), "{types:?}");
+    let (_, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(model["state"], "dead", "{model}");
+    assert!(
+        model["reason"].as_str().unwrap().contains("signal 9"),
+        "{model}"
+    );
+    // Executing on a dead kernel is a typed result, not an HTTP error.
+    let result = run(&gateway, &id, "1").await?;
+    assert_eq!(result["status"], "sandbox_lost", "{result}");
+
+    let status = gateway
+        .request(Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 204);
+    loop {
+        let frame = tokio::time::timeout(Duration::from_secs(30), socket.next())
+            .await
+            .context("the socket was not closed")?;
+        match frame {
+            Some(Ok(WsMessage::Text(text))) => {
+                let event: Value = serde_json::from_str(text.as_str())?;
+                if event["type"] == "kernel" {
+                    assert_eq!(event["state"], "terminated", "{event}");
+                }
+            }
+            Some(Ok(WsMessage::Close(_))) | None | Some(Err(_)) => break,
+            Some(Ok(_)) => {}
+        }
+    }
+    Ok(())
+}
+
+/// A request timeout the cell ignores: interrupt, then (after the policy's grace) a restart;
+/// the result says `timeout`, the state generation moves on, and the session keeps working.
+#[tokio::test]
+async fn an_ignored_timeout_restarts_the_kernel() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        "[limits]\ninterrupt_grace = \"1s\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    let id = create_session(&gateway, json!({})).await?;
+    run(&gateway, &id, "kept = 1").await?;
+    let code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('stubborn', flush=True)\nwhile True:\n    time.sleep(0.05)";
+    let result = execute(&gateway, &id, json!({"code": code, "timeout_s": 0.5})).await?;
+    assert_eq!(result["status"], "timeout", "{result}");
+    assert_eq!(result["error"]["ename"], "CellTimeoutError");
+    assert!(result["error"]["evalue"]
+        .as_str()
+        .unwrap()
+        .contains("restarted"));
+    assert_eq!(result["stdout"], "stubborn\n");
+    let after = run(&gateway, &id, "'kept' in dir()").await?;
+    assert_eq!(after["status"], "ok", "{after}");
+    assert_eq!(
+        after["result"], "False",
+        "variables are gone with the restart"
+    );
+    assert_eq!(after["state_generation"], 2);
+    Ok(())
+}
+
+/// Initial files arrive before the first cell; the listing shows what the code wrote; a
+/// file written under outputs/ by the code is an artifact whose bytes are the file's.
+#[tokio::test]
+async fn initial_files_listing_and_output_files() -> Result<()> {
+    let gateway = Gateway::start().await?;
+    let id = create_session(
+        &gateway,
+        json!({"files": [
+            {"path": "data/in.csv", "content": "a,b\n1,2\n3,4\n"},
+            {"path": "blob.bin", "content": "AAEC/w==", "encoding": "base64"},
+        ]}),
+    )
+    .await?;
+    let code = "import pandas as pd, os\ndf = pd.read_csv('data/in.csv')\nos.makedirs('outputs', exist_ok=True)\ndf.assign(c=df.a + df.b).to_csv('outputs/sum.csv', index=False)\nlen(open('blob.bin', 'rb').read())";
+    let result = run(&gateway, &id, code).await?;
+    assert_eq!(result["status"], "ok", "{result}");
+    assert_eq!(result["result"], "4");
+    let artifacts = result["artifacts"].as_array().context("artifacts")?;
+    assert_eq!(artifacts.len(), 1, "{result}");
+    assert_eq!(artifacts[0]["path"], "outputs/sum.csv");
+    assert_eq!(artifacts[0]["mime"], "text/csv");
+    let url = artifacts[0]["url"].as_str().context("url")?;
+    let response = gateway.request(Method::GET, url).send().await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.text().await?, "a,b,c\n1,2,3\n3,4,7\n");
+    // Unchanged files are not reported again.
+    let again = run(&gateway, &id, "1").await?;
+    assert_eq!(again["artifacts"], json!([]), "{again}");
+
+    let (status, listing) = gateway
+        .get_json(&format!("/v1/sessions/{id}/files"))
+        .await?;
+    assert_eq!(status, 200);
+    let paths: Vec<&str> = listing
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    for expected in [
+        "blob.bin",
+        "data",
+        "data/in.csv",
+        "outputs",
+        "outputs/sum.csv",
+    ] {
+        assert!(paths.contains(&expected), "{expected} in {paths:?}");
+    }
+    let response = gateway
+        .request(Method::GET, &format!("/v1/sessions/{id}/files/blob.bin"))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.bytes().await?.to_vec(), vec![0u8, 1, 2, 255]);
+    // A bad initial file fails the create and leaves no session behind.
+    let response = gateway
+        .request(Method::POST, "/v1/sessions")
+        .json(&json!({"files": [{"path": "../escape", "content": "x"}]}))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 400);
+    let (_, list) = gateway.get_json("/v1/sessions").await?;
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    Ok(())
+}
+
+/// The policy's artifact_size and upload_size, and the gateway's artifact retention: an
+/// output too large is named in `omitted` (never inlined, never silent), an upload too large
+/// is a 413, and a deleted session's artifacts go after the retention period.
+#[tokio::test]
+async fn policy_caps_and_artifact_retention() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        "[limits]\nartifact_size = \"2KiB\"\nupload_size = \"4KiB\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .args(&["--artifact-retention", "1"])
+        .start()
+        .await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let code = "from IPython.display import display, HTML, Markdown\nimport os\ndisplay(HTML('<p>' + 'x' * 5000 + '</p>'))\ndisplay(Markdown('*small*'))\nos.makedirs('outputs', exist_ok=True)\nopen('outputs/big.txt', 'w').write('y' * 3000)";
+    let result = run(&gateway, &id, code).await?;
+    assert_eq!(result["status"], "ok", "{result}");
+    let artifacts = result["artifacts"].as_array().context("artifacts")?;
+    assert_eq!(artifacts.len(), 1, "{result}");
+    assert_eq!(artifacts[0]["mime"], "text/markdown");
+    let omitted = result["omitted"].as_array().context("omitted")?;
+    assert_eq!(omitted.len(), 2, "{result}");
+    assert_eq!(omitted[0]["mime"], "text/html");
+    assert!(omitted[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("artifact_size"));
+    assert_eq!(omitted[1]["path"], "outputs/big.txt");
+    assert!(
+        !result.to_string().contains("xxxxxxxxxx"),
+        "no inlined output"
+    );
+
+    let put = |body: Vec<u8>| {
+        gateway
+            .request(Method::PUT, &format!("/v1/sessions/{id}/files/up.bin"))
+            .body(body)
+            .send()
+    };
+    assert_eq!(put(vec![0; 5000]).await?.status().as_u16(), 413);
+    assert_eq!(put(vec![0; 4096]).await?.status().as_u16(), 201);
+
+    let url = artifacts[0]["url"].as_str().context("url")?.to_owned();
+    let status = gateway
+        .request(Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?
+        .status();
+    assert_eq!(status.as_u16(), 204);
+    let mut gone = false;
+    for _ in 0..100 {
+        let status = gateway.request(Method::GET, &url).send().await?.status();
+        if status.as_u16() == 404 {
+            gone = true;
+            break;
+        }
+        assert_eq!(status.as_u16(), 200);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        gone,
+        "artifacts of a deleted session go after the retention period"
+    );
+    Ok(())
+}

@@ -18,14 +18,14 @@ use crate::gateway::state::AppState;
 use crate::sessions::Session;
 use crate::workspace::{mime_for, FileEntry};
 
-/// Largest upload: the policy's workspace size (the workspace itself is that big).
+/// Largest upload: the policy's `upload_size`, and never more than its workspace.
 pub fn upload_limit(state: &AppState, session: &Session) -> u64 {
     state
         .sessions
         .kernels()
         .policies()
         .get(&session.kernel.policy)
-        .map(|p| p.limits.workspace_bytes)
+        .map(|p| p.limits.upload_bytes.min(p.limits.workspace_bytes))
         .unwrap_or(1 << 30)
 }
 

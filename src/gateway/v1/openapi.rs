@@ -8,7 +8,7 @@ use utoipa::{Modify, OpenApi};
 
 use super::{artifacts, files, sessions, ws};
 use crate::sessions::{
-    ArtifactRef, ExecError, ExecutionResult, Resources, SessionEvent, SessionModel, Status,
+    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel, Status,
 };
 use crate::workspace::FileEntry;
 
@@ -51,7 +51,7 @@ impl Modify for Security {
     components(schemas(
         sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded,
-        ws::ClientMessage, SessionModel, ExecutionResult, ExecError, Resources, Status,
+        ws::ClientMessage, SessionModel, ExecutionResult, ExecError, Resources, Status, Omitted,
         ArtifactRef, SessionEvent, FileEntry,
     )),
     modifiers(&Security),

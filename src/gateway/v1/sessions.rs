@@ -20,7 +20,7 @@ use utoipa::ToSchema;
 use super::{body, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
-use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionModel};
+use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionModel, Sessions};
 
 /// A file to put in the workspace when the session starts.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -121,16 +121,8 @@ fn new_session(
     }
 }
 
-/// Writes the initial files; the session is deleted again when one cannot be written.
-async fn write_initial_files(
-    state: &AppState,
-    session: &Arc<Session>,
-    files: Vec<InitialFile>,
-) -> Result<(), ApiError> {
-    if files.is_empty() {
-        return Ok(());
-    }
-    let limit = super::files::upload_limit(state, session);
+/// Decodes and checks the initial files before any kernel starts.
+fn decode_files(files: Vec<InitialFile>) -> Result<Vec<(String, Vec<u8>)>, ApiError> {
     let mut decoded = Vec::new();
     for file in files {
         let bytes = match file.encoding.as_deref() {
@@ -150,10 +142,23 @@ async fn write_initial_files(
         crate::workspace::check_path(&file.path)?;
         decoded.push((file.path, bytes));
     }
+    Ok(decoded)
+}
+
+/// Writes the initial files into a new session's workspace.
+async fn write_initial_files(
+    state: &AppState,
+    session: &Arc<Session>,
+    files: Vec<(String, Vec<u8>)>,
+) -> Result<(), ApiError> {
+    if files.is_empty() {
+        return Ok(());
+    }
+    let limit = super::files::upload_limit(state, session);
     let session = session.clone();
     tokio::task::spawn_blocking(move || -> Result<(), ApiError> {
         let workspace = session.open_workspace()?;
-        for (path, bytes) in decoded {
+        for (path, bytes) in files {
             let mut upload = workspace.create(&path)?;
             upload.write(&bytes, limit)?;
             upload.commit()?;
@@ -169,9 +174,10 @@ async fn create_session(
     principal: &Principal,
     request: CreateSession,
 ) -> Result<Arc<Session>, ApiError> {
+    let files = decode_files(request.files)?;
     let new = new_session(principal, request.kernel_name, request.policy, request.env);
     let session = state.sessions.create(new).await?;
-    if let Err(err) = write_initial_files(state, &session, request.files).await {
+    if let Err(err) = write_initial_files(state, &session, files).await {
         let _ = state.sessions.delete(&session.id).await;
         return Err(err);
     }
@@ -248,32 +254,33 @@ fn wants_sse(headers: &HeaderMap) -> bool {
         .is_some_and(|a| a.contains("text/event-stream"))
 }
 
-/// The events as SSE: `event: <type>`, `data: <event JSON>`, ending with `done`.
+/// The events as SSE: `event: <type>`, `data: <event JSON>`, ending with `done`. With
+/// `delete_after`, that session is deleted before `done` goes out (one-shot executes), so a
+/// client that saw `done` never sees the session again.
 fn sse(
     events: mpsc::UnboundedReceiver<Arc<SessionEvent>>,
-    on_done: Option<Box<dyn FnOnce() + Send>>,
+    delete_after: Option<(Arc<Sessions>, String)>,
 ) -> Response {
     let stream = futures_util::stream::unfold(
-        (events, on_done, false),
-        |(mut events, on_done, finished)| async move {
+        (events, delete_after, false),
+        |(mut events, delete_after, finished)| async move {
             if finished {
                 return None;
             }
             let event = events.recv().await?;
             let done = matches!(*event, SessionEvent::Done { .. });
-            let on_done = if done {
-                if let Some(f) = on_done {
-                    f();
+            let delete_after = match (done, delete_after) {
+                (true, Some((sessions, id))) => {
+                    let _ = sessions.delete(&id).await;
+                    None
                 }
-                None
-            } else {
-                on_done
+                (_, pending) => pending,
             };
             let sse_event = Event::default()
                 .event(event.kind())
                 .json_data(&*event)
                 .unwrap_or_else(|_| Event::default().event("error").data("unserialisable event"));
-            Some((Ok::<_, Infallible>(sse_event), (events, on_done, done)))
+            Some((Ok::<_, Infallible>(sse_event), (events, delete_after, done)))
         },
     );
     Sse::new(stream)
@@ -344,18 +351,17 @@ pub async fn execute_once(
     )
     .await?;
     let events = session.execute(request.code, timeout);
-    let sessions = state.sessions.clone();
-    let id = session.id.clone();
-    let cleanup = move || {
-        tokio::spawn(async move {
-            let _ = sessions.delete(&id).await;
-        });
-    };
     if wants_sse(&headers) {
-        return Ok(sse(events, Some(Box::new(cleanup))));
+        return Ok(sse(
+            events,
+            Some((state.sessions.clone(), session.id.clone())),
+        ));
     }
     let result = wait_for_result(events).await;
-    cleanup();
+    // Gone before the answer: a one-shot session never shows up in a later listing.
+    if let Err(err) = state.sessions.delete(&session.id).await {
+        tracing::warn!(session_id = %session.id, %err, "one-shot session not deleted");
+    }
     Ok(Json(result?).into_response())
 }
 

@@ -7,7 +7,9 @@
 //! - `{"type": "input_reply", "value": "…", "execution_id"?: "…"}`
 //! - `{"type": "restart"}`
 //!
-//! On connect the server sends `{"type": "session", "session": <SessionModel>}`. A client
+//! On connect the server sends `{"type": "session", "session": <SessionModel>}`. When the
+//! session ends (deleted, or its kernel shut down) the last event is
+//! `{"type": "kernel", "state": "terminated"}` and the server closes the socket. A client
 //! message that cannot be understood or fails answers `{"type": "client_error", "message"}`
 //! and the socket stays open. A client too slow for the event rate gets
 //! `{"type": "lagged", "missed": n}` and then the events after the gap.
@@ -30,7 +32,7 @@ use super::session_for;
 use crate::gateway::auth::Principal;
 use crate::gateway::kernel_ws::origin_allowed;
 use crate::gateway::state::AppState;
-use crate::sessions::Session;
+use crate::sessions::{Session, SessionEvent};
 
 const PING_INTERVAL: Duration = Duration::from_secs(30);
 /// Largest client message (code included).
@@ -93,10 +95,19 @@ async fn serve(socket: WebSocket, session: Arc<Session>) {
         loop {
             let frame = tokio::select! {
                 event = events.recv() => match event {
-                    Ok(event) => match serde_json::to_string(&*event) {
-                        Ok(text) => text,
-                        Err(_) => continue,
-                    },
+                    Ok(event) => {
+                        let last = matches!(&*event, SessionEvent::Kernel { state, .. } if state == "terminated");
+                        let Ok(text) = serde_json::to_string(&*event) else {
+                            continue;
+                        };
+                        if last {
+                            // The session is gone: say so, then close.
+                            let _ = sink.send(WsMessage::Text(text.into())).await;
+                            let _ = sink.send(WsMessage::Close(None)).await;
+                            return;
+                        }
+                        text
+                    }
                     Err(RecvError::Lagged(missed)) => {
                         json!({"type": "lagged", "missed": missed}).to_string()
                     }

@@ -780,6 +780,14 @@ impl SandboxHandle for NamespacesHandle {
         ))
     }
 
+    fn alive(&self) -> bool {
+        match &self.kernel {
+            Some(pidfd) => !self.gone() && !sys::pidfd_exited(pidfd),
+            // Without a pidfd (kernels older than 5.3) the pid cannot be pinned.
+            None => false,
+        }
+    }
+
     fn usage(&self) -> ResourceUsage {
         if let Some(cgroup) = &self.cgroup {
             let usage = cgroup.usage();
