@@ -68,6 +68,11 @@ pub async fn export_kernel_notebook(
     if !principal.may_see(kernel_owner(&kernel).as_deref()) {
         return Err(ApiError::not_found(format!("Kernel does not exist: {id}")));
     }
+    notebook_response(&kernel, &id)
+}
+
+/// The kernel's history as an .ipynb download (nbformat 4.5).
+pub(super) fn notebook_response(kernel: &Kernel, id: &str) -> Result<Response, ApiError> {
     let history = kernel.router().history().snapshot();
     let text = export_notebook(&history, &KernelspecInfo::from(kernel.spec.as_ref()))?;
     let mut response = text.into_response();

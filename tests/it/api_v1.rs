@@ -1250,6 +1250,8 @@ async fn openapi_document_lists_every_route() -> Result<()> {
         ("/v1/sessions/{id}/artifacts", "get"),
         ("/v1/artifacts/{id}", "get"),
         ("/v1/sessions/{id}/ws", "get"),
+        ("/v1/sessions/{id}/notebook", "get"),
+        ("/v1/notebooks/replay", "post"),
     ] {
         assert!(
             paths.get(path).and_then(|p| p.get(method)).is_some(),

@@ -485,3 +485,79 @@ async fn malformed_notebooks_get_clear_errors_and_the_gateway_keeps_serving() ->
     assert_eq!(kernels.as_array().map(Vec::len), Some(1), "{kernels}");
     Ok(())
 }
+
+/// API v1: a chat session exports as a notebook (its cells, in order, with outputs), and that
+/// notebook replays through `/v1/notebooks/replay` with every cell the same.
+#[tokio::test]
+async fn api_v1_session_exports_and_replays() -> Result<()> {
+    let gateway = Gateway::builder().token(Some("t-nb")).start().await?;
+    let response = gateway
+        .request(reqwest::Method::POST, "/v1/sessions")
+        .json(&json!({}))
+        .send()
+        .await?;
+    ensure!(
+        response.status().as_u16() == 201,
+        "{}",
+        response.text().await?
+    );
+    let id = response.json::<Value>().await?["id"]
+        .as_str()
+        .context("id")?
+        .to_owned();
+    for code in ["x = 20", "print(x + 1)", "x * 2"] {
+        let result: Value = gateway
+            .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
+            .json(&json!({"code": code}))
+            .send()
+            .await?
+            .json()
+            .await?;
+        ensure!(result["status"] == "ok", "{code}: {result}");
+    }
+    let response = gateway
+        .request(reqwest::Method::GET, &format!("/v1/sessions/{id}/notebook"))
+        .send()
+        .await?;
+    ensure!(response.status().as_u16() == 200);
+    let notebook: Value = response.json().await?;
+    let cells = notebook["cells"].as_array().context("cells")?;
+    // nbformat writes multi-line strings as lists of lines.
+    let text = |v: &Value| -> String {
+        match v {
+            Value::Array(lines) => lines.iter().filter_map(Value::as_str).collect(),
+            other => other.as_str().unwrap_or_default().to_owned(),
+        }
+    };
+    let sources: Vec<String> = cells.iter().map(|c| text(&c["source"])).collect();
+    ensure!(
+        sources == ["x = 20", "print(x + 1)", "x * 2"],
+        "cells in order: {sources:?}"
+    );
+    ensure!(
+        text(&cells[1]["outputs"][0]["text"]) == "21\n",
+        "{}",
+        cells[1]
+    );
+    ensure!(
+        text(&cells[2]["outputs"][0]["data"]["text/plain"]) == "40",
+        "{}",
+        cells[2]
+    );
+    let answer: Value = gateway
+        .request(reqwest::Method::POST, "/v1/notebooks/replay")
+        .json(&notebook)
+        .send()
+        .await?
+        .json()
+        .await?;
+    ensure!(answer["matched"] == true, "replay: {}", answer["report"]);
+    // Another session's id, or none, is a 404 like any unknown session.
+    let status = gateway
+        .request(reqwest::Method::GET, "/v1/sessions/nope/notebook")
+        .send()
+        .await?
+        .status();
+    ensure!(status.as_u16() == 404);
+    Ok(())
+}

@@ -10,6 +10,7 @@
 mod artifacts;
 mod body;
 mod files;
+mod notebooks;
 pub mod openapi;
 mod sessions;
 mod ws;
@@ -48,6 +49,13 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sessions/{id}/artifacts", get(artifacts::list))
         .route("/v1/artifacts/{id}", get(artifacts::fetch))
         .route("/v1/sessions/{id}/ws", get(ws::socket))
+        .route("/v1/sessions/{id}/notebook", get(notebooks::export))
+        .route(
+            "/v1/notebooks/replay",
+            post(notebooks::replay).layer(axum::extract::DefaultBodyLimit::max(
+                super::notebooks::MAX_NOTEBOOK_BYTES,
+            )),
+        )
 }
 
 /// The session `id` if `principal` may see it; 404 otherwise, the same for both cases.

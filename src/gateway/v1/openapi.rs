@@ -6,7 +6,7 @@ use axum::Json;
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{artifacts, files, sessions, ws};
+use super::{artifacts, files, notebooks, sessions, ws};
 use crate::sessions::{
     ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel, Status,
 };
@@ -46,7 +46,8 @@ impl Modify for Security {
         sessions::create, sessions::list, sessions::get, sessions::delete,
         sessions::execute, sessions::execute_once, sessions::interrupt, sessions::restart,
         sessions::input, files::list, files::upload, files::download,
-        artifacts::list, artifacts::fetch, ws::socket, document,
+        artifacts::list, artifacts::fetch, ws::socket, notebooks::export, notebooks::replay,
+        document,
     ),
     components(schemas(
         sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
