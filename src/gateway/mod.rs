@@ -20,8 +20,8 @@ use axum::{middleware, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 pub use api_error::ApiError;
-pub use auth::Principal;
-pub use state::AppState;
+pub use auth::{start_terms, Principal, StartTerms};
+pub use state::{AppState, StateError};
 
 use crate::config::GatewayConfig;
 use crate::kernel::KernelManager;
@@ -103,7 +103,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let state = AppState { config, kernels };
+    let state = AppState::new(config, kernels).map_err(std::io::Error::other)?;
     let app = router(state);
     let listener = listener.tap_io(|stream| {
         // Nagle's algorithm costs Kernel Gateway ~40 ms per round trip.

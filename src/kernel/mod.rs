@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
-pub use manager::{KernelManager, ManagerOptions, POLICY_ENV};
+pub use manager::{KernelManager, ManagerOptions, Owner, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
 pub use spec::{KernelSpec, KernelSpecs};
 
@@ -48,6 +48,8 @@ pub enum KernelError {
     BadEnv { name: String },
     #[error("the gateway runs its maximum of {max} kernels")]
     TooManyKernels { max: usize },
+    #[error("this tenant already runs its maximum of {max} kernels; shut one down first")]
+    TenantKernelLimit { max: usize },
     #[error("no such kernel")]
     NoSuchKernel,
     #[error("kernel is dead: {0}")]
