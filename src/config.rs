@@ -187,7 +187,7 @@ pub enum ConfigError {
     Parse { path: PathBuf, message: String },
     #[error("environment variable {name}: {message}")]
     Env { name: &'static str, message: String },
-    #[error("refusing to listen on {ip} without authentication: set --token or CELLGATE_AUTH_TOKEN (or JWT keys), or listen on a loopback address")]
+    #[error("refusing to listen on {ip} without a token: set --token or CELLGATE_AUTH_TOKEN (or JWT keys: --jwt-secret-file, --jwt-public-key, --jwks-file), or listen on a loopback address")]
     TokenRequired { ip: IpAddr },
     #[error("base_url {0:?} must be a path")]
     BadBaseUrl(String),

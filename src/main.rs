@@ -117,6 +117,9 @@ fn main() -> anyhow::Result<()> {
 
 /// `cellgate token`: reads the secret (and issuer and audience) exactly as `serve` would.
 fn issue_token(args: TokenArgs) -> anyhow::Result<()> {
+    let ttl = cellgate::policy::parse_duration(&args.ttl)
+        .map_err(|err| anyhow::anyhow!("--ttl: {err}"))?;
+    anyhow::ensure!(!ttl.is_zero(), "--ttl must be longer than zero");
     let serve_args = ServeArgs {
         config: args.config,
         auth: cellgate::config::AuthArgs {
@@ -132,9 +135,6 @@ fn issue_token(args: TokenArgs) -> anyhow::Result<()> {
         .as_deref()
         .ok_or(cellgate::jwt::JwtError::NoSecret)?;
     let secret = cellgate::jwt::read_secret(secret_file)?;
-    let ttl = cellgate::policy::parse_duration(&args.ttl)
-        .map_err(|err| anyhow::anyhow!("--ttl: {err}"))?;
-    anyhow::ensure!(!ttl.is_zero(), "--ttl must be longer than zero");
     let token = cellgate::jwt::issue_hs256(
         &secret,
         &args.tenant,

@@ -12,3 +12,4 @@ mod http;
 mod lifecycle;
 mod messaging;
 mod pool;
+mod tenants;
