@@ -289,6 +289,7 @@ fn openssl_keypair(dir: &Path, name: &str, genpkey_args: &[&str]) -> Result<(Vec
         .args(genpkey_args)
         .arg("-out")
         .arg(&private)
+        .stderr(std::process::Stdio::null())
         .status()
         .context("openssl is needed to make test keys (apt-get install openssl)")?;
     assert!(status.success(), "openssl genpkey failed");
@@ -553,4 +554,60 @@ fn token_command_checks_its_inputs() {
         secret
     ])
     .is_err());
+}
+
+/// A JWKS file holding an RSA key with a `kid` and a pinned `alg`, built from an openssl key.
+#[tokio::test]
+async fn jwks_keys_select_by_kid_and_pin_their_algorithm() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (private, public) = openssl_keypair(
+        dir.path(),
+        "jwks",
+        &["-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
+    )?;
+    let output = Command::new("openssl")
+        .args(["rsa", "-pubin", "-noout", "-modulus", "-in"])
+        .arg(&public)
+        .output()?;
+    assert!(output.status.success(), "openssl rsa -modulus failed");
+    let hex_modulus = String::from_utf8(output.stdout)?
+        .trim()
+        .trim_start_matches("Modulus=")
+        .to_owned();
+    let modulus = hex::decode(&hex_modulus)?;
+    let n = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(modulus);
+    let jwks = dir.path().join("jwks.json");
+    std::fs::write(
+        &jwks,
+        json!({"keys": [{"kty": "RSA", "kid": "k1", "alg": "RS256", "use": "sig", "n": n, "e": "AQAB"}]})
+            .to_string(),
+    )?;
+    let gateway = Gateway::builder()
+        .token(None)
+        .arg("--jwks-file")
+        .arg(jwks.to_str().context("path")?)
+        .start()
+        .await?;
+    let key = EncodingKey::from_rsa_pem(&private)?;
+    let with_header = |alg: Algorithm, kid: Option<&str>| {
+        let mut header = Header::new(alg);
+        header.kid = kid.map(str::to_owned);
+        jsonwebtoken::encode(&header, &claims("j", "default"), &key).unwrap()
+    };
+    let cases = [
+        (with_header(Algorithm::RS256, Some("k1")), 200),
+        (with_header(Algorithm::RS256, None), 200),
+        // Same key, another kid: no key matches.
+        (with_header(Algorithm::RS256, Some("k2")), 401),
+        // Same key, an algorithm the JWKS does not allow for it.
+        (with_header(Algorithm::PS256, Some("k1")), 401),
+        (with_header(Algorithm::RS512, Some("k1")), 401),
+    ];
+    for (i, (token, expected)) in cases.iter().enumerate() {
+        let (status, body) = call(&gateway, token, Method::GET, "/api/kernels", None).await?;
+        assert_eq!(status, *expected, "case {i}: {body}");
+    }
+    // Only JWTs configured: the static token is unknown, so no admin over HTTP.
+    assert_eq!(gateway.get_json("/api/kernels").await?.0, 401);
+    Ok(())
 }
