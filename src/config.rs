@@ -415,4 +415,52 @@ mod tests {
         let config = GatewayConfig::resolve(&args).unwrap();
         assert_eq!(config.base_url, "/gw/");
     }
+
+    #[test]
+    fn jwt_and_tenant_settings_from_file_and_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "ip = \"0.0.0.0\"\njwt_secret_file = \"/etc/cellgate/jwt\"\njwt_issuer = \"idp\"\n\
+             [tenants]\npolicy_order = [\"strict\", \"default\"]\nmax_kernels = 3\n\
+             [tenants.limits.acme]\nmax_kernels = 9\n",
+        )
+        .unwrap();
+        let args = ServeArgs {
+            config: Some(path.clone()),
+            auth: AuthArgs {
+                tenant_max_kernels: Some(5),
+                tenant_rate: Some(2.5),
+                ..AuthArgs::default()
+            },
+            ..ServeArgs::default()
+        };
+        // JWT keys count as authentication: a public address is allowed without a token.
+        let config = GatewayConfig::resolve(&args).unwrap();
+        assert_eq!(
+            config.jwt.secret_file.as_deref(),
+            Some(Path::new("/etc/cellgate/jwt"))
+        );
+        assert_eq!(config.jwt.issuer.as_deref(), Some("idp"));
+        assert_eq!(config.tenants.max_kernels, Some(5));
+        assert_eq!(config.tenants.rate, Some(2.5));
+        assert_eq!(config.tenants.limits["acme"].max_kernels, Some(9));
+        assert_eq!(config.tenants.policy_order, ["strict", "default"]);
+        // The settings hold the secret's path, never the secret itself.
+        assert!(format!("{config:?}").contains("/etc/cellgate/jwt"));
+
+        let bad = ServeArgs {
+            config: Some(path),
+            auth: AuthArgs {
+                tenant_rate: Some(0.0),
+                ..AuthArgs::default()
+            },
+            ..ServeArgs::default()
+        };
+        assert!(matches!(
+            GatewayConfig::resolve(&bad),
+            Err(ConfigError::Tenants(_))
+        ));
+    }
 }

@@ -611,3 +611,56 @@ async fn jwks_keys_select_by_kid_and_pin_their_algorithm() -> Result<()> {
     assert_eq!(gateway.get_json("/api/kernels").await?.0, 401);
     Ok(())
 }
+
+/// A kernel from the warm pool becomes its tenant's when handed out, and only that tenant's.
+#[tokio::test]
+async fn pooled_kernels_belong_to_the_tenant_they_are_handed_to() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let gateway = Gateway::builder()
+        .arg("--jwt-secret-file")
+        .arg(secret.to_str().context("path")?)
+        .args(&["--pool-size", "1"])
+        .start()
+        .await?;
+    assert!(
+        crate::support::eventually(std::time::Duration::from_secs(120), || gateway
+            .log()
+            .contains("kernel ready"))
+        .await,
+        "the pool never filled: {}",
+        gateway.log()
+    );
+    let token_a = hs256(&claims("pool-a", "default"));
+    let token_b = hs256(&claims("pool-b", "default"));
+    let (status, model) = call(&gateway, &token_a, Method::POST, "/api/kernels", None).await?;
+    assert_eq!(status, 201, "{model}");
+    assert!(gateway.log().contains("handed out from the warm pool"));
+    assert_eq!(model["cellgate"]["tenant"], "pool-a");
+    let id = model["id"].as_str().context("id")?;
+    let (status, _) = call(
+        &gateway,
+        &token_b,
+        Method::GET,
+        &format!("/api/kernels/{id}"),
+        None,
+    )
+    .await?;
+    assert_eq!(status, 404);
+    assert_eq!(
+        call(&gateway, &token_b, Method::GET, "/api/kernels", None)
+            .await?
+            .1,
+        json!([])
+    );
+    let (status, _) = call(
+        &gateway,
+        &token_a,
+        Method::GET,
+        &format!("/api/kernels/{id}"),
+        None,
+    )
+    .await?;
+    assert_eq!(status, 200);
+    Ok(())
+}
