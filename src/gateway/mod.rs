@@ -9,6 +9,7 @@ mod auth;
 mod kernel_ws;
 mod kernels;
 mod state;
+mod web;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -55,7 +56,9 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::require_token,
         ));
-    let health = Router::new().route("/healthz", get(|| async { "ok" }));
+    let health = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .merge(web::routes());
     let routes = api.merge(health).with_state(state.clone());
     let routes = if state.config.base_url == "/" {
         routes

@@ -13,3 +13,4 @@ mod lifecycle;
 mod messaging;
 mod pool;
 mod tenants;
+mod web_client;
