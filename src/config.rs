@@ -37,7 +37,8 @@ pub struct ServeArgs {
     /// Kernelspec used when a request names none [env: KG_DEFAULT_KERNEL_NAME] [default: python3].
     #[arg(long)]
     pub default_kernel_name: Option<String>,
-    /// Sandbox backend: namespaces, gvisor, or process (no isolation, development only).
+    /// Run every kernel in this sandbox backend, whatever its policy names: namespaces,
+    /// gvisor, or process (no isolation, development only) [default: each policy's backend].
     #[arg(long, env = "CELLGATE_SANDBOX")]
     pub sandbox: Option<Backend>,
     /// Maximum number of kernels at once [env: KG_MAX_KERNELS] [default: unlimited].
@@ -76,6 +77,22 @@ pub struct ServeArgs {
     /// Path prefix of every route [env: KG_BASE_URL] [default: /].
     #[arg(long)]
     pub base_url: Option<String>,
+    // --- egress proxy and package index (src/egress, src/packages) ---
+    /// Upstream simple index (PEP 691 JSON) the package index serves from
+    /// [env: CELLGATE_PACKAGE_INDEX] [default: https://pypi.org/simple].
+    #[arg(long, env = "CELLGATE_PACKAGE_INDEX")]
+    pub package_index: Option<String>,
+    /// Serve packages from this directory of wheels and sdists instead (offline mode)
+    /// [env: CELLGATE_WHEELHOUSE].
+    #[arg(long, env = "CELLGATE_WHEELHOUSE")]
+    pub wheelhouse: Option<PathBuf>,
+    /// Shared cache of downloaded package files [default: ~/.cache/cellgate/packages].
+    #[arg(long)]
+    pub package_cache_dir: Option<PathBuf>,
+    /// Seconds an API v1 session's artifacts stay fetchable after the session ended
+    /// [default: 3600].
+    #[arg(long)]
+    pub artifact_retention: Option<u64>,
     #[command(flatten)]
     pub auth: AuthArgs,
 }
@@ -145,6 +162,14 @@ struct FileConfig {
     jwt_leeway_s: Option<u64>,
     #[serde(default)]
     tenants: TenantSettings,
+    package_index: Option<String>,
+    wheelhouse: Option<PathBuf>,
+    package_cache_dir: Option<PathBuf>,
+    /// Names the egress proxy resolves without DNS (tests map names to loopback servers).
+    #[serde(default)]
+    egress_hosts: std::collections::BTreeMap<String, IpAddr>,
+    egress_max_connections: Option<usize>,
+    artifact_retention: Option<u64>,
 }
 
 /// Resolved settings of a running gateway.
@@ -156,7 +181,8 @@ pub struct GatewayConfig {
     pub kernels_dir: PathBuf,
     pub policies_dir: PathBuf,
     pub default_kernel_name: Option<String>,
-    pub sandbox: Backend,
+    /// A backend forced on every kernel; `None`: each policy's own.
+    pub sandbox: Option<Backend>,
     pub max_kernels: Option<usize>,
     pub cull_idle_timeout: Option<Duration>,
     pub cull_interval: Duration,
@@ -172,6 +198,16 @@ pub struct GatewayConfig {
     /// JWT keys (paths only: secrets are read when the gateway starts and never kept here).
     pub jwt: JwtSettings,
     pub tenants: TenantSettings,
+    /// Upstream simple index; ignored when `wheelhouse` is set.
+    pub package_index: String,
+    pub wheelhouse: Option<PathBuf>,
+    pub package_cache_dir: PathBuf,
+    /// Static host map of the egress proxy's resolver (file only).
+    pub egress_hosts: std::collections::BTreeMap<String, IpAddr>,
+    /// Proxy connections one kernel may hold at once.
+    pub egress_max_connections: usize,
+    /// How long artifacts outlive their API v1 session.
+    pub artifact_retention: Duration,
 }
 
 /// Errors in settings.
@@ -223,6 +259,15 @@ fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
         path: path.to_owned(),
         message: err.to_string(),
     })
+}
+
+fn default_package_cache() -> PathBuf {
+    env_var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env_var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("cellgate")
+        .join("packages")
 }
 
 impl GatewayConfig {
@@ -325,7 +370,7 @@ impl GatewayConfig {
                 .clone()
                 .or_else(|| env_var("KG_DEFAULT_KERNEL_NAME"))
                 .or(file.default_kernel_name),
-            sandbox: args.sandbox.or(file.sandbox).unwrap_or(Backend::Namespaces),
+            sandbox: args.sandbox.or(file.sandbox),
             max_kernels: match args.max_kernels {
                 Some(max) => Some(max),
                 None => env_parse("KG_MAX_KERNELS")?,
@@ -346,6 +391,11 @@ impl GatewayConfig {
                     .max(1),
             ),
             pool_size: args.pool_size.or(file.pool_size).unwrap_or(1),
+            artifact_retention: Duration::from_secs(
+                args.artifact_retention
+                    .or(file.artifact_retention)
+                    .unwrap_or(3600),
+            ),
             allow_origin: args
                 .allow_origin
                 .clone()
@@ -370,6 +420,23 @@ impl GatewayConfig {
             base_url,
             jwt,
             tenants,
+            package_index: args
+                .package_index
+                .clone()
+                .or(file.package_index)
+                .unwrap_or_else(|| "https://pypi.org/simple".to_owned()),
+            wheelhouse: args.wheelhouse.clone().or(file.wheelhouse),
+            package_cache_dir: args
+                .package_cache_dir
+                .clone()
+                .or(file.package_cache_dir)
+                .unwrap_or_else(default_package_cache),
+            egress_hosts: file
+                .egress_hosts
+                .into_iter()
+                .map(|(k, v)| (k.to_ascii_lowercase(), v))
+                .collect(),
+            egress_max_connections: file.egress_max_connections.unwrap_or(32).max(1),
         })
     }
 }

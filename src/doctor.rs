@@ -35,6 +35,8 @@ pub struct DoctorOptions {
     pub default_backend: Backend,
     /// Start real sandboxes (namespaces, runsc) to prove they work. On by default.
     pub probe: bool,
+    /// Where the package index gets its files; checked for reachability when set.
+    pub package_source: Option<crate::packages::Source>,
 }
 
 /// One problem found, with the command (or step) that fixes it.
@@ -167,6 +169,9 @@ pub async fn run(options: &DoctorOptions) -> Report {
     ];
     let mut setup = vec![kernels_section(&options.kernels_dir).await];
     setup.push(policies_section(&options.policies_dir, &backends));
+    if let Some(source) = &options.package_source {
+        setup.push(package_index_section(source).await);
+    }
     let default_backend = options.default_backend.as_str().to_owned();
     let ok = backends
         .iter()
@@ -748,6 +753,45 @@ async fn kernels_section(dir: &Path) -> Section {
                     "./dev setup   (reinstalls the kernel venv)",
                 ),
             }
+        }
+    }
+    s
+}
+
+/// The package index's source: the upstream index answers, or the wheelhouse is readable.
+/// Unreachable is a warning, not a failure: kernels run without it, only installs fail.
+async fn package_index_section(source: &crate::packages::Source) -> Section {
+    use crate::packages::{IndexConfig, PackageIndex, Source};
+    let mut s = Section::new("package index");
+    match source {
+        Source::Upstream(url) => s.fact("upstream", url.clone()),
+        Source::Wheelhouse(dir) => s.fact("wheelhouse", dir.display().to_string()),
+    }
+    let cache = std::env::temp_dir().join(format!("cellgate-doctor-{}", std::process::id()));
+    let index = PackageIndex::new(IndexConfig {
+        source: source.clone(),
+        cache_dir: cache.clone(),
+    });
+    let started = Instant::now();
+    let probed = match index {
+        Ok(index) => index.probe().await.map_err(|e| e.to_string()),
+        Err(err) => Err(err.to_string()),
+    };
+    let _ = std::fs::remove_dir_all(&cache);
+    match probed {
+        Ok(what) => {
+            s.fact("reachable", true);
+            s.fact(
+                "probe",
+                format!("{what} ({} ms)", started.elapsed().as_millis()),
+            );
+        }
+        Err(err) => {
+            s.fact("reachable", false);
+            s.warn(
+                format!("the package index source does not answer: {err}; `pip install` in kernels will fail"),
+                "let the gateway reach the upstream index (--package-index URL, or a proxy), or serve a local directory with --wheelhouse DIR",
+            );
         }
     }
     s

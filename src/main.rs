@@ -1,5 +1,7 @@
 //! The `cellgate` command: parse the command line, set up logging, run the chosen subcommand.
 
+mod notebook_cli;
+
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -7,10 +9,7 @@ use clap::{Parser, Subcommand};
 
 use cellgate::config::{GatewayConfig, ServeArgs};
 use cellgate::kernel::{KernelManager, KernelOptions, KernelSpecs, ManagerOptions};
-use cellgate::sandbox::{
-    Backend, GvisorConfig, GvisorSandbox, NamespacesConfig, NamespacesSandbox, ProcessSandbox,
-    Sandbox,
-};
+use cellgate::sandbox::{Backend, Backends};
 
 #[derive(Parser)]
 #[command(
@@ -36,6 +35,11 @@ enum Command {
     Doctor(DoctorArgs),
     /// Issue a tenant's JWT (HS256) from the configured secret; prints it on stdout.
     Token(TokenArgs),
+    /// Export a kernel's history from a running gateway as a notebook (.ipynb, nbformat 4.5).
+    Export(notebook_cli::ExportArgs),
+    /// Replay a notebook's code cells in a fresh sandboxed kernel and compare the outputs
+    /// (exit 0: all matched, 1: a cell differed or errored, 2: unusable notebook or arguments).
+    Replay(notebook_cli::ReplayArgs),
 }
 
 #[derive(clap::Args)]
@@ -77,6 +81,16 @@ struct DoctorArgs {
     /// Only inspect the host; do not start probe sandboxes.
     #[arg(long)]
     no_probe: bool,
+    /// Upstream index the package index would serve from (checked for reachability).
+    #[arg(
+        long,
+        env = "CELLGATE_PACKAGE_INDEX",
+        default_value = "https://pypi.org/simple"
+    )]
+    package_index: String,
+    /// A wheelhouse directory instead of the upstream index.
+    #[arg(long, env = "CELLGATE_WHEELHOUSE")]
+    wheelhouse: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -89,6 +103,12 @@ fn main() -> anyhow::Result<()> {
         cellgate::sandbox::sandbox_init_main()
     }
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Export(_) | Command::Replay(_))
+        && std::env::var_os("RUST_LOG").is_none()
+    {
+        // A one-shot command reports its own progress; the gateway's info log is noise there.
+        std::env::set_var("RUST_LOG", "warn,zeromq=error");
+    }
     cellgate::telemetry::init(cli.log_json);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -104,6 +124,10 @@ fn main() -> anyhow::Result<()> {
                     policies_dir: args.policies_dir,
                     default_backend: args.sandbox,
                     probe: !args.no_probe,
+                    package_source: Some(match args.wheelhouse {
+                        Some(dir) => cellgate::packages::Source::Wheelhouse(dir),
+                        None => cellgate::packages::Source::Upstream(args.package_index),
+                    }),
                 }));
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -111,6 +135,13 @@ fn main() -> anyhow::Result<()> {
                 print!("{}", report.to_text());
             }
             std::process::exit(if report.ok { 0 } else { 1 })
+        }
+        Command::Export(args) => runtime.block_on(notebook_cli::export(args)),
+        Command::Replay(args) => {
+            let code = runtime.block_on(notebook_cli::replay_command(args));
+            // Kernels are shut down by now; do not wait for the runtime's idle tasks.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+            std::process::exit(code)
         }
     }
 }
@@ -148,18 +179,35 @@ fn issue_token(args: TokenArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn make_sandbox(backend: Backend) -> anyhow::Result<Arc<dyn Sandbox>> {
-    match backend {
-        Backend::Process => Ok(Arc::new(ProcessSandbox::new()?)),
-        Backend::Namespaces => Ok(Arc::new(
-            NamespacesSandbox::new(NamespacesConfig::default())
-                .context("the namespaces sandbox cannot run on this host")?,
-        )),
-        Backend::Gvisor => Ok(Arc::new(
-            GvisorSandbox::new(GvisorConfig::default())
-                .context("the gvisor sandbox cannot run on this host (see `cellgate doctor`)")?,
-        )),
-    }
+/// The egress proxy and package index (src/egress, src/packages), from the gateway config.
+fn egress_attach(
+    config: &GatewayConfig,
+    gateway: std::net::SocketAddr,
+    policies: &cellgate::policy::Policies,
+) -> anyhow::Result<cellgate::egress::Attach> {
+    use cellgate::packages::{IndexConfig, PackageIndex, Source};
+    let source = match &config.wheelhouse {
+        Some(dir) => Source::Wheelhouse(dir.clone()),
+        None => Source::Upstream(config.package_index.clone()),
+    };
+    let index = PackageIndex::new(IndexConfig {
+        source,
+        cache_dir: config.package_cache_dir.clone(),
+    })?;
+    let egress = cellgate::egress::Egress::new(
+        cellgate::egress::EgressConfig {
+            resolver: cellgate::egress::Resolver {
+                host_map: config.egress_hosts.clone().into_iter().collect(),
+                gateway: Some(gateway),
+            },
+            max_connections_per_session: config.egress_max_connections,
+        },
+        index,
+    );
+    Ok(cellgate::egress::Attach {
+        egress,
+        policy: Arc::new(policies.default_policy().clone()),
+    })
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -168,7 +216,24 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&config.policies_dir)
         .with_context(|| format!("loading policies from {}", config.policies_dir.display()))?;
-    let sandbox = make_sandbox(config.sandbox)?;
+    let backends = Backends::new(config.sandbox);
+    // Fail at start, not at the first kernel, when the default policy's backend cannot run;
+    // other policies' backends are made on first use (and `cellgate doctor` checks them).
+    let default_backend = policies
+        .get("default")
+        .map(|p| p.backend)
+        .unwrap_or(Backend::Namespaces);
+    backends.get(default_backend).with_context(|| {
+        format!(
+            "the {} sandbox (default policy) cannot run on this host (see `cellgate doctor`)",
+            config.sandbox.unwrap_or(default_backend).as_str()
+        )
+    })?;
+    for policy in policies.iter() {
+        if let Err(err) = backends.get(policy.backend) {
+            tracing::warn!(policy = %policy.name, backend = config.sandbox.unwrap_or(policy.backend).as_str(), %err, "this policy's sandbox cannot run on this host: its kernels will be refused");
+        }
+    }
     let runtime_root = match &config.runtime_dir {
         Some(dir) => dir.join(format!("cellgate-{}", std::process::id())),
         // Short: ipc socket paths below it must stay under the 108-byte unix socket limit.
@@ -177,9 +242,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             &uuid::Uuid::new_v4().simple().to_string()[..12]
         )),
     };
+    let listener = tokio::net::TcpListener::bind((config.ip, config.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
+    let local = listener.local_addr()?;
+    // Bound first: the egress proxy must know the gateway's own address to refuse it.
+    let egress = egress_attach(&config, local, &policies)?;
     let kernels = KernelManager::new(
         specs,
-        sandbox,
+        backends,
         ManagerOptions {
             runtime_root,
             max_kernels: config.max_kernels,
@@ -189,6 +260,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             cull_connected: config.cull_connected,
             kernel: KernelOptions {
                 start_timeout: config.start_timeout,
+                egress: Some(egress),
                 ..KernelOptions::default()
             },
             policies,
@@ -197,13 +269,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )?;
     kernels.spawn_culler();
     kernels.refill_pool();
-    let listener = tokio::net::TcpListener::bind((config.ip, config.port))
-        .await
-        .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
-    let local = listener.local_addr()?;
     tracing::info!(
         url = %format!("http://{local}{}", config.base_url),
-        sandbox = config.sandbox.as_str(),
+        sandbox = config.sandbox.map_or("per policy", Backend::as_str),
         auth = match (config.token.is_some(), config.jwt.enabled()) {
             (true, true) => "token and JWT",
             (true, false) => "token",

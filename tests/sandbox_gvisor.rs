@@ -587,10 +587,20 @@ async fn kill_leaves_no_process_and_no_runsc_state() {
         alive(&processes)
     );
     assert!(
-        bundles_left(&kernel_dir).is_empty(),
+        no_bundle_soon(&kernel_dir).await,
         "bundle and runsc state are removed: {:?}",
         bundles_left(&kernel_dir)
     );
+}
+
+/// Whether the bundles are gone within a few seconds (they are removed just after the exit
+/// is reported, so the report does not wait for them).
+async fn no_bundle_soon(kernel_dir: &Path) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !bundles_left(kernel_dir).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bundles_left(kernel_dir).is_empty()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -748,7 +758,7 @@ async fn exit_status_is_reported() {
     let log = std::fs::read_to_string(&spec.log_file).unwrap_or_default();
     assert_eq!(report.code, Some(3), "{report:?}; log:\n{log}");
     assert!(log.contains("bye"), "kernel output reaches the log: {log}");
-    assert!(bundles_left(&dirs.root).is_empty());
+    assert!(no_bundle_soon(&dirs.root).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -832,13 +842,23 @@ async fn memory_limit_applies_to_the_whole_sandbox() {
         .expect("report");
     println!("{report:?}");
     assert!(report.is_oom(), "reported as out-of-memory: {report:?}");
-    for controller in ["memory", "pids", "cpu"] {
-        let left: Vec<PathBuf> = cgroup_children(controller)
-            .into_iter()
-            .filter(|d| d.file_name() == Some(&container))
-            .collect();
-        assert!(left.is_empty(), "cgroups removed after the exit: {left:?}");
+    // Removed just after the exit is reported (the report does not wait for them).
+    let left = |container: &std::ffi::OsStr| -> Vec<PathBuf> {
+        ["memory", "pids", "cpu"]
+            .iter()
+            .flat_map(|c| cgroup_children(c))
+            .filter(|d| d.file_name() == Some(container))
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !left(&container).is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let remaining = left(&container);
+    assert!(
+        remaining.is_empty(),
+        "cgroups removed after the exit: {remaining:?}"
+    );
 }
 
 /// The sandboxes' cgroups in one v1 controller hierarchy (below this process's cgroup).

@@ -56,7 +56,9 @@ impl From<KernelError> for ApiError {
                 ApiError::not_found(format!("Kernel spec {name} not found"))
             }
             E::NoSuchKernel => ApiError::not_found("Kernel does not exist"),
-            E::BadEnv { .. } | E::BackendMismatch { .. } => ApiError::bad_request(err.to_string()),
+            E::BadEnv { .. } | E::BackendUnavailable { .. } => {
+                ApiError::bad_request(err.to_string())
+            }
             E::Policy(crate::policy::PolicyError::Unknown { .. }) => {
                 ApiError::bad_request(err.to_string())
             }

@@ -50,7 +50,7 @@ pub struct ChannelsQuery {
 
 /// Whether a browser page from `Origin` may open the socket: no Origin (GatewayClient, CLI
 /// clients), the configured allowed origin (`*` allows all), or the gateway's own origin.
-fn origin_allowed(headers: &HeaderMap, allow_origin: Option<&str>) -> bool {
+pub(super) fn origin_allowed(headers: &HeaderMap, allow_origin: Option<&str>) -> bool {
     let Some(origin) = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok()) else {
         return true;
     };

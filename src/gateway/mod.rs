@@ -8,7 +8,9 @@ mod api_error;
 mod auth;
 mod kernel_ws;
 mod kernels;
+mod notebooks;
 mod state;
+pub mod v1;
 mod web;
 
 use std::net::SocketAddr;
@@ -51,6 +53,19 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/api/kernels/{id}/restart", post(kernels::restart_kernel))
         .route("/api/kernels/{id}/channels", get(kernel_ws::channels))
+        // API v1 (chat apps and agents), behind the same auth layer.
+        .merge(v1::routes())
+        // Notebook export and replay (cellgate extensions).
+        .route(
+            "/api/kernels/{id}/notebook",
+            get(notebooks::export_kernel_notebook),
+        )
+        .route(
+            "/api/notebooks/replay",
+            post(notebooks::replay_notebook).layer(axum::extract::DefaultBodyLimit::max(
+                notebooks::MAX_NOTEBOOK_BYTES,
+            )),
+        )
         .fallback(|| async { ApiError::not_found("") })
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -99,6 +114,26 @@ fn cors_layer(config: &GatewayConfig) -> Option<CorsLayer> {
     )
 }
 
+/// The session layer of API v1; artifacts live beside the kernels' runtime directories.
+fn v1_sessions(
+    config: &GatewayConfig,
+    kernels: &Arc<KernelManager>,
+) -> std::io::Result<Arc<crate::sessions::Sessions>> {
+    let artifacts = crate::artifacts::ArtifactStore::new(
+        kernels.runtime_root().join("artifacts"),
+        config.artifact_retention,
+    )
+    .map_err(std::io::Error::other)?;
+    Ok(crate::sessions::Sessions::new(
+        kernels.clone(),
+        Arc::new(artifacts),
+        crate::sessions::SessionOptions {
+            base_url: config.base_url.clone(),
+            ..Default::default()
+        },
+    ))
+}
+
 /// Binds the listener (TCP_NODELAY on every connection) and serves until `shutdown` resolves.
 pub async fn serve(
     config: Arc<GatewayConfig>,
@@ -106,7 +141,14 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let state = AppState::new(config, kernels).map_err(std::io::Error::other)?;
+    let sessions = v1_sessions(&config, &kernels)?;
+    // Often enough for short retention periods, cheap at any size.
+    let reap_every = (config.artifact_retention / 2).clamp(
+        std::time::Duration::from_millis(250),
+        std::time::Duration::from_secs(30),
+    );
+    sessions.spawn_reaper(reap_every);
+    let state = AppState::new(config, kernels, sessions).map_err(std::io::Error::other)?;
     let app = router(state);
     let listener = listener.tap_io(|stream| {
         // Nagle's algorithm costs Kernel Gateway ~40 ms per round trip.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use crate::config::GatewayConfig;
 use crate::jwt::{JwtError, JwtVerifier};
 use crate::kernel::KernelManager;
+use crate::sessions::Sessions;
 use crate::tenants::{TenantError, Tenants};
 
 /// What handlers need: the settings, the kernels, and who may do what.
@@ -12,6 +13,8 @@ use crate::tenants::{TenantError, Tenants};
 pub struct AppState {
     pub config: Arc<GatewayConfig>,
     pub kernels: Arc<KernelManager>,
+    /// API v1 sessions (their kernels are in `kernels` too).
+    pub sessions: Arc<Sessions>,
     /// Verifies tenants' JWTs; `None` when no JWT key is configured.
     pub jwt: Option<Arc<JwtVerifier>>,
     pub tenants: Arc<Tenants>,
@@ -31,12 +34,14 @@ impl AppState {
     pub fn new(
         config: Arc<GatewayConfig>,
         kernels: Arc<KernelManager>,
+        sessions: Arc<Sessions>,
     ) -> Result<AppState, StateError> {
         let jwt = JwtVerifier::from_settings(&config.jwt)?.map(Arc::new);
         let tenants = Arc::new(Tenants::new(config.tenants.clone())?);
         Ok(AppState {
             config,
             kernels,
+            sessions,
             jwt,
             tenants,
         })

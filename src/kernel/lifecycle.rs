@@ -41,6 +41,9 @@ pub struct KernelOptions {
     /// The policy's idle timeout and lifetime, enforced by the manager's culler.
     pub idle_timeout: Option<Duration>,
     pub lifetime: Option<Duration>,
+    /// The egress proxy and the policy it applies (namespaces backend only; elsewhere the
+    /// kernel has no network at all).
+    pub egress: Option<crate::egress::Attach>,
 }
 
 impl Default for KernelOptions {
@@ -54,6 +57,7 @@ impl Default for KernelOptions {
             output_limit: None,
             idle_timeout: None,
             lifetime: None,
+            egress: None,
         }
     }
 }
@@ -106,6 +110,8 @@ pub struct Kernel {
     /// Why the gateway last restarted the kernel on its own (a timeout the kernel ignored).
     last_restart_reason: parking_lot::Mutex<Option<String>>,
     started: std::time::Instant,
+    /// The egress proxy's listener of the current generation.
+    egress: parking_lot::Mutex<Option<crate::egress::Listener>>,
 }
 
 /// A duration as people write it: `300 s`, `10 min`, `2 h`.
@@ -149,7 +155,14 @@ impl Kernel {
         client_env: BTreeMap<String, String>,
         options: KernelOptions,
     ) -> Result<Arc<Kernel>, KernelError> {
-        let env = kernel_env(&spec, &id, &dirs.work, &client_env);
+        let mut env = kernel_env(&spec, &id, &dirs.work, &client_env);
+        if options.egress.is_some() && sandbox.backend() == crate::sandbox::Backend::Namespaces {
+            for (k, v) in crate::egress::kernel_env(&spec.dir, &dirs.work) {
+                // A client's own choice (PIP_INDEX_URL, say) cannot open anything: the proxy
+                // decides. The defaults only fill what the client left unset.
+                env.entry(k).or_insert(v);
+            }
+        }
         let (readiness, _) = watch::channel(Readiness::Starting);
         let kernel = Arc::new(Kernel {
             router: Arc::new(Router::new(&id).with_output_limit(options.output_limit)),
@@ -168,6 +181,7 @@ impl Kernel {
             ops: tokio::sync::Mutex::new(()),
             last_restart_reason: parking_lot::Mutex::new(None),
             started: std::time::Instant::now(),
+            egress: parking_lot::Mutex::new(None),
         });
         kernel.spawn_watchdog();
         let launched = kernel.launch_generation().await?;
@@ -180,6 +194,26 @@ impl Kernel {
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
         let (runtime_dir, connection_file, connection) =
             write_connection_file(&self.dirs, generation, &self.spec.name)?;
+        if let Some(attach) = self
+            .options
+            .egress
+            .as_ref()
+            .filter(|_| self.sandbox.backend() == crate::sandbox::Backend::Namespaces)
+        {
+            let listener = attach
+                .egress
+                .listen(
+                    &runtime_dir,
+                    &self.id,
+                    attach.policy.clone(),
+                    self.router.clone(),
+                )
+                .map_err(|err| KernelError::Io {
+                    what: "open the egress proxy socket".to_owned(),
+                    source: std::io::Error::other(err),
+                })?;
+            *self.egress.lock() = Some(listener);
+        }
         let spec = LaunchSpec {
             kernel_id: self.id.clone(),
             argv: self.spec.command(&connection_file)?,
@@ -217,6 +251,7 @@ impl Kernel {
                 heartbeat,
             });
             *self.instance.lock() = Some(instance.clone());
+            self.router.set_sandbox(Some(launched.handle.clone()));
             self.nudge_until_ready(&instance).await
         })
         .await;
@@ -357,14 +392,21 @@ impl Kernel {
                 tracing::info!(kernel_id = %kernel.id, generation, "kernel process exited as asked");
                 return;
             }
-            if report.is_oom() {
-                // The kernel's own memory ran out: like Jupyter's auto-restart, but the cell
-                // that caused it is told why, and the state generation moves on.
+            let limit = if report.is_oom() {
+                Some(("OutOfMemoryError", "oom", "out of memory"))
+            } else if report.is_pids_limit() {
+                Some(("ProcessLimitError", "pids", "reached its process limit"))
+            } else {
+                None
+            };
+            if let Some((ename, outcome, what)) = limit {
+                // A limit ended the kernel: like Jupyter's auto-restart, but the cell that
+                // caused it is told why, and the state generation moves on.
                 let evalue = format!(
                     "{}; the kernel was restarted and its variables are lost",
                     report.describe()
                 );
-                tracing::warn!(kernel_id = %kernel.id, generation, %evalue, "kernel ran out of memory: restarting");
+                tracing::warn!(kernel_id = %kernel.id, generation, %evalue, "kernel {what}: restarting");
                 // Hold client messages until the new process is ready, and tell clients the
                 // way jupyter_server does for an automatic restart.
                 kernel.readiness.send_replace(Readiness::Starting);
@@ -379,9 +421,9 @@ impl Kernel {
                 *kernel.last_restart_reason.lock() = Some(evalue.clone());
                 kernel
                     .router
-                    .fail_pending_executions("OutOfMemoryError", &evalue, "oom");
+                    .fail_pending_executions(ename, &evalue, outcome);
                 if let Err(err) = kernel.restart().await {
-                    tracing::error!(kernel_id = %kernel.id, %err, "restart after out-of-memory failed");
+                    tracing::error!(kernel_id = %kernel.id, %err, "restart after the kernel {what} failed");
                 }
                 return;
             }
@@ -650,6 +692,39 @@ impl Kernel {
 
     pub fn policy_lifetime(&self) -> Option<Duration> {
         self.options.lifetime
+    }
+
+    /// How long a cell may ignore a timeout's interrupt before the kernel is restarted.
+    pub fn interrupt_grace(&self) -> Duration {
+        self.options.interrupt_grace
+    }
+
+    /// The workspace of the running process as the gateway reaches it (the namespaces
+    /// backend's workspace exists only inside the sandbox), or `None` without a process:
+    /// a trusted directory and a path below it to resolve without following links
+    /// (see [`crate::sandbox::SandboxHandle::workspace_root`]).
+    pub fn workspace(&self) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+        let instance = self.instance.lock().clone()?;
+        instance.handle.workspace_root(&self.dirs.work)
+    }
+
+    /// Whether the current process still exists (see [`crate::sandbox::SandboxHandle::alive`]).
+    pub fn process_alive(&self) -> bool {
+        self.instance
+            .lock()
+            .as_ref()
+            .is_some_and(|instance| instance.handle.alive())
+    }
+
+    /// The workspace path as the kernel sees it.
+    pub fn workspace_in_sandbox(&self) -> &std::path::Path {
+        &self.dirs.work
+    }
+
+    /// CPU time and memory of the running process, where the backend measures them.
+    pub fn usage(&self) -> Option<crate::sandbox::ResourceUsage> {
+        let instance = self.instance.lock().clone()?;
+        Some(instance.handle.usage())
     }
 
     pub fn generation(&self) -> u64 {

@@ -13,7 +13,7 @@ use super::lifecycle::{Kernel, KernelOptions, Readiness};
 use super::spec::KernelSpecs;
 use super::KernelError;
 use crate::policy::{Policies, Policy};
-use crate::sandbox::{Backend, Limits, Sandbox};
+use crate::sandbox::{Backends, Limits};
 
 /// The environment variable (from the start request) that names a kernel's policy.
 /// GatewayClient forwards every `KERNEL_*` variable of the lab server's environment, so a
@@ -50,7 +50,7 @@ pub struct Owner {
 pub struct KernelManager {
     kernels: RwLock<HashMap<String, Arc<Kernel>>>,
     specs: KernelSpecs,
-    sandbox: Arc<dyn Sandbox>,
+    backends: Backends,
     options: ManagerOptions,
     /// The warm pool: started, ready, never touched by a client. A kernel leaves the pool
     /// for good when it is handed out.
@@ -87,7 +87,7 @@ struct Pool {
 impl KernelManager {
     pub fn new(
         specs: KernelSpecs,
-        sandbox: Arc<dyn Sandbox>,
+        backends: Backends,
         options: ManagerOptions,
     ) -> Result<Arc<KernelManager>, KernelError> {
         use std::os::unix::fs::DirBuilderExt;
@@ -102,11 +102,22 @@ impl KernelManager {
         Ok(Arc::new(KernelManager {
             kernels: RwLock::new(HashMap::new()),
             specs,
-            sandbox,
+            backends,
             options,
             pool: parking_lot::Mutex::new(Pool::default()),
             starting: parking_lot::Mutex::new(HashMap::new()),
         }))
+    }
+
+    /// The policies kernels run under.
+    pub fn policies(&self) -> &Policies {
+        &self.options.policies
+    }
+
+    /// Where kernels' private directories go; the gateway keeps its other runtime state
+    /// (artifacts) beside them.
+    pub fn runtime_root(&self) -> &std::path::Path {
+        &self.options.runtime_root
     }
 
     pub fn specs(&self) -> &KernelSpecs {
@@ -227,19 +238,30 @@ impl KernelManager {
         options.output_limit = Some(policy.limits.output_per_execution_bytes);
         options.idle_timeout = Some(policy.limits.idle_timeout);
         options.lifetime = Some(policy.limits.lifetime);
+        if let Some(attach) = options.egress.as_mut() {
+            attach.policy = Arc::new(policy.clone());
+        }
         options.limits = Limits {
             memory_bytes: Some(policy.limits.memory_bytes),
             cpu_millis: Some(policy.limits.cpu_millis),
             pids: Some(policy.limits.pids),
             workspace_bytes: Some(policy.limits.workspace_bytes),
         };
+        let sandbox =
+            self.backends
+                .get(policy.backend)
+                .map_err(|err| KernelError::BackendUnavailable {
+                    policy: policy.name.clone(),
+                    backend: self.backends.forced().unwrap_or(policy.backend).as_str(),
+                    reason: err.to_string(),
+                })?;
         let id = uuid::Uuid::new_v4().to_string();
         let dirs = KernelDirs::create(&self.options.runtime_root, &id)?;
         let started = Kernel::start(
             id,
             Arc::new(spec.clone()),
             policy.name.clone(),
-            self.sandbox.clone(),
+            sandbox,
             dirs.clone(),
             client_env,
             options,
@@ -303,9 +325,8 @@ impl KernelManager {
     }
 
     /// The policy a kernel runs under: `KERNEL_POLICY` from the request, else the
-    /// kernelspec's `metadata.cellgate.policy`, else `default`. Its backend must be the one
-    /// this gateway runs, except in the explicit development mode (`--sandbox process`),
-    /// where every kernel is unsandboxed.
+    /// kernelspec's `metadata.cellgate.policy`, else `default`. Its backend is the policy's
+    /// own unless the operator forced one (`--sandbox`).
     fn policy_for(
         &self,
         spec: &super::KernelSpec,
@@ -322,14 +343,6 @@ impl KernelManager {
             .or(from_spec)
             .unwrap_or("default");
         let policy = self.options.policies.get(name)?;
-        let backend = self.sandbox.backend();
-        if backend != Backend::Process && policy.backend != backend {
-            return Err(KernelError::BackendMismatch {
-                policy: policy.name.clone(),
-                wanted: policy.backend.as_str(),
-                running: backend.as_str(),
-            });
-        }
         Ok(policy)
     }
 

@@ -4,6 +4,8 @@
 //! Must not depend on: HTTP (axum types never reach this module).
 
 mod channels;
+pub mod client;
+pub mod history;
 mod launch;
 mod lifecycle;
 mod manager;
@@ -13,6 +15,8 @@ pub mod spec;
 use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
+pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
+pub use history::{History, HistorySnapshot};
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
 pub use manager::{KernelManager, ManagerOptions, Owner, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
@@ -78,10 +82,10 @@ pub enum KernelError {
     Sandbox(#[from] SandboxError),
     #[error(transparent)]
     Policy(#[from] crate::policy::PolicyError),
-    #[error("policy {policy} asks for the {wanted} sandbox; this gateway runs {running}")]
-    BackendMismatch {
+    #[error("policy {policy} runs kernels in the {backend} sandbox, which this host cannot run ({reason}); `cellgate doctor` says how to fix it")]
+    BackendUnavailable {
         policy: String,
-        wanted: &'static str,
-        running: &'static str,
+        backend: &'static str,
+        reason: String,
     },
 }

@@ -29,7 +29,9 @@ use serde_json::json;
 use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
 
+use super::history::History;
 use crate::protocol::{Channel, HeaderFields, Message};
+use crate::sandbox::SandboxHandle;
 
 /// Identifies one attached WebSocket.
 pub type ClientId = u64;
@@ -174,6 +176,14 @@ struct State {
     cell_truncated: bool,
     /// Executions whose output was cut off, for their reply's outcome.
     truncated: HashSet<String>,
+    /// The running generation's sandbox, asked after a failed execution whether the pids
+    /// limit refused a fork; and the count already reported.
+    pids_probe: Option<Arc<dyn SandboxHandle>>,
+    pids_seen: u64,
+    /// What clients executed and saw, for notebook export.
+    history: Arc<History>,
+    /// Policy denials (egress, packages) of executions not yet replied to.
+    denials: HashMap<String, Vec<serde_json::Value>>,
 }
 
 /// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
@@ -223,6 +233,10 @@ impl Router {
                 cell_output: 0,
                 cell_truncated: false,
                 truncated: HashSet::new(),
+                pids_probe: None,
+                pids_seen: 0,
+                history: Arc::new(History::new()),
+                denials: HashMap::new(),
             }),
             output_limit: None,
         }
@@ -232,6 +246,13 @@ impl Router {
     pub fn with_output_limit(mut self, limit: Option<u64>) -> Router {
         self.output_limit = limit;
         self
+    }
+
+    /// The sandbox of a new generation (its pids counter starts again at zero).
+    pub fn set_sandbox(&self, handle: Option<Arc<dyn SandboxHandle>>) {
+        let mut state = self.state.lock();
+        state.pids_probe = handle;
+        state.pids_seen = 0;
     }
 
     /// Attaches a client. Output buffered for its session while it had no socket is queued to
@@ -374,6 +395,7 @@ impl Router {
     pub fn register_request(&self, client: ClientId, session: &str, message: &Message) {
         let mut state = self.state.lock();
         state.activity.last_activity = OffsetDateTime::now_utc();
+        state.history.on_request(message);
         let expects_reply = matches!(message.channel, Channel::Shell | Channel::Control)
             && message.msg_type().ends_with("_request");
         if !expects_reply {
@@ -500,6 +522,7 @@ impl Router {
                     tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "dropping an unparented reply");
                     return;
                 };
+                state.history.on_reply(&message);
                 if let Some(waiter) = state.internal_replies.remove(&parent) {
                     let _ = waiter.send(message);
                     return;
@@ -515,9 +538,21 @@ impl Router {
                 let message =
                     if message.msg_type() == "execute_reply" && state.truncated.remove(&parent) {
                         Arc::new(with_outcome(&message, "output_truncated"))
+                    } else if message.msg_type() == "execute_reply" {
+                        Self::pids_outcome(&mut state, message)
                     } else {
                         message
                     };
+                // Only executions with denials pay for a rewrite.
+                let message = if !state.denials.is_empty() && message.msg_type() == "execute_reply"
+                {
+                    match state.denials.remove(&parent) {
+                        Some(denials) => Arc::new(with_denials(&message, denials)),
+                        None => message,
+                    }
+                } else {
+                    message
+                };
                 match state.pending.remove(&parent) {
                     Some(requester) => self.route_locked(&mut state, &requester, message),
                     None => {
@@ -540,6 +575,38 @@ impl Router {
         }
     }
 
+    /// A failed execution during which the pids limit refused a fork gets the outcome `pids`
+    /// and a stderr line saying so (its own error, often `BlockingIOError`, stays as it is).
+    /// Only failed replies pay for reading the counter: a cell that caught the refusal and
+    /// succeeded did not end because of the limit.
+    fn pids_outcome(state: &mut State, message: Arc<Message>) -> Arc<Message> {
+        let Some(probe) = state.pids_probe.clone() else {
+            return message;
+        };
+        if !reply_failed(&message) || has_outcome(&message) {
+            return message;
+        }
+        let Some(hits) = probe.pids_limit_hits() else {
+            return message;
+        };
+        if hits <= state.pids_seen {
+            return message;
+        }
+        state.pids_seen = hits;
+        let text = "\n[cellgate] this execution reached the sandbox's process limit (policy `pids`): new processes and threads were refused\n";
+        let parent = message.parent.clone().unwrap_or_default();
+        let marker = Message::answering(
+            &parent,
+            &message.parent_header_bytes,
+            Channel::Iopub,
+            "stream",
+            &json!({"name": "stderr", "text": text}),
+            &json!({"cellgate": {"outcome": "pids"}}),
+        );
+        Self::broadcast_locked(state, &Arc::new(marker));
+        Arc::new(with_outcome(&message, "pids"))
+    }
+
     /// The execution the kernel is busy with, and for how long.
     pub fn running(&self) -> Option<(String, Duration)> {
         let state = self.state.lock();
@@ -547,6 +614,66 @@ impl Router {
             .running
             .as_ref()
             .map(|(id, since)| (id.clone(), since.elapsed()))
+    }
+
+    /// The execution the kernel is running as far as the gateway can tell: the one whose
+    /// `busy` was seen, else the oldest execute still waiting for its reply (the kernel runs
+    /// them in order, and a cell's side effects, such as a proxy request, can reach the
+    /// gateway before its `busy` status does).
+    pub fn current_execution(&self) -> Option<String> {
+        Self::current_execution_locked(&self.state.lock())
+    }
+
+    fn current_execution_locked(state: &State) -> Option<String> {
+        state
+            .running
+            .as_ref()
+            .map(|(id, _)| id.clone())
+            .or_else(|| {
+                state
+                    .pending_order
+                    .iter()
+                    .find(|id| state.pending.get(*id).is_some_and(|r| r.request.is_some()))
+                    .cloned()
+            })
+    }
+
+    /// Attaches a policy denial (`{"kind","target","policy","reason"}`) to the running
+    /// execution: a stderr line on iopub now, and `metadata.cellgate.denials` on its
+    /// execute_reply. Without a running execution (a thread of the kernel's own, say) the
+    /// denial is only logged by the caller.
+    pub fn record_denial(&self, denial: serde_json::Value) {
+        let mut state = self.state.lock();
+        let Some(msg_id) = Self::current_execution_locked(&state) else {
+            return;
+        };
+        let Some((header, header_bytes)) =
+            state.pending.get(&msg_id).and_then(|r| r.request.clone())
+        else {
+            return;
+        };
+        let reason = denial
+            .get("reason")
+            .and_then(|r| r.as_str())
+            .unwrap_or("denied by policy");
+        let line = Message::answering(
+            &header,
+            &header_bytes,
+            Channel::Iopub,
+            "stream",
+            &json!({"name": "stderr", "text": format!("cellgate: {reason}\n")}),
+            &json!({"cellgate": {"denial": denial}}),
+        );
+        let list = state.denials.entry(msg_id).or_default();
+        // A loop of denied requests must not grow the reply without bound.
+        if list.len() < 100 {
+            list.push(denial);
+        }
+        if state.denials.len() > 256 {
+            let current = Self::current_execution_locked(&state);
+            state.denials.retain(|k, _| Some(k) == current.as_ref());
+        }
+        Self::broadcast_locked(&mut state, &Arc::new(line));
     }
 
     /// When the gateway interrupted `msg_id` for running too long, if it did.
@@ -647,7 +774,7 @@ impl Router {
         let mut reply_content = error.clone();
         reply_content["status"] = json!("error");
         reply_content["execution_count"] = json!(null);
-        let reply = Message::answering(
+        let mut reply = Message::answering(
             &header,
             &header_bytes,
             Channel::Shell,
@@ -655,6 +782,10 @@ impl Router {
             &reply_content,
             &metadata,
         );
+        // A cell whose kernel died or timed out still reports what the policy denied it.
+        if let Some(denials) = state.denials.remove(&header.msg_id) {
+            reply = with_denials(&reply, denials);
+        }
         let idle = Message::answering(
             &header,
             &header_bytes,
@@ -664,6 +795,7 @@ impl Router {
             &json!({}),
         );
         Self::broadcast_locked(state, &Arc::new(iopub_error));
+        state.history.on_reply(&reply);
         self.route_locked(state, requester, Arc::new(reply));
         Self::broadcast_locked(state, &Arc::new(idle));
     }
@@ -681,6 +813,7 @@ impl Router {
     }
 
     fn broadcast_locked(state: &mut State, message: &Arc<Message>) {
+        state.history.on_iopub(message);
         let mut too_slow = Vec::new();
         for (id, client) in &state.clients {
             if !client.outbox.push(message.clone()) {
@@ -730,6 +863,11 @@ impl Router {
         tracing::warn!(kernel_id = %self.kernel_id, session = %requester.session, msg_type = message.msg_type(), "reply for a session with no socket and no buffer dropped");
     }
 
+    /// The kernel's execution history (for notebook export).
+    pub fn history(&self) -> Arc<History> {
+        self.state.lock().history.clone()
+    }
+
     /// Detaches every client (their sockets close) and forgets every buffer.
     pub fn close_all(&self) {
         let mut state = self.state.lock();
@@ -759,12 +897,63 @@ fn truncation_marker(dropped: &Message, limit: u64) -> Message {
     )
 }
 
-/// The same message with `metadata.cellgate.outcome` set; header and content keep their bytes.
+#[derive(Deserialize)]
+struct ReplyStatus<'a> {
+    #[serde(borrow)]
+    status: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// Whether a reply's `status` is anything but `ok`.
+fn reply_failed(message: &Message) -> bool {
+    serde_json::from_slice::<ReplyStatus<'_>>(&message.content)
+        .ok()
+        .and_then(|c| c.status)
+        .is_some_and(|s| s != "ok")
+}
+
+/// Whether the gateway already gave this message an outcome.
+fn has_outcome(message: &Message) -> bool {
+    serde_json::from_slice::<serde_json::Value>(&message.metadata)
+        .ok()
+        .is_some_and(|m| m["cellgate"]["outcome"].is_string())
+}
+
+/// The same message with `metadata.cellgate.outcome` set (other `cellgate` fields, such as
+/// denials, are kept); header and content keep their bytes.
 fn with_outcome(message: &Message, outcome: &str) -> Message {
     let mut metadata: serde_json::Value =
         serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
     if let Some(object) = metadata.as_object_mut() {
-        object.insert("cellgate".to_owned(), json!({"outcome": outcome}));
+        let cellgate = object
+            .entry("cellgate".to_owned())
+            .or_insert_with(|| json!({}));
+        if !cellgate.is_object() {
+            *cellgate = json!({});
+        }
+        cellgate["outcome"] = json!(outcome);
+    }
+    let mut changed = message.clone();
+    changed.metadata = Bytes::from(metadata.to_string());
+    changed
+}
+
+/// The same message with `metadata.cellgate.denials` set, merged into any `cellgate` object.
+fn with_denials(message: &Message, denials: Vec<serde_json::Value>) -> Message {
+    let mut metadata: serde_json::Value =
+        serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
+    if !metadata.is_object() {
+        metadata = json!({});
+    }
+    let cellgate = metadata
+        .as_object_mut()
+        .map(|m| m.entry("cellgate").or_insert_with(|| json!({})));
+    if let Some(cellgate) = cellgate {
+        if !cellgate.is_object() {
+            *cellgate = json!({});
+        }
+        if let Some(object) = cellgate.as_object_mut() {
+            object.insert("denials".to_owned(), serde_json::Value::Array(denials));
+        }
     }
     let mut changed = message.clone();
     changed.metadata = Bytes::from(metadata.to_string());

@@ -1,6 +1,7 @@
 //! Policies: named, documented TOML files in `policies/` that say how a tenant's kernels run.
-//! This part covers the sandbox backend and the limits; packages and egress come with their
-//! own sections.
+//! Sections: the sandbox backend, the limits, and what a kernel may reach (`[egress]`, the
+//! hosts of cellgate's proxy) and install (`[packages]`, the projects of cellgate's index);
+//! see [`access`].
 //!
 //! Every field has a default (the values of `policies/default.toml`), a unit, and is
 //! validated on load; unknown fields are refused with the file and line, so a typo never
@@ -8,6 +9,7 @@
 //!
 //! Must not depend on: kernels, HTTP. (It names a sandbox backend, nothing more.)
 
+pub mod access;
 mod units;
 
 use std::collections::BTreeMap;
@@ -17,6 +19,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::sandbox::Backend;
+pub use access::{Dependencies, EgressRules, PackageRules};
 pub use units::{parse_duration, parse_size};
 
 /// Errors in policy files.
@@ -50,6 +53,10 @@ struct PolicyFile {
     sandbox: SandboxSection,
     #[serde(default)]
     limits: LimitsSection,
+    #[serde(default)]
+    egress: access::EgressSection,
+    #[serde(default)]
+    packages: access::PackagesSection,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -78,6 +85,10 @@ struct LimitsSection {
     #[serde(default, with = "units::serde_size")]
     output_per_execution: Option<u64>,
     max_kernels: Option<usize>,
+    #[serde(default, with = "units::serde_size")]
+    artifact_size: Option<u64>,
+    #[serde(default, with = "units::serde_size")]
+    upload_size: Option<u64>,
 }
 
 /// The limits of one policy, with defaults applied.
@@ -100,6 +111,10 @@ pub struct PolicyLimits {
     pub output_per_execution_bytes: u64,
     /// Kernels under this policy at once.
     pub max_kernels: usize,
+    /// Largest rich output or `outputs/` file kept as an API v1 artifact.
+    pub artifact_bytes: u64,
+    /// Largest file uploaded into the workspace through API v1.
+    pub upload_bytes: u64,
 }
 
 impl Default for PolicyLimits {
@@ -115,6 +130,8 @@ impl Default for PolicyLimits {
             workspace_bytes: 1 << 30,
             output_per_execution_bytes: 10 << 20,
             max_kernels: 64,
+            artifact_bytes: 32 << 20,
+            upload_bytes: 1 << 30,
         }
     }
 }
@@ -126,6 +143,10 @@ pub struct Policy {
     pub description: String,
     pub backend: Backend,
     pub limits: PolicyLimits,
+    /// Hosts reachable through the egress proxy (none by default).
+    pub egress: EgressRules,
+    /// Projects the package index lists (none by default).
+    pub packages: PackageRules,
 }
 
 fn invalid(path: &Path, field: &'static str, reason: impl Into<String>) -> PolicyError {
@@ -168,6 +189,8 @@ impl Policy {
                 .output_per_execution
                 .unwrap_or(d.output_per_execution_bytes),
             max_kernels: l.max_kernels.unwrap_or(d.max_kernels),
+            artifact_bytes: l.artifact_size.unwrap_or(d.artifact_bytes),
+            upload_bytes: l.upload_size.unwrap_or(d.upload_bytes),
         };
         if limits.memory_bytes < 64 << 20 {
             return Err(invalid(
@@ -195,11 +218,17 @@ impl Policy {
         if limits.max_kernels == 0 {
             return Err(invalid(path, "limits.max_kernels", "must be at least 1"));
         }
+        let egress =
+            access::egress_rules(file.egress).map_err(|(field, why)| invalid(path, field, why))?;
+        let packages = access::package_rules(file.packages)
+            .map_err(|(field, why)| invalid(path, field, why))?;
         Ok(Policy {
             name: name.to_owned(),
             description: file.description.unwrap_or_default(),
             backend: file.sandbox.backend.unwrap_or(Backend::Namespaces),
             limits,
+            egress,
+            packages,
         })
     }
 
@@ -310,6 +339,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("limits.memory"), "{err}");
+        let err = parse("[egress]\nallow = []\nalow = []\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 3") && err.contains("alow"), "{err}");
+        let err = parse("[packages]\nallow = [\"x>=1\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("packages.allow"), "{err}");
+        let p = parse("[egress]\nallow = [\"*.a.org:443\"]\n[packages]\nallow = [\"Numpy\"]\ndependencies = \"implicit\"\n").unwrap();
+        assert!(p.egress.allowing("x.a.org", 443).is_some());
+        assert_eq!(p.packages.dependencies, Dependencies::Implicit);
+        assert!(p.packages.rule("numpy").is_some());
         let err = parse("[sandbox]\nbackend = \"docker\"\n")
             .unwrap_err()
             .to_string();

@@ -21,8 +21,9 @@
 //!   socket the kernel *binds* there a real host socket the gateway can connect to (without
 //!   it the socket exists only inside the Sentry); this 2022 build has no narrower mode
 //!   (`open`/`create` came later);
-//! * the workspace bind-mounted read-write at its path (unlike the namespaces backend's
-//!   tmpfs, so its size is not limited; the gateway sees the files directly).
+//! * the workspace: with a size limit (every policy has one) a tmpfs of the Sentry of that
+//!   size, owned by the kernel's uid, as in the namespaces backend; without one, the host
+//!   directory bind-mounted read-write.
 //!
 //! The kernel runs as uid/gid 65534 inside and out, with no capabilities and
 //! `noNewPrivileges`; the gateway (which must be root: runsc without `--rootless` creates
@@ -37,7 +38,7 @@
 //! out-of-memory kill. This build does not enforce limits per process inside the Sentry:
 //! exceeding the memory limit kills the **whole** sandbox, and the pids limit counts the
 //! Sentry's threads and the ptrace stubs (one host process per guest process), so
-//! [`PIDS_OVERHEAD`] is added to the policy's number. The workspace size is not limited.
+//! [`PIDS_OVERHEAD`] is added to the policy's number.
 //! Cgroups of a `runsc run` killed with its gateway are swept when the backend next starts.
 //!
 //! **Lifetime.** `runsc run` (attached) is spawned from one dedicated thread with
@@ -69,7 +70,7 @@ use serde_json::{json, Value};
 use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 
-use super::namespaces::{argv_files, python_roots, visible_roots};
+use super::namespaces::{argv_files, masked_site_packages, python_roots, visible_roots};
 use super::{
     Backend, ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxError, SandboxHandle,
 };
@@ -220,7 +221,8 @@ impl GvisorSandbox {
     }
 
     /// The read-only host paths the kernel needs besides `/usr` and `/etc` entries.
-    fn ro_paths(&self, spec: &LaunchSpec) -> Result<Vec<PathBuf>, SandboxError> {
+    /// The read-only host paths, and the directories among them to hide.
+    fn ro_paths(&self, spec: &LaunchSpec) -> Result<(Vec<PathBuf>, Vec<PathBuf>), SandboxError> {
         let program = spec
             .argv
             .first()
@@ -231,13 +233,17 @@ impl GvisorSandbox {
             )));
         }
         let mut wanted = python_roots(Path::new(program));
+        let masked = masked_site_packages(Path::new(program), &wanted);
         wanted.extend(argv_files(&spec.argv[1..]));
         wanted.extend(self.config.extra_ro_paths.iter().cloned());
-        Ok(visible_roots(wanted, &spec.runtime_dir, &spec.workspace))
+        Ok((
+            visible_roots(wanted, &spec.runtime_dir, &spec.workspace),
+            masked,
+        ))
     }
 
     async fn launch_gvisor(&self, spec: &LaunchSpec) -> Result<Launched, SandboxError> {
-        let ro_paths = self.ro_paths(spec)?;
+        let (ro_paths, masked) = self.ro_paths(spec)?;
         self.hand_over(spec)?;
         let unique = &uuid::Uuid::new_v4().simple().to_string()[..12];
         let container_id = format!("cellgate-{unique}");
@@ -262,12 +268,25 @@ impl GvisorSandbox {
                     false
                 }
             });
+        // The pids cgroup too, so its `pids.events` outlives `runsc run`: when the guest's
+        // forks exhaust the limit the Sentry dies, and the watcher reports which limit.
+        if let (true, Some(pids)) = (self.config.cgroups, spec.limits.pids) {
+            if let Some(dir) = controller_cgroup_dir("pids", &cgroup_path) {
+                let made = std::fs::create_dir_all(&dir).and_then(|()| {
+                    std::fs::write(dir.join("pids.max"), (pids + PIDS_OVERHEAD).to_string())
+                });
+                if let Err(err) = made {
+                    tracing::warn!(kernel_id = %spec.kernel_id, %err, dir = %dir.display(), "cannot pre-create the pids cgroup: runsc sets the limit, and its exhaustion is reported as a plain death");
+                    let _ = std::fs::remove_dir(&dir);
+                }
+            }
+        }
         let built = tokio::task::spawn_blocking({
             let bundle = bundle.clone();
             let config = self.config.clone();
             let spec = spec.clone();
             let cgroup = cgroup_path.clone();
-            move || write_bundle(&bundle, &config, &spec, &ro_paths, &cgroup)
+            move || write_bundle(&bundle, &config, &spec, &ro_paths, &masked, &cgroup)
         })
         .await
         .map_err(|err| setup(format!("bundle task: {err}")))?;
@@ -337,6 +356,7 @@ impl GvisorSandbox {
             id: container_id.clone(),
             timeout: self.config.command_timeout,
         };
+        let handle_cgroup = self.config.cgroups.then(|| cgroup_path.clone());
         tokio::spawn(watch_exit(
             child,
             cgroup_path,
@@ -355,6 +375,7 @@ impl GvisorSandbox {
                 gid: self.config.gid,
                 exited,
                 runsc,
+                cgroups_path: handle_cgroup,
             }),
             exit: exit_rx,
             connection: spec.connection.clone(),
@@ -387,6 +408,7 @@ fn write_bundle(
     config: &GvisorConfig,
     spec: &LaunchSpec,
     ro_paths: &[PathBuf],
+    masked: &[PathBuf],
     cgroup: &str,
 ) -> Result<(), SandboxError> {
     let io = |what: &str, path: &Path| {
@@ -428,7 +450,21 @@ fn write_bundle(
         .collect();
     binds.extend(ro_paths.iter().map(|p| (p.clone(), false)));
     binds.push((spec.runtime_dir.clone(), true));
-    binds.push((spec.workspace.clone(), true));
+    match spec.limits.workspace_bytes {
+        // A size-limited tmpfs of the Sentry (charged to the sandbox's memory), as in the
+        // namespaces backend: a bind-mounted host directory would let the kernel fill the
+        // host's disk (an attack test once wrote 45 GB that way).
+        Some(bytes) => {
+            let inside = rootfs.join(spec.workspace.strip_prefix("/").unwrap_or(&spec.workspace));
+            std::fs::create_dir_all(&inside).map_err(io("mkdir", &inside))?;
+            mounts.push(json!({
+                "destination": spec.workspace, "type": "tmpfs", "source": "tmpfs",
+                "options": ["nosuid", "nodev", "mode=0700", format!("size={bytes}"),
+                            format!("uid={}", config.uid), format!("gid={}", config.gid)],
+            }));
+        }
+        None => binds.push((spec.workspace.clone(), true)),
+    }
     for (host, writable) in binds {
         let inside = rootfs.join(host.strip_prefix("/").unwrap_or(&host));
         // Mount points must exist in the read-only root; under /tmp (a tmpfs) runsc makes
@@ -447,6 +483,13 @@ fn write_bundle(
         } else {
             ro_bind(&host)
         });
+    }
+    for dir in masked {
+        // After the binds they sit in (OCI mounts apply in order).
+        mounts.push(
+            json!({"destination": dir, "type": "tmpfs", "source": "tmpfs",
+                           "options": ["ro", "nosuid", "nodev", "noexec", "size=4096"]}),
+        );
     }
     let env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let no_caps = json!([]);
@@ -594,7 +637,8 @@ async fn watch_exit(
     memory_cgroup: Option<PathBuf>,
     exit_tx: watch::Sender<Option<ExitReport>>,
 ) {
-    let cgroups_path = memory_cgroup.as_ref().map(|_| cgroups_path);
+    // Removed after the exit in every hierarchy: ours (memory, pids) stay until then.
+    let cgroups_path = Some(cgroups_path);
     let status = child.wait().await;
     exited.store(true, Ordering::SeqCst);
     let pid = child.id();
@@ -605,7 +649,25 @@ async fn watch_exit(
             libc::kill(-pid, libc::SIGKILL);
         }
     }
-    // Read before `runsc delete` removes the cgroup.
+    // "Gone" means no process left: the Sentry and the gofer die from their parent-death
+    // signal a moment after `runsc run`; their (pre-created) pids cgroup says when.
+    if let Some(procs) = cgroups_path
+        .as_deref()
+        .and_then(|path| controller_cgroup_dir("pids", path))
+        .map(|dir| dir.join("cgroup.procs"))
+    {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        while std::fs::read_to_string(&procs).is_ok_and(|t| !t.trim().is_empty())
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    // Read before `runsc delete` removes the cgroups.
+    let pids_hits = cgroups_path
+        .as_deref()
+        .and_then(pids_limit_hits)
+        .unwrap_or(0);
     let oom_kills = memory_cgroup
         .as_deref()
         .and_then(|dir| std::fs::read_to_string(dir.join("memory.oom_control")).ok())
@@ -623,8 +685,58 @@ async fn watch_exit(
                 .and_then(|n| n.trim().parse::<u64>().ok())
         })
         .unwrap_or(0);
+    let report = match status {
+        Ok(status) => {
+            // runsc exits with the container's status, 128 + n for a signal.
+            let (code, signal) = match (status.code(), status.signal()) {
+                (Some(code), _) if code > 128 => (None, Some(code - 128)),
+                (code, signal) => (code, signal),
+            };
+            // The OOM killer may pick any process of the sandbox: the sentry (runsc reports
+            // SIGKILL) or a runsc helper (runsc then fails with its own status, seen as 2 on
+            // a CI run). Any abnormal end with an OOM kill counted is an out-of-memory end.
+            let abnormal = signal.is_some() || code != Some(0);
+            let reason = if abnormal && oom_kills > 0 {
+                Some(match memory_limit {
+                    Some(bytes) => format!(
+                        "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes; \
+                         gVisor ends the whole sandbox)"
+                    ),
+                    None => "kernel process killed by the out-of-memory killer".to_owned(),
+                })
+            } else if abnormal && pids_hits > 0 {
+                // The Sentry cannot run without creating threads: when the guest's forks
+                // exhaust the pids limit, gVisor itself fails and the sandbox ends.
+                Some(format!(
+                    "the sandbox reached its process limit ({}: {pids_hits} forks refused) and gVisor ended it",
+                    crate::sandbox::PIDS_LIMIT_REASON
+                ))
+            } else {
+                None
+            };
+            ExitReport {
+                code,
+                signal,
+                reason,
+            }
+        }
+        Err(err) => ExitReport {
+            code: None,
+            signal: None,
+            reason: Some(format!("lost track of runsc: {err}")),
+        },
+    };
+    // Reported at once (a death within a second), then cleaned up: the Sentry and the gofer
+    // already have their parent-death signal from `runsc run`, and `runsc delete` makes sure.
+    let _ = exit_tx.send(Some(report));
+    let _ = tokio::task::spawn_blocking({
+        let runsc = runsc.clone();
+        move || {
+            let _ = runsc.run(&["delete", "--force"], &[]);
+        }
+    })
+    .await;
     let cleanup = tokio::task::spawn_blocking(move || {
-        let _ = runsc.run(&["delete", "--force"], &[]);
         let _ = std::fs::remove_dir_all(&bundle);
         // runsc leaves its cgroups in place when one of them existed before (the memory
         // cgroup made by the launch): remove the sandbox's cgroup in every hierarchy.
@@ -643,37 +755,6 @@ async fn watch_exit(
         }
     });
     let _ = cleanup.await;
-    let report = match status {
-        Ok(status) => {
-            // runsc exits with the container's status, 128 + n for a signal.
-            let (code, signal) = match (status.code(), status.signal()) {
-                (Some(code), _) if code > 128 => (None, Some(code - 128)),
-                (code, signal) => (code, signal),
-            };
-            // The OOM killer may pick any process of the sandbox: the sentry (runsc reports
-            // SIGKILL) or a runsc helper (runsc then fails with its own status, seen as 2 on
-            // a CI run). Any abnormal end with an OOM kill counted is an out-of-memory end.
-            let abnormal = signal.is_some() || code != Some(0);
-            let reason = (abnormal && oom_kills > 0).then(|| match memory_limit {
-                Some(bytes) => format!(
-                    "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes; \
-                     gVisor ends the whole sandbox)"
-                ),
-                None => "kernel process killed by the out-of-memory killer".to_owned(),
-            });
-            ExitReport {
-                code,
-                signal,
-                reason,
-            }
-        }
-        Err(err) => ExitReport {
-            code: None,
-            signal: None,
-            reason: Some(format!("lost track of runsc: {err}")),
-        },
-    };
-    let _ = exit_tx.send(Some(report));
 }
 
 /// The interpreter that runs [`signal_script`] inside the sandbox (`/usr` is always shown).
@@ -702,9 +783,23 @@ struct GvisorHandle {
     gid: u32,
     exited: Arc<AtomicBool>,
     runsc: Runsc,
+    /// The sandbox's cgroup (relative), when runsc manages cgroups.
+    cgroups_path: Option<String>,
 }
 
 impl SandboxHandle for GvisorHandle {
+    /// The size-limited workspace is a tmpfs of the Sentry: no host path reaches it (file
+    /// transfer would go through `runsc exec`; not built yet).
+    fn workspace_root(&self, _workspace: &Path) -> Option<(PathBuf, PathBuf)> {
+        None
+    }
+
+    /// Every guest process has a ptrace stub on the host, so a refused guest fork shows in
+    /// the `pids` cgroup of the sandbox like any other.
+    fn pids_limit_hits(&self) -> Option<u64> {
+        pids_limit_hits(self.cgroups_path.as_deref()?)
+    }
+
     /// The kernel has no host process of its own under gVisor (the Sentry runs it).
     fn pid(&self) -> Option<u32> {
         None
@@ -765,15 +860,33 @@ impl SandboxHandle for GvisorHandle {
     }
 }
 
+/// How many forks the sandbox's pids cgroup refused (`max` in `pids.events`).
+fn pids_limit_hits(cgroups_path: &str) -> Option<u64> {
+    cgroup_dirs(cgroups_path).into_iter().find_map(|dir| {
+        std::fs::read_to_string(dir.join("pids.events"))
+            .ok()?
+            .lines()
+            .find_map(|line| line.strip_prefix("max "))
+            .and_then(|n| n.trim().parse().ok())
+    })
+}
+
 /// Where runsc makes the memory cgroup for the relative `cgroups_path`: below the gateway's
 /// own cgroup in the memory hierarchy (v1), or in the unified hierarchy (v2).
 fn memory_cgroup_dir(cgroups_path: &str) -> Option<PathBuf> {
+    controller_cgroup_dir("memory", cgroups_path)
+}
+
+/// The same for another v1 controller (or the unified hierarchy).
+fn controller_cgroup_dir(controller: &str, cgroups_path: &str) -> Option<PathBuf> {
     let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     for line in own.lines() {
         let mut parts = line.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        if controllers.split(',').any(|c| c == "memory") {
-            let dir = Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'));
+        if controllers.split(',').any(|c| c == controller) {
+            let dir = Path::new("/sys/fs/cgroup")
+                .join(controller)
+                .join(path.trim_start_matches('/'));
             return Some(dir.join(cgroups_path));
         }
     }
@@ -912,6 +1025,7 @@ mod tests {
             &bundle,
             &GvisorConfig::default(),
             &spec,
+            &[],
             &[],
             "cellgate-gvisor/x",
         )

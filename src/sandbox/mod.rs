@@ -35,7 +35,7 @@ pub use namespaces::{
 pub use process::ProcessSandbox;
 
 /// The sandbox backends, by the names policies and the config use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     /// No isolation: a plain child process. Development only; refused unless named.
@@ -65,6 +65,65 @@ impl std::str::FromStr for Backend {
             "gvisor" => Ok(Backend::Gvisor),
             other => Err(SandboxError::UnknownBackend(other.to_owned())),
         }
+    }
+}
+
+/// Makes the sandbox of `backend` with its default configuration.
+pub fn create(backend: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
+    Ok(match backend {
+        Backend::Process => Arc::new(ProcessSandbox::new()?),
+        Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig::default())?),
+        Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
+    })
+}
+
+/// The backends of one gateway. Each policy names its backend; a backend is made on first
+/// use and then shared by all its kernels, so a gateway serves namespaces and gVisor
+/// kernels side by side. An operator may force one backend for every kernel (`--sandbox`):
+/// `process` for development, or e.g. `gvisor` to run everything in the stronger sandbox.
+pub struct Backends {
+    forced: Option<Backend>,
+    made: parking_lot::Mutex<std::collections::HashMap<Backend, Arc<dyn Sandbox>>>,
+    factory: fn(Backend) -> Result<Arc<dyn Sandbox>, SandboxError>,
+}
+
+impl Backends {
+    pub fn new(forced: Option<Backend>) -> Backends {
+        Backends::with_factory(forced, create)
+    }
+
+    /// With another way to make backends (tests).
+    pub fn with_factory(
+        forced: Option<Backend>,
+        factory: fn(Backend) -> Result<Arc<dyn Sandbox>, SandboxError>,
+    ) -> Backends {
+        Backends {
+            forced,
+            made: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            factory,
+        }
+    }
+
+    /// The backend every kernel runs in, when the operator forced one.
+    pub fn forced(&self) -> Option<Backend> {
+        self.forced
+    }
+
+    /// The sandbox for a policy that names `wanted` (or the forced one). A backend this host
+    /// cannot run is an error each time it is asked for, so a fixed host needs no restart.
+    pub fn get(&self, wanted: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
+        let backend = self.forced.unwrap_or(wanted);
+        if backend == Backend::Process && self.forced != Some(Backend::Process) {
+            // A policy file alone never turns isolation off.
+            return Err(SandboxError::ProcessNotAllowed);
+        }
+        let mut made = self.made.lock();
+        if let Some(sandbox) = made.get(&backend) {
+            return Ok(sandbox.clone());
+        }
+        let sandbox = (self.factory)(backend)?;
+        made.insert(backend, sandbox.clone());
+        Ok(sandbox)
     }
 }
 
@@ -102,6 +161,9 @@ pub struct LaunchSpec {
     pub limits: Limits,
 }
 
+/// The words an [`ExitReport`] reason uses for the pids limit.
+pub const PIDS_LIMIT_REASON: &str = "policy pids limit";
+
 /// How a kernel process ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExitReport {
@@ -118,6 +180,14 @@ impl ExitReport {
         self.reason
             .as_deref()
             .is_some_and(|r| r.contains("out-of-memory"))
+    }
+
+    /// Whether the sandbox ended because its pids limit was reached (gVisor cannot survive
+    /// that; the namespaces backend can, and reports it per execution instead).
+    pub fn is_pids_limit(&self) -> bool {
+        self.reason
+            .as_deref()
+            .is_some_and(|r| r.contains(PIDS_LIMIT_REASON))
     }
 
     /// A short human-readable description for the kernel model's `reason`.
@@ -144,6 +214,27 @@ pub trait SandboxHandle: Send + Sync {
     /// CPU time and memory used so far, where the backend can measure them.
     fn usage(&self) -> ResourceUsage {
         ResourceUsage::default()
+    }
+    /// How many times a process or thread creation was refused for the sandbox's pids limit,
+    /// where the backend can tell (cgroup `pids.events`).
+    fn pids_limit_hits(&self) -> Option<u64> {
+        None
+    }
+    /// Where the gateway reaches the kernel's `workspace`: a directory the gateway may open
+    /// normally (it trusts every component), and a path relative to it that the sandbox may
+    /// have changed, to be resolved without following any link (openat2 with
+    /// `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`). Backends whose workspace is a host
+    /// directory answer the workspace itself and `.`; the namespaces backend's workspace is
+    /// a tmpfs in the sandbox's mount namespace, reached through its root in /proc.
+    /// `None`: the host cannot reach it (gVisor keeps it inside the Sentry's memory).
+    fn workspace_root(&self, workspace: &std::path::Path) -> Option<(PathBuf, PathBuf)> {
+        Some((workspace.to_owned(), PathBuf::from(".")))
+    }
+    /// Whether the kernel process still exists. Checked *after* opening a path from
+    /// [`SandboxHandle::workspace_root`] under `/proc/<pid>`: a process that has not exited
+    /// cannot have had its pid reused, so the handle opened was the sandbox's.
+    fn alive(&self) -> bool {
+        true
     }
 }
 

@@ -52,7 +52,11 @@ async fn restart_keeps_the_id_and_loses_the_state() -> anyhow::Result<()> {
     let mut client = gateway.connect(&kernel, "s-restart", true).await?;
     client.run("secret = 41").await?;
     let old_pids = pids_with(&kernel);
-    assert_eq!(old_pids.len(), 1, "one kernel process: {old_pids:?}");
+    assert_eq!(
+        old_pids.len(),
+        host_processes_per_kernel(&sandbox_backend()),
+        "the kernel's processes: {old_pids:?}"
+    );
     let response = gateway
         .request(
             reqwest::Method::POST,
@@ -88,7 +92,11 @@ async fn shutdown_removes_kernel_and_process() -> anyhow::Result<()> {
     let mut client = gateway.connect(&kernel, "s-del", false).await?;
     client.run("1").await?;
     let pids = pids_with(&kernel);
-    assert_eq!(pids.len(), 1);
+    assert_eq!(
+        pids.len(),
+        host_processes_per_kernel(&sandbox_backend()),
+        "{pids:?}"
+    );
     assert_eq!(gateway.delete_kernel(&kernel).await?, 204);
     assert!(
         !pids.iter().any(|p| alive(*p)),
@@ -110,8 +118,14 @@ async fn kernel_killed_from_outside_is_reported_dead_within_a_second() -> anyhow
     let kernel = gateway.start_kernel().await?;
     let mut client = gateway.connect(&kernel, "s-kill", false).await?;
     client.run("1").await?;
+    // The first is the kernel itself, or `runsc run` under gVisor (whose death ends the
+    // sandbox the same way).
     let pids = pids_with(&kernel);
-    assert_eq!(pids.len(), 1);
+    assert_eq!(
+        pids.len(),
+        host_processes_per_kernel(&sandbox_backend()),
+        "{pids:?}"
+    );
     let killed_at = Instant::now();
     // SAFETY-free: kill(1) from the shell keeps this test free of unsafe code.
     std::process::Command::new("kill")
@@ -169,7 +183,11 @@ async fn no_kernel_survives_a_killed_gateway() -> anyhow::Result<()> {
     client.run("1").await?;
     let mut pids = pids_with(&a);
     pids.extend(pids_with(&b));
-    assert_eq!(pids.len(), 2);
+    assert_eq!(
+        pids.len(),
+        2 * host_processes_per_kernel(&sandbox_backend()),
+        "{pids:?}"
+    );
     gateway.child.kill()?; // SIGKILL
     gateway.child.wait()?;
     let gone = eventually(Duration::from_secs(3), || !pids.iter().any(|p| alive(*p))).await;
@@ -269,6 +287,7 @@ async fn policy_limits_reach_the_sandbox() -> anyhow::Result<()> {
     let gateway = Gateway::start().await?;
     let allocate = "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'b = bytearray(700 * 2**20); b[::4096] = b\"x\" * len(b[::4096])'])\nprint('rc', r.returncode)";
     for (policy, expected) in [("strict", "rc -9\n"), ("default", "rc 0\n")] {
+        let child_kills_all = policy == "strict" && child_oom_ends_the_sandbox(&sandbox_backend());
         let response = gateway
             .request(reqwest::Method::POST, "/api/kernels")
             .json(&serde_json::json!({"name": "python3", "env": {"KERNEL_POLICY": policy}}))
@@ -281,7 +300,15 @@ async fn policy_limits_reach_the_sandbox() -> anyhow::Result<()> {
             .to_owned();
         let mut client = gateway.connect(&id, policy, false).await?;
         let msgs = client.run(allocate).await?;
-        assert_eq!(stdout(&msgs), expected, "{policy}: {msgs:?}");
+        if child_kills_all {
+            // gVisor: the limit ends the whole sandbox; the cell says so and a restart
+            // brings the kernel back.
+            let errors = of_type(&msgs, "error");
+            assert_eq!(errors.len(), 1, "{policy}: {msgs:?}");
+            assert_eq!(errors[0].content["ename"], "OutOfMemoryError", "{msgs:?}");
+        } else {
+            assert_eq!(stdout(&msgs), expected, "{policy}: {msgs:?}");
+        }
         let msgs = client.run("1 + 1").await?;
         assert_eq!(
             of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
@@ -300,33 +327,69 @@ async fn policy_limits_reach_the_sandbox() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Each policy names its backend: one gateway runs a gVisor kernel beside a namespaces one,
+/// and a policy file alone cannot turn isolation off (`process` needs `--sandbox process`).
 #[tokio::test]
-async fn a_policy_for_another_backend_is_refused() -> anyhow::Result<()> {
+async fn policies_choose_their_backend() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("default.toml"), "")?;
     std::fs::write(
         dir.path().join("gv.toml"),
         "[sandbox]\nbackend = \"gvisor\"\n",
     )?;
+    std::fs::write(
+        dir.path().join("bare.toml"),
+        "[sandbox]\nbackend = \"process\"\n",
+    )?;
     let gateway = Gateway::builder()
         .policies_dir(dir.path().to_owned())
         .start()
         .await?;
-    let response = gateway
-        .request(reqwest::Method::POST, "/api/kernels")
-        .json(&serde_json::json!({"env": {"KERNEL_POLICY": "gv"}}))
-        .send()
-        .await?;
-    if sandbox_backend() == "process" {
-        // Development mode runs every policy unsandboxed.
+    let start = |policy: &'static str| {
+        gateway
+            .request(reqwest::Method::POST, "/api/kernels")
+            .json(&serde_json::json!({"env": {"KERNEL_POLICY": policy}}))
+            .send()
+    };
+    let forced = forced_sandbox();
+    let mut kernels = Vec::new();
+    for (policy, expected) in [("default", "namespaces"), ("gv", "gvisor")] {
+        let response = start(policy).await?;
+        let status = response.status().as_u16();
+        let body: serde_json::Value = response.json().await?;
+        assert_eq!(status, 201, "policy {policy}: {body}");
+        let wanted = forced.as_deref().unwrap_or(expected);
+        assert_eq!(
+            body["cellgate"]["sandbox"], wanted,
+            "policy {policy}: {body}"
+        );
+        let id = body["id"].as_str().unwrap().to_owned();
+        let mut client = gateway
+            .connect(&id, &uuid::Uuid::new_v4().to_string(), true)
+            .await?;
+        let msgs = client.run("import os; print(os.getpid())").await?;
+        assert_eq!(reply(&msgs).content["status"], "ok", "{policy}: {msgs:?}");
+        println!(
+            "policy {policy}: kernel in {wanted}, pid inside {}",
+            stdout(&msgs).trim()
+        );
+        kernels.push(id);
+    }
+    let response = start("bare").await?;
+    if forced.is_some() {
+        // A forced backend wins over every policy's, `process` included.
         assert_eq!(response.status().as_u16(), 201);
     } else {
         assert_eq!(response.status().as_u16(), 400);
         let body: serde_json::Value = response.json().await?;
+        let message = body["message"].as_str().unwrap();
         assert!(
-            body["message"].as_str().unwrap().contains("gvisor"),
+            message.contains("bare") && message.contains("process"),
             "{body}"
         );
+    }
+    for id in kernels {
+        gateway.delete_kernel(&id).await?;
     }
     // A broken policy file stops the gateway from starting, with the file and line.
     std::fs::write(dir.path().join("bad.toml"), "[limits]\nmemroy = \"1GiB\"\n")?;
@@ -372,7 +435,7 @@ async fn execution_timeout_interrupts_and_reports_a_timeout() -> anyhow::Result<
         started.elapsed()
     );
     let errors = of_type(&msgs, "error");
-    assert_eq!(errors.len(), 1);
+    assert_eq!(errors.len(), 1, "{msgs:?}");
     assert_eq!(errors[0].content["ename"], "CellTimeoutError");
     assert!(errors[0].content["evalue"]
         .as_str()

@@ -4,13 +4,17 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod api_v1;
+mod api_v1_flow;
 mod attacks;
 mod clients;
 mod compat;
+mod egress;
 mod hostile;
 mod http;
 mod lifecycle;
 mod messaging;
+mod notebook;
 mod pool;
 mod tenants;
 mod web_client;

@@ -664,3 +664,187 @@ async fn pooled_kernels_belong_to_the_tenant_they_are_handed_to() -> Result<()> 
     assert_eq!(status, 200);
     Ok(())
 }
+
+/// API v1 under tenants: a session is its tenant's on every v1 route and on the Kernel
+/// Gateway API; another tenant reaches none of its session, files, artifacts or socket.
+#[tokio::test]
+async fn v1_sessions_artifacts_and_files_are_tenant_isolated() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let gateway = Gateway::builder()
+        .arg("--jwt-secret-file")
+        .arg(secret.to_str().context("path")?)
+        .args(&["--policy-order", "strict,default,data-science"])
+        .args(&["--tenant-max-kernels", "1"])
+        .start()
+        .await?;
+    let token_a = hs256(&claims("v1-a", "default"));
+    let token_b = hs256(&claims("v1-b", "default"));
+
+    // Policy cap on v1 too.
+    let (status, body) = call(
+        &gateway,
+        &token_a,
+        Method::POST,
+        "/v1/sessions",
+        Some(json!({"policy": "data-science"})),
+    )
+    .await?;
+    assert_eq!(status, 403, "{body}");
+    let (status, session) = call(
+        &gateway,
+        &token_a,
+        Method::POST,
+        "/v1/sessions",
+        Some(json!({})),
+    )
+    .await?;
+    assert_eq!(status, 201, "{session}");
+    assert_eq!(session["tenant"], "v1-a");
+    assert_eq!(session["policy"], "default");
+    let id = session["id"].as_str().context("id")?.to_owned();
+    // Sessions count toward the tenant's kernel cap, on either API.
+    let (status, body) = call(
+        &gateway,
+        &token_a,
+        Method::POST,
+        "/v1/sessions",
+        Some(json!({})),
+    )
+    .await?;
+    assert_eq!(status, 403, "{body}");
+    let (status, body) = call(&gateway, &token_a, Method::POST, "/api/kernels", None).await?;
+    assert_eq!(status, 403, "{body}");
+
+    // A's session is A's kernel on the Kernel Gateway API.
+    let (status, model) = call(
+        &gateway,
+        &token_a,
+        Method::GET,
+        &format!("/api/kernels/{id}"),
+        None,
+    )
+    .await?;
+    assert_eq!(status, 200, "{model}");
+    assert_eq!(model["cellgate"]["tenant"], "v1-a");
+
+    // A makes an artifact and a file.
+    let upload = gateway
+        .http
+        .put(format!(
+            "{}/v1/sessions/{id}/files/secret.csv",
+            gateway.base
+        ))
+        .header("Authorization", format!("Bearer {token_a}"))
+        .body("a,b\n1,2\n")
+        .send()
+        .await?;
+    assert_eq!(upload.status().as_u16(), 201);
+    let (status, result) = call(
+        &gateway,
+        &token_a,
+        Method::POST,
+        &format!("/v1/sessions/{id}/execute"),
+        Some(json!({"code": "from IPython.display import HTML\nHTML('<b>mine</b>')"})),
+    )
+    .await?;
+    assert_eq!(status, 200, "{result}");
+    let artifact = result["artifacts"][0]["id"]
+        .as_str()
+        .context("an artifact")?
+        .to_owned();
+
+    // B: nothing of A's exists.
+    let missing = uuid::Uuid::new_v4().to_string();
+    let routes: Vec<(Method, String, Option<Value>)> = vec![
+        (Method::GET, "/v1/sessions/{}".into(), None),
+        (Method::DELETE, "/v1/sessions/{}".into(), None),
+        (
+            Method::POST,
+            "/v1/sessions/{}/execute".into(),
+            Some(json!({"code": "1"})),
+        ),
+        (Method::POST, "/v1/sessions/{}/interrupt".into(), None),
+        (Method::POST, "/v1/sessions/{}/restart".into(), None),
+        (
+            Method::POST,
+            "/v1/sessions/{}/input".into(),
+            Some(json!({"value": "x"})),
+        ),
+        (Method::GET, "/v1/sessions/{}/files".into(), None),
+        (Method::GET, "/v1/sessions/{}/files/secret.csv".into(), None),
+        (Method::GET, "/v1/sessions/{}/artifacts".into(), None),
+    ];
+    for (method, pattern, body) in &routes {
+        let (status, answer) = call(
+            &gateway,
+            &token_b,
+            method.clone(),
+            &pattern.replace("{}", &id),
+            body.clone(),
+        )
+        .await?;
+        let (missing_status, missing_answer) = call(
+            &gateway,
+            &token_b,
+            method.clone(),
+            &pattern.replace("{}", &missing),
+            body.clone(),
+        )
+        .await?;
+        assert_eq!(status, 404, "{method} {pattern}: {answer}");
+        assert_eq!(missing_status, 404, "{method} {pattern}");
+        let masked: Value =
+            serde_json::from_str(&missing_answer.to_string().replace(&missing, &id))?;
+        assert_eq!(answer, masked, "{method} {pattern}");
+    }
+    let (status, _) = call(
+        &gateway,
+        &token_b,
+        Method::GET,
+        &format!("/v1/artifacts/{artifact}"),
+        None,
+    )
+    .await?;
+    assert_eq!(status, 404);
+    let (status, list) = call(&gateway, &token_b, Method::GET, "/v1/sessions", None).await?;
+    assert_eq!((status, list), (200, json!([])));
+    let mut request = format!(
+        "{}/v1/sessions/{id}/ws",
+        gateway.base.replace("http://", "ws://")
+    )
+    .into_client_request()?;
+    request
+        .headers_mut()
+        .insert("Authorization", format!("Bearer {token_b}").parse()?);
+    match tokio_tungstenite::connect_async(request).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status().as_u16(), 404)
+        }
+        other => panic!(
+            "tenant B opened A's session socket: {:?}",
+            other.map(|_| ())
+        ),
+    }
+
+    // A still has everything.
+    let (status, _) = call(
+        &gateway,
+        &token_a,
+        Method::GET,
+        &format!("/v1/artifacts/{artifact}"),
+        None,
+    )
+    .await?;
+    assert_eq!(status, 200);
+    let (status, _) = call(
+        &gateway,
+        &token_a,
+        Method::DELETE,
+        &format!("/v1/sessions/{id}"),
+        None,
+    )
+    .await?;
+    assert_eq!(status, 204);
+    Ok(())
+}

@@ -36,10 +36,28 @@ pub fn kernels_dir() -> PathBuf {
     dir
 }
 
-/// The sandbox the tests run kernels in: the real default (`namespaces`) unless
-/// `CELLGATE_TEST_SANDBOX` names another.
+/// The sandbox the tests run kernels in: the real default (`namespaces`, what the policies
+/// name) unless `CELLGATE_TEST_SANDBOX` names another, which the gateways then force on
+/// every kernel (`--sandbox`).
 pub fn sandbox_backend() -> String {
-    std::env::var("CELLGATE_TEST_SANDBOX").unwrap_or_else(|_| "namespaces".to_owned())
+    forced_sandbox().unwrap_or_else(|| "namespaces".to_owned())
+}
+
+/// The backend of the attack suite's attackers: `CELLGATE_TEST_ATTACKER_SANDBOX` (their
+/// policies name it, while the bystander stays in the default sandbox), else the one every
+/// kernel runs in.
+pub fn attacker_backend() -> String {
+    std::env::var("CELLGATE_TEST_ATTACKER_SANDBOX")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(sandbox_backend)
+}
+
+/// The backend `CELLGATE_TEST_SANDBOX` forces, if any.
+pub fn forced_sandbox() -> Option<String> {
+    std::env::var("CELLGATE_TEST_SANDBOX")
+        .ok()
+        .filter(|s| !s.is_empty())
 }
 
 /// The Python with jupyter_server, jupyter_client and Kernel Gateway (`.venv-tools`).
@@ -103,14 +121,12 @@ impl GatewayBuilder {
         let mut command = Command::new(env!("CARGO_BIN_EXE_cellgate"));
         command
             .arg("serve")
-            .args([
-                "--ip",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--sandbox",
-                &sandbox_backend(),
-            ])
+            .args(["--ip", "127.0.0.1", "--port", "0"])
+            .args(
+                forced_sandbox()
+                    .map(|backend| vec!["--sandbox".to_owned(), backend])
+                    .unwrap_or_default(),
+            )
             .arg("--kernels-dir")
             .arg(&self.kernels_dir)
             .arg("--policies-dir")
@@ -560,6 +576,22 @@ pub fn alive(pid: u32) -> bool {
             .unwrap_or(false),
         Err(_) => false,
     }
+}
+
+/// How many host processes carry a kernel's id on their command line: the kernel itself, or
+/// under gVisor `runsc run`, the Sentry and the gofer (the kernel has no host process).
+pub fn host_processes_per_kernel(backend: &str) -> usize {
+    if backend == "gvisor" {
+        3
+    } else {
+        1
+    }
+}
+
+/// Whether a child process's OOM kill ends the whole sandbox (gVisor: the Sentry is one
+/// process for the cgroup's OOM killer) rather than only the child (namespaces).
+pub fn child_oom_ends_the_sandbox(backend: &str) -> bool {
+    backend == "gvisor"
 }
 
 /// Pids of the processes whose command line contains `needle`.

@@ -279,3 +279,179 @@ fn a_dead_kernel_answers_the_oldest_execute_as_the_running_one() {
     assert_eq!(texts[0], ("first".to_owned(), "out of memory".to_owned()));
     assert!(texts[1].1.starts_with("this cell never ran"));
 }
+
+/// A kernel message whose parent is an execute_request (so the router tracks the execution).
+fn of_execute(msg_type: &str, id: &str, parent: &str, content: &str) -> Message {
+    let channel = if msg_type.ends_with("_reply") {
+        Channel::Shell
+    } else {
+        Channel::Iopub
+    };
+    Message::from_parts(
+        channel,
+        Bytes::from(format!(r#"{{"msg_id":"{id}","msg_type":"{msg_type}"}}"#)),
+        Bytes::from(format!(
+            r#"{{"msg_id":"{parent}","msg_type":"execute_request"}}"#
+        )),
+        Bytes::from_static(b"{}"),
+        Bytes::from(content.to_owned()),
+        vec![],
+    )
+    .unwrap()
+}
+
+#[test]
+fn history_records_what_clients_executed_and_saw() {
+    let router = Router::new("k").with_output_limit(Some(300));
+    let (tx, _rx) = client_queue();
+    let (id, _) = router.attach("s", tx);
+    // The gateway's own requests and silent executions leave no history, but the readiness
+    // probe's kernel_info_reply gives the language.
+    let _probe = router.register_internal("probe");
+    router.deliver(msg(
+        Channel::Shell,
+        "kernel_info_reply",
+        "ki",
+        Some("probe"),
+        r#"{"language_info":{"name":"python","version":"3.12"}}"#,
+    ));
+    let _set_env = router.register_internal("internal");
+    router.deliver(of_execute(
+        "stream",
+        "i1",
+        "internal",
+        r#"{"name":"stdout","text":"hidden"}"#,
+    ));
+    let silent = r#"{"code":"secret","silent":true}"#;
+    router.register_request(
+        id,
+        "s",
+        &msg(Channel::Shell, "execute_request", "q", None, silent),
+    );
+    let code = r#"{"code":"print('x' * 1000)","silent":false}"#;
+    router.register_request(
+        id,
+        "s",
+        &msg(Channel::Shell, "execute_request", "r1", None, code),
+    );
+    router.deliver(of_execute(
+        "status",
+        "b",
+        "r1",
+        r#"{"execution_state":"busy"}"#,
+    ));
+    for n in 0..5 {
+        let text = format!(r#"{{"name":"stdout","text":"{}"}}"#, "x".repeat(100));
+        router.deliver(of_execute("stream", &format!("o{n}"), "r1", &text));
+    }
+    router.deliver(of_execute(
+        "execute_reply",
+        "rep",
+        "r1",
+        r#"{"status":"ok","execution_count":1}"#,
+    ));
+    router.deliver(of_execute(
+        "status",
+        "i",
+        "r1",
+        r#"{"execution_state":"idle"}"#,
+    ));
+    let snapshot = router.history().snapshot();
+    assert_eq!(snapshot.language_info.unwrap()["name"], "python");
+    assert_eq!(snapshot.cells.len(), 1);
+    let cell = &snapshot.cells[0];
+    assert_eq!(cell.source, "print('x' * 1000)");
+    assert_eq!(cell.execution_count, Some(1));
+    // Only what clients were shown: the output up to the limit, then the gateway's marker.
+    let outputs = cell.outputs.to_json();
+    assert_eq!(outputs.len(), 2, "{outputs:?}");
+    assert!(outputs[0]["text"].as_str().unwrap().len() < 500);
+    assert_eq!(outputs[1]["name"], "stderr");
+    assert!(outputs[1]["text"].as_str().unwrap().contains("limit"));
+}
+
+#[test]
+fn denials_reach_the_running_execution_only() {
+    let router = Router::new("k");
+    let (a_tx, mut a) = client_queue();
+    let (a_id, _) = router.attach("sa", a_tx);
+    // No execution at all: nothing is attached.
+    router.record_denial(serde_json::json!({"kind": "egress", "reason": "early"}));
+    router.register_request(a_id, "sa", &request("r1"));
+    // Sent but its `busy` not seen yet: the oldest waiting execute is the running one.
+    let before_busy = serde_json::json!({"kind": "egress", "target": "h:1", "policy": "p", "reason": "egress to h:1 is not allowed by policy 'p'"});
+    router.record_denial(before_busy.clone());
+    let busy = Message::from_parts(
+        Channel::Iopub,
+        Bytes::from_static(br#"{"msg_id":"s1","msg_type":"status"}"#),
+        Bytes::from_static(br#"{"msg_id":"r1","msg_type":"execute_request"}"#),
+        Bytes::from_static(b"{}"),
+        Bytes::from_static(br#"{"execution_state":"busy"}"#),
+        vec![],
+    )
+    .unwrap();
+    router.deliver(busy);
+    let denial = serde_json::json!({"kind": "package", "target": "x", "policy": "p", "reason": "package 'x' is not allowed by policy 'p'"});
+    router.record_denial(denial.clone());
+    let mut reply = msg(Channel::Shell, "execute_reply", "rep1", Some("r1"), "{}");
+    reply.metadata = Bytes::from_static(br#"{"cellgate":{"outcome":"timeout"},"other":1}"#);
+    router.deliver(reply);
+    let mut got = vec![];
+    while let Some(m) = a.try_recv() {
+        got.push(m);
+    }
+    let lines: Vec<_> = got.iter().filter(|m| m.msg_type() == "stream").collect();
+    assert_eq!(lines.len(), 2);
+    let line = lines[1];
+    let content: serde_json::Value = serde_json::from_slice(&line.content).unwrap();
+    assert_eq!(content["name"], "stderr");
+    assert_eq!(
+        content["text"],
+        "cellgate: package 'x' is not allowed by policy 'p'\n"
+    );
+    assert_eq!(line.parent_msg_id(), Some("r1"));
+    let reply = got.last().unwrap();
+    assert_eq!(reply.msg_type(), "execute_reply");
+    let metadata: serde_json::Value = serde_json::from_slice(&reply.metadata).unwrap();
+    assert_eq!(
+        metadata["cellgate"]["denials"],
+        serde_json::json!([before_busy, denial])
+    );
+    assert_eq!(
+        metadata["cellgate"]["outcome"], "timeout",
+        "merged, not replaced"
+    );
+    assert_eq!(metadata["other"], 1);
+}
+
+#[test]
+fn history_records_the_gateways_answer_for_a_cell_whose_kernel_died() {
+    let router = Router::new("k");
+    let (tx, _rx) = client_queue();
+    let (id, _) = router.attach("s", tx);
+    // fail_locked answers in the kernel's stead with the request's own header.
+    let mut request = msg(
+        Channel::Shell,
+        "execute_request",
+        "r1",
+        None,
+        r#"{"code":"crash()","silent":false}"#,
+    );
+    request.header.session = "s".to_owned();
+    router.register_request(id, "s", &request);
+    router.deliver(of_execute(
+        "status",
+        "b",
+        "r1",
+        r#"{"execution_state":"busy"}"#,
+    ));
+    router.fail_pending_executions(
+        "KernelDiedError",
+        "the kernel process ended",
+        "sandbox_lost",
+    );
+    let cell = &router.history().snapshot().cells[0];
+    let outputs = cell.outputs.to_json();
+    assert_eq!(outputs.len(), 1);
+    assert_eq!(outputs[0]["ename"], "KernelDiedError");
+}

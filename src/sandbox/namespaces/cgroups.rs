@@ -449,6 +449,14 @@ impl KernelCgroup {
             .ok()
     }
 
+    /// How many forks the pids limit refused (`max` in `pids.events`, v1 and v2 alike).
+    pub fn pids_limit_hits(&self) -> Option<u64> {
+        let text = fs::read_to_string(self.dir("pids")?.join("pids.events")).ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix("max "))
+            .and_then(|n| n.trim().parse().ok())
+    }
+
     /// How many processes the OOM killer has killed in this cgroup.
     pub fn oom_kills(&self) -> Option<u64> {
         let file = if self.version == 2 {

@@ -62,6 +62,7 @@
 
 #![allow(unsafe_code)]
 
+mod bridge;
 mod cgroups;
 mod confine;
 mod error;
@@ -226,6 +227,7 @@ impl NamespacesSandbox {
             return Err(NamespacesError::RelativeProgram(program.clone()));
         }
         let mut wanted = python_roots(Path::new(program));
+        let masked = masked_site_packages(Path::new(program), &wanted);
         wanted.extend(argv_files(&spec.argv[1..]));
         wanted.extend(self.config.extra_ro_paths.iter().cloned());
         Ok(Plan {
@@ -242,11 +244,29 @@ impl NamespacesSandbox {
             tmp_bytes: self.config.tmp_bytes.max(MIB),
             runtime_dir: spec.runtime_dir.clone(),
             ro_binds: visible_roots(wanted, &spec.runtime_dir, &spec.workspace),
+            masked,
             uid: INSIDE_ID,
             gid: INSIDE_ID,
             hostname: self.config.hostname.clone(),
             address_space_limit: None,
             landlock: self.config.landlock,
+            // The gateway opened the proxy socket for this generation (see crate::egress):
+            // the init runs the bridge to it.
+            egress_socket: Some(spec.runtime_dir.join(crate::egress::SOCKET_NAME))
+                .filter(|p| p.exists()),
+            // Python caches a missing sys.path entry as "no finder" for good, so a directory
+            // on PYTHONPATH that pip creates later (the per-session site-packages) would stay
+            // invisible to `import` in the same kernel: make them before Python starts.
+            workspace_dirs: spec
+                .env
+                .get("PYTHONPATH")
+                .map(|p| {
+                    std::env::split_paths(p)
+                        .filter(|d| d.is_absolute() && d.starts_with(&spec.workspace))
+                        .filter(|d| !d.components().any(|c| c.as_os_str() == ".."))
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
     }
 
@@ -293,7 +313,10 @@ impl NamespacesSandbox {
         if !self.ids.privileged {
             return Ok(());
         }
-        for path in [&spec.runtime_dir, &spec.connection_file] {
+        // The egress proxy's socket, when the gateway opened one: connecting needs write
+        // permission on it.
+        let egress = spec.runtime_dir.join(crate::egress::SOCKET_NAME);
+        for path in [&spec.runtime_dir, &spec.connection_file, &egress] {
             let owner = Some(self.ids.outside_uid);
             match std::os::unix::fs::chown(path, owner, Some(self.ids.outside_gid)) {
                 Ok(()) => {}
@@ -745,6 +768,26 @@ impl SandboxHandle for NamespacesHandle {
         ignore_esrch(result)
     }
 
+    /// The workspace is a tmpfs in the sandbox's mount namespace: reached through the
+    /// kernel's root (the same mount namespace as the init's; the kernel's pid is the one
+    /// whose liveness the caller can check).
+    fn workspace_root(&self, workspace: &Path) -> Option<(PathBuf, PathBuf)> {
+        let pid = self.kernel_pid.unwrap_or(self.init_pid);
+        let relative = workspace.strip_prefix("/").unwrap_or(workspace);
+        Some((
+            PathBuf::from(format!("/proc/{pid}/root")),
+            relative.to_owned(),
+        ))
+    }
+
+    fn alive(&self) -> bool {
+        match &self.kernel {
+            Some(pidfd) => !self.gone() && !sys::pidfd_exited(pidfd),
+            // Without a pidfd (kernels older than 5.3) the pid cannot be pinned.
+            None => false,
+        }
+    }
+
     fn usage(&self) -> ResourceUsage {
         if let Some(cgroup) = &self.cgroup {
             let usage = cgroup.usage();
@@ -753,6 +796,10 @@ impl SandboxHandle for NamespacesHandle {
             }
         }
         self.kernel_pid.and_then(proc_usage).unwrap_or_default()
+    }
+
+    fn pids_limit_hits(&self) -> Option<u64> {
+        self.cgroup.as_ref()?.pids_limit_hits()
     }
 }
 
@@ -782,6 +829,42 @@ fn proc_usage(pid: i32) -> Option<ResourceUsage> {
 /// from its `pyvenv.cfg`, the base interpreter's prefix; and the prefix of the real
 /// executable behind any symlinks. Only these are shown, never their parents (a pyenv
 /// prefix under `/root` does not show the rest of `/root`).
+/// The base interpreter's `site-packages` directories among `roots`, when `program` runs in
+/// a venv that does not use them (`include-system-site-packages = false`, the default):
+/// whatever the host installed globally (cloud CLIs, their credentials helpers …) stays out
+/// of sight.
+pub(super) fn masked_site_packages(program: &Path, roots: &[PathBuf]) -> Vec<PathBuf> {
+    let Some(venv) = program.parent().and_then(Path::parent) else {
+        return Vec::new();
+    };
+    let Ok(cfg) = std::fs::read_to_string(venv.join("pyvenv.cfg")) else {
+        return Vec::new();
+    };
+    let uses_system = cfg.lines().any(|line| {
+        line.split_once('=').is_some_and(|(k, v)| {
+            k.trim() == "include-system-site-packages" && v.trim().eq_ignore_ascii_case("true")
+        })
+    });
+    if uses_system {
+        return Vec::new();
+    }
+    let mut masked = Vec::new();
+    for root in roots.iter().filter(|r| r.as_path() != venv) {
+        let Ok(entries) = std::fs::read_dir(root.join("lib")) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let site = entry.path().join("site-packages");
+            let is_python = entry.file_name().to_string_lossy().starts_with("python");
+            if is_python && site.is_dir() {
+                masked.push(site);
+            }
+        }
+    }
+    masked.sort();
+    masked
+}
+
 pub(super) fn python_roots(program: &Path) -> Vec<PathBuf> {
     let mut roots = Vec::new();
     if let Some(prefix) = program.parent().and_then(Path::parent) {

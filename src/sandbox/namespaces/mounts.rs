@@ -212,6 +212,14 @@ impl RootFs {
         for dir in &plan.ro_binds {
             ops.push(bind(dir, ro)?);
         }
+        for dir in &plan.masked {
+            // Deeper than the bind it sits in, so the depth sort mounts it afterwards.
+            ops.push(Op::Tmpfs {
+                target: dir.clone(),
+                flags: libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                options: "mode=0755,size=4k,nr_inodes=4".into(),
+            });
+        }
         // Shallow mounts first; the sort is stable, so equal depths keep the order above.
         ops.sort_by_key(|op| depth(op.target()));
         Ok(RootFs { ops })

@@ -12,11 +12,14 @@
 //!    unprivileged host id. The uid change clears the parent-death signal, so it is set
 //!    (and the helper checked) once more.
 //! 4. Builds the root file system and pivots into it ([`RootFs::build`]), brings up the
-//!    loopback interface of the empty network namespace, sets the host name.
+//!    loopback interface of the empty network namespace, sets the host name, and makes the
+//!    plan's workspace directories (the per-session site-packages on `PYTHONPATH`).
 //! 5. Gives up every capability for good: locked securebits (`NOROOT`, no setuid fixup), an
 //!    empty bounding set, no ambient, effective, permitted or inheritable capabilities.
 //!    From here on the init and the kernel are plain uid 1000 processes.
-//! 6. Blocks the signals it handles and forks the kernel process (see [`super::confine`]),
+//! 6. Blocks the signals it handles; when the plan names an egress socket, binds
+//!    127.0.0.1:3128 and forks the egress bridge ([`super::bridge`]). Then forks the kernel
+//!    process (see [`super::confine`]),
 //!    then waits until the kernel's `execve` succeeded (a close-on-exec pipe stays silent)
 //!    or failed (the pipe carries the error), and reports either.
 //! 7. Loops on `sigwaitinfo`: `SIGCHLD` reaps whatever ended (orphans are reparented to
@@ -33,6 +36,7 @@
 use std::io::Read;
 use std::os::fd::OwnedFd;
 
+use super::bridge;
 use super::confine;
 use super::helper::{at, report, Failure};
 use super::mounts::RootFs;
@@ -89,6 +93,9 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
     }
 
     root.build().map_err(at("build the root file system"))?;
+    for dir in &plan.workspace_dirs {
+        std::fs::create_dir_all(dir).map_err(at("create a workspace directory"))?;
+    }
     sys::loopback_up().map_err(at("bring up lo"))?;
     sys::sethostname(&plan.hostname).map_err(at("sethostname"))?;
 
@@ -101,6 +108,15 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
         SignalSet::of(&list)
     };
     signals.block().map_err(at("block signals"))?;
+
+    if let Some(socket) = plan.egress_socket.clone() {
+        let listener = bridge::bind().map_err(at("bind the egress bridge"))?;
+        // SAFETY: the init is a fork of the single-threaded helper and starts no threads.
+        match unsafe { sys::fork() }.map_err(at("fork the egress bridge"))? {
+            Forked::Child => bridge::run(&plan, &programs, listener, socket),
+            Forked::Parent { .. } => drop(listener),
+        }
+    }
 
     let (exec_read, exec_write) = sys::pipe().map_err(at("pipe"))?;
     // SAFETY: the init is a fork of the single-threaded helper and starts no threads.

@@ -33,6 +33,10 @@ pub struct Plan {
     /// Host directories and files made visible read-only at the same path (the Python
     /// environment, files named in the command).
     pub ro_binds: Vec<PathBuf>,
+    /// Directories inside `ro_binds` hidden behind an empty read-only tmpfs (the base
+    /// interpreter's site-packages, which the kernel's venv does not use).
+    #[serde(default)]
+    pub masked: Vec<PathBuf>,
     /// The kernel's uid and gid inside the sandbox (never 0).
     pub uid: u32,
     pub gid: u32,
@@ -41,6 +45,13 @@ pub struct Plan {
     pub address_space_limit: Option<u64>,
     /// Whether to add a Landlock ruleset (best effort: skipped where the kernel lacks it).
     pub landlock: bool,
+    /// The egress proxy's unix socket (inside `runtime_dir`): when set, the init runs the
+    /// bridge from 127.0.0.1:3128 to it.
+    #[serde(default)]
+    pub egress_socket: Option<PathBuf>,
+    /// Directories inside the workspace made (by the sandbox user) before the kernel starts.
+    #[serde(default)]
+    pub workspace_dirs: Vec<PathBuf>,
 }
 
 /// A report from the helper or the init, in the order they happen.

@@ -1,0 +1,455 @@
+//! Artifacts: rich outputs (images, HTML, SVG, JSON, chart specs, PDFs…) and files the code
+//! wrote to `outputs/`, stored once by content and referenced by id.
+//!
+//! Blobs live on disk at `<dir>/<sha256[0..2]>/<sha256>`, written once (temporary file, then
+//! rename), shared by every artifact with the same bytes and removed with the last one.
+//! An artifact record (random id, never the hash: the same bytes in two tenants' sessions
+//! are two artifacts, and an id reveals nothing about content) carries its owner (session
+//! and tenant), MIME type, size, dimensions where known, a short text summary for language
+//! models, and for `display_id` updates a version number and the id it replaces.
+//!
+//! Records of a deleted session stay fetchable for a retention period, then go
+//! ([`ArtifactStore::reap`]).
+//!
+//! Must not depend on: HTTP, kernels.
+
+mod inspect;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::RwLock;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+pub use inspect::{dimensions, strip_ansi, summarize};
+
+/// MIME types kept as artifacts, in the order a frontend prefers them.
+pub const RICH_MIME_TYPES: &[&str] = &[
+    "application/vnd.plotly.v1+json",
+    "application/vnd.vegalite.v5+json",
+    "application/vnd.vegalite.v4+json",
+    "application/vnd.vega.v5+json",
+    "image/png",
+    "image/jpeg",
+    "image/gif",
+    "image/webp",
+    "image/svg+xml",
+    "application/pdf",
+    "text/html",
+    "text/markdown",
+    "text/latex",
+    "application/json",
+    "application/geo+json",
+];
+
+/// MIME types whose bundle value is base64 text.
+pub fn is_base64_mime(mime: &str) -> bool {
+    matches!(
+        mime,
+        "image/png" | "image/jpeg" | "image/gif" | "image/webp" | "application/pdf"
+    )
+}
+
+/// MIME types a browser could run script from: served with `Content-Security-Policy:
+/// sandbox`.
+pub fn is_active_content(mime: &str) -> bool {
+    matches!(
+        mime,
+        "text/html" | "image/svg+xml" | "application/xhtml+xml"
+    ) || mime.ends_with("+xml")
+}
+
+/// Errors of the artifact store.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error("artifact of {size} bytes is larger than the limit of {limit} bytes")]
+    TooLarge { size: u64, limit: u64 },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where an artifact came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    DisplayData,
+    ExecuteResult,
+    UpdateDisplayData,
+    /// A file the code wrote under `outputs/`.
+    File,
+}
+
+/// One artifact, as listed and referenced.
+#[derive(Debug, Clone, Serialize)]
+pub struct Artifact {
+    pub id: String,
+    pub mime: String,
+    pub bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub width: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub height: Option<u32>,
+    pub summary: String,
+    pub sha256: String,
+    pub origin: Origin,
+    /// The execution that produced it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub execution_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub display_id: Option<String>,
+    /// 1 for a first display; each `update_display_data` of the same display id adds one.
+    pub version: u32,
+    /// The artifact this version replaces (same display id, same MIME type).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub previous: Option<String>,
+    /// For files from `outputs/`: the path below the workspace.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    pub created: String,
+    #[serde(skip)]
+    pub session: String,
+    #[serde(skip)]
+    pub owner: Option<String>,
+}
+
+/// What a caller knows about new content.
+#[derive(Debug, Clone)]
+pub struct NewArtifact<'a> {
+    pub session: &'a str,
+    pub owner: Option<&'a str>,
+    pub mime: &'a str,
+    pub origin: Origin,
+    pub execution_id: Option<&'a str>,
+    pub display_id: Option<&'a str>,
+    /// The bundle's `text/plain`, for the summary.
+    pub text: Option<&'a str>,
+    pub path: Option<&'a str>,
+}
+
+struct Record {
+    artifact: Arc<Artifact>,
+    /// Set when the owning session ended: the record goes at this instant.
+    expires: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Index {
+    records: HashMap<String, Record>,
+    /// Artifact ids per blob, to remove a blob with its last record.
+    blobs: HashMap<String, usize>,
+    /// Latest artifact per (session, display id, MIME type), for update versions.
+    displays: HashMap<(String, String, String), String>,
+}
+
+/// The artifact store of one gateway.
+pub struct ArtifactStore {
+    dir: PathBuf,
+    index: RwLock<Index>,
+    retention: Duration,
+}
+
+impl ArtifactStore {
+    /// Opens (creating, 0700) the store in `dir`.
+    pub fn new(dir: PathBuf, retention: Duration) -> Result<ArtifactStore, ArtifactError> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|source| ArtifactError::Io {
+                what: format!("create {}", dir.display()),
+                source,
+            })?;
+        Ok(ArtifactStore {
+            dir,
+            index: RwLock::new(Index::default()),
+            retention,
+        })
+    }
+
+    fn blob_path(&self, sha: &str) -> PathBuf {
+        self.dir.join(&sha[..2]).join(sha)
+    }
+
+    /// Stores `content` and records an artifact for it. Blocking IO: call from a blocking
+    /// context (`spawn_blocking`) for large content.
+    pub fn put(
+        &self,
+        new: &NewArtifact<'_>,
+        content: &[u8],
+    ) -> Result<Arc<Artifact>, ArtifactError> {
+        let sha = hex::encode(Sha256::digest(content));
+        let (width, height) = dimensions(new.mime, content).unzip();
+        let summary = summarize(new.mime, content, new.text, (width, height), new.path);
+        // Recorded first: a blob with a reference is never reaped, so the write below
+        // cannot race with the removal of an identical blob.
+        let artifact = self.record(
+            new,
+            sha.clone(),
+            content.len() as u64,
+            width,
+            height,
+            summary,
+        );
+        if let Err(err) = self.write_blob(&sha, content) {
+            self.forget(&artifact.id);
+            return Err(err);
+        }
+        Ok(artifact)
+    }
+
+    /// Stores a file already on disk (streamed: never wholly in memory), at most `limit`
+    /// bytes.
+    pub fn put_reader(
+        &self,
+        new: &NewArtifact<'_>,
+        reader: &mut dyn std::io::Read,
+        limit: u64,
+    ) -> Result<Arc<Artifact>, ArtifactError> {
+        let io = |what: &str| {
+            let what = what.to_owned();
+            move |source| ArtifactError::Io { what, source }
+        };
+        let tmp_path = self
+            .dir
+            .join(format!(".tmp-{}", uuid::Uuid::new_v4().simple()));
+        let mut tmp = std::fs::File::create(&tmp_path).map_err(io("create a temporary file"))?;
+        let mut hasher = Sha256::new();
+        let mut head = Vec::new();
+        let mut size = 0u64;
+        let mut buf = vec![0u8; 64 << 10];
+        let result = (|| {
+            loop {
+                let n = reader.read(&mut buf).map_err(io("read the file"))?;
+                if n == 0 {
+                    break;
+                }
+                size += n as u64;
+                if size > limit {
+                    return Err(ArtifactError::TooLarge { size, limit });
+                }
+                hasher.update(&buf[..n]);
+                if head.len() < 64 << 10 {
+                    head.extend_from_slice(&buf[..n.min((64 << 10) - head.len())]);
+                }
+                tmp.write_all(&buf[..n]).map_err(io("write the artifact"))?;
+            }
+            Ok(())
+        })();
+        if let Err(err) = result {
+            let _ = std::fs::remove_file(&tmp_path);
+            return Err(err);
+        }
+        let sha = hex::encode(hasher.finalize());
+        let (width, height) = dimensions(new.mime, &head).unzip();
+        let summary = summarize(new.mime, &head, new.text, (width, height), new.path);
+        let artifact = self.record(new, sha.clone(), size, width, height, summary);
+        let target = self.blob_path(&sha);
+        let placed = std::fs::create_dir_all(target.parent().unwrap_or(&self.dir))
+            .and_then(|_| std::fs::rename(&tmp_path, &target));
+        if let Err(source) = placed {
+            let _ = std::fs::remove_file(&tmp_path);
+            self.forget(&artifact.id);
+            return Err(ArtifactError::Io {
+                what: "store the artifact".to_owned(),
+                source,
+            });
+        }
+        Ok(artifact)
+    }
+
+    fn write_blob(&self, sha: &str, content: &[u8]) -> Result<(), ArtifactError> {
+        let target = self.blob_path(sha);
+        if target.exists() {
+            return Ok(());
+        }
+        let io = |what: &str| {
+            let what = what.to_owned();
+            move |source| ArtifactError::Io { what, source }
+        };
+        std::fs::create_dir_all(target.parent().unwrap_or(&self.dir))
+            .map_err(io("create the artifact directory"))?;
+        let tmp_path = self
+            .dir
+            .join(format!(".tmp-{}", uuid::Uuid::new_v4().simple()));
+        let written = std::fs::File::create(&tmp_path)
+            .and_then(|mut f| f.write_all(content))
+            .and_then(|_| std::fs::rename(&tmp_path, &target));
+        if let Err(source) = written {
+            let _ = std::fs::remove_file(&tmp_path);
+            return Err(ArtifactError::Io {
+                what: "store the artifact".to_owned(),
+                source,
+            });
+        }
+        Ok(())
+    }
+
+    fn record(
+        &self,
+        new: &NewArtifact<'_>,
+        sha: String,
+        bytes: u64,
+        width: Option<u32>,
+        height: Option<u32>,
+        summary: String,
+    ) -> Arc<Artifact> {
+        let mut index = self.index.write();
+        let (version, previous) = match new.display_id {
+            Some(display) => {
+                let key = (
+                    new.session.to_owned(),
+                    display.to_owned(),
+                    new.mime.to_owned(),
+                );
+                let previous = index.displays.get(&key).cloned();
+                let version = previous
+                    .as_ref()
+                    .and_then(|p| index.records.get(p))
+                    .map_or(1, |r| r.artifact.version + 1);
+                (version, previous)
+            }
+            None => (1, None),
+        };
+        let artifact = Arc::new(Artifact {
+            id: uuid::Uuid::new_v4().simple().to_string(),
+            mime: new.mime.to_owned(),
+            bytes,
+            width,
+            height,
+            summary,
+            sha256: sha.clone(),
+            origin: new.origin,
+            execution_id: new.execution_id.map(str::to_owned),
+            display_id: new.display_id.map(str::to_owned),
+            version,
+            previous,
+            path: new.path.map(str::to_owned),
+            created: crate::kernel::format_timestamp(time::OffsetDateTime::now_utc()),
+            session: new.session.to_owned(),
+            owner: new.owner.map(str::to_owned),
+        });
+        if let Some(display) = new.display_id {
+            index.displays.insert(
+                (
+                    new.session.to_owned(),
+                    display.to_owned(),
+                    new.mime.to_owned(),
+                ),
+                artifact.id.clone(),
+            );
+        }
+        *index.blobs.entry(sha).or_default() += 1;
+        index.records.insert(
+            artifact.id.clone(),
+            Record {
+                artifact: artifact.clone(),
+                expires: None,
+            },
+        );
+        artifact
+    }
+
+    /// Drops a record whose blob could not be written.
+    fn forget(&self, id: &str) {
+        let mut index = self.index.write();
+        if let Some(record) = index.records.remove(id) {
+            if let Some(n) = index.blobs.get_mut(&record.artifact.sha256) {
+                *n = n.saturating_sub(1);
+            }
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Artifact>> {
+        self.index
+            .read()
+            .records
+            .get(id)
+            .map(|r| r.artifact.clone())
+    }
+
+    /// The file holding an artifact's bytes.
+    pub fn path_of(&self, artifact: &Artifact) -> PathBuf {
+        self.blob_path(&artifact.sha256)
+    }
+
+    /// A session's artifacts, oldest first.
+    pub fn list(&self, session: &str) -> Vec<Arc<Artifact>> {
+        let index = self.index.read();
+        let mut out: Vec<_> = index
+            .records
+            .values()
+            .filter(|r| r.artifact.session == session)
+            .map(|r| r.artifact.clone())
+            .collect();
+        out.sort_by(|a, b| a.created.cmp(&b.created).then(a.id.cmp(&b.id)));
+        out
+    }
+
+    /// The session ended: its artifacts stay for the retention period.
+    pub fn expire_session(&self, session: &str) {
+        let at = Instant::now() + self.retention;
+        let mut index = self.index.write();
+        for record in index.records.values_mut() {
+            if record.artifact.session == session && record.expires.is_none() {
+                record.expires = Some(at);
+            }
+        }
+        index.displays.retain(|(s, _, _), _| s != session);
+    }
+
+    /// Removes expired artifacts, and blobs no artifact uses any more.
+    pub fn reap(&self) {
+        let now = Instant::now();
+        let mut unused = Vec::new();
+        // Blobs are removed under the lock: a concurrent `put` of the same bytes either
+        // counted its reference before (the blob stays) or writes the blob again after.
+        let mut index = self.index.write();
+        {
+            let expired: Vec<String> = index
+                .records
+                .iter()
+                .filter(|(_, r)| r.expires.is_some_and(|e| e <= now))
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in expired {
+                if let Some(record) = index.records.remove(&id) {
+                    let sha = &record.artifact.sha256;
+                    let left = index.blobs.get_mut(sha).map(|n| {
+                        *n -= 1;
+                        *n
+                    });
+                    if left == Some(0) {
+                        index.blobs.remove(sha);
+                        unused.push(sha.clone());
+                    }
+                }
+            }
+        }
+        for sha in unused {
+            if index.blobs.contains_key(&sha) {
+                continue;
+            }
+            let path = self.blob_path(&sha);
+            if let Err(err) = std::fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), %err, "could not remove an artifact");
+            }
+        }
+        drop(index);
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,168 @@
+//! Workspace files: upload (streamed to disk, size-limited by the session's policy),
+//! download, list. Every path goes through [`crate::workspace`], which never follows a link.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::{session_for, ApiError};
+use crate::gateway::auth::Principal;
+use crate::gateway::state::AppState;
+use crate::sessions::Session;
+use crate::workspace::{mime_for, FileEntry};
+
+/// Largest upload: the policy's `upload_size`, and never more than its workspace.
+pub fn upload_limit(state: &AppState, session: &Session) -> u64 {
+    state
+        .sessions
+        .kernels()
+        .policies()
+        .get(&session.kernel.policy)
+        .map(|p| p.limits.upload_bytes.min(p.limits.workspace_bytes))
+        .unwrap_or(1 << 30)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    /// A directory below the workspace (default: all of it).
+    #[serde(default)]
+    dir: Option<String>,
+}
+
+/// A stored upload.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Uploaded {
+    pub path: String,
+    pub bytes: u64,
+}
+
+/// Every file and directory of the workspace (links listed, never followed).
+#[utoipa::path(get, path = "/v1/sessions/{id}/files", tag = "files",
+    params(("id" = String, Path), ("dir" = Option<String>, Query)),
+    responses((status = 200, body = Vec<FileEntry>), (status = 404)))]
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    Query(query): Query<ListQuery>,
+) -> Result<Json<Vec<FileEntry>>, ApiError> {
+    let session = session_for(&state, &principal, &id)?;
+    let dir = query.dir.unwrap_or_default();
+    let entries = tokio::task::spawn_blocking(move || {
+        let workspace = session.open_workspace()?;
+        workspace.list(dir.trim_matches('/'))
+    })
+    .await
+    .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
+    Ok(Json(entries))
+}
+
+/// Upload a file (the request body is the content), replacing any file at `path`.
+#[utoipa::path(put, path = "/v1/sessions/{id}/files/{path}", tag = "files",
+    params(("id" = String, Path), ("path" = String, Path)),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 201, body = Uploaded), (status = 400), (status = 404), (status = 413)))]
+pub async fn upload(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path((id, path)): Path<(String, String)>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let session = session_for(&state, &principal, &id)?;
+    crate::workspace::check_path(&path)?;
+    let limit = upload_limit(&state, &session);
+    // The body streams through a bounded channel into a blocking writer: never more than
+    // a few chunks in memory, whatever the upload's size.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<axum::body::Bytes>(8);
+    let writer_session: Arc<Session> = session.clone();
+    let writer_path = path.clone();
+    let writer = tokio::task::spawn_blocking(move || -> Result<u64, ApiError> {
+        let workspace = writer_session.open_workspace()?;
+        let mut upload = workspace.create(&writer_path)?;
+        while let Some(chunk) = rx.blocking_recv() {
+            upload.write(&chunk, limit)?;
+        }
+        Ok(upload.commit()?)
+    });
+    let mut stream = body.into_data_stream();
+    let mut failed = None;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(chunk) => {
+                if tx.send(chunk).await.is_err() {
+                    break; // the writer stopped: its error says why
+                }
+            }
+            Err(err) => {
+                failed = Some(ApiError::bad_request(format!("upload interrupted: {err}")));
+                break;
+            }
+        }
+    }
+    if let Some(err) = failed {
+        // Dropping the writer's upload removes the partial file.
+        drop(tx);
+        writer.abort();
+        return Err(err);
+    }
+    drop(tx);
+    let bytes = writer
+        .await
+        .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
+    Ok((StatusCode::CREATED, Json(Uploaded { path, bytes })).into_response())
+}
+
+/// Download a file.
+#[utoipa::path(get, path = "/v1/sessions/{id}/files/{path}", tag = "files",
+    params(("id" = String, Path), ("path" = String, Path)),
+    responses((status = 200, description = "the file's bytes"), (status = 400), (status = 404)))]
+pub async fn download(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let session = session_for(&state, &principal, &id)?;
+    let open_path = path.clone();
+    let (file, size) = tokio::task::spawn_blocking(move || {
+        let workspace = session.open_workspace()?;
+        workspace.open_read(&open_path)
+    })
+    .await
+    .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
+    // The sandbox may grow the file meanwhile: send what was there when it was opened.
+    let file = tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(file), size);
+    let body = Body::from_stream(tokio_util::io::ReaderStream::new(file));
+    let mut response = (StatusCode::OK, body).into_response();
+    let headers = response.headers_mut();
+    // Downloads are never rendered in the gateway's origin: attachment, nosniff, sandbox.
+    let mime = mime_for(&path);
+    let name: String = path
+        .rsplit('/')
+        .next()
+        .unwrap_or("file")
+        .chars()
+        .filter(|c| c.is_ascii_graphic() && *c != '"' && *c != '\\')
+        .collect();
+    for (name, value) in [
+        (header::CONTENT_TYPE, mime.to_owned()),
+        (header::CONTENT_LENGTH, size.to_string()),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff".to_owned()),
+        (header::CONTENT_SECURITY_POLICY, "sandbox".to_owned()),
+        (
+            header::CONTENT_DISPOSITION,
+            format!("attachment; filename=\"{name}\""),
+        ),
+    ] {
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            headers.insert(name, value);
+        }
+    }
+    Ok(response)
+}

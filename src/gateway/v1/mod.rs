@@ -1,0 +1,121 @@
+//! API v1, the surface for chat apps and agents: sessions, typed execution results (JSON,
+//! Server-Sent Events, or a WebSocket per session), artifacts and workspace files. The
+//! handlers parse requests into calls on [`crate::sessions`], [`crate::artifacts`] and
+//! [`crate::workspace`] and map their errors to [`ApiError`]; the OpenAPI document at
+//! `/v1/openapi.json` is generated from the same route table ([`openapi`]).
+//!
+//! Tenancy: every handler takes the request's [`Principal`]; a session, artifact or file of
+//! another tenant answers 404 exactly like a missing one.
+
+mod artifacts;
+mod body;
+mod files;
+mod notebooks;
+pub mod openapi;
+mod sessions;
+mod ws;
+
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::Router;
+
+use super::api_error::ApiError;
+use super::auth::Principal;
+use super::state::AppState;
+use crate::sessions::{Session, SessionError};
+use crate::workspace::WorkspaceError;
+
+/// The routes of API v1 (to be mounted behind the auth layer).
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/openapi.json", get(openapi::document))
+        .route("/v1/sessions", get(sessions::list).post(sessions::create))
+        .route(
+            "/v1/sessions/{id}",
+            get(sessions::get).delete(sessions::delete),
+        )
+        .route("/v1/sessions/{id}/execute", post(sessions::execute))
+        .route("/v1/execute", post(sessions::execute_once))
+        .route("/v1/sessions/{id}/interrupt", post(sessions::interrupt))
+        .route("/v1/sessions/{id}/restart", post(sessions::restart))
+        .route("/v1/sessions/{id}/input", post(sessions::input))
+        .route("/v1/sessions/{id}/files", get(files::list))
+        .route(
+            "/v1/sessions/{id}/files/{*path}",
+            get(files::download).put(files::upload),
+        )
+        .route("/v1/sessions/{id}/artifacts", get(artifacts::list))
+        .route("/v1/artifacts/{id}", get(artifacts::fetch))
+        .route("/v1/sessions/{id}/ws", get(ws::socket))
+        .route("/v1/sessions/{id}/notebook", get(notebooks::export))
+        .route(
+            "/v1/notebooks/replay",
+            post(notebooks::replay).layer(axum::extract::DefaultBodyLimit::max(
+                super::notebooks::MAX_NOTEBOOK_BYTES,
+            )),
+        )
+}
+
+/// The session `id` if `principal` may see it; 404 otherwise, the same for both cases.
+fn session_for(
+    state: &AppState,
+    principal: &Principal,
+    id: &str,
+) -> Result<Arc<Session>, ApiError> {
+    state
+        .sessions
+        .get(id)
+        .filter(|s| principal.may_see(s.owner.as_deref()))
+        .ok_or_else(|| ApiError::not_found(format!("no session {id}")))
+}
+
+impl From<SessionError> for ApiError {
+    fn from(err: SessionError) -> ApiError {
+        match err {
+            SessionError::NotFound => ApiError::not_found("no such session"),
+            SessionError::Kernel(err) => err.into(),
+            SessionError::Workspace(err) => err.into(),
+            SessionError::PolicyNotAllowed { .. } => ApiError::bad_request(err.to_string()),
+            SessionError::NoInputAwaited => ApiError::new(
+                StatusCode::CONFLICT,
+                "no execution of this session is waiting for input",
+            ),
+            SessionError::Artifact(err) => {
+                tracing::error!(%err, "artifact store failed");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "Internal error; see the gateway's log",
+                )
+            }
+        }
+    }
+}
+
+impl From<WorkspaceError> for ApiError {
+    fn from(err: WorkspaceError) -> ApiError {
+        use WorkspaceError as E;
+        match &err {
+            E::BadPath { .. } => ApiError::bad_request(err.to_string()),
+            E::NotFound(_) => ApiError::not_found(err.to_string()),
+            // A link answers like a missing file: the sandbox's links are never followed,
+            // and whatever they point at is none of the client's business.
+            E::Link(_) => ApiError::not_found(err.to_string()),
+            E::NotAFile(_) | E::IsADirectory(_) => {
+                ApiError::new(StatusCode::CONFLICT, err.to_string())
+            }
+            E::TooLarge { .. } | E::NoSpace => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string())
+            }
+            E::Unavailable => ApiError::new(StatusCode::CONFLICT, err.to_string()),
+            E::Io { .. } => {
+                tracing::error!(%err, "workspace operation failed");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "Internal error; see the gateway's log",
+                )
+            }
+        }
+    }
+}

@@ -1,0 +1,420 @@
+//! Sessions and executions: create, list, get, delete; execute (blocking JSON or SSE);
+//! one-shot execute; interrupt, restart, input.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use base64::Engine;
+use serde::Deserialize;
+use tokio::sync::mpsc;
+use utoipa::ToSchema;
+
+use super::{body, session_for, ApiError};
+use crate::gateway::auth::Principal;
+use crate::gateway::state::AppState;
+use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionModel, Sessions};
+
+/// A file to put in the workspace when the session starts.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct InitialFile {
+    /// Relative to the workspace.
+    pub path: String,
+    pub content: String,
+    /// `utf-8` (default) or `base64`.
+    #[serde(default)]
+    pub encoding: Option<String>,
+}
+
+/// `POST /v1/sessions`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// Kernelspec name (default: the gateway's default kernel).
+    #[serde(default)]
+    pub kernel_name: Option<String>,
+    /// Policy name (default: the tenant's policy, else `default`).
+    #[serde(default)]
+    pub policy: Option<String>,
+    /// Environment variables for the kernel (`KERNEL_*` and the gateway's allowlist).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub files: Vec<InitialFile>,
+}
+
+/// `POST /v1/sessions/{id}/execute`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecuteRequest {
+    pub code: String,
+    /// Interrupt the cell after this many seconds and report `timeout` (the policy's
+    /// execution timeout applies as well).
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+}
+
+/// `POST /v1/execute`: one execution in a fresh session that is deleted afterwards
+/// (its artifacts stay for the retention period).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecuteOnceRequest {
+    pub code: String,
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+    #[serde(default)]
+    pub kernel_name: Option<String>,
+    #[serde(default)]
+    pub policy: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub files: Vec<InitialFile>,
+}
+
+/// `POST /v1/sessions/{id}/input`: the answer to `input()`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct InputRequest {
+    pub value: String,
+    /// The execution asking (default: whichever waits).
+    #[serde(default)]
+    pub execution_id: Option<String>,
+}
+
+fn timeout_of(seconds: Option<f64>) -> Result<Option<Duration>, ApiError> {
+    match seconds {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 && s <= 86_400.0 => {
+            Ok(Some(Duration::from_secs_f64(s)))
+        }
+        Some(_) => Err(ApiError::bad_request(
+            "timeout_s must be a number of seconds above 0 and at most 86400",
+        )),
+    }
+}
+
+/// The session `principal` asked for, on the terms a tenant gets (`gateway::start_terms`):
+/// its policy capped (403 past the cap; its claim's policy when it names none), its kernel
+/// cap, and itself as the owner.
+fn new_session(
+    state: &AppState,
+    principal: &Principal,
+    kernel_name: Option<String>,
+    policy: Option<String>,
+    env: BTreeMap<String, String>,
+) -> Result<NewSession, ApiError> {
+    let terms = crate::gateway::start_terms(state, principal, policy.as_deref())?;
+    Ok(NewSession {
+        kernel_name,
+        policy: terms.policy,
+        env,
+        owner: terms.owner.as_ref().map(|o| o.tenant.clone()),
+        // start_terms has already capped the policy.
+        policy_ceiling: None,
+        max_kernels: terms.owner.and_then(|o| o.max_kernels),
+    })
+}
+
+/// Decodes and checks the initial files before any kernel starts.
+fn decode_files(files: Vec<InitialFile>) -> Result<Vec<(String, Vec<u8>)>, ApiError> {
+    let mut decoded = Vec::new();
+    for file in files {
+        let bytes = match file.encoding.as_deref() {
+            None | Some("utf-8") | Some("utf8") => file.content.into_bytes(),
+            Some("base64") => base64::engine::general_purpose::STANDARD
+                .decode(file.content.as_bytes())
+                .map_err(|err| {
+                    ApiError::bad_request(format!("file {}: invalid base64: {err}", file.path))
+                })?,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "file {}: unknown encoding {other:?} (utf-8 or base64)",
+                    file.path
+                )))
+            }
+        };
+        crate::workspace::check_path(&file.path)?;
+        decoded.push((file.path, bytes));
+    }
+    Ok(decoded)
+}
+
+/// Writes the initial files into a new session's workspace.
+async fn write_initial_files(
+    state: &AppState,
+    session: &Arc<Session>,
+    files: Vec<(String, Vec<u8>)>,
+) -> Result<(), ApiError> {
+    if files.is_empty() {
+        return Ok(());
+    }
+    let limit = super::files::upload_limit(state, session);
+    let session = session.clone();
+    tokio::task::spawn_blocking(move || -> Result<(), ApiError> {
+        let workspace = session.open_workspace()?;
+        for (path, bytes) in files {
+            let mut upload = workspace.create(&path)?;
+            upload.write(&bytes, limit)?;
+            upload.commit()?;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))?
+}
+
+async fn create_session(
+    state: &AppState,
+    principal: &Principal,
+    request: CreateSession,
+) -> Result<Arc<Session>, ApiError> {
+    let files = decode_files(request.files)?;
+    let new = new_session(
+        state,
+        principal,
+        request.kernel_name,
+        request.policy,
+        request.env,
+    )?;
+    let session = state.sessions.create(new).await?;
+    if let Err(err) = write_initial_files(state, &session, files).await {
+        let _ = state.sessions.delete(&session.id).await;
+        return Err(err);
+    }
+    Ok(session)
+}
+
+/// Create a session: a kernel in its sandbox, ready when this answers.
+#[utoipa::path(post, path = "/v1/sessions", tag = "sessions",
+    request_body = CreateSession,
+    responses((status = 201, body = SessionModel), (status = 400), (status = 403), (status = 404, description = "unknown kernelspec")))]
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let request: CreateSession = body::parse(&body)?;
+    let session = create_session(&state, &principal, request).await?;
+    let location = format!("{}v1/sessions/{}", state.config.base_url, session.id);
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(session.model()),
+    )
+        .into_response())
+}
+
+/// The caller's sessions.
+#[utoipa::path(get, path = "/v1/sessions", tag = "sessions",
+    responses((status = 200, body = Vec<SessionModel>)))]
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+) -> Json<Vec<SessionModel>> {
+    Json(
+        state
+            .sessions
+            .list()
+            .iter()
+            .filter(|s| principal.may_see(s.owner.as_deref()))
+            .map(|s| s.model())
+            .collect(),
+    )
+}
+
+#[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions",
+    params(("id" = String, Path)),
+    responses((status = 200, body = SessionModel), (status = 404)))]
+pub async fn get(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<SessionModel>, ApiError> {
+    Ok(Json(session_for(&state, &principal, &id)?.model()))
+}
+
+/// Shut the kernel down; artifacts stay fetchable for the retention period.
+#[utoipa::path(delete, path = "/v1/sessions/{id}", tag = "sessions",
+    params(("id" = String, Path)),
+    responses((status = 204), (status = 404)))]
+pub async fn delete(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let session = session_for(&state, &principal, &id)?;
+    state.sessions.delete(&session.id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+fn wants_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|a| a.to_str().ok())
+        .is_some_and(|a| a.contains("text/event-stream"))
+}
+
+/// The events as SSE: `event: <type>`, `data: <event JSON>`, ending with `done`. With
+/// `delete_after`, that session is deleted before `done` goes out (one-shot executes), so a
+/// client that saw `done` never sees the session again.
+fn sse(
+    events: mpsc::UnboundedReceiver<Arc<SessionEvent>>,
+    delete_after: Option<(Arc<Sessions>, String)>,
+) -> Response {
+    let stream = futures_util::stream::unfold(
+        (events, delete_after, false),
+        |(mut events, delete_after, finished)| async move {
+            if finished {
+                return None;
+            }
+            let event = events.recv().await?;
+            let done = matches!(*event, SessionEvent::Done { .. });
+            let delete_after = match (done, delete_after) {
+                (true, Some((sessions, id))) => {
+                    let _ = sessions.delete(&id).await;
+                    None
+                }
+                (_, pending) => pending,
+            };
+            let sse_event = Event::default()
+                .event(event.kind())
+                .json_data(&*event)
+                .unwrap_or_else(|_| Event::default().event("error").data("unserialisable event"));
+            Some((Ok::<_, Infallible>(sse_event), (events, delete_after, done)))
+        },
+    );
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+async fn wait_for_result(
+    mut events: mpsc::UnboundedReceiver<Arc<SessionEvent>>,
+) -> Result<ExecutionResult, ApiError> {
+    while let Some(event) = events.recv().await {
+        if let SessionEvent::Done { result, .. } = &*event {
+            return Ok((**result).clone());
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the execution ended without a result",
+    ))
+}
+
+/// Run code; one JSON result, or with `Accept: text/event-stream` the events as they come.
+#[utoipa::path(post, path = "/v1/sessions/{id}/execute", tag = "execute",
+    params(("id" = String, Path)),
+    request_body = ExecuteRequest,
+    responses(
+        (status = 200, body = ExecutionResult, description = "JSON result; or `text/event-stream` of SessionEvent when asked"),
+        (status = 400), (status = 404)))]
+pub async fn execute(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let session = session_for(&state, &principal, &id)?;
+    let request: ExecuteRequest = body::parse(&body)?;
+    let timeout = timeout_of(request.timeout_s)?;
+    let events = session.execute(request.code, timeout);
+    if wants_sse(&headers) {
+        return Ok(sse(events, None));
+    }
+    Ok(Json(wait_for_result(events).await?).into_response())
+}
+
+/// One-shot execute (an agent's `execute_python` tool): a fresh session, one execution,
+/// deleted afterwards.
+#[utoipa::path(post, path = "/v1/execute", tag = "execute",
+    request_body = ExecuteOnceRequest,
+    responses((status = 200, body = ExecutionResult), (status = 400)))]
+pub async fn execute_once(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let request: ExecuteOnceRequest = body::parse(&body)?;
+    let timeout = timeout_of(request.timeout_s)?;
+    let session = create_session(
+        &state,
+        &principal,
+        CreateSession {
+            kernel_name: request.kernel_name,
+            policy: request.policy,
+            env: request.env,
+            files: request.files,
+        },
+    )
+    .await?;
+    let events = session.execute(request.code, timeout);
+    if wants_sse(&headers) {
+        return Ok(sse(
+            events,
+            Some((state.sessions.clone(), session.id.clone())),
+        ));
+    }
+    let result = wait_for_result(events).await;
+    // Gone before the answer: a one-shot session never shows up in a later listing.
+    if let Err(err) = state.sessions.delete(&session.id).await {
+        tracing::warn!(session_id = %session.id, %err, "one-shot session not deleted");
+    }
+    Ok(Json(result?).into_response())
+}
+
+#[utoipa::path(post, path = "/v1/sessions/{id}/interrupt", tag = "execute",
+    params(("id" = String, Path)),
+    responses((status = 204), (status = 404)))]
+pub async fn interrupt(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    session_for(&state, &principal, &id)?.interrupt().await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Restart the kernel: variables and workspace files are lost; `state_generation` changes.
+#[utoipa::path(post, path = "/v1/sessions/{id}/restart", tag = "execute",
+    params(("id" = String, Path)),
+    responses((status = 200, body = SessionModel), (status = 404)))]
+pub async fn restart(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Json<SessionModel>, ApiError> {
+    let session = session_for(&state, &principal, &id)?;
+    session.restart().await?;
+    Ok(Json(session.model()))
+}
+
+/// Answer the `input()` an execution waits for (409 when none waits).
+#[utoipa::path(post, path = "/v1/sessions/{id}/input", tag = "execute",
+    params(("id" = String, Path)),
+    request_body = InputRequest,
+    responses((status = 204), (status = 404), (status = 409)))]
+pub async fn input(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let session = session_for(&state, &principal, &id)?;
+    let request: InputRequest = body::parse(&body)?;
+    session
+        .input_reply(request.execution_id.as_deref(), &request.value)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,648 @@
+//! Replay: run a notebook's code cells in order in a fresh kernel and compare each cell's
+//! outputs with the notebook's.
+//!
+//! The engine ([`replay_with`]) drives any [`CellRunner`]; [`KernelRunner`] executes on a
+//! kernel of the [`KernelManager`] through the router, as one more client of it (so the
+//! kernel's policy, timeouts and output limits apply as to any client). It stops at the first
+//! error unless the cell is tagged `raises-exception` or errors are allowed; later cells are
+//! reported as skipped.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nbformat::v4;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::compare::compare_outputs;
+use super::export::typed_outputs;
+use super::parse::{write_notebook, ParsedNotebook};
+use super::NotebookError;
+use crate::kernel::history::OutputLog;
+use crate::kernel::{client_queue, ClientId, Inbox, Kernel, KernelManager, POLICY_ENV};
+use crate::protocol::{Channel, Message};
+
+/// How long a cell may run when neither the request nor the cell says.
+pub const DEFAULT_CELL_TIMEOUT: Duration = Duration::from_secs(120);
+/// After interrupting a cell that ran past its timeout, how long to wait for its reply before
+/// the kernel counts as lost.
+const INTERRUPT_WAIT: Duration = Duration::from_secs(10);
+
+/// What a replay is asked to do.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayOptions {
+    /// The policy the replay kernel runs under (`None`: the kernelspec's or `default`).
+    pub policy: Option<String>,
+    /// Keep going after errors in cells not tagged `raises-exception`.
+    pub allow_errors: bool,
+    /// Per-cell timeout unless the cell's `metadata.execution.timeout` says otherwise.
+    pub timeout: Option<Duration>,
+}
+
+/// How one cell came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CellStatus {
+    Same,
+    Different,
+    Error,
+    Skipped,
+}
+
+/// One line of the replay report, per code cell.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CellReport {
+    /// Position among all cells of the notebook.
+    pub index: usize,
+    pub id: String,
+    pub status: CellStatus,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub diff: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub execution_count: Option<i64>,
+}
+
+/// Progress after each code cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct Progress {
+    pub done: usize,
+    pub total: usize,
+    pub cell: CellReport,
+}
+
+/// The result of a replay.
+#[derive(Debug, Clone)]
+pub struct ReplayOutcome {
+    /// The executed notebook, nbformat 4.5 JSON text.
+    pub notebook: String,
+    pub report: Vec<CellReport>,
+    /// Every code cell came out `same`.
+    pub matched: bool,
+}
+
+/// What running one cell produced.
+#[derive(Debug, Clone, Default)]
+pub struct CellRun {
+    pub outputs: OutputLog,
+    pub execution_count: Option<i64>,
+    /// `ename: evalue` when the cell raised.
+    pub error: Option<String>,
+    /// The cell ran past its timeout (and was interrupted).
+    pub timed_out: bool,
+    /// Display updates (display id, data, metadata) for outputs of earlier cells.
+    pub display_updates: Vec<(String, Value, Value)>,
+    /// The kernel could not run the cell at all (it died, or stopped answering): the replay
+    /// ends here whatever errors are allowed.
+    pub kernel_lost: bool,
+}
+
+/// Executes code cells one after another in one kernel.
+pub trait CellRunner {
+    fn execute(
+        &mut self,
+        code: &str,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<CellRun, NotebookError>> + Send;
+
+    /// The kernel's `language_info`, for the executed notebook's metadata.
+    fn language_info(&self) -> Option<Value>;
+}
+
+/// A [`CellRunner`] on a gateway kernel: attached to its router like a WebSocket client.
+pub struct KernelRunner {
+    kernel: Arc<Kernel>,
+    client: ClientId,
+    inbox: Inbox,
+    session: String,
+}
+
+impl KernelRunner {
+    pub fn new(kernel: Arc<Kernel>) -> KernelRunner {
+        let session = format!("cellgate-replay-{}", uuid::Uuid::new_v4().simple());
+        let (outbox, inbox) = client_queue();
+        let (client, _) = kernel.router().attach(&session, outbox);
+        KernelRunner {
+            kernel,
+            client,
+            inbox,
+            session,
+        }
+    }
+
+    fn apply(run: &mut CellRun, message: &Message) {
+        let msg_type = message.msg_type();
+        match msg_type {
+            "execute_input" => {
+                if let Some(count) = message
+                    .content_json()
+                    .and_then(|c| c.get("execution_count").and_then(Value::as_i64))
+                {
+                    run.execution_count = Some(count);
+                }
+            }
+            "update_display_data" => {
+                let Some(content) = message.content_json() else {
+                    return;
+                };
+                let Some(id) = content["transient"]["display_id"].as_str() else {
+                    return;
+                };
+                run.outputs
+                    .update_display(id, &content["data"], &content["metadata"]);
+                run.display_updates.push((
+                    id.to_owned(),
+                    content["data"].clone(),
+                    content["metadata"].clone(),
+                ));
+            }
+            "error" => {
+                // After a timeout the interrupt's KeyboardInterrupt is not the cell's error.
+                if let Some(content) = message.content_json().filter(|_| !run.timed_out) {
+                    run.error = Some(format!(
+                        "{}: {}",
+                        content["ename"].as_str().unwrap_or(""),
+                        content["evalue"].as_str().unwrap_or("")
+                    ));
+                }
+                run.outputs.apply(msg_type, &message.content);
+            }
+            _ if OutputLog::records(msg_type) => {
+                run.outputs.apply(msg_type, &message.content);
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Drop for KernelRunner {
+    fn drop(&mut self) {
+        self.kernel.router().detach(self.client);
+    }
+}
+
+impl CellRunner for KernelRunner {
+    async fn execute(&mut self, code: &str, timeout: Duration) -> Result<CellRun, NotebookError> {
+        let request = Message::new(
+            Channel::Shell,
+            "execute_request",
+            &self.session,
+            None,
+            &json!({"code": code, "silent": false, "store_history": true, "user_expressions": {},
+                    "allow_stdin": false, "stop_on_error": true}),
+        );
+        let msg_id = request.msg_id().to_owned();
+        self.kernel
+            .send(self.client, &self.session, request)
+            .await?;
+        let mut run = CellRun::default();
+        let (mut replied, mut idle) = (false, false);
+        let mut deadline = tokio::time::Instant::now() + timeout;
+        while !(replied && idle) {
+            let message = match tokio::time::timeout_at(deadline, self.inbox.recv()).await {
+                Ok(Some(message)) => message,
+                Ok(None) => return Err(NotebookError::KernelLost("its queue closed".to_owned())),
+                Err(_) if !run.timed_out => {
+                    run.timed_out = true;
+                    run.error = Some(format!(
+                        "CellTimeoutError: the cell ran longer than its timeout of {} s and was interrupted",
+                        timeout.as_secs()
+                    ));
+                    self.kernel.interrupt().await?;
+                    deadline = tokio::time::Instant::now() + INTERRUPT_WAIT;
+                    continue;
+                }
+                Err(_) => {
+                    return Err(NotebookError::KernelLost(format!(
+                        "no reply {} s after interrupting a cell that timed out",
+                        INTERRUPT_WAIT.as_secs()
+                    )))
+                }
+            };
+            if message.parent_msg_id() != Some(msg_id.as_str()) {
+                // A display update from a comm or background thread still belongs to the notebook.
+                if message.msg_type() == "update_display_data" {
+                    Self::apply(&mut run, &message);
+                }
+                continue;
+            }
+            match message.channel {
+                Channel::Shell if message.msg_type() == "execute_reply" => {
+                    replied = true;
+                    if let Some(content) = message.content_json() {
+                        if let Some(count) = content["execution_count"].as_i64() {
+                            run.execution_count = Some(count);
+                        }
+                        if content["status"] == "error" && run.error.is_none() {
+                            run.error = Some(format!(
+                                "{}: {}",
+                                content["ename"].as_str().unwrap_or(""),
+                                content["evalue"].as_str().unwrap_or("")
+                            ));
+                        }
+                    }
+                }
+                Channel::Iopub => {
+                    if message.msg_type() == "status" {
+                        idle |= message
+                            .content_json()
+                            .is_some_and(|c| c["execution_state"] == "idle");
+                    } else {
+                        Self::apply(&mut run, &message);
+                    }
+                }
+                _ => {}
+            }
+        }
+        if run.timed_out {
+            // The interrupt's KeyboardInterrupt stands for the timeout.
+            run.outputs.outputs.retain(|o| {
+                o.output.get("ename").and_then(Value::as_str) != Some("KeyboardInterrupt")
+            });
+            run.outputs.apply(
+                "error",
+                json!({"ename": "CellTimeoutError", "evalue": format!("the cell ran longer than its timeout of {} s", timeout.as_secs()), "traceback": []})
+                    .to_string()
+                    .as_bytes(),
+            );
+        }
+        Ok(run)
+    }
+
+    fn language_info(&self) -> Option<Value> {
+        self.kernel.router().history().snapshot().language_info
+    }
+}
+
+fn cell_timeout(metadata: &v4::CellMetadata, default: Duration) -> Duration {
+    let from_cell = metadata
+        .execution
+        .as_ref()
+        .and_then(|e| e.additional.get("timeout"))
+        .or_else(|| metadata.additional.get("timeout"))
+        .and_then(Value::as_f64)
+        .filter(|t| *t > 0.0 && t.is_finite());
+    from_cell.map_or(default, |secs| Duration::from_secs_f64(secs.min(86_400.0)))
+}
+
+/// Runs the notebook's code cells on `runner` and compares; `progress` hears after each cell.
+pub async fn replay_with<R: CellRunner>(
+    runner: &mut R,
+    parsed: ParsedNotebook,
+    options: &ReplayOptions,
+    progress: Option<&mpsc::UnboundedSender<Progress>>,
+) -> Result<ReplayOutcome, NotebookError> {
+    let ParsedNotebook {
+        mut notebook,
+        original_outputs,
+        ..
+    } = parsed;
+    let default_timeout = options.timeout.unwrap_or(DEFAULT_CELL_TIMEOUT);
+    let total = notebook
+        .cells
+        .iter()
+        .filter(|c| matches!(c, v4::Cell::Code { .. }))
+        .count();
+    let mut report = Vec::with_capacity(total);
+    // Per executed cell: its position in the report and in the notebook, and its outputs.
+    let mut executed: Vec<(usize, usize, OutputLog)> = Vec::new();
+    let mut stopped = false;
+    for (index, cell) in notebook.cells.iter_mut().enumerate() {
+        let v4::Cell::Code {
+            id,
+            metadata,
+            execution_count,
+            source,
+            outputs,
+        } = cell
+        else {
+            continue;
+        };
+        let code: String = source.concat();
+        let expected = original_outputs.get(index).cloned().unwrap_or_default();
+        let mut line = CellReport {
+            index,
+            id: id.to_string(),
+            status: CellStatus::Skipped,
+            diff: None,
+            error: None,
+            execution_count: None,
+        };
+        if stopped {
+            *execution_count = None;
+            outputs.clear();
+        } else if code.trim().is_empty() {
+            // Jupyter does not send empty cells to the kernel either.
+            *execution_count = None;
+            outputs.clear();
+            line.status = match compare_outputs(&expected, &[]) {
+                None => CellStatus::Same,
+                Some(diff) => {
+                    line.diff = Some(diff);
+                    CellStatus::Different
+                }
+            };
+        } else {
+            let run = match runner
+                .execute(&code, cell_timeout(metadata, default_timeout))
+                .await
+            {
+                Ok(run) => run,
+                // The report so far is worth more than an error for the whole replay.
+                Err(err) => CellRun {
+                    error: Some(err.to_string()),
+                    kernel_lost: true,
+                    ..CellRun::default()
+                },
+            };
+            for (display_id, data, meta) in &run.display_updates {
+                for (_, _, log) in executed.iter_mut() {
+                    log.update_display(display_id, data, meta);
+                }
+            }
+            line.execution_count = run.execution_count;
+            let tagged = metadata
+                .tags
+                .as_ref()
+                .is_some_and(|t| t.iter().any(|t| t == "raises-exception"));
+            let produced = run.outputs.to_json();
+            match (&run.error, tagged || options.allow_errors) {
+                (Some(error), _) if run.kernel_lost => {
+                    line.status = CellStatus::Error;
+                    line.error = Some(error.clone());
+                    stopped = true;
+                }
+                (Some(error), false) => {
+                    line.status = CellStatus::Error;
+                    line.error = Some(error.clone());
+                    stopped = true;
+                }
+                (Some(_), true) if run.timed_out => {
+                    line.status = CellStatus::Error;
+                    line.error = run.error.clone();
+                    stopped = !options.allow_errors;
+                }
+                _ => {
+                    line.error = run.error.clone();
+                    line.status = match compare_outputs(&expected, &produced) {
+                        None => CellStatus::Same,
+                        Some(diff) => {
+                            line.diff = Some(diff);
+                            CellStatus::Different
+                        }
+                    };
+                }
+            }
+            *execution_count = run.execution_count.and_then(|c| i32::try_from(c).ok());
+            executed.push((report.len(), index, run.outputs));
+        }
+        report.push(line.clone());
+        if let Some(progress) = progress {
+            let _ = progress.send(Progress {
+                done: report.len(),
+                total,
+                cell: line,
+            });
+        }
+    }
+    // Display updates may have changed earlier cells' outputs: compare (again) and write the
+    // outputs only now. Progress reported the comparison as it stood then.
+    for (report_index, index, log) in executed {
+        let produced = log.to_json();
+        let line = &mut report[report_index];
+        if matches!(line.status, CellStatus::Same | CellStatus::Different) {
+            let expected = original_outputs
+                .get(index)
+                .map(Vec::as_slice)
+                .unwrap_or(&[]);
+            line.diff = compare_outputs(expected, &produced);
+            line.status = if line.diff.is_none() {
+                CellStatus::Same
+            } else {
+                CellStatus::Different
+            };
+        }
+        if let Some(v4::Cell::Code { outputs, .. }) = notebook.cells.get_mut(index) {
+            *outputs = typed_outputs(&produced);
+        }
+    }
+    if let Some(info) = runner
+        .language_info()
+        .and_then(|i| serde_json::from_value::<v4::LanguageInfo>(i).ok())
+    {
+        notebook.metadata.language_info = Some(info);
+    }
+    let matched = report.iter().all(|r| r.status == CellStatus::Same);
+    Ok(ReplayOutcome {
+        notebook: write_notebook(notebook)?,
+        report,
+        matched,
+    })
+}
+
+/// The kernelspec to replay on: the notebook's by name; else, because kernelspec names differ
+/// between machines (`python3`, `conda-env-x-py`, …), one of the notebook's language; else
+/// the default when the notebook names none.
+fn kernel_for(
+    specs: &crate::kernel::KernelSpecs,
+    metadata: &v4::Metadata,
+) -> Result<Option<String>, NotebookError> {
+    let Some(wanted) = &metadata.kernelspec else {
+        return Ok(None);
+    };
+    if specs.get(&wanted.name).is_some() {
+        return Ok(Some(wanted.name.clone()));
+    }
+    let language = wanted
+        .language
+        .clone()
+        .or_else(|| metadata.language_info.as_ref().map(|l| l.name.clone()));
+    let same_language = |spec: &&crate::kernel::KernelSpec| {
+        language
+            .as_deref()
+            .is_some_and(|l| spec.language.eq_ignore_ascii_case(l))
+    };
+    let by_language = specs
+        .get(specs.default_name())
+        .filter(same_language)
+        .or_else(|| specs.iter().find(same_language));
+    match by_language {
+        Some(spec) => {
+            tracing::info!(wanted = %wanted.name, using = %spec.name, "replaying on a kernelspec of the notebook's language");
+            Ok(Some(spec.name.clone()))
+        }
+        None => Err(NotebookError::UnknownKernel {
+            name: wanted.name.clone(),
+            available: specs.names().join(", "),
+        }),
+    }
+}
+
+/// Replays a notebook in a fresh kernel of `manager` (see [`kernel_for`] for which) under
+/// `options.policy`; the kernel is shut down after.
+pub async fn replay(
+    manager: &Arc<KernelManager>,
+    parsed: ParsedNotebook,
+    options: &ReplayOptions,
+    progress: Option<&mpsc::UnboundedSender<Progress>>,
+) -> Result<ReplayOutcome, NotebookError> {
+    let name = kernel_for(manager.specs(), &parsed.notebook.metadata)?;
+    let mut env = BTreeMap::new();
+    if let Some(policy) = &options.policy {
+        env.insert(POLICY_ENV.to_owned(), policy.clone());
+    }
+    let kernel = manager.start(name.as_deref(), &env).await?;
+    let result = async {
+        kernel.wait_ready().await?;
+        let mut runner = KernelRunner::new(kernel.clone());
+        replay_with(&mut runner, parsed, options, progress).await
+    }
+    .await;
+    if let Err(err) = manager.shutdown(&kernel.id).await {
+        tracing::warn!(kernel_id = %kernel.id, %err, "could not shut the replay kernel down");
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::notebook::parse_notebook;
+
+    /// Answers each cell from a script: (stdout, error).
+    struct Scripted {
+        answers: Vec<(&'static str, Option<&'static str>)>,
+        count: i64,
+    }
+
+    impl CellRunner for Scripted {
+        async fn execute(
+            &mut self,
+            _code: &str,
+            _timeout: Duration,
+        ) -> Result<CellRun, NotebookError> {
+            let (text, error) = self.answers.remove(0);
+            self.count += 1;
+            let mut run = CellRun {
+                execution_count: Some(self.count),
+                ..CellRun::default()
+            };
+            if !text.is_empty() {
+                run.outputs.apply(
+                    "stream",
+                    json!({"name": "stdout", "text": text})
+                        .to_string()
+                        .as_bytes(),
+                );
+            }
+            if let Some(error) = error {
+                run.outputs.apply(
+                    "error",
+                    json!({"ename": "ValueError", "evalue": error, "traceback": []})
+                        .to_string()
+                        .as_bytes(),
+                );
+                run.error = Some(format!("ValueError: {error}"));
+            }
+            Ok(run)
+        }
+        fn language_info(&self) -> Option<Value> {
+            Some(json!({"name": "python"}))
+        }
+    }
+
+    /// A kernel that dies on the second cell.
+    struct Dying(usize);
+
+    impl CellRunner for Dying {
+        async fn execute(
+            &mut self,
+            _code: &str,
+            _timeout: Duration,
+        ) -> Result<CellRun, NotebookError> {
+            self.0 += 1;
+            if self.0 == 2 {
+                return Err(NotebookError::KernelLost("gone".to_owned()));
+            }
+            Ok(CellRun::default())
+        }
+        fn language_info(&self) -> Option<Value> {
+            None
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lost_kernel_ends_the_replay_with_a_report() {
+        let nb = json!({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+            code("a", json!([]), &[]), code("b", json!([]), &[]), code("c", json!([]), &[]),
+        ]});
+        let parsed = parse_notebook(&nb.to_string()).unwrap();
+        let options = ReplayOptions {
+            allow_errors: true,
+            ..ReplayOptions::default()
+        };
+        let outcome = replay_with(&mut Dying(0), parsed, &options, None)
+            .await
+            .unwrap();
+        let statuses: Vec<CellStatus> = outcome.report.iter().map(|r| r.status).collect();
+        assert_eq!(
+            statuses,
+            vec![CellStatus::Same, CellStatus::Error, CellStatus::Skipped]
+        );
+        assert!(outcome.report[1].error.as_deref().unwrap().contains("gone"));
+    }
+
+    fn code(source: &str, outputs: Value, tags: &[&str]) -> Value {
+        json!({"cell_type": "code", "id": uuid::Uuid::new_v4().simple().to_string(), "metadata": {"tags": tags},
+               "source": source, "execution_count": 1, "outputs": outputs})
+    }
+
+    fn stdout(text: &str) -> Value {
+        json!([{"output_type": "stream", "name": "stdout", "text": text}])
+    }
+
+    #[tokio::test]
+    async fn stops_at_an_untagged_error_and_skips_the_rest() {
+        let nb = json!({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+            code("print(1)", stdout("1\n"), &[]),
+            {"cell_type": "markdown", "id": "md", "metadata": {}, "source": "# hi"},
+            code("raise", json!([{"output_type": "error", "ename": "ValueError", "evalue": "x", "traceback": []}]), &["raises-exception"]),
+            code("print(2)", stdout("2\n"), &[]),
+            code("bad", json!([]), &[]),
+            code("print(3)", stdout("3\n"), &[]),
+        ]});
+        let parsed = parse_notebook(&nb.to_string()).unwrap();
+        let mut runner = Scripted {
+            answers: vec![
+                ("1\n", None),
+                ("", Some("x")),
+                ("two\n", None),
+                ("", Some("boom")),
+            ],
+            count: 0,
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let outcome = replay_with(&mut runner, parsed, &ReplayOptions::default(), Some(&tx))
+            .await
+            .unwrap();
+        let statuses: Vec<CellStatus> = outcome.report.iter().map(|r| r.status).collect();
+        use CellStatus::*;
+        assert_eq!(statuses, vec![Same, Same, Different, Error, Skipped]);
+        assert!(!outcome.matched);
+        assert!(outcome.report[2].diff.as_deref().unwrap().contains("two"));
+        assert_eq!(outcome.report[3].error.as_deref(), Some("ValueError: boom"));
+        let mut seen = 0;
+        while let Ok(p) = rx.try_recv() {
+            seen += 1;
+            assert_eq!((p.done, p.total), (seen, 5));
+        }
+        assert_eq!(seen, 5);
+        let written: Value = serde_json::from_str(&outcome.notebook).unwrap();
+        assert_eq!(written["nbformat_minor"], 5);
+        assert_eq!(written["cells"][1]["cell_type"], "markdown");
+        assert_eq!(written["cells"][5]["execution_count"], Value::Null);
+    }
+}

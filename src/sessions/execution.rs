@@ -1,0 +1,590 @@
+//! Running one execution of a session: kernel events in, session events and artifacts out,
+//! the typed result last.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use serde_json::{Map, Value};
+use tokio::sync::mpsc;
+
+use super::events::{
+    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, Status,
+};
+use super::{HistoryEntry, Session, MAX_HISTORY};
+use crate::artifacts::{
+    is_base64_mime, strip_ansi, ArtifactError, NewArtifact, Origin, RICH_MIME_TYPES,
+};
+use crate::kernel::{ExecEvent, ExecuteOptions, ExecuteReply, Readiness};
+
+/// Accumulates what the result reports.
+struct Collected {
+    stdout: String,
+    stderr: String,
+    stdout_truncated: bool,
+    stderr_truncated: bool,
+    result: Option<String>,
+    error: Option<ExecError>,
+    artifacts: Vec<ArtifactRef>,
+    omitted: Vec<Omitted>,
+}
+
+fn push_capped(buffer: &mut String, truncated: &mut bool, text: &str, cap: usize) {
+    if *truncated {
+        return;
+    }
+    if buffer.len() + text.len() <= cap {
+        buffer.push_str(text);
+        return;
+    }
+    let mut end = cap.saturating_sub(buffer.len());
+    while end > 0 && !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    buffer.push_str(&text[..end]);
+    *truncated = true;
+}
+
+/// Maps the kernel's reply (and cellgate's outcome on it) to the API's status.
+pub fn status_of(reply: &ExecuteReply) -> Status {
+    match reply.outcome.as_deref() {
+        Some("timeout") => return Status::Timeout,
+        Some("oom") => return Status::Oom,
+        Some("sandbox_lost") => return Status::SandboxLost,
+        _ => {}
+    }
+    if reply.status != "ok" && !reply.denials.is_empty() {
+        return Status::Denied;
+    }
+    if reply.status != "ok" {
+        return Status::Error;
+    }
+    if reply.outcome.as_deref() == Some("output_truncated") {
+        return Status::OutputTruncated;
+    }
+    Status::Ok
+}
+
+impl Session {
+    pub(super) async fn run(
+        self: Arc<Self>,
+        code: String,
+        timeout: Option<Duration>,
+        tx: mpsc::UnboundedSender<Arc<SessionEvent>>,
+    ) {
+        let _turn = self.run_lock.lock().await;
+        let started = Instant::now();
+        let started_at = crate::kernel::format_timestamp(time::OffsetDateTime::now_utc());
+        let usage_before = self.kernel.usage();
+        let options = ExecuteOptions {
+            timeout,
+            allow_stdin: true,
+            silent: false,
+        };
+        let emit = |event: SessionEvent, history: &mut Vec<Arc<SessionEvent>>| {
+            let event = Arc::new(event);
+            history.push(event.clone());
+            let _ = tx.send(event.clone());
+            self.publish(event);
+        };
+        let mut events = Vec::new();
+        let mut execution = match self.client.execute(&code, options).await {
+            Ok(execution) => execution,
+            Err(err) => {
+                // The kernel is dead or gone: a typed result, not an HTTP error.
+                let execution_id = uuid::Uuid::new_v4().simple().to_string();
+                emit(
+                    SessionEvent::Started {
+                        execution_id: execution_id.clone(),
+                        code: code.clone(),
+                    },
+                    &mut events,
+                );
+                let result = ExecutionResult {
+                    execution_id: execution_id.clone(),
+                    status: Status::SandboxLost,
+                    execution_count: None,
+                    stdout: String::new(),
+                    stderr: String::new(),
+                    stdout_truncated: false,
+                    stderr_truncated: false,
+                    output_truncated: false,
+                    result: None,
+                    error: Some(ExecError {
+                        ename: "KernelDiedError".to_owned(),
+                        evalue: match self.kernel.readiness() {
+                            Readiness::Dead(reason) => format!("the kernel is dead: {reason}"),
+                            _ => err.to_string(),
+                        },
+                        traceback: Vec::new(),
+                    }),
+                    artifacts: Vec::new(),
+                    omitted: Vec::new(),
+                    denials: Vec::new(),
+                    duration_ms: 0,
+                    state_generation: self.kernel.generation(),
+                    resources: Resources::default(),
+                };
+                self.finish(execution_id, code, started_at, events, result, &tx);
+                return;
+            }
+        };
+        let execution_id = execution.msg_id.clone();
+        emit(
+            SessionEvent::Started {
+                execution_id: execution_id.clone(),
+                code: code.clone(),
+            },
+            &mut events,
+        );
+        let cap = self.options.stream_cap;
+        let mut collected = Collected {
+            stdout: String::new(),
+            stderr: String::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            result: None,
+            error: None,
+            artifacts: Vec::new(),
+            omitted: Vec::new(),
+        };
+        let mut reply = None;
+        while let Some(event) = execution.events.recv().await {
+            let id = execution_id.clone();
+            match event {
+                ExecEvent::Busy => {}
+                ExecEvent::Stream { name, text } => {
+                    let (buffer, truncated) = if name == "stderr" {
+                        (&mut collected.stderr, &mut collected.stderr_truncated)
+                    } else {
+                        (&mut collected.stdout, &mut collected.stdout_truncated)
+                    };
+                    push_capped(buffer, truncated, &text, cap);
+                    emit(
+                        SessionEvent::Stream {
+                            execution_id: id,
+                            name,
+                            text,
+                        },
+                        &mut events,
+                    );
+                }
+                ExecEvent::Display {
+                    data,
+                    display_id,
+                    update,
+                    ..
+                } => {
+                    let origin = if update {
+                        Origin::UpdateDisplayData
+                    } else {
+                        Origin::DisplayData
+                    };
+                    let text = plain_text(&data);
+                    let refs = self
+                        .store_bundle(
+                            &data,
+                            origin,
+                            &id,
+                            display_id.as_deref(),
+                            &mut collected.omitted,
+                        )
+                        .await;
+                    collected.artifacts.extend(refs.iter().cloned());
+                    let event = if update {
+                        SessionEvent::UpdateDisplay {
+                            execution_id: id,
+                            display_id,
+                            text,
+                            artifacts: refs,
+                        }
+                    } else {
+                        SessionEvent::Display {
+                            execution_id: id,
+                            display_id,
+                            text,
+                            artifacts: refs,
+                        }
+                    };
+                    emit(event, &mut events);
+                }
+                ExecEvent::Result {
+                    execution_count,
+                    data,
+                    ..
+                } => {
+                    let text = plain_text(&data);
+                    let refs = self
+                        .store_bundle(
+                            &data,
+                            Origin::ExecuteResult,
+                            &id,
+                            None,
+                            &mut collected.omitted,
+                        )
+                        .await;
+                    collected.artifacts.extend(refs.iter().cloned());
+                    collected.result = text.clone();
+                    emit(
+                        SessionEvent::Result {
+                            execution_id: id,
+                            execution_count,
+                            text,
+                            artifacts: refs,
+                        },
+                        &mut events,
+                    );
+                }
+                ExecEvent::Error {
+                    ename,
+                    evalue,
+                    traceback,
+                } => {
+                    let traceback: Vec<String> = traceback.iter().map(|t| strip_ansi(t)).collect();
+                    collected.error = Some(ExecError {
+                        ename: ename.clone(),
+                        evalue: evalue.clone(),
+                        traceback: traceback.clone(),
+                    });
+                    emit(
+                        SessionEvent::Error {
+                            execution_id: id,
+                            ename,
+                            evalue,
+                            traceback,
+                        },
+                        &mut events,
+                    );
+                }
+                ExecEvent::ClearOutput { wait } => emit(
+                    SessionEvent::ClearOutput {
+                        execution_id: id,
+                        wait,
+                    },
+                    &mut events,
+                ),
+                ExecEvent::InputRequest { prompt, password } => emit(
+                    SessionEvent::InputRequest {
+                        execution_id: id,
+                        prompt,
+                        password,
+                    },
+                    &mut events,
+                ),
+                ExecEvent::Done(done) => {
+                    reply = Some(done);
+                    break;
+                }
+            }
+        }
+        let reply = reply.unwrap_or_default();
+        // Files the code wrote under outputs/ become artifacts.
+        let (files, omitted) = self.collect_outputs(&execution_id).await;
+        collected.artifacts.extend(files);
+        collected.omitted.extend(omitted);
+        let status = status_of(&reply);
+        let error = collected.error.or_else(|| {
+            (reply.status != "ok").then(|| ExecError {
+                ename: reply.ename.clone().unwrap_or_default(),
+                evalue: reply.evalue.clone().unwrap_or_default(),
+                traceback: reply.traceback.iter().map(|t| strip_ansi(t)).collect(),
+            })
+        });
+        let usage_after = self.kernel.usage();
+        let resources = match (usage_before, usage_after) {
+            (Some(before), Some(after)) => Resources {
+                cpu_time_ms: match (before.cpu_time, after.cpu_time) {
+                    (Some(b), Some(a)) => Some(a.saturating_sub(b).as_millis() as u64),
+                    _ => None,
+                },
+                memory_peak_bytes: after.memory_peak_bytes,
+                memory_bytes: after.memory_bytes,
+            },
+            _ => Resources::default(),
+        };
+        let result = ExecutionResult {
+            execution_id: execution_id.clone(),
+            status,
+            execution_count: reply.execution_count,
+            stdout: collected.stdout,
+            stderr: collected.stderr,
+            stdout_truncated: collected.stdout_truncated,
+            stderr_truncated: collected.stderr_truncated,
+            output_truncated: reply.outcome.as_deref() == Some("output_truncated"),
+            result: collected.result,
+            error,
+            artifacts: collected.artifacts,
+            omitted: collected.omitted,
+            denials: reply.denials,
+            duration_ms: started.elapsed().as_millis() as u64,
+            state_generation: self.kernel.generation(),
+            resources,
+        };
+        self.finish(execution_id, code, started_at, events, result, &tx);
+    }
+
+    fn finish(
+        &self,
+        execution_id: String,
+        code: String,
+        started: String,
+        mut events: Vec<Arc<SessionEvent>>,
+        result: ExecutionResult,
+        tx: &mpsc::UnboundedSender<Arc<SessionEvent>>,
+    ) {
+        let result = Arc::new(result);
+        let done = Arc::new(SessionEvent::Done {
+            execution_id: execution_id.clone(),
+            result: Box::new((*result).clone()),
+        });
+        events.push(done.clone());
+        let _ = tx.send(done.clone());
+        self.publish(done);
+        let mut history = self.history.lock();
+        if history.len() >= MAX_HISTORY {
+            history.remove(0);
+        }
+        history.push(HistoryEntry {
+            execution_id,
+            code,
+            started,
+            events,
+            result: Some(result),
+        });
+    }
+
+    /// Stores the rich parts of a MIME bundle; returns references in the bundle's order of
+    /// preference. An output too large or undecodable is reported in the log and skipped.
+    async fn store_bundle(
+        &self,
+        data: &Map<String, Value>,
+        origin: Origin,
+        execution_id: &str,
+        display_id: Option<&str>,
+        omitted: &mut Vec<Omitted>,
+    ) -> Vec<ArtifactRef> {
+        let text = plain_text(data);
+        let mut refs = Vec::new();
+        for mime in RICH_MIME_TYPES {
+            let Some(value) = data.get(*mime) else {
+                continue;
+            };
+            let content: Vec<u8> = match value {
+                Value::String(s) if is_base64_mime(mime) => {
+                    // Kernels send one line; only line-wrapped base64 pays for a cleaned copy.
+                    let engine = &base64::engine::general_purpose::STANDARD;
+                    let decoded = engine.decode(s).or_else(|_| {
+                        let cleaned: String = s.chars().filter(|c| !c.is_whitespace()).collect();
+                        engine.decode(cleaned)
+                    });
+                    match decoded {
+                        Ok(bytes) => bytes,
+                        Err(err) => {
+                            tracing::warn!(session_id = %self.id, mime, %err, "output is not valid base64; not stored");
+                            omitted.push(Omitted {
+                                mime: (*mime).to_owned(),
+                                bytes: s.len() as u64,
+                                path: None,
+                                reason: format!("not valid base64: {err}"),
+                            });
+                            continue;
+                        }
+                    }
+                }
+                Value::String(s) => s.clone().into_bytes(),
+                // Lists of lines (nbformat style) join into one text.
+                Value::Array(lines) if lines.iter().all(Value::is_string) => lines
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .collect::<String>()
+                    .into_bytes(),
+                other => other.to_string().into_bytes(),
+            };
+            let limit = self.options.artifact_max_bytes;
+            if content.len() as u64 > limit {
+                tracing::warn!(session_id = %self.id, mime, bytes = content.len(), limit, "output larger than the artifact limit; not stored");
+                omitted.push(Omitted {
+                    mime: (*mime).to_owned(),
+                    bytes: content.len() as u64,
+                    path: None,
+                    reason: format!("larger than the policy's artifact_size of {limit} bytes"),
+                });
+                continue;
+            }
+            let store = self.artifacts.clone();
+            let (session, owner, exec, display, text, mime_owned) = (
+                self.id.clone(),
+                self.owner.clone(),
+                execution_id.to_owned(),
+                display_id.map(str::to_owned),
+                text.clone(),
+                (*mime).to_owned(),
+            );
+            let stored = tokio::task::spawn_blocking(move || {
+                store.put(
+                    &NewArtifact {
+                        session: &session,
+                        owner: owner.as_deref(),
+                        mime: &mime_owned,
+                        origin,
+                        execution_id: Some(&exec),
+                        display_id: display.as_deref(),
+                        text: text.as_deref(),
+                        path: None,
+                    },
+                    &content,
+                )
+            })
+            .await;
+            match stored {
+                Ok(Ok(artifact)) => refs.push(ArtifactRef::new(&artifact, &self.options.base_url)),
+                Ok(Err(err)) => log_store_error(&self.id, &err),
+                Err(err) => tracing::error!(session_id = %self.id, %err, "artifact task failed"),
+            }
+        }
+        refs
+    }
+
+    /// Turns new or changed files under the workspace's `outputs/` into artifacts.
+    async fn collect_outputs(&self, execution_id: &str) -> (Vec<ArtifactRef>, Vec<Omitted>) {
+        let Some(workspace) = self.workspace() else {
+            return (Vec::new(), Vec::new());
+        };
+        let store = self.artifacts.clone();
+        let (session, owner, exec) = (self.id.clone(), self.owner.clone(), execution_id.to_owned());
+        let seen = self.outputs_seen.lock().clone();
+        let limit = self.options.artifact_max_bytes;
+        let scanned = tokio::task::spawn_blocking(move || {
+            let mut stored = Vec::new();
+            let mut omitted = Vec::new();
+            let mut seen = seen;
+            let files = match workspace.list("outputs") {
+                Ok(files) => files,
+                Err(_) => return (stored, omitted, seen),
+            };
+            for file in files.into_iter().filter(|f| f.kind == "file") {
+                let stamp = (file.size, file.mtime_s, file.mtime_ns);
+                if seen.get(&file.path) == Some(&stamp) {
+                    continue;
+                }
+                seen.insert(file.path.clone(), stamp);
+                if file.size > limit {
+                    tracing::warn!(session_id = %session, path = %file.path, "output file larger than the artifact limit; not stored");
+                    omitted.push(Omitted {
+                        mime: crate::workspace::mime_for(&file.path).to_owned(),
+                        bytes: file.size,
+                        path: Some(file.path.clone()),
+                        reason: format!(
+                            "larger than the policy's artifact_size of {limit} bytes"
+                        ),
+                    });
+                    continue;
+                }
+                let mut reader = match workspace.open_read(&file.path) {
+                    Ok((reader, _)) => reader,
+                    Err(_) => continue,
+                };
+                let mime = crate::workspace::mime_for(&file.path);
+                let artifact = store.put_reader(
+                    &NewArtifact {
+                        session: &session,
+                        owner: owner.as_deref(),
+                        mime,
+                        origin: Origin::File,
+                        execution_id: Some(&exec),
+                        display_id: None,
+                        text: None,
+                        path: Some(&file.path),
+                    },
+                    &mut reader,
+                    limit,
+                );
+                match artifact {
+                    Ok(artifact) => stored.push(artifact),
+                    Err(err) => log_store_error(&session, &err),
+                }
+            }
+            (stored, omitted, seen)
+        })
+        .await;
+        match scanned {
+            Ok((stored, omitted, seen)) => {
+                *self.outputs_seen.lock() = seen;
+                let refs = stored
+                    .iter()
+                    .map(|a| ArtifactRef::new(a, &self.options.base_url))
+                    .collect();
+                (refs, omitted)
+            }
+            Err(_) => (Vec::new(), Vec::new()),
+        }
+    }
+}
+
+fn log_store_error(session: &str, err: &ArtifactError) {
+    match err {
+        ArtifactError::TooLarge { .. } => {
+            tracing::warn!(session_id = %session, %err, "artifact not stored")
+        }
+        _ => tracing::error!(session_id = %session, %err, "artifact not stored"),
+    }
+}
+
+fn plain_text(data: &Map<String, Value>) -> Option<String> {
+    match data.get("text/plain")? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(lines) => Some(lines.iter().filter_map(Value::as_str).collect()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(status: &str, outcome: Option<&str>, denials: usize) -> ExecuteReply {
+        ExecuteReply {
+            status: status.to_owned(),
+            outcome: outcome.map(str::to_owned),
+            denials: vec![serde_json::json!({"kind": "egress"}); denials],
+            ..ExecuteReply::default()
+        }
+    }
+
+    #[test]
+    fn statuses_from_replies() {
+        assert_eq!(status_of(&reply("ok", None, 0)), Status::Ok);
+        assert_eq!(status_of(&reply("error", None, 0)), Status::Error);
+        assert_eq!(status_of(&reply("aborted", None, 0)), Status::Error);
+        assert_eq!(
+            status_of(&reply("error", Some("timeout"), 0)),
+            Status::Timeout
+        );
+        assert_eq!(status_of(&reply("error", Some("oom"), 0)), Status::Oom);
+        assert_eq!(
+            status_of(&reply("error", Some("sandbox_lost"), 0)),
+            Status::SandboxLost
+        );
+        assert_eq!(status_of(&reply("error", None, 1)), Status::Denied);
+        assert_eq!(status_of(&reply("ok", None, 1)), Status::Ok);
+        assert_eq!(
+            status_of(&reply("ok", Some("output_truncated"), 0)),
+            Status::OutputTruncated
+        );
+        assert_eq!(
+            status_of(&reply("error", Some("output_truncated"), 0)),
+            Status::Error
+        );
+    }
+
+    #[test]
+    fn streams_are_capped_on_char_boundaries() {
+        let (mut buffer, mut truncated) = (String::new(), false);
+        push_capped(&mut buffer, &mut truncated, "ab", 4);
+        push_capped(&mut buffer, &mut truncated, "cé", 4);
+        assert_eq!(buffer, "abc");
+        assert!(truncated);
+        push_capped(&mut buffer, &mut truncated, "d", 4);
+        assert_eq!(buffer, "abc");
+    }
+}

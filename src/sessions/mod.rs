@@ -1,0 +1,473 @@
+//! Sessions of API v1: a kernel (started through the [`KernelManager`] under a policy), the
+//! gateway's own [`KernelClient`] of it, the history of its executions, and its artifacts
+//! and files. A session's id is its kernel's id, so the same session can also be opened from
+//! JupyterLab through the Kernel Gateway API.
+//!
+//! An execution runs in a task of its own: events are published as they come (to the
+//! caller's stream and to every WebSocket of the session), rich outputs become artifacts on
+//! the way, and the typed [`ExecutionResult`] ends the stream. A caller that goes away does
+//! not stop the execution; its result stays in the history.
+//!
+//! Must not depend on: HTTP.
+
+pub mod events;
+mod execution;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+use serde::Serialize;
+use tokio::sync::{broadcast, mpsc};
+
+use crate::artifacts::{ArtifactError, ArtifactStore};
+use crate::kernel::{Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV};
+use crate::workspace::{Workspace, WorkspaceError};
+pub use events::{
+    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, Status,
+};
+
+/// Events kept for WebSocket subscribers that fall behind.
+const EVENT_BACKLOG: usize = 4096;
+/// Executions kept in a session's history.
+const MAX_HISTORY: usize = 10_000;
+
+/// Settings of the session layer.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    /// Bytes of stdout and of stderr kept in a result (the events carry everything).
+    pub stream_cap: usize,
+    /// Largest artifact stored; bigger outputs are left out (and logged). Each session
+    /// takes its policy's `artifact_size`.
+    pub artifact_max_bytes: u64,
+    /// How long artifacts of a deleted session stay fetchable.
+    pub artifact_retention: Duration,
+    /// The gateway's base URL (starts and ends with `/`), for artifact URLs.
+    pub base_url: String,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            stream_cap: 1 << 20,
+            artifact_max_bytes: 64 << 20,
+            artifact_retention: Duration::from_secs(3600),
+            base_url: "/".to_owned(),
+        }
+    }
+}
+
+/// Errors of the session layer.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("no such session")]
+    NotFound,
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
+    #[error(transparent)]
+    Workspace(#[from] WorkspaceError),
+    #[error("tenant {tenant} may only use policy {allowed}, not {requested}")]
+    PolicyNotAllowed {
+        tenant: String,
+        allowed: String,
+        requested: String,
+    },
+    #[error("no input is awaited")]
+    NoInputAwaited,
+}
+
+/// What a new session asks for.
+#[derive(Debug, Clone, Default)]
+pub struct NewSession {
+    pub kernel_name: Option<String>,
+    pub policy: Option<String>,
+    pub env: BTreeMap<String, String>,
+    /// The owning tenant (`None`: the admin).
+    pub owner: Option<String>,
+    /// The most permissive policy the owner may use (`None`: any).
+    pub policy_ceiling: Option<String>,
+    /// Live kernels the owner may keep (`None`: no cap); sessions count as kernels.
+    pub max_kernels: Option<usize>,
+}
+
+/// One execution in the history.
+#[derive(Debug, Clone)]
+pub struct HistoryEntry {
+    pub execution_id: String,
+    pub code: String,
+    pub started: String,
+    /// Every event of the execution, in order (the notebook export's outputs).
+    pub events: Vec<Arc<SessionEvent>>,
+    pub result: Option<Arc<ExecutionResult>>,
+}
+
+/// A session as listed.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct SessionModel {
+    pub id: String,
+    pub kernel_name: String,
+    pub policy: String,
+    pub sandbox: String,
+    /// idle, busy, starting, restarting, dead, terminated.
+    pub state: String,
+    pub state_generation: u64,
+    pub created: String,
+    pub last_activity: String,
+    pub executions: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// One session.
+pub struct Session {
+    pub id: String,
+    pub owner: Option<String>,
+    pub kernel: Arc<Kernel>,
+    client: KernelClient,
+    created: String,
+    events: broadcast::Sender<Arc<SessionEvent>>,
+    /// One execution at a time through the API: the kernel would queue them anyway, and
+    /// this keeps the history in order and `input()` unambiguous.
+    run_lock: tokio::sync::Mutex<()>,
+    history: Mutex<Vec<HistoryEntry>>,
+    /// Files under `outputs/` already turned into artifacts: path → (size, mtime).
+    outputs_seen: Mutex<HashMap<String, (u64, i64, i64)>>,
+    artifacts: Arc<ArtifactStore>,
+    options: SessionOptions,
+}
+
+impl Session {
+    pub fn model(&self) -> SessionModel {
+        let model = self.kernel.model();
+        let readiness = self.kernel.readiness();
+        let state = match &readiness {
+            Readiness::Terminated => "terminated".to_owned(),
+            Readiness::Dead(_) => "dead".to_owned(),
+            _ => model["execution_state"]
+                .as_str()
+                .unwrap_or("unknown")
+                .to_owned(),
+        };
+        SessionModel {
+            id: self.id.clone(),
+            kernel_name: self.kernel.spec.name.clone(),
+            policy: self.kernel.policy.clone(),
+            sandbox: model["cellgate"]["sandbox"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            state,
+            state_generation: self.kernel.generation(),
+            created: self.created.clone(),
+            last_activity: model["last_activity"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            executions: self.history.lock().len(),
+            tenant: self.owner.clone(),
+            reason: match readiness {
+                Readiness::Dead(reason) => Some(reason),
+                _ => None,
+            },
+        }
+    }
+
+    /// Every event of this session from now on (all executions, kernel state changes).
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<SessionEvent>> {
+        self.events.subscribe()
+    }
+
+    /// The executions so far, oldest first.
+    pub fn history(&self) -> Vec<HistoryEntry> {
+        self.history.lock().clone()
+    }
+
+    pub fn artifacts(&self) -> &Arc<ArtifactStore> {
+        &self.artifacts
+    }
+
+    pub fn options(&self) -> &SessionOptions {
+        &self.options
+    }
+
+    /// The kernel's workspace (files), while it has a process.
+    pub fn open_workspace(&self) -> Result<Workspace, WorkspaceError> {
+        // A dead kernel's pid may name another process by now: never look there.
+        if matches!(
+            self.kernel.readiness(),
+            Readiness::Dead(_) | Readiness::Terminated
+        ) {
+            return Err(WorkspaceError::Unavailable);
+        }
+        let (trusted, relative) = self.kernel.workspace().ok_or(WorkspaceError::Unavailable)?;
+        let workspace = Workspace::open(&trusted, &relative)?;
+        // Opened through /proc/<pid>: the process must still be there now, so the pid was
+        // not reused by another (host) process in between.
+        if !self.kernel.process_alive() {
+            return Err(WorkspaceError::Unavailable);
+        }
+        Ok(workspace)
+    }
+
+    fn workspace(&self) -> Option<Workspace> {
+        self.open_workspace().ok()
+    }
+
+    pub fn client(&self) -> &KernelClient {
+        &self.client
+    }
+
+    fn publish(&self, event: Arc<SessionEvent>) {
+        // No subscriber is fine: the event is also in the caller's stream and the history.
+        let _ = self.events.send(event);
+    }
+
+    /// The kernel's life as the session's subscribers see it: starting, restarting, ready,
+    /// dead, terminated.
+    fn kernel_state(&self) -> (String, u64, Option<String>) {
+        let generation = self.kernel.generation();
+        match self.kernel.readiness() {
+            Readiness::Ready => ("ready".to_owned(), generation, None),
+            Readiness::Starting => {
+                let restarting = self.kernel.router().activity().execution_state == "restarting"
+                    || generation > 1;
+                let state = if restarting { "restarting" } else { "starting" };
+                (state.to_owned(), generation, None)
+            }
+            Readiness::Dead(reason) => ("dead".to_owned(), generation, Some(reason)),
+            Readiness::Terminated => ("terminated".to_owned(), generation, None),
+        }
+    }
+
+    fn publish_kernel_state(&self) {
+        let (state, state_generation, reason) = self.kernel_state();
+        self.publish(Arc::new(SessionEvent::Kernel {
+            state,
+            state_generation,
+            reason,
+        }));
+    }
+
+    pub async fn interrupt(&self) -> Result<(), SessionError> {
+        Ok(self.client.interrupt().await?)
+    }
+
+    /// Restarts the kernel: variables and workspace files are lost, the state generation
+    /// moves on.
+    pub async fn restart(&self) -> Result<(), SessionError> {
+        let result = self.client.restart().await;
+        self.outputs_seen.lock().clear();
+        Ok(result?)
+    }
+
+    /// Answers the `input()` the running execution waits for.
+    pub async fn input_reply(
+        &self,
+        execution_id: Option<&str>,
+        value: &str,
+    ) -> Result<(), SessionError> {
+        if self.client.input_reply(execution_id, value).await? {
+            Ok(())
+        } else {
+            Err(SessionError::NoInputAwaited)
+        }
+    }
+
+    /// Starts an execution; its events (ending with `done`) arrive on the receiver.
+    pub fn execute(
+        self: &Arc<Self>,
+        code: String,
+        timeout: Option<Duration>,
+    ) -> mpsc::UnboundedReceiver<Arc<SessionEvent>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let session = self.clone();
+        tokio::spawn(async move { session.run(code, timeout, tx).await });
+        rx
+    }
+}
+
+/// Tells the session's subscribers when its kernel's life changes (a restart after a
+/// timeout or OOM, a death, a shutdown from the Kernel Gateway API), polled: cheap, and no
+/// hook in the kernel's lifecycle.
+fn spawn_monitor(session: &Arc<Session>) {
+    let weak = Arc::downgrade(session);
+    let mut last = session.kernel_state();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let Some(session) = weak.upgrade() else {
+                return;
+            };
+            let now = session.kernel_state();
+            if now != last {
+                session.publish(Arc::new(SessionEvent::Kernel {
+                    state: now.0.clone(),
+                    state_generation: now.1,
+                    reason: now.2.clone(),
+                }));
+                if now.0 == "terminated" {
+                    return;
+                }
+                last = now;
+            }
+        }
+    });
+}
+
+/// Every session of the gateway.
+pub struct Sessions {
+    kernels: Arc<KernelManager>,
+    artifacts: Arc<ArtifactStore>,
+    sessions: RwLock<HashMap<String, Arc<Session>>>,
+    options: SessionOptions,
+}
+
+impl Sessions {
+    pub fn new(
+        kernels: Arc<KernelManager>,
+        artifacts: Arc<ArtifactStore>,
+        options: SessionOptions,
+    ) -> Arc<Sessions> {
+        Arc::new(Sessions {
+            kernels,
+            artifacts,
+            sessions: RwLock::new(HashMap::new()),
+            options,
+        })
+    }
+
+    pub fn artifacts(&self) -> &Arc<ArtifactStore> {
+        &self.artifacts
+    }
+
+    pub fn kernels(&self) -> &Arc<KernelManager> {
+        &self.kernels
+    }
+
+    pub fn options(&self) -> &SessionOptions {
+        &self.options
+    }
+
+    /// Starts a kernel and waits until it is ready.
+    pub async fn create(&self, new: NewSession) -> Result<Arc<Session>, SessionError> {
+        let mut env = new.env.clone();
+        env.remove(POLICY_ENV);
+        let policy = match (&new.policy, &new.policy_ceiling) {
+            (Some(requested), Some(allowed)) if requested != allowed => {
+                return Err(SessionError::PolicyNotAllowed {
+                    tenant: new.owner.clone().unwrap_or_default(),
+                    allowed: allowed.clone(),
+                    requested: requested.clone(),
+                })
+            }
+            (Some(p), _) | (None, Some(p)) => Some(p.clone()),
+            (None, None) => None,
+        };
+        if let Some(policy) = policy {
+            env.insert(POLICY_ENV.to_owned(), policy);
+        }
+        let owner = new.owner.as_ref().map(|tenant| crate::kernel::Owner {
+            tenant: tenant.clone(),
+            max_kernels: new.max_kernels,
+        });
+        let kernel = self
+            .kernels
+            .start_for(new.kernel_name.as_deref(), &env, owner.as_ref())
+            .await?;
+        if let Err(err) = kernel.wait_ready().await {
+            let _ = self.kernels.shutdown(&kernel.id).await;
+            return Err(err.into());
+        }
+        let mut options = self.options.clone();
+        if let Ok(policy) = self.kernels.policies().get(&kernel.policy) {
+            options.artifact_max_bytes = policy.limits.artifact_bytes;
+        }
+        let (events, _) = broadcast::channel(EVENT_BACKLOG);
+        let session = Arc::new(Session {
+            id: kernel.id.clone(),
+            owner: new.owner,
+            client: KernelClient::attach(kernel.clone()),
+            kernel,
+            created: crate::kernel::format_timestamp(time::OffsetDateTime::now_utc()),
+            events,
+            run_lock: tokio::sync::Mutex::new(()),
+            history: Mutex::new(Vec::new()),
+            outputs_seen: Mutex::new(HashMap::new()),
+            artifacts: self.artifacts.clone(),
+            options,
+        });
+        self.sessions
+            .write()
+            .insert(session.id.clone(), session.clone());
+        spawn_monitor(&session);
+        tracing::info!(session_id = %session.id, tenant = ?session.owner, policy = %session.kernel.policy, "session created");
+        Ok(session)
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Session>> {
+        self.sessions.read().get(id).cloned()
+    }
+
+    pub fn list(&self) -> Vec<Arc<Session>> {
+        let mut out: Vec<_> = self.sessions.read().values().cloned().collect();
+        out.sort_by(|a, b| a.created.cmp(&b.created).then(a.id.cmp(&b.id)));
+        out
+    }
+
+    /// Shuts the session's kernel down; its artifacts stay for the retention period.
+    pub async fn delete(&self, id: &str) -> Result<(), SessionError> {
+        let session = self
+            .sessions
+            .write()
+            .remove(id)
+            .ok_or(SessionError::NotFound)?;
+        session
+            .client
+            .abandon("SessionDeletedError", "the session was deleted");
+        match self.kernels.shutdown(id).await {
+            Ok(()) | Err(KernelError::NoSuchKernel) => {}
+            Err(err) => return Err(err.into()),
+        }
+        session.publish_kernel_state();
+        self.artifacts.expire_session(id);
+        tracing::info!(session_id = %id, "session deleted");
+        Ok(())
+    }
+
+    /// Sessions whose kernel is gone (culled, or deleted through the Kernel Gateway API) are
+    /// forgotten; expired artifacts are removed. Runs every `interval`.
+    pub fn spawn_reaper(self: &Arc<Self>, interval: Duration) {
+        let sessions = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(interval).await;
+                let Some(sessions) = sessions.upgrade() else {
+                    return;
+                };
+                let gone: Vec<String> = sessions
+                    .sessions
+                    .read()
+                    .keys()
+                    .filter(|id| sessions.kernels.get(id).is_none())
+                    .cloned()
+                    .collect();
+                for id in gone {
+                    if let Some(session) = sessions.sessions.write().remove(&id) {
+                        session
+                            .client
+                            .abandon("KernelDiedError", "the session's kernel was shut down");
+                    }
+                    sessions.artifacts.expire_session(&id);
+                    tracing::info!(session_id = %id, "session ended with its kernel");
+                }
+                let artifacts = sessions.artifacts.clone();
+                let _ = tokio::task::spawn_blocking(move || artifacts.reap()).await;
+            }
+        });
+    }
+}

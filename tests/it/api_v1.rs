@@ -1,0 +1,1691 @@
+//! API v1 end to end, black box: a real `cellgate serve`, real ipykernels in the real
+//! sandbox, driven over plain HTTP (JSON), Server-Sent Events and the per-session WebSocket,
+//! exactly as a chat app or an agent would. Every status a result can have, artifacts of each
+//! MIME type, files with traversal and link attacks (sent raw, so no client library cleans
+//! the path up first), the one-shot execute and the OpenAPI document.
+//!
+//! Progressive delivery is proven without clocks: a cell prints, then waits for a file the
+//! test uploads only after it has seen that print arrive. A stream that buffered until the
+//! end would never let the cell finish (its own deadline then fails the test).
+//!
+//! Not covered here: `denied` (the egress proxy and package index that produce denials are
+//! another branch; their tests live there) and tenants (JWT: another branch).
+
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+use crate::support::{sandbox_backend, Gateway, Socket};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// Python that waits (at most 60 s) for the workspace file `name`, then goes on; failing
+/// loudly if it never comes.
+fn wait_for_file(name: &str) -> String {
+    format!(
+        "import os as _os, time as _time\n\
+         _t0 = _time.monotonic()\n\
+         while not _os.path.exists({name:?}):\n\
+         \x20   if _time.monotonic() - _t0 > 60: raise RuntimeError('the test never sent {name}')\n\
+         \x20   _time.sleep(0.02)\n"
+    )
+}
+
+/// A gateway whose default policy runs the test sandbox (`CELLGATE_TEST_SANDBOX`, so the
+/// suite also runs under gvisor) with these extra `[limits]` lines. The directory must
+/// outlive the gateway.
+async fn start_gateway(limits: &str) -> Result<(Gateway, tempfile::TempDir)> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        format!(
+            "[sandbox]\nbackend = \"{}\"\n[limits]\n{limits}",
+            sandbox_backend()
+        ),
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    Ok((gateway, dir))
+}
+
+async fn json_of(response: reqwest::Response) -> Result<(u16, Value)> {
+    let status = response.status().as_u16();
+    let body = response.text().await?;
+    Ok((
+        status,
+        serde_json::from_str(&body).unwrap_or(Value::String(body)),
+    ))
+}
+
+async fn post(gateway: &Gateway, path: &str, body: Value) -> Result<(u16, Value)> {
+    json_of(
+        gateway
+            .request(reqwest::Method::POST, path)
+            .json(&body)
+            .send()
+            .await?,
+    )
+    .await
+}
+
+/// Creates a session; answers its id.
+async fn create_session(gateway: &Gateway, body: Value) -> Result<String> {
+    let (status, model) = post(gateway, "/v1/sessions", body).await?;
+    if status != 201 {
+        bail!("create session: {status} {model}");
+    }
+    Ok(model["id"].as_str().context("session id")?.to_owned())
+}
+
+/// Blocking execute; the result JSON (any HTTP status other than 200 is an error).
+async fn execute(gateway: &Gateway, session: &str, code: &str) -> Result<Value> {
+    execute_with(gateway, session, json!({ "code": code })).await
+}
+
+async fn execute_with(gateway: &Gateway, session: &str, body: Value) -> Result<Value> {
+    let (status, result) = post(gateway, &format!("/v1/sessions/{session}/execute"), body).await?;
+    if status != 200 {
+        bail!("execute: {status} {result}");
+    }
+    Ok(result)
+}
+
+async fn put_file(gateway: &Gateway, session: &str, path: &str, bytes: Vec<u8>) -> Result<u16> {
+    let response = gateway
+        .request(
+            reqwest::Method::PUT,
+            &format!("/v1/sessions/{session}/files/{path}"),
+        )
+        .body(bytes)
+        .send()
+        .await?;
+    let status = response.status().as_u16();
+    if status >= 500 {
+        bail!("PUT {path}: {status} {}", response.text().await?);
+    }
+    Ok(status)
+}
+
+/// One request over a raw TCP connection, the path sent exactly as given (an HTTP client
+/// library would normalise `..` and `%2e%2e` away before the gateway ever saw them).
+/// Answers the status code and the body.
+async fn raw_request(
+    gateway: &Gateway,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", gateway.port)).await?;
+    let token = gateway.token.clone().unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nAuthorization: token {token}\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        gateway.port,
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body).await?;
+    let mut response = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut response)).await??;
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("no status line in {text:?}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// Server-Sent Events of one response, read as they arrive.
+struct Sse {
+    response: reqwest::Response,
+    buffer: String,
+}
+
+impl Sse {
+    async fn open(gateway: &Gateway, path: &str, body: Value) -> Result<Sse> {
+        let response = gateway
+            .request(reqwest::Method::POST, path)
+            .header("Accept", "text/event-stream")
+            .json(&body)
+            .send()
+            .await?;
+        if response.status().as_u16() != 200 {
+            bail!("SSE: {} {}", response.status(), response.text().await?);
+        }
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            content_type.starts_with("text/event-stream"),
+            "{content_type}"
+        );
+        Ok(Sse {
+            response,
+            buffer: String::new(),
+        })
+    }
+
+    /// The next event: its `event:` name and its `data:` JSON (keep-alive comments skipped).
+    async fn next(&mut self) -> Result<(String, Value)> {
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let block: String = self.buffer.drain(..end + 2).collect();
+                let mut name = String::new();
+                let mut data = String::new();
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("event:") {
+                        name = v.trim().to_owned();
+                    } else if let Some(v) = line.strip_prefix("data:") {
+                        data.push_str(v.strip_prefix(' ').unwrap_or(v));
+                    }
+                }
+                if data.is_empty() {
+                    continue;
+                }
+                return Ok((name, serde_json::from_str(&data)?));
+            }
+            let chunk = tokio::time::timeout(WAIT, self.response.chunk())
+                .await
+                .map_err(|_| anyhow!("no SSE event within {WAIT:?}; buffered {:?}", self.buffer))??
+                .ok_or_else(|| anyhow!("SSE stream ended; buffered {:?}", self.buffer))?;
+            self.buffer.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    }
+}
+
+/// The session WebSocket.
+async fn ws_connect(gateway: &Gateway, session: &str) -> Result<Socket> {
+    let url = format!(
+        "{}/v1/sessions/{session}/ws",
+        gateway.base.replace("http://", "ws://")
+    );
+    let mut request = url.into_client_request()?;
+    if let Some(token) = &gateway.token {
+        request
+            .headers_mut()
+            .insert("Authorization", format!("token {token}").parse()?);
+    }
+    let (socket, _) = tokio_tungstenite::connect_async(request).await?;
+    Ok(socket)
+}
+
+async fn ws_next(socket: &mut Socket) -> Result<Value> {
+    loop {
+        let frame = tokio::time::timeout(WAIT, socket.next())
+            .await
+            .map_err(|_| anyhow!("no WebSocket frame within {WAIT:?}"))?
+            .ok_or_else(|| anyhow!("WebSocket closed"))??;
+        match frame {
+            WsMessage::Text(text) => return Ok(serde_json::from_str(text.as_str())?),
+            WsMessage::Close(frame) => bail!("WebSocket closed by the gateway: {frame:?}"),
+            _ => continue,
+        }
+    }
+}
+
+async fn ws_send(socket: &mut Socket, message: Value) -> Result<()> {
+    socket
+        .send(WsMessage::Text(message.to_string().into()))
+        .await?;
+    Ok(())
+}
+
+/// Every event up to and including `done`.
+async fn ws_until_done(socket: &mut Socket) -> Result<Vec<Value>> {
+    let mut events = Vec::new();
+    loop {
+        let event = ws_next(socket).await?;
+        let done = event["type"] == "done";
+        events.push(event);
+        if done {
+            return Ok(events);
+        }
+    }
+}
+
+fn streamed(events: &[Value], name: &str) -> String {
+    events
+        .iter()
+        .filter(|e| e["type"] == "stream" && e["name"] == name)
+        .map(|e| e["text"].as_str().unwrap_or_default())
+        .collect()
+}
+
+async fn fetch_artifact(gateway: &Gateway, id: &str) -> Result<reqwest::Response> {
+    Ok(gateway
+        .request(reqwest::Method::GET, &format!("/v1/artifacts/{id}"))
+        .send()
+        .await?)
+}
+
+/// Sessions: create, list, get, execute with state kept, errors typed, resource use,
+/// delete; bad requests answered clearly without harming the session; unknown ids 404 on
+/// every route.
+#[tokio::test]
+async fn sessions_execute_and_typed_results() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+
+    let (status, list) = gateway.get_json("/v1/sessions").await?;
+    assert_eq!(status, 200);
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["id"] == id.as_str()),
+        "{list}"
+    );
+    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(status, 200);
+    assert_eq!(model["id"], id.as_str());
+
+    // State is kept across executes; stdout, stderr and the text/plain result are separate.
+    let r = execute(
+        &gateway,
+        &id,
+        "x = 41\nimport sys\nprint('out')\nprint('err', file=sys.stderr)",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["stdout"], "out\n");
+    assert_eq!(r["stderr"], "err\n");
+    assert!(r["result"].is_null(), "{r}");
+    let first_count = r["execution_count"].as_i64().context("execution_count")?;
+    let generation = r["state_generation"].as_u64().context("state_generation")?;
+    assert!(r["duration_ms"].is_u64(), "{r}");
+    assert_eq!(r["artifacts"], json!([]));
+    assert_eq!(r["denials"], json!([]));
+
+    let r = execute(&gateway, &id, "x + 1").await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["result"], "42");
+    assert_eq!(r["execution_count"].as_i64(), Some(first_count + 1));
+    assert_eq!(r["state_generation"].as_u64(), Some(generation));
+
+    // An error: typed, traceback readable (no ANSI colour codes).
+    let r = execute(&gateway, &id, "def f():\n    return 1 / 0\nf()").await?;
+    assert_eq!(r["status"], "error", "{r}");
+    assert_eq!(r["error"]["ename"], "ZeroDivisionError");
+    assert_eq!(r["error"]["evalue"], "division by zero");
+    let traceback = r["error"]["traceback"].as_array().context("traceback")?;
+    assert!(!traceback.is_empty());
+    let joined: String = traceback
+        .iter()
+        .map(|l| l.as_str().unwrap_or_default())
+        .collect();
+    assert!(!joined.contains('\u{1b}'), "ANSI codes left in {joined:?}");
+    assert!(joined.contains("ZeroDivisionError"), "{joined}");
+
+    // Resource use is measured by the namespaces sandbox (cgroup).
+    if sandbox_backend() == "namespaces" {
+        let r = execute(&gateway, &id, "sum(i * i for i in range(3_000_000))").await?;
+        assert_eq!(r["status"], "ok", "{r}");
+        assert!(r["resources"]["cpu_time_ms"].is_u64(), "{r}");
+        assert!(
+            r["resources"]["memory_peak_bytes"].as_u64().unwrap_or(0) > 0,
+            "{r}"
+        );
+    }
+
+    // Bad requests: clear 400s; the session still works afterwards.
+    let response = gateway
+        .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
+        .header("Content-Type", "application/json")
+        .body("{not json")
+        .send()
+        .await?;
+    let (status, body) = json_of(response).await?;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = post(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"cod": "1"}),
+    )
+    .await?;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = post(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"code": "1", "timeout_s": -3}),
+    )
+    .await?;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = post(
+        &gateway,
+        "/v1/sessions",
+        json!({"kernel_name": "no-such-kernel"}),
+    )
+    .await?;
+    assert!(status == 400 || status == 404, "{status} {body}");
+    let (status, body) = post(
+        &gateway,
+        "/v1/sessions",
+        json!({"policy": "no-such-policy"}),
+    )
+    .await?;
+    assert!(status == 400 || status == 404, "{status} {body}");
+    let r = execute(&gateway, &id, "x").await?;
+    assert_eq!(r["result"], "41");
+
+    // Unknown sessions: 404 on every route.
+    let missing = "00000000-0000-4000-8000-000000000000";
+    assert_eq!(
+        gateway
+            .get_json(&format!("/v1/sessions/{missing}"))
+            .await?
+            .0,
+        404
+    );
+    for route in ["execute", "interrupt", "restart", "input"] {
+        let (status, body) = post(
+            &gateway,
+            &format!("/v1/sessions/{missing}/{route}"),
+            json!({"code": "1", "value": "v"}),
+        )
+        .await?;
+        assert_eq!(status, 404, "{route}: {body}");
+    }
+    assert_eq!(
+        gateway
+            .get_json(&format!("/v1/sessions/{missing}/files"))
+            .await?
+            .0,
+        404
+    );
+    assert_eq!(
+        gateway
+            .get_json(&format!("/v1/sessions/{missing}/artifacts"))
+            .await?
+            .0,
+        404
+    );
+    assert_eq!(gateway.get_json("/v1/artifacts/nope").await?.0, 404);
+
+    // Delete: gone from everywhere.
+    let status = gateway
+        .request(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?
+        .status()
+        .as_u16();
+    assert_eq!(status, 204);
+    assert_eq!(
+        gateway.get_json(&format!("/v1/sessions/{id}")).await?.0,
+        404
+    );
+    let (status, _) = post(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"code": "1"}),
+    )
+    .await?;
+    assert_eq!(status, 404);
+    let (_, list) = gateway.get_json("/v1/sessions").await?;
+    assert!(!list
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["id"] == id.as_str()));
+    Ok(())
+}
+
+/// Without credentials API v1 answers 401 like the rest of the gateway.
+#[tokio::test]
+async fn api_v1_requires_auth() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    for path in ["/v1/sessions", "/v1/artifacts/x", "/v1/sessions/x/files"] {
+        let status = reqwest::get(format!("{}{path}", gateway.base))
+            .await?
+            .status()
+            .as_u16();
+        assert_eq!(status, 401, "{path}");
+    }
+    let status = reqwest::Client::new()
+        .post(format!("{}/v1/execute", gateway.base))
+        .json(&json!({"code": "1"}))
+        .send()
+        .await?
+        .status()
+        .as_u16();
+    assert_eq!(status, 401);
+    Ok(())
+}
+
+/// `timeout_s` interrupts the cell and reports `timeout`; the variables survive (an
+/// interrupt, not a restart). Restart then changes `state_generation` and loses them.
+#[tokio::test]
+async fn timeout_keeps_state_and_restart_changes_generation() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(&gateway, &id, "kept = 'yes'").await?;
+    let generation = r["state_generation"].as_u64().context("state_generation")?;
+
+    let r = execute_with(
+        &gateway,
+        &id,
+        json!({"code": "import time\nprint('before', flush=True)\ntime.sleep(60)", "timeout_s": 1.5}),
+    )
+    .await?;
+    assert_eq!(r["status"], "timeout", "{r}");
+    assert_eq!(r["stdout"], "before\n", "{r}");
+    assert!(r["duration_ms"].as_u64().unwrap() >= 1000, "{r}");
+    let r = execute(&gateway, &id, "kept").await?;
+    assert_eq!(r["result"], "'yes'", "{r}");
+    assert_eq!(r["state_generation"].as_u64(), Some(generation));
+
+    let (status, model) = post(&gateway, &format!("/v1/sessions/{id}/restart"), json!({})).await?;
+    assert_eq!(status, 200, "{model}");
+    let restarted = model["state_generation"].as_u64().context("generation")?;
+    assert!(restarted > generation, "{model}");
+    let r = execute(&gateway, &id, "'kept' in dir()").await?;
+    assert_eq!(r["result"], "False", "{r}");
+    assert_eq!(r["state_generation"].as_u64(), Some(restarted));
+    Ok(())
+}
+
+/// `sandbox_lost`: the kernel process dies in the middle of a cell; the cell is answered and
+/// the gateway keeps serving.
+#[tokio::test]
+async fn kernel_death_is_sandbox_lost() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "import os, signal, time\nprint('dying', flush=True)\ntime.sleep(0.2)\nos.kill(os.getpid(), signal.SIGKILL)",
+    )
+    .await?;
+    assert_eq!(r["status"], "sandbox_lost", "{r}");
+    assert_eq!(r["stdout"], "dying\n", "{r}");
+    assert!(
+        r["error"]["evalue"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("signal 9"),
+        "{r}"
+    );
+    let other = create_session(&gateway, json!({})).await?;
+    assert_eq!(execute(&gateway, &other, "1 + 1").await?["result"], "2");
+    Ok(())
+}
+
+/// `output_truncated` (the policy's per-cell output limit, whether the output comes in many
+/// small pieces or one big one) and `oom` (the kernel exceeds the policy's memory).
+#[tokio::test]
+async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
+    if sandbox_backend() == "process" {
+        panic!(
+            "this test needs a sandbox with a memory limit; CELLGATE_TEST_SANDBOX=process has none"
+        );
+    }
+    let (gateway, _policies) =
+        start_gateway("memory = \"256MiB\"\noutput_per_execution = \"64KiB\"\n").await?;
+    let id = create_session(&gateway, json!({})).await?;
+
+    let r = execute(
+        &gateway,
+        &id,
+        "for i in range(20000):\n    print('x' * 100, flush=(i % 100 == 0))\nfinished = True",
+    )
+    .await?;
+    let stdout = r["stdout"].as_str().context("stdout")?;
+    assert_eq!(r["status"], "output_truncated", "{}", r["stderr"]);
+    assert!(stdout.len() <= 64 << 10, "{} bytes", stdout.len());
+    assert!(stdout.len() > 16 << 10, "{} bytes", stdout.len());
+    assert_eq!(execute(&gateway, &id, "finished").await?["result"], "True");
+
+    // One piece bigger than the whole limit (unflushed output goes out as the cell ends,
+    // racing its reply): still reported.
+    let r = execute(&gateway, &id, "print('z' * (200 << 10))\nalso = True").await?;
+    assert_eq!(r["status"], "output_truncated", "{r}");
+    assert_eq!(execute(&gateway, &id, "also").await?["result"], "True");
+
+    let before = execute(&gateway, &id, "before = 1").await?;
+    let generation = before["state_generation"].as_u64().context("generation")?;
+    let r = execute(&gateway, &id, "hog = b'x' * (600 * 2**20)").await?;
+    assert_eq!(r["status"], "oom", "{r}");
+    assert_eq!(r["error"]["ename"], "OutOfMemoryError", "{r}");
+    let r = execute(&gateway, &id, "'before' in dir()").await?;
+    assert_eq!(r["result"], "False", "{r}");
+    assert!(r["state_generation"].as_u64().unwrap() > generation, "{r}");
+    Ok(())
+}
+
+/// The result's stdout is capped (the full stream went out as events); the kernel runs on.
+#[tokio::test]
+async fn large_stdout_is_capped_in_the_result() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "import sys\nfor i in range(3000):\n    sys.stdout.write('y' * 1023 + '\\n')\n",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok");
+    let stdout = r["stdout"].as_str().unwrap();
+    assert!(
+        stdout.len() < 3000 * 1024,
+        "{} bytes in the result",
+        stdout.len()
+    );
+    assert!(
+        stdout.len() >= 64 << 10,
+        "{} bytes in the result",
+        stdout.len()
+    );
+    assert_eq!(r["stdout_truncated"], true);
+    Ok(())
+}
+
+/// Every rich MIME type becomes an artifact: stored, referenced (never inlined), served with
+/// its Content-Type and nosniff, HTML and SVG with `Content-Security-Policy: sandbox`; the
+/// bytes served are the bytes displayed; images carry their size.
+#[tokio::test]
+async fn artifacts_of_every_mime_type() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let code = r#"
+import base64, hashlib, io, json
+import matplotlib
+matplotlib.use('agg')
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import display
+
+digests = {}
+def show(mime, payload, raw_bytes):
+    digests[mime] = hashlib.sha256(raw_bytes).hexdigest()
+    display({mime: payload, 'text/plain': '<' + mime + '>'}, raw=True)
+
+fig, ax = plt.subplots(figsize=(4, 3), dpi=50)
+ax.imshow(np.random.default_rng(1).random((400, 400)))
+png, jpg = io.BytesIO(), io.BytesIO()
+fig.savefig(png, format='png'); fig.savefig(jpg, format='jpeg')
+show('image/png', base64.b64encode(png.getvalue()).decode(), png.getvalue())
+show('image/jpeg', base64.b64encode(jpg.getvalue()).decode(), jpg.getvalue())
+svg = '<svg xmlns="http://www.w3.org/2000/svg" width="120" height="80"><rect width="120" height="80" fill="red"/><script>alert(1)</script></svg>'
+show('image/svg+xml', svg, svg.encode())
+html = '<b>bold</b><script>fetch("/v1/sessions")</script>'
+show('text/html', html, html.encode())
+show('text/markdown', '# Title\n\ntext', b'# Title\n\ntext')
+show('text/latex', '$x^2$', b'$x^2$')
+pdf = b'%PDF-1.4\n1 0 obj << >> endobj\ntrailer << >>\n%%EOF\n'
+show('application/pdf', base64.b64encode(pdf).decode(), pdf)
+for mime, doc in [
+    ('application/json', {'a': [1, 2, 3]}),
+    ('application/vnd.plotly.v1+json', {'data': [{'type': 'bar', 'x': [1, 2], 'y': [3, 4]}], 'layout': {}}),
+    ('application/vnd.vegalite.v5+json', {'$schema': 'https://vega.github.io/schema/vega-lite/v5.json', 'mark': 'bar', 'data': {'values': [{'a': 1}]}}),
+    ('application/vnd.vegalite.v4+json', {'mark': 'point', 'data': {'values': [{'a': 2}]}}),
+]:
+    digests[mime] = None
+    display({mime: doc, 'text/plain': '<' + mime + '>'}, raw=True)
+print(json.dumps(digests))
+"#;
+    let response = gateway
+        .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
+        .json(&json!({ "code": code }))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 200);
+    let text = response.text().await?;
+    // The PNG alone is hundreds of kilobytes: references only, never the bytes.
+    assert!(text.len() < 32 << 10, "the result is {} bytes", text.len());
+    let r: Value = serde_json::from_str(&text)?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let digests: Value = serde_json::from_str(r["stdout"].as_str().unwrap().trim())?;
+    let artifacts = r["artifacts"].as_array().context("artifacts")?.clone();
+
+    let (_, listed) = gateway
+        .get_json(&format!("/v1/sessions/{id}/artifacts"))
+        .await?;
+    let listed = listed.as_array().context("listed")?;
+
+    for (mime, digest) in digests.as_object().unwrap() {
+        let artifact = artifacts
+            .iter()
+            .find(|a| a["mime"] == mime.as_str())
+            .with_context(|| format!("no {mime} artifact in {artifacts:?}"))?;
+        let artifact_id = artifact["id"].as_str().context("id")?;
+        assert!(
+            listed.iter().any(|a| a["id"] == artifact["id"]),
+            "{mime} not listed"
+        );
+        assert!(
+            !artifact["summary"].as_str().unwrap_or_default().is_empty(),
+            "{artifact}"
+        );
+        let url = artifact["url"].as_str().context("url")?;
+        assert!(
+            url.ends_with(&format!("/v1/artifacts/{artifact_id}")),
+            "{url}"
+        );
+        let response = fetch_artifact(&gateway, artifact_id).await?;
+        assert_eq!(response.status().as_u16(), 200, "{mime}");
+        let headers = response.headers().clone();
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert!(
+            header("content-type").starts_with(mime.as_str()),
+            "{mime}: {}",
+            header("content-type")
+        );
+        assert_eq!(header("x-content-type-options"), "nosniff", "{mime}");
+        if mime == "text/html" || mime == "image/svg+xml" {
+            assert!(
+                header("content-security-policy")
+                    .split(';')
+                    .any(|d| d.trim() == "sandbox"),
+                "{mime}: CSP {:?}",
+                header("content-security-policy")
+            );
+        }
+        let bytes = response.bytes().await?;
+        assert_eq!(
+            artifact["bytes"].as_u64(),
+            Some(bytes.len() as u64),
+            "{mime}"
+        );
+        match digest.as_str() {
+            Some(digest) => assert_eq!(sha256_hex(&bytes), digest, "{mime} bytes differ"),
+            // JSON bundles: the stored document parses and is an object, as displayed.
+            None => {
+                let doc: Value = serde_json::from_slice(&bytes).with_context(|| mime.clone())?;
+                assert!(doc.is_object(), "{mime}: {doc}");
+            }
+        }
+        match mime.as_str() {
+            "image/png" | "image/jpeg" => {
+                assert_eq!(artifact["width"], 200, "{artifact}");
+                assert_eq!(artifact["height"], 150, "{artifact}");
+            }
+            "image/svg+xml" => {
+                assert_eq!(artifact["width"], 120, "{artifact}");
+                assert_eq!(artifact["height"], 80, "{artifact}");
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A display_id update stores a new version linked to the old one; files written under
+/// `outputs/` become artifacts too, once.
+#[tokio::test]
+async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "from IPython.display import display, HTML\n\
+         h = display(HTML('<b>v1</b>'), display_id=True)\n\
+         h.update(HTML('<b>v2</b>'))\n\
+         import os\n\
+         os.makedirs('outputs', exist_ok=True)\n\
+         with open('outputs/report.csv', 'w') as f:\n\
+         \x20   f.write('a,b\\n1,2\\n')\n",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let artifacts = r["artifacts"].as_array().context("artifacts")?;
+    let html: Vec<&Value> = artifacts
+        .iter()
+        .filter(|a| a["mime"] == "text/html")
+        .collect();
+    assert_eq!(html.len(), 2, "{artifacts:?}");
+    assert_eq!(html[0]["display_id"], html[1]["display_id"]);
+    assert!(html[0]["display_id"].is_string());
+    assert_eq!(html[1]["previous"], html[0]["id"], "{html:?}");
+    assert!(
+        html[1]["version"].as_u64() > html[0]["version"].as_u64(),
+        "{html:?}"
+    );
+    let body = fetch_artifact(&gateway, html[1]["id"].as_str().unwrap())
+        .await?
+        .text()
+        .await?;
+    assert_eq!(body, "<b>v2</b>");
+
+    let report = artifacts
+        .iter()
+        .find(|a| a["path"] == "outputs/report.csv")
+        .with_context(|| format!("outputs/report.csv is no artifact: {artifacts:?}"))?;
+    let body = fetch_artifact(&gateway, report["id"].as_str().unwrap())
+        .await?
+        .text()
+        .await?;
+    assert_eq!(body, "a,b\n1,2\n");
+    // An unchanged output file is not reported again.
+    let r = execute(&gateway, &id, "1").await?;
+    assert_eq!(r["artifacts"], json!([]), "{r}");
+    Ok(())
+}
+
+/// SSE: ordered events (started … stream … done) delivered while the cell runs; `input()`
+/// answered through `POST /input`; 409 when nothing waits for input.
+#[tokio::test]
+async fn sse_streams_progressively_and_input_works() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let code = format!(
+        "print('first', flush=True)\n{}print('second')\nname = input('who? ')\nprint('hi', name)\n42",
+        wait_for_file("go")
+    );
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({ "code": code }),
+    )
+    .await?;
+    let (name, started) = sse.next().await?;
+    assert_eq!(name, "started", "{started}");
+    assert_eq!(started["type"], "started");
+    let execution = started["execution_id"].clone();
+    let (name, first) = sse.next().await?;
+    assert_eq!(
+        (name.as_str(), &first["text"]),
+        ("stream", &json!("first\n")),
+        "{first}"
+    );
+    assert_eq!(first["execution_id"], execution);
+    // Only now does the cell get to go on.
+    assert_eq!(put_file(&gateway, &id, "go", b"1".to_vec()).await?, 201);
+    let mut events = vec![];
+    loop {
+        let (name, event) = sse.next().await?;
+        assert_eq!(event["type"], name.as_str());
+        if name == "input_request" {
+            assert_eq!(event["prompt"], "who? ");
+            let (status, body) = post(
+                &gateway,
+                &format!("/v1/sessions/{id}/input"),
+                json!({"value": "bob"}),
+            )
+            .await?;
+            assert_eq!(status, 204, "{body}");
+        }
+        events.push(event);
+        if name == "done" {
+            break;
+        }
+    }
+    assert_eq!(
+        streamed(&events, "stdout"),
+        "second\nhi bob\n",
+        "{events:?}"
+    );
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    let result_at = kinds
+        .iter()
+        .position(|k| *k == "result")
+        .context("a result event")?;
+    assert!(result_at < kinds.len() - 1);
+    let done = events.last().unwrap();
+    assert_eq!(done["result"]["status"], "ok", "{done}");
+    assert_eq!(done["result"]["result"], "42");
+    assert_eq!(done["result"]["stdout"], "first\nsecond\nhi bob\n");
+
+    // Input when nothing waits: 409, and the session is fine.
+    let (status, body) = post(
+        &gateway,
+        &format!("/v1/sessions/{id}/input"),
+        json!({"value": "x"}),
+    )
+    .await?;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(execute(&gateway, &id, "name").await?["result"], "'bob'");
+    Ok(())
+}
+
+/// The session WebSocket: execute, interrupt and input_reply from the client; every event of
+/// the session (also those of executions started over HTTP, and on a second socket), in
+/// order, as they happen.
+#[tokio::test]
+async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let mut socket = ws_connect(&gateway, &id).await?;
+    let hello = ws_next(&mut socket).await?;
+    assert_eq!(hello["type"], "session", "{hello}");
+    assert_eq!(hello["session"]["id"], id.as_str());
+
+    // Progressive: the first print arrives while the cell still waits for the test.
+    let code = format!(
+        "print('one', flush=True)\n{}print('two')\n6 * 7",
+        wait_for_file("go")
+    );
+    ws_send(&mut socket, json!({"type": "execute", "code": code})).await?;
+    let started = ws_next(&mut socket).await?;
+    assert_eq!(started["type"], "started", "{started}");
+    let first = ws_next(&mut socket).await?;
+    assert_eq!(
+        (&first["type"], &first["text"]),
+        (&json!("stream"), &json!("one\n")),
+        "{first}"
+    );
+    assert_eq!(put_file(&gateway, &id, "go", vec![]).await?, 201);
+    let events = ws_until_done(&mut socket).await?;
+    assert_eq!(streamed(&events, "stdout"), "two\n");
+    let done = events.last().unwrap();
+    assert_eq!(done["result"]["status"], "ok", "{done}");
+    assert_eq!(done["result"]["result"], "42");
+    assert!(events
+        .iter()
+        .all(|e| e["execution_id"] == started["execution_id"]));
+
+    // A message the gateway cannot understand: an error frame, the socket stays usable.
+    ws_send(&mut socket, json!({"type": "launch_missiles"})).await?;
+    let error = ws_next(&mut socket).await?;
+    assert_eq!(error["type"], "client_error", "{error}");
+    socket.send(WsMessage::Text("not json".into())).await?;
+    assert_eq!(ws_next(&mut socket).await?["type"], "client_error");
+
+    // input() answered over the socket.
+    ws_send(
+        &mut socket,
+        json!({"type": "execute", "code": "answer = input('pin: ')\nprint('got', answer)"}),
+    )
+    .await?;
+    let mut events = vec![];
+    loop {
+        let event = ws_next(&mut socket).await?;
+        if event["type"] == "input_request" {
+            assert_eq!(event["prompt"], "pin: ");
+            ws_send(&mut socket, json!({"type": "input_reply", "value": "1234"})).await?;
+        }
+        let done = event["type"] == "done";
+        events.push(event);
+        if done {
+            break;
+        }
+    }
+    assert_eq!(streamed(&events, "stdout"), "got 1234\n", "{events:?}");
+
+    // Interrupt over the socket: KeyboardInterrupt, the variables survive.
+    ws_send(
+        &mut socket,
+        json!({"type": "execute", "code": "import time\nprint('sleeping', flush=True)\ntime.sleep(60)"}),
+    )
+    .await?;
+    loop {
+        let event = ws_next(&mut socket).await?;
+        if event["type"] == "stream" && event["text"] == "sleeping\n" {
+            break;
+        }
+        assert_ne!(event["type"], "done", "{event}");
+    }
+    ws_send(&mut socket, json!({"type": "interrupt"})).await?;
+    let events = ws_until_done(&mut socket).await?;
+    let done = events.last().unwrap();
+    assert_eq!(done["result"]["status"], "error", "{done}");
+    assert_eq!(
+        done["result"]["error"]["ename"], "KeyboardInterrupt",
+        "{done}"
+    );
+
+    // An execution started over HTTP shows on the socket too, and a second socket sees
+    // the same events.
+    let mut second = ws_connect(&gateway, &id).await?;
+    assert_eq!(ws_next(&mut second).await?["type"], "session");
+    let r = execute(&gateway, &id, "print(answer)").await?;
+    assert_eq!(r["stdout"], "1234\n");
+    for socket in [&mut socket, &mut second] {
+        let events = ws_until_done(socket).await?;
+        assert_eq!(events[0]["type"], "started");
+        assert_eq!(streamed(&events, "stdout"), "1234\n");
+        assert_eq!(
+            events.last().unwrap()["result"]["execution_id"],
+            r["execution_id"]
+        );
+    }
+
+    // A WebSocket to an unknown session: refused with 404.
+    let err = ws_connect(&gateway, "00000000-0000-4000-8000-000000000000")
+        .await
+        .err()
+        .context("connected to a missing session")?;
+    assert!(err.to_string().contains("404"), "{err}");
+    Ok(())
+}
+
+/// Files: upload → the kernel reads it; the kernel writes → download; list. Traversal,
+/// absolute paths, NUL, links planted by the kernel and oversize uploads are refused and
+/// change nothing on the host.
+#[tokio::test]
+async fn files_upload_download_and_attacks() -> Result<()> {
+    let (gateway, _policies) = start_gateway("workspace = \"4MiB\"\n").await?;
+    let id = create_session(
+        &gateway,
+        json!({"files": [{"path": "seed/hello.txt", "content": "seeded"}]}),
+    )
+    .await?;
+    assert_eq!(
+        execute(&gateway, &id, "open('seed/hello.txt').read()").await?["result"],
+        "'seeded'"
+    );
+
+    // Uploaded files belong to the sandbox's user: the kernel may change and remove them.
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nst = os.stat('seed/hello.txt')\nopen('seed/hello.txt', 'a').write('!')\n\
+         os.rename('seed/hello.txt', 'seed/moved.txt')\n(st.st_uid == os.getuid(), st.st_gid == os.getgid())",
+    )
+    .await?;
+    assert_eq!(r["result"], "(True, True)", "{r}");
+
+    let csv = b"a,b\n1,2\n3,4\n".to_vec();
+    assert_eq!(
+        put_file(&gateway, &id, "data/in.csv", csv.clone()).await?,
+        201
+    );
+    let r = execute(
+        &gateway,
+        &id,
+        "import pandas as pd\ndf = pd.read_csv('data/in.csv')\ndf['c'] = df.a + df.b\ndf.to_csv('data/out.csv', index=False)\nint(df.c.sum())",
+    )
+    .await?;
+    assert_eq!(r["result"], "10", "{r}");
+    let response = gateway
+        .request(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/files/data/out.csv"),
+        )
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(
+        response
+            .headers()
+            .get("x-content-type-options")
+            .and_then(|v| v.to_str().ok()),
+        Some("nosniff")
+    );
+    assert_eq!(response.text().await?, "a,b,c\n1,2,3\n3,4,7\n");
+    let (status, listing) = gateway
+        .get_json(&format!("/v1/sessions/{id}/files"))
+        .await?;
+    assert_eq!(status, 200);
+    let paths: Vec<&str> = listing
+        .as_array()
+        .context("listing")?
+        .iter()
+        .filter_map(|e| e["path"].as_str())
+        .collect();
+    for want in ["data/in.csv", "data/out.csv", "seed/moved.txt"] {
+        assert!(paths.contains(&want), "{want} missing from {listing}");
+    }
+    let entry = listing
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["path"] == "data/in.csv")
+        .unwrap();
+    assert_eq!(entry["size"], csv.len());
+
+    // Traversal in every spelling, sent raw so no client library cleans it up.
+    let passwd = std::fs::read("/etc/passwd")?;
+    for path in [
+        "../x",
+        "..%2fx",
+        "%2e%2e/x",
+        "%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+        "a/../../x",
+        "%2fetc%2fpasswd",
+        "x%00y",
+        ".",
+    ] {
+        let url = format!("/v1/sessions/{id}/files/{path}");
+        let (status, body) = raw_request(&gateway, "PUT", &url, b"pwned").await?;
+        assert_eq!(status, 400, "PUT {path}: {body}");
+        let (status, body) = raw_request(&gateway, "GET", &url, b"").await?;
+        assert_eq!(status, 400, "GET {path}: {body}");
+    }
+    let (status, body) = raw_request(
+        &gateway,
+        "GET",
+        &format!("/v1/sessions/{id}/files//etc/passwd"),
+        b"",
+    )
+    .await?;
+    assert!(status == 400 || status == 404, "{status} {body}");
+    assert!(!body.contains("root:"), "{body}");
+
+    // Links planted by hostile code are never followed, in either direction.
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nos.symlink('/etc/passwd', 'passwd')\nos.symlink('/etc', 'etc')\nos.symlink('/', 'root')\n'planted'",
+    )
+    .await?;
+    assert_eq!(r["result"], "'planted'", "{r}");
+    let planted = format!("cellgate-pwned-{}", std::process::id());
+    for path in [
+        "passwd".to_owned(),
+        "etc/passwd".to_owned(),
+        "root/etc/passwd".to_owned(),
+        format!("etc/{planted}"),
+        format!("root/tmp/{planted}"),
+    ] {
+        let url = format!("/v1/sessions/{id}/files/{path}");
+        let (status, body) = raw_request(&gateway, "GET", &url, b"").await?;
+        assert!((400..500).contains(&status), "GET {path}: {status} {body}");
+        assert!(!body.contains("root:"), "GET {path} leaked {body}");
+        let (status, body) = raw_request(&gateway, "PUT", &url, b"pwned\n").await?;
+        // Replacing the link itself with a file is acceptable; writing through it is not.
+        assert!(
+            status == 201 || (400..500).contains(&status),
+            "PUT {path}: {status} {body}"
+        );
+    }
+    assert_eq!(
+        std::fs::read("/etc/passwd")?,
+        passwd,
+        "the host's /etc/passwd changed"
+    );
+    for host in [format!("/etc/{planted}"), format!("/tmp/{planted}")] {
+        assert!(!std::path::Path::new(&host).exists(), "{host} was created");
+    }
+    // A FIFO the kernel made: refused, never a download that hangs.
+    execute(&gateway, &id, "import os\nos.mkfifo('pipe')").await?;
+    let (status, body) = raw_request(
+        &gateway,
+        "GET",
+        &format!("/v1/sessions/{id}/files/pipe"),
+        b"",
+    )
+    .await?;
+    assert!((400..500).contains(&status), "GET pipe: {status} {body}");
+    let (status, listing) = gateway
+        .get_json(&format!("/v1/sessions/{id}/files"))
+        .await?;
+    assert_eq!(
+        status, 200,
+        "listing with links in the workspace: {listing}"
+    );
+
+    // Oversize: 413, and nothing half-written is left behind.
+    let status = put_file(&gateway, &id, "big.bin", vec![7u8; 6 << 20]).await?;
+    assert_eq!(status, 413);
+    let (_, listing) = gateway
+        .get_json(&format!("/v1/sessions/{id}/files"))
+        .await?;
+    assert!(
+        !listing.as_array().unwrap().iter().any(|e| e["path"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("big.bin")
+            || e["path"]
+                .as_str()
+                .unwrap_or_default()
+                .contains(".cellgate-upload")),
+        "{listing}"
+    );
+    // The session still works and smaller uploads still fit.
+    assert_eq!(
+        put_file(&gateway, &id, "small.bin", vec![1u8; 1 << 20]).await?,
+        201
+    );
+    assert_eq!(
+        execute(&gateway, &id, "import os\nos.path.getsize('small.bin')").await?["result"],
+        "1048576"
+    );
+    let (status, _) = gateway
+        .get_json(&format!("/v1/sessions/{id}/files/nope.txt"))
+        .await?;
+    assert_eq!(status, 404);
+    Ok(())
+}
+
+/// One-shot execute: a result from a fresh session that is gone afterwards (its kernel
+/// too); artifacts stay fetchable; also as SSE.
+#[tokio::test]
+async fn one_shot_execute() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let (status, r) = post(
+        &gateway,
+        "/v1/execute",
+        json!({"code": "from IPython.display import display, Markdown\ndisplay(Markdown('**hi**'))\nprint(open('in.txt').read())\n7 * 6",
+               "files": [{"path": "in.txt", "content": "aW5wdXQ=", "encoding": "base64"}]}),
+    )
+    .await?;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["result"], "42");
+    assert_eq!(r["stdout"], "input\n");
+    let artifact = r["artifacts"][0]["id"].as_str().context("an artifact")?;
+    let response = fetch_artifact(&gateway, artifact).await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.text().await?, "**hi**");
+    let mut gone = false;
+    for _ in 0..100 {
+        let (_, list) = gateway.get_json("/v1/sessions").await?;
+        if list.as_array().map(|l| l.is_empty()).unwrap_or(false) {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "the one-shot session outlived its execution");
+    let (_, kernels) = gateway.get_json("/api/kernels").await?;
+    assert_eq!(kernels, json!([]), "its kernel outlived it");
+
+    let mut sse = Sse::open(
+        &gateway,
+        "/v1/execute",
+        json!({"code": "print('streamed')"}),
+    )
+    .await?;
+    let mut names = vec![];
+    loop {
+        let (name, event) = sse.next().await?;
+        names.push(name.clone());
+        if name == "done" {
+            assert_eq!(event["result"]["stdout"], "streamed\n");
+            break;
+        }
+    }
+    assert_eq!(
+        names.first().map(String::as_str),
+        Some("started"),
+        "{names:?}"
+    );
+    Ok(())
+}
+
+/// The OpenAPI document is served and describes every route of API v1 and the result and
+/// event schemas.
+#[tokio::test]
+async fn openapi_document_lists_every_route() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let (status, doc) = gateway.get_json("/v1/openapi.json").await?;
+    assert_eq!(status, 200);
+    assert!(
+        doc["openapi"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("3."),
+        "{doc}"
+    );
+    let paths = doc["paths"].as_object().context("paths")?;
+    for (path, method) in [
+        ("/v1/sessions", "post"),
+        ("/v1/sessions", "get"),
+        ("/v1/sessions/{id}", "get"),
+        ("/v1/sessions/{id}", "delete"),
+        ("/v1/sessions/{id}/execute", "post"),
+        ("/v1/execute", "post"),
+        ("/v1/sessions/{id}/interrupt", "post"),
+        ("/v1/sessions/{id}/restart", "post"),
+        ("/v1/sessions/{id}/input", "post"),
+        ("/v1/sessions/{id}/files", "get"),
+        ("/v1/sessions/{id}/files/{path}", "put"),
+        ("/v1/sessions/{id}/files/{path}", "get"),
+        ("/v1/sessions/{id}/artifacts", "get"),
+        ("/v1/artifacts/{id}", "get"),
+        ("/v1/sessions/{id}/ws", "get"),
+        ("/v1/sessions/{id}/notebook", "get"),
+        ("/v1/notebooks/replay", "post"),
+    ] {
+        assert!(
+            paths.get(path).and_then(|p| p.get(method)).is_some(),
+            "{method} {path} missing from the OpenAPI document"
+        );
+    }
+    let schemas = doc["components"]["schemas"]
+        .as_object()
+        .context("schemas")?;
+    for schema in ["ExecutionResult", "SessionEvent", "ArtifactRef"] {
+        assert!(schemas.contains_key(schema), "{schema} missing");
+    }
+    Ok(())
+}
+
+/// Hostile code shaping `outputs/`: links to host files (a file link and `outputs` itself
+/// as a link), a FIFO that would block a reader, and artifact ids that look like paths. None
+/// of it leaks a host file, hangs the execution, or harms the session.
+#[tokio::test]
+async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nos.makedirs('outputs/sub', exist_ok=True)\n\
+         os.symlink('/etc/passwd', 'outputs/passwd.txt')\n\
+         os.symlink('/etc', 'outputs/etc')\n\
+         os.mkfifo('outputs/pipe.txt')\n\
+         open('outputs/sub/real.txt', 'w').write('real')\n'ok'",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let artifacts = r["artifacts"].as_array().context("artifacts")?;
+    assert_eq!(artifacts.len(), 1, "only the regular file: {artifacts:?}");
+    assert_eq!(artifacts[0]["path"], "outputs/sub/real.txt");
+    let body = fetch_artifact(&gateway, artifacts[0]["id"].as_str().unwrap())
+        .await?
+        .text()
+        .await?;
+    assert_eq!(body, "real");
+
+    // outputs itself replaced by a link to a host directory full of files.
+    let r = execute(
+        &gateway,
+        &id,
+        "import os, shutil\nshutil.rmtree('outputs')\nos.symlink('/etc', 'outputs')\n'swapped'",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["artifacts"], json!([]), "{r}");
+    let (_, listed) = gateway
+        .get_json(&format!("/v1/sessions/{id}/artifacts"))
+        .await?;
+    for artifact in listed.as_array().context("listed")? {
+        let body = fetch_artifact(&gateway, artifact["id"].as_str().unwrap())
+            .await?
+            .text()
+            .await?;
+        assert!(!body.contains("root:"), "{artifact} leaked a host file");
+    }
+
+    // Artifact ids that look like paths: 404, never a file.
+    for id in [
+        "..%2f..%2f..%2fetc%2fpasswd",
+        "%2e%2e",
+        "%2fetc%2fpasswd",
+        "x%00",
+    ] {
+        let (status, body) =
+            raw_request(&gateway, "GET", &format!("/v1/artifacts/{id}"), b"").await?;
+        assert!((400..500).contains(&status), "{id}: {status}");
+        assert!(!body.contains("root:"), "{id}: {body}");
+    }
+    assert_eq!(execute(&gateway, &id, "1 + 1").await?["result"], "2");
+    Ok(())
+}
+
+/// Interrupt over HTTP stops a running cell (KeyboardInterrupt, variables kept); a deleted
+/// session's artifacts stay fetchable for the retention period while the session is gone.
+#[tokio::test]
+async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "kept = 5\nfrom IPython.display import display, SVG\n\
+         display(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"20\"/>'))",
+    )
+    .await?;
+    let artifact = r["artifacts"][0]["id"]
+        .as_str()
+        .context("an artifact")?
+        .to_owned();
+
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"code": "import time\nprint('sleeping', flush=True)\ntime.sleep(60)"}),
+    )
+    .await?;
+    loop {
+        let (name, event) = sse.next().await?;
+        assert_ne!(name, "done", "{event}");
+        if name == "stream" && event["text"] == "sleeping\n" {
+            break;
+        }
+    }
+    let (status, body) = post(&gateway, &format!("/v1/sessions/{id}/interrupt"), json!({})).await?;
+    assert_eq!(status, 204, "{body}");
+    let result = loop {
+        let (name, event) = sse.next().await?;
+        if name == "done" {
+            break event["result"].clone();
+        }
+    };
+    assert_eq!(result["status"], "error", "{result}");
+    assert_eq!(result["error"]["ename"], "KeyboardInterrupt", "{result}");
+    assert_eq!(execute(&gateway, &id, "kept").await?["result"], "5");
+
+    let status = gateway
+        .request(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?
+        .status()
+        .as_u16();
+    assert_eq!(status, 204);
+    assert_eq!(
+        gateway
+            .get_json(&format!("/v1/sessions/{id}/artifacts"))
+            .await?
+            .0,
+        404
+    );
+    let response = fetch_artifact(&gateway, &artifact).await?;
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(response.text().await?.contains("height=\"20\""));
+    Ok(())
+}
+
+/// Executions sent at once to one session are queued, and each result holds only its own
+/// output; a busy session never holds up another one.
+#[tokio::test]
+async fn concurrent_executes_keep_their_own_output() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let other = create_session(&gateway, json!({})).await?;
+
+    let runs = (0..4).map(|i| {
+        let gateway = &gateway;
+        let id = id.clone();
+        async move {
+            let code = format!(
+                "import time\nfor j in range(5):\n    print('run{i}', j, flush=True)\n    time.sleep(0.01)\nrun{i} = {i}\n{i} * 100"
+            );
+            (i, execute(gateway, &id, &code).await)
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    let mut counts = vec![];
+    for (i, result) in results {
+        let r = result?;
+        assert_eq!(r["status"], "ok", "{r}");
+        let want: String = (0..5).map(|j| format!("run{i} {j}\n")).collect();
+        assert_eq!(
+            r["stdout"],
+            want.as_str(),
+            "run {i} got another's output: {r}"
+        );
+        assert_eq!(r["result"], (i * 100).to_string());
+        counts.push(r["execution_count"].as_i64().context("count")?);
+    }
+    counts.sort();
+    counts.dedup();
+    assert_eq!(
+        counts.len(),
+        4,
+        "each execution has its own count: {counts:?}"
+    );
+
+    // Session `id` busy (waiting for the test), `other` still answers.
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({"code": format!("print('busy', flush=True)\n{}'released'", wait_for_file("release"))}),
+    )
+    .await?;
+    loop {
+        let (name, event) = sse.next().await?;
+        assert_ne!(name, "done", "{event}");
+        if name == "stream" {
+            break;
+        }
+    }
+    let r = execute(&gateway, &other, "'other answers'").await?;
+    assert_eq!(r["result"], "'other answers'");
+    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(status, 200);
+    assert_eq!(model["state"], "busy", "{model}");
+    assert_eq!(put_file(&gateway, &id, "release", vec![]).await?, 201);
+    loop {
+        let (name, event) = sse.next().await?;
+        if name == "done" {
+            assert_eq!(event["result"]["result"], "'released'", "{event}");
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Bad requests around files lose nothing: initial files with a bad path or encoding refuse
+/// the session (no kernel left behind), also for the one-shot execute; an oversize upload
+/// without a Content-Length (chunked, as a streaming client sends it) is cut off with 413.
+#[tokio::test]
+async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
+    let (gateway, _policies) = start_gateway("workspace = \"2MiB\"\n").await?;
+    for files in [
+        json!([{"path": "../escape.txt", "content": "x"}]),
+        json!([{"path": "/etc/cellgate-escape", "content": "x"}]),
+        json!([{"path": "ok.txt", "content": "%%%", "encoding": "base64"}]),
+        json!([{"path": "ok.txt", "content": "x", "encoding": "rot13"}]),
+    ] {
+        let (status, body) = post(&gateway, "/v1/sessions", json!({ "files": files })).await?;
+        assert_eq!(status, 400, "{files}: {body}");
+        let (status, body) = post(
+            &gateway,
+            "/v1/execute",
+            json!({"code": "1", "files": files}),
+        )
+        .await?;
+        assert_eq!(status, 400, "{files}: {body}");
+    }
+    assert!(!std::path::Path::new("/etc/cellgate-escape").exists());
+    let (_, sessions) = gateway.get_json("/v1/sessions").await?;
+    assert_eq!(sessions, json!([]), "a refused session was kept");
+    let (_, kernels) = gateway.get_json("/api/kernels").await?;
+    assert_eq!(kernels, json!([]), "a refused session's kernel was kept");
+
+    let id = create_session(&gateway, json!({})).await?;
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", gateway.port)).await?;
+    let head = format!(
+        "PUT /v1/sessions/{id}/files/stream.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+         Authorization: token {}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        gateway.token.clone().unwrap_or_default()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    let chunk = vec![b'z'; 64 << 10];
+    // Up to 8 MiB; the gateway may stop reading (and answer) long before.
+    for _ in 0..128 {
+        let mut frame = format!("{:x}\r\n", chunk.len()).into_bytes();
+        frame.extend_from_slice(&chunk);
+        frame.extend_from_slice(b"\r\n");
+        if stream.write_all(&frame).await.is_err() {
+            break;
+        }
+    }
+    let _ = stream.write_all(b"0\r\n\r\n").await;
+    let mut response = Vec::new();
+    let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut response)).await?;
+    let text = String::from_utf8_lossy(&response);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    let (_, listing) = gateway
+        .get_json(&format!("/v1/sessions/{id}/files"))
+        .await?;
+    // The workspace is the kernel's home (.ipython and such): only the upload matters.
+    assert!(
+        !listing.as_array().context("listing")?.iter().any(|e| {
+            let path = e["path"].as_str().unwrap_or_default();
+            path.contains("stream.bin") || path.contains(".cellgate-upload")
+        }),
+        "a partial upload was left: {listing}"
+    );
+    assert_eq!(
+        put_file(&gateway, &id, "fits.bin", vec![0u8; 1 << 20]).await?,
+        201
+    );
+    Ok(())
+}
+
+/// What a chat user actually does: a DataFrame as the last expression (text in `result`, the
+/// HTML table as an artifact) and a matplotlib chart through the inline backend (a PNG
+/// artifact with its size), no `display` calls by hand.
+#[tokio::test]
+async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let r = execute(
+        &gateway,
+        &id,
+        "import pandas as pd\ndf = pd.DataFrame({'city': ['Oslo', 'Lima'], 'temp': [3.5, 19.0]})\ndf",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let text = r["result"].as_str().context("text/plain result")?;
+    assert!(text.contains("Oslo") && text.contains("19.0"), "{text}");
+    let html = r["artifacts"]
+        .as_array()
+        .context("artifacts")?
+        .iter()
+        .find(|a| a["mime"] == "text/html")
+        .with_context(|| format!("no HTML table: {r}"))?;
+    let body = fetch_artifact(&gateway, html["id"].as_str().unwrap())
+        .await?
+        .text()
+        .await?;
+    assert!(body.contains("<table") && body.contains("Lima"), "{body}");
+
+    let r = execute(
+        &gateway,
+        &id,
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\nfig = plt.figure(figsize=(3, 2), dpi=100)\nplt.plot([1, 3, 2])\nplt.show()",
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let png = r["artifacts"]
+        .as_array()
+        .context("artifacts")?
+        .iter()
+        .find(|a| a["mime"] == "image/png")
+        .with_context(|| format!("no chart: {r}"))?;
+    assert!(png["width"].as_u64().unwrap_or(0) > 100, "{png}");
+    assert!(png["height"].as_u64().unwrap_or(0) > 50, "{png}");
+    let bytes = fetch_artifact(&gateway, png["id"].as_str().unwrap())
+        .await?
+        .bytes()
+        .await?;
+    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    Ok(())
+}
+
+/// SSE and the session WebSocket carry the same events, in the kernel's order: output
+/// interleaved with displays exactly as produced.
+#[tokio::test]
+async fn sse_and_websocket_carry_the_same_ordered_events() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let mut socket = ws_connect(&gateway, &id).await?;
+    assert_eq!(ws_next(&mut socket).await?["type"], "session");
+    let code = "from IPython.display import display, Markdown\nimport sys\n\
+                print('a', flush=True)\ndisplay(Markdown('*m1*'))\n\
+                print('b', flush=True)\nprint('e', file=sys.stderr, flush=True)\n\
+                display(Markdown('*m2*'))\nprint('c', flush=True)\n'end'";
+    let mut sse = Sse::open(
+        &gateway,
+        &format!("/v1/sessions/{id}/execute"),
+        json!({ "code": code }),
+    )
+    .await?;
+    let mut from_sse = vec![];
+    loop {
+        let (name, event) = sse.next().await?;
+        from_sse.push(event);
+        if name == "done" {
+            break;
+        }
+    }
+    let from_ws = ws_until_done(&mut socket).await?;
+    assert_eq!(from_sse, from_ws, "SSE and WebSocket differ");
+    let shape: Vec<String> = from_sse
+        .iter()
+        .map(|e| match e["type"].as_str().unwrap_or_default() {
+            "stream" => format!(
+                "{}:{}",
+                e["name"].as_str().unwrap(),
+                e["text"].as_str().unwrap().trim()
+            ),
+            "display" => format!("display:{}", e["text"].as_str().unwrap_or_default()),
+            other => other.to_owned(),
+        })
+        .collect();
+    let stdout_and_displays: Vec<&String> = shape
+        .iter()
+        .filter(|s| s.starts_with("stdout:") || s.starts_with("display:"))
+        .collect();
+    assert_eq!(
+        stdout_and_displays,
+        [
+            "stdout:a",
+            "display:<IPython.core.display.Markdown object>",
+            "stdout:b",
+            "display:<IPython.core.display.Markdown object>",
+            "stdout:c"
+        ],
+        "{shape:?}"
+    );
+    assert_eq!(shape.first().map(String::as_str), Some("started"));
+    assert_eq!(&shape[shape.len() - 2..], ["result", "done"], "{shape:?}");
+    assert!(shape.contains(&"stderr:e".to_owned()), "{shape:?}");
+    Ok(())
+}
+
+/// Two sessions share nothing: files, artifacts and variables of one never show in the other.
+#[tokio::test]
+async fn sessions_are_separate() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let a = create_session(&gateway, json!({})).await?;
+    let b = create_session(&gateway, json!({})).await?;
+    assert_eq!(
+        put_file(&gateway, &a, "only-a.txt", b"a".to_vec()).await?,
+        201
+    );
+    let r = execute(
+        &gateway,
+        &a,
+        "secret = 'a'\nfrom IPython.display import display, Markdown\ndisplay(Markdown('only a'))",
+    )
+    .await?;
+    let artifact_a = r["artifacts"][0]["id"].clone();
+    assert!(artifact_a.is_string(), "{r}");
+
+    let r = execute(
+        &gateway,
+        &b,
+        "import os\n('secret' in dir(), os.path.exists('only-a.txt'))",
+    )
+    .await?;
+    assert_eq!(r["result"], "(False, False)", "{r}");
+    let (_, files) = gateway.get_json(&format!("/v1/sessions/{b}/files")).await?;
+    assert!(
+        !files.to_string().contains("only-a.txt"),
+        "b lists a's file: {files}"
+    );
+    let (status, _) = gateway
+        .get_json(&format!("/v1/sessions/{b}/files/only-a.txt"))
+        .await?;
+    assert_eq!(status, 404);
+    let (_, artifacts) = gateway
+        .get_json(&format!("/v1/sessions/{b}/artifacts"))
+        .await?;
+    assert_eq!(artifacts, json!([]), "b lists a's artifacts");
+    let (_, artifacts) = gateway
+        .get_json(&format!("/v1/sessions/{a}/artifacts"))
+        .await?;
+    assert_eq!(artifacts[0]["id"], artifact_a);
+    Ok(())
+}
