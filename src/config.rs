@@ -8,7 +8,9 @@ use std::time::Duration;
 use clap::Args;
 use serde::Deserialize;
 
+use crate::jwt::JwtSettings;
 use crate::sandbox::Backend;
+use crate::tenants::TenantSettings;
 
 /// Options of `cellgate serve`. Every option can also be set in the config file.
 #[derive(Debug, Clone, Default, Args)]
@@ -91,6 +93,42 @@ pub struct ServeArgs {
     /// [default: 3600].
     #[arg(long)]
     pub artifact_retention: Option<u64>,
+    #[command(flatten)]
+    pub auth: AuthArgs,
+}
+
+/// JWT and tenant options of `cellgate serve` (also read by `cellgate token`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct AuthArgs {
+    /// File holding the HS256 secret of tenants' JWTs (at least 32 bytes)
+    /// [env: CELLGATE_JWT_SECRET_FILE].
+    #[arg(long)]
+    pub jwt_secret_file: Option<PathBuf>,
+    /// PEM file of a public key (RSA, EC or Ed25519) that signs tenants' JWTs; repeatable.
+    #[arg(long = "jwt-public-key")]
+    pub jwt_public_keys: Vec<PathBuf>,
+    /// JWKS file of public keys that sign tenants' JWTs [env: CELLGATE_JWKS_FILE].
+    #[arg(long)]
+    pub jwks_file: Option<PathBuf>,
+    /// Issuer (`iss`) tenants' JWTs must name.
+    #[arg(long)]
+    pub jwt_issuer: Option<String>,
+    /// Audience (`aud`) tenants' JWTs must name.
+    #[arg(long)]
+    pub jwt_audience: Option<String>,
+    /// Live kernels (and sessions) per tenant [default: unlimited].
+    #[arg(long)]
+    pub tenant_max_kernels: Option<usize>,
+    /// Sustained requests per second per tenant [default: unlimited].
+    #[arg(long)]
+    pub tenant_rate: Option<f64>,
+    /// Requests a tenant may make at once before its rate applies [default: the rate].
+    #[arg(long)]
+    pub tenant_burst: Option<u32>,
+    /// Policies from least to most permissive, comma separated: a tenant capped at P may
+    /// use P and those before it [default: only P].
+    #[arg(long, value_delimiter = ',')]
+    pub policy_order: Option<Vec<String>>,
 }
 
 /// The config file. Unknown keys are errors, reported with their line.
@@ -115,6 +153,15 @@ struct FileConfig {
     max_message_mib: Option<usize>,
     runtime_dir: Option<PathBuf>,
     base_url: Option<String>,
+    jwt_secret_file: Option<PathBuf>,
+    #[serde(default)]
+    jwt_public_keys: Vec<PathBuf>,
+    jwks_file: Option<PathBuf>,
+    jwt_issuer: Option<String>,
+    jwt_audience: Option<String>,
+    jwt_leeway_s: Option<u64>,
+    #[serde(default)]
+    tenants: TenantSettings,
     package_index: Option<String>,
     wheelhouse: Option<PathBuf>,
     package_cache_dir: Option<PathBuf>,
@@ -148,6 +195,9 @@ pub struct GatewayConfig {
     pub runtime_dir: Option<PathBuf>,
     /// Always starts and ends with `/`.
     pub base_url: String,
+    /// JWT keys (paths only: secrets are read when the gateway starts and never kept here).
+    pub jwt: JwtSettings,
+    pub tenants: TenantSettings,
     /// Upstream simple index; ignored when `wheelhouse` is set.
     pub package_index: String,
     pub wheelhouse: Option<PathBuf>,
@@ -173,10 +223,12 @@ pub enum ConfigError {
     Parse { path: PathBuf, message: String },
     #[error("environment variable {name}: {message}")]
     Env { name: &'static str, message: String },
-    #[error("refusing to listen on {ip} without a token: set --token or CELLGATE_AUTH_TOKEN, or listen on a loopback address")]
+    #[error("refusing to listen on {ip} without a token: set --token or CELLGATE_AUTH_TOKEN (or JWT keys: --jwt-secret-file, --jwt-public-key, --jwks-file), or listen on a loopback address")]
     TokenRequired { ip: IpAddr },
     #[error("base_url {0:?} must be a path")]
     BadBaseUrl(String),
+    #[error(transparent)]
+    Tenants(#[from] crate::tenants::TenantError),
 }
 
 /// Reads an environment variable, treating an empty value as unset.
@@ -244,9 +296,6 @@ impl GatewayConfig {
             .or_else(|| env_var("KG_AUTH_TOKEN"))
             .or(file.token)
             .filter(|t| !t.is_empty());
-        if token.is_none() && !ip.is_loopback() {
-            return Err(ConfigError::TokenRequired { ip });
-        }
         let base_url = args
             .base_url
             .clone()
@@ -257,6 +306,45 @@ impl GatewayConfig {
             return Err(ConfigError::BadBaseUrl(base_url));
         }
         let base_url = format!("/{}/", base_url.trim_matches('/')).replace("//", "/");
+        let jwt = JwtSettings {
+            secret_file: args
+                .auth
+                .jwt_secret_file
+                .clone()
+                .or_else(|| env_var("CELLGATE_JWT_SECRET_FILE").map(PathBuf::from))
+                .or(file.jwt_secret_file),
+            public_keys: if args.auth.jwt_public_keys.is_empty() {
+                file.jwt_public_keys
+            } else {
+                args.auth.jwt_public_keys.clone()
+            },
+            jwks_file: args
+                .auth
+                .jwks_file
+                .clone()
+                .or_else(|| env_var("CELLGATE_JWKS_FILE").map(PathBuf::from))
+                .or(file.jwks_file),
+            issuer: args.auth.jwt_issuer.clone().or(file.jwt_issuer),
+            audience: args.auth.jwt_audience.clone().or(file.jwt_audience),
+            leeway: Duration::from_secs(file.jwt_leeway_s.unwrap_or(30)),
+        };
+        let mut tenants = file.tenants;
+        if let Some(max) = args.auth.tenant_max_kernels {
+            tenants.max_kernels = Some(max);
+        }
+        if let Some(rate) = args.auth.tenant_rate {
+            tenants.rate = Some(rate);
+        }
+        if let Some(burst) = args.auth.tenant_burst {
+            tenants.burst = Some(burst);
+        }
+        if let Some(order) = &args.auth.policy_order {
+            tenants.policy_order = order.clone();
+        }
+        tenants.validate()?;
+        if token.is_none() && !jwt.enabled() && !ip.is_loopback() {
+            return Err(ConfigError::TokenRequired { ip });
+        }
         let cull = args
             .cull_idle_timeout
             .or(file.cull_idle_timeout)
@@ -330,6 +418,8 @@ impl GatewayConfig {
                 << 20,
             runtime_dir: args.runtime_dir.clone().or(file.runtime_dir),
             base_url,
+            jwt,
+            tenants,
             package_index: args
                 .package_index
                 .clone()
@@ -391,5 +481,53 @@ mod tests {
         };
         let config = GatewayConfig::resolve(&args).unwrap();
         assert_eq!(config.base_url, "/gw/");
+    }
+
+    #[test]
+    fn jwt_and_tenant_settings_from_file_and_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "ip = \"0.0.0.0\"\njwt_secret_file = \"/etc/cellgate/jwt\"\njwt_issuer = \"idp\"\n\
+             [tenants]\npolicy_order = [\"strict\", \"default\"]\nmax_kernels = 3\n\
+             [tenants.limits.acme]\nmax_kernels = 9\n",
+        )
+        .unwrap();
+        let args = ServeArgs {
+            config: Some(path.clone()),
+            auth: AuthArgs {
+                tenant_max_kernels: Some(5),
+                tenant_rate: Some(2.5),
+                ..AuthArgs::default()
+            },
+            ..ServeArgs::default()
+        };
+        // JWT keys count as authentication: a public address is allowed without a token.
+        let config = GatewayConfig::resolve(&args).unwrap();
+        assert_eq!(
+            config.jwt.secret_file.as_deref(),
+            Some(Path::new("/etc/cellgate/jwt"))
+        );
+        assert_eq!(config.jwt.issuer.as_deref(), Some("idp"));
+        assert_eq!(config.tenants.max_kernels, Some(5));
+        assert_eq!(config.tenants.rate, Some(2.5));
+        assert_eq!(config.tenants.limits["acme"].max_kernels, Some(9));
+        assert_eq!(config.tenants.policy_order, ["strict", "default"]);
+        // The settings hold the secret's path, never the secret itself.
+        assert!(format!("{config:?}").contains("/etc/cellgate/jwt"));
+
+        let bad = ServeArgs {
+            config: Some(path),
+            auth: AuthArgs {
+                tenant_rate: Some(0.0),
+                ..AuthArgs::default()
+            },
+            ..ServeArgs::default()
+        };
+        assert!(matches!(
+            GatewayConfig::resolve(&bad),
+            Err(ConfigError::Tenants(_))
+        ));
     }
 }

@@ -13,6 +13,8 @@
 //! - [`policy`]: policy files (sandbox backend and limits), parsed and validated.
 //! - [`config`]: the gateway's settings from the command line, environment and file.
 //! - [`doctor`]: `cellgate doctor`, which backends this host can run and how to fix the rest.
+//! - [`jwt`]: JWT bearer tokens for tenants: verifying (cached) and issuing.
+//! - [`tenants`]: per-tenant policy caps, kernel caps and request rates.
 
 #![deny(unsafe_code)]
 
@@ -21,6 +23,7 @@ pub mod config;
 pub mod doctor;
 pub mod egress;
 pub mod gateway;
+pub mod jwt;
 pub mod kernel;
 pub mod notebook;
 pub mod packages;
@@ -29,4 +32,5 @@ pub mod protocol;
 pub mod sandbox;
 pub mod sessions;
 pub mod telemetry;
+pub mod tenants;
 pub mod workspace;

@@ -33,11 +33,35 @@ enum Command {
     Serve(ServeArgs),
     /// Check which sandbox backends this host can run, and how to fix the rest.
     Doctor(DoctorArgs),
+    /// Issue a tenant's JWT (HS256) from the configured secret; prints it on stdout.
+    Token(TokenArgs),
     /// Export a kernel's history from a running gateway as a notebook (.ipynb, nbformat 4.5).
     Export(notebook_cli::ExportArgs),
     /// Replay a notebook's code cells in a fresh sandboxed kernel and compare the outputs
     /// (exit 0: all matched, 1: a cell differed or errored, 2: unusable notebook or arguments).
     Replay(notebook_cli::ReplayArgs),
+}
+
+#[derive(clap::Args)]
+struct TokenArgs {
+    /// The tenant the token is for.
+    #[arg(long)]
+    tenant: String,
+    /// The most permissive policy the tenant may use.
+    #[arg(long)]
+    policy: String,
+    /// How long the token is valid: e.g. 30m, 12h, 7d.
+    #[arg(long, default_value = "1h")]
+    ttl: String,
+    /// The subject (who within the tenant) [default: the tenant].
+    #[arg(long)]
+    sub: Option<String>,
+    /// The gateway's config file, for its JWT secret, issuer and audience.
+    #[arg(long, env = "CELLGATE_CONFIG")]
+    config: Option<std::path::PathBuf>,
+    /// File holding the HS256 secret [env: CELLGATE_JWT_SECRET_FILE].
+    #[arg(long)]
+    jwt_secret_file: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -92,6 +116,7 @@ fn main() -> anyhow::Result<()> {
         .context("cannot start the async runtime")?;
     match cli.command {
         Command::Serve(args) => runtime.block_on(serve(args)),
+        Command::Token(args) => issue_token(args),
         Command::Doctor(args) => {
             let report =
                 runtime.block_on(cellgate::doctor::run(&cellgate::doctor::DoctorOptions {
@@ -119,6 +144,39 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(code)
         }
     }
+}
+
+/// `cellgate token`: reads the secret (and issuer and audience) exactly as `serve` would.
+fn issue_token(args: TokenArgs) -> anyhow::Result<()> {
+    let ttl = cellgate::policy::parse_duration(&args.ttl)
+        .map_err(|err| anyhow::anyhow!("--ttl: {err}"))?;
+    anyhow::ensure!(!ttl.is_zero(), "--ttl must be longer than zero");
+    let serve_args = ServeArgs {
+        config: args.config,
+        auth: cellgate::config::AuthArgs {
+            jwt_secret_file: args.jwt_secret_file,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let config = GatewayConfig::resolve(&serve_args)?;
+    let secret_file = config
+        .jwt
+        .secret_file
+        .as_deref()
+        .ok_or(cellgate::jwt::JwtError::NoSecret)?;
+    let secret = cellgate::jwt::read_secret(secret_file)?;
+    let token = cellgate::jwt::issue_hs256(
+        &secret,
+        &args.tenant,
+        args.sub.as_deref().unwrap_or(&args.tenant),
+        &args.policy,
+        ttl,
+        config.jwt.issuer.as_deref(),
+        config.jwt.audience.as_deref(),
+    )?;
+    println!("{token}");
+    Ok(())
 }
 
 /// The egress proxy and package index (src/egress, src/packages), from the gateway config.
@@ -214,7 +272,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(
         url = %format!("http://{local}{}", config.base_url),
         sandbox = config.sandbox.map_or("per policy", Backend::as_str),
-        auth = if config.token.is_some() { "token" } else { "none (loopback only)" },
+        auth = match (config.token.is_some(), config.jwt.enabled()) {
+            (true, true) => "token and JWT",
+            (true, false) => "token",
+            (false, true) => "JWT",
+            (false, false) => "none (loopback only)",
+        },
         "cellgate is serving the Kernel Gateway API"
     );
     // Tools that start us (tests, benchmarks) read the port from this line.

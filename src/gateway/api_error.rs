@@ -63,6 +63,7 @@ impl From<KernelError> for ApiError {
                 ApiError::bad_request(err.to_string())
             }
             E::TooManyKernels { .. } => ApiError::new(StatusCode::FORBIDDEN, "Resource Limit"),
+            E::TenantKernelLimit { .. } => ApiError::new(StatusCode::FORBIDDEN, err.to_string()),
             E::Terminated => ApiError::not_found("Kernel does not exist"),
             E::Dead(_) | E::NotReady | E::DiedDuringStart | E::NoReply(_) => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())

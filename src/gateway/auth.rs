@@ -1,16 +1,27 @@
-//! Token authentication, as Kernel Gateway does it and a little stricter: `?token=T`,
+//! Authentication and the tenant rules at the HTTP edge.
+//!
+//! Credentials as Kernel Gateway takes them, a little stricter: `?token=T`,
 //! `Authorization: token T` or `Authorization: Bearer T`; the query wins when both are given;
-//! an empty credential counts as none; comparison in constant time. CORS preflights are
+//! an empty credential counts as none. The static token (compared in constant time) makes the
+//! request the admin's; otherwise, when JWT keys are configured, the credential must be a JWT
+//! that `crate::jwt` verifies, and the request is its tenant's. A tenant's request then takes
+//! one token from its rate bucket (429 with `Retry-After` when empty). CORS preflights are
 //! answered before this layer runs.
+//!
+//! Rejections are 401 with a reason that says what was wrong with the token (expired, bad
+//! signature, missing claim) and nothing about the gateway's keys; with only the static token
+//! configured the body stays Kernel Gateway's (empty message).
 
 use axum::extract::{Request, State};
-use axum::http::{header, Method};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq;
 
 use super::api_error::ApiError;
 use super::state::AppState;
+use crate::kernel::Owner;
+use crate::tenants::TenantError;
 
 /// Who a request comes from; `require_token` puts it in the request's extensions, so handlers
 /// take `Extension<Principal>`.
@@ -43,6 +54,45 @@ impl Principal {
         match self {
             Principal::Admin => true,
             Principal::Tenant { tenant, .. } => owner == Some(tenant.as_str()),
+        }
+    }
+}
+
+/// How a kernel (or API v1 session) that `principal` starts may run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartTerms {
+    /// The owner to record, with its kernel cap (`None`: the admin's kernel).
+    pub owner: Option<Owner>,
+    /// The policy to run under; `None` lets the usual choice apply (kernelspec metadata,
+    /// then `default`), which only the admin gets.
+    pub policy: Option<String>,
+}
+
+/// The terms of a start by `principal` that asks for policy `requested`: a tenant runs under
+/// the policy it asked for if its cap allows it (else 403), or under its cap when it asked for
+/// none; its kernel is recorded as its own and counts toward its kernel cap.
+pub fn start_terms(
+    state: &AppState,
+    principal: &Principal,
+    requested: Option<&str>,
+) -> Result<StartTerms, ApiError> {
+    match principal {
+        Principal::Admin => Ok(StartTerms {
+            owner: None,
+            policy: requested.map(str::to_owned),
+        }),
+        Principal::Tenant { tenant, policy, .. } => {
+            let chosen = state
+                .tenants
+                .choose_policy(policy, requested)
+                .map_err(|err| ApiError::new(StatusCode::FORBIDDEN, err.to_string()))?;
+            Ok(StartTerms {
+                owner: Some(Owner {
+                    tenant: tenant.clone(),
+                    max_kernels: state.tenants.max_kernels(tenant),
+                }),
+                policy: Some(chosen),
+            })
         }
     }
 }
@@ -106,27 +156,77 @@ pub fn token_matches(expected: &str, presented: &str) -> bool {
     expected.as_bytes().ct_eq(presented.as_bytes()).into()
 }
 
-/// Rejects requests without the right token with 401 (OPTIONS passes: preflights carry no
-/// credentials).
+/// Authenticates every request (OPTIONS passes: preflights carry no credentials) and puts
+/// its [`Principal`] into the request's extensions; applies tenants' rate limits.
 pub async fn require_token(
     State(state): State<AppState>,
     mut request: Request,
     next: Next,
 ) -> Response {
-    let Some(expected) = state.config.token.as_deref() else {
+    let expected = state.config.token.as_deref();
+    let jwt = state.jwt.as_deref();
+    if expected.is_none() && jwt.is_none() {
+        // Loopback only (the config refuses anything else without authentication).
         request.extensions_mut().insert(Principal::Admin);
         return next.run(request).await;
-    };
+    }
     if request.method() == Method::OPTIONS {
         return next.run(request).await;
     }
-    match credential(&request) {
-        Some(presented) if token_matches(expected, &presented) => {
-            request.extensions_mut().insert(Principal::Admin);
-            next.run(request).await
+    let presented = credential(&request);
+    let principal = match (presented, jwt) {
+        (Some(presented), _) if expected.is_some_and(|t| token_matches(t, &presented)) => {
+            Principal::Admin
         }
-        _ => ApiError::unauthorized().into_response(),
+        (Some(presented), Some(jwt)) => match jwt.verify(&presented) {
+            Ok(identity) => Principal::Tenant {
+                tenant: identity.tenant.clone(),
+                subject: identity.subject.clone(),
+                policy: identity.policy.clone(),
+            },
+            Err(err) => {
+                tracing::info!(reason = %err, path = %request.uri().path(), "bearer token refused");
+                return bearer_refusal(format!("invalid token: {err}"));
+            }
+        },
+        (None, Some(_)) => {
+            return bearer_refusal(
+                "authentication required: Authorization: Bearer <JWT> (or the gateway's token)"
+                    .to_owned(),
+            )
+        }
+        (_, None) => return ApiError::unauthorized().into_response(),
+    };
+    if let Principal::Tenant { tenant, .. } = &principal {
+        if let Err(err) = state.tenants.check_rate(tenant) {
+            return rate_limited(tenant, err);
+        }
     }
+    request.extensions_mut().insert(principal);
+    next.run(request).await
+}
+
+fn bearer_refusal(message: String) -> Response {
+    let mut response = ApiError::new(StatusCode::UNAUTHORIZED, message).into_response();
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer error=\"invalid_token\""),
+    );
+    response
+}
+
+fn rate_limited(tenant: &str, err: TenantError) -> Response {
+    let retry_after = match &err {
+        TenantError::RateLimited { retry_after } => retry_after.as_secs_f64().ceil().max(1.0),
+        _ => 1.0,
+    };
+    tracing::debug!(tenant, "tenant over its request rate");
+    let mut response =
+        ApiError::new(StatusCode::TOO_MANY_REQUESTS, err.to_string()).into_response();
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(retry_after as u64));
+    response
 }
 
 #[cfg(test)]

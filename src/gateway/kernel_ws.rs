@@ -15,13 +15,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
 use serde::Deserialize;
 use tokio::sync::oneshot;
 
+use super::auth::Principal;
 use super::kernels::is_kernel_id;
 use super::state::AppState;
 use crate::kernel::{client_queue, Inbox, Kernel};
@@ -76,6 +77,7 @@ fn is_gateway_client_relay(headers: &HeaderMap) -> bool {
 
 pub async fn channels(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     Query(query): Query<ChannelsQuery>,
     headers: HeaderMap,
@@ -84,9 +86,10 @@ pub async fn channels(
     if !origin_allowed(&headers, state.config.allow_origin.as_deref()) {
         return (StatusCode::FORBIDDEN, "Cross origin websockets not allowed").into_response();
     }
+    // Another tenant's kernel is answered exactly as a missing one.
     let kernel = match is_kernel_id(&id).then(|| state.kernels.get(&id)).flatten() {
-        Some(kernel) => kernel,
-        None => return StatusCode::NOT_FOUND.into_response(),
+        Some(kernel) if principal.may_see(kernel.owner()) => kernel,
+        _ => return StatusCode::NOT_FOUND.into_response(),
     };
     let session = query
         .session_id

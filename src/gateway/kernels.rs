@@ -1,9 +1,12 @@
 //! The Kernel Gateway REST API for kernels and kernelspecs (gateway-contract.md 1.2–1.4).
+//!
+//! Tenants see only their own kernels: lists are filtered, and another tenant's kernel
+//! answers exactly as a missing one (same status, same body).
 
 use std::collections::BTreeMap;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -11,8 +14,9 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::api_error::ApiError;
+use super::auth::{start_terms, Principal};
 use super::state::AppState;
-use crate::kernel::Kernel;
+use crate::kernel::{Kernel, POLICY_ENV};
 
 /// The path pattern jupyter_server gives kernel ids: five `\w+` groups joined by `-`.
 /// Anything else is answered like an unknown route.
@@ -24,6 +28,7 @@ pub fn is_kernel_id(id: &str) -> bool {
             .all(|g| !g.is_empty() && g.chars().all(|c| c.is_alphanumeric() || c == '_'))
 }
 
+/// The kernel `id`, whoever owns it. Handlers answering a client use [`lookup_for`].
 pub fn lookup(state: &AppState, id: &str) -> Result<std::sync::Arc<Kernel>, ApiError> {
     if !is_kernel_id(id) {
         return Err(ApiError::not_found(""));
@@ -32,6 +37,21 @@ pub fn lookup(state: &AppState, id: &str) -> Result<std::sync::Arc<Kernel>, ApiE
         .kernels
         .get(id)
         .ok_or_else(|| ApiError::not_found(format!("Kernel does not exist: {id}")))
+}
+
+/// The kernel `id` if `principal` may see it; another tenant's kernel is answered exactly as
+/// a missing one.
+pub fn lookup_for(
+    state: &AppState,
+    principal: &Principal,
+    id: &str,
+) -> Result<std::sync::Arc<Kernel>, ApiError> {
+    let kernel = lookup(state, id)?;
+    if principal.may_see(kernel.owner()) {
+        Ok(kernel)
+    } else {
+        Err(ApiError::not_found(format!("Kernel does not exist: {id}")))
+    }
 }
 
 pub async fn api_root() -> Json<Value> {
@@ -108,9 +128,18 @@ pub async fn kernelspec_resource(
     Ok(response)
 }
 
-pub async fn list_kernels(State(state): State<AppState>) -> Json<Value> {
+pub async fn list_kernels(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+) -> Json<Value> {
     Json(Value::Array(
-        state.kernels.list().iter().map(|k| k.model()).collect(),
+        state
+            .kernels
+            .list()
+            .iter()
+            .filter(|k| principal.may_see(k.owner()))
+            .map(|k| k.model())
+            .collect(),
     ))
 }
 
@@ -149,10 +178,18 @@ fn parse_start_body(body: &[u8]) -> Result<(Option<String>, BTreeMap<String, Str
 
 pub async fn start_kernel(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
-    let (name, env) = parse_start_body(&body)?;
-    let kernel = state.kernels.start(name.as_deref(), &env).await?;
+    let (name, mut env) = parse_start_body(&body)?;
+    let terms = start_terms(&state, &principal, env.get(POLICY_ENV).map(String::as_str))?;
+    if let Some(policy) = terms.policy {
+        env.insert(POLICY_ENV.to_owned(), policy);
+    }
+    let kernel = state
+        .kernels
+        .start_for(name.as_deref(), &env, terms.owner.as_ref())
+        .await?;
     let location = format!("{}api/kernels/{}", state.config.base_url, kernel.id);
     let mut response = (StatusCode::CREATED, Json(kernel.model())).into_response();
     if let Ok(value) = HeaderValue::from_str(&location) {
@@ -163,33 +200,37 @@ pub async fn start_kernel(
 
 pub async fn get_kernel(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    Ok(Json(lookup(&state, &id)?.model()))
+    Ok(Json(lookup_for(&state, &principal, &id)?.model()))
 }
 
 pub async fn delete_kernel(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    lookup(&state, &id)?;
+    lookup_for(&state, &principal, &id)?;
     state.kernels.shutdown(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 pub async fn interrupt_kernel(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    lookup(&state, &id)?.interrupt().await?;
+    lookup_for(&state, &principal, &id)?.interrupt().await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 pub async fn restart_kernel(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let kernel = lookup(&state, &id)?;
+    let kernel = lookup_for(&state, &principal, &id)?;
     kernel.restart().await?;
     Ok(Json(kernel.model()))
 }

@@ -11,6 +11,7 @@ mod kernels;
 mod notebooks;
 mod state;
 pub mod v1;
+mod web;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,8 +23,8 @@ use axum::{middleware, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 pub use api_error::ApiError;
-pub use auth::Principal;
-pub use state::AppState;
+pub use auth::{start_terms, Principal, StartTerms};
+pub use state::{AppState, StateError};
 
 use crate::config::GatewayConfig;
 use crate::kernel::KernelManager;
@@ -70,7 +71,9 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::require_token,
         ));
-    let health = Router::new().route("/healthz", get(|| async { "ok" }));
+    let health = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .merge(web::routes());
     let routes = api.merge(health).with_state(state.clone());
     let routes = if state.config.base_url == "/" {
         routes
@@ -145,11 +148,7 @@ pub async fn serve(
         std::time::Duration::from_secs(30),
     );
     sessions.spawn_reaper(reap_every);
-    let state = AppState {
-        config,
-        kernels,
-        sessions,
-    };
+    let state = AppState::new(config, kernels, sessions).map_err(std::io::Error::other)?;
     let app = router(state);
     let listener = listener.tap_io(|stream| {
         // Nagle's algorithm costs Kernel Gateway ~40 ms per round trip.

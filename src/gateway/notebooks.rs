@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::api_error::ApiError;
-use super::kernels::lookup;
+use super::kernels::lookup_for;
 use super::state::AppState;
 use super::Principal;
 use crate::kernel::Kernel;
@@ -52,22 +52,13 @@ impl From<NotebookError> for ApiError {
     }
 }
 
-/// The tenant that owns a kernel. Kernels carry no owner yet (the auth work adds one); until
-/// then every kernel counts as the admin's, which tenants never see.
-fn kernel_owner(_kernel: &Kernel) -> Option<String> {
-    None
-}
-
 /// `GET /api/kernels/{id}/notebook`: the kernel's history as an .ipynb (nbformat 4.5).
 pub async fn export_kernel_notebook(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let kernel = lookup(&state, &id)?;
-    if !principal.may_see(kernel_owner(&kernel).as_deref()) {
-        return Err(ApiError::not_found(format!("Kernel does not exist: {id}")));
-    }
+    let kernel = lookup_for(&state, &principal, &id)?;
     notebook_response(&kernel, &id)
 }
 
@@ -181,16 +172,10 @@ pub async fn replay_notebook(
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
     let (parsed, mut options) = parse_request(&body, query)?;
-    if let Principal::Tenant { policy, .. } = &principal {
-        // A tenant replays under its own policy only.
-        match &options.policy {
-            Some(asked) if asked != policy => {
-                return Err(ApiError::bad_request(format!(
-                    "policy {asked} is not available to this tenant"
-                )))
-            }
-            _ => options.policy = Some(policy.clone()),
-        }
+    // A tenant replays under a policy its cap allows (its claim's policy by default).
+    if let Some(policy) = super::start_terms(&state, &principal, options.policy.as_deref())?.policy
+    {
+        options.policy = Some(policy);
     }
     let wants_events = headers
         .get(header::ACCEPT)

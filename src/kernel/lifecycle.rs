@@ -92,6 +92,9 @@ pub struct Kernel {
     pub spec: Arc<KernelSpec>,
     /// The name of the policy the kernel runs under.
     pub policy: String,
+    /// The tenant that owns the kernel (unset: the admin's). Set once, before the kernel is
+    /// registered: at launch, or when a pooled kernel is handed out.
+    owner: std::sync::OnceLock<String>,
     router: Arc<Router>,
     sandbox: Arc<dyn Sandbox>,
     dirs: KernelDirs,
@@ -167,6 +170,7 @@ impl Kernel {
             id,
             spec,
             policy,
+            owner: std::sync::OnceLock::new(),
             sandbox,
             dirs,
             env,
@@ -739,6 +743,16 @@ impl Kernel {
         self.router.connections()
     }
 
+    /// The tenant that owns this kernel; `None` for the admin's.
+    pub fn owner(&self) -> Option<&str> {
+        self.owner.get().map(String::as_str)
+    }
+
+    /// Gives the kernel to `tenant`; a kernel that already has an owner keeps it.
+    pub(crate) fn set_owner(&self, tenant: &str) -> bool {
+        self.owner.set(tenant.to_owned()).is_ok()
+    }
+
     /// The kernel model of the Kernel Gateway API.
     pub fn model(&self) -> Value {
         let activity = self.router.activity();
@@ -760,6 +774,7 @@ impl Kernel {
         // `state_generation` changes whenever the kernel's variables were lost.
         model["cellgate"] = json!({
             "policy": self.policy,
+            "tenant": self.owner(),
             "sandbox": self.sandbox.backend().as_str(),
             "state_generation": self.generation(),
             "last_restart_reason": *self.last_restart_reason.lock(),

@@ -39,6 +39,13 @@ pub struct ManagerOptions {
     pub pool_size: usize,
 }
 
+/// The tenant a kernel is started for, and how many live kernels that tenant may keep.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub tenant: String,
+    pub max_kernels: Option<usize>,
+}
+
 /// All kernels of this gateway.
 pub struct KernelManager {
     kernels: RwLock<HashMap<String, Arc<Kernel>>>,
@@ -48,6 +55,26 @@ pub struct KernelManager {
     /// The warm pool: started, ready, never touched by a client. A kernel leaves the pool
     /// for good when it is handed out.
     pool: parking_lot::Mutex<Pool>,
+    /// Kernels being started per tenant, so concurrent starts count toward its cap.
+    starting: parking_lot::Mutex<HashMap<String, usize>>,
+}
+
+/// A tenant's place among kernels being started; released on drop.
+struct Reservation<'a> {
+    manager: &'a KernelManager,
+    tenant: String,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        let mut starting = self.manager.starting.lock();
+        if let Some(n) = starting.get_mut(&self.tenant) {
+            *n -= 1;
+            if *n == 0 {
+                starting.remove(&self.tenant);
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -78,6 +105,7 @@ impl KernelManager {
             backends,
             options,
             pool: parking_lot::Mutex::new(Pool::default()),
+            starting: parking_lot::Mutex::new(HashMap::new()),
         }))
     }
 
@@ -96,13 +124,48 @@ impl KernelManager {
         &self.specs
     }
 
-    /// Starts a kernel of kernelspec `name` (the default when `None`), from the warm pool
-    /// when one fits.
+    /// Starts a kernel of kernelspec `name` (the default when `None`) for the admin, from the
+    /// warm pool when one fits.
     pub async fn start(
         self: &Arc<Self>,
         name: Option<&str>,
         requested_env: &BTreeMap<String, String>,
     ) -> Result<Arc<Kernel>, KernelError> {
+        self.start_for(name, requested_env, None).await
+    }
+
+    /// Takes a place for one more kernel of `owner`, or refuses past its cap. Live kernels
+    /// and kernels being started both count.
+    fn reserve(&self, owner: &Owner) -> Result<Reservation<'_>, KernelError> {
+        let mut starting = self.starting.lock();
+        let pending = starting.get(&owner.tenant).copied().unwrap_or(0);
+        if let Some(max) = owner.max_kernels {
+            let live = self
+                .kernels
+                .read()
+                .values()
+                .filter(|k| k.owner() == Some(owner.tenant.as_str()))
+                .count();
+            if live + pending >= max {
+                return Err(KernelError::TenantKernelLimit { max });
+            }
+        }
+        starting.insert(owner.tenant.clone(), pending + 1);
+        Ok(Reservation {
+            manager: self,
+            tenant: owner.tenant.clone(),
+        })
+    }
+
+    /// Starts a kernel owned by `owner` (the admin when `None`), from the warm pool when one
+    /// fits. The kernel has its owner before any other request can see it.
+    pub async fn start_for(
+        self: &Arc<Self>,
+        name: Option<&str>,
+        requested_env: &BTreeMap<String, String>,
+        owner: Option<&Owner>,
+    ) -> Result<Arc<Kernel>, KernelError> {
+        let _reservation = owner.map(|o| self.reserve(o)).transpose()?;
         let name = name.unwrap_or(self.specs.default_name());
         let spec = self
             .specs
@@ -140,6 +203,9 @@ impl KernelManager {
                     kernel.set_env(&extra).await?;
                 }
                 kernel.touch();
+                if let Some(owner) = owner {
+                    kernel.set_owner(&owner.tenant);
+                }
                 self.kernels
                     .write()
                     .insert(kernel.id.clone(), kernel.clone());
@@ -150,6 +216,9 @@ impl KernelManager {
             self.refill_pool();
         }
         let kernel = self.launch(spec, &policy, client_env).await?;
+        if let Some(owner) = owner {
+            kernel.set_owner(&owner.tenant);
+        }
         self.kernels
             .write()
             .insert(kernel.id.clone(), kernel.clone());

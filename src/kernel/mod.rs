@@ -18,7 +18,7 @@ pub use channels::DROPPED_INVALID;
 pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
 pub use history::{History, HistorySnapshot};
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
-pub use manager::{KernelManager, ManagerOptions, POLICY_ENV};
+pub use manager::{KernelManager, ManagerOptions, Owner, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
 pub use spec::{KernelSpec, KernelSpecs};
 
@@ -52,6 +52,8 @@ pub enum KernelError {
     BadEnv { name: String },
     #[error("the gateway runs its maximum of {max} kernels")]
     TooManyKernels { max: usize },
+    #[error("this tenant already runs its maximum of {max} kernels; shut one down first")]
+    TenantKernelLimit { max: usize },
     #[error("no such kernel")]
     NoSuchKernel,
     #[error("kernel is dead: {0}")]

@@ -89,6 +89,8 @@ pub struct NewSession {
     pub owner: Option<String>,
     /// The most permissive policy the owner may use (`None`: any).
     pub policy_ceiling: Option<String>,
+    /// Live kernels the owner may keep (`None`: no cap); sessions count as kernels.
+    pub max_kernels: Option<usize>,
 }
 
 /// One execution in the history.
@@ -369,7 +371,14 @@ impl Sessions {
         if let Some(policy) = policy {
             env.insert(POLICY_ENV.to_owned(), policy);
         }
-        let kernel = self.kernels.start(new.kernel_name.as_deref(), &env).await?;
+        let owner = new.owner.as_ref().map(|tenant| crate::kernel::Owner {
+            tenant: tenant.clone(),
+            max_kernels: new.max_kernels,
+        });
+        let kernel = self
+            .kernels
+            .start_for(new.kernel_name.as_deref(), &env, owner.as_ref())
+            .await?;
         if let Err(err) = kernel.wait_ready().await {
             let _ = self.kernels.shutdown(&kernel.id).await;
             return Err(err.into());

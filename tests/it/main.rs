@@ -16,3 +16,5 @@ mod lifecycle;
 mod messaging;
 mod notebook;
 mod pool;
+mod tenants;
+mod web_client;

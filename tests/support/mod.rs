@@ -269,8 +269,24 @@ impl Gateway {
 
     /// Connects a Jupyter client to a kernel.
     pub async fn connect(&self, kernel: &str, session: &str, v1: bool) -> Result<Client> {
+        self.connect_as(kernel, session, v1, self.token.as_deref())
+            .await
+    }
+
+    /// Connects a legacy-framing client that presents `token` (e.g. a tenant's JWT).
+    pub async fn connect_with(&self, kernel: &str, session: &str, token: &str) -> Result<Client> {
+        self.connect_as(kernel, session, false, Some(token)).await
+    }
+
+    async fn connect_as(
+        &self,
+        kernel: &str,
+        session: &str,
+        v1: bool,
+        token: Option<&str>,
+    ) -> Result<Client> {
         let mut request = self.ws_url(kernel, session).into_client_request()?;
-        if let Some(token) = &self.token {
+        if let Some(token) = token {
             request
                 .headers_mut()
                 .insert("Authorization", format!("token {token}").parse()?);

@@ -102,23 +102,26 @@ fn timeout_of(seconds: Option<f64>) -> Result<Option<Duration>, ApiError> {
     }
 }
 
+/// The session `principal` asked for, on the terms a tenant gets (`gateway::start_terms`):
+/// its policy capped (403 past the cap; its claim's policy when it names none), its kernel
+/// cap, and itself as the owner.
 fn new_session(
+    state: &AppState,
     principal: &Principal,
     kernel_name: Option<String>,
     policy: Option<String>,
     env: BTreeMap<String, String>,
-) -> NewSession {
-    let ceiling = match principal {
-        Principal::Admin => None,
-        Principal::Tenant { policy, .. } => Some(policy.clone()),
-    };
-    NewSession {
+) -> Result<NewSession, ApiError> {
+    let terms = crate::gateway::start_terms(state, principal, policy.as_deref())?;
+    Ok(NewSession {
         kernel_name,
-        policy,
+        policy: terms.policy,
         env,
-        owner: principal.tenant().map(str::to_owned),
-        policy_ceiling: ceiling,
-    }
+        owner: terms.owner.as_ref().map(|o| o.tenant.clone()),
+        // start_terms has already capped the policy.
+        policy_ceiling: None,
+        max_kernels: terms.owner.and_then(|o| o.max_kernels),
+    })
 }
 
 /// Decodes and checks the initial files before any kernel starts.
@@ -175,7 +178,13 @@ async fn create_session(
     request: CreateSession,
 ) -> Result<Arc<Session>, ApiError> {
     let files = decode_files(request.files)?;
-    let new = new_session(principal, request.kernel_name, request.policy, request.env);
+    let new = new_session(
+        state,
+        principal,
+        request.kernel_name,
+        request.policy,
+        request.env,
+    )?;
     let session = state.sessions.create(new).await?;
     if let Err(err) = write_initial_files(state, &session, files).await {
         let _ = state.sessions.delete(&session.id).await;

@@ -1,0 +1,78 @@
+//! The web client (`web-client/`), served at the gateway's root with every asset embedded in
+//! the binary: the page, its script and style, and the chart libraries (Plotly, Vega, Vega-Lite,
+//! vega-embed) that `build.rs` copies from `web-client/node_modules`.
+//!
+//! The page itself needs no authentication (it holds no data); it asks for a token and calls
+//! the API with it. Its Content-Security-Policy keeps scripts to these assets and framing
+//! out; rich HTML outputs run in sandboxed srcdoc iframes, which inherit that policy.
+
+use axum::http::{header, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+
+use super::state::AppState;
+
+const INDEX: &str = include_str!("../../web-client/index.html");
+const APP_JS: &str = include_str!("../../web-client/app.js");
+const STYLE: &str = include_str!("../../web-client/style.css");
+const PLOTLY: &str = include_str!(concat!(env!("OUT_DIR"), "/plotly.min.js"));
+const VEGA: &str = include_str!(concat!(env!("OUT_DIR"), "/vega.min.js"));
+const VEGA_LITE: &str = include_str!(concat!(env!("OUT_DIR"), "/vega-lite.min.js"));
+const VEGA_EMBED: &str = include_str!(concat!(env!("OUT_DIR"), "/vega-embed.min.js"));
+
+/// Scripts only from here ('unsafe-eval' because Vega compiles its expressions); styles
+/// inline too (Plotly and pandas tables use them); images from blobs the page made; network
+/// only back to the gateway; never framed by another site.
+const CSP: &str = "default-src 'self'; script-src 'self' 'unsafe-eval'; \
+    style-src 'self' 'unsafe-inline'; img-src 'self' blob: data:; font-src 'self' data:; \
+    connect-src 'self' ws: wss:; frame-src 'self' blob: about:; object-src 'none'; \
+    base-uri 'self'; form-action 'self'; frame-ancestors 'none'";
+
+fn asset(body: &'static str, content_type: &'static str) -> Response {
+    let mut response = body.into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    // Assets change with the binary; revalidate rather than serve a stale client.
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+const JS: &str = "text/javascript; charset=utf-8";
+
+/// `/` and `/assets/*`, outside the authentication layer.
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route(
+            "/",
+            get(|| async { asset(INDEX, "text/html; charset=utf-8") }),
+        )
+        .route("/assets/app.js", get(|| async { asset(APP_JS, JS) }))
+        .route(
+            "/assets/style.css",
+            get(|| async { asset(STYLE, "text/css; charset=utf-8") }),
+        )
+        .route("/assets/plotly.min.js", get(|| async { asset(PLOTLY, JS) }))
+        .route("/assets/vega.min.js", get(|| async { asset(VEGA, JS) }))
+        .route(
+            "/assets/vega-lite.min.js",
+            get(|| async { asset(VEGA_LITE, JS) }),
+        )
+        .route(
+            "/assets/vega-embed.min.js",
+            get(|| async { asset(VEGA_EMBED, JS) }),
+        )
+}

@@ -1,0 +1,203 @@
+// Drives cellgate's web client in Debian's headless Chromium (never a downloaded browser).
+// Run by tests/it/web_client.rs against a real `cellgate serve`:
+//   CELLGATE_URL=http://127.0.0.1:PORT CELLGATE_TOKEN=T SCREENSHOT_DIR=target/… node e2e.mjs
+// Prints one line per step; exits non-zero (with the page's console and a screenshot) on the
+// first failure.
+
+import { chromium } from "playwright-core";
+import { mkdirSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+
+const url = process.env.CELLGATE_URL;
+const token = process.env.CELLGATE_TOKEN;
+const shots = process.env.SCREENSHOT_DIR ?? "target/web-client-screenshots";
+const executablePath = process.env.CHROMIUM ?? "/usr/bin/chromium";
+if (!url || !token) throw new Error("CELLGATE_URL and CELLGATE_TOKEN are required");
+mkdirSync(shots, { recursive: true });
+
+const STEP_TIMEOUT = 120_000;
+const browser = await chromium.launch({
+  executablePath,
+  headless: true,
+  // Root in a container: Chromium's own sandbox needs user namespaces it may not get.
+  args: ["--no-sandbox", "--disable-dev-shm-usage"],
+});
+const context = await browser.newContext({ acceptDownloads: true, viewport: { width: 1280, height: 900 } });
+const page = await context.newPage();
+page.setDefaultTimeout(STEP_TIMEOUT);
+const consoleLines = [];
+page.on("console", (m) => consoleLines.push(`[${m.type()}] ${m.text()}`));
+page.on("pageerror", (e) => consoleLines.push(`[pageerror] ${e.message}`));
+
+let step = "start";
+let shot = 0;
+async function screenshot(name) {
+  shot += 1;
+  await page.screenshot({ path: join(shots, `${String(shot).padStart(2, "0")}-${name}.png`), fullPage: true });
+}
+function check(condition, message) {
+  if (!condition) throw new Error(message);
+}
+const cells = page.locator("article.cell");
+const lastCell = () => cells.last();
+
+// Types code, runs it, and returns the new cell once it exists.
+async function run(code) {
+  const before = await cells.count();
+  await page.fill("#code", code);
+  await page.press("#code", "Control+Enter");
+  await page.waitForFunction((n) => document.querySelectorAll("article.cell").length > n, before);
+  return lastCell();
+}
+async function finished(cell) {
+  await cell.locator(".status:not([data-status='running'])").waitFor();
+  return cell.locator(".status").getAttribute("data-status");
+}
+
+try {
+  step = "login";
+  await page.goto(url + "/");
+  await page.fill("#token", token);
+  await page.click("#login-form button[type=submit]");
+  await page.locator("#kernel-state[data-state='idle']").waitFor();
+  check(!page.url().includes(token), "the token must never be in the page's address");
+  const stored = await page.evaluate(() => sessionStorage.getItem("cellgate.token"));
+  check(stored === token, "the token is kept in sessionStorage");
+  await screenshot("connected");
+  console.log("ok login");
+
+  step = "progressive output";
+  // The cell waits on input() between two prints: the first line must be on screen while
+  // the cell is still running, before the second exists.
+  let cell = await run("print('before the question', flush=True)\nname = input('Your name? ')\nprint('hello', name)");
+  await cell.locator("pre.stream.stdout", { hasText: "before the question" }).waitFor();
+  await cell.locator(".input-request input").waitFor();
+  check((await cell.locator(".status").getAttribute("data-status")) === "running", "still running at the prompt");
+  check(!(await cell.locator("pre.stream", { hasText: "hello" }).count()), "later output not there yet");
+  await screenshot("input-prompt");
+  await cell.locator(".input-request input").fill("Ada");
+  await cell.locator(".input-request input").press("Enter");
+  await cell.locator("pre.stream.stdout", { hasText: "hello Ada" }).waitFor();
+  check((await finished(cell)) === "ok", "the input cell ends ok");
+  console.log("ok progressive output and input()");
+
+  step = "matplotlib";
+  cell = await run(
+    "import matplotlib.pyplot as plt\n" +
+      "fig, ax = plt.subplots(figsize=(4, 3))\nax.plot([1, 2, 3], [1, 4, 9])\nplt.show()",
+  );
+  await finished(cell);
+  const img = cell.locator(".rich[data-mime='image/png'] img");
+  await img.waitFor();
+  await page.waitForFunction((el) => el.complete && el.naturalWidth > 100, await img.elementHandle());
+  await screenshot("matplotlib");
+  console.log("ok matplotlib chart");
+
+  step = "dataframe";
+  cell = await run("import pandas as pd\npd.DataFrame({'city': ['Oslo', 'Lima'], 'temp': [3.5, 19.25]})");
+  check((await finished(cell)) === "ok", "the DataFrame cell ends ok");
+  const frame = cell.locator("iframe.artifact-html");
+  await frame.waitFor();
+  check((await frame.getAttribute("sandbox")) === "allow-scripts", "HTML runs in a sandboxed iframe without same-origin");
+  const table = cell.frameLocator("iframe.artifact-html").locator("table");
+  await table.locator("td", { hasText: "19.25" }).waitFor();
+  check((await table.locator("tbody tr").count()) === 2, "the table has the DataFrame's two rows");
+  await screenshot("dataframe");
+  console.log("ok DataFrame table");
+
+  step = "plotly";
+  cell = await run(
+    "from IPython.display import display\n" +
+      "display({'application/vnd.plotly.v1+json': {'data': [{'type': 'bar', 'x': ['a', 'b'], 'y': [3, 5]}], 'layout': {'title': {'text': 'bars'}}}, 'text/plain': 'plotly'}, raw=True)",
+  );
+  await finished(cell);
+  await cell.locator(".plotly-chart .main-svg").first().waitFor();
+  console.log("ok Plotly chart");
+
+  step = "vega-lite";
+  cell = await run(
+    "from IPython.display import display\n" +
+      "spec = {'$schema': 'https://vega.github.io/schema/vega-lite/v5.json', 'data': {'values': [{'a': 'x', 'b': 2}, {'a': 'y', 'b': 7}]}, 'mark': 'bar', 'encoding': {'x': {'field': 'a', 'type': 'nominal'}, 'y': {'field': 'b', 'type': 'quantitative'}}}\n" +
+      "display({'application/vnd.vegalite.v5+json': spec, 'text/plain': 'vega-lite'}, raw=True)",
+  );
+  await finished(cell);
+  await cell.locator(".vega-chart svg .mark-rect path").first().waitFor();
+  await screenshot("charts");
+  console.log("ok Vega-Lite chart");
+
+  step = "error";
+  cell = await run("def f():\n    return 1 / 0\nf()");
+  check((await finished(cell)) === "error", "a raising cell ends with status error");
+  const traceback = await cell.locator("pre.error").textContent();
+  check(traceback.includes("ZeroDivisionError") && traceback.includes("f()"), `traceback shown: ${traceback}`);
+  check(!traceback.includes("\u001b["), "no ANSI codes in the traceback");
+  await screenshot("error");
+  console.log("ok error with traceback");
+
+  step = "interrupt";
+  cell = await run("import time\nprint('sleeping', flush=True)\ntime.sleep(600)");
+  await cell.locator("pre.stream", { hasText: "sleeping" }).waitFor();
+  await page.click("#interrupt");
+  const status = await finished(cell);
+  check(status === "error", `an interrupted cell ends with error, got ${status}`);
+  await cell.locator("pre.error", { hasText: "KeyboardInterrupt" }).waitFor();
+  await screenshot("interrupt");
+  console.log("ok interrupt");
+
+  step = "upload";
+  await page.setInputFiles("#upload", {
+    name: "sales.csv",
+    mimeType: "text/csv",
+    buffer: Buffer.from("region,amount\nnorth,120\nsouth,80\nnorth,30\n"),
+  });
+  await page.locator("#file-list a[data-path='sales.csv']").waitFor();
+  console.log("ok upload");
+
+  step = "analyse";
+  cell = await run(
+    "import pandas as pd, os\ndf = pd.read_csv('sales.csv')\ntotals = df.groupby('region')['amount'].sum()\nprint(totals.to_dict())\n" +
+      "os.makedirs('outputs', exist_ok=True)\ntotals.to_csv('outputs/totals.csv')",
+  );
+  check((await finished(cell)) === "ok", "the analysis cell ends ok");
+  await cell.locator("pre.stream", { hasText: "{'north': 150, 'south': 80}" }).waitFor();
+  console.log("ok analyse");
+
+  step = "download";
+  const link = cell.locator("a.download[data-path='outputs/totals.csv']");
+  await link.waitFor();
+  const [download] = await Promise.all([page.waitForEvent("download"), link.click()]);
+  const saved = join(shots, "totals.csv");
+  await download.saveAs(saved);
+  const { readFileSync } = await import("node:fs");
+  const content = readFileSync(saved, "utf8");
+  check(content.includes("north,150") && content.includes("south,80"), `downloaded file: ${content}`);
+  await screenshot("files");
+  console.log("ok download");
+
+  step = "reload keeps the session and token";
+  const sessionBefore = await page.evaluate(() => sessionStorage.getItem("cellgate.session"));
+  await page.reload();
+  await page.locator("#kernel-state[data-state='idle']").waitFor();
+  cell = await run("print(len(df))");
+  await cell.locator("pre.stream", { hasText: "3" }).waitFor();
+  check((await page.evaluate(() => sessionStorage.getItem("cellgate.session"))) === sessionBefore, "same session");
+  console.log("ok reload");
+
+  step = "bad token";
+  const other = await context.newPage();
+  await other.goto(url + "/");
+  await other.fill("#token", "not-the-token");
+  await other.click("#login-form button[type=submit]");
+  await other.locator("#login-error", { hasText: "Token refused" }).waitFor();
+  await other.close();
+  console.log("ok bad token refused");
+} catch (err) {
+  console.error(`FAILED at step "${step}": ${err.message}`);
+  console.error("page console:\n" + consoleLines.join("\n"));
+  await screenshot("failure").catch(() => {});
+  writeFileSync(join(shots, "failure.html"), await page.content().catch(() => ""));
+  await browser.close();
+  process.exit(1);
+}
+await browser.close();
+console.log("all steps passed");

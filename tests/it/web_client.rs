@@ -1,0 +1,103 @@
+//! The web client in headless Chromium: a real `cellgate serve`, Debian's `/usr/bin/chromium`
+//! driven by playwright-core (`tests/browser/e2e.mjs`): sign in, output arriving while the
+//! cell still runs, `input()`, a matplotlib chart, a DataFrame table, Plotly and Vega-Lite
+//! charts, an error with its traceback, an interrupt, upload → analyse → download, a reload
+//! that keeps the session. Screenshots go to `target/web-client-screenshots/`.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use crate::support::{repo, Gateway, TOKEN};
+
+/// Chromium and playwright-core come from `./dev setup`; without them this test fails and
+/// says so, never skips.
+fn browser_tools() -> std::path::PathBuf {
+    let chromium =
+        std::env::var("CELLGATE_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    assert!(
+        Path::new(&chromium).exists(),
+        "{chromium} is missing: `./dev setup` installs Debian's chromium (the web client's tests never download a browser)"
+    );
+    let browser_dir = repo().join("tests/browser");
+    assert!(
+        browser_dir.join("node_modules/playwright-core").exists(),
+        "tests/browser/node_modules is missing: `./dev setup` runs npm ci there"
+    );
+    assert!(
+        repo()
+            .join("web-client/node_modules/plotly.js-basic-dist-min")
+            .exists(),
+        "web-client/node_modules is missing: `./dev setup` runs npm ci there (the binary embeds the chart libraries)"
+    );
+    browser_dir
+}
+
+#[tokio::test]
+async fn the_web_client_runs_code_and_shows_every_kind_of_output() -> Result<()> {
+    let browser_dir = browser_tools();
+    let gateway = Gateway::start().await?;
+    let screenshots = repo().join("target/web-client-screenshots");
+    let output = tokio::process::Command::new("node")
+        .arg("e2e.mjs")
+        .current_dir(&browser_dir)
+        .env("CELLGATE_URL", &gateway.base)
+        .env("CELLGATE_TOKEN", TOKEN)
+        .env("SCREENSHOT_DIR", &screenshots)
+        .output()
+        .await
+        .context("run node (Debian package nodejs; ./dev setup installs it)")?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}");
+    assert!(
+        output.status.success() && stdout.contains("all steps passed"),
+        "the browser test failed (screenshots in target/web-client-screenshots):\n{stdout}\n{stderr}\ngateway log:\n{}",
+        gateway.log()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_page_and_its_assets_are_served_with_a_strict_policy() -> Result<()> {
+    let gateway = Gateway::start().await?;
+    let plain = reqwest::Client::new();
+    for (path, kind) in [
+        ("/", "text/html"),
+        ("/assets/app.js", "text/javascript"),
+        ("/assets/style.css", "text/css"),
+        ("/assets/plotly.min.js", "text/javascript"),
+        ("/assets/vega-embed.min.js", "text/javascript"),
+    ] {
+        // No token: the page holds no data and asks for one itself.
+        let response = plain.get(format!("{}{path}", gateway.base)).send().await?;
+        assert_eq!(response.status().as_u16(), 200, "{path}");
+        let headers = response.headers().clone();
+        let content_type = headers["content-type"].to_str()?;
+        assert!(content_type.starts_with(kind), "{path}: {content_type}");
+        assert_eq!(headers["x-content-type-options"], "nosniff");
+        let csp = headers["content-security-policy"].to_str()?;
+        assert!(csp.contains("frame-ancestors 'none'") && csp.contains("default-src 'self'"));
+        let body = response.text().await?;
+        assert!(body.len() > 100, "{path} is served");
+    }
+    // The chart libraries are the real ones, not the build's stand-in.
+    let plotly = plain
+        .get(format!("{}/assets/plotly.min.js", gateway.base))
+        .send()
+        .await?
+        .text()
+        .await?;
+    assert!(
+        plotly.len() > 500_000,
+        "Plotly is bundled ({} bytes)",
+        plotly.len()
+    );
+    // The API next to the page still needs the token.
+    let response = plain
+        .get(format!("{}/api/kernels", gateway.base))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 401);
+    Ok(())
+}
