@@ -245,7 +245,12 @@ impl GvisorSandbox {
     async fn launch_gvisor(&self, spec: &LaunchSpec) -> Result<Launched, SandboxError> {
         let (ro_paths, masked) = self.ro_paths(spec)?;
         self.hand_over(spec)?;
-        let unique = &uuid::Uuid::new_v4().simple().to_string()[..12];
+        // The gateway's pid in the name tells a later sweep whether its owner is alive.
+        let unique = format!(
+            "{}-{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
         let container_id = format!("cellgate-{unique}");
         let base = spec
             .log_file
@@ -974,17 +979,35 @@ fn cgroup_dirs(cgroups_path: &str) -> Vec<PathBuf> {
 /// Removes the empty cgroups of sandboxes whose `runsc run` was killed before it could
 /// (a gateway that died). A cgroup with processes in it cannot be removed, so running
 /// sandboxes of other gateways keep theirs.
+/// Age past which an empty sandbox cgroup without its gateway's pid counts as left over.
+const SWEEP_MIN_AGE: Duration = Duration::from_secs(120);
+
 fn sweep_cgroups() {
     for parent in cgroup_dirs(CGROUP_PARENT) {
         let Ok(entries) = std::fs::read_dir(&parent) else {
             continue;
         };
         for entry in entries.flatten() {
-            let stale = entry
-                .file_name()
-                .to_str()
-                .is_some_and(|n| n.starts_with("cellgate-"))
-                && entry.path().is_dir();
+            // Only those of dead gateways (the pid in the name): a live gateway may have just
+            // made a sandbox's cgroup that runsc has not joined yet (empty, so removable).
+            // Names without a pid: only old ones.
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix("cellgate-") else {
+                continue;
+            };
+            let owner_alive = rest
+                .split_once('-')
+                .and_then(|(pid, _)| pid.parse::<u32>().ok())
+                .map(|pid| Path::new(&format!("/proc/{pid}")).exists());
+            let old = || {
+                entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > SWEEP_MIN_AGE)
+            };
+            let stale = entry.path().is_dir() && owner_alive.map_or_else(old, |alive| !alive);
             if stale {
                 let _ = std::fs::remove_dir(entry.path());
             }

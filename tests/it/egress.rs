@@ -574,3 +574,62 @@ async fn an_allowed_package_installs_from_the_upstream_index() -> Result<()> {
     assert!(found.iter().any(|d| d["target"] == "requests"), "{found:?}");
     Ok(())
 }
+
+/// API v1: a cell that fails because the policy refused a package is `denied`, with the
+/// denial (package, policy, reason) in the result's `denials`; a cell that only printed pip's
+/// refusal stays `ok` but still lists it.
+#[tokio::test]
+async fn api_v1_results_carry_denials_and_the_denied_status() -> Result<()> {
+    let wheels = tempfile::tempdir()?;
+    build_wheel(wheels.path(), "cgdenied", "1.0", &[])?;
+    let setup = gateway_with(
+        &[(
+            "pkgs",
+            "description = \"test\"\n[packages]\nallow = [\"cgtiny\"]\n".to_owned(),
+        )],
+        format!("wheelhouse = {:?}\n", wheels.path()),
+    )
+    .await?;
+    let gateway = &setup.gateway;
+    let response = gateway
+        .request(reqwest::Method::POST, "/v1/sessions")
+        .json(&json!({"policy": "pkgs"}))
+        .send()
+        .await?;
+    anyhow::ensure!(
+        response.status().as_u16() == 201,
+        "{}",
+        response.text().await?
+    );
+    let id = response.json::<Value>().await?["id"]
+        .as_str()
+        .context("id")?
+        .to_owned();
+    let execute = |code: &'static str| {
+        gateway
+            .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
+            .json(&json!({"code": code}))
+            .send()
+    };
+    let result: Value = execute(
+        "import subprocess, sys\nsubprocess.check_call([sys.executable, '-m', 'pip', 'install', '-q', 'cgdenied'])",
+    )
+    .await?
+    .json()
+    .await?;
+    assert_eq!(result["status"], "denied", "{result}");
+    let denials = result["denials"].as_array().context("denials")?;
+    assert!(
+        denials.iter().any(|d| d["kind"] == "package"
+            && d["target"].as_str().is_some_and(|t| t.contains("cgdenied"))
+            && d["policy"] == "pkgs"),
+        "{result}"
+    );
+    let result: Value = execute("%pip install -q cgdenied").await?.json().await?;
+    assert_eq!(result["status"], "ok", "{result}");
+    assert!(
+        result["denials"].as_array().is_some_and(|d| !d.is_empty()),
+        "{result}"
+    );
+    Ok(())
+}
