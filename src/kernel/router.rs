@@ -535,17 +535,13 @@ impl Router {
                     }
                     _ => message,
                 };
-                let message =
-                    if message.msg_type() == "execute_reply" && state.truncated.remove(&parent) {
+                let message = if message.msg_type() == "execute_reply" {
+                    let message = if state.truncated.remove(&parent) {
                         Arc::new(with_outcome(&message, "output_truncated"))
-                    } else if message.msg_type() == "execute_reply" {
-                        Self::pids_outcome(&mut state, message)
                     } else {
-                        message
+                        Self::pids_outcome(&mut state, message)
                     };
-                // Only executions with denials pay for a rewrite.
-                let message = if !state.denials.is_empty() && message.msg_type() == "execute_reply"
-                {
+                    // Only executions with denials pay for a rewrite.
                     match state.denials.remove(&parent) {
                         Some(denials) => Arc::new(with_denials(&message, denials)),
                         None => message,
@@ -921,40 +917,26 @@ fn has_outcome(message: &Message) -> bool {
 /// The same message with `metadata.cellgate.outcome` set (other `cellgate` fields, such as
 /// denials, are kept); header and content keep their bytes.
 fn with_outcome(message: &Message, outcome: &str) -> Message {
-    let mut metadata: serde_json::Value =
-        serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
-    if let Some(object) = metadata.as_object_mut() {
-        let cellgate = object
-            .entry("cellgate".to_owned())
-            .or_insert_with(|| json!({}));
-        if !cellgate.is_object() {
-            *cellgate = json!({});
-        }
-        cellgate["outcome"] = json!(outcome);
-    }
-    let mut changed = message.clone();
-    changed.metadata = Bytes::from(metadata.to_string());
-    changed
+    with_cellgate_field(message, "outcome", json!(outcome))
 }
 
 /// The same message with `metadata.cellgate.denials` set, merged into any `cellgate` object.
 fn with_denials(message: &Message, denials: Vec<serde_json::Value>) -> Message {
+    with_cellgate_field(message, "denials", serde_json::Value::Array(denials))
+}
+
+/// The same message with `metadata.cellgate.<key>` set, the rest of the metadata kept (a
+/// metadata or `cellgate` value that is not an object is replaced by one).
+fn with_cellgate_field(message: &Message, key: &str, value: serde_json::Value) -> Message {
     let mut metadata: serde_json::Value =
         serde_json::from_slice(&message.metadata).unwrap_or_else(|_| json!({}));
     if !metadata.is_object() {
         metadata = json!({});
     }
-    let cellgate = metadata
-        .as_object_mut()
-        .map(|m| m.entry("cellgate").or_insert_with(|| json!({})));
-    if let Some(cellgate) = cellgate {
-        if !cellgate.is_object() {
-            *cellgate = json!({});
-        }
-        if let Some(object) = cellgate.as_object_mut() {
-            object.insert("denials".to_owned(), serde_json::Value::Array(denials));
-        }
+    if !metadata["cellgate"].is_object() {
+        metadata["cellgate"] = json!({});
     }
+    metadata["cellgate"][key] = value;
     let mut changed = message.clone();
     changed.metadata = Bytes::from(metadata.to_string());
     changed

@@ -58,17 +58,18 @@
 
 #![allow(unsafe_code)]
 
+use super::spawner::Spawner;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use serde_json::{json, Value};
 use tokio::process::{Child, Command};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 use super::namespaces::{argv_files, masked_site_packages, python_roots, visible_roots};
 use super::{
@@ -140,16 +141,11 @@ impl Default for GvisorConfig {
     }
 }
 
-struct SpawnRequest {
-    command: Command,
-    reply: oneshot::Sender<io::Result<Child>>,
-}
-
 /// Starts kernels in gVisor sandboxes.
 pub struct GvisorSandbox {
     config: GvisorConfig,
     runsc: PathBuf,
-    spawner: mpsc::Sender<SpawnRequest>,
+    spawner: Spawner,
 }
 
 fn setup(message: impl Into<String>) -> SandboxError {
@@ -172,19 +168,7 @@ impl GvisorSandbox {
                 "the gvisor backend needs a root gateway (runsc creates namespaces and cgroups)",
             ));
         }
-        let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|err| setup(format!("no tokio runtime: {err}")))?;
-        let (tx, rx) = mpsc::channel::<SpawnRequest>();
-        std::thread::Builder::new()
-            .name("cellgate-gvisor-spawner".to_owned())
-            .spawn(move || {
-                let _runtime = runtime.enter();
-                for mut request in rx {
-                    let result = request.command.spawn();
-                    let _ = request.reply.send(result);
-                }
-            })
-            .map_err(|err| setup(format!("cannot start the spawner thread: {err}")))?;
+        let spawner = Spawner::start("cellgate-gvisor-spawner")?;
         if config.cgroups {
             sweep_cgroups();
         }
@@ -192,18 +176,8 @@ impl GvisorSandbox {
         Ok(GvisorSandbox {
             config,
             runsc,
-            spawner: tx,
+            spawner,
         })
-    }
-
-    async fn spawn(&self, command: Command) -> io::Result<Child> {
-        let (reply, response) = oneshot::channel();
-        self.spawner
-            .send(SpawnRequest { command, reply })
-            .map_err(|_| io::Error::other("spawner thread is gone"))?;
-        response
-            .await
-            .unwrap_or_else(|_| Err(io::Error::other("spawner thread dropped the request")))
     }
 
     /// Gives the runtime directory, the connection file and the workspace to the kernel's
@@ -328,21 +302,7 @@ impl GvisorSandbox {
             .stderr(log_err)
             .process_group(0)
             .kill_on_drop(false);
-        // SAFETY: the closure runs in the forked child before exec and only calls
-        // async-signal-safe functions (prctl, getppid, _exit).
-        unsafe {
-            let parent = libc::getpid();
-            command.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-        let child = match self.spawn(command).await {
+        let child = match self.spawner.spawn(command).await {
             Ok(child) => child,
             Err(source) => {
                 let _ = std::fs::remove_dir_all(&bundle);
@@ -642,8 +602,6 @@ async fn watch_exit(
     memory_cgroup: Option<PathBuf>,
     exit_tx: watch::Sender<Option<ExitReport>>,
 ) {
-    // Removed after the exit in every hierarchy: ours (memory, pids) stay until then.
-    let cgroups_path = Some(cgroups_path);
     let status = child.wait().await;
     exited.store(true, Ordering::SeqCst);
     let pid = child.id();
@@ -656,10 +614,8 @@ async fn watch_exit(
     }
     // "Gone" means no process left: the Sentry and the gofer die from their parent-death
     // signal a moment after `runsc run`; their (pre-created) pids cgroup says when.
-    if let Some(procs) = cgroups_path
-        .as_deref()
-        .and_then(|path| controller_cgroup_dir("pids", path))
-        .map(|dir| dir.join("cgroup.procs"))
+    if let Some(procs) =
+        controller_cgroup_dir("pids", &cgroups_path).map(|dir| dir.join("cgroup.procs"))
     {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
         while std::fs::read_to_string(&procs).is_ok_and(|t| !t.trim().is_empty())
@@ -669,10 +625,7 @@ async fn watch_exit(
         }
     }
     // Read before `runsc delete` removes the cgroups.
-    let pids_hits = cgroups_path
-        .as_deref()
-        .and_then(pids_limit_hits)
-        .unwrap_or(0);
+    let pids_hits = pids_limit_hits(&cgroups_path).unwrap_or(0);
     let oom_kills = memory_cgroup
         .as_deref()
         .and_then(|dir| std::fs::read_to_string(dir.join("memory.oom_control")).ok())
@@ -744,17 +697,15 @@ async fn watch_exit(
     let cleanup = tokio::task::spawn_blocking(move || {
         let _ = std::fs::remove_dir_all(&bundle);
         // runsc leaves its cgroups in place when one of them existed before (the memory
-        // cgroup made by the launch): remove the sandbox's cgroup in every hierarchy.
-        // Each is empty once the sandbox's last process is gone, which may take a moment.
-        if let Some(cgroups_path) = cgroups_path {
-            for dir in cgroup_dirs(&cgroups_path) {
-                for _ in 0..50 {
-                    match std::fs::remove_dir(&dir) {
-                        Err(err) if err.kind() != io::ErrorKind::NotFound => {
-                            std::thread::sleep(Duration::from_millis(20))
-                        }
-                        _ => break,
+        // and pids cgroups made by the launch): remove the sandbox's cgroup in every
+        // hierarchy. Each is empty once the sandbox's last process is gone.
+        for dir in cgroup_dirs(&cgroups_path) {
+            for _ in 0..50 {
+                match std::fs::remove_dir(&dir) {
+                    Err(err) if err.kind() != io::ErrorKind::NotFound => {
+                        std::thread::sleep(Duration::from_millis(20))
                     }
+                    _ => break,
                 }
             }
         }

@@ -17,6 +17,7 @@
 mod gvisor;
 mod namespaces;
 mod process;
+mod spawner;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

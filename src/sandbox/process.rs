@@ -10,59 +10,31 @@
 
 #![allow(unsafe_code)]
 
+use super::spawner::Spawner;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
-use tokio::process::{Child, Command};
-use tokio::sync::{oneshot, watch};
+use tokio::process::Command;
+use tokio::sync::watch;
 
 use super::{
     Backend, ExitReport, LaunchSpec, Launched, ResourceUsage, Sandbox, SandboxError, SandboxHandle,
 };
 
-struct SpawnRequest {
-    command: Command,
-    reply: oneshot::Sender<io::Result<Child>>,
-}
-
 /// Starts kernels as child processes of the gateway.
 pub struct ProcessSandbox {
-    spawner: mpsc::Sender<SpawnRequest>,
+    spawner: Spawner,
 }
 
 impl ProcessSandbox {
     /// Must be called from within a tokio runtime: the spawner thread registers children
     /// with it.
     pub fn new() -> Result<ProcessSandbox, SandboxError> {
-        let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|err| SandboxError::Setup(format!("no tokio runtime: {err}")))?;
-        let (tx, rx) = mpsc::channel::<SpawnRequest>();
-        std::thread::Builder::new()
-            .name("cellgate-spawner".to_owned())
-            .spawn(move || {
-                let _runtime = runtime.enter();
-                for mut request in rx {
-                    let result = request.command.spawn();
-                    let _ = request.reply.send(result);
-                }
-            })
-            .map_err(|err| {
-                SandboxError::Setup(format!("cannot start the spawner thread: {err}"))
-            })?;
-        Ok(ProcessSandbox { spawner: tx })
-    }
-
-    async fn spawn(&self, command: Command) -> io::Result<Child> {
-        let (reply, response) = oneshot::channel();
-        self.spawner
-            .send(SpawnRequest { command, reply })
-            .map_err(|_| io::Error::other("spawner thread is gone"))?;
-        response
-            .await
-            .unwrap_or_else(|_| Err(io::Error::other("spawner thread dropped the request")))
+        let spawner = Spawner::start("cellgate-spawner")?;
+        Ok(ProcessSandbox { spawner })
     }
 }
 
@@ -104,22 +76,8 @@ impl ProcessSandbox {
             .stderr(log_err)
             .process_group(0)
             .kill_on_drop(false);
-        // SAFETY: the closure runs in the forked child before exec and only calls
-        // async-signal-safe functions (prctl, getppid, _exit).
-        unsafe {
-            let parent = libc::getpid();
-            command.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // The gateway may have died between fork and prctl.
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
         let child = self
+            .spawner
             .spawn(command)
             .await
             .map_err(|source| SandboxError::Spawn {

@@ -75,18 +75,19 @@ mod plan;
 mod seccomp;
 mod sys;
 
+use crate::sandbox::spawner::Spawner;
 use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 use super::{
     Backend, ExitReport, LaunchSpec, Launched, ResourceUsage, Sandbox, SandboxError, SandboxHandle,
@@ -143,17 +144,12 @@ impl Default for NamespacesConfig {
     }
 }
 
-struct SpawnRequest {
-    command: Command,
-    reply: oneshot::Sender<io::Result<Child>>,
-}
-
 /// Starts kernels in namespaced sandboxes.
 pub struct NamespacesSandbox {
     config: NamespacesConfig,
     ids: IdMap,
     hierarchy: Hierarchy,
-    spawner: mpsc::Sender<SpawnRequest>,
+    spawner: Spawner,
 }
 
 impl NamespacesSandbox {
@@ -168,21 +164,7 @@ impl NamespacesSandbox {
                 ));
             }
         }
-        let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|err| SandboxError::Setup(format!("no tokio runtime: {err}")))?;
-        let (tx, rx) = mpsc::channel::<SpawnRequest>();
-        std::thread::Builder::new()
-            .name("cellgate-ns-spawner".to_owned())
-            .spawn(move || {
-                let _runtime = runtime.enter();
-                for mut request in rx {
-                    let result = request.command.spawn();
-                    let _ = request.reply.send(result);
-                }
-            })
-            .map_err(|err| {
-                SandboxError::Setup(format!("cannot start the spawner thread: {err}"))
-            })?;
+        let spawner = Spawner::start("cellgate-ns-spawner")?;
         let hierarchy = if config.cgroups {
             Hierarchy::detect()
         } else {
@@ -199,18 +181,8 @@ impl NamespacesSandbox {
             config,
             ids,
             hierarchy,
-            spawner: tx,
+            spawner,
         })
-    }
-
-    async fn spawn(&self, command: Command) -> io::Result<Child> {
-        let (reply, response) = oneshot::channel();
-        self.spawner
-            .send(SpawnRequest { command, reply })
-            .map_err(|_| io::Error::other("spawner thread is gone"))?;
-        response
-            .await
-            .unwrap_or_else(|_| Err(io::Error::other("spawner thread dropped the request")))
     }
 
     fn init_program(&self) -> PathBuf {
@@ -370,22 +342,7 @@ impl NamespacesSandbox {
             .stderr(std::process::Stdio::piped())
             .process_group(0)
             .kill_on_drop(false);
-        // SAFETY: the closure runs in the forked child before exec and only calls
-        // async-signal-safe functions (prctl, getppid, _exit).
-        unsafe {
-            let parent = libc::getpid();
-            command.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // The gateway may have died between fork and prctl.
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-        let mut child = match self.spawn(command).await {
+        let mut child = match self.spawner.spawn(command).await {
             Ok(child) => child,
             Err(source) => {
                 remove_cgroup(cgroup).await;
