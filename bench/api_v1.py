@@ -14,6 +14,9 @@ and machine noise hit them alike:
   2 one ~5 MB PNG display_data:
       kg      the base64 PNG delivered to the WebSocket client
       v1      stored as an artifact (sha256, written to disk), result carries a reference
+      v1-fetch v1, then GET the artifact's bytes on the same connection: until the client
+              holds the PNG (the store runs off the result's path, so a fetch may wait
+              for it)
       v1-none the same cell without the display (the floor of a v1 execute)
     Every rep displays a NEW random PNG (made by an untimed cell first), so content
     addressing never gets to skip a write. v1 - v1-none is the cost of getting 5 MB out of
@@ -56,7 +59,9 @@ class KeepAlive:
         self.reader = self.writer = None
 
     async def connect(self):
-        self.reader, self.writer = await asyncio.open_connection(HOST, self.port)
+        # A large buffer: the default 64 KiB limit makes a 5 MB body crawl in through
+        # pause/resume cycles, billing the harness to the gateway.
+        self.reader, self.writer = await asyncio.open_connection(HOST, self.port, limit=16 << 20)
 
     async def request(self, method, path, body=None):
         if self.writer is None:
@@ -214,7 +219,7 @@ async def sc_png(gw, a):
     side = int((a.png_mb * 1e6 / 3) ** 0.5)
     http = KeepAlive(gw.port, gw.token)
     session = await new_session(http)
-    times = {"kg": [], "v1": [], "v1-none": []}
+    times = {"kg": [], "v1": [], "v1-fetch": [], "v1-none": []}
     result_bytes, png_bytes = [], []
 
     async def kg_png():
@@ -245,12 +250,24 @@ async def sc_png(gw, a):
         png_bytes.append(pngs[0]["bytes"])
         return dt
 
+    async def v1_fetch():
+        t0 = time.perf_counter()
+        result, _ = await v1_execute(http, session, e2e.PNG_SHOW)
+        pngs = [x for x in result["artifacts"] if x["mime"] == "image/png"]
+        if len(pngs) != 1:
+            raise ScenarioError(f"v1-fetch: no PNG artifact: {result['artifacts']}")
+        status, body = await http.request("GET", f"/v1/artifacts/{pngs[0]['id']}")
+        dt = time.perf_counter() - t0
+        if status != 200 or len(body) != pngs[0]["bytes"] or not body.startswith(b"\x89PNG"):
+            raise ScenarioError(f"v1-fetch: artifact not served intact: {status}, {len(body)} bytes")
+        return dt
+
     async def v1_none():
         t0 = time.perf_counter()
         await v1_execute(http, session, "None")
         return time.perf_counter() - t0
 
-    runs = {"kg": kg_png, "v1": v1_png, "v1-none": v1_none}
+    runs = {"kg": kg_png, "v1": v1_png, "v1-fetch": v1_fetch, "v1-none": v1_none}
     names = list(runs)
     for r in range(a.rounds * a.reps + 1):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -264,6 +281,8 @@ async def sc_png(gw, a):
     out["png_bytes"] = png_bytes[0]
     out["v1_result_json_bytes"] = max(result_bytes)
     out["store_cost_ms"] = out["v1"]["median_ms"] - out["v1-none"]["median_ms"]
+    out["v1_minus_kg_ms"] = out["v1"]["median_ms"] - out["kg"]["median_ms"]
+    out["v1_fetch_minus_kg_ms"] = out["v1-fetch"]["median_ms"] - out["kg"]["median_ms"]
     return out
 
 
@@ -369,7 +388,9 @@ async def amain(a):
         png = results["png"]
         print(f"5 MB PNG: kg {png['kg']['median_ms']:.1f} ms, v1 {png['v1']['median_ms']:.1f} ms, "
               f"v1 without the PNG {png['v1-none']['median_ms']:.1f} ms -> getting it out and storing "
-              f"it: {png['store_cost_ms']:.1f} ms; v1 result JSON {png['v1_result_json_bytes']} bytes")
+              f"it: {png['store_cost_ms']:.1f} ms; v1 - kg {png['v1_minus_kg_ms']:+.1f} ms; v1 then fetching "
+              f"the bytes {png['v1-fetch']['median_ms']:.1f} ms ({png['v1_fetch_minus_kg_ms']:+.1f} vs kg); "
+              f"v1 result JSON {png['v1_result_json_bytes']} bytes")
     if "fanout" in results:
         f = results["fanout"]
         print(f"fan-out: {f['clients']} clients on {f['sessions']} sessions, "

@@ -11,6 +11,14 @@
 //! Records of a deleted session stay fetchable for a retention period, then go
 //! ([`ArtifactStore::reap`]).
 //!
+//! Large outputs are stored off the execution's critical path: everything a reference
+//! carries (size, dimensions, summary) comes from the head of the content, so
+//! [`ArtifactStore::reserve`] records the artifact at once and a [`Reservation`] hashes and
+//! writes the bytes in the background. [`ArtifactStore::open`] waits for a pending
+//! artifact, so a client that follows a reference the moment it arrives still gets the bytes;
+//! a reservation that fails (or is dropped unfilled) removes its record, and a fetch then
+//! answers "not found" and the log says why.
+//!
 //! Must not depend on: HTTP, kernels.
 
 mod inspect;
@@ -24,6 +32,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use tokio::sync::watch;
 
 pub use inspect::{dimensions, strip_ansi, summarize};
 
@@ -74,6 +83,10 @@ pub enum ArtifactError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the content has {got} bytes, not the {promised} its reference announced")]
+    SizeMismatch { promised: u64, got: u64 },
+    #[error("artifact {0} is still being stored")]
+    NotReady(String),
 }
 
 /// Where an artifact came from.
@@ -98,7 +111,6 @@ pub struct Artifact {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub height: Option<u32>,
     pub summary: String,
-    pub sha256: String,
     pub origin: Origin,
     /// The execution that produced it.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -134,8 +146,42 @@ pub struct NewArtifact<'a> {
     pub path: Option<&'a str>,
 }
 
+/// What an artifact knows before its bytes are stored: what its reference carries.
+#[derive(Debug, Clone)]
+pub struct Description {
+    pub bytes: u64,
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+    pub summary: String,
+}
+
+impl Description {
+    /// Describes content of `bytes` bytes from its first bytes (`head`; dimensions are in
+    /// the first few KiB of every image format we read).
+    pub fn from_head(new: &NewArtifact<'_>, head: &[u8], bytes: u64) -> Description {
+        let (width, height) = dimensions(new.mime, head).unzip();
+        let summary = summarize(new.mime, head, new.text, (width, height), new.path);
+        Description {
+            bytes,
+            width,
+            height,
+            summary,
+        }
+    }
+}
+
+/// Where a record's bytes are.
+enum Blob {
+    /// Stored, under this sha256.
+    Stored(String),
+    /// Being stored by a [`Reservation`]; the channel says `true` once that is over, either
+    /// way.
+    Pending(watch::Receiver<bool>),
+}
+
 struct Record {
     artifact: Arc<Artifact>,
+    blob: Blob,
     /// Set when the owning session ended: the record goes at this instant.
     expires: Option<Instant>,
 }
@@ -187,18 +233,10 @@ impl ArtifactStore {
         content: &[u8],
     ) -> Result<Arc<Artifact>, ArtifactError> {
         let sha = hex::encode(Sha256::digest(content));
-        let (width, height) = dimensions(new.mime, content).unzip();
-        let summary = summarize(new.mime, content, new.text, (width, height), new.path);
+        let description = Description::from_head(new, content, content.len() as u64);
         // Recorded first: a blob with a reference is never reaped, so the write below
         // cannot race with the removal of an identical blob.
-        let artifact = self.record(
-            new,
-            sha.clone(),
-            content.len() as u64,
-            width,
-            height,
-            summary,
-        );
+        let artifact = self.record(new, description, Blob::Stored(sha.clone()));
         if let Err(err) = self.write_blob(&sha, content) {
             self.forget(&artifact.id);
             return Err(err);
@@ -249,9 +287,8 @@ impl ArtifactStore {
             return Err(err);
         }
         let sha = hex::encode(hasher.finalize());
-        let (width, height) = dimensions(new.mime, &head).unzip();
-        let summary = summarize(new.mime, &head, new.text, (width, height), new.path);
-        let artifact = self.record(new, sha.clone(), size, width, height, summary);
+        let description = Description::from_head(new, &head, size);
+        let artifact = self.record(new, description, Blob::Stored(sha.clone()));
         let target = self.blob_path(&sha);
         let placed = std::fs::create_dir_all(target.parent().unwrap_or(&self.dir))
             .and_then(|_| std::fs::rename(&tmp_path, &target));
@@ -293,15 +330,34 @@ impl ArtifactStore {
         Ok(())
     }
 
-    fn record(
-        &self,
+    /// Records an artifact whose bytes are not stored yet: its reference can go out at once,
+    /// and the returned [`Reservation`] stores the bytes (from any thread). Until then
+    /// [`ArtifactStore::open`] waits for them.
+    pub fn reserve(
+        self: &Arc<Self>,
         new: &NewArtifact<'_>,
-        sha: String,
-        bytes: u64,
-        width: Option<u32>,
-        height: Option<u32>,
-        summary: String,
-    ) -> Arc<Artifact> {
+        description: Description,
+    ) -> (Arc<Artifact>, Reservation) {
+        let (done, pending) = watch::channel(false);
+        let bytes = description.bytes;
+        let artifact = self.record(new, description, Blob::Pending(pending));
+        let reservation = Reservation {
+            store: self.clone(),
+            id: artifact.id.clone(),
+            bytes,
+            done,
+            settled: false,
+        };
+        (artifact, reservation)
+    }
+
+    fn record(&self, new: &NewArtifact<'_>, description: Description, blob: Blob) -> Arc<Artifact> {
+        let Description {
+            bytes,
+            width,
+            height,
+            summary,
+        } = description;
         let mut index = self.index.write();
         let (version, previous) = match new.display_id {
             Some(display) => {
@@ -326,7 +382,6 @@ impl ArtifactStore {
             width,
             height,
             summary,
-            sha256: sha.clone(),
             origin: new.origin,
             execution_id: new.execution_id.map(str::to_owned),
             display_id: new.display_id.map(str::to_owned),
@@ -347,11 +402,14 @@ impl ArtifactStore {
                 artifact.id.clone(),
             );
         }
-        *index.blobs.entry(sha).or_default() += 1;
+        if let Blob::Stored(sha) = &blob {
+            *index.blobs.entry(sha.clone()).or_default() += 1;
+        }
         index.records.insert(
             artifact.id.clone(),
             Record {
                 artifact: artifact.clone(),
+                blob,
                 expires: None,
             },
         );
@@ -362,8 +420,10 @@ impl ArtifactStore {
     fn forget(&self, id: &str) {
         let mut index = self.index.write();
         if let Some(record) = index.records.remove(id) {
-            if let Some(n) = index.blobs.get_mut(&record.artifact.sha256) {
-                *n = n.saturating_sub(1);
+            if let Blob::Stored(sha) = &record.blob {
+                if let Some(n) = index.blobs.get_mut(sha) {
+                    *n = n.saturating_sub(1);
+                }
             }
         }
     }
@@ -376,9 +436,82 @@ impl ArtifactStore {
             .map(|r| r.artifact.clone())
     }
 
-    /// The file holding an artifact's bytes.
-    pub fn path_of(&self, artifact: &Artifact) -> PathBuf {
-        self.blob_path(&artifact.sha256)
+    /// The file holding an artifact's bytes, once they are stored: waits for a pending
+    /// artifact (at most `wait`). `Ok(None)`: no such artifact (never was, expired, or its
+    /// bytes could not be stored).
+    pub async fn open(
+        &self,
+        id: &str,
+        wait: Duration,
+    ) -> Result<Option<(Arc<Artifact>, PathBuf)>, ArtifactError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let mut pending = {
+                let index = self.index.read();
+                let Some(record) = index.records.get(id) else {
+                    return Ok(None);
+                };
+                match &record.blob {
+                    Blob::Stored(sha) => {
+                        return Ok(Some((record.artifact.clone(), self.blob_path(sha))))
+                    }
+                    Blob::Pending(pending) => pending.clone(),
+                }
+            };
+            // A closed channel means the reservation settled: look again either way.
+            let settled = tokio::time::timeout_at(deadline, pending.wait_for(|done| *done));
+            if settled.await.is_err() {
+                return Err(ArtifactError::NotReady(id.to_owned()));
+            }
+        }
+    }
+
+    /// The file holding a stored artifact's bytes (`None` while pending or unknown).
+    pub fn path_of(&self, id: &str) -> Option<PathBuf> {
+        match &self.index.read().records.get(id)?.blob {
+            Blob::Stored(sha) => Some(self.blob_path(sha)),
+            Blob::Pending(_) => None,
+        }
+    }
+
+    /// Stores a reservation's bytes: hashes them, counts the blob reference before writing
+    /// (so a concurrent reap of identical bytes keeps the file), writes, and only then marks
+    /// the record stored. A record that went meanwhile (its session expired) leaves no blob.
+    fn fill(&self, id: &str, promised: u64, content: &[u8]) -> Result<(), ArtifactError> {
+        if content.len() as u64 != promised {
+            self.forget(id);
+            return Err(ArtifactError::SizeMismatch {
+                promised,
+                got: content.len() as u64,
+            });
+        }
+        let sha = hex::encode(Sha256::digest(content));
+        {
+            let mut index = self.index.write();
+            if !index.records.contains_key(id) {
+                return Ok(());
+            }
+            *index.blobs.entry(sha.clone()).or_default() += 1;
+        }
+        let written = self.write_blob(&sha, content);
+        let mut index = self.index.write();
+        let kept = written.is_ok() && index.records.contains_key(id);
+        if kept {
+            if let Some(record) = index.records.get_mut(id) {
+                record.blob = Blob::Stored(sha);
+            }
+            return Ok(());
+        }
+        index.records.remove(id);
+        let left = index.blobs.get_mut(&sha).map(|n| {
+            *n = n.saturating_sub(1);
+            *n
+        });
+        if left == Some(0) {
+            index.blobs.remove(&sha);
+            let _ = std::fs::remove_file(self.blob_path(&sha));
+        }
+        written
     }
 
     /// A session's artifacts, oldest first.
@@ -422,7 +555,10 @@ impl ArtifactStore {
                 .collect();
             for id in expired {
                 if let Some(record) = index.records.remove(&id) {
-                    let sha = &record.artifact.sha256;
+                    // A pending record counts no blob yet; its reservation cleans up.
+                    let Blob::Stored(sha) = &record.blob else {
+                        continue;
+                    };
                     let left = index.blobs.get_mut(sha).map(|n| {
                         *n -= 1;
                         *n
@@ -448,6 +584,41 @@ impl ArtifactStore {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+}
+
+/// The right to store one recorded artifact's bytes (see [`ArtifactStore::reserve`]).
+/// Dropped without [`Reservation::fill`], the artifact is removed.
+pub struct Reservation {
+    store: Arc<ArtifactStore>,
+    id: String,
+    bytes: u64,
+    done: watch::Sender<bool>,
+    settled: bool,
+}
+
+impl Reservation {
+    /// The artifact's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Stores the bytes (blocking IO: call from a blocking context). Content of another
+    /// size than the reference announced is refused and the artifact removed.
+    pub fn fill(mut self, content: &[u8]) -> Result<(), ArtifactError> {
+        let result = self.store.fill(&self.id, self.bytes, content);
+        self.settled = true;
+        self.done.send_replace(true);
+        result
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.store.forget(&self.id);
+            self.done.send_replace(true);
+        }
     }
 }
 

@@ -32,10 +32,10 @@ fn same_bytes_one_blob_two_records_removed_with_the_last() {
         .put(&new("s2", "image/png", None), &png(640, 480))
         .unwrap();
     assert_ne!(a.id, b.id);
-    assert_eq!(a.sha256, b.sha256);
+    assert_eq!(store.path_of(&a.id), store.path_of(&b.id));
     assert_eq!((a.width, a.height), (Some(640), Some(480)));
     assert_eq!(a.summary, "PNG image 640×480");
-    let path = store.path_of(&a);
+    let path = store.path_of(&a.id).unwrap();
     assert!(path.exists());
     store.expire_session("s1");
     store.reap();
@@ -84,7 +84,7 @@ fn streamed_files_respect_the_limit() {
         )
         .unwrap();
     assert_eq!(ok.bytes, 1000);
-    assert_eq!(std::fs::read(store.path_of(&ok)).unwrap(), data);
+    assert_eq!(std::fs::read(store.path_of(&ok.id).unwrap()).unwrap(), data);
 }
 
 #[test]
@@ -123,4 +123,116 @@ fn summaries() {
         summarize("text/markdown", b"# Title\nbody", None, (None, None), None),
         "Markdown: # Title"
     );
+}
+
+fn reserve(
+    store: &Arc<ArtifactStore>,
+    session: &str,
+    bytes: &[u8],
+) -> (Arc<Artifact>, Reservation) {
+    let n = new(session, "image/png", None);
+    let description = Description::from_head(&n, &bytes[..bytes.len().min(64)], bytes.len() as u64);
+    store.reserve(&n, description)
+}
+
+#[tokio::test]
+async fn a_fetch_waits_for_a_reserved_artifact() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(ArtifactStore::new(dir.path().to_owned(), Duration::ZERO).unwrap());
+    let mut content = png(800, 600);
+    content.resize(3 << 20, 42);
+    let (artifact, reservation) = reserve(&store, "s", &content);
+    assert_eq!((artifact.width, artifact.height), (Some(800), Some(600)));
+    assert_eq!(artifact.bytes, 3 << 20);
+    assert!(store.path_of(&artifact.id).is_none(), "not stored yet");
+    let id = artifact.id.clone();
+    let waiting = {
+        let store = store.clone();
+        tokio::spawn(async move { store.open(&id, Duration::from_secs(30)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiting.is_finished(), "the fetch waits for the bytes");
+    let filled = {
+        let content = content.clone();
+        tokio::task::spawn_blocking(move || reservation.fill(&content))
+    };
+    filled.await.unwrap().unwrap();
+    let (opened, path) = waiting.await.unwrap().unwrap().expect("stored");
+    assert_eq!(opened.id, artifact.id);
+    assert_eq!(std::fs::read(path).unwrap(), content);
+}
+
+#[tokio::test]
+async fn a_failed_or_abandoned_reservation_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(ArtifactStore::new(dir.path().to_owned(), Duration::ZERO).unwrap());
+    let content = png(10, 10);
+    // Bytes of another size than announced are refused.
+    let (wrong, reservation) = reserve(&store, "s", &content);
+    let err = reservation.fill(&content[..5]).unwrap_err();
+    assert!(
+        matches!(err, ArtifactError::SizeMismatch { promised, got: 5 } if promised == content.len() as u64),
+        "{err}"
+    );
+    assert!(store.get(&wrong.id).is_none());
+    assert!(store
+        .open(&wrong.id, Duration::from_secs(1))
+        .await
+        .unwrap()
+        .is_none());
+    // Dropped unfilled (the storing task died): a waiting fetch answers "not found".
+    let (dropped, reservation) = reserve(&store, "s", &content);
+    let id = dropped.id.clone();
+    let waiting = {
+        let store = store.clone();
+        tokio::spawn(async move { store.open(&id, Duration::from_secs(30)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    drop(reservation);
+    assert!(waiting.await.unwrap().unwrap().is_none());
+    // Still pending when the wait ends: a clear error, not a hang.
+    let (slow, _reservation) = reserve(&store, "s", &content);
+    let err = store
+        .open(&slow.id, Duration::from_millis(20))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ArtifactError::NotReady(_)), "{err}");
+    let blobs = walk_files(dir.path());
+    assert!(blobs.is_empty(), "no blob left behind: {blobs:?}");
+}
+
+#[test]
+fn a_reservation_whose_session_expired_meanwhile_stores_no_blob() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(ArtifactStore::new(dir.path().to_owned(), Duration::ZERO).unwrap());
+    let content = png(10, 10);
+    let (artifact, reservation) = reserve(&store, "gone", &content);
+    // The same bytes stored for another session, then that one reaped.
+    let other = store
+        .put(&new("other", "image/png", None), &content)
+        .unwrap();
+    store.expire_session("gone");
+    store.reap();
+    assert!(store.get(&artifact.id).is_none());
+    reservation.fill(&content).unwrap();
+    assert!(store.get(&artifact.id).is_none());
+    let path = store.path_of(&other.id).expect("the other session's blob");
+    assert!(path.exists(), "the blob shared with a live artifact stays");
+    store.expire_session("other");
+    store.reap();
+    assert!(!path.exists(), "and goes with its last user");
+    assert!(walk_files(dir.path()).is_empty());
+}
+
+fn walk_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk_files(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
 }

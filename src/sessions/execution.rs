@@ -13,7 +13,8 @@ use super::events::{
 };
 use super::{HistoryEntry, Session, MAX_HISTORY};
 use crate::artifacts::{
-    is_base64_mime, strip_ansi, ArtifactError, NewArtifact, Origin, RICH_MIME_TYPES,
+    is_base64_mime, strip_ansi, Artifact, ArtifactError, Description, NewArtifact, Origin,
+    RICH_MIME_TYPES,
 };
 use crate::kernel::{ExecEvent, ExecuteOptions, ExecuteReply, Readiness};
 
@@ -43,6 +44,59 @@ fn push_capped(buffer: &mut String, truncated: &mut bool, text: &str, cap: usize
     }
     buffer.push_str(&text[..end]);
     *truncated = true;
+}
+
+/// Base64 outputs from this length on are stored in the background (~48 KiB decoded: below
+/// it the whole store costs less than handing it to another thread).
+const BACKGROUND_MIN_BASE64: usize = 64 << 10;
+/// Base64 characters decoded up front to describe a large output (dimensions are in the
+/// first KiB of PNG, GIF and WebP; JPEG's frame header may follow metadata).
+const HEAD_BASE64: usize = 64 << 10;
+
+/// The decoded head of a base64 text, and the decoded length of the whole.
+struct Base64Head {
+    bytes: Vec<u8>,
+    total: u64,
+}
+
+/// Decodes the head of `encoded` and computes its decoded length, without reading the rest.
+/// `None` (the caller decodes it all, and reports what is wrong) unless the text is one
+/// padded line: any ASCII whitespace or a length that is not a multiple of 4 would make the
+/// computed length wrong.
+fn base64_head(encoded: &str) -> Option<Base64Head> {
+    let raw = encoded.as_bytes();
+    if !raw.len().is_multiple_of(4) || memchr::memchr3(b'\n', b'\r', b' ', raw).is_some() {
+        return None;
+    }
+    if memchr::memchr2(b'\t', b'\x0c', raw).is_some() {
+        return None;
+    }
+    let padding = raw.iter().rev().take(2).filter(|b| **b == b'=').count();
+    let total = (raw.len() / 4 * 3 - padding) as u64;
+    let head = &encoded[..HEAD_BASE64.min(raw.len())];
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(head)
+        .ok()?;
+    Some(Base64Head { bytes, total })
+}
+
+/// Decodes base64 output; only line-wrapped base64 pays for a cleaned copy.
+fn decode_base64(encoded: &str) -> Result<Vec<u8>, base64::DecodeError> {
+    let engine = &base64::engine::general_purpose::STANDARD;
+    engine.decode(encoded).or_else(|_| {
+        let cleaned: String = encoded.chars().filter(|c| !c.is_whitespace()).collect();
+        engine.decode(cleaned)
+    })
+}
+
+fn too_large(session: &str, mime: &str, bytes: u64, limit: u64) -> Omitted {
+    tracing::warn!(session_id = %session, mime, bytes, limit, "output larger than the artifact limit; not stored");
+    Omitted {
+        mime: mime.to_owned(),
+        bytes,
+        path: None,
+        reason: format!("larger than the policy's artifact_size of {limit} bytes"),
+    }
 }
 
 /// Maps the kernel's reply (and cellgate's outcome on it) to the API's status.
@@ -183,7 +237,7 @@ impl Session {
                     let text = plain_text(&data);
                     let refs = self
                         .store_bundle(
-                            &data,
+                            data,
                             origin,
                             &id,
                             display_id.as_deref(),
@@ -216,7 +270,7 @@ impl Session {
                     let text = plain_text(&data);
                     let refs = self
                         .store_bundle(
-                            &data,
+                            data,
                             Origin::ExecuteResult,
                             &id,
                             None,
@@ -355,29 +409,54 @@ impl Session {
 
     /// Stores the rich parts of a MIME bundle; returns references in the bundle's order of
     /// preference. An output too large or undecodable is reported in the log and skipped.
+    /// Large base64 outputs (images, PDFs) are described from their head and stored in the
+    /// background (see [`crate::artifacts::Reservation`]): the reference goes out without
+    /// waiting for the decode, hash and write of megabytes.
     async fn store_bundle(
         &self,
-        data: &Map<String, Value>,
+        mut data: Map<String, Value>,
         origin: Origin,
         execution_id: &str,
         display_id: Option<&str>,
         omitted: &mut Vec<Omitted>,
     ) -> Vec<ArtifactRef> {
-        let text = plain_text(data);
+        let text = plain_text(&data);
         let mut refs = Vec::new();
         for mime in RICH_MIME_TYPES {
-            let Some(value) = data.get(*mime) else {
+            let Some(value) = data.get_mut(*mime) else {
                 continue;
             };
+            let new = NewArtifact {
+                session: &self.id,
+                owner: self.owner.as_deref(),
+                mime,
+                origin,
+                execution_id: Some(execution_id),
+                display_id,
+                text: text.as_deref(),
+                path: None,
+            };
+            let limit = self.options.artifact_max_bytes;
+            if let Value::String(encoded) = value {
+                if is_base64_mime(mime) && encoded.len() >= BACKGROUND_MIN_BASE64 {
+                    if let Some(head) = base64_head(encoded) {
+                        let bytes = head.total;
+                        if bytes > limit {
+                            omitted.push(too_large(&self.id, mime, bytes, limit));
+                            continue;
+                        }
+                        let description = Description::from_head(&new, &head.bytes, bytes);
+                        let encoded = std::mem::take(encoded);
+                        let artifact = self.store_in_background(&new, description, encoded).await;
+                        refs.push(ArtifactRef::new(&artifact, &self.options.base_url));
+                        continue;
+                    }
+                }
+            }
             let content: Vec<u8> = match value {
                 Value::String(s) if is_base64_mime(mime) => {
                     // Kernels send one line; only line-wrapped base64 pays for a cleaned copy.
-                    let engine = &base64::engine::general_purpose::STANDARD;
-                    let decoded = engine.decode(s).or_else(|_| {
-                        let cleaned: String = s.chars().filter(|c| !c.is_whitespace()).collect();
-                        engine.decode(cleaned)
-                    });
-                    match decoded {
+                    match decode_base64(s) {
                         Ok(bytes) => bytes,
                         Err(err) => {
                             tracing::warn!(session_id = %self.id, mime, %err, "output is not valid base64; not stored");
@@ -391,7 +470,7 @@ impl Session {
                         }
                     }
                 }
-                Value::String(s) => s.clone().into_bytes(),
+                Value::String(s) => std::mem::take(s).into_bytes(),
                 // Lists of lines (nbformat style) join into one text.
                 Value::Array(lines) if lines.iter().all(Value::is_string) => lines
                     .iter()
@@ -400,15 +479,8 @@ impl Session {
                     .into_bytes(),
                 other => other.to_string().into_bytes(),
             };
-            let limit = self.options.artifact_max_bytes;
             if content.len() as u64 > limit {
-                tracing::warn!(session_id = %self.id, mime, bytes = content.len(), limit, "output larger than the artifact limit; not stored");
-                omitted.push(Omitted {
-                    mime: (*mime).to_owned(),
-                    bytes: content.len() as u64,
-                    path: None,
-                    reason: format!("larger than the policy's artifact_size of {limit} bytes"),
-                });
+                omitted.push(too_large(&self.id, mime, content.len() as u64, limit));
                 continue;
             }
             let store = self.artifacts.clone();
@@ -443,6 +515,41 @@ impl Session {
             }
         }
         refs
+    }
+
+    /// Records the artifact now and decodes, hashes and writes it on the blocking pool. At
+    /// most [`super::BACKGROUND_STORES`] run at once per session; past that the execution
+    /// waits here (back-pressure on a kernel that floods outputs).
+    async fn store_in_background(
+        &self,
+        new: &NewArtifact<'_>,
+        description: Description,
+        encoded: String,
+    ) -> Arc<Artifact> {
+        let permit = self.background_stores.clone().acquire_owned().await;
+        let (artifact, reservation) = self.artifacts.reserve(new, description);
+        let session = self.id.clone();
+        let id = artifact.id.clone();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let stored = match decode_base64(&encoded) {
+                Ok(bytes) => {
+                    drop(encoded);
+                    reservation.fill(&bytes)
+                }
+                // The head decoded, the rest did not: a kernel sent broken base64. The
+                // reference is already out; fetching it answers 404 and this log says why.
+                Err(err) => {
+                    drop(reservation);
+                    tracing::warn!(session_id = %session, artifact = %id, %err, "output is not valid base64; artifact removed");
+                    return;
+                }
+            };
+            if let Err(err) = stored {
+                log_store_error(&session, &err);
+            }
+        });
+        artifact
     }
 
     /// Turns new or changed files under the workspace's `outputs/` into artifacts.

@@ -138,8 +138,14 @@ pub struct Session {
     /// Files under `outputs/` already turned into artifacts: path → (size, mtime).
     outputs_seen: Mutex<HashMap<String, (u64, i64, i64)>>,
     artifacts: Arc<ArtifactStore>,
+    /// Large outputs being stored in the background; bounded so a kernel that floods
+    /// images waits for the disk instead of piling decoded copies up in memory.
+    background_stores: Arc<tokio::sync::Semaphore>,
     options: SessionOptions,
 }
+
+/// Large outputs of one session stored at once in the background.
+const BACKGROUND_STORES: usize = 4;
 
 impl Session {
     pub fn model(&self) -> SessionModel {
@@ -399,6 +405,7 @@ impl Sessions {
             history: Mutex::new(Vec::new()),
             outputs_seen: Mutex::new(HashMap::new()),
             artifacts: self.artifacts.clone(),
+            background_stores: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_STORES)),
             options,
         });
         self.sessions

@@ -1689,3 +1689,93 @@ async fn sessions_are_separate() -> Result<()> {
     assert_eq!(artifacts[0]["id"], artifact_a);
     Ok(())
 }
+
+/// Large base64 outputs are referenced at once and stored in the background: a fetch the
+/// moment the result arrives gets exactly the displayed bytes (it waits for the store), the
+/// reference's size and dimensions are exact, line-wrapped base64 still works, one over the
+/// policy's `artifact_size` is omitted with the reason, and one whose tail is not base64 is
+/// referenced but answers 404 (nothing half-stored is ever served).
+#[tokio::test]
+async fn large_outputs_are_stored_off_the_result_path() -> Result<()> {
+    let (gateway, _policies) =
+        start_gateway("artifact_size = \"2100KiB\"\noutput_per_execution = \"64MiB\"\n").await?;
+    let id = create_session(&gateway, json!({})).await?;
+    let code = r#"
+import base64, hashlib, json, os, struct, zlib
+from IPython.display import display
+
+def png(width, height, size):
+    ihdr = struct.pack('>IIBBBBB', width, height, 8, 6, 0, 0, 0)
+    chunk = struct.pack('>I', 13) + b'IHDR' + ihdr + struct.pack('>I', zlib.crc32(b'IHDR' + ihdr))
+    body = b'\x89PNG\r\n\x1a\n' + chunk
+    return body + os.urandom(size - len(body))
+
+digests = {}
+for name, (w, h, size, wrap) in {
+    'padded1': (1234, 567, 2 << 20, False),
+    'padded2': (10, 20, 1 << 20, False),
+    'unpadded': (11, 22, 3 << 18, False),
+    'wrapped': (30, 40, 300_000, True),
+    'too_large': (50, 60, 2_200_000, False),
+}.items():
+    raw = png(w, h, size)
+    text = (base64.encodebytes if wrap else base64.b64encode)(raw).decode()
+    digests[name] = [hashlib.sha256(raw).hexdigest(), len(raw)]
+    display({'image/png': text, 'text/plain': name}, raw=True)
+broken = base64.b64encode(png(7, 8, 600_000)).decode()
+display({'image/png': broken[:-8] + '!!!!!!!!', 'text/plain': 'broken'}, raw=True)
+print(json.dumps(digests))
+"#;
+    let r = execute(&gateway, &id, code).await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let digests: Value = serde_json::from_str(r["stdout"].as_str().unwrap().trim())?;
+    let artifacts = r["artifacts"].as_array().context("artifacts")?.clone();
+    let by_summary = |name: &str| {
+        artifacts
+            .iter()
+            .find(|a| a["summary"].as_str().unwrap_or_default().contains(name))
+            .cloned()
+    };
+    for (name, size) in [
+        ("padded1", (1234, 567)),
+        ("padded2", (10, 20)),
+        ("unpadded", (11, 22)),
+        ("wrapped", (30, 40)),
+    ] {
+        let artifact = by_summary(name).with_context(|| format!("{name}: {artifacts:?}"))?;
+        let (digest, bytes) = (&digests[name][0], &digests[name][1]);
+        assert_eq!(&artifact["bytes"], bytes, "{name}: {artifact}");
+        assert_eq!(
+            (artifact["width"].as_u64(), artifact["height"].as_u64()),
+            (Some(size.0), Some(size.1)),
+            "{name}: {artifact}"
+        );
+        let response = fetch_artifact(&gateway, artifact["id"].as_str().unwrap()).await?;
+        assert_eq!(response.status().as_u16(), 200, "{name}");
+        let length = response.headers()["content-length"].to_str()?.to_owned();
+        assert_eq!(length, bytes.to_string(), "{name}");
+        let body = response.bytes().await?;
+        assert_eq!(&sha256_hex(&body), digest, "{name}: served bytes differ");
+    }
+    assert!(by_summary("too_large").is_none(), "{artifacts:?}");
+    let omitted = r["omitted"].as_array().context("omitted")?;
+    assert!(
+        omitted.iter().any(|o| o["bytes"] == digests["too_large"][1]
+            && o["reason"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("artifact_size")),
+        "{omitted:?}"
+    );
+    let broken = by_summary("broken").context("the broken output is referenced")?;
+    let response = fetch_artifact(&gateway, broken["id"].as_str().unwrap()).await?;
+    assert_eq!(
+        response.status().as_u16(),
+        404,
+        "a broken output is never served"
+    );
+    // The session goes on.
+    let r = execute(&gateway, &id, "1+1").await?;
+    assert_eq!(r["result"], "2", "{r}");
+    Ok(())
+}

@@ -7,11 +7,15 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
-use super::{session_for, ApiError};
+use super::{session_for, ApiError, STREAM_CHUNK};
 use crate::artifacts::{is_active_content, Artifact};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::sessions::ArtifactRef;
+
+/// How long a fetch waits for a large output's bytes still being stored (seconds of work at
+/// most, unless the host's disk stalls).
+const STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Every artifact of the session, oldest first.
 #[utoipa::path(get, path = "/v1/sessions/{id}/artifacts", tag = "artifacts",
@@ -58,17 +62,25 @@ pub async fn fetch(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let store = state.sessions.artifacts();
-    let artifact = store
+    let not_found = || ApiError::not_found(format!("no artifact {id}"));
+    store
         .get(&id)
         .filter(|a| principal.may_see(a.owner.as_deref()))
-        .ok_or_else(|| ApiError::not_found(format!("no artifact {id}")))?;
-    let file = tokio::fs::File::open(store.path_of(&artifact))
+        .ok_or_else(not_found)?;
+    // A reference goes out before a large output's bytes are stored: wait for them.
+    let (artifact, path) = store
+        .open(&id, STORE_WAIT)
         .await
-        .map_err(|err| {
-            tracing::error!(artifact = %artifact.id, %err, "artifact file missing");
-            ApiError::not_found(format!("no artifact {id}"))
-        })?;
-    let body = Body::from_stream(tokio_util::io::ReaderStream::new(file));
+        .map_err(|err| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string()))?
+        .ok_or_else(not_found)?;
+    let file = tokio::fs::File::open(path).await.map_err(|err| {
+        tracing::error!(artifact = %artifact.id, %err, "artifact file missing");
+        ApiError::not_found(format!("no artifact {id}"))
+    })?;
+    let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
+        file,
+        STREAM_CHUNK,
+    ));
     let mut response = (StatusCode::OK, body).into_response();
     let headers = response.headers_mut();
     let set = |headers: &mut axum::http::HeaderMap, name, value: &str| {
@@ -85,7 +97,7 @@ pub async fn fetch(
         header::CACHE_CONTROL,
         "private, max-age=31536000, immutable",
     );
-    set(headers, header::ETAG, &format!("\"{}\"", artifact.sha256));
+    set(headers, header::ETAG, &format!("\"{}\"", artifact.id));
     if is_active_content(&artifact.mime) {
         set(headers, header::CONTENT_SECURITY_POLICY, "sandbox");
     }

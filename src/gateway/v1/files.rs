@@ -12,7 +12,7 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{session_for, ApiError};
+use super::{session_for, ApiError, STREAM_CHUNK};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::sessions::Session;
@@ -138,7 +138,10 @@ pub async fn download(
     .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
     // The sandbox may grow the file meanwhile: send what was there when it was opened.
     let file = tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(file), size);
-    let body = Body::from_stream(tokio_util::io::ReaderStream::new(file));
+    let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
+        file,
+        STREAM_CHUNK,
+    ));
     let mut response = (StatusCode::OK, body).into_response();
     let headers = response.headers_mut();
     // Downloads are never rendered in the gateway's origin: attachment, nosniff, sandbox.

@@ -15,6 +15,10 @@ pub mod openapi;
 mod sessions;
 mod ws;
 
+/// Read size when streaming a file or artifact to a client: tokio's default of 4 KiB costs a
+/// read and a write per 4 KiB of a multi-megabyte image.
+const STREAM_CHUNK: usize = 64 << 10;
+
 use std::sync::Arc;
 
 use axum::http::StatusCode;
