@@ -1,6 +1,7 @@
 //! The `gvisor` sandbox backend (runsc) against a real ipykernel: a 1+1 round trip, an
 //! interrupt, `kill` leaving no process and no runsc state behind, the host's files and
-//! network out of sight, the exit status, and the memory limit.
+//! network out of sight, the exit status, the memory limit, and the size-limited workspace
+//! (a tmpfs only runsc's mount namespace holds, reached by the gateway through /proc).
 //!
 //! Needs root and Debian's `runsc` (`apt-get install -y runsc`, part of `./dev setup`), and
 //! the kernel venv in `kernels/python3/.venv`. Without runsc every test FAILS with the reason:
@@ -54,12 +55,22 @@ fn gateway_mode() -> i32 {
             "import subprocess, time\nsubprocess.Popen(['sleep', '1000'])\nopen({:?}, 'w').write('x')\ntime.sleep(1000)\n",
             ready.display().to_string()
         );
+        // A size-limited workspace: a tmpfs in runsc's own mount namespace, which must not
+        // outlive the sandbox either; the file is looked for where the gateway reaches it.
         let spec = command_spec(
             &dirs,
             vec![python().display().to_string(), "-c".into(), code],
-            Limits::default(),
+            Limits {
+                workspace_bytes: Some(16 << 20),
+                ..Limits::default()
+            },
         );
-        let _launched = sandbox.launch(&spec).await.expect("launch");
+        let launched = sandbox.launch(&spec).await.expect("launch");
+        let (root, relative) = launched
+            .handle
+            .workspace_root(&dirs.work)
+            .expect("workspace reachable");
+        let ready = root.join(relative).join("ready");
         while !ready.exists() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -861,6 +872,129 @@ async fn memory_limit_applies_to_the_whole_sandbox() {
     );
 }
 
+/// Processes whose mount table has a mount at `path`.
+fn mounts_at(path: &Path) -> Vec<u32> {
+    let needle = format!(" {} ", path.display());
+    std::fs::read_dir("/proc")
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|pid| {
+                    std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+                        .is_ok_and(|m| m.lines().any(|l| l.contains(&needle)))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The memory cgroup of the one sandbox launched in `kernel_dir`.
+fn memory_cgroup_of(kernel_dir: &Path) -> PathBuf {
+    let bundle = bundles_left(kernel_dir);
+    let unique = bundle
+        .first()
+        .and_then(|b| {
+            b.file_name()?
+                .to_str()?
+                .strip_prefix("gvisor-")
+                .map(str::to_owned)
+        })
+        .expect("the sandbox's bundle");
+    cgroup_children("memory")
+        .into_iter()
+        .find(|d| d.file_name().and_then(|n| n.to_str()) == Some(&format!("cellgate-{unique}")))
+        .expect("the sandbox's memory cgroup")
+}
+
+fn memory_usage(cgroup: &Path) -> u64 {
+    std::fs::read_to_string(cgroup.join("memory.usage_in_bytes"))
+        .expect("memory.usage_in_bytes")
+        .trim()
+        .parse()
+        .expect("a number")
+}
+
+/// With a size limit the workspace is a tmpfs in `runsc run`'s own mount namespace: what
+/// the kernel writes lands there, never in the host's directory, and the host's mount table
+/// never shows it; the gateway reaches it through `workspace_root`; the limit holds and the
+/// kernel's files are charged to the sandbox's memory; the mount ends with the sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn size_limited_workspace_is_private_and_reachable() {
+    require_root("workspace test");
+    let mut kernel = start_kernel(Limits {
+        workspace_bytes: Some(24 << 20),
+        memory_bytes: Some(1 << 30),
+        ..Limits::default()
+    })
+    .await;
+    let work = kernel.dirs.work.clone();
+    let cgroup = memory_cgroup_of(&kernel.dirs.root);
+    let before = memory_usage(&cgroup);
+    let out = kernel
+        .execute(
+            "open('hello.txt', 'w').write('from the kernel')\n\
+             with open('blob.bin', 'wb') as f:\n    f.write(b'x' * (16 << 20))\n\
+             import os; os.path.getsize('blob.bin')",
+        )
+        .await;
+    assert_eq!(out.result.as_deref(), Some("16777216"), "{out:?}");
+    let grown = memory_usage(&cgroup).saturating_sub(before);
+    println!("the sandbox's memory grew by {grown} bytes for a 16 MiB file");
+    assert!(
+        grown >= 12 << 20,
+        "the workspace's pages are charged to the sandbox: grew by {grown} bytes only"
+    );
+    let host: Vec<_> = std::fs::read_dir(&work)
+        .expect("host dir")
+        .flatten()
+        .collect();
+    assert!(host.is_empty(), "the host's directory got files: {host:?}");
+    assert!(
+        !mounts_at(&work).contains(&std::process::id()),
+        "the host's mount table shows the workspace"
+    );
+    let holders = mounts_at(&work);
+    assert!(!holders.is_empty(), "no process holds the workspace mount");
+    let sandbox = sandbox_processes(&kernel.dirs.root);
+    assert!(
+        holders.iter().all(|pid| sandbox.contains(pid)),
+        "only the sandbox's processes hold the mount: {holders:?} vs {sandbox:?}"
+    );
+    let handle = kernel.launched.handle.clone();
+    let (root, relative) = handle
+        .workspace_root(&work)
+        .expect("reachable while it runs");
+    assert!(handle.alive());
+    assert_eq!(
+        std::fs::read_to_string(root.join(&relative).join("hello.txt")).expect("read"),
+        "from the kernel"
+    );
+    // The limit holds (bounded: a broken limit fails here, it never fills the disk).
+    let out = kernel
+        .execute(
+            "n = 0\ntry:\n    with open('fill.bin', 'wb', buffering=0) as f:\n        \
+             while n < (64 << 20):\n            n += f.write(b'y' * (1 << 20))\n\
+             except OSError as e:\n    print(e.errno)\nn",
+        )
+        .await;
+    assert_eq!(out.stdout.trim(), libc::ENOSPC.to_string(), "{out:?}");
+    let filled: u64 = out.result.as_deref().unwrap_or("0").parse().expect("n");
+    assert!(filled <= 8 << 20, "{filled} bytes in the 8 MiB left");
+    kernel.stop().await;
+    assert!(!handle.alive());
+    assert!(handle.workspace_root(&work).is_none());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !mounts_at(&work).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        mounts_at(&work),
+        Vec::<u32>::new(),
+        "the mount outlived the sandbox"
+    );
+}
+
 /// The sandboxes' cgroups in one v1 controller hierarchy (below this process's cgroup).
 fn cgroup_children(controller: &str) -> Vec<PathBuf> {
     let own = std::fs::read_to_string("/proc/self/cgroup").expect("cgroup");
@@ -917,6 +1051,11 @@ async fn sandbox_dies_with_the_gateway() {
     let _ = std::fs::remove_file(&out);
     let processes = sandbox_processes(&kernel_dir);
     assert!(processes.len() >= 4, "{processes:?}");
+    let work = kernel_dir.join("work");
+    assert!(
+        !mounts_at(&work).is_empty(),
+        "the workspace tmpfs is mounted"
+    );
     gateway.kill().expect("SIGKILL the gateway");
     let _ = gateway.wait();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -924,6 +1063,15 @@ async fn sandbox_dies_with_the_gateway() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let left = alive(&processes);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !mounts_at(&work).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        mounts_at(&work),
+        Vec::<u32>::new(),
+        "the workspace mount outlived the gateway"
+    );
     // runsc died before removing its cgroups; the next backend start sweeps them.
     let container = bundles_left(&kernel_dir)
         .first()

@@ -40,11 +40,21 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let reason = self.status.canonical_reason().unwrap_or("Error");
-        (
+        let mut response = (
             self.status,
             Json(json!({"reason": reason, "message": self.message})),
         )
-            .into_response()
+            .into_response();
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The rest of the oversize body is never read, so this connection cannot carry
+            // another request: saying so keeps a client from reusing it and failing its
+            // next request with a broken pipe (seen with reqwest).
+            response.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        response
     }
 }
 

@@ -21,9 +21,23 @@
 //!   socket the kernel *binds* there a real host socket the gateway can connect to (without
 //!   it the socket exists only inside the Sentry); this 2022 build has no narrower mode
 //!   (`open`/`create` came later);
-//! * the workspace: with a size limit (every policy has one) a tmpfs of the Sentry of that
-//!   size, owned by the kernel's uid, as in the namespaces backend; without one, the host
-//!   directory bind-mounted read-write.
+//! * the workspace, bind-mounted read-write at its own path. With a size limit (every
+//!   policy has one) it is a **host tmpfs of that size that only `runsc` sees**: `runsc run`
+//!   starts in a mount namespace of its own (made in the child before exec: `unshare`,
+//!   `/` made private, then the tmpfs, owned by the kernel's uid, mode 0700, `nosuid`,
+//!   `nodev`, mounted over the workspace directory), so the gofer serves the tmpfs while the
+//!   host's directory stays empty and nothing shows in the host's mount table. The mount
+//!   lives exactly as long as the sandbox's processes (they all die with the gateway, see
+//!   *Lifetime*). The gateway reaches it through `/proc/<runsc pid>/root` (see
+//!   [`GvisorHandle::workspace_root`]), which is what gives gVisor sessions the file API and
+//!   `outputs/` artifacts. Without a limit, the host directory itself. (A tmpfs of the
+//!   Sentry would keep the files out of the gateway's reach; a host directory with no
+//!   limit let an attack test write 45 GB.) The tmpfs's pages are charged to the memory
+//!   cgroup of whoever writes them, the sandbox's for the kernel's files; either way the
+//!   size limit bounds them. Mounts other than the root are validated by the Sentry on
+//!   each use (`--file-access-mounts=shared`, passed explicitly), so a file uploaded
+//!   through the gateway is visible to the kernel at once, also in a directory it has
+//!   already listed, and a file the kernel has closed is downloadable at once.
 //!
 //! The kernel runs as uid/gid 65534 inside and out, with no capabilities and
 //! `noNewPrivileges`; the gateway (which must be root: runsc without `--rootless` creates
@@ -282,9 +296,23 @@ impl GvisorSandbox {
         };
         let (log, log_err) = (open_log()?, open_log()?);
         let mut command = Command::new(&self.runsc);
+        if let Some(bytes) = spec.limits.workspace_bytes {
+            let mount =
+                WorkspaceMount::new(&spec.workspace, bytes, self.config.uid, self.config.gid)?;
+            // SAFETY: the closure runs in the forked child before exec and only makes
+            // system calls (unshare, mount) on memory prepared before the fork.
+            unsafe {
+                command.pre_exec(move || mount.apply());
+            }
+        }
         command
             .args(self.global_args(&state))
-            .args(["--network=none", "--host-uds=all"])
+            // Explicit because the file API depends on it (see the module doc).
+            .args([
+                "--network=none",
+                "--host-uds=all",
+                "--file-access-mounts=shared",
+            ])
             .args(if self.config.cgroups {
                 &[][..]
             } else {
@@ -313,6 +341,12 @@ impl GvisorSandbox {
             }
         };
         let pid = child.id().unwrap_or(0);
+        // Opened before the watcher can reap `runsc run`, so it names that process and no
+        // later one that reuses its pid.
+        let pidfd = i32::try_from(pid)
+            .ok()
+            .filter(|&pid| pid > 0)
+            .and_then(|pid| super::namespaces::sys::pidfd_open(pid).ok());
         let exited = Arc::new(AtomicBool::new(false));
         let (exit_tx, exit_rx) = watch::channel(None);
         let runsc = Runsc {
@@ -336,6 +370,8 @@ impl GvisorSandbox {
         Ok(Launched {
             handle: Arc::new(GvisorHandle {
                 pid,
+                pidfd,
+                private_workspace: spec.limits.workspace_bytes.is_some(),
                 uid: self.config.uid,
                 gid: self.config.gid,
                 exited,
@@ -415,21 +451,9 @@ fn write_bundle(
         .collect();
     binds.extend(ro_paths.iter().map(|p| (p.clone(), false)));
     binds.push((spec.runtime_dir.clone(), true));
-    match spec.limits.workspace_bytes {
-        // A size-limited tmpfs of the Sentry (charged to the sandbox's memory), as in the
-        // namespaces backend: a bind-mounted host directory would let the kernel fill the
-        // host's disk (an attack test once wrote 45 GB that way).
-        Some(bytes) => {
-            let inside = rootfs.join(spec.workspace.strip_prefix("/").unwrap_or(&spec.workspace));
-            std::fs::create_dir_all(&inside).map_err(io("mkdir", &inside))?;
-            mounts.push(json!({
-                "destination": spec.workspace, "type": "tmpfs", "source": "tmpfs",
-                "options": ["nosuid", "nodev", "mode=0700", format!("size={bytes}"),
-                            format!("uid={}", config.uid), format!("gid={}", config.gid)],
-            }));
-        }
-        None => binds.push((spec.workspace.clone(), true)),
-    }
+    // With a size limit, `runsc run`'s own mount namespace has a tmpfs of that size at this
+    // path (see `WorkspaceMount`); the host's directory is never what the kernel writes to.
+    binds.push((spec.workspace.clone(), true));
     for (host, writable) in binds {
         let inside = rootfs.join(host.strip_prefix("/").unwrap_or(&host));
         // Mount points must exist in the read-only root; under /tmp (a tmpfs) runsc makes
@@ -730,10 +754,73 @@ fn signal_script() -> String {
     )
 }
 
+/// The size-limited workspace of one sandbox: a tmpfs mounted over the workspace directory
+/// in a mount namespace made for `runsc run` alone, in its child before exec.
+struct WorkspaceMount {
+    target: std::ffi::CString,
+    options: std::ffi::CString,
+}
+
+impl WorkspaceMount {
+    fn new(
+        workspace: &Path,
+        bytes: u64,
+        uid: u32,
+        gid: u32,
+    ) -> Result<WorkspaceMount, SandboxError> {
+        use std::os::unix::ffi::OsStrExt;
+        let target = std::ffi::CString::new(workspace.as_os_str().as_bytes()).map_err(|_| {
+            setup(format!(
+                "the workspace path {} has a NUL",
+                workspace.display()
+            ))
+        })?;
+        let options = std::ffi::CString::new(format!("size={bytes},mode=0700,uid={uid},gid={gid}"))
+            .map_err(|_| setup("tmpfs options with a NUL"))?;
+        Ok(WorkspaceMount { target, options })
+    }
+
+    /// Runs in the forked child: only system calls, no allocation.
+    fn apply(&self) -> io::Result<()> {
+        let check = |rc: libc::c_int| {
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        };
+        // SAFETY: unshare(2) and mount(2) with NUL-terminated strings that outlive the
+        // calls (owned by `self`) or null pointers where the call allows them.
+        unsafe {
+            check(libc::unshare(libc::CLONE_NEWNS))?;
+            // Nothing mounted from here on may propagate back to the host's namespace.
+            check(libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ))?;
+            check(libc::mount(
+                c"cellgate-workspace".as_ptr(),
+                self.target.as_ptr(),
+                c"tmpfs".as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                self.options.as_ptr().cast(),
+            ))
+        }
+    }
+}
+
 /// Control of one gVisor sandbox.
 struct GvisorHandle {
     /// `runsc run`'s pid, leader of its process group.
     pid: u32,
+    /// A pidfd of `runsc run`, when the host has pidfds (Linux 5.3+).
+    pidfd: Option<std::os::fd::OwnedFd>,
+    /// Whether the workspace is the tmpfs in `runsc run`'s mount namespace (a size limit)
+    /// rather than the host directory.
+    private_workspace: bool,
     /// The kernel's uid and gid, for the signalling program.
     uid: u32,
     gid: u32,
@@ -744,10 +831,33 @@ struct GvisorHandle {
 }
 
 impl SandboxHandle for GvisorHandle {
-    /// The size-limited workspace is a tmpfs of the Sentry: no host path reaches it (file
-    /// transfer would go through `runsc exec`; not built yet).
-    fn workspace_root(&self, _workspace: &Path) -> Option<(PathBuf, PathBuf)> {
-        None
+    /// The size-limited workspace exists only in `runsc run`'s mount namespace: reached
+    /// through that process's root in /proc, as the namespaces backend reaches its own.
+    fn workspace_root(&self, workspace: &Path) -> Option<(PathBuf, PathBuf)> {
+        if !self.private_workspace {
+            return Some((workspace.to_owned(), PathBuf::from(".")));
+        }
+        if self.pid == 0 || self.exited.load(Ordering::SeqCst) {
+            return None;
+        }
+        let relative = workspace.strip_prefix("/").unwrap_or(workspace);
+        Some((
+            PathBuf::from(format!("/proc/{}/root", self.pid)),
+            relative.to_owned(),
+        ))
+    }
+
+    /// Whether `runsc run` still exists, by its pidfd: its pid cannot have been reused while
+    /// the pidfd says so. Without a pidfd the pid cannot be pinned, so a private workspace
+    /// counts as unreachable.
+    fn alive(&self) -> bool {
+        if self.exited.load(Ordering::SeqCst) {
+            return false;
+        }
+        match &self.pidfd {
+            Some(pidfd) => !super::namespaces::sys::pidfd_exited(pidfd),
+            None => !self.private_workspace,
+        }
     }
 
     /// Every guest process has a ptrace stub on the host, so a refused guest fork shows in

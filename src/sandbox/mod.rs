@@ -226,8 +226,8 @@ pub trait SandboxHandle: Send + Sync {
     /// have changed, to be resolved without following any link (openat2 with
     /// `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`). Backends whose workspace is a host
     /// directory answer the workspace itself and `.`; the namespaces backend's workspace is
-    /// a tmpfs in the sandbox's mount namespace, reached through its root in /proc.
-    /// `None`: the host cannot reach it (gVisor keeps it inside the Sentry's memory).
+    /// a tmpfs in the sandbox's mount namespace, reached through its root in /proc (and
+    /// gVisor's a tmpfs in `runsc run`'s). `None`: no process holds it any more.
     fn workspace_root(&self, workspace: &std::path::Path) -> Option<(PathBuf, PathBuf)> {
         Some((workspace.to_owned(), PathBuf::from(".")))
     }

@@ -50,7 +50,7 @@ pub enum WorkspaceError {
     TooLarge { limit: u64 },
     #[error("the workspace is full")]
     NoSpace,
-    #[error("the session has no running kernel, or its sandbox (gVisor) keeps the workspace where the gateway cannot reach it")]
+    #[error("the session has no running kernel (its workspace lives and ends with the sandbox)")]
     Unavailable,
     #[error("{what}: {source}")]
     Io {

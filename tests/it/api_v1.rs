@@ -41,13 +41,19 @@ fn wait_for_file(name: &str) -> String {
 /// suite also runs under gvisor) with these extra `[limits]` lines. The directory must
 /// outlive the gateway.
 async fn start_gateway(limits: &str) -> Result<(Gateway, tempfile::TempDir)> {
+    start_gateway_on(&sandbox_backend(), limits).await
+}
+
+/// The same with the default policy naming `backend`; fails loudly when the tests force
+/// another backend on every kernel (the test would then not test `backend`).
+async fn start_gateway_on(backend: &str, limits: &str) -> Result<(Gateway, tempfile::TempDir)> {
+    if let Some(forced) = crate::support::forced_sandbox().filter(|f| f != backend) {
+        bail!("this test is about the {backend} backend, but CELLGATE_TEST_SANDBOX={forced} forces another on every kernel");
+    }
     let dir = tempfile::tempdir()?;
     std::fs::write(
         dir.path().join("default.toml"),
-        format!(
-            "[sandbox]\nbackend = \"{}\"\n[limits]\n{limits}",
-            sandbox_backend()
-        ),
+        format!("[sandbox]\nbackend = \"{backend}\"\n[limits]\n{limits}"),
     )?;
     let gateway = Gateway::builder()
         .policies_dir(dir.path().to_owned())
@@ -979,7 +985,20 @@ async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()>
 /// change nothing on the host.
 #[tokio::test]
 async fn files_upload_download_and_attacks() -> Result<()> {
-    let (gateway, _policies) = start_gateway("workspace = \"4MiB\"\n").await?;
+    files_on(&sandbox_backend()).await
+}
+
+/// The same for a gVisor session, whose size-limited workspace is a tmpfs only `runsc`
+/// sees (reached through /proc), with what that adds: files uploaded into a directory the
+/// kernel has listed already appear at once (gVisor caches what it looked up), the size
+/// limit holds, and `outputs/` becomes artifacts.
+#[tokio::test]
+async fn gvisor_files_upload_download_and_attacks() -> Result<()> {
+    files_on("gvisor").await
+}
+
+async fn files_on(backend: &str) -> Result<()> {
+    let (gateway, _policies) = start_gateway_on(backend, "workspace = \"4MiB\"\n").await?;
     let id = create_session(
         &gateway,
         json!({"files": [{"path": "seed/hello.txt", "content": "seeded"}]}),
@@ -1160,6 +1179,81 @@ async fn files_upload_download_and_attacks() -> Result<()> {
         .get_json(&format!("/v1/sessions/{id}/files/nope.txt"))
         .await?;
     assert_eq!(status, 404);
+
+    // Caches: the kernel lists and stats a directory, then a file appears there (and an
+    // existing one changes) through the API; the kernel must see both at once.
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nos.makedirs('cache', exist_ok=True)\nopen('cache/old.txt', 'w').write('old')\n\
+         (sorted(os.listdir('cache')), os.path.exists('cache/new.txt'), open('cache/old.txt').read())",
+    )
+    .await?;
+    assert_eq!(r["result"], "(['old.txt'], False, 'old')", "{r}");
+    assert_eq!(
+        put_file(&gateway, &id, "cache/new.txt", b"new".to_vec()).await?,
+        201
+    );
+    assert_eq!(
+        put_file(&gateway, &id, "cache/old.txt", b"newer".to_vec()).await?,
+        201
+    );
+    let r = execute(
+        &gateway,
+        &id,
+        "(sorted(os.listdir('cache')), open('cache/new.txt').read(), open('cache/old.txt').read())",
+    )
+    .await?;
+    assert_eq!(
+        r["result"], "(['new.txt', 'old.txt'], 'new', 'newer')",
+        "{r}"
+    );
+    // What the kernel just wrote (and rewrote) is what a download gets, at once.
+    for round in 0..3 {
+        let text = format!("round {round}");
+        execute(
+            &gateway,
+            &id,
+            &format!("open('cache/old.txt', 'w').write({text:?})"),
+        )
+        .await?;
+        let response = gateway
+            .request(
+                reqwest::Method::GET,
+                &format!("/v1/sessions/{id}/files/cache/old.txt"),
+            )
+            .send()
+            .await?;
+        assert_eq!(response.text().await?, text);
+    }
+
+    // The workspace's size limit holds for the kernel too (bounded: a broken limit fails
+    // here instead of filling the host's disk).
+    let r = execute(
+        &gateway,
+        &id,
+        "import os\nn = 0\ntry:\n    with open('fill.bin', 'wb', buffering=0) as f:\n        while n < (64 << 20):\n            n += f.write(b'x' * (1 << 20))\nexcept OSError as e:\n    err = e.errno\nos.remove('fill.bin')\n(n <= (4 << 20), err == __import__('errno').ENOSPC)",
+    )
+    .await?;
+    assert_eq!(r["result"], "(True, True)", "{r}");
+
+    // Files written under outputs/ become artifacts.
+    let r = execute(
+        &gateway,
+        &id,
+        "os.makedirs('outputs', exist_ok=True)\nopen('outputs/report.csv', 'w').write('x,y\\n5,6\\n')",
+    )
+    .await?;
+    let artifacts = r["artifacts"].as_array().context("artifacts")?;
+    let report = artifacts
+        .iter()
+        .find(|a| a["path"] == "outputs/report.csv")
+        .with_context(|| format!("outputs/report.csv is no artifact: {r}"))?;
+    let body = fetch_artifact(&gateway, report["id"].as_str().context("id")?)
+        .await?
+        .text()
+        .await?;
+    assert_eq!(body, "x,y\n5,6\n");
     Ok(())
 }
 

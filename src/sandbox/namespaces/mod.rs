@@ -73,7 +73,8 @@ mod mounts;
 mod pid1;
 mod plan;
 mod seccomp;
-mod sys;
+/// Also used by the gvisor backend (pidfds).
+pub(super) mod sys;
 
 use crate::sandbox::spawner::Spawner;
 use std::collections::BTreeSet;
