@@ -39,6 +39,9 @@ pub struct ManagerOptions {
     pub pool_size: usize,
 }
 
+/// How long a pool refill waits at most for clients' kernels to finish starting.
+const POOL_DEFER_MAX: Duration = Duration::from_secs(30);
+
 /// The tenant a kernel is started for, and how many live kernels that tenant may keep.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owner {
@@ -285,6 +288,14 @@ impl KernelManager {
         None
     }
 
+    /// Whether a kernel handed to a client is still starting.
+    fn clients_starting(&self) -> bool {
+        self.kernels
+            .read()
+            .values()
+            .any(|kernel| kernel.readiness() == Readiness::Starting)
+    }
+
     /// Starts pool kernels in the background until the pool holds `pool_size`.
     pub fn refill_pool(self: &Arc<Self>) {
         let wanted = self.options.pool_size;
@@ -297,6 +308,21 @@ impl KernelManager {
         for _ in 0..missing {
             let manager = Arc::downgrade(self);
             tokio::spawn(async move {
+                // A pool kernel competes for the CPU with the kernels clients are waiting
+                // for: while any of theirs is still starting (a burst of fifty on two cores
+                // takes seconds), wait. Bounded, so a kernel stuck starting never keeps
+                // the pool empty for long.
+                let deadline = tokio::time::Instant::now() + POOL_DEFER_MAX;
+                loop {
+                    let Some(manager) = manager.upgrade() else {
+                        return;
+                    };
+                    if !manager.clients_starting() || tokio::time::Instant::now() >= deadline {
+                        break;
+                    }
+                    drop(manager);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
                 let Some(manager) = manager.upgrade() else {
                     return;
                 };

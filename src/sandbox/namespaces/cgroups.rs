@@ -408,7 +408,8 @@ fn cpu_quota_us(millis: u32) -> u64 {
 }
 
 /// The cgroup (one directory per v1 controller, or one v2 directory) of one kernel process.
-#[derive(Debug)]
+/// A description only: dropping it removes nothing ([`KernelCgroup::remove`] does).
+#[derive(Debug, Clone)]
 pub struct KernelCgroup {
     version: u8,
     dirs: Vec<(&'static str, PathBuf)>,

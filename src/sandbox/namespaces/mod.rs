@@ -497,10 +497,19 @@ async fn handshake(
         Event::Unshared => {}
         other => return Err(NamespacesError::Handshake(format!("unexpected {other:?}"))),
     }
-    ids.write(helper_pid).map_err(NamespacesError::IdMap)?;
-    if let Some(cgroup) = cgroup {
-        cgroup.join(helper_pid)?;
-    }
+    // Off the async workers: moving a process into a v1 cgroup waits for an RCU grace
+    // period (28 ms in a trace, while the gateway's worker thread was stuck in the write,
+    // so a burst of kernel starts queued behind it).
+    let cgroup = cgroup.cloned();
+    tokio::task::spawn_blocking(move || -> Result<(), NamespacesError> {
+        ids.write(helper_pid).map_err(NamespacesError::IdMap)?;
+        if let Some(cgroup) = cgroup {
+            cgroup.join(helper_pid)?;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|err| NamespacesError::Handshake(format!("joining the cgroup: {err}")))??;
     stdin
         .write_all(format!("{GO}\n").as_bytes())
         .await
