@@ -899,6 +899,18 @@ pub(super) fn visible_roots(
             tracing::warn!(path = %path.display(), "not shown in the sandbox: it does not exist");
             continue;
         };
+        // Already shown read-write (the connection file named in every kernel's command
+        // is in the runtime directory): nothing to bind, nothing to warn about.
+        let inside_shown = [(&path, runtime_dir), (&path, workspace)]
+            .into_iter()
+            .chain([
+                (&resolved, runtime_real.as_path()),
+                (&resolved, workspace_real.as_path()),
+            ])
+            .any(|(p, dir)| p != dir && p.starts_with(dir));
+        if inside_shown && literal_ok {
+            continue;
+        }
         let system = |p: &Path| SYSTEM_PREFIXES.iter().any(|prefix| p.starts_with(prefix));
         let overlaps = |p: &Path, dir: &Path| dir.starts_with(p) || p.starts_with(dir);
         let too_wide = path == Path::new("/")
@@ -960,8 +972,11 @@ mod tests {
         std::fs::create_dir_all(&runtime).unwrap();
         let inner = dir.path().join("env/lib");
         std::fs::create_dir_all(&inner).unwrap();
+        let connection = runtime.join("connection.json");
+        std::fs::write(&connection, "{}").unwrap();
         let shown = visible_roots(
             vec![
+                connection,
                 "/".into(),
                 "/usr/local".into(),
                 dir.path().to_path_buf(),
