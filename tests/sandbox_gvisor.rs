@@ -984,14 +984,20 @@ async fn size_limited_workspace_is_private_and_reachable() {
     kernel.stop().await;
     assert!(!handle.alive());
     assert!(handle.workspace_root(&work).is_none());
+    assert_no_mount_soon(&work, "the sandbox").await;
+}
+
+/// Fails unless no process holds a mount at `path` within 10 s (`owner` ended just now).
+async fn assert_no_mount_soon(path: &Path, owner: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !mounts_at(&work).is_empty() && Instant::now() < deadline {
+    while !mounts_at(path).is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(
-        mounts_at(&work),
-        Vec::<u32>::new(),
-        "the mount outlived the sandbox"
+    let holders = mounts_at(path);
+    assert!(
+        holders.is_empty(),
+        "the mount at {} outlived {owner}: held by {holders:?}",
+        path.display()
     );
 }
 
@@ -1063,15 +1069,7 @@ async fn sandbox_dies_with_the_gateway() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let left = alive(&processes);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !mounts_at(&work).is_empty() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(
-        mounts_at(&work),
-        Vec::<u32>::new(),
-        "the workspace mount outlived the gateway"
-    );
+    assert_no_mount_soon(&work, "the gateway").await;
     // runsc died before removing its cgroups; the next backend start sweeps them.
     let container = bundles_left(&kernel_dir)
         .first()
