@@ -73,13 +73,15 @@ pub fn router(state: AppState) -> Router {
         ));
     let health = Router::new()
         .route("/healthz", get(|| async { "ok" }))
-        .merge(web::routes());
+        .merge(web::routes(&state.config.base_url));
     let routes = api.merge(health).with_state(state.clone());
     let routes = if state.config.base_url == "/" {
         routes
     } else {
+        let prefix = state.config.base_url.trim_end_matches('/');
         Router::new()
-            .nest(state.config.base_url.trim_end_matches('/'), routes)
+            .nest(prefix, routes)
+            .route(&format!("{prefix}/"), get(|| async { web::page() }))
             .fallback(|| async { ApiError::not_found("") })
     };
     match cors_layer(&state.config) {

@@ -6,8 +6,9 @@
 //! the API with it. Its Content-Security-Policy keeps scripts to these assets and framing
 //! out; rich HTML outputs run in sandboxed srcdoc iframes, which inherit that policy.
 
+use axum::extract::RawQuery;
 use axum::http::{header, HeaderValue};
-use axum::response::{IntoResponse, Response};
+use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 use axum::Router;
 
@@ -53,13 +54,31 @@ fn asset(body: &'static str, content_type: &'static str) -> Response {
 
 const JS: &str = "text/javascript; charset=utf-8";
 
+/// The page itself.
+pub fn page() -> Response {
+    asset(INDEX, "text/html; charset=utf-8")
+}
+
 /// `/` and `/assets/*`, outside the authentication layer.
-pub fn routes() -> Router<AppState> {
+///
+/// Under a base URL such as `/gw/`, the page must be loaded as `/gw/`: the browser resolves
+/// the page's relative `assets/...` and API paths against it, and from `/gw` they would land
+/// at `/assets/...`. So the bare prefix (what `/` becomes once nested) redirects there,
+/// keeping the query; the caller routes `{prefix}/` to [`page`].
+pub fn routes(base_url: &str) -> Router<AppState> {
+    let root = if base_url == "/" {
+        get(|| async { page() })
+    } else {
+        let target = format!("{}/", base_url.trim_end_matches('/'));
+        get(move |RawQuery(query): RawQuery| async move {
+            match query {
+                Some(query) => Redirect::permanent(&format!("{target}?{query}")),
+                None => Redirect::permanent(&target),
+            }
+        })
+    };
     Router::new()
-        .route(
-            "/",
-            get(|| async { asset(INDEX, "text/html; charset=utf-8") }),
-        )
+        .route("/", root)
         .route("/assets/app.js", get(|| async { asset(APP_JS, JS) }))
         .route(
             "/assets/style.css",

@@ -1,6 +1,9 @@
 // Drives cellgate's web client in Debian's headless Chromium (never a downloaded browser).
 // Run by tests/it/web_client.rs against a real `cellgate serve`:
 //   CELLGATE_URL=http://127.0.0.1:PORT CELLGATE_TOKEN=T SCREENSHOT_DIR=target/… node e2e.mjs
+// CELLGATE_PAGE (default CELLGATE_URL + "/") is the address typed into the browser;
+// CELLGATE_E2E=short stops after a printed result and a chart (used for a gateway under a
+// base URL, where only the paths differ).
 // Prints one line per step; exits non-zero (with the page's console and a screenshot) on the
 // first failure.
 
@@ -11,6 +14,8 @@ import { join } from "node:path";
 const url = process.env.CELLGATE_URL;
 const token = process.env.CELLGATE_TOKEN;
 const shots = process.env.SCREENSHOT_DIR ?? "target/web-client-screenshots";
+const pageUrl = process.env.CELLGATE_PAGE ?? url + "/";
+const short = process.env.CELLGATE_E2E === "short";
 const executablePath = process.env.CHROMIUM ?? "/usr/bin/chromium";
 if (!url || !token) throw new Error("CELLGATE_URL and CELLGATE_TOKEN are required");
 mkdirSync(shots, { recursive: true });
@@ -56,7 +61,7 @@ async function finished(cell) {
 
 try {
   step = "login";
-  await page.goto(url + "/");
+  await page.goto(pageUrl);
   await page.fill("#token", token);
   await page.click("#login-form button[type=submit]");
   await page.locator("#kernel-state[data-state='idle']").waitFor();
@@ -65,6 +70,25 @@ try {
   check(stored === token, "the token is kept in sessionStorage");
   await screenshot("connected");
   console.log("ok login");
+  if (short) {
+    step = "short: print";
+    const printed = await run("print(6 * 7)");
+    await printed.locator("pre.stream.stdout", { hasText: "42" }).waitFor();
+    check((await finished(printed)) === "ok", "the print cell ends ok");
+    step = "short: chart";
+    const chart = await run(
+      "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [3, 1, 2])\nplt.show()",
+    );
+    await finished(chart);
+    const image = chart.locator(".rich[data-mime='image/png'] img");
+    await image.waitFor();
+    await page.waitForFunction((el) => el.complete && el.naturalWidth > 100, await image.elementHandle());
+    await screenshot("short-chart");
+    console.log(`ok short run at ${page.url()}`);
+    await browser.close();
+    console.log("all steps passed");
+    process.exit(0);
+  }
 
   step = "progressive output";
   // The cell waits on input() between two prints: the first line must be on screen while

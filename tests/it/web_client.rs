@@ -2,7 +2,8 @@
 //! driven by playwright-core (`tests/browser/e2e.mjs`): sign in, output arriving while the
 //! cell still runs, `input()`, a matplotlib chart, a DataFrame table, Plotly and Vega-Lite
 //! charts, an error with its traceback, an interrupt, upload → analyse → download, a reload
-//! that keeps the session. Screenshots go to `target/web-client-screenshots/`.
+//! that keeps the session; and the page and API under a base URL. Screenshots go to
+//! `target/web-client-screenshots/`.
 
 use std::path::Path;
 
@@ -99,5 +100,122 @@ async fn the_page_and_its_assets_are_served_with_a_strict_policy() -> Result<()>
         .send()
         .await?;
     assert_eq!(response.status().as_u16(), 401);
+    Ok(())
+}
+
+/// Under `--base-url /gw/` the page typed as `/gw` (no slash) must still find its assets and
+/// the API: it is redirected to `/gw/` with its query, every URL the API hands out carries
+/// the prefix, and nothing answers outside it. Then a real browser runs code from `/gw`.
+#[tokio::test]
+async fn the_page_and_api_work_under_a_base_url() -> Result<()> {
+    let browser_dir = browser_tools();
+    let gateway = Gateway::builder()
+        .args(&["--base-url", "/gw/"])
+        .start()
+        .await?;
+    let root = format!("http://127.0.0.1:{}", gateway.port);
+    assert_eq!(
+        gateway.base,
+        format!("{root}/gw"),
+        "the printed address names the base URL"
+    );
+    let plain = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
+
+    for (path, expected) in [("/gw", "/gw/"), ("/gw?lang=en", "/gw/?lang=en")] {
+        let response = plain.get(format!("{root}{path}")).send().await?;
+        assert_eq!(response.status().as_u16(), 308, "{path}");
+        assert_eq!(response.headers()["location"], expected, "{path}");
+    }
+    for path in ["/gw/", "/gw/assets/app.js", "/gw/healthz"] {
+        let response = plain.get(format!("{root}{path}")).send().await?;
+        assert_eq!(response.status().as_u16(), 200, "{path}");
+    }
+    for path in [
+        "/",
+        "/assets/app.js",
+        "/api/kernels",
+        "/v1/sessions",
+        "/gwx/",
+    ] {
+        let response = plain
+            .get(format!("{root}{path}"))
+            .header("authorization", format!("token {TOKEN}"))
+            .send()
+            .await?;
+        assert_eq!(
+            response.status().as_u16(),
+            404,
+            "{path} is outside the base URL"
+        );
+    }
+    let response = plain.get(format!("{root}/gw/api/kernels")).send().await?;
+    assert_eq!(
+        response.status().as_u16(),
+        401,
+        "the API under the prefix needs the token"
+    );
+
+    // Addresses the API hands out carry the prefix.
+    let response = gateway
+        .request(reqwest::Method::POST, "/v1/sessions")
+        .json(&serde_json::json!({}))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 201, "{}", gateway.log());
+    let location = response.headers()["location"].to_str()?.to_owned();
+    let session: serde_json::Value = response.json().await?;
+    let id = session["id"].as_str().context("session id")?;
+    assert_eq!(location, format!("/gw/v1/sessions/{id}"));
+    let response = gateway
+        .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
+        .json(&serde_json::json!({"code": "from IPython.display import HTML\nHTML('<b>hi</b>')"}))
+        .send()
+        .await?;
+    let result: serde_json::Value = response.json().await?;
+    assert_eq!(result["status"], "ok", "{result}");
+    let url = result["artifacts"][0]["url"]
+        .as_str()
+        .context("artifact url")?;
+    assert!(url.starts_with("/gw/v1/artifacts/"), "{url}");
+    let response = plain
+        .get(format!("{root}{url}"))
+        .header("authorization", format!("token {TOKEN}"))
+        .send()
+        .await?;
+    assert_eq!(
+        response.status().as_u16(),
+        200,
+        "the artifact URL is served"
+    );
+    assert!(response.text().await?.contains("<b>hi</b>"));
+
+    // The browser types the address without the slash.
+    let output = tokio::process::Command::new("node")
+        .arg("e2e.mjs")
+        .current_dir(&browser_dir)
+        .env("CELLGATE_URL", &gateway.base)
+        .env("CELLGATE_PAGE", &gateway.base)
+        .env("CELLGATE_E2E", "short")
+        .env("CELLGATE_TOKEN", TOKEN)
+        .env(
+            "SCREENSHOT_DIR",
+            repo().join("target/web-client-screenshots/base-url"),
+        )
+        .output()
+        .await
+        .context("run node")?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.contains("all steps passed"),
+        "the browser under a base URL failed:\n{stdout}\n{stderr}\ngateway log:\n{}",
+        gateway.log()
+    );
+    assert!(
+        stdout.contains(&format!("ok short run at {}/", gateway.base)),
+        "{stdout}"
+    );
     Ok(())
 }

@@ -166,7 +166,12 @@ impl GatewayBuilder {
         let base = rx
             .recv_timeout(Duration::from_secs(30))
             .map_err(|_| anyhow!("cellgate did not start: {:?}", log.lock().unwrap()))?;
+        // The printed address ends with the base URL (`http://127.0.0.1:PORT/gw`).
         let port = base
+            .trim_start_matches("http://")
+            .split('/')
+            .next()
+            .unwrap_or_default()
             .rsplit(':')
             .next()
             .and_then(|p| p.parse().ok())
