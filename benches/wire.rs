@@ -3,7 +3,7 @@
 //! Run with `cargo bench --bench wire`.
 
 use bytes::Bytes;
-use cellgate::protocol::websocket::{decode_legacy_text, decode_v1, encode_legacy, encode_v1};
+use cellgate::protocol::websocket::{decode_legacy_text, decode_v1, encode, encode_v1, Framing};
 use cellgate::protocol::{decode_multipart, encode_multipart, Channel, Message, Signer};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
@@ -48,12 +48,23 @@ fn bench(c: &mut Criterion) {
             &msg,
             |b, msg| b.iter(|| encode_multipart(msg, &signer)),
         );
-        group.bench_with_input(BenchmarkId::new("encode_v1", name), &msg, |b, msg| {
-            b.iter(|| encode_v1(msg))
-        });
-        group.bench_with_input(BenchmarkId::new("encode_legacy", name), &msg, |b, msg| {
-            b.iter(|| encode_legacy(msg).expect("valid json"))
-        });
+        // What the socket writer does: one buffer for a message of up to 64 KiB, fragments
+        // cut from the kernel's bytes above that.
+        for (label, framing) in [
+            ("encode_v1", Framing::V1),
+            ("encode_legacy", Framing::Legacy),
+        ] {
+            group.bench_with_input(BenchmarkId::new(label, name), &msg, |b, msg| {
+                b.iter(|| {
+                    let encoded = encode(msg, framing).expect("valid json");
+                    if encoded.len() <= 64 << 10 {
+                        vec![Bytes::from(encoded.to_vec())]
+                    } else {
+                        encoded.fragments(64 << 10)
+                    }
+                })
+            });
+        }
     }
     let request = r#"{"header":{"msg_id":"3d4de99e23584b089cdbdb9dcb22fc7e","msg_type":"execute_request","username":"u","session":"s","date":"2026-11-22T05:19:25.344000Z","version":"5.3"},"parent_header":{},"metadata":{},"content":{"code":"1+1","silent":false,"store_history":true,"user_expressions":{},"allow_stdin":true,"stop_on_error":true},"channel":"shell","buffers":[]}"#;
     group.throughput(Throughput::Bytes(request.len() as u64));

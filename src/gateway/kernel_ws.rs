@@ -7,32 +7,41 @@
 //! share a `session_id`; none is evicted for it.
 //!
 //! A reader loop decodes client frames and sends them to the kernel; a writer task encodes
-//! kernel messages for this client and pings it. A frame that cannot be decoded closes this
+//! kernel messages for this client (as raw frames: a large message in fragments, see
+//! `ws_upgrade`) and pings it. A frame that cannot be decoded closes this
 //! socket with 1007 and the reason; the kernel and every other socket carry on.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::ws::{CloseFrame, Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
 use serde::Deserialize;
 use tokio::sync::oneshot;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::{CloseCode, Data, OpCode};
+use tokio_tungstenite::tungstenite::protocol::frame::Frame as WsFrame;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 use super::auth::Principal;
 use super::kernels::is_kernel_id;
 use super::state::AppState;
+use super::ws_upgrade::{KernelSocket, WsUpgrade};
 use crate::kernel::{client_queue, Inbox, Kernel};
-use crate::protocol::websocket::{self, Frame, Framing, V1_SUBPROTOCOL};
+use crate::protocol::websocket::{self, Framing, V1_SUBPROTOCOL};
 use crate::protocol::{Channel, Message};
 
 /// How often idle sockets are pinged (Kernel Gateway uses 30 s).
 const PING_INTERVAL: Duration = Duration::from_secs(30);
 /// Messages encoded per flush when output is queued.
 const WRITE_BATCH: usize = 64;
+/// Messages larger than this go out as fragments of this size, cut from the kernel's bytes:
+/// the client starts reading while the rest is still being written, and the socket's write
+/// buffer stays small (one frame of 50 MB cost ~40 ms in copies and fresh pages first).
+const FRAGMENT_BYTES: usize = 64 << 10;
 /// Replies remembered per socket for re-delivery after an abrupt disconnect.
 const RECENT_REPLIES: usize = 16;
 
@@ -81,7 +90,7 @@ pub async fn channels(
     Path(id): Path<String>,
     Query(query): Query<ChannelsQuery>,
     headers: HeaderMap,
-    upgrade: WebSocketUpgrade,
+    upgrade: WsUpgrade,
 ) -> Response {
     if !origin_allowed(&headers, state.config.allow_origin.as_deref()) {
         return (StatusCode::FORBIDDEN, "Cross origin websockets not allowed").into_response();
@@ -95,14 +104,14 @@ pub async fn channels(
         .session_id
         .filter(|s| !s.is_empty() && s.len() <= 256)
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-    let upgrade = upgrade
-        .protocols([V1_SUBPROTOCOL])
-        .max_message_size(state.config.max_message_bytes)
+    let upgrade = upgrade.protocols(&[V1_SUBPROTOCOL]);
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(state.config.max_message_bytes))
+        .max_frame_size(Some(state.config.max_message_bytes))
         // Read buffers are allocated per socket; most client frames are small, so keep idle
         // connections cheap (tungstenite's default is 128 KiB).
         .read_buffer_size(8 << 10)
-        .write_buffer_size(8 << 10)
-        .max_frame_size(state.config.max_message_bytes);
+        .write_buffer_size(8 << 10);
     let framing = if upgrade.selected_protocol().is_some() {
         Framing::V1
     } else if is_gateway_client_relay(&headers) {
@@ -111,25 +120,47 @@ pub async fn channels(
     } else {
         Framing::Legacy
     };
-    upgrade.on_upgrade(move |socket| serve_socket(socket, kernel, session, framing))
+    upgrade.on_upgrade(config, move |socket| {
+        serve_socket(socket, kernel, session, framing)
+    })
 }
 
-fn encode(message: &Message, framing: Framing) -> Option<WsMessage> {
-    match framing {
-        Framing::V1 => Some(WsMessage::Binary(websocket::encode_v1(message).into())),
-        Framing::Legacy | Framing::LegacyTextOnly => match if framing == Framing::Legacy {
-            websocket::encode_legacy(message)
-        } else {
-            websocket::encode_legacy_text_only(message)
-        } {
-            Ok(Frame::Text(text)) => Some(WsMessage::Text(text.into())),
-            Ok(Frame::Binary(bytes)) => Some(WsMessage::Binary(bytes.into())),
-            Err(err) => {
-                tracing::warn!(%err, msg_type = message.msg_type(), "kernel message not valid JSON; not sent to a legacy client");
-                None
-            }
-        },
+/// The frames of one kernel message for this client: one frame, or fragments of
+/// [`FRAGMENT_BYTES`] for a large message. A raw frame needs no `Utf8Bytes`, so text that
+/// [`websocket::encode`] already checked is not checked again.
+fn encode(message: &Message, framing: Framing) -> Vec<WsFrame> {
+    let encoded = match websocket::encode(message, framing) {
+        Ok(encoded) => encoded,
+        Err(err) => {
+            tracing::warn!(%err, msg_type = message.msg_type(), "kernel message not valid JSON; not sent to a legacy client");
+            return Vec::new();
+        }
+    };
+    let data = if encoded.binary {
+        Data::Binary
+    } else {
+        Data::Text
+    };
+    if encoded.len() <= FRAGMENT_BYTES {
+        return vec![WsFrame::message(encoded.to_vec(), OpCode::Data(data), true)];
     }
+    let fragments = encoded.fragments(FRAGMENT_BYTES);
+    let last = fragments.len() - 1;
+    fragments
+        .into_iter()
+        .enumerate()
+        .map(|(i, payload)| {
+            let opcode = if i == 0 { data } else { Data::Continue };
+            WsFrame::message(payload, OpCode::Data(opcode), i == last)
+        })
+        .collect()
+}
+
+fn close_frame(code: u16, reason: impl Into<String>) -> WsMessage {
+    WsMessage::Close(Some(CloseFrame {
+        code: CloseCode::from(code),
+        reason: reason.into().into(),
+    }))
 }
 
 fn decode(
@@ -157,22 +188,28 @@ fn decode(
     }
 }
 
-async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, framing: Framing) {
+async fn serve_socket(
+    socket: KernelSocket,
+    kernel: Arc<Kernel>,
+    session: String,
+    framing: Framing,
+) {
     let (mut sink, mut stream) = socket.split();
     if let Err(err) = kernel.wait_ready().await {
         let reason = format!("kernel unavailable: {err}");
         let _ = sink
-            .send(WsMessage::Close(Some(CloseFrame {
-                code: 1011,
-                reason: reason.chars().take(120).collect::<String>().into(),
-            })))
+            .send(close_frame(
+                1011,
+                reason.chars().take(120).collect::<String>(),
+            ))
             .await;
         return;
     }
     let (outbox, mut inbox) = client_queue();
     let (client, replayed) = kernel.router().attach(&session, outbox);
     tracing::info!(kernel_id = %kernel.id, session_id = %session, ?framing, replayed, "client connected");
-    let (close_tx, mut close_rx) = oneshot::channel::<CloseFrame>();
+    // A close code and reason the reader wants the writer to send.
+    let (close_tx, mut close_rx) = oneshot::channel::<(u16, String)>();
 
     let writer = tokio::spawn(async move {
         let mut ping = tokio::time::interval(PING_INTERVAL);
@@ -191,11 +228,11 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
                     let Some(message) = message else {
                         // The router let go of us: too slow, or the kernel was shut down.
                         let frame = if inbox.evicted() {
-                            CloseFrame { code: 1008, reason: "client too slow: its output queue passed the limit".into() }
+                            close_frame(1008, "client too slow: its output queue passed the limit")
                         } else {
-                            CloseFrame { code: 1001, reason: "kernel shut down".into() }
+                            close_frame(1001, "kernel shut down")
                         };
-                        let _ = sink.send(WsMessage::Close(Some(frame))).await;
+                        let _ = sink.send(frame).await;
                         return end(inbox, Vec::new(), recent_replies);
                     };
                     let mut batch = vec![message];
@@ -206,8 +243,8 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
                         }
                     }
                     for (i, message) in batch.iter().enumerate() {
-                        if let Some(frame) = encode(message, framing) {
-                            if sink.feed(frame).await.is_err() {
+                        for frame in encode(message, framing) {
+                            if sink.feed(WsMessage::Frame(frame)).await.is_err() {
                                 return end(inbox, batch[i..].to_vec(), recent_replies);
                             }
                         }
@@ -228,8 +265,8 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
                     }
                 }
                 close = &mut close_rx => {
-                    if let Ok(frame) = close {
-                        let _ = sink.send(WsMessage::Close(Some(frame))).await;
+                    if let Ok((code, reason)) = close {
+                        let _ = sink.send(close_frame(code, reason)).await;
                     }
                     return end(inbox, Vec::new(), recent_replies);
                 }
@@ -253,10 +290,7 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
                     } else {
                         1002
                     };
-                    let _ = tx.send(CloseFrame {
-                        code,
-                        reason: reason.into(),
-                    });
+                    let _ = tx.send((code, reason));
                 }
                 break;
             }
@@ -282,10 +316,7 @@ async fn serve_socket(socket: WebSocket, kernel: Arc<Kernel>, session: String, f
                         .chars()
                         .take(120)
                         .collect();
-                    let _ = tx.send(CloseFrame {
-                        code: 1007,
-                        reason: reason.into(),
-                    });
+                    let _ = tx.send((1007, reason));
                 }
                 break;
             }

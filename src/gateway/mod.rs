@@ -12,6 +12,7 @@ mod notebooks;
 mod state;
 pub mod v1;
 mod web;
+mod ws_upgrade;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -23,6 +23,7 @@ use super::router::Router;
 use super::KernelError;
 use crate::protocol::{
     decode_multipart, encode_multipart, Channel, ConnectionInfo, Message, Signer,
+    PARALLEL_CHECK_BYTES,
 };
 
 /// Messages dropped because they failed verification, across all kernels (for metrics).
@@ -280,7 +281,26 @@ where
                     return;
                 }
             };
-            match decode_multipart(channel, frames, &signer) {
+            // Checking a large message takes milliseconds of CPU: off the async workers, so
+            // other kernels' messages keep flowing meanwhile. Order is kept (awaited here).
+            let size: usize = frames.iter().map(Bytes::len).sum();
+            let decoded = if size >= PARALLEL_CHECK_BYTES {
+                let signer = signer.clone();
+                match tokio::task::spawn_blocking(move || {
+                    decode_multipart(channel, frames, &signer)
+                })
+                .await
+                {
+                    Ok(decoded) => decoded,
+                    Err(err) => {
+                        tracing::error!(%channel, %err, "checking a large kernel message failed");
+                        continue;
+                    }
+                }
+            } else {
+                decode_multipart(channel, frames, &signer)
+            };
+            match decoded {
                 Ok(message) => router.deliver(message),
                 Err(err) => {
                     DROPPED_INVALID.fetch_add(1, Ordering::Relaxed);

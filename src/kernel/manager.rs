@@ -343,7 +343,11 @@ impl KernelManager {
                 let mut pool = manager.pool.lock();
                 pool.filling = pool.filling.saturating_sub(1);
                 match ready {
-                    Ok(kernel) => pool.ready.push_back(kernel),
+                    Ok(kernel) => {
+                        // Logged once it can be handed out ("kernel ready" comes earlier).
+                        tracing::info!(kernel_id = %kernel.id, "kernel joined the warm pool");
+                        pool.ready.push_back(kernel);
+                    }
                     Err(err) => tracing::warn!(%err, "could not start a pool kernel"),
                 }
             });

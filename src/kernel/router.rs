@@ -184,6 +184,11 @@ struct State {
     history: Arc<History>,
     /// Policy denials (egress, packages) of executions not yet replied to.
     denials: HashMap<String, Vec<serde_json::Value>>,
+    /// The running execution's execute_reply, held until its `idle` status: the reply comes
+    /// on the shell socket and can overtake the execution's last outputs, still on iopub (a
+    /// large one is checked off the async workers for tens of ms). The reply's outcome
+    /// (`output_truncated`) depends on those outputs, and clients get them first.
+    held_reply: Option<(String, Arc<Message>)>,
 }
 
 /// The routing table of one kernel. Survives restarts: clients stay attached while the kernel
@@ -229,6 +234,7 @@ impl Router {
                 },
                 dropped_replies: 0,
                 running: None,
+                held_reply: None,
                 timed_out: HashMap::new(),
                 cell_output: 0,
                 cell_truncated: false,
@@ -473,6 +479,9 @@ impl Router {
                         .is_some_and(|p| p.msg_type == "execute_request");
                     match (status.as_str(), parent.as_deref()) {
                         ("busy", Some(p)) if parent_is_execute => {
+                            // A kernel that never said idle for the last one: its reply
+                            // goes out now rather than never.
+                            self.release_held_locked(&mut state);
                             state.running = Some((p.to_owned(), Instant::now()));
                             state.cell_output = 0;
                             state.cell_truncated = false;
@@ -480,6 +489,9 @@ impl Router {
                         ("idle", Some(p))
                             if state.running.as_ref().is_some_and(|(r, _)| r == p) =>
                         {
+                            // Every output of the execution is in: its reply first, then
+                            // this idle, the order a kernel sends them in.
+                            self.release_held_locked(&mut state);
                             state.running = None;
                         }
                         _ => {}
@@ -522,40 +534,18 @@ impl Router {
                     tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "dropping an unparented reply");
                     return;
                 };
-                state.history.on_reply(&message);
                 if let Some(waiter) = state.internal_replies.remove(&parent) {
+                    state.history.on_reply(&message);
                     let _ = waiter.send(message);
                     return;
                 }
-                let message = match state.timed_out.get(&parent) {
-                    Some(timed_out) if message.msg_type() == "execute_reply" => {
-                        let substituted = timeout_reply(&message, &timed_out.evalue);
-                        state.timed_out.remove(&parent);
-                        Arc::new(substituted)
-                    }
-                    _ => message,
-                };
-                let message = if message.msg_type() == "execute_reply" {
-                    let message = if state.truncated.remove(&parent) {
-                        Arc::new(with_outcome(&message, "output_truncated"))
-                    } else {
-                        Self::pids_outcome(&mut state, message)
-                    };
-                    // Only executions with denials pay for a rewrite.
-                    match state.denials.remove(&parent) {
-                        Some(denials) => Arc::new(with_denials(&message, denials)),
-                        None => message,
-                    }
-                } else {
-                    message
-                };
-                match state.pending.remove(&parent) {
-                    Some(requester) => self.route_locked(&mut state, &requester, message),
-                    None => {
-                        state.dropped_replies += 1;
-                        tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "reply to an unknown request dropped");
-                    }
+                let of_running = state.running.as_ref().is_some_and(|(r, _)| *r == parent);
+                if message.msg_type() == "execute_reply" && of_running {
+                    self.release_held_locked(&mut state);
+                    state.held_reply = Some((parent, message));
+                    return;
                 }
+                self.finish_reply_locked(&mut state, parent, message);
             }
             Channel::Stdin => {
                 let requester = parent.as_ref().and_then(|p| state.pending.get(p).cloned());
@@ -568,6 +558,48 @@ impl Router {
                 }
             }
             Channel::Heartbeat => {}
+        }
+    }
+
+    /// Sends on a reply to its requester, with what the gateway knows of its execution: a
+    /// timeout, cut-off output, a refused fork, policy denials.
+    fn finish_reply_locked(&self, state: &mut State, parent: String, message: Arc<Message>) {
+        state.history.on_reply(&message);
+        let message = match state.timed_out.get(&parent) {
+            Some(timed_out) if message.msg_type() == "execute_reply" => {
+                let substituted = timeout_reply(&message, &timed_out.evalue);
+                state.timed_out.remove(&parent);
+                Arc::new(substituted)
+            }
+            _ => message,
+        };
+        let message = if message.msg_type() == "execute_reply" {
+            let message = if state.truncated.remove(&parent) {
+                Arc::new(with_outcome(&message, "output_truncated"))
+            } else {
+                Self::pids_outcome(state, message)
+            };
+            // Only executions with denials pay for a rewrite.
+            match state.denials.remove(&parent) {
+                Some(denials) => Arc::new(with_denials(&message, denials)),
+                None => message,
+            }
+        } else {
+            message
+        };
+        match state.pending.remove(&parent) {
+            Some(requester) => self.route_locked(state, &requester, message),
+            None => {
+                state.dropped_replies += 1;
+                tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "reply to an unknown request dropped");
+            }
+        }
+    }
+
+    /// Sends on the held execute_reply, if any.
+    fn release_held_locked(&self, state: &mut State) {
+        if let Some((parent, reply)) = state.held_reply.take() {
+            self.finish_reply_locked(state, parent, reply);
         }
     }
 
@@ -697,6 +729,7 @@ impl Router {
     /// would have replied is gone): an error, the execute_reply and an idle status.
     pub fn fail_timed_out(&self, msg_id: &str, evalue: &str) {
         let mut state = self.state.lock();
+        self.release_held_locked(&mut state);
         state.timed_out.remove(msg_id);
         state.running = None;
         if let Some(requester) = state.pending.remove(msg_id) {
@@ -714,6 +747,8 @@ impl Router {
     /// the running one with `evalue`, queued ones with a note that they never ran.
     pub fn fail_pending_executions(&self, ename: &str, evalue: &str, outcome: &str) {
         let mut state = self.state.lock();
+        // A reply that came before the process died is the real answer.
+        self.release_held_locked(&mut state);
         // The kernel runs executions in order, so without a `busy` seen yet (the process can
         // die before its status gets out) the oldest waiting execute is the running one.
         let running = state.running.take().map(|(id, _)| id).or_else(|| {
@@ -798,7 +833,9 @@ impl Router {
 
     /// Forgets the running execution (its kernel process is gone).
     pub fn clear_running(&self) {
-        self.state.lock().running = None;
+        let mut state = self.state.lock();
+        self.release_held_locked(&mut state);
+        state.running = None;
     }
 
     /// Sends a message the gateway made (a synthesised status) to every client.
@@ -873,6 +910,7 @@ impl Router {
         state.pending_order.clear();
         state.internal_replies.clear();
         state.internal_parents.clear();
+        state.held_reply = None;
     }
 }
 

@@ -27,4 +27,4 @@ pub use error::ProtocolError;
 pub use header::{new_header, HeaderFields};
 pub use message::Message;
 pub use signing::Signer;
-pub use wire::{decode_multipart, encode_multipart, DELIMITER};
+pub use wire::{decode_multipart, encode_multipart, DELIMITER, PARALLEL_CHECK_BYTES};

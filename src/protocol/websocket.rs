@@ -182,31 +182,224 @@ fn split_offsets(
         .collect())
 }
 
-/// Encodes a kernel message for a v1 client: the kernel's exact bytes, no parsing.
-pub fn encode_v1(message: &Message) -> Vec<u8> {
-    let channel = message.channel.as_str().as_bytes();
-    let mut parts: Vec<&[u8]> = Vec::with_capacity(5 + message.buffers.len());
+/// A kernel message encoded for one client: the bytes of one WebSocket message as a list of
+/// pieces. The kernel's parts are shared (`Bytes` clones), never copied, so a 50 MB stream
+/// message is not assembled in memory: small messages are joined into one frame, large ones
+/// are sent as fragments cut from the pieces (see [`Encoded::fragments`]).
+#[derive(Debug, Clone)]
+pub struct Encoded {
+    /// A binary message; otherwise text (every piece is then UTF-8 on its own).
+    pub binary: bool,
+    pieces: Vec<Bytes>,
+}
+
+impl Encoded {
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(Bytes::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole message in one buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len());
+        for piece in &self.pieces {
+            out.extend_from_slice(piece);
+        }
+        out
+    }
+
+    /// The message cut into payloads of at most `max` bytes (at least one payload, at least
+    /// 4 bytes each), in order. A piece cut whole or in slices is shared, not copied; only
+    /// neighbouring small pieces are joined. Text is cut between characters only: RFC 6455
+    /// allows a fragment to end inside one, but a client that decodes each fragment would
+    /// choke on it.
+    pub fn fragments(&self, max: usize) -> Vec<Bytes> {
+        let max = max.max(4);
+        let mut out = Vec::with_capacity(self.len() / max + 2);
+        let mut current: Vec<Bytes> = Vec::new();
+        let mut current_len = 0;
+        let flush = |current: &mut Vec<Bytes>, current_len: &mut usize, out: &mut Vec<Bytes>| {
+            match current.len() {
+                0 => {}
+                1 => out.append(current),
+                _ => {
+                    let mut joined = Vec::with_capacity(*current_len);
+                    for piece in current.drain(..) {
+                        joined.extend_from_slice(&piece);
+                    }
+                    out.push(Bytes::from(joined));
+                }
+            }
+            *current_len = 0;
+        };
+        for piece in &self.pieces {
+            let mut rest = piece.clone();
+            while !rest.is_empty() {
+                let mut take = (max - current_len).min(rest.len());
+                if !self.binary && take < rest.len() {
+                    // Back up to the start of the character that does not fit whole.
+                    while take > 0 && (rest[take] & 0xC0) == 0x80 {
+                        take -= 1;
+                    }
+                }
+                if take > 0 {
+                    current.push(rest.split_to(take));
+                    current_len += take;
+                }
+                if current_len == max || (take == 0 && current_len > 0) {
+                    flush(&mut current, &mut current_len, &mut out);
+                }
+            }
+        }
+        flush(&mut current, &mut current_len, &mut out);
+        if out.is_empty() {
+            out.push(Bytes::new());
+        }
+        out
+    }
+}
+
+/// Encodes a kernel message in the socket's framing. The JSON parts are spliced in verbatim:
+/// [`Message::from_parts`] already refused any part that is not a UTF-8 JSON object, so they
+/// are not parsed again on this hot path; for text their UTF-8 is checked once more (a
+/// message built by hand must never reach a client as invalid text).
+pub fn encode(message: &Message, framing: Framing) -> Result<Encoded, ProtocolError> {
+    match framing {
+        Framing::V1 => Ok(encode_v1_pieces(message)),
+        Framing::Legacy => encode_legacy_pieces(message, false),
+        Framing::LegacyTextOnly => encode_legacy_pieces(message, true),
+    }
+}
+
+fn encode_v1_pieces(message: &Message) -> Encoded {
+    let channel = Bytes::from_static(message.channel.as_str().as_bytes());
+    let mut parts: Vec<Bytes> = Vec::with_capacity(5 + message.buffers.len());
     parts.push(channel);
-    parts.push(&message.header_bytes);
-    parts.push(&message.parent_header_bytes);
-    parts.push(&message.metadata);
-    parts.push(&message.content);
-    parts.extend(message.buffers.iter().map(|b| b.as_ref()));
+    parts.push(message.header_bytes.clone());
+    parts.push(message.parent_header_bytes.clone());
+    parts.push(message.metadata.clone());
+    parts.push(message.content.clone());
+    parts.extend(message.buffers.iter().cloned());
     let count = parts.len() + 1;
-    let table = 8 * (count + 1);
-    let body: usize = parts.iter().map(|p| p.len()).sum();
-    let mut out = Vec::with_capacity(table + body);
-    out.extend_from_slice(&(count as u64).to_le_bytes());
-    let mut offset = table as u64;
+    let table_len = 8 * (count + 1);
+    let mut table = Vec::with_capacity(table_len);
+    table.extend_from_slice(&(count as u64).to_le_bytes());
+    let mut offset = table_len as u64;
     for part in &parts {
-        out.extend_from_slice(&offset.to_le_bytes());
+        table.extend_from_slice(&offset.to_le_bytes());
         offset += part.len() as u64;
     }
-    out.extend_from_slice(&offset.to_le_bytes());
-    for part in &parts {
-        out.extend_from_slice(part);
+    table.extend_from_slice(&offset.to_le_bytes());
+    let mut pieces = Vec::with_capacity(1 + parts.len());
+    pieces.push(Bytes::from(table));
+    pieces.extend(parts);
+    Encoded {
+        binary: true,
+        pieces,
     }
-    out
+}
+
+/// The legacy JSON object as pieces, with `buffers_json` (`[]` or base64 strings) when given.
+fn legacy_json_pieces(
+    message: &Message,
+    buffers_json: Option<&str>,
+) -> Result<Vec<Bytes>, ProtocolError> {
+    for part in [
+        &message.header_bytes,
+        &message.parent_header_bytes,
+        &message.metadata,
+        &message.content,
+    ] {
+        std::str::from_utf8(part).map_err(|_| ProtocolError::NotUtf8)?;
+    }
+    let ids = format!(
+        ",\"msg_id\":{},\"msg_type\":{},\"parent_header\":",
+        serde_json::Value::from(message.msg_id()),
+        serde_json::Value::from(message.msg_type())
+    );
+    let tail = match buffers_json {
+        Some(list) => format!(
+            ",\"buffers\":{list},\"channel\":\"{}\"}}",
+            message.channel.as_str()
+        ),
+        None => format!(",\"channel\":\"{}\"}}", message.channel.as_str()),
+    };
+    Ok(vec![
+        Bytes::from_static(b"{\"header\":"),
+        message.header_bytes.clone(),
+        Bytes::from(ids),
+        message.parent_header_bytes.clone(),
+        Bytes::from_static(b",\"metadata\":"),
+        message.metadata.clone(),
+        Bytes::from_static(b",\"content\":"),
+        message.content.clone(),
+        Bytes::from(tail),
+    ])
+}
+
+/// Legacy: a text message, or a binary one when the message has buffers, unless
+/// `text_only`, where buffers travel base64-encoded in the JSON's `buffers` list.
+fn encode_legacy_pieces(message: &Message, text_only: bool) -> Result<Encoded, ProtocolError> {
+    use base64::Engine;
+    if message.buffers.is_empty() {
+        return Ok(Encoded {
+            binary: false,
+            pieces: legacy_json_pieces(message, Some("[]"))?,
+        });
+    }
+    if text_only {
+        let encoded: Vec<serde_json::Value> = message
+            .buffers
+            .iter()
+            .map(|b| base64::engine::general_purpose::STANDARD.encode(b).into())
+            .collect();
+        let list = serde_json::Value::Array(encoded).to_string();
+        return Ok(Encoded {
+            binary: false,
+            pieces: legacy_json_pieces(message, Some(&list))?,
+        });
+    }
+    let json = legacy_json_pieces(message, None)?;
+    let json_len: usize = json.iter().map(Bytes::len).sum();
+    let count = 1 + message.buffers.len();
+    let table_len = 4 * (count + 1);
+    let mut table = Vec::with_capacity(table_len);
+    table.extend_from_slice(&(count as u32).to_be_bytes());
+    let mut offset = table_len as u32;
+    table.extend_from_slice(&offset.to_be_bytes());
+    offset += json_len as u32;
+    for buffer in &message.buffers {
+        table.extend_from_slice(&offset.to_be_bytes());
+        offset += buffer.len() as u32;
+    }
+    let mut pieces = Vec::with_capacity(1 + json.len() + message.buffers.len());
+    pieces.push(Bytes::from(table));
+    pieces.extend(json);
+    pieces.extend(message.buffers.iter().cloned());
+    Ok(Encoded {
+        binary: true,
+        pieces,
+    })
+}
+
+fn into_frame(encoded: Encoded) -> Result<Frame, ProtocolError> {
+    let bytes = encoded.to_vec();
+    if encoded.binary {
+        Ok(Frame::Binary(bytes))
+    } else {
+        String::from_utf8(bytes)
+            .map(Frame::Text)
+            .map_err(|_| ProtocolError::NotUtf8)
+    }
+}
+
+/// Encodes a kernel message for a v1 client in one buffer: the kernel's exact bytes, no
+/// parsing.
+pub fn encode_v1(message: &Message) -> Vec<u8> {
+    encode_v1_pieces(message).to_vec()
 }
 
 /// Encodes a message with buffers as a legacy *text* frame, buffers base64-encoded in its
@@ -215,81 +408,13 @@ pub fn encode_v1(message: &Message) -> Vec<u8> {
 /// later message of that connection). Widgets that need the raw buffers degrade; the
 /// connection survives.
 pub fn encode_legacy_text_only(message: &Message) -> Result<Frame, ProtocolError> {
-    use base64::Engine;
-    if message.buffers.is_empty() {
-        return encode_legacy(message);
-    }
-    let mut without = message.clone();
-    without.buffers = Vec::new();
-    let Frame::Text(json) = encode_legacy(&without)? else {
-        return Err(ProtocolError::BadFrame("expected a text frame"));
-    };
-    let encoded: Vec<serde_json::Value> = message
-        .buffers
-        .iter()
-        .map(|b| base64::engine::general_purpose::STANDARD.encode(b).into())
-        .collect();
-    let list = serde_json::Value::Array(encoded).to_string();
-    // encode_legacy wrote `"buffers":[]` once, right before the channel.
-    Ok(Frame::Text(json.replacen(
-        ",\"buffers\":[],\"channel\":",
-        &format!(",\"buffers\":{list},\"channel\":"),
-        1,
-    )))
+    into_frame(encode_legacy_pieces(message, true)?)
 }
 
-/// Encodes a kernel message for a legacy client: a text frame, or a binary frame when the
-/// message has buffers. The JSON parts are spliced in verbatim: [`Message::from_parts`]
-/// already refused any part that is not a UTF-8 JSON object, so they are not parsed again on
-/// this hot path (only the UTF-8 view is taken, which a `String` needs).
+/// Encodes a kernel message for a legacy client in one buffer: a text frame, or a binary
+/// frame when the message has buffers.
 pub fn encode_legacy(message: &Message) -> Result<Frame, ProtocolError> {
-    fn text(b: &Bytes) -> Result<&str, ProtocolError> {
-        std::str::from_utf8(b).map_err(|_| ProtocolError::NotUtf8)
-    }
-    let (header, parent, metadata, content) = (
-        text(&message.header_bytes)?,
-        text(&message.parent_header_bytes)?,
-        text(&message.metadata)?,
-        text(&message.content)?,
-    );
-    let mut json = String::with_capacity(message.byte_len() + 128);
-    json.push_str("{\"header\":");
-    json.push_str(header);
-    json.push_str(",\"msg_id\":");
-    json.push_str(&serde_json::Value::from(message.msg_id()).to_string());
-    json.push_str(",\"msg_type\":");
-    json.push_str(&serde_json::Value::from(message.msg_type()).to_string());
-    json.push_str(",\"parent_header\":");
-    json.push_str(parent);
-    json.push_str(",\"metadata\":");
-    json.push_str(metadata);
-    json.push_str(",\"content\":");
-    json.push_str(content);
-    if message.buffers.is_empty() {
-        json.push_str(",\"buffers\":[],\"channel\":\"");
-        json.push_str(message.channel.as_str());
-        json.push_str("\"}");
-        return Ok(Frame::Text(json));
-    }
-    json.push_str(",\"channel\":\"");
-    json.push_str(message.channel.as_str());
-    json.push_str("\"}");
-    let count = 1 + message.buffers.len();
-    let table = 4 * (count + 1);
-    let mut out = Vec::with_capacity(table + message.byte_len() + 128);
-    out.extend_from_slice(&(count as u32).to_be_bytes());
-    let mut offset = table as u32;
-    out.extend_from_slice(&offset.to_be_bytes());
-    offset += json.len() as u32;
-    for buffer in &message.buffers {
-        out.extend_from_slice(&offset.to_be_bytes());
-        offset += buffer.len() as u32;
-    }
-    out.extend_from_slice(json.as_bytes());
-    for buffer in &message.buffers {
-        out.extend_from_slice(buffer);
-    }
-    Ok(Frame::Binary(out))
+    into_frame(encode_legacy_pieces(message, false)?)
 }
 
 #[cfg(test)]

@@ -224,3 +224,177 @@ async fn gateway_client_relays_get_text_frames_only() -> anyhow::Result<()> {
     assert!(saw_comm && saw_after);
     Ok(())
 }
+
+const BIG_OUTPUT: &str = "import sys\nfrom comm import create_comm\n\
+sys.stdout.write('a\\u00e9\\u20ac\\U0001F600' * 100_000)\nsys.stdout.flush()\n\
+c = create_comm(target_name='big', data={}, buffers=[bytes(range(256)) * 5000])\n";
+
+fn big_text() -> String {
+    "aé€😀".repeat(100_000)
+}
+
+fn big_buffer() -> Vec<u8> {
+    (0..=255u8).cycle().take(256 * 5000).collect()
+}
+
+/// Messages of over 1 MB (sent as fragments) arrive whole, byte for byte: multi-byte text in
+/// a stream message and a binary buffer, in both framings.
+async fn large_messages(v1: bool) -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "sess-big", v1).await?;
+    let msgs = client.run(BIG_OUTPUT).await?;
+    assert_eq!(reply(&msgs).content["status"], "ok", "{:?}", reply(&msgs));
+    let text: String = msgs
+        .iter()
+        .filter(|m| m.msg_type() == "stream")
+        .filter_map(|m| m.content["text"].as_str())
+        .collect();
+    assert!(
+        text == big_text(),
+        "stream text differs ({} bytes)",
+        text.len()
+    );
+    let comm = msgs
+        .iter()
+        .find(|m| m.msg_type() == "comm_open")
+        .expect("comm_open");
+    assert_eq!(comm.buffers, vec![big_buffer()]);
+    gateway.delete_kernel(&kernel).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn large_messages_legacy_framing() -> anyhow::Result<()> {
+    large_messages(false).await
+}
+
+#[tokio::test]
+async fn large_messages_v1_framing() -> anyhow::Result<()> {
+    large_messages(true).await
+}
+
+/// The same large messages read frame by frame from a raw socket: they come as a first frame
+/// and continuations of at most 64 KiB, each text fragment valid UTF-8 by itself, small
+/// messages as single frames.
+#[tokio::test]
+async fn large_messages_are_fragmented_and_small_ones_are_not() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let gateway = Gateway::start().await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", gateway.port)).await?;
+    let handshake = format!(
+        "GET /api/kernels/{kernel}/channels?session_id=raw HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+         Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nAuthorization: token {TOKEN}\r\n\r\n"
+    );
+    tcp.write_all(handshake.as_bytes()).await?;
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        head.push(tcp.read_u8().await?);
+    }
+    let head = String::from_utf8(head)?;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="),
+        "RFC 6455's sample key gets its sample answer: {head}"
+    );
+
+    let msg_id = uuid::Uuid::new_v4().to_string();
+    let request = json!({
+        "header": {"msg_id": msg_id, "msg_type": "execute_request", "session": "raw",
+                   "username": "", "version": "5.3", "date": ""},
+        "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+        "content": {"code": BIG_OUTPUT, "silent": false, "store_history": true,
+                    "user_expressions": {}, "allow_stdin": false, "stop_on_error": true},
+    })
+    .to_string();
+    // A client frame: FIN + text, masked (RFC 6455 5.3), 16-bit length.
+    let mask = [0x11u8, 0x22, 0x33, 0x44];
+    let mut frame = vec![0x81, 0x80 | 126];
+    frame.extend_from_slice(&(request.len() as u16).to_be_bytes());
+    frame.extend_from_slice(&mask);
+    frame.extend(request.bytes().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    tcp.write_all(&frame).await?;
+
+    // (opcode of the first frame, payload sizes) per message, until our request's idle.
+    let mut messages: Vec<(u8, Vec<usize>)> = Vec::new();
+    let mut current: Option<(u8, Vec<usize>, Vec<u8>)> = None;
+    let mut stream_text = String::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (b0, b1) = tokio::time::timeout_at(deadline, async {
+            Ok::<_, std::io::Error>((tcp.read_u8().await?, tcp.read_u8().await?))
+        })
+        .await??;
+        assert_eq!(b1 & 0x80, 0, "server frames are not masked");
+        let len = match b1 & 0x7f {
+            126 => tcp.read_u16().await? as usize,
+            127 => tcp.read_u64().await? as usize,
+            n => n as usize,
+        };
+        let mut payload = vec![0; len];
+        tcp.read_exact(&mut payload).await?;
+        let (fin, opcode) = (b0 & 0x80 != 0, b0 & 0x0f);
+        if opcode >= 8 {
+            continue; // ping
+        }
+        let (first, sizes, body) = match (opcode, current.take()) {
+            (0, Some((first, sizes, body))) => (first, sizes, body),
+            (1 | 2, None) => (opcode, Vec::new(), Vec::new()),
+            (op, cur) => panic!(
+                "opcode {op} with a message in progress: {:?}",
+                cur.is_some()
+            ),
+        };
+        if first == 1 {
+            assert!(
+                std::str::from_utf8(&payload).is_ok(),
+                "a text fragment is UTF-8 by itself"
+            );
+        }
+        let (mut sizes, mut body) = (sizes, body);
+        sizes.push(len);
+        body.extend_from_slice(&payload);
+        if !fin {
+            current = Some((first, sizes, body));
+            continue;
+        }
+        messages.push((first, sizes));
+        if first != 1 {
+            continue;
+        }
+        let msg: serde_json::Value = serde_json::from_slice(&body)?;
+        if msg["msg_type"] == "stream" {
+            stream_text.push_str(msg["content"]["text"].as_str().unwrap_or_default());
+        }
+        if msg["msg_type"] == "status"
+            && msg["content"]["execution_state"] == "idle"
+            && msg["parent_header"]["msg_id"] == msg_id.as_str()
+        {
+            break;
+        }
+    }
+    assert!(
+        stream_text == big_text(),
+        "stream text differs ({} bytes)",
+        stream_text.len()
+    );
+    let fragmented: Vec<_> = messages
+        .iter()
+        .filter(|(_, sizes)| sizes.len() > 1)
+        .collect();
+    assert!(
+        fragmented.iter().any(|(op, _)| *op == 1) && fragmented.iter().any(|(op, _)| *op == 2),
+        "the large text and binary messages came in fragments: {messages:?}"
+    );
+    for (_, sizes) in &messages {
+        assert!(sizes.iter().all(|&s| s <= 64 << 10), "{sizes:?}");
+        if sizes.iter().sum::<usize>() < 64 << 10 {
+            assert_eq!(sizes.len(), 1, "a small message is one frame");
+        }
+    }
+    gateway.delete_kernel(&kernel).await?;
+    Ok(())
+}

@@ -29,7 +29,10 @@ async fn kernels_come_ready_from_the_pool_and_are_never_reused() -> anyhow::Resu
         let (_, list) = gateway.get_json("/api/kernels").await?;
         assert_eq!(list, json!([]), "pooled kernels are not listed");
         let log = gateway.log();
-        pooled_ids = log.matches("kernel ready").map(|_| ()).collect();
+        pooled_ids = log
+            .matches("kernel joined the warm pool")
+            .map(|_| ())
+            .collect();
     }
 
     // A start now is served by a ready kernel: it is idle at once, and it gets the client's

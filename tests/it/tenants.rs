@@ -626,7 +626,7 @@ async fn pooled_kernels_belong_to_the_tenant_they_are_handed_to() -> Result<()> 
     assert!(
         crate::support::eventually(std::time::Duration::from_secs(120), || gateway
             .log()
-            .contains("kernel ready"))
+            .contains("kernel joined the warm pool"))
         .await,
         "the pool never filled: {}",
         gateway.log()

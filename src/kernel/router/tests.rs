@@ -396,6 +396,12 @@ fn denials_reach_the_running_execution_only() {
     let mut reply = msg(Channel::Shell, "execute_reply", "rep1", Some("r1"), "{}");
     reply.metadata = Bytes::from_static(br#"{"cellgate":{"outcome":"timeout"},"other":1}"#);
     router.deliver(reply);
+    router.deliver(of_execute(
+        "status",
+        "i1",
+        "r1",
+        r#"{"execution_state":"idle"}"#,
+    ));
     let mut got = vec![];
     while let Some(m) = a.try_recv() {
         got.push(m);
@@ -410,7 +416,7 @@ fn denials_reach_the_running_execution_only() {
         "cellgate: package 'x' is not allowed by policy 'p'\n"
     );
     assert_eq!(line.parent_msg_id(), Some("r1"));
-    let reply = got.last().unwrap();
+    let reply = &got[got.len() - 2];
     assert_eq!(reply.msg_type(), "execute_reply");
     let metadata: serde_json::Value = serde_json::from_slice(&reply.metadata).unwrap();
     assert_eq!(
@@ -454,4 +460,110 @@ fn history_records_the_gateways_answer_for_a_cell_whose_kernel_died() {
     let outputs = cell.outputs.to_json();
     assert_eq!(outputs.len(), 1);
     assert_eq!(outputs[0]["ename"], "KernelDiedError");
+}
+
+fn kinds(rx: &mut Inbox) -> Vec<String> {
+    let mut out = vec![];
+    while let Some(m) = rx.try_recv() {
+        let state = m
+            .content_json()
+            .and_then(|c| c["execution_state"].as_str().map(str::to_owned));
+        out.push(match state {
+            Some(state) => state,
+            None => m.msg_type().to_owned(),
+        });
+    }
+    out
+}
+
+#[test]
+fn a_reply_that_overtakes_its_outputs_waits_for_idle_and_reports_them() {
+    // The shell socket's reply arrives while the execution's last (oversized) output is
+    // still on its way through iopub.
+    let router = Router::new("k").with_output_limit(Some(300));
+    let (tx, mut rx) = client_queue();
+    let (id, _) = router.attach("s", tx);
+    router.register_request(id, "s", &request("r1"));
+    router.deliver(of_execute(
+        "status",
+        "b1",
+        "r1",
+        r#"{"execution_state":"busy"}"#,
+    ));
+    router.deliver(of_execute(
+        "execute_reply",
+        "rep1",
+        "r1",
+        r#"{"status":"ok","execution_count":1}"#,
+    ));
+    assert_eq!(kinds(&mut rx), ["busy"], "the reply waits");
+    let text = format!(r#"{{"name":"stdout","text":"{}"}}"#, "x".repeat(1000));
+    router.deliver(of_execute("stream", "o1", "r1", &text));
+    router.deliver(of_execute(
+        "status",
+        "i1",
+        "r1",
+        r#"{"execution_state":"idle"}"#,
+    ));
+    let got: Vec<Arc<Message>> = std::iter::from_fn(|| rx.try_recv()).collect();
+    let order: Vec<&str> = got.iter().map(|m| m.msg_type()).collect();
+    assert_eq!(
+        order,
+        ["stream", "execute_reply", "status"],
+        "marker, reply, idle"
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&got[1].metadata).unwrap();
+    assert_eq!(metadata["cellgate"]["outcome"], "output_truncated");
+}
+
+#[test]
+fn a_held_reply_is_never_lost() {
+    let router = Router::new("k");
+    let (tx, mut rx) = client_queue();
+    let (id, _) = router.attach("s", tx);
+    let reply = |n: &str| {
+        of_execute(
+            "execute_reply",
+            &format!("rep{n}"),
+            &format!("r{n}"),
+            r#"{"status":"ok","execution_count":1}"#,
+        )
+    };
+    let busy = |n: &str| {
+        of_execute(
+            "status",
+            &format!("b{n}"),
+            &format!("r{n}"),
+            r#"{"execution_state":"busy"}"#,
+        )
+    };
+    // A kernel that never says idle: the next execution's busy lets the reply go.
+    router.register_request(id, "s", &request("r1"));
+    router.register_request(id, "s", &request("r2"));
+    router.deliver(busy("1"));
+    router.deliver(reply("1"));
+    assert_eq!(kinds(&mut rx), ["busy"]);
+    router.deliver(busy("2"));
+    assert_eq!(kinds(&mut rx), ["execute_reply", "busy"]);
+    // The process dies after replying, before idle: its real reply, not a failure.
+    router.deliver(reply("2"));
+    router.fail_pending_executions("DeadKernelError", "the kernel died", "sandbox_lost");
+    let got: Vec<Arc<Message>> = std::iter::from_fn(|| rx.try_recv()).collect();
+    assert_eq!(
+        got.len(),
+        1,
+        "{:?}",
+        got.iter().map(|m| m.msg_type()).collect::<Vec<_>>()
+    );
+    assert_eq!(got[0].msg_id(), "rep2");
+    // And when only the running execution is forgotten.
+    router.register_request(id, "s", &request("r3"));
+    router.deliver(busy("3"));
+    router.deliver(reply("3"));
+    router.clear_running();
+    assert_eq!(kinds(&mut rx), ["busy", "execute_reply"]);
+    // A reply for an execution that is not running (its idle came first) goes at once.
+    router.register_request(id, "s", &request("r4"));
+    router.deliver(reply("4"));
+    assert_eq!(kinds(&mut rx), ["execute_reply"]);
 }

@@ -206,3 +206,86 @@ fn text_only_legacy_carries_buffers_as_base64() {
         encode_legacy(&plain).unwrap()
     );
 }
+
+fn stream_message(text: &str, buffers: Vec<Bytes>) -> Message {
+    let content = serde_json::json!({"name": "stdout", "text": text}).to_string();
+    Message::from_parts(
+        Channel::Iopub,
+        Bytes::from_static(br#"{"msg_id":"k2","msg_type":"stream","session":"s"}"#),
+        Bytes::from_static(br#"{"msg_id":"p2","msg_type":"execute_request"}"#),
+        Bytes::from_static(b"{}"),
+        Bytes::from(content),
+        buffers,
+    )
+    .unwrap()
+}
+
+#[test]
+fn fragments_rebuild_the_message_and_keep_characters_whole() {
+    // Multi-byte characters at every alignment: 2, 3 and 4 bytes in UTF-8.
+    let text = "aé€😀".repeat(3000);
+    let cases = [
+        (stream_message(&text, vec![]), Framing::Legacy),
+        (stream_message(&text, vec![]), Framing::V1),
+        (
+            stream_message(&text, vec![Bytes::from(vec![0xff; 5000])]),
+            Framing::Legacy,
+        ),
+        (
+            stream_message(&text, vec![Bytes::from(vec![0x80; 5000])]),
+            Framing::LegacyTextOnly,
+        ),
+        (kernel_message(vec![]), Framing::Legacy),
+    ];
+    for (msg, framing) in cases {
+        let encoded = encode(&msg, framing).unwrap();
+        let whole = encoded.to_vec();
+        assert_eq!(whole.len(), encoded.len());
+        for max in [1, 4, 5, 7, 64, 1000, 4096, whole.len(), whole.len() + 1] {
+            let fragments = encoded.fragments(max);
+            let joined: Vec<u8> = fragments.iter().flat_map(|f| f.iter().copied()).collect();
+            assert_eq!(joined, whole, "{framing:?} max {max}");
+            for fragment in &fragments {
+                assert!(fragment.len() <= max.max(4), "{framing:?} max {max}");
+                assert!(!fragment.is_empty());
+                if !encoded.binary {
+                    assert!(
+                        std::str::from_utf8(fragment).is_ok(),
+                        "{framing:?} max {max}"
+                    );
+                }
+            }
+            if max >= whole.len() {
+                assert_eq!(fragments.len(), 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn fragments_share_the_kernels_bytes() {
+    let text = "x".repeat(1 << 20);
+    let msg = stream_message(&text, vec![]);
+    let encoded = encode(&msg, Framing::Legacy).unwrap();
+    let content = msg.content.as_ptr_range();
+    let fragments = encoded.fragments(64 << 10);
+    let shared = fragments
+        .iter()
+        .filter(|f| content.contains(&f.as_ptr()))
+        .count();
+    // All but the first (header and the start of the content, joined) and the last.
+    assert!(
+        shared >= fragments.len() - 2,
+        "{shared} of {}",
+        fragments.len()
+    );
+}
+
+#[test]
+fn an_empty_encoding_is_one_empty_fragment() {
+    let encoded = Encoded {
+        binary: true,
+        pieces: vec![Bytes::new(), Bytes::new()],
+    };
+    assert_eq!(encoded.fragments(10), vec![Bytes::new()]);
+}

@@ -75,3 +75,52 @@ fn structural_errors() {
         Err(ProtocolError::BadJson { part: "header", .. })
     ));
 }
+
+#[test]
+fn large_messages_are_checked_in_parallel_with_the_same_verdicts() {
+    let signer = Signer::new(b"0123456789abcdef0123456789abcdef");
+    let text = "x\u{e9}".repeat(PARALLEL_CHECK_BYTES);
+    let content = serde_json::json!({"name": "stdout", "text": text}).to_string();
+    assert!(content.len() > PARALLEL_CHECK_BYTES);
+    let header = Bytes::from_static(br#"{"msg_id":"m","msg_type":"stream","session":"s"}"#);
+    let frames = |content: Bytes, signed_content: &[u8]| {
+        let signature = signer.sign([&header, b"{}", b"{}", signed_content]);
+        vec![
+            Bytes::from_static(DELIMITER),
+            Bytes::from(signature),
+            header.clone(),
+            Bytes::from_static(b"{}"),
+            Bytes::from_static(b"{}"),
+            content,
+        ]
+    };
+    let good = Bytes::from(content.clone());
+    let msg = decode_multipart(Channel::Iopub, frames(good.clone(), &good), &signer).unwrap();
+    assert_eq!(msg.content, good);
+    assert_eq!(msg.msg_type(), "stream");
+
+    // One byte changed after signing.
+    let mut tampered = content.clone().into_bytes();
+    tampered[PARALLEL_CHECK_BYTES] ^= 1;
+    assert!(matches!(
+        decode_multipart(
+            Channel::Iopub,
+            frames(Bytes::from(tampered), &good),
+            &signer
+        ),
+        Err(ProtocolError::BadSignature)
+    ));
+    // Signed, but not JSON: refused as such.
+    let mut broken = content.clone().into_bytes();
+    broken.pop();
+    let broken = Bytes::from(broken);
+    assert!(matches!(
+        decode_multipart(Channel::Iopub, frames(broken.clone(), &broken), &signer),
+        Err(ProtocolError::BadJson { .. })
+    ));
+    // Both wrong: the signature decides first, as for small messages.
+    assert!(matches!(
+        decode_multipart(Channel::Iopub, frames(broken, &good), &signer),
+        Err(ProtocolError::BadSignature)
+    ));
+}
