@@ -5,7 +5,7 @@
 //! go out as one frame. tungstenite copies a frame whole into its write buffer and, after each
 //! partial socket write, moves the unsent rest to the buffer's front: the copy, the fresh
 //! pages and the quadratic moves cost ~40 ms for 50 MB before the client saw a byte. With
-//! raw frames the writer sends large messages as fragments of a few hundred KB, straight from
+//! raw frames the writer sends large messages as 64 KiB fragments, straight from
 //! the kernel's bytes (see `kernel_ws`).
 //!
 //! The checks are RFC 6455's (and what axum checks): GET, `Connection: upgrade`,

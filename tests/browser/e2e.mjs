@@ -54,6 +54,13 @@ async function run(code) {
   await page.waitForFunction((n) => document.querySelectorAll("article.cell").length > n, before);
   return lastCell();
 }
+// Waits until the cell shows a loaded PNG (a chart) and returns its <img>.
+async function shownImage(cell) {
+  const img = cell.locator(".rich[data-mime='image/png'] img");
+  await img.waitFor();
+  await page.waitForFunction((el) => el.complete && el.naturalWidth > 100, await img.elementHandle());
+  return img;
+}
 async function finished(cell) {
   await cell.locator(".status:not([data-status='running'])").waitFor();
   return cell.locator(".status").getAttribute("data-status");
@@ -80,9 +87,7 @@ try {
       "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [3, 1, 2])\nplt.show()",
     );
     await finished(chart);
-    const image = chart.locator(".rich[data-mime='image/png'] img");
-    await image.waitFor();
-    await page.waitForFunction((el) => el.complete && el.naturalWidth > 100, await image.elementHandle());
+    await shownImage(chart);
     await screenshot("short-chart");
     console.log(`ok short run at ${page.url()}`);
     await browser.close();
@@ -111,9 +116,7 @@ try {
       "fig, ax = plt.subplots(figsize=(4, 3))\nax.plot([1, 2, 3], [1, 4, 9])\nplt.show()",
   );
   await finished(cell);
-  const img = cell.locator(".rich[data-mime='image/png'] img");
-  await img.waitFor();
-  await page.waitForFunction((el) => el.complete && el.naturalWidth > 100, await img.elementHandle());
+  await shownImage(cell);
   await screenshot("matplotlib");
   console.log("ok matplotlib chart");
 

@@ -34,28 +34,44 @@ fn browser_tools() -> std::path::PathBuf {
     browser_dir
 }
 
+/// Runs `tests/browser/e2e.mjs` against `gateway` with `env` added, screenshots under
+/// `target/web-client-screenshots/<shots>`; fails with its output and the gateway's log
+/// unless every step passed. Returns what it printed.
+async fn run_browser(
+    browser_dir: &Path,
+    gateway: &Gateway,
+    env: &[(&str, &str)],
+    shots: &str,
+) -> Result<String> {
+    let output = tokio::process::Command::new("node")
+        .arg("e2e.mjs")
+        .current_dir(browser_dir)
+        .env("CELLGATE_URL", &gateway.base)
+        .env("CELLGATE_TOKEN", TOKEN)
+        .env(
+            "SCREENSHOT_DIR",
+            repo().join("target/web-client-screenshots").join(shots),
+        )
+        .envs(env.iter().copied())
+        .output()
+        .await
+        .context("run node (Debian package nodejs; ./dev setup installs it)")?;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.contains("all steps passed"),
+        "the browser test failed (screenshots in target/web-client-screenshots/{shots}):\n{stdout}\n{stderr}\ngateway log:\n{}",
+        gateway.log()
+    );
+    Ok(stdout)
+}
+
 #[tokio::test]
 async fn the_web_client_runs_code_and_shows_every_kind_of_output() -> Result<()> {
     let browser_dir = browser_tools();
     let gateway = Gateway::start().await?;
-    let screenshots = repo().join("target/web-client-screenshots");
-    let output = tokio::process::Command::new("node")
-        .arg("e2e.mjs")
-        .current_dir(&browser_dir)
-        .env("CELLGATE_URL", &gateway.base)
-        .env("CELLGATE_TOKEN", TOKEN)
-        .env("SCREENSHOT_DIR", &screenshots)
-        .output()
-        .await
-        .context("run node (Debian package nodejs; ./dev setup installs it)")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stdout = run_browser(&browser_dir, &gateway, &[], "").await?;
     println!("{stdout}");
-    assert!(
-        output.status.success() && stdout.contains("all steps passed"),
-        "the browser test failed (screenshots in target/web-client-screenshots):\n{stdout}\n{stderr}\ngateway log:\n{}",
-        gateway.log()
-    );
     Ok(())
 }
 
@@ -192,27 +208,13 @@ async fn the_page_and_api_work_under_a_base_url() -> Result<()> {
     assert!(response.text().await?.contains("<b>hi</b>"));
 
     // The browser types the address without the slash.
-    let output = tokio::process::Command::new("node")
-        .arg("e2e.mjs")
-        .current_dir(&browser_dir)
-        .env("CELLGATE_URL", &gateway.base)
-        .env("CELLGATE_PAGE", &gateway.base)
-        .env("CELLGATE_E2E", "short")
-        .env("CELLGATE_TOKEN", TOKEN)
-        .env(
-            "SCREENSHOT_DIR",
-            repo().join("target/web-client-screenshots/base-url"),
-        )
-        .output()
-        .await
-        .context("run node")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && stdout.contains("all steps passed"),
-        "the browser under a base URL failed:\n{stdout}\n{stderr}\ngateway log:\n{}",
-        gateway.log()
-    );
+    let stdout = run_browser(
+        &browser_dir,
+        &gateway,
+        &[("CELLGATE_PAGE", &gateway.base), ("CELLGATE_E2E", "short")],
+        "base-url",
+    )
+    .await?;
     assert!(
         stdout.contains(&format!("ok short run at {}/", gateway.base)),
         "{stdout}"
