@@ -737,11 +737,22 @@ async fn kernels_section(dir: &Path) -> Section {
             program.display().to_string(),
         );
         if spec.language == "python" {
+            // The module argv runs with `-m` (cellgate's launcher, copied in by setup) must
+            // be there too: a venv made before it existed starts no kernel.
+            let module = argv
+                .iter()
+                .position(|a| a == "-m")
+                .and_then(|i| argv.get(i + 1))
+                .map_or("ipykernel", String::as_str);
             match run_command(
                 &program,
                 &[
                     "-c",
-                    "import ipykernel, sys; print(ipykernel.__version__, sys.version.split()[0])",
+                    "import importlib.util, ipykernel, sys\n\
+                     if importlib.util.find_spec(sys.argv[1]) is None:\n\
+                     \x20   sys.exit('no module ' + sys.argv[1])\n\
+                     print(ipykernel.__version__, sys.version.split()[0])",
+                    module,
                 ],
                 Duration::from_secs(60),
             )
@@ -749,8 +760,11 @@ async fn kernels_section(dir: &Path) -> Section {
             {
                 Ok(out) => s.fact(&format!("{}.ipykernel", spec.name), out.trim().to_owned()),
                 Err(err) => s.fail(
-                    format!("kernelspec {}: `import ipykernel` fails: {err}", spec.name),
-                    "./dev setup   (reinstalls the kernel venv)",
+                    format!(
+                        "kernelspec {}: `import ipykernel` or module {module} fails: {err}",
+                        spec.name
+                    ),
+                    "./dev setup   (reinstalls the kernel venv and its launcher)",
                 ),
             }
         }

@@ -77,6 +77,16 @@ async fn restart_keeps_the_id_and_loses_the_state() -> anyhow::Result<()> {
     // The same socket keeps working with the new process.
     let msgs = client.run("secret").await?;
     assert_eq!(of_type(&msgs, "error")[0].content["ename"], "NameError");
+    // What the new process said while starting reached the socket too: no warnings there
+    // (debugpy's about frozen modules came on every start; the kernelspec's env turns it off).
+    let stderr: Vec<_> = of_type(&msgs, "stream")
+        .into_iter()
+        .map(|m| m.content["text"].to_string())
+        .collect();
+    assert!(
+        stderr.is_empty(),
+        "output from the kernel's start: {stderr:?}"
+    );
     let msgs = client.run("secret = 1; secret + 1").await?;
     assert_eq!(
         of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
