@@ -8,7 +8,8 @@ on, those collections were ~20 % of a kernel's start CPU (perf: `gc_collect_main
 `visit_decref`, `visit_reachable`), which is what bounds 50 kernels started at once.
 
 `gc.freeze()` then moves every object of the start into the permanent generation, so the
-user's own full collections no longer walk them either. The collector is back on before the
+user's own full collections no longer walk them either (without it the paused collections
+only moved to the kernel's first messages: no gain). The collector is back on before the
 kernel handles its first message: user code runs with Python's ordinary GC.
 
 `./dev setup` copies this file into the kernel venv's site-packages (the sandboxes mount the
@@ -38,6 +39,15 @@ def main() -> None:
         gc.freeze()
         gc.enable()
     app.start()
+    # ipykernel 7.4 races at exit: a `shutdown_request` stops the main loop from the control
+    # thread, which then still flushes stdout through the IOPub thread; the exit handler
+    # (`IPKernelApp.close`) stops the IOPub thread first and then joins the control thread,
+    # which waits on that flush forever, until the gateway kills the kernel after its grace
+    # period. The faster this process reaches its exit, the likelier that was: half the
+    # shutdowns with this launcher. Letting the control thread finish first avoids it.
+    control = getattr(app, "control_thread", None)
+    if control is not None and control.is_alive():
+        control.join(timeout=2)
 
 
 if __name__ == "__main__":

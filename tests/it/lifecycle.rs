@@ -92,6 +92,10 @@ async fn restart_keeps_the_id_and_loses_the_state() -> anyhow::Result<()> {
         of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
         "2"
     );
+    assert!(
+        !gateway.log().contains("ignored shutdown_request"),
+        "the old process exited when asked, not when killed after the grace period"
+    );
     Ok(())
 }
 
@@ -111,6 +115,10 @@ async fn shutdown_removes_kernel_and_process() -> anyhow::Result<()> {
     assert!(
         !pids.iter().any(|p| alive(*p)),
         "the process is gone when DELETE returns"
+    );
+    assert!(
+        !gateway.log().contains("ignored shutdown_request"),
+        "the kernel exits when asked, not when killed after the grace period"
     );
     let (status, body) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
     assert_eq!(status, 404);
