@@ -1216,6 +1216,8 @@ def markdown(rows, meta, results, target_names):
                   if meta['args'].get('cellgate_arg') and 'cellgate' in target_names else "")
                + (f"; cellgate binary built {meta['cellgate_bin']['mtime'][:19]}, sha256 "
                   f"{meta['cellgate_bin']['sha256'][:12]}" if 'cellgate_bin' in meta and 'cellgate' in target_names else ""))
+    if meta.get("kernelspec") and {"bare", "kg"} & set(target_names):
+        out.append(f"Kernel: {meta['kernelspec']}.")
     bgs = [rd.get("background_cpu_pct") for per in results.values() for cell in per.values()
            for rd in cell["rounds"] if rd.get("background_cpu_pct") is not None]
     if bgs:
@@ -1292,6 +1294,11 @@ def parse_args(argv=None):
     p.add_argument("--cellgate-bin", default=os.path.join(REPO, "target", "release", "cellgate"))
     p.add_argument("--cellgate-arg", action="append", default=[], help="extra argument for cellgate serve")
     p.add_argument("--kernels-dir", default=os.path.join(REPO, "kernels"))
+    p.add_argument("--kernelspec", choices=("cellgate", "stock"), default="cellgate",
+                   help="the python3 kernel bare and kg run: cellgate's own (kernels/python3: "
+                        "its venv, launcher and flags, as cellgate runs it; default, so that "
+                        "ratios measure the gateways alone) or stock (the tools venv's "
+                        "`python -m ipykernel_launcher`, what a default Kernel Gateway runs)")
     # The default sandbox and limits, but room for the 50 MB output scenario (see the file).
     p.add_argument("--policies-dir", default=os.path.join(REPO, "bench", "policies"))
     p.add_argument("--python", default=sys.executable, help="python running kernel_gateway (tools venv)")
@@ -1319,6 +1326,27 @@ def parse_args(argv=None):
     return a
 
 
+def use_kernelspec(a):
+    """Points bare and kg (through JUPYTER_PATH, which comes first in Jupyter's search) at a
+    python3 kernelspec made from cellgate's kernels/python3/kernel.json, with `python`
+    resolved to that spec's venv: the same kernel process cellgate starts (in its sandbox).
+    Returns a description for the report."""
+    if a.kernelspec == "stock":
+        return "bare and kg: the tools venv's stock python3 kernelspec"
+    src = os.path.join(a.kernels_dir, "python3")
+    with open(os.path.join(src, "kernel.json")) as f:
+        spec = json.load(f)
+    python = os.path.join(src, ".venv", "bin", "python")
+    if spec["argv"] and spec["argv"][0] in ("python", "python3"):
+        spec["argv"][0] = python
+    root = os.path.join(_RUNTIME_DIR, "jupyter")
+    os.makedirs(os.path.join(root, "kernels", "python3"), exist_ok=True)
+    with open(os.path.join(root, "kernels", "python3", "kernel.json"), "w") as f:
+        json.dump(spec, f)
+    os.environ["JUPYTER_PATH"] = root
+    return f"bare and kg: cellgate's python3 kernelspec ({' '.join(spec['argv'][1:3])} …, {python})"
+
+
 async def amain(a):
     names = [x.strip() for x in a.targets.split(",") if x.strip()]
     scenario_ids = {int(x) for x in a.scenarios.split(",") if x.strip()}
@@ -1327,7 +1355,9 @@ async def amain(a):
         sys.exit(f"unknown target(s): {unknown}")
     run_tag = time.strftime("%Y%m%d-%H%M%S")
     meta = {"started": now_iso(), "args": vars(a), "machine": machine_info(),
-            "targets": names, "scenarios": sorted(scenario_ids)}
+            "targets": names, "scenarios": sorted(scenario_ids),
+            "kernelspec": use_kernelspec(a)}
+    log(meta["kernelspec"])
     log(f"machine: {meta['machine'].get('cores')} cores, load {meta['machine']['loadavg_start']}")
     targets = []
     try:
