@@ -748,9 +748,8 @@ async fn kernels_section(dir: &Path) -> Section {
                 &program,
                 &[
                     "-c",
-                    "import importlib.util, ipykernel, sys\n\
-                     if importlib.util.find_spec(sys.argv[1]) is None:\n\
-                     \x20   sys.exit('no module ' + sys.argv[1])\n\
+                    "import importlib.util, ipykernel, sys; m = sys.argv[1]; \
+                     importlib.util.find_spec(m) or sys.exit('no module ' + m); \
                      print(ipykernel.__version__, sys.version.split()[0])",
                     module,
                 ],

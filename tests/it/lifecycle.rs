@@ -79,13 +79,13 @@ async fn restart_keeps_the_id_and_loses_the_state() -> anyhow::Result<()> {
     assert_eq!(of_type(&msgs, "error")[0].content["ename"], "NameError");
     // What the new process said while starting reached the socket too: no warnings there
     // (debugpy's about frozen modules came on every start; the kernelspec's env turns it off).
-    let stderr: Vec<_> = of_type(&msgs, "stream")
+    let start_output: Vec<_> = of_type(&msgs, "stream")
         .into_iter()
         .map(|m| m.content["text"].to_string())
         .collect();
     assert!(
-        stderr.is_empty(),
-        "output from the kernel's start: {stderr:?}"
+        start_output.is_empty(),
+        "output from the kernel's start: {start_output:?}"
     );
     let msgs = client.run("secret = 1; secret + 1").await?;
     assert_eq!(
