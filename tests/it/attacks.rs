@@ -42,6 +42,15 @@ use serde_json::{json, Value};
 
 use crate::support::*;
 
+// New attack files (issue 13), one per concern; their tests run as `attacks::<file>::…`, so
+// the nextest override (one at a time) and the gVisor pass apply to them too.
+mod artifact_quota;
+mod connections;
+mod egress_fronting;
+mod flood_and_disk;
+mod host_view;
+mod replay_and_origin;
+
 /// Samples per median.
 const SAMPLES: usize = 20;
 /// Bound on the bystander's median `1+1` round trip during an attack, relative to before.
