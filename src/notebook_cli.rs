@@ -255,6 +255,8 @@ async fn local(args: &ReplayArgs, text: &str) -> anyhow::Result<Finished> {
         policy: args.policy.clone(),
         allow_errors: args.allow_errors,
         timeout,
+        // In-process: the local user runs it, as the admin.
+        owner: None,
     };
     let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<Progress>();
     let quiet = args.json;

@@ -153,6 +153,8 @@ fn parse_request(
             policy,
             allow_errors,
             timeout,
+            // Set by the handler from the caller's start terms.
+            owner: None,
         },
     ))
 }
@@ -172,11 +174,14 @@ pub async fn replay_notebook(
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
     let (parsed, mut options) = parse_request(&body, query)?;
-    // A tenant replays under a policy its cap allows (its claim's policy by default).
-    if let Some(policy) = super::start_terms(&state, &principal, options.policy.as_deref())?.policy
-    {
+    // A replay kernel is started on the same terms as any other kernel of the caller: a
+    // tenant's runs under a policy its cap allows (its claim's by default), is its own, and
+    // counts against its kernel cap (403 past it, before any work is done).
+    let terms = super::start_terms(&state, &principal, options.policy.as_deref())?;
+    if let Some(policy) = terms.policy {
         options.policy = Some(policy);
     }
+    options.owner = terms.owner;
     let wants_events = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())

@@ -39,6 +39,9 @@ pub struct ReplayOptions {
     pub allow_errors: bool,
     /// Per-cell timeout unless the cell's `metadata.execution.timeout` says otherwise.
     pub timeout: Option<Duration>,
+    /// Whose kernel the replay's is (`None`: the admin's). A tenant's replay kernel is its
+    /// own like any other: listed for it, and counted against its kernel cap.
+    pub owner: Option<crate::kernel::Owner>,
 }
 
 /// How one cell came out.
@@ -494,7 +497,9 @@ pub async fn replay(
     if let Some(policy) = &options.policy {
         env.insert(POLICY_ENV.to_owned(), policy.clone());
     }
-    let kernel = manager.start(name.as_deref(), &env).await?;
+    let kernel = manager
+        .start_for(name.as_deref(), &env, options.owner.as_ref())
+        .await?;
     let result = async {
         kernel.wait_ready().await?;
         let mut runner = KernelRunner::new(kernel.clone());

@@ -15,7 +15,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 use crate::support::{stdout, Gateway};
 
-const SECRET: &str = "tenants-test-secret-0123456789abcdef";
+pub(crate) const SECRET: &str = "tenants-test-secret-0123456789abcdef";
 
 fn now() -> u64 {
     SystemTime::now()
@@ -24,7 +24,7 @@ fn now() -> u64 {
         .as_secs()
 }
 
-fn secret_file(dir: &Path) -> PathBuf {
+pub(crate) fn secret_file(dir: &Path) -> PathBuf {
     let path = dir.join("jwt-secret");
     std::fs::write(&path, format!("{SECRET}\n")).unwrap();
     path
@@ -34,7 +34,7 @@ fn sign(claims: &Value, alg: Algorithm, key: &EncodingKey) -> String {
     jsonwebtoken::encode(&Header::new(alg), claims, key).unwrap()
 }
 
-fn hs256(claims: &Value) -> String {
+pub(crate) fn hs256(claims: &Value) -> String {
     sign(
         claims,
         Algorithm::HS256,
@@ -42,7 +42,7 @@ fn hs256(claims: &Value) -> String {
     )
 }
 
-fn claims(tenant: &str, policy: &str) -> Value {
+pub(crate) fn claims(tenant: &str, policy: &str) -> Value {
     json!({"sub": format!("{tenant}-user"), "tenant": tenant, "policy": policy, "exp": now() + 3600})
 }
 
@@ -65,7 +65,7 @@ fn cellgate_token(args: &[&str]) -> Result<String> {
 }
 
 /// A request as `bearer` (a tenant's JWT).
-async fn call(
+pub(crate) async fn call(
     gateway: &Gateway,
     bearer: &str,
     method: Method,
