@@ -60,10 +60,12 @@ pub struct ServeArgs {
     /// Seconds a kernel may take to become ready [default: 60].
     #[arg(long)]
     pub start_timeout: Option<u64>,
-    /// Value of Access-Control-Allow-Origin; `*` also disables the WebSocket origin check
+    /// An origin (`https://app.example:8443`) whose pages may call the gateway: answered
+    /// with CORS headers and let through the WebSocket and no-token origin checks. Repeatable
+    /// or comma separated; `*` allows every origin and needs a token or JWT keys
     /// [env: KG_ALLOW_ORIGIN].
-    #[arg(long)]
-    pub allow_origin: Option<String>,
+    #[arg(long, value_delimiter = ',')]
+    pub allow_origin: Vec<String>,
     /// Environment variable names clients may pass to kernels besides KERNEL_*, comma
     /// separated [env: KG_ENV_WHITELIST].
     #[arg(long, value_delimiter = ',')]
@@ -148,7 +150,7 @@ struct FileConfig {
     cull_connected: Option<bool>,
     start_timeout: Option<u64>,
     pool_size: Option<usize>,
-    allow_origin: Option<String>,
+    allow_origin: Option<OneOrMany>,
     env_allowlist: Option<Vec<String>>,
     max_message_mib: Option<usize>,
     runtime_dir: Option<PathBuf>,
@@ -189,7 +191,8 @@ pub struct GatewayConfig {
     pub cull_connected: bool,
     pub start_timeout: Duration,
     pub pool_size: usize,
-    pub allow_origin: Option<String>,
+    /// Origins allowed to call the gateway from a browser (`*`: any), normalised.
+    pub allow_origin: Vec<String>,
     pub env_allowlist: Vec<String>,
     pub max_message_bytes: usize,
     pub runtime_dir: Option<PathBuf>,
@@ -225,10 +228,51 @@ pub enum ConfigError {
     Env { name: &'static str, message: String },
     #[error("refusing to listen on {ip} without a token: set --token or CELLGATE_AUTH_TOKEN (or JWT keys: --jwt-secret-file, --jwt-public-key, --jwks-file), or listen on a loopback address")]
     TokenRequired { ip: IpAddr },
+    #[error("allow_origin {0:?}: expected `*` or an origin such as https://app.example or http://127.0.0.1:8080 (scheme and host, an optional port, no path)")]
+    BadOrigin(String),
+    #[error("allow_origin `*` would let any web page drive a gateway that has no token: set --token (or JWT keys), or name the origins allowed")]
+    AnyOriginWithoutToken,
     #[error("base_url {0:?} must be a path")]
     BadBaseUrl(String),
     #[error(transparent)]
     Tenants(#[from] crate::tenants::TenantError),
+}
+
+/// A config-file value that may be one string or a list of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(one) => one.split(',').map(str::to_owned).collect(),
+            OneOrMany::Many(many) => many,
+        }
+    }
+}
+
+/// `*`, or an origin as browsers send it (`scheme://host[:port]`, lower case, no trailing
+/// slash), so comparisons with the `Origin` header are exact.
+fn normalise_origin(origin: &str) -> Result<String, ConfigError> {
+    if origin == "*" {
+        return Ok(origin.to_owned());
+    }
+    let bad = || ConfigError::BadOrigin(origin.to_owned());
+    let lower = origin.trim_end_matches('/').to_ascii_lowercase();
+    let (scheme, rest) = lower.split_once("://").ok_or_else(bad)?;
+    let host_ok = !rest.is_empty()
+        && !rest.contains(['/', '?', '#', '@', ' '])
+        && rest
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-.:[]_".contains(c));
+    if !matches!(scheme, "http" | "https") || !host_ok {
+        return Err(bad());
+    }
+    Ok(lower)
 }
 
 /// Reads an environment variable, treating an empty value as unset.
@@ -345,6 +389,24 @@ impl GatewayConfig {
         if token.is_none() && !jwt.enabled() && !ip.is_loopback() {
             return Err(ConfigError::TokenRequired { ip });
         }
+        let allow_origin = if !args.allow_origin.is_empty() {
+            args.allow_origin.clone()
+        } else if let Some(list) = env_var("KG_ALLOW_ORIGIN") {
+            list.split(',').map(str::to_owned).collect()
+        } else {
+            file.allow_origin
+                .map(OneOrMany::into_vec)
+                .unwrap_or_default()
+        };
+        let allow_origin = allow_origin
+            .iter()
+            .map(|o| o.trim())
+            .filter(|o| !o.is_empty())
+            .map(normalise_origin)
+            .collect::<Result<Vec<_>, _>>()?;
+        if token.is_none() && !jwt.enabled() && allow_origin.iter().any(|o| o == "*") {
+            return Err(ConfigError::AnyOriginWithoutToken);
+        }
         let cull = args
             .cull_idle_timeout
             .or(file.cull_idle_timeout)
@@ -396,11 +458,7 @@ impl GatewayConfig {
                     .or(file.artifact_retention)
                     .unwrap_or(3600),
             ),
-            allow_origin: args
-                .allow_origin
-                .clone()
-                .or_else(|| env_var("KG_ALLOW_ORIGIN"))
-                .or(file.allow_origin),
+            allow_origin,
             env_allowlist: args
                 .env_allowlist
                 .clone()

@@ -58,12 +58,14 @@ pub struct ChannelsQuery {
 }
 
 /// Whether a browser page from `Origin` may open the socket: no Origin (GatewayClient, CLI
-/// clients), the configured allowed origin (`*` allows all), or the gateway's own origin.
-pub(super) fn origin_allowed(headers: &HeaderMap, allow_origin: Option<&str>) -> bool {
+/// clients), a configured allowed origin (`*` allows all), or the gateway's own origin (as
+/// named by `Host`: without a token, `edge.rs` has already refused any Host but a loopback
+/// name, so a rebound name never reaches this comparison).
+pub(super) fn origin_allowed(headers: &HeaderMap, allow_origin: &[String]) -> bool {
     let Some(origin) = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok()) else {
         return true;
     };
-    if allow_origin == Some("*") || allow_origin == Some(origin) {
+    if super::edge::listed(allow_origin, origin) {
         return true;
     }
     let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
@@ -92,7 +94,7 @@ pub async fn channels(
     headers: HeaderMap,
     upgrade: WsUpgrade,
 ) -> Response {
-    if !origin_allowed(&headers, state.config.allow_origin.as_deref()) {
+    if !origin_allowed(&headers, &state.config.allow_origin) {
         return (StatusCode::FORBIDDEN, "Cross origin websockets not allowed").into_response();
     }
     // Another tenant's kernel is answered exactly as a missing one.
@@ -348,20 +350,26 @@ mod tests {
     #[test]
     fn origins() {
         let mut headers = HeaderMap::new();
-        assert!(origin_allowed(&headers, None));
+        assert!(origin_allowed(&headers, &[]));
         headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8888"));
         headers.insert(
             header::ORIGIN,
             HeaderValue::from_static("http://127.0.0.1:8888"),
         );
-        assert!(origin_allowed(&headers, None));
+        assert!(origin_allowed(&headers, &[]));
         headers.insert(
             header::ORIGIN,
             HeaderValue::from_static("http://evil.example"),
         );
-        assert!(!origin_allowed(&headers, None));
-        assert!(origin_allowed(&headers, Some("*")));
-        assert!(origin_allowed(&headers, Some("http://evil.example")));
-        assert!(!origin_allowed(&headers, Some("http://other.example")));
+        assert!(!origin_allowed(&headers, &[]));
+        assert!(origin_allowed(&headers, &["*".to_owned()]));
+        assert!(origin_allowed(
+            &headers,
+            &["http://evil.example".to_owned()]
+        ));
+        assert!(!origin_allowed(
+            &headers,
+            &["http://other.example".to_owned()]
+        ));
     }
 }

@@ -1,11 +1,13 @@
 //! The HTTP and WebSocket surfaces. Handlers parse requests into calls on the kernel registry
 //! and turn results into Kernel Gateway–shaped responses; nothing below this module sees axum.
 //!
-//! Layers, outermost first: CORS (answers preflights before anything else), token auth, then
+//! Layers, outermost first: CORS (answers preflights before anything else), the edge checks
+//! (`edge.rs`: JSON bodies, and loopback Host and Origin without a token), token auth, then
 //! the routes. Unknown routes answer 404 `{"reason":"Not Found","message":""}`.
 
 mod api_error;
 mod auth;
+mod edge;
 mod kernel_ws;
 mod kernels;
 mod notebooks;
@@ -85,6 +87,9 @@ pub fn router(state: AppState) -> Router {
             .route(&format!("{prefix}/"), get(|| async { web::page() }))
             .fallback(|| async { ApiError::not_found("") })
     };
+    // Inside CORS, which answers preflights first; outside auth and the base URL, so every
+    // route, the page included, is checked.
+    let routes = routes.layer(middleware::from_fn_with_state(state.clone(), edge::check));
     match cors_layer(&state.config) {
         Some(cors) => routes.layer(cors),
         None => routes,
@@ -92,11 +97,19 @@ pub fn router(state: AppState) -> Router {
 }
 
 fn cors_layer(config: &GatewayConfig) -> Option<CorsLayer> {
-    let origin = config.allow_origin.as_deref()?;
-    let allow_origin = if origin == "*" {
+    if config.allow_origin.is_empty() {
+        return None;
+    }
+    let allow_origin = if config.allow_origin.iter().any(|o| o == "*") {
         AllowOrigin::any()
     } else {
-        AllowOrigin::exact(HeaderValue::from_str(origin).ok()?)
+        // Normalised and checked by the config, so every one is a valid header value.
+        AllowOrigin::list(
+            config
+                .allow_origin
+                .iter()
+                .filter_map(|o| HeaderValue::from_str(o).ok()),
+        )
     };
     Some(
         CorsLayer::new()

@@ -126,6 +126,7 @@ async fn rest_contract() -> anyhow::Result<()> {
     ] {
         let response = gateway
             .request(reqwest::Method::POST, "/api/kernels")
+            .header("Content-Type", "application/json")
             .body(body)
             .send()
             .await?;

@@ -24,6 +24,7 @@ async fn interrupt_stops_a_long_sleep() -> anyhow::Result<()> {
             reqwest::Method::POST,
             &format!("/api/kernels/{kernel}/interrupt"),
         )
+        .header("Content-Type", "application/json")
         .body("{}")
         .send()
         .await?
@@ -62,6 +63,7 @@ async fn restart_keeps_the_id_and_loses_the_state() -> anyhow::Result<()> {
             reqwest::Method::POST,
             &format!("/api/kernels/{kernel}/restart"),
         )
+        .header("Content-Type", "application/json")
         .body("{}")
         .send()
         .await?;

@@ -223,6 +223,7 @@ async fn websocket_session_exports_valid_notebook_that_replays_the_same() -> Res
     assert_eq!(status.as_u16(), 401);
     let status = anonymous
         .post(format!("{}/api/notebooks/replay", gateway.base))
+        .header("Content-Type", "application/json")
         .body(text.clone())
         .send()
         .await?
@@ -315,6 +316,7 @@ async fn python_written_notebooks_replay_over_http_and_cli() -> Result<()> {
     let response = gateway
         .request(reqwest::Method::POST, "/api/notebooks/replay")
         .header("Accept", "text/event-stream")
+        .header("Content-Type", "application/json")
         .body(std::fs::read_to_string(&v44)?)
         .send()
         .await?;

@@ -69,7 +69,7 @@ pub async fn socket(
     headers: HeaderMap,
     upgrade: WebSocketUpgrade,
 ) -> Response {
-    if !origin_allowed(&headers, state.config.allow_origin.as_deref()) {
+    if !origin_allowed(&headers, &state.config.allow_origin) {
         return (StatusCode::FORBIDDEN, "Cross origin websockets not allowed").into_response();
     }
     let session = match session_for(&state, &principal, &id) {

@@ -166,3 +166,239 @@ async fn replay_kernels_count_against_the_tenants_cap() -> Result<()> {
     );
     Ok(())
 }
+
+/// A raw request to the gateway with the given headers (no credential); status and body.
+async fn raw(
+    gateway: &Gateway,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Result<(u16, String)> {
+    let mut request = reqwest::Client::new().request(method, format!("{}{path}", gateway.base));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    if let Some(body) = body {
+        request = request.body(body.to_owned());
+    }
+    let response = request.send().await?;
+    Ok((response.status().as_u16(), response.text().await?))
+}
+
+/// How many kernels the gateway runs, asked the legitimate way.
+async fn kernel_count(gateway: &Gateway) -> Result<usize> {
+    let (status, list) = raw(gateway, Method::GET, "/api/kernels", &[], None).await?;
+    ensure!(
+        status == 200,
+        "listing kernels from loopback: {status} {list}"
+    );
+    Ok(serde_json::from_str::<Value>(&list)?
+        .as_array()
+        .context("a list")?
+        .len())
+}
+
+/// The status of a kernel channels WebSocket opened with these Host and Origin headers.
+async fn ws_status(gateway: &Gateway, kernel: &str, host: &str, origin: &str) -> Result<u16> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut request = gateway.ws_url(kernel, "rebind").into_client_request()?;
+    request.headers_mut().insert("Host", host.parse()?);
+    request.headers_mut().insert("Origin", origin.parse()?);
+    match tokio_tungstenite::connect_async(request).await {
+        Ok((mut socket, response)) => {
+            socket.close(None).await.ok();
+            Ok(response.status().as_u16())
+        }
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            Ok(response.status().as_u16())
+        }
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// Without a token, a page elsewhere cannot drive the gateway: a cross-site `text/plain` POST
+/// runs nothing, a rebound host name (DNS rebinding) lists and starts nothing and opens no
+/// WebSocket, and a foreign Origin is refused; loopback names and origins, and the origins
+/// named with `--allow-origin`, keep working.
+#[tokio::test]
+async fn no_token_gateway_refuses_cross_site_and_rebound_requests() -> Result<()> {
+    let gateway = Gateway::builder()
+        .token(None)
+        .args(&["--allow-origin", "https://app.example"])
+        .start()
+        .await?;
+    let port = gateway.port;
+    let code = r#"{"code": "print('ran', 6 * 7)"}"#;
+
+    // A form or fetch from any site may POST text/plain without a preflight.
+    let (status, body) = raw(
+        &gateway,
+        Method::POST,
+        "/v1/execute",
+        &[
+            ("Content-Type", "text/plain"),
+            ("Origin", "https://evil.example"),
+        ],
+        Some(code),
+    )
+    .await?;
+    ensure!(
+        (400..500).contains(&status) && !body.contains("ran 42"),
+        "a cross-site text/plain POST must run nothing: {status} {body}"
+    );
+    // Even from a loopback page, a body that is not declared JSON is refused (415).
+    let (status, body) = raw(
+        &gateway,
+        Method::POST,
+        "/v1/execute",
+        &[("Content-Type", "text/plain")],
+        Some(code),
+    )
+    .await?;
+    ensure!(
+        status == 415,
+        "a text/plain body is refused: {status} {body}"
+    );
+    // A JSON POST from a foreign origin is refused too.
+    let (status, body) = raw(
+        &gateway,
+        Method::POST,
+        "/v1/execute",
+        &[
+            ("Content-Type", "application/json"),
+            ("Origin", "https://evil.example"),
+        ],
+        Some(code),
+    )
+    .await?;
+    ensure!(
+        status == 403 && !body.contains("ran 42"),
+        "foreign origin: {status} {body}"
+    );
+    ensure!(
+        kernel_count(&gateway).await? == 0,
+        "nothing was started by refused requests"
+    );
+
+    // DNS rebinding: the page's own name now resolves to 127.0.0.1.
+    let rebound = format!("rebind.evil.example:{port}");
+    let rebound_origin = format!("http://{rebound}");
+    let rebinding = [
+        ("Host", rebound.as_str()),
+        ("Origin", rebound_origin.as_str()),
+    ];
+    let (status, body) = raw(&gateway, Method::GET, "/api/kernels", &rebinding, None).await?;
+    ensure!(
+        status == 403,
+        "a rebound name must not list kernels: {status} {body}"
+    );
+    let (status, body) = raw(&gateway, Method::GET, "/api/kernels", &rebinding[..1], None).await?;
+    ensure!(
+        status == 403,
+        "a rebound name without Origin must not list kernels: {status} {body}"
+    );
+    let mut json_rebinding = rebinding.to_vec();
+    json_rebinding.push(("Content-Type", "application/json"));
+    let (status, body) = raw(
+        &gateway,
+        Method::POST,
+        "/api/kernels",
+        &json_rebinding,
+        Some("{}"),
+    )
+    .await?;
+    ensure!(
+        status == 403,
+        "a rebound name must not start kernels: {status} {body}"
+    );
+    let (status, body) = raw(
+        &gateway,
+        Method::POST,
+        "/v1/execute",
+        &json_rebinding,
+        Some(code),
+    )
+    .await?;
+    ensure!(
+        status == 403 && !body.contains("ran 42"),
+        "rebound execute: {status} {body}"
+    );
+    ensure!(
+        kernel_count(&gateway).await? == 0,
+        "the rebound requests started nothing"
+    );
+
+    // The legitimate ways still work: loopback names and origins, and the allowed origin.
+    let loopback_origin = format!("http://127.0.0.1:{port}");
+    for origin in [loopback_origin.as_str(), "https://app.example"] {
+        let (status, body) = raw(
+            &gateway,
+            Method::POST,
+            "/v1/execute",
+            &[("Content-Type", "application/json"), ("Origin", origin)],
+            Some(code),
+        )
+        .await?;
+        ensure!(
+            status == 200 && body.contains("ran 42"),
+            "from {origin}: {status} {body}"
+        );
+    }
+    let localhost = format!("localhost:{port}");
+    let (status, body) = raw(
+        &gateway,
+        Method::GET,
+        "/api/kernels",
+        &[("Host", localhost.as_str())],
+        None,
+    )
+    .await?;
+    ensure!(status == 200, "Host localhost is served: {status} {body}");
+    let (status, _) = raw(&gateway, Method::GET, "/", &rebinding, None).await?;
+    ensure!(
+        status == 403,
+        "the page is not served under a rebound name either"
+    );
+
+    // The WebSocket: a rebound Host with its matching Origin used to pass the origin check.
+    let kernel = gateway.start_kernel().await?;
+    let loopback_host = format!("127.0.0.1:{port}");
+    let status = ws_status(&gateway, &kernel, &rebound, &rebound_origin).await?;
+    ensure!(
+        status == 403,
+        "a rebound WebSocket must be refused: {status}"
+    );
+    let status = ws_status(&gateway, &kernel, &loopback_host, "https://evil.example").await?;
+    ensure!(
+        status == 403,
+        "a foreign origin's WebSocket must be refused: {status}"
+    );
+    let status = ws_status(&gateway, &kernel, &loopback_host, &loopback_origin).await?;
+    ensure!(
+        status == 101,
+        "the gateway's own page opens its WebSocket: {status}"
+    );
+    let status = ws_status(&gateway, &kernel, &loopback_host, "https://app.example").await?;
+    ensure!(
+        status == 101,
+        "an --allow-origin page opens its WebSocket: {status}"
+    );
+    Ok(())
+}
+
+/// `--allow-origin '*'` without a token would open the gateway to every page: refused at
+/// start-up with a clear error.
+#[test]
+fn any_origin_without_a_token_is_refused_at_start_up() -> Result<()> {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_cellgate"))
+        .args(["serve", "--port", "0", "--allow-origin", "*"])
+        .env_remove("CELLGATE_AUTH_TOKEN")
+        .env_remove("KG_AUTH_TOKEN")
+        .env_remove("CELLGATE_CONFIG")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    ensure!(!output.status.success(), "it must not start: {stderr}");
+    ensure!(stderr.contains("allow_origin `*`"), "says why: {stderr}");
+    Ok(())
+}
