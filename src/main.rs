@@ -250,6 +250,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             &uuid::Uuid::new_v4().simple().to_string()[..12]
         )),
     };
+    raise_open_file_limit();
     let listener = tokio::net::TcpListener::bind((config.ip, config.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
@@ -302,4 +303,30 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cellgate::gateway::serve(config, kernels.clone(), listener, shutdown).await?;
     kernels.shutdown_all().await;
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard limit: every client connection, kernel
+/// socket and proxied connection is a descriptor, and a default soft limit of 1024 would let
+/// a few hundred idle connections stop kernel starts and API calls. Kernels get their own,
+/// lower limit from the sandbox.
+fn raise_open_file_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let raised = Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => tracing::info!(
+            soft = ?limit.current,
+            now = ?limit.maximum,
+            "open file limit raised to the hard limit"
+        ),
+        Err(err) => tracing::warn!(
+            %err,
+            soft = ?limit.current,
+            hard = ?limit.maximum,
+            "cannot raise the open file limit"
+        ),
+    }
 }

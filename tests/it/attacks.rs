@@ -15,19 +15,15 @@
 //! ([`MAX_RATIO`]) is asserted on the median of at least [`SAMPLES`] samples: this runs on a
 //! 2-core machine, beside other tests, where single round trips are noisy.
 //!
-//! Weaknesses these tests found (they assert the safe behaviour, so they fail until fixed):
-//! - `ipc_directory_tricks`: the kernel owns its run directory, so it can plant symlinks
-//!   under the ipc socket names of the next generation (`run/g2-1` … `g2-5`). On restart the
-//!   gateway, outside the sandbox, connects its ZMQ sockets through them to whatever host unix
-//!   socket they name (here one the test listens on), then the restart fails after the start
-//!   timeout. ZMQ also reconnects by path, so a running kernel can do the same by replacing a
-//!   socket with a symlink. Suggested fix: a fresh, unpredictably named directory per
-//!   generation created by the gateway, and connecting through `/proc/self/fd/<n>` of an
-//!   `O_PATH|O_NOFOLLOW` descriptor of the socket the kernel bound (resolved beneath the run
-//!   directory with `openat2(RESOLVE_NO_SYMLINKS)`), never by a path the kernel can rewrite.
-//! - `memory_bombs`: when the kernel itself is OOM-killed, the cell that was running is
-//!   sometimes answered "this cell never ran: …" (the gateway had not yet seen the kernel's
-//!   `busy` on iopub when the exit was noticed).
+//! Weaknesses these tests found, each fixed since (9d787dd) and kept fixed by its test:
+//! - `ipc_directory_tricks`: the kernel owned its run directory, so it could plant symlinks
+//!   under the ipc socket names of the next generation and have the gateway connect to host
+//!   unix sockets. Now every generation gets a fresh, randomly named directory, and the
+//!   gateway connects only through `O_PATH|O_NOFOLLOW` handles of the sockets the kernel bound.
+//! - `memory_bombs`: a kernel OOM-killed before its `busy` status got out used to answer the
+//!   running cell "this cell never ran"; the oldest waiting execute now counts as running.
+//!
+//! The files under `attacks/` hold the attacks of issue 13, one concern each.
 
 use std::future::Future;
 use std::io::ErrorKind;
@@ -42,13 +38,9 @@ use serde_json::{json, Value};
 
 use crate::support::*;
 
-// New attack files (issue 13), one per concern; their tests run as `attacks::<file>::…`, so
-// the nextest override (one at a time) and the gVisor pass apply to them too.
-mod artifact_quota;
+// Attack files of issue 13, one per concern; their tests run as `attacks::<file>::…`, so the
+// nextest override (one at a time) and the gVisor pass apply to them too.
 mod connections;
-mod egress_fronting;
-mod flood_and_disk;
-mod host_view;
 mod replay_and_origin;
 
 /// Samples per median.

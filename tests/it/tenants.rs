@@ -635,7 +635,16 @@ async fn pooled_kernels_belong_to_the_tenant_they_are_handed_to() -> Result<()> 
     let token_b = hs256(&claims("pool-b", "default"));
     let (status, model) = call(&gateway, &token_a, Method::POST, "/api/kernels", None).await?;
     assert_eq!(status, 201, "{model}");
-    assert!(gateway.log().contains("handed out from the warm pool"));
+    // The line is logged before the response is sent, but read from the gateway's stderr by
+    // another thread, which may not have got to it yet.
+    assert!(
+        crate::support::eventually(std::time::Duration::from_secs(5), || gateway
+            .log()
+            .contains("handed out from the warm pool"))
+        .await,
+        "the kernel did not come from the pool: {}",
+        gateway.log()
+    );
     assert_eq!(model["cellgate"]["tenant"], "pool-a");
     let id = model["id"].as_str().context("id")?;
     let (status, _) = call(

@@ -31,6 +31,9 @@ use super::plan::Plan;
 use super::seccomp;
 use super::sys;
 
+/// Open files a kernel may hold (the same as under gVisor).
+const KERNEL_NOFILE: u64 = 4096;
+
 pub fn exec_kernel(plan: &Plan, programs: &[BpfProgram], error_pipe: OwnedFd) -> ! {
     let Err(message) = confine_and_exec(plan, programs, error_pipe.as_raw_fd());
     let mut error_pipe = std::fs::File::from(error_pipe);
@@ -61,6 +64,13 @@ fn confine_and_exec(
     sys::dup2(2, 1).map_err(step("stdout"))?;
 
     sys::setrlimit(libc::RLIMIT_CORE, 0, 0).map_err(step("RLIMIT_CORE"))?;
+    // The gateway raises its own soft limit to the hard one at start-up (it holds sockets for
+    // every client and kernel); a kernel gets gVisor's figure instead, never the gateway's.
+    let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .maximum
+        .unwrap_or(u64::MAX);
+    let nofile = KERNEL_NOFILE.min(hard);
+    sys::setrlimit(libc::RLIMIT_NOFILE, nofile, nofile).map_err(step("RLIMIT_NOFILE"))?;
     if let Some(bytes) = plan.address_space_limit {
         sys::setrlimit(libc::RLIMIT_AS, bytes, bytes).map_err(step("RLIMIT_AS"))?;
     }
