@@ -90,20 +90,10 @@ pub(crate) async fn call(
 
 /// The HTTP status of a WebSocket upgrade to kernel `id` as `bearer`.
 async fn ws_status(gateway: &Gateway, bearer: &str, id: &str) -> Result<u16> {
-    let mut request = gateway.ws_url(id, "attack").into_client_request()?;
-    request
-        .headers_mut()
-        .insert("Authorization", format!("Bearer {bearer}").parse()?);
-    match tokio_tungstenite::connect_async(request).await {
-        Ok((mut socket, response)) => {
-            socket.close(None).await.ok();
-            Ok(response.status().as_u16())
-        }
-        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
-            Ok(response.status().as_u16())
-        }
-        Err(err) => Err(err.into()),
-    }
+    let authorization = format!("Bearer {bearer}");
+    gateway
+        .ws_upgrade_status(id, &[("Authorization", authorization.as_str())])
+        .await
 }
 
 #[tokio::test]

@@ -272,6 +272,30 @@ impl Gateway {
         )
     }
 
+    /// The HTTP status of a kernel channels WebSocket upgrade with these extra headers
+    /// (101 when it was accepted; the socket is then closed).
+    pub async fn ws_upgrade_status(&self, kernel: &str, headers: &[(&str, &str)]) -> Result<u16> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let mut request = self
+            .ws_url(kernel, "upgrade-status")
+            .into_client_request()?;
+        for (name, value) in headers {
+            let name =
+                tokio_tungstenite::tungstenite::http::HeaderName::from_bytes(name.as_bytes())?;
+            request.headers_mut().insert(name, value.parse()?);
+        }
+        match tokio_tungstenite::connect_async(request).await {
+            Ok((mut socket, response)) => {
+                socket.close(None).await.ok();
+                Ok(response.status().as_u16())
+            }
+            Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+                Ok(response.status().as_u16())
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+
     /// Connects a Jupyter client to a kernel.
     pub async fn connect(&self, kernel: &str, session: &str, v1: bool) -> Result<Client> {
         self.connect_as(kernel, session, v1, self.token.as_deref())

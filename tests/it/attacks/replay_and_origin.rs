@@ -201,20 +201,9 @@ async fn kernel_count(gateway: &Gateway) -> Result<usize> {
 
 /// The status of a kernel channels WebSocket opened with these Host and Origin headers.
 async fn ws_status(gateway: &Gateway, kernel: &str, host: &str, origin: &str) -> Result<u16> {
-    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-    let mut request = gateway.ws_url(kernel, "rebind").into_client_request()?;
-    request.headers_mut().insert("Host", host.parse()?);
-    request.headers_mut().insert("Origin", origin.parse()?);
-    match tokio_tungstenite::connect_async(request).await {
-        Ok((mut socket, response)) => {
-            socket.close(None).await.ok();
-            Ok(response.status().as_u16())
-        }
-        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
-            Ok(response.status().as_u16())
-        }
-        Err(err) => Err(err.into()),
-    }
+    gateway
+        .ws_upgrade_status(kernel, &[("Host", host), ("Origin", origin)])
+        .await
 }
 
 /// Without a token, a page elsewhere cannot drive the gateway: a cross-site `text/plain` POST
