@@ -95,6 +95,24 @@ pub struct ServeArgs {
     /// [default: 3600].
     #[arg(long)]
     pub artifact_retention: Option<u64>,
+    // --- client connections (src/gateway/listener.rs) ---
+    /// Time a client has to send a request's headers, from their first byte (from the
+    /// connection's opening for its first request); past it the connection is closed
+    /// (e.g. 5s, 500ms) [default: 5s].
+    #[arg(long, env = "CELLGATE_HEADER_READ_TIMEOUT", value_parser = parse_duration_arg)]
+    pub header_read_timeout: Option<Duration>,
+    /// Time a keep-alive connection may wait for its next request before it is closed;
+    /// requests in flight and WebSockets are never idle [default: 60s].
+    #[arg(long, env = "CELLGATE_IDLE_CONNECTION_TIMEOUT", value_parser = parse_duration_arg)]
+    pub idle_connection_timeout: Option<Duration>,
+    /// Client connections open at once, WebSockets included; past it new ones get 503
+    /// [default: half the open-file limit, at most 65536].
+    #[arg(long, env = "CELLGATE_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Client connections one IP address may hold at once; past it its new ones get 503
+    /// [default: 256].
+    #[arg(long, env = "CELLGATE_MAX_CONNECTIONS_PER_PEER")]
+    pub max_connections_per_peer: Option<usize>,
     #[command(flatten)]
     pub auth: AuthArgs,
 }
@@ -172,6 +190,10 @@ struct FileConfig {
     egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     egress_max_connections: Option<usize>,
     artifact_retention: Option<u64>,
+    header_read_timeout: Option<String>,
+    idle_connection_timeout: Option<String>,
+    max_connections: Option<usize>,
+    max_connections_per_peer: Option<usize>,
 }
 
 /// Resolved settings of a running gateway.
@@ -211,6 +233,14 @@ pub struct GatewayConfig {
     pub egress_max_connections: usize,
     /// How long artifacts outlive their API v1 session.
     pub artifact_retention: Duration,
+    /// How long a request's head may take to arrive, from its first byte.
+    pub header_read_timeout: Duration,
+    /// How long a keep-alive connection may wait for its next request.
+    pub idle_connection_timeout: Duration,
+    /// Client connections at once; `None`: derived from the open-file limit when serving.
+    pub max_connections: Option<usize>,
+    /// Client connections at once from one IP address.
+    pub max_connections_per_peer: usize,
 }
 
 /// Errors in settings.
@@ -234,8 +264,35 @@ pub enum ConfigError {
     AnyOriginWithoutToken,
     #[error("base_url {0:?} must be a path")]
     BadBaseUrl(String),
+    #[error("{name} = 0 would {consequence}: give at least {least}")]
+    Zero {
+        name: &'static str,
+        consequence: &'static str,
+        least: &'static str,
+    },
     #[error(transparent)]
     Tenants(#[from] crate::tenants::TenantError),
+}
+
+/// Parses a duration option (`5s`, `500ms`, `1m`).
+fn parse_duration_arg(text: &str) -> Result<Duration, String> {
+    crate::policy::parse_duration(text)
+}
+
+/// A duration from the config file, as `5s`.
+fn file_duration(
+    path: Option<&Path>,
+    key: &str,
+    value: Option<&str>,
+) -> Result<Option<Duration>, ConfigError> {
+    value
+        .map(|text| {
+            crate::policy::parse_duration(text).map_err(|message| ConfigError::Parse {
+                path: path.map(Path::to_owned).unwrap_or_default(),
+                message: format!("{key}: {message}"),
+            })
+        })
+        .transpose()
 }
 
 /// A config-file value that may be one string or a list of them.
@@ -407,6 +464,58 @@ impl GatewayConfig {
         if token.is_none() && !jwt.enabled() && allow_origin.iter().any(|o| o == "*") {
             return Err(ConfigError::AnyOriginWithoutToken);
         }
+        let config_path = args.config.as_deref();
+        let header_read_timeout = match args.header_read_timeout {
+            Some(timeout) => timeout,
+            None => file_duration(
+                config_path,
+                "header_read_timeout",
+                file.header_read_timeout.as_deref(),
+            )?
+            .unwrap_or(Duration::from_secs(5)),
+        };
+        if header_read_timeout.is_zero() {
+            return Err(ConfigError::Zero {
+                name: "header_read_timeout",
+                consequence: "close every connection before its first request",
+                least: "a few seconds, e.g. 5s",
+            });
+        }
+        let idle_connection_timeout = match args.idle_connection_timeout {
+            Some(timeout) => timeout,
+            None => file_duration(
+                config_path,
+                "idle_connection_timeout",
+                file.idle_connection_timeout.as_deref(),
+            )?
+            .unwrap_or(Duration::from_secs(60)),
+        };
+        if idle_connection_timeout.is_zero() {
+            return Err(ConfigError::Zero {
+                name: "idle_connection_timeout",
+                consequence: "close every keep-alive connection after its first response",
+                least: "a few seconds, e.g. 60s",
+            });
+        }
+        let max_connections = args.max_connections.or(file.max_connections);
+        if max_connections == Some(0) {
+            return Err(ConfigError::Zero {
+                name: "max_connections",
+                consequence: "refuse every connection",
+                least: "1 (leave it unset for half the open-file limit)",
+            });
+        }
+        let max_connections_per_peer = args
+            .max_connections_per_peer
+            .or(file.max_connections_per_peer)
+            .unwrap_or(256);
+        if max_connections_per_peer == 0 {
+            return Err(ConfigError::Zero {
+                name: "max_connections_per_peer",
+                consequence: "refuse every connection",
+                least: "1; JupyterLab alone opens a few plus one WebSocket per kernel",
+            });
+        }
         let cull = args
             .cull_idle_timeout
             .or(file.cull_idle_timeout)
@@ -495,6 +604,10 @@ impl GatewayConfig {
                 .map(|(k, v)| (k.to_ascii_lowercase(), v))
                 .collect(),
             egress_max_connections: file.egress_max_connections.unwrap_or(32).max(1),
+            header_read_timeout,
+            idle_connection_timeout,
+            max_connections,
+            max_connections_per_peer,
         })
     }
 }
@@ -587,5 +700,66 @@ mod tests {
             GatewayConfig::resolve(&bad),
             Err(ConfigError::Tenants(_))
         ));
+    }
+
+    #[test]
+    fn connection_limits_from_file_and_flags_and_zero_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "header_read_timeout = \"2s\"\nidle_connection_timeout = \"1m30s\"\n\
+             max_connections_per_peer = 8\n",
+        )
+        .unwrap();
+        let args = ServeArgs {
+            config: Some(path.clone()),
+            max_connections: Some(100),
+            ..ServeArgs::default()
+        };
+        let config = GatewayConfig::resolve(&args).unwrap();
+        assert_eq!(config.header_read_timeout, Duration::from_secs(2));
+        assert_eq!(config.idle_connection_timeout, Duration::from_secs(90));
+        assert_eq!(config.max_connections, Some(100));
+        assert_eq!(config.max_connections_per_peer, 8);
+
+        let defaults = GatewayConfig::resolve(&ServeArgs::default()).unwrap();
+        assert_eq!(defaults.header_read_timeout, Duration::from_secs(5));
+        assert_eq!(defaults.idle_connection_timeout, Duration::from_secs(60));
+        assert_eq!(defaults.max_connections, None);
+        assert_eq!(defaults.max_connections_per_peer, 256);
+
+        for args in [
+            ServeArgs {
+                header_read_timeout: Some(Duration::ZERO),
+                ..ServeArgs::default()
+            },
+            ServeArgs {
+                idle_connection_timeout: Some(Duration::ZERO),
+                ..ServeArgs::default()
+            },
+            ServeArgs {
+                max_connections: Some(0),
+                ..ServeArgs::default()
+            },
+            ServeArgs {
+                max_connections_per_peer: Some(0),
+                ..ServeArgs::default()
+            },
+        ] {
+            let err = GatewayConfig::resolve(&args).unwrap_err();
+            assert!(matches!(err, ConfigError::Zero { .. }), "{err}");
+        }
+
+        std::fs::write(&path, "header_read_timeout = \"5\"\n").unwrap();
+        let args = ServeArgs {
+            config: Some(path),
+            ..ServeArgs::default()
+        };
+        let err = GatewayConfig::resolve(&args).unwrap_err().to_string();
+        assert!(
+            err.contains("header_read_timeout") && err.contains("without a unit"),
+            "{err}"
+        );
     }
 }

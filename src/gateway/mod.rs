@@ -10,18 +10,17 @@ mod auth;
 mod edge;
 mod kernel_ws;
 mod kernels;
+pub mod listener;
 mod notebooks;
 mod state;
 pub mod v1;
 mod web;
 mod ws_upgrade;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::http::{HeaderName, HeaderValue, Method};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::{middleware, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
@@ -150,7 +149,8 @@ fn v1_sessions(
     ))
 }
 
-/// Binds the listener (TCP_NODELAY on every connection) and serves until `shutdown` resolves.
+/// Serves on `listener` (TCP_NODELAY on every connection, the timeouts and caps of
+/// `listener.rs`) until `shutdown` resolves.
 pub async fn serve(
     config: Arc<GatewayConfig>,
     kernels: Arc<KernelManager>,
@@ -164,18 +164,15 @@ pub async fn serve(
         std::time::Duration::from_secs(30),
     );
     sessions.spawn_reaper(reap_every);
+    let limits = listener::ConnectionLimits::from_config(&config);
+    tracing::info!(
+        header_read_timeout = ?limits.header_read_timeout,
+        idle_connection_timeout = ?limits.idle_timeout,
+        max_connections = limits.max_connections,
+        max_connections_per_peer = limits.max_per_peer,
+        "client connection limits"
+    );
     let state = AppState::new(config, kernels, sessions).map_err(std::io::Error::other)?;
-    let app = router(state);
-    let listener = listener.tap_io(|stream| {
-        // Nagle's algorithm costs Kernel Gateway ~40 ms per round trip.
-        if let Err(err) = stream.set_nodelay(true) {
-            tracing::warn!(%err, "cannot set TCP_NODELAY");
-        }
-    });
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+    listener::serve(listener, router(state), limits, shutdown).await;
+    Ok(())
 }

@@ -1,14 +1,28 @@
-//! Attacks on the listener's resources: open files. The soft `RLIMIT_NOFILE` is raised to the
-//! hard limit at start-up, so a few hundred idle connections cannot exhaust a default soft
-//! limit of 1024 and stop kernel starts; kernels get their own, lower limit, never the
-//! gateway's (issue 13, item 2, in part: the header-read and idle timeouts and the connection
-//! caps are still open).
+//! Attacks on the listener's resources (issue 13, item 2): every connection is a file
+//! descriptor, and a client that holds many for nothing starves kernel starts and API calls.
+//!
+//! - The soft `RLIMIT_NOFILE` is raised to the hard limit at start-up, so a few hundred idle
+//!   connections cannot exhaust a default soft limit of 1024; kernels get their own, lower
+//!   limit, never the gateway's.
+//! - Slowloris: a request head trickled a byte at a time, or never sent, is cut at the
+//!   header-read timeout; a head sent at once is served.
+//! - An idle keep-alive connection is closed at the idle timeout, which is not the header
+//!   timeout.
+//! - Connections per peer address and in total are capped: the excess gets 503 with
+//!   `Retry-After`, and room comes back when connections close.
+//! - None of it touches an authenticated WebSocket or a long execution.
 
-use anyhow::{ensure, Context, Result};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
 use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
 
 use super::json_out;
-use crate::support::Gateway;
+use crate::support::{of_type, stdout, Gateway};
 
 /// `(soft, hard)` "Max open files" of process `pid`.
 fn open_file_limits(pid: u32) -> Result<(String, String)> {
@@ -61,5 +75,341 @@ async fn open_file_limit_is_raised_for_the_gateway_and_not_for_kernels() -> Resu
         limits == serde_json::json!([4096, 4096]),
         "a kernel gets 4096 open files, not the gateway's raised limit: {limits}"
     );
+    Ok(())
+}
+
+/// A connection to the gateway from the loopback address `from` (127.0.0.1, 127.0.0.2, …:
+/// all of 127/8 is this host's, so tests can be several peers).
+async fn connect_from(port: u16, from: [u8; 4]) -> Result<TcpStream> {
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::from((from, 0)))?;
+    Ok(socket
+        .connect(SocketAddr::from(([127, 0, 0, 1], port)))
+        .await?)
+}
+
+/// An HTTP answer read off a raw socket.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    /// The head, lower-cased.
+    head: String,
+    body: String,
+}
+
+/// Sends `GET path` (keep-alive, no credentials: `/healthz` needs none) and reads the answer.
+async fn get(stream: &mut TcpStream, path: &str) -> Result<Answer> {
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await?;
+    tokio::time::timeout(Duration::from_secs(10), read_answer(stream))
+        .await
+        .context("no answer within 10 s")?
+}
+
+async fn read_answer(stream: &mut TcpStream) -> Result<Answer> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let status = head
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .with_context(|| format!("no status in {head:?}"))?;
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map(|v| v.trim().parse())
+                .transpose()?
+                .unwrap_or(0);
+            while buf.len() < end + 4 + length {
+                let n = stream.read(&mut chunk).await?;
+                ensure!(
+                    n > 0,
+                    "closed in the body: {:?}",
+                    String::from_utf8_lossy(&buf)
+                );
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            let body = String::from_utf8_lossy(&buf[end + 4..end + 4 + length]).into_owned();
+            return Ok(Answer { status, head, body });
+        }
+        let n = stream.read(&mut chunk).await?;
+        ensure!(
+            n > 0,
+            "closed before a whole answer: {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Waits for the gateway to close `stream`, sending nothing; how long that took from
+/// `since`, or `None` if it was still open after `limit`. An answer is an error.
+async fn closed_after(
+    stream: &mut TcpStream,
+    since: Instant,
+    limit: Duration,
+) -> Result<Option<Duration>> {
+    let mut buf = [0u8; 1024];
+    match tokio::time::timeout_at((since + limit).into(), stream.read(&mut buf)).await {
+        Err(_) => Ok(None),
+        Ok(Ok(0)) | Ok(Err(_)) => Ok(Some(since.elapsed())),
+        Ok(Ok(n)) => bail!(
+            "the gateway sent {:?} instead of closing",
+            String::from_utf8_lossy(&buf[..n])
+        ),
+    }
+}
+
+/// Slowloris: sends a request head one byte every `every`, never ending it (the last
+/// header's value grows forever); how long the gateway kept the connection open, or `None`
+/// if it still was after `limit`.
+async fn trickle(port: u16, every: Duration, limit: Duration) -> Result<Option<Duration>> {
+    let mut stream = connect_from(port, [127, 0, 0, 1]).await?;
+    let started = Instant::now();
+    let head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
+    let mut bytes = head.iter().chain(std::iter::repeat(&b'a'));
+    let mut buf = [0u8; 1024];
+    while started.elapsed() < limit {
+        let byte = *bytes.next().context("endless")?;
+        if stream.write_all(&[byte]).await.is_err() {
+            return Ok(Some(started.elapsed()));
+        }
+        match tokio::time::timeout(every, stream.read(&mut buf)).await {
+            Err(_) => {}
+            Ok(Ok(0)) | Ok(Err(_)) => return Ok(Some(started.elapsed())),
+            Ok(Ok(n)) => bail!(
+                "the gateway answered a head that never ended: {:?}",
+                String::from_utf8_lossy(&buf[..n])
+            ),
+        }
+    }
+    Ok(None)
+}
+
+/// With a 1 s header-read timeout: a head trickled a byte every 100 ms and a connection that
+/// sends nothing are both closed after about 1 s; a head sent at once is served, and its
+/// connection, idle meanwhile (idle timeout 30 s), is served again afterwards.
+#[tokio::test]
+async fn slow_headers_are_cut_at_the_header_timeout() -> Result<()> {
+    let gateway = Gateway::builder()
+        .args(&[
+            "--header-read-timeout",
+            "1s",
+            "--idle-connection-timeout",
+            "30s",
+        ])
+        .start()
+        .await?;
+    let mut prompt = connect_from(gateway.port, [127, 0, 0, 1]).await?;
+    let answer = get(&mut prompt, "/healthz").await?;
+    ensure!(answer.status == 200 && answer.body == "ok", "{answer:?}");
+
+    let limit = Duration::from_secs(10);
+    let silent = async {
+        let mut stream = connect_from(gateway.port, [127, 0, 0, 1]).await?;
+        closed_after(&mut stream, Instant::now(), limit).await
+    };
+    let (slow, silent) = tokio::join!(
+        trickle(gateway.port, Duration::from_millis(100), limit),
+        silent
+    );
+    let (slow, silent) = (slow?, silent?);
+    println!("slowloris: trickled head closed after {slow:?}, silent connection after {silent:?}");
+    for (what, kept) in [("a trickled head", slow), ("a silent connection", silent)] {
+        let kept = kept.with_context(|| format!("{what} was still open after {limit:?}"))?;
+        ensure!(
+            kept >= Duration::from_millis(900) && kept <= Duration::from_secs(4),
+            "{what} was closed after {kept:?}, not at the 1 s header timeout"
+        );
+    }
+
+    let answer = get(&mut prompt, "/healthz").await?;
+    ensure!(
+        answer.status == 200,
+        "the prompt connection, idle past the header timeout, is served again: {answer:?}"
+    );
+    Ok(())
+}
+
+/// With a 1 s header timeout and a 3 s idle timeout: a keep-alive connection idle for 2 s
+/// (past the header timeout) is served again, then closed about 3 s after its last answer.
+#[tokio::test]
+async fn idle_keep_alive_connections_are_closed_at_the_idle_timeout() -> Result<()> {
+    let gateway = Gateway::builder()
+        .args(&[
+            "--header-read-timeout",
+            "1s",
+            "--idle-connection-timeout",
+            "3s",
+        ])
+        .start()
+        .await?;
+    let mut stream = connect_from(gateway.port, [127, 0, 0, 1]).await?;
+    let answer = get(&mut stream, "/healthz").await?;
+    ensure!(answer.status == 200, "{answer:?}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let answer = get(&mut stream, "/healthz").await?;
+    ensure!(
+        answer.status == 200,
+        "a keep-alive connection idle for 2 s is served: {answer:?}"
+    );
+    let answered = Instant::now();
+    let kept = closed_after(&mut stream, answered, Duration::from_secs(15))
+        .await?
+        .context("an idle keep-alive connection was still open 15 s after its last answer")?;
+    println!("idle keep-alive connection closed {kept:?} after its last answer");
+    ensure!(
+        kept >= Duration::from_millis(2500) && kept <= Duration::from_secs(6),
+        "closed {kept:?} after its last answer, not at the 3 s idle timeout"
+    );
+    Ok(())
+}
+
+/// The refusal: 503, `Retry-After: 1`, `Connection: close`, a JSON body saying why, then
+/// the connection closes.
+async fn expect_refused(stream: &mut TcpStream, why: &str) -> Result<()> {
+    let answer = get(stream, "/healthz").await?;
+    ensure!(answer.status == 503, "expected 503, got {answer:?}");
+    ensure!(
+        answer.head.contains("\r\nretry-after: 1") && answer.head.contains("\r\nconnection: close"),
+        "{answer:?}"
+    );
+    let body: serde_json::Value = serde_json::from_str(&answer.body)?;
+    let message = body["message"].as_str().unwrap_or_default();
+    ensure!(
+        message.contains(why),
+        "the refusal says {message:?}, not {why:?}"
+    );
+    let closed = closed_after(stream, Instant::now(), Duration::from_secs(5)).await?;
+    ensure!(closed.is_some(), "a refused connection stays open");
+    Ok(())
+}
+
+/// Retries a connection from `from` until it is served (a closed connection's place comes
+/// back once the gateway has seen it close).
+async fn served_soon(port: u16, from: [u8; 4]) -> Result<TcpStream> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut stream = connect_from(port, from).await?;
+        let answer = get(&mut stream, "/healthz").await?;
+        if answer.status == 200 {
+            return Ok(stream);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "still refused 5 s after connections closed: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `--max-connections-per-peer 3 --max-connections 5`: 127.0.0.1's fourth connection is
+/// refused while 127.0.0.2 is still served; with five open, 127.0.0.2's third and
+/// 127.0.0.3's first are refused for the total; closing connections makes room again. The
+/// refusals are logged once, counted, not once each.
+#[tokio::test]
+async fn connections_are_capped_per_peer_and_in_total() -> Result<()> {
+    let gateway = Gateway::builder()
+        .args(&["--max-connections-per-peer", "3", "--max-connections", "5"])
+        .start()
+        .await?;
+    let port = gateway.port;
+    let mut first = vec![];
+    for _ in 0..3 {
+        let mut stream = connect_from(port, [127, 0, 0, 1]).await?;
+        let answer = get(&mut stream, "/healthz").await?;
+        ensure!(answer.status == 200, "{answer:?}");
+        first.push(stream);
+    }
+    let mut over = connect_from(port, [127, 0, 0, 1]).await?;
+    expect_refused(&mut over, "too many connections from 127.0.0.1").await?;
+
+    let mut second = vec![];
+    for _ in 0..2 {
+        let mut stream = connect_from(port, [127, 0, 0, 2]).await?;
+        let answer = get(&mut stream, "/healthz").await?;
+        ensure!(
+            answer.status == 200,
+            "another peer is served while 127.0.0.1 is at its cap: {answer:?}"
+        );
+        second.push(stream);
+    }
+    let mut over = connect_from(port, [127, 0, 0, 2]).await?;
+    expect_refused(&mut over, "the gateway has its most connections open (5)").await?;
+    let mut over = connect_from(port, [127, 0, 0, 3]).await?;
+    expect_refused(&mut over, "the gateway has its most connections open (5)").await?;
+
+    // The kept connections still work.
+    for stream in first.iter_mut().chain(second.iter_mut()) {
+        let answer = get(stream, "/healthz").await?;
+        ensure!(answer.status == 200, "{answer:?}");
+    }
+    // Room comes back when connections close: one for 127.0.0.3 (total), then 127.0.0.1's
+    // own (per peer).
+    drop(second.pop());
+    let _third = served_soon(port, [127, 0, 0, 3]).await?;
+    drop(first.pop());
+    let _again = served_soon(port, [127, 0, 0, 1]).await?;
+
+    let log = gateway.log();
+    let lines = log.matches("over the connection caps").count();
+    ensure!(
+        lines == 1,
+        "three refusals within seconds make one log line, not {lines}:\n{log}"
+    );
+    Ok(())
+}
+
+/// With both timeouts at 1 s: a kernel's authenticated WebSocket stays open and working
+/// through a 3 s execution and 2.5 s of silence, and a 3 s execution over plain HTTP
+/// (`POST /v1/execute`, in flight throughout) gets its answer.
+#[tokio::test]
+async fn websockets_and_long_executions_outlive_the_timeouts() -> Result<()> {
+    let mut gateway = Gateway::builder()
+        .args(&[
+            "--header-read-timeout",
+            "1s",
+            "--idle-connection-timeout",
+            "1s",
+        ])
+        .start()
+        .await?;
+    // A pooled connection could be reused just as the gateway closes it for idleness.
+    gateway.http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "long", false).await?;
+    let started = Instant::now();
+    let msgs = client
+        .run("import time\ntime.sleep(3)\nprint('slept')")
+        .await?;
+    ensure!(stdout(&msgs) == "slept\n", "{msgs:?}");
+    ensure!(started.elapsed() >= Duration::from_secs(3));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let msgs = client.run("1+1").await?;
+    let results = of_type(&msgs, "execute_result");
+    ensure!(
+        results.len() == 1 && results[0].content["data"]["text/plain"] == "2",
+        "the WebSocket, silent past both timeouts, still works: {msgs:?}"
+    );
+
+    let started = Instant::now();
+    let response = gateway
+        .request(reqwest::Method::POST, "/v1/execute")
+        .json(&json!({"code": "import time\ntime.sleep(3)\nprint('slept')"}))
+        .send()
+        .await?;
+    let status = response.status().as_u16();
+    let result: serde_json::Value = response.json().await?;
+    ensure!(
+        status == 200 && result["stdout"] == "slept\n",
+        "{status} {result}"
+    );
+    ensure!(started.elapsed() >= Duration::from_secs(3));
     Ok(())
 }

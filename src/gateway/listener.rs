@@ -1,0 +1,673 @@
+//! The gateway's own accept loop (in place of `axum::serve`), so that no client can hold
+//! connections, each a file descriptor, for nothing:
+//!
+//! - Header-read timeout: a request's head must arrive whole within `header_read_timeout` of
+//!   its first byte (of the connection's opening, for a connection's first request), or the
+//!   connection is closed. Slowloris clients, which trickle a head that never ends, are cut.
+//! - Idle timeout: a keep-alive connection with no request in flight is closed when no new
+//!   request starts within `idle_timeout` of the last response.
+//! - Caps: at most `max_connections` connections open at once, and at most `max_per_peer`
+//!   from one IP address. Past either, the new connection gets `503` with `Retry-After: 1`
+//!   and `Connection: close`, written straight on the socket without hyper, and is closed.
+//!   Refusals are counted, and logged at most once every [`REPORT_EVERY`], not once each.
+//!
+//! A connection keeps its place under the caps until its socket closes, WebSockets included:
+//! the place lives in the socket's wrapper, which an upgraded connection keeps. Neither
+//! timeout runs while a request is in flight (a long execution, an SSE stream, an upload) or
+//! after a WebSocket upgrade: they bound only the wait for a request's head.
+//!
+//! Why not hyper's `header_read_timeout`: hyper arms it whenever a connection waits for a
+//! head, idle keep-alive included, so a header timeout of a few seconds would also close
+//! every keep-alive connection after a few idle seconds. Here the two are separate settings.
+//!
+//! HTTP/1.1 only, as before: axum's server was built without HTTP/2.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::http::Request;
+use axum::Router;
+use bytes::Bytes;
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify};
+use tokio::time::Instant;
+
+use crate::config::GatewayConfig;
+
+/// How long requests in flight may take to finish once shutdown begins.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// The longest a refused connection is kept to deliver its 503.
+const REFUSAL_LINGER: Duration = Duration::from_secs(1);
+/// Refusals being delivered at once. Past it a refused connection is closed without an
+/// answer: a flood must not hold descriptors through its own refusals.
+const MAX_REFUSALS_IN_FLIGHT: usize = 64;
+/// What a refused client may have sent that is read (and dropped) before closing.
+const REFUSAL_DRAIN_BYTES: usize = 64 << 10;
+/// The shortest time between two log lines about refusals, or about accept errors.
+const REPORT_EVERY: Duration = Duration::from_secs(10);
+/// The pause after an accept error that is not one connection's (out of descriptors).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The limits on client connections.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+    pub max_per_peer: usize,
+}
+
+impl ConnectionLimits {
+    /// The configured limits; an unset total cap is [`default_max_connections`].
+    pub fn from_config(config: &GatewayConfig) -> ConnectionLimits {
+        ConnectionLimits {
+            header_read_timeout: config.header_read_timeout,
+            idle_timeout: config.idle_connection_timeout,
+            max_connections: config
+                .max_connections
+                .unwrap_or_else(default_max_connections),
+            max_per_peer: config.max_connections_per_peer,
+        }
+    }
+}
+
+/// Half the open-file limit (read after `main` raised it to the hard limit), between 64 and
+/// 65536: the other half is for kernels' sockets and pipes, proxied connections and files.
+pub fn default_max_connections() -> usize {
+    use rustix::process::{getrlimit, Resource};
+    let soft = getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+    usize::try_from(soft / 2)
+        .unwrap_or(usize::MAX)
+        .clamp(64, 65_536)
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves; then stops accepting, lets requests
+/// in flight finish for up to [`SHUTDOWN_GRACE`] and returns. WebSockets already upgraded
+/// are not waited for.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    let slots = Arc::new(Slots {
+        limits,
+        open: Mutex::new(Open::default()),
+    });
+    let refusing = Arc::new(AtomicUsize::new(0));
+    // Every connection task holds a receiver: the sender learns both that shutdown began
+    // (to them) and when the last of them ended (from them).
+    let (closing, closing_rx) = watch::channel(false);
+    let mut refusals = RefusalReport::default();
+    let mut accept_errors = Throttle::default();
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                accept_errors.count += 1;
+                if accept_errors.due() {
+                    tracing::warn!(%err, errors = accept_errors.take(), "cannot accept connections (errors since the last such line)");
+                }
+                // One connection's failure (reset before it was accepted) says nothing about
+                // the next; anything else (EMFILE, ENFILE, ENOBUFS) would fail again at once.
+                if !matches!(
+                    err.kind(),
+                    io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionRefused
+                ) {
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+                continue;
+            }
+        };
+        // Nagle's algorithm costs Kernel Gateway ~40 ms per round trip.
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::debug!(%err, "cannot set TCP_NODELAY");
+        }
+        // An IPv4 client of a dual-stack listener counts as its IPv4 address.
+        let peer_ip = peer.ip().to_canonical();
+        match slots.admit(peer_ip) {
+            Ok(slot) => {
+                tokio::spawn(serve_connection(
+                    stream,
+                    peer,
+                    slot,
+                    app.clone(),
+                    limits,
+                    closing_rx.clone(),
+                ));
+            }
+            Err(refusal) => {
+                refusals.count(refusal, peer_ip, &limits);
+                refuse(stream, refusal, peer_ip, &limits, &refusing);
+            }
+        }
+    }
+    drop(listener);
+    drop(closing_rx);
+    closing.send_replace(true);
+    if tokio::time::timeout(SHUTDOWN_GRACE, closing.closed())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            connections = closing.receiver_count(),
+            "shutting down with requests still in flight"
+        );
+    }
+}
+
+/// Connections open now: in total, and per peer address.
+struct Slots {
+    limits: ConnectionLimits,
+    open: Mutex<Open>,
+}
+
+#[derive(Default)]
+struct Open {
+    total: usize,
+    per_peer: HashMap<IpAddr, usize>,
+}
+
+/// Which cap a refused connection was over.
+#[derive(Debug, Clone, Copy)]
+enum Refusal {
+    Total,
+    Peer,
+}
+
+/// A connection's place under the caps, given back when it is dropped with the socket.
+struct Slot {
+    slots: Arc<Slots>,
+    peer: IpAddr,
+}
+
+impl Slots {
+    fn admit(self: &Arc<Self>, peer: IpAddr) -> Result<Slot, Refusal> {
+        let mut guard = self.open.lock();
+        let open = &mut *guard;
+        let from_peer = open.per_peer.get(&peer).copied().unwrap_or(0);
+        if from_peer >= self.limits.max_per_peer {
+            return Err(Refusal::Peer);
+        }
+        if open.total >= self.limits.max_connections {
+            return Err(Refusal::Total);
+        }
+        open.per_peer.insert(peer, from_peer + 1);
+        open.total += 1;
+        Ok(Slot {
+            slots: self.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut open = self.slots.open.lock();
+        open.total = open.total.saturating_sub(1);
+        if let Entry::Occupied(mut entry) = open.per_peer.entry(self.peer) {
+            *entry.get_mut() -= 1;
+            if *entry.get() == 0 {
+                entry.remove();
+            }
+        }
+    }
+}
+
+/// Allows one log line per [`REPORT_EVERY`], counting what happened in between.
+#[derive(Default)]
+struct Throttle {
+    last: Option<Instant>,
+    count: u64,
+}
+
+impl Throttle {
+    fn due(&mut self) -> bool {
+        let now = Instant::now();
+        if self.last.is_some_and(|last| now - last < REPORT_EVERY) {
+            return false;
+        }
+        self.last = Some(now);
+        true
+    }
+
+    fn take(&mut self) -> u64 {
+        std::mem::take(&mut self.count)
+    }
+}
+
+#[derive(Default)]
+struct RefusalReport {
+    throttle: Throttle,
+    over_peer_cap: u64,
+}
+
+impl RefusalReport {
+    fn count(&mut self, refusal: Refusal, peer: IpAddr, limits: &ConnectionLimits) {
+        self.throttle.count += 1;
+        if matches!(refusal, Refusal::Peer) {
+            self.over_peer_cap += 1;
+        }
+        if self.throttle.due() {
+            let over_peer_cap = std::mem::take(&mut self.over_peer_cap);
+            tracing::warn!(
+                refused = self.throttle.take(),
+                over_peer_cap,
+                last_peer = %peer,
+                max_connections = limits.max_connections,
+                max_connections_per_peer = limits.max_per_peer,
+                "connections refused with 503: over the connection caps (counts since the last such line)"
+            );
+        }
+    }
+}
+
+/// Answers a refused connection with a 503 and closes it, in a task of its own.
+fn refuse(
+    stream: TcpStream,
+    refusal: Refusal,
+    peer: IpAddr,
+    limits: &ConnectionLimits,
+    refusing: &Arc<AtomicUsize>,
+) {
+    if refusing.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSALS_IN_FLIGHT {
+        refusing.fetch_sub(1, Ordering::SeqCst);
+        return;
+    }
+    let message = match refusal {
+        Refusal::Peer => format!(
+            "too many connections from {peer}: at most {} at once; close some or retry shortly",
+            limits.max_per_peer
+        ),
+        Refusal::Total => format!(
+            "the gateway has its most connections open ({}); retry shortly",
+            limits.max_connections
+        ),
+    };
+    let refusing = refusing.clone();
+    tokio::spawn(async move {
+        // Whatever happens, the socket closes when the task ends.
+        let _ = tokio::time::timeout(REFUSAL_LINGER, answer_refusal(stream, &message)).await;
+        refusing.fetch_sub(1, Ordering::SeqCst);
+    });
+}
+
+async fn answer_refusal(mut stream: TcpStream, message: &str) -> io::Result<()> {
+    let body = serde_json::json!({"reason": "Service Unavailable", "message": message}).to_string();
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(answer.as_bytes()).await?;
+    stream.shutdown().await?;
+    // Closing a socket with unread bytes resets the connection, and the reset can destroy
+    // the answer before the client reads it: read what the client sent until it closes.
+    let mut sink = [0u8; 4096];
+    let mut drained = 0;
+    while drained < REFUSAL_DRAIN_BYTES {
+        match stream.read(&mut sink).await? {
+            0 => break,
+            n => drained += n,
+        }
+    }
+    Ok(())
+}
+
+/// What a connection waits for while no request is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    /// The rest of a request's head: the header-read timeout runs.
+    Head,
+    /// The first byte of the next request: the idle timeout runs.
+    Idle,
+}
+
+/// A connection's requests in flight and, between requests, its deadline; watched by the
+/// connection's task, told by the socket wrapper and the service.
+struct Activity {
+    header_read_timeout: Duration,
+    idle_timeout: Duration,
+    state: Mutex<ActivityState>,
+    changed: Notify,
+    /// False once the connection is no longer hyper's (upgraded or closed): reads then skip
+    /// the bookkeeping.
+    watched: AtomicBool,
+}
+
+struct ActivityState {
+    in_flight: usize,
+    waiting: Waiting,
+    /// When the wait ends; `None` while a request is in flight.
+    deadline: Option<Instant>,
+}
+
+impl Activity {
+    fn new(limits: &ConnectionLimits, now: Instant) -> Activity {
+        Activity {
+            header_read_timeout: limits.header_read_timeout,
+            idle_timeout: limits.idle_timeout,
+            // A new connection owes its first head from the start: opening connections and
+            // sending nothing is the simplest way to hold them.
+            state: Mutex::new(ActivityState {
+                in_flight: 0,
+                waiting: Waiting::Head,
+                deadline: Some(now + limits.header_read_timeout),
+            }),
+            changed: Notify::new(),
+            watched: AtomicBool::new(true),
+        }
+    }
+
+    /// Bytes arrived from the client.
+    fn read(&self, now: Instant) {
+        if !self.watched.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut state = self.state.lock();
+        if state.in_flight == 0 && state.waiting == Waiting::Idle {
+            state.waiting = Waiting::Head;
+            state.deadline = Some(now + self.header_read_timeout);
+            self.changed.notify_one();
+        }
+    }
+
+    /// hyper parsed a request head and called the service.
+    fn request_started(self: &Arc<Self>) -> InFlight {
+        let mut state = self.state.lock();
+        state.in_flight += 1;
+        state.deadline = None;
+        self.changed.notify_one();
+        InFlight {
+            activity: self.clone(),
+        }
+    }
+
+    fn request_ended(&self, now: Instant) {
+        let mut state = self.state.lock();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        if state.in_flight == 0 {
+            state.waiting = Waiting::Idle;
+            state.deadline = Some(now + self.idle_timeout);
+            self.changed.notify_one();
+        }
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        self.state.lock().deadline
+    }
+
+    /// What the connection waited for, if its deadline has passed.
+    fn expired(&self, now: Instant) -> Option<Waiting> {
+        let state = self.state.lock();
+        let passed = state.deadline.is_some_and(|d| d <= now);
+        (passed && state.in_flight == 0).then_some(state.waiting)
+    }
+}
+
+/// A request in flight, from its parsed head until hyper is done with its response body.
+struct InFlight {
+    activity: Arc<Activity>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.activity.request_ended(Instant::now());
+    }
+}
+
+/// A response body that keeps its request in flight until hyper drops it: once the body is
+/// sent whole, or with the connection.
+struct TrackedBody {
+    body: Body,
+    _in_flight: InFlight,
+}
+
+impl HttpBody for TrackedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The client's socket: tells [`Activity`] when bytes arrive, and holds the connection's
+/// place under the caps until the socket closes (an upgraded WebSocket keeps it too).
+struct Watched {
+    stream: TcpStream,
+    activity: Arc<Activity>,
+    _slot: Slot,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.read(Instant::now());
+        }
+        poll
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Serves one connection with hyper, closing it when its deadline passes and shutting it
+/// down gracefully when `closing` says so.
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    slot: Slot,
+    app: Router,
+    limits: ConnectionLimits,
+    mut closing: watch::Receiver<bool>,
+) {
+    let activity = Arc::new(Activity::new(&limits, Instant::now()));
+    let socket = TokioIo::new(Watched {
+        stream,
+        activity: activity.clone(),
+        _slot: slot,
+    });
+    let app = TowerToHyperService::new(app);
+    let service = {
+        let activity = activity.clone();
+        hyper::service::service_fn(move |mut request: Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(peer));
+            let in_flight = activity.request_started();
+            let response = hyper::service::Service::call(&app, request);
+            async move {
+                let response = response.await?;
+                Ok::<_, Infallible>(response.map(|body| TrackedBody {
+                    body,
+                    _in_flight: in_flight,
+                }))
+            }
+        })
+    };
+    let connection = hyper::server::conn::http1::Builder::new()
+        // The timeouts are this task's, below (see the module doc for why not hyper's).
+        .header_read_timeout(None)
+        .serve_connection(socket, service)
+        .with_upgrades();
+    tokio::pin!(connection);
+    let mut shutting_down = false;
+    loop {
+        let deadline = activity.deadline();
+        let changed = activity.changed.notified();
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(err) = result {
+                    tracing::debug!(%peer, %err, "connection ended with an error");
+                }
+                break;
+            }
+            () = sleep_until(deadline) => {
+                if let Some(waiting) = activity.expired(Instant::now()) {
+                    tracing::debug!(%peer, ?waiting, "connection closed: past its timeout");
+                    break;
+                }
+            }
+            () = changed => {}
+            _ = closing.changed(), if !shutting_down => {
+                shutting_down = true;
+                connection.as_mut().graceful_shutdown();
+            }
+        }
+    }
+    activity.watched.store(false, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max_connections: usize, max_per_peer: usize) -> ConnectionLimits {
+        ConnectionLimits {
+            header_read_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+            max_connections,
+            max_per_peer,
+        }
+    }
+
+    #[test]
+    fn slots_count_per_peer_and_in_total_and_come_back_on_drop() {
+        let slots = Arc::new(Slots {
+            limits: limits(3, 2),
+            open: Mutex::new(Open::default()),
+        });
+        let a: IpAddr = [127, 0, 0, 1].into();
+        let b: IpAddr = [127, 0, 0, 2].into();
+        let a1 = slots.admit(a).unwrap();
+        let _a2 = slots.admit(a).unwrap();
+        assert!(matches!(slots.admit(a), Err(Refusal::Peer)));
+        let _b1 = slots.admit(b).unwrap();
+        assert!(matches!(slots.admit(b), Err(Refusal::Total)));
+        drop(a1);
+        let _b2 = slots.admit(b).unwrap();
+        drop(_b1);
+        drop(_b2);
+        drop(_a2);
+        let open = slots.open.lock();
+        assert_eq!(open.total, 0);
+        assert!(open.per_peer.is_empty(), "no entry left for a peer gone");
+    }
+
+    #[test]
+    fn deadlines_follow_the_requests() {
+        let start = Instant::now();
+        let at = |secs| start + Duration::from_secs(secs);
+        let activity = Arc::new(Activity::new(
+            &ConnectionLimits {
+                header_read_timeout: Duration::from_secs(2),
+                idle_timeout: Duration::from_secs(10),
+                max_connections: 1,
+                max_per_peer: 1,
+            },
+            start,
+        ));
+        // A new connection owes its head within the header timeout, bytes or not.
+        activity.read(at(1));
+        assert_eq!(activity.expired(at(1)), None);
+        assert_eq!(activity.expired(at(2)), Some(Waiting::Head));
+        // In flight: no deadline, however long.
+        let in_flight = activity.request_started();
+        assert_eq!(activity.deadline(), None);
+        assert_eq!(activity.expired(at(600)), None);
+        // Idle: the idle timeout runs from the response, until the next request's first byte.
+        let before = Instant::now();
+        drop(in_flight);
+        let idle_until = activity.deadline().expect("a deadline once idle");
+        assert!(idle_until >= before + Duration::from_secs(10));
+        assert!(idle_until <= Instant::now() + Duration::from_secs(10));
+        let second = Duration::from_secs(1);
+        assert_eq!(activity.expired(idle_until - second), None);
+        assert_eq!(activity.expired(idle_until), Some(Waiting::Idle));
+        activity.read(idle_until - second);
+        assert_eq!(
+            activity.expired(idle_until),
+            None,
+            "the header timeout runs now"
+        );
+        assert_eq!(activity.expired(idle_until + second), Some(Waiting::Head));
+        // Bytes during a request (a body, a pipelined head) change nothing.
+        let _next = activity.request_started();
+        activity.read(idle_until + second);
+        assert_eq!(activity.deadline(), None);
+    }
+}
