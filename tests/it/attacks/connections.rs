@@ -9,7 +9,8 @@
 //! - An idle keep-alive connection is closed at the idle timeout, which is not the header
 //!   timeout.
 //! - Connections per peer address and in total are capped: the excess gets 503 with
-//!   `Retry-After`, and room comes back when connections close.
+//!   `Retry-After`, and room comes back when connections close. An open WebSocket holds
+//!   its place.
 //! - None of it touches an authenticated WebSocket or a long execution.
 
 use std::net::SocketAddr;
@@ -411,5 +412,32 @@ async fn websockets_and_long_executions_outlive_the_timeouts() -> Result<()> {
         "{status} {result}"
     );
     ensure!(started.elapsed() >= Duration::from_secs(3));
+    Ok(())
+}
+
+/// A WebSocket keeps its place under the caps while it is open (its connection is no longer
+/// hyper's, but the socket is still a descriptor): with `--max-connections 2`, an open
+/// kernel WebSocket and one other connection leave no room for a third, and closing the
+/// WebSocket makes room.
+#[tokio::test]
+async fn websockets_count_against_the_caps() -> Result<()> {
+    let mut gateway = Gateway::builder()
+        .args(&["--max-connections", "2"])
+        .start()
+        .await?;
+    // No pooled connection may hold one of the two places.
+    gateway.http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "counted", false).await?;
+    let msgs = client.run("1+1").await?;
+    ensure!(of_type(&msgs, "execute_result").len() == 1, "{msgs:?}");
+    // Once the kernel start's connection is gone, 127.0.0.2 takes the second place.
+    let _held = served_soon(gateway.port, [127, 0, 0, 2]).await?;
+    let mut over = connect_from(gateway.port, [127, 0, 0, 3]).await?;
+    expect_refused(&mut over, "the gateway has its most connections open (2)").await?;
+    client.close().await;
+    let _after = served_soon(gateway.port, [127, 0, 0, 3]).await?;
     Ok(())
 }
