@@ -52,6 +52,9 @@ use crate::config::GatewayConfig;
 
 /// How long requests in flight may take to finish once shutdown begins.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Once shutdown begins, how long a connection without a request in flight may still take
+/// (to flush an answer's tail), instead of the rest of its header or idle timeout.
+const SHUTDOWN_IDLE_GRACE: Duration = Duration::from_secs(1);
 /// The longest a refused connection is kept to deliver its 503.
 const REFUSAL_LINGER: Duration = Duration::from_secs(1);
 /// Refusals being delivered at once. Past it a refused connection is closed without an
@@ -416,6 +419,16 @@ impl Activity {
         }
     }
 
+    /// Shutdown began: a connection waiting for a head (hyper closes only idle ones at once)
+    /// gets a short deadline.
+    fn shutting_down(&self, now: Instant) {
+        let mut state = self.state.lock();
+        if state.in_flight == 0 {
+            let grace = now + SHUTDOWN_IDLE_GRACE;
+            state.deadline = Some(state.deadline.map_or(grace, |d| d.min(grace)));
+        }
+    }
+
     fn deadline(&self) -> Option<Instant> {
         self.state.lock().deadline
     }
@@ -586,6 +599,7 @@ async fn serve_connection(
             _ = closing.changed(), if !shutting_down => {
                 shutting_down = true;
                 connection.as_mut().graceful_shutdown();
+                activity.shutting_down(Instant::now());
             }
         }
     }
@@ -669,5 +683,23 @@ mod tests {
         let _next = activity.request_started();
         activity.read(idle_until + second);
         assert_eq!(activity.deadline(), None);
+    }
+
+    #[test]
+    fn shutdown_shortens_only_waits_without_a_request() {
+        let start = Instant::now();
+        let limits = ConnectionLimits {
+            header_read_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 1,
+            max_per_peer: 1,
+        };
+        let waiting = Activity::new(&limits, start);
+        waiting.shutting_down(start);
+        assert_eq!(waiting.deadline(), Some(start + SHUTDOWN_IDLE_GRACE));
+        let busy = Arc::new(Activity::new(&limits, start));
+        let _in_flight = busy.request_started();
+        busy.shutting_down(start);
+        assert_eq!(busy.deadline(), None, "a request in flight finishes");
     }
 }
