@@ -124,13 +124,19 @@ pub async fn serve(
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             () = &mut shutdown => break,
+            // Refusals counted after the last line are logged when due, even if none follow.
+            () = sleep_until(refusals.pending_until()) => {
+                refusals.flush(&limits);
+                continue;
+            }
         };
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(err) => {
                 accept_errors.count += 1;
                 if accept_errors.due() {
-                    tracing::warn!(%err, errors = accept_errors.take(), "cannot accept connections (errors since the last such line)");
+                    let errors = accept_errors.take();
+                    tracing::warn!(%err, errors, "cannot accept connections (errors since the last such line)");
                 }
                 // One connection's failure (reset before it was accepted) says nothing about
                 // the next; anything else (EMFILE, ENFILE, ENOBUFS) would fail again at once.
@@ -169,6 +175,7 @@ pub async fn serve(
         }
     }
     drop(listener);
+    refusals.flush(&limits);
     drop(closing_rx);
     closing.send_replace(true);
     if tokio::time::timeout(SHUTDOWN_GRACE, closing.closed())
@@ -266,6 +273,7 @@ impl Throttle {
 struct RefusalReport {
     throttle: Throttle,
     over_peer_cap: u64,
+    last_peer: Option<IpAddr>,
 }
 
 impl RefusalReport {
@@ -274,17 +282,40 @@ impl RefusalReport {
         if matches!(refusal, Refusal::Peer) {
             self.over_peer_cap += 1;
         }
+        self.last_peer = Some(peer);
         if self.throttle.due() {
-            let over_peer_cap = std::mem::take(&mut self.over_peer_cap);
-            tracing::warn!(
-                refused = self.throttle.take(),
-                over_peer_cap,
-                last_peer = %peer,
-                max_connections = limits.max_connections,
-                max_connections_per_peer = limits.max_per_peer,
-                "connections refused with 503: over the connection caps (counts since the last such line)"
-            );
+            self.log(limits);
         }
+    }
+
+    /// When refusals counted since the last line are due to be logged, if any are.
+    fn pending_until(&self) -> Option<Instant> {
+        match (self.throttle.count, self.throttle.last) {
+            (0, _) | (_, None) => None,
+            (_, Some(last)) => Some(last + REPORT_EVERY),
+        }
+    }
+
+    /// Logs the refusals counted since the last line, if any, without waiting.
+    fn flush(&mut self, limits: &ConnectionLimits) {
+        if self.throttle.count > 0 {
+            self.throttle.last = Some(Instant::now());
+            self.log(limits);
+        }
+    }
+
+    fn log(&mut self, limits: &ConnectionLimits) {
+        // Taken before the macro, which skips its fields when the level is filtered out.
+        let over_peer_cap = std::mem::take(&mut self.over_peer_cap);
+        let refused = self.throttle.take();
+        tracing::warn!(
+            refused,
+            over_peer_cap,
+            last_peer = ?self.last_peer,
+            max_connections = limits.max_connections,
+            max_connections_per_peer = limits.max_per_peer,
+            "connections refused with 503: over the connection caps (counts since the last such line)"
+        );
     }
 }
 
@@ -701,5 +732,28 @@ mod tests {
         let _in_flight = busy.request_started();
         busy.shutting_down(start);
         assert_eq!(busy.deadline(), None, "a request in flight finishes");
+    }
+
+    #[test]
+    fn refusals_are_logged_at_once_then_counted_until_due() {
+        let limits = limits(1, 1);
+        let peer: IpAddr = [127, 0, 0, 1].into();
+        let mut report = RefusalReport::default();
+        report.count(Refusal::Peer, peer, &limits);
+        assert_eq!(
+            report.pending_until(),
+            None,
+            "the first refusal is logged at once"
+        );
+        report.count(Refusal::Total, peer, &limits);
+        report.count(Refusal::Peer, peer, &limits);
+        let due = report
+            .pending_until()
+            .expect("two refusals wait for their line");
+        assert!(due > Instant::now() + REPORT_EVERY - Duration::from_secs(1));
+        assert_eq!((report.throttle.count, report.over_peer_cap), (2, 1));
+        report.flush(&limits);
+        assert_eq!(report.pending_until(), None);
+        assert_eq!((report.throttle.count, report.over_peer_cap), (0, 0));
     }
 }
