@@ -95,6 +95,11 @@ pub struct ServeArgs {
     /// [default: 3600].
     #[arg(long)]
     pub artifact_retention: Option<u64>,
+    /// Free disk the artifact store keeps under it, such as 2GiB: below it, retained
+    /// artifacts of deleted sessions go first, then new ones are refused; 0B for no minimum
+    /// [default: 1GiB].
+    #[arg(long, value_parser = crate::policy::units::parse_size)]
+    pub artifact_min_free_disk: Option<u64>,
     #[command(flatten)]
     pub auth: AuthArgs,
 }
@@ -172,6 +177,8 @@ struct FileConfig {
     egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     egress_max_connections: Option<usize>,
     artifact_retention: Option<u64>,
+    #[serde(default, with = "crate::policy::units::serde_size")]
+    artifact_min_free_disk: Option<u64>,
 }
 
 /// Resolved settings of a running gateway.
@@ -211,7 +218,12 @@ pub struct GatewayConfig {
     pub egress_max_connections: usize,
     /// How long artifacts outlive their API v1 session.
     pub artifact_retention: Duration,
+    /// Free bytes the artifact store keeps on its disk (0: no minimum).
+    pub artifact_min_free_disk: u64,
 }
+
+/// The artifact store's default minimum of free disk.
+pub const DEFAULT_ARTIFACT_MIN_FREE_DISK: u64 = 1 << 30;
 
 /// Errors in settings.
 #[derive(Debug, thiserror::Error)]
@@ -458,6 +470,10 @@ impl GatewayConfig {
                     .or(file.artifact_retention)
                     .unwrap_or(3600),
             ),
+            artifact_min_free_disk: args
+                .artifact_min_free_disk
+                .or(file.artifact_min_free_disk)
+                .unwrap_or(DEFAULT_ARTIFACT_MIN_FREE_DISK),
             allow_origin,
             env_allowlist: args
                 .env_allowlist

@@ -251,10 +251,13 @@ impl GvisorSandbox {
         // creates before `runsc run` returns, and the watcher must read the OOM counter
         // first. runsc joins a cgroup that exists and leaves it in place (and its limits to
         // us); the watcher removes it.
+        // With a size limit the workspace is a host tmpfs whose pages the sandbox's writes
+        // are charged for; without one it is a host directory (reclaimable page cache).
+        let cgroup_memory = spec.limits.memory_cgroup_bytes(spec.limits.workspace_bytes);
         let memory_cgroup = (self.config.cgroups && spec.limits.memory_bytes.is_some())
             .then(|| memory_cgroup_dir(&cgroup_path))
             .flatten()
-            .filter(|dir| match create_memory_cgroup(dir, spec.limits.memory_bytes) {
+            .filter(|dir| match create_memory_cgroup(dir, cgroup_memory) {
                 Ok(()) => true,
                 Err(err) => {
                     tracing::warn!(kernel_id = %spec.kernel_id, %err, dir = %dir.display(), "cannot pre-create the memory cgroup: OOM kills will be reported as SIGKILL only");
@@ -522,7 +525,7 @@ fn ro_bind(host: &Path) -> Value {
 /// OCI `linux.resources` for the limits.
 fn resources(limits: &Limits) -> Value {
     let mut resources = json!({});
-    if let Some(bytes) = limits.memory_bytes {
+    if let Some(bytes) = limits.memory_cgroup_bytes(limits.workspace_bytes) {
         resources["memory"] = json!({"limit": bytes, "swap": bytes});
     }
     if let Some(pids) = limits.pids {

@@ -40,8 +40,12 @@ use crate::support::*;
 
 // Attack files of issue 13, one per concern; their tests run as `attacks::<file>::…`, so the
 // nextest override (one at a time) and the gVisor pass apply to them too.
+mod artifact_quotas;
 mod connections;
+mod host_view;
+mod output_floods;
 mod replay_and_origin;
+mod workspace_memory;
 
 /// Samples per median.
 const SAMPLES: usize = 20;

@@ -617,7 +617,8 @@ async fn kernel_out_of_memory_restarts_it_with_outcome_oom() -> anyhow::Result<(
     let dir = tempfile::tempdir()?;
     std::fs::write(
         dir.path().join("default.toml"),
-        "[limits]\nmemory = \"256MiB\"\n",
+        // The sandbox's memory cgroup holds memory + workspace (the workspace is RAM).
+        "[limits]\nmemory = \"256MiB\"\nworkspace = \"64MiB\"\n",
     )?;
     let gateway = Gateway::builder()
         .policies_dir(dir.path().to_owned())

@@ -91,7 +91,8 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::watch;
 
 use super::{
-    Backend, ExitReport, LaunchSpec, Launched, ResourceUsage, Sandbox, SandboxError, SandboxHandle,
+    Backend, ExitReport, LaunchSpec, Launched, Limits, ResourceUsage, Sandbox, SandboxError,
+    SandboxHandle,
 };
 use cgroups::{Hierarchy, KernelCgroup};
 pub use error::NamespacesError;
@@ -247,7 +248,16 @@ impl NamespacesSandbox {
     fn cgroup(&self, spec: &LaunchSpec) -> Option<Arc<KernelCgroup>> {
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let name = cgroups::cgroup_name(&spec.kernel_id, &unique[..8]);
-        match self.hierarchy.create(&name, &spec.limits) {
+        // The workspace is always a tmpfs here, charged to this cgroup.
+        let workspace = spec
+            .limits
+            .workspace_bytes
+            .unwrap_or(self.config.default_workspace_bytes);
+        let cgroup_limits = Limits {
+            memory_bytes: spec.limits.memory_cgroup_bytes(Some(workspace)),
+            ..spec.limits.clone()
+        };
+        match self.hierarchy.create(&name, &cgroup_limits) {
             Ok(cgroup) => {
                 let limits = &spec.limits;
                 for (set, controller) in [

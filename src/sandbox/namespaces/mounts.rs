@@ -19,7 +19,8 @@
 //! with the sandbox user, hosts with localhost, no `resolv.conf`) plus a few read-only host
 //! files the C library and Python read (`ld.so.cache`, certificates, fonts, time zone, MIME
 //! types, alternatives), `/dev` with null, zero, full, random, urandom and tty bound from the
-//! host, a private devpts and `/dev/shm`, a fresh `/proc` for the new pid namespace, a
+//! host, a private devpts and `/dev/shm`, a fresh `/proc` for the new pid namespace (its
+//! host-wide `boot_id` and `cmdline` masked by files of the sandbox's own), a
 //! size-limited private `/tmp`, the size-limited tmpfs workspace, the kernel's runtime
 //! directory (read-write, same path, so the connection file's ipc paths stay valid on both
 //! sides), the Python environment and the files the command names (read-only, same paths).
@@ -108,6 +109,12 @@ enum Op {
         target: PathBuf,
         contents: String,
     },
+    /// Hide an existing file (a host-wide `/proc` entry) behind a read-only file of
+    /// `contents`.
+    Mask {
+        target: PathBuf,
+        contents: String,
+    },
 }
 
 impl Op {
@@ -118,7 +125,8 @@ impl Op {
             | Op::Tmpfs { target, .. }
             | Op::Proc { target }
             | Op::Devpts { target }
-            | Op::File { target, .. } => target,
+            | Op::File { target, .. }
+            | Op::Mask { target, .. } => target,
         }
     }
 }
@@ -188,6 +196,7 @@ impl RootFs {
         ops.push(Op::Proc {
             target: "/proc".into(),
         });
+        ops.extend(proc_masks());
         ops.push(Op::Tmpfs {
             target: "/tmp".into(),
             flags: libc::MS_NOSUID | libc::MS_NODEV,
@@ -343,6 +352,25 @@ fn apply(op: Op, at: &Path) -> io::Result<()> {
             fs::write(at, contents).map_err(ctx(format!("write {}", target.display())))?;
             fs::set_permissions(at, fs::Permissions::from_mode(0o644))?;
         }
+        Op::Mask { target, contents } => {
+            // Written beside the new root's top, bound over the target, then unlinked: the
+            // mount keeps the file, and nothing else shows it.
+            let name = target.to_string_lossy().replace('/', "_");
+            let source = Path::new(STAGING).join(format!(".mask{name}"));
+            fs::write(&source, contents)
+                .map_err(ctx(format!("write the mask of {}", target.display())))?;
+            fs::set_permissions(&source, fs::Permissions::from_mode(0o444))?;
+            sys::mount(Some(&source), at, None, libc::MS_BIND, None)
+                .map_err(ctx(format!("mask {}", target.display())))?;
+            sys::mount_setattr(
+                at,
+                MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+                false,
+            )
+            .map_err(ctx(format!("set flags on {}", target.display())))?;
+            fs::remove_file(&source)
+                .map_err(ctx(format!("remove the mask of {}", target.display())))?;
+        }
     }
     Ok(())
 }
@@ -372,6 +400,23 @@ fn mirror(host: &Path, attrs: u64) -> io::Result<Option<Op>> {
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(err) => Err(ctx(format!("stat {}", host.display()))(err)),
     }
+}
+
+/// `/proc` files that are the same for every process of the host and would tell one sandbox
+/// which machine (and which boot of it) it shares with another: a boot id of the sandbox's
+/// own, and a kernel command line that names nothing of the host's (its disks, consoles,
+/// image paths).
+fn proc_masks() -> Vec<Op> {
+    vec![
+        Op::Mask {
+            target: "/proc/sys/kernel/random/boot_id".into(),
+            contents: format!("{}\n", uuid::Uuid::new_v4().hyphenated()),
+        },
+        Op::Mask {
+            target: "/proc/cmdline".into(),
+            contents: "quiet\n".to_owned(),
+        },
+    ]
 }
 
 /// The generated `/etc` files: who the sandbox user is, and localhost.
