@@ -17,6 +17,7 @@
 mod gvisor;
 mod namespaces;
 mod process;
+pub mod relocate;
 mod spawner;
 
 use std::collections::BTreeMap;
