@@ -371,7 +371,7 @@ impl GvisorSandbox {
             exited.clone(),
             runsc.clone(),
             bundle,
-            spec.limits.memory_bytes,
+            cgroup_memory,
             memory_cgroup,
             exit_tx,
         ));
@@ -735,8 +735,8 @@ async fn watch_exit(
             let reason = if abnormal && oom_kills > 0 {
                 Some(match memory_limit {
                     Some(bytes) => format!(
-                        "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes; \
-                         gVisor ends the whole sandbox)"
+                        "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, \
+                         workspace files included; gVisor ends the whole sandbox)"
                     ),
                     None => "kernel process killed by the out-of-memory killer".to_owned(),
                 })

@@ -451,10 +451,14 @@ impl NamespacesSandbox {
             "kernel started in a namespaces sandbox"
         );
         let (exit_tx, exit_rx) = watch::channel(None);
-        let memory_limit = cgroup
-            .as_ref()
-            .filter(|c| c.memory_limited())
-            .and(spec.limits.memory_bytes);
+        // What the cgroup holds: memory and the workspace's files (see `cgroup`).
+        let memory_limit = cgroup.as_ref().filter(|c| c.memory_limited()).and(
+            spec.limits.memory_cgroup_bytes(Some(
+                spec.limits
+                    .workspace_bytes
+                    .unwrap_or(self.config.default_workspace_bytes),
+            )),
+        );
         tokio::spawn(watch_exit(
             child,
             events,
@@ -681,7 +685,7 @@ async fn watch_exit(
     let reason = if signal == Some(libc::SIGKILL) && oom_kills > 0 {
         Some(match memory_limit {
             Some(bytes) => format!(
-                "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes)"
+                "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, workspace files included)"
             ),
             None => "kernel process killed by the out-of-memory killer".to_owned(),
         })
