@@ -18,6 +18,7 @@
 //! Must not depend on: HTTP gateway handlers. (It reports denials through the kernel's
 //! router, nothing else of the kernel.)
 
+pub mod client_hello;
 pub mod proxy;
 pub mod resolve;
 
