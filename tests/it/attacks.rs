@@ -41,6 +41,7 @@ use crate::support::*;
 // Attack files of issue 13, one per concern; their tests run as `attacks::<file>::…`, so the
 // nextest override (one at a time) and the gVisor pass apply to them too.
 mod connections;
+mod egress_fronting;
 mod replay_and_origin;
 
 /// Samples per median.
