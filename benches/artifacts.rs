@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use base64::Engine;
-use cellgate::artifacts::{ArtifactStore, NewArtifact, Origin};
+use cellgate::artifacts::{ArtifactStore, NewArtifact, Origin, Quotas};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 /// A PNG header (640×480) followed by pseudo-random bytes, so each blob is new content.
@@ -53,6 +53,7 @@ fn store_png(c: &mut Criterion) {
                             display_id: None,
                             text: Some("<Figure size 640x480 with 1 Axes>"),
                             path: None,
+                            quotas: Quotas::default(),
                         },
                         &bytes,
                     )

@@ -113,6 +113,11 @@ pub struct ServeArgs {
     /// [default: 256].
     #[arg(long, env = "CELLGATE_MAX_CONNECTIONS_PER_PEER")]
     pub max_connections_per_peer: Option<usize>,
+    /// Free disk the artifact store keeps under it, such as 2GiB: below it, retained
+    /// artifacts of deleted sessions go first, then new ones are refused; 0B for no minimum
+    /// [default: 1GiB].
+    #[arg(long, value_parser = crate::policy::units::parse_size)]
+    pub artifact_min_free_disk: Option<u64>,
     #[command(flatten)]
     pub auth: AuthArgs,
 }
@@ -194,6 +199,8 @@ struct FileConfig {
     idle_connection_timeout: Option<String>,
     max_connections: Option<usize>,
     max_connections_per_peer: Option<usize>,
+    #[serde(default, with = "crate::policy::units::serde_size")]
+    artifact_min_free_disk: Option<u64>,
 }
 
 /// Resolved settings of a running gateway.
@@ -241,7 +248,12 @@ pub struct GatewayConfig {
     pub max_connections: Option<usize>,
     /// Client connections at once from one IP address.
     pub max_connections_per_peer: usize,
+    /// Free bytes the artifact store keeps on its disk (0: no minimum).
+    pub artifact_min_free_disk: u64,
 }
+
+/// The artifact store's default minimum of free disk.
+pub const DEFAULT_ARTIFACT_MIN_FREE_DISK: u64 = 1 << 30;
 
 /// Errors in settings.
 #[derive(Debug, thiserror::Error)]
@@ -567,6 +579,10 @@ impl GatewayConfig {
                     .or(file.artifact_retention)
                     .unwrap_or(3600),
             ),
+            artifact_min_free_disk: args
+                .artifact_min_free_disk
+                .or(file.artifact_min_free_disk)
+                .unwrap_or(DEFAULT_ARTIFACT_MIN_FREE_DISK),
             allow_origin,
             env_allowlist: args
                 .env_allowlist

@@ -50,11 +50,8 @@ fn gateway_mode() -> i32 {
         let out = PathBuf::from(std::env::var(OUT_VAR).expect("out file"));
         let sandbox = sandbox();
         let dirs = KernelDirs::new("gw");
-        let ready = dirs.work.join("ready");
-        let code = format!(
-            "import subprocess, time\nsubprocess.Popen(['sleep', '1000'])\nopen({:?}, 'w').write('x')\ntime.sleep(1000)\n",
-            ready.display().to_string()
-        );
+        // Relative: the sandbox shows the workspace at a fixed path, its working directory.
+        let code = "import subprocess, time\nsubprocess.Popen(['sleep', '1000'])\nopen('ready', 'w').write('x')\ntime.sleep(1000)\n".to_owned();
         // A size-limited workspace: a tmpfs in runsc's own mount namespace, which must not
         // outlive the sandbox either; the file is looked for where the gateway reaches it.
         let spec = command_spec(
@@ -625,15 +622,17 @@ async fn host_files_are_invisible_and_only_workspace_and_tmp_are_writable() {
     let mut kernel = start_kernel(Limits::default()).await;
     let code = format!(
         r#"
-import os, json
+import os, json, sys
 r = {{}}
 r['marker'] = os.path.exists({marker:?})
 r['tmp'] = sorted(os.listdir('/tmp'))
 r['shadow'] = os.path.exists('/etc/shadow')
 r['root'] = os.listdir('/root') if os.path.exists('/root') else []
-r['home'] = os.path.exists('/home')
+r['home'] = sorted(os.listdir('/home'))
 r['sibling'] = os.path.exists({sibling:?})
-r['run'] = sorted(os.listdir({run:?}))
+r['run'] = sorted(os.listdir('/run/cellgate'))
+r['host_paths'] = {{p: os.path.exists(p) for p in [{run:?}, {work:?}, {venv_dir:?}]}}
+r['prefix'] = [sys.prefix, sys.base_prefix, sys.executable]
 for path in ['/usr/x', '/etc/x', '/x', {venv:?}]:
     try:
         open(path, 'w').write('x'); r[path] = 'written'
@@ -647,12 +646,14 @@ print(json.dumps(r))
         marker = marker.display().to_string(),
         sibling = kernel.dirs.sibling.display().to_string(),
         run = kernel.dirs.run.display().to_string(),
-        venv = python()
+        work = kernel.dirs.work.display().to_string(),
+        venv_dir = python()
             .parent()
-            .expect("bin")
-            .join("x")
+            .and_then(Path::parent)
+            .expect("venv")
             .display()
             .to_string(),
+        venv = "/opt/cellgate/venv/bin/x",
     );
     let out = kernel.execute(&code).await;
     let _ = std::fs::remove_file(&marker);
@@ -661,25 +662,22 @@ print(json.dumps(r))
     println!("{r}");
     assert_eq!(r["marker"], false, "host /tmp is invisible");
     assert_eq!(r["shadow"], false, "/etc/shadow is invisible");
-    // /root shows at most the directories leading to the kernel's Python (a pyenv prefix).
-    let real_python = std::fs::canonicalize(python()).expect("python");
-    let venv_cfg = std::fs::read_to_string(
-        python()
-            .parent()
-            .and_then(Path::parent)
-            .expect("venv")
-            .join("pyvenv.cfg"),
-    )
-    .unwrap_or_default();
-    for entry in r["root"].as_array().expect("root listing") {
-        let shown = Path::new("/root").join(entry.as_str().expect("name"));
-        assert!(
-            real_python.starts_with(&shown) || venv_cfg.contains(&shown.display().to_string()),
-            "/root shows {} which the kernel's Python does not need",
-            shown.display()
-        );
+    // The Python environment, runtime directory and workspace are at fixed paths: the
+    // host's paths for them mean nothing inside, and /root (a pyenv prefix) is not shown.
+    assert_eq!(r["root"], json!([]), "/root shows {}", r["root"]);
+    for (path, exists) in r["host_paths"].as_object().expect("host paths") {
+        assert_eq!(exists, false, "the host path {path} is visible inside");
     }
-    assert_eq!(r["home"], false);
+    assert_eq!(
+        r["prefix"],
+        json!([
+            "/opt/cellgate/venv",
+            "/opt/cellgate/python",
+            "/opt/cellgate/venv/bin/python"
+        ]),
+        "sys.prefix, sys.base_prefix, sys.executable"
+    );
+    assert_eq!(r["home"], json!(["user"]));
     assert_eq!(
         r["sibling"], false,
         "another kernel's directory is invisible"
@@ -690,10 +688,10 @@ print(json.dumps(r))
             .all(|name| !name.starts_with("cellgate-host-marker")),
         "{tmp:?}"
     );
-    for path in ["/usr/x", "/etc/x", "/x"] {
+    for path in ["/usr/x", "/etc/x", "/x", "/opt/cellgate/venv/bin/x"] {
         assert_ne!(r[path], "written", "{path} must be read-only");
     }
-    assert_eq!(r["cwd"], kernel.dirs.work.display().to_string());
+    assert_eq!(r["cwd"], "/home/user");
     assert_eq!(
         std::fs::read_to_string(kernel.dirs.work.join("result.txt")).expect("workspace file"),
         "ok",

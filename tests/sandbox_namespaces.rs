@@ -568,7 +568,7 @@ async fn filesystem_shows_only_the_sandbox_and_is_read_only_outside_workspace_an
         .to_path_buf();
     let code = format!(
         r#"
-import os, json, shutil
+import os, json, shutil, sys
 def tryopen(p, mode='r'):
     try:
         with open(p, mode) as f:
@@ -579,7 +579,6 @@ def tryopen(p, mode='r'):
         return e.errno
 r = {{}}
 r['shadow'] = tryopen('/etc/shadow')
-r['root_listing'] = sorted(os.listdir('/root'))
 r['marker'] = os.path.exists({marker:?})
 r['sibling'] = os.path.exists({sibling:?})
 r['runtime_listing'] = sorted(os.listdir({run:?}))
@@ -590,7 +589,12 @@ r['write_tmp'] = tryopen('/tmp/f', 'w')
 r['write_shm'] = tryopen('/dev/shm/f', 'w')
 r['write_runtime'] = tryopen(os.path.join({run:?}, 'kernel-wrote-this'), 'w')
 r['cwd'] = os.getcwd()
-r['exists'] = {{p: os.path.exists(p) for p in ['/run', '/var/run', '/sys/class', '/home', '/root/.bashrc',
+r['home'] = os.environ['HOME']
+r['prefix'] = [sys.prefix, sys.base_prefix, sys.executable]
+r['run_listing'] = sorted(os.listdir('/run'))
+r['home_listing'] = sorted(os.listdir('/home'))
+r['host_paths'] = {{p: os.path.exists(p) for p in [{host_run:?}, {host_work:?}, {venv_dir:?}]}}
+r['exists'] = {{p: os.path.exists(p) for p in ['/var/run', '/sys/class', '/root', '/root/.bashrc',
     '/root/.cargo', '/work/main/Cargo.toml', '/etc/resolv.conf', '/etc/ld.so.cache', '/etc/ssl/certs', '/etc/ssl/private']}}
 r['dev'] = sorted(os.listdir('/dev'))
 r['ws_total'] = shutil.disk_usage(os.getcwd()).total
@@ -600,8 +604,11 @@ print(json.dumps(r))
 "#,
         marker = marker.display().to_string(),
         sibling = kernel.dirs.sibling.display().to_string(),
-        run = kernel.dirs.run.display().to_string(),
-        venv_file = venv.join("x").display().to_string(),
+        run = "/run/cellgate",
+        venv_file = "/opt/cellgate/venv/x",
+        host_run = kernel.dirs.run.display().to_string(),
+        host_work = kernel.dirs.work.display().to_string(),
+        venv_dir = venv.display().to_string(),
     );
     let out = kernel.execute(&code).await;
     let _ = std::fs::remove_file(&marker);
@@ -614,34 +621,32 @@ print(json.dumps(r))
         libc::ENOENT,
         "/etc/shadow must not exist in the sandbox"
     );
+    // The host's paths of the runtime directory, workspace, venv and interpreter mean
+    // nothing inside: everything is at fixed paths.
+    for (path, exists) in r["host_paths"].as_object().expect("host paths") {
+        assert_eq!(exists, false, "the host path {path} is visible inside");
+    }
+    assert_eq!(r["home"], "/home/user");
+    assert_eq!(r["home_listing"], json!(["user"]));
+    assert_eq!(r["run_listing"], json!(["cellgate"]));
     assert_eq!(
-        r["root_listing"],
-        json!([".pyenv"]),
-        "only the pyenv prefix of /root is shown"
+        r["prefix"],
+        json!([
+            "/opt/cellgate/venv",
+            "/opt/cellgate/python",
+            "/opt/cellgate/venv/bin/python"
+        ]),
+        "sys.prefix, sys.base_prefix, sys.executable"
     );
     assert_eq!(r["marker"], false, "host /tmp must be invisible");
     assert_eq!(
         r["sibling"], false,
         "other kernels' directories must be invisible"
     );
-    // The sandbox's /tmp holds only the way to its own directories (and to the venv, when a
-    // checkout lives under /tmp).
-    let tmp_top = |path: &Path| {
-        path.strip_prefix("/tmp")
-            .ok()
-            .and_then(|p| p.components().next())
-            .map(|c| c.as_os_str().to_string_lossy().into_owned())
-    };
-    let mut expected: Vec<String> = [tmp_top(&kernel.dirs.root), tmp_top(&python())]
-        .into_iter()
-        .flatten()
-        .collect();
-    expected.sort();
-    expected.dedup();
     assert_eq!(
         r["tmp_listing"],
-        json!(expected),
-        "the sandbox /tmp holds only the path to its own dirs"
+        json!([]),
+        "the sandbox's /tmp is its own and empty"
     );
     for (path, result) in r["writes"].as_object().expect("writes") {
         assert_ne!(result, "ok", "writing {path} must fail");
@@ -650,7 +655,7 @@ print(json.dumps(r))
     assert_eq!(r["write_tmp"], "ok");
     assert_eq!(r["write_shm"], "ok");
     assert_eq!(r["write_runtime"], "ok");
-    assert_eq!(r["cwd"], kernel.dirs.work.display().to_string());
+    assert_eq!(r["cwd"], "/home/user");
     for (path, exists) in r["exists"].as_object().expect("exists") {
         let expected = matches!(path.as_str(), "/etc/ld.so.cache" | "/etc/ssl/certs");
         assert_eq!(exists, expected, "{path} visible = {exists}");
@@ -668,7 +673,7 @@ print(json.dumps(r))
     for socket in r["sockets"].as_array().expect("sockets") {
         let socket = socket.as_str().unwrap_or_default();
         assert!(
-            socket.starts_with(&kernel.dirs.run.display().to_string()) || socket.starts_with('@'),
+            socket.starts_with("/run/cellgate/") || socket.starts_with('@'),
             "unexpected unix socket visible: {socket}"
         );
     }
@@ -913,6 +918,8 @@ async fn memory_limit_kills_the_hungry_child_and_the_kernel_survives() {
     require_root("memory limit test");
     let mut kernel = start_kernel(Limits {
         memory_bytes: Some(256 << 20),
+        // The memory cgroup holds memory + workspace (a RAM disk): 320 MiB here.
+        workspace_bytes: Some(64 << 20),
         ..Limits::default()
     })
     .await;

@@ -12,13 +12,30 @@ user's own full collections no longer walk them either (without it the paused co
 only moved to the kernel's first messages: no gain). The collector is back on before the
 kernel handles its first message: user code runs with Python's ordinary GC.
 
+It also bounds each cell's output at the source (`CELLGATE_OUTPUT_LIMIT`, set by the gateway
+from the policy's `output_per_execution`): see `_bound_output`.
+
 `./dev setup` copies this file into the kernel venv's site-packages (the sandboxes mount the
 venv, not the kernelspec directory); kernel.json runs it with `-m`.
 """
 
+import collections
 import gc
+import json
 import os
 import sys
+import threading
+
+# Unsent stream text (characters) past which a writer waits for the IOPub thread to send
+# what it holds: the kernel's buffer stays this small whatever the policy's output limit.
+UNSENT_BOUND = 1 << 20
+# Text a stream write may add past the limit, so the cell's output is surely over the
+# gateway's limit (which counts whole messages, never fewer bytes than the text) once the
+# kernel stops sending: the gateway then marks the cell `output_truncated`.
+CROSSING_MARGIN = 4096
+# Cells whose spending is remembered: outputs of older cells (a background thread still
+# printing) start a fresh count, which only lets more through.
+REMEMBERED_CELLS = 64
 
 
 def main() -> None:
@@ -35,6 +52,7 @@ def main() -> None:
 
         app = IPKernelApp.instance()
         app.initialize()
+        _bound_output(app, os.environ.pop("CELLGATE_OUTPUT_LIMIT", None))
     finally:
         gc.freeze()
         gc.enable()
@@ -48,6 +66,105 @@ def main() -> None:
     control = getattr(app, "control_thread", None)
     if control is not None and control.is_alive():
         control.join(timeout=2)
+
+
+class _Budget:
+    """Output characters each cell (by its execute_request's msg_id) has sent."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._spent: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Writers are the user's threads, the fd-capture threads and the shell's thread.
+        self._lock = threading.Lock()
+
+    def take(self, parent: dict, wanted: int, *, whole: bool) -> int:
+        """How much of `wanted` characters may go out. A cell over its limit sends nothing
+        more; the write that crosses it goes out whole (a rich output, which cannot be cut)
+        or cut at a little past the limit (stream text)."""
+        msg_id = (parent or {}).get("msg_id", "")
+        with self._lock:
+            spent = self._spent.get(msg_id, 0)
+            if spent > self.limit:
+                return 0
+            granted = wanted if whole else min(wanted, self.limit - spent + CROSSING_MARGIN)
+            self._spent[msg_id] = spent + granted
+            self._spent.move_to_end(msg_id)
+            while len(self._spent) > REMEMBERED_CELLS:
+                self._spent.popitem(last=False)
+            return granted
+
+
+def _rich_size(msg: dict) -> int:
+    """A lower bound of a rich output's size on the wire, in characters."""
+    size = 0
+    for value in (msg.get("content") or {}).get("data", {}).values():
+        if isinstance(value, (str, bytes)):
+            size += len(value)
+        else:
+            try:
+                size += len(json.dumps(value, default=str))
+            except (TypeError, ValueError):
+                pass
+    return size
+
+
+def _bound_output(app, limit_text) -> None:
+    """Drops a cell's output in the kernel once it passes the gateway's limit.
+
+    Why: ipykernel buffers stdout without bound when code prints faster than its IOPub thread
+    sends (a print loop reaches gigabytes in seconds), so a flood ended in an OOM kill and lost
+    the session's variables, although the gateway forwards nothing past the limit anyway. Here
+    the cell's stream writes and rich outputs (display_data, update_display_data,
+    execute_result) share one budget per cell; past it they are dropped before they are
+    buffered, and the gateway, which has then seen more than its limit, ends the cell
+    `output_truncated` with the head shown. Below the limit a writer that gets ahead of the
+    IOPub thread by `UNSENT_BOUND` waits for it, so nothing is lost to speed either.
+    """
+    from ipykernel.iostream import OutStream
+
+    budget = None
+    if limit_text:
+        try:
+            budget = _Budget(int(limit_text))
+        except ValueError:
+            print(f"cellgate: ignoring CELLGATE_OUTPUT_LIMIT={limit_text!r}", file=sys.__stderr__)
+
+    original_write = OutStream.write
+
+    def write(self, string):
+        if not isinstance(string, str):
+            return original_write(self, string)  # raises ipykernel's own TypeError
+        wanted = len(string)
+        if budget is not None:
+            granted = budget.take(self.parent_header, wanted, whole=False)
+            if granted < wanted:
+                if granted:
+                    original_write(self, string[:granted])
+                # The caller's text counts as written: a print loop must not fail for it.
+                return wanted
+        written = original_write(self, string)
+        unsent = getattr(self, "_cellgate_unsent", 0) + wanted
+        if unsent > UNSENT_BOUND:
+            unsent = 0
+            self.flush()  # blocks until the IOPub thread has sent it
+        self._cellgate_unsent = unsent
+        return written
+
+    OutStream.write = write
+
+    if budget is None:
+        return
+
+    def rich_hook(msg):
+        parent = msg.get("parent_header") or {}
+        size = _rich_size(msg)
+        return msg if budget.take(parent, size, whole=True) == size else None
+
+    shell = getattr(app, "shell", None)
+    for publisher in (getattr(shell, "display_pub", None), getattr(shell, "displayhook", None)):
+        register = getattr(publisher, "register_hook", None)
+        if register is not None:
+            register(rich_hook)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,14 @@
 //! Records of a deleted session stay fetchable for a retention period, then go
 //! ([`ArtifactStore::reap`]).
 //!
+//! Stored bytes are bounded three ways, each checked when an artifact is recorded and named
+//! in the refusal ([`Quota`]): per session and per tenant (the policy's
+//! `artifacts_per_session` and `artifacts_per_tenant`, counting every record of the session
+//! or tenant, a deleted session's retained ones included), and a gateway-wide minimum of free
+//! disk under the store. Below that minimum the retained artifacts of deleted sessions go
+//! first, oldest first, before their retention ends; live sessions' artifacts are never
+//! taken back.
+//!
 //! Large outputs are stored off the execution's critical path: everything a reference
 //! carries (size, dimensions, summary) comes from the head of the content, so
 //! [`ArtifactStore::reserve`] records the artifact at once and a [`Reservation`] hashes and
@@ -87,6 +95,71 @@ pub enum ArtifactError {
     SizeMismatch { promised: u64, got: u64 },
     #[error("artifact {0} is still being stored")]
     NotReady(String),
+    #[error(
+        "{bytes} more bytes would pass the {quota} quota of {limit} bytes ({used} bytes stored)"
+    )]
+    OverQuota {
+        quota: Quota,
+        limit: u64,
+        used: u64,
+        bytes: u64,
+    },
+    #[error("the artifact store's disk has {free} bytes free; the gateway keeps {limit} bytes free (artifact_min_free_disk)")]
+    DiskLow { free: u64, limit: u64 },
+}
+
+impl ArtifactError {
+    /// The quota a refusal names, if it is one.
+    pub fn quota(&self) -> Option<Quota> {
+        match self {
+            ArtifactError::TooLarge { .. } => Some(Quota::ArtifactSize),
+            ArtifactError::OverQuota { quota, .. } => Some(*quota),
+            ArtifactError::DiskLow { .. } => Some(Quota::ArtifactMinFreeDisk),
+            _ => None,
+        }
+    }
+}
+
+/// A limit on stored artifacts, named as in the policy or the gateway's configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Quota {
+    /// The policy's `artifact_size`: one artifact.
+    ArtifactSize,
+    /// The policy's `artifacts_per_session`.
+    ArtifactsPerSession,
+    /// The policy's `artifacts_per_tenant`: every session of the tenant, retained ones too.
+    ArtifactsPerTenant,
+    /// The gateway's `artifact_min_free_disk`.
+    ArtifactMinFreeDisk,
+}
+
+impl std::fmt::Display for Quota {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Quota::ArtifactSize => "artifact_size",
+            Quota::ArtifactsPerSession => "artifacts_per_session",
+            Quota::ArtifactsPerTenant => "artifacts_per_tenant",
+            Quota::ArtifactMinFreeDisk => "artifact_min_free_disk",
+        })
+    }
+}
+
+/// The byte quotas of one session's artifacts (its policy's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quotas {
+    pub per_session: u64,
+    pub per_tenant: u64,
+}
+
+impl Default for Quotas {
+    /// No quota.
+    fn default() -> Self {
+        Quotas {
+            per_session: u64::MAX,
+            per_tenant: u64::MAX,
+        }
+    }
 }
 
 /// Where an artifact came from.
@@ -144,6 +217,7 @@ pub struct NewArtifact<'a> {
     /// The bundle's `text/plain`, for the summary.
     pub text: Option<&'a str>,
     pub path: Option<&'a str>,
+    pub quotas: Quotas,
 }
 
 /// What an artifact knows before its bytes are stored: what its reference carries.
@@ -193,6 +267,59 @@ struct Index {
     blobs: HashMap<String, usize>,
     /// Latest artifact per (session, display id, MIME type), for update versions.
     displays: HashMap<(String, String, String), String>,
+    /// Bytes of the records of each session, and of each tenant (`""`: no tenant).
+    session_bytes: HashMap<String, u64>,
+    tenant_bytes: HashMap<String, u64>,
+}
+
+fn tenant_key(artifact: &Artifact) -> &str {
+    artifact.owner.as_deref().unwrap_or("")
+}
+
+impl Index {
+    fn insert(&mut self, record: Record) {
+        let artifact = &record.artifact;
+        *self
+            .session_bytes
+            .entry(artifact.session.clone())
+            .or_default() += artifact.bytes;
+        *self
+            .tenant_bytes
+            .entry(tenant_key(artifact).to_owned())
+            .or_default() += artifact.bytes;
+        self.records.insert(artifact.id.clone(), record);
+    }
+
+    /// Removes a record and its bytes from the usage counts (not its blob reference).
+    fn remove(&mut self, id: &str) -> Option<Record> {
+        let record = self.records.remove(id)?;
+        let artifact = &record.artifact;
+        for (map, key) in [
+            (&mut self.session_bytes, artifact.session.as_str()),
+            (&mut self.tenant_bytes, tenant_key(artifact)),
+        ] {
+            if let Some(used) = map.get_mut(key) {
+                *used = used.saturating_sub(artifact.bytes);
+                if *used == 0 {
+                    map.remove(key);
+                }
+            }
+        }
+        Some(record)
+    }
+
+    /// Drops one reference to a blob; `true` when it was the last (remove the file).
+    fn release_blob(&mut self, sha: &str) -> bool {
+        let left = self.blobs.get_mut(sha).map(|n| {
+            *n = n.saturating_sub(1);
+            *n
+        });
+        if left == Some(0) {
+            self.blobs.remove(sha);
+            return true;
+        }
+        false
+    }
 }
 
 /// The artifact store of one gateway.
@@ -200,6 +327,18 @@ pub struct ArtifactStore {
     dir: PathBuf,
     index: RwLock<Index>,
     retention: Duration,
+    /// Free bytes the store leaves on its disk (0: no minimum).
+    min_free_disk: u64,
+    /// Reads the free bytes of the store's disk (statvfs; tests give a disk of their own).
+    free_space: FreeSpace,
+}
+
+/// How the store reads its disk's free space.
+type FreeSpace = Box<dyn Fn(&Path) -> std::io::Result<u64> + Send + Sync>;
+
+fn statvfs_free(dir: &Path) -> std::io::Result<u64> {
+    let stat = rustix::fs::statvfs(dir)?;
+    Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
 impl ArtifactStore {
@@ -218,7 +357,138 @@ impl ArtifactStore {
             dir,
             index: RwLock::new(Index::default()),
             retention,
+            min_free_disk: 0,
+            free_space: Box::new(statvfs_free),
         })
+    }
+
+    /// Keeps at least `bytes` free on the store's disk (see [`Quota::ArtifactMinFreeDisk`]).
+    pub fn with_min_free_disk(mut self, bytes: u64) -> ArtifactStore {
+        self.min_free_disk = bytes;
+        self
+    }
+
+    /// Free bytes on the store's disk for an unprivileged writer; `None` if it cannot be
+    /// read (then no minimum is enforced, and the log says so).
+    fn free_disk(&self) -> Option<u64> {
+        match (self.free_space)(&self.dir) {
+            Ok(free) => Some(free),
+            Err(err) => {
+                tracing::warn!(dir = %self.dir.display(), %err, "cannot read the artifact disk's free space");
+                None
+            }
+        }
+    }
+
+    /// Whether `bytes` more fit under `new`'s quotas (what [`ArtifactStore::put`] and the
+    /// others check when they record): lets a caller refuse before reading a large file.
+    pub fn check(&self, new: &NewArtifact<'_>, bytes: u64) -> Result<(), ArtifactError> {
+        let index = self.index.read();
+        Self::check_quotas(&index, new, bytes)?;
+        drop(index);
+        self.check_disk(bytes, false)
+    }
+
+    fn check_quotas(index: &Index, new: &NewArtifact<'_>, bytes: u64) -> Result<(), ArtifactError> {
+        let session_used = index.session_bytes.get(new.session).copied().unwrap_or(0);
+        let tenant_used = index
+            .tenant_bytes
+            .get(new.owner.unwrap_or(""))
+            .copied()
+            .unwrap_or(0);
+        for (quota, limit, used) in [
+            (
+                Quota::ArtifactsPerSession,
+                new.quotas.per_session,
+                session_used,
+            ),
+            (
+                Quota::ArtifactsPerTenant,
+                new.quotas.per_tenant,
+                tenant_used,
+            ),
+        ] {
+            if used.saturating_add(bytes) > limit {
+                return Err(ArtifactError::OverQuota {
+                    quota,
+                    limit,
+                    used,
+                    bytes,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `bytes` more leave the minimum free; with `relieve`, retained artifacts of
+    /// deleted sessions are removed (oldest first) to make room.
+    fn check_disk(&self, bytes: u64, relieve: bool) -> Result<(), ArtifactError> {
+        if self.min_free_disk == 0 {
+            return Ok(());
+        }
+        let Some(free) = self.free_disk() else {
+            return Ok(());
+        };
+        let wanted = self.min_free_disk.saturating_add(bytes);
+        if free >= wanted {
+            return Ok(());
+        }
+        let free = if relieve {
+            self.relieve(wanted).unwrap_or(free)
+        } else {
+            free
+        };
+        if free >= wanted {
+            return Ok(());
+        }
+        Err(ArtifactError::DiskLow {
+            free,
+            limit: self.min_free_disk,
+        })
+    }
+
+    /// Removes retained artifacts of deleted sessions, oldest first, until `wanted` bytes are
+    /// free or none is left. Returns the free bytes after.
+    fn relieve(&self, wanted: u64) -> Option<u64> {
+        let mut index = self.index.write();
+        let mut retained: Vec<(String, String)> = index
+            .records
+            .iter()
+            .filter(|(_, r)| r.expires.is_some() && matches!(r.blob, Blob::Stored(_)))
+            .map(|(id, r)| (r.artifact.created.clone(), id.clone()))
+            .collect();
+        // `created` has a fixed width, so text order is time order.
+        retained.sort();
+        let mut free = self.free_disk()?;
+        let mut removed = 0usize;
+        for (_, id) in retained {
+            if free >= wanted {
+                break;
+            }
+            let Some(record) = index.remove(&id) else {
+                continue;
+            };
+            removed += 1;
+            if let Blob::Stored(sha) = &record.blob {
+                if index.release_blob(sha) {
+                    let path = self.blob_path(sha);
+                    if let Err(err) = std::fs::remove_file(&path) {
+                        tracing::warn!(path = %path.display(), %err, "could not remove an artifact");
+                    }
+                    free = self.free_disk()?;
+                }
+            }
+        }
+        drop(index);
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                free,
+                min_free = self.min_free_disk,
+                "disk low: removed retained artifacts of deleted sessions, oldest first"
+            );
+        }
+        Some(free)
     }
 
     fn blob_path(&self, sha: &str) -> PathBuf {
@@ -236,7 +506,7 @@ impl ArtifactStore {
         let description = Description::from_head(new, content, content.len() as u64);
         // Recorded first: a blob with a reference is never reaped, so the write below
         // cannot race with the removal of an identical blob.
-        let artifact = self.record(new, description, Blob::Stored(sha.clone()));
+        let artifact = self.record(new, description, Blob::Stored(sha.clone()))?;
         if let Err(err) = self.write_blob(&sha, content) {
             self.forget(&artifact.id);
             return Err(err);
@@ -288,7 +558,13 @@ impl ArtifactStore {
         }
         let sha = hex::encode(hasher.finalize());
         let description = Description::from_head(new, &head, size);
-        let artifact = self.record(new, description, Blob::Stored(sha.clone()));
+        let artifact = match self.record(new, description, Blob::Stored(sha.clone())) {
+            Ok(artifact) => artifact,
+            Err(err) => {
+                let _ = std::fs::remove_file(&tmp_path);
+                return Err(err);
+            }
+        };
         let target = self.blob_path(&sha);
         let placed = std::fs::create_dir_all(target.parent().unwrap_or(&self.dir))
             .and_then(|_| std::fs::rename(&tmp_path, &target));
@@ -337,10 +613,10 @@ impl ArtifactStore {
         self: &Arc<Self>,
         new: &NewArtifact<'_>,
         description: Description,
-    ) -> (Arc<Artifact>, Reservation) {
+    ) -> Result<(Arc<Artifact>, Reservation), ArtifactError> {
         let (done, pending) = watch::channel(false);
         let bytes = description.bytes;
-        let artifact = self.record(new, description, Blob::Pending(pending));
+        let artifact = self.record(new, description, Blob::Pending(pending))?;
         let reservation = Reservation {
             store: self.clone(),
             id: artifact.id.clone(),
@@ -348,17 +624,25 @@ impl ArtifactStore {
             done,
             settled: false,
         };
-        (artifact, reservation)
+        Ok((artifact, reservation))
     }
 
-    fn record(&self, new: &NewArtifact<'_>, description: Description, blob: Blob) -> Arc<Artifact> {
+    /// Records an artifact once it fits under its quotas and the disk minimum.
+    fn record(
+        &self,
+        new: &NewArtifact<'_>,
+        description: Description,
+        blob: Blob,
+    ) -> Result<Arc<Artifact>, ArtifactError> {
         let Description {
             bytes,
             width,
             height,
             summary,
         } = description;
+        self.check_disk(bytes, true)?;
         let mut index = self.index.write();
+        Self::check_quotas(&index, new, bytes)?;
         let (version, previous) = match new.display_id {
             Some(display) => {
                 let key = (
@@ -405,21 +689,18 @@ impl ArtifactStore {
         if let Blob::Stored(sha) = &blob {
             *index.blobs.entry(sha.clone()).or_default() += 1;
         }
-        index.records.insert(
-            artifact.id.clone(),
-            Record {
-                artifact: artifact.clone(),
-                blob,
-                expires: None,
-            },
-        );
-        artifact
+        index.insert(Record {
+            artifact: artifact.clone(),
+            blob,
+            expires: None,
+        });
+        Ok(artifact)
     }
 
     /// Drops a record whose blob could not be written.
     fn forget(&self, id: &str) {
         let mut index = self.index.write();
-        if let Some(record) = index.records.remove(id) {
+        if let Some(record) = index.remove(id) {
             if let Blob::Stored(sha) = &record.blob {
                 if let Some(n) = index.blobs.get_mut(sha) {
                     *n = n.saturating_sub(1);
@@ -502,13 +783,8 @@ impl ArtifactStore {
             }
             return Ok(());
         }
-        index.records.remove(id);
-        let left = index.blobs.get_mut(&sha).map(|n| {
-            *n = n.saturating_sub(1);
-            *n
-        });
-        if left == Some(0) {
-            index.blobs.remove(&sha);
+        index.remove(id);
+        if index.release_blob(&sha) {
             let _ = std::fs::remove_file(self.blob_path(&sha));
         }
         written
@@ -554,17 +830,12 @@ impl ArtifactStore {
                 .map(|(id, _)| id.clone())
                 .collect();
             for id in expired {
-                if let Some(record) = index.records.remove(&id) {
+                if let Some(record) = index.remove(&id) {
                     // A pending record counts no blob yet; its reservation cleans up.
                     let Blob::Stored(sha) = &record.blob else {
                         continue;
                     };
-                    let left = index.blobs.get_mut(sha).map(|n| {
-                        *n -= 1;
-                        *n
-                    });
-                    if left == Some(0) {
-                        index.blobs.remove(sha);
+                    if index.release_blob(sha) {
                         unused.push(sha.clone());
                     }
                 }
@@ -580,6 +851,14 @@ impl ArtifactStore {
             }
         }
         drop(index);
+        // Under disk pressure, retained artifacts go before their time.
+        if self.min_free_disk > 0 {
+            if let Some(free) = self.free_disk() {
+                if free < self.min_free_disk {
+                    self.relieve(self.min_free_disk);
+                }
+            }
+        }
     }
 
     pub fn dir(&self) -> &Path {

@@ -10,6 +10,7 @@ fn new<'a>(session: &'a str, mime: &'a str, display: Option<&'a str>) -> NewArti
         display_id: display,
         text: None,
         path: None,
+        quotas: Quotas::default(),
     }
 }
 
@@ -132,7 +133,7 @@ fn reserve(
 ) -> (Arc<Artifact>, Reservation) {
     let n = new(session, "image/png", None);
     let description = Description::from_head(&n, &bytes[..bytes.len().min(64)], bytes.len() as u64);
-    store.reserve(&n, description)
+    store.reserve(&n, description).unwrap()
 }
 
 #[tokio::test]
@@ -235,4 +236,140 @@ fn walk_files(dir: &Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+fn limited<'a>(session: &'a str, owner: Option<&'a str>, quotas: Quotas) -> NewArtifact<'a> {
+    NewArtifact {
+        owner,
+        quotas,
+        ..new(session, "text/html", None)
+    }
+}
+
+#[test]
+fn session_and_tenant_quotas_refuse_and_name_themselves() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ArtifactStore::new(dir.path().join("a"), Duration::from_secs(60)).unwrap();
+    let quotas = Quotas {
+        per_session: 1000,
+        per_tenant: 1500,
+    };
+    let chunk = |c: u8| vec![c; 400];
+    store
+        .put(&limited("s1", Some("t"), quotas), &chunk(b'a'))
+        .unwrap();
+    store
+        .put(&limited("s1", Some("t"), quotas), &chunk(b'b'))
+        .unwrap();
+    let err = store
+        .put(&limited("s1", Some("t"), quotas), &chunk(b'c'))
+        .unwrap_err();
+    assert_eq!(err.quota(), Some(Quota::ArtifactsPerSession), "{err}");
+    assert!(err.to_string().contains("artifacts_per_session"), "{err}");
+    // Another session of the same tenant: its own session quota, the tenant's shared one.
+    store
+        .put(&limited("s2", Some("t"), quotas), &chunk(b'd'))
+        .unwrap();
+    let err = store
+        .put(&limited("s2", Some("t"), quotas), &chunk(b'e'))
+        .unwrap_err();
+    assert_eq!(err.quota(), Some(Quota::ArtifactsPerTenant), "{err}");
+    assert_eq!(
+        store
+            .check(&limited("s2", Some("t"), quotas), 400)
+            .unwrap_err()
+            .quota(),
+        Some(Quota::ArtifactsPerTenant)
+    );
+    // Another tenant is not charged for t's bytes.
+    store
+        .put(&limited("s3", Some("u"), quotas), &chunk(b'f'))
+        .unwrap();
+    // Refused content leaves no blob behind: three of t's, one of u's.
+    let blobs = walk_files(&dir.path().join("a"));
+    assert_eq!(blobs.len(), 4, "blobs on disk: {blobs:?}");
+    // A deleted session's retained artifacts still count for its tenant, until reaped.
+    store.expire_session("s1");
+    assert!(store
+        .put(&limited("s4", Some("t"), quotas), &chunk(b'g'))
+        .is_err());
+}
+
+#[test]
+fn reaping_frees_the_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ArtifactStore::new(dir.path().join("a"), Duration::ZERO).unwrap();
+    let quotas = Quotas {
+        per_session: u64::MAX,
+        per_tenant: 500,
+    };
+    store
+        .put(&limited("s1", None, quotas), &[1u8; 400])
+        .unwrap();
+    assert!(store
+        .put(&limited("s2", None, quotas), &[2u8; 400])
+        .is_err());
+    store.expire_session("s1");
+    store.reap();
+    store
+        .put(&limited("s2", None, quotas), &[2u8; 400])
+        .unwrap();
+}
+
+#[test]
+fn below_the_free_disk_minimum_retained_artifacts_go_oldest_first() {
+    let dir = tempfile::tempdir().unwrap();
+    // A disk of 10 MiB that holds only the store (a real one changes under other tests).
+    let mut store = ArtifactStore::new(dir.path().join("a"), Duration::from_secs(3600))
+        .unwrap()
+        .with_min_free_disk(6 << 20);
+    store.free_space = Box::new(|dir: &Path| Ok((10u64 << 20).saturating_sub(du(dir))));
+    let mib = |c: u8| vec![c; 1 << 20];
+    let old = store.put(&new("old", "image/png", None), &mib(1)).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let newer = store.put(&new("old", "image/png", None), &mib(2)).unwrap();
+    let live = store.put(&new("live", "image/png", None), &mib(3)).unwrap();
+    let live2 = store.put(&new("live", "image/png", None), &mib(4)).unwrap();
+    // 4 MiB stored, 6 MiB free: nothing retained yet, and a live session's artifacts are
+    // never taken back.
+    let err = store
+        .put(&new("live", "image/png", None), &mib(5))
+        .unwrap_err();
+    assert_eq!(err.quota(), Some(Quota::ArtifactMinFreeDisk), "{err}");
+    assert!(err.to_string().contains("artifact_min_free_disk"), "{err}");
+    assert!([&old, &newer, &live, &live2]
+        .iter()
+        .all(|a| store.get(&a.id).is_some()));
+    // Once "old" is deleted, its oldest artifact makes room, and only as much as needed.
+    store.expire_session("old");
+    store.put(&new("live", "image/png", None), &mib(5)).unwrap();
+    assert!(
+        store.get(&old.id).is_none(),
+        "the oldest retained artifact went"
+    );
+    assert!(
+        store.get(&newer.id).is_some(),
+        "only as many as needed went"
+    );
+    assert!(store.get(&live.id).is_some() && store.get(&live2.id).is_some());
+    assert_eq!(du(dir.path()), 4 << 20, "the freed blob is gone from disk");
+    // The sweeper does the same under pressure, before the retention ends.
+    store.min_free_disk = 7 << 20;
+    store.reap();
+    assert!(store.get(&newer.id).is_none(), "reaped under pressure");
+    assert!(store.get(&live.id).is_some());
+}
+
+/// Bytes of the files under `dir`.
+fn du(dir: &Path) -> u64 {
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let meta = entry.metadata().unwrap();
+        n += if meta.is_dir() {
+            du(&entry.path())
+        } else {
+            meta.len()
+        };
+    }
+    n
 }

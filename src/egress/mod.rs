@@ -10,7 +10,9 @@
 //! absolute-form requests (`GET http://host/…`). Every destination is checked against the
 //! session policy's `[egress]` rules, resolved by the proxy itself and vetted
 //! ([`resolve`]); requests for `packages.cellgate.internal` are answered by the package
-//! index ([`crate::packages`]) whatever the egress rules say.
+//! index ([`crate::packages`]) whatever the egress rules say. The destination is asked for
+//! the approved name only: a tunnel's TLS ClientHello must name it ([`client_hello`]) and a
+//! plain request goes out with its `Host`.
 //!
 //! Every decision is logged with the kernel id and the msg_id of the running execution;
 //! denials are also attached to that execution ([`Session::deny`]).
@@ -18,6 +20,7 @@
 //! Must not depend on: HTTP gateway handlers. (It reports denials through the kernel's
 //! router, nothing else of the kernel.)
 
+pub mod client_hello;
 pub mod proxy;
 pub mod resolve;
 

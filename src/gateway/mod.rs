@@ -138,7 +138,8 @@ fn v1_sessions(
         kernels.runtime_root().join("artifacts"),
         config.artifact_retention,
     )
-    .map_err(std::io::Error::other)?;
+    .map_err(std::io::Error::other)?
+    .with_min_free_disk(config.artifact_min_free_disk);
     Ok(crate::sessions::Sessions::new(
         kernels.clone(),
         Arc::new(artifacts),

@@ -24,8 +24,8 @@ use super::state::AppState;
 use super::Principal;
 use crate::kernel::Kernel;
 use crate::notebook::{
-    export_notebook, parse_notebook, replay, KernelspecInfo, NotebookError, ReplayOptions,
-    ReplayOutcome,
+    export_notebook, parse_notebook, replay, replay_in, start_kernel, KernelspecInfo,
+    NotebookError, ReplayOptions, ReplayOutcome,
 };
 
 /// Largest notebook a replay accepts (images inline make notebooks big).
@@ -201,7 +201,21 @@ pub async fn replay_notebook(
         return Ok(Json(outcome_json(&outcome)).into_response());
     }
     let (events_tx, events_rx) = mpsc::unbounded_channel::<Event>();
+    // The kernel starts before the stream does, so a refusal (the tenant's cap, an unknown
+    // policy) is this response's status and not an event inside a 200 stream. It starts in
+    // the task all the same: a client that hangs up meanwhile leaves no kernel behind.
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<Result<(), ApiError>>();
     tokio::spawn(async move {
+        let kernel = match start_kernel(&state.kernels, &parsed, &options).await {
+            Ok(kernel) => {
+                let _ = started_tx.send(Ok(()));
+                kernel
+            }
+            Err(err) => {
+                let _ = started_tx.send(Err(ApiError::from(err)));
+                return;
+            }
+        };
         let (progress_tx, mut progress_rx) = mpsc::unbounded_channel();
         let forward = events_tx.clone();
         let relay = tokio::spawn(async move {
@@ -212,7 +226,7 @@ pub async fn replay_notebook(
                 }
             }
         });
-        let result = replay(&state.kernels, parsed, &options, Some(&progress_tx)).await;
+        let result = replay_in(&state.kernels, kernel, parsed, &options, Some(&progress_tx)).await;
         drop(progress_tx);
         let _ = relay.await;
         let event = match result {
@@ -230,6 +244,16 @@ pub async fn replay_notebook(
             let _ = events_tx.send(event);
         }
     });
+    match started_rx.await {
+        Ok(Ok(())) => {}
+        Ok(Err(refused)) => return Err(refused),
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Internal error; see the gateway's log",
+            ))
+        }
+    }
     let stream = futures_util::stream::unfold(events_rx, |mut rx| async move {
         rx.recv()
             .await

@@ -24,6 +24,19 @@ use super::KernelError;
 use crate::protocol::{Channel, Message};
 use crate::sandbox::{ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxHandle};
 
+/// The environment variable that tells the kernel launcher
+/// (kernels/python3/cellgate_kernel_launcher.py) the output limit of one execution.
+pub const OUTPUT_LIMIT_ENV: &str = "CELLGATE_OUTPUT_LIMIT";
+
+/// Where IPython, matplotlib and other XDG-minded libraries keep their own files inside a
+/// sandbox (whose `/tmp` is private), rather than under `$HOME`, the user's workspace.
+const SANDBOX_TMP_DIRS: &[(&str, &str)] = &[
+    ("IPYTHONDIR", "/tmp/.ipython"),
+    ("MPLCONFIGDIR", "/tmp/.config/matplotlib"),
+    ("XDG_CACHE_HOME", "/tmp/.cache"),
+    ("XDG_CONFIG_HOME", "/tmp/.config"),
+];
+
 /// Timeouts of the lifecycle.
 #[derive(Debug, Clone)]
 pub struct KernelOptions {
@@ -162,6 +175,20 @@ impl Kernel {
                 // decides. The defaults only fill what the client left unset.
                 env.entry(k).or_insert(v);
             }
+        }
+        if sandbox.backend() != crate::sandbox::Backend::Process {
+            // Configuration and caches into the sandbox's private /tmp: the workspace (the
+            // kernel's HOME) then holds only what the user's code wrote.
+            for (name, dir) in SANDBOX_TMP_DIRS {
+                env.entry((*name).to_owned())
+                    .or_insert_with(|| (*dir).to_owned());
+            }
+        }
+        if let Some(limit) = options.output_limit {
+            // The kernel launcher stops sending a cell's output a little past this, so a
+            // print loop cannot fill the kernel's memory with output the router would drop.
+            // Set after the client's variables: a client cannot lift it.
+            env.insert(OUTPUT_LIMIT_ENV.to_owned(), limit.to_string());
         }
         let (readiness, _) = watch::channel(Readiness::Starting);
         let kernel = Arc::new(Kernel {

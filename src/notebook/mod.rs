@@ -17,8 +17,8 @@ pub use compare::{compare_outputs, image_dimensions, normalize_text};
 pub use export::{export_notebook, KernelspecInfo};
 pub use parse::{parse_notebook, write_notebook, ParsedNotebook};
 pub use replay::{
-    replay, replay_with, CellReport, CellRun, CellRunner, CellStatus, KernelRunner, Progress,
-    ReplayOptions, ReplayOutcome,
+    replay, replay_in, replay_with, start_kernel, CellReport, CellRun, CellRunner, CellStatus,
+    KernelRunner, Progress, ReplayOptions, ReplayOutcome,
 };
 
 use crate::kernel::KernelError;

@@ -492,14 +492,36 @@ pub async fn replay(
     options: &ReplayOptions,
     progress: Option<&mpsc::UnboundedSender<Progress>>,
 ) -> Result<ReplayOutcome, NotebookError> {
+    let kernel = start_kernel(manager, &parsed, options).await?;
+    replay_in(manager, kernel, parsed, options, progress).await
+}
+
+/// Starts the kernel a replay of `parsed` runs in (its owner's caps apply: refused past
+/// them). Separate from [`replay_in`] so a caller can answer a refusal before it starts
+/// streaming.
+pub async fn start_kernel(
+    manager: &Arc<KernelManager>,
+    parsed: &ParsedNotebook,
+    options: &ReplayOptions,
+) -> Result<Arc<Kernel>, NotebookError> {
     let name = kernel_for(manager.specs(), &parsed.notebook.metadata)?;
     let mut env = BTreeMap::new();
     if let Some(policy) = &options.policy {
         env.insert(POLICY_ENV.to_owned(), policy.clone());
     }
-    let kernel = manager
+    Ok(manager
         .start_for(name.as_deref(), &env, options.owner.as_ref())
-        .await?;
+        .await?)
+}
+
+/// Replays `parsed` in `kernel` (from [`start_kernel`]) and shuts the kernel down after.
+pub async fn replay_in(
+    manager: &Arc<KernelManager>,
+    kernel: Arc<Kernel>,
+    parsed: ParsedNotebook,
+    options: &ReplayOptions,
+    progress: Option<&mpsc::UnboundedSender<Progress>>,
+) -> Result<ReplayOutcome, NotebookError> {
     let result = async {
         kernel.wait_ready().await?;
         let mut runner = KernelRunner::new(kernel.clone());

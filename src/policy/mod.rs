@@ -10,7 +10,7 @@
 //! Must not depend on: kernels, HTTP. (It names a sandbox backend, nothing more.)
 
 pub mod access;
-mod units;
+pub mod units;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -88,6 +88,10 @@ struct LimitsSection {
     #[serde(default, with = "units::serde_size")]
     artifact_size: Option<u64>,
     #[serde(default, with = "units::serde_size")]
+    artifacts_per_session: Option<u64>,
+    #[serde(default, with = "units::serde_size")]
+    artifacts_per_tenant: Option<u64>,
+    #[serde(default, with = "units::serde_size")]
     upload_size: Option<u64>,
 }
 
@@ -113,6 +117,11 @@ pub struct PolicyLimits {
     pub max_kernels: usize,
     /// Largest rich output or `outputs/` file kept as an API v1 artifact.
     pub artifact_bytes: u64,
+    /// Bytes of artifacts one session may keep (a deleted session's retained ones count).
+    pub artifacts_per_session_bytes: u64,
+    /// Bytes of artifacts one tenant may keep over all its sessions under this policy's
+    /// quota (live and retained).
+    pub artifacts_per_tenant_bytes: u64,
     /// Largest file uploaded into the workspace through API v1.
     pub upload_bytes: u64,
 }
@@ -131,6 +140,8 @@ impl Default for PolicyLimits {
             output_per_execution_bytes: 10 << 20,
             max_kernels: 64,
             artifact_bytes: 32 << 20,
+            artifacts_per_session_bytes: 256 << 20,
+            artifacts_per_tenant_bytes: 1 << 30,
             upload_bytes: 1 << 30,
         }
     }
@@ -190,6 +201,12 @@ impl Policy {
                 .unwrap_or(d.output_per_execution_bytes),
             max_kernels: l.max_kernels.unwrap_or(d.max_kernels),
             artifact_bytes: l.artifact_size.unwrap_or(d.artifact_bytes),
+            artifacts_per_session_bytes: l
+                .artifacts_per_session
+                .unwrap_or(d.artifacts_per_session_bytes),
+            artifacts_per_tenant_bytes: l
+                .artifacts_per_tenant
+                .unwrap_or(d.artifacts_per_tenant_bytes),
             upload_bytes: l.upload_size.unwrap_or(d.upload_bytes),
         };
         if limits.memory_bytes < 64 << 20 {

@@ -5,23 +5,27 @@
 //! # Design
 //!
 //! **OCI bundle, not `runsc do`.** `runsc do` shows the host's whole `/` (copy-on-write) and
-//! has no way to bind the runtime directory read-write at its own path or to pick the user,
+//! has no way to bind the runtime directory read-write at a path of our choosing or to pick the user,
 //! so the backend writes a bundle per launch: `config.json` (serde_json) and a `rootfs`
 //! directory that holds only mount points, the generated `/etc` files and the `bin`/`lib`
 //! symlinks of a merged-`/usr` host. The root is read-only; on top of it:
 //!
 //! * `/usr` read-only, the host's harmless `/etc` entries (dynamic linker cache,
 //!   certificates, time zone…) read-only, one by one; never `shadow` or the gateway's files;
-//! * the kernel's Python environment (the venv and its base interpreter's prefix) and files
-//!   named in its command, read-only at the same paths (the same selection as the namespaces
-//!   backend, see `namespaces::python_roots`);
+//! * the kernel's Python environment at fixed paths (`sandbox::relocate`, shared with the
+//!   namespaces backend): the venv's view at `/opt/cellgate/venv` (its `lib` bound
+//!   read-only, `pyvenv.cfg`, interpreter links and console scripts rewritten, written into
+//!   the bundle's rootfs) and the base interpreter's prefix at `/opt/cellgate/python`; files
+//!   named in its command read-only at their own paths;
 //! * `/tmp` a tmpfs of the Sentry (memory, charged to the sandbox);
-//! * the runtime directory **bind-mounted read-write at the same path**, so the connection
-//!   file and the `ipc://` endpoints need no rewriting. `--host-uds=all` is what makes a
+//! * the runtime directory **bind-mounted read-write at `/run/cellgate`**; the connection
+//!   file the kernel reads is rewritten to name its `ipc://` endpoints there, while the
+//!   gateway connects by host paths. `--host-uds=all` is what makes a
 //!   socket the kernel *binds* there a real host socket the gateway can connect to (without
 //!   it the socket exists only inside the Sentry); this 2022 build has no narrower mode
 //!   (`open`/`create` came later);
-//! * the workspace, bind-mounted read-write at its own path. With a size limit (every
+//! * the workspace, bind-mounted read-write at `/home/user` (its `$HOME` and working
+//!   directory). With a size limit (every
 //!   policy has one) it is a **host tmpfs of that size that only `runsc` sees**: `runsc run`
 //!   starts in a mount namespace of its own (made in the child before exec: `unshare`,
 //!   `/` made private, then the tmpfs, owned by the kernel's uid, mode 0700, `nosuid`,
@@ -85,7 +89,8 @@ use serde_json::{json, Value};
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
-use super::namespaces::{argv_files, masked_site_packages, python_roots, visible_roots};
+use super::namespaces::{argv_files, visible_roots, SYSTEM_PREFIXES};
+use super::relocate::{self, KernelView, VenvEntry};
 use super::{
     Backend, ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxError, SandboxHandle,
 };
@@ -208,9 +213,9 @@ impl GvisorSandbox {
         Ok(())
     }
 
-    /// The read-only host paths the kernel needs besides `/usr` and `/etc` entries.
-    /// The read-only host paths, and the directories among them to hide.
-    fn ro_paths(&self, spec: &LaunchSpec) -> Result<(Vec<PathBuf>, Vec<PathBuf>), SandboxError> {
+    /// The kernel's view (fixed paths, see [`relocate`]) and the host paths still shown
+    /// read-only at their own paths.
+    fn view(&self, spec: &LaunchSpec) -> Result<(KernelView, Vec<PathBuf>), SandboxError> {
         let program = spec
             .argv
             .first()
@@ -220,18 +225,19 @@ impl GvisorSandbox {
                 "the kernel's program {program:?} is not an absolute path"
             )));
         }
-        let mut wanted = python_roots(Path::new(program));
-        let masked = masked_site_packages(Path::new(program), &wanted);
+        let view = KernelView::of(spec, SYSTEM_PREFIXES)
+            .map_err(|err| setup(format!("read the kernel's Python environment: {err}")))?;
+        let mut wanted = view.shown_as_is.clone();
         wanted.extend(argv_files(&spec.argv[1..]));
         wanted.extend(self.config.extra_ro_paths.iter().cloned());
-        Ok((
-            visible_roots(wanted, &spec.runtime_dir, &spec.workspace),
-            masked,
-        ))
+        view.rewrite_connection_file(&spec.connection_file)
+            .map_err(|err| setup(format!("rewrite the connection file: {err}")))?;
+        let ro_paths = visible_roots(wanted, &spec.runtime_dir, &spec.workspace);
+        Ok((view, ro_paths))
     }
 
     async fn launch_gvisor(&self, spec: &LaunchSpec) -> Result<Launched, SandboxError> {
-        let (ro_paths, masked) = self.ro_paths(spec)?;
+        let (view, ro_paths) = self.view(spec)?;
         self.hand_over(spec)?;
         // The gateway's pid in the name tells a later sweep whether its owner is alive.
         let unique = format!(
@@ -251,10 +257,13 @@ impl GvisorSandbox {
         // creates before `runsc run` returns, and the watcher must read the OOM counter
         // first. runsc joins a cgroup that exists and leaves it in place (and its limits to
         // us); the watcher removes it.
+        // With a size limit the workspace is a host tmpfs whose pages the sandbox's writes
+        // are charged for; without one it is a host directory (reclaimable page cache).
+        let cgroup_memory = spec.limits.memory_cgroup_bytes(spec.limits.workspace_bytes);
         let memory_cgroup = (self.config.cgroups && spec.limits.memory_bytes.is_some())
             .then(|| memory_cgroup_dir(&cgroup_path))
             .flatten()
-            .filter(|dir| match create_memory_cgroup(dir, spec.limits.memory_bytes) {
+            .filter(|dir| match create_memory_cgroup(dir, cgroup_memory) {
                 Ok(()) => true,
                 Err(err) => {
                     tracing::warn!(kernel_id = %spec.kernel_id, %err, dir = %dir.display(), "cannot pre-create the memory cgroup: OOM kills will be reported as SIGKILL only");
@@ -279,7 +288,7 @@ impl GvisorSandbox {
             let config = self.config.clone();
             let spec = spec.clone();
             let cgroup = cgroup_path.clone();
-            move || write_bundle(&bundle, &config, &spec, &ro_paths, &masked, &cgroup)
+            move || write_bundle(&bundle, &config, &spec, &view, &ro_paths, &cgroup)
         })
         .await
         .map_err(|err| setup(format!("bundle task: {err}")))?;
@@ -362,7 +371,7 @@ impl GvisorSandbox {
             exited.clone(),
             runsc.clone(),
             bundle,
-            spec.limits.memory_bytes,
+            cgroup_memory,
             memory_cgroup,
             exit_tx,
         ));
@@ -408,8 +417,8 @@ fn write_bundle(
     bundle: &Path,
     config: &GvisorConfig,
     spec: &LaunchSpec,
+    view: &KernelView,
     ro_paths: &[PathBuf],
-    masked: &[PathBuf],
     cgroup: &str,
 ) -> Result<(), SandboxError> {
     let io = |what: &str, path: &Path| {
@@ -439,23 +448,64 @@ fn write_bundle(
             Err(_) => {}
         }
     }
-    for (name, contents) in etc_files(config, spec) {
+    for (name, contents) in etc_files(config) {
         let path = rootfs.join("etc").join(name);
         std::fs::write(&path, contents).map_err(io("write", &path))?;
     }
-    let mut binds: Vec<(PathBuf, bool)> = ETC_ENTRIES
+    // (host, inside, writable)
+    let mut binds: Vec<(PathBuf, PathBuf, bool)> = ETC_ENTRIES
         .iter()
         .map(PathBuf::from)
         .filter(|p| p.exists())
-        .map(|p| (p, false))
+        .map(|p| (p.clone(), p, false))
         .collect();
-    binds.extend(ro_paths.iter().map(|p| (p.clone(), false)));
-    binds.push((spec.runtime_dir.clone(), true));
-    // With a size limit, `runsc run`'s own mount namespace has a tmpfs of that size at this
-    // path (see `WorkspaceMount`); the host's directory is never what the kernel writes to.
-    binds.push((spec.workspace.clone(), true));
-    for (host, writable) in binds {
-        let inside = rootfs.join(host.strip_prefix("/").unwrap_or(&host));
+    binds.extend(ro_paths.iter().map(|p| (p.clone(), p.clone(), false)));
+    if let Some(prefix) = &view.python_prefix {
+        binds.push((prefix.clone(), PathBuf::from(relocate::PYTHON), false));
+    }
+    for entry in &view.venv {
+        let in_rootfs = |inside: &Path| rootfs.join(inside.strip_prefix("/").unwrap_or(inside));
+        match entry {
+            VenvEntry::File {
+                inside,
+                contents,
+                executable,
+            } => {
+                use std::os::unix::fs::PermissionsExt;
+                let path = in_rootfs(inside);
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+                }
+                std::fs::write(&path, contents).map_err(io("write", &path))?;
+                let mode = if *executable { 0o755 } else { 0o644 };
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                    .map_err(io("chmod", &path))?;
+            }
+            VenvEntry::Symlink { inside, points_to } => {
+                let path = in_rootfs(inside);
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+                }
+                std::os::unix::fs::symlink(points_to, &path).map_err(io("symlink", &path))?;
+            }
+            VenvEntry::Bind { host, inside } => binds.push((host.clone(), inside.clone(), false)),
+        }
+    }
+    binds.push((
+        spec.runtime_dir.clone(),
+        PathBuf::from(relocate::RUN_DIR),
+        true,
+    ));
+    // With a size limit, `runsc run`'s own mount namespace has a tmpfs of that size at the
+    // host path (see `WorkspaceMount`); the host's directory is never what the kernel writes
+    // to.
+    binds.push((
+        spec.workspace.clone(),
+        PathBuf::from(relocate::WORKSPACE),
+        true,
+    ));
+    for (host, target, writable) in binds {
+        let inside = rootfs.join(target.strip_prefix("/").unwrap_or(&target));
         // Mount points must exist in the read-only root; under /tmp (a tmpfs) runsc makes
         // them itself, but creating them here too is harmless.
         if host.is_dir() {
@@ -467,20 +517,20 @@ fn write_bundle(
             std::fs::write(&inside, b"").map_err(io("create", &inside))?;
         }
         mounts.push(if writable {
-            json!({"destination": host, "type": "bind", "source": host,
+            json!({"destination": target, "type": "bind", "source": host,
                    "options": ["rbind", "rw", "nosuid", "nodev"]})
         } else {
-            ro_bind(&host)
+            ro_bind_at(&host, &target)
         });
     }
-    for dir in masked {
+    for dir in &view.masked {
         // After the binds they sit in (OCI mounts apply in order).
         mounts.push(
             json!({"destination": dir, "type": "tmpfs", "source": "tmpfs",
                            "options": ["ro", "nosuid", "nodev", "noexec", "size=4096"]}),
         );
     }
-    let env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let env: Vec<String> = view.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let no_caps = json!([]);
     let mut linux = json!({
         "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"},
@@ -496,9 +546,9 @@ fn write_bundle(
         "process": {
             "terminal": false,
             "user": {"uid": config.uid, "gid": config.gid},
-            "args": spec.argv,
+            "args": view.argv,
             "env": env,
-            "cwd": spec.workspace,
+            "cwd": relocate::WORKSPACE,
             "capabilities": {"bounding": no_caps, "effective": no_caps, "inheritable": no_caps,
                              "permitted": no_caps, "ambient": no_caps},
             "noNewPrivileges": true,
@@ -515,14 +565,18 @@ fn write_bundle(
 }
 
 fn ro_bind(host: &Path) -> Value {
-    json!({"destination": host, "type": "bind", "source": host,
+    ro_bind_at(host, host)
+}
+
+fn ro_bind_at(host: &Path, target: &Path) -> Value {
+    json!({"destination": target, "type": "bind", "source": host,
            "options": ["rbind", "ro", "nosuid", "nodev"]})
 }
 
 /// OCI `linux.resources` for the limits.
 fn resources(limits: &Limits) -> Value {
     let mut resources = json!({});
-    if let Some(bytes) = limits.memory_bytes {
+    if let Some(bytes) = limits.memory_cgroup_bytes(limits.workspace_bytes) {
         resources["memory"] = json!({"limit": bytes, "swap": bytes});
     }
     if let Some(pids) = limits.pids {
@@ -536,8 +590,8 @@ fn resources(limits: &Limits) -> Value {
 }
 
 /// The generated `/etc` files: who the kernel is, and localhost.
-fn etc_files(config: &GvisorConfig, spec: &LaunchSpec) -> Vec<(&'static str, String)> {
-    let home = spec.workspace.display();
+fn etc_files(config: &GvisorConfig) -> Vec<(&'static str, String)> {
+    let home = relocate::WORKSPACE;
     let (uid, gid, host) = (config.uid, config.gid, &config.hostname);
     vec![
         (
@@ -681,8 +735,8 @@ async fn watch_exit(
             let reason = if abnormal && oom_kills > 0 {
                 Some(match memory_limit {
                     Some(bytes) => format!(
-                        "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes; \
-                         gVisor ends the whole sandbox)"
+                        "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, \
+                         workspace files included; gVisor ends the whole sandbox)"
                     ),
                     None => "kernel process killed by the out-of-memory killer".to_owned(),
                 })
@@ -1105,11 +1159,12 @@ mod tests {
             },
         };
         let bundle = dir.path().join("bundle");
+        let view = KernelView::of(&spec, SYSTEM_PREFIXES).unwrap();
         write_bundle(
             &bundle,
             &GvisorConfig::default(),
             &spec,
-            &[],
+            &view,
             &[],
             "cellgate-gvisor/x",
         )
@@ -1120,7 +1175,7 @@ mod tests {
         assert_eq!(config["process"]["user"]["uid"], 65534);
         assert_eq!(config["process"]["noNewPrivileges"], true);
         assert_eq!(config["process"]["capabilities"]["bounding"], json!([]));
-        assert_eq!(config["process"]["cwd"], json!(work));
+        assert_eq!(config["process"]["cwd"], "/home/user");
         assert_eq!(
             config["linux"]["resources"]["pids"]["limit"],
             10 + PIDS_OVERHEAD
@@ -1134,8 +1189,14 @@ mod tests {
                 .unwrap_or_else(|| panic!("no mount at {}", dest.display()))
         };
         let rw = |m: &Value| m["options"].as_array().unwrap().contains(&json!("rw"));
-        assert!(rw(find(&run)), "runtime dir writable at the same path");
-        assert!(rw(find(&work)), "workspace writable");
+        let (run_mount, work_mount) = (
+            find(Path::new("/run/cellgate")),
+            find(Path::new("/home/user")),
+        );
+        assert!(rw(run_mount), "runtime dir writable at its fixed path");
+        assert_eq!(run_mount["source"], json!(run));
+        assert!(rw(work_mount), "workspace writable");
+        assert_eq!(work_mount["source"], json!(work));
         assert!(!rw(find(Path::new("/usr"))));
         assert!(mounts
             .iter()

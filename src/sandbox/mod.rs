@@ -17,6 +17,7 @@
 mod gvisor;
 mod namespaces;
 mod process;
+pub mod relocate;
 mod spawner;
 
 use std::collections::BTreeMap;
@@ -137,6 +138,22 @@ pub struct Limits {
     pub cpu_millis: Option<u32>,
     pub pids: Option<u64>,
     pub workspace_bytes: Option<u64>,
+}
+
+impl Limits {
+    /// The limit of the sandbox's memory cgroup when its workspace is a RAM disk of
+    /// `workspace_in_ram` bytes: memory plus the workspace.
+    ///
+    /// Why: a tmpfs's pages are charged to the memory cgroup of whoever writes them and
+    /// cannot be reclaimed without swap, so with the cgroup at `memory` alone a full workspace
+    /// killed the kernel for memory instead of answering ENOSPC. With room for both, filling
+    /// the workspace ends at its own size with `No space left on device` and the kernel lives;
+    /// the processes may use what the files leave free of the sum. A sandbox never costs the
+    /// host more RAM than memory + workspace.
+    pub fn memory_cgroup_bytes(&self, workspace_in_ram: Option<u64>) -> Option<u64> {
+        self.memory_bytes
+            .map(|memory| memory.saturating_add(workspace_in_ram.unwrap_or(0)))
+    }
 }
 
 /// Everything a backend needs to start one kernel.

@@ -5,7 +5,7 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::artifacts::Artifact;
+use crate::artifacts::{Artifact, Quota};
 
 /// A reference to an artifact: what a client (or a language model) needs instead of the
 /// bytes.
@@ -56,8 +56,8 @@ pub struct ExecError {
     pub traceback: Vec<String>,
 }
 
-/// An output that is not in `artifacts`, and why (too large for the policy's
-/// `artifact_size`, or not decodable).
+/// An output that is not in `artifacts`, and why: past a quota (named in `quota`), or not
+/// decodable.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Omitted {
     pub mime: String,
@@ -65,6 +65,10 @@ pub struct Omitted {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     pub reason: String,
+    /// The quota that left it out: `artifact_size`, `artifacts_per_session`,
+    /// `artifacts_per_tenant` or `artifact_min_free_disk`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quota: Option<Quota>,
 }
 
 /// Resource use of the sandbox during one execution, where measurable.

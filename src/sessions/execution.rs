@@ -13,7 +13,7 @@ use super::events::{
 };
 use super::{HistoryEntry, Session, MAX_HISTORY};
 use crate::artifacts::{
-    is_base64_mime, strip_ansi, Artifact, ArtifactError, Description, NewArtifact, Origin,
+    is_base64_mime, strip_ansi, Artifact, ArtifactError, Description, NewArtifact, Origin, Quota,
     RICH_MIME_TYPES,
 };
 use crate::kernel::{ExecEvent, ExecuteOptions, ExecuteReply, Readiness};
@@ -96,7 +96,28 @@ fn too_large(session: &str, mime: &str, bytes: u64, limit: u64) -> Omitted {
         bytes,
         path: None,
         reason: format!("larger than the policy's artifact_size of {limit} bytes"),
+        quota: Some(Quota::ArtifactSize),
     }
+}
+
+/// The omitted-output entry of an artifact a quota refused; `None` for other failures,
+/// which are only logged.
+fn refused(
+    session: &str,
+    mime: &str,
+    bytes: u64,
+    path: Option<&str>,
+    err: &ArtifactError,
+) -> Option<Omitted> {
+    let quota = err.quota()?;
+    tracing::warn!(session_id = %session, mime, bytes, %quota, %err, "artifact not stored");
+    Some(Omitted {
+        mime: mime.to_owned(),
+        bytes,
+        path: path.map(str::to_owned),
+        reason: err.to_string(),
+        quota: Some(quota),
+    })
 }
 
 /// Maps the kernel's reply (and cellgate's outcome on it) to the API's status.
@@ -435,6 +456,7 @@ impl Session {
                 display_id,
                 text: text.as_deref(),
                 path: None,
+                quotas: self.options.artifact_quotas,
             };
             let limit = self.options.artifact_max_bytes;
             if let Value::String(encoded) = value {
@@ -447,8 +469,15 @@ impl Session {
                         }
                         let description = Description::from_head(&new, &head.bytes, bytes);
                         let encoded = std::mem::take(encoded);
-                        let artifact = self.store_in_background(&new, description, encoded).await;
-                        refs.push(ArtifactRef::new(&artifact, &self.options.base_url));
+                        match self.store_in_background(&new, description, encoded).await {
+                            Ok(artifact) => {
+                                refs.push(ArtifactRef::new(&artifact, &self.options.base_url))
+                            }
+                            Err(err) => match refused(&self.id, mime, bytes, None, &err) {
+                                Some(entry) => omitted.push(entry),
+                                None => log_store_error(&self.id, &err),
+                            },
+                        }
                         continue;
                     }
                 }
@@ -465,6 +494,7 @@ impl Session {
                                 bytes: s.len() as u64,
                                 path: None,
                                 reason: format!("not valid base64: {err}"),
+                                quota: None,
                             });
                             continue;
                         }
@@ -484,6 +514,8 @@ impl Session {
                 continue;
             }
             let store = self.artifacts.clone();
+            let bytes = content.len() as u64;
+            let quotas = self.options.artifact_quotas;
             let (session, owner, exec, display, text, mime_owned) = (
                 self.id.clone(),
                 self.owner.clone(),
@@ -503,6 +535,7 @@ impl Session {
                         display_id: display.as_deref(),
                         text: text.as_deref(),
                         path: None,
+                        quotas,
                     },
                     &content,
                 )
@@ -510,7 +543,10 @@ impl Session {
             .await;
             match stored {
                 Ok(Ok(artifact)) => refs.push(ArtifactRef::new(&artifact, &self.options.base_url)),
-                Ok(Err(err)) => log_store_error(&self.id, &err),
+                Ok(Err(err)) => match refused(&self.id, mime, bytes, None, &err) {
+                    Some(entry) => omitted.push(entry),
+                    None => log_store_error(&self.id, &err),
+                },
                 Err(err) => tracing::error!(session_id = %self.id, %err, "artifact task failed"),
             }
         }
@@ -525,9 +561,9 @@ impl Session {
         new: &NewArtifact<'_>,
         description: Description,
         encoded: String,
-    ) -> Arc<Artifact> {
+    ) -> Result<Arc<Artifact>, ArtifactError> {
         let permit = self.background_stores.clone().acquire_owned().await;
-        let (artifact, reservation) = self.artifacts.reserve(new, description);
+        let (artifact, reservation) = self.artifacts.reserve(new, description)?;
         let session = self.id.clone();
         let id = artifact.id.clone();
         tokio::task::spawn_blocking(move || {
@@ -549,7 +585,7 @@ impl Session {
                 log_store_error(&session, &err);
             }
         });
-        artifact
+        Ok(artifact)
     }
 
     /// Turns new or changed files under the workspace's `outputs/` into artifacts.
@@ -561,6 +597,7 @@ impl Session {
         let (session, owner, exec) = (self.id.clone(), self.owner.clone(), execution_id.to_owned());
         let seen = self.outputs_seen.lock().clone();
         let limit = self.options.artifact_max_bytes;
+        let quotas = self.options.artifact_quotas;
         let scanned = tokio::task::spawn_blocking(move || {
             let mut stored = Vec::new();
             let mut omitted = Vec::new();
@@ -584,31 +621,37 @@ impl Session {
                         reason: format!(
                             "larger than the policy's artifact_size of {limit} bytes"
                         ),
+                        quota: Some(Quota::ArtifactSize),
                     });
                     continue;
                 }
-                let mut reader = match workspace.open_read(&file.path) {
-                    Ok((reader, _)) => reader,
-                    Err(_) => continue,
-                };
                 let mime = crate::workspace::mime_for(&file.path);
-                let artifact = store.put_reader(
-                    &NewArtifact {
-                        session: &session,
-                        owner: owner.as_deref(),
-                        mime,
-                        origin: Origin::File,
-                        execution_id: Some(&exec),
-                        display_id: None,
-                        text: None,
-                        path: Some(&file.path),
+                let new = NewArtifact {
+                    session: &session,
+                    owner: owner.as_deref(),
+                    mime,
+                    origin: Origin::File,
+                    execution_id: Some(&exec),
+                    display_id: None,
+                    text: None,
+                    path: Some(&file.path),
+                    quotas,
+                };
+                // Refused before the file is read and copied, when its listed size is over.
+                let checked = match store.check(&new, file.size) {
+                    Ok(()) => match workspace.open_read(&file.path) {
+                        Ok((mut reader, _)) => store.put_reader(&new, &mut reader, limit),
+                        // Gone or replaced since the listing: the kernel's business.
+                        Err(_) => continue,
                     },
-                    &mut reader,
-                    limit,
-                );
-                match artifact {
+                    Err(err) => Err(err),
+                };
+                match checked {
                     Ok(artifact) => stored.push(artifact),
-                    Err(err) => log_store_error(&session, &err),
+                    Err(err) => match refused(&session, mime, file.size, Some(&file.path), &err) {
+                        Some(entry) => omitted.push(entry),
+                        None => log_store_error(&session, &err),
+                    },
                 }
             }
             (stored, omitted, seen)

@@ -41,6 +41,9 @@ pub struct SessionOptions {
     /// Largest artifact stored; bigger outputs are left out (and logged). Each session
     /// takes its policy's `artifact_size`.
     pub artifact_max_bytes: u64,
+    /// Bytes of artifacts per session and per tenant: the policy's `artifacts_per_session`
+    /// and `artifacts_per_tenant`.
+    pub artifact_quotas: crate::artifacts::Quotas,
     /// How long artifacts of a deleted session stay fetchable.
     pub artifact_retention: Duration,
     /// The gateway's base URL (starts and ends with `/`), for artifact URLs.
@@ -52,6 +55,7 @@ impl Default for SessionOptions {
         SessionOptions {
             stream_cap: 1 << 20,
             artifact_max_bytes: 64 << 20,
+            artifact_quotas: crate::artifacts::Quotas::default(),
             artifact_retention: Duration::from_secs(3600),
             base_url: "/".to_owned(),
         }
@@ -392,6 +396,10 @@ impl Sessions {
         let mut options = self.options.clone();
         if let Ok(policy) = self.kernels.policies().get(&kernel.policy) {
             options.artifact_max_bytes = policy.limits.artifact_bytes;
+            options.artifact_quotas = crate::artifacts::Quotas {
+                per_session: policy.limits.artifacts_per_session_bytes,
+                per_tenant: policy.limits.artifacts_per_tenant_bytes,
+            };
         }
         let (events, _) = broadcast::channel(EVENT_BACKLOG);
         let session = Arc::new(Session {

@@ -545,7 +545,9 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
         );
     }
     let (gateway, _policies) =
-        start_gateway("memory = \"256MiB\"\noutput_per_execution = \"64KiB\"\n").await?;
+        // The sandbox's memory cgroup holds memory + workspace (the workspace is RAM).
+        start_gateway("memory = \"256MiB\"\nworkspace = \"64MiB\"\noutput_per_execution = \"64KiB\"\n")
+            .await?;
     let id = create_session(&gateway, json!({})).await?;
 
     let r = execute(

@@ -297,15 +297,16 @@ async fn idle_kernels_are_culled_and_busy_or_connected_ones_kept() -> anyhow::Re
     Ok(())
 }
 
-/// The policy's limits reach the sandbox: under `strict` (512 MiB) a child allocating 700 MiB
-/// is killed while the kernel lives on; under `default` (1 GiB) the same child succeeds.
+/// The policy's limits reach the sandbox: under `strict` (512 MiB and a 256 MiB workspace,
+/// 768 MiB for the sandbox) a child allocating 900 MiB is killed while the kernel lives on;
+/// under `default` (1 GiB and 1 GiB) the same child succeeds.
 #[tokio::test]
 async fn policy_limits_reach_the_sandbox() -> anyhow::Result<()> {
     if sandbox_backend() == "process" {
         panic!("this test needs a real sandbox; it cannot run with CELLGATE_TEST_SANDBOX=process");
     }
     let gateway = Gateway::start().await?;
-    let allocate = "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'b = bytearray(700 * 2**20); b[::4096] = b\"x\" * len(b[::4096])'])\nprint('rc', r.returncode)";
+    let allocate = "import subprocess, sys\nr = subprocess.run([sys.executable, '-c', 'b = bytearray(900 * 2**20); b[::4096] = b\"x\" * len(b[::4096])'])\nprint('rc', r.returncode)";
     for (policy, expected) in [("strict", "rc -9\n"), ("default", "rc 0\n")] {
         let child_kills_all = policy == "strict" && child_oom_ends_the_sandbox(&sandbox_backend());
         let response = gateway
@@ -617,7 +618,8 @@ async fn kernel_out_of_memory_restarts_it_with_outcome_oom() -> anyhow::Result<(
     let dir = tempfile::tempdir()?;
     std::fs::write(
         dir.path().join("default.toml"),
-        "[limits]\nmemory = \"256MiB\"\n",
+        // The sandbox's memory cgroup holds memory + workspace (the workspace is RAM).
+        "[limits]\nmemory = \"256MiB\"\nworkspace = \"64MiB\"\n",
     )?;
     let gateway = Gateway::builder()
         .policies_dir(dir.path().to_owned())

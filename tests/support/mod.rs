@@ -626,12 +626,21 @@ pub fn child_oom_ends_the_sandbox(backend: &str) -> bool {
 /// Pids of the processes whose command line contains `needle`.
 pub fn pids_with(needle: &str) -> Vec<u32> {
     let mut out = vec![];
+    // A namespaces sandbox shows the kernel its connection file at a fixed path, so its
+    // command line no longer names the kernel: the kernel process is the launcher whose
+    // environment says `KERNEL_ID=<id>`.
+    let env_entry = format!("KERNEL_ID={needle}\0");
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
         if let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) {
-            if String::from_utf8_lossy(&cmd).contains(needle) && alive(pid) {
+            let cmd = String::from_utf8_lossy(&cmd);
+            let matches = cmd.contains(needle)
+                || (cmd.contains("cellgate_kernel_launcher")
+                    && std::fs::read(format!("/proc/{pid}/environ"))
+                        .is_ok_and(|env| String::from_utf8_lossy(&env).contains(&env_entry)));
+            if matches && alive(pid) {
                 out.push(pid);
             }
         }

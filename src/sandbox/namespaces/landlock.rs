@@ -35,7 +35,11 @@ pub fn restrict(plan: &Plan) -> Result<&'static str, LandlockError> {
         plan.workspace.clone(),
         "/tmp".into(),
         "/dev".into(),
-        plan.runtime_dir.clone(),
+        if plan.runtime_dir_inside.as_os_str().is_empty() {
+            plan.runtime_dir.clone()
+        } else {
+            plan.runtime_dir_inside.clone()
+        },
     ];
     let status = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)

@@ -44,11 +44,12 @@
 //! recycled pid) and every task in the cgroup. `signal` goes to the kernel's process group
 //! by its host pid, so SIGINT interrupts the kernel and whatever it runs in the foreground.
 //!
-//! ZMQ uses `ipc://` sockets in the kernel's runtime directory, which the sandbox shows at
-//! the same path, so the connection info is the same on both sides and is not rewritten.
-//! The workspace is a size-limited tmpfs at the workspace's path (the host directory stays
-//! empty; while the kernel runs, the gateway can reach the files through
-//! `/proc/<init pid>/root/<workspace>`).
+//! The kernel sees its directories at fixed paths (`sandbox::relocate`): the runtime
+//! directory, where ZMQ's `ipc://` sockets live, at `/run/cellgate` (the connection file the
+//! kernel reads is rewritten to match; the gateway connects by host paths), the Python
+//! environment under `/opt/cellgate`, and the workspace, a size-limited tmpfs, at
+//! `/home/user` (the host directory stays empty; while the kernel runs, the gateway reaches
+//! the files through `/proc/<kernel pid>/root/home/user`).
 //!
 //! Workspace, `/tmp` and `/dev/shm` are tmpfs: what the kernel writes there is memory,
 //! charged to its memory cgroup, so the memory limit bounds them too.
@@ -91,8 +92,10 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::watch;
 
 use super::{
-    Backend, ExitReport, LaunchSpec, Launched, ResourceUsage, Sandbox, SandboxError, SandboxHandle,
+    Backend, ExitReport, LaunchSpec, Launched, Limits, ResourceUsage, Sandbox, SandboxError,
+    SandboxHandle,
 };
+use crate::sandbox::relocate::{self, KernelView};
 use cgroups::{Hierarchy, KernelCgroup};
 pub use error::NamespacesError;
 pub use helper::{sandbox_init_main, SANDBOX_INIT_ARG};
@@ -193,21 +196,48 @@ impl NamespacesSandbox {
             .unwrap_or_else(|| PathBuf::from("/proc/self/exe"))
     }
 
-    /// What the helper must build for `spec`.
+    /// What the helper must build for `spec`. The sandbox shows the workspace, the runtime
+    /// directory and the Python environment at fixed paths (see [`relocate`]): the plan's
+    /// command and environment are rewritten to them, and so is the connection file the
+    /// kernel reads (the gateway keeps connecting by host paths).
     fn plan(&self, spec: &LaunchSpec) -> Result<Plan, NamespacesError> {
         let program = spec.argv.first().ok_or(NamespacesError::EmptyCommand)?;
-        if !Path::new(program).is_absolute() {
-            return Err(NamespacesError::RelativeProgram(program.clone()));
+        let program = Path::new(program);
+        if !program.is_absolute() {
+            return Err(NamespacesError::RelativeProgram(
+                program.display().to_string(),
+            ));
         }
-        let mut wanted = python_roots(Path::new(program));
-        let masked = masked_site_packages(Path::new(program), &wanted);
+        let view = KernelView::of(spec, SYSTEM_PREFIXES).map_err(|source| NamespacesError::Io {
+            what: "read the kernel's Python environment",
+            path: program.to_owned(),
+            source,
+        })?;
+        let mut wanted = view.shown_as_is.clone();
         wanted.extend(argv_files(&spec.argv[1..]));
         wanted.extend(self.config.extra_ro_paths.iter().cloned());
+        view.rewrite_connection_file(&spec.connection_file)
+            .map_err(|source| NamespacesError::Io {
+                what: "rewrite",
+                path: spec.connection_file.clone(),
+                source,
+            })?;
+        let KernelView {
+            map,
+            argv,
+            env,
+            venv: venv_view,
+            python_prefix,
+            masked,
+            ..
+        } = view;
+        let workspace = PathBuf::from(relocate::WORKSPACE);
         Ok(Plan {
             kernel_id: spec.kernel_id.clone(),
-            argv: spec.argv.clone(),
-            env: spec.env.clone(),
-            workspace: spec.workspace.clone(),
+            argv,
+            workspace_dirs: workspace_dirs(&env, &workspace),
+            env,
+            workspace,
             // tmpfs reads `size=0` as "unlimited": never ask for less than 1 MiB.
             workspace_bytes: spec
                 .limits
@@ -216,6 +246,9 @@ impl NamespacesSandbox {
                 .max(MIB),
             tmp_bytes: self.config.tmp_bytes.max(MIB),
             runtime_dir: spec.runtime_dir.clone(),
+            runtime_dir_inside: PathBuf::from(relocate::RUN_DIR),
+            venv: venv_view,
+            python_prefix,
             ro_binds: visible_roots(wanted, &spec.runtime_dir, &spec.workspace),
             masked,
             uid: INSIDE_ID,
@@ -226,20 +259,8 @@ impl NamespacesSandbox {
             // The gateway opened the proxy socket for this generation (see crate::egress):
             // the init runs the bridge to it.
             egress_socket: Some(spec.runtime_dir.join(crate::egress::SOCKET_NAME))
-                .filter(|p| p.exists()),
-            // Python caches a missing sys.path entry as "no finder" for good, so a directory
-            // on PYTHONPATH that pip creates later (the per-session site-packages) would stay
-            // invisible to `import` in the same kernel: make them before Python starts.
-            workspace_dirs: spec
-                .env
-                .get("PYTHONPATH")
-                .map(|p| {
-                    std::env::split_paths(p)
-                        .filter(|d| d.is_absolute() && d.starts_with(&spec.workspace))
-                        .filter(|d| !d.components().any(|c| c.as_os_str() == ".."))
-                        .collect()
-                })
-                .unwrap_or_default(),
+                .filter(|p| p.exists())
+                .map(|p| map.path(&p)),
         })
     }
 
@@ -247,7 +268,16 @@ impl NamespacesSandbox {
     fn cgroup(&self, spec: &LaunchSpec) -> Option<Arc<KernelCgroup>> {
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let name = cgroups::cgroup_name(&spec.kernel_id, &unique[..8]);
-        match self.hierarchy.create(&name, &spec.limits) {
+        // The workspace is always a tmpfs here, charged to this cgroup.
+        let workspace = spec
+            .limits
+            .workspace_bytes
+            .unwrap_or(self.config.default_workspace_bytes);
+        let cgroup_limits = Limits {
+            memory_bytes: spec.limits.memory_cgroup_bytes(Some(workspace)),
+            ..spec.limits.clone()
+        };
+        match self.hierarchy.create(&name, &cgroup_limits) {
             Ok(cgroup) => {
                 let limits = &spec.limits;
                 for (set, controller) in [
@@ -309,6 +339,7 @@ impl NamespacesSandbox {
 
     async fn launch_namespaced(&self, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
         let mut plan = self.plan(spec)?;
+        let plan_workspace = plan.workspace.clone();
         let cgroup = self.cgroup(spec);
         if !cgroup.as_ref().is_some_and(|c| c.memory_limited()) {
             plan.address_space_limit = spec.limits.memory_bytes;
@@ -411,6 +442,7 @@ impl NamespacesSandbox {
             kernel: started.kernel_pidfd,
             exited: exited.clone(),
             cgroup: cgroup.clone(),
+            workspace: plan_workspace,
         });
         tracing::info!(
             kernel_id = %spec.kernel_id,
@@ -419,10 +451,14 @@ impl NamespacesSandbox {
             "kernel started in a namespaces sandbox"
         );
         let (exit_tx, exit_rx) = watch::channel(None);
-        let memory_limit = cgroup
-            .as_ref()
-            .filter(|c| c.memory_limited())
-            .and(spec.limits.memory_bytes);
+        // What the cgroup holds: memory and the workspace's files (see `cgroup`).
+        let memory_limit = cgroup.as_ref().filter(|c| c.memory_limited()).and(
+            spec.limits.memory_cgroup_bytes(Some(
+                spec.limits
+                    .workspace_bytes
+                    .unwrap_or(self.config.default_workspace_bytes),
+            )),
+        );
         tokio::spawn(watch_exit(
             child,
             events,
@@ -649,7 +685,7 @@ async fn watch_exit(
     let reason = if signal == Some(libc::SIGKILL) && oom_kills > 0 {
         Some(match memory_limit {
             Some(bytes) => format!(
-                "kernel process killed by the out-of-memory killer (memory limit {bytes} bytes)"
+                "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, workspace files included)"
             ),
             None => "kernel process killed by the out-of-memory killer".to_owned(),
         })
@@ -674,6 +710,8 @@ struct NamespacesHandle {
     kernel: Option<OwnedFd>,
     exited: Arc<AtomicBool>,
     cgroup: Option<Arc<KernelCgroup>>,
+    /// The workspace's path inside the sandbox.
+    workspace: PathBuf,
 }
 
 impl NamespacesHandle {
@@ -738,9 +776,9 @@ impl SandboxHandle for NamespacesHandle {
     /// The workspace is a tmpfs in the sandbox's mount namespace: reached through the
     /// kernel's root (the same mount namespace as the init's; the kernel's pid is the one
     /// whose liveness the caller can check).
-    fn workspace_root(&self, workspace: &Path) -> Option<(PathBuf, PathBuf)> {
+    fn workspace_root(&self, _host_workspace: &Path) -> Option<(PathBuf, PathBuf)> {
         let pid = self.kernel_pid.unwrap_or(self.init_pid);
-        let relative = workspace.strip_prefix("/").unwrap_or(workspace);
+        let relative = self.workspace.strip_prefix("/").unwrap_or(&self.workspace);
         Some((
             PathBuf::from(format!("/proc/{pid}/root")),
             relative.to_owned(),
@@ -861,6 +899,24 @@ pub(super) fn python_roots(program: &Path) -> Vec<PathBuf> {
     roots
 }
 
+/// Directories on the kernel's `PYTHONPATH` inside its workspace: Python caches a missing
+/// `sys.path` entry as "no finder" for good, so a directory pip creates later (the
+/// per-session site-packages) would stay invisible to `import` in the same kernel. They are
+/// made before Python starts.
+fn workspace_dirs(
+    env: &std::collections::BTreeMap<String, String>,
+    workspace: &Path,
+) -> Vec<PathBuf> {
+    env.get("PYTHONPATH")
+        .map(|p| {
+            std::env::split_paths(p)
+                .filter(|d| d.is_absolute() && d.starts_with(workspace))
+                .filter(|d| !d.components().any(|c| c.as_os_str() == ".."))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Regular files the command names by absolute path (a kernelspec's own script, say):
 /// shown read-only, each file alone, not its directory. Files in the runtime directory (the
 /// connection file) are there anyway and are filtered out later.
@@ -872,7 +928,7 @@ pub(super) fn argv_files(args: &[String]) -> Vec<PathBuf> {
 }
 
 /// Host paths that are always visible (or never may be bound) inside the sandbox.
-const SYSTEM_PREFIXES: &[&str] = &[
+pub(super) const SYSTEM_PREFIXES: &[&str] = &[
     "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/dev", "/proc", "/sys",
 ];
 

@@ -19,10 +19,12 @@
 //! with the sandbox user, hosts with localhost, no `resolv.conf`) plus a few read-only host
 //! files the C library and Python read (`ld.so.cache`, certificates, fonts, time zone, MIME
 //! types, alternatives), `/dev` with null, zero, full, random, urandom and tty bound from the
-//! host, a private devpts and `/dev/shm`, a fresh `/proc` for the new pid namespace, a
-//! size-limited private `/tmp`, the size-limited tmpfs workspace, the kernel's runtime
-//! directory (read-write, same path, so the connection file's ipc paths stay valid on both
-//! sides), the Python environment and the files the command names (read-only, same paths).
+//! host, a private devpts and `/dev/shm`, a fresh `/proc` for the new pid namespace (its
+//! host-wide `boot_id` and `cmdline` masked by files of the sandbox's own), a
+//! size-limited private `/tmp`, the size-limited tmpfs workspace at `/home/user`, the
+//! kernel's runtime directory (read-write, at `/run/cellgate`), the Python environment
+//! (read-only, at `/opt/cellgate`: see `sandbox::relocate`) and the files the command names
+//! (read-only, same paths).
 //! No `/sys`, `/run`, `/var/run`, `/home`, `/root` contents, host `/tmp`, gateway files or
 //! other kernels' directories: every host unix socket visible inside would be a way out, so
 //! none is.
@@ -38,6 +40,7 @@ use std::path::{Component, Path, PathBuf};
 
 use super::plan::Plan;
 use super::sys::{self, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY};
+use crate::sandbox::relocate::{self, VenvEntry};
 
 /// Where the new root is assembled before `pivot_root`. Mounting over `/tmp` only affects our
 /// own mount namespace and needs no directory to be created on the host.
@@ -107,6 +110,13 @@ enum Op {
     File {
         target: PathBuf,
         contents: String,
+        mode: u32,
+    },
+    /// Hide an existing file (a host-wide `/proc` entry) behind a read-only file of
+    /// `contents`.
+    Mask {
+        target: PathBuf,
+        contents: String,
     },
 }
 
@@ -118,7 +128,8 @@ impl Op {
             | Op::Tmpfs { target, .. }
             | Op::Proc { target }
             | Op::Devpts { target }
-            | Op::File { target, .. } => target,
+            | Op::File { target, .. }
+            | Op::Mask { target, .. } => target,
         }
     }
 }
@@ -188,6 +199,7 @@ impl RootFs {
         ops.push(Op::Proc {
             target: "/proc".into(),
         });
+        ops.extend(proc_masks());
         ops.push(Op::Tmpfs {
             target: "/tmp".into(),
             flags: libc::MS_NOSUID | libc::MS_NODEV,
@@ -205,12 +217,39 @@ impl RootFs {
                 plan.workspace_bytes, plan.uid, plan.gid
             ),
         });
-        ops.push(bind(
+        let runtime_inside = if plan.runtime_dir_inside.as_os_str().is_empty() {
+            &plan.runtime_dir
+        } else {
+            &plan.runtime_dir_inside
+        };
+        ops.push(bind_at(
             &plan.runtime_dir,
+            runtime_inside,
             MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
         )?);
         for dir in &plan.ro_binds {
             ops.push(bind(dir, ro)?);
+        }
+        if let Some(prefix) = &plan.python_prefix {
+            ops.push(bind_at(prefix, Path::new(relocate::PYTHON), ro)?);
+        }
+        for entry in &plan.venv {
+            ops.push(match entry {
+                VenvEntry::File {
+                    inside,
+                    contents,
+                    executable,
+                } => Op::File {
+                    target: inside.clone(),
+                    contents: contents.clone(),
+                    mode: if *executable { 0o755 } else { 0o644 },
+                },
+                VenvEntry::Symlink { inside, points_to } => Op::Symlink {
+                    target: inside.clone(),
+                    points_to: points_to.clone(),
+                },
+                VenvEntry::Bind { host, inside } => bind_at(host, inside, ro)?,
+            });
         }
         for dir in &plan.masked {
             // Deeper than the bind it sits in, so the depth sort mounts it afterwards.
@@ -338,22 +377,50 @@ fn apply(op: Op, at: &Path) -> io::Result<()> {
             )
             .map_err(ctx("mount /dev/pts".into()))?;
         }
-        Op::File { target, contents } => {
+        Op::File {
+            target,
+            contents,
+            mode,
+        } => {
             make_parent(at)?;
             fs::write(at, contents).map_err(ctx(format!("write {}", target.display())))?;
-            fs::set_permissions(at, fs::Permissions::from_mode(0o644))?;
+            fs::set_permissions(at, fs::Permissions::from_mode(mode))?;
+        }
+        Op::Mask { target, contents } => {
+            // Written beside the new root's top, bound over the target, then unlinked: the
+            // mount keeps the file, and nothing else shows it.
+            let name = target.to_string_lossy().replace('/', "_");
+            let source = Path::new(STAGING).join(format!(".mask{name}"));
+            fs::write(&source, contents)
+                .map_err(ctx(format!("write the mask of {}", target.display())))?;
+            fs::set_permissions(&source, fs::Permissions::from_mode(0o444))?;
+            sys::mount(Some(&source), at, None, libc::MS_BIND, None)
+                .map_err(ctx(format!("mask {}", target.display())))?;
+            sys::mount_setattr(
+                at,
+                MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+                false,
+            )
+            .map_err(ctx(format!("set flags on {}", target.display())))?;
+            fs::remove_file(&source)
+                .map_err(ctx(format!("remove the mask of {}", target.display())))?;
         }
     }
     Ok(())
 }
 
-/// A bind of an existing host file or directory, opened now.
+/// A bind of an existing host file or directory at its own path, opened now.
 fn bind(host: &Path, attrs: u64) -> io::Result<Op> {
+    bind_at(host, host, attrs)
+}
+
+/// A bind of an existing host file or directory at `target`, opened now.
+fn bind_at(host: &Path, target: &Path, attrs: u64) -> io::Result<Op> {
     let source = sys::open_path(host).map_err(ctx(format!("open {}", host.display())))?;
     let meta = fs::metadata(format!("/proc/self/fd/{}", source.as_raw_fd()))
         .map_err(ctx(format!("stat {}", host.display())))?;
     Ok(Op::Bind {
-        target: host.to_path_buf(),
+        target: target.to_path_buf(),
         source,
         is_dir: meta.is_dir(),
         attrs,
@@ -372,6 +439,23 @@ fn mirror(host: &Path, attrs: u64) -> io::Result<Option<Op>> {
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(err) => Err(ctx(format!("stat {}", host.display()))(err)),
     }
+}
+
+/// `/proc` files that are the same for every process of the host and would tell one sandbox
+/// which machine (and which boot of it) it shares with another: a boot id of the sandbox's
+/// own, and a kernel command line that names nothing of the host's (its disks, consoles,
+/// image paths).
+fn proc_masks() -> Vec<Op> {
+    vec![
+        Op::Mask {
+            target: "/proc/sys/kernel/random/boot_id".into(),
+            contents: format!("{}\n", uuid::Uuid::new_v4().hyphenated()),
+        },
+        Op::Mask {
+            target: "/proc/cmdline".into(),
+            contents: "quiet\n".to_owned(),
+        },
+    ]
 }
 
 /// The generated `/etc` files: who the sandbox user is, and localhost.
@@ -408,6 +492,7 @@ fn etc_files(plan: &Plan) -> Vec<Op> {
         .map(|(name, contents)| Op::File {
             target: Path::new("/etc").join(name),
             contents,
+            mode: 0o644,
         })
         .collect()
 }

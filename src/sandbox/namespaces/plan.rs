@@ -11,6 +11,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::sandbox::relocate::VenvEntry;
+
 /// The line the gateway writes after the plan, once the helper's user namespace has its
 /// uid/gid maps and the helper sits in the kernel's cgroups.
 pub const GO: &str = "go";
@@ -21,15 +23,25 @@ pub struct Plan {
     pub kernel_id: String,
     /// The kernel's command; `argv[0]` is an absolute path valid inside the sandbox.
     pub argv: Vec<String>,
-    /// The kernel's complete environment.
+    /// The kernel's complete environment, its paths as the kernel sees them.
     pub env: BTreeMap<String, String>,
-    /// The kernel's working directory: a fresh tmpfs of `workspace_bytes` at this path.
+    /// The kernel's working directory inside the sandbox (`/home/user`): a fresh tmpfs of
+    /// `workspace_bytes`.
     pub workspace: PathBuf,
     pub workspace_bytes: u64,
     /// Size of the private `/tmp` (and of `/dev/shm`).
     pub tmp_bytes: u64,
-    /// The kernel's runtime directory, bind-mounted read-write at the same path.
+    /// The kernel's runtime directory on the host, bind-mounted read-write at
+    /// `runtime_dir_inside`.
     pub runtime_dir: PathBuf,
+    #[serde(default)]
+    pub runtime_dir_inside: PathBuf,
+    /// The Python environment at fixed paths (see `sandbox::relocate`): the venv's view and
+    /// the base interpreter's host prefix, shown read-only at `relocate::PYTHON`.
+    #[serde(default)]
+    pub venv: Vec<VenvEntry>,
+    #[serde(default)]
+    pub python_prefix: Option<PathBuf>,
     /// Host directories and files made visible read-only at the same path (the Python
     /// environment, files named in the command).
     pub ro_binds: Vec<PathBuf>,

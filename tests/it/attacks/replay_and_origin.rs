@@ -71,13 +71,29 @@ async fn replay_kernels_count_against_the_tenants_cap() -> Result<()> {
         "acme's second kernel must be refused: {status} {body}"
     );
 
-    // At the cap, a replay is refused the same way, on both surfaces, and starts nothing.
+    // At the cap, a replay is refused the same way, on both surfaces, and starts nothing;
+    // also when the client asks for a stream of events (the refusal is the status, not an
+    // event inside a 200 stream).
     let quick = notebook("print(6 * 7)");
     for path in ["/api/notebooks/replay", "/v1/notebooks/replay"] {
         let (status, body) = call(&gateway, &acme, Method::POST, path, Some(quick.clone())).await?;
         ensure!(
             status == 403,
             "a replay at the tenant's cap must be refused like a new kernel ({path}): {status} {body}"
+        );
+        let response = gateway
+            .http
+            .post(format!("{}{path}", gateway.base))
+            .header("Authorization", format!("Bearer {acme}"))
+            .header("Accept", "text/event-stream")
+            .json(&quick)
+            .send()
+            .await?;
+        let status = response.status().as_u16();
+        let body = response.text().await?;
+        ensure!(
+            status == 403,
+            "a streamed replay at the tenant's cap must be refused with 403 ({path}): {status} {body}"
         );
     }
     ensure!(
