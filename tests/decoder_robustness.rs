@@ -283,3 +283,52 @@ fn the_split_scheme_round_trips() {
     let (_, cut) = checks::split_frames(&joined[..joined.len() - 100]);
     assert_eq!(cut[2].len(), 200);
 }
+
+/// A real ClientHello (rustls, offering TLS 1.3 and 1.2, with a server name), as one record
+/// and re-cut into records of a few sizes: what a proxy may see on a tunnel.
+fn client_hello_seeds() -> Vec<Vec<u8>> {
+    use tokio_rustls::rustls;
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("protocol versions")
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("fuzz.example").expect("name");
+    let mut connection =
+        rustls::ClientConnection::new(std::sync::Arc::new(config), name).expect("client");
+    let mut hello = Vec::new();
+    while connection.wants_write() {
+        connection.write_tls(&mut hello).expect("write the hello");
+    }
+    // One record: type, version, length, then the handshake message.
+    let message = hello[5..].to_vec();
+    let mut seeds = vec![hello];
+    for size in [1, 7, 64, 200] {
+        let mut records = Vec::new();
+        for chunk in message.chunks(size) {
+            records.extend([22, 3, 1]);
+            records.extend((chunk.len() as u16).to_be_bytes());
+            records.extend(chunk);
+        }
+        seeds.push(records);
+    }
+    seeds
+}
+
+#[test]
+fn the_client_hello_reader_decides_the_same_for_every_cut() {
+    let seeds = client_hello_seeds();
+    for seed in &seeds {
+        assert_eq!(checks::client_hello(seed), 1, "a real hello is accepted");
+    }
+    let mut rng = Rng(0xd1b5_4a32_d192_ed03);
+    let inputs = 20_000;
+    let mut accepted = 0usize;
+    for i in 0..inputs {
+        accepted += checks::client_hello(&corpus(&mut rng, &seeds, i));
+    }
+    eprintln!("{accepted} accepted hellos of {inputs} inputs");
+    // Mutants must still reach the prefix property, or it is never tested.
+    assert!(accepted > inputs / 50, "only {accepted} accepted hellos");
+}

@@ -168,3 +168,29 @@ pub fn websocket(data: &[u8]) -> usize {
     }
     accepted
 }
+
+/// A tunnel's first bytes, as the egress proxy reads them: `client_hello::parse` never panics,
+/// and it decides the same whatever the cut: every prefix of an input that yields a
+/// ClientHello asks for more or yields the same one, never an error (a proxy that reads the
+/// hello in pieces, as TCP delivers it, must decide as one that reads it whole). Returns 1
+/// when the input is a complete, acceptable ClientHello.
+pub fn client_hello(data: &[u8]) -> usize {
+    use cellgate::egress::client_hello::parse;
+    let Ok(Some(whole)) = parse(data) else {
+        return 0;
+    };
+    // Every cut for small inputs, a spread of them for large ones.
+    let step = (data.len() / 256).max(1);
+    for end in (0..data.len()).step_by(step) {
+        match parse(&data[..end]) {
+            Ok(None) => {}
+            Ok(Some(prefix)) => {
+                assert_eq!(prefix, whole, "a prefix of {end} bytes reads another hello")
+            }
+            Err(err) => {
+                panic!("a prefix of {end} bytes is refused ({err}) though the whole is accepted")
+            }
+        }
+    }
+    1
+}
