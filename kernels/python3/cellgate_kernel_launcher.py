@@ -74,8 +74,9 @@ class _Budget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._spent: collections.OrderedDict[str, int] = collections.OrderedDict()
-        # Writers are the user's threads, the fd-capture threads and the shell's thread.
-        self._lock = threading.Lock()
+        # Writers are the user's threads, the fd-capture threads and the shell's thread; a
+        # signal handler or finalizer that prints may re-enter on the same thread.
+        self._lock = threading.RLock()
 
     def take(self, parent: dict, wanted: int, *, whole: bool) -> int:
         """How much of `wanted` characters may go out. A cell over its limit sends nothing
@@ -155,16 +156,35 @@ def _bound_output(app, limit_text) -> None:
     if budget is None:
         return
 
-    def rich_hook(msg):
-        parent = msg.get("parent_header") or {}
-        size = _rich_size(msg)
-        return msg if budget.take(parent, size, whole=True) == size else None
+    # Class-level, not `register_hook`: ipykernel keeps those hooks per thread, so a display
+    # from a user's thread would bypass them.
+    from ipykernel.displayhook import ZMQShellDisplayHook
+    from ipykernel.zmqshell import ZMQDisplayPublisher
 
-    shell = getattr(app, "shell", None)
-    for publisher in (getattr(shell, "display_pub", None), getattr(shell, "displayhook", None)):
-        register = getattr(publisher, "register_hook", None)
-        if register is not None:
-            register(rich_hook)
+    original_publish = ZMQDisplayPublisher.publish
+
+    def publish(self, data, metadata=None, *args, **kwargs):
+        size = _rich_size({"content": {"data": data if isinstance(data, dict) else {}}})
+        if budget.take(self.parent_header or {}, size, whole=True) != size:
+            return None
+        return original_publish(self, data, metadata, *args, **kwargs)
+
+    ZMQDisplayPublisher.publish = publish
+
+    original_finish = ZMQShellDisplayHook.finish_displayhook
+
+    def finish_displayhook(self):
+        msg = getattr(self, "msg", None)
+        if msg:
+            size = _rich_size(msg)
+            if budget.take(msg.get("parent_header") or {}, size, whole=True) != size:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                self.msg = None
+                return None
+        return original_finish(self)
+
+    ZMQShellDisplayHook.finish_displayhook = finish_displayhook
 
 
 if __name__ == "__main__":

@@ -558,7 +558,8 @@ impl ArtifactStore {
         }
         let sha = hex::encode(hasher.finalize());
         let description = Description::from_head(new, &head, size);
-        let artifact = match self.record(new, description, Blob::Stored(sha.clone())) {
+        // The temporary file is on the disk already: its bytes are in the free space read.
+        let artifact = match self.record_on_disk(new, description, Blob::Stored(sha.clone())) {
             Ok(artifact) => artifact,
             Err(err) => {
                 let _ = std::fs::remove_file(&tmp_path);
@@ -634,13 +635,37 @@ impl ArtifactStore {
         description: Description,
         blob: Blob,
     ) -> Result<Arc<Artifact>, ArtifactError> {
+        let bytes = description.bytes;
+        self.record_checked(new, description, blob, bytes)
+    }
+
+    /// [`ArtifactStore::record`] for bytes already written to the store's disk.
+    fn record_on_disk(
+        &self,
+        new: &NewArtifact<'_>,
+        description: Description,
+        blob: Blob,
+    ) -> Result<Arc<Artifact>, ArtifactError> {
+        self.record_checked(new, description, blob, 0)
+    }
+
+    /// Records after the checks, `to_write` being the bytes still to land on the disk.
+    fn record_checked(
+        &self,
+        new: &NewArtifact<'_>,
+        description: Description,
+        blob: Blob,
+        to_write: u64,
+    ) -> Result<Arc<Artifact>, ArtifactError> {
         let Description {
             bytes,
             width,
             height,
             summary,
         } = description;
-        self.check_disk(bytes, true)?;
+        // Quotas first: an artifact they refuse must not cost retained artifacts their place.
+        Self::check_quotas(&self.index.read(), new, bytes)?;
+        self.check_disk(to_write, true)?;
         let mut index = self.index.write();
         Self::check_quotas(&index, new, bytes)?;
         let (version, previous) = match new.display_id {

@@ -148,8 +148,9 @@ impl Limits {
     /// cannot be reclaimed without swap, so with the cgroup at `memory` alone a full workspace
     /// killed the kernel for memory instead of answering ENOSPC. With room for both, filling
     /// the workspace ends at its own size with `No space left on device` and the kernel lives;
-    /// the processes may use what the files leave free of the sum. A sandbox never costs the
-    /// host more RAM than memory + workspace.
+    /// the processes (with their `/tmp` and `/dev/shm`, RAM disks too) may use what the
+    /// workspace's files leave free of the sum. A sandbox never costs the host more RAM than
+    /// memory + workspace.
     pub fn memory_cgroup_bytes(&self, workspace_in_ram: Option<u64>) -> Option<u64> {
         self.memory_bytes
             .map(|memory| memory.saturating_add(workspace_in_ram.unwrap_or(0)))

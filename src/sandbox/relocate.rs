@@ -84,8 +84,17 @@ impl Relocation {
             .join(":")
     }
 
+    /// The kernel's command: each argument mapped as [`Relocation::text`], and the value of
+    /// an `--option=/path` argument too.
     pub fn argv(&self, argv: &[String]) -> Vec<String> {
-        argv.iter().map(|a| self.text(a)).collect()
+        argv.iter()
+            .map(|arg| match arg.split_once('=') {
+                Some((option, value)) if option.starts_with('-') => {
+                    format!("{option}={}", self.text(value))
+                }
+                _ => self.text(arg),
+            })
+            .collect()
     }
 
     pub fn env(&self, env: &BTreeMap<String, String>) -> BTreeMap<String, String> {
@@ -134,11 +143,25 @@ impl KernelView {
         let mut map = Relocation::new();
         map.add(&spec.workspace, WORKSPACE);
         map.add(&spec.runtime_dir, RUN_DIR);
+        // Both are bound whole: never `/`, never a directory holding (or inside) the kernel's
+        // runtime directory or workspace, which would show other kernels' files, and the
+        // base must really be an interpreter's prefix. Anything else stays at its host path
+        // and goes through the backend's checks of what may be shown (`visible_roots`).
+        let safe = |dir: &Path| {
+            let real = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+            let overlaps = |other: &Path| {
+                let other = std::fs::canonicalize(other).unwrap_or_else(|_| other.to_owned());
+                other.starts_with(&real) || real.starts_with(&other)
+            };
+            real != Path::new("/") && !overlaps(&spec.runtime_dir) && !overlaps(&spec.workspace)
+        };
         let venv = program
             .parent()
             .and_then(Path::parent)
-            .filter(|venv| venv.join("pyvenv.cfg").is_file());
-        let base = venv.and_then(venv_base_prefix);
+            .filter(|venv| venv.join("pyvenv.cfg").is_file() && safe(venv));
+        let base = venv
+            .and_then(venv_base_prefix)
+            .filter(|base| safe(base) && is_interpreter_prefix(base));
         let (venv_entries, python_prefix, masked, shown_as_is) = match (venv, base) {
             (Some(venv), Some(base)) => {
                 map.add(venv, VENV);
@@ -201,6 +224,18 @@ impl KernelView {
             Err(_) => Ok(()),
         }
     }
+}
+
+/// Whether `prefix` looks like a Python installation: `bin/python3*` and `lib/python3.*`.
+fn is_interpreter_prefix(prefix: &Path) -> bool {
+    let has = |dir: &str, start: &str| {
+        std::fs::read_dir(prefix.join(dir)).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(start))
+        })
+    };
+    has("bin", "python3") && has("lib", "python3.")
 }
 
 /// Whether an interpreter prefix holds a shared libpython (then its binary needs it found).
@@ -373,11 +408,44 @@ mod tests {
             "/home/user/bin:/usr/bin:relative/x::-f"
         );
         assert_eq!(map.text("C.UTF-8"), "C.UTF-8");
+        assert_eq!(
+            map.argv(&["--connection-file=/srv/gw/k1/run/g1/c.json".to_owned()]),
+            ["--connection-file=/run/cellgate/c.json"]
+        );
         let json = br#"{"transport": "ipc", "ip": "/srv/gw/k1/run/g1/k", "key": "abc"}"#;
         let mapped: serde_json::Value =
             serde_json::from_slice(&map.connection_json(json).unwrap()).unwrap();
         assert_eq!(mapped["ip"], "/run/cellgate/k");
         assert_eq!(mapped["key"], "abc");
+    }
+
+    #[test]
+    fn a_prefix_that_is_not_an_interpreter_s_own_is_never_bound_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let venv = dir.path().join("venv");
+        std::fs::create_dir_all(venv.join("bin")).unwrap();
+        let run = dir.path().join("k/run/g1");
+        let work = dir.path().join("k/work");
+        std::fs::create_dir_all(&run).unwrap();
+        std::fs::create_dir_all(&work).unwrap();
+        // `home = /bin` (a venv made from /bin/python3) would make `/` the prefix; a prefix
+        // holding the kernel's own directories would show other kernels'.
+        for home in ["/bin".to_owned(), format!("{}/bin", dir.path().display())] {
+            std::fs::write(venv.join("pyvenv.cfg"), format!("home = {home}\n")).unwrap();
+            let spec = super::super::LaunchSpec {
+                kernel_id: "k".into(),
+                argv: vec![venv.join("bin/python").display().to_string()],
+                env: BTreeMap::new(),
+                connection_file: run.join("c.json"),
+                connection: crate::protocol::ConnectionInfo::ipc(&run.join("k"), "k".into(), "p"),
+                runtime_dir: run.clone(),
+                workspace: work.clone(),
+                log_file: dir.path().join("k/kernel.log"),
+                limits: super::super::Limits::default(),
+            };
+            let view = KernelView::of(&spec, &["/usr"]).unwrap();
+            assert_eq!(view.python_prefix, None, "home = {home}");
+        }
     }
 
     #[test]

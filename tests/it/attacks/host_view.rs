@@ -12,8 +12,10 @@
 //!
 //! Still visible (printed, not asserted): in a namespaces sandbox `/proc/self/mountinfo`
 //! gives each bind mount's path inside its host file system (the venv's `lib`, the
-//! interpreter's prefix, the runtime directory). Hiding that needs sources that are not host
-//! directories (an image of the environment), see the notes.
+//! interpreter's prefix, the runtime directory). And files of the Python installation hold
+//! the paths it was built and installed at (`sysconfig`'s build variables, `.pyc` files, the
+//! base interpreter's own scripts). Hiding those needs sources that are not host directories
+//! (an image of the environment), see the notes.
 
 use anyhow::{ensure, Context, Result};
 

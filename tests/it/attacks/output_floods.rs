@@ -5,7 +5,8 @@
 //! with its variables gone, although the gateway forwards nothing past the cell's output limit
 //! anyway. The kernel launcher now stops a cell's output at the source a little past that
 //! limit. Each flood here runs for seconds (not a fixed amount), through stdout, stderr, the
-//! process's file descriptor 1 and rich displays; each must end `output_truncated` with the
+//! process's file descriptor 1 and rich displays (also from a thread); each must end
+//! `output_truncated` with the
 //! head of its output shown, and the kernel, its variables and a modest peak memory must
 //! survive it.
 
@@ -49,6 +50,14 @@ fn floods() -> Vec<(&'static str, String, &'static str)> {
             format!(
                 "from IPython.display import display, HTML\n{}",
                 timed(r#"display(HTML("<b>" + "d" * 40000 + "</b>"))"#)
+            ),
+            "display_data",
+        ),
+        // ipykernel keeps display hooks per thread: a thread's displays must count too.
+        (
+            "thread displays",
+            format!(
+                "import threading, time\nfrom IPython.display import display, HTML\ndef flood():\n    t = time.time()\n    while time.time() - t < {seconds}:\n        display(HTML('<b>' + 't' * 40000 + '</b>'))\nworker = threading.Thread(target=flood)\nworker.start()\nworker.join()\n"
             ),
             "display_data",
         ),
@@ -118,6 +127,7 @@ async fn sustained_floods_end_truncated_and_the_kernel_lives() -> Result<()> {
             "stdout" => "xxxx",
             "stderr" => "eeee",
             "fd 1" => "ffff",
+            "thread displays" => "<b>tt",
             _ => "<b>dd",
         };
         ensure!(head.starts_with(expected), "{label}: the head is {head:?}");
