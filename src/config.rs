@@ -99,11 +99,11 @@ pub struct ServeArgs {
     /// Time a client has to send a request's headers, from their first byte (from the
     /// connection's opening for its first request); past it the connection is closed
     /// (e.g. 5s, 500ms) [default: 5s].
-    #[arg(long, env = "CELLGATE_HEADER_READ_TIMEOUT", value_parser = parse_duration_arg)]
+    #[arg(long, env = "CELLGATE_HEADER_READ_TIMEOUT", value_parser = crate::policy::parse_duration)]
     pub header_read_timeout: Option<Duration>,
     /// Time a keep-alive connection may wait for its next request before it is closed;
     /// requests in flight and WebSockets are never idle [default: 60s].
-    #[arg(long, env = "CELLGATE_IDLE_CONNECTION_TIMEOUT", value_parser = parse_duration_arg)]
+    #[arg(long, env = "CELLGATE_IDLE_CONNECTION_TIMEOUT", value_parser = crate::policy::parse_duration)]
     pub idle_connection_timeout: Option<Duration>,
     /// Client connections open at once, WebSockets included; past it new ones get 503
     /// [default: half the open-file limit, at most 65536].
@@ -195,8 +195,10 @@ struct FileConfig {
     egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     egress_max_connections: Option<usize>,
     artifact_retention: Option<u64>,
-    header_read_timeout: Option<String>,
-    idle_connection_timeout: Option<String>,
+    #[serde(default, with = "crate::policy::units::serde_duration")]
+    header_read_timeout: Option<Duration>,
+    #[serde(default, with = "crate::policy::units::serde_duration")]
+    idle_connection_timeout: Option<Duration>,
     max_connections: Option<usize>,
     max_connections_per_peer: Option<usize>,
     #[serde(default, with = "crate::policy::units::serde_size")]
@@ -284,27 +286,6 @@ pub enum ConfigError {
     },
     #[error(transparent)]
     Tenants(#[from] crate::tenants::TenantError),
-}
-
-/// Parses a duration option (`5s`, `500ms`, `1m`).
-fn parse_duration_arg(text: &str) -> Result<Duration, String> {
-    crate::policy::parse_duration(text)
-}
-
-/// A duration from the config file, as `5s`.
-fn file_duration(
-    path: Option<&Path>,
-    key: &str,
-    value: Option<&str>,
-) -> Result<Option<Duration>, ConfigError> {
-    value
-        .map(|text| {
-            crate::policy::parse_duration(text).map_err(|message| ConfigError::Parse {
-                path: path.map(Path::to_owned).unwrap_or_default(),
-                message: format!("{key}: {message}"),
-            })
-        })
-        .transpose()
 }
 
 /// A config-file value that may be one string or a list of them.
@@ -476,16 +457,10 @@ impl GatewayConfig {
         if token.is_none() && !jwt.enabled() && allow_origin.iter().any(|o| o == "*") {
             return Err(ConfigError::AnyOriginWithoutToken);
         }
-        let config_path = args.config.as_deref();
-        let header_read_timeout = match args.header_read_timeout {
-            Some(timeout) => timeout,
-            None => file_duration(
-                config_path,
-                "header_read_timeout",
-                file.header_read_timeout.as_deref(),
-            )?
-            .unwrap_or(Duration::from_secs(5)),
-        };
+        let header_read_timeout = args
+            .header_read_timeout
+            .or(file.header_read_timeout)
+            .unwrap_or(Duration::from_secs(5));
         if header_read_timeout.is_zero() {
             return Err(ConfigError::Zero {
                 name: "header_read_timeout",
@@ -493,15 +468,10 @@ impl GatewayConfig {
                 least: "a few seconds, e.g. 5s",
             });
         }
-        let idle_connection_timeout = match args.idle_connection_timeout {
-            Some(timeout) => timeout,
-            None => file_duration(
-                config_path,
-                "idle_connection_timeout",
-                file.idle_connection_timeout.as_deref(),
-            )?
-            .unwrap_or(Duration::from_secs(60)),
-        };
+        let idle_connection_timeout = args
+            .idle_connection_timeout
+            .or(file.idle_connection_timeout)
+            .unwrap_or(Duration::from_secs(60));
         if idle_connection_timeout.is_zero() {
             return Err(ConfigError::Zero {
                 name: "idle_connection_timeout",

@@ -506,7 +506,8 @@ impl ArtifactStore {
         let description = Description::from_head(new, content, content.len() as u64);
         // Recorded first: a blob with a reference is never reaped, so the write below
         // cannot race with the removal of an identical blob.
-        let artifact = self.record(new, description, Blob::Stored(sha.clone()))?;
+        let bytes = description.bytes;
+        let artifact = self.record(new, description, Blob::Stored(sha.clone()), bytes)?;
         if let Err(err) = self.write_blob(&sha, content) {
             self.forget(&artifact.id);
             return Err(err);
@@ -559,7 +560,7 @@ impl ArtifactStore {
         let sha = hex::encode(hasher.finalize());
         let description = Description::from_head(new, &head, size);
         // The temporary file is on the disk already: its bytes are in the free space read.
-        let artifact = match self.record_on_disk(new, description, Blob::Stored(sha.clone())) {
+        let artifact = match self.record(new, description, Blob::Stored(sha.clone()), 0) {
             Ok(artifact) => artifact,
             Err(err) => {
                 let _ = std::fs::remove_file(&tmp_path);
@@ -617,7 +618,7 @@ impl ArtifactStore {
     ) -> Result<(Arc<Artifact>, Reservation), ArtifactError> {
         let (done, pending) = watch::channel(false);
         let bytes = description.bytes;
-        let artifact = self.record(new, description, Blob::Pending(pending))?;
+        let artifact = self.record(new, description, Blob::Pending(pending), bytes)?;
         let reservation = Reservation {
             store: self.clone(),
             id: artifact.id.clone(),
@@ -628,29 +629,9 @@ impl ArtifactStore {
         Ok((artifact, reservation))
     }
 
-    /// Records an artifact once it fits under its quotas and the disk minimum.
+    /// Records an artifact once it fits under its quotas and the disk minimum; `to_write` is
+    /// what is still to land on the disk (0 for a file already written there).
     fn record(
-        &self,
-        new: &NewArtifact<'_>,
-        description: Description,
-        blob: Blob,
-    ) -> Result<Arc<Artifact>, ArtifactError> {
-        let bytes = description.bytes;
-        self.record_checked(new, description, blob, bytes)
-    }
-
-    /// [`ArtifactStore::record`] for bytes already written to the store's disk.
-    fn record_on_disk(
-        &self,
-        new: &NewArtifact<'_>,
-        description: Description,
-        blob: Blob,
-    ) -> Result<Arc<Artifact>, ArtifactError> {
-        self.record_checked(new, description, blob, 0)
-    }
-
-    /// Records after the checks, `to_write` being the bytes still to land on the disk.
-    fn record_checked(
         &self,
         new: &NewArtifact<'_>,
         description: Description,

@@ -228,22 +228,20 @@ impl KernelView {
 
 /// Whether `prefix` looks like a Python installation: `bin/python3*` and `lib/python3.*`.
 fn is_interpreter_prefix(prefix: &Path) -> bool {
-    let has = |dir: &str, start: &str| {
-        std::fs::read_dir(prefix.join(dir)).is_ok_and(|entries| {
-            entries
-                .flatten()
-                .any(|e| e.file_name().to_string_lossy().starts_with(start))
-        })
-    };
-    has("bin", "python3") && has("lib", "python3.")
+    has_entry(&prefix.join("bin"), "python3") && has_entry(&prefix.join("lib"), "python3.")
 }
 
 /// Whether an interpreter prefix holds a shared libpython (then its binary needs it found).
 fn has_libpython(prefix: &Path) -> bool {
-    std::fs::read_dir(prefix.join("lib")).is_ok_and(|entries| {
+    has_entry(&prefix.join("lib"), "libpython")
+}
+
+/// Whether `dir` has an entry whose name starts with `start`.
+fn has_entry(dir: &Path, start: &str) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
         entries
             .flatten()
-            .any(|e| e.file_name().to_string_lossy().starts_with("libpython"))
+            .any(|e| e.file_name().to_string_lossy().starts_with(start))
     })
 }
 

@@ -89,12 +89,12 @@ fn decode_base64(encoded: &str) -> Result<Vec<u8>, base64::DecodeError> {
     })
 }
 
-fn too_large(session: &str, mime: &str, bytes: u64, limit: u64) -> Omitted {
-    tracing::warn!(session_id = %session, mime, bytes, limit, "output larger than the artifact limit; not stored");
+fn too_large(session: &str, mime: &str, bytes: u64, limit: u64, path: Option<&str>) -> Omitted {
+    tracing::warn!(session_id = %session, mime, bytes, limit, path, "output larger than the artifact limit; not stored");
     Omitted {
         mime: mime.to_owned(),
         bytes,
-        path: None,
+        path: path.map(str::to_owned),
         reason: format!("larger than the policy's artifact_size of {limit} bytes"),
         quota: Some(Quota::ArtifactSize),
     }
@@ -464,7 +464,7 @@ impl Session {
                     if let Some(head) = base64_head(encoded) {
                         let bytes = head.total;
                         if bytes > limit {
-                            omitted.push(too_large(&self.id, mime, bytes, limit));
+                            omitted.push(too_large(&self.id, mime, bytes, limit, None));
                             continue;
                         }
                         let description = Description::from_head(&new, &head.bytes, bytes);
@@ -510,7 +510,7 @@ impl Session {
                 other => other.to_string().into_bytes(),
             };
             if content.len() as u64 > limit {
-                omitted.push(too_large(&self.id, mime, content.len() as u64, limit));
+                omitted.push(too_large(&self.id, mime, content.len() as u64, limit, None));
                 continue;
             }
             let store = self.artifacts.clone();
@@ -612,20 +612,17 @@ impl Session {
                     continue;
                 }
                 seen.insert(file.path.clone(), stamp);
+                let mime = crate::workspace::mime_for(&file.path);
                 if file.size > limit {
-                    tracing::warn!(session_id = %session, path = %file.path, "output file larger than the artifact limit; not stored");
-                    omitted.push(Omitted {
-                        mime: crate::workspace::mime_for(&file.path).to_owned(),
-                        bytes: file.size,
-                        path: Some(file.path.clone()),
-                        reason: format!(
-                            "larger than the policy's artifact_size of {limit} bytes"
-                        ),
-                        quota: Some(Quota::ArtifactSize),
-                    });
+                    omitted.push(too_large(
+                        &session,
+                        mime,
+                        file.size,
+                        limit,
+                        Some(&file.path),
+                    ));
                     continue;
                 }
-                let mime = crate::workspace::mime_for(&file.path);
                 let new = NewArtifact {
                     session: &session,
                     owner: owner.as_deref(),

@@ -35,11 +35,7 @@ pub fn restrict(plan: &Plan) -> Result<&'static str, LandlockError> {
         plan.workspace.clone(),
         "/tmp".into(),
         "/dev".into(),
-        if plan.runtime_dir_inside.as_os_str().is_empty() {
-            plan.runtime_dir.clone()
-        } else {
-            plan.runtime_dir_inside.clone()
-        },
+        plan.runtime_dir_inside.clone(),
     ];
     let status = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)

@@ -217,14 +217,9 @@ impl RootFs {
                 plan.workspace_bytes, plan.uid, plan.gid
             ),
         });
-        let runtime_inside = if plan.runtime_dir_inside.as_os_str().is_empty() {
-            &plan.runtime_dir
-        } else {
-            &plan.runtime_dir_inside
-        };
         ops.push(bind_at(
             &plan.runtime_dir,
-            runtime_inside,
+            &plan.runtime_dir_inside,
             MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
         )?);
         for dir in &plan.ro_binds {

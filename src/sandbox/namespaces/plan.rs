@@ -34,7 +34,6 @@ pub struct Plan {
     /// The kernel's runtime directory on the host, bind-mounted read-write at
     /// `runtime_dir_inside`.
     pub runtime_dir: PathBuf,
-    #[serde(default)]
     pub runtime_dir_inside: PathBuf,
     /// The Python environment at fixed paths (see `sandbox::relocate`): the venv's view and
     /// the base interpreter's host prefix, shown read-only at `relocate::PYTHON`.
