@@ -13,7 +13,8 @@ only moved to the kernel's first messages: no gain). The collector is back on be
 kernel handles its first message: user code runs with Python's ordinary GC.
 
 It also bounds each cell's output at the source (`CELLGATE_OUTPUT_LIMIT`, set by the gateway
-from the policy's `output_per_execution`): see `_bound_output`.
+from the policy's `output_per_execution`): see `_bound_output`, and keeps IPython from holding
+every cell's stdout and stderr in memory: see `_forget_stream_history`.
 
 `./dev setup` copies this file into the kernel venv's site-packages (the sandboxes mount the
 venv, not the kernelspec directory); kernel.json runs it with `-m`.
@@ -53,6 +54,7 @@ def main() -> None:
         app = IPKernelApp.instance()
         app.initialize()
         _bound_output(app, os.environ.pop("CELLGATE_OUTPUT_LIMIT", None))
+        _forget_stream_history()
     finally:
         gc.freeze()
         gc.enable()
@@ -185,6 +187,23 @@ def _bound_output(app, limit_text) -> None:
         return original_finish(self)
 
     ZMQShellDisplayHook.finish_displayhook = finish_displayhook
+
+
+def _forget_stream_history() -> None:
+    """Stops IPython from keeping every write to stdout and stderr for the kernel's life.
+
+    Why: IPython 9 wraps the streams' `write` for each cell and appends every piece written
+    to `history_manager.outputs`, in memory, whether or not it is ever sent; the wrapper sits
+    outside `_bound_output`'s, so it kept what the budget dropped too. A flood through file
+    descriptor 1 (1 KiB pieces from ipykernel's capture thread) held ~470 MiB after 5 s with
+    only 10 MiB sent. Nothing in a gateway kernel reads that record: the gateway keeps the
+    session's outputs itself (history, export).
+    """
+    import contextlib
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    InteractiveShell._tee = lambda self, channel: contextlib.nullcontext()
 
 
 if __name__ == "__main__":
