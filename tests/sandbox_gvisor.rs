@@ -79,6 +79,27 @@ fn gateway_mode() -> i32 {
     })
 }
 
+/// Where the sandbox shows the venv's base interpreter: a system one (`./dev setup` uses
+/// Debian's) stays at its own prefix, any other is shown at `/opt/cellgate/python`.
+fn base_prefix_inside() -> String {
+    let venv = python()
+        .parent()
+        .and_then(Path::parent)
+        .expect("venv")
+        .to_path_buf();
+    let cfg = std::fs::read_to_string(venv.join("pyvenv.cfg")).expect("pyvenv.cfg");
+    let home = cfg
+        .lines()
+        .find_map(|l| l.split_once('=').filter(|(k, _)| k.trim() == "home"))
+        .map(|(_, v)| v.trim().to_owned())
+        .expect("home in pyvenv.cfg");
+    if home == "/usr/bin" {
+        "/usr".to_owned()
+    } else {
+        "/opt/cellgate/python".to_owned()
+    }
+}
+
 /// The kernel venv's interpreter, waiting for the background job that builds it if needed.
 fn python() -> PathBuf {
     let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/python3/.venv/bin/python");
@@ -672,7 +693,7 @@ print(json.dumps(r))
         r["prefix"],
         json!([
             "/opt/cellgate/venv",
-            "/opt/cellgate/python",
+            base_prefix_inside(),
             "/opt/cellgate/venv/bin/python"
         ]),
         "sys.prefix, sys.base_prefix, sys.executable"

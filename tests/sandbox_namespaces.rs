@@ -134,6 +134,27 @@ sys.exit(0 if ok else 3)
 // ---------------------------------------------------------------------------------------
 // Fixtures.
 
+/// Where the sandbox shows the venv's base interpreter: a system one (`./dev setup` uses
+/// Debian's) stays at its own prefix, any other is shown at `/opt/cellgate/python`.
+fn base_prefix_inside() -> String {
+    let venv = python()
+        .parent()
+        .and_then(Path::parent)
+        .expect("venv")
+        .to_path_buf();
+    let cfg = std::fs::read_to_string(venv.join("pyvenv.cfg")).expect("pyvenv.cfg");
+    let home = cfg
+        .lines()
+        .find_map(|l| l.split_once('=').filter(|(k, _)| k.trim() == "home"))
+        .map(|(_, v)| v.trim().to_owned())
+        .expect("home in pyvenv.cfg");
+    if home == "/usr/bin" {
+        "/usr".to_owned()
+    } else {
+        "/opt/cellgate/python".to_owned()
+    }
+}
+
 /// The kernel venv's interpreter, waiting for the background job that builds it if needed.
 fn python() -> PathBuf {
     let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/python3/.venv/bin/python");
@@ -272,7 +293,10 @@ impl Executed {
 }
 
 async fn start_kernel(limits: Limits) -> Kernel {
-    let python = python();
+    start_kernel_with(python(), limits).await
+}
+
+async fn start_kernel_with(python: PathBuf, limits: Limits) -> Kernel {
     let sandbox = sandbox();
     let dirs = KernelDirs::new("k");
     let key = uuid::Uuid::new_v4().simple().to_string();
@@ -633,7 +657,7 @@ print(json.dumps(r))
         r["prefix"],
         json!([
             "/opt/cellgate/venv",
-            "/opt/cellgate/python",
+            base_prefix_inside(),
             "/opt/cellgate/venv/bin/python"
         ]),
         "sys.prefix, sys.base_prefix, sys.executable"
@@ -677,13 +701,80 @@ print(json.dumps(r))
             "unexpected unix socket visible: {socket}"
         );
     }
-    // The kernel's files in the runtime directory belong to the unprivileged host id.
-    let meta =
-        std::fs::metadata(kernel.dirs.run.join("kernel-wrote-this")).expect("file from the kernel");
+    // The runtime directory is the sandbox's own tmpfs, not the host's directory: the
+    // gateway reaches it through the helper's root, where the kernel's files belong to the
+    // unprivileged host id.
+    let inside = Path::new(&kernel.launched.connection.ip)
+        .parent()
+        .expect("runtime directory")
+        .join("kernel-wrote-this");
+    assert!(
+        inside.starts_with("/proc/"),
+        "the gateway's way in: {}",
+        inside.display()
+    );
+    let meta = std::fs::metadata(&inside).expect("file from the kernel");
     use std::os::unix::fs::MetadataExt;
     assert_eq!((meta.uid(), meta.gid()), (65534, 65534));
+    let host_run = &kernel.spec.runtime_dir;
+    assert!(
+        !host_run.join("kernel-wrote-this").exists(),
+        "the kernel wrote into the host's runtime directory"
+    );
     // The host workspace directory is not the sandbox's: nothing appears there.
     assert!(!kernel.dirs.work.join("f").exists());
+    kernel.stop().await;
+}
+
+/// A venv over an interpreter outside the system prefixes (the tools venv's, a pyenv build on
+/// CI's machines) is shown at fixed paths: the base at `/opt/cellgate/python`, by an overlay
+/// whose `mountinfo` line names no host path, with its shared libraries found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_venv_over_another_interpreter_is_shown_at_fixed_paths() {
+    require_root("relocated interpreter test");
+    let tools = std::env::var("CELLGATE_TOOLS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv-tools/bin/python"));
+    let venv = tools.parent().and_then(Path::parent).expect("tools venv");
+    let cfg = std::fs::read_to_string(venv.join("pyvenv.cfg")).expect("tools venv's pyvenv.cfg");
+    let home = cfg
+        .lines()
+        .find_map(|l| l.split_once('=').filter(|(k, _)| k.trim() == "home"))
+        .map(|(_, v)| v.trim().trim_end_matches("/bin").to_owned())
+        .expect("home");
+    assert!(
+        !home.starts_with("/usr"),
+        "this test needs a tools venv over an interpreter outside /usr (./dev setup makes it \
+         with CELLGATE_PYTHON, python3 by default); {} is over {home}",
+        venv.display()
+    );
+    let mut kernel = start_kernel_with(tools.clone(), Limits::default()).await;
+    let out = kernel
+        .execute(
+            "import json, sys, ssl, sqlite3, ctypes\n\
+             print(json.dumps({'base': sys.base_prefix, 'prefix': sys.prefix, \
+             'mountinfo': open('/proc/self/mountinfo').read()}))",
+        )
+        .await;
+    assert_eq!(out.status, "ok", "{out:?}\nlog:\n{}", kernel.log());
+    let r = out.json();
+    assert_eq!(r["base"], "/opt/cellgate/python");
+    assert_eq!(r["prefix"], "/opt/cellgate/venv");
+    let mountinfo = r["mountinfo"].as_str().expect("mountinfo");
+    for host in [home.as_str(), &venv.display().to_string()] {
+        assert!(
+            !mountinfo.contains(host),
+            "mountinfo names {host}:\n{mountinfo}"
+        );
+    }
+    let base_mount = mountinfo
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some("/opt/cellgate/python"))
+        .expect("a mount at /opt/cellgate/python");
+    assert!(
+        base_mount.contains(" - overlay "),
+        "not an overlay: {base_mount}"
+    );
     kernel.stop().await;
 }
 

@@ -214,15 +214,26 @@ impl KernelView {
     /// gateway keeps its own copy of the connection info, with host paths. A command
     /// without a connection file (tools, tests), or with a file that is not one, is left.
     pub fn rewrite_connection_file(&self, path: &Path) -> std::io::Result<()> {
+        match self.connection_file(path)? {
+            Some(mapped) => std::fs::write(path, mapped),
+            None => Ok(()),
+        }
+    }
+
+    /// The connection file as the kernel must read it (see
+    /// [`rewrite_connection_file`](Self::rewrite_connection_file)), without writing it:
+    /// `None` where there is none, or it is not one.
+    pub fn connection_file(&self, path: &Path) -> std::io::Result<Option<String>> {
         let json = match std::fs::read(path) {
             Ok(json) => json,
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(err) => return Err(err),
         };
-        match self.map.connection_json(&json) {
-            Ok(mapped) => std::fs::write(path, mapped),
-            Err(_) => Ok(()),
-        }
+        Ok(self
+            .map
+            .connection_json(&json)
+            .ok()
+            .and_then(|mapped| String::from_utf8(mapped).ok()))
     }
 }
 
@@ -317,14 +328,44 @@ impl VenvView {
                     inside: target,
                     points_to: map.path(&points_to),
                 });
-            } else {
+            } else if kind.is_dir() {
                 entries.push(VenvEntry::Bind {
                     host,
                     inside: target,
                 });
+            } else {
+                // A file beside `pyvenv.cfg` (a stamp, a lock): written, not bound, so no
+                // mount names its host path.
+                entries.push(Self::file(&host, target, map)?);
             }
         }
         Ok(VenvView { entries })
+    }
+
+    /// A small text file as written contents with `map`'s paths mapped; anything else bound.
+    fn file(host: &Path, inside: PathBuf, map: &Relocation) -> std::io::Result<VenvEntry> {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::metadata(host)?;
+        let text = (meta.is_file() && meta.len() <= MAX_SCRIPT)
+            .then(|| std::fs::read_to_string(host).ok())
+            .flatten();
+        Ok(match text {
+            Some(text) => {
+                let mut mapped = text;
+                for (from, to) in &map.pairs {
+                    mapped = mapped.replace(&*from.to_string_lossy(), &to.to_string_lossy());
+                }
+                VenvEntry::File {
+                    inside,
+                    contents: mapped,
+                    executable: meta.permissions().mode() & 0o111 != 0,
+                }
+            }
+            None => VenvEntry::Bind {
+                host: host.to_owned(),
+                inside,
+            },
+        })
     }
 
     fn bin(host: &Path, inside: &Path, map: &Relocation) -> std::io::Result<Vec<VenvEntry>> {
@@ -340,27 +381,7 @@ impl VenvView {
                 });
                 continue;
             }
-            let text = (meta.is_file() && meta.len() <= MAX_SCRIPT)
-                .then(|| std::fs::read_to_string(&path).ok())
-                .flatten();
-            match text {
-                Some(text) => {
-                    use std::os::unix::fs::PermissionsExt;
-                    let mut mapped = text.clone();
-                    for (from, to) in &map.pairs {
-                        mapped = mapped.replace(&*from.to_string_lossy(), &to.to_string_lossy());
-                    }
-                    entries.push(VenvEntry::File {
-                        inside: target,
-                        contents: mapped,
-                        executable: meta.permissions().mode() & 0o111 != 0,
-                    });
-                }
-                None => entries.push(VenvEntry::Bind {
-                    host: path,
-                    inside: target,
-                }),
-            }
+            entries.push(Self::file(&path, target, map)?);
         }
         Ok(entries)
     }

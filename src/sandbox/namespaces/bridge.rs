@@ -1,8 +1,9 @@
 //! The egress bridge: the sandbox's only way to the gateway's egress proxy.
 //!
 //! The sandbox's network namespace has loopback only. When the plan names an egress socket
-//! (the proxy's unix socket in the kernel's runtime directory, bind-mounted at the same
-//! path), the init binds 127.0.0.1:3128 before it forks the kernel, so the port is there
+//! (the proxy's unix socket in the kernel's host runtime directory, opened by the init with
+//! `O_PATH` before it left the host's file system, and reached as `/proc/self/fd/N`: a
+//! descriptor the kernel does not inherit, where a bind would show a host path), the init binds 127.0.0.1:3128 before it forks the kernel, so the port is there
 //! from the kernel's first instruction, and forks this bridge: a plain uid 1000 process with
 //! no capabilities, the kernel's Landlock ruleset and seccomp filter, that copies each TCP
 //! connection to a fresh connection on the unix socket. It decides nothing: the proxy on the
@@ -13,7 +14,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,11 +38,13 @@ pub fn bind() -> std::io::Result<TcpListener> {
 }
 
 /// Runs the bridge in a forked child of the init; never returns.
-pub fn run(plan: &Plan, programs: &[BpfProgram], listener: TcpListener, socket: PathBuf) -> ! {
-    if let Err(err) = confine(plan, programs, listener.as_raw_fd()) {
+pub fn run(plan: &Plan, programs: &[BpfProgram], listener: TcpListener, proxy: OwnedFd) -> ! {
+    if let Err(err) = confine(plan, programs, &[listener.as_raw_fd(), proxy.as_raw_fd()]) {
         eprintln!("cellgate egress bridge: {err}");
         sys::exit_now(126);
     }
+    // `proxy` stays open for the bridge's life: every connection goes through it.
+    let socket = PathBuf::from(format!("/proc/self/fd/{}", proxy.as_raw_fd()));
     let active = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
@@ -65,7 +68,7 @@ pub fn run(plan: &Plan, programs: &[BpfProgram], listener: TcpListener, socket: 
     sys::exit_now(0)
 }
 
-fn confine(plan: &Plan, programs: &[BpfProgram], keep: i32) -> Result<(), String> {
+fn confine(plan: &Plan, programs: &[BpfProgram], keep: &[i32]) -> Result<(), String> {
     sys::reset_signals().map_err(|e| format!("reset signals: {e}"))?;
     sys::set_parent_death_signal(libc::SIGKILL).map_err(|e| format!("pdeathsig: {e}"))?;
     // stdout is the init's event channel to the gateway: never the bridge's.

@@ -96,7 +96,7 @@ fn confine_and_exec(
         landlock::restrict(plan).map_err(step("landlock"))?;
     }
     // The error pipe stays open (it is close-on-exec); everything else inherited goes.
-    sys::close_all_above_stdio_except(error_fd).map_err(step("close inherited descriptors"))?;
+    sys::close_all_above_stdio_except(&[error_fd]).map_err(step("close inherited descriptors"))?;
     seccomp::install(programs).map_err(step("seccomp"))?;
     let err = sys::execve(&program, &argv, &env);
     Err(format!("execve {}: {err}", plan.argv[0]))

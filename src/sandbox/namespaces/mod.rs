@@ -95,12 +95,13 @@ use super::{
     Backend, ExitReport, LaunchSpec, Launched, Limits, ResourceUsage, Sandbox, SandboxError,
     SandboxHandle,
 };
+use crate::protocol::ConnectionInfo;
 use crate::sandbox::relocate::{self, KernelView};
 use cgroups::{Hierarchy, KernelCgroup};
 pub use error::NamespacesError;
 pub use helper::{sandbox_init_main, SANDBOX_INIT_ARG};
 use idmap::{IdMap, INSIDE_ID};
-use plan::{Event, Plan, GO};
+use plan::{Event, Plan, RuntimeFile, GO};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -216,14 +217,18 @@ impl NamespacesSandbox {
         let mut wanted = view.shown_as_is.clone();
         wanted.extend(argv_files(&spec.argv[1..]));
         wanted.extend(self.config.extra_ro_paths.iter().cloned());
-        view.rewrite_connection_file(&spec.connection_file)
+        let connection_file = view
+            .connection_file(&spec.connection_file)
             .map_err(|source| NamespacesError::Io {
-                what: "rewrite",
+                what: "read",
                 path: spec.connection_file.clone(),
                 source,
-            })?;
+            })?
+            .map(|contents| RuntimeFile {
+                path: view.map.path(&spec.connection_file),
+                contents,
+            });
         let KernelView {
-            map,
             argv,
             env,
             venv: venv_view,
@@ -245,8 +250,8 @@ impl NamespacesSandbox {
                 .unwrap_or(self.config.default_workspace_bytes)
                 .max(MIB),
             tmp_bytes: self.config.tmp_bytes.max(MIB),
-            runtime_dir: spec.runtime_dir.clone(),
             runtime_dir_inside: PathBuf::from(relocate::RUN_DIR),
+            connection_file,
             venv: venv_view,
             python_prefix,
             ro_binds: visible_roots(wanted, &spec.runtime_dir, &spec.workspace),
@@ -259,8 +264,7 @@ impl NamespacesSandbox {
             // The gateway opened the proxy socket for this generation (see crate::egress):
             // the init runs the bridge to it.
             egress_socket: Some(spec.runtime_dir.join(crate::egress::SOCKET_NAME))
-                .filter(|p| p.exists())
-                .map(|p| map.path(&p)),
+                .filter(|p| p.exists()),
         })
     }
 
@@ -309,32 +313,24 @@ impl NamespacesSandbox {
         }
     }
 
-    /// Gives the runtime directory and the connection file to the sandbox user, so the
-    /// kernel can read the file and create its sockets. Only when the gateway is root (an
-    /// unprivileged gateway's kernel already has its uid).
+    /// Gives the egress proxy's socket, when the gateway opened one, to the sandbox user:
+    /// the bridge connects to it as that user, which needs write permission on it. Only when
+    /// the gateway is root (an unprivileged gateway's sandbox user already has its uid).
     fn hand_over(&self, spec: &LaunchSpec) -> Result<(), NamespacesError> {
         if !self.ids.privileged {
             return Ok(());
         }
-        // The egress proxy's socket, when the gateway opened one: connecting needs write
-        // permission on it.
         let egress = spec.runtime_dir.join(crate::egress::SOCKET_NAME);
-        for path in [&spec.runtime_dir, &spec.connection_file, &egress] {
-            let owner = Some(self.ids.outside_uid);
-            match std::os::unix::fs::chown(path, owner, Some(self.ids.outside_gid)) {
-                Ok(()) => {}
-                // A command that takes no connection file (tests, tools) has none.
-                Err(err) if err.kind() == io::ErrorKind::NotFound && path != &spec.runtime_dir => {}
-                Err(source) => {
-                    return Err(NamespacesError::Io {
-                        what: "hand over",
-                        path: path.clone(),
-                        source,
-                    })
-                }
-            }
+        let owner = Some(self.ids.outside_uid);
+        match std::os::unix::fs::chown(&egress, owner, Some(self.ids.outside_gid)) {
+            Ok(()) => Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(NamespacesError::Io {
+                what: "hand over",
+                path: egress,
+                source,
+            }),
         }
-        Ok(())
     }
 
     async fn launch_namespaced(&self, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
@@ -471,7 +467,7 @@ impl NamespacesSandbox {
         Ok(Launched {
             handle,
             exit: exit_rx,
-            connection: spec.connection.clone(),
+            connection: gateway_view(&spec.connection, &spec.runtime_dir, helper_pid),
         })
     }
 }
@@ -925,6 +921,25 @@ pub(super) fn argv_files(args: &[String]) -> Vec<PathBuf> {
         .map(PathBuf::from)
         .filter(|path| path.is_absolute() && path.is_file())
         .collect()
+}
+
+/// The gateway's way to the kernel's ipc sockets: the runtime directory is a tmpfs inside
+/// the sandbox, reached through the helper's root. The helper shares the sandbox's mount
+/// namespace, so `pivot_root` moved its root too, and unlike the init it stays dumpable
+/// (it never changes uid), so an unprivileged gateway may follow `/proc/<pid>/root` as well.
+fn gateway_view(
+    connection: &ConnectionInfo,
+    runtime_dir: &Path,
+    helper_pid: u32,
+) -> ConnectionInfo {
+    let mut info = connection.clone();
+    if info.transport == "ipc" {
+        if let Ok(rest) = Path::new(&info.ip).strip_prefix(runtime_dir) {
+            let inside = Path::new(relocate::RUN_DIR).join(rest);
+            info.ip = format!("/proc/{helper_pid}/root{}", inside.display());
+        }
+    }
+    info
 }
 
 /// Host paths that are always visible (or never may be bound) inside the sandbox.

@@ -22,9 +22,12 @@
 //! host, a private devpts and `/dev/shm`, a fresh `/proc` for the new pid namespace (its
 //! host-wide `boot_id` and `cmdline` masked by files of the sandbox's own), a
 //! size-limited private `/tmp`, the size-limited tmpfs workspace at `/home/user`, the
-//! kernel's runtime directory (read-write, at `/run/cellgate`), the Python environment
-//! (read-only, at `/opt/cellgate`: see `sandbox::relocate`) and the files the command names
-//! (read-only, same paths).
+//! kernel's runtime directory (a small tmpfs of its own at `/run/cellgate` holding the
+//! connection file and the kernel's ipc sockets, which the gateway reaches through the
+//! helper's `/proc/<pid>/root`), the Python environment (read-only overlays at
+//! `/opt/cellgate`: see `sandbox::relocate`) and the files the command names (read-only,
+//! same paths). Nothing the kernel can read names a host directory: the runtime directory
+//! and the Python environment are not binds, whose `mountinfo` lines give their host paths.
 //! No `/sys`, `/run`, `/var/run`, `/home`, `/root` contents, host `/tmp`, gateway files or
 //! other kernels' directories: every host unix socket visible inside would be a way out, so
 //! none is.
@@ -45,6 +48,9 @@ use crate::sandbox::relocate::{self, VenvEntry};
 /// Where the new root is assembled before `pivot_root`. Mounting over `/tmp` only affects our
 /// own mount namespace and needs no directory to be created on the host.
 const STAGING: &str = "/tmp";
+
+/// Size of the runtime directory's tmpfs: the connection file and the kernel's ipc sockets.
+const RUNTIME_TMPFS_BYTES: u64 = 1 << 20;
 
 /// Size of the root tmpfs: generated `/etc` files and mount points only.
 const ROOT_TMPFS_OPTIONS: &str = "mode=0755,size=4m,nr_inodes=4096";
@@ -92,6 +98,14 @@ enum Op {
         is_dir: bool,
         attrs: u64,
     },
+    /// A read-only overlay of an opened host directory at `target`: the same files as a
+    /// bind, but a mount of its own, whose `/proc/self/mountinfo` line gives `/` as its
+    /// root and `/proc/self/fd/N` as its layers, where a bind gives the host path.
+    Overlay {
+        target: PathBuf,
+        source: OwnedFd,
+        attrs: u64,
+    },
     Symlink {
         target: PathBuf,
         points_to: PathBuf,
@@ -124,6 +138,7 @@ impl Op {
     fn target(&self) -> &Path {
         match self {
             Op::Bind { target, .. }
+            | Op::Overlay { target, .. }
             | Op::Symlink { target, .. }
             | Op::Tmpfs { target, .. }
             | Op::Proc { target }
@@ -217,16 +232,26 @@ impl RootFs {
                 plan.workspace_bytes, plan.uid, plan.gid
             ),
         });
-        ops.push(bind_at(
-            &plan.runtime_dir,
-            &plan.runtime_dir_inside,
-            MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
-        )?);
+        ops.push(Op::Tmpfs {
+            target: plan.runtime_dir_inside.clone(),
+            flags: libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            options: format!(
+                "mode=0700,size={RUNTIME_TMPFS_BYTES},nr_inodes=64,uid={},gid={}",
+                plan.uid, plan.gid
+            ),
+        });
+        if let Some(file) = &plan.connection_file {
+            ops.push(Op::File {
+                target: file.path.clone(),
+                contents: file.contents.clone(),
+                mode: 0o600,
+            });
+        }
         for dir in &plan.ro_binds {
             ops.push(bind(dir, ro)?);
         }
         if let Some(prefix) = &plan.python_prefix {
-            ops.push(bind_at(prefix, Path::new(relocate::PYTHON), ro)?);
+            ops.push(overlay_at(prefix, Path::new(relocate::PYTHON), ro)?);
         }
         for entry in &plan.venv {
             ops.push(match entry {
@@ -243,7 +268,7 @@ impl RootFs {
                     target: inside.clone(),
                     points_to: points_to.clone(),
                 },
-                VenvEntry::Bind { host, inside } => bind_at(host, inside, ro)?,
+                VenvEntry::Bind { host, inside } => overlay_at(host, inside, ro)?,
             });
         }
         for dir in &plan.masked {
@@ -329,6 +354,32 @@ fn apply(op: Op, at: &Path) -> io::Result<()> {
             sys::mount_setattr(at, attrs, true)
                 .map_err(ctx(format!("set flags on {}", target.display())))?;
             drop(source);
+        }
+        Op::Overlay {
+            target,
+            source,
+            attrs,
+        } => {
+            make_mount_point(at, true).map_err(ctx(format!("mount point {}", target.display())))?;
+            // overlayfs wants two layers when it has no upper one; the second is the empty
+            // mount point itself, which the overlay then covers.
+            let empty = sys::open_path(at).map_err(ctx(format!("open {}", target.display())))?;
+            let options = format!(
+                "lowerdir=/proc/self/fd/{}:/proc/self/fd/{}",
+                source.as_raw_fd(),
+                empty.as_raw_fd()
+            );
+            sys::mount(
+                Some(Path::new("overlay")),
+                at,
+                Some("overlay"),
+                libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+                Some(&options),
+            )
+            .map_err(ctx(format!("overlay on {}", target.display())))?;
+            sys::mount_setattr(at, attrs, false)
+                .map_err(ctx(format!("set flags on {}", target.display())))?;
+            drop((source, empty));
         }
         Op::Symlink { target, points_to } => {
             make_parent(at)?;
@@ -420,6 +471,23 @@ fn bind_at(host: &Path, target: &Path, attrs: u64) -> io::Result<Op> {
         is_dir: meta.is_dir(),
         attrs,
     })
+}
+
+/// A read-only overlay of a host directory at `target`, opened now; a file is bound.
+fn overlay_at(host: &Path, target: &Path, attrs: u64) -> io::Result<Op> {
+    match bind_at(host, target, attrs)? {
+        Op::Bind {
+            target,
+            source,
+            is_dir: true,
+            attrs,
+        } => Ok(Op::Overlay {
+            target,
+            source,
+            attrs,
+        }),
+        file => Ok(file),
+    }
 }
 
 /// The host entry as it is: the same symlink, or a bind of the file or directory; nothing

@@ -75,6 +75,14 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
     }
 
     let root = RootFs::prepare(&plan).map_err(at("open host paths"))?;
+    // The proxy's socket is never shown inside: the bridge connects through this descriptor
+    // (close-on-exec, so the kernel does not inherit it).
+    let egress = plan
+        .egress_socket
+        .as_deref()
+        .map(sys::open_path)
+        .transpose()
+        .map_err(at("open the egress proxy socket"))?;
 
     sys::set_securebits(libc::SECBIT_NO_SETUID_FIXUP).map_err(at("securebits"))?;
     match sys::clear_groups() {
@@ -109,12 +117,12 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
     };
     signals.block().map_err(at("block signals"))?;
 
-    if let Some(socket) = plan.egress_socket.clone() {
+    if let Some(socket) = egress {
         let listener = bridge::bind().map_err(at("bind the egress bridge"))?;
         // SAFETY: the init is a fork of the single-threaded helper and starts no threads.
         match unsafe { sys::fork() }.map_err(at("fork the egress bridge"))? {
             Forked::Child => bridge::run(&plan, &programs, listener, socket),
-            Forked::Parent { .. } => drop(listener),
+            Forked::Parent { .. } => drop((listener, socket)),
         }
     }
 

@@ -31,10 +31,14 @@ pub struct Plan {
     pub workspace_bytes: u64,
     /// Size of the private `/tmp` (and of `/dev/shm`).
     pub tmp_bytes: u64,
-    /// The kernel's runtime directory on the host, bind-mounted read-write at
-    /// `runtime_dir_inside`.
-    pub runtime_dir: PathBuf,
+    /// The kernel's runtime directory inside the sandbox (`/run/cellgate`): a tmpfs of the
+    /// sandbox's own, where the kernel creates its ipc sockets. The gateway reaches it
+    /// through `/proc/<helper pid>/root`, so no host directory is bound (a bind shows its
+    /// host path in `/proc/self/mountinfo`).
     pub runtime_dir_inside: PathBuf,
+    /// The connection file the kernel reads, written into the runtime directory.
+    #[serde(default)]
+    pub connection_file: Option<RuntimeFile>,
     /// The Python environment at fixed paths (see `sandbox::relocate`): the venv's view and
     /// the base interpreter's host prefix, shown read-only at `relocate::PYTHON`.
     #[serde(default)]
@@ -56,13 +60,22 @@ pub struct Plan {
     pub address_space_limit: Option<u64>,
     /// Whether to add a Landlock ruleset (best effort: skipped where the kernel lacks it).
     pub landlock: bool,
-    /// The egress proxy's unix socket (inside `runtime_dir`): when set, the init runs the
-    /// bridge from 127.0.0.1:3128 to it.
+    /// The egress proxy's unix socket, a host path: when set, the init opens it before it
+    /// builds the root file system and runs the bridge from 127.0.0.1:3128 to it (the socket
+    /// is never shown inside).
     #[serde(default)]
     pub egress_socket: Option<PathBuf>,
     /// Directories inside the workspace made (by the sandbox user) before the kernel starts.
     #[serde(default)]
     pub workspace_dirs: Vec<PathBuf>,
+}
+
+/// A file the sandbox's init writes into the kernel's runtime directory.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RuntimeFile {
+    /// Its path inside the sandbox, within `runtime_dir_inside`.
+    pub path: PathBuf,
+    pub contents: String,
 }
 
 /// A report from the helper or the init, in the order they happen.

@@ -391,16 +391,23 @@ pub fn dup2(old: RawFd, new: RawFd) -> io::Result<()> {
 }
 
 /// Closes every descriptor above stdio except `keep`.
-pub fn close_all_above_stdio_except(keep: RawFd) -> io::Result<()> {
+pub fn close_all_above_stdio_except(keep: &[RawFd]) -> io::Result<()> {
     let close_range = |first: RawFd, last: libc::c_uint| {
         // SAFETY: closing descriptors this process inherited; nothing of ours refers to them
         // afterwards (the caller keeps only stdio and `keep`).
         check(unsafe { libc::close_range(first as libc::c_uint, last, 0) }).map(drop)
     };
-    if keep > 3 {
-        close_range(3, (keep - 1) as libc::c_uint)?;
+    let mut keep: Vec<RawFd> = keep.iter().copied().filter(|fd| *fd > 2).collect();
+    keep.sort_unstable();
+    keep.dedup();
+    let mut first = 3;
+    for fd in keep {
+        if fd > first {
+            close_range(first, (fd - 1) as libc::c_uint)?;
+        }
+        first = fd + 1;
     }
-    close_range(keep.max(2) + 1, libc::c_uint::MAX)
+    close_range(first, libc::c_uint::MAX)
 }
 
 pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {

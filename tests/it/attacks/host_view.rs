@@ -10,12 +10,12 @@
 //! IPython's and matplotlib's own files, which went into the workspace among the user's, go
 //! to the sandbox's private `/tmp`.
 //!
-//! Still visible (printed, not asserted): in a namespaces sandbox `/proc/self/mountinfo`
-//! gives each bind mount's path inside its host file system (the venv's `lib`, the
-//! interpreter's prefix, the runtime directory). And files of the Python installation hold
-//! the paths it was built and installed at (`sysconfig`'s build variables, `.pyc` files, the
-//! base interpreter's own scripts). Hiding those needs sources that are not host directories
-//! (an image of the environment), see the issue's notes.
+//! Nor does what the kernel can read elsewhere: `/proc/self/mountinfo` (a bind names its
+//! source's host path: the runtime directory is a tmpfs of the sandbox's own and the Python
+//! environment is shown by overlays, in a namespaces sandbox; gVisor shows no host mounts),
+//! and the Python installation's own files (`sysconfig`'s build variables, compiled modules,
+//! scripts: `./dev setup` builds the kernel venv from Debian's interpreter, at the path the
+//! sandboxes show it).
 
 use anyhow::{ensure, Context, Result};
 
@@ -29,6 +29,22 @@ def read(path):
         return open(path).read()
     except OSError as e:
         return f"error: {e}"
+def build_paths():
+    # What the Python installation's own files say about where it was built and installed.
+    import glob, importlib.util, sysconfig
+    def pyc(module):
+        spec = importlib.util.find_spec(module)
+        cached = spec and spec.origin and importlib.util.cache_from_source(spec.origin)
+        if not cached or not os.path.exists(cached):
+            return None
+        return open(cached, "rb").read().decode("latin-1")
+    scripts = [p for p in glob.glob(sys.prefix + "/bin/*") + glob.glob(sys.base_prefix + "/bin/pip*")
+               + glob.glob(sys.base_prefix + "/bin/idle*") if os.path.isfile(p)]
+    return {
+        "sysconfig": json.dumps(sysconfig.get_config_vars(), default=str),
+        "pyc": {m: pyc(m) for m in ("json", "ipykernel.kernelapp", "numpy", "cellgate_kernel_launcher")},
+        "scripts": {p: open(p, "rb").read(4096).decode("latin-1") for p in scripts},
+    }
 connection = [a for a in open("/proc/self/cmdline").read().split("\0") if a.endswith(".json")]
 print(json.dumps({
     "boot_id": read("/proc/sys/kernel/random/boot_id"),
@@ -41,6 +57,7 @@ print(json.dumps({
         "connection_file": read(connection[0]) if connection else "none",
     },
     "mountinfo": read("/proc/self/mountinfo"),
+    "build": build_paths(),
 }))
 "#;
 
@@ -107,9 +124,33 @@ async fn boot_id_and_cmdline_are_the_sandboxes_own() -> Result<()> {
             .lines()
             .filter(|l| markers.iter().any(|m| l.contains(m.as_str())))
             .collect();
-        println!(
-            "mountinfo lines naming host paths (known, not yet hidden): {}",
-            leaks.len()
+        // The installation's own files: sysconfig's build variables, compiled modules of
+        // the standard library and of the venv, scripts.
+        let build = &seen["build"];
+        let compiled = build["pyc"].as_object().context("pyc")?;
+        ensure!(
+            compiled["json"].is_string() && compiled["ipykernel.kernelapp"].is_string(),
+            "no compiled modules to read: {:?}",
+            compiled.keys()
+        );
+        let scripts = build["scripts"].as_object().context("scripts")?;
+        ensure!(
+            scripts.len() > 3,
+            "no scripts to read: {:?}",
+            scripts.keys()
+        );
+        let text = build.to_string();
+        for marker in &markers {
+            ensure!(
+                !text.contains(marker.as_str()),
+                "the Python installation's files name the host path {marker}"
+            );
+        }
+        // Binds name their source's path within its host file system: the runtime
+        // directory and the Python environment are not binds (gVisor shows no host mounts).
+        ensure!(
+            leaks.is_empty(),
+            "/proc/self/mountinfo names host paths: {leaks:#?}"
         );
         let boot_id = seen["boot_id"].as_str().context("boot_id")?;
         // gVisor has no such file at all: as neutral as a boot id of its own.
