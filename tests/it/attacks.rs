@@ -1575,7 +1575,8 @@ async fn host_python_packages_are_hidden() -> Result<()> {
     let (_id, mut attacker) = arena.attacker("default").await?;
     let cell = r#"
 import glob, json, os, sys, numpy
-base = glob.glob(sys.base_prefix + '/lib/python3*/site-packages')
+base = [d for pattern in ('/lib/python3*/site-packages', '/lib/python3*/dist-packages', '/local/lib/python3*/dist-packages')
+        for d in glob.glob(sys.base_prefix + pattern)]
 print(json.dumps({'base': {d: os.listdir(d) for d in base}, 'venv': sys.prefix != sys.base_prefix, 'numpy': numpy.__file__.startswith(sys.prefix)}))
 "#;
     let out = json_out(&attacker.run(cell).await?)?;

@@ -850,15 +850,29 @@ pub(super) fn masked_site_packages(program: &Path, roots: &[PathBuf]) -> Vec<Pat
         return Vec::new();
     }
     let mut masked = Vec::new();
-    for root in roots.iter().filter(|r| r.as_path() != venv) {
+    // Debian's interpreter keeps the host's packages in `dist-packages`, its own and those
+    // under /usr/local (`lib/python3/dist-packages`, `lib/python3.11/dist-packages`).
+    let mut roots: Vec<&Path> = roots
+        .iter()
+        .map(PathBuf::as_path)
+        .filter(|r| *r != venv)
+        .collect();
+    if roots.contains(&Path::new("/usr")) {
+        roots.push(Path::new("/usr/local"));
+    }
+    for root in roots {
         let Ok(entries) = std::fs::read_dir(root.join("lib")) else {
             continue;
         };
         for entry in entries.flatten() {
-            let site = entry.path().join("site-packages");
-            let is_python = entry.file_name().to_string_lossy().starts_with("python");
-            if is_python && site.is_dir() {
-                masked.push(site);
+            if !entry.file_name().to_string_lossy().starts_with("python") {
+                continue;
+            }
+            for name in ["site-packages", "dist-packages"] {
+                let site = entry.path().join(name);
+                if site.is_dir() {
+                    masked.push(site);
+                }
             }
         }
     }
