@@ -264,51 +264,23 @@ struct CgroupFacts {
 }
 
 fn cgroup_facts() -> CgroupFacts {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let mut v1 = BTreeMap::new();
-    let mut v2_mount = None;
-    for line in mountinfo.lines() {
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
-        let left: Vec<&str> = left.split(' ').collect();
-        let right: Vec<&str> = right.split(' ').collect();
-        let (Some(mount), Some(fstype), Some(options)) = (left.get(4), right.first(), right.get(2))
-        else {
-            continue;
-        };
-        match *fstype {
-            "cgroup" => {
-                for option in options.split(',') {
-                    v1.insert(option.to_owned(), PathBuf::from(mount));
-                }
-            }
-            "cgroup2" => v2_mount = Some(PathBuf::from(mount)),
-            _ => {}
-        }
-    }
-    let v2_own = own
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .unwrap_or("/")
-        .trim_start_matches('/')
-        .to_owned();
-    let v2_controllers = v2_mount
+    let tables = crate::sandbox::cgroupfs::Tables::read();
+    let v2_dir = tables.v2_dir();
+    let v2_controllers = v2_dir
         .as_ref()
-        .and_then(|m| read_trim(m.join(&v2_own).join("cgroup.controllers")))
+        .and_then(|dir| read_trim(dir.join("cgroup.controllers")))
         .unwrap_or_default();
     let mut facts = CgroupFacts::default();
     for controller in ["memory", "pids", "cpu"] {
         if v2_controllers.split_whitespace().any(|c| c == controller) {
             facts.controllers.insert(controller, "v2");
-        } else if v1.contains_key(controller) {
+        } else if tables.has_v1(controller) {
             facts.controllers.insert(controller, "v1");
         }
     }
     let uses_v1 = facts.controllers.values().any(|v| *v == "v1");
     let uses_v2 = facts.controllers.values().any(|v| *v == "v2");
-    facts.version = match (uses_v1, uses_v2, v2_mount.is_some()) {
+    facts.version = match (uses_v1, uses_v2, tables.has_v2()) {
         (true, false, true) => "hybrid (v1 controllers, v2 mount without them)",
         (true, false, false) => "v1",
         (false, true, _) => "v2",
@@ -317,20 +289,8 @@ fn cgroup_facts() -> CgroupFacts {
     };
     // Where the memory controller lives, this process's own cgroup must be writable.
     let memory_dir = match facts.controllers.get("memory") {
-        Some(&"v2") => v2_mount.map(|m| m.join(&v2_own)),
-        Some(_) => v1.get("memory").map(|mount| {
-            let rel = own
-                .lines()
-                .find_map(|l| {
-                    let mut parts = l.splitn(3, ':');
-                    let (_, ctls, path) = (parts.next()?, parts.next()?, parts.next()?);
-                    ctls.split(',')
-                        .any(|c| c == "memory")
-                        .then(|| path.trim_start_matches('/').to_owned())
-                })
-                .unwrap_or_default();
-            mount.join(rel)
-        }),
+        Some(&"v2") => v2_dir,
+        Some(_) => tables.v1_dir("memory"),
         None => None,
     };
     facts.writable = memory_dir.is_some_and(|dir| {

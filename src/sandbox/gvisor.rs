@@ -76,6 +76,8 @@
 
 #![allow(unsafe_code)]
 
+use super::cgroupfs;
+use super::rootfs::{self, ETC_ENTRIES, USR_LINKS};
 use super::spawner::Spawner;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
@@ -104,27 +106,6 @@ const CGROUP_PARENT: &str = "cellgate-gvisor";
 
 /// CFS period for CPU limits.
 const CPU_PERIOD_US: u64 = 100_000;
-
-/// Host `/etc` entries shown read-only (each alone): what Python, TLS and time zones need.
-const ETC_ENTRIES: &[&str] = &[
-    "/etc/ld.so.cache",
-    "/etc/ld.so.conf",
-    "/etc/alternatives",
-    "/etc/ssl/certs",
-    "/etc/ssl/openssl.cnf",
-    "/etc/ca-certificates",
-    "/etc/fonts",
-    "/etc/localtime",
-    "/etc/timezone",
-    "/etc/mime.types",
-    "/etc/os-release",
-    "/etc/debian_version",
-    "/etc/protocols",
-    "/etc/services",
-];
-
-/// Top-level host paths that are symlinks into `/usr` on merged-`/usr` hosts.
-const USR_LINKS: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32"];
 
 /// Settings of the gvisor backend.
 #[derive(Debug, Clone)]
@@ -589,30 +570,14 @@ fn resources(limits: &Limits) -> Value {
     resources
 }
 
-/// The generated `/etc` files: who the kernel is, and localhost.
+/// The generated `/etc` files (see `sandbox::rootfs`).
 fn etc_files(config: &GvisorConfig) -> Vec<(&'static str, String)> {
-    let home = relocate::WORKSPACE;
-    let (uid, gid, host) = (config.uid, config.gid, &config.hostname);
-    vec![
-        (
-            "passwd",
-            format!(
-                "root:x:0:0:root:/root:/usr/sbin/nologin\n\
-                 kernel:x:{uid}:{gid}:kernel:{home}:/bin/sh\n"
-            ),
-        ),
-        ("group", format!("root:x:0:\nkernel:x:{gid}:\n")),
-        (
-            "hosts",
-            format!("127.0.0.1\tlocalhost {host}\n::1\tlocalhost ip6-localhost ip6-loopback\n"),
-        ),
-        ("hostname", format!("{host}\n")),
-        (
-            "nsswitch.conf",
-            "passwd: files\ngroup: files\nhosts: files\nnetworks: files\nprotocols: files\nservices: files\n"
-                .to_owned(),
-        ),
-    ]
+    rootfs::etc_files(
+        config.uid,
+        config.gid,
+        &config.hostname,
+        Path::new(relocate::WORKSPACE),
+    )
 }
 
 /// How to reach one container through runsc's command line.
@@ -999,22 +964,17 @@ fn memory_cgroup_dir(cgroups_path: &str) -> Option<PathBuf> {
 
 /// The same for another v1 controller (or the unified hierarchy).
 fn controller_cgroup_dir(controller: &str, cgroups_path: &str) -> Option<PathBuf> {
-    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    for line in own.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        if controllers.split(',').any(|c| c == controller) {
-            let dir = Path::new("/sys/fs/cgroup")
-                .join(controller)
-                .join(path.trim_start_matches('/'));
-            return Some(dir.join(cgroups_path));
-        }
-    }
-    own.lines().find_map(|l| l.strip_prefix("0::")).map(|path| {
-        Path::new("/sys/fs/cgroup")
-            .join(path.trim_start_matches('/'))
-            .join(cgroups_path)
-    })
+    let tables = cgroupfs::Tables::read();
+    let own = if tables
+        .own
+        .iter()
+        .any(|o| o.controllers.iter().any(|c| c == controller))
+    {
+        tables.v1_dir(controller)
+    } else {
+        tables.v2_dir()
+    };
+    own.map(|dir| dir.join(cgroups_path))
 }
 
 /// Creates the sandbox's memory cgroup with its limit (swap included, so swap is no way
@@ -1050,45 +1010,11 @@ fn create_memory_cgroup(dir: &Path, limit: Option<u64>) -> io::Result<()> {
 /// The directory of the relative cgroup path `cgroups_path` in every cgroup hierarchy this
 /// process is in (v1: one per mounted hierarchy; v2: the unified one).
 fn cgroup_dirs(cgroups_path: &str) -> Vec<PathBuf> {
-    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut mounts: Vec<(Vec<String>, PathBuf, bool)> = Vec::new();
-    for line in mountinfo.lines() {
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
-        let left: Vec<&str> = left.split(' ').collect();
-        let right: Vec<&str> = right.split(' ').collect();
-        if let (Some(mount), Some(fstype), Some(options)) =
-            (left.get(4), right.first(), right.get(2))
-        {
-            let v2 = *fstype == "cgroup2";
-            if *fstype == "cgroup" || v2 {
-                let options = options.split(',').map(str::to_owned).collect();
-                mounts.push((options, PathBuf::from(mount), v2));
-            }
-        }
-    }
-    let mut dirs = Vec::new();
-    for line in own.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
-        else {
-            continue;
-        };
-        let mount = if controllers.is_empty() {
-            mounts.iter().find(|(_, _, v2)| *v2)
-        } else {
-            let first = controllers.split(',').next().unwrap_or_default();
-            mounts
-                .iter()
-                .find(|(options, _, v2)| !*v2 && options.iter().any(|o| o == first))
-        };
-        if let Some((_, mount, _)) = mount {
-            dirs.push(mount.join(path.trim_start_matches('/')).join(cgroups_path));
-        }
-    }
-    dirs
+    cgroupfs::Tables::read()
+        .own_dirs()
+        .into_iter()
+        .map(|dir| dir.join(cgroups_path))
+        .collect()
 }
 
 /// Removes the empty cgroups of sandboxes whose `runsc run` was killed before it could

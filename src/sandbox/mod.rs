@@ -14,10 +14,13 @@
 //!
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
+pub mod cgroupfs;
 mod gvisor;
 mod namespaces;
 mod process;
+mod procfs;
 pub mod relocate;
+pub mod rootfs;
 mod spawner;
 
 use std::collections::BTreeMap;

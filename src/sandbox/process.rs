@@ -156,30 +156,6 @@ impl SandboxHandle for ProcessHandle {
     }
 
     fn usage(&self) -> ResourceUsage {
-        proc_usage(self.pid).unwrap_or_default()
+        super::procfs::usage(self.pid).unwrap_or_default()
     }
-}
-
-/// CPU time and memory of one process from /proc.
-fn proc_usage(pid: u32) -> Option<ResourceUsage> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    let rest = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .map(|v| v * 1024)
-    };
-    Some(ResourceUsage {
-        // Linux reports in clock ticks of 1/100 s on every architecture we run on.
-        cpu_time: Some(std::time::Duration::from_millis(ticks * 10)),
-        memory_bytes: kib("VmRSS:"),
-        memory_peak_bytes: kib("VmHWM:"),
-    })
 }

@@ -33,6 +33,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::sandbox::cgroupfs::Tables;
 use crate::sandbox::{Limits, ResourceUsage};
 
 /// The directory under the gateway's own cgroup that holds the kernels' cgroups.
@@ -76,81 +77,6 @@ pub enum Hierarchy {
     Unavailable(String),
 }
 
-/// A mount of a cgroup file system, from /proc/self/mountinfo.
-struct CgroupMount {
-    root: String,
-    mount_point: PathBuf,
-    version: u8,
-    options: Vec<String>,
-}
-
-fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
-    let mut mounts = Vec::new();
-    for line in text.lines() {
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
-        let left: Vec<&str> = left.split(' ').collect();
-        let right: Vec<&str> = right.split(' ').collect();
-        let (Some(root), Some(mount_point), Some(fstype), Some(super_options)) =
-            (left.get(3), left.get(4), right.first(), right.get(2))
-        else {
-            continue;
-        };
-        let version = match *fstype {
-            "cgroup" => 1,
-            "cgroup2" => 2,
-            _ => continue,
-        };
-        mounts.push(CgroupMount {
-            root: unescape_mountinfo(root),
-            mount_point: PathBuf::from(unescape_mountinfo(mount_point)),
-            version,
-            options: super_options.split(',').map(str::to_owned).collect(),
-        });
-    }
-    mounts
-}
-
-/// mountinfo escapes spaces, tabs, newlines and backslashes as octal.
-fn unescape_mountinfo(field: &str) -> String {
-    field
-        .replace("\\040", " ")
-        .replace("\\011", "\t")
-        .replace("\\012", "\n")
-        .replace("\\134", "\\")
-}
-
-/// The gateway's own cgroup paths from /proc/self/cgroup: `(controllers, path)` per line;
-/// the v2 line has no controllers.
-fn parse_proc_cgroup(text: &str) -> Vec<(Vec<String>, String)> {
-    text.lines()
-        .filter_map(|line| {
-            let mut parts = line.splitn(3, ':');
-            let _id = parts.next()?;
-            let controllers = parts.next()?;
-            let path = parts.next()?;
-            let controllers = controllers
-                .split(',')
-                .filter(|c| !c.is_empty())
-                .map(str::to_owned)
-                .collect();
-            Some((controllers, path.to_owned()))
-        })
-        .collect()
-}
-
-/// The directory of cgroup `path` within a mount whose root is `root`.
-fn dir_in_mount(mount: &CgroupMount, path: &str) -> Option<PathBuf> {
-    let relative = if mount.root == "/" {
-        path.trim_start_matches('/')
-    } else {
-        path.strip_prefix(mount.root.as_str())?
-            .trim_start_matches('/')
-    };
-    Some(mount.mount_point.join(relative))
-}
-
 impl Hierarchy {
     /// Looks at this process's mounts and cgroups.
     pub fn detect() -> Hierarchy {
@@ -166,39 +92,25 @@ impl Hierarchy {
     }
 
     fn from_tables(mountinfo: &str, own: &str) -> Hierarchy {
-        let mounts = parse_mountinfo(mountinfo);
-        let own = parse_proc_cgroup(own);
+        let tables = Tables::parse(mountinfo, own);
 
         // v2 first, when it carries the memory controller.
-        if let Some((_, path)) = own.iter().find(|(controllers, _)| controllers.is_empty()) {
-            for mount in mounts.iter().filter(|m| m.version == 2) {
-                let Some(dir) = dir_in_mount(mount, path) else {
-                    continue;
-                };
-                let controllers =
-                    fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
-                if controllers.split_whitespace().any(|c| c == "memory") {
-                    return Hierarchy::V2 { own_dir: dir };
-                }
+        if let Some(dir) = tables.v2_dir() {
+            let controllers =
+                fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
+            if controllers.split_whitespace().any(|c| c == "memory") {
+                return Hierarchy::V2 { own_dir: dir };
             }
         }
 
-        let mut controllers = Vec::new();
-        for name in ["memory", "pids", "cpu", "cpuacct"] {
-            let Some((_, path)) = own.iter().find(|(ctls, _)| ctls.iter().any(|c| c == name))
-            else {
-                continue;
-            };
-            let Some(mount) = mounts
-                .iter()
-                .find(|m| m.version == 1 && m.options.iter().any(|o| o == name))
-            else {
-                continue;
-            };
-            if let Some(own_dir) = dir_in_mount(mount, path) {
-                controllers.push(V1Controller { name, own_dir });
-            }
-        }
+        let controllers: Vec<V1Controller> = ["memory", "pids", "cpu", "cpuacct"]
+            .into_iter()
+            .filter_map(|name| {
+                tables
+                    .v1_dir(name)
+                    .map(|own_dir| V1Controller { name, own_dir })
+            })
+            .collect();
         if controllers.is_empty() {
             Hierarchy::Unavailable(
                 "no cgroup v2 controllers and no v1 memory, pids or cpu hierarchy".into(),

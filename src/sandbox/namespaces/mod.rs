@@ -796,7 +796,10 @@ impl SandboxHandle for NamespacesHandle {
                 return usage;
             }
         }
-        self.kernel_pid.and_then(proc_usage).unwrap_or_default()
+        self.kernel_pid
+            .and_then(|pid| u32::try_from(pid).ok())
+            .and_then(crate::sandbox::procfs::usage)
+            .unwrap_or_default()
     }
 
     fn pids_limit_hits(&self) -> Option<u64> {
@@ -804,36 +807,10 @@ impl SandboxHandle for NamespacesHandle {
     }
 }
 
-/// CPU time and memory of the kernel process from /proc (when there is no cgroup).
-fn proc_usage(pid: i32) -> Option<ResourceUsage> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .map(|v| v * 1024)
-    };
-    Some(ResourceUsage {
-        cpu_time: Some(Duration::from_millis(ticks * 10)),
-        memory_bytes: kib("VmRSS:"),
-        memory_peak_bytes: kib("VmHWM:"),
-    })
-}
-
-/// The directories of the Python environment behind `program`: a venv's own directory and,
-/// from its `pyvenv.cfg`, the base interpreter's prefix; and the prefix of the real
-/// executable behind any symlinks. Only these are shown, never their parents (a pyenv
-/// prefix under `/root` does not show the rest of `/root`).
-/// The base interpreter's `site-packages` directories among `roots`, when `program` runs in
-/// a venv that does not use them (`include-system-site-packages = false`, the default):
-/// whatever the host installed globally (cloud CLIs, their credentials helpers …) stays out
-/// of sight.
+/// The base interpreter's `site-packages` and `dist-packages` directories among `roots`,
+/// when `program` runs in a venv that does not use them (`include-system-site-packages =
+/// false`, the default): whatever the host installed globally (cloud CLIs, their credentials
+/// helpers …) stays out of sight.
 pub(super) fn masked_site_packages(program: &Path, roots: &[PathBuf]) -> Vec<PathBuf> {
     let Some(venv) = program.parent().and_then(Path::parent) else {
         return Vec::new();
@@ -880,6 +857,10 @@ pub(super) fn masked_site_packages(program: &Path, roots: &[PathBuf]) -> Vec<Pat
     masked
 }
 
+/// The directories of the Python environment behind `program`: a venv's own directory and,
+/// from its `pyvenv.cfg`, the base interpreter's prefix; and the prefix of the real
+/// executable behind any symlinks. Only these are shown, never their parents (a pyenv
+/// prefix under `/root` does not show the rest of `/root`).
 pub(super) fn python_roots(program: &Path) -> Vec<PathBuf> {
     let mut roots = Vec::new();
     if let Some(prefix) = program.parent().and_then(Path::parent) {

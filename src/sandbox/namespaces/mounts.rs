@@ -44,6 +44,7 @@ use std::path::{Component, Path, PathBuf};
 use super::plan::Plan;
 use super::sys::{self, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY};
 use crate::sandbox::relocate::{self, VenvEntry};
+use crate::sandbox::rootfs::{self, ETC_ENTRIES, USR_LINKS};
 
 /// Where the new root is assembled before `pivot_root`. Mounting over `/tmp` only affects our
 /// own mount namespace and needs no directory to be created on the host.
@@ -54,38 +55,6 @@ const RUNTIME_TMPFS_BYTES: u64 = 1 << 20;
 
 /// Size of the root tmpfs: generated `/etc` files and mount points only.
 const ROOT_TMPFS_OPTIONS: &str = "mode=0755,size=4m,nr_inodes=4096";
-
-/// Top-level host entries that are symlinks into `/usr` on merged-usr systems (Debian since
-/// bookworm) and directories elsewhere.
-const USR_LINKS: &[&str] = &["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"];
-
-/// Host `/etc` entries the kernel may read: the dynamic linker's cache, TLS certificates,
-/// fonts, time zone, MIME types and Debian's alternatives links. Never `shadow`, `ssl/private`,
-/// `resolv.conf` or the gateway's configuration.
-const ETC_ENTRIES: &[&str] = &[
-    "/etc/ld.so.cache",
-    "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d",
-    "/etc/alternatives",
-    "/etc/ssl/certs",
-    "/etc/ssl/openssl.cnf",
-    "/etc/ca-certificates",
-    "/etc/ca-certificates.conf",
-    "/etc/pki",
-    "/etc/crypto-policies",
-    "/etc/fonts",
-    "/etc/localtime",
-    "/etc/timezone",
-    "/etc/mime.types",
-    "/etc/os-release",
-    "/etc/debian_version",
-    "/etc/protocols",
-    "/etc/services",
-    "/etc/gai.conf",
-    "/etc/host.conf",
-    "/etc/inputrc",
-    "/etc/locale.alias",
-];
 
 /// Device nodes bound from the host's `/dev`.
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
@@ -167,7 +136,7 @@ impl RootFs {
 
         ops.push(bind(Path::new("/usr"), ro)?);
         for entry in USR_LINKS {
-            if let Some(op) = mirror(Path::new(entry), ro)? {
+            if let Some(op) = mirror(&Path::new("/").join(entry), ro)? {
                 ops.push(op);
             }
         }
@@ -521,36 +490,9 @@ fn proc_masks() -> Vec<Op> {
     ]
 }
 
-/// The generated `/etc` files: who the sandbox user is, and localhost.
+/// The generated `/etc` files (see `sandbox::rootfs`).
 fn etc_files(plan: &Plan) -> Vec<Op> {
-    let home = plan.workspace.display();
-    let (uid, gid, host) = (plan.uid, plan.gid, &plan.hostname);
-    let files = [
-        (
-            "passwd",
-            format!(
-                "root:x:0:0:root:/root:/usr/sbin/nologin\n\
-                 kernel:x:{uid}:{gid}:kernel:{home}:/bin/sh\n\
-                 nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-            ),
-        ),
-        (
-            "group",
-            format!("root:x:0:\nkernel:x:{gid}:\nnogroup:x:65534:\n"),
-        ),
-        (
-            "hosts",
-            format!("127.0.0.1\tlocalhost {host}\n::1\tlocalhost ip6-localhost ip6-loopback\n"),
-        ),
-        ("hostname", format!("{host}\n")),
-        (
-            "nsswitch.conf",
-            "passwd: files\ngroup: files\nshadow: files\nhosts: files\nnetworks: files\n\
-             protocols: files\nservices: files\n"
-                .to_owned(),
-        ),
-    ];
-    files
+    rootfs::etc_files(plan.uid, plan.gid, &plan.hostname, &plan.workspace)
         .into_iter()
         .map(|(name, contents)| Op::File {
             target: Path::new("/etc").join(name),
