@@ -105,6 +105,11 @@ pub struct ServeArgs {
     /// requests in flight and WebSockets are never idle [default: 60s].
     #[arg(long, env = "CELLGATE_IDLE_CONNECTION_TIMEOUT", value_parser = crate::policy::parse_duration)]
     pub idle_connection_timeout: Option<Duration>,
+    /// Time a request's body may stall while the gateway waits for it (an upload, a JSON
+    /// body) before the connection is closed; a body that keeps coming is never cut
+    /// [default: 30s].
+    #[arg(long, env = "CELLGATE_BODY_READ_TIMEOUT", value_parser = crate::policy::parse_duration)]
+    pub body_read_timeout: Option<Duration>,
     /// Client connections open at once, WebSockets included; past it new ones get 503
     /// [default: half the open-file limit, at most 65536].
     #[arg(long, env = "CELLGATE_MAX_CONNECTIONS")]
@@ -199,6 +204,8 @@ struct FileConfig {
     header_read_timeout: Option<Duration>,
     #[serde(default, with = "crate::policy::units::serde_duration")]
     idle_connection_timeout: Option<Duration>,
+    #[serde(default, with = "crate::policy::units::serde_duration")]
+    body_read_timeout: Option<Duration>,
     max_connections: Option<usize>,
     max_connections_per_peer: Option<usize>,
     #[serde(default, with = "crate::policy::units::serde_size")]
@@ -246,6 +253,8 @@ pub struct GatewayConfig {
     pub header_read_timeout: Duration,
     /// How long a keep-alive connection may wait for its next request.
     pub idle_connection_timeout: Duration,
+    /// How long a request's body may stall while a handler waits for it.
+    pub body_read_timeout: Duration,
     /// Client connections at once; `None`: derived from the open-file limit when serving.
     pub max_connections: Option<usize>,
     /// Client connections at once from one IP address.
@@ -468,6 +477,17 @@ impl GatewayConfig {
                 least: "a few seconds, e.g. 5s",
             });
         }
+        let body_read_timeout = args
+            .body_read_timeout
+            .or(file.body_read_timeout)
+            .unwrap_or(Duration::from_secs(30));
+        if body_read_timeout.is_zero() {
+            return Err(ConfigError::Zero {
+                name: "body_read_timeout",
+                consequence: "close every connection whose request has a body",
+                least: "some seconds, e.g. 30s",
+            });
+        }
         let idle_connection_timeout = args
             .idle_connection_timeout
             .or(file.idle_connection_timeout)
@@ -592,6 +612,7 @@ impl GatewayConfig {
             egress_max_connections: file.egress_max_connections.unwrap_or(32).max(1),
             header_read_timeout,
             idle_connection_timeout,
+            body_read_timeout,
             max_connections,
             max_connections_per_peer,
         })
@@ -694,7 +715,7 @@ mod tests {
         let path = dir.path().join("c.toml");
         std::fs::write(
             &path,
-            "header_read_timeout = \"2s\"\nidle_connection_timeout = \"1m30s\"\n\
+            "header_read_timeout = \"2s\"\nidle_connection_timeout = \"1m30s\"\nbody_read_timeout = \"45s\"\n\
              max_connections_per_peer = 8\n",
         )
         .unwrap();
@@ -706,12 +727,14 @@ mod tests {
         let config = GatewayConfig::resolve(&args).unwrap();
         assert_eq!(config.header_read_timeout, Duration::from_secs(2));
         assert_eq!(config.idle_connection_timeout, Duration::from_secs(90));
+        assert_eq!(config.body_read_timeout, Duration::from_secs(45));
         assert_eq!(config.max_connections, Some(100));
         assert_eq!(config.max_connections_per_peer, 8);
 
         let defaults = GatewayConfig::resolve(&ServeArgs::default()).unwrap();
         assert_eq!(defaults.header_read_timeout, Duration::from_secs(5));
         assert_eq!(defaults.idle_connection_timeout, Duration::from_secs(60));
+        assert_eq!(defaults.body_read_timeout, Duration::from_secs(30));
         assert_eq!(defaults.max_connections, None);
         assert_eq!(defaults.max_connections_per_peer, 256);
 

@@ -6,6 +6,11 @@
 //!   connection is closed. Slowloris clients, which trickle a head that never ends, are cut.
 //! - Idle timeout: a keep-alive connection with no request in flight is closed when no new
 //!   request starts within `idle_timeout` of the last response.
+//! - Body-read timeout: while a handler waits for more of a request's body, the next bytes
+//!   must come within `body_read_timeout`, or the connection is closed (and the handler's
+//!   read fails). A client that sends a head promising a large body and then trickles it, or
+//!   stops, is cut; a body that keeps coming, however large or slow the handler, is not: the
+//!   clock runs only while the handler is waiting for bytes that do not arrive.
 //! - Caps: at most `max_connections` connections open at once, and at most `max_per_peer`
 //!   from one IP address. Past either, the new connection gets `503` with `Retry-After: 1`
 //!   and `Connection: close`, written straight on the socket without hyper, and is closed.
@@ -14,7 +19,8 @@
 //! A connection keeps its place under the caps until its socket closes, WebSockets included:
 //! the place lives in the socket's wrapper, which an upgraded connection keeps. Neither
 //! timeout runs while a request is in flight (a long execution, an SSE stream, an upload) or
-//! after a WebSocket upgrade: they bound only the wait for a request's head.
+//! after a WebSocket upgrade: they bound only the wait for a request's head. Only the
+//! body-read timeout runs in flight, and only while the body stalls.
 //!
 //! Why not hyper's `header_read_timeout`: hyper arms it whenever a connection waits for a
 //! head, idle keep-alive included, so a header timeout of a few seconds would also close
@@ -72,6 +78,7 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 pub struct ConnectionLimits {
     pub header_read_timeout: Duration,
     pub idle_timeout: Duration,
+    pub body_read_timeout: Duration,
     pub max_connections: usize,
     pub max_per_peer: usize,
 }
@@ -82,6 +89,7 @@ impl ConnectionLimits {
         ConnectionLimits {
             header_read_timeout: config.header_read_timeout,
             idle_timeout: config.idle_connection_timeout,
+            body_read_timeout: config.body_read_timeout,
             max_connections: config
                 .max_connections
                 .unwrap_or_else(default_max_connections),
@@ -378,6 +386,9 @@ enum Waiting {
     Head,
     /// The first byte of the next request: the idle timeout runs.
     Idle,
+    /// More of the body of the request in flight, which its handler is waiting for: the
+    /// body-read timeout runs.
+    Body,
 }
 
 /// A connection's requests in flight and, between requests, its deadline; watched by the
@@ -385,6 +396,7 @@ enum Waiting {
 struct Activity {
     header_read_timeout: Duration,
     idle_timeout: Duration,
+    body_read_timeout: Duration,
     state: Mutex<ActivityState>,
     changed: Notify,
     /// False once the connection is no longer hyper's (upgraded or closed): reads then skip
@@ -397,6 +409,9 @@ struct ActivityState {
     waiting: Waiting,
     /// When the wait ends; `None` while a request is in flight.
     deadline: Option<Instant>,
+    /// When the wait for the request's body ends; `None` unless its handler is waiting for
+    /// bytes that have not come.
+    body_deadline: Option<Instant>,
 }
 
 impl Activity {
@@ -404,12 +419,14 @@ impl Activity {
         Activity {
             header_read_timeout: limits.header_read_timeout,
             idle_timeout: limits.idle_timeout,
+            body_read_timeout: limits.body_read_timeout,
             // A new connection owes its first head from the start: opening connections and
             // sending nothing is the simplest way to hold them.
             state: Mutex::new(ActivityState {
                 in_flight: 0,
                 waiting: Waiting::Head,
                 deadline: Some(now + limits.header_read_timeout),
+                body_deadline: None,
             }),
             changed: Notify::new(),
             watched: AtomicBool::new(true),
@@ -440,8 +457,27 @@ impl Activity {
         }
     }
 
+    /// The handler asked for more of the request's body and none was there: the clock
+    /// starts, unless it runs already.
+    fn body_waiting(&self, now: Instant) {
+        let mut state = self.state.lock();
+        if state.body_deadline.is_none() {
+            state.body_deadline = Some(now + self.body_read_timeout);
+            self.changed.notify_one();
+        }
+    }
+
+    /// Body bytes came (or the body ended): the clock stops.
+    fn body_progress(&self) {
+        let mut state = self.state.lock();
+        if state.body_deadline.take().is_some() {
+            self.changed.notify_one();
+        }
+    }
+
     fn request_ended(&self, now: Instant) {
         let mut state = self.state.lock();
+        state.body_deadline = None;
         state.in_flight = state.in_flight.saturating_sub(1);
         if state.in_flight == 0 {
             state.waiting = Waiting::Idle;
@@ -461,12 +497,19 @@ impl Activity {
     }
 
     fn deadline(&self) -> Option<Instant> {
-        self.state.lock().deadline
+        let state = self.state.lock();
+        match (state.deadline, state.body_deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// What the connection waited for, if its deadline has passed.
     fn expired(&self, now: Instant) -> Option<Waiting> {
         let state = self.state.lock();
+        if state.body_deadline.is_some_and(|d| d <= now) {
+            return Some(Waiting::Body);
+        }
         let passed = state.deadline.is_some_and(|d| d <= now);
         (passed && state.in_flight == 0).then_some(state.waiting)
     }
@@ -499,6 +542,38 @@ impl HttpBody for TrackedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// A request's body as the handler reads it: tells [`Activity`] when the handler waits for
+/// bytes that are not there, and when they come.
+struct WatchedBody {
+    body: Incoming,
+    activity: Arc<Activity>,
+}
+
+impl HttpBody for WatchedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let poll = Pin::new(&mut self.body).poll_frame(cx);
+        match poll {
+            Poll::Pending => self.activity.body_waiting(Instant::now()),
+            Poll::Ready(_) => self.activity.body_progress(),
+        }
+        poll
     }
 
     fn is_end_stream(&self) -> bool {
@@ -593,6 +668,10 @@ async fn serve_connection(
         hyper::service::service_fn(move |mut request: Request<Incoming>| {
             request.extensions_mut().insert(ConnectInfo(peer));
             let in_flight = activity.request_started();
+            let request = request.map(|body| WatchedBody {
+                body,
+                activity: activity.clone(),
+            });
             let response = hyper::service::Service::call(&app, request);
             async move {
                 let response = response.await?;
@@ -645,6 +724,7 @@ mod tests {
         ConnectionLimits {
             header_read_timeout: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(1),
+            body_read_timeout: Duration::from_secs(1),
             max_connections,
             max_per_peer,
         }
@@ -681,6 +761,7 @@ mod tests {
             &ConnectionLimits {
                 header_read_timeout: Duration::from_secs(2),
                 idle_timeout: Duration::from_secs(10),
+                body_read_timeout: Duration::from_secs(3),
                 max_connections: 1,
                 max_per_peer: 1,
             },
@@ -711,9 +792,25 @@ mod tests {
         );
         assert_eq!(activity.expired(idle_until + second), Some(Waiting::Head));
         // Bytes during a request (a body, a pipelined head) change nothing.
-        let _next = activity.request_started();
+        let next = activity.request_started();
         activity.read(idle_until + second);
         assert_eq!(activity.deadline(), None);
+        // A handler waiting for body bytes that do not come: the body timeout runs from the
+        // first wait, and stops when bytes come.
+        let waits = idle_until + second * 2;
+        activity.body_waiting(waits);
+        activity.body_waiting(waits + second);
+        assert_eq!(activity.deadline(), Some(waits + second * 3));
+        assert_eq!(activity.expired(waits + second * 2), None);
+        assert_eq!(activity.expired(waits + second * 3), Some(Waiting::Body));
+        activity.body_progress();
+        assert_eq!(activity.deadline(), None);
+        assert_eq!(activity.expired(waits + second * 60), None);
+        // A request that ends leaves no body clock behind.
+        activity.body_waiting(waits);
+        drop(next);
+        assert_eq!(activity.state.lock().body_deadline, None);
+        assert_ne!(activity.expired(waits + second * 3), Some(Waiting::Body));
     }
 
     #[test]
@@ -722,6 +819,7 @@ mod tests {
         let limits = ConnectionLimits {
             header_read_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
+            body_read_timeout: Duration::from_secs(30),
             max_connections: 1,
             max_per_peer: 1,
         };

@@ -11,6 +11,8 @@
 //! - Connections per peer address and in total are capped: the excess gets 503 with
 //!   `Retry-After`, and room comes back when connections close. An open WebSocket holds
 //!   its place.
+//! - A request body that stalls is cut at the body-read timeout; one that keeps coming, even
+//!   a byte at a time, is read whole and answered.
 //! - None of it touches an authenticated WebSocket or a long execution.
 
 use std::net::SocketAddr;
@@ -232,6 +234,59 @@ async fn slow_headers_are_cut_at_the_header_timeout() -> Result<()> {
     ensure!(
         answer.status == 200,
         "the prompt connection, idle past the header timeout, is served again: {answer:?}"
+    );
+    Ok(())
+}
+
+/// With a 1 s body-read timeout, an authenticated client that sends a request head promising
+/// a 1000-byte body and then one byte is cut after about 1 s; one that sends its body a byte
+/// every 300 ms for 4 s (far past the timeout in all) gets its answer.
+#[tokio::test]
+async fn stalled_bodies_are_cut_and_slow_ones_are_read() -> Result<()> {
+    let gateway = Gateway::builder()
+        .token(Some("body-token"))
+        .args(&["--body-read-timeout", "1s"])
+        .start()
+        .await?;
+    let head = |length: usize| {
+        format!(
+            "POST /api/kernels HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: token body-token\r\n\
+             Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+        )
+    };
+
+    let mut stalled = connect_from(gateway.port, [127, 0, 0, 1]).await?;
+    stalled
+        .write_all(format!("{}{{", head(1000)).as_bytes())
+        .await?;
+    let since = Instant::now();
+    let limit = Duration::from_secs(10);
+    let kept = closed_after(&mut stalled, since, limit)
+        .await?
+        .with_context(|| format!("a stalled body's connection was still open after {limit:?}"))?;
+    println!("a stalled body's connection was closed after {kept:?}");
+    ensure!(
+        kept >= Duration::from_millis(900) && kept <= Duration::from_secs(4),
+        "a stalled body's connection was closed after {kept:?}, not at the 1 s body timeout"
+    );
+
+    // Leading spaces are valid JSON: the body trickles, then ends as a real request.
+    let body = format!("{}{{\"name\": \"no-such-kernel\"}}", " ".repeat(13));
+    let mut slow = connect_from(gateway.port, [127, 0, 0, 1]).await?;
+    slow.write_all(head(body.len()).as_bytes()).await?;
+    let started = Instant::now();
+    for byte in body.as_bytes()[..13].iter() {
+        slow.write_all(&[*byte]).await?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    slow.write_all(&body.as_bytes()[13..]).await?;
+    let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut slow))
+        .await
+        .context("no answer to the slow body")??;
+    println!("a body sent over {:?}: {answer:?}", started.elapsed());
+    ensure!(
+        answer.status == 404 && answer.body.contains("no-such-kernel"),
+        "the slow body was not read whole and answered: {answer:?}"
     );
     Ok(())
 }
