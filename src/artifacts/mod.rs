@@ -270,6 +270,9 @@ struct Index {
     /// Bytes of the records of each session, and of each tenant (`""`: no tenant).
     session_bytes: HashMap<String, u64>,
     tenant_bytes: HashMap<String, u64>,
+    /// Bytes recorded but not on the disk yet (reserved rich outputs, a `put` being
+    /// written): the free space read does not count them, so the disk minimum must.
+    unwritten: u64,
 }
 
 fn tenant_key(artifact: &Artifact) -> &str {
@@ -429,7 +432,11 @@ impl ArtifactStore {
         let Some(free) = self.free_disk() else {
             return Ok(());
         };
-        let wanted = self.min_free_disk.saturating_add(bytes);
+        let unwritten = self.index.read().unwritten;
+        let wanted = self
+            .min_free_disk
+            .saturating_add(bytes)
+            .saturating_add(unwritten);
         if free >= wanted {
             return Ok(());
         }
@@ -449,37 +456,61 @@ impl ArtifactStore {
 
     /// Removes retained artifacts of deleted sessions, oldest first, until `wanted` bytes are
     /// free or none is left. Returns the free bytes after.
+    ///
+    /// The records go under the index lock, counting each blob's size as freed, and each
+    /// blob is renamed aside there: a `put` of the same bytes right after must find no file
+    /// and write it again, never keep a file about to go. The unlinks, which free the
+    /// extents of large files, run after the lock is released, so readers and writers of
+    /// other artifacts do not wait for them.
     fn relieve(&self, wanted: u64) -> Option<u64> {
-        let mut index = self.index.write();
-        let mut retained: Vec<(String, String)> = index
-            .records
-            .iter()
-            .filter(|(_, r)| r.expires.is_some() && matches!(r.blob, Blob::Stored(_)))
-            .map(|(id, r)| (r.artifact.created.clone(), id.clone()))
-            .collect();
-        // `created` has a fixed width, so text order is time order.
-        retained.sort();
-        let mut free = self.free_disk()?;
+        let free = self.free_disk()?;
+        let mut doomed = Vec::new();
         let mut removed = 0usize;
-        for (_, id) in retained {
-            if free >= wanted {
-                break;
-            }
-            let Some(record) = index.remove(&id) else {
-                continue;
-            };
-            removed += 1;
-            if let Blob::Stored(sha) = &record.blob {
-                if index.release_blob(sha) {
-                    let path = self.blob_path(sha);
-                    if let Err(err) = std::fs::remove_file(&path) {
-                        tracing::warn!(path = %path.display(), %err, "could not remove an artifact");
+        {
+            let mut index = self.index.write();
+            let mut retained: Vec<(String, String)> = index
+                .records
+                .iter()
+                .filter(|(_, r)| r.expires.is_some() && matches!(r.blob, Blob::Stored(_)))
+                .map(|(id, r)| (r.artifact.created.clone(), id.clone()))
+                .collect();
+            // `created` has a fixed width, so text order is time order.
+            retained.sort();
+            let mut freed = 0u64;
+            for (_, id) in retained {
+                if free.saturating_add(freed) >= wanted {
+                    break;
+                }
+                let Some(record) = index.remove(&id) else {
+                    continue;
+                };
+                removed += 1;
+                if let Blob::Stored(sha) = &record.blob {
+                    if index.release_blob(sha) {
+                        let (path, aside) = (self.blob_path(sha), self.tmp_path("doomed"));
+                        match std::fs::rename(&path, &aside) {
+                            Ok(()) => {
+                                freed = freed.saturating_add(record.artifact.bytes);
+                                doomed.push(aside);
+                            }
+                            Err(err) => {
+                                tracing::warn!(path = %path.display(), %err, "could not remove an artifact");
+                            }
+                        }
                     }
-                    free = self.free_disk()?;
                 }
             }
         }
-        drop(index);
+        for path in &doomed {
+            if let Err(err) = std::fs::remove_file(path) {
+                tracing::warn!(path = %path.display(), %err, "could not remove an artifact");
+            }
+        }
+        let free = if doomed.is_empty() {
+            free
+        } else {
+            self.free_disk()?
+        };
         if removed > 0 {
             tracing::info!(
                 removed,
@@ -489,6 +520,12 @@ impl ArtifactStore {
             );
         }
         Some(free)
+    }
+
+    /// A fresh name beside the blobs for a file on its way in or out.
+    fn tmp_path(&self, what: &str) -> PathBuf {
+        self.dir
+            .join(format!(".{what}-{}", uuid::Uuid::new_v4().simple()))
     }
 
     fn blob_path(&self, sha: &str) -> PathBuf {
@@ -508,7 +545,9 @@ impl ArtifactStore {
         // cannot race with the removal of an identical blob.
         let bytes = description.bytes;
         let artifact = self.record(new, description, Blob::Stored(sha.clone()), bytes)?;
-        if let Err(err) = self.write_blob(&sha, content) {
+        let written = self.write_blob(&sha, content);
+        self.written(bytes);
+        if let Err(err) = written {
             self.forget(&artifact.id);
             return Err(err);
         }
@@ -649,6 +688,23 @@ impl ArtifactStore {
         self.check_disk(to_write, true)?;
         let mut index = self.index.write();
         Self::check_quotas(&index, new, bytes)?;
+        // Again under the lock, with what other writers have recorded since: two large
+        // outputs checked at once must not both take the last of the disk.
+        if self.min_free_disk > 0 && to_write > 0 {
+            if let Some(free) = self.free_disk() {
+                let wanted = self
+                    .min_free_disk
+                    .saturating_add(to_write)
+                    .saturating_add(index.unwritten);
+                if free < wanted {
+                    return Err(ArtifactError::DiskLow {
+                        free: free.saturating_sub(index.unwritten),
+                        limit: self.min_free_disk,
+                    });
+                }
+            }
+        }
+        index.unwritten = index.unwritten.saturating_add(to_write);
         let (version, previous) = match new.display_id {
             Some(display) => {
                 let key = (
@@ -704,6 +760,12 @@ impl ArtifactStore {
     }
 
     /// Drops a record whose blob could not be written.
+    /// `bytes` recorded as unwritten are on the disk now, or will never be.
+    fn written(&self, bytes: u64) {
+        let mut index = self.index.write();
+        index.unwritten = index.unwritten.saturating_sub(bytes);
+    }
+
     fn forget(&self, id: &str) {
         let mut index = self.index.write();
         if let Some(record) = index.remove(id) {
@@ -892,6 +954,7 @@ impl Reservation {
     /// size than the reference announced is refused and the artifact removed.
     pub fn fill(mut self, content: &[u8]) -> Result<(), ArtifactError> {
         let result = self.store.fill(&self.id, self.bytes, content);
+        self.store.written(self.bytes);
         self.settled = true;
         self.done.send_replace(true);
         result
@@ -901,6 +964,7 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.settled {
+            self.store.written(self.bytes);
             self.store.forget(&self.id);
             self.done.send_replace(true);
         }

@@ -373,3 +373,35 @@ fn du(dir: &Path) -> u64 {
     }
     n
 }
+
+/// Reserved bytes count against the disk minimum before they are written: two large outputs
+/// checked while neither is on the disk cannot both take the last of it. Filled or dropped,
+/// a reservation gives its count back.
+#[test]
+fn reservations_in_flight_count_against_the_free_disk_minimum() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = ArtifactStore::new(dir.path().join("a"), Duration::from_secs(3600))
+        .unwrap()
+        .with_min_free_disk(5 << 20);
+    store.free_space = Box::new(|dir: &Path| Ok((10u64 << 20).saturating_sub(du(dir))));
+    let store = Arc::new(store);
+    let content = vec![7u8; 3 << 20];
+    // 10 MiB free, 5 kept: one 3 MiB output fits, a second does not while the first is
+    // only reserved (5 MiB to spare on paper, but 3 of them promised).
+    let (_, first) = reserve(&store, "s", &content);
+    let n = new("s", "image/png", None);
+    let description = Description::from_head(&n, &content[..64], content.len() as u64);
+    let Err(err) = store.reserve(&n, description) else {
+        panic!("a second 3 MiB output fits beside a reserved one");
+    };
+    assert_eq!(err.quota(), Some(Quota::ArtifactMinFreeDisk), "{err}");
+    // Dropped unfilled, the promise goes: the second fits now.
+    drop(first);
+    let (_, second) = reserve(&store, "s", &content);
+    second.fill(&content).unwrap();
+    // Written, the bytes are in the free space read and no longer promised: 7 MiB free, 5
+    // kept, so 2 MiB fit exactly (counted twice, they would not).
+    let (_, third) = reserve(&store, "s", &[8u8; 2 << 20]);
+    drop(third);
+    assert_eq!(store.index.read().unwritten, 0);
+}
