@@ -15,6 +15,7 @@
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
 pub mod cgroupfs;
+pub mod diagnosis;
 mod gvisor;
 mod namespaces;
 mod process;
@@ -80,6 +81,16 @@ pub fn create(backend: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
         Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig::default())?),
         Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
     })
+}
+
+/// What `backend` says about this host (`cellgate doctor`); with `probe`, a real sandbox is
+/// started to prove it.
+pub async fn diagnose(backend: Backend, probe: bool) -> diagnosis::Diagnosis {
+    match backend {
+        Backend::Process => process::diagnose(),
+        Backend::Namespaces => namespaces::diagnose::diagnose(probe).await,
+        Backend::Gvisor => gvisor::diagnose(probe).await,
+    }
 }
 
 /// The backends of one gateway. Each policy names its backend; a backend is made on first

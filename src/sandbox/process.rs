@@ -10,6 +10,7 @@
 
 #![allow(unsafe_code)]
 
+use super::diagnosis::Diagnosis;
 use super::spawner::Spawner;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
@@ -158,4 +159,11 @@ impl SandboxHandle for ProcessHandle {
     fn usage(&self) -> ResourceUsage {
         super::procfs::usage(self.pid).unwrap_or_default()
     }
+}
+
+/// The process backend runs anywhere, and isolates nothing.
+pub fn diagnose() -> Diagnosis {
+    let mut s = Diagnosis::new("process");
+    s.fact("isolation", "none (development only; refused unless named)");
+    s
 }

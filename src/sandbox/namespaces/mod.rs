@@ -66,6 +66,7 @@
 mod bridge;
 mod cgroups;
 mod confine;
+pub mod diagnose;
 mod error;
 mod helper;
 mod idmap;

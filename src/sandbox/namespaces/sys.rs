@@ -508,3 +508,25 @@ pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
     let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
     rc > 0
 }
+
+/// The Landlock ABI version the running kernel offers, or the errno saying why not.
+pub fn landlock_abi() -> Result<i64, i32> {
+    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_ulong = 1;
+    // SAFETY: with a NULL attribute pointer and size 0, the VERSION flag only returns the
+    // ABI number; no memory is read or written and no descriptor is created.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<libc::c_void>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    if rc < 0 {
+        Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::ENOSYS))
+    } else {
+        Ok(rc)
+    }
+}
