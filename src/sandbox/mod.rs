@@ -289,8 +289,6 @@ pub trait Sandbox: Send + Sync {
 pub enum SandboxError {
     #[error("unknown sandbox backend {0:?} (known: process, namespaces, gvisor)")]
     UnknownBackend(String),
-    #[error("the {0} backend is not available in this build yet")]
-    NotImplemented(&'static str),
     #[error("the process backend runs kernels without any isolation; name it explicitly (--sandbox process) to use it")]
     ProcessNotAllowed,
     #[error("could not start {program}: {source}")]
