@@ -133,7 +133,8 @@ impl Backends {
 }
 
 /// Resource limits a backend enforces where it can. `None` means "no limit from the policy";
-/// a backend that cannot enforce a set limit says so in [`Sandbox::unsupported_limits`].
+/// a backend that cannot enforce a set limit logs so at launch (the `process` backend
+/// enforces none), and `cellgate doctor` says which ones this host cannot enforce.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Limits {
     pub memory_bytes: Option<u64>,

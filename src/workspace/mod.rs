@@ -14,7 +14,7 @@
 //! Files are written to a temporary name in their directory and renamed into place, so a
 //! failed or oversized upload leaves nothing behind, and a symlink at the target is replaced,
 //! never followed. New files and directories are created with the workspace owner's uid and
-//! gid (the sandbox's user; see [`AsOwner`]), so the kernel can change and delete them.
+//! gid (the sandbox's user; see `AsOwner`), so the kernel can change and delete them.
 //!
 //! Paths from clients are checked first: relative, no `.`/`..` components, no NUL, at most
 //! 4096 bytes and 255 per component.
