@@ -17,8 +17,6 @@
 //! - [`tenants`]: per-tenant policy caps, kernel caps and request rates.
 //! - [`timestamp`]: the one timestamp format of every surface.
 
-#![deny(unsafe_code)]
-
 pub mod artifacts;
 pub mod config;
 pub mod doctor;
