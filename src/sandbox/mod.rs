@@ -89,23 +89,13 @@ pub fn create(backend: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
 pub struct Backends {
     forced: Option<Backend>,
     made: parking_lot::Mutex<std::collections::HashMap<Backend, Arc<dyn Sandbox>>>,
-    factory: fn(Backend) -> Result<Arc<dyn Sandbox>, SandboxError>,
 }
 
 impl Backends {
     pub fn new(forced: Option<Backend>) -> Backends {
-        Backends::with_factory(forced, create)
-    }
-
-    /// With another way to make backends (tests).
-    pub fn with_factory(
-        forced: Option<Backend>,
-        factory: fn(Backend) -> Result<Arc<dyn Sandbox>, SandboxError>,
-    ) -> Backends {
         Backends {
             forced,
             made: parking_lot::Mutex::new(std::collections::HashMap::new()),
-            factory,
         }
     }
 
@@ -126,7 +116,7 @@ impl Backends {
         if let Some(sandbox) = made.get(&backend) {
             return Ok(sandbox.clone());
         }
-        let sandbox = (self.factory)(backend)?;
+        let sandbox = create(backend)?;
         made.insert(backend, sandbox.clone());
         Ok(sandbox)
     }
