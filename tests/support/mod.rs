@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod v1;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
