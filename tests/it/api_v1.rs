@@ -115,7 +115,7 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
     let v1 = V1Client::new(&gateway);
     let id = v1.create_session(json!({})).await?;
 
-    let (status, list) = gateway.get_json("/v1/sessions").await?;
+    let (status, list) = v1.get("/v1/sessions").await?;
     assert_eq!(status, 200);
     assert!(
         list.as_array()
@@ -124,7 +124,7 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
             .any(|s| s["id"] == id.as_str()),
         "{list}"
     );
-    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (status, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(status, 200);
     assert_eq!(model["id"], id.as_str());
 
@@ -211,13 +211,7 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
 
     // Unknown sessions: 404 on every route.
     let missing = "00000000-0000-4000-8000-000000000000";
-    assert_eq!(
-        gateway
-            .get_json(&format!("/v1/sessions/{missing}"))
-            .await?
-            .0,
-        404
-    );
+    assert_eq!(v1.get(&format!("/v1/sessions/{missing}")).await?.0, 404);
     for route in ["execute", "interrupt", "restart", "input"] {
         let (status, body) = v1
             .post(
@@ -228,20 +222,16 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
         assert_eq!(status, 404, "{route}: {body}");
     }
     assert_eq!(
-        gateway
-            .get_json(&format!("/v1/sessions/{missing}/files"))
-            .await?
-            .0,
+        v1.get(&format!("/v1/sessions/{missing}/files")).await?.0,
         404
     );
     assert_eq!(
-        gateway
-            .get_json(&format!("/v1/sessions/{missing}/artifacts"))
+        v1.get(&format!("/v1/sessions/{missing}/artifacts"))
             .await?
             .0,
         404
     );
-    assert_eq!(gateway.get_json("/v1/artifacts/nope").await?.0, 404);
+    assert_eq!(v1.get("/v1/artifacts/nope").await?.0, 404);
 
     // Delete: gone from everywhere.
     let status = v1
@@ -251,15 +241,12 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
         .status()
         .as_u16();
     assert_eq!(status, 204);
-    assert_eq!(
-        gateway.get_json(&format!("/v1/sessions/{id}")).await?.0,
-        404
-    );
+    assert_eq!(v1.get(&format!("/v1/sessions/{id}")).await?.0, 404);
     let (status, _) = v1
         .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
         .await?;
     assert_eq!(status, 404);
-    let (_, list) = gateway.get_json("/v1/sessions").await?;
+    let (_, list) = v1.get("/v1/sessions").await?;
     assert!(!list
         .as_array()
         .unwrap()
@@ -482,9 +469,7 @@ print(json.dumps(digests))
     let digests: Value = serde_json::from_str(r["stdout"].as_str().unwrap().trim())?;
     let artifacts = r["artifacts"].as_array().context("artifacts")?.clone();
 
-    let (_, listed) = gateway
-        .get_json(&format!("/v1/sessions/{id}/artifacts"))
-        .await?;
+    let (_, listed) = v1.get(&format!("/v1/sessions/{id}/artifacts")).await?;
     let listed = listed.as_array().context("listed")?;
 
     for (mime, digest) in digests.as_object().unwrap() {
@@ -859,9 +844,7 @@ async fn files_on(backend: &str) -> Result<()> {
         Some("nosniff")
     );
     assert_eq!(response.text().await?, "a,b,c\n1,2,3\n3,4,7\n");
-    let (status, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (status, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     assert_eq!(status, 200);
     let paths: Vec<&str> = listing
         .as_array()
@@ -951,9 +934,7 @@ async fn files_on(backend: &str) -> Result<()> {
     )
     .await?;
     assert!((400..500).contains(&status), "GET pipe: {status} {body}");
-    let (status, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (status, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     assert_eq!(
         status, 200,
         "listing with links in the workspace: {listing}"
@@ -962,9 +943,7 @@ async fn files_on(backend: &str) -> Result<()> {
     // Oversize: 413, and nothing half-written is left behind.
     let status = v1.put_file(&id, "big.bin", vec![7u8; 6 << 20]).await?;
     assert_eq!(status, 413);
-    let (_, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (_, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     assert!(
         !listing.as_array().unwrap().iter().any(|e| e["path"]
             .as_str()
@@ -986,9 +965,7 @@ async fn files_on(backend: &str) -> Result<()> {
             .await?["result"],
         "1048576"
     );
-    let (status, _) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files/nope.txt"))
-        .await?;
+    let (status, _) = v1.get(&format!("/v1/sessions/{id}/files/nope.txt")).await?;
     assert_eq!(status, 404);
 
     // Caches: the kernel lists and stats a directory, then a file appears there (and an
@@ -1078,7 +1055,7 @@ async fn one_shot_execute() -> Result<()> {
     assert_eq!(response.text().await?, "**hi**");
     let mut gone = false;
     for _ in 0..100 {
-        let (_, list) = gateway.get_json("/v1/sessions").await?;
+        let (_, list) = v1.get("/v1/sessions").await?;
         if list.as_array().map(|l| l.is_empty()).unwrap_or(false) {
             gone = true;
             break;
@@ -1086,7 +1063,7 @@ async fn one_shot_execute() -> Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(gone, "the one-shot session outlived its execution");
-    let (_, kernels) = gateway.get_json("/api/kernels").await?;
+    let (_, kernels) = v1.get("/api/kernels").await?;
     assert_eq!(kernels, json!([]), "its kernel outlived it");
 
     let mut sse = v1
@@ -1114,7 +1091,7 @@ async fn one_shot_execute() -> Result<()> {
 #[tokio::test]
 async fn openapi_document_lists_every_route() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let (status, doc) = gateway.get_json("/v1/openapi.json").await?;
+    let (status, doc) = V1Client::new(&gateway).get("/v1/openapi.json").await?;
     assert_eq!(status, 200);
     assert!(
         doc["openapi"]
@@ -1195,9 +1172,7 @@ async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
         .await?;
     assert_eq!(r["status"], "ok", "{r}");
     assert_eq!(r["artifacts"], json!([]), "{r}");
-    let (_, listed) = gateway
-        .get_json(&format!("/v1/sessions/{id}/artifacts"))
-        .await?;
+    let (_, listed) = v1.get(&format!("/v1/sessions/{id}/artifacts")).await?;
     for artifact in listed.as_array().context("listed")? {
         let body = v1
             .artifact(artifact["id"].as_str().unwrap())
@@ -1277,10 +1252,7 @@ async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
         .as_u16();
     assert_eq!(status, 204);
     assert_eq!(
-        gateway
-            .get_json(&format!("/v1/sessions/{id}/artifacts"))
-            .await?
-            .0,
+        v1.get(&format!("/v1/sessions/{id}/artifacts")).await?.0,
         404
     );
     let response = v1.artifact(&artifact).await?;
@@ -1344,7 +1316,7 @@ async fn concurrent_executes_keep_their_own_output() -> Result<()> {
     }
     let r = v1.execute(&other, "'other answers'").await?;
     assert_eq!(r["result"], "'other answers'");
-    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (status, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(status, 200);
     assert_eq!(model["state"], "busy", "{model}");
     assert_eq!(v1.put_file(&id, "release", vec![]).await?, 201);
@@ -1379,9 +1351,9 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
         assert_eq!(status, 400, "{files}: {body}");
     }
     assert!(!std::path::Path::new("/etc/cellgate-escape").exists());
-    let (_, sessions) = gateway.get_json("/v1/sessions").await?;
+    let (_, sessions) = v1.get("/v1/sessions").await?;
     assert_eq!(sessions, json!([]), "a refused session was kept");
-    let (_, kernels) = gateway.get_json("/api/kernels").await?;
+    let (_, kernels) = v1.get("/api/kernels").await?;
     assert_eq!(kernels, json!([]), "a refused session's kernel was kept");
 
     let id = v1.create_session(json!({})).await?;
@@ -1407,9 +1379,7 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
     let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut response)).await?;
     let text = String::from_utf8_lossy(&response);
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
-    let (_, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (_, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     // The workspace is the kernel's home (.ipython and such): only the upload matters.
     assert!(
         !listing.as_array().context("listing")?.iter().any(|e| {
@@ -1556,22 +1526,18 @@ async fn sessions_are_separate() -> Result<()> {
         )
         .await?;
     assert_eq!(r["result"], "(False, False)", "{r}");
-    let (_, files) = gateway.get_json(&format!("/v1/sessions/{b}/files")).await?;
+    let (_, files) = v1.get(&format!("/v1/sessions/{b}/files")).await?;
     assert!(
         !files.to_string().contains("only-a.txt"),
         "b lists a's file: {files}"
     );
-    let (status, _) = gateway
-        .get_json(&format!("/v1/sessions/{b}/files/only-a.txt"))
+    let (status, _) = v1
+        .get(&format!("/v1/sessions/{b}/files/only-a.txt"))
         .await?;
     assert_eq!(status, 404);
-    let (_, artifacts) = gateway
-        .get_json(&format!("/v1/sessions/{b}/artifacts"))
-        .await?;
+    let (_, artifacts) = v1.get(&format!("/v1/sessions/{b}/artifacts")).await?;
     assert_eq!(artifacts, json!([]), "b lists a's artifacts");
-    let (_, artifacts) = gateway
-        .get_json(&format!("/v1/sessions/{a}/artifacts"))
-        .await?;
+    let (_, artifacts) = v1.get(&format!("/v1/sessions/{a}/artifacts")).await?;
     assert_eq!(artifacts[0]["id"], artifact_a);
     Ok(())
 }

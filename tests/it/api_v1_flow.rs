@@ -71,20 +71,20 @@ async fn sessions_execute_and_keep_state() -> Result<()> {
         .iter()
         .any(|l| l.as_str().unwrap().contains("1 / 0")));
 
-    let (status, list) = gateway.get_json("/v1/sessions").await?;
+    let (status, list) = v1.get("/v1/sessions").await?;
     assert_eq!(status, 200);
     assert!(list
         .as_array()
         .unwrap()
         .iter()
         .any(|s| s["id"] == id.as_str()));
-    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (status, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(status, 200);
     assert_eq!(model["executions"], 3);
     assert_eq!(model["policy"], "default");
     assert_eq!(model["sandbox"], "namespaces");
     // The same session is a kernel of the Kernel Gateway API.
-    let (status, kernel) = gateway.get_json(&format!("/api/kernels/{id}")).await?;
+    let (status, kernel) = v1.get(&format!("/api/kernels/{id}")).await?;
     assert_eq!(status, 200, "{kernel}");
 
     let status = v1
@@ -93,9 +93,9 @@ async fn sessions_execute_and_keep_state() -> Result<()> {
         .await?
         .status();
     assert_eq!(status.as_u16(), 204);
-    let (status, _) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (status, _) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(status, 404);
-    let (status, _) = gateway.get_json(&format!("/api/kernels/{id}")).await?;
+    let (status, _) = v1.get(&format!("/api/kernels/{id}")).await?;
     assert_eq!(status, 404, "the kernel went with the session");
     Ok(())
 }
@@ -105,7 +105,7 @@ async fn sessions_execute_and_keep_state() -> Result<()> {
 async fn bad_requests_get_clear_errors() -> Result<()> {
     let gateway = Gateway::start().await?;
     let v1 = V1Client::new(&gateway);
-    let (status, body) = gateway.get_json("/v1/sessions/nope").await?;
+    let (status, body) = v1.get("/v1/sessions/nope").await?;
     assert_eq!(status, 404, "{body}");
     for (path, body) in [
         ("/v1/sessions", "{not json"),
@@ -255,7 +255,7 @@ async fn websocket_follows_the_kernels_life() -> Result<()> {
         }
     }
     assert!(types.contains(&"done".to_owned()), "{types:?}");
-    let (_, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (_, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(model["state"], "dead", "{model}");
     assert!(
         model["reason"].as_str().unwrap().contains("signal 9"),
@@ -356,9 +356,7 @@ async fn initial_files_listing_and_output_files() -> Result<()> {
     let again = v1.execute(&id, "1").await?;
     assert_eq!(again["artifacts"], json!([]), "{again}");
 
-    let (status, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (status, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     assert_eq!(status, 200);
     let paths: Vec<&str> = listing
         .as_array()
@@ -388,7 +386,7 @@ async fn initial_files_listing_and_output_files() -> Result<()> {
         .send()
         .await?;
     assert_eq!(response.status().as_u16(), 400);
-    let (_, list) = gateway.get_json("/v1/sessions").await?;
+    let (_, list) = v1.get("/v1/sessions").await?;
     assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
     Ok(())
 }

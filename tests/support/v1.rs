@@ -78,6 +78,11 @@ impl<'g> V1Client<'g> {
         json_of(request.send().await?).await
     }
 
+    /// `GET path`.
+    pub async fn get(&self, path: &str) -> Result<(u16, Value)> {
+        self.call(Method::GET, path, None).await
+    }
+
     /// `POST path` with a JSON body.
     pub async fn post(&self, path: &str, body: Value) -> Result<(u16, Value)> {
         self.call(Method::POST, path, Some(body)).await
