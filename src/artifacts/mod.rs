@@ -734,7 +734,7 @@ impl ArtifactStore {
             version,
             previous,
             path: new.path.map(str::to_owned),
-            created: crate::kernel::format_timestamp(time::OffsetDateTime::now_utc()),
+            created: crate::timestamp::format_timestamp(time::OffsetDateTime::now_utc()),
             session: new.session.to_owned(),
             owner: new.owner.map(str::to_owned),
         });

@@ -40,7 +40,7 @@ const PING_INTERVAL: Duration = Duration::from_secs(30);
 const WRITE_BATCH: usize = 64;
 /// Messages larger than this go out as fragments of this size, cut from the kernel's bytes:
 /// the client starts reading while the rest is still being written, and the socket's write
-/// buffer stays small (one frame of 50 MB cost ~40 ms in copies and fresh pages first).
+/// buffer stays small (one whole frame meant copies and fresh pages before its first byte).
 const FRAGMENT_BYTES: usize = 64 << 10;
 /// Replies remembered per socket for re-delivery after an abrupt disconnect.
 const RECENT_REPLIES: usize = 16;

@@ -14,7 +14,7 @@
 //! - Caps: at most `max_connections` connections open at once, and at most `max_per_peer`
 //!   from one IP address. Past either, the new connection gets `503` with `Retry-After: 1`
 //!   and `Connection: close`, written straight on the socket without hyper, and is closed.
-//!   Refusals are counted, and logged at most once every [`REPORT_EVERY`], not once each.
+//!   Refusals are counted, and logged at most once every `REPORT_EVERY`, not once each.
 //!
 //! A connection keeps its place under the caps until its socket closes, WebSockets included:
 //! the place lives in the socket's wrapper, which an upgraded connection keeps. Neither
@@ -109,7 +109,7 @@ pub fn default_max_connections() -> usize {
 }
 
 /// Serves `app` on `listener` until `shutdown` resolves; then stops accepting, lets requests
-/// in flight finish for up to [`SHUTDOWN_GRACE`] and returns. WebSockets already upgraded
+/// in flight finish for up to `SHUTDOWN_GRACE` and returns. WebSockets already upgraded
 /// are not waited for.
 pub async fn serve(
     listener: TcpListener,

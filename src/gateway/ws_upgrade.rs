@@ -4,9 +4,9 @@
 //! Why not axum's: its `Message` has no raw-frame variant, so a 50 MB stream message had to
 //! go out as one frame. tungstenite copies a frame whole into its write buffer and, after each
 //! partial socket write, moves the unsent rest to the buffer's front: the copy, the fresh
-//! pages and the quadratic moves cost ~40 ms for 50 MB before the client saw a byte. With
-//! raw frames the writer sends large messages as 64 KiB fragments, straight from
-//! the kernel's bytes (see `kernel_ws`).
+//! pages and the quadratic moves all came before the client saw a byte (BENCHMARKS.md,
+//! "Measurements behind the code"). With raw frames the writer sends large messages as
+//! 64 KiB fragments, straight from the kernel's bytes (see `kernel_ws`).
 //!
 //! The checks are RFC 6455's (and what axum checks): GET, `Connection: upgrade`,
 //! `Upgrade: websocket`, version 13, a key; HTTP/1.1 only (cellgate serves no HTTP/2).

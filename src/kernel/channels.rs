@@ -127,12 +127,11 @@ impl Drop for Channels {
     }
 }
 
-/// Returns once every path exists. Woken by inotify on their directories: a kernel takes
-/// from ~0.2 s to many seconds (fifty starting at once on two cores) to bind its sockets,
-/// and polling every few milliseconds for all of them cost the gateway measurable CPU
-/// (path lookups showed in a profile of fifty concurrent starts). A slow tick re-checks
-/// anyway, so a missed event (a directory replaced, inotify instances exhausted) only
-/// costs latency; without inotify at all it polls.
+/// Returns once every path exists. Woken by inotify on their directories: a kernel may take
+/// seconds to bind its sockets when many start at once, and polling every few milliseconds
+/// for all of them cost the gateway measurable CPU (BENCHMARKS.md, "Measurements behind the
+/// code"). A slow tick re-checks anyway, so a missed event (a directory replaced, inotify
+/// instances exhausted) only costs latency; without inotify at all it polls.
 #[allow(unsafe_code)] // AsyncFd::register (tokio's safe constructor is deprecated as unsound)
 async fn wait_for_paths(paths: &[std::path::PathBuf]) {
     use rustix::fs::inotify;

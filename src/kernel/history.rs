@@ -20,8 +20,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use time::OffsetDateTime;
 
-use super::lifecycle::format_timestamp;
 use crate::protocol::Message;
+use crate::timestamp::format_timestamp;
 
 /// Bytes of sources and outputs one kernel's history keeps.
 pub const MAX_HISTORY_BYTES: usize = 64 << 20;

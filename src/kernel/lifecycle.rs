@@ -23,6 +23,7 @@ use super::spec::{InterruptMode, KernelSpec};
 use super::KernelError;
 use crate::protocol::{Channel, Message};
 use crate::sandbox::{ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxHandle};
+use crate::timestamp::format_timestamp;
 
 /// The environment variable that tells the kernel launcher
 /// (kernels/python3/cellgate_kernel_launcher.py) the output limit of one execution.
@@ -139,21 +140,6 @@ fn human(d: Duration) -> String {
     } else {
         format!("{} ms", d.as_millis())
     }
-}
-
-/// `YYYY-MM-DDTHH:MM:SS.ffffffZ`, always six digits: GatewayClient parses `last_activity` with
-/// `strptime("%Y-%m-%dT%H:%M:%S.%fZ")`.
-pub fn format_timestamp(at: OffsetDateTime) -> String {
-    format!(
-        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
-        at.year(),
-        u8::from(at.month()),
-        at.day(),
-        at.hour(),
-        at.minute(),
-        at.second(),
-        at.microsecond()
-    )
 }
 
 impl Kernel {
@@ -807,18 +793,5 @@ impl Kernel {
             "last_restart_reason": *self.last_restart_reason.lock(),
         });
         model
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn timestamps_always_have_six_digits_and_z() {
-        let at = OffsetDateTime::from_unix_timestamp(1_700_000_000).unwrap();
-        assert_eq!(format_timestamp(at), "2023-11-14T22:13:20.000000Z");
-        let at = at + time::Duration::microseconds(42);
-        assert_eq!(format_timestamp(at), "2023-11-14T22:13:20.000042Z");
     }
 }

@@ -17,7 +17,10 @@ use std::path::PathBuf;
 pub use channels::DROPPED_INVALID;
 pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
 pub use history::{History, HistorySnapshot};
-pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
+pub use lifecycle::{Kernel, KernelOptions, Readiness};
+// Only for sessions/, which still names it here (being reworked on another branch); the
+// format is every surface's, so it lives in `crate::timestamp`.
+pub use crate::timestamp::format_timestamp;
 pub use manager::{KernelManager, ManagerOptions, Owner, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
 pub use spec::{KernelSpec, KernelSpecs};

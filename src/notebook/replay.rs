@@ -484,7 +484,7 @@ fn kernel_for(
     }
 }
 
-/// Replays a notebook in a fresh kernel of `manager` (see [`kernel_for`] for which) under
+/// Replays a notebook in a fresh kernel of `manager` (see `kernel_for` for which) under
 /// `options.policy`; the kernel is shut down after.
 pub async fn replay(
     manager: &Arc<KernelManager>,

@@ -29,7 +29,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::egress::proxy::{text, Body, BodyError};
-use crate::egress::{Session, INDEX_HOST};
+use crate::egress::Session;
 use crate::policy::access::{normalize_project, PackageRule};
 use crate::policy::Dependencies;
 
@@ -741,11 +741,6 @@ fn zip_member_suffix(data: &[u8], suffix: &str) -> Option<Vec<u8>> {
 fn inflate(raw: &[u8]) -> Option<Vec<u8>> {
     // METADATA is small; the cap keeps a hostile wheel from inflating without bound.
     miniz_oxide::inflate::decompress_to_vec_with_limit(raw, 4 << 20).ok()
-}
-
-/// The host the index answers to, for docs and the kernel environment.
-pub fn index_url() -> String {
-    format!("http://{INDEX_HOST}/simple/")
 }
 
 #[cfg(test)]

@@ -77,7 +77,8 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(total)
 }
 
-/// Serde adapters for policy fields.
+/// Serde adapter (`#[serde(with = …)]`) for an optional size written as text, read by
+/// [`parse_size`].
 pub mod serde_size {
     use serde::{Deserialize, Deserializer};
 
@@ -88,6 +89,8 @@ pub mod serde_size {
     }
 }
 
+/// Serde adapter (`#[serde(with = …)]`) for an optional duration written as text, read by
+/// [`parse_duration`].
 pub mod serde_duration {
     use serde::{Deserialize, Deserializer};
     use std::time::Duration;

@@ -60,12 +60,6 @@ impl ConnectionInfo {
     pub fn hb_endpoint(&self) -> String {
         self.endpoint(self.hb_port)
     }
-
-    /// The same sockets seen from elsewhere: a sandbox may expose the kernel's ipc directory
-    /// to the gateway under another path.
-    pub fn with_ip(&self, ip: String) -> ConnectionInfo {
-        ConnectionInfo { ip, ..self.clone() }
-    }
 }
 
 #[cfg(test)]

@@ -43,8 +43,8 @@ pub fn decode_multipart(
         }
         return Message::from_parts(channel, header, parent, metadata, content, buffers);
     }
-    // A large message (tens of MB of output) costs ~1 ms per MB to hash and about half that to
-    // validate; both read the same immutable bytes, so they run on two cores at once. The
+    // Hashing and validating a large message (tens of MB of output) take tens of milliseconds
+    // each, and both read the same immutable bytes, so they run on two cores at once. The
     // signature still decides first: a forged message reports BadSignature, whatever its shape.
     let (signature_ok, parsed) = std::thread::scope(|scope| {
         let check =

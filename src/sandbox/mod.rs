@@ -100,23 +100,13 @@ pub async fn diagnose(backend: Backend, probe: bool) -> diagnosis::Diagnosis {
 pub struct Backends {
     forced: Option<Backend>,
     made: parking_lot::Mutex<std::collections::HashMap<Backend, Arc<dyn Sandbox>>>,
-    factory: fn(Backend) -> Result<Arc<dyn Sandbox>, SandboxError>,
 }
 
 impl Backends {
     pub fn new(forced: Option<Backend>) -> Backends {
-        Backends::with_factory(forced, create)
-    }
-
-    /// With another way to make backends (tests).
-    pub fn with_factory(
-        forced: Option<Backend>,
-        factory: fn(Backend) -> Result<Arc<dyn Sandbox>, SandboxError>,
-    ) -> Backends {
         Backends {
             forced,
             made: parking_lot::Mutex::new(std::collections::HashMap::new()),
-            factory,
         }
     }
 
@@ -137,14 +127,15 @@ impl Backends {
         if let Some(sandbox) = made.get(&backend) {
             return Ok(sandbox.clone());
         }
-        let sandbox = (self.factory)(backend)?;
+        let sandbox = create(backend)?;
         made.insert(backend, sandbox.clone());
         Ok(sandbox)
     }
 }
 
 /// Resource limits a backend enforces where it can. `None` means "no limit from the policy";
-/// a backend that cannot enforce a set limit says so in [`Sandbox::unsupported_limits`].
+/// a backend that cannot enforce a set limit logs so at launch (the `process` backend
+/// enforces none), and `cellgate doctor` says which ones this host cannot enforce.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Limits {
     pub memory_bytes: Option<u64>,
@@ -300,8 +291,6 @@ pub trait Sandbox: Send + Sync {
 pub enum SandboxError {
     #[error("unknown sandbox backend {0:?} (known: process, namespaces, gvisor)")]
     UnknownBackend(String),
-    #[error("the {0} backend is not available in this build yet")]
-    NotImplemented(&'static str),
     #[error("the process backend runs kernels without any isolation; name it explicitly (--sandbox process) to use it")]
     ProcessNotAllowed,
     #[error("could not start {program}: {source}")]

@@ -14,7 +14,7 @@
 //! Files are written to a temporary name in their directory and renamed into place, so a
 //! failed or oversized upload leaves nothing behind, and a symlink at the target is replaced,
 //! never followed. New files and directories are created with the workspace owner's uid and
-//! gid (the sandbox's user; see [`AsOwner`]), so the kernel can change and delete them.
+//! gid (the sandbox's user; see `AsOwner`), so the kernel can change and delete them.
 //!
 //! Paths from clients are checked first: relative, no `.`/`..` components, no NUL, at most
 //! 4096 bytes and 255 per component.
@@ -22,7 +22,7 @@
 //! Must not depend on: HTTP, kernels.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
@@ -474,13 +474,6 @@ pub fn mime_for(path: &str) -> &'static str {
         "zip" => "application/zip",
         _ => "application/octet-stream",
     }
-}
-
-/// Reads at most `limit` bytes (for small files such as initial uploads given inline).
-pub fn read_limited(file: &mut File, limit: u64) -> std::io::Result<Vec<u8>> {
-    let mut out = Vec::new();
-    file.take(limit).read_to_end(&mut out)?;
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -13,17 +13,15 @@
 
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
-use futures_util::{SinkExt, StreamExt};
+use anyhow::{bail, Context, Result};
+use futures_util::SinkExt;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
-use crate::support::{sandbox_backend, Gateway, Socket};
-
-const WAIT: Duration = Duration::from_secs(90);
+use crate::support::v1::{json_of, ws_next, ws_send, ws_until_done, V1Client, WAIT};
+use crate::support::{sandbox_backend, Gateway};
 
 /// Python that waits (at most 60 s) for the workspace file `name`, then goes on; failing
 /// loudly if it never comes.
@@ -60,64 +58,6 @@ async fn start_gateway_on(backend: &str, limits: &str) -> Result<(Gateway, tempf
         .start()
         .await?;
     Ok((gateway, dir))
-}
-
-async fn json_of(response: reqwest::Response) -> Result<(u16, Value)> {
-    let status = response.status().as_u16();
-    let body = response.text().await?;
-    Ok((
-        status,
-        serde_json::from_str(&body).unwrap_or(Value::String(body)),
-    ))
-}
-
-async fn post(gateway: &Gateway, path: &str, body: Value) -> Result<(u16, Value)> {
-    json_of(
-        gateway
-            .request(reqwest::Method::POST, path)
-            .json(&body)
-            .send()
-            .await?,
-    )
-    .await
-}
-
-/// Creates a session; answers its id.
-async fn create_session(gateway: &Gateway, body: Value) -> Result<String> {
-    let (status, model) = post(gateway, "/v1/sessions", body).await?;
-    if status != 201 {
-        bail!("create session: {status} {model}");
-    }
-    Ok(model["id"].as_str().context("session id")?.to_owned())
-}
-
-/// Blocking execute; the result JSON (any HTTP status other than 200 is an error).
-async fn execute(gateway: &Gateway, session: &str, code: &str) -> Result<Value> {
-    execute_with(gateway, session, json!({ "code": code })).await
-}
-
-async fn execute_with(gateway: &Gateway, session: &str, body: Value) -> Result<Value> {
-    let (status, result) = post(gateway, &format!("/v1/sessions/{session}/execute"), body).await?;
-    if status != 200 {
-        bail!("execute: {status} {result}");
-    }
-    Ok(result)
-}
-
-async fn put_file(gateway: &Gateway, session: &str, path: &str, bytes: Vec<u8>) -> Result<u16> {
-    let response = gateway
-        .request(
-            reqwest::Method::PUT,
-            &format!("/v1/sessions/{session}/files/{path}"),
-        )
-        .body(bytes)
-        .send()
-        .await?;
-    let status = response.status().as_u16();
-    if status >= 500 {
-        bail!("PUT {path}: {status} {}", response.text().await?);
-    }
-    Ok(status)
 }
 
 /// One request over a raw TCP connection, the path sent exactly as given (an HTTP client
@@ -158,117 +98,6 @@ fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 
-/// Server-Sent Events of one response, read as they arrive.
-struct Sse {
-    response: reqwest::Response,
-    buffer: String,
-}
-
-impl Sse {
-    async fn open(gateway: &Gateway, path: &str, body: Value) -> Result<Sse> {
-        let response = gateway
-            .request(reqwest::Method::POST, path)
-            .header("Accept", "text/event-stream")
-            .json(&body)
-            .send()
-            .await?;
-        if response.status().as_u16() != 200 {
-            bail!("SSE: {} {}", response.status(), response.text().await?);
-        }
-        let content_type = response
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned();
-        assert!(
-            content_type.starts_with("text/event-stream"),
-            "{content_type}"
-        );
-        Ok(Sse {
-            response,
-            buffer: String::new(),
-        })
-    }
-
-    /// The next event: its `event:` name and its `data:` JSON (keep-alive comments skipped).
-    async fn next(&mut self) -> Result<(String, Value)> {
-        loop {
-            if let Some(end) = self.buffer.find("\n\n") {
-                let block: String = self.buffer.drain(..end + 2).collect();
-                let mut name = String::new();
-                let mut data = String::new();
-                for line in block.lines() {
-                    if let Some(v) = line.strip_prefix("event:") {
-                        name = v.trim().to_owned();
-                    } else if let Some(v) = line.strip_prefix("data:") {
-                        data.push_str(v.strip_prefix(' ').unwrap_or(v));
-                    }
-                }
-                if data.is_empty() {
-                    continue;
-                }
-                return Ok((name, serde_json::from_str(&data)?));
-            }
-            let chunk = tokio::time::timeout(WAIT, self.response.chunk())
-                .await
-                .map_err(|_| anyhow!("no SSE event within {WAIT:?}; buffered {:?}", self.buffer))??
-                .ok_or_else(|| anyhow!("SSE stream ended; buffered {:?}", self.buffer))?;
-            self.buffer.push_str(&String::from_utf8_lossy(&chunk));
-        }
-    }
-}
-
-/// The session WebSocket.
-async fn ws_connect(gateway: &Gateway, session: &str) -> Result<Socket> {
-    let url = format!(
-        "{}/v1/sessions/{session}/ws",
-        gateway.base.replace("http://", "ws://")
-    );
-    let mut request = url.into_client_request()?;
-    if let Some(token) = &gateway.token {
-        request
-            .headers_mut()
-            .insert("Authorization", format!("token {token}").parse()?);
-    }
-    let (socket, _) = tokio_tungstenite::connect_async(request).await?;
-    Ok(socket)
-}
-
-async fn ws_next(socket: &mut Socket) -> Result<Value> {
-    loop {
-        let frame = tokio::time::timeout(WAIT, socket.next())
-            .await
-            .map_err(|_| anyhow!("no WebSocket frame within {WAIT:?}"))?
-            .ok_or_else(|| anyhow!("WebSocket closed"))??;
-        match frame {
-            WsMessage::Text(text) => return Ok(serde_json::from_str(text.as_str())?),
-            WsMessage::Close(frame) => bail!("WebSocket closed by the gateway: {frame:?}"),
-            _ => continue,
-        }
-    }
-}
-
-async fn ws_send(socket: &mut Socket, message: Value) -> Result<()> {
-    socket
-        .send(WsMessage::Text(message.to_string().into()))
-        .await?;
-    Ok(())
-}
-
-/// Every event up to and including `done`.
-async fn ws_until_done(socket: &mut Socket) -> Result<Vec<Value>> {
-    let mut events = Vec::new();
-    loop {
-        let event = ws_next(socket).await?;
-        let done = event["type"] == "done";
-        events.push(event);
-        if done {
-            return Ok(events);
-        }
-    }
-}
-
 fn streamed(events: &[Value], name: &str) -> String {
     events
         .iter()
@@ -277,22 +106,16 @@ fn streamed(events: &[Value], name: &str) -> String {
         .collect()
 }
 
-async fn fetch_artifact(gateway: &Gateway, id: &str) -> Result<reqwest::Response> {
-    Ok(gateway
-        .request(reqwest::Method::GET, &format!("/v1/artifacts/{id}"))
-        .send()
-        .await?)
-}
-
 /// Sessions: create, list, get, execute with state kept, errors typed, resource use,
 /// delete; bad requests answered clearly without harming the session; unknown ids 404 on
 /// every route.
 #[tokio::test]
 async fn sessions_execute_and_typed_results() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
 
-    let (status, list) = gateway.get_json("/v1/sessions").await?;
+    let (status, list) = v1.get("/v1/sessions").await?;
     assert_eq!(status, 200);
     assert!(
         list.as_array()
@@ -301,17 +124,17 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
             .any(|s| s["id"] == id.as_str()),
         "{list}"
     );
-    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (status, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(status, 200);
     assert_eq!(model["id"], id.as_str());
 
     // State is kept across executes; stdout, stderr and the text/plain result are separate.
-    let r = execute(
-        &gateway,
-        &id,
-        "x = 41\nimport sys\nprint('out')\nprint('err', file=sys.stderr)",
-    )
-    .await?;
+    let r = v1
+        .execute(
+            &id,
+            "x = 41\nimport sys\nprint('out')\nprint('err', file=sys.stderr)",
+        )
+        .await?;
     assert_eq!(r["status"], "ok", "{r}");
     assert_eq!(r["stdout"], "out\n");
     assert_eq!(r["stderr"], "err\n");
@@ -322,14 +145,14 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
     assert_eq!(r["artifacts"], json!([]));
     assert_eq!(r["denials"], json!([]));
 
-    let r = execute(&gateway, &id, "x + 1").await?;
+    let r = v1.execute(&id, "x + 1").await?;
     assert_eq!(r["status"], "ok", "{r}");
     assert_eq!(r["result"], "42");
     assert_eq!(r["execution_count"].as_i64(), Some(first_count + 1));
     assert_eq!(r["state_generation"].as_u64(), Some(generation));
 
     // An error: typed, traceback readable (no ANSI colour codes).
-    let r = execute(&gateway, &id, "def f():\n    return 1 / 0\nf()").await?;
+    let r = v1.execute(&id, "def f():\n    return 1 / 0\nf()").await?;
     assert_eq!(r["status"], "error", "{r}");
     assert_eq!(r["error"]["ename"], "ZeroDivisionError");
     assert_eq!(r["error"]["evalue"], "division by zero");
@@ -344,7 +167,9 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
 
     // Resource use is measured by the namespaces sandbox (cgroup).
     if sandbox_backend() == "namespaces" {
-        let r = execute(&gateway, &id, "sum(i * i for i in range(3_000_000))").await?;
+        let r = v1
+            .execute(&id, "sum(i * i for i in range(3_000_000))")
+            .await?;
         assert_eq!(r["status"], "ok", "{r}");
         assert!(r["resources"]["cpu_time_ms"].is_u64(), "{r}");
         assert!(
@@ -354,7 +179,7 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
     }
 
     // Bad requests: clear 400s; the session still works afterwards.
-    let response = gateway
+    let response = v1
         .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
         .header("Content-Type", "application/json")
         .body("{not json")
@@ -362,91 +187,66 @@ async fn sessions_execute_and_typed_results() -> Result<()> {
         .await?;
     let (status, body) = json_of(response).await?;
     assert_eq!(status, 400, "{body}");
-    let (status, body) = post(
-        &gateway,
-        &format!("/v1/sessions/{id}/execute"),
-        json!({"cod": "1"}),
-    )
-    .await?;
+    let (status, body) = v1
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"cod": "1"}))
+        .await?;
     assert_eq!(status, 400, "{body}");
-    let (status, body) = post(
-        &gateway,
-        &format!("/v1/sessions/{id}/execute"),
-        json!({"code": "1", "timeout_s": -3}),
-    )
-    .await?;
+    let (status, body) = v1
+        .post(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "1", "timeout_s": -3}),
+        )
+        .await?;
     assert_eq!(status, 400, "{body}");
-    let (status, body) = post(
-        &gateway,
-        "/v1/sessions",
-        json!({"kernel_name": "no-such-kernel"}),
-    )
-    .await?;
+    let (status, body) = v1
+        .post("/v1/sessions", json!({"kernel_name": "no-such-kernel"}))
+        .await?;
     assert!(status == 400 || status == 404, "{status} {body}");
-    let (status, body) = post(
-        &gateway,
-        "/v1/sessions",
-        json!({"policy": "no-such-policy"}),
-    )
-    .await?;
+    let (status, body) = v1
+        .post("/v1/sessions", json!({"policy": "no-such-policy"}))
+        .await?;
     assert!(status == 400 || status == 404, "{status} {body}");
-    let r = execute(&gateway, &id, "x").await?;
+    let r = v1.execute(&id, "x").await?;
     assert_eq!(r["result"], "41");
 
     // Unknown sessions: 404 on every route.
     let missing = "00000000-0000-4000-8000-000000000000";
-    assert_eq!(
-        gateway
-            .get_json(&format!("/v1/sessions/{missing}"))
-            .await?
-            .0,
-        404
-    );
+    assert_eq!(v1.get(&format!("/v1/sessions/{missing}")).await?.0, 404);
     for route in ["execute", "interrupt", "restart", "input"] {
-        let (status, body) = post(
-            &gateway,
-            &format!("/v1/sessions/{missing}/{route}"),
-            json!({"code": "1", "value": "v"}),
-        )
-        .await?;
+        let (status, body) = v1
+            .post(
+                &format!("/v1/sessions/{missing}/{route}"),
+                json!({"code": "1", "value": "v"}),
+            )
+            .await?;
         assert_eq!(status, 404, "{route}: {body}");
     }
     assert_eq!(
-        gateway
-            .get_json(&format!("/v1/sessions/{missing}/files"))
-            .await?
-            .0,
+        v1.get(&format!("/v1/sessions/{missing}/files")).await?.0,
         404
     );
     assert_eq!(
-        gateway
-            .get_json(&format!("/v1/sessions/{missing}/artifacts"))
+        v1.get(&format!("/v1/sessions/{missing}/artifacts"))
             .await?
             .0,
         404
     );
-    assert_eq!(gateway.get_json("/v1/artifacts/nope").await?.0, 404);
+    assert_eq!(v1.get("/v1/artifacts/nope").await?.0, 404);
 
     // Delete: gone from everywhere.
-    let status = gateway
+    let status = v1
         .request(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"))
         .send()
         .await?
         .status()
         .as_u16();
     assert_eq!(status, 204);
-    assert_eq!(
-        gateway.get_json(&format!("/v1/sessions/{id}")).await?.0,
-        404
-    );
-    let (status, _) = post(
-        &gateway,
-        &format!("/v1/sessions/{id}/execute"),
-        json!({"code": "1"}),
-    )
-    .await?;
+    assert_eq!(v1.get(&format!("/v1/sessions/{id}")).await?.0, 404);
+    let (status, _) = v1
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
+        .await?;
     assert_eq!(status, 404);
-    let (_, list) = gateway.get_json("/v1/sessions").await?;
+    let (_, list) = v1.get("/v1/sessions").await?;
     assert!(!list
         .as_array()
         .unwrap()
@@ -482,28 +282,29 @@ async fn api_v1_requires_auth() -> Result<()> {
 #[tokio::test]
 async fn timeout_keeps_state_and_restart_changes_generation() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let r = execute(&gateway, &id, "kept = 'yes'").await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let r = v1.execute(&id, "kept = 'yes'").await?;
     let generation = r["state_generation"].as_u64().context("state_generation")?;
 
-    let r = execute_with(
-        &gateway,
-        &id,
+    let r = v1.execute_with(&id,
         json!({"code": "import time\nprint('before', flush=True)\ntime.sleep(60)", "timeout_s": 1.5}),
     )
     .await?;
     assert_eq!(r["status"], "timeout", "{r}");
     assert_eq!(r["stdout"], "before\n", "{r}");
     assert!(r["duration_ms"].as_u64().unwrap() >= 1000, "{r}");
-    let r = execute(&gateway, &id, "kept").await?;
+    let r = v1.execute(&id, "kept").await?;
     assert_eq!(r["result"], "'yes'", "{r}");
     assert_eq!(r["state_generation"].as_u64(), Some(generation));
 
-    let (status, model) = post(&gateway, &format!("/v1/sessions/{id}/restart"), json!({})).await?;
+    let (status, model) = v1
+        .post(&format!("/v1/sessions/{id}/restart"), json!({}))
+        .await?;
     assert_eq!(status, 200, "{model}");
     let restarted = model["state_generation"].as_u64().context("generation")?;
     assert!(restarted > generation, "{model}");
-    let r = execute(&gateway, &id, "'kept' in dir()").await?;
+    let r = v1.execute(&id, "'kept' in dir()").await?;
     assert_eq!(r["result"], "False", "{r}");
     assert_eq!(r["state_generation"].as_u64(), Some(restarted));
     Ok(())
@@ -514,10 +315,9 @@ async fn timeout_keeps_state_and_restart_changes_generation() -> Result<()> {
 #[tokio::test]
 async fn kernel_death_is_sandbox_lost() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let r = execute(
-        &gateway,
-        &id,
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let r = v1.execute(&id,
         "import os, signal, time\nprint('dying', flush=True)\ntime.sleep(0.2)\nos.kill(os.getpid(), signal.SIGKILL)",
     )
     .await?;
@@ -530,8 +330,8 @@ async fn kernel_death_is_sandbox_lost() -> Result<()> {
             .contains("signal 9"),
         "{r}"
     );
-    let other = create_session(&gateway, json!({})).await?;
-    assert_eq!(execute(&gateway, &other, "1 + 1").await?["result"], "2");
+    let other = v1.create_session(json!({})).await?;
+    assert_eq!(v1.execute(&other, "1 + 1").await?["result"], "2");
     Ok(())
 }
 
@@ -548,32 +348,35 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
         // The sandbox's memory cgroup holds memory + workspace (the workspace is RAM).
         start_gateway("memory = \"256MiB\"\nworkspace = \"64MiB\"\noutput_per_execution = \"64KiB\"\n")
             .await?;
-    let id = create_session(&gateway, json!({})).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
 
-    let r = execute(
-        &gateway,
-        &id,
-        "for i in range(20000):\n    print('x' * 100, flush=(i % 100 == 0))\nfinished = True",
-    )
-    .await?;
+    let r = v1
+        .execute(
+            &id,
+            "for i in range(20000):\n    print('x' * 100, flush=(i % 100 == 0))\nfinished = True",
+        )
+        .await?;
     let stdout = r["stdout"].as_str().context("stdout")?;
     assert_eq!(r["status"], "output_truncated", "{}", r["stderr"]);
     assert!(stdout.len() <= 64 << 10, "{} bytes", stdout.len());
     assert!(stdout.len() > 16 << 10, "{} bytes", stdout.len());
-    assert_eq!(execute(&gateway, &id, "finished").await?["result"], "True");
+    assert_eq!(v1.execute(&id, "finished").await?["result"], "True");
 
     // One piece bigger than the whole limit (unflushed output goes out as the cell ends,
     // racing its reply): still reported.
-    let r = execute(&gateway, &id, "print('z' * (200 << 10))\nalso = True").await?;
+    let r = v1
+        .execute(&id, "print('z' * (200 << 10))\nalso = True")
+        .await?;
     assert_eq!(r["status"], "output_truncated", "{r}");
-    assert_eq!(execute(&gateway, &id, "also").await?["result"], "True");
+    assert_eq!(v1.execute(&id, "also").await?["result"], "True");
 
-    let before = execute(&gateway, &id, "before = 1").await?;
+    let before = v1.execute(&id, "before = 1").await?;
     let generation = before["state_generation"].as_u64().context("generation")?;
-    let r = execute(&gateway, &id, "hog = b'x' * (600 * 2**20)").await?;
+    let r = v1.execute(&id, "hog = b'x' * (600 * 2**20)").await?;
     assert_eq!(r["status"], "oom", "{r}");
     assert_eq!(r["error"]["ename"], "OutOfMemoryError", "{r}");
-    let r = execute(&gateway, &id, "'before' in dir()").await?;
+    let r = v1.execute(&id, "'before' in dir()").await?;
     assert_eq!(r["result"], "False", "{r}");
     assert!(r["state_generation"].as_u64().unwrap() > generation, "{r}");
     Ok(())
@@ -583,13 +386,14 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
 #[tokio::test]
 async fn large_stdout_is_capped_in_the_result() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let r = execute(
-        &gateway,
-        &id,
-        "import sys\nfor i in range(3000):\n    sys.stdout.write('y' * 1023 + '\\n')\n",
-    )
-    .await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let r = v1
+        .execute(
+            &id,
+            "import sys\nfor i in range(3000):\n    sys.stdout.write('y' * 1023 + '\\n')\n",
+        )
+        .await?;
     assert_eq!(r["status"], "ok");
     let stdout = r["stdout"].as_str().unwrap();
     assert!(
@@ -612,7 +416,8 @@ async fn large_stdout_is_capped_in_the_result() -> Result<()> {
 #[tokio::test]
 async fn artifacts_of_every_mime_type() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
     let code = r#"
 import base64, hashlib, io, json
 import matplotlib
@@ -650,7 +455,7 @@ for mime, doc in [
     display({mime: doc, 'text/plain': '<' + mime + '>'}, raw=True)
 print(json.dumps(digests))
 "#;
-    let response = gateway
+    let response = v1
         .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
         .json(&json!({ "code": code }))
         .send()
@@ -664,9 +469,7 @@ print(json.dumps(digests))
     let digests: Value = serde_json::from_str(r["stdout"].as_str().unwrap().trim())?;
     let artifacts = r["artifacts"].as_array().context("artifacts")?.clone();
 
-    let (_, listed) = gateway
-        .get_json(&format!("/v1/sessions/{id}/artifacts"))
-        .await?;
+    let (_, listed) = v1.get(&format!("/v1/sessions/{id}/artifacts")).await?;
     let listed = listed.as_array().context("listed")?;
 
     for (mime, digest) in digests.as_object().unwrap() {
@@ -688,7 +491,7 @@ print(json.dumps(digests))
             url.ends_with(&format!("/v1/artifacts/{artifact_id}")),
             "{url}"
         );
-        let response = fetch_artifact(&gateway, artifact_id).await?;
+        let response = v1.artifact(artifact_id).await?;
         assert_eq!(response.status().as_u16(), 200, "{mime}");
         let headers = response.headers().clone();
         let header = |name: &str| {
@@ -747,19 +550,20 @@ print(json.dumps(digests))
 #[tokio::test]
 async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let r = execute(
-        &gateway,
-        &id,
-        "from IPython.display import display, HTML\n\
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let r = v1
+        .execute(
+            &id,
+            "from IPython.display import display, HTML\n\
          h = display(HTML('<b>v1</b>'), display_id=True)\n\
          h.update(HTML('<b>v2</b>'))\n\
          import os\n\
          os.makedirs('outputs', exist_ok=True)\n\
          with open('outputs/report.csv', 'w') as f:\n\
          \x20   f.write('a,b\\n1,2\\n')\n",
-    )
-    .await?;
+        )
+        .await?;
     assert_eq!(r["status"], "ok", "{r}");
     let artifacts = r["artifacts"].as_array().context("artifacts")?;
     let html: Vec<&Value> = artifacts
@@ -774,7 +578,8 @@ async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
         html[1]["version"].as_u64() > html[0]["version"].as_u64(),
         "{html:?}"
     );
-    let body = fetch_artifact(&gateway, html[1]["id"].as_str().unwrap())
+    let body = v1
+        .artifact(html[1]["id"].as_str().unwrap())
         .await?
         .text()
         .await?;
@@ -784,13 +589,14 @@ async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
         .iter()
         .find(|a| a["path"] == "outputs/report.csv")
         .with_context(|| format!("outputs/report.csv is no artifact: {artifacts:?}"))?;
-    let body = fetch_artifact(&gateway, report["id"].as_str().unwrap())
+    let body = v1
+        .artifact(report["id"].as_str().unwrap())
         .await?
         .text()
         .await?;
     assert_eq!(body, "a,b\n1,2\n");
     // An unchanged output file is not reported again.
-    let r = execute(&gateway, &id, "1").await?;
+    let r = v1.execute(&id, "1").await?;
     assert_eq!(r["artifacts"], json!([]), "{r}");
     Ok(())
 }
@@ -800,17 +606,18 @@ async fn display_updates_and_output_files_become_artifacts() -> Result<()> {
 #[tokio::test]
 async fn sse_streams_progressively_and_input_works() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
     let code = format!(
         "print('first', flush=True)\n{}print('second')\nname = input('who? ')\nprint('hi', name)\n42",
         wait_for_file("go")
     );
-    let mut sse = Sse::open(
-        &gateway,
-        &format!("/v1/sessions/{id}/execute"),
-        json!({ "code": code }),
-    )
-    .await?;
+    let mut sse = v1
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({ "code": code }),
+        )
+        .await?;
     let (name, started) = sse.next().await?;
     assert_eq!(name, "started", "{started}");
     assert_eq!(started["type"], "started");
@@ -823,19 +630,16 @@ async fn sse_streams_progressively_and_input_works() -> Result<()> {
     );
     assert_eq!(first["execution_id"], execution);
     // Only now does the cell get to go on.
-    assert_eq!(put_file(&gateway, &id, "go", b"1".to_vec()).await?, 201);
+    assert_eq!(v1.put_file(&id, "go", b"1".to_vec()).await?, 201);
     let mut events = vec![];
     loop {
         let (name, event) = sse.next().await?;
         assert_eq!(event["type"], name.as_str());
         if name == "input_request" {
             assert_eq!(event["prompt"], "who? ");
-            let (status, body) = post(
-                &gateway,
-                &format!("/v1/sessions/{id}/input"),
-                json!({"value": "bob"}),
-            )
-            .await?;
+            let (status, body) = v1
+                .post(&format!("/v1/sessions/{id}/input"), json!({"value": "bob"}))
+                .await?;
             assert_eq!(status, 204, "{body}");
         }
         events.push(event);
@@ -860,14 +664,11 @@ async fn sse_streams_progressively_and_input_works() -> Result<()> {
     assert_eq!(done["result"]["stdout"], "first\nsecond\nhi bob\n");
 
     // Input when nothing waits: 409, and the session is fine.
-    let (status, body) = post(
-        &gateway,
-        &format!("/v1/sessions/{id}/input"),
-        json!({"value": "x"}),
-    )
-    .await?;
+    let (status, body) = v1
+        .post(&format!("/v1/sessions/{id}/input"), json!({"value": "x"}))
+        .await?;
     assert_eq!(status, 409, "{body}");
-    assert_eq!(execute(&gateway, &id, "name").await?["result"], "'bob'");
+    assert_eq!(v1.execute(&id, "name").await?["result"], "'bob'");
     Ok(())
 }
 
@@ -877,8 +678,9 @@ async fn sse_streams_progressively_and_input_works() -> Result<()> {
 #[tokio::test]
 async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let mut socket = ws_connect(&gateway, &id).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let mut socket = v1.ws(&id).await?;
     let hello = ws_next(&mut socket).await?;
     assert_eq!(hello["type"], "session", "{hello}");
     assert_eq!(hello["session"]["id"], id.as_str());
@@ -897,7 +699,7 @@ async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()>
         (&json!("stream"), &json!("one\n")),
         "{first}"
     );
-    assert_eq!(put_file(&gateway, &id, "go", vec![]).await?, 201);
+    assert_eq!(v1.put_file(&id, "go", vec![]).await?, 201);
     let events = ws_until_done(&mut socket).await?;
     assert_eq!(streamed(&events, "stdout"), "two\n");
     let done = events.last().unwrap();
@@ -959,9 +761,9 @@ async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()>
 
     // An execution started over HTTP shows on the socket too, and a second socket sees
     // the same events.
-    let mut second = ws_connect(&gateway, &id).await?;
+    let mut second = v1.ws(&id).await?;
     assert_eq!(ws_next(&mut second).await?["type"], "session");
-    let r = execute(&gateway, &id, "print(answer)").await?;
+    let r = v1.execute(&id, "print(answer)").await?;
     assert_eq!(r["stdout"], "1234\n");
     for socket in [&mut socket, &mut second] {
         let events = ws_until_done(socket).await?;
@@ -974,7 +776,8 @@ async fn websocket_executes_streams_interrupts_and_answers_input() -> Result<()>
     }
 
     // A WebSocket to an unknown session: refused with 404.
-    let err = ws_connect(&gateway, "00000000-0000-4000-8000-000000000000")
+    let err = v1
+        .ws("00000000-0000-4000-8000-000000000000")
         .await
         .err()
         .context("connected to a missing session")?;
@@ -1001,20 +804,17 @@ async fn gvisor_files_upload_download_and_attacks() -> Result<()> {
 
 async fn files_on(backend: &str) -> Result<()> {
     let (gateway, _policies) = start_gateway_on(backend, "workspace = \"4MiB\"\n").await?;
-    let id = create_session(
-        &gateway,
-        json!({"files": [{"path": "seed/hello.txt", "content": "seeded"}]}),
-    )
-    .await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1
+        .create_session(json!({"files": [{"path": "seed/hello.txt", "content": "seeded"}]}))
+        .await?;
     assert_eq!(
-        execute(&gateway, &id, "open('seed/hello.txt').read()").await?["result"],
+        v1.execute(&id, "open('seed/hello.txt').read()").await?["result"],
         "'seeded'"
     );
 
     // Uploaded files belong to the sandbox's user: the kernel may change and remove them.
-    let r = execute(
-        &gateway,
-        &id,
+    let r = v1.execute(&id,
         "import os\nst = os.stat('seed/hello.txt')\nopen('seed/hello.txt', 'a').write('!')\n\
          os.rename('seed/hello.txt', 'seed/moved.txt')\n(st.st_uid == os.getuid(), st.st_gid == os.getgid())",
     )
@@ -1022,18 +822,13 @@ async fn files_on(backend: &str) -> Result<()> {
     assert_eq!(r["result"], "(True, True)", "{r}");
 
     let csv = b"a,b\n1,2\n3,4\n".to_vec();
-    assert_eq!(
-        put_file(&gateway, &id, "data/in.csv", csv.clone()).await?,
-        201
-    );
-    let r = execute(
-        &gateway,
-        &id,
+    assert_eq!(v1.put_file(&id, "data/in.csv", csv.clone()).await?, 201);
+    let r = v1.execute(&id,
         "import pandas as pd\ndf = pd.read_csv('data/in.csv')\ndf['c'] = df.a + df.b\ndf.to_csv('data/out.csv', index=False)\nint(df.c.sum())",
     )
     .await?;
     assert_eq!(r["result"], "10", "{r}");
-    let response = gateway
+    let response = v1
         .request(
             reqwest::Method::GET,
             &format!("/v1/sessions/{id}/files/data/out.csv"),
@@ -1049,9 +844,7 @@ async fn files_on(backend: &str) -> Result<()> {
         Some("nosniff")
     );
     assert_eq!(response.text().await?, "a,b,c\n1,2,3\n3,4,7\n");
-    let (status, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (status, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     assert_eq!(status, 200);
     let paths: Vec<&str> = listing
         .as_array()
@@ -1099,9 +892,7 @@ async fn files_on(backend: &str) -> Result<()> {
     assert!(!body.contains("root:"), "{body}");
 
     // Links planted by hostile code are never followed, in either direction.
-    let r = execute(
-        &gateway,
-        &id,
+    let r = v1.execute(&id,
         "import os\nos.symlink('/etc/passwd', 'passwd')\nos.symlink('/etc', 'etc')\nos.symlink('/', 'root')\n'planted'",
     )
     .await?;
@@ -1134,7 +925,7 @@ async fn files_on(backend: &str) -> Result<()> {
         assert!(!std::path::Path::new(&host).exists(), "{host} was created");
     }
     // A FIFO the kernel made: refused, never a download that hangs.
-    execute(&gateway, &id, "import os\nos.mkfifo('pipe')").await?;
+    v1.execute(&id, "import os\nos.mkfifo('pipe')").await?;
     let (status, body) = raw_request(
         &gateway,
         "GET",
@@ -1143,20 +934,16 @@ async fn files_on(backend: &str) -> Result<()> {
     )
     .await?;
     assert!((400..500).contains(&status), "GET pipe: {status} {body}");
-    let (status, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (status, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     assert_eq!(
         status, 200,
         "listing with links in the workspace: {listing}"
     );
 
     // Oversize: 413, and nothing half-written is left behind.
-    let status = put_file(&gateway, &id, "big.bin", vec![7u8; 6 << 20]).await?;
+    let status = v1.put_file(&id, "big.bin", vec![7u8; 6 << 20]).await?;
     assert_eq!(status, 413);
-    let (_, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (_, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     assert!(
         !listing.as_array().unwrap().iter().any(|e| e["path"]
             .as_str()
@@ -1170,39 +957,34 @@ async fn files_on(backend: &str) -> Result<()> {
     );
     // The session still works and smaller uploads still fit.
     assert_eq!(
-        put_file(&gateway, &id, "small.bin", vec![1u8; 1 << 20]).await?,
+        v1.put_file(&id, "small.bin", vec![1u8; 1 << 20]).await?,
         201
     );
     assert_eq!(
-        execute(&gateway, &id, "import os\nos.path.getsize('small.bin')").await?["result"],
+        v1.execute(&id, "import os\nos.path.getsize('small.bin')")
+            .await?["result"],
         "1048576"
     );
-    let (status, _) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files/nope.txt"))
-        .await?;
+    let (status, _) = v1.get(&format!("/v1/sessions/{id}/files/nope.txt")).await?;
     assert_eq!(status, 404);
 
     // Caches: the kernel lists and stats a directory, then a file appears there (and an
     // existing one changes) through the API; the kernel must see both at once.
-    let r = execute(
-        &gateway,
-        &id,
+    let r = v1.execute(&id,
         "import os\nos.makedirs('cache', exist_ok=True)\nopen('cache/old.txt', 'w').write('old')\n\
          (sorted(os.listdir('cache')), os.path.exists('cache/new.txt'), open('cache/old.txt').read())",
     )
     .await?;
     assert_eq!(r["result"], "(['old.txt'], False, 'old')", "{r}");
     assert_eq!(
-        put_file(&gateway, &id, "cache/new.txt", b"new".to_vec()).await?,
+        v1.put_file(&id, "cache/new.txt", b"new".to_vec()).await?,
         201
     );
     assert_eq!(
-        put_file(&gateway, &id, "cache/old.txt", b"newer".to_vec()).await?,
+        v1.put_file(&id, "cache/old.txt", b"newer".to_vec()).await?,
         201
     );
-    let r = execute(
-        &gateway,
-        &id,
+    let r = v1.execute(&id,
         "(sorted(os.listdir('cache')), open('cache/new.txt').read(), open('cache/old.txt').read())",
     )
     .await?;
@@ -1213,13 +995,9 @@ async fn files_on(backend: &str) -> Result<()> {
     // What the kernel just wrote (and rewrote) is what a download gets, at once.
     for round in 0..3 {
         let text = format!("round {round}");
-        execute(
-            &gateway,
-            &id,
-            &format!("open('cache/old.txt', 'w').write({text:?})"),
-        )
-        .await?;
-        let response = gateway
+        v1.execute(&id, &format!("open('cache/old.txt', 'w').write({text:?})"))
+            .await?;
+        let response = v1
             .request(
                 reqwest::Method::GET,
                 &format!("/v1/sessions/{id}/files/cache/old.txt"),
@@ -1231,18 +1009,14 @@ async fn files_on(backend: &str) -> Result<()> {
 
     // The workspace's size limit holds for the kernel too (bounded: a broken limit fails
     // here instead of filling the host's disk).
-    let r = execute(
-        &gateway,
-        &id,
+    let r = v1.execute(&id,
         "import os\nn = 0\ntry:\n    with open('fill.bin', 'wb', buffering=0) as f:\n        while n < (64 << 20):\n            n += f.write(b'x' * (1 << 20))\nexcept OSError as e:\n    err = e.errno\nos.remove('fill.bin')\n(n <= (4 << 20), err == __import__('errno').ENOSPC)",
     )
     .await?;
     assert_eq!(r["result"], "(True, True)", "{r}");
 
     // Files written under outputs/ become artifacts.
-    let r = execute(
-        &gateway,
-        &id,
+    let r = v1.execute(&id,
         "os.makedirs('outputs', exist_ok=True)\nopen('outputs/report.csv', 'w').write('x,y\\n5,6\\n')",
     )
     .await?;
@@ -1251,7 +1025,8 @@ async fn files_on(backend: &str) -> Result<()> {
         .iter()
         .find(|a| a["path"] == "outputs/report.csv")
         .with_context(|| format!("outputs/report.csv is no artifact: {r}"))?;
-    let body = fetch_artifact(&gateway, report["id"].as_str().context("id")?)
+    let body = v1
+        .artifact(report["id"].as_str().context("id")?)
         .await?
         .text()
         .await?;
@@ -1264,9 +1039,8 @@ async fn files_on(backend: &str) -> Result<()> {
 #[tokio::test]
 async fn one_shot_execute() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let (status, r) = post(
-        &gateway,
-        "/v1/execute",
+    let v1 = V1Client::new(&gateway);
+    let (status, r) = v1.post("/v1/execute",
         json!({"code": "from IPython.display import display, Markdown\ndisplay(Markdown('**hi**'))\nprint(open('in.txt').read())\n7 * 6",
                "files": [{"path": "in.txt", "content": "aW5wdXQ=", "encoding": "base64"}]}),
     )
@@ -1276,12 +1050,12 @@ async fn one_shot_execute() -> Result<()> {
     assert_eq!(r["result"], "42");
     assert_eq!(r["stdout"], "input\n");
     let artifact = r["artifacts"][0]["id"].as_str().context("an artifact")?;
-    let response = fetch_artifact(&gateway, artifact).await?;
+    let response = v1.artifact(artifact).await?;
     assert_eq!(response.status().as_u16(), 200);
     assert_eq!(response.text().await?, "**hi**");
     let mut gone = false;
     for _ in 0..100 {
-        let (_, list) = gateway.get_json("/v1/sessions").await?;
+        let (_, list) = v1.get("/v1/sessions").await?;
         if list.as_array().map(|l| l.is_empty()).unwrap_or(false) {
             gone = true;
             break;
@@ -1289,15 +1063,12 @@ async fn one_shot_execute() -> Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(gone, "the one-shot session outlived its execution");
-    let (_, kernels) = gateway.get_json("/api/kernels").await?;
+    let (_, kernels) = v1.get("/api/kernels").await?;
     assert_eq!(kernels, json!([]), "its kernel outlived it");
 
-    let mut sse = Sse::open(
-        &gateway,
-        "/v1/execute",
-        json!({"code": "print('streamed')"}),
-    )
-    .await?;
+    let mut sse = v1
+        .sse("/v1/execute", json!({"code": "print('streamed')"}))
+        .await?;
     let mut names = vec![];
     loop {
         let (name, event) = sse.next().await?;
@@ -1320,7 +1091,7 @@ async fn one_shot_execute() -> Result<()> {
 #[tokio::test]
 async fn openapi_document_lists_every_route() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let (status, doc) = gateway.get_json("/v1/openapi.json").await?;
+    let (status, doc) = V1Client::new(&gateway).get("/v1/openapi.json").await?;
     assert_eq!(status, 200);
     assert!(
         doc["openapi"]
@@ -1369,41 +1140,42 @@ async fn openapi_document_lists_every_route() -> Result<()> {
 #[tokio::test]
 async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let r = execute(
-        &gateway,
-        &id,
-        "import os\nos.makedirs('outputs/sub', exist_ok=True)\n\
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let r = v1
+        .execute(
+            &id,
+            "import os\nos.makedirs('outputs/sub', exist_ok=True)\n\
          os.symlink('/etc/passwd', 'outputs/passwd.txt')\n\
          os.symlink('/etc', 'outputs/etc')\n\
          os.mkfifo('outputs/pipe.txt')\n\
          open('outputs/sub/real.txt', 'w').write('real')\n'ok'",
-    )
-    .await?;
+        )
+        .await?;
     assert_eq!(r["status"], "ok", "{r}");
     let artifacts = r["artifacts"].as_array().context("artifacts")?;
     assert_eq!(artifacts.len(), 1, "only the regular file: {artifacts:?}");
     assert_eq!(artifacts[0]["path"], "outputs/sub/real.txt");
-    let body = fetch_artifact(&gateway, artifacts[0]["id"].as_str().unwrap())
+    let body = v1
+        .artifact(artifacts[0]["id"].as_str().unwrap())
         .await?
         .text()
         .await?;
     assert_eq!(body, "real");
 
     // outputs itself replaced by a link to a host directory full of files.
-    let r = execute(
-        &gateway,
-        &id,
-        "import os, shutil\nshutil.rmtree('outputs')\nos.symlink('/etc', 'outputs')\n'swapped'",
-    )
-    .await?;
+    let r = v1
+        .execute(
+            &id,
+            "import os, shutil\nshutil.rmtree('outputs')\nos.symlink('/etc', 'outputs')\n'swapped'",
+        )
+        .await?;
     assert_eq!(r["status"], "ok", "{r}");
     assert_eq!(r["artifacts"], json!([]), "{r}");
-    let (_, listed) = gateway
-        .get_json(&format!("/v1/sessions/{id}/artifacts"))
-        .await?;
+    let (_, listed) = v1.get(&format!("/v1/sessions/{id}/artifacts")).await?;
     for artifact in listed.as_array().context("listed")? {
-        let body = fetch_artifact(&gateway, artifact["id"].as_str().unwrap())
+        let body = v1
+            .artifact(artifact["id"].as_str().unwrap())
             .await?
             .text()
             .await?;
@@ -1422,7 +1194,7 @@ async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
         assert!((400..500).contains(&status), "{id}: {status}");
         assert!(!body.contains("root:"), "{id}: {body}");
     }
-    assert_eq!(execute(&gateway, &id, "1 + 1").await?["result"], "2");
+    assert_eq!(v1.execute(&id, "1 + 1").await?["result"], "2");
     Ok(())
 }
 
@@ -1431,25 +1203,26 @@ async fn hostile_outputs_never_leak_or_hang() -> Result<()> {
 #[tokio::test]
 async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let r = execute(
-        &gateway,
-        &id,
-        "kept = 5\nfrom IPython.display import display, SVG\n\
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let r = v1
+        .execute(
+            &id,
+            "kept = 5\nfrom IPython.display import display, SVG\n\
          display(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"10\" height=\"20\"/>'))",
-    )
-    .await?;
+        )
+        .await?;
     let artifact = r["artifacts"][0]["id"]
         .as_str()
         .context("an artifact")?
         .to_owned();
 
-    let mut sse = Sse::open(
-        &gateway,
-        &format!("/v1/sessions/{id}/execute"),
-        json!({"code": "import time\nprint('sleeping', flush=True)\ntime.sleep(60)"}),
-    )
-    .await?;
+    let mut sse = v1
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "import time\nprint('sleeping', flush=True)\ntime.sleep(60)"}),
+        )
+        .await?;
     loop {
         let (name, event) = sse.next().await?;
         assert_ne!(name, "done", "{event}");
@@ -1457,7 +1230,9 @@ async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
             break;
         }
     }
-    let (status, body) = post(&gateway, &format!("/v1/sessions/{id}/interrupt"), json!({})).await?;
+    let (status, body) = v1
+        .post(&format!("/v1/sessions/{id}/interrupt"), json!({}))
+        .await?;
     assert_eq!(status, 204, "{body}");
     let result = loop {
         let (name, event) = sse.next().await?;
@@ -1467,9 +1242,9 @@ async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
     };
     assert_eq!(result["status"], "error", "{result}");
     assert_eq!(result["error"]["ename"], "KeyboardInterrupt", "{result}");
-    assert_eq!(execute(&gateway, &id, "kept").await?["result"], "5");
+    assert_eq!(v1.execute(&id, "kept").await?["result"], "5");
 
-    let status = gateway
+    let status = v1
         .request(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"))
         .send()
         .await?
@@ -1477,13 +1252,10 @@ async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
         .as_u16();
     assert_eq!(status, 204);
     assert_eq!(
-        gateway
-            .get_json(&format!("/v1/sessions/{id}/artifacts"))
-            .await?
-            .0,
+        v1.get(&format!("/v1/sessions/{id}/artifacts")).await?.0,
         404
     );
-    let response = fetch_artifact(&gateway, &artifact).await?;
+    let response = v1.artifact(&artifact).await?;
     assert_eq!(response.status().as_u16(), 200);
     assert!(response.text().await?.contains("height=\"20\""));
     Ok(())
@@ -1494,17 +1266,18 @@ async fn http_interrupt_and_artifacts_outlive_their_session() -> Result<()> {
 #[tokio::test]
 async fn concurrent_executes_keep_their_own_output() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let other = create_session(&gateway, json!({})).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let other = v1.create_session(json!({})).await?;
 
     let runs = (0..4).map(|i| {
-        let gateway = &gateway;
+        let v1 = &v1;
         let id = id.clone();
         async move {
             let code = format!(
                 "import time\nfor j in range(5):\n    print('run{i}', j, flush=True)\n    time.sleep(0.01)\nrun{i} = {i}\n{i} * 100"
             );
-            (i, execute(gateway, &id, &code).await)
+            (i, v1.execute(&id, &code).await)
         }
     });
     let results = futures_util::future::join_all(runs).await;
@@ -1530,9 +1303,7 @@ async fn concurrent_executes_keep_their_own_output() -> Result<()> {
     );
 
     // Session `id` busy (waiting for the test), `other` still answers.
-    let mut sse = Sse::open(
-        &gateway,
-        &format!("/v1/sessions/{id}/execute"),
+    let mut sse = v1.sse(&format!("/v1/sessions/{id}/execute"),
         json!({"code": format!("print('busy', flush=True)\n{}'released'", wait_for_file("release"))}),
     )
     .await?;
@@ -1543,12 +1314,12 @@ async fn concurrent_executes_keep_their_own_output() -> Result<()> {
             break;
         }
     }
-    let r = execute(&gateway, &other, "'other answers'").await?;
+    let r = v1.execute(&other, "'other answers'").await?;
     assert_eq!(r["result"], "'other answers'");
-    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (status, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(status, 200);
     assert_eq!(model["state"], "busy", "{model}");
-    assert_eq!(put_file(&gateway, &id, "release", vec![]).await?, 201);
+    assert_eq!(v1.put_file(&id, "release", vec![]).await?, 201);
     loop {
         let (name, event) = sse.next().await?;
         if name == "done" {
@@ -1565,29 +1336,27 @@ async fn concurrent_executes_keep_their_own_output() -> Result<()> {
 #[tokio::test]
 async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
     let (gateway, _policies) = start_gateway("workspace = \"2MiB\"\n").await?;
+    let v1 = V1Client::new(&gateway);
     for files in [
         json!([{"path": "../escape.txt", "content": "x"}]),
         json!([{"path": "/etc/cellgate-escape", "content": "x"}]),
         json!([{"path": "ok.txt", "content": "%%%", "encoding": "base64"}]),
         json!([{"path": "ok.txt", "content": "x", "encoding": "rot13"}]),
     ] {
-        let (status, body) = post(&gateway, "/v1/sessions", json!({ "files": files })).await?;
+        let (status, body) = v1.post("/v1/sessions", json!({ "files": files })).await?;
         assert_eq!(status, 400, "{files}: {body}");
-        let (status, body) = post(
-            &gateway,
-            "/v1/execute",
-            json!({"code": "1", "files": files}),
-        )
-        .await?;
+        let (status, body) = v1
+            .post("/v1/execute", json!({"code": "1", "files": files}))
+            .await?;
         assert_eq!(status, 400, "{files}: {body}");
     }
     assert!(!std::path::Path::new("/etc/cellgate-escape").exists());
-    let (_, sessions) = gateway.get_json("/v1/sessions").await?;
+    let (_, sessions) = v1.get("/v1/sessions").await?;
     assert_eq!(sessions, json!([]), "a refused session was kept");
-    let (_, kernels) = gateway.get_json("/api/kernels").await?;
+    let (_, kernels) = v1.get("/api/kernels").await?;
     assert_eq!(kernels, json!([]), "a refused session's kernel was kept");
 
-    let id = create_session(&gateway, json!({})).await?;
+    let id = v1.create_session(json!({})).await?;
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", gateway.port)).await?;
     let head = format!(
         "PUT /v1/sessions/{id}/files/stream.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\
@@ -1610,9 +1379,7 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
     let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut response)).await?;
     let text = String::from_utf8_lossy(&response);
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
-    let (_, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (_, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     // The workspace is the kernel's home (.ipython and such): only the upload matters.
     assert!(
         !listing.as_array().context("listing")?.iter().any(|e| {
@@ -1621,10 +1388,7 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
         }),
         "a partial upload was left: {listing}"
     );
-    assert_eq!(
-        put_file(&gateway, &id, "fits.bin", vec![0u8; 1 << 20]).await?,
-        201
-    );
+    assert_eq!(v1.put_file(&id, "fits.bin", vec![0u8; 1 << 20]).await?, 201);
     Ok(())
 }
 
@@ -1634,10 +1398,9 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
 #[tokio::test]
 async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let r = execute(
-        &gateway,
-        &id,
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let r = v1.execute(&id,
         "import pandas as pd\ndf = pd.DataFrame({'city': ['Oslo', 'Lima'], 'temp': [3.5, 19.0]})\ndf",
     )
     .await?;
@@ -1650,15 +1413,14 @@ async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
         .iter()
         .find(|a| a["mime"] == "text/html")
         .with_context(|| format!("no HTML table: {r}"))?;
-    let body = fetch_artifact(&gateway, html["id"].as_str().unwrap())
+    let body = v1
+        .artifact(html["id"].as_str().unwrap())
         .await?
         .text()
         .await?;
     assert!(body.contains("<table") && body.contains("Lima"), "{body}");
 
-    let r = execute(
-        &gateway,
-        &id,
+    let r = v1.execute(&id,
         "%matplotlib inline\nimport matplotlib.pyplot as plt\nfig = plt.figure(figsize=(3, 2), dpi=100)\nplt.plot([1, 3, 2])\nplt.show()",
     )
     .await?;
@@ -1671,7 +1433,8 @@ async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
         .with_context(|| format!("no chart: {r}"))?;
     assert!(png["width"].as_u64().unwrap_or(0) > 100, "{png}");
     assert!(png["height"].as_u64().unwrap_or(0) > 50, "{png}");
-    let bytes = fetch_artifact(&gateway, png["id"].as_str().unwrap())
+    let bytes = v1
+        .artifact(png["id"].as_str().unwrap())
         .await?
         .bytes()
         .await?;
@@ -1684,19 +1447,20 @@ async fn dataframes_and_matplotlib_charts_arrive_as_artifacts() -> Result<()> {
 #[tokio::test]
 async fn sse_and_websocket_carry_the_same_ordered_events() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let mut socket = ws_connect(&gateway, &id).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let mut socket = v1.ws(&id).await?;
     assert_eq!(ws_next(&mut socket).await?["type"], "session");
     let code = "from IPython.display import display, Markdown\nimport sys\n\
                 print('a', flush=True)\ndisplay(Markdown('*m1*'))\n\
                 print('b', flush=True)\nprint('e', file=sys.stderr, flush=True)\n\
                 display(Markdown('*m2*'))\nprint('c', flush=True)\n'end'";
-    let mut sse = Sse::open(
-        &gateway,
-        &format!("/v1/sessions/{id}/execute"),
-        json!({ "code": code }),
-    )
-    .await?;
+    let mut sse = v1
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({ "code": code }),
+        )
+        .await?;
     let mut from_sse = vec![];
     loop {
         let (name, event) = sse.next().await?;
@@ -1744,44 +1508,36 @@ async fn sse_and_websocket_carry_the_same_ordered_events() -> Result<()> {
 #[tokio::test]
 async fn sessions_are_separate() -> Result<()> {
     let (gateway, _policies) = start_gateway("").await?;
-    let a = create_session(&gateway, json!({})).await?;
-    let b = create_session(&gateway, json!({})).await?;
-    assert_eq!(
-        put_file(&gateway, &a, "only-a.txt", b"a".to_vec()).await?,
-        201
-    );
-    let r = execute(
-        &gateway,
-        &a,
+    let v1 = V1Client::new(&gateway);
+    let a = v1.create_session(json!({})).await?;
+    let b = v1.create_session(json!({})).await?;
+    assert_eq!(v1.put_file(&a, "only-a.txt", b"a".to_vec()).await?, 201);
+    let r = v1.execute(&a,
         "secret = 'a'\nfrom IPython.display import display, Markdown\ndisplay(Markdown('only a'))",
     )
     .await?;
     let artifact_a = r["artifacts"][0]["id"].clone();
     assert!(artifact_a.is_string(), "{r}");
 
-    let r = execute(
-        &gateway,
-        &b,
-        "import os\n('secret' in dir(), os.path.exists('only-a.txt'))",
-    )
-    .await?;
+    let r = v1
+        .execute(
+            &b,
+            "import os\n('secret' in dir(), os.path.exists('only-a.txt'))",
+        )
+        .await?;
     assert_eq!(r["result"], "(False, False)", "{r}");
-    let (_, files) = gateway.get_json(&format!("/v1/sessions/{b}/files")).await?;
+    let (_, files) = v1.get(&format!("/v1/sessions/{b}/files")).await?;
     assert!(
         !files.to_string().contains("only-a.txt"),
         "b lists a's file: {files}"
     );
-    let (status, _) = gateway
-        .get_json(&format!("/v1/sessions/{b}/files/only-a.txt"))
+    let (status, _) = v1
+        .get(&format!("/v1/sessions/{b}/files/only-a.txt"))
         .await?;
     assert_eq!(status, 404);
-    let (_, artifacts) = gateway
-        .get_json(&format!("/v1/sessions/{b}/artifacts"))
-        .await?;
+    let (_, artifacts) = v1.get(&format!("/v1/sessions/{b}/artifacts")).await?;
     assert_eq!(artifacts, json!([]), "b lists a's artifacts");
-    let (_, artifacts) = gateway
-        .get_json(&format!("/v1/sessions/{a}/artifacts"))
-        .await?;
+    let (_, artifacts) = v1.get(&format!("/v1/sessions/{a}/artifacts")).await?;
     assert_eq!(artifacts[0]["id"], artifact_a);
     Ok(())
 }
@@ -1795,7 +1551,8 @@ async fn sessions_are_separate() -> Result<()> {
 async fn large_outputs_are_stored_off_the_result_path() -> Result<()> {
     let (gateway, _policies) =
         start_gateway("artifact_size = \"2100KiB\"\noutput_per_execution = \"64MiB\"\n").await?;
-    let id = create_session(&gateway, json!({})).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
     let code = r#"
 import base64, hashlib, json, os, struct, zlib
 from IPython.display import display
@@ -1822,7 +1579,7 @@ broken = base64.b64encode(png(7, 8, 600_000)).decode()
 display({'image/png': broken[:-8] + '!!!!!!!!', 'text/plain': 'broken'}, raw=True)
 print(json.dumps(digests))
 "#;
-    let r = execute(&gateway, &id, code).await?;
+    let r = v1.execute(&id, code).await?;
     assert_eq!(r["status"], "ok", "{r}");
     let digests: Value = serde_json::from_str(r["stdout"].as_str().unwrap().trim())?;
     let artifacts = r["artifacts"].as_array().context("artifacts")?.clone();
@@ -1846,7 +1603,7 @@ print(json.dumps(digests))
             (Some(size.0), Some(size.1)),
             "{name}: {artifact}"
         );
-        let response = fetch_artifact(&gateway, artifact["id"].as_str().unwrap()).await?;
+        let response = v1.artifact(artifact["id"].as_str().unwrap()).await?;
         assert_eq!(response.status().as_u16(), 200, "{name}");
         let length = response.headers()["content-length"].to_str()?.to_owned();
         assert_eq!(length, bytes.to_string(), "{name}");
@@ -1864,14 +1621,14 @@ print(json.dumps(digests))
         "{omitted:?}"
     );
     let broken = by_summary("broken").context("the broken output is referenced")?;
-    let response = fetch_artifact(&gateway, broken["id"].as_str().unwrap()).await?;
+    let response = v1.artifact(broken["id"].as_str().unwrap()).await?;
     assert_eq!(
         response.status().as_u16(),
         404,
         "a broken output is never served"
     );
     // The session goes on.
-    let r = execute(&gateway, &id, "1+1").await?;
+    let r = v1.execute(&id, "1+1").await?;
     assert_eq!(r["result"], "2", "{r}");
     Ok(())
 }

@@ -2,55 +2,26 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use futures_util::{SinkExt, StreamExt};
 use reqwest::Method;
 use serde_json::{json, Value};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
-use crate::support::{Gateway, TOKEN};
+use crate::support::v1::{ws_next, V1Client};
+use crate::support::Gateway;
 
-async fn create_session(gateway: &Gateway, body: Value) -> Result<String> {
-    let response = gateway
-        .request(Method::POST, "/v1/sessions")
-        .json(&body)
-        .send()
-        .await?;
-    let status = response.status().as_u16();
-    let location = response
-        .headers()
-        .get("location")
-        .map(|l| l.to_str().unwrap_or_default().to_owned());
-    let model: Value = response.json().await?;
-    if status != 201 {
-        bail!("create session: {status} {model}");
-    }
-    let id = model["id"].as_str().context("id")?.to_owned();
+/// Creates a session, checking what every creation answers here: its `Location` and an idle
+/// state.
+async fn create_session(v1: &V1Client<'_>, body: Value) -> Result<String> {
+    let created = v1.new_session(body).await?;
+    let id = created.id;
     assert_eq!(
-        location.as_deref(),
+        created.location.as_deref(),
         Some(format!("/v1/sessions/{id}").as_str())
     );
-    assert_eq!(model["state"], "idle", "{model}");
+    assert_eq!(created.model["state"], "idle", "{}", created.model);
     Ok(id)
-}
-
-async fn execute(gateway: &Gateway, session: &str, body: Value) -> Result<Value> {
-    let response = gateway
-        .request(Method::POST, &format!("/v1/sessions/{session}/execute"))
-        .json(&body)
-        .send()
-        .await?;
-    let status = response.status().as_u16();
-    let text = response.text().await?;
-    if status != 200 {
-        bail!("execute: {status} {text}");
-    }
-    Ok(serde_json::from_str(&text)?)
-}
-
-async fn run(gateway: &Gateway, session: &str, code: &str) -> Result<Value> {
-    execute(gateway, session, json!({ "code": code })).await
 }
 
 /// Sessions: create, list, get, execute with state kept between executes, the typed
@@ -58,14 +29,15 @@ async fn run(gateway: &Gateway, session: &str, code: &str) -> Result<Value> {
 #[tokio::test]
 async fn sessions_execute_and_keep_state() -> Result<()> {
     let gateway = Gateway::start().await?;
-    let id = create_session(&gateway, json!({})).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = create_session(&v1, json!({})).await?;
 
-    let result = run(
-        &gateway,
-        &id,
-        "x = 40 + 2\nprint('hello')\nimport sys; print('warn', file=sys.stderr)\nx",
-    )
-    .await?;
+    let result = v1
+        .execute(
+            &id,
+            "x = 40 + 2\nprint('hello')\nimport sys; print('warn', file=sys.stderr)\nx",
+        )
+        .await?;
     assert_eq!(result["status"], "ok", "{result}");
     assert_eq!(result["stdout"], "hello\n");
     assert_eq!(result["stderr"], "warn\n");
@@ -77,11 +49,11 @@ async fn sessions_execute_and_keep_state() -> Result<()> {
     assert_eq!(result["artifacts"], json!([]));
     assert_eq!(result["denials"], json!([]));
 
-    let result = run(&gateway, &id, "x * 2").await?;
+    let result = v1.execute(&id, "x * 2").await?;
     assert_eq!(result["result"], "84", "state survives between executes");
     assert_eq!(result["execution_count"], 2);
 
-    let result = run(&gateway, &id, "def f():\n    return 1 / 0\nf()").await?;
+    let result = v1.execute(&id, "def f():\n    return 1 / 0\nf()").await?;
     assert_eq!(result["status"], "error");
     assert_eq!(result["error"]["ename"], "ZeroDivisionError");
     assert_eq!(result["error"]["evalue"], "division by zero");
@@ -99,31 +71,31 @@ async fn sessions_execute_and_keep_state() -> Result<()> {
         .iter()
         .any(|l| l.as_str().unwrap().contains("1 / 0")));
 
-    let (status, list) = gateway.get_json("/v1/sessions").await?;
+    let (status, list) = v1.get("/v1/sessions").await?;
     assert_eq!(status, 200);
     assert!(list
         .as_array()
         .unwrap()
         .iter()
         .any(|s| s["id"] == id.as_str()));
-    let (status, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (status, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(status, 200);
     assert_eq!(model["executions"], 3);
     assert_eq!(model["policy"], "default");
     assert_eq!(model["sandbox"], "namespaces");
     // The same session is a kernel of the Kernel Gateway API.
-    let (status, kernel) = gateway.get_json(&format!("/api/kernels/{id}")).await?;
+    let (status, kernel) = v1.get(&format!("/api/kernels/{id}")).await?;
     assert_eq!(status, 200, "{kernel}");
 
-    let status = gateway
+    let status = v1
         .request(Method::DELETE, &format!("/v1/sessions/{id}"))
         .send()
         .await?
         .status();
     assert_eq!(status.as_u16(), 204);
-    let (status, _) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (status, _) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(status, 404);
-    let (status, _) = gateway.get_json(&format!("/api/kernels/{id}")).await?;
+    let (status, _) = v1.get(&format!("/api/kernels/{id}")).await?;
     assert_eq!(status, 404, "the kernel went with the session");
     Ok(())
 }
@@ -132,14 +104,15 @@ async fn sessions_execute_and_keep_state() -> Result<()> {
 #[tokio::test]
 async fn bad_requests_get_clear_errors() -> Result<()> {
     let gateway = Gateway::start().await?;
-    let (status, body) = gateway.get_json("/v1/sessions/nope").await?;
+    let v1 = V1Client::new(&gateway);
+    let (status, body) = v1.get("/v1/sessions/nope").await?;
     assert_eq!(status, 404, "{body}");
     for (path, body) in [
         ("/v1/sessions", "{not json"),
         ("/v1/sessions", r#"{"kernel_name": 3}"#),
         ("/v1/sessions", r#"{"unknown_field": 1}"#),
     ] {
-        let response = gateway
+        let response = v1
             .request(Method::POST, path)
             .header("content-type", "application/json")
             .body(body)
@@ -155,20 +128,20 @@ async fn bad_requests_get_clear_errors() -> Result<()> {
             "{error}"
         );
     }
-    let response = gateway
+    let response = v1
         .request(Method::POST, "/v1/sessions")
         .json(&json!({"kernel_name": "no-such-kernel"}))
         .send()
         .await?;
     assert_eq!(response.status().as_u16(), 404);
-    let response = gateway
+    let response = v1
         .request(Method::POST, "/v1/sessions")
         .json(&json!({"policy": "no-such-policy"}))
         .send()
         .await?;
     assert_eq!(response.status().as_u16(), 400);
-    let id = create_session(&gateway, json!({})).await?;
-    let response = gateway
+    let id = create_session(&v1, json!({})).await?;
+    let response = v1
         .request(Method::POST, &format!("/v1/sessions/{id}/execute"))
         .json(&json!({"code": "1", "timeout_s": -1}))
         .send()
@@ -183,44 +156,20 @@ async fn bad_requests_get_clear_errors() -> Result<()> {
     Ok(())
 }
 
-async fn connect_ws(gateway: &Gateway, session: &str) -> Result<crate::support::Socket> {
-    let url = format!(
-        "{}/v1/sessions/{session}/ws",
-        gateway.base.replace("http://", "ws://")
-    );
-    let mut request = url.into_client_request()?;
-    request
-        .headers_mut()
-        .insert("Authorization", format!("token {TOKEN}").parse()?);
-    let (socket, _) = tokio_tungstenite::connect_async(request).await?;
-    Ok(socket)
-}
-
-async fn next_json(socket: &mut crate::support::Socket) -> Result<Value> {
-    loop {
-        let frame = tokio::time::timeout(Duration::from_secs(60), socket.next())
-            .await
-            .context("no event within 60 s")?
-            .context("socket closed")??;
-        if let WsMessage::Text(text) = frame {
-            return Ok(serde_json::from_str(text.as_str())?);
-        }
-    }
-}
-
 /// The session WebSocket: events of an execution in order, arriving while the cell still
 /// runs, `input()` answered over the socket, bad client messages answered, not fatal.
 #[tokio::test]
 async fn websocket_streams_events_progressively() -> Result<()> {
     let gateway = Gateway::start().await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let mut socket = connect_ws(&gateway, &id).await?;
-    let hello = next_json(&mut socket).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = create_session(&v1, json!({})).await?;
+    let mut socket = v1.ws(&id).await?;
+    let hello = ws_next(&mut socket).await?;
     assert_eq!(hello["type"], "session");
     assert_eq!(hello["session"]["id"], id.as_str());
 
     socket.send(WsMessage::Text("{nonsense".into())).await?;
-    let error = next_json(&mut socket).await?;
+    let error = ws_next(&mut socket).await?;
     assert_eq!(error["type"], "client_error", "{error}");
 
     // The cell waits for a file the test writes only after it saw the first output: the
@@ -231,17 +180,17 @@ async fn websocket_streams_events_progressively() -> Result<()> {
             json!({"type": "execute", "code": code}).to_string().into(),
         ))
         .await?;
-    let started = next_json(&mut socket).await?;
+    let started = ws_next(&mut socket).await?;
     assert_eq!(started["type"], "started", "{started}");
     let execution = started["execution_id"]
         .as_str()
         .context("execution_id")?
         .to_owned();
-    let first = next_json(&mut socket).await?;
+    let first = ws_next(&mut socket).await?;
     assert_eq!(first["type"], "stream", "{first}");
     assert_eq!(first["text"], "first\n");
     assert_eq!(first["execution_id"], execution.as_str());
-    let response = gateway
+    let response = v1
         .request(Method::PUT, &format!("/v1/sessions/{id}/files/go"))
         .body("")
         .send()
@@ -249,7 +198,7 @@ async fn websocket_streams_events_progressively() -> Result<()> {
     assert_eq!(response.status().as_u16(), 201, "{}", gateway.log());
     let mut seen = vec![];
     let result = loop {
-        let event = next_json(&mut socket).await?;
+        let event = ws_next(&mut socket).await?;
         seen.push(event["type"].as_str().unwrap_or_default().to_owned());
         match event["type"].as_str() {
             Some("input_request") => {
@@ -287,16 +236,17 @@ async fn websocket_streams_events_progressively() -> Result<()> {
 #[tokio::test]
 async fn websocket_follows_the_kernels_life() -> Result<()> {
     let gateway = Gateway::start().await?;
-    let id = create_session(&gateway, json!({})).await?;
-    let mut socket = connect_ws(&gateway, &id).await?;
-    assert_eq!(next_json(&mut socket).await?["type"], "session");
+    let v1 = V1Client::new(&gateway);
+    let id = create_session(&v1, json!({})).await?;
+    let mut socket = v1.ws(&id).await?;
+    assert_eq!(ws_next(&mut socket).await?["type"], "session");
     let code = "import os, signal\nprint('bye', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)";
-    let result = run(&gateway, &id, code).await?;
+    let result = v1.execute(&id, code).await?;
     assert_eq!(result["status"], "sandbox_lost", "{result}");
     assert_eq!(result["error"]["ename"], "KernelDiedError");
     let mut types = vec![];
     loop {
-        let event = next_json(&mut socket).await?;
+        let event = ws_next(&mut socket).await?;
         let kind = event["type"].as_str().unwrap_or_default().to_owned();
         types.push(kind.clone());
         if kind == "kernel" {
@@ -305,17 +255,17 @@ async fn websocket_follows_the_kernels_life() -> Result<()> {
         }
     }
     assert!(types.contains(&"done".to_owned()), "{types:?}");
-    let (_, model) = gateway.get_json(&format!("/v1/sessions/{id}")).await?;
+    let (_, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(model["state"], "dead", "{model}");
     assert!(
         model["reason"].as_str().unwrap().contains("signal 9"),
         "{model}"
     );
     // Executing on a dead kernel is a typed result, not an HTTP error.
-    let result = run(&gateway, &id, "1").await?;
+    let result = v1.execute(&id, "1").await?;
     assert_eq!(result["status"], "sandbox_lost", "{result}");
 
-    let status = gateway
+    let status = v1
         .request(Method::DELETE, &format!("/v1/sessions/{id}"))
         .send()
         .await?
@@ -352,10 +302,13 @@ async fn an_ignored_timeout_restarts_the_kernel() -> Result<()> {
         .policies_dir(dir.path().to_owned())
         .start()
         .await?;
-    let id = create_session(&gateway, json!({})).await?;
-    run(&gateway, &id, "kept = 1").await?;
+    let v1 = V1Client::new(&gateway);
+    let id = create_session(&v1, json!({})).await?;
+    v1.execute(&id, "kept = 1").await?;
     let code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('stubborn', flush=True)\nwhile True:\n    time.sleep(0.05)";
-    let result = execute(&gateway, &id, json!({"code": code, "timeout_s": 0.5})).await?;
+    let result = v1
+        .execute_with(&id, json!({"code": code, "timeout_s": 0.5}))
+        .await?;
     assert_eq!(result["status"], "timeout", "{result}");
     assert_eq!(result["error"]["ename"], "CellTimeoutError");
     assert!(result["error"]["evalue"]
@@ -363,7 +316,7 @@ async fn an_ignored_timeout_restarts_the_kernel() -> Result<()> {
         .unwrap()
         .contains("restarted"));
     assert_eq!(result["stdout"], "stubborn\n");
-    let after = run(&gateway, &id, "'kept' in dir()").await?;
+    let after = v1.execute(&id, "'kept' in dir()").await?;
     assert_eq!(after["status"], "ok", "{after}");
     assert_eq!(
         after["result"], "False",
@@ -378,8 +331,9 @@ async fn an_ignored_timeout_restarts_the_kernel() -> Result<()> {
 #[tokio::test]
 async fn initial_files_listing_and_output_files() -> Result<()> {
     let gateway = Gateway::start().await?;
+    let v1 = V1Client::new(&gateway);
     let id = create_session(
-        &gateway,
+        &v1,
         json!({"files": [
             {"path": "data/in.csv", "content": "a,b\n1,2\n3,4\n"},
             {"path": "blob.bin", "content": "AAEC/w==", "encoding": "base64"},
@@ -387,7 +341,7 @@ async fn initial_files_listing_and_output_files() -> Result<()> {
     )
     .await?;
     let code = "import pandas as pd, os\ndf = pd.read_csv('data/in.csv')\nos.makedirs('outputs', exist_ok=True)\ndf.assign(c=df.a + df.b).to_csv('outputs/sum.csv', index=False)\nlen(open('blob.bin', 'rb').read())";
-    let result = run(&gateway, &id, code).await?;
+    let result = v1.execute(&id, code).await?;
     assert_eq!(result["status"], "ok", "{result}");
     assert_eq!(result["result"], "4");
     let artifacts = result["artifacts"].as_array().context("artifacts")?;
@@ -395,16 +349,14 @@ async fn initial_files_listing_and_output_files() -> Result<()> {
     assert_eq!(artifacts[0]["path"], "outputs/sum.csv");
     assert_eq!(artifacts[0]["mime"], "text/csv");
     let url = artifacts[0]["url"].as_str().context("url")?;
-    let response = gateway.request(Method::GET, url).send().await?;
+    let response = v1.request(Method::GET, url).send().await?;
     assert_eq!(response.status().as_u16(), 200);
     assert_eq!(response.text().await?, "a,b,c\n1,2,3\n3,4,7\n");
     // Unchanged files are not reported again.
-    let again = run(&gateway, &id, "1").await?;
+    let again = v1.execute(&id, "1").await?;
     assert_eq!(again["artifacts"], json!([]), "{again}");
 
-    let (status, listing) = gateway
-        .get_json(&format!("/v1/sessions/{id}/files"))
-        .await?;
+    let (status, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
     assert_eq!(status, 200);
     let paths: Vec<&str> = listing
         .as_array()
@@ -421,20 +373,20 @@ async fn initial_files_listing_and_output_files() -> Result<()> {
     ] {
         assert!(paths.contains(&expected), "{expected} in {paths:?}");
     }
-    let response = gateway
+    let response = v1
         .request(Method::GET, &format!("/v1/sessions/{id}/files/blob.bin"))
         .send()
         .await?;
     assert_eq!(response.status().as_u16(), 200);
     assert_eq!(response.bytes().await?.to_vec(), vec![0u8, 1, 2, 255]);
     // A bad initial file fails the create and leaves no session behind.
-    let response = gateway
+    let response = v1
         .request(Method::POST, "/v1/sessions")
         .json(&json!({"files": [{"path": "../escape", "content": "x"}]}))
         .send()
         .await?;
     assert_eq!(response.status().as_u16(), 400);
-    let (_, list) = gateway.get_json("/v1/sessions").await?;
+    let (_, list) = v1.get("/v1/sessions").await?;
     assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
     Ok(())
 }
@@ -454,9 +406,10 @@ async fn policy_caps_and_artifact_retention() -> Result<()> {
         .args(&["--artifact-retention", "1"])
         .start()
         .await?;
-    let id = create_session(&gateway, json!({})).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = create_session(&v1, json!({})).await?;
     let code = "from IPython.display import display, HTML, Markdown\nimport os\ndisplay(HTML('<p>' + 'x' * 5000 + '</p>'))\ndisplay(Markdown('*small*'))\nos.makedirs('outputs', exist_ok=True)\nopen('outputs/big.txt', 'w').write('y' * 3000)";
-    let result = run(&gateway, &id, code).await?;
+    let result = v1.execute(&id, code).await?;
     assert_eq!(result["status"], "ok", "{result}");
     let artifacts = result["artifacts"].as_array().context("artifacts")?;
     assert_eq!(artifacts.len(), 1, "{result}");
@@ -475,8 +428,7 @@ async fn policy_caps_and_artifact_retention() -> Result<()> {
     );
 
     let put = |body: Vec<u8>| {
-        gateway
-            .request(Method::PUT, &format!("/v1/sessions/{id}/files/up.bin"))
+        v1.request(Method::PUT, &format!("/v1/sessions/{id}/files/up.bin"))
             .body(body)
             .send()
     };
@@ -484,7 +436,7 @@ async fn policy_caps_and_artifact_retention() -> Result<()> {
     assert_eq!(put(vec![0; 4096]).await?.status().as_u16(), 201);
 
     let url = artifacts[0]["url"].as_str().context("url")?.to_owned();
-    let status = gateway
+    let status = v1
         .request(Method::DELETE, &format!("/v1/sessions/{id}"))
         .send()
         .await?
@@ -492,7 +444,7 @@ async fn policy_caps_and_artifact_retention() -> Result<()> {
     assert_eq!(status.as_u16(), 204);
     let mut gone = false;
     for _ in 0..100 {
-        let status = gateway.request(Method::GET, &url).send().await?.status();
+        let status = v1.request(Method::GET, &url).send().await?.status();
         if status.as_u16() == 404 {
             gone = true;
             break;

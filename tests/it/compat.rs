@@ -277,11 +277,11 @@ impl JupyterServer {
             return;
         }
         // The child leads its own group (process_group(0)), so its pid is the group id.
-        if let Ok(pgid) = i32::try_from(self.child.id()) {
-            // SAFETY: killpg has no memory-safety preconditions.
-            unsafe {
-                libc::killpg(pgid, libc::SIGKILL);
-            }
+        if let Some(pgid) = i32::try_from(self.child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
         }
         let _ = self.child.kill();
         let _ = self.child.wait();

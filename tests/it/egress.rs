@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::support::v1::V1Client;
 use crate::support::*;
 
 /// A tiny HTTP server on 127.0.0.1 that answers every request with `hello from <name>`.
@@ -609,33 +610,14 @@ async fn api_v1_results_carry_denials_and_the_denied_status() -> Result<()> {
         format!("wheelhouse = {:?}\n", wheels.path()),
     )
     .await?;
-    let gateway = &setup.gateway;
-    let response = gateway
-        .request(reqwest::Method::POST, "/v1/sessions")
-        .json(&json!({"policy": "pkgs"}))
-        .send()
+    let v1 = V1Client::new(&setup.gateway);
+    let id = v1.create_session(json!({"policy": "pkgs"})).await?;
+    let result = v1
+        .execute(
+            &id,
+            "import subprocess, sys\nsubprocess.check_call([sys.executable, '-m', 'pip', 'install', '-q', 'cgdenied'])",
+        )
         .await?;
-    anyhow::ensure!(
-        response.status().as_u16() == 201,
-        "{}",
-        response.text().await?
-    );
-    let id = response.json::<Value>().await?["id"]
-        .as_str()
-        .context("id")?
-        .to_owned();
-    let execute = |code: &'static str| {
-        gateway
-            .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
-            .json(&json!({"code": code}))
-            .send()
-    };
-    let result: Value = execute(
-        "import subprocess, sys\nsubprocess.check_call([sys.executable, '-m', 'pip', 'install', '-q', 'cgdenied'])",
-    )
-    .await?
-    .json()
-    .await?;
     assert_eq!(result["status"], "denied", "{result}");
     let denials = result["denials"].as_array().context("denials")?;
     assert!(
@@ -644,7 +626,7 @@ async fn api_v1_results_carry_denials_and_the_denied_status() -> Result<()> {
             && d["policy"] == "pkgs"),
         "{result}"
     );
-    let result: Value = execute("%pip install -q cgdenied").await?.json().await?;
+    let result = v1.execute(&id, "%pip install -q cgdenied").await?;
     assert_eq!(result["status"], "ok", "{result}");
     assert!(
         result["denials"].as_array().is_some_and(|d| !d.is_empty()),

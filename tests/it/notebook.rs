@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
 
+use crate::support::v1::V1Client;
 use crate::support::*;
 
 /// Runs Python code with the tools environment (nbformat 5); returns stdout.
@@ -493,31 +494,13 @@ async fn malformed_notebooks_get_clear_errors_and_the_gateway_keeps_serving() ->
 #[tokio::test]
 async fn api_v1_session_exports_and_replays() -> Result<()> {
     let gateway = Gateway::builder().token(Some("t-nb")).start().await?;
-    let response = gateway
-        .request(reqwest::Method::POST, "/v1/sessions")
-        .json(&json!({}))
-        .send()
-        .await?;
-    ensure!(
-        response.status().as_u16() == 201,
-        "{}",
-        response.text().await?
-    );
-    let id = response.json::<Value>().await?["id"]
-        .as_str()
-        .context("id")?
-        .to_owned();
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
     for code in ["x = 20", "print(x + 1)", "x * 2"] {
-        let result: Value = gateway
-            .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
-            .json(&json!({"code": code}))
-            .send()
-            .await?
-            .json()
-            .await?;
+        let result = v1.execute(&id, code).await?;
         ensure!(result["status"] == "ok", "{code}: {result}");
     }
-    let response = gateway
+    let response = v1
         .request(reqwest::Method::GET, &format!("/v1/sessions/{id}/notebook"))
         .send()
         .await?;
@@ -546,7 +529,7 @@ async fn api_v1_session_exports_and_replays() -> Result<()> {
         "{}",
         cells[2]
     );
-    let answer: Value = gateway
+    let answer: Value = v1
         .request(reqwest::Method::POST, "/v1/notebooks/replay")
         .json(&notebook)
         .send()
@@ -555,7 +538,7 @@ async fn api_v1_session_exports_and_replays() -> Result<()> {
         .await?;
     ensure!(answer["matched"] == true, "replay: {}", answer["report"]);
     // Another session's id, or none, is a 404 like any unknown session.
-    let status = gateway
+    let status = v1
         .request(reqwest::Method::GET, "/v1/sessions/nope/notebook")
         .send()
         .await?

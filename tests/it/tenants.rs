@@ -11,8 +11,8 @@ use base64::Engine;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use reqwest::Method;
 use serde_json::{json, Value};
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
+use crate::support::v1::V1Client;
 use crate::support::{stdout, Gateway};
 
 pub(crate) const SECRET: &str = "tenants-test-secret-0123456789abcdef";
@@ -64,30 +64,6 @@ fn cellgate_token(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8(output.stdout)?.trim().to_owned())
 }
 
-/// A request as `bearer` (a tenant's JWT).
-pub(crate) async fn call(
-    gateway: &Gateway,
-    bearer: &str,
-    method: Method,
-    path: &str,
-    body: Option<Value>,
-) -> Result<(u16, Value)> {
-    let mut request = gateway
-        .http
-        .request(method, format!("{}{}", gateway.base, path))
-        .header("Authorization", format!("Bearer {bearer}"));
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    let response = request.send().await?;
-    let status = response.status().as_u16();
-    let text = response.text().await?;
-    Ok((
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    ))
-}
-
 /// The HTTP status of a WebSocket upgrade to kernel `id` as `bearer`.
 async fn ws_status(gateway: &Gateway, bearer: &str, id: &str) -> Result<u16> {
     let authorization = format!("Bearer {bearer}");
@@ -120,45 +96,44 @@ async fn tenant_isolation_on_the_kernel_gateway_api() -> Result<()> {
         secret.to_str().context("path")?,
     ])?;
     let token_b = hs256(&claims("globex", "data-science"));
+    let a = V1Client::bearer(&gateway, &token_a);
+    let b = V1Client::bearer(&gateway, &token_b);
 
     // A starts a kernel without naming a policy: it runs under A's cap and is A's.
-    let (status, model) = call(
-        &gateway,
-        &token_a,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({"name": "python3"})),
-    )
-    .await?;
+    let (status, model) = a
+        .call(
+            Method::POST,
+            "/api/kernels",
+            Some(json!({"name": "python3"})),
+        )
+        .await?;
     assert_eq!(status, 201, "{model}");
     let id = model["id"].as_str().context("id")?.to_owned();
     assert_eq!(model["cellgate"]["tenant"], "acme");
     assert_eq!(model["cellgate"]["policy"], "default");
 
     // Policy cap: more permissive than the claim is refused; less permissive is fine.
-    let (status, body) = call(
-        &gateway,
-        &token_a,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({"name": "python3", "env": {"KERNEL_POLICY": "data-science"}})),
-    )
-    .await?;
+    let (status, body) = a
+        .call(
+            Method::POST,
+            "/api/kernels",
+            Some(json!({"name": "python3", "env": {"KERNEL_POLICY": "data-science"}})),
+        )
+        .await?;
     assert_eq!(status, 403, "{body}");
     let message = body["message"].as_str().unwrap_or_default();
     assert!(message.contains("more permissive"), "{message}");
-    let (status, strict) = call(
-        &gateway,
-        &token_a,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({"name": "python3", "env": {"KERNEL_POLICY": "strict"}})),
-    )
-    .await?;
+    let (status, strict) = a
+        .call(
+            Method::POST,
+            "/api/kernels",
+            Some(json!({"name": "python3", "env": {"KERNEL_POLICY": "strict"}})),
+        )
+        .await?;
     assert_eq!(status, 201, "{strict}");
     assert_eq!(strict["cellgate"]["policy"], "strict");
     // A now has two live kernels, its cap.
-    let (status, body) = call(&gateway, &token_a, Method::POST, "/api/kernels", None).await?;
+    let (status, body) = a.call(Method::POST, "/api/kernels", None).await?;
     assert_eq!(status, 403, "{body}");
     assert!(
         body["message"]
@@ -170,7 +145,7 @@ async fn tenant_isolation_on_the_kernel_gateway_api() -> Result<()> {
 
     // B sees none of A's kernels, and every way of touching one by id answers exactly as a
     // kernel that does not exist.
-    let (status, list) = call(&gateway, &token_b, Method::GET, "/api/kernels", None).await?;
+    let (status, list) = b.call(Method::GET, "/api/kernels", None).await?;
     assert_eq!((status, list), (200, json!([])));
     let missing = uuid::Uuid::new_v4().to_string();
     for (method, suffix) in [
@@ -179,22 +154,16 @@ async fn tenant_isolation_on_the_kernel_gateway_api() -> Result<()> {
         (Method::POST, "/interrupt"),
         (Method::POST, "/restart"),
     ] {
-        let (status, body) = call(
-            &gateway,
-            &token_b,
-            method.clone(),
-            &format!("/api/kernels/{id}{suffix}"),
-            None,
-        )
-        .await?;
-        let (missing_status, missing_body) = call(
-            &gateway,
-            &token_b,
-            method.clone(),
-            &format!("/api/kernels/{missing}{suffix}"),
-            None,
-        )
-        .await?;
+        let (status, body) = b
+            .call(method.clone(), &format!("/api/kernels/{id}{suffix}"), None)
+            .await?;
+        let (missing_status, missing_body) = b
+            .call(
+                method.clone(),
+                &format!("/api/kernels/{missing}{suffix}"),
+                None,
+            )
+            .await?;
         assert_eq!(status, 404, "{method} {suffix}: {body}");
         assert_eq!(missing_status, 404);
         let masked: Value = serde_json::from_str(&missing_body.to_string().replace(&missing, &id))?;
@@ -208,7 +177,7 @@ async fn tenant_isolation_on_the_kernel_gateway_api() -> Result<()> {
     let msgs = as_a.run("print('owned by', 6 * 7)").await?;
     assert_eq!(stdout(&msgs), "owned by 42\n");
     as_a.close().await;
-    let (status, list) = call(&gateway, &token_a, Method::GET, "/api/kernels", None).await?;
+    let (status, list) = a.call(Method::GET, "/api/kernels", None).await?;
     assert_eq!(status, 200);
     let mut ids: Vec<&str> = list
         .as_array()
@@ -222,24 +191,18 @@ async fn tenant_isolation_on_the_kernel_gateway_api() -> Result<()> {
     assert_eq!(ids, expected);
 
     // B's own kernel is B's alone (and its claim allows data-science).
-    let (status, b_model) = call(
-        &gateway,
-        &token_b,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({"env": {"KERNEL_POLICY": "strict"}})),
-    )
-    .await?;
+    let (status, b_model) = b
+        .call(
+            Method::POST,
+            "/api/kernels",
+            Some(json!({"env": {"KERNEL_POLICY": "strict"}})),
+        )
+        .await?;
     assert_eq!(status, 201, "{b_model}");
     let b_id = b_model["id"].as_str().context("id")?.to_owned();
-    let (status, _) = call(
-        &gateway,
-        &token_a,
-        Method::GET,
-        &format!("/api/kernels/{b_id}"),
-        None,
-    )
-    .await?;
+    let (status, _) = a
+        .call(Method::GET, &format!("/api/kernels/{b_id}"), None)
+        .await?;
     assert_eq!(status, 404);
 
     // The admin sees everything, with owners.
@@ -255,14 +218,13 @@ async fn tenant_isolation_on_the_kernel_gateway_api() -> Result<()> {
     assert!(tenants.contains(&"acme") && tenants.contains(&"globex"));
 
     // A frees a slot and may start again; B cannot delete A's kernel, A can.
-    let (status, _) = call(
-        &gateway,
-        &token_a,
-        Method::DELETE,
-        &format!("/api/kernels/{}", strict["id"].as_str().context("id")?),
-        None,
-    )
-    .await?;
+    let (status, _) = a
+        .call(
+            Method::DELETE,
+            &format!("/api/kernels/{}", strict["id"].as_str().context("id")?),
+            None,
+        )
+        .await?;
     assert_eq!(status, 204);
     for kernel in [&id, &b_id] {
         assert_eq!(gateway.delete_kernel(kernel).await?, 204);
@@ -324,7 +286,9 @@ async fn bad_tokens_are_refused_and_public_keys_work() -> Result<()> {
         sign(&claims("t", "default"), Algorithm::RS256, &rsa_key),
         sign(&claims("t", "default"), Algorithm::ES256, &ec_key),
     ] {
-        let (status, body) = call(&gateway, &token, Method::GET, "/api/kernels", None).await?;
+        let (status, body) = V1Client::bearer(&gateway, &token)
+            .call(Method::GET, "/api/kernels", None)
+            .await?;
         assert_eq!(status, 200, "{body}");
     }
     // Static-token admins still get in beside JWTs.
@@ -454,7 +418,8 @@ async fn tenants_are_rate_limited_one_by_one() -> Result<()> {
     let busy = hs256(&claims("busy", "default"));
     for _ in 0..3 {
         assert_eq!(
-            call(&gateway, &busy, Method::GET, "/api/kernels", None)
+            V1Client::bearer(&gateway, &busy)
+                .call(Method::GET, "/api/kernels", None)
                 .await?
                 .0,
             200
@@ -477,7 +442,8 @@ async fn tenants_are_rate_limited_one_by_one() -> Result<()> {
     // Another tenant, and the admin, are not slowed by it.
     let calm = hs256(&claims("calm", "default"));
     assert_eq!(
-        call(&gateway, &calm, Method::GET, "/api/kernels", None)
+        V1Client::bearer(&gateway, &calm)
+            .call(Method::GET, "/api/kernels", None)
             .await?
             .0,
         200
@@ -594,7 +560,9 @@ async fn jwks_keys_select_by_kid_and_pin_their_algorithm() -> Result<()> {
         (with_header(Algorithm::RS512, Some("k1")), 401),
     ];
     for (i, (token, expected)) in cases.iter().enumerate() {
-        let (status, body) = call(&gateway, token, Method::GET, "/api/kernels", None).await?;
+        let (status, body) = V1Client::bearer(&gateway, token)
+            .call(Method::GET, "/api/kernels", None)
+            .await?;
         assert_eq!(status, *expected, "case {i}: {body}");
     }
     // Only JWTs configured: the static token is unknown, so no admin over HTTP.
@@ -623,7 +591,9 @@ async fn pooled_kernels_belong_to_the_tenant_they_are_handed_to() -> Result<()> 
     );
     let token_a = hs256(&claims("pool-a", "default"));
     let token_b = hs256(&claims("pool-b", "default"));
-    let (status, model) = call(&gateway, &token_a, Method::POST, "/api/kernels", None).await?;
+    let a = V1Client::bearer(&gateway, &token_a);
+    let b = V1Client::bearer(&gateway, &token_b);
+    let (status, model) = a.call(Method::POST, "/api/kernels", None).await?;
     assert_eq!(status, 201, "{model}");
     // The line is logged before the response is sent, but read from the gateway's stderr by
     // another thread, which may not have got to it yet.
@@ -637,29 +607,17 @@ async fn pooled_kernels_belong_to_the_tenant_they_are_handed_to() -> Result<()> 
     );
     assert_eq!(model["cellgate"]["tenant"], "pool-a");
     let id = model["id"].as_str().context("id")?;
-    let (status, _) = call(
-        &gateway,
-        &token_b,
-        Method::GET,
-        &format!("/api/kernels/{id}"),
-        None,
-    )
-    .await?;
+    let (status, _) = b
+        .call(Method::GET, &format!("/api/kernels/{id}"), None)
+        .await?;
     assert_eq!(status, 404);
     assert_eq!(
-        call(&gateway, &token_b, Method::GET, "/api/kernels", None)
-            .await?
-            .1,
+        b.call(Method::GET, "/api/kernels", None).await?.1,
         json!([])
     );
-    let (status, _) = call(
-        &gateway,
-        &token_a,
-        Method::GET,
-        &format!("/api/kernels/{id}"),
-        None,
-    )
-    .await?;
+    let (status, _) = a
+        .call(Method::GET, &format!("/api/kernels/{id}"), None)
+        .await?;
     assert_eq!(status, 200);
     Ok(())
 }
@@ -679,74 +637,52 @@ async fn v1_sessions_artifacts_and_files_are_tenant_isolated() -> Result<()> {
         .await?;
     let token_a = hs256(&claims("v1-a", "default"));
     let token_b = hs256(&claims("v1-b", "default"));
+    let a = V1Client::bearer(&gateway, &token_a);
+    let b = V1Client::bearer(&gateway, &token_b);
 
     // Policy cap on v1 too.
-    let (status, body) = call(
-        &gateway,
-        &token_a,
-        Method::POST,
-        "/v1/sessions",
-        Some(json!({"policy": "data-science"})),
-    )
-    .await?;
+    let (status, body) = a
+        .call(
+            Method::POST,
+            "/v1/sessions",
+            Some(json!({"policy": "data-science"})),
+        )
+        .await?;
     assert_eq!(status, 403, "{body}");
-    let (status, session) = call(
-        &gateway,
-        &token_a,
-        Method::POST,
-        "/v1/sessions",
-        Some(json!({})),
-    )
-    .await?;
+    let (status, session) = a
+        .call(Method::POST, "/v1/sessions", Some(json!({})))
+        .await?;
     assert_eq!(status, 201, "{session}");
     assert_eq!(session["tenant"], "v1-a");
     assert_eq!(session["policy"], "default");
     let id = session["id"].as_str().context("id")?.to_owned();
     // Sessions count toward the tenant's kernel cap, on either API.
-    let (status, body) = call(
-        &gateway,
-        &token_a,
-        Method::POST,
-        "/v1/sessions",
-        Some(json!({})),
-    )
-    .await?;
+    let (status, body) = a
+        .call(Method::POST, "/v1/sessions", Some(json!({})))
+        .await?;
     assert_eq!(status, 403, "{body}");
-    let (status, body) = call(&gateway, &token_a, Method::POST, "/api/kernels", None).await?;
+    let (status, body) = a.call(Method::POST, "/api/kernels", None).await?;
     assert_eq!(status, 403, "{body}");
 
     // A's session is A's kernel on the Kernel Gateway API.
-    let (status, model) = call(
-        &gateway,
-        &token_a,
-        Method::GET,
-        &format!("/api/kernels/{id}"),
-        None,
-    )
-    .await?;
+    let (status, model) = a
+        .call(Method::GET, &format!("/api/kernels/{id}"), None)
+        .await?;
     assert_eq!(status, 200, "{model}");
     assert_eq!(model["cellgate"]["tenant"], "v1-a");
 
     // A makes an artifact and a file.
-    let upload = gateway
-        .http
-        .put(format!(
-            "{}/v1/sessions/{id}/files/secret.csv",
-            gateway.base
-        ))
-        .header("Authorization", format!("Bearer {token_a}"))
-        .body("a,b\n1,2\n")
-        .send()
+    let upload = a
+        .put_file(&id, "secret.csv", b"a,b\n1,2\n".to_vec())
         .await?;
-    assert_eq!(upload.status().as_u16(), 201);
-    let (status, result) = call(
-        &gateway,
-        &token_a,
-        Method::POST,
-        &format!("/v1/sessions/{id}/execute"),
-        Some(json!({"code": "from IPython.display import HTML\nHTML('<b>mine</b>')"})),
-    )
-    .await?;
+    assert_eq!(upload, 201);
+    let (status, result) = a
+        .call(
+            Method::POST,
+            &format!("/v1/sessions/{id}/execute"),
+            Some(json!({"code": "from IPython.display import HTML\nHTML('<b>mine</b>')"})),
+        )
+        .await?;
     assert_eq!(status, 200, "{result}");
     let artifact = result["artifacts"][0]["id"]
         .as_str()
@@ -775,48 +711,29 @@ async fn v1_sessions_artifacts_and_files_are_tenant_isolated() -> Result<()> {
         (Method::GET, "/v1/sessions/{}/artifacts".into(), None),
     ];
     for (method, pattern, body) in &routes {
-        let (status, answer) = call(
-            &gateway,
-            &token_b,
-            method.clone(),
-            &pattern.replace("{}", &id),
-            body.clone(),
-        )
-        .await?;
-        let (missing_status, missing_answer) = call(
-            &gateway,
-            &token_b,
-            method.clone(),
-            &pattern.replace("{}", &missing),
-            body.clone(),
-        )
-        .await?;
+        let (status, answer) = b
+            .call(method.clone(), &pattern.replace("{}", &id), body.clone())
+            .await?;
+        let (missing_status, missing_answer) = b
+            .call(
+                method.clone(),
+                &pattern.replace("{}", &missing),
+                body.clone(),
+            )
+            .await?;
         assert_eq!(status, 404, "{method} {pattern}: {answer}");
         assert_eq!(missing_status, 404, "{method} {pattern}");
         let masked: Value =
             serde_json::from_str(&missing_answer.to_string().replace(&missing, &id))?;
         assert_eq!(answer, masked, "{method} {pattern}");
     }
-    let (status, _) = call(
-        &gateway,
-        &token_b,
-        Method::GET,
-        &format!("/v1/artifacts/{artifact}"),
-        None,
-    )
-    .await?;
+    let (status, _) = b
+        .call(Method::GET, &format!("/v1/artifacts/{artifact}"), None)
+        .await?;
     assert_eq!(status, 404);
-    let (status, list) = call(&gateway, &token_b, Method::GET, "/v1/sessions", None).await?;
+    let (status, list) = b.call(Method::GET, "/v1/sessions", None).await?;
     assert_eq!((status, list), (200, json!([])));
-    let mut request = format!(
-        "{}/v1/sessions/{id}/ws",
-        gateway.base.replace("http://", "ws://")
-    )
-    .into_client_request()?;
-    request
-        .headers_mut()
-        .insert("Authorization", format!("Bearer {token_b}").parse()?);
-    match tokio_tungstenite::connect_async(request).await {
+    match tokio_tungstenite::connect_async(b.ws_request(&id)?).await {
         Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
             assert_eq!(response.status().as_u16(), 404)
         }
@@ -827,23 +744,13 @@ async fn v1_sessions_artifacts_and_files_are_tenant_isolated() -> Result<()> {
     }
 
     // A still has everything.
-    let (status, _) = call(
-        &gateway,
-        &token_a,
-        Method::GET,
-        &format!("/v1/artifacts/{artifact}"),
-        None,
-    )
-    .await?;
+    let (status, _) = a
+        .call(Method::GET, &format!("/v1/artifacts/{artifact}"), None)
+        .await?;
     assert_eq!(status, 200);
-    let (status, _) = call(
-        &gateway,
-        &token_a,
-        Method::DELETE,
-        &format!("/v1/sessions/{id}"),
-        None,
-    )
-    .await?;
+    let (status, _) = a
+        .call(Method::DELETE, &format!("/v1/sessions/{id}"), None)
+        .await?;
     assert_eq!(status, 204);
     Ok(())
 }

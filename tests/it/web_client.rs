@@ -9,6 +9,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use crate::support::v1::V1Client;
 use crate::support::{repo, Gateway, TOKEN};
 
 /// Chromium and playwright-core come from `./dev setup`; without them this test fails and
@@ -174,22 +175,19 @@ async fn the_page_and_api_work_under_a_base_url() -> Result<()> {
     );
 
     // Addresses the API hands out carry the prefix.
-    let response = gateway
-        .request(reqwest::Method::POST, "/v1/sessions")
-        .json(&serde_json::json!({}))
-        .send()
+    let v1 = V1Client::new(&gateway);
+    let created = v1
+        .new_session(serde_json::json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    let id = created.id;
+    assert_eq!(
+        created.location.as_deref(),
+        Some(format!("/gw/v1/sessions/{id}").as_str())
+    );
+    let result = v1
+        .execute(&id, "from IPython.display import HTML\nHTML('<b>hi</b>')")
         .await?;
-    assert_eq!(response.status().as_u16(), 201, "{}", gateway.log());
-    let location = response.headers()["location"].to_str()?.to_owned();
-    let session: serde_json::Value = response.json().await?;
-    let id = session["id"].as_str().context("session id")?;
-    assert_eq!(location, format!("/gw/v1/sessions/{id}"));
-    let response = gateway
-        .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
-        .json(&serde_json::json!({"code": "from IPython.display import HTML\nHTML('<b>hi</b>')"}))
-        .send()
-        .await?;
-    let result: serde_json::Value = response.json().await?;
     assert_eq!(result["status"], "ok", "{result}");
     let url = result["artifacts"][0]["url"]
         .as_str()

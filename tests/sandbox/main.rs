@@ -27,6 +27,7 @@ const OUT_VAR: &str = "CELLGATE_SANDBOX_TEST_OUT";
 
 // SAFETY (for the allow): a constructor in .init_array runs before main, while the process
 // is single-threaded, which is what the sandbox helper needs; it calls no unsafe code.
+#[allow(unsafe_code)]
 #[used]
 #[link_section = ".init_array"]
 static BEFORE_MAIN: extern "C" fn() = before_main;

@@ -1,9 +1,9 @@
 //! Test harness: a real `cellgate serve` process on 127.0.0.1:0 with real kernels, plus an
-//! HTTP client and a Jupyter WebSocket client speaking either framing.
+//! HTTP client and a Jupyter WebSocket client speaking either framing; [`v1`] is the API v1
+//! client.
 
-#![allow(dead_code)]
+pub mod v1;
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -88,7 +88,6 @@ pub struct GatewayBuilder {
     token: Option<String>,
     kernels_dir: PathBuf,
     policies_dir: PathBuf,
-    env: HashMap<String, String>,
 }
 
 impl GatewayBuilder {
@@ -112,10 +111,6 @@ impl GatewayBuilder {
         self.kernels_dir = dir;
         self
     }
-    pub fn env(mut self, key: &str, value: &str) -> Self {
-        self.env.insert(key.to_owned(), value.to_owned());
-        self
-    }
 
     pub async fn start(self) -> Result<Gateway> {
         let mut command = Command::new(env!("CARGO_BIN_EXE_cellgate"));
@@ -135,7 +130,6 @@ impl GatewayBuilder {
             .env_remove("CELLGATE_AUTH_TOKEN")
             .env_remove("KG_AUTH_TOKEN")
             .env("RUST_LOG", "info,zeromq=error")
-            .envs(&self.env)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if let Some(token) = &self.token {
@@ -201,7 +195,6 @@ impl Gateway {
             token: Some(TOKEN.to_owned()),
             kernels_dir: kernels_dir(),
             policies_dir: repo().join("policies"),
-            env: HashMap::new(),
         }
     }
 

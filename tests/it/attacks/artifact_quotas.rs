@@ -13,8 +13,9 @@ use reqwest::Method;
 use serde_json::{json, Value};
 
 use super::runtime_root_of;
+use crate::support::v1::V1Client;
 use crate::support::*;
-use crate::tenants::{call, claims, hs256, secret_file};
+use crate::tenants::{claims, hs256, secret_file};
 
 const MIB: u64 = 1 << 20;
 
@@ -26,30 +27,9 @@ fn write_outputs(tag: &str, n: usize) -> String {
     )
 }
 
-async fn new_session(gateway: &Gateway, bearer: &str) -> Result<String> {
-    let (status, model) = call(
-        gateway,
-        bearer,
-        Method::POST,
-        "/v1/sessions",
-        Some(json!({})),
-    )
-    .await?;
-    ensure!(status == 201, "create a session: {status} {model}");
-    Ok(model["id"].as_str().context("id")?.to_owned())
-}
-
-async fn execute(gateway: &Gateway, bearer: &str, session: &str, code: &str) -> Result<Value> {
-    let path = format!("/v1/sessions/{session}/execute");
-    let (status, result) = call(
-        gateway,
-        bearer,
-        Method::POST,
-        &path,
-        Some(json!({"code": code})),
-    )
-    .await?;
-    ensure!(status == 200, "execute: {status} {result}");
+/// Executes `code`, which must succeed.
+async fn execute_ok(v1: &V1Client<'_>, session: &str, code: &str) -> Result<Value> {
+    let result = v1.execute(session, code).await?;
     ensure!(result["status"] == "ok", "the cell failed: {result}");
     Ok(result)
 }
@@ -98,25 +78,25 @@ async fn session_and_tenant_quotas_bound_the_artifacts_on_disk() -> Result<()> {
         .args(&["--pool-size", "0"])
         .start()
         .await?;
-    let acme = hs256(&claims("acme", "default"));
-    let globex = hs256(&claims("globex", "default"));
+    let acme = V1Client::bearer(&gateway, &hs256(&claims("acme", "default")));
+    let globex = V1Client::bearer(&gateway, &hs256(&claims("globex", "default")));
 
-    let first = new_session(&gateway, &acme).await?;
-    let result = execute(&gateway, &acme, &first, &write_outputs("a", 6)).await?;
+    let first = acme.create_session(json!({})).await?;
+    let result = execute_ok(&acme, &first, &write_outputs("a", 6)).await?;
     let (stored, over, other) = counts(&result, "artifacts_per_session");
     println!("acme's first session: {stored} stored, {over} over its session quota");
     ensure!((stored, over, other) == (4, 2, 0), "{result}");
     let reason = result["omitted"][0]["reason"].as_str().unwrap_or_default();
     ensure!(reason.contains("artifacts_per_session"), "{reason}");
 
-    let second = new_session(&gateway, &acme).await?;
-    let result = execute(&gateway, &acme, &second, &write_outputs("b", 6)).await?;
+    let second = acme.create_session(json!({})).await?;
+    let result = execute_ok(&acme, &second, &write_outputs("b", 6)).await?;
     let (stored, over, other) = counts(&result, "artifacts_per_tenant");
     println!("acme's second session: {stored} stored, {over} over the tenant's quota");
     ensure!((stored, over, other) == (3, 3, 0), "{result}");
 
-    let theirs = new_session(&gateway, &globex).await?;
-    let result = execute(&gateway, &globex, &theirs, &write_outputs("c", 2)).await?;
+    let theirs = globex.create_session(json!({})).await?;
+    let result = execute_ok(&globex, &theirs, &write_outputs("c", 2)).await?;
     ensure!(
         counts(&result, "") == (2, 0, 0),
         "globex is charged for acme's artifacts: {result}"
@@ -124,16 +104,11 @@ async fn session_and_tenant_quotas_bound_the_artifacts_on_disk() -> Result<()> {
 
     // A deleted session's artifacts stay fetchable for the retention, and still count.
     let runtime = runtime_root_of(&first)?;
-    let (status, body) = call(
-        &gateway,
-        &acme,
-        Method::DELETE,
-        &format!("/v1/sessions/{first}"),
-        None,
-    )
-    .await?;
+    let (status, body) = acme
+        .call(Method::DELETE, &format!("/v1/sessions/{first}"), None)
+        .await?;
     ensure!(status == 204, "delete: {status} {body}");
-    let result = execute(&gateway, &acme, &second, &write_outputs("d", 1)).await?;
+    let result = execute_ok(&acme, &second, &write_outputs("d", 1)).await?;
     ensure!(
         counts(&result, "artifacts_per_tenant") == (0, 1, 0),
         "the deleted session's retained artifacts stopped counting: {result}"
@@ -163,19 +138,10 @@ async fn below_the_free_disk_minimum_outputs_are_refused_by_name() -> Result<()>
         .args(&["--artifact-min-free-disk", "1000TiB", "--pool-size", "0"])
         .start()
         .await?;
-    let (status, model) = call(
-        &gateway,
-        TOKEN,
-        Method::POST,
-        "/v1/sessions",
-        Some(json!({})),
-    )
-    .await?;
-    ensure!(status == 201, "create a session: {status} {model}");
-    let session = model["id"].as_str().context("id")?.to_owned();
-    let result = execute(
-        &gateway,
-        TOKEN,
+    let admin = V1Client::bearer(&gateway, TOKEN);
+    let session = admin.create_session(json!({})).await?;
+    let result = execute_ok(
+        &admin,
         &session,
         "from IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))\nprint('ran')",
     )

@@ -25,6 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
 use super::json_out;
+use crate::support::v1::V1Client;
 use crate::support::{of_type, stdout, Gateway};
 
 /// `(soft, hard)` "Max open files" of process `pid`.
@@ -455,13 +456,12 @@ async fn websockets_and_long_executions_outlive_the_timeouts() -> Result<()> {
     );
 
     let started = Instant::now();
-    let response = gateway
-        .request(reqwest::Method::POST, "/v1/execute")
-        .json(&json!({"code": "import time\ntime.sleep(3)\nprint('slept')"}))
-        .send()
+    let (status, result) = V1Client::new(&gateway)
+        .post(
+            "/v1/execute",
+            json!({"code": "import time\ntime.sleep(3)\nprint('slept')"}),
+        )
         .await?;
-    let status = response.status().as_u16();
-    let result: serde_json::Value = response.json().await?;
     ensure!(
         status == 200 && result["stdout"] == "slept\n",
         "{status} {result}"

@@ -7,8 +7,9 @@ use anyhow::{ensure, Context, Result};
 use reqwest::Method;
 use serde_json::{json, Value};
 
+use crate::support::v1::V1Client;
 use crate::support::Gateway;
-use crate::tenants::{call, claims, hs256, secret_file};
+use crate::tenants::{claims, hs256, secret_file};
 
 /// An nbformat 4.5 notebook of one code cell.
 fn notebook(code: &str) -> Value {
@@ -20,9 +21,9 @@ fn notebook(code: &str) -> Value {
     })
 }
 
-/// The ids of the kernels `bearer` lists.
-async fn listed(gateway: &Gateway, bearer: &str) -> Result<Vec<String>> {
-    let (status, list) = call(gateway, bearer, Method::GET, "/api/kernels", None).await?;
+/// The ids of the kernels `tenant` lists.
+async fn listed(tenant: &V1Client<'_>) -> Result<Vec<String>> {
+    let (status, list) = tenant.call(Method::GET, "/api/kernels", None).await?;
     ensure!(status == 200, "listing kernels: {status} {list}");
     Ok(list
         .as_array()
@@ -47,25 +48,19 @@ async fn replay_kernels_count_against_the_tenants_cap() -> Result<()> {
         .await?;
     let acme = hs256(&claims("acme", "default"));
     let globex = hs256(&claims("globex", "default"));
+    let (as_acme, as_globex) = (
+        V1Client::bearer(&gateway, &acme),
+        V1Client::bearer(&gateway, &globex),
+    );
 
-    let (status, model) = call(
-        &gateway,
-        &acme,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({})),
-    )
-    .await?;
+    let (status, model) = as_acme
+        .call(Method::POST, "/api/kernels", Some(json!({})))
+        .await?;
     ensure!(status == 201, "acme's first kernel: {status} {model}");
     let first = model["id"].as_str().context("id")?.to_owned();
-    let (status, body) = call(
-        &gateway,
-        &acme,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({})),
-    )
-    .await?;
+    let (status, body) = as_acme
+        .call(Method::POST, "/api/kernels", Some(json!({})))
+        .await?;
     ensure!(
         status == 403,
         "acme's second kernel must be refused: {status} {body}"
@@ -76,7 +71,9 @@ async fn replay_kernels_count_against_the_tenants_cap() -> Result<()> {
     // event inside a 200 stream).
     let quick = notebook("print(6 * 7)");
     for path in ["/api/notebooks/replay", "/v1/notebooks/replay"] {
-        let (status, body) = call(&gateway, &acme, Method::POST, path, Some(quick.clone())).await?;
+        let (status, body) = as_acme
+            .call(Method::POST, path, Some(quick.clone()))
+            .await?;
         ensure!(
             status == 403,
             "a replay at the tenant's cap must be refused like a new kernel ({path}): {status} {body}"
@@ -97,7 +94,7 @@ async fn replay_kernels_count_against_the_tenants_cap() -> Result<()> {
         );
     }
     ensure!(
-        listed(&gateway, &acme).await? == vec![first.clone()],
+        listed(&as_acme).await? == vec![first.clone()],
         "nothing new for acme"
     );
 
@@ -119,7 +116,7 @@ async fn replay_kernels_count_against_the_tenants_cap() -> Result<()> {
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let replay_kernel = loop {
-        if let [id] = listed(&gateway, &acme).await?.as_slice() {
+        if let [id] = listed(&as_acme).await?.as_slice() {
             break id.clone();
         }
         ensure!(
@@ -129,29 +126,19 @@ async fn replay_kernels_count_against_the_tenants_cap() -> Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     ensure!(
-        !listed(&gateway, &globex).await?.contains(&replay_kernel),
+        !listed(&as_globex).await?.contains(&replay_kernel),
         "another tenant sees acme's replay kernel"
     );
-    let (status, body) = call(
-        &gateway,
-        &acme,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({})),
-    )
-    .await?;
+    let (status, body) = as_acme
+        .call(Method::POST, "/api/kernels", Some(json!({})))
+        .await?;
     ensure!(
         status == 403,
         "a running replay holds acme's only place: a new kernel must be refused: {status} {body}"
     );
-    let (status, body) = call(
-        &gateway,
-        &globex,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({})),
-    )
-    .await?;
+    let (status, body) = as_globex
+        .call(Method::POST, "/api/kernels", Some(json!({})))
+        .await?;
     ensure!(
         status == 201,
         "globex is not locked out by acme's replay: {status} {body}"
@@ -165,17 +152,12 @@ async fn replay_kernels_count_against_the_tenants_cap() -> Result<()> {
     ensure!(answer["matched"].is_boolean(), "a replay report: {answer}");
     // The replay's kernel is gone with it, and acme's place is free again.
     ensure!(
-        listed(&gateway, &acme).await?.is_empty(),
+        listed(&as_acme).await?.is_empty(),
         "the replay kernel is shut down after"
     );
-    let (status, body) = call(
-        &gateway,
-        &acme,
-        Method::POST,
-        "/api/kernels",
-        Some(json!({})),
-    )
-    .await?;
+    let (status, body) = as_acme
+        .call(Method::POST, "/api/kernels", Some(json!({})))
+        .await?;
     ensure!(
         status == 201,
         "acme's place is free after the replay: {status} {body}"
