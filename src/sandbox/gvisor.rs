@@ -69,10 +69,11 @@
 //! program in the container (`runsc exec`) that sends the signal to the kernel's *main
 //! thread* and to every other process of the container: `runsc kill` would hand SIGINT to
 //! an arbitrary thread, and CPython only notices it when its main thread wakes (see
-//! [`GvisorHandle::signal`]). `signal` and `kill` wait for runsc (about 0.15 s and 0.05 s).
+//! [`GvisorHandle::signal`]). `signal` and `kill` wait for runsc.
 //!
 //! **Platform.** `ptrace` (this build has `ptrace` and `kvm`; `kvm` stalls on PVM hosts and
-//! `systrap` came in 2023). Syscall-heavy work is 2–4× slower; a kernel is ready in ~2 s.
+//! `systrap` came in 2023). Syscall-heavy work is slower than in the namespaces backend, and
+//! a kernel takes longer to be ready (BENCHMARKS.md, "Measurements behind the code").
 
 #![allow(unsafe_code)]
 
@@ -1018,11 +1019,12 @@ fn cgroup_dirs(cgroups_path: &str) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Age past which an empty sandbox cgroup without its gateway's pid counts as left over.
+const SWEEP_MIN_AGE: Duration = Duration::from_secs(120);
+
 /// Removes the empty cgroups of sandboxes whose `runsc run` was killed before it could
 /// (a gateway that died). A cgroup with processes in it cannot be removed, so running
 /// sandboxes of other gateways keep theirs.
-/// Age past which an empty sandbox cgroup without its gateway's pid counts as left over.
-const SWEEP_MIN_AGE: Duration = Duration::from_secs(120);
 
 fn sweep_cgroups() {
     for parent in cgroup_dirs(CGROUP_PARENT) {

@@ -61,8 +61,6 @@
 //! [`idmap`]). cgroup v2 support is written but untested: our hosts only have v1
 //! controllers.
 
-#![allow(unsafe_code)]
-
 mod bridge;
 mod cgroups;
 mod confine;
@@ -531,8 +529,8 @@ async fn handshake(
         other => return Err(NamespacesError::Handshake(format!("unexpected {other:?}"))),
     }
     // Off the async workers: moving a process into a v1 cgroup waits for an RCU grace
-    // period (28 ms in a trace, while the gateway's worker thread was stuck in the write,
-    // so a burst of kernel starts queued behind it).
+    // period, during which a worker stuck in the write held up a burst of kernel starts
+    // (BENCHMARKS.md, "Measurements behind the code").
     let cgroup = cgroup.cloned();
     tokio::task::spawn_blocking(move || -> Result<(), NamespacesError> {
         ids.write(helper_pid).map_err(NamespacesError::IdMap)?;
