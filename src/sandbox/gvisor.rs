@@ -1025,7 +1025,6 @@ const SWEEP_MIN_AGE: Duration = Duration::from_secs(120);
 /// Removes the empty cgroups of sandboxes whose `runsc run` was killed before it could
 /// (a gateway that died). A cgroup with processes in it cannot be removed, so running
 /// sandboxes of other gateways keep theirs.
-
 fn sweep_cgroups() {
     for parent in cgroup_dirs(CGROUP_PARENT) {
         let Ok(entries) = std::fs::read_dir(&parent) else {
