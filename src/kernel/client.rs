@@ -23,9 +23,11 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
+use super::execution::{Denial, ExecutionState, Outcome};
 use super::lifecycle::Kernel;
 use super::router::{client_queue, ClientId, Inbox};
 use super::KernelError;
@@ -90,10 +92,10 @@ pub struct ExecuteReply {
     /// `ok`, `error` or `aborted`, as the kernel said.
     pub status: String,
     pub execution_count: Option<i64>,
-    /// `metadata.cellgate.outcome`: timeout, oom, sandbox_lost, output_truncated.
-    pub outcome: Option<String>,
-    /// `metadata.cellgate.denials`, verbatim.
-    pub denials: Vec<Value>,
+    /// `metadata.cellgate.outcome`: timeout, oom, pids, sandbox_lost, output_truncated.
+    pub outcome: Option<Outcome>,
+    /// `metadata.cellgate.denials`.
+    pub denials: Vec<Denial>,
     pub ename: Option<String>,
     pub evalue: Option<String>,
     pub traceback: Vec<String>,
@@ -107,8 +109,17 @@ impl ExecuteReply {
         ExecuteReply {
             status: content["status"].as_str().unwrap_or("error").to_owned(),
             execution_count: content["execution_count"].as_i64(),
-            outcome: cellgate["outcome"].as_str().map(str::to_owned),
-            denials: cellgate["denials"].as_array().cloned().unwrap_or_default(),
+            // Read one by one: a kernel can put anything in its reply's metadata, and a value
+            // that is none of ours must not hide those that are.
+            outcome: Outcome::deserialize(&cellgate["outcome"]).ok(),
+            denials: cellgate["denials"]
+                .as_array()
+                .map(|all| {
+                    all.iter()
+                        .filter_map(|d| Denial::deserialize(d).ok())
+                        .collect()
+                })
+                .unwrap_or_default(),
             ename: content["ename"].as_str().map(str::to_owned),
             evalue: content["evalue"].as_str().map(str::to_owned),
             traceback: strings(&content["traceback"]),
@@ -116,11 +127,11 @@ impl ExecuteReply {
     }
 
     /// A reply the client makes up for an execution the kernel will never answer.
-    fn synthetic(ename: &str, evalue: &str, outcome: Option<&str>) -> ExecuteReply {
+    fn synthetic(ename: &str, evalue: &str, outcome: Option<Outcome>) -> ExecuteReply {
         ExecuteReply {
             status: "error".to_owned(),
             execution_count: None,
-            outcome: outcome.map(str::to_owned),
+            outcome,
             denials: Vec::new(),
             ename: Some(ename.to_owned()),
             evalue: Some(evalue.to_owned()),
@@ -192,11 +203,11 @@ impl Shared {
                 ExecuteReply::synthetic(
                     "KernelDiedError",
                     "the kernel ended before it answered",
-                    Some("sandbox_lost"),
+                    Some(Outcome::SandboxLost),
                 )
             });
             if pending.truncated && reply.outcome.is_none() {
-                reply.outcome = Some("output_truncated".to_owned());
+                reply.outcome = Some(Outcome::OutputTruncated);
             }
             let _ = pending.events.send(ExecEvent::Done(reply));
         }
@@ -209,7 +220,7 @@ impl Shared {
         }
     }
 
-    fn finish_all(&mut self, ename: &str, evalue: &str, outcome: Option<&str>) {
+    fn finish_all(&mut self, ename: &str, evalue: &str, outcome: Option<Outcome>) {
         for (_, pending) in self.pending.drain() {
             let reply = pending
                 .reply
@@ -460,7 +471,7 @@ async fn dispatch(mut inbox: Inbox, shared: Weak<Mutex<Shared>>) {
         shared.finish_all(
             "KernelDiedError",
             "the kernel was shut down",
-            Some("sandbox_lost"),
+            Some(Outcome::SandboxLost),
         );
     }
 }
@@ -478,30 +489,26 @@ fn spawn_idle_fallback(shared: Weak<Mutex<Shared>>, msg_id: String) {
 fn handle_iopub(shared: &mut Shared, parent: &str, message: &Message) {
     let content = || message.content_json().unwrap_or(Value::Null);
     let event = match message.msg_type() {
-        "status" => {
-            let content = content();
-            match content["execution_state"].as_str() {
-                Some("busy") => Some(ExecEvent::Busy),
-                Some("idle") => {
-                    let replied = match shared.pending.get_mut(parent) {
-                        Some(pending) => {
-                            pending.idle = true;
-                            pending.reply.is_some()
-                        }
-                        None => false,
-                    };
-                    if replied {
-                        shared.finish(parent);
+        "status" => match ExecutionState::of_status(message) {
+            Some(ExecutionState::Busy) => Some(ExecEvent::Busy),
+            Some(ExecutionState::Idle) => {
+                let replied = match shared.pending.get_mut(parent) {
+                    Some(pending) => {
+                        pending.idle = true;
+                        pending.reply.is_some()
                     }
-                    None
+                    None => false,
+                };
+                if replied {
+                    shared.finish(parent);
                 }
-                _ => None,
+                None
             }
-        }
+            Some(ExecutionState::Starting | ExecutionState::Restarting | ExecutionState::Dead)
+            | None => None,
+        },
         "stream" => {
-            let marker = serde_json::from_slice::<Value>(&message.metadata)
-                .is_ok_and(|m| m["cellgate"]["outcome"] == "output_truncated");
-            if marker {
+            if marker_outcome(message) == Some(Outcome::OutputTruncated) {
                 if let Some(pending) = shared.pending.get_mut(parent) {
                     pending.truncated = true;
                 }
@@ -547,6 +554,21 @@ fn handle_iopub(shared: &mut Shared, parent: &str, message: &Message) {
     if let (Some(event), Some(pending)) = (event, shared.pending.get(parent)) {
         let _ = pending.events.send(event);
     }
+}
+
+/// The outcome a gateway marker line carries (`metadata.cellgate.outcome`).
+fn marker_outcome(message: &Message) -> Option<Outcome> {
+    #[derive(serde::Deserialize)]
+    struct Metadata {
+        cellgate: Cellgate,
+    }
+    #[derive(serde::Deserialize)]
+    struct Cellgate {
+        outcome: Outcome,
+    }
+    serde_json::from_slice::<Metadata>(&message.metadata)
+        .ok()
+        .map(|m| m.cellgate.outcome)
 }
 
 fn take_object(value: &mut Value) -> Map<String, Value> {

@@ -5,6 +5,7 @@
 
 mod channels;
 pub mod client;
+pub mod execution;
 pub mod history;
 mod launch;
 mod lifecycle;
@@ -16,6 +17,7 @@ use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
 pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
+pub use execution::{Denial, DenialKind, ExecutionState, ExitCause, Outcome};
 pub use history::{History, HistorySnapshot};
 pub use lifecycle::{format_timestamp, Kernel, KernelOptions, Readiness};
 pub use manager::{KernelManager, ManagerOptions, Owner, POLICY_ENV};
