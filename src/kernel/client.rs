@@ -46,6 +46,10 @@ pub struct ExecuteOptions {
     pub allow_stdin: bool,
     /// Run without an execution count and without history (`silent`).
     pub silent: bool,
+    /// Display updates that belong to no execution of this client (from a thread or comm of
+    /// an earlier cell) come to this execution too: for a caller that keeps every output
+    /// of the kernel, such as a notebook.
+    pub adopt_display_updates: bool,
 }
 
 /// One piece of an execution, in the order the kernel produced it.
@@ -99,6 +103,9 @@ pub struct ExecuteReply {
     pub ename: Option<String>,
     pub evalue: Option<String>,
     pub traceback: Vec<String>,
+    /// This request's own timeout ([`ExecuteOptions::timeout`]) passed while the cell ran
+    /// (whichever timeout's interrupt got there first).
+    pub request_timed_out: bool,
 }
 
 impl ExecuteReply {
@@ -123,6 +130,7 @@ impl ExecuteReply {
             ename: content["ename"].as_str().map(str::to_owned),
             evalue: content["evalue"].as_str().map(str::to_owned),
             traceback: strings(&content["traceback"]),
+            request_timed_out: false,
         }
     }
 
@@ -136,6 +144,7 @@ impl ExecuteReply {
             ename: Some(ename.to_owned()),
             evalue: Some(evalue.to_owned()),
             traceback: vec![format!("{ename}: {evalue}")],
+            request_timed_out: false,
         }
     }
 }
@@ -164,6 +173,9 @@ struct Pending {
     /// The router's truncation marker went by: the output limit cut this cell off, even
     /// when its reply overtook the output (iopub and shell race) and carries no outcome.
     truncated: bool,
+    /// The request's own timeout passed while it ran.
+    timed_out: bool,
+    adopt_display_updates: bool,
 }
 
 #[derive(Default)]
@@ -209,6 +221,7 @@ impl Shared {
             if pending.truncated && reply.outcome.is_none() {
                 reply.outcome = Some(Outcome::OutputTruncated);
             }
+            reply.request_timed_out = pending.timed_out;
             let _ = pending.events.send(ExecEvent::Done(reply));
         }
         if self
@@ -222,9 +235,10 @@ impl Shared {
 
     fn finish_all(&mut self, ename: &str, evalue: &str, outcome: Option<Outcome>) {
         for (_, pending) in self.pending.drain() {
-            let reply = pending
+            let mut reply = pending
                 .reply
                 .unwrap_or_else(|| ExecuteReply::synthetic(ename, evalue, outcome));
+            reply.request_timed_out = pending.timed_out;
             let _ = pending.events.send(ExecEvent::Done(reply));
         }
         self.awaiting_input = None;
@@ -288,6 +302,8 @@ impl KernelClient {
                     reply: None,
                     idle: false,
                     truncated: false,
+                    timed_out: false,
+                    adopt_display_updates: options.adopt_display_updates,
                 },
             );
         }
@@ -353,6 +369,12 @@ impl KernelClient {
         result
     }
 
+    /// Whether the router let go of this client (the kernel was shut down, or the client
+    /// fell too far behind): nothing more will arrive.
+    pub fn is_closed(&self) -> bool {
+        self.shared.lock().closed
+    }
+
     /// Ends every execution still waiting, with `ename: evalue`.
     pub fn abandon(&self, ename: &str, evalue: &str) {
         self.shared.lock().finish_all(ename, evalue, None);
@@ -386,6 +408,9 @@ fn spawn_timeout(
                 .map(|(_, elapsed)| elapsed);
             match (interrupted, running) {
                 (None, Some(elapsed)) if elapsed >= limit => {
+                    if let Some(pending) = shared.lock().pending.get_mut(&msg_id) {
+                        pending.timed_out = true;
+                    }
                     // The policy's watchdog may have got there first.
                     if router.timed_out_since(&msg_id).is_none() {
                         router.mark_timed_out(
@@ -428,12 +453,16 @@ async fn dispatch(mut inbox: Inbox, shared: Weak<Mutex<Shared>>) {
             return;
         };
         let mut shared = shared_arc.lock();
-        let Some(parent) = message.parent_msg_id().map(str::to_owned) else {
+        let parent = message
+            .parent_msg_id()
+            .filter(|p| shared.pending.contains_key(*p))
+            .map(str::to_owned);
+        let Some(parent) = parent else {
+            if message.channel == Channel::Iopub && message.msg_type() == "update_display_data" {
+                adopt_display_update(&shared, &message);
+            }
             continue;
         };
-        if !shared.pending.contains_key(&parent) {
-            continue;
-        }
         match message.channel {
             Channel::Iopub => handle_iopub(&mut shared, &parent, &message),
             Channel::Shell if message.msg_type() == "execute_reply" => {
@@ -474,6 +503,37 @@ async fn dispatch(mut inbox: Inbox, shared: Weak<Mutex<Shared>>) {
             Some(Outcome::SandboxLost),
         );
     }
+}
+
+/// Gives a display update of no execution of this client's to those that adopt them.
+fn adopt_display_update(shared: &Shared, message: &Message) {
+    let adopters: Vec<_> = shared
+        .pending
+        .values()
+        .filter(|p| p.adopt_display_updates)
+        .collect();
+    if adopters.is_empty() {
+        return;
+    }
+    let Some(event) = display_event(message, true) else {
+        return;
+    };
+    for pending in adopters {
+        let _ = pending.events.send(event.clone());
+    }
+}
+
+/// A `display_data` (`update: false`) or `update_display_data` as its event.
+fn display_event(message: &Message, update: bool) -> Option<ExecEvent> {
+    let mut content = message.content_json()?;
+    Some(ExecEvent::Display {
+        data: take_object(&mut content["data"]),
+        metadata: content["metadata"].take(),
+        display_id: content["transient"]["display_id"]
+            .as_str()
+            .map(str::to_owned),
+        update,
+    })
 }
 
 /// Finishes an execution whose reply came but whose `idle` status does not.
@@ -520,14 +580,14 @@ fn handle_iopub(shared: &mut Shared, parent: &str, message: &Message) {
             })
         }
         kind @ ("display_data" | "update_display_data") => {
-            let mut content = content();
-            Some(ExecEvent::Display {
-                data: take_object(&mut content["data"]),
-                metadata: content["metadata"].take(),
-                display_id: content["transient"]["display_id"]
-                    .as_str()
-                    .map(str::to_owned),
-                update: kind == "update_display_data",
+            // Unparsable content still counts as a display, as it always did.
+            display_event(message, kind == "update_display_data").or_else(|| {
+                Some(ExecEvent::Display {
+                    data: Map::new(),
+                    metadata: Value::Null,
+                    display_id: None,
+                    update: kind == "update_display_data",
+                })
             })
         }
         "execute_result" => {

@@ -312,6 +312,7 @@ impl Kernel {
     /// Sends `kernel_info_request`s every half second until one is answered and the iopub
     /// subscription has delivered the status it caused.
     async fn nudge_until_ready(&self, instance: &Instance) -> Result<(), KernelError> {
+        let subscribed = || self.router.activity().execution_state != ExecutionState::Starting;
         loop {
             let request = Message::new(
                 Channel::Shell,
@@ -320,20 +321,27 @@ impl Kernel {
                 None,
                 &json!({}),
             );
-            let reply = self.router.register_internal(request.msg_id());
+            let mut reply = Some(self.router.register_internal(request.msg_id()));
             instance.channels.send(&request).await?;
             let deadline = tokio::time::sleep(Duration::from_millis(500));
             tokio::pin!(deadline);
             let mut replied = false;
-            let mut reply = reply;
             loop {
-                tokio::select! {
-                    answer = &mut reply, if !replied => { replied = answer.is_ok(); }
-                    _ = tokio::time::sleep(Duration::from_millis(5)) => {}
-                    _ = &mut deadline => break,
-                }
-                if replied && self.router.activity().execution_state != ExecutionState::Starting {
+                // Made before the check, so a status arriving between the check and the wait
+                // still wakes it.
+                let status = self.router.left_starting();
+                if replied && subscribed() {
                     return Ok(());
+                }
+                tokio::select! {
+                    answer = async { reply.as_mut()?.await.ok() }, if reply.is_some() => {
+                        // Answered, or dropped with a generation that is gone (the next
+                        // nudge or the start timeout decides then).
+                        replied = answer.is_some();
+                        reply = None;
+                    }
+                    _ = status => {}
+                    _ = &mut deadline => break,
                 }
             }
         }

@@ -173,6 +173,8 @@ struct State {
 pub struct Router {
     state: Mutex<State>,
     kernel_id: String,
+    /// Told whenever the kernel's state leaves `starting`: readiness waits on it.
+    left_starting: tokio::sync::Notify,
 }
 
 impl Router {
@@ -196,6 +198,7 @@ impl Router {
                 history: Arc::new(History::new()),
                 executions: Executions::new(None),
             }),
+            left_starting: tokio::sync::Notify::new(),
         }
     }
 
@@ -342,8 +345,21 @@ impl Router {
 
     pub fn set_execution_state(&self, execution_state: ExecutionState) {
         let mut state = self.state.lock();
-        state.activity.execution_state = execution_state;
+        self.set_state_locked(&mut state, execution_state);
         state.activity.last_activity = OffsetDateTime::now_utc();
+    }
+
+    fn set_state_locked(&self, state: &mut State, execution_state: ExecutionState) {
+        let was = std::mem::replace(&mut state.activity.execution_state, execution_state);
+        if was == ExecutionState::Starting && execution_state != ExecutionState::Starting {
+            self.left_starting.notify_waiters();
+        }
+    }
+
+    /// Resolves the next time the kernel's state leaves `starting`. Made before checking the
+    /// state, it cannot miss a change that comes after the check.
+    pub fn left_starting(&self) -> tokio::sync::futures::Notified<'_> {
+        self.left_starting.notified()
     }
 
     /// Records who sent a request, so its reply finds its way back.
@@ -401,7 +417,7 @@ impl Router {
             Channel::Iopub => {
                 let status = ExecutionState::of_status(&message);
                 if parent.is_some_and(|p| state.internal_parents.contains(p)) {
-                    Self::on_internal_status(&mut state, parent, status);
+                    self.on_internal_status(&mut state, parent, status);
                     return;
                 }
                 if message.msg_type() == "iopub_welcome" {
@@ -410,7 +426,7 @@ impl Router {
                     return;
                 }
                 if let Some(status) = status {
-                    state.activity.execution_state = status;
+                    self.set_state_locked(&mut state, status);
                 }
                 state.activity.last_activity = OffsetDateTime::now_utc();
                 let (released, verdict) =
@@ -450,14 +466,19 @@ impl Router {
     }
 
     /// A status caused by one of the gateway's own requests: never shown to clients.
-    fn on_internal_status(state: &mut State, parent: Option<&str>, status: Option<ExecutionState>) {
+    fn on_internal_status(
+        &self,
+        state: &mut State,
+        parent: Option<&str>,
+        status: Option<ExecutionState>,
+    ) {
         let (Some(parent), Some(status)) = (parent, status) else {
             return;
         };
         // The first status of any request ends `starting` with `idle`, as in jupyter_server;
         // the gateway's own requests never make a kernel look busy.
         if state.activity.execution_state == ExecutionState::Starting {
-            state.activity.execution_state = ExecutionState::Idle;
+            self.set_state_locked(state, ExecutionState::Idle);
         }
         if status == ExecutionState::Idle {
             state.internal_parents.remove(parent);

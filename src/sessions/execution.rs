@@ -161,6 +161,7 @@ impl Session {
             timeout,
             allow_stdin: true,
             silent: false,
+            adopt_display_updates: false,
         };
         let emit = |event: SessionEvent, history: &mut Vec<Arc<SessionEvent>>| {
             let event = Arc::new(event);
