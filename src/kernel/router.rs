@@ -412,56 +412,68 @@ impl Router {
     pub fn deliver(&self, message: Message) {
         let message = Arc::new(message);
         let mut state = self.state.lock();
-        let parent = message.parent_msg_id();
         match message.channel {
-            Channel::Iopub => {
-                let status = ExecutionState::of_status(&message);
-                if parent.is_some_and(|p| state.internal_parents.contains(p)) {
-                    self.on_internal_status(&mut state, parent, status);
-                    return;
-                }
-                if message.msg_type() == "iopub_welcome" {
-                    // The welcome answers the gateway's own SUB subscription; clients never
-                    // subscribed and would see it arrive unasked after every restart.
-                    return;
-                }
-                if let Some(status) = status {
-                    self.set_state_locked(&mut state, status);
-                }
-                state.activity.last_activity = OffsetDateTime::now_utc();
-                let (released, verdict) =
-                    state.executions.on_iopub(message.clone(), status, parent);
-                self.send_released(&mut state, released);
-                Self::broadcast_verdict(&mut state, verdict);
-            }
-            Channel::Shell | Channel::Control => {
-                let Some(parent) = parent else {
-                    tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "dropping an unparented reply");
-                    return;
-                };
-                if let Some(waiter) = state.internal_replies.remove(parent) {
-                    state.history.on_reply(&message);
-                    let _ = waiter.send(message);
-                    return;
-                }
-                let (released, verdict) = state.executions.on_reply(parent, message.clone());
-                self.send_released(&mut state, released);
-                if !matches!(verdict, Verdict::Hold) {
-                    state.history.on_reply(&message);
-                }
-                self.route_verdict(&mut state, parent, verdict);
-            }
-            Channel::Stdin => {
-                let requester = parent.and_then(|p| state.pending.get(p).cloned());
-                match requester {
-                    Some(requester) => self.route_locked(&mut state, &requester, message),
-                    None => {
-                        tracing::warn!(kernel_id = %self.kernel_id, "input_request for an unknown execution: sent to every client");
-                        Self::broadcast_locked(&mut state, &message);
-                    }
-                }
-            }
+            Channel::Iopub => self.deliver_iopub(&mut state, message),
+            Channel::Shell | Channel::Control => self.deliver_reply(&mut state, message),
+            Channel::Stdin => self.deliver_input_request(&mut state, message),
             Channel::Heartbeat => {}
+        }
+    }
+
+    /// iopub: hidden when the gateway's own request caused it, else to every client as the
+    /// execution decides.
+    fn deliver_iopub(&self, state: &mut State, message: Arc<Message>) {
+        let parent = message.parent_msg_id();
+        let status = ExecutionState::of_status(&message);
+        if parent.is_some_and(|p| state.internal_parents.contains(p)) {
+            self.on_internal_status(state, parent, status);
+            return;
+        }
+        if message.msg_type() == "iopub_welcome" {
+            // The welcome answers the gateway's own SUB subscription; clients never
+            // subscribed and would see it arrive unasked after every restart.
+            return;
+        }
+        if let Some(status) = status {
+            self.set_state_locked(state, status);
+        }
+        state.activity.last_activity = OffsetDateTime::now_utc();
+        let (released, verdict) = state.executions.on_iopub(message.clone(), status, parent);
+        self.send_released(state, released);
+        Self::broadcast_verdict(state, verdict);
+    }
+
+    /// A shell or control reply: to the gateway when it asked, else to its requester as the
+    /// execution decides.
+    fn deliver_reply(&self, state: &mut State, message: Arc<Message>) {
+        let Some(parent) = message.parent_msg_id() else {
+            tracing::debug!(kernel_id = %self.kernel_id, msg_type = message.msg_type(), "dropping an unparented reply");
+            return;
+        };
+        if let Some(waiter) = state.internal_replies.remove(parent) {
+            state.history.on_reply(&message);
+            let _ = waiter.send(message);
+            return;
+        }
+        let (released, verdict) = state.executions.on_reply(parent, message.clone());
+        self.send_released(state, released);
+        if !matches!(verdict, Verdict::Hold) {
+            state.history.on_reply(&message);
+        }
+        self.route_verdict(state, parent, verdict);
+    }
+
+    /// An `input_request` goes to the client whose execute asked for input.
+    fn deliver_input_request(&self, state: &mut State, message: Arc<Message>) {
+        let requester = message
+            .parent_msg_id()
+            .and_then(|p| state.pending.get(p).cloned());
+        match requester {
+            Some(requester) => self.route_locked(state, &requester, message),
+            None => {
+                tracing::warn!(kernel_id = %self.kernel_id, "input_request for an unknown execution: sent to every client");
+                Self::broadcast_locked(state, &message);
+            }
         }
     }
 
