@@ -754,6 +754,120 @@ mod tests {
         );
     }
 
+    /// A kernel message whose parent is the execute request `parent`.
+    fn of_execute(msg_type: &str, parent: &str, content: &str) -> Arc<Message> {
+        let channel = if msg_type.ends_with("_reply") {
+            Channel::Shell
+        } else {
+            Channel::Iopub
+        };
+        Arc::new(
+            Message::from_parts(
+                channel,
+                Bytes::from(format!(r#"{{"msg_id":"m","msg_type":"{msg_type}"}}"#)),
+                Bytes::from(format!(
+                    r#"{{"msg_id":"{parent}","msg_type":"execute_request"}}"#
+                )),
+                Bytes::from_static(b"{}"),
+                Bytes::from(content.to_owned()),
+                vec![],
+            )
+            .unwrap(),
+        )
+    }
+
+    fn request(id: &str) -> Message {
+        Message::from_parts(
+            Channel::Shell,
+            Bytes::from(format!(
+                r#"{{"msg_id":"{id}","msg_type":"execute_request"}}"#
+            )),
+            Bytes::from_static(b"{}"),
+            Bytes::from_static(b"{}"),
+            Bytes::from_static(b"{}"),
+            vec![],
+        )
+        .unwrap()
+    }
+
+    fn status(
+        executions: &mut Executions,
+        parent: &str,
+        state: ExecutionState,
+    ) -> Option<Released> {
+        let content = json!({"execution_state": state}).to_string();
+        let message = of_execute("status", parent, &content);
+        let (released, verdict) = executions.on_iopub(message, Some(state), Some(parent));
+        assert!(matches!(verdict, Verdict::Forward(_)), "{verdict:?}");
+        released
+    }
+
+    fn outcome_of(message: &Message) -> serde_json::Value {
+        let metadata: serde_json::Value = serde_json::from_slice(&message.metadata).unwrap();
+        metadata["cellgate"]["outcome"].clone()
+    }
+
+    #[test]
+    fn the_running_reply_waits_for_idle_and_carries_the_truncation() {
+        let mut executions = Executions::new(Some(100));
+        executions.on_request(&request("r1"));
+        assert_eq!(executions.current().as_deref(), Some("r1"));
+        assert!(status(&mut executions, "r1", ExecutionState::Busy).is_none());
+        let reply = of_execute("execute_reply", "r1", r#"{"status":"ok"}"#);
+        let (released, verdict) = executions.on_reply("r1", reply);
+        assert!(released.is_none());
+        assert!(matches!(verdict, Verdict::Hold));
+        let big = format!(r#"{{"name":"stdout","text":"{}"}}"#, "x".repeat(200));
+        let (_, first) = executions.on_iopub(of_execute("stream", "r1", &big), None, Some("r1"));
+        let Verdict::DropAndMark(marker) = first else {
+            panic!("the first output past the limit leaves a marker: {first:?}");
+        };
+        assert_eq!(outcome_of(&marker), "output_truncated");
+        let (_, second) = executions.on_iopub(of_execute("stream", "r1", &big), None, Some("r1"));
+        assert!(matches!(second, Verdict::Drop), "one marker only");
+        let released = status(&mut executions, "r1", ExecutionState::Idle).expect("released");
+        assert_eq!(released.parent, "r1");
+        let Verdict::Forward(reply) = released.verdict else {
+            panic!("{:?}", released.verdict);
+        };
+        assert_eq!(outcome_of(&reply), "output_truncated");
+        assert_eq!(executions.current(), None);
+    }
+
+    #[test]
+    fn denials_and_timeouts_reach_the_execution_they_belong_to() {
+        let mut executions = Executions::new(None);
+        let denial = Denial {
+            kind: DenialKind::Egress,
+            target: "h:1".to_owned(),
+            policy: "p".to_owned(),
+            reason: "no".to_owned(),
+        };
+        assert!(
+            executions.record_denial(denial.clone()).is_none(),
+            "nothing runs"
+        );
+        executions.on_request(&request("r1"));
+        let line = executions
+            .record_denial(denial.clone())
+            .expect("a stderr line");
+        assert_eq!(line.parent_msg_id(), Some("r1"));
+        executions.mark_timed_out("r1", "too long".to_owned());
+        let error = of_execute("error", "r1", r#"{"ename":"KeyboardInterrupt"}"#);
+        let (_, verdict) = executions.on_iopub(error, None, Some("r1"));
+        let Verdict::Forward(error) = verdict else {
+            panic!("{verdict:?}");
+        };
+        assert_eq!(error.content_json().unwrap()["ename"], "CellTimeoutError");
+        let (released, answers) = executions.fail_pending("E", "gone", Outcome::SandboxLost);
+        assert!(released.is_none());
+        assert_eq!(answers.len(), 1);
+        let metadata: serde_json::Value =
+            serde_json::from_slice(&answers[0].reply.metadata).unwrap();
+        assert_eq!(metadata["cellgate"]["outcome"], "sandbox_lost");
+        assert_eq!(metadata["cellgate"]["denials"], json!([denial]));
+    }
+
     #[test]
     fn only_limits_restart_the_kernel() {
         assert_eq!(

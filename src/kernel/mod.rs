@@ -1,5 +1,6 @@
 //! Kernels: kernelspecs, launching a kernel in a sandbox, the ZMQ channels to it, routing its
-//! messages to clients, and its lifecycle; [`KernelManager`] keeps them all.
+//! messages to clients, its executions and how they ended ([`execution`]), and its
+//! lifecycle; [`KernelManager`] keeps them all.
 //!
 //! Must not depend on: HTTP (axum types never reach this module).
 
