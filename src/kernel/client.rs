@@ -18,7 +18,7 @@
 //! `KeyboardInterrupt` as `CellTimeoutError`, outcome `timeout`), then restart the kernel if
 //! the cell ignores the interrupt for the policy's grace period.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -185,7 +185,14 @@ struct Shared {
     awaiting_input: Option<(String, Arc<Message>)>,
     /// Set once the router let go of this client: nothing more will arrive.
     closed: bool,
+    /// An execution of this client adopted display updates: those arriving while none runs
+    /// wait here for the next one (a thread of an earlier cell updates when it likes).
+    adopting: bool,
+    unclaimed_updates: VecDeque<ExecEvent>,
 }
+
+/// Display updates kept for the next adopting execution; older ones go first.
+const MAX_UNCLAIMED_UPDATES: usize = 256;
 
 /// The gateway's own client of one kernel. Detaches from the router when dropped.
 pub struct KernelClient {
@@ -294,6 +301,12 @@ impl KernelClient {
             let mut shared = self.shared.lock();
             if shared.closed {
                 return Err(KernelError::Terminated);
+            }
+            if options.adopt_display_updates {
+                shared.adopting = true;
+                for event in shared.unclaimed_updates.drain(..) {
+                    let _ = tx.send(event);
+                }
             }
             shared.pending.insert(
                 msg_id.clone(),
@@ -459,7 +472,7 @@ async fn dispatch(mut inbox: Inbox, shared: Weak<Mutex<Shared>>) {
             .map(str::to_owned);
         let Some(parent) = parent else {
             if message.channel == Channel::Iopub && message.msg_type() == "update_display_data" {
-                adopt_display_update(&shared, &message);
+                adopt_display_update(&mut shared, &message);
             }
             continue;
         };
@@ -505,21 +518,25 @@ async fn dispatch(mut inbox: Inbox, shared: Weak<Mutex<Shared>>) {
     }
 }
 
-/// Gives a display update of no execution of this client's to those that adopt them.
-fn adopt_display_update(shared: &Shared, message: &Message) {
-    let adopters: Vec<_> = shared
-        .pending
-        .values()
-        .filter(|p| p.adopt_display_updates)
-        .collect();
-    if adopters.is_empty() {
+/// Gives a display update of no execution of this client's to those that adopt them, or
+/// keeps it for the next one.
+fn adopt_display_update(shared: &mut Shared, message: &Message) {
+    if !shared.adopting {
         return;
     }
     let Some(event) = display_event(message, true) else {
         return;
     };
-    for pending in adopters {
+    let mut adopted = false;
+    for pending in shared.pending.values().filter(|p| p.adopt_display_updates) {
         let _ = pending.events.send(event.clone());
+        adopted = true;
+    }
+    if !adopted {
+        if shared.unclaimed_updates.len() >= MAX_UNCLAIMED_UPDATES {
+            shared.unclaimed_updates.pop_front();
+        }
+        shared.unclaimed_updates.push_back(event);
     }
 }
 
