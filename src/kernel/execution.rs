@@ -5,10 +5,10 @@
 //! `metadata.cellgate` and in status messages is only their wire encoding, and every consumer
 //! matches them exhaustively, so a new outcome nobody handles does not compile.
 //!
-//! [`Executions`] follows one kernel's executions: which one runs, its output against the
+//! `Executions` follows one kernel's executions: which one runs, its output against the
 //! policy's limit, whether the gateway timed it out, the policy denials it collected, its
 //! reply held until its `idle`, and whether the pids limit refused it a fork. The router hands
-//! it each delivered message of an execution and does what the returned [`Verdict`] says;
+//! it each delivered message of an execution and does what the returned `Verdict` says;
 //! `Executions` never calls back into the router, so the routing table and the supervision of
 //! executions can be read (and tested) apart.
 

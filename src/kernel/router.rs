@@ -559,8 +559,10 @@ impl Router {
         self.state.lock().executions.running()
     }
 
-    /// The execution the kernel is running as far as the gateway can tell (see
-    /// [`Executions::current`]).
+    /// The execution the kernel is running as far as the gateway can tell: the one whose
+    /// `busy` was seen, else the oldest execute still waiting for its reply (the kernel runs
+    /// them in order, and a cell's side effects, such as a proxy request, can reach the
+    /// gateway before its `busy` status does).
     pub fn current_execution(&self) -> Option<String> {
         self.state.lock().executions.current()
     }
