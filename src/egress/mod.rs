@@ -31,7 +31,7 @@ use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-use crate::kernel::Router;
+use crate::kernel::{Denial, DenialKind, Router};
 use crate::packages::PackageIndex;
 use crate::policy::Policy;
 pub use resolve::Resolver;
@@ -88,15 +88,6 @@ pub struct Session {
     connections: Arc<Semaphore>,
 }
 
-/// One denial, as attached to the execution that caused it.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Denial {
-    pub kind: &'static str,
-    pub target: String,
-    pub policy: String,
-    pub reason: String,
-}
-
 impl Session {
     pub fn new(kernel_id: &str, policy: Arc<Policy>, router: Arc<Router>, max: usize) -> Session {
         Session {
@@ -119,17 +110,14 @@ impl Session {
     }
 
     /// Logs a denial and attaches it to the running execution (if any).
-    pub fn deny(&self, kind: &'static str, target: &str, reason: String) {
-        tracing::warn!(kernel_id = %self.kernel_id, msg_id = ?self.msg_id(), policy = %self.policy.name, kind, target, %reason, "egress denied");
-        self.router.record_denial(
-            serde_json::to_value(Denial {
-                kind,
-                target: target.to_owned(),
-                policy: self.policy.name.clone(),
-                reason,
-            })
-            .unwrap_or_default(),
-        );
+    pub fn deny(&self, kind: DenialKind, target: &str, reason: String) {
+        tracing::warn!(kernel_id = %self.kernel_id, msg_id = ?self.msg_id(), policy = %self.policy.name, kind = kind.as_str(), target, %reason, "egress denied");
+        self.router.record_denial(Denial {
+            kind,
+            target: target.to_owned(),
+            policy: self.policy.name.clone(),
+            reason,
+        });
     }
 }
 

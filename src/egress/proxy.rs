@@ -129,7 +129,7 @@ async fn handle(
             "egress to {target} is not allowed by policy '{}'",
             session.policy.name
         );
-        session.deny("egress", &target, reason.clone());
+        session.deny(crate::kernel::DenialKind::Egress, &target, reason.clone());
         return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
     };
     let rule = rule.clone();
@@ -140,7 +140,7 @@ async fn handle(
             Ok(value) => Some(value),
             Err(why) => {
                 let reason = format!("egress to {target} refused: {why}");
-                session.deny("egress", &target, reason.clone());
+                session.deny(crate::kernel::DenialKind::Egress, &target, reason.clone());
                 return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
             }
         }
@@ -149,7 +149,7 @@ async fn handle(
         Ok(addrs) => addrs,
         Err(err) => {
             let reason = format!("egress to {target} refused: {err}");
-            session.deny("egress", &target, reason.clone());
+            session.deny(crate::kernel::DenialKind::Egress, &target, reason.clone());
             return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
         }
     };
@@ -272,7 +272,7 @@ async fn tunnel<C>(
         Ok((hello, bytes)) => {
             if let Some((why, alert)) = refusal(host, &hello) {
                 session.deny(
-                    "egress",
+                    crate::kernel::DenialKind::Egress,
                     target,
                     format!("egress to {target} refused: {why}"),
                 );
@@ -291,7 +291,7 @@ async fn tunnel<C>(
         }
         Err(err) => {
             session.deny(
-                "egress",
+                crate::kernel::DenialKind::Egress,
                 target,
                 format!("egress to {target} refused: {err}"),
             );

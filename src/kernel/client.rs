@@ -18,14 +18,16 @@
 //! `KeyboardInterrupt` as `CellTimeoutError`, outcome `timeout`), then restart the kernel if
 //! the cell ignores the interrupt for the policy's grace period.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
+use super::execution::{Denial, ExecutionState, Outcome};
 use super::lifecycle::Kernel;
 use super::router::{client_queue, ClientId, Inbox};
 use super::KernelError;
@@ -44,6 +46,10 @@ pub struct ExecuteOptions {
     pub allow_stdin: bool,
     /// Run without an execution count and without history (`silent`).
     pub silent: bool,
+    /// Display updates that belong to no execution of this client (from a thread or comm of
+    /// an earlier cell) come to this execution too: for a caller that keeps every output
+    /// of the kernel, such as a notebook.
+    pub adopt_display_updates: bool,
 }
 
 /// One piece of an execution, in the order the kernel produced it.
@@ -90,13 +96,16 @@ pub struct ExecuteReply {
     /// `ok`, `error` or `aborted`, as the kernel said.
     pub status: String,
     pub execution_count: Option<i64>,
-    /// `metadata.cellgate.outcome`: timeout, oom, sandbox_lost, output_truncated.
-    pub outcome: Option<String>,
-    /// `metadata.cellgate.denials`, verbatim.
-    pub denials: Vec<Value>,
+    /// `metadata.cellgate.outcome`: timeout, oom, pids, sandbox_lost, output_truncated.
+    pub outcome: Option<Outcome>,
+    /// `metadata.cellgate.denials`.
+    pub denials: Vec<Denial>,
     pub ename: Option<String>,
     pub evalue: Option<String>,
     pub traceback: Vec<String>,
+    /// This request's own timeout ([`ExecuteOptions::timeout`]) passed while the cell ran
+    /// (whichever timeout's interrupt got there first).
+    pub request_timed_out: bool,
 }
 
 impl ExecuteReply {
@@ -107,24 +116,35 @@ impl ExecuteReply {
         ExecuteReply {
             status: content["status"].as_str().unwrap_or("error").to_owned(),
             execution_count: content["execution_count"].as_i64(),
-            outcome: cellgate["outcome"].as_str().map(str::to_owned),
-            denials: cellgate["denials"].as_array().cloned().unwrap_or_default(),
+            // Read one by one: a kernel can put anything in its reply's metadata, and a value
+            // that is none of ours must not hide those that are.
+            outcome: Outcome::deserialize(&cellgate["outcome"]).ok(),
+            denials: cellgate["denials"]
+                .as_array()
+                .map(|all| {
+                    all.iter()
+                        .filter_map(|d| Denial::deserialize(d).ok())
+                        .collect()
+                })
+                .unwrap_or_default(),
             ename: content["ename"].as_str().map(str::to_owned),
             evalue: content["evalue"].as_str().map(str::to_owned),
             traceback: strings(&content["traceback"]),
+            request_timed_out: false,
         }
     }
 
     /// A reply the client makes up for an execution the kernel will never answer.
-    fn synthetic(ename: &str, evalue: &str, outcome: Option<&str>) -> ExecuteReply {
+    fn synthetic(ename: &str, evalue: &str, outcome: Option<Outcome>) -> ExecuteReply {
         ExecuteReply {
             status: "error".to_owned(),
             execution_count: None,
-            outcome: outcome.map(str::to_owned),
+            outcome,
             denials: Vec::new(),
             ename: Some(ename.to_owned()),
             evalue: Some(evalue.to_owned()),
             traceback: vec![format!("{ename}: {evalue}")],
+            request_timed_out: false,
         }
     }
 }
@@ -153,6 +173,9 @@ struct Pending {
     /// The router's truncation marker went by: the output limit cut this cell off, even
     /// when its reply overtook the output (iopub and shell race) and carries no outcome.
     truncated: bool,
+    /// The request's own timeout passed while it ran.
+    timed_out: bool,
+    adopt_display_updates: bool,
 }
 
 #[derive(Default)]
@@ -162,7 +185,14 @@ struct Shared {
     awaiting_input: Option<(String, Arc<Message>)>,
     /// Set once the router let go of this client: nothing more will arrive.
     closed: bool,
+    /// An execution of this client adopted display updates: those arriving while none runs
+    /// wait here for the next one (a thread of an earlier cell updates when it likes).
+    adopting: bool,
+    unclaimed_updates: VecDeque<ExecEvent>,
 }
+
+/// Display updates kept for the next adopting execution; older ones go first.
+const MAX_UNCLAIMED_UPDATES: usize = 256;
 
 /// The gateway's own client of one kernel. Detaches from the router when dropped.
 pub struct KernelClient {
@@ -192,12 +222,13 @@ impl Shared {
                 ExecuteReply::synthetic(
                     "KernelDiedError",
                     "the kernel ended before it answered",
-                    Some("sandbox_lost"),
+                    Some(Outcome::SandboxLost),
                 )
             });
             if pending.truncated && reply.outcome.is_none() {
-                reply.outcome = Some("output_truncated".to_owned());
+                reply.outcome = Some(Outcome::OutputTruncated);
             }
+            reply.request_timed_out = pending.timed_out;
             let _ = pending.events.send(ExecEvent::Done(reply));
         }
         if self
@@ -209,11 +240,12 @@ impl Shared {
         }
     }
 
-    fn finish_all(&mut self, ename: &str, evalue: &str, outcome: Option<&str>) {
+    fn finish_all(&mut self, ename: &str, evalue: &str, outcome: Option<Outcome>) {
         for (_, pending) in self.pending.drain() {
-            let reply = pending
+            let mut reply = pending
                 .reply
                 .unwrap_or_else(|| ExecuteReply::synthetic(ename, evalue, outcome));
+            reply.request_timed_out = pending.timed_out;
             let _ = pending.events.send(ExecEvent::Done(reply));
         }
         self.awaiting_input = None;
@@ -270,6 +302,12 @@ impl KernelClient {
             if shared.closed {
                 return Err(KernelError::Terminated);
             }
+            if options.adopt_display_updates {
+                shared.adopting = true;
+                for event in shared.unclaimed_updates.drain(..) {
+                    let _ = tx.send(event);
+                }
+            }
             shared.pending.insert(
                 msg_id.clone(),
                 Pending {
@@ -277,6 +315,8 @@ impl KernelClient {
                     reply: None,
                     idle: false,
                     truncated: false,
+                    timed_out: false,
+                    adopt_display_updates: options.adopt_display_updates,
                 },
             );
         }
@@ -342,6 +382,12 @@ impl KernelClient {
         result
     }
 
+    /// Whether the router let go of this client (the kernel was shut down, or the client
+    /// fell too far behind): nothing more will arrive.
+    pub fn is_closed(&self) -> bool {
+        self.shared.lock().closed
+    }
+
     /// Ends every execution still waiting, with `ename: evalue`.
     pub fn abandon(&self, ename: &str, evalue: &str) {
         self.shared.lock().finish_all(ename, evalue, None);
@@ -375,6 +421,9 @@ fn spawn_timeout(
                 .map(|(_, elapsed)| elapsed);
             match (interrupted, running) {
                 (None, Some(elapsed)) if elapsed >= limit => {
+                    if let Some(pending) = shared.lock().pending.get_mut(&msg_id) {
+                        pending.timed_out = true;
+                    }
                     // The policy's watchdog may have got there first.
                     if router.timed_out_since(&msg_id).is_none() {
                         router.mark_timed_out(
@@ -417,12 +466,16 @@ async fn dispatch(mut inbox: Inbox, shared: Weak<Mutex<Shared>>) {
             return;
         };
         let mut shared = shared_arc.lock();
-        let Some(parent) = message.parent_msg_id().map(str::to_owned) else {
+        let parent = message
+            .parent_msg_id()
+            .filter(|p| shared.pending.contains_key(*p))
+            .map(str::to_owned);
+        let Some(parent) = parent else {
+            if message.channel == Channel::Iopub && message.msg_type() == "update_display_data" {
+                adopt_display_update(&mut shared, &message);
+            }
             continue;
         };
-        if !shared.pending.contains_key(&parent) {
-            continue;
-        }
         match message.channel {
             Channel::Iopub => handle_iopub(&mut shared, &parent, &message),
             Channel::Shell if message.msg_type() == "execute_reply" => {
@@ -460,9 +513,44 @@ async fn dispatch(mut inbox: Inbox, shared: Weak<Mutex<Shared>>) {
         shared.finish_all(
             "KernelDiedError",
             "the kernel was shut down",
-            Some("sandbox_lost"),
+            Some(Outcome::SandboxLost),
         );
     }
+}
+
+/// Gives a display update of no execution of this client's to those that adopt them, or
+/// keeps it for the next one.
+fn adopt_display_update(shared: &mut Shared, message: &Message) {
+    if !shared.adopting {
+        return;
+    }
+    let Some(event) = display_event(message, true) else {
+        return;
+    };
+    let mut adopted = false;
+    for pending in shared.pending.values().filter(|p| p.adopt_display_updates) {
+        let _ = pending.events.send(event.clone());
+        adopted = true;
+    }
+    if !adopted {
+        if shared.unclaimed_updates.len() >= MAX_UNCLAIMED_UPDATES {
+            shared.unclaimed_updates.pop_front();
+        }
+        shared.unclaimed_updates.push_back(event);
+    }
+}
+
+/// A `display_data` (`update: false`) or `update_display_data` as its event.
+fn display_event(message: &Message, update: bool) -> Option<ExecEvent> {
+    let mut content = message.content_json()?;
+    Some(ExecEvent::Display {
+        data: take_object(&mut content["data"]),
+        metadata: content["metadata"].take(),
+        display_id: content["transient"]["display_id"]
+            .as_str()
+            .map(str::to_owned),
+        update,
+    })
 }
 
 /// Finishes an execution whose reply came but whose `idle` status does not.
@@ -478,30 +566,26 @@ fn spawn_idle_fallback(shared: Weak<Mutex<Shared>>, msg_id: String) {
 fn handle_iopub(shared: &mut Shared, parent: &str, message: &Message) {
     let content = || message.content_json().unwrap_or(Value::Null);
     let event = match message.msg_type() {
-        "status" => {
-            let content = content();
-            match content["execution_state"].as_str() {
-                Some("busy") => Some(ExecEvent::Busy),
-                Some("idle") => {
-                    let replied = match shared.pending.get_mut(parent) {
-                        Some(pending) => {
-                            pending.idle = true;
-                            pending.reply.is_some()
-                        }
-                        None => false,
-                    };
-                    if replied {
-                        shared.finish(parent);
+        "status" => match ExecutionState::of_status(message) {
+            Some(ExecutionState::Busy) => Some(ExecEvent::Busy),
+            Some(ExecutionState::Idle) => {
+                let replied = match shared.pending.get_mut(parent) {
+                    Some(pending) => {
+                        pending.idle = true;
+                        pending.reply.is_some()
                     }
-                    None
+                    None => false,
+                };
+                if replied {
+                    shared.finish(parent);
                 }
-                _ => None,
+                None
             }
-        }
+            Some(ExecutionState::Starting | ExecutionState::Restarting | ExecutionState::Dead)
+            | None => None,
+        },
         "stream" => {
-            let marker = serde_json::from_slice::<Value>(&message.metadata)
-                .is_ok_and(|m| m["cellgate"]["outcome"] == "output_truncated");
-            if marker {
+            if marker_outcome(message) == Some(Outcome::OutputTruncated) {
                 if let Some(pending) = shared.pending.get_mut(parent) {
                     pending.truncated = true;
                 }
@@ -513,14 +597,14 @@ fn handle_iopub(shared: &mut Shared, parent: &str, message: &Message) {
             })
         }
         kind @ ("display_data" | "update_display_data") => {
-            let mut content = content();
-            Some(ExecEvent::Display {
-                data: take_object(&mut content["data"]),
-                metadata: content["metadata"].take(),
-                display_id: content["transient"]["display_id"]
-                    .as_str()
-                    .map(str::to_owned),
-                update: kind == "update_display_data",
+            // Unparsable content still counts as a display, as it always did.
+            display_event(message, kind == "update_display_data").or_else(|| {
+                Some(ExecEvent::Display {
+                    data: Map::new(),
+                    metadata: Value::Null,
+                    display_id: None,
+                    update: kind == "update_display_data",
+                })
             })
         }
         "execute_result" => {
@@ -547,6 +631,21 @@ fn handle_iopub(shared: &mut Shared, parent: &str, message: &Message) {
     if let (Some(event), Some(pending)) = (event, shared.pending.get(parent)) {
         let _ = pending.events.send(event);
     }
+}
+
+/// The outcome a gateway marker line carries (`metadata.cellgate.outcome`).
+fn marker_outcome(message: &Message) -> Option<Outcome> {
+    #[derive(serde::Deserialize)]
+    struct Metadata {
+        cellgate: Cellgate,
+    }
+    #[derive(serde::Deserialize)]
+    struct Cellgate {
+        outcome: Outcome,
+    }
+    serde_json::from_slice::<Metadata>(&message.metadata)
+        .ok()
+        .map(|m| m.cellgate.outcome)
 }
 
 fn take_object(value: &mut Value) -> Map<String, Value> {

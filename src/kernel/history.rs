@@ -20,6 +20,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use time::OffsetDateTime;
 
+use super::execution::ExecutionState;
 use crate::protocol::Message;
 use crate::timestamp::format_timestamp;
 
@@ -369,28 +370,19 @@ impl History {
         let Some(&index) = inner.open.get(parent) else {
             return;
         };
-        let status = if msg_type == "status" {
-            let Some(state) = message.content_json().and_then(|c| {
-                c.get("execution_state")
-                    .and_then(Value::as_str)
-                    .map(str::to_owned)
-            }) else {
-                return;
+        if msg_type == "status" {
+            let (key, idle) = match ExecutionState::of_status(message) {
+                Some(ExecutionState::Busy) => ("iopub.status.busy", false),
+                Some(ExecutionState::Idle) => ("iopub.status.idle", true),
+                Some(
+                    ExecutionState::Starting | ExecutionState::Restarting | ExecutionState::Dead,
+                )
+                | None => return,
             };
-            Some(state)
-        } else {
-            None
-        };
-        let status = status.as_deref();
-        if let Some(status) = status {
-            let key = match status {
-                "busy" => "iopub.status.busy",
-                "idle" => "iopub.status.idle",
-                _ => return,
-            };
-            inner.cells[index].timing.insert(key.to_owned(), now());
-            if status == "idle" {
-                inner.cells[index].idle = true;
+            let cell = &mut inner.cells[index];
+            cell.timing.insert(key.to_owned(), now());
+            if idle {
+                cell.idle = true;
                 Self::maybe_close(&mut inner, index);
             }
             return;

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::channels::{spawn_heartbeat, Channels};
+use super::execution::{limit_exit, ExecutionState, Outcome};
 use super::launch::{kernel_env, write_connection_file, KernelDirs};
 use super::router::{ClientId, Router};
 use super::spec::{InterruptMode, KernelSpec};
@@ -297,6 +298,7 @@ impl Kernel {
     /// Sends `kernel_info_request`s every half second until one is answered and the iopub
     /// subscription has delivered the status it caused.
     async fn nudge_until_ready(&self, instance: &Instance) -> Result<(), KernelError> {
+        let subscribed = || self.router.activity().execution_state != ExecutionState::Starting;
         loop {
             let request = Message::new(
                 Channel::Shell,
@@ -305,20 +307,27 @@ impl Kernel {
                 None,
                 &json!({}),
             );
-            let reply = self.router.register_internal(request.msg_id());
+            let mut reply = Some(self.router.register_internal(request.msg_id()));
             instance.channels.send(&request).await?;
             let deadline = tokio::time::sleep(Duration::from_millis(500));
             tokio::pin!(deadline);
             let mut replied = false;
-            let mut reply = reply;
             loop {
-                tokio::select! {
-                    answer = &mut reply, if !replied => { replied = answer.is_ok(); }
-                    _ = tokio::time::sleep(Duration::from_millis(5)) => {}
-                    _ = &mut deadline => break,
-                }
-                if replied && self.router.activity().execution_state != "starting" {
+                // Made before the check, so a status arriving between the check and the wait
+                // still wakes it.
+                let status = self.router.left_starting();
+                if replied && subscribed() {
                     return Ok(());
+                }
+                tokio::select! {
+                    answer = async { reply.as_mut()?.await.ok() }, if reply.is_some() => {
+                        // Answered, or dropped with a generation that is gone (the next
+                        // nudge or the start timeout decides then).
+                        replied = answer.is_some();
+                        reply = None;
+                    }
+                    _ = status => {}
+                    _ = &mut deadline => break,
                 }
             }
         }
@@ -405,14 +414,8 @@ impl Kernel {
                 tracing::info!(kernel_id = %kernel.id, generation, "kernel process exited as asked");
                 return;
             }
-            let limit = if report.is_oom() {
-                Some(("OutOfMemoryError", "oom", "out of memory"))
-            } else if report.is_pids_limit() {
-                Some(("ProcessLimitError", "pids", "reached its process limit"))
-            } else {
-                None
-            };
-            if let Some((ename, outcome, what)) = limit {
+            if let Some(limit) = limit_exit(report.cause()) {
+                let what = limit.what;
                 // A limit ended the kernel: like Jupyter's auto-restart, but the cell that
                 // caused it is told why, and the state generation moves on.
                 let evalue = format!(
@@ -423,18 +426,20 @@ impl Kernel {
                 // Hold client messages until the new process is ready, and tell clients the
                 // way jupyter_server does for an automatic restart.
                 kernel.readiness.send_replace(Readiness::Starting);
-                kernel.router.set_execution_state("restarting");
+                kernel
+                    .router
+                    .set_execution_state(ExecutionState::Restarting);
                 kernel.router.broadcast(Message::new(
                     Channel::Iopub,
                     "status",
                     &kernel.session,
                     None,
-                    &json!({"execution_state": "restarting"}),
+                    &json!({"execution_state": ExecutionState::Restarting}),
                 ));
                 *kernel.last_restart_reason.lock() = Some(evalue.clone());
                 kernel
                     .router
-                    .fail_pending_executions(ename, &evalue, outcome);
+                    .fail_pending_executions(limit.ename, &evalue, limit.outcome);
                 if let Err(err) = kernel.restart().await {
                     tracing::error!(kernel_id = %kernel.id, %err, "restart after the kernel {what} failed");
                 }
@@ -454,7 +459,7 @@ impl Kernel {
             kernel.router.fail_pending_executions(
                 "KernelDiedError",
                 &format!("the kernel process ended: {reason}"),
-                "sandbox_lost",
+                Outcome::SandboxLost,
             );
             kernel.mark_dead(reason);
         });
@@ -466,14 +471,14 @@ impl Kernel {
         }
         self.readiness.send_replace(Readiness::Dead(reason));
         self.router.clear_internal();
-        self.router.set_execution_state("dead");
+        self.router.set_execution_state(ExecutionState::Dead);
         // Clients learn it the way jupyter_server tells them.
         self.router.broadcast(Message::new(
             Channel::Iopub,
             "status",
             &self.session,
             None,
-            &json!({"execution_state": "dead"}),
+            &json!({"execution_state": ExecutionState::Dead}),
         ));
     }
 
@@ -658,7 +663,7 @@ impl Kernel {
         self.stop_instance(true).await;
         self.router.clear_running();
         self.readiness.send_replace(Readiness::Starting);
-        self.router.set_execution_state("starting");
+        self.router.set_execution_state(ExecutionState::Starting);
         let launched = match self.launch_generation().await {
             Ok(launched) => launched,
             Err(err) => {
@@ -766,6 +771,24 @@ impl Kernel {
         self.owner.set(tenant.to_owned()).is_ok()
     }
 
+    /// The kernel's `execution_state` as the kernel model gives it.
+    pub fn execution_state(&self) -> ExecutionState {
+        Self::execution_state_of(&self.readiness(), &self.router.activity())
+    }
+
+    fn execution_state_of(
+        readiness: &Readiness,
+        activity: &super::router::Activity,
+    ) -> ExecutionState {
+        match readiness {
+            // The exit watch may not have told the router yet.
+            Readiness::Dead(_) => ExecutionState::Dead,
+            Readiness::Starting | Readiness::Ready | Readiness::Terminated => {
+                activity.execution_state
+            }
+        }
+    }
+
     /// The kernel model of the Kernel Gateway API.
     pub fn model(&self) -> Value {
         let activity = self.router.activity();
@@ -774,10 +797,7 @@ impl Kernel {
             "id": self.id,
             "name": self.spec.name,
             "last_activity": format_timestamp(activity.last_activity),
-            "execution_state": match &readiness {
-                Readiness::Dead(_) => "dead",
-                _ => activity.execution_state.as_str(),
-            },
+            "execution_state": Self::execution_state_of(&readiness, &activity),
             "connections": self.router.connections(),
         });
         if let Readiness::Dead(reason) = readiness {

@@ -444,7 +444,7 @@ impl KernelManager {
         let mut doomed = Vec::new();
         for kernel in self.list() {
             let idle_for = now - kernel.last_activity();
-            let busy = kernel.router().activity().execution_state == "busy";
+            let busy = kernel.router().activity().execution_state == super::ExecutionState::Busy;
             let dead = matches!(kernel.readiness(), Readiness::Dead(_));
             let unattended = self.options.cull_connected || kernel.connections() == 0;
             let reason = match (self.options.cull_idle_timeout, kernel.policy_idle_timeout()) {

@@ -1,10 +1,12 @@
 //! Kernels: kernelspecs, launching a kernel in a sandbox, the ZMQ channels to it, routing its
-//! messages to clients, and its lifecycle; [`KernelManager`] keeps them all.
+//! messages to clients, its executions and how they ended ([`execution`]), and its
+//! lifecycle; [`KernelManager`] keeps them all.
 //!
 //! Must not depend on: HTTP (axum types never reach this module).
 
 mod channels;
 pub mod client;
+pub mod execution;
 pub mod history;
 mod launch;
 mod lifecycle;
@@ -16,6 +18,7 @@ use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
 pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
+pub use execution::{Denial, DenialKind, ExecutionState, ExitCause, Outcome};
 pub use history::{History, HistorySnapshot};
 pub use lifecycle::{Kernel, KernelOptions, Readiness};
 // Only for sessions/, which still names it here (being reworked on another branch); the

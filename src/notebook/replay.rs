@@ -2,8 +2,9 @@
 //! outputs with the notebook's.
 //!
 //! The engine ([`replay_with`]) drives any [`CellRunner`]; [`KernelRunner`] executes on a
-//! kernel of the [`KernelManager`] through the router, as one more client of it (so the
-//! kernel's policy, timeouts and output limits apply as to any client). It stops at the first
+//! kernel of the [`KernelManager`] through a [`KernelClient`], as one more client of it (so
+//! the kernel's policy, timeouts and output limits apply as to any client, and a cell's
+//! timeout interrupts it the way the client's does for API v1). It stops at the first
 //! error unless the cell is tagged `raises-exception` or errors are allowed; later cells are
 //! reported as skipped.
 
@@ -21,14 +22,13 @@ use super::export::typed_outputs;
 use super::parse::{write_notebook, ParsedNotebook};
 use super::NotebookError;
 use crate::kernel::history::OutputLog;
-use crate::kernel::{client_queue, ClientId, Inbox, Kernel, KernelManager, POLICY_ENV};
-use crate::protocol::{Channel, Message};
+use crate::kernel::{
+    ExecEvent, ExecuteOptions, ExecuteReply, Kernel, KernelClient, KernelManager, Outcome,
+    POLICY_ENV,
+};
 
 /// How long a cell may run when neither the request nor the cell says.
 pub const DEFAULT_CELL_TIMEOUT: Duration = Duration::from_secs(120);
-/// After interrupting a cell that ran past its timeout, how long to wait for its reply before
-/// the kernel counts as lost.
-const INTERRUPT_WAIT: Duration = Duration::from_secs(10);
 
 /// What a replay is asked to do.
 #[derive(Debug, Clone, Default)]
@@ -115,155 +115,104 @@ pub trait CellRunner {
     fn language_info(&self) -> Option<Value>;
 }
 
-/// A [`CellRunner`] on a gateway kernel: attached to its router like a WebSocket client.
+/// A [`CellRunner`] on a gateway kernel, through its own [`KernelClient`].
 pub struct KernelRunner {
-    kernel: Arc<Kernel>,
-    client: ClientId,
-    inbox: Inbox,
-    session: String,
+    client: KernelClient,
 }
 
 impl KernelRunner {
+    /// Attaches to `kernel`. Must be called inside a tokio runtime.
     pub fn new(kernel: Arc<Kernel>) -> KernelRunner {
-        let session = format!("cellgate-replay-{}", uuid::Uuid::new_v4().simple());
-        let (outbox, inbox) = client_queue();
-        let (client, _) = kernel.router().attach(&session, outbox);
         KernelRunner {
-            kernel,
-            client,
-            inbox,
-            session,
+            client: KernelClient::attach(kernel),
         }
     }
 
-    fn apply(run: &mut CellRun, message: &Message) {
-        let msg_type = message.msg_type();
-        match msg_type {
-            "execute_input" => {
-                if let Some(count) = message
-                    .content_json()
-                    .and_then(|c| c.get("execution_count").and_then(Value::as_i64))
-                {
-                    run.execution_count = Some(count);
+    /// Adds one event of the cell to its run.
+    fn apply(run: &mut CellRun, event: ExecEvent) {
+        let (msg_type, content) = match event {
+            ExecEvent::Stream { name, text } => ("stream", json!({"name": name, "text": text})),
+            ExecEvent::Display {
+                data,
+                metadata,
+                display_id,
+                update: false,
+            } => (
+                "display_data",
+                json!({"data": data, "metadata": metadata, "transient": {"display_id": display_id}}),
+            ),
+            ExecEvent::Display {
+                data,
+                metadata,
+                display_id,
+                update: true,
+            } => {
+                // Updates of earlier cells' displays (from a thread, say) belong to the
+                // notebook too: the client hands them to this execution.
+                if let Some(id) = display_id {
+                    let (data, metadata) = (Value::Object(data), metadata);
+                    run.outputs.update_display(&id, &data, &metadata);
+                    run.display_updates.push((id, data, metadata));
                 }
+                return;
             }
-            "update_display_data" => {
-                let Some(content) = message.content_json() else {
-                    return;
-                };
-                let Some(id) = content["transient"]["display_id"].as_str() else {
-                    return;
-                };
-                run.outputs
-                    .update_display(id, &content["data"], &content["metadata"]);
-                run.display_updates.push((
-                    id.to_owned(),
-                    content["data"].clone(),
-                    content["metadata"].clone(),
-                ));
+            ExecEvent::Result {
+                execution_count,
+                data,
+                metadata,
+            } => (
+                "execute_result",
+                json!({"execution_count": execution_count, "data": data, "metadata": metadata}),
+            ),
+            ExecEvent::Error {
+                ename,
+                evalue,
+                traceback,
+            } => {
+                run.error = Some(format!("{ename}: {evalue}"));
+                (
+                    "error",
+                    json!({"ename": ename, "evalue": evalue, "traceback": traceback}),
+                )
             }
-            "error" => {
-                // After a timeout the interrupt's KeyboardInterrupt is not the cell's error.
-                if let Some(content) = message.content_json().filter(|_| !run.timed_out) {
-                    run.error = Some(format!(
-                        "{}: {}",
-                        content["ename"].as_str().unwrap_or(""),
-                        content["evalue"].as_str().unwrap_or("")
-                    ));
-                }
-                run.outputs.apply(msg_type, &message.content);
-            }
-            _ if OutputLog::records(msg_type) => {
-                run.outputs.apply(msg_type, &message.content);
-            }
-            _ => {}
-        }
+            ExecEvent::ClearOutput { wait } => ("clear_output", json!({"wait": wait})),
+            // Replays run with stdin off: `input()` raises in the kernel.
+            ExecEvent::Busy | ExecEvent::InputRequest { .. } | ExecEvent::Done(_) => return,
+        };
+        run.outputs.apply(msg_type, content.to_string().as_bytes());
     }
-}
 
-impl Drop for KernelRunner {
-    fn drop(&mut self) {
-        self.kernel.router().detach(self.client);
-    }
-}
-
-impl CellRunner for KernelRunner {
-    async fn execute(&mut self, code: &str, timeout: Duration) -> Result<CellRun, NotebookError> {
-        let request = Message::new(
-            Channel::Shell,
-            "execute_request",
-            &self.session,
-            None,
-            &json!({"code": code, "silent": false, "store_history": true, "user_expressions": {},
-                    "allow_stdin": false, "stop_on_error": true}),
-        );
-        let msg_id = request.msg_id().to_owned();
-        self.kernel
-            .send(self.client, &self.session, request)
-            .await?;
-        let mut run = CellRun::default();
-        let (mut replied, mut idle) = (false, false);
-        let mut deadline = tokio::time::Instant::now() + timeout;
-        while !(replied && idle) {
-            let message = match tokio::time::timeout_at(deadline, self.inbox.recv()).await {
-                Ok(Some(message)) => message,
-                Ok(None) => return Err(NotebookError::KernelLost("its queue closed".to_owned())),
-                Err(_) if !run.timed_out => {
-                    run.timed_out = true;
-                    run.error = Some(format!(
-                        "CellTimeoutError: the cell ran longer than its timeout of {} s and was interrupted",
-                        timeout.as_secs()
-                    ));
-                    self.kernel.interrupt().await?;
-                    deadline = tokio::time::Instant::now() + INTERRUPT_WAIT;
-                    continue;
-                }
-                Err(_) => {
-                    return Err(NotebookError::KernelLost(format!(
-                        "no reply {} s after interrupting a cell that timed out",
-                        INTERRUPT_WAIT.as_secs()
-                    )))
-                }
-            };
-            if message.parent_msg_id() != Some(msg_id.as_str()) {
-                // A display update from a comm or background thread still belongs to the notebook.
-                if message.msg_type() == "update_display_data" {
-                    Self::apply(&mut run, &message);
-                }
-                continue;
-            }
-            match message.channel {
-                Channel::Shell if message.msg_type() == "execute_reply" => {
-                    replied = true;
-                    if let Some(content) = message.content_json() {
-                        if let Some(count) = content["execution_count"].as_i64() {
-                            run.execution_count = Some(count);
-                        }
-                        if content["status"] == "error" && run.error.is_none() {
-                            run.error = Some(format!(
-                                "{}: {}",
-                                content["ename"].as_str().unwrap_or(""),
-                                content["evalue"].as_str().unwrap_or("")
-                            ));
-                        }
-                    }
-                }
-                Channel::Iopub => {
-                    if message.msg_type() == "status" {
-                        idle |= message
-                            .content_json()
-                            .is_some_and(|c| c["execution_state"] == "idle");
-                    } else {
-                        Self::apply(&mut run, &message);
-                    }
-                }
-                _ => {}
-            }
+    /// Completes the run from the cell's reply.
+    fn finish(
+        &self,
+        run: &mut CellRun,
+        reply: ExecuteReply,
+        timeout: Duration,
+        generation: u64,
+    ) -> Result<(), NotebookError> {
+        if reply.execution_count.is_some() {
+            run.execution_count = reply.execution_count;
         }
-        if run.timed_out {
-            // The interrupt's KeyboardInterrupt stands for the timeout.
+        if reply.request_timed_out {
+            if self.client.kernel().generation() != generation {
+                // The cell ignored the interrupt and the client restarted the kernel.
+                return Err(NotebookError::KernelLost(format!(
+                    "no reply {} s after interrupting a cell that timed out",
+                    self.client.kernel().interrupt_grace().as_secs()
+                )));
+            }
+            run.timed_out = true;
+            run.error = Some(format!(
+                "CellTimeoutError: the cell ran longer than its timeout of {} s and was interrupted",
+                timeout.as_secs()
+            ));
+            // The interrupt's error (the router's CellTimeoutError) stands for the timeout,
+            // said in the replay's own words.
             run.outputs.outputs.retain(|o| {
-                o.output.get("ename").and_then(Value::as_str) != Some("KeyboardInterrupt")
+                !matches!(
+                    o.output.get("ename").and_then(Value::as_str),
+                    Some("KeyboardInterrupt" | "CellTimeoutError")
+                )
             });
             run.outputs.apply(
                 "error",
@@ -271,12 +220,53 @@ impl CellRunner for KernelRunner {
                     .to_string()
                     .as_bytes(),
             );
+            return Ok(());
         }
-        Ok(run)
+        if self.client.is_closed() && reply.outcome == Some(Outcome::SandboxLost) {
+            return Err(NotebookError::KernelLost("its queue closed".to_owned()));
+        }
+        if reply.status == "error" && run.error.is_none() {
+            run.error = Some(format!(
+                "{}: {}",
+                reply.ename.as_deref().unwrap_or(""),
+                reply.evalue.as_deref().unwrap_or("")
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl CellRunner for KernelRunner {
+    async fn execute(&mut self, code: &str, timeout: Duration) -> Result<CellRun, NotebookError> {
+        let generation = self.client.kernel().generation();
+        let options = ExecuteOptions {
+            timeout: Some(timeout),
+            allow_stdin: false,
+            silent: false,
+            adopt_display_updates: true,
+        };
+        let mut execution = self.client.execute(code, options).await?;
+        let mut run = CellRun::default();
+        // The client ends every execution with `Done`, also when the kernel goes away.
+        while let Some(event) = execution.events.recv().await {
+            match event {
+                ExecEvent::Done(reply) => {
+                    self.finish(&mut run, reply, timeout, generation)?;
+                    return Ok(run);
+                }
+                event => Self::apply(&mut run, event),
+            }
+        }
+        Err(NotebookError::KernelLost("its queue closed".to_owned()))
     }
 
     fn language_info(&self) -> Option<Value> {
-        self.kernel.router().history().snapshot().language_info
+        self.client
+            .kernel()
+            .router()
+            .history()
+            .snapshot()
+            .language_info
     }
 }
 

@@ -331,7 +331,7 @@ impl PackageIndex {
         let rule = match self.permission(session, &project) {
             Ok(rule) => rule,
             Err(reason) => {
-                session.deny("package", &project, reason.clone());
+                session.deny(crate::kernel::DenialKind::Package, &project, reason.clone());
                 return text(StatusCode::NOT_FOUND, format!("cellgate: {reason}"));
             }
         };
@@ -540,12 +540,20 @@ impl PackageIndex {
                     "package '{}' version {} is not allowed by policy '{}'",
                     entry.project, entry.version, session.policy.name
                 );
-                session.deny("package", &entry.project, reason.clone());
+                session.deny(
+                    crate::kernel::DenialKind::Package,
+                    &entry.project,
+                    reason.clone(),
+                );
                 return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
             }
             Ok(_) => {}
             Err(reason) => {
-                session.deny("package", &entry.project, reason.clone());
+                session.deny(
+                    crate::kernel::DenialKind::Package,
+                    &entry.project,
+                    reason.clone(),
+                );
                 return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
             }
         }

@@ -96,7 +96,8 @@ use tokio::sync::watch;
 use super::namespaces::{argv_files, visible_roots, SYSTEM_PREFIXES};
 use super::relocate::{self, KernelView, VenvEntry};
 use super::{
-    Backend, ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxError, SandboxHandle,
+    Backend, ExitCause, ExitReason, ExitReport, LaunchSpec, Launched, Limits, Sandbox,
+    SandboxError, SandboxHandle,
 };
 
 /// Host threads and processes of the runsc machinery (Sentry threads, gofer, ptrace stubs)
@@ -700,19 +701,25 @@ async fn watch_exit(
             // a CI run). Any abnormal end with an OOM kill counted is an out-of-memory end.
             let abnormal = signal.is_some() || code != Some(0);
             let reason = if abnormal && oom_kills > 0 {
-                Some(match memory_limit {
-                    Some(bytes) => format!(
-                        "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, \
-                         workspace files included; gVisor ends the whole sandbox)"
-                    ),
-                    None => "kernel process killed by the out-of-memory killer".to_owned(),
-                })
+                Some(ExitReason::new(
+                    ExitCause::OutOfMemory,
+                    match memory_limit {
+                        Some(bytes) => format!(
+                            "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, \
+                             workspace files included; gVisor ends the whole sandbox)"
+                        ),
+                        None => "kernel process killed by the out-of-memory killer".to_owned(),
+                    },
+                ))
             } else if abnormal && pids_hits > 0 {
                 // The Sentry cannot run without creating threads: when the guest's forks
                 // exhaust the pids limit, gVisor itself fails and the sandbox ends.
-                Some(format!(
-                    "the sandbox reached its process limit ({}: {pids_hits} forks refused) and gVisor ended it",
-                    crate::sandbox::PIDS_LIMIT_REASON
+                Some(ExitReason::new(
+                    ExitCause::PidsLimit,
+                    format!(
+                        "the sandbox reached its process limit ({}: {pids_hits} forks refused) and gVisor ended it",
+                        crate::sandbox::PIDS_LIMIT_REASON
+                    ),
                 ))
             } else {
                 None
@@ -726,7 +733,10 @@ async fn watch_exit(
         Err(err) => ExitReport {
             code: None,
             signal: None,
-            reason: Some(format!("lost track of runsc: {err}")),
+            reason: Some(ExitReason::new(
+                ExitCause::SandboxFailed,
+                format!("lost track of runsc: {err}"),
+            )),
         },
     };
     // Reported at once (a death within a second), then cleaned up: the Sentry and the gofer

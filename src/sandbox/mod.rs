@@ -188,36 +188,76 @@ pub struct LaunchSpec {
 /// The words an [`ExitReport`] reason uses for the pids limit.
 pub const PIDS_LIMIT_REASON: &str = "policy pids limit";
 
+/// Why a sandbox ended, as far as its backend can tell. The kernel side maps it to the
+/// cell's outcome (`kernel::execution`); nothing classifies the reason's text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitCause {
+    /// The kernel exited or was killed by a signal; its code or signal says the rest.
+    Exited,
+    /// The out-of-memory killer ended it (the sandbox's memory limit).
+    OutOfMemory,
+    /// The sandbox's pids limit ended it (gVisor cannot survive that; the namespaces backend
+    /// can, and reports it per execution instead).
+    PidsLimit,
+    /// The sandbox itself failed, or the gateway lost track of it.
+    SandboxFailed,
+}
+
+/// A backend's explanation of an end: its cause and the sentence people see. It reads as
+/// that sentence (`Deref<Target = str>`), which is all a person or a log wants of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitReason {
+    pub cause: ExitCause,
+    pub text: String,
+}
+
+impl ExitReason {
+    pub fn new(cause: ExitCause, text: String) -> ExitReason {
+        ExitReason { cause, text }
+    }
+}
+
+impl std::ops::Deref for ExitReason {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.text
+    }
+}
+
+impl std::fmt::Display for ExitReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
 /// How a kernel process ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExitReport {
     pub code: Option<i32>,
     pub signal: Option<i32>,
     /// A backend's explanation when it knows more (OOM kill, limit hit, sandbox failure).
-    pub reason: Option<String>,
+    pub reason: Option<ExitReason>,
 }
 
 impl ExitReport {
-    /// Whether the kernel process was killed by the out-of-memory killer (its memory limit).
-    /// Backends say so in `reason`; the namespaces backend reads the cgroup's OOM events.
-    pub fn is_oom(&self) -> bool {
+    /// Why the sandbox ended.
+    pub fn cause(&self) -> ExitCause {
         self.reason
-            .as_deref()
-            .is_some_and(|r| r.contains("out-of-memory"))
+            .as_ref()
+            .map_or(ExitCause::Exited, |reason| reason.cause)
     }
 
-    /// Whether the sandbox ended because its pids limit was reached (gVisor cannot survive
-    /// that; the namespaces backend can, and reports it per execution instead).
-    pub fn is_pids_limit(&self) -> bool {
-        self.reason
-            .as_deref()
-            .is_some_and(|r| r.contains(PIDS_LIMIT_REASON))
+    /// Whether the kernel process was killed by the out-of-memory killer (its memory limit).
+    /// The namespaces and gVisor backends read the cgroup's OOM events.
+    pub fn is_oom(&self) -> bool {
+        self.cause() == ExitCause::OutOfMemory
     }
 
     /// A short human-readable description for the kernel model's `reason`.
     pub fn describe(&self) -> String {
         if let Some(reason) = &self.reason {
-            return reason.clone();
+            return reason.text.clone();
         }
         match (self.code, self.signal) {
             (_, Some(sig)) => format!("kernel process killed by signal {sig}"),

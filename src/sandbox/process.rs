@@ -22,7 +22,8 @@ use tokio::process::Command;
 use tokio::sync::watch;
 
 use super::{
-    Backend, ExitReport, LaunchSpec, Launched, ResourceUsage, Sandbox, SandboxError, SandboxHandle,
+    Backend, ExitCause, ExitReason, ExitReport, LaunchSpec, Launched, ResourceUsage, Sandbox,
+    SandboxError, SandboxHandle,
 };
 
 /// Starts kernels as child processes of the gateway.
@@ -100,7 +101,10 @@ impl ProcessSandbox {
                 Err(err) => ExitReport {
                     code: None,
                     signal: None,
-                    reason: Some(format!("lost track of the kernel process: {err}")),
+                    reason: Some(ExitReason::new(
+                        ExitCause::SandboxFailed,
+                        format!("lost track of the kernel process: {err}"),
+                    )),
                 },
             };
             watcher_exited.store(true, Ordering::SeqCst);

@@ -16,7 +16,7 @@ use crate::artifacts::{
     is_base64_mime, strip_ansi, Artifact, ArtifactError, Description, NewArtifact, Origin, Quota,
     RICH_MIME_TYPES,
 };
-use crate::kernel::{ExecEvent, ExecuteOptions, ExecuteReply, Readiness};
+use crate::kernel::{ExecEvent, ExecuteOptions, ExecuteReply, Outcome, Readiness};
 
 /// Accumulates what the result reports.
 struct Collected {
@@ -122,22 +122,28 @@ fn refused(
 
 /// Maps the kernel's reply (and cellgate's outcome on it) to the API's status.
 pub fn status_of(reply: &ExecuteReply) -> Status {
-    match reply.outcome.as_deref() {
-        Some("timeout") => return Status::Timeout,
-        Some("oom") => return Status::Oom,
-        Some("sandbox_lost") => return Status::SandboxLost,
-        _ => {}
+    let failed = reply.status != "ok";
+    // A failed cell that tried something the policy refused failed because of it, most
+    // likely; the denials say what.
+    let failure = || {
+        if reply.denials.is_empty() {
+            Status::Error
+        } else {
+            Status::Denied
+        }
+    };
+    match reply.outcome {
+        Some(Outcome::Timeout) => Status::Timeout,
+        Some(Outcome::Oom) => Status::Oom,
+        Some(Outcome::SandboxLost) => Status::SandboxLost,
+        // docs/api-v1.md gives the process limit no status of its own: the cell failed with
+        // its own error (`BlockingIOError`, say) and its stderr names the limit.
+        Some(Outcome::Pids) if failed => failure(),
+        Some(Outcome::OutputTruncated) if failed => failure(),
+        None if failed => failure(),
+        Some(Outcome::OutputTruncated) => Status::OutputTruncated,
+        Some(Outcome::Pids) | None => Status::Ok,
     }
-    if reply.status != "ok" && !reply.denials.is_empty() {
-        return Status::Denied;
-    }
-    if reply.status != "ok" {
-        return Status::Error;
-    }
-    if reply.outcome.as_deref() == Some("output_truncated") {
-        return Status::OutputTruncated;
-    }
-    Status::Ok
 }
 
 impl Session {
@@ -155,6 +161,7 @@ impl Session {
             timeout,
             allow_stdin: true,
             silent: false,
+            adopt_display_updates: false,
         };
         let emit = |event: SessionEvent, history: &mut Vec<Arc<SessionEvent>>| {
             let event = Arc::new(event);
@@ -385,12 +392,17 @@ impl Session {
             stderr: collected.stderr,
             stdout_truncated: collected.stdout_truncated,
             stderr_truncated: collected.stderr_truncated,
-            output_truncated: reply.outcome.as_deref() == Some("output_truncated"),
+            output_truncated: reply.outcome == Some(Outcome::OutputTruncated),
             result: collected.result,
             error,
             artifacts: collected.artifacts,
             omitted: collected.omitted,
-            denials: reply.denials,
+            // The API's wire form of each denial (docs/api-v1.md: the reply's, verbatim).
+            denials: reply
+                .denials
+                .iter()
+                .filter_map(|d| serde_json::to_value(d).ok())
+                .collect(),
             duration_ms: started.elapsed().as_millis() as u64,
             state_generation: self.kernel.generation(),
             resources,
@@ -690,10 +702,16 @@ mod tests {
     use super::*;
 
     fn reply(status: &str, outcome: Option<&str>, denials: usize) -> ExecuteReply {
+        let denial = crate::kernel::Denial {
+            kind: crate::kernel::DenialKind::Egress,
+            target: String::new(),
+            policy: String::new(),
+            reason: String::new(),
+        };
         ExecuteReply {
             status: status.to_owned(),
-            outcome: outcome.map(str::to_owned),
-            denials: vec![serde_json::json!({"kind": "egress"}); denials],
+            outcome: outcome.map(|o| serde_json::from_value(serde_json::json!(o)).unwrap()),
+            denials: vec![denial; denials],
             ..ExecuteReply::default()
         }
     }

@@ -22,7 +22,9 @@ use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 
 use crate::artifacts::{ArtifactError, ArtifactStore};
-use crate::kernel::{Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV};
+use crate::kernel::{
+    ExecutionState, Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV,
+};
 use crate::workspace::{Workspace, WorkspaceError};
 pub use events::{
     ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, Status,
@@ -158,10 +160,9 @@ impl Session {
         let state = match &readiness {
             Readiness::Terminated => "terminated".to_owned(),
             Readiness::Dead(_) => "dead".to_owned(),
-            _ => model["execution_state"]
-                .as_str()
-                .unwrap_or("unknown")
-                .to_owned(),
+            Readiness::Starting | Readiness::Ready => {
+                self.kernel.execution_state().as_str().to_owned()
+            }
         };
         SessionModel {
             id: self.id.clone(),
@@ -244,7 +245,8 @@ impl Session {
         match self.kernel.readiness() {
             Readiness::Ready => ("ready".to_owned(), generation, None),
             Readiness::Starting => {
-                let restarting = self.kernel.router().activity().execution_state == "restarting"
+                let restarting = self.kernel.router().activity().execution_state
+                    == ExecutionState::Restarting
                     || generation > 1;
                 let state = if restarting { "restarting" } else { "starting" };
                 (state.to_owned(), generation, None)

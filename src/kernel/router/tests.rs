@@ -140,7 +140,7 @@ fn internal_requests_are_hidden_and_answered() {
     let (tx, mut rx) = client_queue();
     router.attach("s", tx);
     let mut reply = router.register_internal("nudge");
-    assert_eq!(router.activity().execution_state, "starting");
+    assert_eq!(router.activity().execution_state.as_str(), "starting");
     router.deliver(msg(
         Channel::Iopub,
         "status",
@@ -165,7 +165,7 @@ fn internal_requests_are_hidden_and_answered() {
     assert!(drain(&mut rx).is_empty());
     assert_eq!(reply.try_recv().unwrap().msg_id(), "ki");
     // The first status moved the kernel out of `starting`, and not to busy.
-    assert_eq!(router.activity().execution_state, "idle");
+    assert_eq!(router.activity().execution_state.as_str(), "idle");
     router.deliver(msg(
         Channel::Iopub,
         "status",
@@ -173,7 +173,7 @@ fn internal_requests_are_hidden_and_answered() {
         Some("client"),
         r#"{"execution_state":"idle"}"#,
     ));
-    assert_eq!(router.activity().execution_state, "idle");
+    assert_eq!(router.activity().execution_state.as_str(), "idle");
     assert_eq!(drain(&mut rx), ["st3"]);
 }
 
@@ -264,7 +264,7 @@ fn a_dead_kernel_answers_the_oldest_execute_as_the_running_one() {
     router.register_request(id, "s", &request("first"));
     router.register_request(id, "s", &request("second"));
     // No busy status arrived before the process died.
-    router.fail_pending_executions("OutOfMemoryError", "out of memory", "oom");
+    router.fail_pending_executions("OutOfMemoryError", "out of memory", Outcome::Oom);
     let mut texts = vec![];
     while let Some(m) = rx.try_recv() {
         if m.msg_type() == "error" {
@@ -370,17 +370,24 @@ fn history_records_what_clients_executed_and_saw() {
     assert!(outputs[1]["text"].as_str().unwrap().contains("limit"));
 }
 
+/// A denial as the proxy reports it, from its wire form.
+fn denial_of(value: serde_json::Value) -> crate::kernel::Denial {
+    serde_json::from_value(value).unwrap()
+}
+
 #[test]
 fn denials_reach_the_running_execution_only() {
     let router = Router::new("k");
     let (a_tx, mut a) = client_queue();
     let (a_id, _) = router.attach("sa", a_tx);
     // No execution at all: nothing is attached.
-    router.record_denial(serde_json::json!({"kind": "egress", "reason": "early"}));
+    router.record_denial(denial_of(
+        serde_json::json!({"kind": "egress", "target": "", "policy": "", "reason": "early"}),
+    ));
     router.register_request(a_id, "sa", &request("r1"));
     // Sent but its `busy` not seen yet: the oldest waiting execute is the running one.
     let before_busy = serde_json::json!({"kind": "egress", "target": "h:1", "policy": "p", "reason": "egress to h:1 is not allowed by policy 'p'"});
-    router.record_denial(before_busy.clone());
+    router.record_denial(denial_of(before_busy.clone()));
     let busy = Message::from_parts(
         Channel::Iopub,
         Bytes::from_static(br#"{"msg_id":"s1","msg_type":"status"}"#),
@@ -392,7 +399,7 @@ fn denials_reach_the_running_execution_only() {
     .unwrap();
     router.deliver(busy);
     let denial = serde_json::json!({"kind": "package", "target": "x", "policy": "p", "reason": "package 'x' is not allowed by policy 'p'"});
-    router.record_denial(denial.clone());
+    router.record_denial(denial_of(denial.clone()));
     let mut reply = msg(Channel::Shell, "execute_reply", "rep1", Some("r1"), "{}");
     reply.metadata = Bytes::from_static(br#"{"cellgate":{"outcome":"timeout"},"other":1}"#);
     router.deliver(reply);
@@ -454,7 +461,7 @@ fn history_records_the_gateways_answer_for_a_cell_whose_kernel_died() {
     router.fail_pending_executions(
         "KernelDiedError",
         "the kernel process ended",
-        "sandbox_lost",
+        Outcome::SandboxLost,
     );
     let cell = &router.history().snapshot().cells[0];
     let outputs = cell.outputs.to_json();
@@ -547,7 +554,7 @@ fn a_held_reply_is_never_lost() {
     assert_eq!(kinds(&mut rx), ["execute_reply", "busy"]);
     // The process dies after replying, before idle: its real reply, not a failure.
     router.deliver(reply("2"));
-    router.fail_pending_executions("DeadKernelError", "the kernel died", "sandbox_lost");
+    router.fail_pending_executions("DeadKernelError", "the kernel died", Outcome::SandboxLost);
     let got: Vec<Arc<Message>> = std::iter::from_fn(|| rx.try_recv()).collect();
     assert_eq!(
         got.len(),

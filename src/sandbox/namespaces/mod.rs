@@ -91,8 +91,8 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::watch;
 
 use super::{
-    Backend, ExitReport, LaunchSpec, Launched, Limits, ResourceUsage, Sandbox, SandboxError,
-    SandboxHandle,
+    Backend, ExitCause, ExitReason, ExitReport, LaunchSpec, Launched, Limits, ResourceUsage,
+    Sandbox, SandboxError, SandboxHandle,
 };
 use crate::protocol::ConnectionInfo;
 use crate::sandbox::relocate::{self, KernelView};
@@ -678,16 +678,22 @@ async fn watch_exit(
         (None, Err(_)) => (None, None),
     };
     let reason = if signal == Some(libc::SIGKILL) && oom_kills > 0 {
-        Some(match memory_limit {
-            Some(bytes) => format!(
-                "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, workspace files included)"
-            ),
-            None => "kernel process killed by the out-of-memory killer".to_owned(),
-        })
+        Some(ExitReason::new(
+            ExitCause::OutOfMemory,
+            match memory_limit {
+                Some(bytes) => format!(
+                    "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, workspace files included)"
+                ),
+                None => "kernel process killed by the out-of-memory killer".to_owned(),
+            },
+        ))
     } else if let Err(err) = helper {
-        Some(format!("lost track of the sandbox: {err}"))
+        Some(ExitReason::new(
+            ExitCause::SandboxFailed,
+            format!("lost track of the sandbox: {err}"),
+        ))
     } else {
-        failure
+        failure.map(|text| ExitReason::new(ExitCause::SandboxFailed, text))
     };
     let _ = exit_tx.send(Some(ExitReport {
         code,
