@@ -33,7 +33,7 @@ pub struct DoctorOptions {
     /// Start real sandboxes (namespaces, runsc) to prove they work. On by default.
     pub probe: bool,
     /// Where the package index gets its files; checked for reachability when set.
-    pub package_source: Option<crate::packages::Source>,
+    pub package_source: Option<crate::egress::packages::Source>,
 }
 
 use crate::sandbox::diagnosis::{euid, find_on_path, read_trim, run_command};
@@ -300,8 +300,8 @@ async fn kernels_section(dir: &Path) -> Section {
 
 /// The package index's source: the upstream index answers, or the wheelhouse is readable.
 /// Unreachable is a warning, not a failure: kernels run without it, only installs fail.
-async fn package_index_section(source: &crate::packages::Source) -> Section {
-    use crate::packages::{IndexConfig, PackageIndex, Source};
+async fn package_index_section(source: &crate::egress::packages::Source) -> Section {
+    use crate::egress::packages::{IndexConfig, PackageIndex, Source};
     let mut s = Section::new("package index");
     match source {
         Source::Upstream(url) => s.fact("upstream", url.clone()),

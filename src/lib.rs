@@ -25,7 +25,6 @@ pub mod gateway;
 pub mod jwt;
 pub mod kernel;
 pub mod notebook;
-pub mod packages;
 pub mod policy;
 pub mod protocol;
 pub mod sandbox;

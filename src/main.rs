@@ -133,8 +133,8 @@ fn main() -> anyhow::Result<()> {
                     default_backend: args.sandbox,
                     probe: !args.no_probe,
                     package_source: Some(match args.wheelhouse {
-                        Some(dir) => cellgate::packages::Source::Wheelhouse(dir),
-                        None => cellgate::packages::Source::Upstream(args.package_index),
+                        Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
+                        None => cellgate::egress::packages::Source::Upstream(args.package_index),
                     }),
                 }));
             if args.json {
@@ -187,13 +187,12 @@ fn issue_token(args: TokenArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The egress proxy and package index (src/egress, src/packages), from the gateway config.
-fn egress_attach(
+/// The egress proxy and its package index (src/egress), from the gateway config.
+fn egress_proxy(
     config: &GatewayConfig,
     gateway: std::net::SocketAddr,
-    policies: &cellgate::policy::Policies,
-) -> anyhow::Result<cellgate::egress::Attach> {
-    use cellgate::packages::{IndexConfig, PackageIndex, Source};
+) -> anyhow::Result<Arc<cellgate::egress::Egress>> {
+    use cellgate::egress::packages::{IndexConfig, PackageIndex, Source};
     let source = match &config.wheelhouse {
         Some(dir) => Source::Wheelhouse(dir.clone()),
         None => Source::Upstream(config.package_index.clone()),
@@ -202,7 +201,7 @@ fn egress_attach(
         source,
         cache_dir: config.package_cache_dir.clone(),
     })?;
-    let egress = cellgate::egress::Egress::new(
+    Ok(cellgate::egress::Egress::new(
         cellgate::egress::EgressConfig {
             resolver: cellgate::egress::Resolver {
                 host_map: config.egress_hosts.clone().into_iter().collect(),
@@ -211,11 +210,7 @@ fn egress_attach(
             max_connections_per_session: config.egress_max_connections,
         },
         index,
-    );
-    Ok(cellgate::egress::Attach {
-        egress,
-        policy: Arc::new(policies.default_policy().clone()),
-    })
+    ))
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -256,7 +251,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
     let local = listener.local_addr()?;
     // Bound first: the egress proxy must know the gateway's own address to refuse it.
-    let egress = egress_attach(&config, local, &policies)?;
+    let egress = egress_proxy(&config, local)?;
     let kernels = KernelManager::new(
         specs,
         backends,

@@ -10,7 +10,7 @@
 //! absolute-form requests (`GET http://host/…`). Every destination is checked against the
 //! session policy's `[egress]` rules, resolved by the proxy itself and vetted
 //! ([`resolve`]); requests for `packages.cellgate.internal` are answered by the package
-//! index ([`crate::packages`]) whatever the egress rules say. The destination is asked for
+//! index ([`packages`]) whatever the egress rules say. The destination is asked for
 //! the approved name only: a tunnel's TLS ClientHello must name it ([`client_hello`]) and a
 //! plain request goes out with its `Host`.
 //!
@@ -21,6 +21,7 @@
 //! router, nothing else of the kernel.)
 
 pub mod client_hello;
+pub mod packages;
 pub mod proxy;
 pub mod resolve;
 
@@ -31,9 +32,8 @@ use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-use crate::kernel::{Denial, DenialKind, Router};
-use crate::packages::PackageIndex;
-use crate::policy::Policy;
+use crate::policy::{Denial, DenialKind, Policy};
+use packages::PackageIndex;
 pub use resolve::Resolver;
 
 /// The address the in-sandbox bridge listens on.
@@ -78,22 +78,36 @@ pub struct Egress {
     pub index: Arc<PackageIndex>,
 }
 
+/// Where the proxy reports what it refused: the kernel's executions (the kernel core
+/// implements it), so that the proxy needs to know nothing of kernels.
+pub trait DenialSink: Send + Sync {
+    /// Attaches `denial` to the execution running now, if any.
+    fn record_denial(&self, denial: Denial);
+    /// The msg_id of the execution running now, for logs.
+    fn current_execution(&self) -> Option<String>;
+}
+
 /// One kernel as the proxy sees it.
 pub struct Session {
     pub kernel_id: String,
     pub policy: Arc<Policy>,
-    pub router: Arc<Router>,
+    sink: Arc<dyn DenialSink>,
     /// Packages state of this session (implicit dependencies, the last allowed project).
-    pub packages: parking_lot::Mutex<crate::packages::SessionPackages>,
+    pub packages: parking_lot::Mutex<packages::SessionPackages>,
     connections: Arc<Semaphore>,
 }
 
 impl Session {
-    pub fn new(kernel_id: &str, policy: Arc<Policy>, router: Arc<Router>, max: usize) -> Session {
+    pub fn new(
+        kernel_id: &str,
+        policy: Arc<Policy>,
+        sink: Arc<dyn DenialSink>,
+        max: usize,
+    ) -> Session {
         Session {
             kernel_id: kernel_id.to_owned(),
             policy,
-            router,
+            sink,
             packages: Default::default(),
             connections: Arc::new(Semaphore::new(max.max(1))),
         }
@@ -101,7 +115,7 @@ impl Session {
 
     /// The execution running now, for logs.
     pub fn msg_id(&self) -> Option<String> {
-        self.router.current_execution()
+        self.sink.current_execution()
     }
 
     /// Logs an allowed decision.
@@ -112,7 +126,7 @@ impl Session {
     /// Logs a denial and attaches it to the running execution (if any).
     pub fn deny(&self, kind: DenialKind, target: &str, reason: String) {
         tracing::warn!(kernel_id = %self.kernel_id, msg_id = ?self.msg_id(), policy = %self.policy.name, kind = kind.as_str(), target, %reason, "egress denied");
-        self.router.record_denial(Denial {
+        self.sink.record_denial(Denial {
             kind,
             target: target.to_owned(),
             policy: self.policy.name.clone(),
@@ -121,18 +135,10 @@ impl Session {
     }
 }
 
-/// The proxy as a kernel gets it: the gateway's proxy and the kernel's policy.
-#[derive(Clone)]
-pub struct Attach {
-    pub egress: Arc<Egress>,
-    /// Replaced by the manager with the kernel's own policy at launch.
-    pub policy: Arc<Policy>,
-}
-
-impl std::fmt::Debug for Attach {
+impl std::fmt::Debug for Egress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Attach")
-            .field("policy", &self.policy.name)
+        f.debug_struct("Egress")
+            .field("config", &self.config)
             .finish_non_exhaustive()
     }
 }
@@ -161,7 +167,7 @@ impl Egress {
         dir: &Path,
         kernel_id: &str,
         policy: Arc<Policy>,
-        router: Arc<Router>,
+        sink: Arc<dyn DenialSink>,
     ) -> Result<Listener, EgressError> {
         let path = dir.join(SOCKET_NAME);
         let listener = UnixListener::bind(&path).map_err(|source| EgressError::Listen {
@@ -171,7 +177,7 @@ impl Egress {
         let session = Arc::new(Session::new(
             kernel_id,
             policy,
-            router,
+            sink,
             self.config.max_connections_per_session,
         ));
         let egress = self.clone();

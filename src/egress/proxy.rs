@@ -21,6 +21,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::client_hello::{self, ClientHello};
 use super::{Egress, Session, INDEX_HOST};
+use crate::policy::DenialKind;
 
 /// Errors of a response body while it streams.
 pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
@@ -129,7 +130,7 @@ async fn handle(
             "egress to {target} is not allowed by policy '{}'",
             session.policy.name
         );
-        session.deny(crate::kernel::DenialKind::Egress, &target, reason.clone());
+        session.deny(DenialKind::Egress, &target, reason.clone());
         return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
     };
     let rule = rule.clone();
@@ -140,7 +141,7 @@ async fn handle(
             Ok(value) => Some(value),
             Err(why) => {
                 let reason = format!("egress to {target} refused: {why}");
-                session.deny(crate::kernel::DenialKind::Egress, &target, reason.clone());
+                session.deny(DenialKind::Egress, &target, reason.clone());
                 return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
             }
         }
@@ -149,7 +150,7 @@ async fn handle(
         Ok(addrs) => addrs,
         Err(err) => {
             let reason = format!("egress to {target} refused: {err}");
-            session.deny(crate::kernel::DenialKind::Egress, &target, reason.clone());
+            session.deny(DenialKind::Egress, &target, reason.clone());
             return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
         }
     };
@@ -272,7 +273,7 @@ async fn tunnel<C>(
         Ok((hello, bytes)) => {
             if let Some((why, alert)) = refusal(host, &hello) {
                 session.deny(
-                    crate::kernel::DenialKind::Egress,
+                    DenialKind::Egress,
                     target,
                     format!("egress to {target} refused: {why}"),
                 );
@@ -291,7 +292,7 @@ async fn tunnel<C>(
         }
         Err(err) => {
             session.deny(
-                crate::kernel::DenialKind::Egress,
+                DenialKind::Egress,
                 target,
                 format!("egress to {target} refused: {err}"),
             );

@@ -1,7 +1,8 @@
 //! An execution's life as the gateway sees it, and the words for how it ended.
 //!
 //! This is where "what a cell's outcome is" lives. [`Outcome`], [`ExecutionState`],
-//! [`Denial`] and the sandbox's [`ExitCause`] are enums with serde names; the JSON in
+//! [`Denial`] (defined in `policy::denial`, below the proxy that reports it) and the
+//! sandbox's [`ExitCause`] (defined in `sandbox`) are enums with serde names; the JSON in
 //! `metadata.cellgate` and in status messages is only their wire encoding, and every consumer
 //! matches them exhaustively, so a new outcome nobody handles does not compile.
 //!
@@ -20,6 +21,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+pub use crate::policy::{Denial, DenialKind};
 use crate::protocol::{Channel, HeaderFields, Message};
 use crate::sandbox::SandboxHandle;
 
@@ -82,36 +84,6 @@ impl ExecutionState {
         serde_json::from_slice::<StatusContent>(&message.content)
             .ok()
             .map(|c| c.execution_state)
-    }
-}
-
-/// What a policy refused an execution: an element of `metadata.cellgate.denials`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Denial {
-    pub kind: DenialKind,
-    /// The host and port, URL or package the execution asked for.
-    pub target: String,
-    /// The policy that refused it.
-    pub policy: String,
-    /// The sentence the cell's stderr line shows.
-    pub reason: String,
-}
-
-/// Which rules refused: the egress allowlist or the package index.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DenialKind {
-    Egress,
-    Package,
-}
-
-impl DenialKind {
-    /// The wire name (the same as serde's), for logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DenialKind::Egress => "egress",
-            DenialKind::Package => "package",
-        }
     }
 }
 

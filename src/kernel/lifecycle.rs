@@ -56,9 +56,11 @@ pub struct KernelOptions {
     /// The policy's idle timeout and lifetime, enforced by the manager's culler.
     pub idle_timeout: Option<Duration>,
     pub lifetime: Option<Duration>,
-    /// The egress proxy and the policy it applies (namespaces backend only; elsewhere the
-    /// kernel has no network at all).
-    pub egress: Option<crate::egress::Attach>,
+    /// The gateway's egress proxy (namespaces backend only; elsewhere the kernel has no
+    /// network at all). It applies `policy`.
+    pub egress: Option<Arc<crate::egress::Egress>>,
+    /// The kernel's policy, set by the manager at launch: what the egress proxy allows.
+    pub policy: Option<Arc<crate::policy::Policy>>,
 }
 
 impl Default for KernelOptions {
@@ -73,6 +75,7 @@ impl Default for KernelOptions {
             idle_timeout: None,
             lifetime: None,
             egress: None,
+            policy: None,
         }
     }
 }
@@ -208,24 +211,18 @@ impl Kernel {
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
         let (runtime_dir, connection_file, connection) =
             write_connection_file(&self.dirs, generation, &self.spec.name)?;
-        if let Some(attach) = self
-            .options
-            .egress
-            .as_ref()
-            .filter(|_| self.sandbox.backend() == crate::sandbox::Backend::Namespaces)
-        {
-            let listener = attach
-                .egress
-                .listen(
-                    &runtime_dir,
-                    &self.id,
-                    attach.policy.clone(),
-                    self.router.clone(),
-                )
+        let mut egress_socket = None;
+        let proxy = (self.options.egress.as_ref())
+            .zip(self.options.policy.as_ref())
+            .filter(|_| self.sandbox.backend() == crate::sandbox::Backend::Namespaces);
+        if let Some((egress, policy)) = proxy {
+            let listener = egress
+                .listen(&runtime_dir, &self.id, policy.clone(), self.router.clone())
                 .map_err(|err| KernelError::Io {
                     what: "open the egress proxy socket".to_owned(),
                     source: std::io::Error::other(err),
                 })?;
+            egress_socket = Some(listener.path.clone());
             *self.egress.lock() = Some(listener);
         }
         let spec = LaunchSpec {
@@ -238,6 +235,7 @@ impl Kernel {
             workspace: self.dirs.work.clone(),
             log_file: self.dirs.root.join("kernel.log"),
             limits: self.options.limits.clone(),
+            egress_socket,
         };
         let launched = self.sandbox.launch(&spec).await?;
         tracing::info!(kernel_id = %self.id, generation, backend = self.sandbox.backend().as_str(), pid = ?launched.handle.pid(), "kernel process launched");
@@ -732,11 +730,6 @@ impl Kernel {
             .lock()
             .as_ref()
             .is_some_and(|instance| instance.handle.alive())
-    }
-
-    /// The workspace path as the kernel sees it.
-    pub fn workspace_in_sandbox(&self) -> &std::path::Path {
-        &self.dirs.work
     }
 
     /// CPU time and memory of the running process, where the backend measures them.

@@ -241,9 +241,7 @@ impl KernelManager {
         options.output_limit = Some(policy.limits.output_per_execution_bytes);
         options.idle_timeout = Some(policy.limits.idle_timeout);
         options.lifetime = Some(policy.limits.lifetime);
-        if let Some(attach) = options.egress.as_mut() {
-            attach.policy = Arc::new(policy.clone());
-        }
+        options.policy = Some(Arc::new(policy.clone()));
         options.limits = Limits {
             memory_bytes: Some(policy.limits.memory_bytes),
             cpu_millis: Some(policy.limits.cpu_millis),

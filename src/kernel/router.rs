@@ -689,5 +689,16 @@ impl Router {
     }
 }
 
+/// The egress proxy reports denials to the kernel's executions through this.
+impl crate::egress::DenialSink for Router {
+    fn record_denial(&self, denial: Denial) {
+        Router::record_denial(self, denial);
+    }
+
+    fn current_execution(&self) -> Option<String> {
+        Router::current_execution(self)
+    }
+}
+
 #[cfg(test)]
 mod tests;

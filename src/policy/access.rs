@@ -2,7 +2,7 @@
 //! through cellgate's proxy, and which Python projects its index lists.
 //!
 //! Plain values and pure matching functions; the proxy (`crate::egress`) and the index
-//! (`crate::packages`) apply them.
+//! (`crate::egress::packages`) apply them.
 
 use serde::Deserialize;
 

@@ -10,6 +10,7 @@
 //! Must not depend on: kernels, HTTP. (It names a sandbox backend, nothing more.)
 
 pub mod access;
+pub mod denial;
 pub mod units;
 
 use std::collections::BTreeMap;
@@ -20,6 +21,7 @@ use serde::Deserialize;
 
 use crate::sandbox::Backend;
 pub use access::{Dependencies, EgressRules, PackageRules};
+pub use denial::{Denial, DenialKind};
 pub use units::{parse_duration, parse_size};
 
 /// Errors in policy files.

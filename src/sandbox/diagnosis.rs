@@ -156,6 +156,7 @@ async fn probe_in(sandbox: &dyn Sandbox, dir: &Path, program: &str) -> Result<Du
         workspace: work,
         log_file: dir.join("probe.log"),
         limits: Limits::default(),
+        egress_socket: None,
     };
     let started = Instant::now();
     let launched = sandbox.launch(&spec).await.map_err(|e| e.to_string())?;

@@ -1169,6 +1169,7 @@ mod tests {
                 cpu_millis: Some(500),
                 workspace_bytes: None,
             },
+            egress_socket: None,
         };
         let bundle = dir.path().join("bundle");
         let view = KernelView::of(&spec, SYSTEM_PREFIXES).unwrap();

@@ -183,6 +183,10 @@ pub struct LaunchSpec {
     /// the workspace): the gateway reads its tail to explain a kernel that died.
     pub log_file: PathBuf,
     pub limits: Limits,
+    /// The egress proxy's unix socket for this generation, when the gateway opened one: the
+    /// backend gives the kernel its way to it (the namespaces bridge). The sandbox knows
+    /// nothing else of the proxy.
+    pub egress_socket: Option<PathBuf>,
 }
 
 /// The words an [`ExitReport`] reason uses for the pids limit.

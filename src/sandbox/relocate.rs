@@ -461,6 +461,7 @@ mod tests {
                 workspace: work.clone(),
                 log_file: dir.path().join("k/kernel.log"),
                 limits: super::super::Limits::default(),
+                egress_socket: None,
             };
             let view = KernelView::of(&spec, &["/usr"]).unwrap();
             assert_eq!(view.python_prefix, None, "home = {home}");

@@ -170,6 +170,7 @@ pub fn command_spec(dirs: &KernelDirs, argv: Vec<String>, limits: Limits) -> Lau
         workspace: dirs.work.clone(),
         log_file: dirs.root.join("kernel.log"),
         limits,
+        egress_socket: None,
     }
 }
 
@@ -245,6 +246,7 @@ pub async fn start_kernel_with(kind: Kind, python: PathBuf, limits: Limits) -> K
         workspace: dirs.work.clone(),
         log_file: dirs.root.join("kernel.log"),
         limits,
+        egress_socket: None,
     };
     let started = Instant::now();
     let launched = sandbox

@@ -260,10 +260,9 @@ impl NamespacesSandbox {
             hostname: self.config.hostname.clone(),
             address_space_limit: None,
             landlock: self.config.landlock,
-            // The gateway opened the proxy socket for this generation (see crate::egress):
-            // the init runs the bridge to it.
-            egress_socket: Some(spec.runtime_dir.join(crate::egress::SOCKET_NAME))
-                .filter(|p| p.exists()),
+            // The gateway opened the proxy socket for this generation: the init runs the
+            // bridge to it.
+            egress_socket: spec.egress_socket.clone(),
         })
     }
 
@@ -319,7 +318,9 @@ impl NamespacesSandbox {
         if !self.ids.privileged {
             return Ok(());
         }
-        let egress = spec.runtime_dir.join(crate::egress::SOCKET_NAME);
+        let Some(egress) = spec.egress_socket.clone() else {
+            return Ok(());
+        };
         let owner = Some(self.ids.outside_uid);
         match std::os::unix::fs::chown(&egress, owner, Some(self.ids.outside_gid)) {
             Ok(()) => Ok(()),

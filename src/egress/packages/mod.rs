@@ -14,7 +14,8 @@
 //! execution; when pip asks for it right after fetching an allowed project, the denial says
 //! it is a dependency of that project.
 //!
-//! Must not depend on: kernels (it reports through [`crate::egress::Session`]).
+//! Part of the egress proxy (it is the proxy's one built-in upstream, served under
+//! [`super::INDEX_HOST`]). Must not depend on: kernels (it reports through [`super::Session`]).
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -28,9 +29,10 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::egress::proxy::{text, Body, BodyError};
-use crate::egress::Session;
+use super::proxy::{text, Body, BodyError};
+use super::Session;
 use crate::policy::access::{normalize_project, PackageRule};
+use crate::policy::DenialKind;
 use crate::policy::Dependencies;
 
 /// Where files come from.
@@ -331,7 +333,7 @@ impl PackageIndex {
         let rule = match self.permission(session, &project) {
             Ok(rule) => rule,
             Err(reason) => {
-                session.deny(crate::kernel::DenialKind::Package, &project, reason.clone());
+                session.deny(DenialKind::Package, &project, reason.clone());
                 return text(StatusCode::NOT_FOUND, format!("cellgate: {reason}"));
             }
         };
@@ -540,20 +542,12 @@ impl PackageIndex {
                     "package '{}' version {} is not allowed by policy '{}'",
                     entry.project, entry.version, session.policy.name
                 );
-                session.deny(
-                    crate::kernel::DenialKind::Package,
-                    &entry.project,
-                    reason.clone(),
-                );
+                session.deny(DenialKind::Package, &entry.project, reason.clone());
                 return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
             }
             Ok(_) => {}
             Err(reason) => {
-                session.deny(
-                    crate::kernel::DenialKind::Package,
-                    &entry.project,
-                    reason.clone(),
-                );
+                session.deny(DenialKind::Package, &entry.project, reason.clone());
                 return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
             }
         }
