@@ -468,39 +468,44 @@ impl GatewayConfig {
         if token.is_none() && !jwt.enabled() && allow_origin.iter().any(|o| o == "*") {
             return Err(ConfigError::AnyOriginWithoutToken);
         }
-        let header_read_timeout = args
-            .header_read_timeout
-            .or(file.header_read_timeout)
-            .unwrap_or(Duration::from_secs(5));
-        if header_read_timeout.is_zero() {
-            return Err(ConfigError::Zero {
-                name: "header_read_timeout",
-                consequence: "close every connection before its first request",
-                least: "a few seconds, e.g. 5s",
-            });
-        }
-        let body_read_timeout = args
-            .body_read_timeout
-            .or(file.body_read_timeout)
-            .unwrap_or(Duration::from_secs(30));
-        if body_read_timeout.is_zero() {
-            return Err(ConfigError::Zero {
-                name: "body_read_timeout",
-                consequence: "close every connection whose request has a body",
-                least: "some seconds, e.g. 30s",
-            });
-        }
-        let idle_connection_timeout = args
-            .idle_connection_timeout
-            .or(file.idle_connection_timeout)
-            .unwrap_or(Duration::from_secs(60));
-        if idle_connection_timeout.is_zero() {
-            return Err(ConfigError::Zero {
-                name: "idle_connection_timeout",
-                consequence: "close every keep-alive connection after its first response",
-                least: "a few seconds, e.g. 60s",
-            });
-        }
+        // A connection timeout from the CLI, else the file, else its default; never zero.
+        let timeout = |value: Option<Duration>,
+                       default: u64,
+                       name: &'static str,
+                       consequence: &'static str,
+                       least: &'static str| {
+            let value = value.unwrap_or(Duration::from_secs(default));
+            if value.is_zero() {
+                return Err(ConfigError::Zero {
+                    name,
+                    consequence,
+                    least,
+                });
+            }
+            Ok(value)
+        };
+        let header_read_timeout = timeout(
+            args.header_read_timeout.or(file.header_read_timeout),
+            5,
+            "header_read_timeout",
+            "close every connection before its first request",
+            "a few seconds, e.g. 5s",
+        )?;
+        let body_read_timeout = timeout(
+            args.body_read_timeout.or(file.body_read_timeout),
+            30,
+            "body_read_timeout",
+            "close every connection whose request has a body",
+            "some seconds, e.g. 30s",
+        )?;
+        let idle_connection_timeout = timeout(
+            args.idle_connection_timeout
+                .or(file.idle_connection_timeout),
+            60,
+            "idle_connection_timeout",
+            "close every keep-alive connection after its first response",
+            "a few seconds, e.g. 60s",
+        )?;
         let max_connections = args.max_connections.or(file.max_connections);
         if max_connections == Some(0) {
             return Err(ConfigError::Zero {

@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 use cellgate::sandbox::Limits;
 use serde_json::json;
 
-use super::harness::{command_spec, exit_of, python, require_root, sandbox, start_kernel};
-use super::harness::{KernelDirs, Kind};
+use super::harness::{require_root, run_python, sandbox, start_kernel, Kind};
 
 async fn one_plus_one_round_trips(kind: Kind) {
     require_root("one_plus_one_round_trips");
@@ -64,19 +63,7 @@ async fn interrupt_reaches_the_kernel(kind: Kind) {
 async fn exit_status_is_reported(kind: Kind) {
     require_root("exit status test");
     let sandbox = sandbox(kind);
-    let dirs = KernelDirs::new("exit");
-    let spec = command_spec(
-        &dirs,
-        vec![
-            python().display().to_string(),
-            "-c".into(),
-            "import sys; print('bye'); sys.exit(3)".into(),
-        ],
-        Limits::default(),
-    );
-    let launched = sandbox.launch(&spec).await.expect("launch");
-    let report = exit_of(launched).await;
-    let log = std::fs::read_to_string(&spec.log_file).unwrap_or_default();
+    let (report, _dirs, log) = run_python(&*sandbox, "import sys; print('bye'); sys.exit(3)").await;
     assert_eq!(report.code, Some(3), "{report:?}; log:\n{log}");
     assert_eq!(report.signal, None, "{report:?}");
     assert!(log.contains("bye"), "kernel output reaches the log: {log}");

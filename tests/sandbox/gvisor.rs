@@ -14,8 +14,8 @@ use cellgate::sandbox::{GvisorSandbox, Limits, Sandbox};
 use serde_json::json;
 
 use super::harness::{
-    self, base_prefix_inside, command_spec, exit_of, python, require_root, runtime, Kernel,
-    KernelDirs, Kind,
+    self, base_prefix_inside, command_spec, exit_of, python, require_root, run_python, runtime,
+    Kernel, KernelDirs, Kind,
 };
 use super::{MODE_VAR, OUT_VAR};
 
@@ -640,18 +640,7 @@ async fn the_kernel_runs_in_the_sentry() {
 async fn an_exited_sandbox_leaves_no_bundle() {
     require_root("bundle cleanup test");
     let sandbox = sandbox();
-    let dirs = KernelDirs::new("exit");
-    let spec = command_spec(
-        &dirs,
-        vec![
-            python().display().to_string(),
-            "-c".into(),
-            "import sys; sys.exit(3)".into(),
-        ],
-        Limits::default(),
-    );
-    let launched = sandbox.launch(&spec).await.expect("launch");
-    let report = exit_of(launched).await;
+    let (report, dirs, _log) = run_python(&sandbox, "import sys; sys.exit(3)").await;
     assert_eq!(report.code, Some(3), "{report:?}");
     assert!(no_bundle_soon(&dirs.root).await);
 }

@@ -174,6 +174,21 @@ pub fn command_spec(dirs: &KernelDirs, argv: Vec<String>, limits: Limits) -> Lau
     }
 }
 
+/// Runs `code` with the kernel venv's Python in `sandbox` until it exits: its report, its
+/// directories and what it printed.
+pub async fn run_python(sandbox: &dyn Sandbox, code: &str) -> (ExitReport, KernelDirs, String) {
+    let dirs = KernelDirs::new("exit");
+    let spec = command_spec(
+        &dirs,
+        vec![python().display().to_string(), "-c".into(), code.into()],
+        Limits::default(),
+    );
+    let launched = sandbox.launch(&spec).await.expect("launch");
+    let report = exit_of(launched).await;
+    let log = std::fs::read_to_string(&spec.log_file).unwrap_or_default();
+    (report, dirs, log)
+}
+
 pub async fn exit_of(launched: Launched) -> ExitReport {
     let mut exit = launched.exit;
     let report = tokio::time::timeout(Duration::from_secs(60), exit.wait_for(Option::is_some))
