@@ -1,0 +1,287 @@
+//! The OCI bundle of one launch: `config.json` and a `rootfs` that holds only mount points,
+//! the generated `/etc` files and the `bin`/`lib` symlinks of a merged-`/usr` host.
+//!
+//! A bundle rather than `runsc do`, which shows the host's whole `/` and can neither bind
+//! the runtime directory read-write at a path of our choosing nor pick the user (see the
+//! backend's design in [`super`]). Everything the kernel sees is decided here, from the
+//! launch's spec and its [`KernelView`]; the root is read-only and the mounts are applied
+//! in order, so a later mount (a masked directory) covers an earlier one (its bind).
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use super::error::setup;
+use super::{GvisorConfig, PIDS_OVERHEAD};
+use crate::sandbox::relocate::{self, KernelView, VenvEntry};
+use crate::sandbox::rootfs::{self, ETC_ENTRIES, USR_LINKS};
+use crate::sandbox::{LaunchSpec, Limits, SandboxError};
+
+/// CFS period for CPU limits.
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// Writes `bundle/config.json` and `bundle/rootfs`.
+pub(super) fn write_bundle(
+    bundle: &Path,
+    config: &GvisorConfig,
+    spec: &LaunchSpec,
+    view: &KernelView,
+    ro_paths: &[PathBuf],
+    cgroup: &str,
+) -> Result<(), SandboxError> {
+    let io = |what: &str, path: &Path| {
+        let what = format!("{what} {}", path.display());
+        move |err: io::Error| setup(format!("{what}: {err}"))
+    };
+    let rootfs = bundle.join("rootfs");
+    std::fs::create_dir_all(rootfs.join("etc")).map_err(io("mkdir", &rootfs))?;
+    for dir in ["usr", "proc", "tmp", "dev"] {
+        std::fs::create_dir_all(rootfs.join(dir)).map_err(io("mkdir", &rootfs))?;
+    }
+    let mut mounts = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc"}),
+        json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+               "options": ["nosuid", "nodev", "mode=1777"]}),
+        ro_bind(Path::new("/usr")),
+    ];
+    for name in USR_LINKS {
+        let host = Path::new("/").join(name);
+        match std::fs::read_link(&host) {
+            Ok(target) => std::os::unix::fs::symlink(&target, rootfs.join(name))
+                .map_err(io("symlink", &rootfs.join(name)))?,
+            Err(_) if host.is_dir() => {
+                std::fs::create_dir_all(rootfs.join(name)).map_err(io("mkdir", &host))?;
+                mounts.push(ro_bind(&host));
+            }
+            Err(_) => {}
+        }
+    }
+    for (name, contents) in etc_files(config) {
+        let path = rootfs.join("etc").join(name);
+        std::fs::write(&path, contents).map_err(io("write", &path))?;
+    }
+    // (host, inside, writable)
+    let mut binds: Vec<(PathBuf, PathBuf, bool)> = ETC_ENTRIES
+        .iter()
+        .map(PathBuf::from)
+        .filter(|p| p.exists())
+        .map(|p| (p.clone(), p, false))
+        .collect();
+    binds.extend(ro_paths.iter().map(|p| (p.clone(), p.clone(), false)));
+    if let Some(prefix) = &view.python_prefix {
+        binds.push((prefix.clone(), PathBuf::from(relocate::PYTHON), false));
+    }
+    for entry in &view.venv {
+        let in_rootfs = |inside: &Path| rootfs.join(inside.strip_prefix("/").unwrap_or(inside));
+        match entry {
+            VenvEntry::File {
+                inside,
+                contents,
+                executable,
+            } => {
+                use std::os::unix::fs::PermissionsExt;
+                let path = in_rootfs(inside);
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+                }
+                std::fs::write(&path, contents).map_err(io("write", &path))?;
+                let mode = if *executable { 0o755 } else { 0o644 };
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                    .map_err(io("chmod", &path))?;
+            }
+            VenvEntry::Symlink { inside, points_to } => {
+                let path = in_rootfs(inside);
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+                }
+                std::os::unix::fs::symlink(points_to, &path).map_err(io("symlink", &path))?;
+            }
+            VenvEntry::Bind { host, inside } => binds.push((host.clone(), inside.clone(), false)),
+        }
+    }
+    binds.push((
+        spec.runtime_dir.clone(),
+        PathBuf::from(relocate::RUN_DIR),
+        true,
+    ));
+    // With a size limit, `runsc run`'s own mount namespace has a tmpfs of that size at the
+    // host path (see `WorkspaceMount`); the host's directory is never what the kernel writes
+    // to.
+    binds.push((
+        spec.workspace.clone(),
+        PathBuf::from(relocate::WORKSPACE),
+        true,
+    ));
+    for (host, target, writable) in binds {
+        let inside = rootfs.join(target.strip_prefix("/").unwrap_or(&target));
+        // Mount points must exist in the read-only root; under /tmp (a tmpfs) runsc makes
+        // them itself, but creating them here too is harmless.
+        if host.is_dir() {
+            std::fs::create_dir_all(&inside).map_err(io("mkdir", &inside))?;
+        } else {
+            if let Some(parent) = inside.parent() {
+                std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+            }
+            std::fs::write(&inside, b"").map_err(io("create", &inside))?;
+        }
+        mounts.push(if writable {
+            json!({"destination": target, "type": "bind", "source": host,
+                   "options": ["rbind", "rw", "nosuid", "nodev"]})
+        } else {
+            ro_bind_at(&host, &target)
+        });
+    }
+    for dir in &view.masked {
+        // After the binds they sit in (OCI mounts apply in order).
+        mounts.push(
+            json!({"destination": dir, "type": "tmpfs", "source": "tmpfs",
+                           "options": ["ro", "nosuid", "nodev", "noexec", "size=4096"]}),
+        );
+    }
+    let env: Vec<String> = view.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let no_caps = json!([]);
+    let mut linux = json!({
+        "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                       {"type": "uts"}, {"type": "mount"}],
+    });
+    if config.cgroups {
+        linux["cgroupsPath"] = json!(cgroup);
+        linux["resources"] = resources(&spec.limits);
+    }
+    let oci = json!({
+        "ociVersion": "1.0.2",
+        "hostname": config.hostname,
+        "process": {
+            "terminal": false,
+            "user": {"uid": config.uid, "gid": config.gid},
+            "args": view.argv,
+            "env": env,
+            "cwd": relocate::WORKSPACE,
+            "capabilities": {"bounding": no_caps, "effective": no_caps, "inheritable": no_caps,
+                             "permitted": no_caps, "ambient": no_caps},
+            "noNewPrivileges": true,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
+        },
+        "root": {"path": "rootfs", "readonly": true},
+        "mounts": mounts,
+        "linux": linux,
+    });
+    let text =
+        serde_json::to_vec_pretty(&oci).map_err(|err| setup(format!("config.json: {err}")))?;
+    let path = bundle.join("config.json");
+    std::fs::write(&path, text).map_err(io("write", &path))
+}
+
+fn ro_bind(host: &Path) -> Value {
+    ro_bind_at(host, host)
+}
+
+fn ro_bind_at(host: &Path, target: &Path) -> Value {
+    json!({"destination": target, "type": "bind", "source": host,
+           "options": ["rbind", "ro", "nosuid", "nodev"]})
+}
+
+/// OCI `linux.resources` for the limits.
+fn resources(limits: &Limits) -> Value {
+    let mut resources = json!({});
+    if let Some(bytes) = limits.memory_cgroup_bytes(limits.workspace_bytes) {
+        resources["memory"] = json!({"limit": bytes, "swap": bytes});
+    }
+    if let Some(pids) = limits.pids {
+        resources["pids"] = json!({"limit": pids + PIDS_OVERHEAD});
+    }
+    if let Some(millis) = limits.cpu_millis {
+        let quota = u64::from(millis) * CPU_PERIOD_US / 1000;
+        resources["cpu"] = json!({"quota": quota.max(1000), "period": CPU_PERIOD_US});
+    }
+    resources
+}
+
+/// The generated `/etc` files (see `sandbox::rootfs`).
+fn etc_files(config: &GvisorConfig) -> Vec<(&'static str, String)> {
+    rootfs::etc_files(
+        config.uid,
+        config.gid,
+        &config.hostname,
+        Path::new(relocate::WORKSPACE),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::namespaces::SYSTEM_PREFIXES;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn bundle_shows_only_what_the_kernel_needs() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("k/run");
+        let work = dir.path().join("k/work");
+        std::fs::create_dir_all(&run).unwrap();
+        std::fs::create_dir_all(&work).unwrap();
+        let spec = LaunchSpec {
+            kernel_id: "k".into(),
+            argv: vec!["/usr/bin/python3".into(), "-c".into(), "pass".into()],
+            env: BTreeMap::from([("PATH".to_owned(), "/usr/bin".to_owned())]),
+            connection_file: run.join("c.json"),
+            connection: crate::protocol::ConnectionInfo::ipc(&run.join("g1"), "k".into(), "p"),
+            runtime_dir: run.clone(),
+            workspace: work.clone(),
+            log_file: dir.path().join("k/kernel.log"),
+            limits: Limits {
+                memory_bytes: Some(1 << 30),
+                pids: Some(10),
+                cpu_millis: Some(500),
+                workspace_bytes: None,
+            },
+            egress_socket: None,
+        };
+        let bundle = dir.path().join("bundle");
+        let view = KernelView::of(&spec, SYSTEM_PREFIXES).unwrap();
+        write_bundle(
+            &bundle,
+            &GvisorConfig::default(),
+            &spec,
+            &view,
+            &[],
+            "cellgate-gvisor/x",
+        )
+        .unwrap();
+        let config: Value =
+            serde_json::from_slice(&std::fs::read(bundle.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["root"]["readonly"], true);
+        assert_eq!(config["process"]["user"]["uid"], 65534);
+        assert_eq!(config["process"]["noNewPrivileges"], true);
+        assert_eq!(config["process"]["capabilities"]["bounding"], json!([]));
+        assert_eq!(config["process"]["cwd"], "/home/user");
+        assert_eq!(
+            config["linux"]["resources"]["pids"]["limit"],
+            10 + PIDS_OVERHEAD
+        );
+        assert_eq!(config["linux"]["resources"]["cpu"]["quota"], 50_000);
+        let mounts = config["mounts"].as_array().unwrap();
+        let find = |dest: &Path| {
+            mounts
+                .iter()
+                .find(|m| m["destination"] == json!(dest))
+                .unwrap_or_else(|| panic!("no mount at {}", dest.display()))
+        };
+        let rw = |m: &Value| m["options"].as_array().unwrap().contains(&json!("rw"));
+        let (run_mount, work_mount) = (
+            find(Path::new("/run/cellgate")),
+            find(Path::new("/home/user")),
+        );
+        assert!(rw(run_mount), "runtime dir writable at its fixed path");
+        assert_eq!(run_mount["source"], json!(run));
+        assert!(rw(work_mount), "workspace writable");
+        assert_eq!(work_mount["source"], json!(work));
+        assert!(!rw(find(Path::new("/usr"))));
+        assert!(mounts
+            .iter()
+            .all(|m| m["destination"] != "/etc/shadow" && m["destination"] != "/"));
+        let passwd = std::fs::read_to_string(bundle.join("rootfs/etc/passwd")).unwrap();
+        assert!(passwd.contains("kernel:x:65534:65534"));
+    }
+}

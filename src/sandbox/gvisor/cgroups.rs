@@ -1,0 +1,161 @@
+//! The sandboxes' cgroups, as far as the gateway deals with them.
+//!
+//! runsc makes a sandbox's cgroups itself (below the gateway's own cgroup, at the spec's
+//! relative `linux.cgroupsPath`) and removes the ones it made before `runsc run` returns,
+//! which is too early for the exit watcher to read why the sandbox died. So the gateway
+//! makes the memory and pids cgroups first, with their limits: runsc joins a cgroup that
+//! exists and leaves it in place, the watcher reads its OOM and `pids.events` counters and
+//! then removes it. Cgroups left behind by a gateway that died are swept when the backend
+//! next starts. Where this process's cgroups are comes from [`cgroupfs`], the one reader of
+//! the host's tables.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::sandbox::cgroupfs;
+
+/// The cgroup (relative to the gateway's own) that holds the sandboxes' cgroups.
+pub(super) const CGROUP_PARENT: &str = "cellgate-gvisor";
+
+/// Age past which an empty sandbox cgroup without its gateway's pid counts as left over.
+const SWEEP_MIN_AGE: Duration = Duration::from_secs(120);
+
+/// How many forks the sandbox's pids cgroup refused (`max` in `pids.events`).
+pub(super) fn pids_limit_hits(cgroups_path: &str) -> Option<u64> {
+    cgroup_dirs(cgroups_path).into_iter().find_map(|dir| {
+        std::fs::read_to_string(dir.join("pids.events"))
+            .ok()?
+            .lines()
+            .find_map(|line| line.strip_prefix("max "))
+            .and_then(|n| n.trim().parse().ok())
+    })
+}
+
+/// How many processes the OOM killer killed in the memory cgroup `dir` (v1's
+/// `memory.oom_control`, else v2's `memory.events`); 0 without a cgroup or a counter.
+pub(super) fn oom_kills(dir: Option<&Path>) -> u64 {
+    dir.and_then(|dir| std::fs::read_to_string(dir.join("memory.oom_control")).ok())
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("oom_kill "))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .or_else(|| {
+            let dir = dir?;
+            let events = std::fs::read_to_string(dir.join("memory.events")).ok()?;
+            events
+                .lines()
+                .find_map(|l| l.strip_prefix("oom_kill "))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Where runsc makes the memory cgroup for the relative `cgroups_path`: below the gateway's
+/// own cgroup in the memory hierarchy (v1), or in the unified hierarchy (v2).
+pub(super) fn memory_cgroup_dir(cgroups_path: &str) -> Option<PathBuf> {
+    controller_cgroup_dir("memory", cgroups_path)
+}
+
+/// The same for another v1 controller (or the unified hierarchy).
+pub(super) fn controller_cgroup_dir(controller: &str, cgroups_path: &str) -> Option<PathBuf> {
+    let tables = cgroupfs::Tables::read();
+    let own = if tables
+        .own
+        .iter()
+        .any(|o| o.controllers.iter().any(|c| c == controller))
+    {
+        tables.v1_dir(controller)
+    } else {
+        tables.v2_dir()
+    };
+    own.map(|dir| dir.join(cgroups_path))
+}
+
+/// Creates the sandbox's memory cgroup with its limit (swap included, so swap is no way
+/// around it).
+pub(super) fn create_memory_cgroup(dir: &Path, limit: Option<u64>) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let Some(bytes) = limit else {
+        return Ok(());
+    };
+    let bytes = bytes.to_string();
+    let result = if dir.join("memory.limit_in_bytes").exists() {
+        std::fs::write(dir.join("memory.limit_in_bytes"), &bytes).and_then(|()| {
+            // Absent without swap accounting: then there is no swap to escape to either.
+            match std::fs::write(dir.join("memory.memsw.limit_in_bytes"), &bytes) {
+                Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
+                _ => Ok(()),
+            }
+        })
+    } else {
+        std::fs::write(dir.join("memory.max"), &bytes).and_then(|()| {
+            match std::fs::write(dir.join("memory.swap.max"), "0") {
+                Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
+                _ => Ok(()),
+            }
+        })
+    };
+    if result.is_err() {
+        let _ = std::fs::remove_dir(dir);
+    }
+    result
+}
+
+/// Creates the sandbox's pids cgroup with its limit `max`, so that its `pids.events`
+/// outlives `runsc run`.
+pub(super) fn create_pids_cgroup(dir: &Path, max: u64) -> io::Result<()> {
+    let made = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(dir.join("pids.max"), max.to_string()));
+    if made.is_err() {
+        let _ = std::fs::remove_dir(dir);
+    }
+    made
+}
+
+/// The directory of the relative cgroup path `cgroups_path` in every cgroup hierarchy this
+/// process is in (v1: one per mounted hierarchy; v2: the unified one).
+pub(super) fn cgroup_dirs(cgroups_path: &str) -> Vec<PathBuf> {
+    cgroupfs::Tables::read()
+        .own_dirs()
+        .into_iter()
+        .map(|dir| dir.join(cgroups_path))
+        .collect()
+}
+
+/// Removes the empty cgroups of sandboxes whose `runsc run` was killed before it could
+/// (a gateway that died). A cgroup with processes in it cannot be removed, so running
+/// sandboxes of other gateways keep theirs.
+pub(super) fn sweep_cgroups() {
+    for parent in cgroup_dirs(CGROUP_PARENT) {
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            // Only those of dead gateways (the pid in the name): a live gateway may have just
+            // made a sandbox's cgroup that runsc has not joined yet (empty, so removable).
+            // Names without a pid: only old ones.
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix("cellgate-") else {
+                continue;
+            };
+            let owner_alive = rest
+                .split_once('-')
+                .and_then(|(pid, _)| pid.parse::<u32>().ok())
+                .map(|pid| Path::new(&format!("/proc/{pid}")).exists());
+            let old = || {
+                entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > SWEEP_MIN_AGE)
+            };
+            let stale = entry.path().is_dir() && owner_alive.map_or_else(old, |alive| !alive);
+            if stale {
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
+    }
+}

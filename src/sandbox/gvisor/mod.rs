@@ -1,0 +1,408 @@
+//! The `gvisor` backend: every kernel in its own gVisor sandbox (`runsc`), whose Sentry, a
+//! user-space kernel written in Go, serves the kernel's system calls; the host kernel sees
+//! only the Sentry's narrow, seccomp-filtered set.
+//!
+//! # Design
+//!
+//! **OCI bundle, not `runsc do`.** `runsc do` shows the host's whole `/` (copy-on-write) and
+//! has no way to bind the runtime directory read-write at a path of our choosing or to pick the user,
+//! so the backend writes a bundle per launch: `config.json` (serde_json) and a `rootfs`
+//! directory that holds only mount points, the generated `/etc` files and the `bin`/`lib`
+//! symlinks of a merged-`/usr` host. The root is read-only; on top of it:
+//!
+//! * `/usr` read-only, the host's harmless `/etc` entries (dynamic linker cache,
+//!   certificates, time zone…) read-only, one by one; never `shadow` or the gateway's files;
+//! * the kernel's Python environment at fixed paths (`sandbox::relocate`, shared with the
+//!   namespaces backend): the venv's view at `/opt/cellgate/venv` (its `lib` bound
+//!   read-only, `pyvenv.cfg`, interpreter links and console scripts rewritten, written into
+//!   the bundle's rootfs) and the base interpreter's prefix at `/opt/cellgate/python`; files
+//!   named in its command read-only at their own paths;
+//! * `/tmp` a tmpfs of the Sentry (memory, charged to the sandbox);
+//! * the runtime directory **bind-mounted read-write at `/run/cellgate`**; the connection
+//!   file the kernel reads is rewritten to name its `ipc://` endpoints there, while the
+//!   gateway connects by host paths. `--host-uds=all` is what makes a
+//!   socket the kernel *binds* there a real host socket the gateway can connect to (without
+//!   it the socket exists only inside the Sentry); this 2022 build has no narrower mode
+//!   (`open`/`create` came later);
+//! * the workspace, bind-mounted read-write at `/home/user` (its `$HOME` and working
+//!   directory). With a size limit (every
+//!   policy has one) it is a **host tmpfs of that size that only `runsc` sees**: `runsc run`
+//!   starts in a mount namespace of its own (made in the child before exec: `unshare`,
+//!   `/` made private, then the tmpfs, owned by the kernel's uid, mode 0700, `nosuid`,
+//!   `nodev`, mounted over the workspace directory), so the gofer serves the tmpfs while the
+//!   host's directory stays empty and nothing shows in the host's mount table. The mount
+//!   lives exactly as long as the sandbox's processes (they all die with the gateway, see
+//!   *Lifetime*). The gateway reaches it through `/proc/<runsc pid>/root` (see
+//!   [`GvisorHandle::workspace_root`](GvisorHandle#method.workspace_root)), which is what
+//!   gives gVisor sessions the file API and `outputs/` artifacts. Without a limit, the host
+//!   directory itself. (A tmpfs of the Sentry would keep the files out of the gateway's
+//!   reach; a host directory with no limit let an attack test write 45 GB; see
+//!   [`workspace`].) The tmpfs's pages are charged to the memory
+//!   cgroup of whoever writes them, the sandbox's for the kernel's files; either way the
+//!   size limit bounds them. Mounts other than the root are validated by the Sentry on
+//!   each use (`--file-access-mounts=shared`, passed explicitly), so a file uploaded
+//!   through the gateway is visible to the kernel at once, also in a directory it has
+//!   already listed, and a file the kernel has closed is downloadable at once.
+//!
+//! The kernel runs as uid/gid 65534 inside and out, with no capabilities and
+//! `noNewPrivileges`; the gateway (which must be root: runsc without `--rootless` creates
+//! namespaces and cgroups) hands the runtime directory, connection file and workspace to
+//! that uid, as the namespaces backend does. `--network=none` leaves only loopback.
+//!
+//! **Limits.** runsc puts the sandbox (Sentry and gofer) in the cgroup named by the spec's
+//! `linux.cgroupsPath` (relative: below the gateway's own cgroup, `cellgate-gvisor/<id>`)
+//! and writes `linux.resources` there: pids and CPU quota. The memory cgroup is made by the
+//! gateway with its limit before runsc starts, because runsc removes the cgroups it made
+//! before `runsc run` returns and the exit watcher must read the OOM counter to report an
+//! out-of-memory kill. This build does not enforce limits per process inside the Sentry:
+//! exceeding the memory limit kills the **whole** sandbox, and the pids limit counts the
+//! Sentry's threads and the ptrace stubs (one host process per guest process), so
+//! [`PIDS_OVERHEAD`] is added to the policy's number.
+//! Cgroups of a `runsc run` killed with its gateway are swept when the backend next starts.
+//!
+//! **Lifetime.** `runsc run` (attached) is spawned from one dedicated thread with
+//! `PR_SET_PDEATHSIG(SIGKILL)`, as in the other backends, and leads its own process group.
+//! runsc gives its own children (the sandbox and the gofer) a parent-death signal, so the
+//! chain gateway → `runsc run` → sandbox ends everything when the gateway dies, also by
+//! SIGKILL. `kill` asks runsc to kill every process of the container, then SIGKILLs the
+//! `runsc run` group; the exit watcher then runs `runsc delete --force` and removes the
+//! bundle, runsc's state directory and the sandbox's cgroups. `signal` runs a tiny Python
+//! program in the container (`runsc exec`) that sends the signal to the kernel's *main
+//! thread* and to every other process of the container: `runsc kill` would hand SIGINT to
+//! an arbitrary thread, and CPython only notices it when its main thread wakes (see
+//! [`GvisorHandle::signal`](GvisorHandle#method.signal)). `signal` and `kill` wait for runsc.
+//!
+//! **Platform.** `ptrace` (this build has `ptrace` and `kvm`; `kvm` stalls on PVM hosts and
+//! `systrap` came in 2023). Syscall-heavy work is slower than in the namespaces backend, and
+//! a kernel takes longer to be ready (BENCHMARKS.md, "Measurements behind the code").
+//!
+//! # Modules
+//!
+//! * [`bundle`]: the OCI bundle (`config.json`, the rootfs's mount points and `/etc`);
+//! * [`workspace`]: the size-limited workspace, a tmpfs only `runsc run` sees;
+//! * [`cgroups`]: the memory and pids cgroups the gateway makes, reads and sweeps;
+//! * [`runsc`]: runsc's command line for one container (`kill`, `exec`, `delete`);
+//! * [`exit`]: the exit watcher (one [`ExitReport`](super::ExitReport), then the clean-up);
+//! * [`handle`]: [`GvisorHandle`], the gateway's control of a running sandbox;
+//! * [`diagnose`](mod@diagnose): what `cellgate doctor` checks;
+//! * [`error`]: how a failed launch is reported.
+
+mod bundle;
+mod cgroups;
+mod diagnose;
+mod error;
+mod exit;
+mod handle;
+mod runsc;
+mod workspace;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::process::Command;
+use tokio::sync::watch;
+
+use super::diagnosis;
+use super::namespaces::{argv_files, visible_roots, SYSTEM_PREFIXES};
+use super::relocate::KernelView;
+use super::spawner::Spawner;
+use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
+use bundle::write_bundle;
+use cgroups::{
+    controller_cgroup_dir, create_memory_cgroup, create_pids_cgroup, memory_cgroup_dir,
+    sweep_cgroups, CGROUP_PARENT,
+};
+pub use diagnose::diagnose;
+use error::setup;
+use exit::watch_exit;
+use handle::GvisorHandle;
+use runsc::Runsc;
+use workspace::WorkspaceMount;
+
+/// Host threads and processes of the runsc machinery (Sentry threads, gofer, ptrace stubs)
+/// that count against a pids limit besides the kernel's own.
+pub const PIDS_OVERHEAD: u64 = 256;
+
+/// Settings of the gvisor backend.
+#[derive(Debug, Clone)]
+pub struct GvisorConfig {
+    /// The runsc binary; `None` means `runsc` from `PATH`.
+    pub runsc: Option<PathBuf>,
+    /// runsc's `--platform`.
+    pub platform: String,
+    /// The kernel's uid and gid, inside the sandbox and on the host.
+    pub uid: u32,
+    pub gid: u32,
+    /// More host paths to show read-only at the same path.
+    pub extra_ro_paths: Vec<PathBuf>,
+    /// Put the sandbox in a cgroup with the launch's limits.
+    pub cgroups: bool,
+    pub hostname: String,
+    /// How long `runsc kill` and `runsc delete` may take.
+    pub command_timeout: Duration,
+}
+
+impl Default for GvisorConfig {
+    fn default() -> GvisorConfig {
+        GvisorConfig {
+            runsc: None,
+            platform: "ptrace".to_owned(),
+            uid: 65534,
+            gid: 65534,
+            extra_ro_paths: Vec::new(),
+            cgroups: true,
+            hostname: "sandbox".to_owned(),
+            command_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Starts kernels in gVisor sandboxes.
+pub struct GvisorSandbox {
+    config: GvisorConfig,
+    runsc: PathBuf,
+    spawner: Spawner,
+}
+
+impl GvisorSandbox {
+    /// Finds runsc and checks the gateway may use it. Must be called from within a tokio
+    /// runtime: the spawner thread registers children with it.
+    #[allow(unsafe_code)] // geteuid(2)
+    pub fn new(config: GvisorConfig) -> Result<GvisorSandbox, SandboxError> {
+        let runsc = match &config.runsc {
+            Some(path) => path.clone(),
+            None => diagnosis::find_on_path("runsc").ok_or_else(|| {
+                setup("runsc is not on PATH (install it: apt-get install -y runsc)")
+            })?,
+        };
+        // SAFETY: geteuid(2) cannot fail and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(setup(
+                "the gvisor backend needs a root gateway (runsc creates namespaces and cgroups)",
+            ));
+        }
+        let spawner = Spawner::start("cellgate-gvisor-spawner")?;
+        if config.cgroups {
+            sweep_cgroups();
+        }
+        tracing::info!(runsc = %runsc.display(), platform = %config.platform, "gvisor sandbox backend ready");
+        Ok(GvisorSandbox {
+            config,
+            runsc,
+            spawner,
+        })
+    }
+
+    /// Gives the runtime directory, the connection file and the workspace to the kernel's
+    /// uid (the gofer checks permissions as that uid).
+    fn hand_over(&self, spec: &LaunchSpec) -> Result<(), SandboxError> {
+        for path in [&spec.runtime_dir, &spec.connection_file, &spec.workspace] {
+            match std::os::unix::fs::chown(path, Some(self.config.uid), Some(self.config.gid)) {
+                Ok(()) => {}
+                Err(err)
+                    if err.kind() == io::ErrorKind::NotFound && path == &spec.connection_file => {}
+                Err(err) => return Err(setup(format!("hand over {}: {err}", path.display()))),
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel's view (fixed paths, see [`relocate`](super::relocate)) and the host paths still shown
+    /// read-only at their own paths.
+    fn view(&self, spec: &LaunchSpec) -> Result<(KernelView, Vec<PathBuf>), SandboxError> {
+        let program = spec
+            .argv
+            .first()
+            .ok_or_else(|| setup("the kernel's command is empty"))?;
+        if !Path::new(program).is_absolute() {
+            return Err(setup(format!(
+                "the kernel's program {program:?} is not an absolute path"
+            )));
+        }
+        let view = KernelView::of(spec, SYSTEM_PREFIXES)
+            .map_err(|err| setup(format!("read the kernel's Python environment: {err}")))?;
+        let mut wanted = view.shown_as_is.clone();
+        wanted.extend(argv_files(&spec.argv[1..]));
+        wanted.extend(self.config.extra_ro_paths.iter().cloned());
+        view.rewrite_connection_file(&spec.connection_file)
+            .map_err(|err| setup(format!("rewrite the connection file: {err}")))?;
+        let ro_paths = visible_roots(wanted, &spec.runtime_dir, &spec.workspace);
+        Ok((view, ro_paths))
+    }
+
+    #[allow(unsafe_code)] // the workspace mount's `pre_exec` hook
+    async fn launch_gvisor(&self, spec: &LaunchSpec) -> Result<Launched, SandboxError> {
+        let (view, ro_paths) = self.view(spec)?;
+        self.hand_over(spec)?;
+        // The gateway's pid in the name tells a later sweep whether its owner is alive.
+        let unique = format!(
+            "{}-{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
+        let container_id = format!("cellgate-{unique}");
+        let base = spec
+            .log_file
+            .parent()
+            .ok_or_else(|| setup("the log file has no parent directory"))?;
+        let bundle = base.join(format!("gvisor-{unique}"));
+        let state = bundle.join("state");
+        let cgroup_path = format!("{CGROUP_PARENT}/{container_id}");
+        // Made (with its limit) here rather than by runsc: runsc removes the cgroups it
+        // creates before `runsc run` returns, and the watcher must read the OOM counter
+        // first. runsc joins a cgroup that exists and leaves it in place (and its limits to
+        // us); the watcher removes it.
+        // With a size limit the workspace is a host tmpfs whose pages the sandbox's writes
+        // are charged for; without one it is a host directory (reclaimable page cache).
+        let cgroup_memory = spec.limits.memory_cgroup_bytes(spec.limits.workspace_bytes);
+        let memory_cgroup = (self.config.cgroups && spec.limits.memory_bytes.is_some())
+            .then(|| memory_cgroup_dir(&cgroup_path))
+            .flatten()
+            .filter(|dir| match create_memory_cgroup(dir, cgroup_memory) {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::warn!(kernel_id = %spec.kernel_id, %err, dir = %dir.display(), "cannot pre-create the memory cgroup: OOM kills will be reported as SIGKILL only");
+                    false
+                }
+            });
+        // The pids cgroup too, so its `pids.events` outlives `runsc run`: when the guest's
+        // forks exhaust the limit the Sentry dies, and the watcher reports which limit.
+        if let (true, Some(pids)) = (self.config.cgroups, spec.limits.pids) {
+            if let Some(dir) = controller_cgroup_dir("pids", &cgroup_path) {
+                if let Err(err) = create_pids_cgroup(&dir, pids + PIDS_OVERHEAD) {
+                    tracing::warn!(kernel_id = %spec.kernel_id, %err, dir = %dir.display(), "cannot pre-create the pids cgroup: runsc sets the limit, and its exhaustion is reported as a plain death");
+                }
+            }
+        }
+        let built = tokio::task::spawn_blocking({
+            let bundle = bundle.clone();
+            let config = self.config.clone();
+            let spec = spec.clone();
+            let cgroup = cgroup_path.clone();
+            move || write_bundle(&bundle, &config, &spec, &view, &ro_paths, &cgroup)
+        })
+        .await
+        .map_err(|err| setup(format!("bundle task: {err}")))?;
+        if let Err(err) = built {
+            let _ = std::fs::remove_dir_all(&bundle);
+            return Err(err);
+        }
+        let open_log = || {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&spec.log_file)
+                .map_err(|err| setup(format!("open {}: {err}", spec.log_file.display())))
+        };
+        let (log, log_err) = (open_log()?, open_log()?);
+        let mut command = Command::new(&self.runsc);
+        if let Some(bytes) = spec.limits.workspace_bytes {
+            let mount =
+                WorkspaceMount::new(&spec.workspace, bytes, self.config.uid, self.config.gid)?;
+            // SAFETY: the closure runs in the forked child before exec and only makes
+            // system calls (unshare, mount) on memory prepared before the fork.
+            unsafe {
+                command.pre_exec(move || mount.apply());
+            }
+        }
+        command
+            .args(self.global_args(&state))
+            // Explicit because the file API depends on it (see the module doc).
+            .args([
+                "--network=none",
+                "--host-uds=all",
+                "--file-access-mounts=shared",
+            ])
+            .args(if self.config.cgroups {
+                &[][..]
+            } else {
+                &["--ignore-cgroups"][..]
+            })
+            .arg("run")
+            .arg("--bundle")
+            .arg(&bundle)
+            .arg(&container_id)
+            .env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .current_dir(&bundle)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .process_group(0)
+            .kill_on_drop(false);
+        let child = match self.spawner.spawn(command).await {
+            Ok(child) => child,
+            Err(source) => {
+                let _ = std::fs::remove_dir_all(&bundle);
+                return Err(SandboxError::Spawn {
+                    program: self.runsc.display().to_string(),
+                    source,
+                });
+            }
+        };
+        let pid = child.id().unwrap_or(0);
+        // Opened before the watcher can reap `runsc run`, so it names that process and no
+        // later one that reuses its pid.
+        let pidfd = i32::try_from(pid)
+            .ok()
+            .filter(|&pid| pid > 0)
+            .and_then(|pid| super::namespaces::sys::pidfd_open(pid).ok());
+        let exited = Arc::new(AtomicBool::new(false));
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let runsc = Runsc {
+            program: self.runsc.clone(),
+            global: self.global_args(&state),
+            id: container_id.clone(),
+            timeout: self.config.command_timeout,
+        };
+        let handle_cgroup = self.config.cgroups.then(|| cgroup_path.clone());
+        tokio::spawn(watch_exit(
+            child,
+            cgroup_path,
+            exited.clone(),
+            runsc.clone(),
+            bundle,
+            cgroup_memory,
+            memory_cgroup,
+            exit_tx,
+        ));
+        tracing::info!(kernel_id = %spec.kernel_id, container = %container_id, runsc_pid = pid, "kernel started in gVisor");
+        Ok(Launched {
+            handle: Arc::new(GvisorHandle {
+                pid,
+                pidfd,
+                private_workspace: spec.limits.workspace_bytes.is_some(),
+                uid: self.config.uid,
+                gid: self.config.gid,
+                exited,
+                runsc,
+                cgroups_path: handle_cgroup,
+            }),
+            exit: exit_rx,
+            connection: spec.connection.clone(),
+        })
+    }
+
+    fn global_args(&self, state: &Path) -> Vec<String> {
+        vec![
+            "--root".to_owned(),
+            state.display().to_string(),
+            "--platform".to_owned(),
+            self.config.platform.clone(),
+        ]
+    }
+}
+
+impl Sandbox for GvisorSandbox {
+    fn backend(&self) -> Backend {
+        Backend::Gvisor
+    }
+
+    fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
+        Box::pin(self.launch_gvisor(spec))
+    }
+}
