@@ -17,6 +17,7 @@
 pub mod cgroupfs;
 pub mod diagnosis;
 mod gvisor;
+pub mod microvm;
 mod namespaces;
 mod process;
 mod procfs;
@@ -35,6 +36,7 @@ use tokio::sync::watch;
 use crate::protocol::ConnectionInfo;
 
 pub use gvisor::{GvisorConfig, GvisorSandbox, PIDS_OVERHEAD as GVISOR_PIDS_OVERHEAD};
+pub use microvm::{MicrovmConfig, MicrovmError, MicrovmSandbox};
 pub use namespaces::{
     sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox, SANDBOX_INIT_ARG,
 };
@@ -50,6 +52,9 @@ pub enum Backend {
     Namespaces,
     /// gVisor's runsc.
     Gvisor,
+    /// A virtual machine per kernel (QEMU's microvm machine), reached through the guest
+    /// agent.
+    Microvm,
 }
 
 impl Backend {
@@ -58,6 +63,7 @@ impl Backend {
             Backend::Process => "process",
             Backend::Namespaces => "namespaces",
             Backend::Gvisor => "gvisor",
+            Backend::Microvm => "microvm",
         }
     }
 }
@@ -69,6 +75,7 @@ impl std::str::FromStr for Backend {
             "process" => Ok(Backend::Process),
             "namespaces" => Ok(Backend::Namespaces),
             "gvisor" => Ok(Backend::Gvisor),
+            "microvm" => Ok(Backend::Microvm),
             other => Err(SandboxError::UnknownBackend(other.to_owned())),
         }
     }
@@ -80,6 +87,7 @@ pub fn create(backend: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
         Backend::Process => Arc::new(ProcessSandbox::new()?),
         Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig::default())?),
         Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
+        Backend::Microvm => Arc::new(MicrovmSandbox::new(MicrovmConfig::default())?),
     })
 }
 
@@ -90,6 +98,7 @@ pub async fn diagnose(backend: Backend, probe: bool) -> diagnosis::Diagnosis {
         Backend::Process => process::diagnose(),
         Backend::Namespaces => namespaces::diagnose::diagnose(probe).await,
         Backend::Gvisor => gvisor::diagnose(probe).await,
+        Backend::Microvm => microvm::diagnose::diagnose(probe).await,
     }
 }
 
@@ -333,7 +342,7 @@ pub trait Sandbox: Send + Sync {
 /// Errors of sandbox backends.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
-    #[error("unknown sandbox backend {0:?} (known: process, namespaces, gvisor)")]
+    #[error("unknown sandbox backend {0:?} (known: process, namespaces, gvisor, microvm)")]
     UnknownBackend(String),
     #[error("the process backend runs kernels without any isolation; name it explicitly (--sandbox process) to use it")]
     ProcessNotAllowed,
@@ -349,4 +358,6 @@ pub enum SandboxError {
     Setup(String),
     #[error(transparent)]
     Namespaces(#[from] NamespacesError),
+    #[error(transparent)]
+    Microvm(MicrovmError),
 }

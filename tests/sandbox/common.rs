@@ -146,4 +146,5 @@ macro_rules! every_backend {
 every_backend! {
     namespaces => Kind::Namespaces,
     gvisor => Kind::Gvisor,
+    microvm => Kind::Microvm,
 }

@@ -13,8 +13,8 @@ use cellgate::protocol::{
     decode_multipart, encode_multipart, Channel, ConnectionInfo, Message, Signer,
 };
 use cellgate::sandbox::{
-    ExitReport, GvisorConfig, GvisorSandbox, LaunchSpec, Launched, Limits, NamespacesConfig,
-    NamespacesSandbox, Sandbox,
+    ExitReport, GvisorConfig, GvisorSandbox, LaunchSpec, Launched, Limits, MicrovmConfig,
+    MicrovmSandbox, NamespacesConfig, NamespacesSandbox, Sandbox,
 };
 use serde_json::{json, Value};
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
@@ -24,6 +24,7 @@ use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSoc
 pub enum Kind {
     Namespaces,
     Gvisor,
+    Microvm,
 }
 
 /// A sandbox of `kind`, or a loud failure saying why this host cannot run it.
@@ -31,6 +32,7 @@ pub fn sandbox(kind: Kind) -> Box<dyn Sandbox> {
     match kind {
         Kind::Namespaces => Box::new(namespaces_sandbox()),
         Kind::Gvisor => Box::new(gvisor_sandbox()),
+        Kind::Microvm => Box::new(microvm_sandbox()),
     }
 }
 
@@ -51,6 +53,22 @@ pub fn gvisor_sandbox() -> GvisorSandbox {
             "the gvisor backend cannot run on this host: {err}\n\
              (install runsc with `apt-get install -y runsc` or `./dev setup`; \
              `cellgate doctor` explains what is missing)"
+        )
+    })
+}
+
+/// The microvm backend, with emulation allowed (CI's machines have no usable KVM), or a
+/// loud failure saying why this host cannot run it.
+pub fn microvm_sandbox() -> MicrovmSandbox {
+    MicrovmSandbox::new(MicrovmConfig {
+        allow_emulation: true,
+        ..MicrovmConfig::default()
+    })
+    .unwrap_or_else(|err| {
+        panic!(
+            "the microvm backend cannot run on this host: {err}\n\
+             (`./dev setup` installs QEMU and builds the guest; `cellgate doctor` explains \
+             what is missing)"
         )
     })
 }

@@ -1,0 +1,508 @@
+//! The one kernel a guest runs: starting it, signalling and killing it, measuring it, and
+//! reaping it (and, on pid 1, every orphan of the guest).
+//!
+//! On pid 1 the kernel runs in its own cgroup (`/sys/fs/cgroup/kernel`) with the policy's
+//! pids and memory limits. The cgroup is how the agent ends everything the kernel started at
+//! once (`cgroup.kill`), tells an out-of-memory kill from any other SIGKILL
+//! (`memory.events`), and counts refused forks (`pids.events`). The VM's RAM is a little
+//! larger than the cgroup's limit, so the guest's OOM killer picks inside the kernel's
+//! cgroup and the agent survives to report it.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use cellgate_agent::protocol::{Channel, ConnectionFile, Exit, Start, Usage, LOG_TAIL_BYTES};
+use rustix::process::{Pid, Signal, WaitOptions};
+use tokio::sync::watch;
+
+/// The kernel's cgroup in the guest.
+const CGROUP: &str = "/sys/fs/cgroup/kernel";
+/// The kernel's stdout and stderr, in the agent's own run directory.
+const LOG_FILE: &str = "/run/cellgate-agent/kernel.log";
+
+pub struct Kernel {
+    /// Whether this agent is the guest's init: cgroups, mounts and ownership are its job.
+    init: bool,
+    state: Mutex<State>,
+    exit: watch::Sender<Option<Exit>>,
+}
+
+#[derive(Default)]
+struct State {
+    pid: Option<Pid>,
+    /// Where each channel's socket is in the guest, from the connection file.
+    endpoints: Option<Endpoints>,
+    cgroup: Option<PathBuf>,
+    log: Option<PathBuf>,
+}
+
+/// A channel's socket inside the guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    Ipc(PathBuf),
+    Tcp(String),
+}
+
+#[derive(Debug, Clone)]
+struct Endpoints([Endpoint; 5]);
+
+/// Errors of starting the kernel, as sentences for the `failed` reply.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("the kernel was started already")]
+    AlreadyStarted,
+    #[error("no kernel is running")]
+    NotRunning,
+    #[error("bad connection info: {0}")]
+    Connection(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("signal {0} is not a signal")]
+    BadSignal(i32),
+}
+
+fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> KernelError {
+    let what = what.into();
+    move |source| KernelError::Io { what, source }
+}
+
+impl Kernel {
+    pub fn new(init: bool) -> Kernel {
+        Kernel {
+            init,
+            state: Mutex::new(State::default()),
+            exit: watch::channel(None).0,
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock leaves plain data behind; keep serving.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The kernel's exit, once it has ended.
+    pub fn exit_watch(&self) -> watch::Receiver<Option<Exit>> {
+        self.exit.subscribe()
+    }
+
+    /// Where `channel`'s socket is, once the kernel was started.
+    pub fn endpoint(&self, channel: Channel) -> Option<Endpoint> {
+        let state = self.state();
+        let index = Channel::ALL.iter().position(|c| *c == channel)?;
+        Some(state.endpoints.as_ref()?.0[index].clone())
+    }
+
+    pub fn running(&self) -> bool {
+        self.state().pid.is_some() && self.exit.borrow().is_none()
+    }
+
+    /// Starts the kernel; its pid as the guest sees it.
+    pub fn start(&self, start: &Start) -> Result<u32, KernelError> {
+        let mut state = self.state();
+        if state.pid.is_some() {
+            return Err(KernelError::AlreadyStarted);
+        }
+        let cwd = Path::new(&start.cwd);
+        if self.init {
+            prepare_workspace(cwd, start.uid, start.gid)?;
+        }
+        let endpoints = match &start.connection {
+            Some(connection) => {
+                let endpoints = endpoints(&connection.info)?;
+                write_connection_file(start, connection, &endpoints, self.init)?;
+                Some(endpoints)
+            }
+            None => None,
+        };
+        let log_dir = Path::new(LOG_FILE).parent().unwrap_or(Path::new("/run"));
+        std::fs::create_dir_all(log_dir).map_err(io_error(log_dir.display().to_string()))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(LOG_FILE)
+            .map_err(io_error(LOG_FILE))?;
+        let cgroup = if self.init {
+            Some(make_cgroup(start)?)
+        } else {
+            None
+        };
+        let procs = match &cgroup {
+            Some(dir) => Some(
+                rustix::fs::open(
+                    dir.join("cgroup.procs"),
+                    rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
+                    rustix::fs::Mode::empty(),
+                )
+                .map_err(|e| io_error("the kernel's cgroup.procs")(e.into()))?,
+            ),
+            None => None,
+        };
+        let (program, args) = start
+            .argv
+            .split_first()
+            .ok_or_else(|| KernelError::Connection("empty argv".to_owned()))?;
+        let mut command = std::process::Command::new(program);
+        command
+            .args(args)
+            .env_clear()
+            .envs(&start.env)
+            .current_dir(cwd)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().map_err(io_error("the kernel log"))?)
+            .stderr(log)
+            .process_group(0);
+        if rustix::process::geteuid().is_root() {
+            command.uid(start.uid).gid(start.gid);
+        }
+        if let Some(procs) = procs {
+            join_cgroup_at_exec(&mut command, procs);
+        }
+        let child = command
+            .spawn()
+            .map_err(io_error(format!("starting {program}")))?;
+        let pid = child.id();
+        // The reaper waits for it (waitpid(-1)), so the handle is not needed.
+        drop(child);
+        state.pid = Pid::from_raw(pid as i32);
+        state.endpoints = endpoints;
+        state.cgroup = cgroup;
+        state.log = Some(PathBuf::from(LOG_FILE));
+        Ok(pid)
+    }
+
+    pub fn signal(&self, signal: i32) -> Result<(), KernelError> {
+        let pid = self.live_pid()?;
+        let signal = Signal::from_named_raw(signal).ok_or(KernelError::BadSignal(signal))?;
+        rustix::process::kill_process(pid, signal)
+            .map_err(|e| io_error("signalling the kernel")(e.into()))
+    }
+
+    /// Ends the kernel and everything it started.
+    pub fn kill(&self) -> Result<(), KernelError> {
+        let (pid, cgroup) = {
+            let state = self.state();
+            (state.pid, state.cgroup.clone())
+        };
+        let pid = pid.ok_or(KernelError::NotRunning)?;
+        if let Some(cgroup) = cgroup {
+            std::fs::write(cgroup.join("cgroup.kill"), "1").map_err(io_error("cgroup.kill"))?;
+            return Ok(());
+        }
+        match rustix::process::kill_process_group(pid, Signal::KILL) {
+            Ok(()) => Ok(()),
+            // Gone already: the reaper reports it.
+            Err(rustix::io::Errno::SRCH) => Ok(()),
+            Err(e) => Err(io_error("killing the kernel")(e.into())),
+        }
+    }
+
+    fn live_pid(&self) -> Result<Pid, KernelError> {
+        match self.state().pid {
+            Some(pid) if self.exit.borrow().is_none() => Ok(pid),
+            _ => Err(KernelError::NotRunning),
+        }
+    }
+
+    pub fn usage(&self) -> Usage {
+        let Some(cgroup) = self.state().cgroup.clone() else {
+            return Usage::default();
+        };
+        Usage {
+            cpu_time_us: keyed(&cgroup.join("cpu.stat"), "usage_usec"),
+            memory_bytes: single(&cgroup.join("memory.current")),
+            memory_peak_bytes: single(&cgroup.join("memory.peak")),
+            pids_limit_hits: keyed(&cgroup.join("pids.events"), "max"),
+        }
+    }
+
+    /// Reaps every child that ends (pid 1 inherits the guest's orphans) and reports the
+    /// kernel's end. Call before the first start, so no SIGCHLD is missed.
+    pub fn reap_children(self: Arc<Self>) -> std::io::Result<()> {
+        let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())?;
+        tokio::spawn(async move {
+            loop {
+                while let Ok(Some((pid, status))) = rustix::process::wait(WaitOptions::NOHANG) {
+                    if Some(pid) == self.state().pid {
+                        self.ended(status);
+                    }
+                }
+                if sigchld.recv().await.is_none() {
+                    return;
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn ended(&self, status: rustix::process::WaitStatus) {
+        let (cgroup, log) = {
+            let state = self.state();
+            (state.cgroup.clone(), state.log.clone())
+        };
+        let mut oom = false;
+        let mut pids_limit_hits = 0;
+        if let Some(cgroup) = &cgroup {
+            // What the kernel left behind goes with it.
+            let _ = std::fs::write(cgroup.join("cgroup.kill"), "1");
+            oom = keyed(&cgroup.join("memory.events"), "oom_kill").unwrap_or(0) > 0;
+            pids_limit_hits = keyed(&cgroup.join("pids.events"), "max").unwrap_or(0);
+        }
+        let exit = Exit {
+            code: status.exit_status(),
+            signal: status.terminating_signal(),
+            oom,
+            pids_limit_hits,
+            log_tail: log.as_deref().map(log_tail).unwrap_or_default(),
+        };
+        self.exit.send_replace(Some(exit));
+    }
+}
+
+/// Mixes `seed` (hex) into the guest's entropy pool and reseeds the kernel's random number
+/// generator from it at once, so `os.urandom` in two VMs restored from one snapshot differs
+/// from the next call on.
+#[allow(unsafe_code)]
+pub fn reseed(seed: &str) -> Result<(), KernelError> {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let bytes = decode_hex(seed)
+        .filter(|b| b.len() >= 32)
+        .ok_or_else(|| KernelError::Connection("a seed is 32 bytes or more, in hex".to_owned()))?;
+    let mut urandom = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")
+        .map_err(io_error("/dev/urandom"))?;
+    urandom
+        .write_all(&bytes)
+        .map_err(io_error("/dev/urandom"))?;
+    // RNDRESEEDCRNG: _IO('R', 0x07).
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    // SAFETY: an argument-less ioctl on a descriptor this function owns.
+    let done = unsafe { libc::ioctl(urandom.as_raw_fd(), RNDRESEEDCRNG as _) };
+    if done < 0 {
+        return Err(io_error("reseeding the guest RNG")(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Puts the child into the kernel's cgroup before it runs a single instruction of the
+/// kernel's program, so no process of the kernel ever runs outside the limits.
+#[allow(unsafe_code)]
+fn join_cgroup_at_exec(command: &mut std::process::Command, procs: OwnedFd) {
+    // SAFETY: the closure runs in the forked child before exec; it only calls write(2) on a
+    // descriptor opened before the fork, which is async-signal-safe, and allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::io::write(procs.as_fd(), b"0")?;
+            Ok(())
+        });
+    }
+}
+
+fn endpoints(connection: &serde_json::Value) -> Result<Endpoints, KernelError> {
+    let text = |key: &str| {
+        connection
+            .get(key)
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| KernelError::Connection(format!("no {key}")))
+    };
+    let port = |key: &str| {
+        connection
+            .get(key)
+            .and_then(|v| v.as_u64())
+            .filter(|p| *p > 0 && *p <= u64::from(u16::MAX))
+            .ok_or_else(|| KernelError::Connection(format!("no {key}")))
+    };
+    let transport = text("transport")?;
+    let ip = text("ip")?;
+    let mut list = Vec::with_capacity(5);
+    for key in [
+        "shell_port",
+        "iopub_port",
+        "stdin_port",
+        "control_port",
+        "hb_port",
+    ] {
+        let port = port(key)?;
+        list.push(match transport {
+            "ipc" => Endpoint::Ipc(PathBuf::from(format!("{ip}-{port}"))),
+            "tcp" => Endpoint::Tcp(format!("{ip}:{port}")),
+            other => return Err(KernelError::Connection(format!("transport {other}"))),
+        });
+    }
+    let list: [Endpoint; 5] = list
+        .try_into()
+        .map_err(|_| KernelError::Connection("five ports".to_owned()))?;
+    Ok(Endpoints(list))
+}
+
+/// Mounts the workspace disk at the kernel's working directory (when the VM has one) and
+/// gives it to the kernel's user.
+fn prepare_workspace(cwd: &Path, uid: u32, gid: u32) -> Result<(), KernelError> {
+    std::fs::create_dir_all(cwd).map_err(io_error(cwd.display().to_string()))?;
+    if let Some(device) = crate::boot::virtio_disk(false) {
+        rustix::mount::mount(
+            &device,
+            cwd,
+            "ext4",
+            rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
+            None,
+        )
+        .map_err(|e| io_error("mounting the workspace disk")(e.into()))?;
+        // mkfs leaves lost+found; it is no file of the kernel's.
+        let _ = std::fs::remove_dir(cwd.join("lost+found"));
+    }
+    chown(cwd, uid, gid)
+}
+
+fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), KernelError> {
+    std::os::unix::fs::chown(path, Some(uid), Some(gid))
+        .map_err(io_error(format!("chown {}", path.display())))
+}
+
+/// Writes the connection file and makes the ipc sockets' directory, both the kernel's.
+fn write_connection_file(
+    start: &Start,
+    connection: &ConnectionFile,
+    endpoints: &Endpoints,
+    init: bool,
+) -> Result<(), KernelError> {
+    let file = Path::new(&connection.path);
+    let mut dirs = vec![];
+    if let Some(dir) = file.parent() {
+        dirs.push(dir.to_owned());
+    }
+    if let Endpoint::Ipc(socket) = &endpoints.0[0] {
+        if let Some(dir) = socket.parent() {
+            dirs.push(dir.to_owned());
+        }
+    }
+    for dir in &dirs {
+        std::fs::create_dir_all(dir).map_err(io_error(dir.display().to_string()))?;
+        if init {
+            chown(dir, start.uid, start.gid)?;
+        }
+    }
+    let body =
+        serde_json::to_vec(&connection.info).map_err(|e| KernelError::Connection(e.to_string()))?;
+    std::fs::write(file, body).map_err(io_error(file.display().to_string()))?;
+    if init {
+        chown(file, start.uid, start.gid)?;
+    }
+    Ok(())
+}
+
+/// Makes the kernel's cgroup with the policy's limits.
+fn make_cgroup(start: &Start) -> Result<PathBuf, KernelError> {
+    let root = Path::new(CGROUP)
+        .parent()
+        .unwrap_or(Path::new("/sys/fs/cgroup"));
+    std::fs::write(root.join("cgroup.subtree_control"), "+pids +memory +cpu")
+        .or_else(|_| std::fs::write(root.join("cgroup.subtree_control"), "+pids +memory"))
+        .map_err(io_error("enabling the cgroup controllers"))?;
+    let dir = PathBuf::from(CGROUP);
+    std::fs::create_dir_all(&dir).map_err(io_error(CGROUP))?;
+    if let Some(pids) = start.pids {
+        std::fs::write(dir.join("pids.max"), pids.to_string()).map_err(io_error("pids.max"))?;
+    }
+    if let Some(memory) = start.memory_bytes {
+        std::fs::write(dir.join("memory.max"), memory.to_string())
+            .map_err(io_error("memory.max"))?;
+    }
+    Ok(dir)
+}
+
+/// The value of `key` in a flat-keyed cgroup file (`cpu.stat`, `memory.events`).
+fn keyed(path: &Path, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().find_map(|line| {
+        let (k, v) = line.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok())?
+    })
+}
+
+/// A single-value cgroup file (`memory.current`).
+fn single(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// The last [`LOG_TAIL_BYTES`] of the kernel's log.
+fn log_tail(path: &Path) -> String {
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let from = len.saturating_sub(LOG_TAIL_BYTES as u64);
+    let mut tail = Vec::new();
+    if file.seek(SeekFrom::Start(from)).is_ok() {
+        let _ = file.take(LOG_TAIL_BYTES as u64).read_to_end(&mut tail);
+    }
+    String::from_utf8_lossy(&tail).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_come_from_the_connection_info() {
+        let info = serde_json::json!({
+            "transport": "ipc", "ip": "/run/cellgate/kernel",
+            "shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5
+        });
+        let endpoints = endpoints(&info).unwrap();
+        assert_eq!(
+            endpoints.0[1],
+            Endpoint::Ipc(PathBuf::from("/run/cellgate/kernel-2"))
+        );
+        let mut tcp = info.clone();
+        tcp["transport"] = "tcp".into();
+        tcp["ip"] = "127.0.0.1".into();
+        assert_eq!(
+            endpoints_of(&tcp)[4],
+            Endpoint::Tcp("127.0.0.1:5".to_owned())
+        );
+        let mut bad = info;
+        bad["hb_port"] = 0.into();
+        assert!(super::endpoints(&bad).is_err());
+    }
+
+    fn endpoints_of(info: &serde_json::Value) -> [Endpoint; 5] {
+        endpoints(info).unwrap().0
+    }
+
+    #[test]
+    fn cgroup_files_parse() {
+        let dir = std::env::temp_dir().join(format!("agent-cg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("memory.events"),
+            "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("memory.current"), "4096\n").unwrap();
+        assert_eq!(keyed(&dir.join("memory.events"), "oom_kill"), Some(1));
+        assert_eq!(keyed(&dir.join("memory.events"), "oom_group_kill"), None);
+        assert_eq!(single(&dir.join("memory.current")), Some(4096));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,4 @@
+//! cellgate's guest agent, as a library: the protocol the gateway's microvm backend speaks
+//! with the agent. The agent itself is the `cellgate-agent` binary (src/main.rs).
+
+pub mod protocol;

@@ -1,0 +1,340 @@
+//! The agent protocol: how the gateway's microvm backend and the guest agent talk.
+//!
+//! One byte stream joins them: a hybrid-vsock connection or a virtio-serial port, and the
+//! protocol is the same over both. It opens with a one-line handshake each way ([`hello`],
+//! [`ready`]), then carries a yamux session in which the host is the client. yamux gives many
+//! independent streams, each with its own flow control, so a flood on iopub never holds up an
+//! interrupt on the control channel, and one pip download never stalls another.
+//!
+//! Every yamux stream starts with one JSON line, an [`Open`], that says what it carries:
+//! - `control` (host-opened, one per session): JSON lines, [`Request`]s one way and
+//!   [`GuestMessage`]s (replies and events) the other;
+//! - `channel` (host-opened, one per ZMQ connection): raw ZMTP bytes between a gateway socket
+//!   and the kernel's ipc socket of that channel in the guest; the agent parses none of it;
+//! - `egress` (guest-opened, one per TCP connection to the guest's proxy port): raw bytes to
+//!   the gateway's egress proxy, which applies the policy as it does for every backend.
+//!
+//! Why a handshake before yamux: a guest restored from a snapshot meets a new gateway process
+//! on a virtio-serial port that never closed. The guest drops everything up to a `HELLO`
+//! line, so the new session starts clean whatever the old one left in the pipe.
+//!
+//! The host treats all of this as hostile input: every line is read with a length cap, and
+//! anything malformed ends the session.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The protocol's name and version, first on both handshake lines.
+pub const MAGIC: &str = "CELLGATE-AGENT/1";
+
+/// The longest JSON line either side accepts. Requests carry a kernel's environment and
+/// argv; replies carry at most a log tail of [`LOG_TAIL_BYTES`].
+pub const MAX_LINE: usize = 256 * 1024;
+
+/// How much of the kernel's stdout and stderr an exit event carries.
+pub const LOG_TAIL_BYTES: usize = 16 * 1024;
+
+/// The vsock port the agent listens on (host-initiated connections).
+pub const VSOCK_PORT: u32 = 1024;
+
+/// The virtio-serial port's name (`/sys/class/virtio-ports/*/name` in the guest).
+pub const SERIAL_PORT_NAME: &str = "org.cellgate.agent";
+
+/// The handshake line the host sends: the magic and a nonce the guest echoes.
+pub fn hello(nonce: &str) -> String {
+    format!("{MAGIC} HELLO {nonce}\n")
+}
+
+/// The guest's answer to [`hello`].
+pub fn ready(nonce: &str) -> String {
+    format!("{MAGIC} READY {nonce}\n")
+}
+
+/// The nonce of a `HELLO` line, if `line` is one.
+pub fn parse_hello(line: &str) -> Option<&str> {
+    let nonce = line
+        .trim_end()
+        .strip_prefix(MAGIC)?
+        .strip_prefix(" HELLO ")?;
+    valid_nonce(nonce).then_some(nonce)
+}
+
+/// The nonce of a `READY` line, if `line` is one.
+pub fn parse_ready(line: &str) -> Option<&str> {
+    let nonce = line
+        .trim_end()
+        .strip_prefix(MAGIC)?
+        .strip_prefix(" READY ")?;
+    valid_nonce(nonce).then_some(nonce)
+}
+
+fn valid_nonce(nonce: &str) -> bool {
+    (8..=64).contains(&nonce.len()) && nonce.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+/// The first line of every stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "open", rename_all = "snake_case")]
+pub enum Open {
+    Control,
+    Channel { channel: Channel },
+    Egress,
+}
+
+/// The five Jupyter channels, named as the connection file names their ports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Channel {
+    Shell,
+    Iopub,
+    Stdin,
+    Control,
+    Hb,
+}
+
+impl Channel {
+    pub const ALL: [Channel; 5] = [
+        Channel::Shell,
+        Channel::Iopub,
+        Channel::Stdin,
+        Channel::Control,
+        Channel::Hb,
+    ];
+}
+
+/// A request on the control stream; the guest answers each with a [`Reply`] of the same id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    pub id: u64,
+    #[serde(flatten)]
+    pub op: Op,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// Starts the kernel. One kernel per VM: a second start is refused.
+    Start(Start),
+    /// Delivers a signal to the kernel process (interrupts are SIGINT).
+    Signal { signal: i32 },
+    /// Ends the kernel and every process it started.
+    Kill,
+    /// The kernel's resource use so far.
+    Usage,
+    /// Mixes host-made randomness into the guest's entropy pool, so two VMs restored from one
+    /// snapshot never draw the same random numbers. Hex, 32 bytes or more.
+    Reseed { seed: String },
+    /// Powers the VM off.
+    Poweroff,
+}
+
+/// How to start the kernel inside the guest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Start {
+    /// The command, with guest paths.
+    pub argv: Vec<String>,
+    /// The kernel's whole environment.
+    pub env: BTreeMap<String, String>,
+    /// The working directory (the workspace, as the guest sees it).
+    pub cwd: String,
+    /// The kernel's connection file; `None` for a plain program (tools, probes).
+    pub connection: Option<ConnectionFile>,
+    pub uid: u32,
+    pub gid: u32,
+    /// The pids limit of the kernel's cgroup in the guest.
+    pub pids: Option<u64>,
+    /// The memory limit of the kernel's cgroup in the guest (the VM has some more RAM, so an
+    /// out-of-memory kill is the kernel's and is seen as such).
+    pub memory_bytes: Option<u64>,
+}
+
+/// A connection file to write before the kernel starts. The kernel's ipc endpoints are guest
+/// paths in it; the agent joins channel streams to them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConnectionFile {
+    pub path: String,
+    pub info: serde_json::Value,
+}
+
+/// What the guest sends on the control stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum GuestMessage {
+    Reply {
+        id: u64,
+        #[serde(flatten)]
+        reply: Reply,
+    },
+    /// The kernel process ended; sent once.
+    Exited(Exit),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    Started { pid: u32 },
+    Done,
+    Usage(Usage),
+    Failed { message: String },
+}
+
+/// The kernel's resource use, as the guest measures it (its cgroup).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub cpu_time_us: Option<u64>,
+    pub memory_bytes: Option<u64>,
+    pub memory_peak_bytes: Option<u64>,
+    /// Process or thread creations refused for the pids limit.
+    pub pids_limit_hits: Option<u64>,
+}
+
+/// How the kernel process ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exit {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+    /// The guest's out-of-memory killer ended a process of the kernel's cgroup.
+    pub oom: bool,
+    pub pids_limit_hits: u64,
+    /// The end of the kernel's stdout and stderr, at most [`LOG_TAIL_BYTES`].
+    pub log_tail: String,
+}
+
+/// Errors reading the protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("the peer sent a line longer than {MAX_LINE} bytes")]
+    LineTooLong,
+    #[error("the peer sent a malformed line: {0}")]
+    Malformed(#[from] serde_json::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Reads one line of at most `max` bytes, without its newline; `None` at end of stream.
+/// A longer line is an error, read no further than `max` bytes into.
+pub async fn read_line<R: AsyncBufRead + Unpin>(
+    reader: &mut R,
+    max: usize,
+) -> Result<Option<String>, ProtocolError> {
+    let mut line = Vec::new();
+    loop {
+        let buf = reader.fill_buf().await?;
+        if buf.is_empty() {
+            return Ok((!line.is_empty()).then(|| String::from_utf8_lossy(&line).into_owned()));
+        }
+        let (take, done) = match buf.iter().position(|&b| b == b'\n') {
+            Some(at) => (at + 1, true),
+            None => (buf.len(), false),
+        };
+        if line.len() + take > max + 1 {
+            return Err(ProtocolError::LineTooLong);
+        }
+        line.extend_from_slice(&buf[..take]);
+        reader.consume(take);
+        if done {
+            line.pop();
+            return Ok(Some(String::from_utf8_lossy(&line).into_owned()));
+        }
+    }
+}
+
+/// Reads one JSON line; `None` at end of stream.
+pub async fn read_json<T, R>(reader: &mut R) -> Result<Option<T>, ProtocolError>
+where
+    T: for<'de> Deserialize<'de>,
+    R: AsyncBufRead + Unpin,
+{
+    match read_line(reader, MAX_LINE).await? {
+        Some(line) => Ok(Some(serde_json::from_str(&line)?)),
+        None => Ok(None),
+    }
+}
+
+/// Writes `value` as one JSON line and flushes it.
+pub async fn write_json<T: Serialize, W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    value: &T,
+) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(value)?;
+    line.push(b'\n');
+    writer.write_all(&line).await?;
+    writer.flush().await
+}
+
+/// The yamux settings both sides use. No keepalive pings: the transport is a local pipe whose
+/// other end cannot vanish silently, and a VM paused for a snapshot must not time out.
+pub fn yamux_config() -> tokio_yamux::Config {
+    tokio_yamux::Config {
+        enable_keepalive: false,
+        // An iopub burst or a wheel download moves in large windows; 1 MiB per stream keeps
+        // the pipe full at the latency of an emulated guest.
+        max_stream_window_size: 1024 * 1024,
+        ..tokio_yamux::Config::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handshake_lines_round_trip_and_refuse_junk() {
+        assert_eq!(parse_hello(&hello("abcdef123456")), Some("abcdef123456"));
+        assert_eq!(parse_ready(&ready("abcdef123456")), Some("abcdef123456"));
+        assert_eq!(parse_hello(&ready("abcdef123456")), None);
+        assert_eq!(parse_hello("CELLGATE-AGENT/2 HELLO abcdef123456"), None);
+        assert_eq!(parse_hello(&hello("short")), None);
+        assert_eq!(parse_hello(&hello("abc def 123456")), None);
+    }
+
+    #[test]
+    fn messages_have_their_wire_names() {
+        let open = serde_json::to_string(&Open::Channel {
+            channel: Channel::Iopub,
+        })
+        .unwrap();
+        assert_eq!(open, r#"{"open":"channel","channel":"iopub"}"#);
+        let request = serde_json::to_string(&Request {
+            id: 7,
+            op: Op::Signal { signal: 2 },
+        })
+        .unwrap();
+        assert_eq!(request, r#"{"id":7,"op":"signal","signal":2}"#);
+        let reply = serde_json::to_string(&GuestMessage::Reply {
+            id: 7,
+            reply: Reply::Started { pid: 42 },
+        })
+        .unwrap();
+        assert_eq!(
+            reply,
+            r#"{"type":"reply","id":7,"reply":"started","pid":42}"#
+        );
+        let back: GuestMessage = serde_json::from_str(&reply).unwrap();
+        assert_eq!(
+            back,
+            GuestMessage::Reply {
+                id: 7,
+                reply: Reply::Started { pid: 42 }
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn a_line_longer_than_the_cap_is_refused() {
+        let mut ok: &[u8] = b"12345\nrest";
+        assert_eq!(
+            read_line(&mut ok, 5).await.unwrap().as_deref(),
+            Some("12345")
+        );
+        let mut long: &[u8] = b"123456\n";
+        assert!(matches!(
+            read_line(&mut long, 5).await,
+            Err(ProtocolError::LineTooLong)
+        ));
+        let mut empty: &[u8] = b"";
+        assert_eq!(read_line(&mut empty, 5).await.unwrap(), None);
+    }
+}

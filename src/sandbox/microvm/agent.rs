@@ -1,0 +1,225 @@
+//! The gateway's end of the agent protocol (`cellgate_agent::protocol`): the handshake, the
+//! yamux session, requests on the control stream, channel streams, and the guest's egress
+//! streams joined to the egress proxy.
+//!
+//! Everything the guest sends is hostile input: lines are read with a length cap, replies
+//! wait with a deadline, and a malformed message ends the session (and with it the VM).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cellgate_agent::protocol::{
+    self, hello, parse_ready, read_json, read_line, write_json, Channel, Exit, GuestMessage, Op,
+    Open, Reply, Request,
+};
+use futures_util::StreamExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::{oneshot, watch, Mutex};
+
+use super::MicrovmError;
+
+/// How long a request waits for its reply. Generous: an emulated guest is slow, and a start
+/// writes files and forks.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A duplex byte stream to the guest.
+pub trait Duplex: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Duplex for T {}
+
+type Pending = Arc<parking_lot::Mutex<HashMap<u64, oneshot::Sender<Reply>>>>;
+
+/// A live session with one guest's agent.
+pub struct Agent {
+    streams: Mutex<tokio_yamux::Control>,
+    control: Mutex<tokio::io::WriteHalf<tokio_yamux::StreamHandle>>,
+    pending: Pending,
+    next_id: AtomicU64,
+    exit: watch::Receiver<Option<Exit>>,
+    /// Set when the session ended (the guest or the transport went away, or broke the
+    /// protocol): why.
+    closed: watch::Receiver<Option<String>>,
+}
+
+impl Agent {
+    /// Handshakes on `io` and starts the session. Egress streams the guest opens are joined
+    /// to `egress` (the proxy's unix socket), or refused when there is none.
+    pub async fn connect(
+        io: impl Duplex,
+        egress: Option<PathBuf>,
+        handshake_timeout: Duration,
+    ) -> Result<Agent, MicrovmError> {
+        let nonce = format!("{:032x}", rand::random::<u128>());
+        let mut io = BufReader::new(io);
+        let handshake = async {
+            let handshake_error =
+                |e: &dyn std::fmt::Display| MicrovmError::Agent(format!("handshake: {e}"));
+            io.get_mut()
+                .write_all(hello(&nonce).as_bytes())
+                .await
+                .map_err(|e| handshake_error(&e))?;
+            io.get_mut()
+                .flush()
+                .await
+                .map_err(|e| handshake_error(&e))?;
+            let line = read_line(&mut io, 512)
+                .await
+                .map_err(|e| handshake_error(&e))?
+                .unwrap_or_default();
+            match parse_ready(&line) {
+                Some(echo) if echo == nonce => Ok(()),
+                _ => Err(MicrovmError::Agent(format!(
+                    "the guest answered the handshake with {:?}",
+                    line.chars().take(80).collect::<String>()
+                ))),
+            }
+        };
+        tokio::time::timeout(handshake_timeout, handshake)
+            .await
+            .map_err(|_| MicrovmError::Agent("the guest agent did not answer in time".into()))??;
+
+        let mut session = tokio_yamux::Session::new_client(io, protocol::yamux_config());
+        let mut streams = session.control();
+        let (closed_tx, closed) = watch::channel(None);
+        tokio::spawn(async move {
+            let why = loop {
+                match session.next().await {
+                    Some(Ok(stream)) => {
+                        tokio::spawn(serve_guest_stream(stream, egress.clone()));
+                    }
+                    Some(Err(error)) => break format!("the agent session broke: {error}"),
+                    None => break "the guest closed the agent session".to_owned(),
+                }
+            };
+            closed_tx.send_replace(Some(why));
+        });
+
+        let mut control = open(&mut streams, &Open::Control).await?;
+        control
+            .flush()
+            .await
+            .map_err(|e| MicrovmError::Agent(format!("control stream: {e}")))?;
+        let (reader, writer) = tokio::io::split(control);
+        let pending: Pending = Arc::default();
+        let (exit_tx, exit) = watch::channel(None);
+        tokio::spawn(read_control(
+            BufReader::new(reader),
+            pending.clone(),
+            exit_tx,
+        ));
+        Ok(Agent {
+            streams: Mutex::new(streams),
+            control: Mutex::new(writer),
+            pending,
+            next_id: AtomicU64::new(1),
+            exit,
+            closed,
+        })
+    }
+
+    /// Sends `op` and waits for its reply.
+    pub async fn request(&self, op: Op) -> Result<Reply, MicrovmError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().insert(id, tx);
+        let sent = {
+            let mut writer = self.control.lock().await;
+            write_json(&mut *writer, &Request { id, op }).await
+        };
+        if let Err(error) = sent {
+            self.pending.lock().remove(&id);
+            return Err(MicrovmError::Agent(format!("control stream: {error}")));
+        }
+        match tokio::time::timeout(REPLY_TIMEOUT, rx).await {
+            Ok(Ok(Reply::Failed { message })) => Err(MicrovmError::Agent(message)),
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(_)) => Err(MicrovmError::Agent("the agent session ended".into())),
+            Err(_) => {
+                self.pending.lock().remove(&id);
+                Err(MicrovmError::Agent(
+                    "the guest agent did not reply in time".into(),
+                ))
+            }
+        }
+    }
+
+    /// A new stream to one of the kernel's channels.
+    pub async fn open_channel(
+        &self,
+        channel: Channel,
+    ) -> Result<tokio_yamux::StreamHandle, MicrovmError> {
+        let mut streams = self.streams.lock().await;
+        open(&mut streams, &Open::Channel { channel }).await
+    }
+
+    /// The kernel's exit, once the guest reported it.
+    pub fn exit(&self) -> watch::Receiver<Option<Exit>> {
+        self.exit.clone()
+    }
+
+    /// Why the session ended, once it did.
+    pub fn closed(&self) -> watch::Receiver<Option<String>> {
+        self.closed.clone()
+    }
+}
+
+async fn open(
+    streams: &mut tokio_yamux::Control,
+    what: &Open,
+) -> Result<tokio_yamux::StreamHandle, MicrovmError> {
+    let mut stream = streams
+        .open_stream()
+        .await
+        .map_err(|e| MicrovmError::Agent(format!("opening a stream: {e}")))?;
+    write_json(&mut stream, what)
+        .await
+        .map_err(|e| MicrovmError::Agent(format!("opening a stream: {e}")))?;
+    Ok(stream)
+}
+
+/// Replies go to their requests; the exit event to the watch. Ends at the first malformed
+/// line: a guest that breaks the protocol gets no second chance.
+async fn read_control(
+    mut reader: BufReader<tokio::io::ReadHalf<tokio_yamux::StreamHandle>>,
+    pending: Pending,
+    exit: watch::Sender<Option<Exit>>,
+) {
+    loop {
+        match read_json::<GuestMessage, _>(&mut reader).await {
+            Ok(Some(GuestMessage::Reply { id, reply })) => {
+                if let Some(waiter) = pending.lock().remove(&id) {
+                    let _ = waiter.send(reply);
+                }
+            }
+            Ok(Some(GuestMessage::Exited(ended))) => {
+                exit.send_replace(Some(ended));
+            }
+            Ok(None) => break,
+            Err(error) => {
+                tracing::warn!(%error, "microvm: the guest agent broke the protocol");
+                break;
+            }
+        }
+    }
+    // Waiters see their sender dropped: "the agent session ended".
+    pending.lock().clear();
+}
+
+/// A stream the guest opened: egress is joined to the proxy, anything else is closed.
+async fn serve_guest_stream(stream: tokio_yamux::StreamHandle, egress: Option<PathBuf>) {
+    let mut stream = BufReader::new(stream);
+    let Ok(Some(Open::Egress)) = read_json::<Open, _>(&mut stream).await else {
+        return;
+    };
+    let Some(path) = egress else {
+        return;
+    };
+    match tokio::net::UnixStream::connect(&path).await {
+        Ok(mut proxy) => {
+            let _ = tokio::io::copy_bidirectional(&mut stream, &mut proxy).await;
+        }
+        Err(error) => tracing::debug!(%error, "microvm: egress proxy unreachable"),
+    }
+}

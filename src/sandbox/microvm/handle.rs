@@ -1,0 +1,292 @@
+//! A running microVM kernel: signals and usage through the agent, `kill` by ending the VMM,
+//! and the exit watch that says why a VM ended.
+//!
+//! Why a VM ends, in the order the watch tells them apart:
+//! - the agent reported the kernel's end (its exit status; `oom` when the guest's OOM killer
+//!   picked the kernel's cgroup, the pids limit when forks were refused), then the gateway
+//!   powers the VM off;
+//! - the gateway killed the VMM (`kill`): the kernel was killed, signal 9, as elsewhere;
+//! - the guest kernel panicked (its console says so, and QEMU exits with `-no-reboot`);
+//! - the VMM itself crashed or was killed by someone else.
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use cellgate_agent::protocol::{Exit, Op};
+use tokio::sync::watch;
+
+use super::agent::Agent;
+use crate::sandbox::{
+    ExitCause, ExitReason, ExitReport, ResourceUsage, SandboxError, SandboxHandle,
+};
+
+/// How long a guest gets to power off after its kernel ended before the VMM is killed.
+const POWEROFF_GRACE: Duration = Duration::from_secs(2);
+
+pub(super) struct MicrovmHandle {
+    vmm_pid: u32,
+    agent: OnceLock<Arc<Agent>>,
+    /// The VMM is gone (never signal a pid that may have been reused).
+    exited: Arc<AtomicBool>,
+    /// The gateway ended the VMM on purpose.
+    killed: AtomicBool,
+}
+
+impl MicrovmHandle {
+    pub(super) fn new(vmm_pid: u32) -> MicrovmHandle {
+        MicrovmHandle {
+            vmm_pid,
+            agent: OnceLock::new(),
+            exited: Arc::new(AtomicBool::new(false)),
+            killed: AtomicBool::new(false),
+        }
+    }
+
+    pub(super) fn attach(&self, agent: Arc<Agent>) {
+        let _ = self.agent.set(agent);
+    }
+
+    /// Ends the VMM at once, and with it the guest and everything in it.
+    pub(super) fn kill_vmm(&self) {
+        if self.exited.load(Ordering::SeqCst) || self.vmm_pid == 0 {
+            return;
+        }
+        self.killed.store(true, Ordering::SeqCst);
+        let pid = rustix::process::Pid::from_raw(self.vmm_pid as i32);
+        if let Some(pid) = pid {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+impl SandboxHandle for MicrovmHandle {
+    fn pid(&self) -> Option<u32> {
+        Some(self.vmm_pid)
+    }
+
+    fn signal(&self, signal: i32) -> Result<(), SandboxError> {
+        let Some(agent) = self.agent.get().cloned() else {
+            return Ok(());
+        };
+        // The trait is synchronous; the guest answers within milliseconds, and a failure
+        // (the VM is going away) has nobody to tell but the log.
+        tokio::spawn(async move {
+            if let Err(error) = agent.request(Op::Signal { signal }).await {
+                tracing::debug!(%error, signal, "microvm: signal not delivered");
+            }
+        });
+        Ok(())
+    }
+
+    fn kill(&self) -> Result<(), SandboxError> {
+        self.kill_vmm();
+        Ok(())
+    }
+
+    /// The VMM process's CPU time and memory: what the VM costs the host.
+    fn usage(&self) -> ResourceUsage {
+        if self.exited.load(Ordering::SeqCst) {
+            return ResourceUsage::default();
+        }
+        crate::sandbox::procfs::usage(self.vmm_pid).unwrap_or_default()
+    }
+
+    /// The workspace is a disk inside the VM; the gateway has no path to it.
+    fn workspace_root(&self, _workspace: &Path) -> Option<(PathBuf, PathBuf)> {
+        None
+    }
+
+    fn alive(&self) -> bool {
+        !self.exited.load(Ordering::SeqCst)
+    }
+}
+
+/// Watches the VM until it ends and reports exactly once.
+pub(super) fn watch_exit(
+    mut child: tokio::process::Child,
+    agent: Arc<Agent>,
+    handle: Arc<MicrovmHandle>,
+    log_file: PathBuf,
+    console: PathBuf,
+    report: watch::Sender<Option<ExitReport>>,
+) {
+    tokio::spawn(async move {
+        let mut kernel_exit = agent.exit();
+        let ended = tokio::select! {
+            status = child.wait() => Err(status),
+            ended = kernel_exit.wait_for(Option::is_some) => Ok(ended.ok().and_then(|e| e.clone())),
+        };
+        let exit_report = match ended {
+            Ok(Some(exit)) => {
+                append_log(&log_file, &exit.log_tail);
+                // The kernel is gone; the VM goes too. The agent powers off when asked; a
+                // guest that does not is killed.
+                let poweroff = agent.request(Op::Poweroff);
+                let _ = tokio::time::timeout(POWEROFF_GRACE, poweroff).await;
+                if tokio::time::timeout(POWEROFF_GRACE, child.wait())
+                    .await
+                    .is_err()
+                {
+                    handle.kill_vmm();
+                    let _ = child.wait().await;
+                }
+                kernel_report(&exit)
+            }
+            Ok(None) => {
+                handle.kill_vmm();
+                let _ = child.wait().await;
+                vm_report(None, &handle, &log_file, &console)
+            }
+            Err(status) => vm_report(status.ok(), &handle, &log_file, &console),
+        };
+        handle.exited.store(true, Ordering::SeqCst);
+        let _ = report.send(Some(exit_report));
+    });
+}
+
+/// The kernel's end as the agent saw it.
+fn kernel_report(exit: &Exit) -> ExitReport {
+    let reason = if exit.oom {
+        Some(ExitReason::new(
+            ExitCause::OutOfMemory,
+            "the kernel ran out of memory: the guest's out-of-memory killer ended it at the \
+             policy's memory limit"
+                .to_owned(),
+        ))
+    } else if exit.pids_limit_hits > 0 && exit.signal.is_some() {
+        Some(ExitReason::new(
+            ExitCause::PidsLimit,
+            format!(
+                "the kernel died after {} process creations were refused at the {}",
+                exit.pids_limit_hits,
+                crate::sandbox::PIDS_LIMIT_REASON
+            ),
+        ))
+    } else {
+        None
+    };
+    ExitReport {
+        code: exit.code,
+        signal: exit.signal,
+        reason,
+    }
+}
+
+/// The VM's end when the agent reported none.
+fn vm_report(
+    status: Option<std::process::ExitStatus>,
+    handle: &MicrovmHandle,
+    log_file: &Path,
+    console: &Path,
+) -> ExitReport {
+    if handle.killed.load(Ordering::SeqCst) {
+        return ExitReport {
+            code: None,
+            signal: Some(libc::SIGKILL),
+            reason: None,
+        };
+    }
+    let console_text = std::fs::read_to_string(console).unwrap_or_default();
+    if let Some(panic) = console_text.lines().find(|l| l.contains("Kernel panic")) {
+        return failed(format!("the guest kernel panicked: {}", clean(panic)));
+    }
+    let how = match status {
+        Some(status) => match (status.code(), status.signal()) {
+            (_, Some(signal)) => format!("was killed by signal {signal}"),
+            (Some(code), None) => format!("exited with code {code}"),
+            (None, None) => "ended".to_owned(),
+        },
+        None => "was lost".to_owned(),
+    };
+    failed(format!(
+        "the VM ended without its kernel: the VMM {how}: {}",
+        last_words(log_file, console)
+    ))
+}
+
+fn failed(text: String) -> ExitReport {
+    ExitReport {
+        code: None,
+        signal: None,
+        reason: Some(ExitReason::new(ExitCause::SandboxFailed, text)),
+    }
+}
+
+/// The last lines of the VMM's own log and of the guest's console, for an error message.
+pub(super) fn last_words(log_file: &Path, console: &Path) -> String {
+    let tail = |path: &Path, lines: usize| {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        all[all.len().saturating_sub(lines)..]
+            .iter()
+            .map(|l| clean(l))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    };
+    let vmm = tail(log_file, 3);
+    let guest = tail(console, 3);
+    match (vmm.is_empty(), guest.is_empty()) {
+        (true, true) => "no output".to_owned(),
+        (false, true) => vmm,
+        (true, false) => format!("guest console: {guest}"),
+        (false, false) => format!("{vmm}; guest console: {guest}"),
+    }
+}
+
+/// A console line without its timestamp and control characters.
+fn clean(line: &str) -> String {
+    let line = match line.trim_start().strip_prefix('[') {
+        Some(rest) => rest.split_once(']').map_or(line, |(_, after)| after),
+        None => line,
+    };
+    line.chars()
+        .filter(|c| !c.is_control())
+        .collect::<String>()
+        .trim()
+        .to_owned()
+}
+
+fn append_log(path: &Path, text: &str) {
+    use std::io::Write;
+    if text.is_empty() {
+        return;
+    }
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = file.write_all(text.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn console_lines_lose_their_timestamps() {
+        assert_eq!(
+            clean("[    1.234567] Kernel panic - not syncing: Attempted to kill init!"),
+            "Kernel panic - not syncing: Attempted to kill init!"
+        );
+        assert_eq!(clean("plain\r"), "plain");
+    }
+
+    #[test]
+    fn an_oom_kill_in_the_guest_is_an_oom() {
+        let exit = Exit {
+            code: None,
+            signal: Some(9),
+            oom: true,
+            pids_limit_hits: 0,
+            log_tail: String::new(),
+        };
+        assert!(kernel_report(&exit).is_oom());
+        let plain = Exit { oom: false, ..exit };
+        assert_eq!(kernel_report(&plain).cause(), ExitCause::Exited);
+    }
+}

@@ -1,0 +1,122 @@
+//! The guest's files on the host: the kernel, the initramfs with the agent and the shared
+//! root image, which `./dev setup` builds (`guest/build-kernel.sh`, `guest/build-image.py`)
+//! and names in `guest.json`; and each VM's private workspace disk.
+
+use std::path::{Path, PathBuf};
+
+use super::{io_error, MicrovmError};
+
+/// The manifest `./dev setup` writes beside the images.
+pub const MANIFEST: &str = "guest.json";
+
+/// The guest images one backend boots every VM from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestImages {
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    pub root: PathBuf,
+    /// The kernel is a PVM guest (an operator's, e.g. for hosts whose KVM is PVM-only).
+    pub pvm_guest: bool,
+}
+
+#[derive(serde::Deserialize)]
+struct Manifest {
+    kernel: PathBuf,
+    initramfs: PathBuf,
+    root: PathBuf,
+    #[serde(default)]
+    pvm_guest: bool,
+}
+
+/// Where the images are by default: `CELLGATE_GUEST_DIR`, else `guest/` beside the
+/// directory of the gateway's binary (`target/guest` for `target/release/cellgate`).
+pub fn default_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CELLGATE_GUEST_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("guest")))
+        .unwrap_or_else(|| PathBuf::from("target/guest"))
+}
+
+impl GuestImages {
+    /// Reads `dir/guest.json` and checks that the files it names exist. An operator's own
+    /// guest kernel (`CELLGATE_GUEST_VMLINUX`, a PVM guest with `CELLGATE_GUEST_PVM=1`)
+    /// replaces the project's.
+    pub fn locate(dir: &Path) -> Result<GuestImages, MicrovmError> {
+        let manifest_path = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&manifest_path).map_err(|e| {
+            MicrovmError::Image(format!(
+                "{}: {e} (build the guest with ./dev setup, or point CELLGATE_GUEST_DIR at it)",
+                manifest_path.display()
+            ))
+        })?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| MicrovmError::Image(format!("{}: {e}", manifest_path.display())))?;
+        let relative = |path: PathBuf| {
+            if path.is_absolute() {
+                path
+            } else {
+                dir.join(path)
+            }
+        };
+        let mut images = GuestImages {
+            kernel: relative(manifest.kernel),
+            initramfs: relative(manifest.initramfs),
+            root: relative(manifest.root),
+            pvm_guest: manifest.pvm_guest,
+        };
+        if let Some(kernel) = std::env::var_os("CELLGATE_GUEST_VMLINUX") {
+            images.kernel = PathBuf::from(kernel);
+            images.pvm_guest = std::env::var("CELLGATE_GUEST_PVM").is_ok_and(|v| v == "1");
+        }
+        for path in [&images.kernel, &images.initramfs, &images.root] {
+            if !path.is_file() {
+                return Err(MicrovmError::Image(format!(
+                    "{} does not exist (rebuild the guest with ./dev setup)",
+                    path.display()
+                )));
+            }
+        }
+        Ok(images)
+    }
+}
+
+/// Makes a VM's workspace disk: a sparse file of `bytes` holding an empty ext4 file system
+/// whose root belongs to `uid`. Sparse, so it costs the host only what the kernel writes;
+/// its size is the policy's workspace limit, which the guest cannot exceed.
+pub async fn make_workspace_disk(path: &Path, bytes: u64, uid: u32) -> Result<(), MicrovmError> {
+    let file = std::fs::File::create(path).map_err(io_error(format!("{}", path.display())))?;
+    // ext4 needs a little room for itself; below 8 MiB mke2fs refuses.
+    file.set_len(bytes.max(8 << 20))
+        .map_err(io_error(format!("{}", path.display())))?;
+    drop(file);
+    let output = tokio::process::Command::new("mke2fs")
+        .args([
+            "-q",
+            "-F",
+            "-t",
+            "ext4",
+            "-O",
+            "^has_journal",
+            "-m",
+            "0",
+            "-E",
+        ])
+        .arg(format!("root_owner={uid}:{uid}"))
+        .arg(path)
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .output()
+        .await
+        .map_err(io_error("mke2fs (apt-get install e2fsprogs)"))?;
+    if !output.status.success() {
+        return Err(MicrovmError::Start(format!(
+            "mke2fs {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    Ok(())
+}

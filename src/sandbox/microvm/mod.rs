@@ -1,0 +1,393 @@
+//! The `microvm` backend: every kernel in a virtual machine of its own, with its own guest
+//! Linux kernel, reached only through the guest agent.
+//!
+//! # Design
+//!
+//! **One VM per kernel.** The VMM ([`vmm::Vmm`]; QEMU's `microvm` machine today, see
+//! `qemu`) boots the project's guest kernel (`guest/kernel.config`) straight into an
+//! initramfs that holds only the agent (`guest/agent`). The agent mounts the shared
+//! read-only root image (Debian's Python and the kernel's venv, `guest/build-image.py`)
+//! under a tmpfs overlay the size of the writable layer, and waits for the gateway.
+//!
+//! **No network.** The guest has no network device at all. Everything crosses one byte
+//! stream, the agent link ([`vmm::AgentLink`]: virtio-serial now, hybrid vsock through
+//! vhost-device-vsock next), carrying a yamux session (`agent`): a control stream for
+//! start/signal/usage/exit, one stream per ZMQ connection of the kernel's five channels,
+//! and one per TCP connection the kernel makes to its proxy port, joined here to the
+//! gateway's egress proxy, so egress and package policies hold unchanged.
+//!
+//! **The gateway's side of the channels** (`channels`): the backend listens on the ipc
+//! paths of the kernel's connection info (in the runtime directory) and turns each
+//! connection into a channel stream; the agent joins it to the kernel's own socket in the
+//! guest. ZMTP passes through untouched, so the gateway's kernel client is the same for
+//! every backend.
+//!
+//! **Limits.** Memory is the guest's RAM ([`GUEST_OVERHEAD_MIB`] above the policy's
+//! figure, which the agent sets on the kernel's cgroup inside, so the guest's own OOM
+//! killer picks the kernel and the agent reports `oom`); CPUs are vCPUs; pids are the
+//! guest cgroup's; the workspace is a sparse ext4 disk of the policy's size, private to the
+//! VM and deleted with it.
+//!
+//! **Host detection** ([`accel`]): real VMX/SVM means KVM; a PVM-only host (this project's
+//! CI machines) or none means QEMU's emulation (TCG), which works but is ~50x slower for
+//! Python and is refused unless emulation is allowed.
+//!
+//! Must not depend on: kernels' channels, sessions, HTTP.
+
+pub mod accel;
+mod agent;
+mod channels;
+pub mod diagnose;
+mod handle;
+pub mod image;
+mod qemu;
+pub mod vmm;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cellgate_agent::protocol::{ConnectionFile, Op, Reply, Start};
+use futures_util::future::BoxFuture;
+use tokio::sync::watch;
+
+use super::relocate::{self, Relocation};
+use super::spawner::Spawner;
+use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
+use handle::MicrovmHandle;
+use vmm::{Accel, AgentLink, VmSpec, Vmm};
+
+/// RAM the guest gets beyond the policy's memory limit: its kernel, the agent and a little
+/// page cache. The kernel's cgroup inside holds the policy's figure.
+pub const GUEST_OVERHEAD_MIB: u64 = 160;
+/// The guest's RAM when the policy sets no memory limit.
+const DEFAULT_MEMORY_MIB: u64 = 1024;
+/// The workspace disk's size when the policy sets none.
+const DEFAULT_WORKSPACE_BYTES: u64 = 1 << 30;
+/// The writable layer over the root image (`/tmp`, `~/.cache`…), in the guest's RAM.
+const LAYER_MIB: u64 = 256;
+/// The kernel's user in the guest.
+const KERNEL_UID: u32 = 1000;
+
+/// Errors of the microvm backend.
+#[derive(Debug, thiserror::Error)]
+pub enum MicrovmError {
+    #[error("the guest image is missing: {0}")]
+    Image(String),
+    #[error("{0}")]
+    Accel(String),
+    #[error("the VM could not start: {0}")]
+    Start(String),
+    #[error("guest agent: {0}")]
+    Agent(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> MicrovmError {
+    let what = what.into();
+    move |source| MicrovmError::Io { what, source }
+}
+
+/// The backend's settings.
+#[derive(Debug, Clone)]
+pub struct MicrovmConfig {
+    /// The QEMU binary.
+    pub qemu: PathBuf,
+    /// Where `./dev setup` put the guest images (`guest.json` inside).
+    pub guest_dir: PathBuf,
+    /// Whether to serve with software emulation when the host has no usable KVM.
+    pub allow_emulation: bool,
+    /// How long a VM may take from start to its agent's handshake.
+    pub boot_timeout: Duration,
+}
+
+impl Default for MicrovmConfig {
+    fn default() -> MicrovmConfig {
+        let flag = |name: &str| {
+            std::env::var(name).is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes"))
+        };
+        MicrovmConfig {
+            qemu: PathBuf::from("qemu-system-x86_64"),
+            guest_dir: image::default_dir(),
+            allow_emulation: flag("CELLGATE_MICROVM_ALLOW_EMULATION"),
+            boot_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Starts kernels in microVMs.
+pub struct MicrovmSandbox {
+    config: MicrovmConfig,
+    images: image::GuestImages,
+    accel: Accel,
+    /// Guest kernel command-line words this host needs (the TSC rate under emulation).
+    host_cmdline: Vec<String>,
+    vmm: Arc<dyn Vmm>,
+    spawner: Spawner,
+}
+
+impl MicrovmSandbox {
+    /// Finds the guest images and decides how VMs get their CPU. Must be called from within
+    /// a tokio runtime (the spawner thread registers children with it).
+    pub fn new(config: MicrovmConfig) -> Result<MicrovmSandbox, SandboxError> {
+        let images = image::GuestImages::locate(&config.guest_dir)?;
+        let decision = accel::choose(&accel::HostFacts::read(Path::new("/")), images.pvm_guest);
+        let accel = match decision.accel {
+            Accel::Tcg if !config.allow_emulation => {
+                return Err(MicrovmError::Accel(format!(
+                    "{}; microVMs would run under software emulation (TCG), ~50x slower, which \
+                     is refused for serving: set CELLGATE_MICROVM_ALLOW_EMULATION=1 to accept it",
+                    decision.why
+                ))
+                .into())
+            }
+            Accel::Tcg => {
+                tracing::warn!(
+                    why = %decision.why,
+                    "microvm: VMs run under SOFTWARE EMULATION (TCG): functional, ~50x slower \
+                     for Python; not for production"
+                );
+                Accel::Tcg
+            }
+            Accel::Kvm => Accel::Kvm,
+        };
+        let mut host_cmdline = Vec::new();
+        if accel == Accel::Tcg {
+            // See accel::host_tsc_khz. no_timer_check: the emulated timer may miss the
+            // IO-APIC check's deadline on a busy host; the timer works regardless.
+            host_cmdline.push("no_timer_check".to_owned());
+            if let Some(khz) = accel::host_tsc_khz() {
+                host_cmdline.push(format!("tsc_early_khz={khz}"));
+            }
+        }
+        let spawner = Spawner::start("cellgate-microvm-spawner")?;
+        Ok(MicrovmSandbox {
+            host_cmdline,
+            vmm: Arc::new(qemu::Qemu {
+                binary: config.qemu.clone(),
+            }),
+            config,
+            images,
+            accel,
+            spawner,
+        })
+    }
+
+    /// How this backend's VMs get their CPU.
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+}
+
+impl Sandbox for MicrovmSandbox {
+    fn backend(&self) -> Backend {
+        Backend::Microvm
+    }
+
+    fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
+        Box::pin(async move { Ok(self.launch_vm(spec).await?) })
+    }
+}
+
+impl MicrovmSandbox {
+    async fn launch_vm(&self, spec: &LaunchSpec) -> Result<Launched, MicrovmError> {
+        let map = relocation(spec);
+        let connection = guest_connection(spec, &map)?;
+
+        let dir = &spec.runtime_dir;
+        let disk = dir.join("workspace.ext4");
+        image::make_workspace_disk(
+            &disk,
+            spec.limits
+                .workspace_bytes
+                .unwrap_or(DEFAULT_WORKSPACE_BYTES),
+            KERNEL_UID,
+        )
+        .await?;
+        let agent_socket = dir.join("agent.sock");
+        let memory_mib = spec
+            .limits
+            .memory_bytes
+            .map_or(DEFAULT_MEMORY_MIB, |bytes| {
+                bytes.div_ceil(1 << 20) + GUEST_OVERHEAD_MIB
+            });
+        let vcpus = spec
+            .limits
+            .cpu_millis
+            .map_or(1, |millis| millis.div_ceil(1000).max(1));
+        let vm = VmSpec {
+            kernel: self.images.kernel.clone(),
+            initramfs: self.images.initramfs.clone(),
+            root: self.images.root.clone(),
+            workspace: disk,
+            memory_mib,
+            vcpus,
+            cmdline: [
+                "cellgate.transport=serial".to_owned(),
+                format!("cellgate.layer_mb={LAYER_MIB}"),
+            ]
+            .into_iter()
+            .chain(self.host_cmdline.iter().cloned())
+            .collect(),
+            agent: AgentLink::Serial {
+                socket: agent_socket.clone(),
+            },
+            console: dir.join("console.log"),
+            accel: self.accel,
+        };
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&spec.log_file)
+            .map_err(io_error(format!("{}", spec.log_file.display())))?;
+        let log_err = log.try_clone().map_err(io_error("the kernel log"))?;
+        let mut command = self.vmm.command(&vm);
+        command
+            .env_clear()
+            .current_dir(dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .kill_on_drop(false);
+        let child = self
+            .spawner
+            .spawn(command)
+            .await
+            .map_err(|e| MicrovmError::Start(format!("{}: {e}", self.vmm.name())))?;
+        let pid = child.id().unwrap_or(0);
+        tracing::info!(kernel_id = %spec.kernel_id, pid, accel = self.accel.as_str(),
+            memory_mib, vcpus, "microvm: VM started");
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let handle = Arc::new(MicrovmHandle::new(pid));
+
+        let started = async {
+            let io = connect_serial(&agent_socket, self.config.boot_timeout).await?;
+            let agent =
+                agent::Agent::connect(io, spec.egress_socket.clone(), self.config.boot_timeout)
+                    .await?;
+            let start = Start {
+                argv: map.argv(&spec.argv),
+                env: map.env(&spec.env),
+                cwd: relocate::WORKSPACE.to_owned(),
+                connection,
+                uid: KERNEL_UID,
+                gid: KERNEL_UID,
+                pids: spec.limits.pids,
+                memory_bytes: spec.limits.memory_bytes,
+            };
+            match agent.request(Op::Start(start)).await? {
+                Reply::Started { .. } => Ok(Arc::new(agent)),
+                other => Err(MicrovmError::Agent(format!("unexpected reply {other:?}"))),
+            }
+        };
+        let mut child = child;
+        let agent = tokio::select! {
+            agent = started => agent,
+            // A VMM that dies while booting says why in its log and on the console.
+            status = child.wait() => Err(MicrovmError::Start(format!(
+                "the VMM ended while booting ({}): {}",
+                status.map_or_else(|e| e.to_string(), |s| s.to_string()),
+                handle::last_words(&spec.log_file, &vm.console),
+            ))),
+        };
+        let agent = match agent {
+            Ok(agent) => agent,
+            Err(MicrovmError::Agent(message)) => {
+                handle.kill_vmm();
+                let _ = child.wait().await;
+                return Err(MicrovmError::Agent(format!(
+                    "{message} ({})",
+                    handle::last_words(&spec.log_file, &vm.console)
+                )));
+            }
+            Err(error) => {
+                handle.kill_vmm();
+                let _ = child.wait().await;
+                return Err(error);
+            }
+        };
+        handle.attach(agent.clone());
+        channels::serve(&spec.connection, agent.clone())
+            .map_err(io_error("listening on the kernel's channels"))?;
+        handle::watch_exit(
+            child,
+            agent,
+            handle.clone(),
+            spec.log_file.clone(),
+            vm.console.clone(),
+            exit_tx,
+        );
+        Ok(Launched {
+            handle,
+            exit: exit_rx,
+            connection: spec.connection.clone(),
+        })
+    }
+}
+
+/// The kernel's paths in the guest: the same fixed paths as in every sandbox, with the
+/// venv where the root image has it.
+fn relocation(spec: &LaunchSpec) -> Relocation {
+    let mut map = Relocation::new();
+    map.add(&spec.workspace, relocate::WORKSPACE);
+    map.add(&spec.runtime_dir, relocate::RUN_DIR);
+    let program = Path::new(spec.argv.first().map(String::as_str).unwrap_or_default());
+    if let Some(venv) = program
+        .parent()
+        .and_then(Path::parent)
+        .filter(|venv| venv.join("pyvenv.cfg").is_file())
+    {
+        map.add(venv, relocate::VENV);
+    }
+    map
+}
+
+/// The kernel's connection file as the guest must have it (its ipc paths under
+/// [`relocate::RUN_DIR`]); `None` when the command has none (a plain program).
+fn guest_connection(
+    spec: &LaunchSpec,
+    map: &Relocation,
+) -> Result<Option<ConnectionFile>, MicrovmError> {
+    let json = match std::fs::read(&spec.connection_file) {
+        Ok(json) => json,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_error(spec.connection_file.display().to_string())(e)),
+    };
+    let bad = |e: serde_json::Error| MicrovmError::Start(format!("the connection file: {e}"));
+    let info = serde_json::from_slice(&map.connection_json(&json).map_err(bad)?).map_err(bad)?;
+    Ok(Some(ConnectionFile {
+        path: map.path(&spec.connection_file).display().to_string(),
+        info,
+    }))
+}
+
+/// Connects to the VMM's end of the virtio-serial port, which appears once QEMU runs.
+async fn connect_serial(
+    socket: &Path,
+    timeout: Duration,
+) -> Result<tokio::net::UnixStream, MicrovmError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match tokio::net::UnixStream::connect(socket).await {
+            Ok(stream) => return Ok(stream),
+            Err(error) if tokio::time::Instant::now() >= deadline => {
+                return Err(MicrovmError::Start(format!(
+                    "the VMM never opened {}: {error}",
+                    socket.display()
+                )))
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+impl From<MicrovmError> for SandboxError {
+    fn from(error: MicrovmError) -> SandboxError {
+        SandboxError::Microvm(error)
+    }
+}

@@ -1,0 +1,184 @@
+//! The QEMU driver: the `microvm` machine (no PCI, no firmware, virtio over MMIO), booted
+//! straight into the guest kernel through its PVH entry.
+//!
+//! QEMU confines itself as well: `-sandbox on` installs its own seccomp filter, which here
+//! also refuses `spawn` (no helper programs), privilege changes and resource-control calls.
+//! The backend adds its cgroup and namespaces around the process (see `super`).
+
+use std::path::PathBuf;
+
+use super::vmm::{Accel, AgentLink, VmSpec, Vmm};
+
+/// The QEMU driver.
+pub struct Qemu {
+    pub binary: PathBuf,
+}
+
+impl Vmm for Qemu {
+    fn name(&self) -> &'static str {
+        "qemu"
+    }
+
+    fn command(&self, vm: &VmSpec) -> tokio::process::Command {
+        let mut command = tokio::process::Command::new(&self.binary);
+        command.args(args(vm));
+        command
+    }
+}
+
+/// QEMU's arguments for `vm`.
+pub fn args(vm: &VmSpec) -> Vec<String> {
+    let mut cmdline = vec![
+        "console=ttyS0".to_owned(),
+        // A guest kernel that panics stops the VM at once (with -no-reboot, QEMU exits).
+        "panic=-1".to_owned(),
+        "quiet".to_owned(),
+    ];
+    cmdline.extend(vm.cmdline.iter().cloned());
+    let mut memory_backend = String::new();
+    let mut args: Vec<String> = vec![
+        "-nodefaults".into(),
+        "-no-user-config".into(),
+        "-display".into(),
+        "none".into(),
+        "-no-reboot".into(),
+        "-accel".into(),
+        vm.accel.as_str().into(),
+        "-cpu".into(),
+        match vm.accel {
+            Accel::Kvm => "host".into(),
+            Accel::Tcg => "max".into(),
+        },
+        "-m".into(),
+        format!("{}M", vm.memory_mib),
+        "-smp".into(),
+        vm.vcpus.to_string(),
+        "-serial".into(),
+        format!("file:{}", vm.console.display()),
+        "-kernel".into(),
+        vm.kernel.display().to_string(),
+        "-initrd".into(),
+        vm.initramfs.display().to_string(),
+        "-append".into(),
+        cmdline.join(" "),
+        "-drive".into(),
+        format!(
+            "id=root,file={},format=raw,if=none,readonly=on",
+            vm.root.display()
+        ),
+        "-device".into(),
+        "virtio-blk-device,drive=root".into(),
+        "-drive".into(),
+        format!(
+            "id=work,file={},format=raw,if=none,discard=unmap",
+            vm.workspace.display()
+        ),
+        "-device".into(),
+        "virtio-blk-device,drive=work".into(),
+        "-device".into(),
+        "virtio-rng-device".into(),
+        // Memory the guest frees goes back to the host: an idle VM shrinks.
+        "-device".into(),
+        "virtio-balloon-device,free-page-reporting=on".into(),
+        "-sandbox".into(),
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+    ];
+    match &vm.agent {
+        AgentLink::Serial { socket } => {
+            args.extend([
+                "-device".into(),
+                "virtio-serial-device".into(),
+                "-chardev".into(),
+                format!(
+                    "socket,id=agent,path={},server=on,wait=off",
+                    socket.display()
+                ),
+                "-device".into(),
+                format!(
+                    "virtserialport,chardev=agent,name={}",
+                    cellgate_agent::protocol::SERIAL_PORT_NAME
+                ),
+            ]);
+        }
+        AgentLink::Vsock { vhost } => {
+            // vhost-user devices need the guest's RAM shared with their backend process.
+            memory_backend = format!(
+                "memory-backend-memfd,id=mem,size={}M,share=on",
+                vm.memory_mib
+            );
+            args.extend([
+                "-chardev".into(),
+                format!("socket,id=vsock,path={}", vhost.display()),
+                "-device".into(),
+                "vhost-user-vsock-device,chardev=vsock".into(),
+            ]);
+        }
+    }
+    let machine = if memory_backend.is_empty() {
+        "microvm,x-option-roms=off".to_owned()
+    } else {
+        args.extend(["-object".into(), memory_backend]);
+        "microvm,x-option-roms=off,memory-backend=mem".to_owned()
+    };
+    let mut all = vec!["-M".to_owned(), machine];
+    all.extend(args);
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(agent: AgentLink) -> VmSpec {
+        VmSpec {
+            kernel: "/g/vmlinux".into(),
+            initramfs: "/g/initramfs".into(),
+            root: "/g/root.ext4".into(),
+            workspace: "/k/work.ext4".into(),
+            memory_mib: 640,
+            vcpus: 1,
+            cmdline: vec!["cellgate.transport=serial".into()],
+            agent,
+            console: "/k/console.log".into(),
+            accel: Accel::Tcg,
+        }
+    }
+
+    #[test]
+    fn the_root_is_read_only_and_the_guest_has_no_network() {
+        let args = args(&spec(AgentLink::Serial {
+            socket: "/k/agent.sock".into(),
+        }));
+        let line = args.join(" ");
+        assert!(
+            line.contains("file=/g/root.ext4,format=raw,if=none,readonly=on"),
+            "{line}"
+        );
+        assert!(line.contains("-nodefaults"), "{line}");
+        assert!(
+            !line.contains("-netdev") && !line.contains("-nic"),
+            "{line}"
+        );
+        assert!(line.contains("spawn=deny"), "{line}");
+        assert!(line.contains("name=org.cellgate.agent"), "{line}");
+        assert!(line.contains("cellgate.transport=serial"), "{line}");
+        assert!(!line.contains("memory-backend"), "{line}");
+    }
+
+    #[test]
+    fn vsock_shares_guest_memory_with_its_backend() {
+        let args = args(&spec(AgentLink::Vsock {
+            vhost: "/k/vhost.sock".into(),
+        }));
+        let line = args.join(" ");
+        assert!(line.contains("memory-backend=mem"), "{line}");
+        assert!(
+            line.contains("memory-backend-memfd,id=mem,size=640M,share=on"),
+            "{line}"
+        );
+        assert!(
+            line.contains("vhost-user-vsock-device,chardev=vsock"),
+            "{line}"
+        );
+    }
+}
