@@ -36,7 +36,7 @@ pub struct DoctorOptions {
     pub package_source: Option<crate::egress::packages::Source>,
 }
 
-use crate::sandbox::diagnosis::{euid, find_on_path, read_trim, run_command};
+use crate::sandbox::diagnosis::{euid, read_trim, run_command};
 /// One backend or one piece of the set-up, as the backends describe themselves.
 pub use crate::sandbox::diagnosis::{Diagnosis as Section, Problem};
 
@@ -115,10 +115,14 @@ pub async fn run(options: &DoctorOptions) -> Report {
     host.insert("euid".to_owned(), json!(euid()));
     host.insert("arch".to_owned(), json!(std::env::consts::ARCH));
     let mut backends = Vec::new();
-    for backend in [Backend::Process, Backend::Namespaces, Backend::Gvisor] {
+    for backend in [
+        Backend::Process,
+        Backend::Namespaces,
+        Backend::Gvisor,
+        Backend::Microvm,
+    ] {
         backends.push(crate::sandbox::diagnose(backend, options.probe).await);
     }
-    backends.push(microvm_section());
     let mut setup = vec![kernels_section(&options.kernels_dir).await];
     setup.push(policies_section(&options.policies_dir, &backends));
     if let Some(source) = &options.package_source {
@@ -137,72 +141,6 @@ pub async fn run(options: &DoctorOptions) -> Report {
         setup,
     }
 }
-
-// ---------------------------------------------------------------------------------------
-// Backends.
-
-fn microvm_section() -> Section {
-    let mut s = Section::new("microvm");
-    s.fail(
-        "the microvm backend is not part of this build",
-        "none yet: use namespaces (default) or gvisor",
-    );
-    let kvm = Path::new("/dev/kvm").exists();
-    s.fact("dev_kvm", kvm);
-    if !kvm {
-        s.warn(
-            "/dev/kvm is missing: a microVM would run under TCG emulation (Python 50x slower)",
-            "modprobe kvm_intel (or kvm_amd) on a host with virtualisation enabled; in a VM, enable nested virtualisation",
-        );
-    }
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let flags: Vec<&str> = cpuinfo
-        .lines()
-        .find_map(|l| l.strip_prefix("flags").and_then(|r| r.split_once(':')))
-        .map(|(_, f)| f.split_whitespace().collect())
-        .unwrap_or_default();
-    let virt = if flags.contains(&"vmx") {
-        Some("vmx")
-    } else if flags.contains(&"svm") {
-        Some("svm")
-    } else {
-        None
-    };
-    s.fact(
-        "cpu_virtualisation",
-        virt.map(Value::from).unwrap_or(Value::Null),
-    );
-    if virt.is_none() {
-        s.warn(
-            "the CPU shows neither vmx nor svm: no hardware virtualisation for guests",
-            "enable VT-x/AMD-V in firmware, or nested virtualisation in the host VM",
-        );
-    }
-    let modules = std::fs::read_to_string("/proc/modules").unwrap_or_default();
-    let pvm = modules.lines().any(|l| l.starts_with("kvm_pvm "))
-        || Path::new("/sys/module/kvm_pvm").exists();
-    s.fact("kvm_pvm", pvm);
-    if pvm {
-        s.warn(
-            "PVM-only KVM: stock guest kernels crawl (only PVM-aware guest kernels run at speed)",
-            "run microVMs on a host with real VT-x/AMD-V KVM, or build a PVM guest kernel",
-        );
-    }
-    match find_on_path("qemu-system-x86_64") {
-        Some(qemu) => s.fact("qemu", qemu.display().to_string()),
-        None => {
-            s.fact("qemu", Value::Null);
-            s.warn(
-                "qemu-system-x86_64 is not on PATH",
-                "apt-get install -y qemu-system-x86",
-            );
-        }
-    }
-    s
-}
-
-// ---------------------------------------------------------------------------------------
-// Set-up.
 
 async fn kernels_section(dir: &Path) -> Section {
     let mut s = Section::new("kernels");

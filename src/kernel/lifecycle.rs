@@ -159,7 +159,7 @@ impl Kernel {
         options: KernelOptions,
     ) -> Result<Arc<Kernel>, KernelError> {
         let mut env = kernel_env(&spec, &id, &dirs.work, &client_env);
-        if options.egress.is_some() && sandbox.backend() == crate::sandbox::Backend::Namespaces {
+        if options.egress.is_some() && sandbox.backend().bridges_egress() {
             for (k, v) in crate::egress::kernel_env(&spec.dir, &dirs.work) {
                 // A client's own choice (PIP_INDEX_URL, say) cannot open anything: the proxy
                 // decides. The defaults only fill what the client left unset.
@@ -214,7 +214,7 @@ impl Kernel {
         let mut egress_socket = None;
         let proxy = (self.options.egress.as_ref())
             .zip(self.options.policy.as_ref())
-            .filter(|_| self.sandbox.backend() == crate::sandbox::Backend::Namespaces);
+            .filter(|_| self.sandbox.backend().bridges_egress());
         if let Some((egress, policy)) = proxy {
             let listener = egress
                 .listen(&runtime_dir, &self.id, policy.clone(), self.router.clone())

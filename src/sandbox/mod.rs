@@ -58,6 +58,15 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Whether the backend gives the kernel a way to the gateway's egress proxy (the
+    /// namespaces bridge, the microVM agent's proxy port); the others have no network at all.
+    pub fn bridges_egress(self) -> bool {
+        match self {
+            Backend::Namespaces | Backend::Microvm => true,
+            Backend::Process | Backend::Gvisor => false,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::Process => "process",

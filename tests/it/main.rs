@@ -14,6 +14,7 @@ mod hostile;
 mod http;
 mod lifecycle;
 mod messaging;
+mod microvm;
 mod notebook;
 mod pool;
 mod tenants;

@@ -1,0 +1,153 @@
+//! The microvm backend through the whole gateway: a policy naming `backend = "microvm"`
+//! gives an API v1 client a kernel in its own VM, with its outputs, artifacts, egress
+//! policy and memory limit working as under the other backends. Under TCG on CI's machines
+//! (emulation allowed for the test gateway), with the guest `./dev setup` builds.
+
+use anyhow::{Context, Result};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::v1::V1Client;
+use crate::support::*;
+
+/// An HTTP server on 127.0.0.1 answering `hello from <name>`.
+async fn test_server(name: &'static str) -> Result<u16> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut seen = vec![];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let body = format!("hello from {name}");
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    Ok(port)
+}
+
+/// A gateway whose policy `vm` runs kernels in microVMs, allowed to reach `allowed.test`
+/// only (mapped to the test server on loopback).
+async fn vm_gateway(port: u16, limits: &str) -> Result<(Gateway, tempfile::TempDir)> {
+    if let Some(forced) = forced_sandbox().filter(|f| f != "microvm") {
+        anyhow::bail!("this test is about the microvm backend, but CELLGATE_TEST_SANDBOX={forced} forces another");
+    }
+    let dir = tempfile::tempdir()?;
+    let policies = dir.path().join("policies");
+    std::fs::create_dir(&policies)?;
+    std::fs::write(policies.join("default.toml"), "")?;
+    std::fs::write(
+        policies.join("vm.toml"),
+        format!(
+            "description = \"microvm\"\n[sandbox]\nbackend = \"microvm\"\n\
+             [limits]\n{limits}\n[egress]\nallow = [\"allowed.test:{port}\"]\n"
+        ),
+    )?;
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "package_cache_dir = {:?}\n[egress_hosts]\n\"allowed.test\" = \"127.0.0.1\"\n\
+             \"denied.test\" = \"127.0.0.1\"\n",
+            dir.path().join("cache")
+        ),
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(policies)
+        .arg("--config")
+        .arg(config.to_str().context("path")?)
+        .env("CELLGATE_MICROVM_ALLOW_EMULATION", "1")
+        .start()
+        .await?;
+    Ok((gateway, dir))
+}
+
+#[tokio::test]
+async fn a_microvm_session_runs_code_under_its_policy() -> Result<()> {
+    let port = test_server("allowed").await?;
+    let (gateway, _dir) = vm_gateway(port, "memory = \"384MiB\"").await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+
+    let r = v1.execute(&id, "1 + 1").await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["result"], "2", "{r}");
+
+    // The kernel is in a VM of its own: another Linux kernel, no network but loopback.
+    let r = v1
+        .execute(
+            &id,
+            "import os, platform, socket\n\
+             print(platform.release(), os.getcwd(), [n for _, n in socket.if_nameindex()])",
+        )
+        .await?;
+    let stdout = r["stdout"].as_str().context("stdout")?;
+    let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+    assert!(
+        !stdout.contains(host_release.trim()),
+        "the guest runs its own kernel: {stdout}"
+    );
+    assert!(
+        stdout.contains("/home/user") && stdout.contains("['lo']"),
+        "{stdout}"
+    );
+
+    // Rich output becomes an artifact.
+    let r = v1
+        .execute(&id, "from IPython.display import HTML\nHTML('<b>vm</b>')")
+        .await?;
+    let artifacts = r["artifacts"].as_array().context("artifacts")?;
+    assert!(artifacts.iter().any(|a| a["mime"] == "text/html"), "{r}");
+
+    // Egress: the allowed host through the proxy, the denied one refused and reported.
+    let r = v1
+        .execute(
+            &id,
+            &format!(
+                "import urllib.request\n\
+                 print(urllib.request.urlopen('http://allowed.test:{port}/', timeout=30).read().decode())"
+            ),
+        )
+        .await?;
+    assert_eq!(r["stdout"], "hello from allowed\n", "{r}");
+    let r = v1
+        .execute(
+            &id,
+            &format!(
+                "import urllib.request\n\
+                 urllib.request.urlopen('http://denied.test:{port}/', timeout=30).read()"
+            ),
+        )
+        .await?;
+    assert_eq!(r["status"], "denied", "{r}");
+    assert!(
+        r["denials"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|d| d["target"]
+                .as_str()
+                .is_some_and(|t| t.contains("denied.test")))),
+        "{r}"
+    );
+
+    // The policy's memory is the kernel's: past it, the guest's OOM killer ends the kernel,
+    // the result says `oom`, and the session goes on in a fresh kernel.
+    let r = v1.execute(&id, "hog = b'x' * (500 * 2**20)").await?;
+    assert_eq!(r["status"], "oom", "{r}");
+    let r = v1.execute(&id, "'hog' in dir()").await?;
+    assert_eq!(r["result"], "False", "{r}");
+    Ok(())
+}
