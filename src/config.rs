@@ -127,6 +127,37 @@ pub struct ServeArgs {
     pub artifact_min_free_disk: Option<u64>,
     #[command(flatten)]
     pub auth: AuthArgs,
+    #[command(flatten)]
+    pub microvm: MicrovmArgs,
+}
+
+/// The microvm backend's options (`cellgate serve`, `doctor` and `notebook replay`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct MicrovmArgs {
+    /// Where the microVM guest's kernel and images are (`guest.json` inside; `./dev setup`
+    /// builds them) [default: guest/ beside the binary's directory, e.g. target/guest].
+    #[arg(long, env = "CELLGATE_GUEST_DIR")]
+    pub guest_dir: Option<PathBuf>,
+    /// Serve microVMs under software emulation (TCG) when this host has no usable KVM:
+    /// functional, ~50x slower for Python; for tests and development.
+    #[arg(long, env = "CELLGATE_MICROVM_ALLOW_EMULATION")]
+    pub microvm_allow_emulation: bool,
+}
+
+impl MicrovmArgs {
+    /// The backend's settings: these options, then the config file's, then the defaults.
+    pub fn config(
+        &self,
+        file_guest_dir: Option<PathBuf>,
+        file_allow_emulation: Option<bool>,
+    ) -> crate::sandbox::MicrovmConfig {
+        let mut config = crate::sandbox::MicrovmConfig::default();
+        if let Some(dir) = self.guest_dir.clone().or(file_guest_dir) {
+            config.guest_dir = dir;
+        }
+        config.allow_emulation = self.microvm_allow_emulation || file_allow_emulation == Some(true);
+        config
+    }
 }
 
 /// JWT and tenant options of `cellgate serve` (also read by `cellgate token`).
@@ -202,6 +233,8 @@ struct FileConfig {
     egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     egress_max_connections: Option<usize>,
     artifact_retention: Option<u64>,
+    guest_dir: Option<PathBuf>,
+    microvm_allow_emulation: Option<bool>,
     #[serde(default, with = "crate::policy::units::serde_duration")]
     header_read_timeout: Option<Duration>,
     #[serde(default, with = "crate::policy::units::serde_duration")]
@@ -263,6 +296,8 @@ pub struct GatewayConfig {
     pub max_connections_per_peer: usize,
     /// Free bytes the artifact store keeps on its disk (0: no minimum).
     pub artifact_min_free_disk: u64,
+    /// The microvm backend's settings.
+    pub microvm: crate::sandbox::MicrovmConfig,
 }
 
 /// The artifact store's default minimum of free disk.
@@ -580,6 +615,9 @@ impl GatewayConfig {
                 .artifact_min_free_disk
                 .or(file.artifact_min_free_disk)
                 .unwrap_or(DEFAULT_ARTIFACT_MIN_FREE_DISK),
+            microvm: args
+                .microvm
+                .config(file.guest_dir.clone(), file.microvm_allow_emulation),
             allow_origin,
             env_allowlist: args
                 .env_allowlist

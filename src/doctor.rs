@@ -34,6 +34,8 @@ pub struct DoctorOptions {
     pub probe: bool,
     /// Where the package index gets its files; checked for reachability when set.
     pub package_source: Option<crate::egress::packages::Source>,
+    /// The microvm backend's settings.
+    pub microvm: crate::sandbox::MicrovmConfig,
 }
 
 use crate::sandbox::diagnosis::{euid, read_trim, run_command};
@@ -121,7 +123,7 @@ pub async fn run(options: &DoctorOptions) -> Report {
         Backend::Gvisor,
         Backend::Microvm,
     ] {
-        backends.push(crate::sandbox::diagnose(backend, options.probe).await);
+        backends.push(crate::sandbox::diagnose(backend, options.probe, &options.microvm).await);
     }
     let mut setup = vec![kernels_section(&options.kernels_dir).await];
     setup.push(policies_section(&options.policies_dir, &backends));

@@ -81,6 +81,8 @@ struct DoctorArgs {
     /// Only inspect the host; do not start probe sandboxes.
     #[arg(long)]
     no_probe: bool,
+    #[command(flatten)]
+    microvm: cellgate::config::MicrovmArgs,
     /// Upstream index the package index would serve from (checked for reachability).
     #[arg(
         long,
@@ -132,6 +134,7 @@ fn main() -> anyhow::Result<()> {
                     policies_dir: args.policies_dir,
                     default_backend: args.sandbox,
                     probe: !args.no_probe,
+                    microvm: args.microvm.config(None, None),
                     package_source: Some(match args.wheelhouse {
                         Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
                         None => cellgate::egress::packages::Source::Upstream(args.package_index),
@@ -219,7 +222,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&config.policies_dir)
         .with_context(|| format!("loading policies from {}", config.policies_dir.display()))?;
-    let backends = Backends::new(config.sandbox);
+    let backends = Backends::new(config.sandbox, config.microvm.clone());
     // Fail at start, not at the first kernel, when the default policy's backend cannot run;
     // other policies' backends are made on first use (and `cellgate doctor` checks them).
     let default_backend = policies

@@ -68,6 +68,8 @@ pub struct ReplayArgs {
     /// replay) [default: the policy's backend].
     #[arg(long, env = "CELLGATE_SANDBOX")]
     sandbox: Option<Backend>,
+    #[command(flatten)]
+    microvm: cellgate::config::MicrovmArgs,
 }
 
 fn with_token(request: reqwest::RequestBuilder, token: Option<&str>) -> reqwest::RequestBuilder {
@@ -231,7 +233,7 @@ async fn local(args: &ReplayArgs, text: &str) -> anyhow::Result<Finished> {
         .with_context(|| format!("loading kernelspecs from {}", args.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&args.policies_dir)
         .with_context(|| format!("loading policies from {}", args.policies_dir.display()))?;
-    let sandbox = cellgate::sandbox::Backends::new(args.sandbox);
+    let sandbox = cellgate::sandbox::Backends::new(args.sandbox, args.microvm.config(None, None));
     let runtime_root = std::env::temp_dir().join(format!(
         "cellgate-replay-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..12]

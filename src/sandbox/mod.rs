@@ -90,24 +90,29 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// Makes the sandbox of `backend` with its default configuration.
-pub fn create(backend: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
+/// Makes the sandbox of `backend`: the microvm backend with `microvm`, the others with their
+/// default configuration.
+pub fn create(backend: Backend, microvm: &MicrovmConfig) -> Result<Arc<dyn Sandbox>, SandboxError> {
     Ok(match backend {
         Backend::Process => Arc::new(ProcessSandbox::new()?),
         Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig::default())?),
         Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
-        Backend::Microvm => Arc::new(MicrovmSandbox::new(MicrovmConfig::default())?),
+        Backend::Microvm => Arc::new(MicrovmSandbox::new(microvm.clone())?),
     })
 }
 
 /// What `backend` says about this host (`cellgate doctor`); with `probe`, a real sandbox is
 /// started to prove it.
-pub async fn diagnose(backend: Backend, probe: bool) -> diagnosis::Diagnosis {
+pub async fn diagnose(
+    backend: Backend,
+    probe: bool,
+    microvm: &MicrovmConfig,
+) -> diagnosis::Diagnosis {
     match backend {
         Backend::Process => process::diagnose(),
         Backend::Namespaces => namespaces::diagnose::diagnose(probe).await,
         Backend::Gvisor => gvisor::diagnose(probe).await,
-        Backend::Microvm => microvm::diagnose::diagnose(probe).await,
+        Backend::Microvm => microvm::diagnose::diagnose(probe, microvm).await,
     }
 }
 
@@ -117,13 +122,15 @@ pub async fn diagnose(backend: Backend, probe: bool) -> diagnosis::Diagnosis {
 /// `process` for development, or e.g. `gvisor` to run everything in the stronger sandbox.
 pub struct Backends {
     forced: Option<Backend>,
+    microvm: MicrovmConfig,
     made: parking_lot::Mutex<std::collections::HashMap<Backend, Arc<dyn Sandbox>>>,
 }
 
 impl Backends {
-    pub fn new(forced: Option<Backend>) -> Backends {
+    pub fn new(forced: Option<Backend>, microvm: MicrovmConfig) -> Backends {
         Backends {
             forced,
+            microvm,
             made: parking_lot::Mutex::new(std::collections::HashMap::new()),
         }
     }
@@ -145,7 +152,7 @@ impl Backends {
         if let Some(sandbox) = made.get(&backend) {
             return Ok(sandbox.clone());
         }
-        let sandbox = create(backend)?;
+        let sandbox = create(backend, &self.microvm)?;
         made.insert(backend, sandbox.clone());
         Ok(sandbox)
     }

@@ -67,7 +67,7 @@ async fn vm_gateway(port: u16, limits: &str) -> Result<(Gateway, tempfile::TempD
         .policies_dir(policies)
         .arg("--config")
         .arg(config.to_str().context("path")?)
-        .env("CELLGATE_MICROVM_ALLOW_EMULATION", "1")
+        .arg("--microvm-allow-emulation")
         .start()
         .await?;
     Ok((gateway, dir))

@@ -85,7 +85,7 @@ pub struct Gateway {
 
 pub struct GatewayBuilder {
     args: Vec<String>,
-    envs: Vec<(String, String)>,
+
     token: Option<String>,
     kernels_dir: PathBuf,
     policies_dir: PathBuf,
@@ -98,11 +98,6 @@ impl GatewayBuilder {
     }
     pub fn arg(mut self, arg: &str) -> Self {
         self.args.push(arg.to_owned());
-        self
-    }
-    /// An environment variable of the gateway's process.
-    pub fn env(mut self, key: &str, value: &str) -> Self {
-        self.envs.push((key.to_owned(), value.to_owned()));
         self
     }
     pub fn token(mut self, token: Option<&str>) -> Self {
@@ -136,7 +131,6 @@ impl GatewayBuilder {
             .env_remove("CELLGATE_AUTH_TOKEN")
             .env_remove("KG_AUTH_TOKEN")
             .env("RUST_LOG", "info,zeromq=error")
-            .envs(self.envs.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if let Some(token) = &self.token {
@@ -199,7 +193,6 @@ impl Gateway {
     pub fn builder() -> GatewayBuilder {
         GatewayBuilder {
             args: vec![],
-            envs: vec![],
             token: Some(TOKEN.to_owned()),
             kernels_dir: kernels_dir(),
             policies_dir: repo().join("policies"),

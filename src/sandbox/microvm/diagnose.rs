@@ -13,9 +13,9 @@ use super::vmm::Accel;
 use super::{MicrovmConfig, MicrovmSandbox};
 use crate::sandbox::diagnosis::{find_on_path, probe as run_probe, run_command, Diagnosis};
 
-pub async fn diagnose(probe: bool) -> Diagnosis {
+pub async fn diagnose(probe: bool, config: &MicrovmConfig) -> Diagnosis {
     let mut s = Diagnosis::new("microvm");
-    let config = MicrovmConfig::default();
+    let config = config.clone();
     match find_on_path(&config.qemu.to_string_lossy()) {
         Some(qemu) => {
             s.fact("qemu", qemu.display().to_string());
@@ -66,13 +66,13 @@ pub async fn diagnose(probe: bool) -> Diagnosis {
     if decision.accel == Accel::Tcg {
         if config.allow_emulation {
             s.warn(
-                format!("{}: VMs run under software emulation (TCG), ~50x slower for Python; allowed by CELLGATE_MICROVM_ALLOW_EMULATION", decision.why),
+                format!("{}: VMs run under software emulation (TCG), ~50x slower for Python; allowed by --microvm-allow-emulation", decision.why),
                 "serve microVMs on a host with hardware virtualization (or give a PVM guest kernel on a PVM host)",
             );
         } else {
             s.fail(
                 format!("{}: VMs would run under software emulation (TCG), which is refused for serving", decision.why),
-                "set CELLGATE_MICROVM_ALLOW_EMULATION=1 to accept emulation (tests, development), or use a host with hardware virtualization",
+                "--microvm-allow-emulation (CELLGATE_MICROVM_ALLOW_EMULATION=true) accepts emulation (tests, development); or use a host with hardware virtualization",
             );
         }
     }

@@ -108,13 +108,10 @@ pub struct MicrovmConfig {
 
 impl Default for MicrovmConfig {
     fn default() -> MicrovmConfig {
-        let flag = |name: &str| {
-            std::env::var(name).is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes"))
-        };
         MicrovmConfig {
             qemu: PathBuf::from("qemu-system-x86_64"),
             guest_dir: image::default_dir(),
-            allow_emulation: flag("CELLGATE_MICROVM_ALLOW_EMULATION"),
+            allow_emulation: false,
             boot_timeout: Duration::from_secs(120),
         }
     }
@@ -141,7 +138,9 @@ impl MicrovmSandbox {
             Accel::Tcg if !config.allow_emulation => {
                 return Err(MicrovmError::Accel(format!(
                     "{}; microVMs would run under software emulation (TCG), ~50x slower, which \
-                     is refused for serving: set CELLGATE_MICROVM_ALLOW_EMULATION=1 to accept it",
+                     is refused for serving: --microvm-allow-emulation (or \
+                     CELLGATE_MICROVM_ALLOW_EMULATION=true, or microvm_allow_emulation = true in \
+                     the config file) accepts it",
                     decision.why
                 ))
                 .into())
