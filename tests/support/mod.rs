@@ -85,7 +85,6 @@ pub struct Gateway {
 
 pub struct GatewayBuilder {
     args: Vec<String>,
-
     token: Option<String>,
     kernels_dir: PathBuf,
     policies_dir: PathBuf,
