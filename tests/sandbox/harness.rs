@@ -60,8 +60,16 @@ pub fn gvisor_sandbox() -> GvisorSandbox {
 /// The microvm backend, with emulation allowed (CI's machines have no usable KVM), or a
 /// loud failure saying why this host cannot run it.
 pub fn microvm_sandbox() -> MicrovmSandbox {
+    microvm_sandbox_with(None)
+}
+
+/// The microvm backend with the agent link `transport` (`None`: the backend's default).
+pub fn microvm_sandbox_with(
+    transport: Option<cellgate::sandbox::microvm::link::Transport>,
+) -> MicrovmSandbox {
     MicrovmSandbox::new(MicrovmConfig {
         allow_emulation: true,
+        transport,
         ..MicrovmConfig::default()
     })
     .unwrap_or_else(|err| {
@@ -253,7 +261,11 @@ pub async fn start_kernel(kind: Kind, limits: Limits) -> Kernel {
 
 /// A kernel started with `python` (a venv's interpreter) instead of the kernel venv's.
 pub async fn start_kernel_with(kind: Kind, python: PathBuf, limits: Limits) -> Kernel {
-    let sandbox = sandbox(kind);
+    start_kernel_in(sandbox(kind), python, limits).await
+}
+
+/// A kernel started in `sandbox` (a backend configured by the test).
+pub async fn start_kernel_in(sandbox: Box<dyn Sandbox>, python: PathBuf, limits: Limits) -> Kernel {
     let dirs = KernelDirs::new("k");
     let key = uuid::Uuid::new_v4().simple().to_string();
     let connection = ConnectionInfo::ipc(&dirs.run.join("g1"), key.clone(), "python3");

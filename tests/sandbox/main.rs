@@ -1,6 +1,6 @@
 //! The sandbox backends against real processes and a real ipykernel, through the `Sandbox`
-//! trait: `common` runs the same tests against every backend, `namespaces` and `gvisor` what
-//! only one of them has; `harness` is what they all use.
+//! trait: `common` runs the same tests against every backend, `namespaces`, `gvisor` and
+//! `microvm` what only one of them has; `harness` is what they all use.
 //!
 //! This test binary doubles as the namespaces backend's sandbox helper: started as
 //! `<exe> __sandbox-init`, a constructor runs `sandbox_init_main` before the test harness
@@ -16,6 +16,7 @@
 mod common;
 mod gvisor;
 mod harness;
+mod microvm;
 mod namespaces;
 
 use cellgate::sandbox::SANDBOX_INIT_ARG;

@@ -36,7 +36,8 @@ pub const MAX_LINE: usize = 256 * 1024;
 /// How much of the kernel's stdout and stderr an exit event carries.
 pub const LOG_TAIL_BYTES: usize = 16 * 1024;
 
-/// The vsock port the agent listens on (host-initiated connections).
+/// The host's vsock port the agent connects to (guest-initiated: hybrid vsock delivers it to
+/// the host's unix socket `<uds>_1024`).
 pub const VSOCK_PORT: u32 = 1024;
 
 /// The virtio-serial port's name (`/sys/class/virtio-ports/*/name` in the guest).

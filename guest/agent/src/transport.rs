@@ -1,9 +1,12 @@
-//! The byte stream to the gateway: a vsock connection the host opens (hybrid vsock), the
+//! The byte stream to the gateway: a vsock connection the agent opens to the host, the
 //! virtio-serial port, or, off pid 1, a unix socket for tests.
 //!
-//! vsock gives a fresh connection per session; a virtio-serial port is one pipe for the VM's
-//! whole life, which the host side opens and closes. Both end up as one [`Stream`] that the
-//! session module handshakes on.
+//! vsock: the agent connects to the host (CID 2) on [`VSOCK_PORT`] as soon as it is ready,
+//! and again after a session ends (a snapshot restore resets vsock connections). Dialing
+//! out, not listening, means the host never guesses when the guest is up: it waits on its
+//! own listener (hybrid vsock puts it at `<uds>_<port>`). A virtio-serial port is one pipe
+//! for the VM's whole life, which the host side opens and closes. Both end up as one
+//! [`Stream`] that the session module handshakes on.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -35,7 +38,7 @@ pub struct Stream {
 }
 
 pub enum Transport {
-    Vsock(tokio_vsock::VsockListener),
+    Vsock,
     Serial(PathBuf),
     Unix(tokio::net::UnixListener),
 }
@@ -43,9 +46,7 @@ pub enum Transport {
 impl Transport {
     pub async fn open(kind: &Kind) -> io::Result<Transport> {
         Ok(match kind {
-            Kind::Vsock => Transport::Vsock(tokio_vsock::VsockListener::bind(
-                tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_ANY, VSOCK_PORT),
-            )?),
+            Kind::Vsock => Transport::Vsock,
             Kind::Serial => Transport::Serial(find_serial_port()?),
             Kind::Unix(path) => {
                 let _ = std::fs::remove_file(path);
@@ -57,8 +58,8 @@ impl Transport {
     /// Waits for the next host connection.
     pub async fn accept(&mut self) -> io::Result<Stream> {
         Ok(match self {
-            Transport::Vsock(listener) => Stream {
-                io: Box::new(listener.accept().await?.0),
+            Transport::Vsock => Stream {
+                io: Box::new(dial_host().await),
                 eof_is_idle: false,
             },
             Transport::Serial(path) => Stream {
@@ -70,6 +71,17 @@ impl Transport {
                 eof_is_idle: false,
             },
         })
+    }
+}
+
+/// Connects to the host's agent port, retrying until the host listens.
+async fn dial_host() -> tokio_vsock::VsockStream {
+    let host = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_HOST, VSOCK_PORT);
+    loop {
+        match tokio_vsock::VsockStream::connect(host).await {
+            Ok(stream) => return stream,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+        }
     }
 }
 

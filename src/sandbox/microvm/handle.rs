@@ -107,6 +107,7 @@ impl SandboxHandle for MicrovmHandle {
 /// Watches the VM until it ends and reports exactly once.
 pub(super) fn watch_exit(
     mut child: tokio::process::Child,
+    companion: Option<tokio::process::Child>,
     agent: Arc<Agent>,
     handle: Arc<MicrovmHandle>,
     log_file: PathBuf,
@@ -143,6 +144,10 @@ pub(super) fn watch_exit(
             Err(status) => vm_report(status.ok(), &handle, &log_file, &console),
         };
         handle.exited.store(true, Ordering::SeqCst);
+        // The vsock device's backend has no VM left to serve.
+        if let Some(mut companion) = companion {
+            let _ = companion.kill().await;
+        }
         let _ = report.send(Some(exit_report));
     });
 }

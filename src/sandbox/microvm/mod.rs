@@ -40,6 +40,7 @@ mod channels;
 pub mod diagnose;
 mod handle;
 pub mod image;
+pub mod link;
 mod qemu;
 pub mod vmm;
 
@@ -55,7 +56,7 @@ use super::relocate::{self, Relocation};
 use super::spawner::Spawner;
 use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
 use handle::MicrovmHandle;
-use vmm::{Accel, AgentLink, VmSpec, Vmm};
+use vmm::{Accel, VmSpec, Vmm};
 
 /// RAM the guest gets beyond the policy's memory limit: its kernel, the agent and a little
 /// page cache. The kernel's cgroup inside holds the policy's figure.
@@ -104,6 +105,9 @@ pub struct MicrovmConfig {
     pub allow_emulation: bool,
     /// How long a VM may take from start to its agent's handshake.
     pub boot_timeout: Duration,
+    /// The agent link; `None`: hybrid vsock where `vhost-device-vsock` is installed (in the
+    /// guest directory's `tools/bin`, or on `PATH`), virtio-serial otherwise.
+    pub transport: Option<link::Transport>,
 }
 
 impl Default for MicrovmConfig {
@@ -113,6 +117,7 @@ impl Default for MicrovmConfig {
             guest_dir: image::default_dir(),
             allow_emulation: false,
             boot_timeout: Duration::from_secs(120),
+            transport: None,
         }
     }
 }
@@ -122,6 +127,7 @@ pub struct MicrovmSandbox {
     config: MicrovmConfig,
     images: image::GuestImages,
     accel: Accel,
+    transport: link::Transport,
     /// Guest kernel command-line words this host needs (the TSC rate under emulation).
     host_cmdline: Vec<String>,
     vmm: Arc<dyn Vmm>,
@@ -164,8 +170,18 @@ impl MicrovmSandbox {
                 host_cmdline.push(format!("tsc_early_khz={khz}"));
             }
         }
+        let transport = config
+            .transport
+            .clone()
+            .unwrap_or_else(|| default_transport(&config.guest_dir));
+        tracing::info!(
+            accel = accel.as_str(),
+            transport = transport.name(),
+            "microvm backend ready"
+        );
         let spawner = Spawner::start("cellgate-microvm-spawner")?;
         Ok(MicrovmSandbox {
+            transport,
             host_cmdline,
             vmm: Arc::new(qemu::Qemu {
                 binary: config.qemu.clone(),
@@ -180,6 +196,11 @@ impl MicrovmSandbox {
     /// How this backend's VMs get their CPU.
     pub fn accel(&self) -> Accel {
         self.accel
+    }
+
+    /// How this backend's VMs talk to the gateway.
+    pub fn transport(&self) -> &link::Transport {
+        &self.transport
     }
 }
 
@@ -208,7 +229,6 @@ impl MicrovmSandbox {
             KERNEL_UID,
         )
         .await?;
-        let agent_socket = dir.join("agent.sock");
         let memory_mib = spec
             .limits
             .memory_bytes
@@ -219,6 +239,8 @@ impl MicrovmSandbox {
             .limits
             .cpu_millis
             .map_or(1, |millis| millis.div_ceil(1000).max(1));
+        let mut link =
+            link::Link::prepare(&self.transport, dir, &self.spawner, &spec.log_file).await?;
         let vm = VmSpec {
             kernel: self.images.kernel.clone(),
             initramfs: self.images.initramfs.clone(),
@@ -227,37 +249,33 @@ impl MicrovmSandbox {
             memory_mib,
             vcpus,
             cmdline: [
-                "cellgate.transport=serial".to_owned(),
+                self.transport.cmdline().to_owned(),
                 format!("cellgate.layer_mb={LAYER_MIB}"),
             ]
             .into_iter()
             .chain(self.host_cmdline.iter().cloned())
             .collect(),
-            agent: AgentLink::Serial {
-                socket: agent_socket.clone(),
-            },
+            agent: link.vm_link(),
             console: dir.join("console.log"),
             accel: self.accel,
         };
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&spec.log_file)
-            .map_err(io_error(format!("{}", spec.log_file.display())))?;
-        let log_err = log.try_clone().map_err(io_error("the kernel log"))?;
         let mut command = self.vmm.command(&vm);
-        command
-            .env_clear()
-            .current_dir(dir)
-            .stdin(std::process::Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .kill_on_drop(false);
+        plain_child(&mut command, dir, &spec.log_file)?;
         let child = self
             .spawner
             .spawn(command)
             .await
-            .map_err(|e| MicrovmError::Start(format!("{}: {e}", self.vmm.name())))?;
+            .map_err(|e| MicrovmError::Start(format!("{}: {e}", self.vmm.name())));
+        let mut companion = link.companion.take();
+        let child = match child {
+            Ok(child) => child,
+            Err(error) => {
+                if let Some(companion) = &mut companion {
+                    let _ = companion.kill().await;
+                }
+                return Err(error);
+            }
+        };
         let pid = child.id().unwrap_or(0);
         tracing::info!(kernel_id = %spec.kernel_id, pid, accel = self.accel.as_str(),
             memory_mib, vcpus, "microvm: VM started");
@@ -265,7 +283,7 @@ impl MicrovmSandbox {
         let handle = Arc::new(MicrovmHandle::new(pid));
 
         let started = async {
-            let io = connect_serial(&agent_socket, self.config.boot_timeout).await?;
+            let io = link.connect(self.config.boot_timeout).await?;
             let agent =
                 agent::Agent::connect(io, spec.egress_socket.clone(), self.config.boot_timeout)
                     .await?;
@@ -296,18 +314,19 @@ impl MicrovmSandbox {
         };
         let agent = match agent {
             Ok(agent) => agent,
-            Err(MicrovmError::Agent(message)) => {
-                handle.kill_vmm();
-                let _ = child.wait().await;
-                return Err(MicrovmError::Agent(format!(
-                    "{message} ({})",
-                    handle::last_words(&spec.log_file, &vm.console)
-                )));
-            }
             Err(error) => {
                 handle.kill_vmm();
                 let _ = child.wait().await;
-                return Err(error);
+                if let Some(companion) = &mut companion {
+                    let _ = companion.kill().await;
+                }
+                return Err(match error {
+                    MicrovmError::Agent(message) => MicrovmError::Agent(format!(
+                        "{message} ({})",
+                        handle::last_words(&spec.log_file, &vm.console)
+                    )),
+                    other => other,
+                });
             }
         };
         handle.attach(agent.clone());
@@ -315,6 +334,7 @@ impl MicrovmSandbox {
             .map_err(io_error("listening on the kernel's channels"))?;
         handle::watch_exit(
             child,
+            companion,
             agent,
             handle.clone(),
             spec.log_file.clone(),
@@ -365,24 +385,53 @@ fn guest_connection(
     }))
 }
 
-/// Connects to the VMM's end of the virtio-serial port, which appears once QEMU runs.
-async fn connect_serial(
-    socket: &Path,
-    timeout: Duration,
-) -> Result<tokio::net::UnixStream, MicrovmError> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        match tokio::net::UnixStream::connect(socket).await {
-            Ok(stream) => return Ok(stream),
-            Err(error) if tokio::time::Instant::now() >= deadline => {
-                return Err(MicrovmError::Start(format!(
-                    "the VMM never opened {}: {error}",
-                    socket.display()
-                )))
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
+/// The transport when the configuration names none: hybrid vsock where its device backend
+/// is installed, virtio-serial otherwise.
+fn default_transport(guest_dir: &Path) -> link::Transport {
+    let installed = guest_dir.join("tools/bin/vhost-device-vsock");
+    let backend = if installed.is_file() {
+        Some(installed)
+    } else {
+        super::diagnosis::find_on_path("vhost-device-vsock")
+    };
+    match backend {
+        Some(backend) => link::Transport::Vsock { backend },
+        None => link::Transport::Serial,
     }
+}
+
+/// Makes `command` a plain child of the backend: nothing of the gateway's environment, no
+/// stdin, output to the kernel's log, working directory `dir`.
+fn plain_child(
+    command: &mut tokio::process::Command,
+    dir: &Path,
+    log_file: &Path,
+) -> Result<(), MicrovmError> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file)
+        .map_err(io_error(format!("{}", log_file.display())))?;
+    let log_err = log.try_clone().map_err(io_error("the kernel log"))?;
+    command
+        .env_clear()
+        .current_dir(dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log_err)
+        .kill_on_drop(false);
+    Ok(())
+}
+
+/// A plain child command of `program` (see [`plain_child`]).
+fn spawner_command(
+    program: &Path,
+    dir: &Path,
+    log_file: &Path,
+) -> Result<tokio::process::Command, MicrovmError> {
+    let mut command = tokio::process::Command::new(program);
+    plain_child(&mut command, dir, log_file)?;
+    Ok(command)
 }
 
 impl From<MicrovmError> for SandboxError {

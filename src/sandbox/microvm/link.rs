@@ -1,0 +1,164 @@
+//! The gateway's end of the agent link: the byte stream the agent protocol runs on.
+//!
+//! - **Hybrid vsock** (the default where `vhost-device-vsock` is installed): QEMU's
+//!   `vhost-user-vsock-device` is served by rust-vmm's `vhost-device-vsock`, one process per
+//!   VM, which joins the guest's vsock connections to host unix sockets: a connection the
+//!   guest makes to the host's port P arrives at `<uds>_P`. The agent dials out when it is
+//!   ready, so the gateway listens there before the VM starts and never polls a booting
+//!   guest (polling with `CONNECT <port>` raced the guest's vsock driver: seen hanging with
+//!   no answer). Firecracker and Cloud Hypervisor deliver guest connections the same way.
+//! - **virtio-serial**: a port whose host end is a unix socket QEMU listens on. No second
+//!   process, and QEMU can snapshot a VM that has one (it cannot with vhost-user vsock).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use cellgate_agent::protocol::VSOCK_PORT;
+
+use super::agent::Duplex;
+use super::spawner_command;
+use super::vmm::AgentLink;
+use super::MicrovmError;
+use crate::sandbox::spawner::Spawner;
+
+/// Which transport a backend's VMs use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transport {
+    /// virtio-serial.
+    Serial,
+    /// Hybrid vsock through this `vhost-device-vsock` binary.
+    Vsock { backend: PathBuf },
+}
+
+impl Transport {
+    /// The guest kernel command line's word for it.
+    pub fn cmdline(&self) -> &'static str {
+        match self {
+            Transport::Serial => "cellgate.transport=serial",
+            Transport::Vsock { .. } => "cellgate.transport=vsock",
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Transport::Serial => "virtio-serial",
+            Transport::Vsock { .. } => "vsock",
+        }
+    }
+}
+
+/// One VM's link, set up before the VMM starts.
+pub(super) struct Link {
+    kind: LinkKind,
+    /// The vsock device's backend process, which lives and dies with the VM.
+    pub(super) companion: Option<tokio::process::Child>,
+}
+
+enum LinkKind {
+    Serial {
+        socket: PathBuf,
+    },
+    Vsock {
+        vhost: PathBuf,
+        /// Where the agent's connection arrives.
+        listener: tokio::net::UnixListener,
+    },
+}
+
+impl Link {
+    /// Prepares the link in the VM's directory `dir`: for vsock, starts the device backend
+    /// and waits for its vhost-user socket.
+    pub(super) async fn prepare(
+        transport: &Transport,
+        dir: &Path,
+        spawner: &Spawner,
+        log: &Path,
+    ) -> Result<Link, MicrovmError> {
+        match transport {
+            Transport::Serial => Ok(Link {
+                kind: LinkKind::Serial {
+                    socket: dir.join("agent.sock"),
+                },
+                companion: None,
+            }),
+            Transport::Vsock { backend } => {
+                let vhost = dir.join("vhost.sock");
+                let uds = dir.join("vsock.sock");
+                let listener =
+                    tokio::net::UnixListener::bind(format!("{}_{VSOCK_PORT}", uds.display()))
+                        .map_err(|e| MicrovmError::Start(format!("the agent's vsock port: {e}")))?;
+                let mut command = spawner_command(backend, dir, log)?;
+                command
+                    .args(["--guest-cid", "3", "--socket"])
+                    .arg(&vhost)
+                    .arg("--uds-path")
+                    .arg(&uds);
+                let mut child = spawner
+                    .spawn(command)
+                    .await
+                    .map_err(|e| MicrovmError::Start(format!("{}: {e}", backend.display())))?;
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while !vhost.exists() {
+                    if let Ok(Some(status)) = child.try_wait() {
+                        return Err(MicrovmError::Start(format!(
+                            "vhost-device-vsock ended at once ({status}); see {}",
+                            log.display()
+                        )));
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        let _ = child.start_kill();
+                        return Err(MicrovmError::Start(
+                            "vhost-device-vsock never opened its socket".to_owned(),
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Ok(Link {
+                    kind: LinkKind::Vsock { vhost, listener },
+                    companion: Some(child),
+                })
+            }
+        }
+    }
+
+    /// What the VMM must attach.
+    pub(super) fn vm_link(&self) -> AgentLink {
+        match &self.kind {
+            LinkKind::Serial { socket } => AgentLink::Serial {
+                socket: socket.clone(),
+            },
+            LinkKind::Vsock { vhost, .. } => AgentLink::Vsock {
+                vhost: vhost.clone(),
+            },
+        }
+    }
+
+    /// The stream to the agent, once there is one: the serial port's socket (retried while
+    /// QEMU starts), or the agent's vsock connection (waited for while the guest boots).
+    pub(super) async fn connect(&self, timeout: Duration) -> Result<Box<dyn Duplex>, MicrovmError> {
+        let never = |error: String| {
+            MicrovmError::Start(format!("the guest agent's link never opened: {error}"))
+        };
+        match &self.kind {
+            LinkKind::Serial { socket } => {
+                let deadline = tokio::time::Instant::now() + timeout;
+                loop {
+                    match tokio::net::UnixStream::connect(socket).await {
+                        Ok(stream) => return Ok(Box::new(stream)),
+                        Err(error) if tokio::time::Instant::now() >= deadline => {
+                            return Err(never(error.to_string()))
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    }
+                }
+            }
+            LinkKind::Vsock { listener, .. } => {
+                match tokio::time::timeout(timeout, listener.accept()).await {
+                    Ok(Ok((stream, _))) => Ok(Box::new(stream)),
+                    Ok(Err(error)) => Err(never(error.to_string())),
+                    Err(_) => Err(never(format!("no connection within {timeout:?}"))),
+                }
+            }
+        }
+    }
+}
