@@ -724,6 +724,11 @@ impl Kernel {
         instance.handle.workspace_root(&self.dirs.work)
     }
 
+    /// The sandbox backend the kernel runs in.
+    pub fn backend(&self) -> crate::sandbox::Backend {
+        self.sandbox.backend()
+    }
+
     /// Whether the current process still exists (see [`crate::sandbox::SandboxHandle::alive`]).
     pub fn process_alive(&self) -> bool {
         self.instance

@@ -208,6 +208,9 @@ impl Session {
 
     /// The kernel's workspace (files), while it has a process.
     pub fn open_workspace(&self) -> Result<Workspace, WorkspaceError> {
+        if self.kernel.backend() == crate::sandbox::Backend::Microvm {
+            return Err(WorkspaceError::NotServed("microvm"));
+        }
         // A dead kernel's pid may name another process by now: never look there.
         if matches!(
             self.kernel.readiness(),

@@ -52,6 +52,8 @@ pub enum WorkspaceError {
     NoSpace,
     #[error("the session has no running kernel (its workspace lives and ends with the sandbox)")]
     Unavailable,
+    #[error("the {0} backend does not serve workspace files yet (its workspace is a disk inside the VM)")]
+    NotServed(&'static str),
     #[error("{what}: {source}")]
     Io {
         what: String,

@@ -151,3 +151,87 @@ async fn a_microvm_session_runs_code_under_its_policy() -> Result<()> {
     assert_eq!(r["result"], "False", "{r}");
     Ok(())
 }
+
+/// The policy's limits and the kernel's life, as under the other backends: a timeout
+/// interrupts and keeps state, a restart boots a fresh VM, a fork loop stops at the pids
+/// limit with EAGAIN and the kernel lives, a kernel killed from inside is `sandbox_lost`
+/// while the gateway serves on, and the workspace-files API says plainly that microVM
+/// sessions have none yet.
+#[tokio::test]
+async fn microvm_limits_timeouts_restarts_and_kernel_death() -> Result<()> {
+    let port = test_server("unused").await?;
+    let (gateway, _dir) = vm_gateway(port, "pids = 64").await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let r = v1.execute(&id, "kept = 'yes'").await?;
+    let generation = r["state_generation"].as_u64().context("generation")?;
+
+    let r = v1
+        .execute_with(
+            &id,
+            json!({"code": "import time\nprint('before', flush=True)\ntime.sleep(60)", "timeout_s": 3}),
+        )
+        .await?;
+    assert_eq!(r["status"], "timeout", "{r}");
+    assert_eq!(r["stdout"], "before\n", "{r}");
+    assert_eq!(v1.execute(&id, "kept").await?["result"], "'yes'");
+
+    let r = v1
+        .execute(
+            &id,
+            "import os, errno\nkids, err = [], None\n\
+             for _ in range(200):\n\
+             \x20   try:\n\
+             \x20       pid = os.fork()\n\
+             \x20   except OSError as e:\n\
+             \x20       err = e.errno; break\n\
+             \x20   if pid == 0:\n\
+             \x20       import time; time.sleep(30); os._exit(0)\n\
+             \x20   kids.append(pid)\n\
+             for k in kids:\n\
+             \x20   os.kill(k, 9); os.waitpid(k, 0)\n\
+             print(len(kids), err == errno.EAGAIN)",
+        )
+        .await?;
+    let stdout = r["stdout"].as_str().context("stdout")?;
+    let (forked, eagain) = stdout.trim().split_once(' ').context("two words")?;
+    let forked: usize = forked.parse()?;
+    assert!(forked < 64, "forked {forked} under a pids limit of 64: {r}");
+    assert_eq!(eagain, "True", "{r}");
+    assert_eq!(
+        v1.execute(&id, "kept").await?["result"],
+        "'yes'",
+        "the kernel lives"
+    );
+
+    let (status, body) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+    assert_eq!(status, 501, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("microvm")),
+        "{body}"
+    );
+
+    let (status, model) = v1
+        .post(&format!("/v1/sessions/{id}/restart"), json!({}))
+        .await?;
+    assert_eq!(status, 200, "{model}");
+    assert!(model["state_generation"].as_u64().context("generation")? > generation);
+    assert_eq!(v1.execute(&id, "'kept' in dir()").await?["result"], "False");
+
+    let r = v1
+        .execute(
+            &id,
+            "import os, signal, time\nprint('dying', flush=True)\ntime.sleep(0.2)\nos.kill(os.getpid(), signal.SIGKILL)",
+        )
+        .await?;
+    assert_eq!(r["status"], "sandbox_lost", "{r}");
+    // As under every backend, a lost sandbox ends the session's kernel; the gateway serves on.
+    let other = v1.create_session(json!({"policy": "vm"})).await?;
+    assert_eq!(v1.execute(&other, "1 + 1").await?["result"], "2");
+    Ok(())
+}
