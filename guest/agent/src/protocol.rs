@@ -270,6 +270,9 @@ pub async fn write_json<T: Serialize, W: AsyncWrite + Unpin>(
 pub fn yamux_config() -> tokio_yamux::Config {
     tokio_yamux::Config {
         enable_keepalive: false,
+        // A kernel's five channels, a few reconnects and the egress connections: far below
+        // yamux's default of 65535, so neither side can be made to track that many.
+        max_stream_count: 512,
         // An iopub burst or a wheel download moves in large windows; 1 MiB per stream keeps
         // the pipe full at the latency of an emulated guest.
         max_stream_window_size: 1024 * 1024,

@@ -24,6 +24,10 @@ use super::MicrovmError;
 /// How long a request waits for its reply. Generous: an emulated guest is slow, and a start
 /// writes files and forks.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Streams the guest may have open towards the egress proxy at once; more are closed at once.
+/// The proxy caps a session's connections lower still; this bounds the gateway's tasks and
+/// descriptors whatever a hostile guest opens.
+const MAX_GUEST_STREAMS: usize = 64;
 
 /// A duplex byte stream to the guest.
 pub trait Duplex: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
@@ -83,11 +87,20 @@ impl Agent {
         let mut session = tokio_yamux::Session::new_client(io, protocol::yamux_config());
         let mut streams = session.control();
         let (closed_tx, closed) = watch::channel(None);
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_GUEST_STREAMS));
         tokio::spawn(async move {
             let why = loop {
                 match session.next().await {
                     Some(Ok(stream)) => {
-                        tokio::spawn(serve_guest_stream(stream, egress.clone()));
+                        // Dropping the stream resets it: the guest's connection fails.
+                        let Ok(slot) = slots.clone().try_acquire_owned() else {
+                            continue;
+                        };
+                        let egress = egress.clone();
+                        tokio::spawn(async move {
+                            serve_guest_stream(stream, egress).await;
+                            drop(slot);
+                        });
                     }
                     Some(Err(error)) => break format!("the agent session broke: {error}"),
                     None => break "the guest closed the agent session".to_owned(),
@@ -210,7 +223,9 @@ async fn read_control(
 /// A stream the guest opened: egress is joined to the proxy, anything else is closed.
 async fn serve_guest_stream(stream: tokio_yamux::StreamHandle, egress: Option<PathBuf>) {
     let mut stream = BufReader::new(stream);
-    let Ok(Some(Open::Egress)) = read_json::<Open, _>(&mut stream).await else {
+    // A stream that never says what it is would hold its slot for ever.
+    let open = tokio::time::timeout(Duration::from_secs(10), read_json::<Open, _>(&mut stream));
+    let Ok(Ok(Some(Open::Egress))) = open.await else {
         return;
     };
     let Some(path) = egress else {
