@@ -228,9 +228,21 @@ impl Kernel {
         let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())?;
         tokio::spawn(async move {
             loop {
-                while let Ok(Some((pid, status))) = rustix::process::wait(WaitOptions::NOHANG) {
-                    if Some(pid) == self.state().pid {
-                        self.ended(status);
+                loop {
+                    // Under the lock: start() holds it from fork to recording the pid, so a
+                    // kernel that dies at once is reaped only once its pid is known (and
+                    // never from under std's own wait after a failed exec).
+                    let reaped = {
+                        let state = self.state();
+                        rustix::process::wait(WaitOptions::NOHANG)
+                            .ok()
+                            .flatten()
+                            .map(|(pid, status)| (Some(pid) == state.pid, status))
+                    };
+                    match reaped {
+                        Some((true, status)) => self.ended(status),
+                        Some((false, _)) => {}
+                        None => break,
                     }
                 }
                 if sigchld.recv().await.is_none() {

@@ -272,10 +272,10 @@ pub fn yamux_config() -> tokio_yamux::Config {
         enable_keepalive: false,
         // A kernel's five channels, a few reconnects and the egress connections: far below
         // yamux's default of 65535, so neither side can be made to track that many.
-        max_stream_count: 512,
-        // An iopub burst or a wheel download moves in large windows; 1 MiB per stream keeps
-        // the pipe full at the latency of an emulated guest.
-        max_stream_window_size: 1024 * 1024,
+        max_stream_count: 128,
+        // yamux's smallest window: what a peer can make the other side buffer is
+        // streams x window, 32 MiB at most.
+        max_stream_window_size: tokio_yamux::config::INITIAL_STREAM_WINDOW,
         ..tokio_yamux::Config::default()
     }
 }

@@ -137,13 +137,25 @@ impl Agent {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().insert(id, tx);
-        let sent = {
+        // Bounded too: a guest that stops reading its control stream fills the window, and
+        // a write would then wait for ever with the lock held.
+        let sent = tokio::time::timeout(REPLY_TIMEOUT, async {
             let mut writer = self.control.lock().await;
             write_json(&mut *writer, &Request { id, op }).await
-        };
-        if let Err(error) = sent {
-            self.pending.lock().remove(&id);
-            return Err(MicrovmError::Agent(format!("control stream: {error}")));
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                self.pending.lock().remove(&id);
+                return Err(MicrovmError::Agent(format!("control stream: {error}")));
+            }
+            Err(_) => {
+                self.pending.lock().remove(&id);
+                return Err(MicrovmError::Agent(
+                    "the guest stopped reading its control stream".into(),
+                ));
+            }
         }
         match tokio::time::timeout(REPLY_TIMEOUT, rx).await {
             Ok(Ok(Reply::Failed { message })) => Err(MicrovmError::Agent(message)),
@@ -163,8 +175,12 @@ impl Agent {
         &self,
         channel: Channel,
     ) -> Result<tokio_yamux::StreamHandle, MicrovmError> {
-        let mut streams = self.streams.lock().await;
-        open(&mut streams, &Open::Channel { channel }).await
+        tokio::time::timeout(REPLY_TIMEOUT, async {
+            let mut streams = self.streams.lock().await;
+            open(&mut streams, &Open::Channel { channel }).await
+        })
+        .await
+        .map_err(|_| MicrovmError::Agent("the guest does not take new streams".into()))?
     }
 
     /// The kernel's exit, once the guest reported it.

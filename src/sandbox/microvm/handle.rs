@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use cellgate_agent::protocol::{Exit, Op};
+use cellgate_agent::protocol::{Exit, Op, LOG_TAIL_BYTES};
 use tokio::sync::watch;
 
 use super::agent::Agent;
@@ -49,12 +49,15 @@ impl MicrovmHandle {
         let _ = self.agent.set(agent);
     }
 
-    /// Ends the VMM at once, and with it the guest and everything in it.
-    pub(super) fn kill_vmm(&self) {
+    /// Ends the VMM at once, and with it the guest and everything in it. `on_purpose`: the
+    /// gateway ended the kernel (its report is a plain kill), not a failure's clean-up.
+    pub(super) fn kill_vmm(&self, on_purpose: bool) {
         if self.exited.load(Ordering::SeqCst) || self.vmm_pid == 0 {
             return;
         }
-        self.killed.store(true, Ordering::SeqCst);
+        if on_purpose {
+            self.killed.store(true, Ordering::SeqCst);
+        }
         let pid = rustix::process::Pid::from_raw(self.vmm_pid as i32);
         if let Some(pid) = pid {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
@@ -82,7 +85,7 @@ impl SandboxHandle for MicrovmHandle {
     }
 
     fn kill(&self) -> Result<(), SandboxError> {
-        self.kill_vmm();
+        self.kill_vmm(true);
         Ok(())
     }
 
@@ -120,9 +123,11 @@ pub(super) fn watch_exit(
             status = child.wait() => Err(status),
             ended = kernel_exit.wait_for(Option::is_some) => Ok(ended.ok().and_then(|e| e.clone())),
         };
+        // Marked as soon as the VMM is reaped: its pid may be another process's from then on.
+        let reaped = |handle: &MicrovmHandle| handle.exited.store(true, Ordering::SeqCst);
         let exit_report = match ended {
             Ok(Some(exit)) => {
-                append_log(&log_file, &exit.log_tail);
+                append_log(&log_file, truncate(&exit.log_tail, LOG_TAIL_BYTES));
                 // The kernel is gone; the VM goes too. The agent powers off when asked; a
                 // guest that does not is killed.
                 let poweroff = agent.request(Op::Poweroff);
@@ -131,19 +136,31 @@ pub(super) fn watch_exit(
                     .await
                     .is_err()
                 {
-                    handle.kill_vmm();
+                    handle.kill_vmm(false);
                     let _ = child.wait().await;
                 }
+                reaped(&handle);
                 kernel_report(&exit)
             }
             Ok(None) => {
-                handle.kill_vmm();
+                // The agent session ended without a word on the kernel (the guest broke the
+                // protocol or the link closed): the VM goes, as a failure unless the gateway
+                // killed it.
+                handle.kill_vmm(false);
                 let _ = child.wait().await;
-                vm_report(None, &handle, &log_file, &console)
+                reaped(&handle);
+                let why = agent.closed().borrow().clone().unwrap_or_default();
+                let mut report = vm_report(None, &handle, &log_file, &console);
+                if let Some(reason) = &mut report.reason {
+                    reason.text = format!("{why}: {}", reason.text);
+                }
+                report
             }
-            Err(status) => vm_report(status.ok(), &handle, &log_file, &console),
+            Err(status) => {
+                reaped(&handle);
+                vm_report(status.ok(), &handle, &log_file, &console)
+            }
         };
-        handle.exited.store(true, Ordering::SeqCst);
         // The vsock device's backend has no VM left to serve.
         if let Some(mut companion) = companion {
             let _ = companion.kill().await;
@@ -194,7 +211,7 @@ fn vm_report(
             reason: None,
         };
     }
-    let console_text = std::fs::read_to_string(console).unwrap_or_default();
+    let console_text = tail_of(console);
     if let Some(panic) = console_text.lines().find(|l| l.contains("Kernel panic")) {
         return failed(format!("the guest kernel panicked: {}", clean(panic)));
     }
@@ -223,7 +240,7 @@ fn failed(text: String) -> ExitReport {
 /// The last lines of the VMM's own log and of the guest's console, for an error message.
 pub(super) fn last_words(log_file: &Path, console: &Path) -> String {
     let tail = |path: &Path, lines: usize| {
-        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let text = tail_of(path);
         let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
         all[all.len().saturating_sub(lines)..]
             .iter()
@@ -239,6 +256,40 @@ pub(super) fn last_words(log_file: &Path, console: &Path) -> String {
         (true, false) => format!("guest console: {guest}"),
         (false, false) => format!("{vmm}; guest console: {guest}"),
     }
+}
+
+/// How much of the end of a log or console the gateway reads: the guest writes the console
+/// and may make it any size.
+const TAIL_BYTES: u64 = 64 << 10;
+
+/// The last [`TAIL_BYTES`] of `path`, invalid UTF-8 replaced (never the whole file).
+fn tail_of(path: &Path) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut bytes = Vec::new();
+    if file
+        .seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)))
+        .is_ok()
+    {
+        let _ = file.take(TAIL_BYTES).read_to_end(&mut bytes);
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// At most `max` bytes of `text`, cut at a character boundary: the guest says how long its
+/// log tail is, and the gateway does not take its word.
+fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// A console line without its timestamp and control characters.

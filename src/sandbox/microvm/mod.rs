@@ -10,8 +10,8 @@
 //! under a tmpfs overlay the size of the writable layer, and waits for the gateway.
 //!
 //! **No network.** The guest has no network device at all. Everything crosses one byte
-//! stream, the agent link ([`vmm::AgentLink`]: virtio-serial now, hybrid vsock through
-//! vhost-device-vsock next), carrying a yamux session (`agent`): a control stream for
+//! stream, the agent link ([`vmm::AgentLink`]: hybrid vsock through vhost-device-vsock by
+//! default, or virtio-serial; see [`link`]), carrying a yamux session (`agent`): a control stream for
 //! start/signal/usage/exit, one stream per ZMQ connection of the kernel's five channels,
 //! and one per TCP connection the kernel makes to its proxy port, joined here to the
 //! gateway's egress proxy, so egress and package policies hold unchanged.
@@ -315,7 +315,7 @@ impl MicrovmSandbox {
         let agent = match agent {
             Ok(agent) => agent,
             Err(error) => {
-                handle.kill_vmm();
+                handle.kill_vmm(false);
                 let _ = child.wait().await;
                 if let Some(companion) = &mut companion {
                     let _ = companion.kill().await;
@@ -330,8 +330,14 @@ impl MicrovmSandbox {
             }
         };
         handle.attach(agent.clone());
-        channels::serve(&spec.connection, agent.clone())
-            .map_err(io_error("listening on the kernel's channels"))?;
+        if let Err(error) = channels::serve(&spec.connection, agent.clone()) {
+            handle.kill_vmm(false);
+            let _ = child.wait().await;
+            if let Some(companion) = &mut companion {
+                let _ = companion.kill().await;
+            }
+            return Err(io_error("listening on the kernel's channels")(error));
+        }
         handle::watch_exit(
             child,
             companion,

@@ -3,7 +3,9 @@
 //!
 //! QEMU confines itself as well: `-sandbox on` installs its own seccomp filter, which here
 //! also refuses `spawn` (no helper programs), privilege changes and resource-control calls.
-//! The backend adds its cgroup and namespaces around the process (see `super`).
+//! Not yet done (issue 15): the backend does not yet put QEMU and vhost-device-vsock in
+//! namespaces and a cgroup of their own (memory, CPU quota, pids); they run as children of
+//! the gateway with the parent-death signal only.
 
 use std::path::PathBuf;
 
