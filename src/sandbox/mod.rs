@@ -15,6 +15,7 @@
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
 pub mod cgroupfs;
+mod cgroups;
 pub mod diagnosis;
 mod gvisor;
 pub mod microvm;

@@ -33,19 +33,18 @@ async fn interrupt_reaches_the_kernel(kind: Kind) {
     require_root("interrupt test");
     let mut kernel = start_kernel(kind, Limits::default()).await;
     let handle = kernel.launched.handle.clone();
-    let interrupter = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        // gVisor's signal waits for `runsc exec`: off the async workers.
-        tokio::task::spawn_blocking(move || handle.signal(libc::SIGINT))
-            .await
-            .expect("join")
-            .expect("signal");
-    });
     let started = Instant::now();
+    // The interrupt goes once the cell runs: ipykernel ignores SIGINT between cells, and a
+    // slow (emulated) kernel may take seconds to start one.
     let out = kernel
-        .execute_for("import time\ntime.sleep(60)", Duration::from_secs(30))
+        .execute_watching(
+            "import time\nprint('sleeping', flush=True)\ntime.sleep(60)",
+            Duration::from_secs(30),
+            "sleeping",
+            // gVisor's signal waits for `runsc exec`: off the async workers.
+            || tokio::task::block_in_place(|| handle.signal(libc::SIGINT)).expect("signal"),
+        )
         .await;
-    interrupter.await.expect("interrupter");
     assert_eq!(out.status, "error", "{out:?}");
     assert_eq!(out.error.as_deref(), Some("KeyboardInterrupt"));
     assert!(started.elapsed() < Duration::from_secs(20));

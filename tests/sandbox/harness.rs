@@ -398,6 +398,20 @@ impl Kernel {
 
     /// Sends code and collects its output until the kernel is idle again and has replied.
     pub async fn execute_for(&mut self, code: &str, wait: Duration) -> Executed {
+        self.execute_watching(code, wait, "", || {}).await
+    }
+
+    /// [`Kernel::execute_for`], running `action` once as soon as the cell's stdout holds
+    /// `trigger` (never with an empty one): for what must happen while the cell runs, and
+    /// not before it started (an interrupt the kernel gets between cells is ignored).
+    pub async fn execute_watching(
+        &mut self,
+        code: &str,
+        wait: Duration,
+        trigger: &str,
+        mut action: impl FnMut(),
+    ) -> Executed {
+        let mut triggered = trigger.is_empty();
         let msg_id = self
             .send(
                 "execute_request",
@@ -422,7 +436,11 @@ impl Kernel {
             let content = message.content_json().unwrap_or_default();
             match message.msg_type() {
                 "stream" if content["name"] == "stdout" => {
-                    out.stdout.push_str(content["text"].as_str().unwrap_or(""))
+                    out.stdout.push_str(content["text"].as_str().unwrap_or(""));
+                    if !triggered && out.stdout.contains(trigger) {
+                        triggered = true;
+                        action();
+                    }
                 }
                 "execute_result" => {
                     out.result = content["data"]["text/plain"].as_str().map(str::to_owned)

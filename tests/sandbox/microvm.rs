@@ -6,10 +6,11 @@
 //! vhost-device-vsock for the vsock transport). Without them every test FAILS saying what
 //! is missing: nothing is skipped silently.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use cellgate::sandbox::microvm::link::Transport;
+use cellgate::sandbox::microvm::VMM_IDENTITY_BASE;
 use cellgate::sandbox::{Limits, Sandbox};
 
 use super::harness::{
@@ -30,19 +31,171 @@ fn vsock_backend() -> PathBuf {
     backend
 }
 
-/// Processes whose command line mentions `needle`.
-fn processes_with(needle: &str) -> Vec<String> {
+/// The processes working in `dir` (a VM's VMM and vsock backend work in its runtime
+/// directory): their pids and command lines.
+fn processes_in(dir: &Path) -> Vec<(u32, String)> {
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        if std::fs::read_link(entry.path().join("cwd")).ok().as_deref() != Some(dir.as_path()) {
+            continue;
+        }
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
             continue;
         };
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if cmdline.contains(needle) {
-            found.push(cmdline);
-        }
+        found.push((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")));
     }
     found
+}
+
+/// The command lines of [`processes_in`].
+fn processes_with(dir: &Path) -> Vec<String> {
+    processes_in(dir)
+        .into_iter()
+        .map(|(_, cmdline)| cmdline)
+        .collect()
+}
+
+/// One field of `/proc/<pid>/status`.
+fn status_field(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+        .trim()
+        .to_owned()
+}
+
+/// A VMM its guest took over holds only what the backend left it: every process of a VM
+/// (QEMU, and vhost-device-vsock on the vsock link) runs as an unprivileged uid of its own,
+/// with no capability and `no_new_privs`, in network, IPC and UTS namespaces of its own, in
+/// a cgroup of its own with memory, CPU and pid limits, with open-file and file-size limits.
+/// A second VM gets another uid; a stopped VM leaves no cgroup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_vmm_is_confined_on_the_host() {
+    require_root("the_vmm_is_confined_on_the_host");
+    let sandbox = || {
+        Box::new(harness::microvm_sandbox_with(Some(Transport::Vsock {
+            backend: vsock_backend(),
+        })))
+    };
+    let limits = Limits {
+        memory_bytes: Some(256 << 20),
+        cpu_millis: Some(1000),
+        ..Limits::default()
+    };
+    let mut first = start_kernel_in(sandbox(), python(), limits.clone()).await;
+    let second = start_kernel_in(sandbox(), python(), limits).await;
+    let out = first.execute("1+1").await;
+    assert_eq!(out.result.as_deref(), Some("2"), "{out:?}");
+
+    let link = |pid: u32, ns: &str| std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
+    let me = std::process::id();
+    let mut uids = Vec::new();
+    let mut cgroups = Vec::new();
+    for kernel in [&first, &second] {
+        let processes = processes_in(&kernel.dirs.run);
+        assert_eq!(processes.len(), 2, "VMM and vsock backend: {processes:#?}");
+        let mut vm_uids = Vec::new();
+        for (pid, cmdline) in &processes {
+            let uid = status_field(*pid, "Uid");
+            let ids: Vec<u32> = uid.split_whitespace().map(|i| i.parse().unwrap()).collect();
+            assert!(
+                ids.iter()
+                    .all(|id| *id == ids[0] && *id >= VMM_IDENTITY_BASE),
+                "{cmdline}: Uid {uid}"
+            );
+            let gid = status_field(*pid, "Gid");
+            assert!(
+                gid.split_whitespace().all(|g| g == ids[0].to_string()),
+                "{cmdline}: Gid {gid}"
+            );
+            assert_eq!(status_field(*pid, "Groups"), "", "{cmdline}");
+            assert_eq!(
+                status_field(*pid, "CapEff"),
+                "0000000000000000",
+                "{cmdline}"
+            );
+            assert_eq!(
+                status_field(*pid, "CapPrm"),
+                "0000000000000000",
+                "{cmdline}"
+            );
+            assert_eq!(status_field(*pid, "NoNewPrivs"), "1", "{cmdline}");
+            for ns in ["net", "ipc", "uts"] {
+                assert_ne!(link(*pid, ns), link(me, ns), "{cmdline}: {ns} namespace");
+            }
+            let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+            let limit = |name: &str| {
+                limits
+                    .lines()
+                    .find(|l| l.starts_with(name))
+                    .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+                    .unwrap()
+            };
+            assert!(limit("Max open files").contains("1024 1024"), "{limits}");
+            assert!(!limit("Max file size").contains("unlimited"), "{limits}");
+            assert!(limit("Max core file size").contains("0 0"), "{limits}");
+            let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+            let memory = cgroup
+                .lines()
+                .find(|l| {
+                    l.split(':')
+                        .nth(1)
+                        .is_some_and(|c| c.split(',').any(|c| c == "memory"))
+                })
+                .or_else(|| cgroup.lines().find(|l| l.starts_with("0::")))
+                .unwrap_or_default()
+                .rsplit(':')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            assert!(memory.contains("/cellgate/"), "{cmdline}: {cgroup}");
+            vm_uids.push(ids[0]);
+            cgroups.push(memory);
+        }
+        assert_eq!(
+            vm_uids[0], vm_uids[1],
+            "one identity per VM: {processes:#?}"
+        );
+        uids.push(vm_uids[0]);
+    }
+    assert_ne!(uids[0], uids[1], "two VMs share a uid");
+
+    // The memory limit on the host: the guest's RAM plus the VMM's overhead, written in
+    // the VM's cgroup (v1 here; v2 where the host delegates it).
+    let memory_dir = cgroup_dir("memory", &cgroups[0]);
+    let limit: u64 = ["memory.limit_in_bytes", "memory.max"]
+        .iter()
+        .find_map(|f| std::fs::read_to_string(memory_dir.join(f)).ok())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no memory limit in {}", memory_dir.display()));
+    assert!(
+        limit > 256 << 20 && limit < 2 << 30,
+        "VM cgroup memory limit {limit}"
+    );
+
+    first.stop().await;
+    second.stop().await;
+    for cgroup in &cgroups {
+        let dir = cgroup_dir("memory", cgroup);
+        assert!(!dir.exists(), "{} left behind", dir.display());
+    }
+}
+
+/// A cgroup's directory in the hierarchy that has `controller` (v1), or the unified one.
+fn cgroup_dir(controller: &str, path: &str) -> PathBuf {
+    let v1 = Path::new("/sys/fs/cgroup").join(controller);
+    let base = if v1.is_dir() {
+        v1
+    } else {
+        PathBuf::from("/sys/fs/cgroup")
+    };
+    base.join(path.trim_start_matches('/'))
 }
 
 /// The same agent protocol over both links: a kernel round trip on virtio-serial and on
@@ -61,7 +214,7 @@ async fn both_transports_carry_a_kernel() {
         let mut kernel = start_kernel_in(sandbox, python(), Limits::default()).await;
         let out = kernel.execute("1+1").await;
         assert_eq!(out.result.as_deref(), Some("2"), "{name}: {out:?}");
-        let run = kernel.dirs.run.display().to_string();
+        let run = kernel.dirs.run.clone();
         let vmm = processes_with(&run);
         let backends: Vec<_> = vmm
             .iter()
@@ -118,9 +271,8 @@ async fn twenty_start_kill_cycles_leave_nothing_behind() {
             Some(libc::SIGKILL),
             "cycle {cycle}: {report:?}"
         );
-        let run_text = run.display().to_string();
         // The exit report comes after the VMM and its companion were reaped.
-        let left = processes_with(&run_text);
+        let left = processes_with(&run);
         assert!(left.is_empty(), "cycle {cycle}: {left:#?}");
     }
     let sockets: Vec<_> = walk(&dirs.run)

@@ -7,8 +7,11 @@
 //!   powers the VM off;
 //! - the gateway killed the VMM (`kill`): the kernel was killed, signal 9, as elsewhere;
 //! - the guest kernel panicked (its console says so, and QEMU exits with `-no-reboot`);
+//! - the host's OOM killer ended the VMM at the VM's memory limit on the host (its cgroup
+//!   counts it);
 //! - the VMM itself crashed or was killed by someone else.
 
+use std::fs::File;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +22,7 @@ use cellgate_agent::protocol::{Exit, Op, LOG_TAIL_BYTES};
 use tokio::sync::watch;
 
 use super::agent::Agent;
+use super::confine::Jail;
 use crate::sandbox::{
     ExitCause, ExitReason, ExitReport, ResourceUsage, SandboxError, SandboxHandle,
 };
@@ -33,15 +37,18 @@ pub(super) struct MicrovmHandle {
     exited: Arc<AtomicBool>,
     /// The gateway ended the VMM on purpose.
     killed: AtomicBool,
+    /// The VM's confinement on the host: its cgroup tells what the VM costs.
+    jail: Arc<Jail>,
 }
 
 impl MicrovmHandle {
-    pub(super) fn new(vmm_pid: u32) -> MicrovmHandle {
+    pub(super) fn new(vmm_pid: u32, jail: Arc<Jail>) -> MicrovmHandle {
         MicrovmHandle {
             vmm_pid,
             agent: OnceLock::new(),
             exited: Arc::new(AtomicBool::new(false)),
             killed: AtomicBool::new(false),
+            jail,
         }
     }
 
@@ -89,12 +96,16 @@ impl SandboxHandle for MicrovmHandle {
         Ok(())
     }
 
-    /// The VMM process's CPU time and memory: what the VM costs the host.
+    /// What the VM costs the host: its cgroup's CPU time and memory (VMM and device
+    /// backend), or the VMM process's where there is no cgroup.
     fn usage(&self) -> ResourceUsage {
         if self.exited.load(Ordering::SeqCst) {
             return ResourceUsage::default();
         }
-        crate::sandbox::procfs::usage(self.vmm_pid).unwrap_or_default()
+        self.jail
+            .usage()
+            .or_else(|| crate::sandbox::procfs::usage(self.vmm_pid))
+            .unwrap_or_default()
     }
 
     /// The workspace is a disk inside the VM; the gateway has no path to it.
@@ -114,7 +125,7 @@ pub(super) fn watch_exit(
     agent: Arc<Agent>,
     handle: Arc<MicrovmHandle>,
     log_file: PathBuf,
-    console: PathBuf,
+    console: File,
     report: watch::Sender<Option<ExitReport>>,
 ) {
     tokio::spawn(async move {
@@ -165,6 +176,8 @@ pub(super) fn watch_exit(
         if let Some(mut companion) = companion {
             let _ = companion.kill().await;
         }
+        let jail = handle.jail.clone();
+        let _ = tokio::task::spawn_blocking(move || jail.release()).await;
         let _ = report.send(Some(exit_report));
     });
 }
@@ -202,7 +215,7 @@ fn vm_report(
     status: Option<std::process::ExitStatus>,
     handle: &MicrovmHandle,
     log_file: &Path,
-    console: &Path,
+    console: &File,
 ) -> ExitReport {
     if handle.killed.load(Ordering::SeqCst) {
         return ExitReport {
@@ -214,6 +227,13 @@ fn vm_report(
     let console_text = tail_of(console);
     if let Some(panic) = console_text.lines().find(|l| l.contains("Kernel panic")) {
         return failed(format!("the guest kernel panicked: {}", clean(panic)));
+    }
+    if handle.jail.oom_kills() > 0 {
+        return failed(
+            "the host's out-of-memory killer ended the VMM at the VM's memory limit on the host \
+             (guest RAM plus the VMM's own overhead)"
+                .to_owned(),
+        );
     }
     let how = match status {
         Some(status) => match (status.code(), status.signal()) {
@@ -238,9 +258,8 @@ fn failed(text: String) -> ExitReport {
 }
 
 /// The last lines of the VMM's own log and of the guest's console, for an error message.
-pub(super) fn last_words(log_file: &Path, console: &Path) -> String {
-    let tail = |path: &Path, lines: usize| {
-        let text = tail_of(path);
+pub(super) fn last_words(log_file: &Path, console: &File) -> String {
+    let tail = |text: String, lines: usize| {
         let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
         all[all.len().saturating_sub(lines)..]
             .iter()
@@ -248,8 +267,13 @@ pub(super) fn last_words(log_file: &Path, console: &Path) -> String {
             .collect::<Vec<_>>()
             .join(" | ")
     };
-    let vmm = tail(log_file, 3);
-    let guest = tail(console, 3);
+    let vmm = tail(
+        File::open(log_file)
+            .map(|file| tail_of(&file))
+            .unwrap_or_default(),
+        3,
+    );
+    let guest = tail(tail_of(console), 3);
     match (vmm.is_empty(), guest.is_empty()) {
         (true, true) => "no output".to_owned(),
         (false, true) => vmm,
@@ -262,20 +286,20 @@ pub(super) fn last_words(log_file: &Path, console: &Path) -> String {
 /// and may make it any size.
 const TAIL_BYTES: u64 = 64 << 10;
 
-/// The last [`TAIL_BYTES`] of `path`, invalid UTF-8 replaced (never the whole file).
-fn tail_of(path: &Path) -> String {
-    use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut file) = std::fs::File::open(path) else {
-        return String::new();
-    };
+/// The last [`TAIL_BYTES`] of `file`, invalid UTF-8 replaced (never the whole file).
+fn tail_of(file: &File) -> String {
+    use std::os::unix::fs::FileExt;
     let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut bytes = Vec::new();
-    if file
-        .seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)))
-        .is_ok()
-    {
-        let _ = file.take(TAIL_BYTES).read_to_end(&mut bytes);
+    let start = len.saturating_sub(TAIL_BYTES);
+    let mut bytes = vec![0; (len - start) as usize];
+    let mut read = 0;
+    while read < bytes.len() {
+        match file.read_at(&mut bytes[read..], start + read as u64) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => read += n,
+        }
     }
+    bytes.truncate(read);
     String::from_utf8_lossy(&bytes).into_owned()
 }
 

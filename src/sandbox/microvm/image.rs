@@ -85,11 +85,13 @@ impl GuestImages {
 
 /// Makes a VM's workspace disk: a sparse file of `bytes` holding an empty ext4 file system
 /// whose root belongs to `uid`. Sparse, so it costs the host only what the kernel writes;
-/// its size is the policy's workspace limit, which the guest cannot exceed.
-pub async fn make_workspace_disk(path: &Path, bytes: u64, uid: u32) -> Result<(), MicrovmError> {
+/// its size is the policy's workspace limit, which the guest cannot exceed. Returns the
+/// disk's length.
+pub async fn make_workspace_disk(path: &Path, bytes: u64, uid: u32) -> Result<u64, MicrovmError> {
     let file = std::fs::File::create(path).map_err(io_error(format!("{}", path.display())))?;
     // ext4 needs a little room for itself; below 8 MiB mke2fs refuses.
-    file.set_len(bytes.max(8 << 20))
+    let length = bytes.max(8 << 20);
+    file.set_len(length)
         .map_err(io_error(format!("{}", path.display())))?;
     drop(file);
     let output = tokio::process::Command::new("mke2fs")
@@ -118,5 +120,5 @@ pub async fn make_workspace_disk(path: &Path, bytes: u64, uid: u32) -> Result<()
             String::from_utf8_lossy(&output.stderr).trim()
         )));
     }
-    Ok(())
+    Ok(length)
 }

@@ -16,10 +16,18 @@ use std::time::Duration;
 use cellgate_agent::protocol::VSOCK_PORT;
 
 use super::agent::Duplex;
+use super::confine::Jail;
 use super::spawner_command;
 use super::vmm::AgentLink;
 use super::MicrovmError;
 use crate::sandbox::spawner::Spawner;
+
+/// The link's sockets in the VM's runtime directory: the serial port's (QEMU listens), the
+/// vsock backend's vhost-user socket (it listens, QEMU connects) and the prefix of its
+/// hybrid-vsock sockets.
+const SERIAL_SOCKET: &str = "agent.sock";
+const VHOST_SOCKET: &str = "vhost.sock";
+const VSOCK_SOCKET: &str = "vsock.sock";
 
 /// Which transport a backend's VMs use.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,7 +67,6 @@ enum LinkKind {
         socket: PathBuf,
     },
     Vsock {
-        vhost: PathBuf,
         /// Where the agent's connection arrives.
         listener: tokio::net::UnixListener,
     },
@@ -67,32 +74,39 @@ enum LinkKind {
 
 impl Link {
     /// Prepares the link in the VM's directory `dir`: for vsock, starts the device backend
-    /// and waits for its vhost-user socket.
+    /// (confined in the VM's `jail`) and waits for its vhost-user socket. The paths the VMM
+    /// and the backend are given are relative to `dir`, their working directory.
     pub(super) async fn prepare(
         transport: &Transport,
         dir: &Path,
         spawner: &Spawner,
         log: &Path,
+        jail: &Jail,
     ) -> Result<Link, MicrovmError> {
         match transport {
             Transport::Serial => Ok(Link {
                 kind: LinkKind::Serial {
-                    socket: dir.join("agent.sock"),
+                    socket: dir.join(SERIAL_SOCKET),
                 },
                 companion: None,
             }),
             Transport::Vsock { backend } => {
-                let vhost = dir.join("vhost.sock");
-                let uds = dir.join("vsock.sock");
-                let listener =
-                    tokio::net::UnixListener::bind(format!("{}_{VSOCK_PORT}", uds.display()))
+                let vhost = dir.join(VHOST_SOCKET);
+                let uds = dir.join(VSOCK_SOCKET);
+                let port = PathBuf::from(format!("{}_{VSOCK_PORT}", uds.display()));
+                let listener = tokio::net::UnixListener::bind(&port)
+                    .map_err(|e| MicrovmError::Start(format!("the agent's vsock port: {e}")))?;
+                // The backend connects to it as the VMM's uid: connecting needs write
+                // permission on the socket.
+                if let Some(uid) = jail.uid() {
+                    std::os::unix::fs::chown(&port, Some(uid), Some(uid))
                         .map_err(|e| MicrovmError::Start(format!("the agent's vsock port: {e}")))?;
+                }
                 let mut command = spawner_command(backend, dir, log)?;
                 command
-                    .args(["--guest-cid", "3", "--socket"])
-                    .arg(&vhost)
-                    .arg("--uds-path")
-                    .arg(&uds);
+                    .args(["--guest-cid", "3", "--socket", VHOST_SOCKET])
+                    .args(["--uds-path", VSOCK_SOCKET]);
+                jail.apply(&mut command);
                 let mut child = spawner
                     .spawn(command)
                     .await
@@ -114,21 +128,21 @@ impl Link {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
                 Ok(Link {
-                    kind: LinkKind::Vsock { vhost, listener },
+                    kind: LinkKind::Vsock { listener },
                     companion: Some(child),
                 })
             }
         }
     }
 
-    /// What the VMM must attach.
+    /// What the VMM must attach, relative to its working directory.
     pub(super) fn vm_link(&self) -> AgentLink {
         match &self.kind {
-            LinkKind::Serial { socket } => AgentLink::Serial {
-                socket: socket.clone(),
+            LinkKind::Serial { .. } => AgentLink::Serial {
+                socket: PathBuf::from(SERIAL_SOCKET),
             },
-            LinkKind::Vsock { vhost, .. } => AgentLink::Vsock {
-                vhost: vhost.clone(),
+            LinkKind::Vsock { .. } => AgentLink::Vsock {
+                vhost: PathBuf::from(VHOST_SOCKET),
             },
         }
     }

@@ -37,6 +37,7 @@
 pub mod accel;
 mod agent;
 mod channels;
+mod confine;
 pub mod diagnose;
 mod handle;
 pub mod image;
@@ -55,6 +56,7 @@ use tokio::sync::watch;
 use super::relocate::{self, Relocation};
 use super::spawner::Spawner;
 use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
+pub use confine::IDENTITY_BASE as VMM_IDENTITY_BASE;
 use handle::MicrovmHandle;
 use vmm::{Accel, VmSpec, Vmm};
 
@@ -69,6 +71,10 @@ const DEFAULT_WORKSPACE_BYTES: u64 = 1 << 30;
 const LAYER_MIB: u64 = 256;
 /// The kernel's user in the guest.
 const KERNEL_UID: u32 = 1000;
+/// What the VMM needs on the host beyond the guest's RAM: QEMU itself, the translated-code
+/// cache under emulation ([`qemu::TCG_CACHE_MIB`]), the vsock backend. The VM's cgroup
+/// holds guest RAM plus this.
+const VMM_OVERHEAD_MIB: u64 = 192 + qemu::TCG_CACHE_MIB;
 
 /// Errors of the microvm backend.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +87,8 @@ pub enum MicrovmError {
     Start(String),
     #[error("guest agent: {0}")]
     Agent(String),
+    #[error("confining the VMM: {0}")]
+    Confine(#[from] confine::ConfineError),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -132,6 +140,7 @@ pub struct MicrovmSandbox {
     host_cmdline: Vec<String>,
     vmm: Arc<dyn Vmm>,
     spawner: Spawner,
+    confiner: confine::Confiner,
 }
 
 impl MicrovmSandbox {
@@ -180,7 +189,9 @@ impl MicrovmSandbox {
             "microvm backend ready"
         );
         let spawner = Spawner::start("cellgate-microvm-spawner")?;
+        let confiner = confine::Confiner::new(accel == Accel::Kvm);
         Ok(MicrovmSandbox {
+            confiner,
             transport,
             host_cmdline,
             vmm: Arc::new(qemu::Qemu {
@@ -218,10 +229,9 @@ impl MicrovmSandbox {
     async fn launch_vm(&self, spec: &LaunchSpec) -> Result<Launched, MicrovmError> {
         let map = relocation(spec);
         let connection = guest_connection(spec, &map)?;
-
         let dir = &spec.runtime_dir;
-        let disk = dir.join("workspace.ext4");
-        image::make_workspace_disk(
+        let disk = dir.join(WORKSPACE_DISK);
+        let disk_bytes = image::make_workspace_disk(
             &disk,
             spec.limits
                 .workspace_bytes
@@ -229,25 +239,44 @@ impl MicrovmSandbox {
             KERNEL_UID,
         )
         .await?;
-        let memory_mib = spec
-            .limits
-            .memory_bytes
-            .map_or(DEFAULT_MEMORY_MIB, |bytes| {
-                bytes.div_ceil(1 << 20) + GUEST_OVERHEAD_MIB
-            });
-        let vcpus = spec
-            .limits
-            .cpu_millis
-            .map_or(1, |millis| millis.div_ceil(1000).max(1));
+        let size = VmSize::of(&spec.limits);
+        let unique = uuid::Uuid::new_v4().simple().to_string();
+        let jail = Arc::new(self.confiner.prepare(
+            &crate::sandbox::cgroups::cgroup_name(&spec.kernel_id, &format!("vm-{}", &unique[..8])),
+            &confine::host_limits(size.memory_mib + VMM_OVERHEAD_MIB, spec.limits.cpu_millis),
+            dir,
+            &[&disk],
+            confine::fsize(disk_bytes, size.memory_mib),
+        )?);
+        let booted = self.boot(spec, &map, connection, size, jail.clone()).await;
+        if booted.is_err() {
+            // Whatever of the VM is left goes with its cgroup.
+            let _ = tokio::task::spawn_blocking(move || jail.release()).await;
+        }
+        booted
+    }
+
+    /// Starts the VMM (and the link's device backend) confined in `jail`, waits for the
+    /// agent and starts the kernel. On failure, the processes it started are reaped.
+    async fn boot(
+        &self,
+        spec: &LaunchSpec,
+        map: &Relocation,
+        connection: Option<ConnectionFile>,
+        size: VmSize,
+        jail: Arc<confine::Jail>,
+    ) -> Result<Launched, MicrovmError> {
+        let dir = &spec.runtime_dir;
+        let console = create_console(dir, jail.uid())?;
         let mut link =
-            link::Link::prepare(&self.transport, dir, &self.spawner, &spec.log_file).await?;
+            link::Link::prepare(&self.transport, dir, &self.spawner, &spec.log_file, &jail).await?;
         let vm = VmSpec {
             kernel: self.images.kernel.clone(),
             initramfs: self.images.initramfs.clone(),
             root: self.images.root.clone(),
-            workspace: disk,
-            memory_mib,
-            vcpus,
+            workspace: PathBuf::from(WORKSPACE_DISK),
+            memory_mib: size.memory_mib,
+            vcpus: size.vcpus,
             cmdline: [
                 self.transport.cmdline().to_owned(),
                 format!("cellgate.layer_mb={LAYER_MIB}"),
@@ -256,18 +285,19 @@ impl MicrovmSandbox {
             .chain(self.host_cmdline.iter().cloned())
             .collect(),
             agent: link.vm_link(),
-            console: dir.join("console.log"),
+            console: PathBuf::from(CONSOLE),
             accel: self.accel,
         };
         let mut command = self.vmm.command(&vm);
         plain_child(&mut command, dir, &spec.log_file)?;
+        jail.apply(&mut command);
         let child = self
             .spawner
             .spawn(command)
             .await
             .map_err(|e| MicrovmError::Start(format!("{}: {e}", self.vmm.name())));
         let mut companion = link.companion.take();
-        let child = match child {
+        let mut child = match child {
             Ok(child) => child,
             Err(error) => {
                 if let Some(companion) = &mut companion {
@@ -278,41 +308,34 @@ impl MicrovmSandbox {
         };
         let pid = child.id().unwrap_or(0);
         tracing::info!(kernel_id = %spec.kernel_id, pid, accel = self.accel.as_str(),
-            memory_mib, vcpus, "microvm: VM started");
-        let (exit_tx, exit_rx) = watch::channel(None);
-        let handle = Arc::new(MicrovmHandle::new(pid));
+            memory_mib = size.memory_mib, vcpus = size.vcpus, vmm_uid = ?jail.uid(),
+            "microvm: VM started");
+        let handle = Arc::new(MicrovmHandle::new(pid, jail.clone()));
 
         let started = async {
             let io = link.connect(self.config.boot_timeout).await?;
             let agent =
                 agent::Agent::connect(io, spec.egress_socket.clone(), self.config.boot_timeout)
                     .await?;
-            let start = Start {
-                argv: map.argv(&spec.argv),
-                env: map.env(&spec.env),
-                cwd: relocate::WORKSPACE.to_owned(),
-                connection,
-                uid: KERNEL_UID,
-                gid: KERNEL_UID,
-                pids: spec.limits.pids,
-                memory_bytes: spec.limits.memory_bytes,
-            };
-            match agent.request(Op::Start(start)).await? {
-                Reply::Started { .. } => Ok(Arc::new(agent)),
-                other => Err(MicrovmError::Agent(format!("unexpected reply {other:?}"))),
-            }
+            start_kernel(&agent, spec, map, connection).await?;
+            Ok(Arc::new(agent))
         };
-        let mut child = child;
         let agent = tokio::select! {
             agent = started => agent,
             // A VMM that dies while booting says why in its log and on the console.
             status = child.wait() => Err(MicrovmError::Start(format!(
                 "the VMM ended while booting ({}): {}",
                 status.map_or_else(|e| e.to_string(), |s| s.to_string()),
-                handle::last_words(&spec.log_file, &vm.console),
+                handle::last_words(&spec.log_file, &console),
             ))),
         };
-        let agent = match agent {
+        let served = agent.and_then(|agent| {
+            handle.attach(agent.clone());
+            channels::serve(&spec.connection, agent.clone())
+                .map_err(io_error("listening on the kernel's channels"))?;
+            Ok(agent)
+        });
+        let agent = match served {
             Ok(agent) => agent,
             Err(error) => {
                 handle.kill_vmm(false);
@@ -323,28 +346,20 @@ impl MicrovmSandbox {
                 return Err(match error {
                     MicrovmError::Agent(message) => MicrovmError::Agent(format!(
                         "{message} ({})",
-                        handle::last_words(&spec.log_file, &vm.console)
+                        handle::last_words(&spec.log_file, &console)
                     )),
                     other => other,
                 });
             }
         };
-        handle.attach(agent.clone());
-        if let Err(error) = channels::serve(&spec.connection, agent.clone()) {
-            handle.kill_vmm(false);
-            let _ = child.wait().await;
-            if let Some(companion) = &mut companion {
-                let _ = companion.kill().await;
-            }
-            return Err(io_error("listening on the kernel's channels")(error));
-        }
+        let (exit_tx, exit_rx) = watch::channel(None);
         handle::watch_exit(
             child,
             companion,
             agent,
             handle.clone(),
             spec.log_file.clone(),
-            vm.console.clone(),
+            console,
             exit_tx,
         );
         Ok(Launched {
@@ -352,6 +367,75 @@ impl MicrovmSandbox {
             exit: exit_rx,
             connection: spec.connection.clone(),
         })
+    }
+}
+
+/// The workspace disk's and the console's names in the VM's runtime directory (the VMM's
+/// working directory, where it is given relative paths: see `confine`).
+const WORKSPACE_DISK: &str = "workspace.ext4";
+const CONSOLE: &str = "console.log";
+
+/// Creates the console's file for the VMM (its uid's, where it has one) and keeps the
+/// gateway's own handle on it: the gateway reads the guest's last words through that
+/// handle, never through the path, which the VMM can replace (with a link to a host file).
+fn create_console(dir: &Path, vmm_uid: Option<u32>) -> Result<std::fs::File, MicrovmError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(CONSOLE);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(io_error(path.display().to_string()))?;
+    if let Some(uid) = vmm_uid {
+        std::os::unix::fs::fchown(&file, Some(uid), Some(uid))
+            .map_err(io_error(path.display().to_string()))?;
+    }
+    Ok(file)
+}
+
+/// The VM's RAM and vCPUs for a policy's limits.
+#[derive(Debug, Clone, Copy)]
+struct VmSize {
+    memory_mib: u64,
+    vcpus: u32,
+}
+
+impl VmSize {
+    fn of(limits: &crate::sandbox::Limits) -> VmSize {
+        VmSize {
+            memory_mib: limits.memory_bytes.map_or(DEFAULT_MEMORY_MIB, |bytes| {
+                bytes.div_ceil(1 << 20) + GUEST_OVERHEAD_MIB
+            }),
+            vcpus: limits
+                .cpu_millis
+                .map_or(1, |millis| millis.div_ceil(1000).max(1)),
+        }
+    }
+}
+
+/// Asks the agent to start the kernel.
+async fn start_kernel(
+    agent: &agent::Agent,
+    spec: &LaunchSpec,
+    map: &Relocation,
+    connection: Option<ConnectionFile>,
+) -> Result<(), MicrovmError> {
+    let start = Start {
+        argv: map.argv(&spec.argv),
+        env: map.env(&spec.env),
+        cwd: relocate::WORKSPACE.to_owned(),
+        connection,
+        uid: KERNEL_UID,
+        gid: KERNEL_UID,
+        pids: spec.limits.pids,
+        memory_bytes: spec.limits.memory_bytes,
+    };
+    match agent.request(Op::Start(start)).await? {
+        Reply::Started { .. } => Ok(()),
+        other => Err(MicrovmError::Agent(format!("unexpected reply {other:?}"))),
     }
 }
 

@@ -1,15 +1,18 @@
 //! The QEMU driver: the `microvm` machine (no PCI, no firmware, virtio over MMIO), booted
 //! straight into the guest kernel through its PVH entry.
 //!
-//! QEMU confines itself as well: `-sandbox on` installs its own seccomp filter, which here
-//! also refuses `spawn` (no helper programs), privilege changes and resource-control calls.
-//! Not yet done (issue 15): the backend does not yet put QEMU and vhost-device-vsock in
-//! namespaces and a cgroup of their own (memory, CPU quota, pids); they run as children of
-//! the gateway with the parent-death signal only.
+//! QEMU confines itself as well, on top of what the backend does to it (`confine.rs`):
+//! `-sandbox on` installs its own seccomp filter, which here also refuses `spawn` (no helper
+//! programs), privilege changes and resource-control calls.
 
 use std::path::PathBuf;
 
 use super::vmm::{Accel, AgentLink, VmSpec, Vmm};
+
+/// The translated-code cache under emulation, in MiB. QEMU's default is up to 1 GiB per VM
+/// (an eighth of the host's RAM): a fixed size keeps a VM's host memory predictable, and
+/// what does not fit is translated again.
+pub const TCG_CACHE_MIB: u64 = 128;
 
 /// The QEMU driver.
 pub struct Qemu {
@@ -45,7 +48,10 @@ pub fn args(vm: &VmSpec) -> Vec<String> {
         "none".into(),
         "-no-reboot".into(),
         "-accel".into(),
-        vm.accel.as_str().into(),
+        match vm.accel {
+            Accel::Kvm => "kvm".into(),
+            Accel::Tcg => format!("tcg,tb-size={TCG_CACHE_MIB}"),
+        },
         "-cpu".into(),
         match vm.accel {
             Accel::Kvm => "host".into(),

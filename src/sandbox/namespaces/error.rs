@@ -31,5 +31,5 @@ pub enum NamespacesError {
     #[error("cannot write the sandbox's id maps: {0}")]
     IdMap(#[source] std::io::Error),
     #[error(transparent)]
-    Cgroup(#[from] super::cgroups::CgroupError),
+    Cgroup(#[from] crate::sandbox::cgroups::CgroupError),
 }

@@ -22,7 +22,7 @@
 //! ```
 //!
 //! 1. The gateway computes a [`plan::Plan`] (command, environment, paths, the Python
-//!    environment's directories, sizes), creates the kernel's cgroup ([`cgroups`]) and, when
+//!    environment's directories, sizes), creates the kernel's cgroup ([`crate::sandbox::cgroups`]) and, when
 //!    it is root, hands the runtime directory to the sandbox's host uid ([`idmap`]).
 //! 2. It spawns the helper from one dedicated thread with `PR_SET_PDEATHSIG(SIGKILL)` (the
 //!    signal fires when the *thread* that forked exits, as in the process backend), writes
@@ -62,7 +62,6 @@
 //! controllers.
 
 mod bridge;
-mod cgroups;
 mod confine;
 pub mod diagnose;
 mod error;
@@ -95,14 +94,17 @@ use super::{
     Sandbox, SandboxError, SandboxHandle,
 };
 use crate::protocol::ConnectionInfo;
+use crate::sandbox::cgroups::{self, Hierarchy, KernelCgroup};
 use crate::sandbox::relocate::{self, KernelView};
-use cgroups::{Hierarchy, KernelCgroup};
 pub use error::NamespacesError;
 pub use helper::{sandbox_init_main, SANDBOX_INIT_ARG};
 use idmap::{IdMap, INSIDE_ID};
 use plan::{Event, Plan, RuntimeFile, GO};
 
 const GIB: u64 = 1 << 30;
+/// Processes of the sandbox machinery that share the kernel's cgroup (the helper outside and
+/// the init inside), added to the policy's pid limit.
+const HELPER_PROCESSES: u64 = 2;
 const MIB: u64 = 1 << 20;
 
 /// Settings of the namespaces backend.
@@ -277,6 +279,7 @@ impl NamespacesSandbox {
             .unwrap_or(self.config.default_workspace_bytes);
         let cgroup_limits = Limits {
             memory_bytes: spec.limits.memory_cgroup_bytes(Some(workspace)),
+            pids: spec.limits.pids.map(|pids| pids + HELPER_PROCESSES),
             ..spec.limits.clone()
         };
         match self.hierarchy.create(&name, &cgroup_limits) {

@@ -1,12 +1,14 @@
 //! Memory, process-count and CPU limits through cgroups, v2 where the host delegates the
 //! controllers to a unified hierarchy and v1 otherwise.
 //!
-//! Runs in the gateway, which creates one cgroup per kernel process nested under the
-//! gateway's *own* cgroup (`<own>/cellgate/<kernel>`), so whoever accounts for the gateway
-//! (a systemd unit, a container, a job scheduler) still accounts for its kernels. The
-//! sandbox helper is moved into it before it creates the sandbox's init, so every process of
-//! the sandbox is inside from its first instruction; the init then unshares a cgroup
-//! namespace rooted there, so the kernel sees `/` as its cgroup.
+//! Runs in the gateway, which creates one cgroup per sandbox nested under the gateway's
+//! *own* cgroup (`<own>/cellgate/<name>`), so whoever accounts for the gateway (a systemd
+//! unit, a container, a job scheduler) still accounts for its kernels. Shared by the
+//! backends that make their cgroups themselves: the namespaces backend moves its sandbox
+//! helper into one before it creates the sandbox's init (so every process of the sandbox is
+//! inside from its first instruction, and the init unshares a cgroup namespace rooted
+//! there), the microvm backend starts each VMM and its device backend inside one
+//! ([`KernelCgroup::procs_files`]). gVisor's runsc makes its own (`gvisor/cgroups.rs`).
 //!
 //! Layouts:
 //! * **v2** (`cgroup2` mount whose cgroup lists `memory` in `cgroup.controllers`):
@@ -24,9 +26,8 @@
 //! gets no cgroup; the launcher then logs which limits are not enforced, and sets
 //! `RLIMIT_AS` for a memory limit as the nearest substitute.
 //!
-//! The pid limit counts threads as well as processes, and includes the sandbox's two helper
-//! processes (the helper outside and the init inside), which are added to the policy's
-//! number.
+//! The pid limit counts threads as well as processes; the caller adds whatever of its own
+//! machinery shares the cgroup.
 
 use std::fs;
 use std::io;
@@ -41,9 +42,6 @@ const PARENT: &str = "cellgate";
 
 /// CFS period for CPU limits.
 const CPU_PERIOD_US: u64 = 100_000;
-
-/// Processes of the sandbox machinery that share the kernel's cgroup.
-pub const HELPER_PROCESSES: u64 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
@@ -239,7 +237,7 @@ fn create_v2(own_dir: &Path, name: &str, limits: &Limits) -> Result<KernelCgroup
             memory_limited = true;
         }
         if let Some(pids) = limits.pids {
-            write(&dir, "pids.max", &(pids + HELPER_PROCESSES).to_string())?;
+            write(&dir, "pids.max", &pids.to_string())?;
         }
         if let Some(millis) = limits.cpu_millis {
             write(
@@ -291,7 +289,7 @@ fn create_v1(
                 }
                 "pids" => {
                     if let Some(pids) = limits.pids {
-                        write(&dir, "pids.max", &(pids + HELPER_PROCESSES).to_string())?;
+                        write(&dir, "pids.max", &pids.to_string())?;
                     }
                 }
                 "cpu" => {
@@ -345,6 +343,15 @@ impl KernelCgroup {
             write(dir, "cgroup.procs", &pid.to_string())?;
         }
         Ok(())
+    }
+
+    /// The `cgroup.procs` files a process writes `0` to in order to move itself in: what a
+    /// child does between fork and exec, so no instruction of its program runs outside.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs
+            .iter()
+            .map(|(_, dir)| dir.join("cgroup.procs"))
+            .collect()
     }
 
     fn dir(&self, controller: &str) -> Option<&Path> {
@@ -424,7 +431,9 @@ impl KernelCgroup {
                 continue;
             };
             for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
-                let _ = super::sys::kill(pid, libc::SIGKILL);
+                if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                }
             }
         }
     }

@@ -1,0 +1,390 @@
+//! The VMM's confinement on the host: what a VMM its guest has taken over can still reach.
+//!
+//! The VM boundary is the guest kernel plus the VMM; a guest that breaks out of QEMU's
+//! device emulation holds whatever QEMU holds. So each VM's VMM and its vsock device backend
+//! start (between fork and exec, before any instruction of theirs runs):
+//!
+//! - **in a cgroup of their own** (`<gateway's cgroup>/cellgate/<kernel>.vmm-…`, the shared
+//!   [`crate::sandbox::cgroups`]): memory = the guest's RAM plus the VMM's own overhead, CPU
+//!   quota = the policy's CPUs, a pid limit; the gateway reads the VM's cost there and
+//!   removes it when the VM is gone;
+//! - **as nobody in particular**: under a root gateway, a uid and gid of their own, one pair
+//!   per live VM ([`IDENTITY_BASE`] onwards, no supplementary group but `/dev/kvm`'s under
+//!   KVM), so two VMMs cannot signal, trace or read each other; the VM's runtime directory
+//!   is handed to that uid and its parent stays root's 0700, so the VMM reaches its own
+//!   files only, through its working directory (every path the VMM is given in there is
+//!   relative). An unprivileged gateway cannot change uid: its VMMs get a user namespace
+//!   mapping only the gateway's ids, which leaves them no capability over the host;
+//! - **in network, IPC and UTS namespaces of their own**: no interface but a down
+//!   loopback, no host abstract sockets, no host System V IPC;
+//! - **with resource limits**: open files ([`NOFILE`]), file size ([`fsize`]: the workspace
+//!   disk or the guest's RAM (a memfd) is the largest file a VMM writes, so a guest flooding
+//!   its console fills at most that much; `SIGXFSZ` is ignored so the flood fails its writes
+//!   instead of killing the VM), no core dumps, and `no_new_privs`.
+//!
+//! QEMU adds its own seccomp filter (`-sandbox on`, see `qemu.rs`). Not done: a mount
+//! namespace or Landlock ruleset limiting which host files a VMM may read (it can read what
+//! any unprivileged user can).
+
+#![allow(unsafe_code)]
+
+use std::collections::HashSet;
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::sandbox::cgroups::{self, Hierarchy, KernelCgroup};
+use crate::sandbox::{Limits, ResourceUsage};
+
+/// The first uid/gid given to VMMs under a root gateway; [`IDENTITY_SLOTS`] follow. Above
+/// the ranges distributions give users, subordinate ids (`/etc/subuid`) and systemd's
+/// containers (up to 0x6FFFFFFF), below systemd's reserved top of the 31-bit space.
+pub const IDENTITY_BASE: u32 = 0x7700_0000;
+/// How many VMM identities there are: live VMs per host, at most.
+const IDENTITY_SLOTS: u32 = 1 << 20;
+/// Open files a VMM may hold: QEMU needs a few dozen (images, sockets, eventfds, its
+/// thread pool's), the vsock backend one per guest connection.
+const NOFILE: u64 = 1024;
+/// Threads and processes in the VM's cgroup: QEMU's vCPU, RCU and I/O worker threads (its
+/// block layer's pool grows to 64 per context) and the vsock backend's few. QEMU cannot
+/// start programs (`-sandbox spawn=deny`); the limit bounds its threads.
+const PIDS: u64 = 256;
+/// The smallest file-size limit, whatever the workspace disk's size.
+const MIN_FSIZE: u64 = 64 << 20;
+
+/// The file-size limit of a VMM whose workspace disk is `disk_bytes` long and whose guest
+/// has `memory_mib` of RAM (a memfd under vsock, which the limit applies to as well).
+pub(super) fn fsize(disk_bytes: u64, memory_mib: u64) -> u64 {
+    disk_bytes.max(memory_mib << 20).max(MIN_FSIZE)
+}
+
+/// Errors of confining a VMM.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfineError {
+    #[error("no VMM identity is free: {IDENTITY_SLOTS} VMs are running")]
+    NoIdentity,
+    #[error("the VM's cgroup: {0}")]
+    Cgroup(#[from] cgroups::CgroupError),
+    #[error("handing {path} to the VMM's uid: {source}")]
+    Chown {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Per backend: the cgroup hierarchy and the identities in use.
+pub(super) struct Confiner {
+    hierarchy: Hierarchy,
+    /// Whether the gateway is root, and so gives each VMM an unprivileged uid of its own.
+    privileged: bool,
+    /// `/dev/kvm`'s group, for VMMs that use it.
+    kvm_group: Option<u32>,
+    identities: Arc<Identities>,
+}
+
+#[derive(Default)]
+struct Identities {
+    live: Mutex<HashSet<u32>>,
+    next: Mutex<u32>,
+}
+
+impl Confiner {
+    /// Looks at this host once: its cgroups (sweeping what a dead gateway left) and whether
+    /// the gateway may change uids.
+    pub(super) fn new(use_kvm: bool) -> Confiner {
+        let hierarchy = Hierarchy::detect();
+        hierarchy.sweep();
+        let kvm_group = use_kvm
+            .then(|| {
+                std::os::unix::fs::MetadataExt::gid(&std::fs::metadata("/dev/kvm").ok()?).into()
+            })
+            .flatten();
+        tracing::info!(cgroups = %hierarchy.describe(), "microvm: VMMs are confined");
+        Confiner {
+            hierarchy,
+            privileged: rustix::process::geteuid().is_root(),
+            kvm_group,
+            identities: Arc::new(Identities {
+                live: Mutex::default(),
+                // Two gateways on one host rarely start at the same slot.
+                next: Mutex::new(rand::random::<u32>() % IDENTITY_SLOTS),
+            }),
+        }
+    }
+
+    /// The confinement of one VM whose runtime directory is `dir`: its cgroup made (with
+    /// `limits`), its identity chosen and `dir` handed to it. `None` for a limit: not set.
+    pub(super) fn prepare(
+        &self,
+        name: &str,
+        limits: &Limits,
+        dir: &Path,
+        files: &[&Path],
+        fsize: u64,
+    ) -> Result<Jail, ConfineError> {
+        let identity = if self.privileged {
+            let slot = self.identities.take()?;
+            let id = IDENTITY_BASE + slot;
+            for path in std::iter::once(dir).chain(files.iter().copied()) {
+                std::os::unix::fs::chown(path, Some(id), Some(id)).map_err(|source| {
+                    self.identities.give_back(slot);
+                    ConfineError::Chown {
+                        path: path.display().to_string(),
+                        source,
+                    }
+                })?;
+            }
+            Identity::Dropped {
+                id,
+                groups: self.kvm_group.into_iter().collect(),
+                _slot: SlotGuard {
+                    slot,
+                    identities: self.identities.clone(),
+                },
+            }
+        } else {
+            let uid = rustix::process::getuid().as_raw();
+            let gid = rustix::process::getgid().as_raw();
+            Identity::Own {
+                uid_map: format!("{uid} {uid} 1\n").into_bytes(),
+                gid_map: format!("{gid} {gid} 1\n").into_bytes(),
+            }
+        };
+        let cgroup = match self.hierarchy.create(name, limits) {
+            Ok(cgroup) => Some(cgroup),
+            Err(cgroups::CgroupError::Unavailable(reason)) => {
+                tracing::warn!(%reason, vm = name, "microvm: no cgroup for the VMM: its memory, CPU and pid limits are NOT enforced on the host (the guest's own limits still hold)");
+                None
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let cgroup_procs = cgroup
+            .as_ref()
+            .map(|cgroup| {
+                cgroup
+                    .procs_files()
+                    .iter()
+                    .filter_map(|path| CString::new(path.as_os_str().as_bytes()).ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Jail {
+            cgroup,
+            plan: Arc::new(ChildPlan {
+                cgroup_procs,
+                identity,
+                fsize,
+            }),
+        })
+    }
+}
+
+impl Identities {
+    fn take(&self) -> Result<u32, ConfineError> {
+        let mut live = self.live.lock();
+        let mut next = self.next.lock();
+        for _ in 0..IDENTITY_SLOTS {
+            let slot = *next;
+            *next = (*next + 1) % IDENTITY_SLOTS;
+            if live.insert(slot) {
+                return Ok(slot);
+            }
+        }
+        Err(ConfineError::NoIdentity)
+    }
+
+    fn give_back(&self, slot: u32) {
+        self.live.lock().remove(&slot);
+    }
+}
+
+/// Frees a VMM identity when the VM's last process is gone.
+struct SlotGuard {
+    slot: u32,
+    identities: Arc<Identities>,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.identities.give_back(self.slot);
+    }
+}
+
+enum Identity {
+    /// A root gateway's VMM: this uid and gid, these supplementary groups.
+    Dropped {
+        id: u32,
+        groups: Vec<u32>,
+        _slot: SlotGuard,
+    },
+    /// An unprivileged gateway's VMM: its own ids in a user namespace of its own.
+    Own { uid_map: Vec<u8>, gid_map: Vec<u8> },
+}
+
+/// What the child does before exec, prepared in the gateway so the child only makes
+/// system calls (no allocation between fork and exec).
+struct ChildPlan {
+    cgroup_procs: Vec<CString>,
+    identity: Identity,
+    fsize: u64,
+}
+
+/// One VM's confinement, alive as long as its processes may be.
+pub(super) struct Jail {
+    cgroup: Option<KernelCgroup>,
+    plan: Arc<ChildPlan>,
+}
+
+impl Jail {
+    /// Makes `command` start confined.
+    pub(super) fn apply(&self, command: &mut tokio::process::Command) {
+        let plan = self.plan.clone();
+        // SAFETY: the closure runs in the forked child before exec and makes system calls
+        // only (open, write, close, setrlimit, signal, unshare, setgroups, setres[ug]id,
+        // prctl) on data prepared before the fork; `io::Error::last_os_error` does not
+        // allocate.
+        unsafe {
+            command.pre_exec(move || confine_child(&plan));
+        }
+    }
+
+    /// The uid the VMM runs as, when it is one of its own.
+    pub(super) fn uid(&self) -> Option<u32> {
+        match &self.plan.identity {
+            Identity::Dropped { id, .. } => Some(*id),
+            Identity::Own { .. } => None,
+        }
+    }
+
+    /// What the VM costs the host (VMM and device backend together), where its cgroup says.
+    pub(super) fn usage(&self) -> Option<ResourceUsage> {
+        self.cgroup.as_ref().map(KernelCgroup::usage)
+    }
+
+    /// How many times the host's OOM killer acted in the VM's cgroup.
+    pub(super) fn oom_kills(&self) -> u64 {
+        self.cgroup
+            .as_ref()
+            .and_then(KernelCgroup::oom_kills)
+            .unwrap_or(0)
+    }
+
+    /// Removes the cgroup, killing what is left in it (the identity is free once the jail
+    /// is dropped). Blocking.
+    pub(super) fn release(&self) {
+        if let Some(cgroup) = &self.cgroup {
+            cgroup.remove();
+        }
+    }
+}
+
+/// The VM's limits on the host: memory `memory_mib`, `cpu_millis` of CPU, [`PIDS`].
+pub(super) fn host_limits(memory_mib: u64, cpu_millis: Option<u32>) -> Limits {
+    Limits {
+        memory_bytes: Some(memory_mib << 20),
+        cpu_millis,
+        pids: Some(PIDS),
+        workspace_bytes: None,
+    }
+}
+
+fn check(result: libc::c_int) -> io::Result<()> {
+    if result < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Writes `bytes` to the file at `path` (open, write, close).
+fn write_file(path: &[u8], bytes: &[u8]) -> io::Result<()> {
+    // SAFETY: `path` is NUL-terminated (a CString's bytes or a literal with `\0`).
+    let fd = unsafe { libc::open(path.as_ptr().cast(), libc::O_WRONLY | libc::O_CLOEXEC) };
+    check(fd)?;
+    // SAFETY: `bytes` is a live buffer of its length; `fd` is ours.
+    let written = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+    let error = io::Error::last_os_error();
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::close(fd) };
+    if written == bytes.len() as isize {
+        Ok(())
+    } else {
+        Err(error)
+    }
+}
+
+fn set_limit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> {
+    let limit = libc::rlimit {
+        rlim_cur: value,
+        rlim_max: value,
+    };
+    // SAFETY: a plain struct passed by reference.
+    check(unsafe { libc::setrlimit(resource, &limit) })
+}
+
+/// Runs in the child between fork and exec.
+fn confine_child(plan: &ChildPlan) -> io::Result<()> {
+    // Into the cgroup first, so everything after is accounted there: writing 0 moves the
+    // writer itself.
+    for procs in &plan.cgroup_procs {
+        write_file(procs.as_bytes_with_nul(), b"0")?;
+    }
+    set_limit(libc::RLIMIT_NOFILE, NOFILE)?;
+    set_limit(libc::RLIMIT_FSIZE, plan.fsize)?;
+    set_limit(libc::RLIMIT_CORE, 0)?;
+    // SAFETY: setting a signal's disposition to ignore.
+    if unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) } == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    let namespaces = libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+    match &plan.identity {
+        Identity::Dropped { id, groups, .. } => {
+            // Namespaces while still root; then the ids, which drops every capability.
+            // SAFETY: unshare, setgroups and setres[ug]id take integers and a live slice.
+            unsafe {
+                check(libc::unshare(namespaces))?;
+                check(libc::setgroups(groups.len(), groups.as_ptr()))?;
+                check(libc::setresgid(*id, *id, *id))?;
+                check(libc::setresuid(*id, *id, *id))?;
+            }
+        }
+        Identity::Own { uid_map, gid_map } => {
+            // SAFETY: unshare takes flags only.
+            check(unsafe { libc::unshare(libc::CLONE_NEWUSER | namespaces) })?;
+            write_file(b"/proc/self/setgroups\0", b"deny")?;
+            write_file(b"/proc/self/uid_map\0", uid_map)?;
+            write_file(b"/proc/self/gid_map\0", gid_map)?;
+        }
+    }
+    // SAFETY: prctl with integer arguments.
+    check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identities_are_never_shared_while_live() {
+        let identities = Identities::default();
+        let a = identities.take().unwrap();
+        let b = identities.take().unwrap();
+        assert_ne!(a, b);
+        identities.give_back(a);
+        let live = identities.live.lock().clone();
+        assert_eq!(live, HashSet::from([b]));
+    }
+
+    #[test]
+    fn the_file_size_limit_is_the_disk_or_a_floor() {
+        assert_eq!(fsize(1 << 30, 512), 1 << 30);
+        assert_eq!(fsize(8 << 20, 1184), 1184 << 20);
+        assert_eq!(fsize(8 << 20, 32), MIN_FSIZE);
+    }
+}
