@@ -724,6 +724,13 @@ impl Kernel {
         instance.handle.workspace_root(&self.dirs.work)
     }
 
+    /// The workspace when the sandbox serves it itself (a microVM's agent), while the
+    /// current process runs.
+    pub fn guest_files(&self) -> Option<std::sync::Arc<dyn crate::workspace::GuestFiles>> {
+        let instance = self.instance.lock().clone()?;
+        instance.handle.guest_files()
+    }
+
     /// The sandbox backend the kernel runs in.
     pub fn backend(&self) -> crate::sandbox::Backend {
         self.sandbox.backend()

@@ -324,6 +324,11 @@ pub trait SandboxHandle: Send + Sync {
     fn workspace_root(&self, workspace: &std::path::Path) -> Option<(PathBuf, PathBuf)> {
         Some((workspace.to_owned(), PathBuf::from(".")))
     }
+    /// The workspace when the sandbox serves it itself (a microVM's agent): then the
+    /// gateway never opens [`SandboxHandle::workspace_root`]. `None`: the gateway opens it.
+    fn guest_files(&self) -> Option<Arc<dyn crate::workspace::GuestFiles>> {
+        None
+    }
     /// Whether the kernel process still exists. Checked *after* opening a path from
     /// [`SandboxHandle::workspace_root`] under `/proc/<pid>`: a process that has not exited
     /// cannot have had its pid reused, so the handle opened was the sandbox's.

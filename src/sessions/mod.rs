@@ -25,7 +25,7 @@ use crate::artifacts::{ArtifactError, ArtifactStore};
 use crate::kernel::{
     ExecutionState, Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV,
 };
-use crate::workspace::{Workspace, WorkspaceError};
+use crate::workspace::{Files, Workspace, WorkspaceError};
 pub use events::{
     ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, Status,
 };
@@ -207,16 +207,20 @@ impl Session {
     }
 
     /// The kernel's workspace (files), while it has a process.
-    pub fn open_workspace(&self) -> Result<Workspace, WorkspaceError> {
-        if self.kernel.backend() == crate::sandbox::Backend::Microvm {
-            return Err(WorkspaceError::NotServed("microvm"));
-        }
+    pub fn open_workspace(&self) -> Result<Files, WorkspaceError> {
         // A dead kernel's pid may name another process by now: never look there.
         if matches!(
             self.kernel.readiness(),
             Readiness::Dead(_) | Readiness::Terminated
         ) {
             return Err(WorkspaceError::Unavailable);
+        }
+        if self.kernel.backend() == crate::sandbox::Backend::Microvm {
+            return self
+                .kernel
+                .guest_files()
+                .map(Files::Guest)
+                .ok_or(WorkspaceError::Unavailable);
         }
         let (trusted, relative) = self.kernel.workspace().ok_or(WorkspaceError::Unavailable)?;
         let workspace = Workspace::open(&trusted, &relative)?;
@@ -225,10 +229,10 @@ impl Session {
         if !self.kernel.process_alive() {
             return Err(WorkspaceError::Unavailable);
         }
-        Ok(workspace)
+        Ok(Files::Local(workspace))
     }
 
-    fn workspace(&self) -> Option<Workspace> {
+    fn workspace(&self) -> Option<Files> {
         self.open_workspace().ok()
     }
 

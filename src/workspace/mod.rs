@@ -1,456 +1,126 @@
-//! A kernel's workspace as the gateway reaches it: upload, download and list files without
-//! ever following a link the sandbox planted.
+//! A kernel's workspace as the gateway serves it (files API, `outputs/` artifacts, initial
+//! files): [`Files`], one face for the two ways a workspace is reached.
 //!
-//! The sandbox owns the workspace's contents and may be hostile: it can replace any file or
-//! directory with a symlink to `/etc/passwd` or to another session's files, at any moment.
-//! So every operation starts from a directory handle of the workspace and resolves paths
-//! with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS |
-//! RESOLVE_NO_XDEV)`: the kernel refuses any resolution that would leave the workspace, pass
-//! through a symlink (absolute or relative) or cross into another mount, so there is no
-//! check-then-use race. The workspace handle itself is opened from a directory the gateway
-//! trusts (the host workspace, or `/proc/<kernel pid>/root` for the namespaces backend,
-//! whose workspace is a tmpfs inside the sandbox) with the same flags.
+//! - **Local**: the namespaces and gVisor backends' workspaces are directories the gateway
+//!   opens itself ([`Workspace`], from `cellgate_agent::workspace`, whose doc says how a
+//!   hostile sandbox's links are never followed).
+//! - **In a guest**: a microVM's workspace is a disk inside the VM; the guest agent serves
+//!   it with the same code ([`GuestFiles`], one agent stream per operation).
 //!
-//! Files are written to a temporary name in their directory and renamed into place, so a
-//! failed or oversized upload leaves nothing behind, and a symlink at the target is replaced,
-//! never followed. New files and directories are created with the workspace owner's uid and
-//! gid (the sandbox's user; see `AsOwner`), so the kernel can change and delete them.
-//!
-//! Paths from clients are checked first: relative, no `.`/`..` components, no NUL, at most
-//! 4096 bytes and 255 per component.
+//! Everything here blocks: callers run it on blocking threads.
 //!
 //! Must not depend on: HTTP, kernels.
 
-use std::fs::File;
-use std::io::Write;
-use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::io::Read;
+use std::sync::Arc;
 
-use rustix::fs::{Gid, Mode, OFlags, ResolveFlags, Uid};
-use serde::Serialize;
+pub use cellgate_agent::workspace::{
+    check_path, FileEntry, Upload, Workspace, WorkspaceError, MAX_LIST_ENTRIES,
+};
 
-/// Entries a listing returns at most.
-pub const MAX_LIST_ENTRIES: usize = 10_000;
-const MAX_DEPTH: usize = 32;
-
-/// Errors of workspace operations.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkspaceError {
-    #[error("invalid path {path:?}: {reason}")]
-    BadPath { path: String, reason: &'static str },
-    #[error("no such file: {0}")]
-    NotFound(String),
-    #[error("{0} is a link; links in the workspace are never followed")]
-    Link(String),
-    #[error("{0} is not a regular file")]
-    NotAFile(String),
-    #[error("{0} is a directory")]
-    IsADirectory(String),
-    #[error("the upload is larger than the limit of {limit} bytes")]
-    TooLarge { limit: u64 },
-    #[error("the workspace is full")]
-    NoSpace,
-    #[error("the session has no running kernel (its workspace lives and ends with the sandbox)")]
-    Unavailable,
-    #[error("the {0} backend does not serve workspace files yet (its workspace is a disk inside the VM)")]
-    NotServed(&'static str),
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+/// A workspace that a sandbox serves itself (the microvm guest agent). Blocking.
+pub trait GuestFiles: Send + Sync {
+    /// Everything below `dir`, as [`Workspace::list`].
+    fn list(&self, dir: &str) -> Result<Vec<FileEntry>, WorkspaceError>;
+    /// A regular file's bytes and size, as [`Workspace::open_read`].
+    fn open_read(&self, path: &str) -> Result<(Box<dyn Read + Send>, u64), WorkspaceError>;
+    /// Starts writing `path`, refusing more than `limit` bytes; nothing is at `path` until
+    /// the upload is committed.
+    fn create(&self, path: &str, limit: u64) -> Result<Box<dyn GuestUpload>, WorkspaceError>;
 }
 
-fn io_error(what: &str, path: &str, err: rustix::io::Errno) -> WorkspaceError {
-    use rustix::io::Errno;
-    match err {
-        Errno::NOENT => WorkspaceError::NotFound(path.to_owned()),
-        // ELOOP: a symlink on the way (RESOLVE_NO_SYMLINKS); EXDEV: RESOLVE_BENEATH or
-        // NO_XDEV refused the resolution; both mean the sandbox put a link there.
-        Errno::LOOP | Errno::XDEV => WorkspaceError::Link(path.to_owned()),
-        Errno::NOTDIR => WorkspaceError::NotFound(path.to_owned()),
-        Errno::ISDIR => WorkspaceError::IsADirectory(path.to_owned()),
-        Errno::NOSPC | Errno::DQUOT => WorkspaceError::NoSpace,
-        err => WorkspaceError::Io {
-            what: format!("{what} {path}"),
-            source: err.into(),
-        },
-    }
+/// A file being written into a guest's workspace; dropped uncommitted, it leaves nothing.
+pub trait GuestUpload: Send {
+    fn write(&mut self, chunk: &[u8]) -> Result<(), WorkspaceError>;
+    fn commit(self: Box<Self>) -> Result<u64, WorkspaceError>;
 }
 
-/// Checks a client's path and splits it into components.
-pub fn check_path(path: &str) -> Result<Vec<&str>, WorkspaceError> {
-    let bad = |reason| WorkspaceError::BadPath {
-        path: path.chars().take(200).collect(),
-        reason,
-    };
-    if path.is_empty() {
-        return Err(bad("empty"));
-    }
-    if path.len() > 4096 {
-        return Err(bad("longer than 4096 bytes"));
-    }
-    if path.contains('\0') {
-        return Err(bad("contains NUL"));
-    }
-    if path.starts_with('/') {
-        return Err(bad("absolute paths are not allowed"));
-    }
-    let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
-    if parts.is_empty() {
-        return Err(bad("empty"));
-    }
-    for part in &parts {
-        if *part == ".." || *part == "." {
-            return Err(bad("`.` and `..` are not allowed"));
-        }
-        if part.len() > 255 {
-            return Err(bad("a component is longer than 255 bytes"));
-        }
-    }
-    Ok(parts)
+/// A kernel's workspace, wherever it is.
+pub enum Files {
+    Local(Workspace),
+    Guest(Arc<dyn GuestFiles>),
 }
 
-fn resolve() -> ResolveFlags {
-    ResolveFlags::BENEATH
-        | ResolveFlags::NO_SYMLINKS
-        | ResolveFlags::NO_MAGICLINKS
-        | ResolveFlags::NO_XDEV
-}
-
-/// One entry of a listing.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
-pub struct FileEntry {
-    /// Relative to the workspace, `/`-separated.
-    pub path: String,
-    /// file, dir, symlink, other.
-    pub kind: &'static str,
-    pub size: u64,
-    /// Modification time, seconds since the epoch.
-    #[serde(rename = "mtime")]
-    pub mtime_s: i64,
-    #[serde(skip)]
-    pub mtime_ns: i64,
-}
-
-/// An open workspace.
-pub struct Workspace {
-    dir: OwnedFd,
-    owner: (Uid, Gid),
-}
-
-impl Workspace {
-    /// Opens the workspace at `relative` below `trusted` (see
-    /// [`crate::sandbox::SandboxHandle::workspace_root`]).
-    pub fn open(trusted: &Path, relative: &Path) -> Result<Workspace, WorkspaceError> {
-        let what = "open the workspace";
-        let root = rustix::fs::open(
-            trusted,
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| io_error(what, "", e))?;
-        let dir = if relative == Path::new(".") {
-            root
-        } else {
-            // The sandbox's root is one mount and its workspace another: no NO_XDEV here.
-            rustix::fs::openat2(
-                &root,
-                relative,
-                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-                ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
-            )
-            .map_err(|e| io_error(what, "", e))?
-        };
-        let stat = rustix::fs::fstat(&dir).map_err(|e| io_error(what, "", e))?;
-        Ok(Workspace {
-            dir,
-            owner: (Uid::from_raw(stat.st_uid), Gid::from_raw(stat.st_gid)),
-        })
-    }
-
-    /// Takes the workspace owner's identity on this thread while creating files: a tmpfs
-    /// mounted inside the sandbox's user namespace refuses (EOVERFLOW) to create an inode
-    /// for a uid it cannot map, such as the gateway's root.
-    fn as_owner(&self) -> Result<AsOwner, WorkspaceError> {
-        AsOwner::enter(self.owner)
-    }
-
-    /// Opens the directory `parts` (all of them), creating missing ones when `create`.
-    fn open_dir(
-        &self,
-        parts: &[&str],
-        create: bool,
-        shown: &str,
-    ) -> Result<OwnedFd, WorkspaceError> {
-        let mut current = rustix::fs::openat2(
-            &self.dir,
-            ".",
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-            resolve(),
-        )
-        .map_err(|e| io_error("open", shown, e))?;
-        for part in parts {
-            let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
-            current = match rustix::fs::openat2(&current, *part, flags, Mode::empty(), resolve()) {
-                Ok(fd) => fd,
-                Err(rustix::io::Errno::NOENT) if create => {
-                    match rustix::fs::mkdirat(&current, *part, Mode::from_raw_mode(0o755)) {
-                        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                        Err(e) => return Err(io_error("create directory", shown, e)),
-                    }
-                    rustix::fs::openat2(&current, *part, flags, Mode::empty(), resolve())
-                        .map_err(|e| io_error("open", shown, e))?
-                }
-                Err(e) => return Err(io_error("open", shown, e)),
-            };
-        }
-        Ok(current)
-    }
-
-    /// Opens a regular file for reading; returns it and its size.
-    pub fn open_read(&self, path: &str) -> Result<(File, u64), WorkspaceError> {
-        let parts = check_path(path)?;
-        let (name, dirs) = parts
-            .split_last()
-            .ok_or(WorkspaceError::NotFound(path.to_owned()))?;
-        let dir = self.open_dir(dirs, false, path)?;
-        let fd = rustix::fs::openat2(
-            &dir,
-            *name,
-            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK,
-            Mode::empty(),
-            resolve(),
-        )
-        .map_err(|e| io_error("open", path, e))?;
-        let stat = rustix::fs::fstat(&fd).map_err(|e| io_error("stat", path, e))?;
-        let kind = rustix::fs::FileType::from_raw_mode(stat.st_mode);
-        if kind != rustix::fs::FileType::RegularFile {
-            // A FIFO would block the reader forever; a device is none of our business.
-            return Err(if kind == rustix::fs::FileType::Directory {
-                WorkspaceError::IsADirectory(path.to_owned())
-            } else {
-                WorkspaceError::NotAFile(path.to_owned())
-            });
-        }
-        Ok((File::from(fd), stat.st_size as u64))
-    }
-
-    /// Starts writing `path` (parent directories are created); nothing is visible at
-    /// `path` until [`Upload::commit`].
-    pub fn create(&self, path: &str) -> Result<Upload<'_>, WorkspaceError> {
-        let parts = check_path(path)?;
-        let _identity = self.as_owner()?;
-        let (name, dirs) = parts
-            .split_last()
-            .ok_or(WorkspaceError::NotFound(path.to_owned()))?;
-        let dir = self.open_dir(dirs, true, path)?;
-        let temp = format!(".cellgate-upload-{}", uuid::Uuid::new_v4().simple());
-        let fd = rustix::fs::openat2(
-            &dir,
-            temp.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o644),
-            resolve(),
-        )
-        .map_err(|e| io_error("create", path, e))?;
-        Ok(Upload {
-            workspace: self,
-            dir,
-            temp,
-            name: (*name).to_owned(),
-            path: path.to_owned(),
-            file: Some(File::from(fd)),
-            written: 0,
-        })
-    }
-
-    /// Files and directories below `dir` ("" for the whole workspace), depth first, at most
-    /// [`MAX_LIST_ENTRIES`]. Links are listed as `symlink`, never followed.
+impl Files {
     pub fn list(&self, dir: &str) -> Result<Vec<FileEntry>, WorkspaceError> {
-        let parts = if dir.is_empty() {
-            Vec::new()
-        } else {
-            check_path(dir)?
-        };
-        let start = self.open_dir(&parts, false, dir)?;
-        let prefix = parts.join("/");
-        let mut out = Vec::new();
-        self.walk(&start, &prefix, 0, &mut out)?;
-        Ok(out)
+        match self {
+            Files::Local(workspace) => workspace.list(dir),
+            Files::Guest(files) => files.list(dir),
+        }
     }
 
-    fn walk(
-        &self,
-        dir: &OwnedFd,
-        prefix: &str,
-        depth: usize,
-        out: &mut Vec<FileEntry>,
-    ) -> Result<(), WorkspaceError> {
-        if depth > MAX_DEPTH {
-            return Ok(());
-        }
-        let readable = rustix::fs::openat2(
-            dir,
-            ".",
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-            resolve(),
-        )
-        .map_err(|e| io_error("list", prefix, e))?;
-        let mut names = Vec::new();
-        for entry in
-            rustix::fs::Dir::read_from(&readable).map_err(|e| io_error("list", prefix, e))?
-        {
-            let entry = entry.map_err(|e| io_error("list", prefix, e))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name == "." || name == ".." || name.starts_with(".cellgate-upload-") {
-                continue;
+    pub fn open_read(&self, path: &str) -> Result<(Box<dyn Read + Send>, u64), WorkspaceError> {
+        match self {
+            Files::Local(workspace) => workspace
+                .open_read(path)
+                .map(|(file, size)| (Box::new(file) as Box<dyn Read + Send>, size)),
+            Files::Guest(files) => {
+                check_path(path)?;
+                files.open_read(path)
             }
-            names.push(name);
         }
-        names.sort();
-        for name in names {
-            if out.len() >= MAX_LIST_ENTRIES {
-                return Ok(());
-            }
-            let Ok(stat) =
-                rustix::fs::statat(dir, name.as_str(), rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
-            else {
-                continue;
-            };
-            let kind = match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
-                rustix::fs::FileType::RegularFile => "file",
-                rustix::fs::FileType::Directory => "dir",
-                rustix::fs::FileType::Symlink => "symlink",
-                _ => "other",
-            };
-            let path = if prefix.is_empty() {
-                name.clone()
-            } else {
-                format!("{prefix}/{name}")
-            };
-            out.push(FileEntry {
-                path: path.clone(),
-                kind,
-                size: stat.st_size as u64,
-                mtime_s: stat.st_mtime,
-                mtime_ns: stat.st_mtime_nsec as i64,
-            });
-            if kind == "dir" {
-                let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
-                if let Ok(sub) =
-                    rustix::fs::openat2(dir, name.as_str(), flags, Mode::empty(), resolve())
-                {
-                    self.walk(&sub, &path, depth + 1, out)?;
+    }
+
+    /// Starts writing `path`, at most `limit` bytes.
+    pub fn create(&self, path: &str, limit: u64) -> Result<FileUpload<'_>, WorkspaceError> {
+        Ok(match self {
+            Files::Local(workspace) => FileUpload::Local {
+                upload: workspace.create(path)?,
+                limit,
+            },
+            Files::Guest(files) => {
+                check_path(path)?;
+                FileUpload::Guest {
+                    upload: files.create(path, limit)?,
+                    limit,
+                    written: 0,
                 }
             }
-        }
-        Ok(())
-    }
-}
-
-/// The calling thread runs with the workspace owner's effective uid and gid until this is
-/// dropped (only when the gateway is root and the owner is not; otherwise a no-op). Linux
-/// keeps credentials per thread and rustix's calls are the raw per-thread syscalls, so no
-/// other thread of the gateway is affected; the saved uid stays 0 to switch back.
-struct AsOwner {
-    switched: bool,
-}
-
-impl AsOwner {
-    fn enter((uid, gid): (Uid, Gid)) -> Result<AsOwner, WorkspaceError> {
-        let root = rustix::process::geteuid().is_root();
-        if !root || uid.is_root() {
-            return Ok(AsOwner { switched: false });
-        }
-        let fail = |source: rustix::io::Errno| WorkspaceError::Io {
-            what: "take the sandbox user's identity".to_owned(),
-            source: source.into(),
-        };
-        rustix::thread::set_thread_res_gid(None, gid, None).map_err(fail)?;
-        if let Err(err) = rustix::thread::set_thread_res_uid(None, uid, None) {
-            let _ = rustix::thread::set_thread_res_gid(None, Gid::ROOT, None);
-            return Err(fail(err));
-        }
-        Ok(AsOwner { switched: true })
-    }
-}
-
-impl Drop for AsOwner {
-    fn drop(&mut self) {
-        if !self.switched {
-            return;
-        }
-        let uid = rustix::thread::set_thread_res_uid(None, Uid::ROOT, None);
-        let gid = rustix::thread::set_thread_res_gid(None, Gid::ROOT, None);
-        if uid.is_err() || gid.is_err() {
-            // A pool thread left with the sandbox's identity would make later work fail
-            // in confusing ways; this cannot happen with the saved uid 0, so stop loudly.
-            tracing::error!("cannot return to the gateway's identity after a workspace write");
-            std::process::abort();
-        }
+        })
     }
 }
 
 /// A file being written; removed unless committed.
-pub struct Upload<'a> {
-    workspace: &'a Workspace,
-    dir: OwnedFd,
-    temp: String,
-    name: String,
-    path: String,
-    file: Option<File>,
-    written: u64,
+pub enum FileUpload<'a> {
+    Local {
+        upload: Upload<'a>,
+        limit: u64,
+    },
+    Guest {
+        upload: Box<dyn GuestUpload>,
+        limit: u64,
+        written: u64,
+    },
 }
 
-impl Upload<'_> {
-    /// Appends `chunk`, refusing to grow past `limit` bytes.
-    pub fn write(&mut self, chunk: &[u8], limit: u64) -> Result<(), WorkspaceError> {
-        self.written += chunk.len() as u64;
-        if self.written > limit {
-            return Err(WorkspaceError::TooLarge { limit });
+impl FileUpload<'_> {
+    /// Appends `chunk`, refusing to grow past the limit.
+    pub fn write(&mut self, chunk: &[u8]) -> Result<(), WorkspaceError> {
+        match self {
+            FileUpload::Local { upload, limit } => upload.write(chunk, *limit),
+            FileUpload::Guest {
+                upload,
+                limit,
+                written,
+            } => {
+                // Counted here too: the guest is not trusted to enforce the gateway's limit.
+                *written += chunk.len() as u64;
+                if *written > *limit {
+                    return Err(WorkspaceError::TooLarge { limit: *limit });
+                }
+                upload.write(chunk)
+            }
         }
-        let file = self.file.as_mut().ok_or(WorkspaceError::Unavailable)?;
-        file.write_all(chunk)
-            .map_err(|err| match err.raw_os_error() {
-                Some(libc::ENOSPC) | Some(libc::EDQUOT) => WorkspaceError::NoSpace,
-                _ => WorkspaceError::Io {
-                    what: format!("write {}", self.path),
-                    source: err,
-                },
-            })
     }
 
-    pub fn written(&self) -> u64 {
-        self.written
-    }
-
-    /// Moves the file into place (replacing a file, or a link, never following it).
-    pub fn commit(mut self) -> Result<u64, WorkspaceError> {
-        let file = self.file.take().ok_or(WorkspaceError::Unavailable)?;
-        drop(file);
-        let _identity = self.workspace.as_owner()?;
-        rustix::fs::renameat(&self.dir, self.temp.as_str(), &self.dir, self.name.as_str())
-            .map_err(|e| io_error("store", &self.path, e))?;
-        self.temp.clear();
-        Ok(self.written)
-    }
-}
-
-impl Drop for Upload<'_> {
-    fn drop(&mut self) {
-        if !self.temp.is_empty() {
-            let _identity = self.workspace.as_owner();
-            let _ =
-                rustix::fs::unlinkat(&self.dir, self.temp.as_str(), rustix::fs::AtFlags::empty());
+    /// Moves the file into place; its size.
+    pub fn commit(self) -> Result<u64, WorkspaceError> {
+        match self {
+            FileUpload::Local { upload, .. } => upload.commit(),
+            FileUpload::Guest { upload, .. } => upload.commit(),
         }
     }
 }
-
 /// A file's MIME type from its extension (`application/octet-stream` when unknown).
 pub fn mime_for(path: &str) -> &'static str {
     let ext = path
@@ -477,6 +147,3 @@ pub fn mime_for(path: &str) -> &'static str {
         _ => "application/octet-stream",
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -76,7 +76,7 @@ async fn vm_gateway(port: u16, limits: &str) -> Result<(Gateway, tempfile::TempD
 #[tokio::test]
 async fn a_microvm_session_runs_code_under_its_policy() -> Result<()> {
     let port = test_server("allowed").await?;
-    let (gateway, _dir) = vm_gateway(port, "memory = \"384MiB\"").await?;
+    let (gateway, _dir) = vm_gateway(port, "memory = \"384MiB\"\nworkspace = \"16MiB\"").await?;
     let v1 = V1Client::new(&gateway);
     let id = v1
         .create_session(json!({"policy": "vm"}))
@@ -143,6 +143,8 @@ async fn a_microvm_session_runs_code_under_its_policy() -> Result<()> {
         "{r}"
     );
 
+    workspace_files_cross_the_vm_boundary(&v1, &id).await?;
+
     // The policy's memory is the kernel's: past it, the guest's OOM killer ends the kernel,
     // the result says `oom`, and the session goes on in a fresh kernel.
     let r = v1.execute(&id, "hog = b'x' * (500 * 2**20)").await?;
@@ -152,11 +154,146 @@ async fn a_microvm_session_runs_code_under_its_policy() -> Result<()> {
     Ok(())
 }
 
+/// The files API and `outputs/` artifacts on a VM's workspace (a disk inside the VM, served
+/// by the guest agent): an upload is the kernel's file, a file the kernel writes in
+/// `outputs/` becomes an artifact, listing and download see what the kernel wrote; links the
+/// kernel plants are never followed (in the guest either), and the policy's workspace size
+/// bounds an upload.
+async fn workspace_files_cross_the_vm_boundary(v1: &V1Client<'_>, id: &str) -> Result<()> {
+    assert_eq!(
+        v1.put_file(id, "data/in.csv", b"a,b\n1,2\n".to_vec())
+            .await?,
+        201
+    );
+    let r = v1
+        .execute(
+            id,
+            "import os\nprint(open('data/in.csv').read().split()[1], os.stat('data/in.csv').st_uid)\n\
+             os.makedirs('outputs', exist_ok=True)\n\
+             open('outputs/report.txt', 'w').write('made in a VM')",
+        )
+        .await?;
+    assert_eq!(r["stdout"], "1,2 1000\n", "{r}");
+    let artifacts = r["artifacts"].as_array().context("artifacts")?;
+    let report = artifacts
+        .iter()
+        .find(|a| a["path"] == "outputs/report.txt")
+        .with_context(|| format!("no artifact for outputs/report.txt: {r}"))?;
+    let bytes = v1
+        .artifact(report["id"].as_str().context("id")?)
+        .await?
+        .bytes()
+        .await?;
+    assert_eq!(&bytes[..], b"made in a VM");
+
+    let (status, list) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+    assert_eq!(status, 200, "{list}");
+    let entries: Vec<(String, String, u64)> = list
+        .as_array()
+        .context("a listing")?
+        .iter()
+        .map(|e| {
+            (
+                e["path"].as_str().unwrap_or_default().to_owned(),
+                e["kind"].as_str().unwrap_or_default().to_owned(),
+                e["size"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect();
+    for wanted in [
+        ("data/in.csv", "file", 8),
+        ("outputs", "dir", 0),
+        ("outputs/report.txt", "file", 12),
+    ] {
+        assert!(
+            entries
+                .iter()
+                .any(|(p, k, n)| p == wanted.0 && k == wanted.1 && (k == "dir" || *n == wanted.2)),
+            "{wanted:?} not in {entries:?}"
+        );
+    }
+    let (status, body) = v1
+        .get(&format!("/v1/sessions/{id}/files/outputs/report.txt"))
+        .await?;
+    assert_eq!((status, body), (200, json!("made in a VM")));
+
+    // Megabytes both ways, byte for byte (many stream windows, large writes).
+    let upload: Vec<u8> = (0..(4u32 << 20))
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    assert_eq!(v1.put_file(id, "up.bin", upload.clone()).await?, 201);
+    let r = v1
+        .execute(
+            id,
+            "import hashlib, os\nprint(hashlib.sha256(open('up.bin','rb').read()).hexdigest())\n\
+             open('down.bin','wb').write(os.urandom(3_000_000))\n\
+             print(hashlib.sha256(open('down.bin','rb').read()).hexdigest())",
+        )
+        .await?;
+    let stdout = r["stdout"].as_str().context("stdout")?.to_owned();
+    let (up_hash, down_hash) = stdout.trim().split_once('\n').context("two hashes")?;
+    assert_eq!(up_hash, sha256_hex(&upload), "the upload arrived intact");
+    let response = v1
+        .request(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/files/down.bin"),
+        )
+        .send()
+        .await?;
+    assert_eq!(response.status(), 200);
+    let downloaded = response.bytes().await?;
+    assert_eq!(downloaded.len(), 3_000_000);
+    assert_eq!(
+        sha256_hex(&downloaded),
+        down_hash,
+        "the download arrived intact"
+    );
+
+    // Links the kernel planted: a download through one is refused, an upload through a
+    // linked directory lands nowhere.
+    v1.execute(
+        id,
+        "import os\nos.symlink('/etc/passwd', 'evil')\nos.symlink('/etc', 'etcdir')",
+    )
+    .await?;
+    let (status, body) = v1.get(&format!("/v1/sessions/{id}/files/evil")).await?;
+    assert!((400..500).contains(&status), "{status} {body}");
+    assert!(!body.to_string().contains("root:"), "{body}");
+    let status = v1.put_file(id, "etcdir/planted", b"x".to_vec()).await?;
+    assert!((400..500).contains(&status), "{status}");
+    let r = v1
+        .execute(id, "import os\nprint(os.path.exists('/etc/planted'))")
+        .await?;
+    assert_eq!(r["stdout"], "False\n", "{r}");
+
+    // The policy's workspace (16 MiB) bounds an upload (the disk fills first, or the
+    // gateway's count of the bytes stops it); nothing of it is left.
+    let status = v1
+        .put_file(id, "big.bin", vec![7u8; (16 << 20) + 4096])
+        .await?;
+    assert_eq!(status, 413);
+    let r = v1
+        .execute(
+            id,
+            "import os\nprint(sorted(n for n in os.listdir('.') if not n.startswith('.') or 'cellgate' in n))",
+        )
+        .await?;
+    assert_eq!(
+        r["stdout"], "['data', 'down.bin', 'etcdir', 'evil', 'outputs', 'up.bin']\n",
+        "{r}"
+    );
+    Ok(())
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
 /// The policy's limits and the kernel's life, as under the other backends: a timeout
 /// interrupts and keeps state, a restart boots a fresh VM, a fork loop stops at the pids
 /// limit with EAGAIN and the kernel lives, a kernel killed from inside is `sandbox_lost`
-/// while the gateway serves on, and the workspace-files API says plainly that microVM
-/// sessions have none yet.
+/// while the gateway serves on.
 #[tokio::test]
 async fn microvm_limits_timeouts_restarts_and_kernel_death() -> Result<()> {
     let port = test_server("unused").await?;
@@ -205,15 +342,6 @@ async fn microvm_limits_timeouts_restarts_and_kernel_death() -> Result<()> {
         v1.execute(&id, "kept").await?["result"],
         "'yes'",
         "the kernel lives"
-    );
-
-    let (status, body) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
-    assert_eq!(status, 501, "{body}");
-    assert!(
-        body["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("microvm")),
-        "{body}"
     );
 
     let (status, model) = v1

@@ -37,6 +37,8 @@ struct State {
     endpoints: Option<Endpoints>,
     cgroup: Option<PathBuf>,
     log: Option<PathBuf>,
+    /// The kernel's working directory: its workspace, which the file streams serve.
+    workspace: Option<PathBuf>,
 }
 
 /// A channel's socket inside the guest.
@@ -99,6 +101,12 @@ impl Kernel {
         Some(state.endpoints.as_ref()?.0[index].clone())
     }
 
+    /// The kernel's workspace, once a kernel was started (it outlives the kernel: the VM
+    /// and its disk go together).
+    pub fn workspace(&self) -> Option<PathBuf> {
+        self.state().workspace.clone()
+    }
+
     pub fn running(&self) -> bool {
         self.state().pid.is_some() && self.exit.borrow().is_none()
     }
@@ -113,6 +121,7 @@ impl Kernel {
         if self.init {
             prepare_workspace(cwd, start.uid, start.gid)?;
         }
+        state.workspace = Some(cwd.to_owned());
         let endpoints = match &start.connection {
             Some(connection) => {
                 let endpoints = endpoints(&connection.info)?;

@@ -1,4 +1,6 @@
 //! cellgate's guest agent, as a library: the protocol the gateway's microvm backend speaks
-//! with the agent. The agent itself is the `cellgate-agent` binary (src/main.rs).
+//! with the agent, and the workspace file operations both sides use. The agent itself is the
+//! `cellgate-agent` binary (src/main.rs).
 
 pub mod protocol;
+pub mod workspace;

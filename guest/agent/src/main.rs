@@ -11,6 +11,7 @@
 
 mod boot;
 mod egress;
+mod files;
 mod kernel;
 mod session;
 mod transport;

@@ -12,7 +12,10 @@
 //! - `channel` (host-opened, one per ZMQ connection): raw ZMTP bytes between a gateway socket
 //!   and the kernel's ipc socket of that channel in the guest; the agent parses none of it;
 //! - `egress` (guest-opened, one per TCP connection to the guest's proxy port): raw bytes to
-//!   the gateway's egress proxy, which applies the policy as it does for every backend.
+//!   the gateway's egress proxy, which applies the policy as it does for every backend;
+//! - `files` (host-opened, one per workspace operation, [`FileOp`]): the agent answers with
+//!   [`FileReply`] lines; a read's bytes follow its `size` line, a write's bytes follow the
+//!   open line in frames.
 //!
 //! Why a handshake before yamux: a guest restored from a snapshot meets a new gateway process
 //! on a virtio-serial port that never closed. The guest drops everything up to a `HELLO`
@@ -82,6 +85,68 @@ pub enum Open {
     Control,
     Channel { channel: Channel },
     Egress,
+    Files { op: FileOp },
+}
+
+/// A workspace file operation, on the kernel's workspace in the guest, with the rules of
+/// [`crate::workspace`] (paths checked, links never followed, files the kernel's).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "file_op", rename_all = "snake_case")]
+pub enum FileOp {
+    /// Everything below `dir`: [`FileReply::Entry`] lines, then [`FileReply::End`].
+    List { dir: String },
+    /// [`FileReply::Size`], then exactly that many bytes.
+    Read { path: String },
+    /// The bytes follow in frames (a 4-byte big-endian length, then that many bytes, at
+    /// most [`MAX_FILE_FRAME`]); an empty frame ends the file: [`FileReply::Written`], the
+    /// file in place. A stream that ends without it, or more than `limit` bytes, leaves
+    /// nothing ([`FileReply::Failed`] for the limit).
+    Write { path: String, limit: u64 },
+}
+
+/// The largest frame of a file write.
+pub const MAX_FILE_FRAME: u32 = 1 << 20;
+
+/// The agent's lines on a file stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "file", rename_all = "snake_case")]
+pub enum FileReply {
+    Entry(WireEntry),
+    End,
+    Size { bytes: u64 },
+    Written { bytes: u64 },
+    Failed(FileFailure),
+}
+
+/// One listed file, as it crosses the link.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireEntry {
+    pub path: String,
+    pub kind: String,
+    pub size: u64,
+    pub mtime_s: i64,
+    pub mtime_ns: i64,
+}
+
+/// Why a file operation failed, as the gateway reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileFailure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    BadPath,
+    NotFound,
+    Link,
+    NotAFile,
+    IsADirectory,
+    TooLarge,
+    NoSpace,
+    Unavailable,
+    Io,
 }
 
 /// The five Jupyter channels, named as the connection file names their ports.

@@ -1,5 +1,6 @@
 //! One agent session: the handshake, the yamux session over the transport, and what each
-//! stream the gateway opens is for (the control stream, the kernel's channels).
+//! stream the gateway opens is for (the control stream, the kernel's channels, workspace
+//! file operations).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,6 +91,10 @@ async fn serve_stream(stream: tokio_yamux::StreamHandle, kernel: Arc<Kernel>, in
         Open::Channel { channel } => bridge_channel(stream, &kernel, channel).await,
         // Egress streams are the guest's to open.
         Open::Egress => Ok(()),
+        Open::Files { op } => {
+            crate::files::serve(stream, kernel.workspace(), op).await;
+            Ok(())
+        }
     };
     if let Err(error) = result {
         eprintln!("cellgate-agent: stream ended: {error}");

@@ -59,7 +59,7 @@ impl Transport {
     pub async fn accept(&mut self) -> io::Result<Stream> {
         Ok(match self {
             Transport::Vsock => Stream {
-                io: Box::new(dial_host().await),
+                io: Box::new(SmallWrites(dial_host().await)),
                 eof_is_idle: false,
             },
             Transport::Serial(path) => Stream {
@@ -75,6 +75,48 @@ impl Transport {
 }
 
 /// Connects to the host's agent port, retrying until the host listens.
+/// The largest write handed to the guest's vsock socket.
+///
+/// Why: rust-vmm's vhost-device-vsock (0.3.0, the latest) lost bytes of large writes from
+/// the guest to the host (seen with 64 KiB writes under TCG: the gateway's yamux decoder then
+/// met file bytes where a frame header belonged and the session broke), while the same
+/// transfers in 8 KiB writes arrive intact. Its transmit path drops data it cannot buffer
+/// (`send_bytes`: "TODO: Terminate this connection"). Small writes keep every packet within
+/// what it handles; yamux completes partial writes by itself.
+const MAX_VSOCK_WRITE: usize = 8 << 10;
+
+/// A vsock stream whose writes are at most [`MAX_VSOCK_WRITE`] bytes.
+struct SmallWrites(tokio_vsock::VsockStream);
+
+impl AsyncRead for SmallWrites {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for SmallWrites {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let data = &data[..data.len().min(MAX_VSOCK_WRITE)];
+        Pin::new(&mut self.0).poll_write(cx, data)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
 async fn dial_host() -> tokio_vsock::VsockStream {
     let host = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_HOST, VSOCK_PORT);
     loop {

@@ -85,9 +85,9 @@ pub async fn upload(
     let writer_path = path.clone();
     let writer = tokio::task::spawn_blocking(move || -> Result<u64, ApiError> {
         let workspace = writer_session.open_workspace()?;
-        let mut upload = workspace.create(&writer_path)?;
+        let mut upload = workspace.create(&writer_path, limit)?;
         while let Some(chunk) = rx.blocking_recv() {
-            upload.write(&chunk, limit)?;
+            upload.write(&chunk)?;
         }
         Ok(upload.commit()?)
     });
@@ -119,6 +119,38 @@ pub async fn upload(
     Ok((StatusCode::CREATED, Json(Uploaded { path, bytes })).into_response())
 }
 
+/// The bytes of a blocking reader as a body stream: read on a blocking thread, a few
+/// chunks ahead of the client at most. The sandbox may grow the file meanwhile: what was
+/// there when it was opened (`size`) is sent.
+fn blocking_stream(
+    reader: Box<dyn std::io::Read + Send>,
+    size: u64,
+) -> impl futures_util::Stream<Item = std::io::Result<axum::body::Bytes>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::task::spawn_blocking(move || {
+        let mut reader = std::io::Read::take(reader, size);
+        loop {
+            let mut chunk = vec![0; STREAM_CHUNK];
+            let item = match std::io::Read::read(&mut reader, &mut chunk) {
+                Ok(0) => return,
+                Ok(n) => {
+                    chunk.truncate(n);
+                    Ok(axum::body::Bytes::from(chunk))
+                }
+                Err(error) => Err(error),
+            };
+            let failed = item.is_err();
+            // The client went away, or the reader failed: stop either way.
+            if tx.blocking_send(item).is_err() || failed {
+                return;
+            }
+        }
+    });
+    futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
+}
+
 /// Download a file.
 #[utoipa::path(get, path = "/v1/sessions/{id}/files/{path}", tag = "files",
     params(("id" = String, Path), ("path" = String, Path)),
@@ -130,18 +162,13 @@ pub async fn download(
 ) -> Result<Response, ApiError> {
     let session = session_for(&state, &principal, &id)?;
     let open_path = path.clone();
-    let (file, size) = tokio::task::spawn_blocking(move || {
+    let (reader, size) = tokio::task::spawn_blocking(move || {
         let workspace = session.open_workspace()?;
         workspace.open_read(&open_path)
     })
     .await
     .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
-    // The sandbox may grow the file meanwhile: send what was there when it was opened.
-    let file = tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(file), size);
-    let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
-        file,
-        STREAM_CHUNK,
-    ));
+    let body = Body::from_stream(blocking_stream(reader, size));
     let mut response = (StatusCode::OK, body).into_response();
     let headers = response.headers_mut();
     // Downloads are never rendered in the gateway's origin: attachment, nosniff, sandbox.

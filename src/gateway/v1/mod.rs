@@ -113,7 +113,6 @@ impl From<WorkspaceError> for ApiError {
                 ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string())
             }
             E::Unavailable => ApiError::new(StatusCode::CONFLICT, err.to_string()),
-            E::NotServed(_) => ApiError::new(StatusCode::NOT_IMPLEMENTED, err.to_string()),
             E::Io { .. } => {
                 tracing::error!(%err, "workspace operation failed");
                 ApiError::new(

@@ -162,8 +162,8 @@ async fn write_initial_files(
     tokio::task::spawn_blocking(move || -> Result<(), ApiError> {
         let workspace = session.open_workspace()?;
         for (path, bytes) in files {
-            let mut upload = workspace.create(&path)?;
-            upload.write(&bytes, limit)?;
+            let mut upload = workspace.create(&path, limit)?;
+            upload.write(&bytes)?;
             upload.commit()?;
         }
         Ok(())

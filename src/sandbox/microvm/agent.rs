@@ -175,9 +175,17 @@ impl Agent {
         &self,
         channel: Channel,
     ) -> Result<tokio_yamux::StreamHandle, MicrovmError> {
+        self.open_stream(&Open::Channel { channel }).await
+    }
+
+    /// A new stream for `what`.
+    pub async fn open_stream(
+        &self,
+        what: &Open,
+    ) -> Result<tokio_yamux::StreamHandle, MicrovmError> {
         tokio::time::timeout(REPLY_TIMEOUT, async {
             let mut streams = self.streams.lock().await;
-            open(&mut streams, &Open::Channel { channel }).await
+            open(&mut streams, what).await
         })
         .await
         .map_err(|_| MicrovmError::Agent("the guest does not take new streams".into()))?

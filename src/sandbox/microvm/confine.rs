@@ -40,7 +40,7 @@ use parking_lot::Mutex;
 use crate::sandbox::cgroups::{self, Hierarchy, KernelCgroup};
 use crate::sandbox::{Limits, ResourceUsage};
 
-/// The first uid/gid given to VMMs under a root gateway; [`IDENTITY_SLOTS`] follow. Above
+/// The first uid/gid given to VMMs under a root gateway; 2^20 follow. Above
 /// the ranges distributions give users, subordinate ids (`/etc/subuid`) and systemd's
 /// containers (up to 0x6FFFFFFF), below systemd's reserved top of the 31-bit space.
 pub const IDENTITY_BASE: u32 = 0x7700_0000;

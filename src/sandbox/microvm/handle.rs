@@ -23,6 +23,7 @@ use tokio::sync::watch;
 
 use super::agent::Agent;
 use super::confine::Jail;
+use super::files::AgentFiles;
 use crate::sandbox::{
     ExitCause, ExitReason, ExitReport, ResourceUsage, SandboxError, SandboxHandle,
 };
@@ -33,6 +34,7 @@ const POWEROFF_GRACE: Duration = Duration::from_secs(2);
 pub(super) struct MicrovmHandle {
     vmm_pid: u32,
     agent: OnceLock<Arc<Agent>>,
+    files: OnceLock<Arc<AgentFiles>>,
     /// The VMM is gone (never signal a pid that may have been reused).
     exited: Arc<AtomicBool>,
     /// The gateway ended the VMM on purpose.
@@ -46,13 +48,20 @@ impl MicrovmHandle {
         MicrovmHandle {
             vmm_pid,
             agent: OnceLock::new(),
+            files: OnceLock::new(),
             exited: Arc::new(AtomicBool::new(false)),
             killed: AtomicBool::new(false),
             jail,
         }
     }
 
+    /// The agent, once the kernel started. Called on the runtime, whose handle the file
+    /// operations (on blocking threads) drive their streams with.
     pub(super) fn attach(&self, agent: Arc<Agent>) {
+        let _ = self.files.set(Arc::new(AgentFiles::new(
+            agent.clone(),
+            tokio::runtime::Handle::current(),
+        )));
         let _ = self.agent.set(agent);
     }
 
@@ -111,6 +120,15 @@ impl SandboxHandle for MicrovmHandle {
     /// The workspace is a disk inside the VM; the gateway has no path to it.
     fn workspace_root(&self, _workspace: &Path) -> Option<(PathBuf, PathBuf)> {
         None
+    }
+
+    /// The agent serves the workspace, while the VM runs.
+    fn guest_files(&self) -> Option<Arc<dyn crate::workspace::GuestFiles>> {
+        if self.exited.load(Ordering::SeqCst) {
+            return None;
+        }
+        let files: Arc<dyn crate::workspace::GuestFiles> = self.files.get()?.clone();
+        Some(files)
     }
 
     fn alive(&self) -> bool {

@@ -39,6 +39,7 @@ mod agent;
 mod channels;
 mod confine;
 pub mod diagnose;
+mod files;
 mod handle;
 pub mod image;
 pub mod link;
