@@ -308,7 +308,38 @@ fn kernel_ids(list: &Value) -> Vec<String> {
 #[tokio::test]
 async fn jupyter_server_in_gateway_mode_drives_cellgate() -> Result<()> {
     let gateway = Gateway::start().await?;
-    let lab = JupyterServer::start(&gateway).await?;
+    drive_through_jupyter_server(&gateway).await
+}
+
+/// The same path with the kernel in a microVM (`--sandbox microvm`, emulation allowed on
+/// CI's machines): JupyterLab needs nothing else for a VM kernel, interrupt and restart
+/// (a fresh VM) included.
+#[tokio::test]
+async fn jupyter_server_in_gateway_mode_drives_a_microvm_kernel() -> Result<()> {
+    let mut builder = Gateway::builder().arg("--microvm-allow-emulation");
+    match forced_sandbox() {
+        Some(forced) if forced != "microvm" => anyhow::bail!(
+            "this test is about the microvm backend, but CELLGATE_TEST_SANDBOX={forced} forces another"
+        ),
+        Some(_) => {}
+        None => builder = builder.args(&["--sandbox", "microvm"]),
+    }
+    let gateway = builder.start().await?;
+    drive_through_jupyter_server(&gateway).await?;
+    let log = regex::Regex::new("\x1b\\[[0-9;]*m")?
+        .replace_all(&gateway.log(), "")
+        .into_owned();
+    assert!(
+        log.contains("backend=\"microvm\""),
+        "the kernels ran in microVMs:\n{log}"
+    );
+    Ok(())
+}
+
+/// Opens a notebook through jupyter_server in front of `gateway`, runs, interrupts,
+/// restarts and closes it as the JupyterLab frontend does.
+async fn drive_through_jupyter_server(gateway: &Gateway) -> Result<()> {
+    let lab = JupyterServer::start(gateway).await?;
     let context = |what: &str| format!("{what}\n--- jupyter_server log:\n{}", lab.log());
 
     // Kernelspecs come from cellgate.
