@@ -49,14 +49,16 @@ impl Files {
         }
     }
 
-    pub fn open_read(&self, path: &str) -> Result<(Box<dyn Read + Send>, u64), WorkspaceError> {
+    pub fn open_read(&self, path: &str) -> Result<(FileReader, u64), WorkspaceError> {
         match self {
             Files::Local(workspace) => workspace
                 .open_read(path)
-                .map(|(file, size)| (Box::new(file) as Box<dyn Read + Send>, size)),
+                .map(|(file, size)| (FileReader::Local(file), size)),
             Files::Guest(files) => {
                 check_path(path)?;
-                files.open_read(path)
+                files
+                    .open_read(path)
+                    .map(|(reader, size)| (FileReader::Guest(reader), size))
             }
         }
     }
@@ -77,6 +79,22 @@ impl Files {
                 }
             }
         })
+    }
+}
+
+/// A file's bytes: a host file (which async code can read without a blocking thread) or a
+/// guest's stream.
+pub enum FileReader {
+    Local(std::fs::File),
+    Guest(Box<dyn Read + Send>),
+}
+
+impl Read for FileReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            FileReader::Local(file) => file.read(buf),
+            FileReader::Guest(reader) => reader.read(buf),
+        }
     }
 }
 

@@ -1389,6 +1389,41 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
         "a partial upload was left: {listing}"
     );
     assert_eq!(v1.put_file(&id, "fits.bin", vec![0u8; 1 << 20]).await?, 201);
+
+    // A client that goes away halfway through replacing a file: the old file stays, and
+    // no part of the new one is left (the body never completed).
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", gateway.port)).await?;
+    let head = format!(
+        "PUT /v1/sessions/{id}/files/fits.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+         Authorization: token {}\r\nContent-Length: {}\r\n\r\n",
+        gateway.token.clone().unwrap_or_default(),
+        1 << 20
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(&[b'y'; 300 << 10]).await?;
+    stream.flush().await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(stream);
+    let mut kept = None;
+    for _ in 0..50 {
+        let (_, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+        let entries = listing.as_array().context("listing")?.clone();
+        if !entries.iter().any(|e| {
+            e["path"]
+                .as_str()
+                .unwrap_or_default()
+                .contains(".cellgate-upload")
+        }) {
+            kept = entries.into_iter().find(|e| e["path"] == "fits.bin");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let kept = kept.context("fits.bin is gone, or a partial upload stayed")?;
+    assert_eq!(kept["size"], 1 << 20, "the old file was replaced: {kept}");
+    let (status, body) = v1.get(&format!("/v1/sessions/{id}/files/fits.bin")).await?;
+    assert_eq!(status, 200);
+    assert!(!body.to_string().contains('y'), "the old content stays");
     Ok(())
 }
 

@@ -307,6 +307,21 @@ pub async fn read_line<R: AsyncBufRead + Unpin>(
     }
 }
 
+/// Reads one JSON line of at most `max` bytes; `None` at end of stream.
+pub async fn read_json_capped<T, R>(reader: &mut R, max: usize) -> Result<Option<T>, ProtocolError>
+where
+    T: for<'de> Deserialize<'de>,
+    R: AsyncBufRead + Unpin,
+{
+    match read_line(reader, max).await? {
+        Some(line) => Ok(Some(serde_json::from_str(&line)?)),
+        None => Ok(None),
+    }
+}
+
+/// The longest line of a file stream: a path of 4096 bytes, escaped, and the rest.
+pub const MAX_FILE_LINE: usize = 16 * 1024;
+
 /// Reads one JSON line; `None` at end of stream.
 pub async fn read_json<T, R>(reader: &mut R) -> Result<Option<T>, ProtocolError>
 where

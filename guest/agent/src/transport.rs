@@ -74,15 +74,16 @@ impl Transport {
     }
 }
 
-/// Connects to the host's agent port, retrying until the host listens.
 /// The largest write handed to the guest's vsock socket.
 ///
 /// Why: rust-vmm's vhost-device-vsock (0.3.0, the latest) lost bytes of large writes from
 /// the guest to the host (seen with 64 KiB writes under TCG: the gateway's yamux decoder then
 /// met file bytes where a frame header belonged and the session broke), while the same
-/// transfers in 8 KiB writes arrive intact. Its transmit path drops data it cannot buffer
-/// (`send_bytes`: "TODO: Terminate this connection"). Small writes keep every packet within
-/// what it handles; yamux completes partial writes by itself.
+/// transfers in 8 KiB writes arrived intact in every test. Its transmit path drops a packet
+/// it cannot buffer (`send_bytes`: "TODO: Terminate this connection"): small writes make
+/// that rarer, not impossible. A lost packet breaks the session, which the gateway reports
+/// as the sandbox failing (never as corrupted data). The fix belongs upstream; yamux
+/// completes partial writes by itself.
 const MAX_VSOCK_WRITE: usize = 8 << 10;
 
 /// A vsock stream whose writes are at most [`MAX_VSOCK_WRITE`] bytes.
@@ -117,6 +118,7 @@ impl AsyncWrite for SmallWrites {
     }
 }
 
+/// Connects to the host's agent port, retrying until the host listens.
 async fn dial_host() -> tokio_vsock::VsockStream {
     let host = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_HOST, VSOCK_PORT);
     loop {

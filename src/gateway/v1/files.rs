@@ -16,7 +16,7 @@ use super::{session_for, ApiError, STREAM_CHUNK};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::sessions::Session;
-use crate::workspace::{mime_for, FileEntry};
+use crate::workspace::{mime_for, FileEntry, FileReader};
 
 /// Largest upload: the policy's `upload_size`, and never more than its workspace.
 pub fn upload_limit(state: &AppState, session: &Session) -> u64 {
@@ -79,24 +79,30 @@ pub async fn upload(
     crate::workspace::check_path(&path)?;
     let limit = upload_limit(&state, &session);
     // The body streams through a bounded channel into a blocking writer: never more than
-    // a few chunks in memory, whatever the upload's size.
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<axum::body::Bytes>(8);
+    // a few chunks in memory, whatever the upload's size. `None` says the body is complete:
+    // a channel that closes without it (the client went away, the request was dropped)
+    // leaves nothing, never a truncated file in place of the old one.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Option<axum::body::Bytes>>(8);
     let writer_session: Arc<Session> = session.clone();
     let writer_path = path.clone();
     let writer = tokio::task::spawn_blocking(move || -> Result<u64, ApiError> {
         let workspace = writer_session.open_workspace()?;
         let mut upload = workspace.create(&writer_path, limit)?;
-        while let Some(chunk) = rx.blocking_recv() {
-            upload.write(&chunk)?;
+        loop {
+            match rx.blocking_recv() {
+                Some(Some(chunk)) => upload.write(&chunk)?,
+                Some(None) => return Ok(upload.commit()?),
+                // Dropping the upload removes the partial file.
+                None => return Err(ApiError::bad_request("upload interrupted")),
+            }
         }
-        Ok(upload.commit()?)
     });
     let mut stream = body.into_data_stream();
     let mut failed = None;
     while let Some(chunk) = stream.next().await {
         match chunk {
             Ok(chunk) => {
-                if tx.send(chunk).await.is_err() {
+                if tx.send(Some(chunk)).await.is_err() {
                     break; // the writer stopped: its error says why
                 }
             }
@@ -107,11 +113,13 @@ pub async fn upload(
         }
     }
     if let Some(err) = failed {
-        // Dropping the writer's upload removes the partial file.
+        // The writer sees the channel close without the end: it keeps nothing.
         drop(tx);
-        writer.abort();
+        let _ = writer.await;
         return Err(err);
     }
+    // The body is complete (a writer that stopped early has its error to say).
+    let _ = tx.send(None).await;
     drop(tx);
     let bytes = writer
         .await
@@ -119,9 +127,8 @@ pub async fn upload(
     Ok((StatusCode::CREATED, Json(Uploaded { path, bytes })).into_response())
 }
 
-/// The bytes of a blocking reader as a body stream: read on a blocking thread, a few
-/// chunks ahead of the client at most. The sandbox may grow the file meanwhile: what was
-/// there when it was opened (`size`) is sent.
+/// The bytes of a blocking reader (a guest's file stream) as a body stream: read on a
+/// blocking thread, a few chunks ahead of the client at most, `size` bytes at most.
 fn blocking_stream(
     reader: Box<dyn std::io::Read + Send>,
     size: u64,
@@ -168,7 +175,14 @@ pub async fn download(
     })
     .await
     .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
-    let body = Body::from_stream(blocking_stream(reader, size));
+    let body = match reader {
+        // The sandbox may grow the file meanwhile: what was there when it was opened.
+        FileReader::Local(file) => Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
+            tokio::io::AsyncReadExt::take(tokio::fs::File::from_std(file), size),
+            STREAM_CHUNK,
+        )),
+        FileReader::Guest(reader) => Body::from_stream(blocking_stream(reader, size)),
+    };
     let mut response = (StatusCode::OK, body).into_response();
     let headers = response.headers_mut();
     // Downloads are never rendered in the gateway's origin: attachment, nosniff, sandbox.

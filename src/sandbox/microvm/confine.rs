@@ -4,7 +4,7 @@
 //! device emulation holds whatever QEMU holds. So each VM's VMM and its vsock device backend
 //! start (between fork and exec, before any instruction of theirs runs):
 //!
-//! - **in a cgroup of their own** (`<gateway's cgroup>/cellgate/<kernel>.vmm-…`, the shared
+//! - **in a cgroup of their own** (`<gateway's cgroup>/cellgate/<kernel>.vm-…`, the shared
 //!   [`crate::sandbox::cgroups`]): memory = the guest's RAM plus the VMM's own overhead, CPU
 //!   quota = the policy's CPUs, a pid limit; the gateway reads the VM's cost there and
 //!   removes it when the VM is gone;
@@ -14,7 +14,10 @@
 //!   is handed to that uid and its parent stays root's 0700, so the VMM reaches its own
 //!   files only, through its working directory (every path the VMM is given in there is
 //!   relative). An unprivileged gateway cannot change uid: its VMMs get a user namespace
-//!   mapping only the gateway's ids, which leaves them no capability over the host;
+//!   mapping only the gateway's ids, which leaves them no capability over the host but
+//!   the gateway's own uid: a VMM broken out of can then signal the gateway, read its
+//!   environment and reach every session's files. Run the gateway as root (it drops
+//!   every VMM to its own uid) where the VM boundary matters;
 //! - **in network, IPC and UTS namespaces of their own**: no interface but a down
 //!   loopback, no host abstract sockets, no host System V IPC;
 //! - **with resource limits**: open files ([`NOFILE`]), file size ([`fsize`]: the workspace
@@ -131,7 +134,8 @@ impl Confiner {
             let slot = self.identities.take()?;
             let id = IDENTITY_BASE + slot;
             for path in std::iter::once(dir).chain(files.iter().copied()) {
-                std::os::unix::fs::chown(path, Some(id), Some(id)).map_err(|source| {
+                // lchown: a link is never followed, whoever put it there.
+                std::os::unix::fs::lchown(path, Some(id), Some(id)).map_err(|source| {
                     self.identities.give_back(slot);
                     ConfineError::Chown {
                         path: path.display().to_string(),
@@ -155,13 +159,15 @@ impl Confiner {
                 gid_map: format!("{gid} {gid} 1\n").into_bytes(),
             }
         };
+        // As for the namespaces backend's kernels: a host that will not give the gateway a
+        // cgroup (none delegated, or v2's rule against processes in an inner cgroup)
+        // still runs VMs, loudly without host limits.
         let cgroup = match self.hierarchy.create(name, limits) {
             Ok(cgroup) => Some(cgroup),
-            Err(cgroups::CgroupError::Unavailable(reason)) => {
-                tracing::warn!(%reason, vm = name, "microvm: no cgroup for the VMM: its memory, CPU and pid limits are NOT enforced on the host (the guest's own limits still hold)");
+            Err(error) => {
+                tracing::warn!(%error, vm = name, "microvm: no cgroup for the VMM: its memory, CPU and pid limits are NOT enforced on the host (the guest's own limits still hold)");
                 None
             }
-            Err(error) => return Err(error.into()),
         };
         let cgroup_procs = cgroup
             .as_ref()
@@ -174,7 +180,7 @@ impl Confiner {
             })
             .unwrap_or_default();
         Ok(Jail {
-            cgroup,
+            cgroup: parking_lot::Mutex::new(cgroup),
             plan: Arc::new(ChildPlan {
                 cgroup_procs,
                 identity,
@@ -234,10 +240,22 @@ struct ChildPlan {
     fsize: u64,
 }
 
-/// One VM's confinement, alive as long as its processes may be.
+/// One VM's confinement, alive as long as its processes may be. Dropped without
+/// [`Jail::release`] (a launch abandoned midway), it removes its cgroup, killing what is
+/// in it, on a thread of its own.
 pub(super) struct Jail {
-    cgroup: Option<KernelCgroup>,
+    cgroup: parking_lot::Mutex<Option<KernelCgroup>>,
     plan: Arc<ChildPlan>,
+}
+
+impl Drop for Jail {
+    fn drop(&mut self) {
+        if let Some(cgroup) = self.cgroup.get_mut().take() {
+            let _ = std::thread::Builder::new()
+                .name("cellgate-vm-cgroup".to_owned())
+                .spawn(move || cgroup.remove());
+        }
+    }
 }
 
 impl Jail {
@@ -263,12 +281,13 @@ impl Jail {
 
     /// What the VM costs the host (VMM and device backend together), where its cgroup says.
     pub(super) fn usage(&self) -> Option<ResourceUsage> {
-        self.cgroup.as_ref().map(KernelCgroup::usage)
+        self.cgroup.lock().as_ref().map(KernelCgroup::usage)
     }
 
     /// How many times the host's OOM killer acted in the VM's cgroup.
     pub(super) fn oom_kills(&self) -> u64 {
         self.cgroup
+            .lock()
             .as_ref()
             .and_then(KernelCgroup::oom_kills)
             .unwrap_or(0)
@@ -277,7 +296,8 @@ impl Jail {
     /// Removes the cgroup, killing what is left in it (the identity is free once the jail
     /// is dropped). Blocking.
     pub(super) fn release(&self) {
-        if let Some(cgroup) = &self.cgroup {
+        let cgroup = self.cgroup.lock().take();
+        if let Some(cgroup) = cgroup {
             cgroup.remove();
         }
     }

@@ -11,15 +11,25 @@ use std::io::Read;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellgate_agent::protocol::{read_json, FileOp, FileReply, Open, MAX_FILE_FRAME};
+use cellgate_agent::protocol::{
+    read_json_capped, FileOp, FileReply, Open, MAX_FILE_FRAME, MAX_FILE_LINE,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, WriteHalf};
 use tokio::runtime::Handle;
 
 use super::agent::Agent;
-use crate::workspace::{FileEntry, GuestFiles, GuestUpload, WorkspaceError, MAX_LIST_ENTRIES};
+use crate::workspace::{
+    check_path, FileEntry, GuestFiles, GuestUpload, WorkspaceError, MAX_LIST_ENTRIES,
+};
 
 /// How long the guest may take for one step (a line, a chunk) of a file operation.
 const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest a download from the guest may take, all of it: a guest that trickles its
+/// bytes, each within [`STEP_TIMEOUT`], cannot hold a gateway thread for hours.
+const READ_DEADLINE: Duration = Duration::from_secs(600);
+/// The most a listing may weigh, all its lines together (10,000 ordinary entries are
+/// about 1 MiB).
+const MAX_LISTING_BYTES: usize = 8 << 20;
 
 type FileStream = BufReader<tokio_yamux::StreamHandle>;
 
@@ -44,10 +54,10 @@ impl AgentFiles {
 
     /// The guest's next line on `stream`, within the step deadline.
     fn reply(&self, stream: &mut FileStream) -> Result<FileReply, WorkspaceError> {
-        match self
-            .runtime
-            .block_on(tokio::time::timeout(STEP_TIMEOUT, read_json(stream)))
-        {
+        match self.runtime.block_on(tokio::time::timeout(
+            STEP_TIMEOUT,
+            read_json_capped(stream, MAX_FILE_LINE),
+        )) {
             Ok(Ok(Some(reply))) => Ok(reply),
             Ok(Ok(None)) => Err(guest_error("the guest ended the file stream".to_owned())),
             Ok(Err(error)) => Err(guest_error(error.to_string())),
@@ -73,12 +83,28 @@ impl GuestFiles for AgentFiles {
             dir: dir.to_owned(),
         })?;
         let mut entries = Vec::new();
+        let mut weight = 0;
+        let prefix = dir.trim_matches('/');
         loop {
             match self.reply(&mut stream)? {
                 FileReply::Entry(entry) => {
                     // The guest's own listing stops there too; past it, stop reading.
-                    if entries.len() >= MAX_LIST_ENTRIES {
+                    weight += entry.path.len() + 64;
+                    if entries.len() >= MAX_LIST_ENTRIES || weight > MAX_LISTING_BYTES {
                         return Ok(entries);
+                    }
+                    // A path the gateway would refuse from a client, or outside the
+                    // directory asked for, is the guest's invention.
+                    let inside = prefix.is_empty()
+                        || entry
+                            .path
+                            .strip_prefix(prefix)
+                            .is_some_and(|rest| rest.starts_with('/'));
+                    if check_path(&entry.path).is_err() || !inside {
+                        return Err(guest_error(format!(
+                            "the guest listed {:?} in {dir:?}",
+                            entry.path.chars().take(200).collect::<String>()
+                        )));
                     }
                     entries.push(FileEntry::from_wire(entry));
                 }
@@ -101,6 +127,7 @@ impl GuestFiles for AgentFiles {
                     stream,
                     left: bytes,
                     runtime: self.runtime.clone(),
+                    deadline: tokio::time::Instant::now() + READ_DEADLINE,
                 }),
                 bytes,
             )),
@@ -128,6 +155,7 @@ struct GuestReader {
     stream: FileStream,
     left: u64,
     runtime: Handle,
+    deadline: tokio::time::Instant,
 }
 
 impl Read for GuestReader {
@@ -140,8 +168,9 @@ impl Read for GuestReader {
             .min(usize::try_from(self.left).unwrap_or(usize::MAX));
         let n = self
             .runtime
-            .block_on(tokio::time::timeout(
-                STEP_TIMEOUT,
+            .block_on(tokio::time::timeout_at(
+                self.deadline
+                    .min(tokio::time::Instant::now() + STEP_TIMEOUT),
                 self.stream.read(&mut buf[..want]),
             ))
             .map_err(|_| std::io::Error::other("the guest stopped sending the file"))??;
@@ -164,7 +193,10 @@ impl Read for GuestReader {
 /// the first window); the guest answers early only to refuse (a full disk).
 struct AgentUpload {
     writer: WriteHalf<tokio_yamux::StreamHandle>,
-    answer: tokio::task::JoinHandle<Result<FileReply, WorkspaceError>>,
+    /// The reader task; `None` once its answer was taken.
+    answer: Option<tokio::task::JoinHandle<Result<FileReply, WorkspaceError>>>,
+    /// The bytes sent, by the gateway's own count.
+    sent: u64,
     runtime: Handle,
     path: String,
     limit: u64,
@@ -176,7 +208,7 @@ impl AgentUpload {
         let (reader, writer) = tokio::io::split(stream.into_inner());
         let mut reader = BufReader::new(reader);
         let answer = runtime.spawn(async move {
-            match read_json(&mut reader).await {
+            match read_json_capped(&mut reader, MAX_FILE_LINE).await {
                 Ok(Some(reply)) => Ok(reply),
                 Ok(None) => Err(guest_error("the guest ended the file stream".to_owned())),
                 Err(error) => Err(guest_error(error.to_string())),
@@ -184,7 +216,8 @@ impl AgentUpload {
         });
         AgentUpload {
             writer,
-            answer,
+            answer: Some(answer),
+            sent: 0,
             runtime,
             path,
             limit,
@@ -204,7 +237,9 @@ impl AgentUpload {
     fn send(&mut self, frame: &[u8]) -> Result<(), WorkspaceError> {
         let length = u32::try_from(frame.len()).unwrap_or(u32::MAX);
         let writer = &mut self.writer;
-        let answer = &mut self.answer;
+        let Some(answer) = self.answer.as_mut() else {
+            return Err(guest_error("the guest already answered".to_owned()));
+        };
         let sent = self.runtime.block_on(async {
             let write = async {
                 writer.write_u32(length).await?;
@@ -217,8 +252,14 @@ impl AgentUpload {
                 reply = answer => Err(reply),
             }
         });
+        if sent.is_err() {
+            self.answer = None;
+        }
         match sent {
-            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Ok(()))) => {
+                self.sent += frame.len() as u64;
+                Ok(())
+            }
             Ok(Ok(Err(error))) => Err(guest_error(format!("sending the file: {error}"))),
             Ok(Err(_)) => Err(guest_error("the guest stopped taking the file".to_owned())),
             Err(reply) => Err(self
@@ -232,7 +273,9 @@ impl AgentUpload {
 impl Drop for AgentUpload {
     fn drop(&mut self) {
         // The reader holds half the stream: without it the stream is dropped, and reset.
-        self.answer.abort();
+        if let Some(answer) = &self.answer {
+            answer.abort();
+        }
     }
 }
 
@@ -246,12 +289,16 @@ impl GuestUpload for AgentUpload {
 
     fn commit(mut self: Box<Self>) -> Result<u64, WorkspaceError> {
         self.send(&[])?;
-        let answer = &mut self.answer;
+        let Some(answer) = self.answer.as_mut() else {
+            return Err(guest_error("the guest already answered".to_owned()));
+        };
         let reply = self
             .runtime
             .block_on(tokio::time::timeout(STEP_TIMEOUT, answer));
+        self.answer = None;
         match reply {
-            Ok(Ok(Ok(FileReply::Written { bytes }))) => Ok(bytes),
+            // The gateway's own count: the guest's word is not needed.
+            Ok(Ok(Ok(FileReply::Written { .. }))) => Ok(self.sent),
             Ok(Ok(reply)) => Err(self.failure(reply)),
             Ok(Err(_)) => Err(guest_error("the file stream's reader failed".to_owned())),
             Err(_) => Err(guest_error("the guest did not answer in time".to_owned())),
@@ -267,7 +314,8 @@ mod tests {
     use std::future::Future;
 
     use cellgate_agent::protocol::{
-        self, parse_hello, read_line, ready, write_json, FailureKind, FileFailure, WireEntry,
+        self, parse_hello, read_json, read_line, ready, write_json, FailureKind, FileFailure,
+        WireEntry,
     };
     use futures_util::StreamExt;
 

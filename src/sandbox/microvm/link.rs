@@ -99,7 +99,7 @@ impl Link {
                 // The backend connects to it as the VMM's uid: connecting needs write
                 // permission on the socket.
                 if let Some(uid) = jail.uid() {
-                    std::os::unix::fs::chown(&port, Some(uid), Some(uid))
+                    std::os::unix::fs::lchown(&port, Some(uid), Some(uid))
                         .map_err(|e| MicrovmError::Start(format!("the agent's vsock port: {e}")))?;
                 }
                 let mut command = spawner_command(backend, dir, log)?;

@@ -492,7 +492,9 @@ fn default_transport(guest_dir: &Path) -> link::Transport {
 }
 
 /// Makes `command` a plain child of the backend: nothing of the gateway's environment, no
-/// stdin, output to the kernel's log, working directory `dir`.
+/// stdin, output to the kernel's log, working directory `dir`, killed when its handle is
+/// dropped: the exit watch holds it until it is reaped, so only a launch abandoned midway
+/// (its request's future dropped) drops it early, and must not leave a VM behind.
 fn plain_child(
     command: &mut tokio::process::Command,
     dir: &Path,
@@ -510,7 +512,7 @@ fn plain_child(
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log_err)
-        .kill_on_drop(false);
+        .kill_on_drop(true);
     Ok(())
 }
 
