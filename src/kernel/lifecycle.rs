@@ -236,6 +236,11 @@ impl Kernel {
             log_file: self.dirs.root.join("kernel.log"),
             limits: self.options.limits.clone(),
             egress_socket,
+            allow_emulation: self
+                .options
+                .policy
+                .as_ref()
+                .is_some_and(|policy| policy.allow_emulation),
         };
         let launched = self.sandbox.launch(&spec).await?;
         tracing::info!(kernel_id = %self.id, generation, backend = self.sandbox.backend().as_str(), pid = ?launched.handle.pid(), "kernel process launched");

@@ -13,7 +13,7 @@ use super::lifecycle::{Kernel, KernelOptions, Readiness};
 use super::spec::KernelSpecs;
 use super::KernelError;
 use crate::policy::{Policies, Policy};
-use crate::sandbox::{Backends, Limits};
+use crate::sandbox::{Backends, Limits, SandboxError};
 
 /// The environment variable (from the start request) that names a kernel's policy.
 /// GatewayClient forwards every `KERNEL_*` variable of the lab server's environment, so a
@@ -248,14 +248,13 @@ impl KernelManager {
             pids: Some(policy.limits.pids),
             workspace_bytes: Some(policy.limits.workspace_bytes),
         };
-        let sandbox =
-            self.backends
-                .get(policy.backend)
-                .map_err(|err| KernelError::BackendUnavailable {
-                    policy: policy.name.clone(),
-                    backend: self.backends.forced().unwrap_or(policy.backend).as_str(),
-                    reason: err.to_string(),
-                })?;
+        let backend = self.backends.forced().unwrap_or(policy.backend).as_str();
+        let unavailable = |err: SandboxError| KernelError::BackendUnavailable {
+            policy: policy.name.clone(),
+            backend,
+            reason: err.to_string(),
+        };
+        let sandbox = self.backends.get(policy.backend).map_err(unavailable)?;
         let id = uuid::Uuid::new_v4().to_string();
         let dirs = KernelDirs::create(&self.options.runtime_root, &id)?;
         let started = Kernel::start(
@@ -267,7 +266,12 @@ impl KernelManager {
             client_env,
             options,
         )
-        .await;
+        .await
+        .map_err(|err| match err {
+            // The backend exists but will not run this policy's kernels here.
+            KernelError::Sandbox(err) if err.is_refusal() => unavailable(err),
+            other => other,
+        });
         if started.is_err() {
             dirs.remove();
         }

@@ -65,6 +65,10 @@ struct PolicyFile {
 #[serde(deny_unknown_fields)]
 struct SandboxSection {
     backend: Option<Backend>,
+    /// microvm only: this policy's VMs may run under software emulation where the host
+    /// has no usable KVM (the gateway's `--microvm-allow-emulation` allows it for all).
+    #[serde(default)]
+    allow_emulation: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -155,6 +159,8 @@ pub struct Policy {
     pub name: String,
     pub description: String,
     pub backend: Backend,
+    /// `[sandbox] allow_emulation`: this policy's microVMs may run under emulation.
+    pub allow_emulation: bool,
     pub limits: PolicyLimits,
     /// Hosts reachable through the egress proxy (none by default).
     pub egress: EgressRules,
@@ -241,10 +247,19 @@ impl Policy {
             access::egress_rules(file.egress).map_err(|(field, why)| invalid(path, field, why))?;
         let packages = access::package_rules(file.packages)
             .map_err(|(field, why)| invalid(path, field, why))?;
+        let backend = file.sandbox.backend.unwrap_or(Backend::Namespaces);
+        if file.sandbox.allow_emulation && backend != Backend::Microvm {
+            return Err(invalid(
+                path,
+                "sandbox.allow_emulation",
+                "only the microvm backend runs under emulation",
+            ));
+        }
         Ok(Policy {
             name: name.to_owned(),
             description: file.description.unwrap_or_default(),
-            backend: file.sandbox.backend.unwrap_or(Backend::Namespaces),
+            backend,
+            allow_emulation: file.sandbox.allow_emulation,
             limits,
             egress,
             packages,
@@ -374,6 +389,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("docker"), "{err}");
+        let err = parse("[sandbox]\nallow_emulation = true\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sandbox.allow_emulation"), "{err}");
+        let p = parse("[sandbox]\nbackend = \"microvm\"\nallow_emulation = true\n").unwrap();
+        assert!(p.allow_emulation);
+        assert!(
+            !parse("[sandbox]\nbackend = \"microvm\"\n")
+                .unwrap()
+                .allow_emulation
+        );
     }
 
     #[test]

@@ -157,6 +157,7 @@ async fn probe_in(sandbox: &dyn Sandbox, dir: &Path, program: &str) -> Result<Du
         log_file: dir.join("probe.log"),
         limits: Limits::default(),
         egress_socket: None,
+        allow_emulation: false,
     };
     let started = Instant::now();
     let launched = sandbox.launch(&spec).await.map_err(|e| e.to_string())?;

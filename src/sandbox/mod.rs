@@ -213,6 +213,8 @@ pub struct LaunchSpec {
     /// backend gives the kernel its way to it (the namespaces bridge). The sandbox knows
     /// nothing else of the proxy.
     pub egress_socket: Option<PathBuf>,
+    /// The policy lets a microVM run under software emulation (`[sandbox] allow_emulation`).
+    pub allow_emulation: bool,
 }
 
 /// The words an [`ExitReport`] reason uses for the pids limit.
@@ -382,4 +384,13 @@ pub enum SandboxError {
     Namespaces(#[from] NamespacesError),
     #[error(transparent)]
     Microvm(MicrovmError),
+}
+
+impl SandboxError {
+    /// Whether the backend refused the launch for what this host cannot do for the
+    /// kernel's policy (a microVM under emulation the policy does not allow), as opposed
+    /// to a launch that failed.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, SandboxError::Microvm(MicrovmError::Accel(_)))
+    }
 }

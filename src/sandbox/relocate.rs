@@ -462,6 +462,7 @@ mod tests {
                 log_file: dir.path().join("k/kernel.log"),
                 limits: super::super::Limits::default(),
                 egress_socket: None,
+                allow_emulation: false,
             };
             let view = KernelView::of(&spec, &["/usr"]).unwrap();
             assert_eq!(view.python_prefix, None, "home = {home}");

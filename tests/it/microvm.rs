@@ -38,8 +38,14 @@ async fn test_server(name: &'static str) -> Result<u16> {
 }
 
 /// A gateway whose policy `vm` runs kernels in microVMs, allowed to reach `allowed.test`
-/// only (mapped to the test server on loopback).
-async fn vm_gateway(port: u16, limits: &str) -> Result<(Gateway, tempfile::TempDir)> {
+/// only (mapped to the test server on loopback). Emulation is allowed by the gateway
+/// (`--microvm-allow-emulation`), or else by the `vm` policy alone, beside a `vm-strict`
+/// policy that does not allow it.
+async fn vm_gateway(
+    port: u16,
+    limits: &str,
+    gateway_allows_emulation: bool,
+) -> Result<(Gateway, tempfile::TempDir)> {
     if let Some(forced) = forced_sandbox().filter(|f| f != "microvm") {
         anyhow::bail!("this test is about the microvm backend, but CELLGATE_TEST_SANDBOX={forced} forces another");
     }
@@ -47,12 +53,21 @@ async fn vm_gateway(port: u16, limits: &str) -> Result<(Gateway, tempfile::TempD
     let policies = dir.path().join("policies");
     std::fs::create_dir(&policies)?;
     std::fs::write(policies.join("default.toml"), "")?;
+    let allow = if gateway_allows_emulation {
+        ""
+    } else {
+        "allow_emulation = true\n"
+    };
     std::fs::write(
         policies.join("vm.toml"),
         format!(
-            "description = \"microvm\"\n[sandbox]\nbackend = \"microvm\"\n\
+            "description = \"microvm\"\n[sandbox]\nbackend = \"microvm\"\n{allow}\
              [limits]\n{limits}\n[egress]\nallow = [\"allowed.test:{port}\"]\n"
         ),
+    )?;
+    std::fs::write(
+        policies.join("vm-strict.toml"),
+        "[sandbox]\nbackend = \"microvm\"\n",
     )?;
     let config = dir.path().join("cellgate.toml");
     std::fs::write(
@@ -63,20 +78,21 @@ async fn vm_gateway(port: u16, limits: &str) -> Result<(Gateway, tempfile::TempD
             dir.path().join("cache")
         ),
     )?;
-    let gateway = Gateway::builder()
+    let mut builder = Gateway::builder()
         .policies_dir(policies)
         .arg("--config")
-        .arg(config.to_str().context("path")?)
-        .arg("--microvm-allow-emulation")
-        .start()
-        .await?;
-    Ok((gateway, dir))
+        .arg(config.to_str().context("path")?);
+    if gateway_allows_emulation {
+        builder = builder.arg("--microvm-allow-emulation");
+    }
+    Ok((builder.start().await?, dir))
 }
 
 #[tokio::test]
 async fn a_microvm_session_runs_code_under_its_policy() -> Result<()> {
     let port = test_server("allowed").await?;
-    let (gateway, _dir) = vm_gateway(port, "memory = \"384MiB\"\nworkspace = \"16MiB\"").await?;
+    let (gateway, _dir) =
+        vm_gateway(port, "memory = \"384MiB\"\nworkspace = \"16MiB\"", true).await?;
     let v1 = V1Client::new(&gateway);
     let id = v1
         .create_session(json!({"policy": "vm"}))
@@ -285,6 +301,17 @@ async fn workspace_files_cross_the_vm_boundary(v1: &V1Client<'_>, id: &str) -> R
     Ok(())
 }
 
+/// Whether this host's KVM runs only PVM guests (this project's machines), so a microVM of
+/// ours runs under emulation.
+fn is_pvm_only() -> bool {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let hardware = cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
+    !hardware
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(bytes))
@@ -297,8 +324,22 @@ fn sha256_hex(bytes: &[u8]) -> String {
 #[tokio::test]
 async fn microvm_limits_timeouts_restarts_and_kernel_death() -> Result<()> {
     let port = test_server("unused").await?;
-    let (gateway, _dir) = vm_gateway(port, "pids = 64").await?;
+    let (gateway, _dir) = vm_gateway(port, "pids = 64", false).await?;
     let v1 = V1Client::new(&gateway);
+    // The gateway does not allow emulation: a policy that does not either is refused with
+    // the reason, where this host has no usable KVM (CI's machines: PVM-only).
+    if !std::path::Path::new("/dev/kvm").exists() || is_pvm_only() {
+        let (status, body) = v1
+            .post("/v1/sessions", json!({"policy": "vm-strict"}))
+            .await?;
+        assert_eq!(status, 400, "{body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("emulation") && m.contains("allow_emulation")),
+            "{body}"
+        );
+    }
     let id = v1
         .create_session(json!({"policy": "vm"}))
         .await

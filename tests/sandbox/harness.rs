@@ -197,6 +197,7 @@ pub fn command_spec(dirs: &KernelDirs, argv: Vec<String>, limits: Limits) -> Lau
         log_file: dirs.root.join("kernel.log"),
         limits,
         egress_socket: None,
+        allow_emulation: false,
     }
 }
 
@@ -292,6 +293,7 @@ pub async fn start_kernel_in(sandbox: Box<dyn Sandbox>, python: PathBuf, limits:
         log_file: dirs.root.join("kernel.log"),
         limits,
         egress_socket: None,
+        allow_emulation: false,
     };
     let started = Instant::now();
     let launched = sandbox

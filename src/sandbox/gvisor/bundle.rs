@@ -237,6 +237,7 @@ mod tests {
                 workspace_bytes: None,
             },
             egress_socket: None,
+            allow_emulation: false,
         };
         let bundle = dir.path().join("bundle");
         let view = KernelView::of(&spec, SYSTEM_PREFIXES).unwrap();

@@ -72,7 +72,7 @@ pub async fn diagnose(probe: bool, config: &MicrovmConfig) -> Diagnosis {
         } else {
             s.fail(
                 format!("{}: VMs would run under software emulation (TCG), which is refused for serving", decision.why),
-                "--microvm-allow-emulation (CELLGATE_MICROVM_ALLOW_EMULATION=true) accepts emulation (tests, development); or use a host with hardware virtualization",
+                "--microvm-allow-emulation (CELLGATE_MICROVM_ALLOW_EMULATION=true) accepts emulation for every policy, `allow_emulation = true` in a policy's [sandbox] for that policy (tests, development); or use a host with hardware virtualization",
             );
         }
     }

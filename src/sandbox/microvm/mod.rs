@@ -142,6 +142,8 @@ pub struct MicrovmSandbox {
     vmm: Arc<dyn Vmm>,
     spawner: Spawner,
     confiner: confine::Confiner,
+    /// Why a launch is refused unless its policy allows emulation; `None`: VMs may start.
+    emulation_refused: Option<String>,
 }
 
 impl MicrovmSandbox {
@@ -150,27 +152,28 @@ impl MicrovmSandbox {
     pub fn new(config: MicrovmConfig) -> Result<MicrovmSandbox, SandboxError> {
         let images = image::GuestImages::locate(&config.guest_dir)?;
         let decision = accel::choose(&accel::HostFacts::read(Path::new("/")), images.pvm_guest);
-        let accel = match decision.accel {
-            Accel::Tcg if !config.allow_emulation => {
-                return Err(MicrovmError::Accel(format!(
+        // Emulation is refused per launch, not here: a policy may allow it for its own
+        // kernels (`[sandbox] allow_emulation`) where the gateway does not for all.
+        let emulation_refused =
+            (decision.accel == Accel::Tcg && !config.allow_emulation).then(|| {
+                format!(
                     "{}; microVMs would run under software emulation (TCG), ~50x slower, which \
                      is refused for serving: --microvm-allow-emulation (or \
-                     CELLGATE_MICROVM_ALLOW_EMULATION=true, or microvm_allow_emulation = true in \
-                     the config file) accepts it",
+                     CELLGATE_MICROVM_ALLOW_EMULATION=true, or microvm_allow_emulation = true \
+                     in the config file) accepts it for every policy, `allow_emulation = \
+                     true` in a policy's [sandbox] for that policy's kernels",
                     decision.why
-                ))
-                .into())
-            }
-            Accel::Tcg => {
-                tracing::warn!(
-                    why = %decision.why,
-                    "microvm: VMs run under SOFTWARE EMULATION (TCG): functional, ~50x slower \
-                     for Python; not for production"
-                );
-                Accel::Tcg
-            }
-            Accel::Kvm => Accel::Kvm,
-        };
+                )
+            });
+        let accel = decision.accel;
+        if accel == Accel::Tcg {
+            tracing::warn!(
+                why = %decision.why,
+                allowed = if config.allow_emulation { "for every policy" } else { "only for policies with allow_emulation" },
+                "microvm: VMs run under SOFTWARE EMULATION (TCG): functional, ~50x slower \
+                 for Python; not for production"
+            );
+        }
         let mut host_cmdline = Vec::new();
         if accel == Accel::Tcg {
             // See accel::host_tsc_khz. no_timer_check: the emulated timer may miss the
@@ -193,6 +196,7 @@ impl MicrovmSandbox {
         let confiner = confine::Confiner::new(accel == Accel::Kvm);
         Ok(MicrovmSandbox {
             confiner,
+            emulation_refused,
             transport,
             host_cmdline,
             vmm: Arc::new(qemu::Qemu {
@@ -228,6 +232,13 @@ impl Sandbox for MicrovmSandbox {
 
 impl MicrovmSandbox {
     async fn launch_vm(&self, spec: &LaunchSpec) -> Result<Launched, MicrovmError> {
+        if let Some(refused) = self
+            .emulation_refused
+            .as_ref()
+            .filter(|_| !spec.allow_emulation)
+        {
+            return Err(MicrovmError::Accel(refused.clone()));
+        }
         let map = relocation(spec);
         let connection = guest_connection(spec, &map)?;
         let dir = &spec.runtime_dir;
