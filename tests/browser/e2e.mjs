@@ -49,6 +49,9 @@ const lastCell = () => cells.last();
 // Types code, runs it, and returns the new cell once it exists.
 async function run(code) {
   const before = await cells.count();
+  // As a user would: Run is enabled once the session's socket is open (right after a
+  // reload it may still be connecting, and code sent then is refused as "Not connected").
+  await page.locator("#run:not([disabled])").waitFor();
   await page.fill("#code", code);
   await page.press("#code", "Control+Enter");
   await page.waitForFunction((n) => document.querySelectorAll("article.cell").length > n, before);
