@@ -322,16 +322,13 @@ where
 /// The longest line of a file stream: a path of 4096 bytes, escaped, and the rest.
 pub const MAX_FILE_LINE: usize = 16 * 1024;
 
-/// Reads one JSON line; `None` at end of stream.
+/// Reads one JSON line of at most [`MAX_LINE`] bytes; `None` at end of stream.
 pub async fn read_json<T, R>(reader: &mut R) -> Result<Option<T>, ProtocolError>
 where
     T: for<'de> Deserialize<'de>,
     R: AsyncBufRead + Unpin,
 {
-    match read_line(reader, MAX_LINE).await? {
-        Some(line) => Ok(Some(serde_json::from_str(&line)?)),
-        None => Ok(None),
-    }
+    read_json_capped(reader, MAX_LINE).await
 }
 
 /// Writes `value` as one JSON line and flushes it.

@@ -91,9 +91,13 @@ pub(super) struct Confiner {
 }
 
 #[derive(Default)]
-struct Identities {
-    live: Mutex<HashSet<u32>>,
-    next: Mutex<u32>,
+struct Identities(Mutex<Slots>);
+
+/// The slots in use, and where the search for a free one starts.
+#[derive(Default)]
+struct Slots {
+    live: HashSet<u32>,
+    next: u32,
 }
 
 impl Confiner {
@@ -112,11 +116,11 @@ impl Confiner {
             hierarchy,
             privileged: rustix::process::geteuid().is_root(),
             kvm_group,
-            identities: Arc::new(Identities {
-                live: Mutex::default(),
-                // Two gateways on one host rarely start at the same slot.
-                next: Mutex::new(rand::random::<u32>() % IDENTITY_SLOTS),
-            }),
+            // Two gateways on one host rarely start at the same slot.
+            identities: Arc::new(Identities(Mutex::new(Slots {
+                live: HashSet::new(),
+                next: rand::random::<u32>() % IDENTITY_SLOTS,
+            }))),
         }
     }
 
@@ -192,12 +196,11 @@ impl Confiner {
 
 impl Identities {
     fn take(&self) -> Result<u32, ConfineError> {
-        let mut live = self.live.lock();
-        let mut next = self.next.lock();
+        let mut slots = self.0.lock();
         for _ in 0..IDENTITY_SLOTS {
-            let slot = *next;
-            *next = (*next + 1) % IDENTITY_SLOTS;
-            if live.insert(slot) {
+            let slot = slots.next;
+            slots.next = (slot + 1) % IDENTITY_SLOTS;
+            if slots.live.insert(slot) {
                 return Ok(slot);
             }
         }
@@ -205,7 +208,7 @@ impl Identities {
     }
 
     fn give_back(&self, slot: u32) {
-        self.live.lock().remove(&slot);
+        self.0.lock().live.remove(&slot);
     }
 }
 
@@ -397,7 +400,7 @@ mod tests {
         let b = identities.take().unwrap();
         assert_ne!(a, b);
         identities.give_back(a);
-        let live = identities.live.lock().clone();
+        let live = identities.0.lock().live.clone();
         assert_eq!(live, HashSet::from([b]));
     }
 
