@@ -41,8 +41,16 @@ async fn interrupt_reaches_the_kernel(kind: Kind) {
             "import time\nprint('sleeping', flush=True)\ntime.sleep(60)",
             Duration::from_secs(30),
             "sleeping",
-            // gVisor's signal waits for `runsc exec`: off the async workers.
-            || tokio::task::block_in_place(|| handle.signal(libc::SIGINT)).expect("signal"),
+            // Half a second on, the cell is in `time.sleep`, not in the print's flush
+            // (ipykernel waits there for its IO thread). gVisor's signal waits for
+            // `runsc exec`: off the async workers.
+            || {
+                tokio::task::block_in_place(|| {
+                    std::thread::sleep(Duration::from_millis(500));
+                    handle.signal(libc::SIGINT)
+                })
+                .expect("signal")
+            },
         )
         .await;
     assert_eq!(out.status, "error", "{out:?}");
