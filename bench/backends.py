@@ -16,9 +16,13 @@ then DELETE. Prints a markdown table of medians (and min-max) over the rounds.
 
 microVMs run under emulation (TCG) where the host has no usable KVM, as on this project's
 machines: the gateway is started with --microvm-allow-emulation, and the table says which.
+`microvm` boots every VM (the gateway runs with --microvm-snapshots false); `microvm-snapshot`
+is the same policy on a second gateway with the warm pool's snapshots on (in a private
+directory), warmed before the rounds (one session, then wait for the snapshot): each of its
+sessions gets a VM restored from the snapshot.
 
 Run with the tools venv, after ./dev setup (release binary, guest images):
-  .venv-tools/bin/python bench/backends.py [--rounds 5] [--n 30] [--backends namespaces,gvisor,microvm]
+  .venv-tools/bin/python bench/backends.py [--rounds 5] [--n 30] [--backends namespaces,gvisor,microvm,microvm-snapshot]
 Listens and connects on 127.0.0.1 only.
 """
 
@@ -79,6 +83,22 @@ def wait_ready(api, proc, deadline):
     sys.exit("cellgate did not answer /api in time")
 
 
+def warm(api, snapshot_dir, timeout):
+    """One session of the microvm-snapshot policy, so the gateway makes its snapshot; waits
+    until the snapshot is saved."""
+    status, model = api.call("POST", "/v1/sessions", {"policy": "microvm-snapshot"})
+    if status != 201:
+        sys.exit(f"microvm-snapshot: create session: {status} {model}")
+    t0 = time.monotonic()
+    while not any(n.endswith(".vmstate") for n in os.listdir(snapshot_dir)):
+        if time.monotonic() - t0 > timeout:
+            sys.exit("microvm-snapshot: no snapshot was made")
+        time.sleep(0.5)
+    print(f"microvm-snapshot: snapshot saved {time.monotonic() - t0:.1f} s after the first session",
+          file=sys.stderr, flush=True)
+    api.call("DELETE", f"/v1/sessions/{model['id']}")
+
+
 def mib(n):
     return f"{n / 2**20:.0f}"
 
@@ -89,7 +109,7 @@ def spread(values, fmt):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="namespaces,gvisor,microvm")
+    p.add_argument("--backends", default="namespaces,gvisor,microvm,microvm-snapshot")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--n", type=int, default=30, help="1+1 round trips per session")
     p.add_argument("--idle", type=float, default=10.0, help="seconds idle before the memory reading")
@@ -106,21 +126,37 @@ def main():
         open(os.path.join(policies, "default.toml"), "w").close()
         for b in backends:
             with open(os.path.join(policies, f"{b}.toml"), "w") as f:
-                f.write(f'[sandbox]\nbackend = "{b}"\n[limits]\nmemory = "512MiB"\ncpus = 1\n')
-        port = free_port()
-        log = open(os.path.join(tmp, "cellgate.log"), "w")
+                backend = "microvm" if b == "microvm-snapshot" else b
+                f.write(f'[sandbox]\nbackend = "{backend}"\n[limits]\nmemory = "512MiB"\ncpus = 1\n')
+        snapshot_dir = os.path.join(tmp, "snapshots")
+        os.mkdir(snapshot_dir, 0o700)
         env = dict(os.environ, CELLGATE_GUEST_DIR=args.guest_dir, RUST_LOG="warn")
-        proc = subprocess.Popen(
-            [args.cellgate_bin, "serve", "--ip", "127.0.0.1", "--port", str(port),
-             "--policies-dir", policies, "--kernels-dir", args.kernels_dir,
-             "--pool-size", "0", "--microvm-allow-emulation"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-        api = Api(port, args.timeout)
+        procs, apis = [], {}
+
+        def gateway(snapshots):
+            port = free_port()
+            log = open(os.path.join(tmp, f"cellgate-{len(procs)}.log"), "w")
+            extra = ["--microvm-snapshot-dir", snapshot_dir] if snapshots else ["--microvm-snapshots", "false"]
+            procs.append(subprocess.Popen(
+                [args.cellgate_bin, "serve", "--ip", "127.0.0.1", "--port", str(port),
+                 "--policies-dir", policies, "--kernels-dir", args.kernels_dir,
+                 "--pool-size", "0", "--microvm-allow-emulation", *extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env))
+            api = Api(port, args.timeout)
+            wait_ready(api, procs[-1], time.monotonic() + 60)
+            return api
+
         try:
-            wait_ready(api, proc, time.monotonic() + 60)
+            plain = gateway(False)
+            for b in backends:
+                apis[b] = plain
+            if "microvm-snapshot" in backends:
+                apis["microvm-snapshot"] = gateway(True)
+                warm(apis["microvm-snapshot"], snapshot_dir, args.timeout)
             results = {b: {"start": [], "p50": [], "idle": []} for b in backends}
             for r in range(args.rounds):
                 for b in backends:
+                    api = apis[b]
                     t0 = time.perf_counter()
                     status, model = api.call("POST", "/v1/sessions", {"policy": b})
                     started = time.perf_counter() - t0
@@ -146,10 +182,11 @@ def main():
                           f"{statistics.median(rtts) * 1000:.1f} ms, idle {mib(memory) if memory else '?'} MiB",
                           file=sys.stderr, flush=True)
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            for proc in procs:
+                proc.terminate()
+                proc.wait(timeout=30)
 
-    print(f"| backend | cold start (s) | `1+1` p50 (ms) | idle memory (MiB) |")
+    print(f"| backend | start (s) | `1+1` p50 (ms) | idle memory (MiB) |")
     print("|---|---|---|---|")
     for b in backends:
         res = results[b]

@@ -142,20 +142,41 @@ pub struct MicrovmArgs {
     /// functional, ~50x slower for Python; for tests and development.
     #[arg(long, env = "CELLGATE_MICROVM_ALLOW_EMULATION")]
     pub microvm_allow_emulation: bool,
+    /// Restore sessions' microVMs from warm-pool snapshots (a VM with Python and ipykernel
+    /// imported, made once per kind of VM in the background) instead of booting each one
+    /// [default: true].
+    #[arg(long, env = "CELLGATE_MICROVM_SNAPSHOTS")]
+    pub microvm_snapshots: Option<bool>,
+    /// Where the warm-pool snapshots are kept [default: snapshots/ in the guest directory].
+    #[arg(long, env = "CELLGATE_MICROVM_SNAPSHOT_DIR")]
+    pub microvm_snapshot_dir: Option<PathBuf>,
+}
+
+/// The microvm settings a config file may hold (keys of the same names).
+#[derive(Debug, Clone, Default)]
+pub struct MicrovmFileSettings {
+    pub guest_dir: Option<PathBuf>,
+    pub microvm_allow_emulation: Option<bool>,
+    pub microvm_snapshots: Option<bool>,
+    pub microvm_snapshot_dir: Option<PathBuf>,
 }
 
 impl MicrovmArgs {
     /// The backend's settings: these options, then the config file's, then the defaults.
-    pub fn config(
-        &self,
-        file_guest_dir: Option<PathBuf>,
-        file_allow_emulation: Option<bool>,
-    ) -> crate::sandbox::MicrovmConfig {
+    pub fn config(&self, file: MicrovmFileSettings) -> crate::sandbox::MicrovmConfig {
         let mut config = crate::sandbox::MicrovmConfig::default();
-        if let Some(dir) = self.guest_dir.clone().or(file_guest_dir) {
+        if let Some(dir) = self.guest_dir.clone().or(file.guest_dir) {
             config.guest_dir = dir;
         }
-        config.allow_emulation = self.microvm_allow_emulation || file_allow_emulation == Some(true);
+        config.allow_emulation =
+            self.microvm_allow_emulation || file.microvm_allow_emulation == Some(true);
+        if let Some(on) = self.microvm_snapshots.or(file.microvm_snapshots) {
+            config.snapshots = on;
+        }
+        config.snapshot_dir = self
+            .microvm_snapshot_dir
+            .clone()
+            .or(file.microvm_snapshot_dir);
         config
     }
 }
@@ -235,6 +256,8 @@ struct FileConfig {
     artifact_retention: Option<u64>,
     guest_dir: Option<PathBuf>,
     microvm_allow_emulation: Option<bool>,
+    microvm_snapshots: Option<bool>,
+    microvm_snapshot_dir: Option<PathBuf>,
     #[serde(default, with = "crate::policy::units::serde_duration")]
     header_read_timeout: Option<Duration>,
     #[serde(default, with = "crate::policy::units::serde_duration")]
@@ -615,9 +638,12 @@ impl GatewayConfig {
                 .artifact_min_free_disk
                 .or(file.artifact_min_free_disk)
                 .unwrap_or(DEFAULT_ARTIFACT_MIN_FREE_DISK),
-            microvm: args
-                .microvm
-                .config(file.guest_dir.clone(), file.microvm_allow_emulation),
+            microvm: args.microvm.config(MicrovmFileSettings {
+                guest_dir: file.guest_dir.clone(),
+                microvm_allow_emulation: file.microvm_allow_emulation,
+                microvm_snapshots: file.microvm_snapshots,
+                microvm_snapshot_dir: file.microvm_snapshot_dir.clone(),
+            }),
             allow_origin,
             env_allowlist: args
                 .env_allowlist

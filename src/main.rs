@@ -134,7 +134,7 @@ fn main() -> anyhow::Result<()> {
                     policies_dir: args.policies_dir,
                     default_backend: args.sandbox,
                     probe: !args.no_probe,
-                    microvm: args.microvm.config(None, None),
+                    microvm: args.microvm.config(Default::default()),
                     package_source: Some(match args.wheelhouse {
                         Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
                         None => cellgate::egress::packages::Source::Upstream(args.package_index),

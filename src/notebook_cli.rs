@@ -233,7 +233,8 @@ async fn local(args: &ReplayArgs, text: &str) -> anyhow::Result<Finished> {
         .with_context(|| format!("loading kernelspecs from {}", args.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&args.policies_dir)
         .with_context(|| format!("loading policies from {}", args.policies_dir.display()))?;
-    let sandbox = cellgate::sandbox::Backends::new(args.sandbox, args.microvm.config(None, None));
+    let sandbox =
+        cellgate::sandbox::Backends::new(args.sandbox, args.microvm.config(Default::default()));
     let runtime_root = std::env::temp_dir().join(format!(
         "cellgate-replay-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..12]

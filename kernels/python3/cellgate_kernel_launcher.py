@@ -16,6 +16,9 @@ It also bounds each cell's output at the source (`CELLGATE_OUTPUT_LIMIT`, set by
 from the policy's `output_per_execution`): see `_bound_output`, and keeps IPython from holding
 every cell's stdout and stderr in memory: see `_forget_stream_history`.
 
+In a microVM's warm pool it first runs as a zygote (`--cellgate-zygote`, see `_zygote`):
+imports done, no kernel yet, snapshotted with its VM and restored for each session.
+
 `./dev setup` copies this file into the kernel venv's site-packages (the sandboxes mount the
 venv, not the kernelspec directory); kernel.json runs it with `-m`.
 """
@@ -206,5 +209,81 @@ def _forget_stream_history() -> None:
     InteractiveShell._tee = lambda self, channel: contextlib.nullcontext()
 
 
-if __name__ == "__main__":
+ZYGOTE_FLAG = "--cellgate-zygote"
+# The longest start request a zygote reads (the kernel's argv and environment).
+ZYGOTE_REQUEST_MAX = 1 << 20
+
+
+def _zygote() -> None:
+    """Imports what a kernel start imports, says so, and waits to become a kernel.
+
+    The microVM backend's warm pool snapshots a VM whose agent has started this (agent in the
+    guest: `Kernel::prepare_zygote`), and restores it for each session, so the imports (most of
+    a kernel's start, ~50x slower under emulation) are paid once. Nothing secret is here yet:
+    the connection file, with its key, comes with the start request, after the restore.
+
+    Standard input is a unix socket to the agent: this writes `ready` on it once the imports
+    are done, then reads one JSON line, `{"args": [...], "env": {...}, "cwd": "..."}`, takes
+    that environment, directory and command line (the agent checked that the interpreter
+    and what it read at its own start match), reseeds what a restore would otherwise share
+    between clones, and runs `main()` as `python -m cellgate_kernel_launcher ARGS` would.
+    """
+    import importlib
+    import random
+    import socket
+
+    gc.disable()
+    # What a kernel's start imports (measured: `IPKernelApp.initialize` adds ~170 modules to
+    # these three, debugpy's and pydevd's most of them); importing is most of a start.
+    import ipykernel.ipkernel  # noqa: F401  the kernel, its shell, IPython, zmq, tornado
+    import ipykernel.kernelapp  # noqa: F401
+    import ipykernel.zmqshell  # noqa: F401
+
+    for name in (
+        "faulthandler",
+        "ipykernel.debugger",  # debugpy and pydevd
+        "IPython.core.completerlib",
+        "IPython.core.debugger",
+        "IPython.core.oinspect",
+        "IPython.extensions.storemagic",
+        "tornado.platform.asyncio",
+        "tornado.queues",
+        "psutil",
+    ):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # an environment without it starts without it too
+
+    gc.enable()
+    agent = socket.socket(fileno=os.dup(0))
+    agent.sendall(b"ready\n")
+    request = b""
+    while not request.endswith(b"\n"):
+        chunk = agent.recv(65536)
+        if not chunk or len(request) + len(chunk) > ZYGOTE_REQUEST_MAX:
+            sys.exit("cellgate: the agent closed the zygote's socket")
+        request += chunk
+    agent.close()
+    start = json.loads(request)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(start["env"])
+    # The workspace disk is mounted over the directory the zygote waited in: enter the mount,
+    # and let the import system look at directories afresh.
+    os.chdir(start["cwd"])
+    importlib.invalidate_caches()
+    sys.argv = [sys.argv[0], *start["args"]]
+    # A restored VM's generators were seeded in the snapshot, the same in every clone; the
+    # agent reseeded the guest kernel's before this request, and os.urandom reads that.
+    random.seed()
     main()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == [ZYGOTE_FLAG]:
+        _zygote()
+    else:
+        main()

@@ -46,6 +46,16 @@ async fn vm_gateway(
     limits: &str,
     gateway_allows_emulation: bool,
 ) -> Result<(Gateway, tempfile::TempDir)> {
+    vm_gateway_with(port, limits, gateway_allows_emulation, &[]).await
+}
+
+/// [`vm_gateway`] with more arguments for the gateway.
+async fn vm_gateway_with(
+    port: u16,
+    limits: &str,
+    gateway_allows_emulation: bool,
+    args: &[&str],
+) -> Result<(Gateway, tempfile::TempDir)> {
     if let Some(forced) = forced_sandbox().filter(|f| f != "microvm") {
         anyhow::bail!("this test is about the microvm backend, but CELLGATE_TEST_SANDBOX={forced} forces another");
     }
@@ -84,6 +94,9 @@ async fn vm_gateway(
         .arg(config.to_str().context("path")?);
     if gateway_allows_emulation {
         builder = builder.arg("--microvm-allow-emulation");
+    }
+    for arg in args {
+        builder = builder.arg(arg);
     }
     Ok((builder.start().await?, dir))
 }
@@ -403,4 +416,154 @@ async fn microvm_limits_timeouts_restarts_and_kernel_death() -> Result<()> {
     let other = v1.create_session(json!({"policy": "vm"})).await?;
     assert_eq!(v1.execute(&other, "1 + 1").await?["result"], "2");
     Ok(())
+}
+
+/// What a kernel tells about itself that must differ between two VMs restored from one
+/// snapshot, and what shows that the restored VM is the session's own.
+const FRESHNESS_PROBE: &str = "import json, os, random, time\n\
+k = get_ipython().kernel\n\
+st = os.statvfs('.')\n\
+print(json.dumps({'key': k.session.key.hex(), 'session': k.session.session,\n\
+  'urandom': os.urandom(16).hex(), 'random': random.random(), 'time': time.time(),\n\
+  'disk': st.f_blocks * st.f_frsize,\n\
+  'memory_max': open('/sys/fs/cgroup/kernel/memory.max').read().strip()}))";
+
+/// The warm pool (issue 15, item 6): the first session of a kind of VM boots and the
+/// gateway makes that kind's snapshot in the background (a zygote: Python with ipykernel
+/// imported, no kernel); later sessions get VMs restored from it. Two restored VMs share
+/// no key, session id or random output, have the host's time, their policy's memory limit
+/// and a fresh workspace of their policy's size (not the zygote's placeholder disk), and
+/// their files API works. A corrupt snapshot is deleted and the session boots instead.
+#[tokio::test]
+async fn microvms_restored_from_a_snapshot_are_fresh_and_their_own() -> Result<()> {
+    let port = test_server("unused").await?;
+    let snapshots = tempfile::tempdir()?;
+    let dir_arg = snapshots.path().to_str().context("path")?.to_owned();
+    let (gateway, _dir) = vm_gateway_with(
+        port,
+        "memory = \"320MiB\"\nworkspace = \"24MiB\"",
+        true,
+        &["--microvm-snapshot-dir", &dir_arg],
+    )
+    .await?;
+    let v1 = V1Client::new(&gateway);
+    let booted = v1
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    assert_eq!(v1.execute(&booted, "1 + 1").await?["result"], "2");
+    let log = plain_log(&gateway);
+    assert_eq!(log.matches("from=\"boot\"").count(), 1, "{log}");
+
+    // The snapshot appears once the zygote is saved.
+    let started = std::time::Instant::now();
+    let snapshot = loop {
+        let found = std::fs::read_dir(snapshots.path())?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|e| e == "vmstate"));
+        if let Some(found) = found {
+            break found;
+        }
+        anyhow::ensure!(
+            started.elapsed() < std::time::Duration::from_secs(300),
+            "no snapshot after 300 s:\n{}",
+            gateway.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    };
+    println!(
+        "snapshot made {:?} after the first session",
+        started.elapsed()
+    );
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(&snapshot)?;
+    assert_eq!(
+        meta.permissions().mode() & 0o077,
+        0,
+        "the snapshot is private"
+    );
+    // A restored guest whose clock were left as saved would be this much behind.
+    let saved_at = meta.modified()?;
+    while saved_at.elapsed().unwrap_or_default() < std::time::Duration::from_secs(5) {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+
+    let mut probes = Vec::new();
+    let mut sessions = Vec::new();
+    for n in 0..2 {
+        let asked = std::time::Instant::now();
+        let id = v1
+            .create_session(json!({"policy": "vm"}))
+            .await
+            .with_context(|| gateway.log())?;
+        println!("restored session {n} ready in {:?}", asked.elapsed());
+        let before = now_s();
+        let r = v1.execute(&id, FRESHNESS_PROBE).await?;
+        let after = now_s();
+        assert_eq!(r["status"], "ok", "{r}");
+        let probe: serde_json::Value =
+            serde_json::from_str(r["stdout"].as_str().context("stdout")?.trim())?;
+        let time = probe["time"].as_f64().context("time")?;
+        assert!(
+            time >= before - 2.0 && time <= after + 2.0,
+            "the guest's clock is the host's: {time} vs {before}..{after}"
+        );
+        let disk = probe["disk"].as_u64().context("disk")?;
+        assert!(
+            disk <= 24 << 20 && disk > 16 << 20,
+            "the workspace is a fresh disk of the policy's size: {probe}"
+        );
+        assert_eq!(probe["memory_max"], (320u64 << 20).to_string(), "{probe}");
+        probes.push(probe);
+        sessions.push(id);
+    }
+    assert_eq!(
+        plain_log(&gateway).matches("from=\"snapshot\"").count(),
+        2,
+        "both later sessions restored:\n{}",
+        gateway.log()
+    );
+    for field in ["key", "session", "urandom", "random"] {
+        assert_ne!(
+            probes[0][field], probes[1][field],
+            "two clones share {field}: {probes:?}"
+        );
+    }
+    assert_eq!(
+        v1.put_file(&sessions[0], "note.txt", b"restored".to_vec())
+            .await?,
+        201
+    );
+    let r = v1
+        .execute(&sessions[0], "print(open('note.txt').read())")
+        .await?;
+    assert_eq!(r["stdout"], "restored\n", "{r}");
+    assert_eq!(v1.execute(&sessions[1], "6 * 7").await?["result"], "42");
+
+    // A snapshot that no longer loads costs a boot, not a session.
+    std::fs::write(&snapshot, b"not a VM's state")?;
+    let id = v1
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    assert_eq!(v1.execute(&id, "1 + 1").await?["result"], "2");
+    let log = plain_log(&gateway);
+    assert!(log.contains("a restore failed"), "{log}");
+    assert_eq!(log.matches("from=\"boot\"").count(), 2, "{log}");
+    Ok(())
+}
+
+/// The gateway's log without its colours.
+fn plain_log(gateway: &Gateway) -> String {
+    regex::Regex::new("\x1b\\[[0-9;]*m")
+        .expect("regex")
+        .replace_all(&gateway.log(), "")
+        .into_owned()
+}
+
+fn now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }

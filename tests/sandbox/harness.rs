@@ -70,6 +70,9 @@ pub fn microvm_sandbox_with(
     MicrovmSandbox::new(MicrovmConfig {
         allow_emulation: true,
         transport,
+        // These tests are about booted VMs and their transports; the gateway's tests cover
+        // the warm pool (tests/it/microvm.rs).
+        snapshots: false,
         ..MicrovmConfig::default()
     })
     .unwrap_or_else(|err| {

@@ -14,7 +14,10 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use cellgate_agent::protocol::{Channel, ConnectionFile, Exit, Start, Usage, LOG_TAIL_BYTES};
+use cellgate_agent::protocol::{
+    fixed_at_zygote_start, Channel, ConnectionFile, Exit, Start, Usage, Zygote, LOG_TAIL_BYTES,
+    ZYGOTE_FLAG,
+};
 use rustix::process::{Pid, Signal, WaitOptions};
 use tokio::sync::watch;
 
@@ -39,7 +42,21 @@ struct State {
     log: Option<PathBuf>,
     /// The kernel's working directory: its workspace, which the file streams serve.
     workspace: Option<PathBuf>,
+    /// A zygote waiting to become the kernel (see [`Kernel::prepare_zygote`]).
+    zygote: Option<ZygoteProcess>,
 }
+
+/// A prepared zygote: its process, the agent's end of its socket, and what it was started
+/// with (a start it cannot become runs a fresh process instead).
+struct ZygoteProcess {
+    pid: Pid,
+    socket: std::os::unix::net::UnixStream,
+    spec: Zygote,
+}
+
+/// How long a zygote may take to import the kernel's modules: seconds natively, tens of
+/// seconds under emulation on a busy host.
+const ZYGOTE_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// A channel's socket inside the guest.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,6 +85,12 @@ pub enum KernelError {
     },
     #[error("signal {0} is not a signal")]
     BadSignal(i32),
+    #[error("a zygote is prepared already")]
+    ZygoteExists,
+    #[error("the zygote failed: {0}")]
+    Zygote(String),
+    #[error("{0}")]
+    Restore(String),
 }
 
 fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> KernelError {
@@ -111,7 +134,8 @@ impl Kernel {
         self.state().pid.is_some() && self.exit.borrow().is_none()
     }
 
-    /// Starts the kernel; its pid as the guest sees it.
+    /// Starts the kernel; its pid as the guest sees it. A prepared zygote that can become
+    /// this kernel does; one that cannot is ended and a fresh process starts.
     pub fn start(&self, start: &Start) -> Result<u32, KernelError> {
         let mut state = self.state();
         if state.pid.is_some() {
@@ -130,60 +154,123 @@ impl Kernel {
             }
             None => None,
         };
-        let log_dir = Path::new(LOG_FILE).parent().unwrap_or(Path::new("/run"));
-        std::fs::create_dir_all(log_dir).map_err(io_error(log_dir.display().to_string()))?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(LOG_FILE)
-            .map_err(io_error(LOG_FILE))?;
         let cgroup = if self.init {
-            Some(make_cgroup(start)?)
+            Some(make_cgroup(start.pids, start.memory_bytes)?)
         } else {
             None
         };
-        let procs = match &cgroup {
-            Some(dir) => Some(
-                rustix::fs::open(
-                    dir.join("cgroup.procs"),
-                    rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
-                    rustix::fs::Mode::empty(),
-                )
-                .map_err(|e| io_error("the kernel's cgroup.procs")(e.into()))?,
-            ),
-            None => None,
+        let pid = match state.zygote.take() {
+            Some(zygote) => match zygote.become_kernel(start) {
+                Ok(pid) => pid,
+                Err(why) => {
+                    eprintln!("cellgate-agent: starting a fresh kernel process: {why}");
+                    self.spawn_kernel(start, cgroup.as_deref())?
+                }
+            },
+            None => self.spawn_kernel(start, cgroup.as_deref())?,
         };
-        let (program, args) = start
-            .argv
-            .split_first()
-            .ok_or_else(|| KernelError::Connection("empty argv".to_owned()))?;
-        let mut command = std::process::Command::new(program);
-        command
-            .args(args)
-            .env_clear()
-            .envs(&start.env)
-            .current_dir(cwd)
-            .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone().map_err(io_error("the kernel log"))?)
-            .stderr(log)
-            .process_group(0);
-        if rustix::process::geteuid().is_root() {
-            command.uid(start.uid).gid(start.gid);
-        }
-        if let Some(procs) = procs {
-            join_cgroup_at_exec(&mut command, procs);
-        }
-        let child = command
-            .spawn()
-            .map_err(io_error(format!("starting {program}")))?;
-        let pid = child.id();
-        // The reaper waits for it (waitpid(-1)), so the handle is not needed.
-        drop(child);
-        state.pid = Pid::from_raw(pid as i32);
+        state.pid = Some(pid);
         state.endpoints = endpoints;
         state.cgroup = cgroup;
         state.log = Some(PathBuf::from(LOG_FILE));
-        Ok(pid)
+        Ok(pid.as_raw_nonzero().get() as u32)
+    }
+
+    /// Runs `start`'s command as the kernel, in `cgroup`.
+    fn spawn_kernel(&self, start: &Start, cgroup: Option<&Path>) -> Result<Pid, KernelError> {
+        let mut command = kernel_command(&start.argv, &start.env, Path::new(&start.cwd))?;
+        command.stdin(std::process::Stdio::null());
+        self.spawn(command, start.uid, start.gid, cgroup)
+    }
+
+    /// Spawns `command` as `uid`:`gid` (where the agent may change ids), in `cgroup` from
+    /// its first instruction. The reaper waits for it (waitpid(-1)), so no handle is kept.
+    fn spawn(
+        &self,
+        mut command: std::process::Command,
+        uid: u32,
+        gid: u32,
+        cgroup: Option<&Path>,
+    ) -> Result<Pid, KernelError> {
+        if rustix::process::geteuid().is_root() {
+            command.uid(uid).gid(gid);
+        }
+        if let Some(dir) = cgroup {
+            let procs = rustix::fs::open(
+                dir.join("cgroup.procs"),
+                rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )
+            .map_err(|e| io_error("the kernel's cgroup.procs")(e.into()))?;
+            join_cgroup_at_exec(&mut command, procs);
+        }
+        let program = command.get_program().to_string_lossy().into_owned();
+        let child = command
+            .spawn()
+            .map_err(io_error(format!("starting {program}")))?;
+        Pid::from_raw(child.id() as i32)
+            .ok_or_else(|| KernelError::Connection("the child has no pid".to_owned()))
+    }
+
+    /// Starts a zygote (see [`Op::Zygote`](cellgate_agent::protocol::Op::Zygote)) and waits
+    /// until it has imported the kernel's modules. Blocking: call it off the async workers.
+    pub fn prepare_zygote(&self, zygote: &Zygote) -> Result<u32, KernelError> {
+        let (mut socket, pid) = {
+            let mut state = self.state();
+            if state.pid.is_some() {
+                return Err(KernelError::AlreadyStarted);
+            }
+            if state.zygote.is_some() {
+                return Err(KernelError::ZygoteExists);
+            }
+            let cwd = Path::new(&zygote.cwd);
+            std::fs::create_dir_all(cwd).map_err(io_error(cwd.display().to_string()))?;
+            let cgroup = if self.init {
+                Some(make_cgroup(None, None)?)
+            } else {
+                None
+            };
+            let (ours, theirs) =
+                std::os::unix::net::UnixStream::pair().map_err(io_error("the zygote's socket"))?;
+            let mut argv = zygote.argv.clone();
+            argv.push(ZYGOTE_FLAG.to_owned());
+            let mut command = kernel_command(&argv, &zygote.env, cwd)?;
+            command.stdin(OwnedFd::from(theirs));
+            let pid = self.spawn(command, zygote.uid, zygote.gid, cgroup.as_deref())?;
+            let socket = ours.try_clone().map_err(io_error("the zygote's socket"))?;
+            state.zygote = Some(ZygoteProcess {
+                pid,
+                socket: ours,
+                spec: zygote.clone(),
+            });
+            (socket, pid)
+        };
+        let ready = socket
+            .set_read_timeout(Some(ZYGOTE_READY_TIMEOUT))
+            .and_then(|()| {
+                let mut word = [0u8; 6];
+                socket.read_exact(&mut word).map(|()| word)
+            });
+        match ready {
+            Ok(word) if &word == b"ready\n" => Ok(pid.as_raw_nonzero().get() as u32),
+            outcome => {
+                let _ = self.drop_zygote();
+                Err(KernelError::Zygote(match outcome {
+                    Ok(word) => format!("it said {:?}", String::from_utf8_lossy(&word)),
+                    Err(error) => {
+                        format!("{error}; its log ends: {}", log_tail(Path::new(LOG_FILE)))
+                    }
+                }))
+            }
+        }
+    }
+
+    /// Ends a prepared zygote, if there is one.
+    fn drop_zygote(&self) -> Result<(), KernelError> {
+        if let Some(zygote) = self.state().zygote.take() {
+            zygote.end();
+        }
+        Ok(())
     }
 
     pub fn signal(&self, signal: i32) -> Result<(), KernelError> {
@@ -242,11 +329,15 @@ impl Kernel {
                     // kernel that dies at once is reaped only once its pid is known (and
                     // never from under std's own wait after a failed exec).
                     let reaped = {
-                        let state = self.state();
-                        rustix::process::wait(WaitOptions::NOHANG)
-                            .ok()
-                            .flatten()
-                            .map(|(pid, status)| (Some(pid) == state.pid, status))
+                        let mut state = self.state();
+                        let reaped = rustix::process::wait(WaitOptions::NOHANG).ok().flatten();
+                        if let Some((pid, _)) = reaped {
+                            // Its pid is free from now on: never signal it again.
+                            if state.zygote.as_ref().is_some_and(|z| z.pid == pid) {
+                                state.zygote = None;
+                            }
+                        }
+                        reaped.map(|(pid, status)| (Some(pid) == state.pid, status))
                     };
                     match reaped {
                         Some((true, status)) => self.ended(status),
@@ -286,11 +377,115 @@ impl Kernel {
     }
 }
 
+impl ZygoteProcess {
+    /// Hands the zygote `start`: it takes the environment, directory and arguments and runs
+    /// the kernel. Refused (and the zygote ended) when `start` is not a command it can
+    /// become, or when it is gone.
+    fn become_kernel(mut self, start: &Start) -> Result<Pid, String> {
+        use std::io::Write;
+        let why = self.refuses(start);
+        if let Some(why) = why {
+            self.end();
+            return Err(why);
+        }
+        let request = serde_json::json!({
+            "args": start.argv[self.spec.argv.len()..],
+            "env": start.env,
+            "cwd": start.cwd,
+        });
+        let mut line = request.to_string();
+        line.push('\n');
+        match self.socket.write_all(line.as_bytes()) {
+            Ok(()) => Ok(self.pid),
+            Err(error) => {
+                self.end();
+                Err(format!("the zygote is gone ({error})"))
+            }
+        }
+    }
+
+    /// Why the zygote cannot become the kernel `start` asks for, if it cannot.
+    fn refuses(&self, start: &Start) -> Option<String> {
+        if !start.argv.starts_with(&self.spec.argv) {
+            return Some(format!(
+                "the command {:?} does not begin with the zygote's {:?}",
+                start.argv, self.spec.argv
+            ));
+        }
+        if (start.uid, start.gid) != (self.spec.uid, self.spec.gid) || start.cwd != self.spec.cwd {
+            return Some("another user or working directory than the zygote's".to_owned());
+        }
+        let at_start = |env: &std::collections::BTreeMap<String, String>| {
+            env.iter()
+                .filter(|(key, _)| fixed_at_zygote_start(key))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<Vec<_>>()
+        };
+        if at_start(&start.env) != at_start(&self.spec.env) {
+            return Some("the environment the zygote started with differs".to_owned());
+        }
+        None
+    }
+
+    /// Ends the zygote (its process group: it has started nothing else yet).
+    fn end(self) {
+        let _ = rustix::process::kill_process_group(self.pid, Signal::KILL);
+    }
+}
+
+/// The kernel's command: `argv` with exactly `env`, in `cwd`, output to the kernel's log, in
+/// a process group of its own (so a kill reaches what it started).
+fn kernel_command(
+    argv: &[String],
+    env: &std::collections::BTreeMap<String, String>,
+    cwd: &Path,
+) -> Result<std::process::Command, KernelError> {
+    let (program, args) = argv
+        .split_first()
+        .ok_or_else(|| KernelError::Connection("empty argv".to_owned()))?;
+    let log_dir = Path::new(LOG_FILE).parent().unwrap_or(Path::new("/run"));
+    std::fs::create_dir_all(log_dir).map_err(io_error(log_dir.display().to_string()))?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(LOG_FILE)
+        .map_err(io_error(LOG_FILE))?;
+    let mut command = std::process::Command::new(program);
+    command
+        .args(args)
+        .env_clear()
+        .envs(env)
+        .current_dir(cwd)
+        .stdout(log.try_clone().map_err(io_error("the kernel log"))?)
+        .stderr(log)
+        .process_group(0);
+    Ok(command)
+}
+
+/// What the agent does first in a VM restored from a snapshot: reseeds the guest's random
+/// number generator from `seed` (see [`reseed`]) and sets its clock to `unix_time_ns`.
+#[allow(unsafe_code)]
+pub fn restored(seed: &str, unix_time_ns: u64) -> Result<(), KernelError> {
+    reseed(seed)?;
+    let time = libc::timespec {
+        tv_sec: (unix_time_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (unix_time_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime reads the timespec this function owns, nothing else.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &time) } != 0 {
+        return Err(KernelError::Restore(format!(
+            "setting the guest's clock: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
 /// Mixes `seed` (hex) into the guest's entropy pool and reseeds the kernel's random number
 /// generator from it at once, so `os.urandom` in two VMs restored from one snapshot differs
 /// from the next call on.
 #[allow(unsafe_code)]
-pub fn reseed(seed: &str) -> Result<(), KernelError> {
+fn reseed(seed: &str) -> Result<(), KernelError> {
     use std::io::Write;
     use std::os::fd::AsRawFd;
     let bytes = decode_hex(seed)
@@ -381,6 +576,7 @@ fn endpoints(connection: &serde_json::Value) -> Result<Endpoints, KernelError> {
 fn prepare_workspace(cwd: &Path, uid: u32, gid: u32) -> Result<(), KernelError> {
     std::fs::create_dir_all(cwd).map_err(io_error(cwd.display().to_string()))?;
     if let Some(device) = crate::boot::virtio_disk(false) {
+        forget_cached_blocks(&device)?;
         rustix::mount::mount(
             &device,
             cwd,
@@ -393,6 +589,26 @@ fn prepare_workspace(cwd: &Path, uid: u32, gid: u32) -> Result<(), KernelError> 
         let _ = std::fs::remove_dir(cwd.join("lost+found"));
     }
     chown(cwd, uid, gid)
+}
+
+/// Drops what the guest has cached of `device`'s blocks.
+///
+/// Why: in a VM restored from a snapshot the disk is another file than the one the guest
+/// read when it probed the device (a blank one, in the zygote VM); the cached first page,
+/// which holds ext4's superblock, would make the mount read the blank disk's zeros.
+#[allow(unsafe_code)]
+fn forget_cached_blocks(device: &str) -> Result<(), KernelError> {
+    use std::os::fd::AsRawFd;
+    // BLKFLSBUF: _IO(0x12, 97).
+    const BLKFLSBUF: libc::c_ulong = 0x1261;
+    let disk = std::fs::File::open(device).map_err(io_error(device.to_owned()))?;
+    // SAFETY: an argument-less ioctl on a descriptor this function owns.
+    if unsafe { libc::ioctl(disk.as_raw_fd(), BLKFLSBUF as _) } != 0 {
+        return Err(io_error(format!("flushing {device}"))(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
 
 fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), KernelError> {
@@ -432,8 +648,8 @@ fn write_connection_file(
     Ok(())
 }
 
-/// Makes the kernel's cgroup with the policy's limits.
-fn make_cgroup(start: &Start) -> Result<PathBuf, KernelError> {
+/// Makes the kernel's cgroup (or finds the zygote's) and sets the policy's limits.
+fn make_cgroup(pids: Option<u64>, memory_bytes: Option<u64>) -> Result<PathBuf, KernelError> {
     let root = Path::new(CGROUP)
         .parent()
         .unwrap_or(Path::new("/sys/fs/cgroup"));
@@ -442,10 +658,10 @@ fn make_cgroup(start: &Start) -> Result<PathBuf, KernelError> {
         .map_err(io_error("enabling the cgroup controllers"))?;
     let dir = PathBuf::from(CGROUP);
     std::fs::create_dir_all(&dir).map_err(io_error(CGROUP))?;
-    if let Some(pids) = start.pids {
+    if let Some(pids) = pids {
         std::fs::write(dir.join("pids.max"), pids.to_string()).map_err(io_error("pids.max"))?;
     }
-    if let Some(memory) = start.memory_bytes {
+    if let Some(memory) = memory_bytes {
         std::fs::write(dir.join("memory.max"), memory.to_string())
             .map_err(io_error("memory.max"))?;
     }

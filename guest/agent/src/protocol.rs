@@ -189,9 +189,15 @@ pub enum Op {
     Kill,
     /// The kernel's resource use so far.
     Usage,
-    /// Mixes host-made randomness into the guest's entropy pool, so two VMs restored from one
-    /// snapshot never draw the same random numbers. Hex, 32 bytes or more.
-    Reseed { seed: String },
+    /// Starts a zygote: the kernel's Python with ipykernel imported, waiting (for a later
+    /// [`Op::Start`] whose command it can become) in the kernel's cgroup. Answered once the
+    /// imports are done. A VM with a zygote is what the warm pool snapshots.
+    Zygote(Zygote),
+    /// Sent first to a VM restored from a snapshot: mixes host-made randomness into the
+    /// guest's entropy pool and reseeds its generator at once (so two VMs restored from one
+    /// snapshot never draw the same random numbers; hex, 32 bytes or more), and sets the
+    /// guest's clock, which a restore leaves at the moment of the snapshot.
+    Restored { seed: String, unix_time_ns: u64 },
     /// Powers the VM off.
     Poweroff,
 }
@@ -214,6 +220,38 @@ pub struct Start {
     /// The memory limit of the kernel's cgroup in the guest (the VM has some more RAM, so an
     /// out-of-memory kill is the kernel's and is seen as such).
     pub memory_bytes: Option<u64>,
+}
+
+/// A zygote to prepare (see [`Op::Zygote`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Zygote {
+    /// The command of the kernels it can become: a later start's command must begin with
+    /// this (the interpreter, `-m`, the launcher module); the zygote adds
+    /// [`ZYGOTE_FLAG`].
+    pub argv: Vec<String>,
+    /// The environment the interpreter starts with: only variables that
+    /// [`fixed_at_zygote_start`] names, which a later start's environment must have alike,
+    /// or that start runs a fresh process instead.
+    pub env: BTreeMap<String, String>,
+    /// Its working directory while it waits (the kernel's, so `sys.path` is the same).
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The argument that makes the kernel launcher a zygote (`kernels/python3`).
+pub const ZYGOTE_FLAG: &str = "--cellgate-zygote";
+
+/// Whether the environment variable `key` is one a zygote starts with, so that a kernel it
+/// becomes must have the same value: what the interpreter reads only when it starts
+/// (`PYTHON*`, the locale), what modules the zygote imports read at their import (pydevd's
+/// `PYDEVD_*`), and the program search path and home. Nothing else of a kernel's environment
+/// (its id, a client's variables) is ever in a zygote, which every clone shares.
+pub fn fixed_at_zygote_start(key: &str) -> bool {
+    key.starts_with("PYTHON")
+        || key.starts_with("PYDEVD_")
+        || key.starts_with("LC_")
+        || matches!(key, "LANG" | "LANGUAGE" | "PATH" | "HOME")
 }
 
 /// A connection file to write before the kernel starts. The kernel's ipc endpoints are guest

@@ -123,7 +123,19 @@ async fn serve_control(
             request = read_json::<Request, _>(&mut reader) => {
                 let Some(request) = request? else { return Ok(()) };
                 let poweroff = matches!(request.op, Op::Poweroff);
-                let reply = answer(&kernel, request.op);
+                let reply = match request.op {
+                    // Seconds to minutes of imports: off the async workers, and the control
+                    // stream waits for it (the host sends nothing else meanwhile).
+                    Op::Zygote(zygote) => {
+                        let kernel = kernel.clone();
+                        tokio::task::spawn_blocking(move || kernel.prepare_zygote(&zygote))
+                            .await
+                            .map_err(|e| crate::kernel::KernelError::Zygote(e.to_string()))
+                            .and_then(|r| r)
+                            .map_or_else(failed, |pid| Reply::Started { pid })
+                    }
+                    op => answer(&kernel, op),
+                };
                 let message = GuestMessage::Reply { id: request.id, reply };
                 write_json(&mut writer, &message).await?;
                 if poweroff && init {
@@ -139,10 +151,13 @@ async fn serve_control(
     }
 }
 
+fn failed(error: crate::kernel::KernelError) -> Reply {
+    Reply::Failed {
+        message: error.to_string(),
+    }
+}
+
 fn answer(kernel: &Kernel, op: Op) -> Reply {
-    let failed = |e: crate::kernel::KernelError| Reply::Failed {
-        message: e.to_string(),
-    };
     match op {
         Op::Start(start) => kernel
             .start(&start)
@@ -150,7 +165,12 @@ fn answer(kernel: &Kernel, op: Op) -> Reply {
         Op::Signal { signal } => kernel.signal(signal).map_or_else(failed, |()| Reply::Done),
         Op::Kill => kernel.kill().map_or_else(failed, |()| Reply::Done),
         Op::Usage => Reply::Usage(kernel.usage()),
-        Op::Reseed { seed } => crate::kernel::reseed(&seed).map_or_else(failed, |()| Reply::Done),
+        Op::Restored { seed, unix_time_ns } => {
+            crate::kernel::restored(&seed, unix_time_ns).map_or_else(failed, |()| Reply::Done)
+        }
+        Op::Zygote(_) => Reply::Failed {
+            message: "a zygote is prepared on the control stream only".to_owned(),
+        },
         Op::Poweroff => Reply::Done,
     }
 }

@@ -45,7 +45,14 @@ pub struct Agent {
     /// Set when the session ended (the guest or the transport went away, or broke the
     /// protocol): why.
     closed: watch::Receiver<Option<String>>,
+    /// The task that owns the session and its transport: aborting it closes the link.
+    session: tokio::task::AbortHandle,
 }
+
+/// How long the handshake waits for an answer before it says `HELLO` again. A VM restored
+/// from a snapshot may still be ending the session it had when it was saved, which can eat a
+/// first `HELLO` (the guest drops everything up to the next one).
+const HELLO_AGAIN: Duration = Duration::from_secs(2);
 
 impl Agent {
     /// Handshakes on `io` and starts the session. Egress streams the guest opens are joined
@@ -57,38 +64,60 @@ impl Agent {
     ) -> Result<Agent, MicrovmError> {
         let nonce = format!("{:032x}", rand::random::<u128>());
         let mut io = BufReader::new(io);
+        // Lines other than our READY are skipped (what an old session left in the pipe, a
+        // restored guest's last frames); the whole handshake has `handshake_timeout`.
+        let mut last_line = String::new();
         let handshake = async {
             let handshake_error =
                 |e: &dyn std::fmt::Display| MicrovmError::Agent(format!("handshake: {e}"));
-            io.get_mut()
-                .write_all(hello(&nonce).as_bytes())
-                .await
-                .map_err(|e| handshake_error(&e))?;
-            io.get_mut()
-                .flush()
-                .await
-                .map_err(|e| handshake_error(&e))?;
-            let line = read_line(&mut io, 512)
-                .await
-                .map_err(|e| handshake_error(&e))?
-                .unwrap_or_default();
-            match parse_ready(&line) {
-                Some(echo) if echo == nonce => Ok(()),
-                _ => Err(MicrovmError::Agent(format!(
-                    "the guest answered the handshake with {:?}",
-                    line.chars().take(80).collect::<String>()
-                ))),
+            loop {
+                io.get_mut()
+                    .write_all(hello(&nonce).as_bytes())
+                    .await
+                    .map_err(|e| handshake_error(&e))?;
+                io.get_mut()
+                    .flush()
+                    .await
+                    .map_err(|e| handshake_error(&e))?;
+                let again = tokio::time::sleep(HELLO_AGAIN);
+                tokio::pin!(again);
+                loop {
+                    let line = tokio::select! {
+                        line = read_line(&mut io, 512) => line,
+                        () = &mut again => break,
+                    };
+                    match line {
+                        Ok(Some(line)) => match parse_ready(&line) {
+                            Some(echo) if echo == nonce => return Ok(()),
+                            _ => last_line = line.chars().take(80).collect(),
+                        },
+                        Err(protocol::ProtocolError::LineTooLong) => {}
+                        Ok(None) => return Err(handshake_error(&"the link closed")),
+                        Err(error) => return Err(handshake_error(&error)),
+                    }
+                }
             }
         };
-        tokio::time::timeout(handshake_timeout, handshake)
-            .await
-            .map_err(|_| MicrovmError::Agent("the guest agent did not answer in time".into()))??;
+        let shaken = tokio::time::timeout(handshake_timeout, handshake).await;
+        match shaken {
+            Ok(result) => result?,
+            Err(_) if last_line.is_empty() => {
+                return Err(MicrovmError::Agent(
+                    "the guest agent did not answer in time".into(),
+                ))
+            }
+            Err(_) => {
+                return Err(MicrovmError::Agent(format!(
+                    "the guest agent did not answer in time; it said {last_line:?}"
+                )))
+            }
+        }
 
         let mut session = tokio_yamux::Session::new_client(io, protocol::yamux_config());
         let mut streams = session.control();
         let (closed_tx, closed) = watch::channel(None);
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_GUEST_STREAMS));
-        tokio::spawn(async move {
+        let session_task = tokio::spawn(async move {
             let why = loop {
                 match session.next().await {
                     Some(Ok(stream)) => {
@@ -108,6 +137,7 @@ impl Agent {
             };
             closed_tx.send_replace(Some(why));
         });
+        let session = session_task.abort_handle();
 
         let mut control = open(&mut streams, &Open::Control).await?;
         control
@@ -129,11 +159,22 @@ impl Agent {
             next_id: AtomicU64::new(1),
             exit,
             closed,
+            session,
         })
+    }
+
+    /// Closes the link: the guest sees its host go away and waits for the next one.
+    pub fn close(&self) {
+        self.session.abort();
     }
 
     /// Sends `op` and waits for its reply.
     pub async fn request(&self, op: Op) -> Result<Reply, MicrovmError> {
+        self.request_within(op, REPLY_TIMEOUT).await
+    }
+
+    /// Sends `op` and waits `timeout` for its reply.
+    pub async fn request_within(&self, op: Op, timeout: Duration) -> Result<Reply, MicrovmError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().insert(id, tx);
@@ -157,7 +198,7 @@ impl Agent {
                 ));
             }
         }
-        match tokio::time::timeout(REPLY_TIMEOUT, rx).await {
+        match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(Reply::Failed { message })) => Err(MicrovmError::Agent(message)),
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(_)) => Err(MicrovmError::Agent("the agent session ended".into())),

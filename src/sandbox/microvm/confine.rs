@@ -274,6 +274,30 @@ impl Jail {
         }
     }
 
+    /// Gives `command`'s process `file` as its descriptor [`qemu::SNAPSHOT_FD`](super::qemu::SNAPSHOT_FD)
+    /// (and nothing else of the gateway's: every other descriptor is close-on-exec).
+    pub(super) fn pass_snapshot(command: &mut tokio::process::Command, file: std::fs::File) {
+        use std::os::fd::{AsRawFd, OwnedFd};
+        let fd = OwnedFd::from(file);
+        let target = super::qemu::SNAPSHOT_FD;
+        // SAFETY: the closure runs in the forked child before exec and calls only dup2 and
+        // fcntl, which are async-signal-safe, on a descriptor opened before the fork.
+        unsafe {
+            command.pre_exec(move || {
+                let raw = fd.as_raw_fd();
+                if raw == target {
+                    // dup2 onto itself keeps close-on-exec set: clear it instead.
+                    if libc::fcntl(raw, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(raw, target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+
     /// The uid the VMM runs as, when it is one of its own.
     pub(super) fn uid(&self) -> Option<u32> {
         match &self.plan.identity {

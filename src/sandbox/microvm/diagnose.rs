@@ -56,6 +56,28 @@ pub async fn diagnose(probe: bool, config: &MicrovmConfig) -> Diagnosis {
             None
         }
     };
+    if config.snapshots {
+        let dir = config
+            .snapshot_dir
+            .clone()
+            .unwrap_or_else(|| config.guest_dir.join("snapshots"));
+        let ready = std::fs::read_dir(&dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "vmstate"))
+                    .count()
+            })
+            .unwrap_or(0);
+        s.fact("snapshots", "on: each kind of VM is restored from a warm-pool snapshot once the first of its kind has booted");
+        s.fact("snapshot_dir", dir.display().to_string());
+        s.fact("snapshots_saved", ready);
+    } else {
+        s.fact(
+            "snapshots",
+            "off (--microvm-snapshots false): every VM boots",
+        );
+    }
     let facts = HostFacts::read(Path::new("/"));
     s.fact("dev_kvm", facts.kvm_device);
     s.fact("hardware_virtualization", facts.hardware_virtualization);

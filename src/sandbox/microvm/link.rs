@@ -25,9 +25,9 @@ use crate::sandbox::spawner::Spawner;
 /// The link's sockets in the VM's runtime directory: the serial port's (QEMU listens), the
 /// vsock backend's vhost-user socket (it listens, QEMU connects) and the prefix of its
 /// hybrid-vsock sockets.
-const SERIAL_SOCKET: &str = "agent.sock";
-const VHOST_SOCKET: &str = "vhost.sock";
-const VSOCK_SOCKET: &str = "vsock.sock";
+pub(super) const SERIAL_SOCKET: &str = "agent.sock";
+pub(super) const VHOST_SOCKET: &str = "vhost.sock";
+pub(super) const VSOCK_SOCKET: &str = "vsock.sock";
 
 /// Which transport a backend's VMs use.
 #[derive(Debug, Clone, PartialEq, Eq)]

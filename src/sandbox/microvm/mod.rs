@@ -44,13 +44,15 @@ mod handle;
 pub mod image;
 pub mod link;
 mod qemu;
+mod qmp;
+mod snapshot;
 pub mod vmm;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellgate_agent::protocol::{ConnectionFile, Op, Reply, Start};
+use cellgate_agent::protocol::{fixed_at_zygote_start, ConnectionFile, Op, Reply, Start, Zygote};
 use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
@@ -117,6 +119,11 @@ pub struct MicrovmConfig {
     /// The agent link; `None`: hybrid vsock where `vhost-device-vsock` is installed (in the
     /// guest directory's `tools/bin`, or on `PATH`), virtio-serial otherwise.
     pub transport: Option<link::Transport>,
+    /// Whether sessions get VMs restored from warm-pool snapshots (`snapshot.rs`) where
+    /// their kind of VM has one, rather than booted.
+    pub snapshots: bool,
+    /// Where the snapshots are kept; `None`: `snapshots/` in the guest directory.
+    pub snapshot_dir: Option<PathBuf>,
 }
 
 impl Default for MicrovmConfig {
@@ -127,12 +134,19 @@ impl Default for MicrovmConfig {
             allow_emulation: false,
             boot_timeout: Duration::from_secs(120),
             transport: None,
+            snapshots: true,
+            snapshot_dir: None,
         }
     }
 }
 
 /// Starts kernels in microVMs.
 pub struct MicrovmSandbox {
+    core: Arc<Core>,
+}
+
+/// The backend's state, shared with the background tasks that make snapshots.
+struct Core {
     config: MicrovmConfig,
     images: image::GuestImages,
     accel: Accel,
@@ -144,6 +158,8 @@ pub struct MicrovmSandbox {
     confiner: confine::Confiner,
     /// Why a launch is refused unless its policy allows emulation; `None`: VMs may start.
     emulation_refused: Option<String>,
+    /// The warm pool's snapshots, when they are on and their directory could be made.
+    snapshots: Option<snapshot::Snapshots>,
 }
 
 impl MicrovmSandbox {
@@ -194,29 +210,91 @@ impl MicrovmSandbox {
         );
         let spawner = Spawner::start("cellgate-microvm-spawner")?;
         let confiner = confine::Confiner::new(accel == Accel::Kvm);
+        let snapshots = config
+            .snapshots
+            .then(|| open_snapshots(&config, &images, accel, &host_cmdline))
+            .flatten();
         Ok(MicrovmSandbox {
-            confiner,
-            emulation_refused,
-            transport,
-            host_cmdline,
-            vmm: Arc::new(qemu::Qemu {
-                binary: config.qemu.clone(),
+            core: Arc::new(Core {
+                confiner,
+                emulation_refused,
+                transport,
+                host_cmdline,
+                vmm: Arc::new(qemu::Qemu {
+                    binary: config.qemu.clone(),
+                }),
+                config,
+                images,
+                accel,
+                spawner,
+                snapshots,
             }),
-            config,
-            images,
-            accel,
-            spawner,
         })
     }
 
     /// How this backend's VMs get their CPU.
     pub fn accel(&self) -> Accel {
-        self.accel
+        self.core.accel
     }
 
-    /// How this backend's VMs talk to the gateway.
+    /// How this backend's VMs talk to the gateway (a VM restored from a snapshot always
+    /// over virtio-serial).
     pub fn transport(&self) -> &link::Transport {
-        &self.transport
+        &self.core.transport
+    }
+
+    /// Where the warm pool's snapshots are kept, when they are on.
+    pub fn snapshot_dir(&self) -> Option<&Path> {
+        self.core.snapshots.as_ref().map(|s| s.dir())
+    }
+}
+
+/// The warm pool's snapshots for VMs of these images, accelerator and command line, or
+/// `None` (said loudly) where their directory cannot be made.
+fn open_snapshots(
+    config: &MicrovmConfig,
+    images: &image::GuestImages,
+    accel: Accel,
+    host_cmdline: &[String],
+) -> Option<snapshot::Snapshots> {
+    let dir = config
+        .snapshot_dir
+        .clone()
+        .unwrap_or_else(|| config.guest_dir.join("snapshots"));
+    let qemu = if config.qemu.components().count() == 1 {
+        super::diagnosis::find_on_path(&config.qemu.to_string_lossy())
+            .unwrap_or_else(|| config.qemu.clone())
+    } else {
+        config.qemu.clone()
+    };
+    let mut inputs = vec![
+        format!("cellgate {}", env!("CARGO_PKG_VERSION")),
+        cellgate_agent::protocol::MAGIC.to_owned(),
+        snapshot::file_input(&images.kernel),
+        snapshot::file_input(&images.initramfs),
+        snapshot::file_input(&images.root),
+        snapshot::file_input(&qemu),
+        accel.as_str().to_owned(),
+        host_cmdline.join(" "),
+        format!("layer {LAYER_MIB} overhead {GUEST_OVERHEAD_MIB} disk {SNAPSHOT_DISK_BYTES}"),
+    ];
+    if accel == Accel::Kvm {
+        // `-cpu host`: the state holds this CPU's model and features.
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        inputs.extend(
+            cpuinfo
+                .lines()
+                .filter(|l| l.starts_with("model name") || l.starts_with("flags"))
+                .take(2)
+                .map(str::to_owned),
+        );
+    }
+    match snapshot::Snapshots::open(&dir, &inputs) {
+        Ok(snapshots) => Some(snapshots),
+        Err(error) => {
+            tracing::warn!(dir = %dir.display(), %error, "microvm: no warm-pool snapshots (their directory cannot be made): every VM boots");
+            None
+        }
     }
 }
 
@@ -226,12 +304,31 @@ impl Sandbox for MicrovmSandbox {
     }
 
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
-        Box::pin(async move { Ok(self.launch_vm(spec).await?) })
+        Box::pin(async move { Ok(self.core.launch_vm(spec).await?) })
     }
 }
 
-impl MicrovmSandbox {
-    async fn launch_vm(&self, spec: &LaunchSpec) -> Result<Launched, MicrovmError> {
+/// The workspace disk's size in a zygote VM: a blank sparse placeholder, as large as any
+/// restored VM's disk may be (the guest keeps the size it saw at its boot).
+const SNAPSHOT_DISK_BYTES: u64 = 1 << 40;
+/// How long a zygote may take to import the kernel's modules.
+const ZYGOTE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long the VMM may take to write a zygote's state.
+const SAVE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a zygote's guest gets to see its host go away before it is saved: the agent is
+/// then back to waiting for a gateway (a restored VM that is not says `HELLO` again anyway).
+const SETTLE: Duration = Duration::from_millis(1000);
+/// The VMM's control socket in the VM's runtime directory (snapshots and restores only).
+const QMP_SOCKET: &str = "qmp.sock";
+
+/// What a zygote VM is made from, besides its [`snapshot::Kind`].
+struct ZygotePlan {
+    kind: snapshot::Kind,
+    zygote: Zygote,
+}
+
+impl Core {
+    async fn launch_vm(self: &Arc<Self>, spec: &LaunchSpec) -> Result<Launched, MicrovmError> {
         if let Some(refused) = self
             .emulation_refused
             .as_ref()
@@ -241,6 +338,93 @@ impl MicrovmSandbox {
         }
         let map = relocation(spec);
         let connection = guest_connection(spec, &map)?;
+        let size = VmSize::of(&spec.limits);
+        let plan = self.zygote_plan(spec, &map, size, connection.is_some());
+        let snapshots = self.snapshots.as_ref();
+        if let Some((plan, snapshots)) = plan.as_ref().zip(snapshots) {
+            if let Some(path) = snapshots.ready(&plan.kind) {
+                match self
+                    .attempt(spec, &map, connection.clone(), size, Some(&path))
+                    .await
+                {
+                    Ok(launched) => return Ok(launched),
+                    Err(error) => {
+                        snapshots.discard(&plan.kind, &error.to_string());
+                        clear_runtime_dir(&spec.runtime_dir);
+                    }
+                }
+            }
+        }
+        let launched = self.attempt(spec, &map, connection, size, None).await?;
+        if let Some((plan, snapshots)) = plan.zip(snapshots) {
+            if snapshots.claim(&plan.kind) {
+                let core = self.clone();
+                tokio::spawn(async move {
+                    let made = core.make_snapshot(&plan).await.map_err(|e| e.to_string());
+                    if let Some(snapshots) = &core.snapshots {
+                        snapshots.made(&plan.kind, made);
+                    }
+                });
+            }
+        }
+        Ok(launched)
+    }
+
+    /// The zygote that a VM for `spec` could be restored from, when it is a kernel the
+    /// launcher starts (`python -m cellgate_kernel_launcher …`) and its workspace fits the
+    /// snapshot's disk.
+    fn zygote_plan(
+        &self,
+        spec: &LaunchSpec,
+        map: &Relocation,
+        size: VmSize,
+        has_connection: bool,
+    ) -> Option<ZygotePlan> {
+        self.snapshots.as_ref()?;
+        let argv = map.argv(&spec.argv);
+        let workspace = spec
+            .limits
+            .workspace_bytes
+            .unwrap_or(DEFAULT_WORKSPACE_BYTES);
+        let launcher = argv.len() >= 3 && argv[1] == "-m" && argv[2] == "cellgate_kernel_launcher";
+        if !has_connection || !launcher || workspace > SNAPSHOT_DISK_BYTES {
+            return None;
+        }
+        let zygote_env: std::collections::BTreeMap<String, String> = map
+            .env(&spec.env)
+            .into_iter()
+            .filter(|(key, _)| fixed_at_zygote_start(key))
+            .collect();
+        let at_start: Vec<(String, String)> = zygote_env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        Some(ZygotePlan {
+            kind: snapshot::Kind {
+                memory_mib: size.memory_mib,
+                vcpus: size.vcpus,
+                argv: argv[..3].to_vec(),
+                env: at_start,
+            },
+            zygote: Zygote {
+                argv: argv[..3].to_vec(),
+                env: zygote_env,
+                cwd: relocate::WORKSPACE.to_owned(),
+                uid: KERNEL_UID,
+                gid: KERNEL_UID,
+            },
+        })
+    }
+
+    /// One try at `spec`'s VM: booted, or restored from `snapshot`.
+    async fn attempt(
+        &self,
+        spec: &LaunchSpec,
+        map: &Relocation,
+        connection: Option<ConnectionFile>,
+        size: VmSize,
+        snapshot: Option<&Path>,
+    ) -> Result<Launched, MicrovmError> {
         let dir = &spec.runtime_dir;
         let disk = dir.join(WORKSPACE_DISK);
         let disk_bytes = image::make_workspace_disk(
@@ -251,7 +435,12 @@ impl MicrovmSandbox {
             KERNEL_UID,
         )
         .await?;
-        let size = VmSize::of(&spec.limits);
+        let snapshot = match snapshot {
+            Some(path) => {
+                Some(std::fs::File::open(path).map_err(io_error(path.display().to_string()))?)
+            }
+            None => None,
+        };
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let jail = Arc::new(self.confiner.prepare(
             &crate::sandbox::cgroups::cgroup_name(&spec.kernel_id, &format!("vm-{}", &unique[..8])),
@@ -260,7 +449,9 @@ impl MicrovmSandbox {
             &[&disk],
             confine::fsize(disk_bytes, size.memory_mib),
         )?);
-        let booted = self.boot(spec, &map, connection, size, jail.clone()).await;
+        let booted = self
+            .boot(spec, map, connection, size, jail.clone(), snapshot)
+            .await;
         if booted.is_err() {
             // Whatever of the VM is left goes with its cgroup.
             let _ = tokio::task::spawn_blocking(move || jail.release()).await;
@@ -268,21 +459,17 @@ impl MicrovmSandbox {
         booted
     }
 
-    /// Starts the VMM (and the link's device backend) confined in `jail`, waits for the
-    /// agent and starts the kernel. On failure, the processes it started are reaped.
-    async fn boot(
+    /// The VM of `size` on `transport`'s `link`: booted, or (`restore`) loaded from the
+    /// snapshot on the VMM's descriptor 3. `control`: give the VMM its control socket.
+    fn vm_spec(
         &self,
-        spec: &LaunchSpec,
-        map: &Relocation,
-        connection: Option<ConnectionFile>,
+        transport: &link::Transport,
+        link: &link::Link,
         size: VmSize,
-        jail: Arc<confine::Jail>,
-    ) -> Result<Launched, MicrovmError> {
-        let dir = &spec.runtime_dir;
-        let console = create_console(dir, jail.uid())?;
-        let mut link =
-            link::Link::prepare(&self.transport, dir, &self.spawner, &spec.log_file, &jail).await?;
-        let vm = VmSpec {
+        control: bool,
+        restore: bool,
+    ) -> VmSpec {
+        VmSpec {
             kernel: self.images.kernel.clone(),
             initramfs: self.images.initramfs.clone(),
             root: self.images.root.clone(),
@@ -290,7 +477,7 @@ impl MicrovmSandbox {
             memory_mib: size.memory_mib,
             vcpus: size.vcpus,
             cmdline: [
-                self.transport.cmdline().to_owned(),
+                transport.cmdline().to_owned(),
                 format!("cellgate.layer_mb={LAYER_MIB}"),
             ]
             .into_iter()
@@ -299,10 +486,41 @@ impl MicrovmSandbox {
             agent: link.vm_link(),
             console: PathBuf::from(CONSOLE),
             accel: self.accel,
+            control: control.then(|| PathBuf::from(QMP_SOCKET)),
+            incoming: restore,
+        }
+    }
+
+    /// Starts the VMM (and the link's device backend) confined in `jail`, waits for the
+    /// agent and starts the kernel. With `snapshot`, the VM is restored from it instead of
+    /// booted (over virtio-serial: QEMU cannot save a VM with a vhost-user device). On
+    /// failure, the processes it started are reaped.
+    async fn boot(
+        &self,
+        spec: &LaunchSpec,
+        map: &Relocation,
+        connection: Option<ConnectionFile>,
+        size: VmSize,
+        jail: Arc<confine::Jail>,
+        snapshot: Option<std::fs::File>,
+    ) -> Result<Launched, MicrovmError> {
+        let dir = &spec.runtime_dir;
+        let restore = snapshot.is_some();
+        let transport = if restore {
+            link::Transport::Serial
+        } else {
+            self.transport.clone()
         };
+        let console = create_console(dir, jail.uid())?;
+        let mut link =
+            link::Link::prepare(&transport, dir, &self.spawner, &spec.log_file, &jail).await?;
+        let vm = self.vm_spec(&transport, &link, size, restore, restore);
         let mut command = self.vmm.command(&vm);
         plain_child(&mut command, dir, &spec.log_file)?;
         jail.apply(&mut command);
+        if let Some(file) = snapshot {
+            confine::Jail::pass_snapshot(&mut command, file);
+        }
         let child = self
             .spawner
             .spawn(command)
@@ -321,14 +539,23 @@ impl MicrovmSandbox {
         let pid = child.id().unwrap_or(0);
         tracing::info!(kernel_id = %spec.kernel_id, pid, accel = self.accel.as_str(),
             memory_mib = size.memory_mib, vcpus = size.vcpus, vmm_uid = ?jail.uid(),
+            from = if restore { "snapshot" } else { "boot" },
             "microvm: VM started");
         let handle = Arc::new(MicrovmHandle::new(pid, jail.clone()));
 
         let started = async {
+            if restore {
+                let mut qmp =
+                    qmp::Qmp::connect(&dir.join(QMP_SOCKET), self.config.boot_timeout).await?;
+                qmp::resume(&mut qmp, self.config.boot_timeout).await?;
+            }
             let io = link.connect(self.config.boot_timeout).await?;
             let agent =
                 agent::Agent::connect(io, spec.egress_socket.clone(), self.config.boot_timeout)
                     .await?;
+            if restore {
+                agent.request(restored_op()).await?;
+            }
             start_kernel(&agent, spec, map, connection).await?;
             Ok(Arc::new(agent))
         };
@@ -380,6 +607,172 @@ impl MicrovmSandbox {
             connection: spec.connection.clone(),
         })
     }
+}
+
+impl Core {
+    /// Makes the snapshot of `plan`'s zygote: boots a VM of its kind, has the agent prepare
+    /// the zygote, closes the link and saves the VM's state; the snapshot's path.
+    async fn make_snapshot(&self, plan: &ZygotePlan) -> Result<PathBuf, MicrovmError> {
+        let snapshots = self
+            .snapshots
+            .as_ref()
+            .ok_or_else(|| MicrovmError::Start("snapshots are off".to_owned()))?;
+        let started = std::time::Instant::now();
+        let unique = uuid::Uuid::new_v4().simple().to_string();
+        let dir = snapshots.dir().join(format!("build-{}", &unique[..12]));
+        std::fs::create_dir(&dir).map_err(io_error(dir.display().to_string()))?;
+        let target = snapshots.path(&plan.kind);
+        let partial = target.with_extension(format!("vmstate.partial-{}", &unique[..12]));
+        let made = self.save_zygote(plan, &dir, &partial, &unique).await;
+        let made = made.and_then(|()| {
+            std::fs::rename(&partial, &target).map_err(io_error(target.display().to_string()))
+        });
+        let _ = std::fs::remove_file(&partial);
+        let _ = std::fs::remove_dir_all(&dir);
+        made?;
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            "microvm: zygote saved"
+        );
+        Ok(target)
+    }
+
+    async fn save_zygote(
+        &self,
+        plan: &ZygotePlan,
+        dir: &Path,
+        partial: &Path,
+        unique: &str,
+    ) -> Result<(), MicrovmError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let size = VmSize {
+            memory_mib: plan.kind.memory_mib,
+            vcpus: plan.kind.vcpus,
+        };
+        let log = dir.join("vm.log");
+        let disk = dir.join(WORKSPACE_DISK);
+        std::fs::File::create(&disk)
+            .and_then(|f| f.set_len(SNAPSHOT_DISK_BYTES))
+            .map_err(io_error(disk.display().to_string()))?;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(partial)
+            .map_err(io_error(partial.display().to_string()))?;
+        let jail = Arc::new(self.confiner.prepare(
+            &crate::sandbox::cgroups::cgroup_name("snapshot", &format!("zygote-{}", &unique[..8])),
+            &confine::host_limits(size.memory_mib + VMM_OVERHEAD_MIB, None),
+            dir,
+            &[&disk],
+            confine::fsize(SNAPSHOT_DISK_BYTES, size.memory_mib),
+        )?);
+        let saved = self.run_zygote(plan, dir, &log, size, &jail, file).await;
+        let released = jail.clone();
+        let _ = tokio::task::spawn_blocking(move || released.release()).await;
+        saved.map_err(|error| match error {
+            MicrovmError::Agent(message) | MicrovmError::Start(message) => {
+                MicrovmError::Start(format!("{message} ({})", read_tail(&log)))
+            }
+            other => other,
+        })
+    }
+
+    async fn run_zygote(
+        &self,
+        plan: &ZygotePlan,
+        dir: &Path,
+        log: &Path,
+        size: VmSize,
+        jail: &confine::Jail,
+        snapshot: std::fs::File,
+    ) -> Result<(), MicrovmError> {
+        let transport = link::Transport::Serial;
+        let _console = create_console(dir, jail.uid())?;
+        let link = link::Link::prepare(&transport, dir, &self.spawner, log, jail).await?;
+        let vm = self.vm_spec(&transport, &link, size, true, false);
+        let mut command = self.vmm.command(&vm);
+        plain_child(&mut command, dir, log)?;
+        jail.apply(&mut command);
+        let mut child = self
+            .spawner
+            .spawn(command)
+            .await
+            .map_err(|e| MicrovmError::Start(format!("{}: {e}", self.vmm.name())))?;
+        let work = async {
+            let io = link.connect(self.config.boot_timeout).await?;
+            let agent = agent::Agent::connect(io, None, self.config.boot_timeout).await?;
+            match agent
+                .request_within(Op::Zygote(plan.zygote.clone()), ZYGOTE_TIMEOUT)
+                .await?
+            {
+                Reply::Started { .. } => {}
+                other => return Err(MicrovmError::Agent(format!("unexpected reply {other:?}"))),
+            }
+            agent.close();
+            tokio::time::sleep(SETTLE).await;
+            let mut qmp = qmp::Qmp::connect(&dir.join(QMP_SOCKET), Duration::from_secs(10)).await?;
+            qmp::save(&mut qmp, &snapshot, SAVE_TIMEOUT).await?;
+            let _ = qmp.execute("quit", serde_json::json!({})).await;
+            Ok(())
+        };
+        let result = tokio::select! {
+            result = work => result,
+            status = child.wait() => Err(MicrovmError::Start(format!(
+                "the zygote's VMM ended ({})",
+                status.map_or_else(|e| e.to_string(), |s| s.to_string())
+            ))),
+        };
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        result
+    }
+}
+
+/// The first request to a restored VM: fresh randomness from the host, and the time.
+fn restored_op() -> Op {
+    let seed: [u8; 32] = rand::random();
+    let unix_time_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    Op::Restored {
+        seed: seed.iter().map(|b| format!("{b:02x}")).collect(),
+        unix_time_ns,
+    }
+}
+
+/// Removes what a failed attempt left in a VM's runtime directory (console, link and
+/// control sockets, workspace disk) so that another attempt starts clean; the kernel's own
+/// files (log, connection file) stay.
+fn clear_runtime_dir(dir: &Path) {
+    for name in [
+        CONSOLE,
+        WORKSPACE_DISK,
+        QMP_SOCKET,
+        link::SERIAL_SOCKET,
+        link::VHOST_SOCKET,
+    ] {
+        let _ = std::fs::remove_file(dir.join(name));
+    }
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(link::VSOCK_SOCKET)
+            {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+}
+
+/// The end of a file, lossily, for an error message.
+fn read_tail(path: &Path) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let from = text.len().saturating_sub(2048);
+    String::from_utf8_lossy(&text[from..]).trim().to_owned()
 }
 
 /// The workspace disk's and the console's names in the VM's runtime directory (the VMM's

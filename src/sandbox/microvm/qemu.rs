@@ -14,6 +14,9 @@ use super::vmm::{Accel, AgentLink, VmSpec, Vmm};
 /// what does not fit is translated again.
 pub const TCG_CACHE_MIB: u64 = 128;
 
+/// The VMM's descriptor of the snapshot it restores from (`-incoming fd:3`).
+pub const SNAPSHOT_FD: i32 = 3;
+
 /// The QEMU driver.
 pub struct Qemu {
     pub binary: PathBuf,
@@ -91,6 +94,17 @@ pub fn args(vm: &VmSpec) -> Vec<String> {
         "-sandbox".into(),
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
     ];
+    if let Some(control) = &vm.control {
+        args.extend([
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", control.display()),
+        ]);
+    }
+    if vm.incoming {
+        // A descriptor, not a path: the VMM needs no right to the snapshot's file, and
+        // cannot change it.
+        args.extend(["-incoming".into(), format!("fd:{SNAPSHOT_FD}")]);
+    }
     match &vm.agent {
         AgentLink::Serial { socket } => {
             args.extend([
@@ -149,6 +163,8 @@ mod tests {
             agent,
             console: "/k/console.log".into(),
             accel: Accel::Tcg,
+            control: None,
+            incoming: false,
         }
     }
 
@@ -171,6 +187,25 @@ mod tests {
         assert!(line.contains("name=org.cellgate.agent"), "{line}");
         assert!(line.contains("cellgate.transport=serial"), "{line}");
         assert!(!line.contains("memory-backend"), "{line}");
+        assert!(
+            !line.contains("-incoming") && !line.contains("-qmp"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn a_restore_reads_the_snapshot_from_a_descriptor() {
+        let mut vm = spec(AgentLink::Serial {
+            socket: "agent.sock".into(),
+        });
+        vm.control = Some("qmp.sock".into());
+        vm.incoming = true;
+        let line = args(&vm).join(" ");
+        assert!(line.contains("-incoming fd:3"), "{line}");
+        assert!(
+            line.contains("-qmp unix:qmp.sock,server=on,wait=off"),
+            "{line}"
+        );
     }
 
     #[test]

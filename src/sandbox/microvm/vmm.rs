@@ -51,6 +51,11 @@ pub struct VmSpec {
     /// Where the guest's serial console goes: the gateway reads why a guest died there.
     pub console: PathBuf,
     pub accel: Accel,
+    /// Where the VMM's control socket goes (QEMU's QMP), for saving and restoring the VM.
+    pub control: Option<PathBuf>,
+    /// Whether the VM's state comes from a snapshot on the VMM's descriptor 3 rather than
+    /// from a boot; the VM then waits, paused, to be resumed.
+    pub incoming: bool,
 }
 
 /// A virtual machine monitor driver.

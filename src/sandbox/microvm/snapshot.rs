@@ -1,0 +1,268 @@
+//! The warm pool's snapshots: one per kind of VM (its RAM, vCPUs and the kernel it can
+//! become), each the saved state of a **zygote** VM: booted, the agent waiting for a
+//! gateway, and the kernel's Python started with ipykernel imported, but no kernel yet.
+//!
+//! A session whose kind of VM has a snapshot gets a VM restored from it (~0.5 s under
+//! emulation, where a boot to a ready kernel takes ~10 s) instead of a boot. The first
+//! session of a kind boots, and asks for the kind's snapshot to be made in the background.
+//!
+//! **What a clone shares, and what it does not.** Everything in the snapshot is the same in
+//! every VM restored from it, so nothing secret or per-session is in it: the zygote has no
+//! connection file (key, session id, ports come with the start request, after the restore),
+//! and no workspace (its disk is a blank placeholder; a restored VM gets a fresh disk of its
+//! policy's size, which the agent mounts at the start after dropping the blocks the guest
+//! cached of the blank one). What the zygote did draw from random generators is refreshed
+//! after the restore: the agent reseeds the guest kernel's generator with host randomness
+//! (`RNDADDENTROPY`-style write plus `RNDRESEEDCRNG`) and sets the clock, and the zygote
+//! reseeds Python's `random` before it becomes the kernel. One thing cannot be redrawn in a
+//! running interpreter: the seed of `str` hashing (`PYTHONHASHSEED`), which clones share.
+//!
+//! **Files.** A snapshot is `<dir>/<key>.vmstate`, readable only by the gateway's user; the
+//! restored VMM gets it as an open descriptor, never the path. `<key>` hashes everything the
+//! state depends on (the guest images, the QEMU binary, the VM's shape and command line, the
+//! zygote's command and start-up environment, the agent protocol), so a changed input makes
+//! a new snapshot rather than restoring a stale one, and snapshots survive a gateway restart.
+//! A snapshot a restore fails on is deleted and made again.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+/// How old a build's temporary file must be to be taken for a dead gateway's.
+const STALE_BUILD: Duration = Duration::from_secs(3600);
+/// How long after a failed attempt a kind of VM gets no new one (each costs a boot).
+const RETRY_AFTER: Duration = Duration::from_secs(300);
+
+/// What a snapshot is of: one kind of VM.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(super) struct Kind {
+    pub memory_mib: u64,
+    pub vcpus: u32,
+    /// The zygote's command (interpreter, `-m`, launcher module).
+    pub argv: Vec<String>,
+    /// The zygote's environment (`fixed_at_zygote_start`), sorted.
+    pub env: Vec<(String, String)>,
+}
+
+/// The state of one kind's snapshot.
+enum State {
+    Building,
+    Ready(PathBuf),
+    Failed { at: Instant },
+}
+
+/// The snapshots one backend keeps, in `dir`.
+pub(super) struct Snapshots {
+    dir: PathBuf,
+    /// What every snapshot depends on beyond its kind (images, VMM, guest command line).
+    base: String,
+    states: parking_lot::Mutex<HashMap<String, State>>,
+}
+
+impl Snapshots {
+    /// Snapshots in `dir` (made, private to the gateway's user), for VMs made from `inputs`
+    /// (every file and setting the saved state depends on, hashed with each kind).
+    pub(super) fn open(dir: &Path, inputs: &[String]) -> std::io::Result<Snapshots> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        // Builds that a gateway ended midway left their temporary files; recent ones may be
+        // another gateway's, at work (a build takes seconds, a minute under emulation).
+        for entry in std::fs::read_dir(dir)?.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let stale = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age >= STALE_BUILD);
+            if stale && (name.contains(".partial-") || name.starts_with("build-")) {
+                let path = entry.path();
+                let _ = if path.is_dir() {
+                    std::fs::remove_dir_all(&path)
+                } else {
+                    std::fs::remove_file(&path)
+                };
+            }
+        }
+        let mut base = Sha256::new();
+        for input in inputs {
+            base.update(input.as_bytes());
+            base.update([0]);
+        }
+        Ok(Snapshots {
+            dir: dir.to_owned(),
+            base: hex(&base.finalize()),
+            states: parking_lot::Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub(super) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn key(&self, kind: &Kind) -> String {
+        let mut hash = Sha256::new();
+        hash.update(self.base.as_bytes());
+        hash.update(format!("{}M {}cpu\0", kind.memory_mib, kind.vcpus).as_bytes());
+        for word in &kind.argv {
+            hash.update(word.as_bytes());
+            hash.update([0]);
+        }
+        for (key, value) in &kind.env {
+            hash.update(format!("{key}={value}\0").as_bytes());
+        }
+        hex(&hash.finalize())[..32].to_owned()
+    }
+
+    /// The file of `kind`'s snapshot, where it is.
+    pub(super) fn path(&self, kind: &Kind) -> PathBuf {
+        self.dir.join(format!("{}.vmstate", self.key(kind)))
+    }
+
+    /// `kind`'s snapshot, when there is one (made by this gateway or an earlier one).
+    pub(super) fn ready(&self, kind: &Kind) -> Option<PathBuf> {
+        let key = self.key(kind);
+        let mut states = self.states.lock();
+        match states.get(&key) {
+            Some(State::Ready(path)) => Some(path.clone()),
+            Some(State::Building) => None,
+            Some(State::Failed { .. }) | None => {
+                let path = self.path(kind);
+                path.is_file().then(|| {
+                    states.insert(key, State::Ready(path.clone()));
+                    path
+                })
+            }
+        }
+    }
+
+    /// Whether the caller should make `kind`'s snapshot now: there is none, none is being
+    /// made, and no attempt failed lately. A `true` must be followed by [`Self::made`].
+    pub(super) fn claim(&self, kind: &Kind) -> bool {
+        let key = self.key(kind);
+        let mut states = self.states.lock();
+        let claim = match states.get(&key) {
+            Some(State::Ready(_) | State::Building) => false,
+            Some(State::Failed { at }) => at.elapsed() >= RETRY_AFTER,
+            None => true,
+        };
+        if claim {
+            states.insert(key, State::Building);
+        }
+        claim
+    }
+
+    /// Records how making `kind`'s snapshot ended.
+    pub(super) fn made(&self, kind: &Kind, made: Result<PathBuf, String>) {
+        let state = match made {
+            Ok(path) => {
+                tracing::info!(snapshot = %path.display(), memory_mib = kind.memory_mib,
+                    vcpus = kind.vcpus, "microvm: warm-pool snapshot ready");
+                State::Ready(path)
+            }
+            Err(error) => {
+                tracing::warn!(%error, memory_mib = kind.memory_mib, vcpus = kind.vcpus,
+                    "microvm: no warm-pool snapshot: VMs of this kind boot (tried again in {} s)",
+                    RETRY_AFTER.as_secs());
+                State::Failed { at: Instant::now() }
+            }
+        };
+        self.states.lock().insert(self.key(kind), state);
+    }
+
+    /// Forgets and deletes `kind`'s snapshot after a restore from it failed.
+    pub(super) fn discard(&self, kind: &Kind, why: &str) {
+        let path = self.path(kind);
+        tracing::warn!(snapshot = %path.display(), why, "microvm: a restore failed; the snapshot is deleted and made again");
+        let _ = std::fs::remove_file(&path);
+        self.states.lock().remove(&self.key(kind));
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What a file contributes to a snapshot's key: its path, size and modification time (a
+/// rebuilt image or an upgraded QEMU is another input).
+pub(super) fn file_input(path: &Path) -> String {
+    let meta = std::fs::metadata(path);
+    let (len, modified) = meta
+        .map(|m| {
+            let modified = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            (m.len(), modified)
+        })
+        .unwrap_or((0, 0));
+    format!("{} {len} {modified}", path.display())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(memory_mib: u64) -> Kind {
+        Kind {
+            memory_mib,
+            vcpus: 1,
+            argv: vec![
+                "/opt/cellgate/venv/bin/python".into(),
+                "-m".into(),
+                "l".into(),
+            ],
+            env: vec![("LANG".into(), "C.UTF-8".into())],
+        }
+    }
+
+    #[test]
+    fn kinds_and_inputs_make_different_keys_and_claims_are_single() {
+        let dir = std::env::temp_dir().join(format!("cg-snap-{}", std::process::id()));
+        let a = Snapshots::open(&dir, &["images 1".into()]).unwrap();
+        let b = Snapshots::open(&dir, &["images 2".into()]).unwrap();
+        assert_ne!(a.path(&kind(672)), a.path(&kind(1184)));
+        assert_ne!(a.path(&kind(672)), b.path(&kind(672)));
+        let mut other_env = kind(672);
+        other_env.env.push(("PYTHONHASHSEED".into(), "0".into()));
+        assert_ne!(a.path(&kind(672)), a.path(&other_env));
+
+        assert!(a.ready(&kind(672)).is_none());
+        assert!(a.claim(&kind(672)));
+        assert!(!a.claim(&kind(672)), "one build at a time");
+        a.made(&kind(672), Err("no".into()));
+        assert!(!a.claim(&kind(672)), "no retry right after a failure");
+        std::fs::write(a.path(&kind(672)), b"state").unwrap();
+        assert_eq!(
+            a.ready(&kind(672)),
+            Some(a.path(&kind(672))),
+            "found on disk"
+        );
+        a.discard(&kind(672), "test");
+        assert!(!a.path(&kind(672)).exists());
+        assert!(a.claim(&kind(672)));
+
+        let partial = dir.join("x.vmstate.partial-1");
+        std::fs::write(&partial, b"half").unwrap();
+        let _ = Snapshots::open(&dir, &[]).unwrap();
+        assert!(partial.exists(), "a recent build may be another gateway's");
+        let old = std::time::SystemTime::now() - STALE_BUILD - Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(&partial)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let _ = Snapshots::open(&dir, &[]).unwrap();
+        assert!(!partial.exists(), "left-overs swept");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
