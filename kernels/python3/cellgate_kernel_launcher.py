@@ -279,6 +279,9 @@ def _zygote() -> None:
     # A restored VM's generators were seeded in the snapshot, the same in every clone; the
     # agent reseeded the guest kernel's before this request, and os.urandom reads that.
     random.seed()
+    if "ssl" in sys.modules:
+        # OpenSSL's generator reseeds itself on fork, not on a VM's restore.
+        sys.modules["ssl"].RAND_add(os.urandom(48), 48.0)
     main()
 
 

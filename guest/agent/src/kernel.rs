@@ -54,6 +54,9 @@ struct ZygoteProcess {
     spec: Zygote,
 }
 
+/// The longest start request a zygote reads (the launcher's `ZYGOTE_REQUEST_MAX`).
+const ZYGOTE_REQUEST_MAX: usize = 1 << 20;
+
 /// How long a zygote may take to import the kernel's modules: seconds natively, tens of
 /// seconds under emulation on a busy host.
 const ZYGOTE_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
@@ -254,7 +257,7 @@ impl Kernel {
         match ready {
             Ok(word) if &word == b"ready\n" => Ok(pid.as_raw_nonzero().get() as u32),
             outcome => {
-                let _ = self.drop_zygote();
+                self.drop_zygote();
                 Err(KernelError::Zygote(match outcome {
                     Ok(word) => format!("it said {:?}", String::from_utf8_lossy(&word)),
                     Err(error) => {
@@ -266,11 +269,10 @@ impl Kernel {
     }
 
     /// Ends a prepared zygote, if there is one.
-    fn drop_zygote(&self) -> Result<(), KernelError> {
+    fn drop_zygote(&self) {
         if let Some(zygote) = self.state().zygote.take() {
             zygote.end();
         }
-        Ok(())
     }
 
     pub fn signal(&self, signal: i32) -> Result<(), KernelError> {
@@ -395,7 +397,18 @@ impl ZygoteProcess {
         });
         let mut line = request.to_string();
         line.push('\n');
-        match self.socket.write_all(line.as_bytes()) {
+        // The zygote reads at most this much (`ZYGOTE_REQUEST_MAX` in the launcher): a longer
+        // request would end it after the start was answered.
+        if line.len() > ZYGOTE_REQUEST_MAX {
+            self.end();
+            return Err(format!("a start request of {} bytes", line.len()));
+        }
+        // Bounded: the agent holds the kernel's state lock here.
+        let written = self
+            .socket
+            .set_write_timeout(Some(std::time::Duration::from_secs(10)))
+            .and_then(|()| self.socket.write_all(line.as_bytes()));
+        match written {
             Ok(()) => Ok(self.pid),
             Err(error) => {
                 self.end();

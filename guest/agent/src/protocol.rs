@@ -18,8 +18,17 @@
 //!   open line in frames.
 //!
 //! Why a handshake before yamux: a guest restored from a snapshot meets a new gateway process
-//! on a virtio-serial port that never closed. The guest drops everything up to a `HELLO`
-//! line, so the new session starts clean whatever the old one left in the pipe.
+//! on a virtio-serial port that never closed, and may still be ending the session it had when
+//! it was saved (which can eat a first `HELLO`). So the handshake is built to start clean
+//! whatever either side left in the pipe:
+//! 1. the host says [`hello`] (again every few seconds until answered);
+//! 2. the guest drops everything up to a `HELLO` and answers each one with [`ready`];
+//! 3. once the host has read a `READY` with its nonce it says [`begin`], once, and nothing
+//!    more until step 4;
+//! 4. the guest drops everything up to that `BEGIN` (more `HELLO`s queued while it booted)
+//!    and answers [`go`];
+//! 5. the host drops everything up to `GO` (more `READY`s), and yamux starts on both sides
+//!    right after these lines, on a pipe that holds nothing else.
 //!
 //! The host treats all of this as hostile input: every line is read with a length cap, and
 //! anything malformed ends the session.
@@ -30,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol's name and version, first on both handshake lines.
-pub const MAGIC: &str = "CELLGATE-AGENT/1";
+pub const MAGIC: &str = "CELLGATE-AGENT/2";
 
 /// The longest JSON line either side accepts. Requests carry a kernel's environment and
 /// argv; replies carry at most a log tail of [`LOG_TAIL_BYTES`].
@@ -56,22 +65,91 @@ pub fn ready(nonce: &str) -> String {
     format!("{MAGIC} READY {nonce}\n")
 }
 
+/// The host's last handshake line: yamux follows the guest's [`go`].
+pub fn begin(nonce: &str) -> String {
+    format!("{MAGIC} BEGIN {nonce}\n")
+}
+
+/// The guest's last handshake line: yamux follows it.
+pub fn go(nonce: &str) -> String {
+    format!("{MAGIC} GO {nonce}\n")
+}
+
 /// The nonce of a `HELLO` line, if `line` is one.
 pub fn parse_hello(line: &str) -> Option<&str> {
-    let nonce = line
-        .trim_end()
-        .strip_prefix(MAGIC)?
-        .strip_prefix(" HELLO ")?;
+    parse_word(line, "HELLO")
+}
+
+/// The nonce of a `READY` line, if `line` ends with one (what an old session left may
+/// precede it on the same line).
+pub fn parse_ready(line: &str) -> Option<&str> {
+    parse_word(line, "READY")
+}
+
+/// The nonce of a `BEGIN` line, if `line` is one.
+pub fn parse_begin(line: &str) -> Option<&str> {
+    parse_word(line, "BEGIN")
+}
+
+/// The nonce of a `GO` line, if `line` ends with one.
+pub fn parse_go(line: &str) -> Option<&str> {
+    parse_word(line, "GO")
+}
+
+/// The nonce after the last `MAGIC WORD ` in `line`, if the line ends with a valid one.
+fn parse_word<'a>(line: &'a str, word: &str) -> Option<&'a str> {
+    let marker = format!("{MAGIC} {word} ");
+    let at = line.rfind(&marker)?;
+    let nonce = line[at + marker.len()..].trim_end();
     valid_nonce(nonce).then_some(nonce)
 }
 
-/// The nonce of a `READY` line, if `line` is one.
-pub fn parse_ready(line: &str) -> Option<&str> {
-    let nonce = line
-        .trim_end()
-        .strip_prefix(MAGIC)?
-        .strip_prefix(" READY ")?;
-    valid_nonce(nonce).then_some(nonce)
+/// The guest's side of the handshake (see the module's doc): drops everything up to a
+/// `HELLO`, answers each with `READY` and everything up to the host's `BEGIN` with its
+/// nonce, then says `GO`; yamux follows. With `eof_is_idle` (a virtio-serial port whose
+/// host side is closed), end of stream before the first `HELLO` means "no host yet": it waits.
+pub async fn answer_handshake<S>(
+    io: &mut tokio::io::BufReader<S>,
+    eof_is_idle: bool,
+) -> Result<(), ProtocolError>
+where
+    S: tokio::io::AsyncRead + AsyncWrite + Unpin,
+{
+    let mut nonce: Option<String> = None;
+    loop {
+        match read_line(io, 512).await {
+            Ok(Some(line)) => {
+                if let Some(hello) = parse_hello(&line) {
+                    // The same host saying it again (our answer may have been lost), or a
+                    // new one: answer the latest.
+                    let hello = hello.to_owned();
+                    io.get_mut().write_all(ready(&hello).as_bytes()).await?;
+                    io.get_mut().flush().await?;
+                    nonce = Some(hello);
+                } else if nonce.is_some() && parse_begin(&line) == nonce.as_deref() {
+                    let nonce = nonce.unwrap_or_default();
+                    io.get_mut().write_all(go(&nonce).as_bytes()).await?;
+                    io.get_mut().flush().await?;
+                    return Ok(());
+                }
+            }
+            // Junk longer than a handshake line: skip it.
+            Err(ProtocolError::LineTooLong) => skip_buffered(io).await?,
+            Ok(None) if eof_is_idle && nonce.is_none() => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Ok(None) => return Err(ProtocolError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// Drops what `reader` holds buffered: after [`ProtocolError::LineTooLong`], which consumes
+/// nothing of the line it refused, so that a handshake skipping junk moves on.
+pub async fn skip_buffered<R: AsyncBufRead + Unpin>(reader: &mut R) -> std::io::Result<()> {
+    let held = reader.fill_buf().await?.len();
+    reader.consume(held);
+    Ok(())
 }
 
 fn valid_nonce(nonce: &str) -> bool {
@@ -404,7 +482,13 @@ mod tests {
         assert_eq!(parse_hello(&hello("abcdef123456")), Some("abcdef123456"));
         assert_eq!(parse_ready(&ready("abcdef123456")), Some("abcdef123456"));
         assert_eq!(parse_hello(&ready("abcdef123456")), None);
-        assert_eq!(parse_hello("CELLGATE-AGENT/2 HELLO abcdef123456"), None);
+        assert_eq!(parse_hello("CELLGATE-AGENT/1 HELLO abcdef123456"), None);
+        // What an old session left may precede an answer on its line.
+        let junk = format!("\u{1}\u{2}yamux{}", ready("abcdef123456"));
+        assert_eq!(parse_ready(&junk), Some("abcdef123456"));
+        assert_eq!(parse_go(&go("abcdef123456")), Some("abcdef123456"));
+        assert_eq!(parse_begin(&begin("abcdef123456")), Some("abcdef123456"));
+        assert_eq!(parse_begin(&go("abcdef123456")), None);
         assert_eq!(parse_hello(&hello("short")), None);
         assert_eq!(parse_hello(&hello("abc def 123456")), None);
     }

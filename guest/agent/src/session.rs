@@ -6,11 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cellgate_agent::protocol::{
-    self, parse_hello, read_json, read_line, ready, write_json, Channel, GuestMessage, Op, Open,
-    ProtocolError, Reply, Request,
+    self, read_json, write_json, Channel, GuestMessage, Op, Open, ProtocolError, Reply, Request,
 };
 use futures_util::StreamExt;
-use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::io::BufReader;
 
 use crate::egress::Opener;
 use crate::kernel::{Endpoint, Kernel};
@@ -38,9 +37,7 @@ pub async fn serve(
     init: bool,
 ) -> Result<(), SessionError> {
     let mut io = BufReader::new(stream.io);
-    let nonce = wait_for_hello(&mut io, stream.eof_is_idle).await?;
-    io.get_mut().write_all(ready(&nonce).as_bytes()).await?;
-    io.get_mut().flush().await?;
+    protocol::answer_handshake(&mut io, stream.eof_is_idle).await?;
     // The BufReader goes into yamux as is: it may already hold the host's first frames.
     let mut session = tokio_yamux::Session::new_server(io, protocol::yamux_config());
     opener.set(Some(session.control()));
@@ -55,29 +52,6 @@ pub async fn serve(
     };
     opener.set(None);
     result
-}
-
-/// Drops everything up to a valid `HELLO` line; its nonce.
-async fn wait_for_hello<R>(io: &mut R, eof_is_idle: bool) -> Result<String, SessionError>
-where
-    R: tokio::io::AsyncBufRead + Unpin,
-{
-    loop {
-        match read_line(io, 512).await {
-            Ok(Some(line)) => {
-                if let Some(nonce) = parse_hello(&line) {
-                    return Ok(nonce.to_owned());
-                }
-            }
-            // Junk longer than a handshake line: skip it.
-            Err(ProtocolError::LineTooLong) => {}
-            Ok(None) if eof_is_idle => tokio::time::sleep(Duration::from_millis(50)).await,
-            Ok(None) => {
-                return Err(SessionError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-            }
-            Err(error) => return Err(error.into()),
-        }
-    }
 }
 
 async fn serve_stream(stream: tokio_yamux::StreamHandle, kernel: Arc<Kernel>, init: bool) {

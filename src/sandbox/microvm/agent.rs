@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cellgate_agent::protocol::{
-    self, hello, parse_ready, read_json, read_line, write_json, Channel, Exit, GuestMessage, Op,
-    Open, Reply, Request,
+    self, begin, hello, parse_go, parse_ready, read_json, read_line, write_json, Channel, Exit,
+    GuestMessage, Op, Open, Reply, Request,
 };
 use futures_util::StreamExt;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
@@ -51,7 +51,7 @@ pub struct Agent {
 
 /// How long the handshake waits for an answer before it says `HELLO` again. A VM restored
 /// from a snapshot may still be ending the session it had when it was saved, which can eat a
-/// first `HELLO` (the guest drops everything up to the next one).
+/// first `HELLO`.
 const HELLO_AGAIN: Duration = Duration::from_secs(2);
 
 impl Agent {
@@ -64,37 +64,49 @@ impl Agent {
     ) -> Result<Agent, MicrovmError> {
         let nonce = format!("{:032x}", rand::random::<u128>());
         let mut io = BufReader::new(io);
-        // Lines other than our READY are skipped (what an old session left in the pipe, a
-        // restored guest's last frames); the whole handshake has `handshake_timeout`.
+        // See the handshake in `cellgate_agent::protocol`: lines other than the one awaited
+        // are skipped (what an old session left in the pipe, a restored guest's last frames,
+        // repeated answers); the whole handshake has `handshake_timeout`.
         let mut last_line = String::new();
         let handshake = async {
             let handshake_error =
                 |e: &dyn std::fmt::Display| MicrovmError::Agent(format!("handshake: {e}"));
+            let mut say_hello = tokio::time::Instant::now();
             loop {
-                io.get_mut()
-                    .write_all(hello(&nonce).as_bytes())
-                    .await
-                    .map_err(|e| handshake_error(&e))?;
-                io.get_mut()
-                    .flush()
-                    .await
-                    .map_err(|e| handshake_error(&e))?;
-                let again = tokio::time::sleep(HELLO_AGAIN);
-                tokio::pin!(again);
-                loop {
-                    let line = tokio::select! {
-                        line = read_line(&mut io, 512) => line,
-                        () = &mut again => break,
-                    };
-                    match line {
-                        Ok(Some(line)) => match parse_ready(&line) {
-                            Some(echo) if echo == nonce => return Ok(()),
-                            _ => last_line = line.chars().take(80).collect(),
-                        },
-                        Err(protocol::ProtocolError::LineTooLong) => {}
-                        Ok(None) => return Err(handshake_error(&"the link closed")),
-                        Err(error) => return Err(handshake_error(&error)),
-                    }
+                if tokio::time::Instant::now() >= say_hello {
+                    send_line(&mut io, &hello(&nonce))
+                        .await
+                        .map_err(|e| handshake_error(&e))?;
+                    say_hello = tokio::time::Instant::now() + HELLO_AGAIN;
+                }
+                // A read cut by the timer loses at most part of a line; the guest answers
+                // the next HELLO again.
+                let line = tokio::select! {
+                    line = read_line(&mut io, 512) => line,
+                    () = tokio::time::sleep_until(say_hello) => continue,
+                };
+                match line {
+                    Ok(Some(line)) if parse_ready(&line) == Some(nonce.as_str()) => break,
+                    Ok(Some(line)) => last_line = line.chars().take(80).collect(),
+                    Err(protocol::ProtocolError::LineTooLong) => protocol::skip_buffered(&mut io)
+                        .await
+                        .map_err(|e| handshake_error(&e))?,
+                    Ok(None) => return Err(handshake_error(&"the link closed")),
+                    Err(error) => return Err(handshake_error(&error)),
+                }
+            }
+            send_line(&mut io, &begin(&nonce))
+                .await
+                .map_err(|e| handshake_error(&e))?;
+            loop {
+                match read_line(&mut io, 512).await {
+                    Ok(Some(line)) if parse_go(&line) == Some(nonce.as_str()) => return Ok(()),
+                    Ok(Some(line)) => last_line = line.chars().take(80).collect(),
+                    Err(protocol::ProtocolError::LineTooLong) => protocol::skip_buffered(&mut io)
+                        .await
+                        .map_err(|e| handshake_error(&e))?,
+                    Ok(None) => return Err(handshake_error(&"the link closed")),
+                    Err(error) => return Err(handshake_error(&error)),
                 }
             }
         };
@@ -243,6 +255,15 @@ impl Agent {
     }
 }
 
+/// Writes a handshake line and flushes it.
+async fn send_line<W: AsyncRead + AsyncWrite + Unpin>(
+    io: &mut BufReader<W>,
+    line: &str,
+) -> std::io::Result<()> {
+    io.get_mut().write_all(line.as_bytes()).await?;
+    io.get_mut().flush().await
+}
+
 async fn open(
     streams: &mut tokio_yamux::Control,
     what: &Open,
@@ -301,5 +322,61 @@ async fn serve_guest_stream(stream: tokio_yamux::StreamHandle, egress: Option<Pa
             let _ = tokio::io::copy_bidirectional(&mut stream, &mut proxy).await;
         }
         Err(error) => tracing::debug!(%error, "microvm: egress proxy unreachable"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cellgate_agent::protocol::answer_handshake;
+
+    /// A guest whose first `HELLO` is eaten (a restored guest still ending its old session)
+    /// and whose pipe holds junk and queued `HELLO`s when it starts answering (it booted
+    /// slowly): the session still starts, and yamux on both sides sees only frames.
+    #[tokio::test]
+    async fn the_handshake_survives_a_lost_hello_junk_and_queued_hellos() {
+        let (host, guest) = tokio::io::duplex(1 << 16);
+        let guest_side = tokio::spawn(async move {
+            let mut guest = BufReader::new(guest);
+            // The old session reads the first HELLO as yamux data and leaves junk behind.
+            let eaten = read_line(&mut guest, 512).await.unwrap().unwrap();
+            assert!(eaten.contains("HELLO"), "{eaten}");
+            guest
+                .get_mut()
+                .write_all(b"\x00\x01\x02junk without a newline")
+                .await
+                .unwrap();
+            // A slow boot: the host says HELLO again meanwhile, more than once.
+            tokio::time::sleep(HELLO_AGAIN * 2 + Duration::from_millis(500)).await;
+            answer_handshake(&mut guest, false).await.unwrap();
+            let mut session = tokio_yamux::Session::new_server(guest, protocol::yamux_config());
+            let stream = session.next().await.unwrap().unwrap();
+            // The session delivers the stream's bytes: keep polling it.
+            tokio::spawn(async move { while session.next().await.is_some() {} });
+            let mut stream = BufReader::new(stream);
+            read_json::<Open, _>(&mut stream).await.unwrap()
+        });
+        let agent = Agent::connect(host, None, Duration::from_secs(20))
+            .await
+            .expect("the session starts");
+        assert_eq!(guest_side.await.unwrap(), Some(Open::Control));
+        drop(agent);
+    }
+
+    /// A guest that never answers is given up on at the deadline, saying what it sent.
+    #[tokio::test]
+    async fn a_guest_that_never_answers_is_given_up_on() {
+        let (host, guest) = tokio::io::duplex(1 << 16);
+        let _guest = tokio::spawn(async move {
+            let mut guest = BufReader::new(guest);
+            guest.get_mut().write_all(b"not the agent\n").await.unwrap();
+            // Reads and ignores everything, answering nothing.
+            while let Ok(Some(_)) = read_line(&mut guest, 4096).await {}
+        });
+        let error = Agent::connect(host, None, Duration::from_secs(3))
+            .await
+            .err()
+            .expect("no session");
+        assert!(error.to_string().contains("not the agent"), "{error}");
     }
 }

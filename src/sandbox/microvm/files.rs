@@ -314,8 +314,7 @@ mod tests {
     use std::future::Future;
 
     use cellgate_agent::protocol::{
-        self, parse_hello, read_json, read_line, ready, write_json, FailureKind, FileFailure,
-        WireEntry,
+        self, read_json, write_json, FailureKind, FileFailure, WireEntry,
     };
     use futures_util::StreamExt;
 
@@ -333,13 +332,7 @@ mod tests {
         let answer = Arc::new(answer);
         tokio::spawn(async move {
             let mut guest = BufReader::new(guest);
-            let line = read_line(&mut guest, 512).await.unwrap().unwrap();
-            let nonce = parse_hello(&line).unwrap().to_owned();
-            guest
-                .get_mut()
-                .write_all(ready(&nonce).as_bytes())
-                .await
-                .unwrap();
+            protocol::answer_handshake(&mut guest, false).await.unwrap();
             let mut session = tokio_yamux::Session::new_server(guest, protocol::yamux_config());
             while let Some(Ok(stream)) = session.next().await {
                 let answer = answer.clone();

@@ -275,7 +275,17 @@ fn open_snapshots(
         snapshot::file_input(&images.root),
         snapshot::file_input(&qemu),
         accel.as_str().to_owned(),
-        host_cmdline.join(" "),
+        // The TSC rate is measured at each start and jitters by a few kHz: to the MHz, so a
+        // restarted gateway finds its snapshots (the guest's clock runs off the host's TSC
+        // either way; the rate only steers its calibration).
+        host_cmdline
+            .iter()
+            .map(|word| match word.strip_prefix("tsc_early_khz=") {
+                Some(khz) => format!("tsc_mhz={}", khz.parse::<u64>().unwrap_or(0) / 1000),
+                None => word.clone(),
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
         format!("layer {LAYER_MIB} overhead {GUEST_OVERHEAD_MIB} disk {SNAPSHOT_DISK_BYTES}"),
     ];
     if accel == Accel::Kvm {
@@ -342,9 +352,9 @@ impl Core {
         let plan = self.zygote_plan(spec, &map, size, connection.is_some());
         let snapshots = self.snapshots.as_ref();
         if let Some((plan, snapshots)) = plan.as_ref().zip(snapshots) {
-            if let Some(path) = snapshots.ready(&plan.kind) {
+            if let Some(file) = snapshots.open_ready(&plan.kind) {
                 match self
-                    .attempt(spec, &map, connection.clone(), size, Some(&path))
+                    .attempt(spec, &map, connection.clone(), size, Some(file))
                     .await
                 {
                     Ok(launched) => return Ok(launched),
@@ -423,7 +433,7 @@ impl Core {
         map: &Relocation,
         connection: Option<ConnectionFile>,
         size: VmSize,
-        snapshot: Option<&Path>,
+        snapshot: Option<std::fs::File>,
     ) -> Result<Launched, MicrovmError> {
         let dir = &spec.runtime_dir;
         let disk = dir.join(WORKSPACE_DISK);
@@ -435,12 +445,6 @@ impl Core {
             KERNEL_UID,
         )
         .await?;
-        let snapshot = match snapshot {
-            Some(path) => {
-                Some(std::fs::File::open(path).map_err(io_error(path.display().to_string()))?)
-            }
-            None => None,
-        };
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let jail = Arc::new(self.confiner.prepare(
             &crate::sandbox::cgroups::cgroup_name(&spec.kernel_id, &format!("vm-{}", &unique[..8])),
@@ -548,6 +552,9 @@ impl Core {
                 let mut qmp =
                     qmp::Qmp::connect(&dir.join(QMP_SOCKET), self.config.boot_timeout).await?;
                 qmp::resume(&mut qmp, self.config.boot_timeout).await?;
+                // Nothing else is asked of the VMM: no control socket for the VM's life.
+                drop(qmp);
+                let _ = std::fs::remove_file(dir.join(QMP_SOCKET));
             }
             let io = link.connect(self.config.boot_timeout).await?;
             let agent =
@@ -737,7 +744,7 @@ fn restored_op() -> Op {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     Op::Restored {
-        seed: seed.iter().map(|b| format!("{b:02x}")).collect(),
+        seed: snapshot::hex(&seed),
         unix_time_ns,
     }
 }

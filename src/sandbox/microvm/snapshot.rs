@@ -49,7 +49,7 @@ pub(super) struct Kind {
 /// The state of one kind's snapshot.
 enum State {
     Building,
-    Ready(PathBuf),
+    Ready,
     Failed { at: Instant },
 }
 
@@ -65,12 +65,29 @@ impl Snapshots {
     /// Snapshots in `dir` (made, private to the gateway's user), for VMs made from `inputs`
     /// (every file and setting the saved state depends on, hashed with each kind).
     pub(super) fn open(dir: &Path, inputs: &[String]) -> std::io::Result<Snapshots> {
-        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+            _ => {}
+        }
+        // Whoever can write here chooses the memory of every restored VM: the directory must
+        // be the gateway's own and closed to everyone else (an existing one is never chmodded:
+        // a wrong path must not loosen or tighten some other directory).
+        let meta = std::fs::symlink_metadata(dir)?;
+        let euid = rustix::process::geteuid().as_raw();
+        if !meta.is_dir() || meta.uid() != euid || meta.mode() & 0o077 != 0 {
+            return Err(std::io::Error::other(format!(
+                "{} must be a directory of uid {euid} (the gateway's) with mode 0700, not a \
+                 link; it is {}uid {}, mode {:o}",
+                dir.display(),
+                if meta.is_symlink() { "a link, " } else { "" },
+                meta.uid(),
+                meta.mode() & 0o7777
+            )));
+        }
         // Builds that a gateway ended midway left their temporary files; recent ones may be
         // another gateway's, at work (a build takes seconds, a minute under emulation).
         for entry in std::fs::read_dir(dir)?.flatten() {
@@ -126,30 +143,36 @@ impl Snapshots {
         self.dir.join(format!("{}.vmstate", self.key(kind)))
     }
 
-    /// `kind`'s snapshot, when there is one (made by this gateway or an earlier one).
-    pub(super) fn ready(&self, kind: &Kind) -> Option<PathBuf> {
+    /// `kind`'s snapshot, opened, when there is one (made by this gateway or an earlier
+    /// one). Opened without following links, and only if it is the gateway's own file
+    /// closed to everyone else.
+    pub(super) fn open_ready(&self, kind: &Kind) -> Option<std::fs::File> {
         let key = self.key(kind);
-        let mut states = self.states.lock();
-        match states.get(&key) {
-            Some(State::Ready(path)) => Some(path.clone()),
-            Some(State::Building) => None,
-            Some(State::Failed { .. }) | None => {
-                let path = self.path(kind);
-                path.is_file().then(|| {
-                    states.insert(key, State::Ready(path.clone()));
-                    path
-                })
-            }
+        let known = match self.states.lock().get(&key) {
+            Some(State::Building) => return None,
+            Some(State::Failed { at }) if at.elapsed() < RETRY_AFTER => return None,
+            Some(State::Ready) => true,
+            Some(State::Failed { .. }) | None => false,
+        };
+        let path = self.path(kind);
+        let file = open_private(&path)?;
+        if !known {
+            self.states.lock().insert(key, State::Ready);
         }
+        Some(file)
     }
 
-    /// Whether the caller should make `kind`'s snapshot now: there is none, none is being
-    /// made, and no attempt failed lately. A `true` must be followed by [`Self::made`].
+    /// Whether the caller should make `kind`'s snapshot now: there is none, no snapshot is
+    /// being made (one at a time: each is a VM's boot and its RAM written out), and no
+    /// attempt failed lately. A `true` must be followed by [`Self::made`].
     pub(super) fn claim(&self, kind: &Kind) -> bool {
         let key = self.key(kind);
         let mut states = self.states.lock();
+        if states.values().any(|s| matches!(s, State::Building)) {
+            return false;
+        }
         let claim = match states.get(&key) {
-            Some(State::Ready(_) | State::Building) => false,
+            Some(State::Ready | State::Building) => false,
             Some(State::Failed { at }) => at.elapsed() >= RETRY_AFTER,
             None => true,
         };
@@ -165,7 +188,7 @@ impl Snapshots {
             Ok(path) => {
                 tracing::info!(snapshot = %path.display(), memory_mib = kind.memory_mib,
                     vcpus = kind.vcpus, "microvm: warm-pool snapshot ready");
-                State::Ready(path)
+                State::Ready
             }
             Err(error) => {
                 tracing::warn!(%error, memory_mib = kind.memory_mib, vcpus = kind.vcpus,
@@ -177,16 +200,39 @@ impl Snapshots {
         self.states.lock().insert(self.key(kind), state);
     }
 
-    /// Forgets and deletes `kind`'s snapshot after a restore from it failed.
+    /// Deletes `kind`'s snapshot after a restore from it failed; it is made again after
+    /// [`RETRY_AFTER`] (not at once: a snapshot that keeps failing must not cost a build per
+    /// session).
     pub(super) fn discard(&self, kind: &Kind, why: &str) {
         let path = self.path(kind);
-        tracing::warn!(snapshot = %path.display(), why, "microvm: a restore failed; the snapshot is deleted and made again");
+        tracing::warn!(snapshot = %path.display(), why, "microvm: a restore failed; the snapshot is deleted and made again later");
+        // Already gone (another gateway discarded it) is as good.
         let _ = std::fs::remove_file(&path);
-        self.states.lock().remove(&self.key(kind));
+        self.states
+            .lock()
+            .insert(self.key(kind), State::Failed { at: Instant::now() });
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// `path` opened for reading if it is a regular file of the gateway's user that nobody else
+/// may read or write, never through a link.
+fn open_private(path: &Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    let own = meta.uid() == rustix::process::geteuid().as_raw();
+    if !(meta.is_file() && own && meta.mode() & 0o077 == 0) {
+        tracing::warn!(snapshot = %path.display(), "microvm: ignoring a snapshot that is not the gateway's private file");
+        return None;
+    }
+    Some(file)
+}
+
+pub(super) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -235,20 +281,29 @@ mod tests {
         other_env.env.push(("PYTHONHASHSEED".into(), "0".into()));
         assert_ne!(a.path(&kind(672)), a.path(&other_env));
 
-        assert!(a.ready(&kind(672)).is_none());
+        assert!(a.open_ready(&kind(672)).is_none());
         assert!(a.claim(&kind(672)));
         assert!(!a.claim(&kind(672)), "one build at a time");
+        assert!(!a.claim(&kind(1184)), "one build at a time, of any kind");
         a.made(&kind(672), Err("no".into()));
         assert!(!a.claim(&kind(672)), "no retry right after a failure");
-        std::fs::write(a.path(&kind(672)), b"state").unwrap();
-        assert_eq!(
-            a.ready(&kind(672)),
-            Some(a.path(&kind(672))),
-            "found on disk"
-        );
-        a.discard(&kind(672), "test");
-        assert!(!a.path(&kind(672)).exists());
-        assert!(a.claim(&kind(672)));
+        assert!(a.claim(&kind(1184)));
+        a.made(&kind(1184), Ok(a.path(&kind(1184))));
+
+        // Found on disk, by a gateway that did not make it; only if it is private.
+        use std::os::unix::fs::PermissionsExt;
+        let path = b.path(&kind(672));
+        std::fs::write(&path, b"state").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(b.open_ready(&kind(672)).is_none(), "readable by others");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(b.open_ready(&kind(672)).is_some());
+        b.discard(&kind(672), "test");
+        assert!(!path.exists());
+        assert!(!b.claim(&kind(672)), "no rebuild right after a discard");
+        // A link is never followed.
+        std::os::unix::fs::symlink("/etc/hostname", b.path(&kind(16))).unwrap();
+        assert!(b.open_ready(&kind(16)).is_none());
 
         let partial = dir.join("x.vmstate.partial-1");
         std::fs::write(&partial, b"half").unwrap();
@@ -263,6 +318,19 @@ mod tests {
             .unwrap();
         let _ = Snapshots::open(&dir, &[]).unwrap();
         assert!(!partial.exists(), "left-overs swept");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_open_to_others_is_refused_and_left_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("cg-snap-open-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let error = Snapshots::open(&dir, &[]).err().expect("refused");
+        assert!(error.to_string().contains("mode 0700"), "{error}");
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755, "not chmodded");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
