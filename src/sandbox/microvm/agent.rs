@@ -69,44 +69,32 @@ impl Agent {
         // repeated answers); the whole handshake has `handshake_timeout`.
         let mut last_line = String::new();
         let handshake = async {
-            let handshake_error =
-                |e: &dyn std::fmt::Display| MicrovmError::Agent(format!("handshake: {e}"));
             let mut say_hello = tokio::time::Instant::now();
             loop {
                 if tokio::time::Instant::now() >= say_hello {
-                    send_line(&mut io, &hello(&nonce))
-                        .await
-                        .map_err(|e| handshake_error(&e))?;
+                    send_line(&mut io, &hello(&nonce)).await?;
                     say_hello = tokio::time::Instant::now() + HELLO_AGAIN;
                 }
                 // A read cut by the timer loses at most part of a line; the guest answers
                 // the next HELLO again.
                 let line = tokio::select! {
-                    line = read_line(&mut io, 512) => line,
+                    line = handshake_line(&mut io) => line?,
                     () = tokio::time::sleep_until(say_hello) => continue,
                 };
                 match line {
-                    Ok(Some(line)) if parse_ready(&line) == Some(nonce.as_str()) => break,
-                    Ok(Some(line)) => last_line = line.chars().take(80).collect(),
-                    Err(protocol::ProtocolError::LineTooLong) => protocol::skip_buffered(&mut io)
-                        .await
-                        .map_err(|e| handshake_error(&e))?,
-                    Ok(None) => return Err(handshake_error(&"the link closed")),
-                    Err(error) => return Err(handshake_error(&error)),
+                    Some(line) if parse_ready(&line) == Some(nonce.as_str()) => break,
+                    Some(line) => last_line = line.chars().take(80).collect(),
+                    None => {}
                 }
             }
-            send_line(&mut io, &begin(&nonce))
-                .await
-                .map_err(|e| handshake_error(&e))?;
+            send_line(&mut io, &begin(&nonce)).await?;
             loop {
-                match read_line(&mut io, 512).await {
-                    Ok(Some(line)) if parse_go(&line) == Some(nonce.as_str()) => return Ok(()),
-                    Ok(Some(line)) => last_line = line.chars().take(80).collect(),
-                    Err(protocol::ProtocolError::LineTooLong) => protocol::skip_buffered(&mut io)
-                        .await
-                        .map_err(|e| handshake_error(&e))?,
-                    Ok(None) => return Err(handshake_error(&"the link closed")),
-                    Err(error) => return Err(handshake_error(&error)),
+                match handshake_line(&mut io).await? {
+                    Some(line) if parse_go(&line) == Some(nonce.as_str()) => {
+                        return Ok::<(), MicrovmError>(())
+                    }
+                    Some(line) => last_line = line.chars().take(80).collect(),
+                    None => {}
                 }
             }
         };
@@ -255,13 +243,35 @@ impl Agent {
     }
 }
 
+fn handshake_error(error: impl std::fmt::Display) -> MicrovmError {
+    MicrovmError::Agent(format!("handshake: {error}"))
+}
+
 /// Writes a handshake line and flushes it.
 async fn send_line<W: AsyncRead + AsyncWrite + Unpin>(
     io: &mut BufReader<W>,
     line: &str,
-) -> std::io::Result<()> {
-    io.get_mut().write_all(line.as_bytes()).await?;
-    io.get_mut().flush().await
+) -> Result<(), MicrovmError> {
+    io.get_mut()
+        .write_all(line.as_bytes())
+        .await
+        .map_err(handshake_error)?;
+    io.get_mut().flush().await.map_err(handshake_error)
+}
+
+/// The next handshake line; `None` for junk longer than one (dropped).
+async fn handshake_line<R: AsyncRead + Unpin>(
+    io: &mut BufReader<R>,
+) -> Result<Option<String>, MicrovmError> {
+    match read_line(io, 512).await {
+        Ok(Some(line)) => Ok(Some(line)),
+        Err(protocol::ProtocolError::LineTooLong) => {
+            protocol::skip_buffered(io).await.map_err(handshake_error)?;
+            Ok(None)
+        }
+        Ok(None) => Err(handshake_error("the link closed")),
+        Err(error) => Err(handshake_error(error)),
+    }
 }
 
 async fn open(
