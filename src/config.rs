@@ -150,6 +150,13 @@ pub struct MicrovmArgs {
     /// Where the warm-pool snapshots are kept [default: snapshots/ in the guest directory].
     #[arg(long, env = "CELLGATE_MICROVM_SNAPSHOT_DIR")]
     pub microvm_snapshot_dir: Option<PathBuf>,
+    /// An operator's own guest kernel for microVMs (an uncompressed vmlinux), instead of the
+    /// one ./dev setup builds: for example a PVM guest on a host whose KVM is PVM-only.
+    #[arg(long, env = "CELLGATE_GUEST_VMLINUX")]
+    pub guest_kernel: Option<PathBuf>,
+    /// The --guest-kernel is a PVM guest (CELLGATE_GUEST_PVM=1).
+    #[arg(long, env = "CELLGATE_GUEST_PVM", requires = "guest_kernel")]
+    pub guest_kernel_pvm: bool,
 }
 
 /// The microvm settings a config file may hold (keys of the same names).
@@ -159,6 +166,8 @@ pub struct MicrovmFileSettings {
     pub microvm_allow_emulation: Option<bool>,
     pub microvm_snapshots: Option<bool>,
     pub microvm_snapshot_dir: Option<PathBuf>,
+    pub guest_kernel: Option<PathBuf>,
+    pub guest_kernel_pvm: Option<bool>,
 }
 
 impl MicrovmArgs {
@@ -177,6 +186,8 @@ impl MicrovmArgs {
             .microvm_snapshot_dir
             .clone()
             .or(file.microvm_snapshot_dir);
+        config.guest_kernel = self.guest_kernel.clone().or(file.guest_kernel);
+        config.guest_kernel_pvm = self.guest_kernel_pvm || file.guest_kernel_pvm == Some(true);
         config
     }
 }
@@ -258,6 +269,8 @@ struct FileConfig {
     microvm_allow_emulation: Option<bool>,
     microvm_snapshots: Option<bool>,
     microvm_snapshot_dir: Option<PathBuf>,
+    guest_kernel: Option<PathBuf>,
+    guest_kernel_pvm: Option<bool>,
     #[serde(default, with = "crate::policy::units::serde_duration")]
     header_read_timeout: Option<Duration>,
     #[serde(default, with = "crate::policy::units::serde_duration")]
@@ -643,6 +656,8 @@ impl GatewayConfig {
                 microvm_allow_emulation: file.microvm_allow_emulation,
                 microvm_snapshots: file.microvm_snapshots,
                 microvm_snapshot_dir: file.microvm_snapshot_dir.clone(),
+                guest_kernel: file.guest_kernel.clone(),
+                guest_kernel_pvm: file.guest_kernel_pvm,
             }),
             allow_origin,
             env_allowlist: args

@@ -71,7 +71,7 @@ pub fn choose(facts: &HostFacts, pvm_guest: bool) -> Decision {
         } => decision(
             Accel::Tcg,
             "KVM on this host is PVM-only, which runs only a PVM guest kernel (give one with \
-             CELLGATE_GUEST_VMLINUX and CELLGATE_GUEST_PVM=1)",
+             --guest-kernel and --guest-kernel-pvm)",
         ),
         HostFacts {
             kvm_device: true, ..

@@ -42,7 +42,7 @@ pub async fn diagnose(probe: bool, config: &MicrovmConfig) -> Diagnosis {
         );
     }
     s.fact("guest_dir", config.guest_dir.display().to_string());
-    let images = match GuestImages::locate(&config.guest_dir) {
+    let images = match GuestImages::locate(&config.guest_dir, config.own_kernel()) {
         Ok(images) => {
             s.fact("guest_kernel", images.kernel.display().to_string());
             s.fact("guest_root", images.root.display().to_string());

@@ -42,9 +42,12 @@ pub fn default_dir() -> PathBuf {
 
 impl GuestImages {
     /// Reads `dir/guest.json` and checks that the files it names exist. An operator's own
-    /// guest kernel (`CELLGATE_GUEST_VMLINUX`, a PVM guest with `CELLGATE_GUEST_PVM=1`)
-    /// replaces the project's.
-    pub fn locate(dir: &Path) -> Result<GuestImages, MicrovmError> {
+    /// guest kernel (`own_kernel`: its path, and whether it is a PVM guest) replaces the
+    /// project's.
+    pub fn locate(
+        dir: &Path,
+        own_kernel: Option<(&Path, bool)>,
+    ) -> Result<GuestImages, MicrovmError> {
         let manifest_path = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&manifest_path).map_err(|e| {
             MicrovmError::Image(format!(
@@ -67,9 +70,9 @@ impl GuestImages {
             root: relative(manifest.root),
             pvm_guest: manifest.pvm_guest,
         };
-        if let Some(kernel) = std::env::var_os("CELLGATE_GUEST_VMLINUX") {
-            images.kernel = PathBuf::from(kernel);
-            images.pvm_guest = std::env::var("CELLGATE_GUEST_PVM").is_ok_and(|v| v == "1");
+        if let Some((kernel, pvm)) = own_kernel {
+            images.kernel = kernel.to_owned();
+            images.pvm_guest = pvm;
         }
         for path in [&images.kernel, &images.initramfs, &images.root] {
             if !path.is_file() {

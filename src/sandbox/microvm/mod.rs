@@ -124,6 +124,19 @@ pub struct MicrovmConfig {
     pub snapshots: bool,
     /// Where the snapshots are kept; `None`: `snapshots/` in the guest directory.
     pub snapshot_dir: Option<PathBuf>,
+    /// An operator's own guest kernel (an uncompressed `vmlinux`) instead of the project's.
+    pub guest_kernel: Option<PathBuf>,
+    /// Whether [`Self::guest_kernel`] is a PVM guest (for hosts whose KVM is PVM-only).
+    pub guest_kernel_pvm: bool,
+}
+
+impl MicrovmConfig {
+    /// The operator's guest kernel and whether it is a PVM guest, when one is given.
+    pub fn own_kernel(&self) -> Option<(&Path, bool)> {
+        self.guest_kernel
+            .as_deref()
+            .map(|kernel| (kernel, self.guest_kernel_pvm))
+    }
 }
 
 impl Default for MicrovmConfig {
@@ -136,6 +149,8 @@ impl Default for MicrovmConfig {
             transport: None,
             snapshots: true,
             snapshot_dir: None,
+            guest_kernel: None,
+            guest_kernel_pvm: false,
         }
     }
 }
@@ -166,7 +181,7 @@ impl MicrovmSandbox {
     /// Finds the guest images and decides how VMs get their CPU. Must be called from within
     /// a tokio runtime (the spawner thread registers children with it).
     pub fn new(config: MicrovmConfig) -> Result<MicrovmSandbox, SandboxError> {
-        let images = image::GuestImages::locate(&config.guest_dir)?;
+        let images = image::GuestImages::locate(&config.guest_dir, config.own_kernel())?;
         let decision = accel::choose(&accel::HostFacts::read(Path::new("/")), images.pvm_guest);
         // Emulation is refused per launch, not here: a policy may allow it for its own
         // kernels (`[sandbox] allow_emulation`) where the gateway does not for all.
