@@ -2,8 +2,9 @@
 //! become), each the saved state of a **zygote** VM: booted, the agent waiting for a
 //! gateway, and the kernel's Python started with ipykernel imported, but no kernel yet.
 //!
-//! A session whose kind of VM has a snapshot gets a VM restored from it (~0.5 s under
-//! emulation, where a boot to a ready kernel takes ~10 s) instead of a boot. The first
+//! A session whose kind of VM has a snapshot gets a VM restored from it instead of a boot:
+//! under emulation the restore takes ~0.5 s and the kernel is ready ~5 s later (ipykernel
+//! setting itself up for its connection, ~50x slower than native), against ~12 s from a boot. The first
 //! session of a kind boots, and asks for the kind's snapshot to be made in the background.
 //!
 //! **What a clone shares, and what it does not.** Everything in the snapshot is the same in
