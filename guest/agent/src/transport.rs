@@ -8,6 +8,7 @@
 //! for the VM's whole life, which the host side opens and closes. Both end up as one
 //! [`Stream`] that the session module handshakes on.
 
+use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
@@ -145,8 +146,22 @@ fn find_serial_port() -> io::Result<PathBuf> {
 }
 
 /// A virtio-serial port opened non-blocking and driven by the reactor.
+///
+/// While the port's host side is closed the guest's driver reports it hung up, and tokio
+/// keeps "read closed" and "write closed" once it has seen them: the port then always looks
+/// ready, and a read or write that finds nothing to do (`EAGAIN`) would be retried at once,
+/// for ever. That is what a VM restored from a snapshot meets: its agent opened the port
+/// while the zygote's host was gone, and the new host is there now (seen: the agent's main
+/// thread at 100 % of the vCPU, halving the kernel's speed). On `EAGAIN` behind such stale
+/// readiness the port's descriptor is registered with the reactor afresh, which reports its
+/// state as it is now. Never closed and opened again: closing a port drops what the host
+/// sent and the guest has not read yet.
 struct SerialPort {
-    fd: AsyncFd<OwnedFd>,
+    /// Always `Some` but while [`SerialPort::refresh`] swaps the registration.
+    fd: Option<AsyncFd<OwnedFd>>,
+    /// A pause after a fresh registration that still found stale readiness (a port that
+    /// says hung-up and yet would block): the retries then come at most every 10 ms.
+    backoff: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl SerialPort {
@@ -157,7 +172,35 @@ impl SerialPort {
             OFlags::RDWR | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
             Mode::empty(),
         )?;
-        Ok(SerialPort { fd: register(fd)? })
+        Ok(SerialPort {
+            fd: Some(register(fd)?),
+            backoff: None,
+        })
+    }
+
+    fn fd(&self) -> io::Result<&AsyncFd<OwnedFd>> {
+        self.fd
+            .as_ref()
+            .ok_or_else(|| io::Error::other("the serial port's registration was lost"))
+    }
+
+    /// Registers the descriptor with the reactor afresh (see the type's doc); `Pending`
+    /// (with a wake-up in 10 ms) when the last registration was fresh already.
+    fn refresh(&mut self, cx: &mut Context<'_>, fresh: &mut bool) -> Poll<io::Result<()>> {
+        if *fresh {
+            let backoff = self.backoff.get_or_insert_with(|| {
+                Box::pin(tokio::time::sleep(std::time::Duration::from_millis(10)))
+            });
+            ready!(backoff.as_mut().poll(cx));
+            self.backoff = None;
+        }
+        let fd = self
+            .fd
+            .take()
+            .ok_or_else(|| io::Error::other("the serial port's registration was lost"))?;
+        self.fd = Some(register(fd.into_inner())?);
+        *fresh = true;
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -174,16 +217,25 @@ impl AsyncRead for SerialPort {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let mut fresh = false;
         loop {
-            let mut guard = ready!(self.fd.poll_read_ready(cx))?;
-            let unfilled = buf.initialize_unfilled();
-            match guard.try_io(|fd| Ok(rustix::io::read(fd.get_ref().as_fd(), &mut *unfilled)?)) {
-                Ok(Ok(n)) => {
-                    buf.advance(n);
-                    return Poll::Ready(Ok(()));
+            let stale = {
+                let mut guard = ready!(this.fd()?.poll_read_ready(cx))?;
+                let stale = guard.ready().is_read_closed();
+                let unfilled = buf.initialize_unfilled();
+                match guard.try_io(|fd| Ok(rustix::io::read(fd.get_ref().as_fd(), &mut *unfilled)?))
+                {
+                    Ok(Ok(n)) => {
+                        buf.advance(n);
+                        return Poll::Ready(Ok(()));
+                    }
+                    Ok(Err(error)) => return Poll::Ready(Err(error)),
+                    Err(_would_block) => stale,
                 }
-                Ok(Err(error)) => return Poll::Ready(Err(error)),
-                Err(_would_block) => continue,
+            };
+            if stale {
+                ready!(this.refresh(cx, &mut fresh))?;
             }
         }
     }
@@ -195,11 +247,19 @@ impl AsyncWrite for SerialPort {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let mut fresh = false;
         loop {
-            let mut guard = ready!(self.fd.poll_write_ready(cx))?;
-            match guard.try_io(|fd| Ok(rustix::io::write(fd.get_ref().as_fd(), data)?)) {
-                Ok(result) => return Poll::Ready(result),
-                Err(_would_block) => continue,
+            let stale = {
+                let mut guard = ready!(this.fd()?.poll_write_ready(cx))?;
+                let stale = guard.ready().is_write_closed();
+                match guard.try_io(|fd| Ok(rustix::io::write(fd.get_ref().as_fd(), data)?)) {
+                    Ok(result) => return Poll::Ready(result),
+                    Err(_would_block) => stale,
+                }
+            };
+            if stale {
+                ready!(this.refresh(cx, &mut fresh))?;
             }
         }
     }

@@ -311,6 +311,17 @@ impl Jail {
         self.cgroup.lock().as_ref().map(KernelCgroup::usage)
     }
 
+    /// Makes the VM work in the background: it gets a CPU only as the host's other work
+    /// leaves it (see `KernelCgroup::lower_cpu_weight`). Best effort: without a cgroup or a
+    /// cpu controller it competes as any VM does, and says so.
+    pub(super) fn background(&self) {
+        let cgroup = self.cgroup.lock();
+        let lowered = cgroup.as_ref().map(KernelCgroup::lower_cpu_weight);
+        if let Some(Err(error)) = lowered {
+            tracing::warn!(%error, "microvm: a background VM runs at the normal CPU weight");
+        }
+    }
+
     /// How many times the host's OOM killer acted in the VM's cgroup.
     pub(super) fn oom_kills(&self) -> u64 {
         self.cgroup

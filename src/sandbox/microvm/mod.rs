@@ -690,6 +690,9 @@ impl Core {
             &[&disk],
             confine::fsize(SNAPSHOT_DISK_BYTES, size.memory_mib),
         )?);
+        // Live sessions come first: a zygote under emulation is tens of CPU-seconds, which
+        // would otherwise halve the CPU of a session's VM on a two-core host.
+        jail.background();
         let saved = self.run_zygote(plan, dir, &log, size, &jail, file).await;
         let released = jail.clone();
         let _ = tokio::task::spawn_blocking(move || released.release()).await;

@@ -3,7 +3,7 @@
 //! gateway, and the kernel's Python started with ipykernel imported, but no kernel yet.
 //!
 //! A session whose kind of VM has a snapshot gets a VM restored from it instead of a boot:
-//! under emulation the restore takes ~0.5 s and the kernel is ready ~5 s later (ipykernel
+//! under emulation the restore takes ~0.5 s and the kernel is ready ~3 s after the request (ipykernel
 //! setting itself up for its connection, ~50x slower than native), against ~12 s from a boot. The first
 //! session of a kind boots, and asks for the kind's snapshot to be made in the background.
 //!
