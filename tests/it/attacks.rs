@@ -460,7 +460,10 @@ async fn read_etc_shadow() -> Result<()> {
 #[tokio::test]
 async fn the_gateway_token_is_nowhere_the_kernel_can_read() -> Result<()> {
     let mut arena = arena().await?;
-    // A canary in the kernel's own environment proves the search finds what is there.
+    // A canary in the kernel's environment proves the search finds what is there: in the
+    // environ of a child the kernel starts (a kernel restored from a microVM snapshot is
+    // its zygote, whose own /proc/self/environ is the one it was started with, before it
+    // took the session's; its children get the session's).
     let canary = format!("canary-{}", uuid::Uuid::new_v4().simple());
     let (_id, mut attacker) = arena
         .attacker_with(json!({"KERNEL_POLICY": "default", "KERNEL_CANARY": canary}))
@@ -468,11 +471,12 @@ async fn the_gateway_token_is_nowhere_the_kernel_can_read() -> Result<()> {
     let cell = format!(
         "{PRELUDE}{}",
         r#"
-import time
+import subprocess, time
+child = subprocess.Popen(['sleep', '600'])
 needle = bytes.fromhex('NEEDLE')
 canary = bytes.fromhex('CANARY')
 start, budget = time.time(), BUDGET
-r = {'hits': [], 'canary': [], 'scanned': 0, 'unreadable': 0, 'procs': [], 'complete': True, 'roots': [], 'visible_roots': sorted(os.listdir('/')), 'stopped_in': None, 'links': sorted(d for d in os.listdir('/') if os.path.islink('/' + d))}
+r = {'child': child.pid, 'hits': [], 'canary': [], 'scanned': 0, 'unreadable': 0, 'procs': [], 'complete': True, 'roots': [], 'visible_roots': sorted(os.listdir('/')), 'stopped_in': None, 'links': sorted(d for d in os.listdir('/') if os.path.islink('/' + d))}
 def check(path, limit):
     try:
         with open(path, 'rb') as f:
@@ -512,6 +516,8 @@ def walk():
                     continue
                 check(path, 16 << 20)
 walk()
+child.kill()
+child.wait()
 print(json.dumps(r))
 "#
         // gVisor reads files 3-4× slower; the budget keeps the search complete there too.
@@ -566,9 +572,10 @@ print(json.dumps(r))
         );
     }
     let canary_hits = result["canary"].as_array().context("canary")?;
+    let child_environ = format!("/proc/{}/environ", result["child"]);
     assert!(
-        canary_hits.contains(&json!("/proc/self/environ")),
-        "the search did not find the canary in the kernel's own environment: {result}"
+        canary_hits.contains(&json!(child_environ)),
+        "the search did not find the canary in the environment of the kernel's child: {result}"
     );
     assert_eq!(result["hits"], json!([]), "the token is readable: {result}");
     assert_eq!(result["env_hit"], false);
