@@ -762,7 +762,7 @@ fn restored_op() -> Op {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     Op::Restored {
-        seed: snapshot::hex(&seed),
+        seed: hex::encode(seed),
         unix_time_ns,
     }
 }

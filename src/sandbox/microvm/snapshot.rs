@@ -116,7 +116,7 @@ impl Snapshots {
         }
         Ok(Snapshots {
             dir: dir.to_owned(),
-            base: hex(&base.finalize()),
+            base: hex::encode(base.finalize()),
             states: parking_lot::Mutex::new(HashMap::new()),
         })
     }
@@ -136,7 +136,7 @@ impl Snapshots {
         for (key, value) in &kind.env {
             hash.update(format!("{key}={value}\0").as_bytes());
         }
-        hex(&hash.finalize())[..32].to_owned()
+        hex::encode(hash.finalize())[..32].to_owned()
     }
 
     /// The file of `kind`'s snapshot, where it is.
@@ -231,10 +231,6 @@ fn open_private(path: &Path) -> Option<std::fs::File> {
         return None;
     }
     Some(file)
-}
-
-pub(super) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// What a file contributes to a snapshot's key: its path, size and modification time (a
