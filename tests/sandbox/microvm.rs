@@ -93,6 +93,17 @@ async fn the_vmm_is_confined_on_the_host() {
     let out = first.execute("1+1").await;
     assert_eq!(out.result.as_deref(), Some("2"), "{out:?}");
 
+    // A file any user may read, beside the VMs' directories: no VMM may see it.
+    let canary_dir = tempfile::tempdir().unwrap();
+    let canary = canary_dir.path().join("canary");
+    std::fs::write(&canary, b"host file").unwrap();
+    std::fs::set_permissions(
+        canary_dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::set_permissions(&canary, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+
     let link = |pid: u32, ns: &str| std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
     let me = std::process::id();
     let mut uids = Vec::new();
@@ -161,6 +172,7 @@ async fn the_vmm_is_confined_on_the_host() {
                 .unwrap_or_default()
                 .to_owned();
             assert!(memory.contains("/cellgate/"), "{cmdline}: {cgroup}");
+            host_files_seen_by(*pid, cmdline, &kernel.dirs.run, &canary);
             vm_uids.push(ids[0]);
             cgroups.push(memory);
         }
@@ -191,6 +203,105 @@ async fn the_vmm_is_confined_on_the_host() {
         let dir = cgroup_dir("memory", cgroup);
         assert!(!dir.exists(), "{} left behind", dir.display());
     }
+}
+
+/// What the VM process `pid` sees of the host's files, read through `/proc/<pid>/root`
+/// (its root, as the kernel resolves it for that process): its own runtime directory
+/// `run`, `/usr` and the guest images, and nothing else: no `/proc`, `/sys`, `/home`, no
+/// `/etc` but the linker's cache, no `canary` (a world-readable file), no snapshot and no
+/// manifest beside the images, no other VM's directory; its root is read-only.
+fn host_files_seen_by(pid: u32, cmdline: &str, run: &Path, canary: &Path) {
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let inside = |path: &Path| root.join(path.strip_prefix("/").unwrap_or(path));
+    let run = run.canonicalize().unwrap();
+    assert!(
+        inside(&run).join("console.log").exists(),
+        "{cmdline}: its own directory is missing from its view"
+    );
+    assert!(inside(Path::new("/usr/bin")).is_dir(), "{cmdline}: no /usr");
+    let program = cmdline.split_whitespace().next().unwrap();
+    assert!(
+        inside(Path::new(program)).is_file(),
+        "{cmdline}: no {program}"
+    );
+    assert!(
+        !inside(canary).exists(),
+        "{cmdline}: sees {}",
+        canary.display()
+    );
+    for absent in [
+        "/proc/self",
+        "/sys/kernel",
+        "/home",
+        "/root",
+        "/etc/passwd",
+        "/etc/hostname",
+        "/var",
+    ] {
+        assert!(
+            !inside(Path::new(absent)).exists(),
+            "{cmdline}: sees {absent}"
+        );
+    }
+    let etc: Vec<_> = std::fs::read_dir(inside(Path::new("/etc")))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(etc, ["ld.so.cache"], "{cmdline}: /etc");
+    // Every directory on the way to its own holds that way only.
+    for ancestor in run.ancestors().skip(1) {
+        let entries: Vec<_> = std::fs::read_dir(inside(ancestor))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        if ancestor == Path::new("/") {
+            continue;
+        }
+        let next = run
+            .strip_prefix(ancestor)
+            .unwrap()
+            .components()
+            .next()
+            .unwrap();
+        let images = guest_dir().canonicalize().unwrap();
+        let on_images_path = images.starts_with(ancestor);
+        assert!(
+            entries
+                .iter()
+                .all(|e| e == next.as_os_str() || on_images_path),
+            "{cmdline}: {} holds {entries:?}",
+            ancestor.display()
+        );
+    }
+    // The guest images, each on its own: the manifest and the snapshots beside them are not.
+    let guest = guest_dir().canonicalize().unwrap();
+    let shown: Vec<_> = std::fs::read_dir(inside(&guest))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        !shown.is_empty()
+            && shown
+                .iter()
+                .all(|name| ["vmlinux-", "initramfs-", "root-", "tools"]
+                    .iter()
+                    .any(|prefix| name.starts_with(prefix))),
+        "{cmdline}: {} shows {shown:?}",
+        guest.display()
+    );
+    let written = std::fs::write(inside(Path::new("/planted")), b"x");
+    assert_eq!(
+        written.as_ref().map_err(|e| e.raw_os_error()),
+        Err(Some(libc::EROFS)),
+        "{cmdline}: its root is writable"
+    );
+}
+
+/// The guest images' directory.
+fn guest_dir() -> PathBuf {
+    std::env::var_os("CELLGATE_GUEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/guest"))
 }
 
 /// A cgroup's directory in the hierarchy that has `controller` (v1), or the unified one.

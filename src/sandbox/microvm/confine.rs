@@ -18,16 +18,19 @@
 //!   the gateway's own uid: a VMM broken out of can then signal the gateway, read its
 //!   environment and reach every session's files. Run the gateway as root (it drops
 //!   every VMM to its own uid) where the VM boundary matters;
+//! - **in a root of their own** ([`super::hostview`]): a mount namespace whose tree holds
+//!   `/usr`, the binaries, the guest images and the VM's runtime directory, nothing else
+//!   of the host's files;
 //! - **in network, IPC and UTS namespaces of their own**: no interface but a down
 //!   loopback, no host abstract sockets, no host System V IPC;
 //! - **with resource limits**: open files ([`NOFILE`]), file size ([`fsize`]: the workspace
 //!   disk or the guest's RAM (a memfd) is the largest file a VMM writes, so a guest flooding
 //!   its console fills at most that much; `SIGXFSZ` is ignored so the flood fails its writes
-//!   instead of killing the VM), no core dumps, and `no_new_privs`.
+//!   instead of killing the VM), no core dumps, and `no_new_privs`;
+//! - **with only the descriptors it is meant to have**: stdio, and a snapshot's when it
+//!   restores one; everything else the gateway holds is close-on-exec, whoever opened it.
 //!
-//! QEMU adds its own seccomp filter (`-sandbox on`, see `qemu.rs`). Not done: a mount
-//! namespace or Landlock ruleset limiting which host files a VMM may read (it can read what
-//! any unprivileged user can).
+//! QEMU adds its own seccomp filter (`-sandbox on`, see `qemu.rs`).
 
 #![allow(unsafe_code)]
 
@@ -40,6 +43,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::hostview::{HostView, HostViewError, RootPlan};
 use crate::sandbox::cgroups::{self, Hierarchy, KernelCgroup};
 use crate::sandbox::{Limits, ResourceUsage};
 
@@ -72,6 +76,8 @@ pub enum ConfineError {
     NoIdentity,
     #[error("the VM's cgroup: {0}")]
     Cgroup(#[from] cgroups::CgroupError),
+    #[error("the VMM's view of the host's files: {0}")]
+    HostView(#[from] HostViewError),
     #[error("handing {path} to the VMM's uid: {source}")]
     Chown {
         path: String,
@@ -88,6 +94,8 @@ pub(super) struct Confiner {
     /// `/dev/kvm`'s group, for VMMs that use it.
     kvm_group: Option<u32>,
     identities: Arc<Identities>,
+    /// The host files every VMM of this backend sees.
+    view: HostView,
 }
 
 #[derive(Default)]
@@ -102,8 +110,10 @@ struct Slots {
 
 impl Confiner {
     /// Looks at this host once: its cgroups (sweeping what a dead gateway left) and whether
-    /// the gateway may change uids.
-    pub(super) fn new(use_kvm: bool) -> Confiner {
+    /// the gateway may change uids; opens what VMMs will see of the host's files: the
+    /// system's and `files` (the binaries VMs run and the guest images, absolute paths).
+    pub(super) fn new(use_kvm: bool, files: &[&Path]) -> Result<Confiner, ConfineError> {
+        let view = HostView::new(files, use_kvm)?;
         let hierarchy = Hierarchy::detect();
         hierarchy.sweep();
         let kvm_group = use_kvm
@@ -112,7 +122,7 @@ impl Confiner {
             })
             .flatten();
         tracing::info!(cgroups = %hierarchy.describe(), "microvm: VMMs are confined");
-        Confiner {
+        Ok(Confiner {
             hierarchy,
             privileged: rustix::process::geteuid().is_root(),
             kvm_group,
@@ -121,7 +131,8 @@ impl Confiner {
                 live: HashSet::new(),
                 next: rand::random::<u32>() % IDENTITY_SLOTS,
             }))),
-        }
+            view,
+        })
     }
 
     /// The confinement of one VM whose runtime directory is `dir`: its cgroup made (with
@@ -134,6 +145,7 @@ impl Confiner {
         files: &[&Path],
         fsize: u64,
     ) -> Result<Jail, ConfineError> {
+        let root = self.view.plan(dir)?;
         let identity = if self.privileged {
             let slot = self.identities.take()?;
             let id = IDENTITY_BASE + slot;
@@ -189,6 +201,7 @@ impl Confiner {
                 cgroup_procs,
                 identity,
                 fsize,
+                root,
             }),
         })
     }
@@ -241,6 +254,7 @@ struct ChildPlan {
     cgroup_procs: Vec<CString>,
     identity: Identity,
     fsize: u64,
+    root: RootPlan,
 }
 
 /// One VM's confinement, alive as long as its processes may be. Dropped without
@@ -275,7 +289,8 @@ impl Jail {
     }
 
     /// Gives `command`'s process `file` as its descriptor [`qemu::SNAPSHOT_FD`](super::qemu::SNAPSHOT_FD)
-    /// (and nothing else of the gateway's: every other descriptor is close-on-exec).
+    /// (and nothing else of the gateway's: every other descriptor is close-on-exec). Call it
+    /// after [`Jail::apply`], whose step marks every inherited descriptor close-on-exec.
     pub(super) fn pass_snapshot(command: &mut tokio::process::Command, file: std::fs::File) {
         use std::os::fd::{AsRawFd, OwnedFd};
         let fd = OwnedFd::from(file);
@@ -399,13 +414,17 @@ fn confine_child(plan: &ChildPlan) -> io::Result<()> {
     if unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) } == libc::SIG_ERR {
         return Err(io::Error::last_os_error());
     }
-    let namespaces = libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+    let namespaces =
+        libc::CLONE_NEWNS | libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
     match &plan.identity {
         Identity::Dropped { id, groups, .. } => {
-            // Namespaces while still root; then the ids, which drops every capability.
-            // SAFETY: unshare, setgroups and setres[ug]id take integers and a live slice.
+            // Namespaces and the new root while still root; then the ids, which drops
+            // every capability.
+            // SAFETY: unshare takes flags only.
+            check(unsafe { libc::unshare(namespaces) })?;
+            plan.root.enter()?;
+            // SAFETY: setgroups and setres[ug]id take integers and a live slice.
             unsafe {
-                check(libc::unshare(namespaces))?;
                 check(libc::setgroups(groups.len(), groups.as_ptr()))?;
                 check(libc::setresgid(*id, *id, *id))?;
                 check(libc::setresuid(*id, *id, *id))?;
@@ -417,10 +436,24 @@ fn confine_child(plan: &ChildPlan) -> io::Result<()> {
             write_file(b"/proc/self/setgroups\0", b"deny")?;
             write_file(b"/proc/self/uid_map\0", uid_map)?;
             write_file(b"/proc/self/gid_map\0", gid_map)?;
+            // The namespace's capabilities (over its own mounts only) build the root.
+            plan.root.enter()?;
         }
     }
     // SAFETY: prctl with integer arguments.
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
+    // A descriptor the gateway opened without close-on-exec (a library's, or a race
+    // between another thread's open and its fcntl) must not reach the VMM: every one above
+    // stdio is marked now. A snapshot's descriptor is put in place after this, on purpose.
+    // SAFETY: close_range with integer arguments.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    } as libc::c_int)?;
     Ok(())
 }
 

@@ -82,6 +82,12 @@ impl GuestImages {
                 )));
             }
         }
+        // Absolute, without symlinks: a VMM sees these files, at these paths, in a root
+        // of its own (see `hostview`), and its working directory is elsewhere.
+        for path in [&mut images.kernel, &mut images.initramfs, &mut images.root] {
+            *path = std::fs::canonicalize(&*path)
+                .map_err(|e| MicrovmError::Image(format!("{}: {e}", path.display())))?;
+        }
         Ok(images)
     }
 }

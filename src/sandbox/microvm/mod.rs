@@ -41,6 +41,7 @@ mod confine;
 pub mod diagnose;
 mod files;
 mod handle;
+mod hostview;
 pub mod image;
 pub mod link;
 mod qemu;
@@ -214,20 +215,41 @@ impl MicrovmSandbox {
                 host_cmdline.push(format!("tsc_early_khz={khz}"));
             }
         }
-        let transport = config
-            .transport
-            .clone()
-            .unwrap_or_else(|| default_transport(&config.guest_dir));
+        let transport = match config.transport.clone() {
+            Some(link::Transport::Vsock { backend }) => link::Transport::Vsock {
+                backend: absolute_program(&backend)?,
+            },
+            Some(transport) => transport,
+            None => match default_transport(&config.guest_dir) {
+                link::Transport::Vsock { backend } => link::Transport::Vsock {
+                    backend: absolute_program(&backend)?,
+                },
+                transport => transport,
+            },
+        };
+        // A VMM starts in a root of its own (`hostview`), where only absolute paths to the
+        // files it was shown lead anywhere.
+        let qemu_binary = absolute_program(&config.qemu)?;
         tracing::info!(
             accel = accel.as_str(),
             transport = transport.name(),
             "microvm backend ready"
         );
         let spawner = Spawner::start("cellgate-microvm-spawner")?;
-        let confiner = confine::Confiner::new(accel == Accel::Kvm);
+        let mut shown = vec![
+            qemu_binary.as_path(),
+            images.kernel.as_path(),
+            images.initramfs.as_path(),
+            images.root.as_path(),
+        ];
+        if let link::Transport::Vsock { backend } = &transport {
+            shown.push(backend);
+        }
+        let confiner = confine::Confiner::new(accel == Accel::Kvm, &shown)
+            .map_err(|e| SandboxError::Setup(format!("microvm: {e}")))?;
         let snapshots = config
             .snapshots
-            .then(|| open_snapshots(&config, &images, accel, &host_cmdline))
+            .then(|| open_snapshots(&config, &images, &qemu_binary, accel, &host_cmdline))
             .flatten();
         Ok(MicrovmSandbox {
             core: Arc::new(Core {
@@ -236,7 +258,7 @@ impl MicrovmSandbox {
                 transport,
                 host_cmdline,
                 vmm: Arc::new(qemu::Qemu {
-                    binary: config.qemu.clone(),
+                    binary: qemu_binary,
                 }),
                 config,
                 images,
@@ -269,6 +291,7 @@ impl MicrovmSandbox {
 fn open_snapshots(
     config: &MicrovmConfig,
     images: &image::GuestImages,
+    qemu: &Path,
     accel: Accel,
     host_cmdline: &[String],
 ) -> Option<snapshot::Snapshots> {
@@ -276,19 +299,13 @@ fn open_snapshots(
         .snapshot_dir
         .clone()
         .unwrap_or_else(|| config.guest_dir.join("snapshots"));
-    let qemu = if config.qemu.components().count() == 1 {
-        super::diagnosis::find_on_path(&config.qemu.to_string_lossy())
-            .unwrap_or_else(|| config.qemu.clone())
-    } else {
-        config.qemu.clone()
-    };
     let mut inputs = vec![
         format!("cellgate {}", env!("CARGO_PKG_VERSION")),
         cellgate_agent::protocol::MAGIC.to_owned(),
         snapshot::file_input(&images.kernel),
         snapshot::file_input(&images.initramfs),
         snapshot::file_input(&images.root),
-        snapshot::file_input(&qemu),
+        snapshot::file_input(qemu),
         accel.as_str().to_owned(),
         // The TSC rate is measured at each start and jitters by a few kHz: to the MHz, so a
         // restarted gateway finds its snapshots (the guest's clock runs off the host's TSC
@@ -918,6 +935,18 @@ fn default_transport(guest_dir: &Path) -> link::Transport {
         Some(backend) => link::Transport::Vsock { backend },
         None => link::Transport::Serial,
     }
+}
+
+/// `program`'s absolute path, without symlinks: a bare name is looked up on `PATH`.
+fn absolute_program(program: &Path) -> Result<PathBuf, SandboxError> {
+    let found = if program.components().count() == 1 {
+        super::diagnosis::find_on_path(&program.to_string_lossy())
+            .unwrap_or_else(|| program.to_owned())
+    } else {
+        program.to_owned()
+    };
+    std::fs::canonicalize(&found)
+        .map_err(|e| SandboxError::Setup(format!("microvm: {}: {e}", program.display())))
 }
 
 /// Makes `command` a plain child of the backend: nothing of the gateway's environment, no

@@ -24,6 +24,13 @@
 //! zygote's command and start-up environment, the agent protocol), so a changed input makes
 //! a new snapshot rather than restoring a stale one, and snapshots survive a gateway restart.
 //! A snapshot a restore fails on is deleted and made again.
+//!
+//! **Eviction.** Each snapshot is about its VM's RAM, and every change of an input makes a
+//! new one: at most [`KEEP`] are kept, the most recently used (a restore marks its file's
+//! modification time), and none unused for [`UNUSED_FOR`]. Eviction runs when the
+//! directory is opened and after each build. Gateways sharing a directory evict each
+//! other's snapshots by the same rule; one that finds its snapshot gone boots and builds
+//! it again.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -35,6 +42,12 @@ use sha2::{Digest, Sha256};
 const STALE_BUILD: Duration = Duration::from_secs(3600);
 /// How long after a failed attempt a kind of VM gets no new one (each costs a boot).
 const RETRY_AFTER: Duration = Duration::from_secs(300);
+/// How many snapshots a directory keeps: a few policies' kinds of VM.
+const KEEP: usize = 8;
+/// How long a snapshot nobody restored from is kept.
+const UNUSED_FOR: Duration = Duration::from_secs(14 * 24 * 3600);
+/// A snapshot's file name ends so.
+const SUFFIX: &str = ".vmstate";
 
 /// What a snapshot is of: one kind of VM.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -114,11 +127,47 @@ impl Snapshots {
             base.update(input.as_bytes());
             base.update([0]);
         }
-        Ok(Snapshots {
+        let snapshots = Snapshots {
             dir: dir.to_owned(),
             base: hex::encode(base.finalize()),
             states: parking_lot::Mutex::new(HashMap::new()),
-        })
+        };
+        snapshots.evict();
+        Ok(snapshots)
+    }
+
+    /// Deletes the snapshots beyond the [`KEEP`] most recently used, and those unused for
+    /// [`UNUSED_FOR`]. A restore that has one open keeps reading it.
+    fn evict(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let mut found: Vec<(std::time::SystemTime, PathBuf)> = entries
+            .flatten()
+            .filter(|entry| entry.file_name().to_string_lossy().ends_with(SUFFIX))
+            .filter_map(|entry| {
+                let meta = entry.metadata().ok()?;
+                Some((meta.modified().ok()?, entry.path())).filter(|_| meta.is_file())
+            })
+            .collect();
+        found.sort_by_key(|(used, _)| std::cmp::Reverse(*used));
+        for (rank, (used, path)) in found.into_iter().enumerate() {
+            let unused = used.elapsed().unwrap_or_default();
+            if rank < KEEP && unused < UNUSED_FOR {
+                continue;
+            }
+            tracing::info!(snapshot = %path.display(), unused_s = unused.as_secs(),
+                "microvm: evicting a warm-pool snapshot (at most {KEEP} are kept, none unused for {} days)",
+                UNUSED_FOR.as_secs() / 86400);
+            let _ = std::fs::remove_file(&path);
+            if let Some(key) = path
+                .file_name()
+                .and_then(|name| name.to_str())
+                .and_then(|name| name.strip_suffix(SUFFIX))
+            {
+                self.states.lock().remove(key);
+            }
+        }
     }
 
     pub(super) fn dir(&self) -> &Path {
@@ -141,7 +190,7 @@ impl Snapshots {
 
     /// The file of `kind`'s snapshot, where it is.
     pub(super) fn path(&self, kind: &Kind) -> PathBuf {
-        self.dir.join(format!("{}.vmstate", self.key(kind)))
+        self.dir.join(format!("{}{SUFFIX}", self.key(kind)))
     }
 
     /// `kind`'s snapshot, opened, when there is one (made by this gateway or an earlier
@@ -157,6 +206,10 @@ impl Snapshots {
         };
         let path = self.path(kind);
         let file = open_private(&path)?;
+        // Its modification time is when it was last used: what eviction keeps by.
+        if let Err(error) = file.set_modified(std::time::SystemTime::now()) {
+            tracing::debug!(%error, "microvm: a snapshot's use not recorded");
+        }
         if !known {
             self.states.lock().insert(key, State::Ready);
         }
@@ -185,6 +238,7 @@ impl Snapshots {
 
     /// Records how making `kind`'s snapshot ended.
     pub(super) fn made(&self, kind: &Kind, made: Result<PathBuf, String>) {
+        let made_one = made.is_ok();
         let state = match made {
             Ok(path) => {
                 tracing::info!(snapshot = %path.display(), memory_mib = kind.memory_mib,
@@ -199,6 +253,9 @@ impl Snapshots {
             }
         };
         self.states.lock().insert(self.key(kind), state);
+        if made_one {
+            self.evict();
+        }
     }
 
     /// Deletes `kind`'s snapshot after a restore from it failed; it is made again after
@@ -315,6 +372,59 @@ mod tests {
             .unwrap();
         let _ = Snapshots::open(&dir, &[]).unwrap();
         assert!(!partial.exists(), "left-overs swept");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_least_recently_used_and_long_unused_snapshots_are_evicted() {
+        let dir = std::env::temp_dir().join(format!("cg-snap-evict-{}", std::process::id()));
+        let snapshots = Snapshots::open(&dir, &["images".into()]).unwrap();
+        let now = std::time::SystemTime::now();
+        let write = |name: &str, age: Duration| {
+            use std::os::unix::fs::OpenOptionsExt;
+            let path = dir.join(name);
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&path)
+                .unwrap();
+            file.set_modified(now - age).unwrap();
+            path
+        };
+        // Unused for too long, though there is room.
+        let ancient = write("ancient.vmstate", UNUSED_FOR + Duration::from_secs(60));
+        let recent = write("recent.vmstate", Duration::from_secs(60));
+        let _ = Snapshots::open(&dir, &["images".into()]).unwrap();
+        assert!(!ancient.exists(), "unused for too long");
+        assert!(recent.exists());
+        std::fs::remove_file(recent).unwrap();
+
+        let kinds: Vec<Kind> = (0..KEEP as u64 + 2).map(|i| kind(100 + i)).collect();
+        // KEEP + 2 snapshots, the first the oldest; and one unused for too long.
+        let paths: Vec<PathBuf> = kinds
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let name = snapshots.path(k).file_name().unwrap().to_owned();
+                write(
+                    name.to_str().unwrap(),
+                    Duration::from_secs(3600 * (kinds.len() - i) as u64),
+                )
+            })
+            .collect();
+        let other = write("notes.txt", UNUSED_FOR * 2);
+        // A restore marks its snapshot used: the oldest is now the newest.
+        assert!(snapshots.open_ready(&kinds[0]).is_some());
+        let _ = Snapshots::open(&dir, &["images".into()]).unwrap();
+        assert!(paths[0].exists(), "used just now");
+        assert!(
+            !paths[1].exists() && !paths[2].exists(),
+            "least recently used"
+        );
+        assert!(paths[3..].iter().all(|p| p.exists()), "the {KEEP} kept");
+        assert!(other.exists(), "only snapshots are evicted");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
