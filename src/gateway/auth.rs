@@ -13,7 +13,7 @@
 //! configured the body stays Kernel Gateway's (empty message).
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::http::{header, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq;
@@ -186,16 +186,28 @@ pub async fn require_token(
             },
             Err(err) => {
                 tracing::info!(reason = %err, path = %request.uri().path(), "bearer token refused");
-                return bearer_refusal(format!("invalid token: {err}"));
+                return ApiError::unauthorized(format!("invalid token: {err}"))
+                    .code("invalid_token")
+                    .into_response();
             }
         },
         (None, Some(_)) => {
-            return bearer_refusal(
-                "authentication required: Authorization: Bearer <JWT> (or the gateway's token)"
-                    .to_owned(),
+            return ApiError::unauthorized(
+                "authentication required: Authorization: Bearer <JWT> (or the gateway's token)",
             )
+            .code("missing_token")
+            .into_response()
         }
-        (_, None) => return ApiError::unauthorized().into_response(),
+        (Some(_), None) => {
+            return ApiError::unauthorized("wrong token")
+                .code("invalid_token")
+                .into_response()
+        }
+        (None, None) => return ApiError::unauthorized(
+            "authentication required: Authorization: Bearer <the gateway's token> (or token <T>)",
+        )
+        .code("missing_token")
+        .into_response(),
     };
     if let Principal::Tenant { tenant, .. } = &principal {
         if let Err(err) = state.tenants.check_rate(tenant) {
@@ -206,27 +218,15 @@ pub async fn require_token(
     next.run(request).await
 }
 
-fn bearer_refusal(message: String) -> Response {
-    let mut response = ApiError::new(StatusCode::UNAUTHORIZED, message).into_response();
-    response.headers_mut().insert(
-        header::WWW_AUTHENTICATE,
-        HeaderValue::from_static("Bearer error=\"invalid_token\""),
-    );
-    response
-}
-
 fn rate_limited(tenant: &str, err: TenantError) -> Response {
     let retry_after = match &err {
         TenantError::RateLimited { retry_after } => retry_after.as_secs_f64().ceil().max(1.0),
         _ => 1.0,
     };
     tracing::debug!(tenant, "tenant over its request rate");
-    let mut response =
-        ApiError::new(StatusCode::TOO_MANY_REQUESTS, err.to_string()).into_response();
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from(retry_after as u64));
-    response
+    ApiError::new(StatusCode::TOO_MANY_REQUESTS, err.to_string())
+        .retry_after(retry_after as u64)
+        .into_response()
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Checks every request meets before authentication, against pages in a browser that try to
 //! drive the gateway: cross-site requests and DNS rebinding.
 //!
-//! - In every mode, a `POST` or `PATCH` that carries a body must declare it JSON
+//! - In every mode, a `POST` or `PATCH` to a route that carries a body must declare it JSON
 //!   (`application/json` or a `+json` type): a page can send `text/plain`, form and multipart
 //!   bodies to any site without a CORS preflight, and they used to be parsed as JSON anyway.
 //!   File uploads are `PUT`, which a page cannot send cross-site without a preflight.
@@ -20,7 +20,43 @@ use axum::response::{IntoResponse, Response};
 use super::api_error::ApiError;
 use super::state::AppState;
 
-/// The middleware: refuses what the module doc lists, else passes the request on.
+/// The route layer: a `POST` or `PATCH` with a body must declare it JSON. On routes only, so
+/// that a method a route does not take is a 405 and a route that does not exist a 404,
+/// whatever the body.
+pub async fn require_json(request: Request, next: Next) -> Response {
+    if let Err(err) = json_body_refusal(request.method(), request.headers()) {
+        tracing::info!(
+            method = %request.method(),
+            path = %request.uri().path(),
+            reason = %err.message,
+            "request refused at the edge"
+        );
+        return err.into_response();
+    }
+    next.run(request).await
+}
+
+fn json_body_refusal(method: &Method, headers: &HeaderMap) -> Result<(), ApiError> {
+    if (method == Method::POST || method == Method::PATCH) && has_body(headers) {
+        let content_type = headers
+            .get(header::CONTENT_TYPE)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        if !content_type.as_deref().is_some_and(is_json) {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!(
+                    "request bodies are JSON: send them with Content-Type: application/json (got {})",
+                    content_type.as_deref().unwrap_or("no Content-Type")
+                ),
+            )
+            .code("not_json"));
+        }
+    }
+    Ok(())
+}
+
+/// The middleware: refuses what the module doc lists (but the JSON body rule, which
+/// [`require_json`] applies), else passes the request on.
 pub async fn check(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if let Err(err) = refusal(&state, request.method(), request.headers(), request.uri()) {
         tracing::info!(
@@ -40,20 +76,6 @@ fn refusal(
     headers: &HeaderMap,
     uri: &axum::http::Uri,
 ) -> Result<(), ApiError> {
-    if (method == Method::POST || method == Method::PATCH) && has_body(headers) {
-        let content_type = headers
-            .get(header::CONTENT_TYPE)
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-        if !content_type.as_deref().is_some_and(is_json) {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                format!(
-                    "request bodies are JSON: send them with Content-Type: application/json (got {})",
-                    content_type.as_deref().unwrap_or("no Content-Type")
-                ),
-            ));
-        }
-    }
     let unauthenticated = state.config.token.is_none() && state.jwt.is_none();
     if !unauthenticated || method == Method::OPTIONS {
         return Ok(());
@@ -70,7 +92,8 @@ fn refusal(
             format!(
                 "this gateway has no token, so it answers only to loopback names (localhost, 127.0.0.1, [::1]), not to Host {host:?}; start it with --token to serve other names"
             ),
-        ));
+        )
+        .code("host_refused"));
     }
     if let Some(origin) = headers.get(header::ORIGIN) {
         let origin = String::from_utf8_lossy(origin.as_bytes());
@@ -80,7 +103,8 @@ fn refusal(
                 format!(
                     "this gateway has no token, so it answers only to pages from loopback origins or from --allow-origin, not to Origin {origin:?}"
                 ),
-            ));
+            )
+            .code("origin_refused"));
         }
     }
     Ok(())

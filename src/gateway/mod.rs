@@ -20,7 +20,7 @@ mod ws_upgrade;
 use std::sync::Arc;
 
 use axum::http::{HeaderName, HeaderValue, Method};
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 use axum::{middleware, Router};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
@@ -43,7 +43,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/api/kernels",
-            get(kernels::list_kernels).post(kernels::start_kernel),
+            json_only(get(kernels::list_kernels).post(kernels::start_kernel)),
         )
         .route(
             "/api/kernels/{id}",
@@ -51,9 +51,12 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/api/kernels/{id}/interrupt",
-            post(kernels::interrupt_kernel),
+            json_only(post(kernels::interrupt_kernel)),
         )
-        .route("/api/kernels/{id}/restart", post(kernels::restart_kernel))
+        .route(
+            "/api/kernels/{id}/restart",
+            json_only(post(kernels::restart_kernel)),
+        )
         .route("/api/kernels/{id}/channels", get(kernel_ws::channels))
         // API v1 (chat apps and agents), behind the same auth layer.
         .merge(v1::routes())
@@ -64,17 +67,19 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/api/notebooks/replay",
-            post(notebooks::replay_notebook).layer(axum::extract::DefaultBodyLimit::max(
-                notebooks::MAX_NOTEBOOK_BYTES,
+            json_only(post(notebooks::replay_notebook).layer(
+                axum::extract::DefaultBodyLimit::max(notebooks::MAX_NOTEBOOK_BYTES),
             )),
         )
-        .fallback(|| async { ApiError::not_found("") })
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,
         ));
     let health = Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .merge(v1::public_routes())
         .merge(web::routes(&state.config.base_url));
     let routes = api.merge(health).with_state(state.clone());
     let routes = if state.config.base_url == "/" {
@@ -84,7 +89,7 @@ pub fn router(state: AppState) -> Router {
         Router::new()
             .nest(prefix, routes)
             .route(&format!("{prefix}/"), get(|| async { web::page() }))
-            .fallback(|| async { ApiError::not_found("") })
+            .fallback(no_route)
     };
     // Inside CORS, which answers preflights first; outside auth and the base URL, so every
     // route, the page included, is checked.
@@ -93,6 +98,21 @@ pub fn router(state: AppState) -> Router {
         Some(cors) => routes.layer(cors),
         None => routes,
     }
+}
+
+/// `route` with the JSON body rule ([`edge::require_json`]) on the methods it takes: every
+/// route with a `POST` or `PATCH` handler is wrapped so. Not a router-wide route layer,
+/// which would also wrap the 405 answer to a method the route does not take.
+pub(crate) fn json_only(route: MethodRouter<AppState>) -> MethodRouter<AppState> {
+    route.route_layer(middleware::from_fn(edge::require_json))
+}
+
+async fn no_route(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::no_route(&method, uri.path())
+}
+
+async fn wrong_method(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::wrong_method(&method, uri.path())
 }
 
 fn cors_layer(config: &GatewayConfig) -> Option<CorsLayer> {

@@ -96,7 +96,15 @@ pub fn write_connection_file(
     Ok((dir, path, info))
 }
 
-/// Environment variable names a client may set when it starts a kernel, besides `KERNEL_*`.
+/// Whether a client may set the variable `name`: `KERNEL_*` and the gateway's `allowlist`.
+pub fn client_may_set(name: &str, allowlist: &[String]) -> bool {
+    (name.starts_with("KERNEL_") || allowlist.iter().any(|a| a == name))
+        // A path on the client's machine: never used, never passed on.
+        && name != "KERNEL_WORKING_DIR"
+}
+
+/// The variables of `requested` the kernel will get, checked; the others are dropped, as
+/// Kernel Gateway does (API v1 refuses them instead: see [`client_may_set`]).
 /// Values are checked as Enterprise Gateway does: bounded length, no shell metacharacters
 /// that matter for command lines, no control characters.
 pub fn filter_client_env(
@@ -105,10 +113,7 @@ pub fn filter_client_env(
 ) -> Result<BTreeMap<String, String>, KernelError> {
     let mut env = BTreeMap::new();
     for (name, value) in requested {
-        let allowed = (name.starts_with("KERNEL_") || allowlist.iter().any(|a| a == name))
-            // A path on the client's machine: never used, never passed on.
-            && name != "KERNEL_WORKING_DIR";
-        if !allowed {
+        if !client_may_set(name, allowlist) {
             continue;
         }
         let valid_name = !name.is_empty()

@@ -24,6 +24,7 @@ pub use lifecycle::{Kernel, KernelOptions, Readiness};
 // Only for sessions/, which still names it here (being reworked on another branch); the
 // format is every surface's, so it lives in `crate::timestamp`.
 pub use crate::timestamp::format_timestamp;
+pub use launch::client_may_set;
 pub use manager::{KernelManager, ManagerOptions, Owner, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
 pub use spec::{KernelSpec, KernelSpecs};

@@ -6,13 +6,19 @@ use serde::de::DeserializeOwned;
 
 use super::ApiError;
 
-/// Parses a JSON body; an empty body is `{}`.
+/// Parses a JSON body, which must be an object; an empty body is `{}`.
 pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    let text: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
-        b"{}"
-    } else {
-        body
+    let text: &[u8] = match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        None => b"{}",
+        Some(b'{') => body,
+        // serde would also read a struct from an array of its fields in order.
+        Some(_) => {
+            return Err(
+                ApiError::bad_request("invalid JSON body: expected an object").code("invalid_json"),
+            )
+        }
     };
-    serde_json::from_slice(text)
-        .map_err(|err| ApiError::bad_request(format!("invalid JSON body: {err}")))
+    serde_json::from_slice(text).map_err(|err| {
+        ApiError::bad_request(format!("invalid JSON body: {err}")).code("invalid_json")
+    })
 }

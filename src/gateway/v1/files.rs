@@ -44,9 +44,11 @@ pub struct Uploaded {
 }
 
 /// Every file and directory of the workspace (links listed, never followed).
-#[utoipa::path(get, path = "/v1/sessions/{id}/files", tag = "files",
+#[utoipa::path(get, path = "/v1/sessions/{id}/files", tag = "files", operation_id = "list_files",
     params(("id" = String, Path), ("dir" = Option<String>, Query)),
-    responses((status = 200, body = Vec<FileEntry>), (status = 404)))]
+    responses((status = 200, body = Vec<FileEntry>), (status = 400, description = "a bad path"),
+              (status = 404, description = "no such session or directory"),
+              (status = 409, description = "not a directory, or the workspace is unavailable")))]
 pub async fn list(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
@@ -65,10 +67,13 @@ pub async fn list(
 }
 
 /// Upload a file (the request body is the content), replacing any file at `path`.
-#[utoipa::path(put, path = "/v1/sessions/{id}/files/{path}", tag = "files",
+#[utoipa::path(put, path = "/v1/sessions/{id}/files/{path}", tag = "files", operation_id = "upload_file",
     params(("id" = String, Path), ("path" = String, Path)),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 201, body = Uploaded), (status = 400), (status = 404), (status = 413)))]
+    responses((status = 201, body = Uploaded), (status = 400, description = "a bad path"),
+              (status = 404, description = "no such session"),
+              (status = 409, description = "the path is a directory, or the workspace is unavailable"),
+              (status = 413, description = "over the upload limit or the workspace's free space")))]
 pub async fn upload(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
@@ -159,9 +164,11 @@ fn blocking_stream(
 }
 
 /// Download a file.
-#[utoipa::path(get, path = "/v1/sessions/{id}/files/{path}", tag = "files",
+#[utoipa::path(get, path = "/v1/sessions/{id}/files/{path}", tag = "files", operation_id = "download_file",
     params(("id" = String, Path), ("path" = String, Path)),
-    responses((status = 200, description = "the file's bytes"), (status = 400), (status = 404)))]
+    responses((status = 200, description = "the file's bytes"), (status = 400, description = "a bad path"),
+              (status = 404, description = "no such session or file"),
+              (status = 409, description = "the path is a directory, or the workspace is unavailable")))]
 pub async fn download(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,

@@ -27,24 +27,41 @@ use axum::Router;
 
 use super::api_error::ApiError;
 use super::auth::Principal;
+use super::json_only;
 use super::state::AppState;
 use crate::sessions::{Session, SessionError};
 use crate::workspace::WorkspaceError;
 
+/// The routes of API v1 that need no credential: its OpenAPI document.
+pub fn public_routes() -> Router<AppState> {
+    Router::new().route("/v1/openapi.json", get(openapi::document))
+}
+
 /// The routes of API v1 (to be mounted behind the auth layer).
 pub fn routes() -> Router<AppState> {
     Router::new()
-        .route("/v1/openapi.json", get(openapi::document))
-        .route("/v1/sessions", get(sessions::list).post(sessions::create))
+        .route(
+            "/v1/sessions",
+            json_only(get(sessions::list).post(sessions::create)),
+        )
         .route(
             "/v1/sessions/{id}",
             get(sessions::get).delete(sessions::delete),
         )
-        .route("/v1/sessions/{id}/execute", post(sessions::execute))
-        .route("/v1/execute", post(sessions::execute_once))
-        .route("/v1/sessions/{id}/interrupt", post(sessions::interrupt))
-        .route("/v1/sessions/{id}/restart", post(sessions::restart))
-        .route("/v1/sessions/{id}/input", post(sessions::input))
+        .route(
+            "/v1/sessions/{id}/execute",
+            json_only(post(sessions::execute)),
+        )
+        .route("/v1/execute", json_only(post(sessions::execute_once)))
+        .route(
+            "/v1/sessions/{id}/interrupt",
+            json_only(post(sessions::interrupt)),
+        )
+        .route(
+            "/v1/sessions/{id}/restart",
+            json_only(post(sessions::restart)),
+        )
+        .route("/v1/sessions/{id}/input", json_only(post(sessions::input)))
         .route("/v1/sessions/{id}/files", get(files::list))
         .route(
             "/v1/sessions/{id}/files/{*path}",
@@ -56,7 +73,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sessions/{id}/notebook", get(notebooks::export))
         .route(
             "/v1/notebooks/replay",
-            post(notebooks::replay).layer(axum::extract::DefaultBodyLimit::max(
+            json_only(post(notebooks::replay)).layer(axum::extract::DefaultBodyLimit::max(
                 super::notebooks::MAX_NOTEBOOK_BYTES,
             )),
         )
@@ -72,20 +89,25 @@ fn session_for(
         .sessions
         .get(id)
         .filter(|s| principal.may_see(s.owner.as_deref()))
-        .ok_or_else(|| ApiError::not_found(format!("no session {id}")))
+        .ok_or_else(|| ApiError::not_found(format!("no session {id}")).code("no_such_session"))
 }
 
 impl From<SessionError> for ApiError {
     fn from(err: SessionError) -> ApiError {
         match err {
-            SessionError::NotFound => ApiError::not_found("no such session"),
+            SessionError::NotFound => {
+                ApiError::not_found("no such session").code("no_such_session")
+            }
             SessionError::Kernel(err) => err.into(),
             SessionError::Workspace(err) => err.into(),
-            SessionError::PolicyNotAllowed { .. } => ApiError::bad_request(err.to_string()),
+            SessionError::PolicyNotAllowed { .. } => {
+                ApiError::bad_request(err.to_string()).code("policy_not_allowed")
+            }
             SessionError::NoInputAwaited => ApiError::new(
                 StatusCode::CONFLICT,
                 "no execution of this session is waiting for input",
-            ),
+            )
+            .code("no_input_awaited"),
             SessionError::Artifact(err) => {
                 tracing::error!(%err, "artifact store failed");
                 ApiError::new(
@@ -101,18 +123,24 @@ impl From<WorkspaceError> for ApiError {
     fn from(err: WorkspaceError) -> ApiError {
         use WorkspaceError as E;
         match &err {
-            E::BadPath { .. } => ApiError::bad_request(err.to_string()),
-            E::NotFound(_) => ApiError::not_found(err.to_string()),
+            E::BadPath { .. } => ApiError::bad_request(err.to_string()).code("bad_path"),
+            E::NotFound(_) => ApiError::not_found(err.to_string()).code("no_such_file"),
             // A link answers like a missing file: the sandbox's links are never followed,
             // and whatever they point at is none of the client's business.
-            E::Link(_) => ApiError::not_found(err.to_string()),
-            E::NotAFile(_) | E::IsADirectory(_) => {
-                ApiError::new(StatusCode::CONFLICT, err.to_string())
+            E::Link(_) => ApiError::not_found(err.to_string()).code("no_such_file"),
+            E::NotAFile(_) => {
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("not_a_file")
             }
-            E::TooLarge { .. } | E::NoSpace => {
-                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string())
+            E::IsADirectory(_) => {
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("is_a_directory")
             }
-            E::Unavailable => ApiError::new(StatusCode::CONFLICT, err.to_string()),
+            E::TooLarge { .. } => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string()),
+            E::NoSpace => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string()).code("workspace_full")
+            }
+            E::Unavailable => {
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("workspace_unavailable")
+            }
             E::Io { .. } => {
                 tracing::error!(%err, "workspace operation failed");
                 ApiError::new(

@@ -17,7 +17,7 @@ use crate::gateway::state::AppState;
 
 /// The session's history as a notebook (nbformat 4.5): every executed cell in order with its
 /// outputs, display updates applied.
-#[utoipa::path(get, path = "/v1/sessions/{id}/notebook", tag = "notebooks",
+#[utoipa::path(get, path = "/v1/sessions/{id}/notebook", tag = "notebooks", operation_id = "export_notebook",
     params(("id" = String, Path, description = "session id")),
     responses((status = 200, content_type = "application/x-ipynb+json",
                description = "the notebook"), (status = 404)))]
@@ -34,7 +34,7 @@ pub async fn export(
 /// notebook's: `{notebook, report, matched}`, or progress and result as Server-Sent Events
 /// with `Accept: text/event-stream`. The body is the .ipynb, or
 /// `{"notebook", "policy"?, "allow_errors"?, "timeout_s"?}`.
-#[utoipa::path(post, path = "/v1/notebooks/replay", tag = "notebooks",
+#[utoipa::path(post, path = "/v1/notebooks/replay", tag = "notebooks", operation_id = "replay_notebook",
     params(("policy" = Option<String>, Query, description = "policy of the replay's kernel"),
            ("allow_errors" = Option<bool>, Query, description = "go on after a failing cell"),
            ("timeout_s" = Option<f64>, Query, description = "per-cell timeout")),

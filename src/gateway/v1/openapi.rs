@@ -3,6 +3,7 @@
 //! document cannot drift from the code it describes.
 
 use axum::Json;
+use serde_json::{json, Value};
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
@@ -40,7 +41,7 @@ impl Modify for Security {
 #[openapi(
     info(
         title = "cellgate API v1",
-        description = "Sessions with sandboxed Jupyter kernels for chat apps and agents: typed execution results, streamed events (SSE, WebSocket), artifacts by reference, workspace files. Errors are `{\"reason\", \"message\"}` with the HTTP status; a tenant's request for anything it does not own answers 404.",
+        description = "Sessions with sandboxed Jupyter kernels for chat apps and agents: typed execution results, streamed events (SSE, WebSocket), artifacts by reference, workspace files. Every error is `ErrorBody` (`reason`, `message`, and a stable machine `code`) with the HTTP status; a tenant's request for anything it does not own answers 404.",
     ),
     paths(
         sessions::create, sessions::list, sessions::get, sessions::delete,
@@ -50,7 +51,7 @@ impl Modify for Security {
         document,
     ),
     components(schemas(
-        sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
+        crate::gateway::api_error::ErrorBody, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded,
         ws::ClientMessage, SessionModel, ExecutionResult, ExecError, Resources, Status, Omitted,
         ArtifactRef, SessionEvent, FileEntry,
@@ -60,14 +61,159 @@ impl Modify for Security {
 )]
 struct ApiDoc;
 
-/// The OpenAPI document of API v1.
+/// The OpenAPI document of API v1, as utoipa derives it from the handlers.
 pub fn spec() -> utoipa::openapi::OpenApi {
     ApiDoc::openapi()
 }
 
-/// This document.
-#[utoipa::path(get, path = "/v1/openapi.json", tag = "meta",
+/// The complete document: [`spec`] plus what every route shares, added here once rather
+/// than repeated on each handler (the error body on every error status, the statuses the
+/// edge layers answer for any route, and the media types utoipa cannot derive).
+pub fn document_json() -> &'static serde_json::Value {
+    static DOCUMENT: std::sync::OnceLock<serde_json::Value> = std::sync::OnceLock::new();
+    DOCUMENT.get_or_init(|| {
+        let mut document = serde_json::to_value(spec()).unwrap_or_default();
+        complete(&mut document);
+        document
+    })
+}
+
+/// Operations whose request may find the kernel starting or restarting (503 with
+/// `Retry-After`).
+const KERNEL_OPERATIONS: &[&str] = &[
+    "create_session",
+    "execute",
+    "execute_once",
+    "interrupt",
+    "restart",
+    "send_input",
+    "replay_notebook",
+];
+
+fn complete(document: &mut Value) {
+    let error = json!({"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}});
+    let retry_after = json!({"Retry-After": {
+        "description": "seconds after which the same request may succeed",
+        "schema": {"type": "integer", "minimum": 1}}});
+    let Some(paths) = document.get_mut("paths").and_then(Value::as_object_mut) else {
+        return;
+    };
+    for (path, item) in paths.iter_mut() {
+        let Some(item) = item.as_object_mut() else {
+            continue;
+        };
+        for (method, operation) in item.iter_mut() {
+            let id = operation["operationId"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            if path == "/v1/openapi.json" {
+                // It holds no secret: fetchable without credentials.
+                operation["security"] = json!([]);
+                continue;
+            }
+            let has_json_body = operation
+                .pointer("/requestBody/content/application~1json")
+                .is_some();
+            let responses = &mut operation["responses"];
+            let mut add = |status: &str, description: &str| {
+                if responses.get(status).is_none() {
+                    responses[status] = json!({"description": description});
+                }
+            };
+            add(
+                "401",
+                "no credential, or a wrong one (`WWW-Authenticate` says how to authenticate)",
+            );
+            add("429", "the tenant is over its request rate");
+            add("500", "the gateway failed; its log has the details");
+            if has_json_body || method == "post" {
+                add("400", "the request is malformed (`code` says how)");
+            }
+            if has_json_body {
+                add("415", "a request body that is not `application/json`");
+            }
+            if path.contains("{id}") {
+                add("404", "no such session (or not the caller's)");
+            }
+            if KERNEL_OPERATIONS.contains(&id.as_str()) {
+                add(
+                    "503",
+                    "the kernel is starting, restarting or dead (`Retry-After` when waiting helps)",
+                );
+            }
+            for (status, response) in responses.as_object_mut().into_iter().flatten() {
+                let failed = status.starts_with('4') || status.starts_with('5');
+                if failed && response.get("content").is_none() {
+                    response["content"] = error.clone();
+                }
+                if status == "401" {
+                    response["headers"] = json!({"WWW-Authenticate": {
+                        "description": "`Bearer realm=\"cellgate\"`", "schema": {"type": "string"}}});
+                }
+                if status == "429" || status == "503" {
+                    response["headers"] = retry_after.clone();
+                }
+            }
+        }
+    }
+    // Media types utoipa derives wrongly or not at all.
+    let upload = "/paths/~1v1~1sessions~1{id}~1files~1{path}/put/requestBody";
+    if let Some(body) = document.pointer_mut(upload) {
+        *body = json!({
+            "description": "the file's bytes (none: an empty file)",
+            "required": false,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+        });
+    }
+    // A session with every default needs no body.
+    if let Some(required) = document.pointer_mut("/paths/~1v1~1sessions/post/requestBody/required")
+    {
+        *required = json!(false);
+    }
+    // What JSON Schema can say of a variable's name; which names are allowed is the
+    // gateway's setting (a name it does not allow is a 400).
+    for schema in ["CreateSession", "ExecuteOnceRequest"] {
+        if let Some(env) =
+            document.pointer_mut(&format!("/components/schemas/{schema}/properties/env"))
+        {
+            env["propertyNames"] = json!({"pattern": "^[A-Za-z0-9_]{1,128}$"});
+        }
+    }
+    let replay = "/paths/~1v1~1notebooks~1replay/post/requestBody/content/application~1json/schema";
+    if let Some(body) = document.pointer_mut(replay) {
+        *body = json!({"type": "object",
+            "description": "an nbformat 4 notebook, or {notebook, policy, allow_errors, timeout_s}"});
+    }
+    for path in [
+        "/paths/~1v1~1sessions~1{id}~1execute/post",
+        "/paths/~1v1~1execute/post",
+    ] {
+        if let Some(content) = document.pointer_mut(&format!("{path}/responses/200/content")) {
+            content["text/event-stream"] = json!({
+                "schema": {"type": "string", "description": "with `Accept: text/event-stream`: one `SessionEvent` JSON per event, ending with `done`"}
+            });
+        }
+    }
+    for (path, what) in [
+        (
+            "/paths/~1v1~1sessions~1{id}~1files~1{path}/get",
+            "the file's bytes",
+        ),
+        (
+            "/paths/~1v1~1artifacts~1{id}/get",
+            "the artifact's bytes, with its media type",
+        ),
+    ] {
+        if let Some(ok) = document.pointer_mut(&format!("{path}/responses/200")) {
+            ok["content"] = json!({"*/*": {"schema": {"type": "string", "format": "binary"}, "x-description": what}});
+        }
+    }
+}
+
+/// This document (served without credentials: it holds no secret).
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "meta", operation_id = "openapi_document",
     responses((status = 200, description = "OpenAPI 3.1 document")))]
-pub async fn document() -> Json<utoipa::openapi::OpenApi> {
-    Json(spec())
+pub async fn document() -> Json<&'static Value> {
+    Json(document_json())
 }

@@ -31,6 +31,7 @@ pub struct InitialFile {
     pub content: String,
     /// `utf-8` (default) or `base64`.
     #[serde(default)]
+    #[schema(pattern = "^(utf-8|utf8|base64)$")]
     pub encoding: Option<String>,
 }
 
@@ -44,7 +45,8 @@ pub struct CreateSession {
     /// Policy name (default: the tenant's policy, else `default`).
     #[serde(default)]
     pub policy: Option<String>,
-    /// Environment variables for the kernel (`KERNEL_*` and the gateway's allowlist).
+    /// Environment variables for the kernel (`KERNEL_*` and the gateway's allowlist; any
+    /// other name is refused).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     #[serde(default)]
@@ -59,6 +61,7 @@ pub struct ExecuteRequest {
     /// Interrupt the cell after this many seconds and report `timeout` (the policy's
     /// execution timeout applies as well).
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 86400)]
     pub timeout_s: Option<f64>,
 }
 
@@ -68,7 +71,9 @@ pub struct ExecuteRequest {
 #[serde(deny_unknown_fields)]
 pub struct ExecuteOnceRequest {
     pub code: String,
+    /// As for `POST /v1/sessions/{id}/execute`.
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 86400)]
     pub timeout_s: Option<f64>,
     #[serde(default)]
     pub kernel_name: Option<String>,
@@ -178,6 +183,22 @@ async fn create_session(
     request: CreateSession,
 ) -> Result<Arc<Session>, ApiError> {
     let files = decode_files(request.files)?;
+    // Kernel Gateway's surface drops what a client may not set, as Kernel Gateway does; a
+    // v1 client is told, so a setting never silently goes missing.
+    let refused: Vec<&str> = request
+        .env
+        .keys()
+        .filter(|name| !crate::kernel::client_may_set(name, &state.config.env_allowlist))
+        .map(String::as_str)
+        .collect();
+    if !refused.is_empty() {
+        return Err(ApiError::bad_request(format!(
+            "env: a client may set only KERNEL_* variables (not KERNEL_WORKING_DIR) and the gateway's allowlist ({}); refused: {}",
+            if state.config.env_allowlist.is_empty() { "empty".to_owned() } else { state.config.env_allowlist.join(", ") },
+            refused.join(", ")
+        ))
+        .code("env_not_allowed"));
+    }
     let new = new_session(
         state,
         principal,
@@ -194,7 +215,7 @@ async fn create_session(
 }
 
 /// Create a session: a kernel in its sandbox, ready when this answers.
-#[utoipa::path(post, path = "/v1/sessions", tag = "sessions",
+#[utoipa::path(post, path = "/v1/sessions", tag = "sessions", operation_id = "create_session",
     request_body = CreateSession,
     responses((status = 201, body = SessionModel), (status = 400), (status = 403), (status = 404, description = "unknown kernelspec")))]
 pub async fn create(
@@ -214,7 +235,7 @@ pub async fn create(
 }
 
 /// The caller's sessions.
-#[utoipa::path(get, path = "/v1/sessions", tag = "sessions",
+#[utoipa::path(get, path = "/v1/sessions", tag = "sessions", operation_id = "list_sessions",
     responses((status = 200, body = Vec<SessionModel>)))]
 pub async fn list(
     State(state): State<AppState>,
@@ -231,7 +252,7 @@ pub async fn list(
     )
 }
 
-#[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions",
+#[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "get_session",
     params(("id" = String, Path)),
     responses((status = 200, body = SessionModel), (status = 404)))]
 pub async fn get(
@@ -243,7 +264,7 @@ pub async fn get(
 }
 
 /// Shut the kernel down; artifacts stay fetchable for the retention period.
-#[utoipa::path(delete, path = "/v1/sessions/{id}", tag = "sessions",
+#[utoipa::path(delete, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "delete_session",
     params(("id" = String, Path)),
     responses((status = 204), (status = 404)))]
 pub async fn delete(
@@ -308,11 +329,12 @@ async fn wait_for_result(
     Err(ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "the execution ended without a result",
-    ))
+    )
+    .code("no_result"))
 }
 
 /// Run code; one JSON result, or with `Accept: text/event-stream` the events as they come.
-#[utoipa::path(post, path = "/v1/sessions/{id}/execute", tag = "execute",
+#[utoipa::path(post, path = "/v1/sessions/{id}/execute", tag = "execute", operation_id = "execute",
     params(("id" = String, Path)),
     request_body = ExecuteRequest,
     responses(
@@ -337,9 +359,10 @@ pub async fn execute(
 
 /// One-shot execute (an agent's `execute_python` tool): a fresh session, one execution,
 /// deleted afterwards.
-#[utoipa::path(post, path = "/v1/execute", tag = "execute",
+#[utoipa::path(post, path = "/v1/execute", tag = "execute", operation_id = "execute_once",
     request_body = ExecuteOnceRequest,
-    responses((status = 200, body = ExecutionResult), (status = 400)))]
+    responses((status = 200, body = ExecutionResult), (status = 400),
+        (status = 404, description = "no such kernelspec")))]
 pub async fn execute_once(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
@@ -374,7 +397,7 @@ pub async fn execute_once(
     Ok(Json(result?).into_response())
 }
 
-#[utoipa::path(post, path = "/v1/sessions/{id}/interrupt", tag = "execute",
+#[utoipa::path(post, path = "/v1/sessions/{id}/interrupt", tag = "execute", operation_id = "interrupt",
     params(("id" = String, Path)),
     responses((status = 204), (status = 404)))]
 pub async fn interrupt(
@@ -387,7 +410,7 @@ pub async fn interrupt(
 }
 
 /// Restart the kernel: variables and workspace files are lost; `state_generation` changes.
-#[utoipa::path(post, path = "/v1/sessions/{id}/restart", tag = "execute",
+#[utoipa::path(post, path = "/v1/sessions/{id}/restart", tag = "execute", operation_id = "restart",
     params(("id" = String, Path)),
     responses((status = 200, body = SessionModel), (status = 404)))]
 pub async fn restart(
@@ -401,7 +424,7 @@ pub async fn restart(
 }
 
 /// Answer the `input()` an execution waits for (409 when none waits).
-#[utoipa::path(post, path = "/v1/sessions/{id}/input", tag = "execute",
+#[utoipa::path(post, path = "/v1/sessions/{id}/input", tag = "execute", operation_id = "send_input",
     params(("id" = String, Path)),
     request_body = InputRequest,
     responses((status = 204), (status = 404), (status = 409)))]

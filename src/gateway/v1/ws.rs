@@ -17,6 +17,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::ApiError;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -57,20 +59,33 @@ pub enum ClientMessage {
 }
 
 /// The session's event stream and controls (WebSocket upgrade).
-#[utoipa::path(get, path = "/v1/sessions/{id}/ws", tag = "sessions",
+#[utoipa::path(get, path = "/v1/sessions/{id}/ws", tag = "sessions", operation_id = "open_websocket",
     params(("id" = String, Path)),
     responses(
         (status = 101, description = "WebSocket: server frames are SessionEvent JSON; client frames are ClientMessage JSON"),
-        (status = 404)))]
+        (status = 400, description = "not a WebSocket handshake"),
+        (status = 403, description = "a page from an origin the gateway does not allow"),
+        (status = 404, description = "no such session"),
+        (status = 426, description = "the connection cannot be upgraded")))]
 pub async fn socket(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
     headers: HeaderMap,
-    upgrade: WebSocketUpgrade,
+    upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    let upgrade = match upgrade {
+        Ok(upgrade) => upgrade,
+        Err(rejection) => {
+            return ApiError::new(rejection.status(), rejection.body_text())
+                .code("not_a_websocket")
+                .into_response()
+        }
+    };
     if !origin_allowed(&headers, &state.config.allow_origin) {
-        return (StatusCode::FORBIDDEN, "Cross origin websockets not allowed").into_response();
+        return ApiError::new(StatusCode::FORBIDDEN, "Cross origin websockets not allowed")
+            .code("cross_origin")
+            .into_response();
     }
     let session = match session_for(&state, &principal, &id) {
         Ok(session) => session,
