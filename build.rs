@@ -1,6 +1,6 @@
-//! Copies the web client's chart libraries (installed by `./dev setup` with `npm ci` in
-//! `web-client/`, locked by its package-lock.json) into OUT_DIR, where `gateway::web` embeds
-//! them. Without them the build still succeeds, with a stand-in script that makes the page
+//! Copies the web client's chart libraries and the API reference page's Swagger UI
+//! (installed by `./dev setup` with `npm ci` in `web-client/`, locked by its
+//! package-lock.json) into OUT_DIR, where `gateway::web` and `gateway::v1::docs` embed them. Without them the build still succeeds, with a stand-in script that makes the page
 //! say, where a chart would be, that `./dev setup` installs them (the browser test fails on
 //! it, so a release without charts cannot pass the tests).
 
@@ -14,6 +14,11 @@ const VENDORED: &[(&str, &str)] = &[
     ("vega.min.js", "vega/build/vega.min.js"),
     ("vega-lite.min.js", "vega-lite/build/vega-lite.min.js"),
     ("vega-embed.min.js", "vega-embed/build/vega-embed.min.js"),
+    (
+        "swagger-ui-bundle.js",
+        "swagger-ui-dist/swagger-ui-bundle.js",
+    ),
+    ("swagger-ui.css", "swagger-ui-dist/swagger-ui.css"),
 ];
 
 fn main() {
@@ -31,11 +36,12 @@ fn main() {
                 "cargo:warning=web-client: {} is missing; run ./dev setup (npm ci) to bundle the chart libraries",
                 source.display()
             );
-            std::fs::write(
-                &target,
-                format!("console.warn('cellgate was built without {name}: run ./dev setup');\n"),
-            )
-            .expect("write a stand-in script");
+            let stand_in = if name.ends_with(".css") {
+                format!("/* cellgate was built without {name}: run ./dev setup */\n")
+            } else {
+                format!("console.warn('cellgate was built without {name}: run ./dev setup');\n")
+            };
+            std::fs::write(&target, stand_in).expect("write a stand-in asset");
         }
     }
 }

@@ -47,7 +47,8 @@ pub struct ServeArgs {
     /// Cull kernels idle for this many seconds; 0 disables culling [default: 0].
     #[arg(long)]
     pub cull_idle_timeout: Option<u64>,
-    /// Seconds between culling passes (gateway and policy timeouts) [default: 60].
+    /// Seconds between culling passes (gateway and policy idle timeouts), as Jupyter's
+    /// `cull_interval` [default: 300].
     #[arg(long)]
     pub cull_interval: Option<u64>,
     /// Also cull idle kernels that have open connections [default: false].

@@ -89,6 +89,11 @@ impl ApiError {
         ApiError::new(StatusCode::UNAUTHORIZED, message)
     }
 
+    /// A kernel that does not exist, or is not the caller's: the same answer for both.
+    pub fn no_such_kernel(id: &str) -> ApiError {
+        ApiError::not_found(format!("Kernel does not exist: {id}")).code("no_such_kernel")
+    }
+
     /// The answer to a route that does not exist.
     pub fn no_route(method: &axum::http::Method, path: &str) -> ApiError {
         ApiError::not_found(format!("no route {method} {path}")).code("no_such_route")

@@ -31,12 +31,15 @@ pub fn is_kernel_id(id: &str) -> bool {
 /// The kernel `id`, whoever owns it. Handlers answering a client use [`lookup_for`].
 pub fn lookup(state: &AppState, id: &str) -> Result<std::sync::Arc<Kernel>, ApiError> {
     if !is_kernel_id(id) {
-        return Err(ApiError::not_found(""));
+        return Err(
+            ApiError::not_found(format!("{id:?} is not a kernel id (a UUID)"))
+                .code("no_such_kernel"),
+        );
     }
     state
         .kernels
         .get(id)
-        .ok_or_else(|| ApiError::not_found(format!("Kernel does not exist: {id}")))
+        .ok_or_else(|| ApiError::no_such_kernel(id))
 }
 
 /// The kernel `id` if `principal` may see it; another tenant's kernel is answered exactly as
@@ -50,7 +53,7 @@ pub fn lookup_for(
     if principal.may_see(kernel.owner()) {
         Ok(kernel)
     } else {
-        Err(ApiError::not_found(format!("Kernel does not exist: {id}")))
+        Err(ApiError::no_such_kernel(id))
     }
 }
 
@@ -86,11 +89,9 @@ pub async fn get_kernelspec(
     State(state): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let spec = state
-        .kernels
-        .specs()
-        .get(&name)
-        .ok_or_else(|| ApiError::not_found(format!("Kernel spec {name} not found")))?;
+    let spec = state.kernels.specs().get(&name).ok_or_else(|| {
+        ApiError::not_found(format!("Kernel spec {name} not found")).code("no_such_kernelspec")
+    })?;
     Ok(Json(spec.model(&state.config.base_url)))
 }
 
@@ -103,10 +104,10 @@ pub async fn kernelspec_resource(
         .specs()
         .get(&name)
         .and_then(|spec| spec.resource(&file))
-        .ok_or_else(|| ApiError::not_found(""))?;
+        .ok_or_else(|| ApiError::not_found(format!("no resource {file} of kernelspec {name}")))?;
     let bytes = tokio::fs::read(&path)
         .await
-        .map_err(|_| ApiError::not_found(""))?;
+        .map_err(|_| ApiError::not_found(format!("no resource {file} of kernelspec {name}")))?;
     let content_type = match file.rsplit_once('.').map(|(_, ext)| ext) {
         Some("png") => "image/png",
         Some("svg") => "image/svg+xml",

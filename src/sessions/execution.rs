@@ -132,6 +132,10 @@ pub fn status_of(reply: &ExecuteReply) -> Status {
             Status::Denied
         }
     };
+    let refused_package = reply
+        .denials
+        .iter()
+        .any(|denial| denial.kind == crate::kernel::DenialKind::Package);
     match reply.outcome {
         Some(Outcome::Timeout) => Status::Timeout,
         Some(Outcome::Oom) => Status::Oom,
@@ -141,6 +145,9 @@ pub fn status_of(reply: &ExecuteReply) -> Status {
         Some(Outcome::Pids) if failed => failure(),
         Some(Outcome::OutputTruncated) if failed => failure(),
         None if failed => failure(),
+        // `%pip install` of a package the policy refuses reports pip's failure on stderr
+        // but does not raise: the cell "succeeds" without what it asked for.
+        _ if refused_package => Status::Denied,
         Some(Outcome::OutputTruncated) => Status::OutputTruncated,
         Some(Outcome::Pids) | None => Status::Ok,
     }
@@ -731,7 +738,14 @@ mod tests {
             Status::SandboxLost
         );
         assert_eq!(status_of(&reply("error", None, 1)), Status::Denied);
+        // A cell that caught a refused connection succeeded; one whose package install
+        // was refused did not, whether or not it raised.
         assert_eq!(status_of(&reply("ok", None, 1)), Status::Ok);
+        let mut pip = reply("ok", None, 1);
+        pip.denials[0].kind = crate::kernel::DenialKind::Package;
+        assert_eq!(status_of(&pip), Status::Denied);
+        pip.outcome = Some(Outcome::OutputTruncated);
+        assert_eq!(status_of(&pip), Status::Denied);
         assert_eq!(
             status_of(&reply("ok", Some("output_truncated"), 0)),
             Status::OutputTruncated

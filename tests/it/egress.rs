@@ -595,9 +595,9 @@ async fn an_allowed_package_installs_from_the_upstream_index() -> Result<()> {
     Ok(())
 }
 
-/// API v1: a cell that fails because the policy refused a package is `denied`, with the
-/// denial (package, policy, reason) in the result's `denials`; a cell that only printed pip's
-/// refusal stays `ok` but still lists it.
+/// API v1: a cell whose package install the policy refused is `denied`, with the denial
+/// (package, policy, reason) in the result's `denials`, whether it raised or only printed
+/// pip's failure (`%pip`); a cell that caught a refused connection stays `ok` and lists it.
 #[tokio::test]
 async fn api_v1_results_carry_denials_and_the_denied_status() -> Result<()> {
     let wheels = tempfile::tempdir()?;
@@ -626,10 +626,29 @@ async fn api_v1_results_carry_denials_and_the_denied_status() -> Result<()> {
             && d["policy"] == "pkgs"),
         "{result}"
     );
+    // `%pip` does not raise when pip fails: the cell is still `denied`, not `ok`.
     let result = v1.execute(&id, "%pip install -q cgdenied").await?;
-    assert_eq!(result["status"], "ok", "{result}");
+    assert_eq!(result["status"], "denied", "{result}");
     assert!(
         result["denials"].as_array().is_some_and(|d| !d.is_empty()),
+        "{result}"
+    );
+    // A refused connection the code caught is the code's business: `ok`, the denial listed.
+    let result = v1
+        .execute(
+            &id,
+            "import urllib.request
+try:
+    urllib.request.urlopen('http://blocked.example/', timeout=10)
+except Exception as e:
+    print('caught', type(e).__name__)",
+        )
+        .await?;
+    assert_eq!(result["status"], "ok", "{result}");
+    assert!(
+        result["denials"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|d| d["kind"] == "egress")),
         "{result}"
     );
     Ok(())

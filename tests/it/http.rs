@@ -110,12 +110,13 @@ async fn rest_contract() -> anyhow::Result<()> {
         .unwrap()
         .starts_with("Kernel does not exist"));
     let (status, body) = gateway.get_json("/api/kernels/abc").await?;
-    assert_eq!(
-        (status, &body),
-        (404, &json!({"reason": "Not Found", "message": ""}))
-    );
-    let (status, _) = gateway.get_json("/no/such/route").await?;
     assert_eq!(status, 404);
+    assert_eq!(body["reason"], "Not Found", "{body}");
+    assert_eq!(body["code"], "no_such_kernel", "{body}");
+    assert!(body["message"].as_str().unwrap().contains("abc"), "{body}");
+    let (status, body) = gateway.get_json("/no/such/route").await?;
+    assert_eq!(status, 404);
+    assert_eq!(body["code"], "no_such_route", "{body}");
 
     // Bad bodies are 400 with a reason, unknown kernel names 404.
     for body in [
@@ -170,8 +171,16 @@ async fn tokens_are_required_everywhere() -> anyhow::Result<()> {
         let response = request.send().await?;
         assert_eq!(response.status().as_u16(), expected, "{auth:?}");
         if expected == 401 {
+            // Kernel Gateway answers an empty message; a client is better told how to
+            // authenticate, in the body and in the challenge.
+            let challenge = response.headers().get("www-authenticate").cloned();
             let body: Value = response.json().await?;
-            assert_eq!(body, json!({"reason": "Unauthorized", "message": ""}));
+            assert_eq!(body["reason"], "Unauthorized", "{body}");
+            assert!(
+                body["code"] == "invalid_token" || body["code"] == "missing_token",
+                "{body}"
+            );
+            assert!(challenge.is_some_and(|c| c.to_str().unwrap().starts_with("Bearer")));
         }
     }
     assert_eq!(

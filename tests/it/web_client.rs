@@ -14,7 +14,7 @@ use crate::support::{repo, Gateway, TOKEN};
 
 /// Chromium and playwright-core come from `./dev setup`; without them this test fails and
 /// says so, never skips.
-fn browser_tools() -> std::path::PathBuf {
+pub(crate) fn browser_tools() -> std::path::PathBuf {
     let chromium =
         std::env::var("CELLGATE_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
     assert!(

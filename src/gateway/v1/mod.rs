@@ -9,6 +9,7 @@
 
 mod artifacts;
 mod body;
+mod docs;
 mod files;
 mod notebooks;
 pub mod openapi;
@@ -32,9 +33,12 @@ use super::state::AppState;
 use crate::sessions::{Session, SessionError};
 use crate::workspace::WorkspaceError;
 
-/// The routes of API v1 that need no credential: its OpenAPI document.
+/// The routes of API v1 that need no credential: its OpenAPI document and the reference
+/// page that renders it.
 pub fn public_routes() -> Router<AppState> {
-    Router::new().route("/v1/openapi.json", get(openapi::document))
+    Router::new()
+        .route("/v1/openapi.json", get(openapi::document))
+        .merge(docs::routes())
 }
 
 /// The routes of API v1 (to be mounted behind the auth layer).

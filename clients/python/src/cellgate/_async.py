@@ -1,0 +1,223 @@
+"""The asynchronous client: :class:`AsyncClient` and :class:`AsyncSession`, the same calls
+as the synchronous ones, awaited (``async with AsyncSession(url, token) as s: await
+s.run_code(...)``). Callbacks may be plain functions or coroutines."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from urllib.parse import quote
+
+import httpx
+
+from ._client import DEFAULT_TIMEOUT, Content, _auth_headers, file_url, session_body
+from ._errors import CellgateError, NotFoundError, error_from
+from ._events import Collector, InputRequest, SseDecoder
+from ._models import Artifact, Execution, FileEntry, SessionInfo
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class AsyncClient:
+    """A cellgate gateway, for asyncio code (see :class:`cellgate.Client`)."""
+
+    def __init__(self, url: str, token: Optional[str] = None, *,
+                 timeout: float = DEFAULT_TIMEOUT,
+                 http: Optional[httpx.AsyncClient] = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._own_http = http is None
+        self._http = http or httpx.AsyncClient(timeout=timeout)
+        self._headers = _auth_headers(token)
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {**self._headers, **kwargs.pop("headers", {})}
+        response = await self._http.request(method, self.url + path, headers=headers, **kwargs)
+        if response.status_code >= 400:
+            raise error_from(response)
+        return response
+
+    async def session(self, *, policy: Optional[str] = None, kernel_name: Optional[str] = None,
+                      env: Optional[Mapping[str, str]] = None,
+                      files: Optional[Mapping[str, Union[str, bytes]]] = None) -> "AsyncSession":
+        session = AsyncSession(client=self, policy=policy, kernel_name=kernel_name, env=env,
+                               files=files)
+        await session.start()
+        return session
+
+    async def attach(self, session_id: str) -> "AsyncSession":
+        session = AsyncSession(client=self, id=session_id)
+        await session.start()
+        return session
+
+    async def sessions(self) -> List[SessionInfo]:
+        answer = await self.request("GET", "/v1/sessions")
+        return [SessionInfo.from_json(s) for s in answer.json()]
+
+    async def run_code(self, code: str, *, timeout: Optional[float] = None,
+                       policy: Optional[str] = None, **callbacks: Any) -> Execution:
+        async with await self.session(policy=policy) as session:
+            return await session.run_code(code, timeout=timeout, **callbacks)
+
+    async def fetch_artifact(self, artifact_id: str) -> bytes:
+        answer = await self.request("GET", f"/v1/artifacts/{quote(artifact_id, safe='')}")
+        return answer.content
+
+    async def aclose(self) -> None:
+        if self._own_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+class AsyncSession:
+    """One sandboxed kernel, for asyncio code: ``async with AsyncSession(url, token) as s``
+    creates it on entry and deletes it on exit (see :class:`cellgate.Session`)."""
+
+    def __init__(self, url: Optional[str] = None, token: Optional[str] = None, *,
+                 policy: Optional[str] = None, kernel_name: Optional[str] = None,
+                 env: Optional[Mapping[str, str]] = None,
+                 files: Optional[Mapping[str, Union[str, bytes]]] = None,
+                 client: Optional[AsyncClient] = None, id: Optional[str] = None,
+                 keep: bool = False, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if client is None:
+            if url is None:
+                raise TypeError("AsyncSession needs a url (or a client)")
+            client = AsyncClient(url, token, timeout=timeout)
+            self._own_client = True
+        else:
+            self._own_client = False
+        self.client = client
+        self.keep = keep
+        self._body = session_body(policy, kernel_name, env, files)
+        self.id: str = id or ""
+        self.info_at_start: Optional[SessionInfo] = None
+
+    async def start(self) -> "AsyncSession":
+        """Creates the session (or checks the one named by ``id``); `async with` calls it."""
+        if self.info_at_start is not None:
+            return self
+        if self.id:
+            answer = await self.client.request("GET", self._path)
+        else:
+            answer = await self.client.request("POST", "/v1/sessions", json=self._body)
+        self.info_at_start = SessionInfo.from_json(answer.json())
+        self.id = self.info_at_start.id
+        return self
+
+    @property
+    def _path(self) -> str:
+        return f"/v1/sessions/{quote(self.id, safe='')}"
+
+    async def info(self) -> SessionInfo:
+        return SessionInfo.from_json((await self.client.request("GET", self._path)).json())
+
+    async def run_code(self, code: str, *, timeout: Optional[float] = None,
+                       on_stdout: Optional[Callable[[str], Any]] = None,
+                       on_stderr: Optional[Callable[[str], Any]] = None,
+                       on_artifact: Optional[Callable[[Artifact], Any]] = None,
+                       on_input: Optional[Callable[[str, bool], Any]] = None,
+                       on_event: Optional[Callable[[Dict[str, Any]], Any]] = None) -> Execution:
+        """See :meth:`cellgate.Session.run_code`; callbacks may be coroutines."""
+        body: Dict[str, Any] = {"code": code}
+        if timeout is not None:
+            body["timeout_s"] = timeout
+        pending: List[Any] = []
+        # The collector calls plain functions; a coroutine a callback returns is awaited
+        # right after, in order.
+        collect = lambda f: (lambda *a: pending.append(f(*a))) if f else None  # noqa: E731
+        collector = Collector(self.client, collect(on_stdout), collect(on_stderr),
+                              collect(on_artifact), collect(on_event))
+        headers = {**self.client._headers, "Accept": "text/event-stream"}
+        stream_timeout = httpx.Timeout(self.client.timeout, read=max(self.client.timeout, 60.0))
+        async with self.client._http.stream("POST", self.client.url + self._path + "/execute",
+                                            json=body, headers=headers,
+                                            timeout=stream_timeout) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise error_from(response)
+            decoder = SseDecoder()
+            async for line in response.aiter_lines():
+                event = decoder.feed(line)
+                if event is None:
+                    continue
+                request = collector.handle(event)
+                while pending:
+                    await _maybe_await(pending.pop(0))
+                if request is not None:
+                    await self._answer(request, on_input)
+                if collector.result is not None:
+                    return collector.result
+        raise CellgateError("the event stream ended before the execution's result")
+
+    async def _answer(self, request: InputRequest, on_input: Optional[Callable[[str, bool], Any]]) -> None:
+        if on_input is None:
+            await self.interrupt()
+            return
+        value = await _maybe_await(on_input(request.prompt, request.password))
+        await self.send_input(value, request.execution_id)
+
+    async def send_input(self, value: str, execution_id: Optional[str] = None) -> None:
+        body: Dict[str, Any] = {"value": value}
+        if execution_id:
+            body["execution_id"] = execution_id
+        await self.client.request("POST", self._path + "/input", json=body)
+
+    async def interrupt(self) -> None:
+        await self.client.request("POST", self._path + "/interrupt")
+
+    async def restart(self) -> SessionInfo:
+        answer = await self.client.request("POST", self._path + "/restart")
+        return SessionInfo.from_json(answer.json())
+
+    async def upload(self, path: str, content: Content) -> Dict[str, Any]:
+        if isinstance(content, Path):
+            content = content.read_bytes()
+        elif isinstance(content, str):
+            content = content.encode()
+        elif not isinstance(content, bytes):
+            content = content.read()
+        answer = await self.client.request("PUT", file_url(self.id, path), content=content)
+        return answer.json()
+
+    async def download(self, path: str) -> bytes:
+        return (await self.client.request("GET", file_url(self.id, path))).content
+
+    async def files(self, dir: str = "") -> List[FileEntry]:
+        params = {"dir": dir} if dir else None
+        answer = await self.client.request("GET", self._path + "/files", params=params)
+        return [FileEntry.from_json(f) for f in answer.json()]
+
+    async def artifacts(self) -> List[Artifact]:
+        answer = await self.client.request("GET", self._path + "/artifacts")
+        return [Artifact.from_json(a, self.client) for a in answer.json()]
+
+    async def export_notebook(self) -> Dict[str, Any]:
+        return (await self.client.request("GET", self._path + "/notebook")).json()
+
+    async def delete(self) -> None:
+        await self.client.request("DELETE", self._path)
+
+    async def aclose(self) -> None:
+        try:
+            if not self.keep and self.id:
+                try:
+                    await self.delete()
+                except NotFoundError:
+                    pass
+        finally:
+            if self._own_client:
+                await self.client.aclose()
+
+    async def __aenter__(self) -> "AsyncSession":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()

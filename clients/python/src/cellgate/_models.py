@@ -1,0 +1,211 @@
+"""What the gateway answers, as typed objects: sessions, executions, artifacts, files."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+@dataclass
+class SessionInfo:
+    """A session as the gateway describes it (``GET /v1/sessions/{id}``)."""
+
+    id: str
+    kernel_name: str
+    policy: str
+    sandbox: str
+    state: str
+    state_generation: int
+    created: str
+    last_activity: str
+    executions: int
+    tenant: Optional[str] = None
+    reason: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "SessionInfo":
+        return cls(
+            id=data["id"],
+            kernel_name=data.get("kernel_name", ""),
+            policy=data.get("policy", ""),
+            sandbox=data.get("sandbox", ""),
+            state=data.get("state", ""),
+            state_generation=int(data.get("state_generation", 0)),
+            created=data.get("created", ""),
+            last_activity=data.get("last_activity", ""),
+            executions=int(data.get("executions", 0)),
+            tenant=data.get("tenant"),
+            reason=data.get("reason"),
+        )
+
+
+@dataclass
+class Artifact:
+    """A rich output (chart, table, HTML, JSON…) or a file the code wrote under
+    ``outputs/``, stored once on the gateway. ``fetch()`` gets its bytes, ``save()`` writes
+    them to a file."""
+
+    id: str
+    url: str
+    mime: str
+    bytes: int
+    summary: str = ""
+    width: Optional[int] = None
+    height: Optional[int] = None
+    display_id: Optional[str] = None
+    version: int = 1
+    previous: Optional[str] = None
+    path: Optional[str] = None
+    _client: Any = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any], client: Any = None) -> "Artifact":
+        return cls(
+            id=data["id"],
+            url=data.get("url", f"/v1/artifacts/{data['id']}"),
+            mime=data.get("mime", "application/octet-stream"),
+            bytes=int(data.get("bytes", 0)),
+            summary=data.get("summary", ""),
+            width=data.get("width"),
+            height=data.get("height"),
+            display_id=data.get("display_id"),
+            version=int(data.get("version", 1)),
+            previous=data.get("previous"),
+            path=data.get("path"),
+            _client=client,
+        )
+
+    def fetch(self) -> bytes:
+        """The artifact's bytes (with a synchronous client)."""
+        fetch = getattr(self._client, "fetch_artifact", None)
+        if fetch is None or inspect.iscoroutinefunction(fetch):
+            raise TypeError("this artifact came from an AsyncClient: use `await artifact.afetch()`")
+        return fetch(self.id)
+
+    async def afetch(self) -> bytes:
+        """The artifact's bytes (with an asynchronous client)."""
+        return await self._client.fetch_artifact(self.id)
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Writes the artifact's bytes to ``path`` (a directory: under its own name)."""
+        target = Path(path)
+        if target.is_dir():
+            target = target / self.filename
+        target.write_bytes(self.fetch())
+        return target
+
+    @property
+    def filename(self) -> str:
+        """A file name for it: its own under ``outputs/``, else its id and an extension."""
+        if self.path:
+            return Path(self.path).name
+        return self.id + _EXTENSIONS.get(self.mime, ".bin")
+
+
+_EXTENSIONS = {
+    "image/png": ".png", "image/jpeg": ".jpg", "image/gif": ".gif", "image/webp": ".webp",
+    "image/svg+xml": ".svg", "application/pdf": ".pdf", "text/html": ".html",
+    "text/markdown": ".md", "text/latex": ".tex", "application/json": ".json",
+    "application/geo+json": ".geojson",
+}
+
+
+@dataclass
+class ExecError:
+    """The exception a cell raised: ``ename``, ``evalue`` and the traceback's lines."""
+
+    ename: str
+    evalue: str
+    traceback: List[str]
+
+    def __str__(self) -> str:
+        return "\n".join(self.traceback) or f"{self.ename}: {self.evalue}"
+
+
+@dataclass
+class Denial:
+    """Something the session's policy refused: a connection (``egress``) or a package."""
+
+    kind: str
+    target: str
+    policy: str
+    reason: str
+
+
+@dataclass
+class Execution:
+    """The typed result of running code.
+
+    ``status`` is ``ok``, ``error``, ``timeout``, ``oom``, ``denied``, ``output_truncated``
+    or ``sandbox_lost``. ``state_generation`` changes whenever the kernel's variables were
+    lost (restart, crash, out of memory): compare it with the previous execution's.
+    """
+
+    execution_id: str
+    status: str
+    execution_count: Optional[int]
+    stdout: str
+    stderr: str
+    result: Optional[str]
+    error: Optional[ExecError]
+    artifacts: List[Artifact]
+    denials: List[Denial]
+    omitted: List[Dict[str, Any]]
+    duration_ms: int
+    state_generation: int
+    resources: Dict[str, Any]
+    output_truncated: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def raise_for_status(self) -> "Execution":
+        """Raises :class:`ExecutionFailed` unless the execution ended ``ok``."""
+        from ._errors import ExecutionFailed
+
+        if not self.ok and self.status != "output_truncated":
+            raise ExecutionFailed(self)
+        return self
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any], client: Any = None) -> "Execution":
+        error = data.get("error")
+        return cls(
+            execution_id=data.get("execution_id", ""),
+            status=data.get("status", ""),
+            execution_count=data.get("execution_count"),
+            stdout=data.get("stdout", ""),
+            stderr=data.get("stderr", ""),
+            result=data.get("result"),
+            error=ExecError(error.get("ename", ""), error.get("evalue", ""),
+                            list(error.get("traceback", []))) if error else None,
+            artifacts=[Artifact.from_json(a, client) for a in data.get("artifacts", [])],
+            denials=[Denial(d.get("kind", ""), d.get("target", ""), d.get("policy", ""),
+                            d.get("reason", "")) for d in data.get("denials", [])],
+            omitted=list(data.get("omitted", [])),
+            duration_ms=int(data.get("duration_ms", 0)),
+            state_generation=int(data.get("state_generation", 0)),
+            resources=dict(data.get("resources") or {}),
+            output_truncated=bool(data.get("output_truncated", False)),
+            stdout_truncated=bool(data.get("stdout_truncated", False)),
+            stderr_truncated=bool(data.get("stderr_truncated", False)),
+        )
+
+
+@dataclass
+class FileEntry:
+    """A file or directory of the session's workspace."""
+
+    path: str
+    kind: str
+    size: int
+    mtime: Any
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "FileEntry":
+        return cls(data["path"], data.get("kind", "file"), int(data.get("size", 0)),
+                   data.get("mtime"))

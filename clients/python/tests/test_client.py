@@ -1,0 +1,208 @@
+"""The Python client against a live gateway (started by tests/it/sdk.rs, which sets
+CELLGATE_URL and CELLGATE_TOKEN): real kernels in the gateway's default sandbox."""
+
+import asyncio
+import json
+import os
+import threading
+import time
+
+import pytest
+
+import cellgate
+from cellgate import AsyncSession, Client, Session
+
+URL = os.environ.get("CELLGATE_URL", "")
+TOKEN = os.environ.get("CELLGATE_TOKEN", "")
+if not URL or not TOKEN:  # never a silent skip: run through `cargo nextest run sdk::`
+    raise RuntimeError("CELLGATE_URL and CELLGATE_TOKEN must name a running gateway")
+
+
+@pytest.fixture
+def session():
+    with Session(URL, TOKEN) as s:
+        yield s
+
+
+def test_run_code_streams_and_returns_a_typed_execution(session):
+    out, err = [], []
+    execution = session.run_code(
+        "import sys\nprint('hello')\nprint('oops', file=sys.stderr)\n6 * 7",
+        on_stdout=out.append,
+        on_stderr=err.append,
+    )
+    assert execution.ok and execution.status == "ok", execution
+    assert execution.stdout == "hello\n" and "".join(out) == "hello\n"
+    assert execution.stderr == "oops\n" and "".join(err) == "oops\n"
+    assert execution.result == "42"
+    assert execution.error is None
+    assert execution.execution_count == 1
+    assert execution.state_generation >= 1
+    assert execution.raise_for_status() is execution
+
+
+def test_state_lasts_across_calls_and_restart_says_it_is_gone(session):
+    first = session.run_code("x = 41")
+    assert session.run_code("x + 1").result == "42"
+    info = session.restart()
+    assert info.state_generation != first.state_generation
+    after = session.run_code("x")
+    assert after.status == "error" and after.error.ename == "NameError"
+    assert after.state_generation == info.state_generation
+
+
+def test_errors_carry_the_traceback_and_raise_on_request(session):
+    execution = session.run_code("def f():\n    1 / 0\nf()")
+    assert execution.status == "error"
+    assert execution.error.ename == "ZeroDivisionError"
+    assert any("1 / 0" in line for line in execution.error.traceback)
+    assert "\x1b[" not in str(execution.error)
+    with pytest.raises(cellgate.ExecutionFailed) as failed:
+        execution.raise_for_status()
+    assert failed.value.execution is execution
+
+
+def test_a_timeout_is_its_own_status_and_keeps_the_variables(session):
+    session.run_code("kept = 'yes'")
+    execution = session.run_code("import time\ntime.sleep(30)", timeout=1)
+    assert execution.status == "timeout", execution
+    assert session.run_code("kept").result == "'yes'"
+
+
+def test_a_chart_is_an_artifact_to_fetch_and_save(session, tmp_path):
+    seen = []
+    execution = session.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()",
+        on_artifact=seen.append,
+    )
+    assert execution.ok, execution
+    pngs = [a for a in execution.artifacts if a.mime == "image/png"]
+    assert len(pngs) == 1, execution.artifacts
+    assert [a.id for a in seen] == [pngs[0].id]
+    png = pngs[0]
+    assert png.width and png.height and png.summary.startswith("PNG image")
+    data = png.fetch()
+    assert data.startswith(b"\x89PNG") and len(data) == png.bytes
+    saved = png.save(tmp_path)
+    assert saved.read_bytes() == data and saved.suffix == ".png"
+    assert [a.id for a in session.artifacts()] == [png.id]
+
+
+def test_input_is_answered_by_the_callback(session):
+    prompts = []
+
+    def answer(prompt, password):
+        prompts.append((prompt, password))
+        return "Ada"
+
+    execution = session.run_code("name = input('who? ')\nprint('hi', name)", on_input=answer)
+    assert execution.ok, execution
+    assert prompts == [("who? ", False)]
+    assert execution.stdout == "hi Ada\n"
+
+
+def test_input_without_a_callback_interrupts_the_cell(session):
+    execution = session.run_code("input('nobody answers ')")
+    assert execution.status == "error"
+    assert execution.error.ename == "KeyboardInterrupt"
+
+
+def test_files_go_up_and_come_down(session, tmp_path):
+    assert session.upload("data/in.csv", "a,b\n1,2\n") == {"path": "data/in.csv", "bytes": 8}
+    local = tmp_path / "blob.bin"
+    local.write_bytes(bytes(range(256)) * 64)
+    session.upload("blob.bin", local)
+    execution = session.run_code(
+        "import pandas as pd\ndf = pd.read_csv('data/in.csv')\n"
+        "df.assign(c=df.a + df.b).to_csv('out.csv', index=False)\n"
+        "len(open('blob.bin', 'rb').read())"
+    )
+    assert execution.result == "16384", execution
+    assert session.download("out.csv") == b"a,b,c\n1,2,3\n"
+    assert session.download("blob.bin") == local.read_bytes()
+    paths = {f.path for f in session.files()}
+    assert {"data", "out.csv", "blob.bin"} <= paths, paths
+    assert [f.path for f in session.files("data")] == ["data/in.csv"]
+
+
+def test_interrupt_stops_a_running_cell(session):
+    stopper = threading.Timer(2.0, session.interrupt)
+    stopper.start()
+    started = time.monotonic()
+    execution = session.run_code("import time\nwhile True:\n    time.sleep(0.1)")
+    stopper.join()
+    assert execution.status == "error" and execution.error.ename == "KeyboardInterrupt"
+    assert time.monotonic() - started < 30
+
+
+def test_the_notebook_exports_every_cell(session):
+    session.run_code("a = 1")
+    session.run_code("print(a + 1)")
+    notebook = session.export_notebook()
+    assert notebook["nbformat"] == 4
+    sources = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+               for c in notebook["cells"]]
+    assert sources == ["a = 1", "print(a + 1)"]
+    json.dumps(notebook)
+
+
+def test_api_errors_are_exceptions_with_the_servers_code():
+    with pytest.raises(cellgate.AuthenticationError) as error:
+        Session(URL, "not-the-token")
+    assert error.value.status == 401 and error.value.code == "invalid_token"
+    with pytest.raises(cellgate.APIError) as error:
+        Session(URL, TOKEN, policy="no-such-policy")
+    assert error.value.status == 400 and error.value.code == "unknown_policy"
+    assert "no-such-policy" in error.value.message
+    with Client(URL, TOKEN) as client:
+        with pytest.raises(cellgate.NotFoundError) as error:
+            client.attach("no-such-session")
+        assert error.value.code == "no_such_session"
+        with pytest.raises(cellgate.ConflictError) as error:
+            with client.session() as s:
+                s.send_input("x")
+        assert error.value.code == "no_input_awaited"
+
+
+def test_a_session_is_attached_again_by_id_and_deleted_on_exit():
+    with Client(URL, TOKEN) as client:
+        with client.session() as first:
+            first.keep = True
+            first.run_code("turn = 1")
+        again = client.attach(first.id)
+        assert again.run_code("turn + 1").result == "2"
+        again.close()
+        assert first.id not in {s.id for s in client.sessions()}
+
+
+def test_one_shot_run_code_leaves_no_session():
+    with Client(URL, TOKEN) as client:
+        before = {s.id for s in client.sessions()}
+        assert client.run_code("2 ** 10").result == "1024"
+        assert {s.id for s in client.sessions()} == before
+
+
+def test_the_async_client_does_the_same():
+    async def main():
+        chunks = []
+
+        async def on_stdout(text):
+            chunks.append(text)
+
+        async with AsyncSession(URL, TOKEN) as s:
+            first = await s.run_code("for i in range(3):\n    print(i)", on_stdout=on_stdout)
+            assert first.ok and "".join(chunks) == "0\n1\n2\n"
+            answered = await s.run_code("input('? ')", on_input=lambda p, pw: "async")
+            assert answered.result == "'async'", answered
+            await s.upload("a.txt", b"bytes")
+            assert await s.download("a.txt") == b"bytes"
+            shown = await s.run_code(
+                "from IPython.display import HTML, display\ndisplay(HTML('<i>x</i>'))")
+            assert await shown.artifacts[0].afetch() == b"<i>x</i>"
+            with pytest.raises(TypeError):
+                shown.artifacts[0].fetch()
+            session_id = s.id
+        async with cellgate.AsyncClient(URL, TOKEN) as client:
+            assert session_id not in {s.id for s in await client.sessions()}
+
+    asyncio.run(main())
