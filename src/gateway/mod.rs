@@ -11,6 +11,7 @@ mod edge;
 mod kernel_ws;
 mod kernels;
 pub mod listener;
+mod mcp;
 mod notebooks;
 mod state;
 pub mod v1;
@@ -60,6 +61,8 @@ pub fn router(state: AppState) -> Router {
         .route("/api/kernels/{id}/channels", get(kernel_ws::channels))
         // API v1 (chat apps and agents), behind the same auth layer.
         .merge(v1::routes())
+        // API v1 as MCP tools (agent hosts), behind the same auth layer.
+        .nest_service("/mcp", mcp::routes(state.clone()))
         // Notebook export and replay (cellgate extensions).
         .route(
             "/api/kernels/{id}/notebook",

@@ -14,6 +14,7 @@ mod egress;
 mod hostile;
 mod http;
 mod lifecycle;
+mod mcp;
 mod messaging;
 mod microvm;
 mod notebook;
