@@ -24,6 +24,7 @@ folder).
 
 import argparse
 import gzip
+import glob
 import hashlib
 import json
 import os
@@ -150,6 +151,14 @@ def build_root(out_dir, venv, venv_at):
         raise SystemExit(f"build-image.py: {stamp} missing: run ./dev setup first")
     sha256_file(stamp, digest)
     sha256_file(os.path.join(venv, "pyvenv.cfg"), digest)
+    # The stamp covers what pip installed; ./dev setup also copies the project's kernel
+    # launcher into the venv, and a changed launcher must make a new image too.
+    launchers = sorted(glob.glob(os.path.join(venv, "lib", "python3*", "site-packages",
+                                              "cellgate_kernel_launcher.py")))
+    if not launchers:
+        raise SystemExit(f"build-image.py: no cellgate_kernel_launcher.py in {venv}: run ./dev setup")
+    for launcher in launchers:
+        sha256_file(launcher, digest)
     result = os.path.join(out_dir, f"root-{digest.hexdigest()[:16]}.ext4")
     if os.path.exists(result):
         return result

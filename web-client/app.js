@@ -466,11 +466,10 @@ function scrollDown() {
 async function refreshFiles() {
   if (!state.session) return;
   try {
-    const entries = await api("GET", apiPath(`v1/sessions/${state.session.id}/files`));
-    // Hidden files (caches the kernel's libraries write) would drown the user's own.
-    const files = entries.filter(
-      (entry) => entry.kind === "file" && !entry.path.split("/").some((part) => part.startsWith(".")),
-    );
+    // Every file below the top, but not hidden ones (caches the kernel's libraries write
+    // would drown the user's own): the listing leaves those out unless asked.
+    const entries = await api("GET", apiPath(`v1/sessions/${state.session.id}/files?recursive=true`));
+    const files = entries.filter((entry) => entry.kind === "file");
     const list = $("#file-list");
     list.replaceChildren(
       ...files.map((file) => {

@@ -13,8 +13,9 @@ only moved to the kernel's first messages: no gain). The collector is back on be
 kernel handles its first message: user code runs with Python's ordinary GC.
 
 It also bounds each cell's output at the source (`CELLGATE_OUTPUT_LIMIT`, set by the gateway
-from the policy's `output_per_execution`): see `_bound_output`, and keeps IPython from holding
-every cell's stdout and stderr in memory: see `_forget_stream_history`.
+from the policy's `output_per_execution`): see `_bound_output`, keeps IPython from holding
+every cell's stdout and stderr in memory: see `_forget_stream_history`, and shows the figures
+a cell left open under a non-interactive matplotlib backend: see `_show_figures_left_open`.
 
 In a microVM's warm pool it first runs as a zygote (`--cellgate-zygote`, see `_zygote`):
 imports done, no kernel yet, snapshotted with its VM and restored for each session.
@@ -58,6 +59,7 @@ def main() -> None:
         app.initialize()
         _bound_output(app, os.environ.pop("CELLGATE_OUTPUT_LIMIT", None))
         _forget_stream_history()
+        _show_figures_left_open(app)
     finally:
         gc.freeze()
         gc.enable()
@@ -207,6 +209,57 @@ def _forget_stream_history() -> None:
     from IPython.core.interactiveshell import InteractiveShell
 
     InteractiveShell._tee = lambda self, channel: contextlib.nullcontext()
+
+
+# Matplotlib backends that draw to files only: with one of these, `plt.show()` shows nothing.
+NON_INTERACTIVE_BACKENDS = {"agg", "cairo", "pdf", "pgf", "ps", "svg", "template"}
+
+
+def _show_figures_left_open(app) -> None:
+    """Displays, at the end of each cell, the figures it left open, whatever matplotlib
+    backend it chose.
+
+    Why: generated code very often starts with `matplotlib.use("Agg")` (made for scripts),
+    and then `plt.show()` shows nothing at all, not even a warning a reader would notice: the
+    chart a chat asked for never arrives. The inline backend (ipykernel's default) displays
+    and closes a cell's figures itself; under a non-interactive one this does the same, as a
+    PNG: each open figure is displayed once, then closed, as inline would. Interactive
+    backends (widgets) are left alone. Matplotlib's "non-interactive, cannot be shown"
+    warning goes too: the figure is shown.
+    """
+    import warnings
+
+    shell = getattr(app, "shell", None)
+    if shell is None:
+        return
+    warnings.filterwarnings("ignore", message=".*is non-interactive, and thus cannot be shown")
+
+    def show_open_figures(*_):
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if pyplot is None:
+            return
+        try:
+            backend = str(pyplot.get_backend()).lower()
+            if backend not in NON_INTERACTIVE_BACKENDS or not pyplot.get_fignums():
+                return
+            import base64
+
+            from IPython.core.pylabtools import print_figure
+            from IPython.display import display
+
+            for number in pyplot.get_fignums():
+                figure = pyplot.figure(number)
+                png = print_figure(figure, "png")
+                if png:
+                    display(
+                        {"image/png": base64.b64encode(png).decode(), "text/plain": repr(figure)},
+                        raw=True,
+                    )
+                pyplot.close(figure)
+        except Exception as error:  # a figure that cannot be drawn must not fail the cell
+            print(f"cellgate: could not display a figure: {error!r}", file=sys.stderr)
+
+    shell.events.register("post_run_cell", show_open_figures)
 
 
 ZYGOTE_FLAG = "--cellgate-zygote"

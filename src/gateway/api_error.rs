@@ -27,7 +27,7 @@ pub struct ErrorBody {
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
-    /// [`ErrorBody::code`].
+    /// The body's machine `code` (`ErrorBody::code`).
     pub code: &'static str,
     pub message: String,
     /// Seconds after which the same request may succeed.
@@ -64,7 +64,7 @@ impl ApiError {
         }
     }
 
-    /// This error, with a more specific [`ErrorBody::code`].
+    /// This error, with a more specific machine `code`.
     pub fn code(mut self, code: &'static str) -> ApiError {
         self.code = code;
         self

@@ -20,14 +20,12 @@
 //! JPEG, GIF, WebP) come as MCP image content, a few per result and each bounded; other rich
 //! outputs as their summary and the artifact id, which `get_artifact` reads as text.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{header, Method, Request, StatusCode};
 use base64::Engine as _;
 use http_body_util::BodyExt as _;
-use parking_lot::Mutex;
 use rmcp::handler::server::common::Extension;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
@@ -46,6 +44,10 @@ use super::state::AppState;
 const MAX_CONTENT_BYTES: usize = 1 << 20;
 /// The most text of a file, an artifact or a notebook a tool returns.
 const MAX_TEXT_CHARS: usize = 100_000;
+/// Callers whose default session is remembered, and for how long after their last call: a
+/// caller back after that gets a new session (and is told so), as after a cull.
+const DEFAULT_SESSIONS_KEPT: u64 = 100_000;
+const DEFAULT_SESSION_IDLE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 /// The most images one `run_python` result carries (the rest are listed).
 const MAX_IMAGES: usize = 4;
 /// The most characters of one stream a result quotes (the rest are cut, and it says so).
@@ -75,7 +77,10 @@ async fn ended_is_no_content(
 /// The MCP service itself.
 fn service(state: AppState) -> StreamableHttpService<Tools, LocalSessionManager> {
     let api = super::v1::routes().with_state(state);
-    let defaults = Arc::new(Mutex::new(HashMap::new()));
+    let defaults = moka::sync::Cache::builder()
+        .max_capacity(DEFAULT_SESSIONS_KEPT)
+        .time_to_idle(DEFAULT_SESSION_IDLE)
+        .build();
     let config = StreamableHttpServerConfig::default()
         // The gateway's edge already checks hosts and origins (a gateway without a token
         // answers loopback names only); with a token, the credential is what protects.
@@ -93,7 +98,7 @@ fn service(state: AppState) -> StreamableHttpService<Tools, LocalSessionManager>
 pub struct Tools {
     api: axum::Router,
     /// The caller's (principal and MCP session) default cellgate session.
-    defaults: Arc<Mutex<HashMap<String, String>>>,
+    defaults: moka::sync::Cache<String, String>,
     #[allow(dead_code)] // read by the code `tool_handler` generates
     tool_router: ToolRouter<Tools>,
 }
@@ -190,7 +195,7 @@ impl Answer {
 
 #[tool_router]
 impl Tools {
-    fn new(api: axum::Router, defaults: Arc<Mutex<HashMap<String, String>>>) -> Tools {
+    fn new(api: axum::Router, defaults: moka::sync::Cache<String, String>) -> Tools {
         Tools {
             api,
             defaults,
@@ -268,7 +273,7 @@ impl Tools {
         if let Some(id) = requested {
             return Ok((id, false));
         }
-        let known = self.defaults.lock().get(caller).cloned();
+        let known = self.defaults.get(caller);
         if let Some(id) = known {
             let answer = self
                 .call(principal, Method::GET, &format!("/v1/sessions/{id}"), None)
@@ -299,7 +304,7 @@ impl Tools {
             return Err(answer.failure("creating a session"));
         }
         let id = answer.json()["id"].as_str().unwrap_or_default().to_owned();
-        self.defaults.lock().insert(caller.to_owned(), id.clone());
+        self.defaults.insert(caller.to_owned(), id.clone());
         Ok(id)
     }
 
@@ -377,7 +382,7 @@ impl Tools {
             Ok(found) => found,
             Err(error) => return error,
         };
-        let old = self.defaults.lock().get(&caller).cloned();
+        let old = self.defaults.get(&caller);
         let id = match self.new_default(&principal, &caller, request.policy).await {
             Ok(id) => id,
             Err(error) => return error,

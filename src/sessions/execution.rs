@@ -238,16 +238,30 @@ impl Session {
             omitted: Vec::new(),
         };
         let mut reply = None;
+        let mut plain_stdout = super::plain::PlainStream::default();
+        let mut plain_stderr = super::plain::PlainStream::default();
         while let Some(event) = execution.events.recv().await {
             let id = execution_id.clone();
             match event {
                 ExecEvent::Busy => {}
                 ExecEvent::Stream { name, text } => {
-                    let (buffer, truncated) = if name == "stderr" {
-                        (&mut collected.stderr, &mut collected.stderr_truncated)
+                    let (buffer, truncated, plain) = if name == "stderr" {
+                        (
+                            &mut collected.stderr,
+                            &mut collected.stderr_truncated,
+                            &mut plain_stderr,
+                        )
                     } else {
-                        (&mut collected.stdout, &mut collected.stdout_truncated)
+                        (
+                            &mut collected.stdout,
+                            &mut collected.stdout_truncated,
+                            &mut plain_stdout,
+                        )
                     };
+                    let text = plain.push(&text);
+                    if text.is_empty() {
+                        continue;
+                    }
                     push_capped(buffer, truncated, &text, cap);
                     emit(
                         SessionEvent::Stream {
@@ -395,8 +409,8 @@ impl Session {
             execution_id: execution_id.clone(),
             status,
             execution_count: reply.execution_count,
-            stdout: collected.stdout,
-            stderr: collected.stderr,
+            stdout: super::plain::collapse_overwrites(&collected.stdout),
+            stderr: super::plain::collapse_overwrites(&collected.stderr),
             stdout_truncated: collected.stdout_truncated,
             stderr_truncated: collected.stderr_truncated,
             output_truncated: reply.outcome == Some(Outcome::OutputTruncated),

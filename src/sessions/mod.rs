@@ -12,6 +12,7 @@
 
 pub mod events;
 mod execution;
+mod plain;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -844,7 +844,9 @@ async fn files_on(backend: &str) -> Result<()> {
         Some("nosniff")
     );
     assert_eq!(response.text().await?, "a,b,c\n1,2,3\n3,4,7\n");
-    let (status, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+    let (status, listing) = v1
+        .get(&format!("/v1/sessions/{id}/files?recursive=true"))
+        .await?;
     assert_eq!(status, 200);
     let paths: Vec<&str> = listing
         .as_array()
@@ -943,7 +945,11 @@ async fn files_on(backend: &str) -> Result<()> {
     // Oversize: 413, and nothing half-written is left behind.
     let status = v1.put_file(&id, "big.bin", vec![7u8; 6 << 20]).await?;
     assert_eq!(status, 413);
-    let (_, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+    let (_, listing) = v1
+        .get(&format!(
+            "/v1/sessions/{id}/files?recursive=true&hidden=true"
+        ))
+        .await?;
     assert!(
         !listing.as_array().unwrap().iter().any(|e| e["path"]
             .as_str()
@@ -1379,7 +1385,11 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
     let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut response)).await?;
     let text = String::from_utf8_lossy(&response);
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
-    let (_, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+    let (_, listing) = v1
+        .get(&format!(
+            "/v1/sessions/{id}/files?recursive=true&hidden=true"
+        ))
+        .await?;
     // The workspace is the kernel's home (.ipython and such): only the upload matters.
     assert!(
         !listing.as_array().context("listing")?.iter().any(|e| {
@@ -1406,7 +1416,11 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
     drop(stream);
     let mut kept = None;
     for _ in 0..50 {
-        let (_, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+        let (_, listing) = v1
+            .get(&format!(
+                "/v1/sessions/{id}/files?recursive=true&hidden=true"
+            ))
+            .await?;
         let entries = listing.as_array().context("listing")?.clone();
         if !entries.iter().any(|e| {
             e["path"]
@@ -1665,5 +1679,120 @@ print(json.dumps(digests))
     // The session goes on.
     let r = v1.execute(&id, "1+1").await?;
     assert_eq!(r["result"], "2", "{r}");
+    Ok(())
+}
+
+/// Output for machines: a figure made under the `Agg` backend and "shown" (what generated
+/// code very often does, and what used to show nothing) arrives as one PNG artifact, and a
+/// figure a cell leaves open is shown once; API v1's streams carry no ANSI escapes (also
+/// ones a chunk boundary cuts) and progress frames collapse to their last state, while
+/// Kernel Gateway's surface stays byte-exact.
+#[tokio::test]
+async fn figures_and_streams_come_out_clean_for_machines() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let pngs = |r: &Value| {
+        r["artifacts"]
+            .as_array()
+            .map(|a| a.iter().filter(|a| a["mime"] == "image/png").count())
+            .unwrap_or(0)
+    };
+    let r = v1
+        .execute(
+            &id,
+            "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n\
+             plt.plot([1, 2, 3])\nplt.show()",
+        )
+        .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(pngs(&r), 1, "{r}");
+    assert!(
+        !r["stderr"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("non-interactive"),
+        "{r}"
+    );
+    let png = r["artifacts"][0]["id"].as_str().context("id")?.to_owned();
+    let bytes = v1.artifact(&png).await?.bytes().await?;
+    assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
+    let r = v1
+        .execute(
+            &id,
+            "fig, ax = plt.subplots()\nax.bar([1], [2])\nfig.savefig('chart.png')",
+        )
+        .await?;
+    assert_eq!(pngs(&r), 1, "a figure left open is shown: {r}");
+    let r = v1.execute(&id, "1 + 1").await?;
+    assert_eq!(r["artifacts"], json!([]), "a figure is shown once: {r}");
+
+    let code = "import sys\nprint('\\x1b[31mred\\x1b[0m plain')\n\
+        for i in range(5):\n    print(f'\\r{i * 25}%', end='', flush=True)\nprint()\n\
+        print('\\x1b[1', end='', flush=True)\nprint(';32mgreen\\x1b[0m', flush=True)\n\
+        print('\\x1b]0;a title\\x07warn', file=sys.stderr)";
+    let mut sse = v1
+        .sse(&format!("/v1/sessions/{id}/execute"), json!({"code": code}))
+        .await?;
+    let mut streamed = String::new();
+    let result = loop {
+        let (kind, event) = sse.next().await?;
+        if kind == "stream" {
+            streamed.push_str(event["text"].as_str().unwrap_or_default());
+        }
+        if kind == "done" {
+            break event["result"].clone();
+        }
+    };
+    assert_eq!(result["stdout"], "red plain\n100%\ngreen\n", "{result}");
+    assert_eq!(result["stderr"], "warn\n", "{result}");
+    assert!(!streamed.contains('\u{1b}'), "{streamed:?}");
+    assert!(
+        streamed.contains("100%") && streamed.contains("green"),
+        "{streamed:?}"
+    );
+
+    // The listing: the top level without dot names unless asked, RFC 3339 times.
+    let (_, top) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+    let names: Vec<&str> = top
+        .as_array()
+        .context("listing")?
+        .iter()
+        .filter_map(|e| e["path"].as_str())
+        .collect();
+    assert!(names.contains(&"chart.png"), "{top}");
+    assert!(
+        names
+            .iter()
+            .all(|n| !n.starts_with('.') && !n.contains('/')),
+        "{top}"
+    );
+    let mtime = top[0]["mtime"].as_str().context("mtime")?;
+    assert!(
+        regex::Regex::new(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")?.is_match(mtime),
+        "{mtime}"
+    );
+    let (_, all) = v1
+        .get(&format!(
+            "/v1/sessions/{id}/files?recursive=true&hidden=true"
+        ))
+        .await?;
+    assert!(
+        all.as_array().context("listing")?.iter().any(|e| e["path"]
+            .as_str()
+            .is_some_and(|p| p.starts_with('.') && p.contains('/'))),
+        "{all}"
+    );
+    let (status, body) = v1
+        .get(&format!("/v1/sessions/{id}/files?recursive=maybe"))
+        .await?;
+    assert_eq!(status, 400, "{body}");
+
+    // Kernel Gateway's surface: the kernel's bytes, escapes and all.
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "raw", false).await?;
+    let msg_id = client.execute("print('\\x1b[31mred\\x1b[0m')").await?;
+    let msgs = client.collect(&msg_id, Duration::from_secs(30)).await?;
+    assert_eq!(crate::support::stdout(&msgs), "\u{1b}[31mred\u{1b}[0m\n");
     Ok(())
 }

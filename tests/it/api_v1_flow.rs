@@ -356,7 +356,9 @@ async fn initial_files_listing_and_output_files() -> Result<()> {
     let again = v1.execute(&id, "1").await?;
     assert_eq!(again["artifacts"], json!([]), "{again}");
 
-    let (status, listing) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+    let (status, listing) = v1
+        .get(&format!("/v1/sessions/{id}/files?recursive=true"))
+        .await?;
     assert_eq!(status, 200);
     let paths: Vec<&str> = listing
         .as_array()

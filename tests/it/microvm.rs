@@ -215,7 +215,9 @@ async fn workspace_files_cross_the_vm_boundary(v1: &V1Client<'_>, id: &str) -> R
         .await?;
     assert_eq!(&bytes[..], b"made in a VM");
 
-    let (status, list) = v1.get(&format!("/v1/sessions/{id}/files")).await?;
+    let (status, list) = v1
+        .get(&format!("/v1/sessions/{id}/files?recursive=true"))
+        .await?;
     assert_eq!(status, 200, "{list}");
     let entries: Vec<(String, String, u64)> = list
         .as_array()

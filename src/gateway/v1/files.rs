@@ -31,9 +31,58 @@ pub fn upload_limit(state: &AppState, session: &Session) -> u64 {
 
 #[derive(Debug, Deserialize)]
 pub struct ListQuery {
-    /// A directory below the workspace (default: all of it).
+    /// A directory below the workspace (default: its top).
     #[serde(default)]
     dir: Option<String>,
+    /// Everything below `dir`, not only its own entries.
+    #[serde(default)]
+    recursive: bool,
+    /// Also names starting with a dot (the kernel's libraries keep caches and settings there).
+    #[serde(default)]
+    hidden: bool,
+}
+
+/// A file or directory of the workspace, as the listing shows it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ListedFile {
+    /// Relative to the workspace, `/`-separated.
+    pub path: String,
+    /// `file`, `dir`, `symlink` (never followed) or `other`.
+    pub kind: String,
+    pub size: u64,
+    /// The last modification, RFC 3339 in UTC, as every timestamp of the API.
+    pub mtime: String,
+}
+
+impl ListedFile {
+    fn from_entry(entry: FileEntry) -> ListedFile {
+        let nanos = i128::from(entry.mtime_s) * 1_000_000_000 + i128::from(entry.mtime_ns);
+        let at = time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
+            .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+        ListedFile {
+            path: entry.path,
+            kind: entry.kind.to_owned(),
+            size: entry.size,
+            mtime: crate::timestamp::format_timestamp(at),
+        }
+    }
+}
+
+/// Whether `entry` belongs in a listing of `dir` (`""`: the top) with these options.
+fn listed(path: &str, dir: &str, recursive: bool, hidden: bool) -> bool {
+    let below = if dir.is_empty() {
+        path
+    } else {
+        match path
+            .strip_prefix(dir)
+            .and_then(|rest| rest.strip_prefix('/'))
+        {
+            Some(rest) => rest,
+            None => return false,
+        }
+    };
+    (recursive || !below.contains('/'))
+        && (hidden || !below.split('/').any(|part| part.starts_with('.')))
 }
 
 /// A stored upload.
@@ -43,27 +92,40 @@ pub struct Uploaded {
     pub bytes: u64,
 }
 
-/// Every file and directory of the workspace (links listed, never followed).
+/// The files and directories of the workspace, or of `dir` in it (links listed, never
+/// followed): its own entries, or everything below it with `recursive`; names starting
+/// with a dot only with `hidden`.
 #[utoipa::path(get, path = "/v1/sessions/{id}/files", tag = "files", operation_id = "list_files",
-    params(("id" = String, Path), ("dir" = Option<String>, Query)),
-    responses((status = 200, body = Vec<FileEntry>), (status = 400, description = "a bad path"),
+    params(("id" = String, Path),
+           ("dir" = Option<String>, Query, description = "a directory of the workspace (default: its top)"),
+           ("recursive" = Option<bool>, Query, description = "everything below `dir` (default: false)"),
+           ("hidden" = Option<bool>, Query, description = "also dot files and directories (default: false)")),
+    responses((status = 200, body = Vec<ListedFile>), (status = 400, description = "a bad path"),
               (status = 404, description = "no such session or directory"),
               (status = 409, description = "not a directory, or the workspace is unavailable")))]
 pub async fn list(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-    Query(query): Query<ListQuery>,
-) -> Result<Json<Vec<FileEntry>>, ApiError> {
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Vec<ListedFile>>, ApiError> {
+    let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
     let session = session_for(&state, &principal, &id)?;
-    let dir = query.dir.unwrap_or_default();
+    let dir = query.dir.unwrap_or_default().trim_matches('/').to_owned();
+    let listed_dir = dir.clone();
     let entries = tokio::task::spawn_blocking(move || {
         let workspace = session.open_workspace()?;
-        workspace.list(dir.trim_matches('/'))
+        workspace.list(&listed_dir)
     })
     .await
     .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
-    Ok(Json(entries))
+    Ok(Json(
+        entries
+            .into_iter()
+            .filter(|entry| listed(&entry.path, &dir, query.recursive, query.hidden))
+            .map(ListedFile::from_entry)
+            .collect(),
+    ))
 }
 
 /// Upload a file (the request body is the content), replacing any file at `path`.
@@ -216,4 +278,45 @@ pub async fn download(
         }
     }
     Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listings_take_their_level_and_hide_dot_names() {
+        let top = |p| listed(p, "", false, false);
+        assert!(top("a.csv") && top("data"));
+        assert!(!top("data/in.csv") && !top(".cache") && !top("data/.x"));
+        assert!(listed("data/in.csv", "", true, false));
+        assert!(!listed(".cache/pip/x", "", true, false));
+        assert!(listed(".cache/pip/x", "", true, true));
+        assert!(listed("data/in.csv", "data", false, false));
+        assert!(!listed("data/sub/in.csv", "data", false, false));
+        assert!(
+            !listed("database.csv", "data", true, true),
+            "a sibling is not below"
+        );
+        assert!(!listed("x", ".hidden", false, false));
+        assert!(
+            listed(".hidden/x", ".hidden", false, false),
+            "a hidden dir asked for by name"
+        );
+    }
+
+    #[test]
+    fn modification_times_are_rfc_3339() {
+        let entry = FileEntry {
+            path: "a".into(),
+            kind: "file",
+            size: 1,
+            mtime_s: 1_795_743_406,
+            mtime_ns: 250_000_000,
+        };
+        assert_eq!(
+            ListedFile::from_entry(entry).mtime,
+            "2026-11-27T01:36:46.250000Z"
+        );
+    }
 }

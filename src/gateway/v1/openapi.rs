@@ -11,7 +11,6 @@ use super::{artifacts, files, notebooks, sessions, ws};
 use crate::sessions::{
     ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel, Status,
 };
-use crate::workspace::FileEntry;
 
 struct Security;
 
@@ -54,7 +53,7 @@ impl Modify for Security {
         crate::gateway::api_error::ErrorBody, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded,
         ws::ClientMessage, SessionModel, ExecutionResult, ExecError, Resources, Status, Omitted,
-        ArtifactRef, SessionEvent, FileEntry,
+        ArtifactRef, SessionEvent, files::ListedFile,
     )),
     modifiers(&Security),
     security(("bearer" = []), ("token" = [])),

@@ -1,0 +1,137 @@
+//! A cell's streams as plain text for machines: API v1's stdout and stderr carry no ANSI
+//! escape sequences (colours, cursor moves, terminal titles), and a carriage return's
+//! overwrite (progress bars: `\r 10%`, `\r 20%`…) is collapsed to its last frame. Kernel Gateway's surface is not touched: JupyterLab renders both itself.
+//!
+//! The kernel cuts its output into chunks anywhere, also inside an escape sequence, so
+//! [`PlainStream`] carries an unfinished sequence over to the next chunk (one still
+//! unfinished when the execution ends is dropped). Each event's text
+//! keeps one leading `\r` where it overwrote its line (a live client can redraw it); the
+//! result's whole text keeps each line's last frame ([`collapse_overwrites`]).
+
+use crate::artifacts::strip_ansi;
+
+/// The longest escape sequence carried over between chunks; a longer "sequence" is text.
+const MAX_PENDING: usize = 256;
+
+/// One stream of one execution.
+#[derive(Default)]
+pub struct PlainStream {
+    /// The start of an escape sequence the last chunk ended in.
+    pending: String,
+}
+
+impl PlainStream {
+    /// `chunk` without escape sequences and with overwritten frames dropped.
+    pub fn push(&mut self, chunk: &str) -> String {
+        let mut text = std::mem::take(&mut self.pending);
+        text.push_str(chunk);
+        if let Some(start) = unfinished_escape(&text) {
+            if text.len() - start <= MAX_PENDING {
+                self.pending = text.split_off(start);
+            }
+        }
+        collapse_chunk(&strip_ansi(&text))
+    }
+}
+
+/// Where an escape sequence that `text` ends in starts, if it is unfinished: an `ESC` at
+/// the end, a CSI (`ESC [`) without its final byte, an OSC (`ESC ]`) without its end.
+fn unfinished_escape(text: &str) -> Option<usize> {
+    let start = text.rfind('\u{1b}')?;
+    let rest = &text[start + 1..];
+    let mut chars = rest.chars();
+    let unfinished = match chars.next() {
+        None => true,
+        Some('[') => !chars.any(|c| ('\u{40}'..='\u{7e}').contains(&c)),
+        Some(']') => !rest.contains('\u{7}') && !rest.contains("\u{1b}\\"),
+        Some(_) => false,
+    };
+    unfinished.then_some(start)
+}
+
+/// Within one chunk, each line's overwritten frames are dropped: `a\rb\rc` is `\rc` (the
+/// `\r` kept, so a client redraws the line); `\r\n` is a newline.
+fn collapse_chunk(text: &str) -> String {
+    if !text.contains('\r') {
+        return text.to_owned();
+    }
+    let text = text.replace("\r\n", "\n");
+    let mut out = String::with_capacity(text.len());
+    for (i, line) in text.split('\n').enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        match line.rfind('\r') {
+            Some(last) => {
+                out.push('\r');
+                out.push_str(&line[last + 1..]);
+            }
+            None => out.push_str(line),
+        }
+    }
+    out
+}
+
+/// A whole stream with each line's last frame only: `10%\r20%\r30%` is `30%`. The last
+/// frame that is not empty wins whole, rather than being laid over the earlier ones as on a
+/// terminal: progress bars redraw their whole line, and what a shorter last frame did not
+/// cover is stale text a reader should not see.
+pub fn collapse_overwrites(text: &str) -> String {
+    if !text.contains('\r') {
+        return text.to_owned();
+    }
+    let text = text.replace("\r\n", "\n");
+    let mut out = String::with_capacity(text.len());
+    for (i, line) in text.split('\n').enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        let last = line.rsplit('\r').find(|frame| !frame.is_empty());
+        out.push_str(last.unwrap_or(""));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_go_even_when_a_chunk_cuts_them() {
+        let mut stream = PlainStream::default();
+        assert_eq!(stream.push("\u{1b}[31mred"), "red");
+        assert_eq!(stream.push(" and \u{1b}[1"), " and ");
+        assert_eq!(stream.push(";32mgreen\u{1b}"), "green");
+        assert_eq!(stream.push("[0m.\n"), ".\n");
+        assert_eq!(stream.push("\u{1b}]0;title\u{7}done"), "done");
+        assert_eq!(stream.push("tail \u{1b}["), "tail ");
+        assert_eq!(stream.pending, "\u{1b}[", "held for the next chunk");
+    }
+
+    #[test]
+    fn a_lone_escape_byte_that_never_finishes_is_not_held_forever() {
+        let mut stream = PlainStream::default();
+        let long = format!("\u{1b}[{}", "1;".repeat(200));
+        assert_eq!(stream.push(&long), "");
+        assert!(
+            stream.pending.is_empty(),
+            "a runaway sequence is not carried over"
+        );
+    }
+
+    #[test]
+    fn overwritten_frames_collapse() {
+        assert_eq!(collapse_chunk("a\rb\rc"), "\rc");
+        assert_eq!(collapse_chunk("x\r\ny"), "x\ny");
+        assert_eq!(collapse_chunk("10%\r20%\ndone\n"), "\r20%\ndone\n");
+        assert_eq!(collapse_chunk("plain\n"), "plain\n");
+        assert_eq!(collapse_overwrites("10%\r20%\r30%\nok\n"), "30%\nok\n");
+        assert_eq!(collapse_overwrites("downloading 100%\rdone"), "done");
+        assert_eq!(collapse_overwrites("50%\r100%\r"), "100%");
+        assert_eq!(
+            collapse_overwrites("|####      | 40%\r|##########| 100%\n"),
+            "|##########| 100%\n"
+        );
+        assert_eq!(collapse_overwrites("a\r\nb"), "a\nb");
+    }
+}
