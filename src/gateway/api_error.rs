@@ -42,6 +42,7 @@ fn default_code(status: StatusCode) -> &'static str {
         StatusCode::FORBIDDEN => "forbidden",
         StatusCode::NOT_FOUND => "not_found",
         StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        StatusCode::NOT_ACCEPTABLE => "not_acceptable",
         StatusCode::CONFLICT => "conflict",
         StatusCode::PAYLOAD_TOO_LARGE => "too_large",
         StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",

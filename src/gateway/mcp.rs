@@ -48,31 +48,106 @@ const MAX_TEXT_CHARS: usize = 100_000;
 /// caller back after that gets a new session (and is told so), as after a cull.
 const DEFAULT_SESSIONS_KEPT: u64 = 100_000;
 const DEFAULT_SESSION_IDLE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+/// How long an MCP session may be idle before rmcp ends it.
+const MCP_SESSION_IDLE: std::time::Duration = std::time::Duration::from_secs(2 * 3600);
+/// The most bytes of an execution's result a tool reads (its streams are capped at 1 MiB
+/// each by the gateway; artifact references and the rest are small).
+const MAX_RESULT_BYTES: usize = 8 << 20;
 /// The most images one `run_python` result carries (the rest are listed).
 const MAX_IMAGES: usize = 4;
 /// The most characters of one stream a result quotes (the rest are cut, and it says so).
 const MAX_STREAM_CHARS: usize = 20_000;
 
-/// What is mounted at `/mcp` (behind the authentication layer): the MCP service, whose
-/// answer to a client ending its session (`DELETE`) is a 204 rather than rmcp's 202, the
-/// success the official Python SDK expects (it warns about any other).
+/// What is mounted at `/mcp` (behind the authentication layer): the MCP service behind
+/// [`guard`].
 pub fn routes(state: AppState) -> axum::Router {
+    let owners: moka::sync::Cache<String, String> = moka::sync::Cache::builder()
+        .max_capacity(DEFAULT_SESSIONS_KEPT)
+        .time_to_idle(MCP_SESSION_IDLE * 2)
+        .build();
     axum::Router::new()
         .fallback_service(service(state))
-        .layer(axum::middleware::from_fn(ended_is_no_content))
+        .layer(axum::middleware::from_fn(move |request, next| {
+            guard(owners.clone(), request, next)
+        }))
 }
 
-async fn ended_is_no_content(
-    request: axum::extract::Request,
+/// What rmcp leaves to its host:
+/// - an MCP session is its caller's: rmcp accepts any request naming a live session id,
+///   which would let another caller replay its cached results or end it. A request naming
+///   a session some other principal opened is handed on with an id that names none, so it
+///   is answered exactly as an unknown session is;
+/// - every error is the gateway's JSON body (rmcp answers some in plain text);
+/// - a client ending its session (`DELETE`) gets 204, not rmcp's 202: the success the
+///   official Python SDK expects (it warns about any other).
+async fn guard(
+    owners: moka::sync::Cache<String, String>,
+    mut request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+
+    let who = request
+        .extensions()
+        .get::<Principal>()
+        .map(identity)
+        .unwrap_or_default();
+    let named = request
+        .headers()
+        .get(MCP_SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if let Some(id) = &named {
+        if owners.get(id).is_some_and(|owner| owner != who) {
+            let nobody =
+                axum::http::HeaderValue::from_static("00000000-0000-0000-0000-000000000000");
+            request.headers_mut().insert(MCP_SESSION_HEADER, nobody);
+        }
+    }
     let ending = request.method() == Method::DELETE;
     let mut response = next.run(request).await;
-    if ending && response.status() == StatusCode::ACCEPTED {
+    if let Some(issued) = response
+        .headers()
+        .get(MCP_SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+    {
+        if named.as_deref() != Some(issued) {
+            owners.insert(issued.to_owned(), who);
+        }
+    }
+    let status = response.status();
+    if ending && status == StatusCode::ACCEPTED {
         *response.status_mut() = StatusCode::NO_CONTENT;
+    }
+    let json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("application/json"));
+    if (status.is_client_error() || status.is_server_error()) && !json {
+        let limited = http_body_util::Limited::new(response.into_body(), 4096);
+        let text = match limited.collect().await {
+            Ok(body) => String::from_utf8_lossy(&body.to_bytes()).trim().to_owned(),
+            Err(_) => String::new(),
+        };
+        let message = if text.is_empty() {
+            status.canonical_reason().unwrap_or("error").to_owned()
+        } else {
+            text
+        };
+        let error = super::ApiError::new(status, message);
+        let error = if status == StatusCode::NOT_FOUND {
+            error.code("no_such_mcp_session")
+        } else {
+            error
+        };
+        return error.into_response();
     }
     response
 }
+
+/// The header naming an MCP session.
+const MCP_SESSION_HEADER: &str = "mcp-session-id";
 
 /// The MCP service itself.
 fn service(state: AppState) -> StreamableHttpService<Tools, LocalSessionManager> {
@@ -85,12 +160,19 @@ fn service(state: AppState) -> StreamableHttpService<Tools, LocalSessionManager>
         // The gateway's edge already checks hosts and origins (a gateway without a token
         // answers loopback names only); with a token, the credential is what protects.
         .disable_allowed_hosts();
+    let mut sessions = LocalSessionManager::default();
+    // rmcp ends a session idle this long, counting while a tool runs: longer than any cell
+    // a policy lets run, so no result is lost midway and a conversation keeps its kernel.
+    sessions.session_config.keep_alive = Some(MCP_SESSION_IDLE);
     StreamableHttpService::new(
         move || Ok(Tools::new(api.clone(), defaults.clone())),
-        Arc::new(LocalSessionManager::default()),
+        Arc::new(sessions),
         config,
     )
 }
+
+/// Each caller's default session, behind a lock of its own.
+type Defaults = moka::sync::Cache<String, Arc<tokio::sync::Mutex<Option<String>>>>;
 
 /// One MCP session's server (made per session, or per request for stateless clients);
 /// the callers' default sessions are shared by all of them.
@@ -98,7 +180,7 @@ fn service(state: AppState) -> StreamableHttpService<Tools, LocalSessionManager>
 pub struct Tools {
     api: axum::Router,
     /// The caller's (principal and MCP session) default cellgate session.
-    defaults: moka::sync::Cache<String, String>,
+    defaults: Defaults,
     #[allow(dead_code)] // read by the code `tool_handler` generates
     tool_router: ToolRouter<Tools>,
 }
@@ -170,6 +252,8 @@ struct Answer {
     status: StatusCode,
     content_type: String,
     body: bytes::Bytes,
+    /// The body was longer than the call read: `body` is empty.
+    too_large: bool,
 }
 
 impl Answer {
@@ -179,6 +263,15 @@ impl Answer {
 
     fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    /// A success whose body was too long to read, said as such.
+    fn oversized(&self, what: &str, limit: usize) -> Option<CallToolResult> {
+        self.too_large.then(|| {
+            tool_error(format!(
+                "{what}: the answer is over {limit} bytes, more than a tool returns; work on it with run_python instead"
+            ))
+        })
     }
 
     /// The error as a model should read it: the gateway's message and code.
@@ -195,7 +288,7 @@ impl Answer {
 
 #[tool_router]
 impl Tools {
-    fn new(api: axum::Router, defaults: moka::sync::Cache<String, String>) -> Tools {
+    fn new(api: axum::Router, defaults: Defaults) -> Tools {
         Tools {
             api,
             defaults,
@@ -210,6 +303,19 @@ impl Tools {
         method: Method,
         path: &str,
         body: Option<(&'static str, Vec<u8>)>,
+    ) -> Answer {
+        self.call_bounded(principal, method, path, body, MAX_CONTENT_BYTES)
+            .await
+    }
+
+    /// [`Self::call`], reading at most `limit` bytes of the answer.
+    async fn call_bounded(
+        &self,
+        principal: &Principal,
+        method: Method,
+        path: &str,
+        body: Option<(&'static str, Vec<u8>)>,
+        limit: usize,
     ) -> Answer {
         let mut request = Request::builder().method(method).uri(path);
         let body = match body {
@@ -234,18 +340,20 @@ impl Tools {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("application/octet-stream")
             .to_owned();
-        // Bounded: a tool never holds more than it may return, plus a little.
-        let limited = http_body_util::Limited::new(response.into_body(), MAX_CONTENT_BYTES + 1);
+        // Bounded: a tool never holds more than it may return.
+        let limited = http_body_util::Limited::new(response.into_body(), limit);
         match limited.collect().await {
             Ok(collected) => Answer {
                 status,
                 content_type,
                 body: collected.to_bytes(),
+                too_large: false,
             },
             Err(_) => Answer {
                 status,
                 content_type,
                 body: bytes::Bytes::new(),
+                too_large: true,
             },
         }
     }
@@ -263,7 +371,8 @@ impl Tools {
     }
 
     /// The session a tool works in: `requested`, or the caller's own (made when it has
-    /// none, or its old one is gone); whether it is new.
+    /// none, or its old one is gone); whether it is new. A caller's calls that find no
+    /// session wait for one another, so parallel first calls make one session, not several.
     async fn session(
         &self,
         principal: &Principal,
@@ -273,24 +382,31 @@ impl Tools {
         if let Some(id) = requested {
             return Ok((id, false));
         }
-        let known = self.defaults.get(caller);
-        if let Some(id) = known {
+        let slot = self.defaults.get_with(caller.to_owned(), || {
+            Arc::new(tokio::sync::Mutex::new(None))
+        });
+        let mut known = slot.lock().await;
+        if let Some(id) = known.clone() {
             let answer = self
-                .call(principal, Method::GET, &format!("/v1/sessions/{id}"), None)
+                .call(principal, Method::GET, &session_path(&id), None)
                 .await;
             if answer.ok() {
                 return Ok((id, false));
             }
+            // Only a session that is gone is replaced; any other failure is reported.
+            if answer.status != StatusCode::NOT_FOUND {
+                return Err(answer.failure("finding the session"));
+            }
         }
-        self.new_default(principal, caller, None)
-            .await
-            .map(|id| (id, true))
+        let id = self.create(principal, None).await?;
+        *known = Some(id.clone());
+        Ok((id, true))
     }
 
-    async fn new_default(
+    /// A new session for `principal`.
+    async fn create(
         &self,
         principal: &Principal,
-        caller: &str,
         policy: Option<String>,
     ) -> Result<String, CallToolResult> {
         let body = match policy {
@@ -303,9 +419,7 @@ impl Tools {
         if !answer.ok() {
             return Err(answer.failure("creating a session"));
         }
-        let id = answer.json()["id"].as_str().unwrap_or_default().to_owned();
-        self.defaults.insert(caller.to_owned(), id.clone());
-        Ok(id)
+        Ok(answer.json()["id"].as_str().unwrap_or_default().to_owned())
     }
 
     #[tool(
@@ -328,14 +442,19 @@ impl Tools {
         if let Some(timeout) = request.timeout_s {
             body["timeout_s"] = json!(timeout);
         }
+        let code = serde_json::to_vec(&body).unwrap_or_default();
         let answer = self
-            .call_json(
+            .call_bounded(
                 &principal,
                 Method::POST,
-                &format!("/v1/sessions/{id}/execute"),
-                body,
+                &format!("{}/execute", session_path(&id)),
+                Some(("application/json", code)),
+                MAX_RESULT_BYTES,
             )
             .await;
+        if let Some(oversized) = answer.oversized("the result", MAX_RESULT_BYTES) {
+            return oversized;
+        }
         if !answer.ok() {
             return answer.failure("running the code");
         }
@@ -382,22 +501,22 @@ impl Tools {
             Ok(found) => found,
             Err(error) => return error,
         };
-        let old = self.defaults.get(&caller);
-        let id = match self.new_default(&principal, &caller, request.policy).await {
+        let slot = self
+            .defaults
+            .get_with(caller.clone(), || Arc::new(tokio::sync::Mutex::new(None)));
+        let mut known = slot.lock().await;
+        let id = match self.create(&principal, request.policy).await {
             Ok(id) => id,
             Err(error) => return error,
         };
+        let old = known.replace(id.clone());
+        drop(known);
         if let Some(old) = old {
-            self.call(
-                &principal,
-                Method::DELETE,
-                &format!("/v1/sessions/{old}"),
-                None,
-            )
-            .await;
+            self.call(&principal, Method::DELETE, &session_path(&old), None)
+                .await;
         }
         let answer = self
-            .call(&principal, Method::GET, &format!("/v1/sessions/{id}"), None)
+            .call(&principal, Method::GET, &session_path(&id), None)
             .await;
         let model = answer.json();
         text(format!(
@@ -424,7 +543,7 @@ impl Tools {
             Ok(session) => session,
             Err(error) => return error,
         };
-        let mut path = format!("/v1/sessions/{id}/files");
+        let mut path = format!("{}/files", session_path(&id));
         if let Some(dir) = request.dir.filter(|d| !d.is_empty()) {
             path.push_str(&format!("?dir={}", percent(&dir)));
         }
@@ -473,12 +592,19 @@ impl Tools {
             .call(
                 &principal,
                 Method::GET,
-                &format!("/v1/sessions/{id}/files/{}", percent_path(&request.path)),
+                &format!(
+                    "{}/files/{}",
+                    session_path(&id),
+                    percent_path(&request.path)
+                ),
                 None,
             )
             .await;
         if !answer.ok() {
             return answer.failure(&format!("reading {}", request.path));
+        }
+        if let Some(oversized) = answer.oversized(&request.path, MAX_CONTENT_BYTES) {
+            return oversized;
         }
         content_of(&answer, &request.path)
     }
@@ -515,7 +641,11 @@ impl Tools {
             .call(
                 &principal,
                 Method::PUT,
-                &format!("/v1/sessions/{id}/files/{}", percent_path(&request.path)),
+                &format!(
+                    "{}/files/{}",
+                    session_path(&id),
+                    percent_path(&request.path)
+                ),
                 Some(("application/octet-stream", bytes)),
             )
             .await;
@@ -553,6 +683,9 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("reading the artifact");
         }
+        if let Some(oversized) = answer.oversized(&request.artifact_id, MAX_CONTENT_BYTES) {
+            return oversized;
+        }
         content_of(&answer, &request.artifact_id)
     }
 
@@ -576,7 +709,7 @@ impl Tools {
             .call(
                 &principal,
                 Method::POST,
-                &format!("/v1/sessions/{id}/interrupt"),
+                &format!("{}/interrupt", session_path(&id)),
                 None,
             )
             .await;
@@ -606,7 +739,7 @@ impl Tools {
             .call(
                 &principal,
                 Method::POST,
-                &format!("/v1/sessions/{id}/restart"),
+                &format!("{}/restart", session_path(&id)),
                 None,
             )
             .await;
@@ -639,12 +772,15 @@ impl Tools {
             .call(
                 &principal,
                 Method::GET,
-                &format!("/v1/sessions/{id}/notebook"),
+                &format!("{}/notebook", session_path(&id)),
                 None,
             )
             .await;
         if !answer.ok() {
             return answer.failure("exporting the notebook");
+        }
+        if let Some(oversized) = answer.oversized("the notebook", MAX_CONTENT_BYTES) {
+            return oversized;
         }
         text(capped(
             &String::from_utf8_lossy(&answer.body),
@@ -675,6 +811,7 @@ impl Answer {
             body: serde_json::to_vec(&json!({"message": message, "code": "internal"}))
                 .unwrap_or_default()
                 .into(),
+            too_large: false,
         }
     }
 }
@@ -686,18 +823,23 @@ fn caller_of(parts: &axum::http::request::Parts) -> Result<(Principal, String), 
         // Unreachable behind the authentication layer, which every /mcp request passes.
         return Err(tool_error("the request carries no identity".to_owned()));
     };
-    let who = match &principal {
-        Principal::Admin => "admin".to_owned(),
-        Principal::Tenant {
-            tenant, subject, ..
-        } => format!("tenant:{tenant}:{subject}"),
-    };
+    let who = identity(&principal);
     let conversation = parts
         .headers
         .get("mcp-session-id")
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
     Ok((principal, format!("{who}/{conversation}")))
+}
+
+/// Who a principal is, as a key: the admin, or one subject of one tenant.
+fn identity(principal: &Principal) -> String {
+    match principal {
+        Principal::Admin => "admin".to_owned(),
+        Principal::Tenant {
+            tenant, subject, ..
+        } => format!("tenant:{tenant}:{subject}"),
+    }
 }
 
 fn text(text: String) -> CallToolResult {
@@ -754,6 +896,11 @@ fn capped(text: &str, max: usize) -> String {
             text[cut..].chars().count()
         ),
     }
+}
+
+/// API v1's path of session `id` (encoded: an id is the caller's input).
+fn session_path(id: &str) -> String {
+    format!("/v1/sessions/{}", percent(id))
 }
 
 /// A path's segments percent-encoded (its `/` kept), for an API v1 file route.

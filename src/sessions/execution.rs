@@ -635,7 +635,7 @@ impl Session {
             let mut stored = Vec::new();
             let mut omitted = Vec::new();
             let mut seen = seen;
-            let files = match workspace.list("outputs") {
+            let files = match workspace.list("outputs", crate::workspace::Listing::ALL) {
                 Ok(files) => files,
                 Err(_) => return (stored, omitted, seen),
             };

@@ -50,7 +50,7 @@ fn unfinished_escape(text: &str) -> Option<usize> {
 }
 
 /// Within one chunk, each line's overwritten frames are dropped: `a\rb\rc` is `\rc` (the
-/// `\r` kept, so a client redraws the line); `\r\n` is a newline.
+/// `\r` kept, so a client redraws the line), `50%\r100%\r` is `\r100%`; `\r\n` is a newline.
 fn collapse_chunk(text: &str) -> String {
     if !text.contains('\r') {
         return text.to_owned();
@@ -61,12 +61,17 @@ fn collapse_chunk(text: &str) -> String {
         if i > 0 {
             out.push('\n');
         }
-        match line.rfind('\r') {
-            Some(last) => {
-                out.push('\r');
-                out.push_str(&line[last + 1..]);
-            }
-            None => out.push_str(line),
+        if line.contains('\r') {
+            // The last frame with text: `print(x, end="\r")` ends its line with a return
+            // that the next chunk's text (or nothing) follows.
+            out.push('\r');
+            out.push_str(
+                line.rsplit('\r')
+                    .find(|frame| !frame.is_empty())
+                    .unwrap_or(""),
+            );
+        } else {
+            out.push_str(line);
         }
     }
     out
@@ -122,6 +127,11 @@ mod tests {
     #[test]
     fn overwritten_frames_collapse() {
         assert_eq!(collapse_chunk("a\rb\rc"), "\rc");
+        assert_eq!(collapse_chunk("50%\r100%\r"), "\r100%");
+        assert_eq!(collapse_chunk("Done: 42\r"), "\rDone: 42");
+        // A return and its newline in two chunks: the line survives in the result.
+        let joined = collapse_chunk("abc\r") + &collapse_chunk("\ndef");
+        assert_eq!(collapse_overwrites(&joined), "abc\ndef");
         assert_eq!(collapse_chunk("x\r\ny"), "x\ny");
         assert_eq!(collapse_chunk("10%\r20%\ndone\n"), "\r20%\ndone\n");
         assert_eq!(collapse_chunk("plain\n"), "plain\n");

@@ -15,13 +15,13 @@ use std::io::Read;
 use std::sync::Arc;
 
 pub use cellgate_agent::workspace::{
-    check_path, FileEntry, Upload, Workspace, WorkspaceError, MAX_LIST_ENTRIES,
+    check_path, FileEntry, Listing, Upload, Workspace, WorkspaceError, MAX_LIST_ENTRIES,
 };
 
 /// A workspace that a sandbox serves itself (the microvm guest agent). Blocking.
 pub trait GuestFiles: Send + Sync {
-    /// Everything below `dir`, as [`Workspace::list`].
-    fn list(&self, dir: &str) -> Result<Vec<FileEntry>, WorkspaceError>;
+    /// The entries of `dir`, as [`Workspace::list`].
+    fn list(&self, dir: &str, listing: Listing) -> Result<Vec<FileEntry>, WorkspaceError>;
     /// A regular file's bytes and size, as [`Workspace::open_read`].
     fn open_read(&self, path: &str) -> Result<(Box<dyn Read + Send>, u64), WorkspaceError>;
     /// Starts writing `path`, refusing more than `limit` bytes; nothing is at `path` until
@@ -42,10 +42,10 @@ pub enum Files {
 }
 
 impl Files {
-    pub fn list(&self, dir: &str) -> Result<Vec<FileEntry>, WorkspaceError> {
+    pub fn list(&self, dir: &str, listing: Listing) -> Result<Vec<FileEntry>, WorkspaceError> {
         match self {
-            Files::Local(workspace) => workspace.list(dir),
-            Files::Guest(files) => files.list(dir),
+            Files::Local(workspace) => workspace.list(dir, listing),
+            Files::Guest(files) => files.list(dir, listing),
         }
     }
 

@@ -1747,6 +1747,14 @@ async fn figures_and_streams_come_out_clean_for_machines() -> Result<()> {
     assert_eq!(result["stdout"], "red plain\n100%\ngreen\n", "{result}");
     assert_eq!(result["stderr"], "warn\n", "{result}");
     assert!(!streamed.contains('\u{1b}'), "{streamed:?}");
+    // A line that ends with a return (`end="\r"`) keeps its last text.
+    let r = v1
+        .execute(
+            &id,
+            "print('step 1', end='\\r', flush=True)\nprint('Done: 42', end='\\r', flush=True)",
+        )
+        .await?;
+    assert_eq!(r["stdout"], "Done: 42", "{r}");
     assert!(
         streamed.contains("100%") && streamed.contains("green"),
         "{streamed:?}"

@@ -337,8 +337,9 @@ async fn every_post_route_refuses_a_body_not_declared_json() -> Result<()> {
         .map(|(path, _)| path.replace("{id}", "x"))
         .collect();
     ensure!(paths.len() >= 7, "{paths:?}");
-    // Kernel Gateway's surface and the cellgate extensions on it.
+    // Kernel Gateway's surface and the cellgate extensions on it, and the MCP server.
     for path in [
+        "/mcp",
         "/api/kernels",
         "/api/kernels/x/interrupt",
         "/api/kernels/x/restart",
@@ -349,6 +350,8 @@ async fn every_post_route_refuses_a_body_not_declared_json() -> Result<()> {
     for path in &paths {
         let response = v1
             .request(Method::POST, path)
+            // What an MCP client accepts: /mcp checks it before the body's type.
+            .header("Accept", "application/json, text/event-stream")
             .header("Content-Type", "text/plain")
             .body("{\"code\": \"1\"}")
             .send()

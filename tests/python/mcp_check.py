@@ -116,6 +116,12 @@ async def main():
         check(html == "<table><tr><td>7</td></tr></table>", html)
         print("ok: an artifact is read by its id")
 
+        big = await run(mcp, "open('big.txt', 'w').write('x' * (2 << 20))")
+        check("result: 2097152" in big[1], big[1])
+        result = await mcp.call_tool("read_file", {"path": "big.txt"})
+        check(result.is_error and "more than a tool returns" in text_of(result), text_of(result))
+        print("ok: a file too large to return says so")
+
         notebook = json.loads(text_of(await mcp.call_tool("export_notebook", {})))
         check(notebook["nbformat"] == 4 and len(notebook["cells"]) >= 6, notebook.keys())
         print("ok: the notebook exports")
@@ -170,6 +176,46 @@ async def main():
             _, text = await run(b, "1")
             check(session_of(text) != owned, text)
         print("ok: a tenant cannot use another tenant's session")
+
+        # Nor its MCP session: naming A's Mcp-Session-Id with B's token reaches nothing.
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-03-26", "capabilities": {},
+            "clientInfo": {"name": "check", "version": "1"}}}
+        accept = {"Accept": "application/json, text/event-stream"}
+        async with httpx2.AsyncClient(timeout=60) as http:
+            opened = await http.post(URL, json=init,
+                                     headers={**accept, "Authorization": f"Bearer {TENANT_A}"})
+            check(opened.status_code == 200, opened.text)
+            mcp_id = opened.headers["mcp-session-id"]
+            listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+            as_b = await http.post(URL, json=listing, headers={
+                **accept, "Authorization": f"Bearer {TENANT_B}", "Mcp-Session-Id": mcp_id})
+            check(as_b.status_code == 404 and as_b.json()["code"] == "no_such_mcp_session",
+                  f"tenant B used A's MCP session: {as_b.status_code} {as_b.text}")
+            # Ending it: answered as for a session that does not exist, and it goes on.
+            ended = await http.delete(URL, headers={
+                "Authorization": f"Bearer {TENANT_B}", "Mcp-Session-Id": mcp_id})
+            nothing = await http.delete(URL, headers={
+                "Authorization": f"Bearer {TENANT_B}",
+                "Mcp-Session-Id": "22222222-2222-2222-2222-222222222222"})
+            check(ended.status_code == nothing.status_code,
+                  f"B's ending A's session and an unknown one differ: {ended.status_code} {nothing.status_code}")
+            await http.post(URL, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                            headers={**accept, "Authorization": f"Bearer {TENANT_A}",
+                                     "Mcp-Session-Id": mcp_id})
+            alive = await http.post(URL, json=listing, headers={
+                **accept, "Authorization": f"Bearer {TENANT_A}", "Mcp-Session-Id": mcp_id})
+            check(alive.status_code == 200 and "run_python" in alive.text,
+                  f"tenant B ended A's MCP session: {alive.status_code} {alive.text[:200]}")
+            unknown = await http.post(URL, json=listing, headers={
+                **accept, "Authorization": f"Bearer {TENANT_A}",
+                "Mcp-Session-Id": "11111111-1111-1111-1111-111111111111"})
+            check(unknown.status_code == as_b.status_code and unknown.json() == as_b.json(),
+                  f"someone else's session and an unknown one answer differently: {unknown.text}")
+            mine = await http.delete(URL, headers={
+                "Authorization": f"Bearer {TENANT_A}", "Mcp-Session-Id": mcp_id})
+            check(mine.status_code == 204, f"A could not end its own MCP session: {mine.status_code}")
+        print("ok: an MCP session is its opener's alone")
 
     print("all checks passed")
 

@@ -122,7 +122,10 @@ def test_files_go_up_and_come_down(session, tmp_path):
     assert session.download("blob.bin") == local.read_bytes()
     paths = {f.path for f in session.files()}
     assert {"data", "out.csv", "blob.bin"} <= paths, paths
+    assert "data/in.csv" not in paths and not any(p.startswith(".") for p in paths), paths
     assert [f.path for f in session.files("data")] == ["data/in.csv"]
+    everything = {f.path for f in session.files(recursive=True, hidden=True)}
+    assert "data/in.csv" in everything and any(p.startswith(".") for p in everything)
 
 
 def test_interrupt_stops_a_running_cell(session):

@@ -391,7 +391,8 @@ export async function* sseEvents(body: ReadableStream<Uint8Array>): AsyncGenerat
       }
     }
   } finally {
-    reader.releaseLock();
+    // Left early (a callback threw, the caller aborted, or `done` came): stop the stream.
+    await reader.cancel().catch(() => {});
   }
 }
 

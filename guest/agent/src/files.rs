@@ -72,8 +72,13 @@ fn run(
             })
     };
     match op {
-        FileOp::List { dir } => {
-            for entry in workspace.list(dir.trim_matches('/'))? {
+        FileOp::List {
+            dir,
+            recursive,
+            hidden,
+        } => {
+            let listing = cellgate_agent::workspace::Listing { recursive, hidden };
+            for entry in workspace.list(dir.trim_matches('/'), listing)? {
                 send(stream, &FileReply::Entry(entry.to_wire()))?;
             }
             send(stream, &FileReply::End)

@@ -171,8 +171,16 @@ pub enum Open {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "file_op", rename_all = "snake_case")]
 pub enum FileOp {
-    /// Everything below `dir`: [`FileReply::Entry`] lines, then [`FileReply::End`].
-    List { dir: String },
+    /// The entries of `dir` (everything below it with `recursive`; dot names with
+    /// `hidden`): [`FileReply::Entry`] lines, then [`FileReply::End`]. Both default to true,
+    /// what a host that does not send them meant.
+    List {
+        dir: String,
+        #[serde(default = "yes")]
+        recursive: bool,
+        #[serde(default = "yes")]
+        hidden: bool,
+    },
     /// [`FileReply::Size`], then exactly that many bytes.
     Read { path: String },
     /// The bytes follow in frames (a 4-byte big-endian length, then that many bytes, at
@@ -471,6 +479,11 @@ pub fn yamux_config() -> tokio_yamux::Config {
         max_stream_window_size: tokio_yamux::config::INITIAL_STREAM_WINDOW,
         ..tokio_yamux::Config::default()
     }
+}
+
+/// A field's default of true (serde takes a function).
+fn yes() -> bool {
+    true
 }
 
 #[cfg(test)]

@@ -139,6 +139,23 @@ pub struct FileEntry {
     pub mtime_ns: i64,
 }
 
+/// What a listing covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Listing {
+    /// Everything below the directory, not only its own entries.
+    pub recursive: bool,
+    /// Names starting with a dot too (caches and settings the kernel's libraries keep).
+    pub hidden: bool,
+}
+
+impl Listing {
+    /// Every entry below the directory.
+    pub const ALL: Listing = Listing {
+        recursive: true,
+        hidden: true,
+    };
+}
+
 /// An open workspace.
 pub struct Workspace {
     dir: OwnedFd,
@@ -273,9 +290,11 @@ impl Workspace {
         })
     }
 
-    /// Files and directories below `dir` ("" for the whole workspace), depth first, at most
-    /// [`MAX_LIST_ENTRIES`]. Links are listed as `symlink`, never followed.
-    pub fn list(&self, dir: &str) -> Result<Vec<FileEntry>, WorkspaceError> {
+    /// Files and directories in `dir` ("" for the whole workspace): its own entries, or
+    /// everything below it depth first (`listing`), at most [`MAX_LIST_ENTRIES`]. Links are
+    /// listed as `symlink`, never followed. Names starting with a dot are skipped, their
+    /// trees unwalked, unless `listing.hidden`.
+    pub fn list(&self, dir: &str, listing: Listing) -> Result<Vec<FileEntry>, WorkspaceError> {
         let parts = if dir.is_empty() {
             Vec::new()
         } else {
@@ -284,7 +303,7 @@ impl Workspace {
         let start = self.open_dir(&parts, false, dir)?;
         let prefix = parts.join("/");
         let mut out = Vec::new();
-        self.walk(&start, &prefix, 0, &mut out)?;
+        self.walk(&start, &prefix, 0, listing, &mut out)?;
         Ok(out)
     }
 
@@ -293,6 +312,7 @@ impl Workspace {
         dir: &OwnedFd,
         prefix: &str,
         depth: usize,
+        listing: Listing,
         out: &mut Vec<FileEntry>,
     ) -> Result<(), WorkspaceError> {
         if depth > MAX_DEPTH {
@@ -313,6 +333,9 @@ impl Workspace {
             let entry = entry.map_err(|e| io_error("list", prefix, e))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             if name == "." || name == ".." || name.starts_with(".cellgate-upload-") {
+                continue;
+            }
+            if !listing.hidden && name.starts_with('.') {
                 continue;
             }
             names.push(name);
@@ -345,12 +368,12 @@ impl Workspace {
                 mtime_s: stat.st_mtime,
                 mtime_ns: stat.st_mtime_nsec as i64,
             });
-            if kind == "dir" {
+            if kind == "dir" && listing.recursive {
                 let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
                 if let Ok(sub) =
                     rustix::fs::openat2(dir, name.as_str(), flags, Mode::empty(), resolve())
                 {
-                    self.walk(&sub, &path, depth + 1, out)?;
+                    self.walk(&sub, &path, depth + 1, listing, out)?;
                 }
             }
         }

@@ -33,7 +33,7 @@ fn upload_then_download_and_list() {
     let mut downloaded = Vec::new();
     file.read_to_end(&mut downloaded).unwrap();
     assert_eq!(downloaded, b"a,b\n1,2\n");
-    let list = ws.list("").unwrap();
+    let list = ws.list("", Listing::ALL).unwrap();
     let paths: Vec<_> = list.iter().map(|e| (e.path.as_str(), e.kind)).collect();
     assert_eq!(paths, vec![("data", "dir"), ("data/in.csv", "file")]);
 }
@@ -79,7 +79,7 @@ fn planted_symlinks_are_never_followed() {
     assert_eq!(std::fs::read_to_string(&outside).unwrap(), "host secret");
     assert_eq!(std::fs::read_to_string(base.join("abs")).unwrap(), "mine");
     let kinds: Vec<_> = ws
-        .list("")
+        .list("", Listing::ALL)
         .unwrap()
         .into_iter()
         .map(|e| (e.path, e.kind))

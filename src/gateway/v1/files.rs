@@ -111,18 +111,22 @@ pub async fn list(
 ) -> Result<Json<Vec<ListedFile>>, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
     let session = session_for(&state, &principal, &id)?;
+    let (recursive, hidden) = (query.recursive, query.hidden);
+    let listing = crate::workspace::Listing { recursive, hidden };
     let dir = query.dir.unwrap_or_default().trim_matches('/').to_owned();
     let listed_dir = dir.clone();
     let entries = tokio::task::spawn_blocking(move || {
         let workspace = session.open_workspace()?;
-        workspace.list(&listed_dir)
+        workspace.list(&listed_dir, listing)
     })
     .await
     .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
     Ok(Json(
         entries
             .into_iter()
-            .filter(|entry| listed(&entry.path, &dir, query.recursive, query.hidden))
+            // The workspace walked only what was asked; this also holds for an agent that
+            // predates the options and lists everything.
+            .filter(|entry| listed(&entry.path, &dir, recursive, hidden))
             .map(ListedFile::from_entry)
             .collect(),
     ))

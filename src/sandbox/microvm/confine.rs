@@ -407,7 +407,6 @@ fn confine_child(plan: &ChildPlan) -> io::Result<()> {
     for procs in &plan.cgroup_procs {
         write_file(procs.as_bytes_with_nul(), b"0")?;
     }
-    set_limit(libc::RLIMIT_NOFILE, NOFILE)?;
     set_limit(libc::RLIMIT_FSIZE, plan.fsize)?;
     set_limit(libc::RLIMIT_CORE, 0)?;
     // SAFETY: setting a signal's disposition to ignore.
@@ -440,6 +439,9 @@ fn confine_child(plan: &ChildPlan) -> io::Result<()> {
             plan.root.enter()?;
         }
     }
+    // After the root is built: building it opens a descriptor per bound path, and the
+    // child inherits the gateway's table, whose lowest free number may be above the limit.
+    set_limit(libc::RLIMIT_NOFILE, NOFILE)?;
     // SAFETY: prctl with integer arguments.
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
     // A descriptor the gateway opened without close-on-exec (a library's, or a race

@@ -19,7 +19,7 @@ use tokio::runtime::Handle;
 
 use super::agent::Agent;
 use crate::workspace::{
-    check_path, FileEntry, GuestFiles, GuestUpload, WorkspaceError, MAX_LIST_ENTRIES,
+    check_path, FileEntry, GuestFiles, GuestUpload, Listing, WorkspaceError, MAX_LIST_ENTRIES,
 };
 
 /// How long the guest may take for one step (a line, a chunk) of a file operation.
@@ -78,9 +78,11 @@ fn unexpected(reply: &FileReply) -> WorkspaceError {
 }
 
 impl GuestFiles for AgentFiles {
-    fn list(&self, dir: &str) -> Result<Vec<FileEntry>, WorkspaceError> {
+    fn list(&self, dir: &str, listing: Listing) -> Result<Vec<FileEntry>, WorkspaceError> {
         let mut stream = self.open(FileOp::List {
             dir: dir.to_owned(),
+            recursive: listing.recursive,
+            hidden: listing.hidden,
         })?;
         let mut entries = Vec::new();
         let mut weight = 0;
@@ -389,7 +391,7 @@ mod tests {
                 let mut buffer = [0; 1024];
                 while matches!(reader.read(&mut buffer).await, Ok(n) if n > 0) {}
             });
-            if op == (FileOp::List { dir: "junk".into() }) {
+            if matches!(&op, FileOp::List { dir, .. } if dir == "junk") {
                 let _ = stream.write_all(b"{\"file\": \"size\"}\n").await;
                 return;
             }
@@ -412,7 +414,10 @@ mod tests {
         })
         .await;
         let (listed, junk) = tokio::task::spawn_blocking(move || {
-            (files.list("").unwrap(), files.list("junk").map(|_| ()))
+            (
+                files.list("", Listing::ALL).unwrap(),
+                files.list("junk", Listing::ALL).map(|_| ()),
+            )
         })
         .await
         .unwrap();

@@ -73,6 +73,8 @@ pub enum HostViewError {
     Nul(String),
     #[error("more than {MAX_SOURCES} host paths for one VMM")]
     TooMany,
+    #[error("the VMM's own root needs Linux 5.12 or later (mount_setattr, close_range); this host runs {0}")]
+    OldKernel(String),
 }
 
 /// What every VMM of a backend sees, opened once.
@@ -96,6 +98,14 @@ impl HostView {
     /// `kvm`) and `files` (binaries and images, absolute paths; symlinks are resolved, so
     /// the file itself is shown, at its real path).
     pub(super) fn new(files: &[&Path], kvm: bool) -> Result<HostView, HostViewError> {
+        // Said here, once, in words: in the child a missing system call is only an errno.
+        let release = rustix::system::uname()
+            .release()
+            .to_string_lossy()
+            .into_owned();
+        if !at_least(&release, (5, 12)) {
+            return Err(HostViewError::OldKernel(release));
+        }
         let mut entries = vec![bind(Path::new("/usr"), READ_ONLY)?];
         for name in USR_LINKS {
             let path = Path::new("/").join(name);
@@ -331,6 +341,15 @@ impl RootPlan {
     }
 }
 
+/// Whether a kernel release (`6.1.0-18-amd64`) is at least `(major, minor)`.
+fn at_least(release: &str, (major, minor): (u32, u32)) -> bool {
+    let mut numbers = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|part| part.parse::<u32>().ok());
+    let found = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    found >= (major, minor)
+}
+
 fn bind(path: &Path, attrs: u64) -> Result<Entry, HostViewError> {
     let meta = std::fs::metadata(path).map_err(open_error(path))?;
     Ok(Entry::Bind {
@@ -537,6 +556,15 @@ mod tests {
             c"/proc/self/fd/1234567890"
         );
         assert_eq!(fd_path(17, &mut buffer).unwrap(), c"/proc/self/fd/17");
+    }
+
+    #[test]
+    fn kernel_releases_compare_by_number() {
+        assert!(at_least("6.1.0-18-amd64", (5, 12)));
+        assert!(at_least("5.12.0", (5, 12)));
+        assert!(!at_least("5.10.209", (5, 12)));
+        assert!(at_least("6.18.44-fc-v669", (5, 12)));
+        assert!(!at_least("", (5, 12)));
     }
 
     #[test]

@@ -11,7 +11,7 @@ from urllib.parse import quote
 
 import httpx
 
-from ._client import DEFAULT_TIMEOUT, Content, _auth_headers, file_url, session_body
+from ._client import DEFAULT_TIMEOUT, Content, _auth_headers, file_url, list_params, session_body
 from ._errors import CellgateError, NotFoundError, error_from
 from ._events import Collector, InputRequest, SseDecoder
 from ._models import Artifact, Execution, FileEntry, SessionInfo
@@ -190,9 +190,10 @@ class AsyncSession:
     async def download(self, path: str) -> bytes:
         return (await self.client.request("GET", file_url(self.id, path))).content
 
-    async def files(self, dir: str = "") -> List[FileEntry]:
-        params = {"dir": dir} if dir else None
-        answer = await self.client.request("GET", self._path + "/files", params=params)
+    async def files(self, dir: str = "", *, recursive: bool = False,
+                    hidden: bool = False) -> List[FileEntry]:
+        answer = await self.client.request("GET", self._path + "/files",
+                                           params=list_params(dir, recursive, hidden))
         return [FileEntry.from_json(f) for f in answer.json()]
 
     async def artifacts(self) -> List[Artifact]:
@@ -217,7 +218,12 @@ class AsyncSession:
                 await self.client.aclose()
 
     async def __aenter__(self) -> "AsyncSession":
-        return await self.start()
+        try:
+            return await self.start()
+        except BaseException:
+            if self._own_client:
+                await self.client.aclose()
+            raise
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()

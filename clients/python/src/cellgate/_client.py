@@ -48,6 +48,15 @@ def session_body(policy: Optional[str], kernel_name: Optional[str],
     return body
 
 
+def list_params(dir: str, recursive: bool, hidden: bool) -> Dict[str, str]:
+    params = {"dir": dir} if dir else {}
+    if recursive:
+        params["recursive"] = "true"
+    if hidden:
+        params["hidden"] = "true"
+    return params
+
+
 def file_url(session_id: str, path: str) -> str:
     return f"/v1/sessions/{quote(session_id, safe='')}/files/{quote(path.lstrip('/'), safe='/')}"
 
@@ -132,13 +141,17 @@ class Session:
             self._own_client = False
         self.client = client
         self.keep = keep
-        if id is None:
-            answer = client.request("POST", "/v1/sessions",
-                                    json=session_body(policy, kernel_name, env, files))
-            self.info_at_start = SessionInfo.from_json(answer.json())
-        else:
-            self.info_at_start = SessionInfo.from_json(
-                client.request("GET", f"/v1/sessions/{quote(id, safe='')}").json())
+        try:
+            if id is None:
+                answer = client.request("POST", "/v1/sessions",
+                                        json=session_body(policy, kernel_name, env, files))
+            else:
+                answer = client.request("GET", f"/v1/sessions/{quote(id, safe='')}")
+        except BaseException:
+            if self._own_client:
+                client.close()
+            raise
+        self.info_at_start = SessionInfo.from_json(answer.json())
         self.id = self.info_at_start.id
 
     @property
@@ -223,10 +236,12 @@ class Session:
         """A workspace file's bytes."""
         return self.client.request("GET", file_url(self.id, path)).content
 
-    def files(self, dir: str = "") -> List[FileEntry]:
-        """The workspace's files (under ``dir``)."""
-        params = {"dir": dir} if dir else None
-        answer = self.client.request("GET", self._path + "/files", params=params)
+    def files(self, dir: str = "", *, recursive: bool = False,
+              hidden: bool = False) -> List[FileEntry]:
+        """The workspace's files: the entries of ``dir`` (default: the top), everything
+        below it with ``recursive``, names starting with a dot only with ``hidden``."""
+        answer = self.client.request("GET", self._path + "/files",
+                                     params=list_params(dir, recursive, hidden))
         return [FileEntry.from_json(f) for f in answer.json()]
 
     def artifacts(self) -> List[Artifact]:

@@ -63,10 +63,12 @@ def error_from(response: httpx.Response) -> APIError:
     code, message = "error", response.reason_phrase
     try:
         body = response.json()
+    except ValueError:
+        body = None
+        message = response.text or message
+    if isinstance(body, dict):
         code = str(body.get("code") or code)
         message = str(body.get("message") or message)
-    except ValueError:
-        message = response.text or message
     retry = response.headers.get("retry-after")
     retry_after = float(retry) if retry and retry.isdigit() else None
     kind = _BY_STATUS.get(response.status_code, APIError)
