@@ -7,8 +7,13 @@ use tracing_subscriber::EnvFilter;
 pub fn init(json: bool) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,zeromq=error"));
+    // Colours only for a person at a terminal: a file, a pipe or journald gets plain text
+    // (and NO_COLOR is honoured, as https://no-color.org asks).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     let result = if json {
         builder.json().try_init()

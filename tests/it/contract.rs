@@ -318,6 +318,16 @@ async fn errors_are_one_body_with_a_code_and_the_headers_to_act_on() -> Result<(
     ensure!(response.status() == 200, "{}", response.status());
     let response = v1.request(Method::GET, "/v1/artifacts/nope").send().await?;
     error_of(response, 404, "no_such_artifact").await?;
+    // Its log went to a pipe: plain text, no colour codes for a file or a log shipper.
+    let log = gateway.log();
+    ensure!(
+        log.contains(" INFO ") && !log.contains('\u{1b}'),
+        "the log carries escape codes: {:?}",
+        log.lines()
+            .filter(|l| l.contains('\u{1b}'))
+            .take(3)
+            .collect::<Vec<_>>()
+    );
     Ok(())
 }
 
