@@ -24,7 +24,13 @@ use super::state::AppState;
 /// that a method a route does not take is a 405 and a route that does not exist a 404,
 /// whatever the body.
 pub async fn require_json(request: Request, next: Next) -> Response {
-    if let Err(err) = json_body_refusal(request.method(), request.headers()) {
+    let verdict = json_body_refusal(request.method(), request.headers());
+    pass_or_refuse(verdict, request, next).await
+}
+
+/// Runs `request` on, or answers the refusal (logged with what was refused).
+async fn pass_or_refuse(verdict: Result<(), ApiError>, request: Request, next: Next) -> Response {
+    if let Err(err) = verdict {
         tracing::info!(
             method = %request.method(),
             path = %request.uri().path(),
@@ -58,16 +64,8 @@ fn json_body_refusal(method: &Method, headers: &HeaderMap) -> Result<(), ApiErro
 /// The middleware: refuses what the module doc lists (but the JSON body rule, which
 /// [`require_json`] applies), else passes the request on.
 pub async fn check(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Err(err) = refusal(&state, request.method(), request.headers(), request.uri()) {
-        tracing::info!(
-            method = %request.method(),
-            path = %request.uri().path(),
-            reason = %err.message,
-            "request refused at the edge"
-        );
-        return err.into_response();
-    }
-    next.run(request).await
+    let verdict = refusal(&state, request.method(), request.headers(), request.uri());
+    pass_or_refuse(verdict, request, next).await
 }
 
 fn refusal(

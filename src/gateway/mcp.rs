@@ -403,6 +403,18 @@ impl Tools {
         Ok((id, true))
     }
 
+    /// Who calls (from the request's `parts`) and the session the tool works in (see
+    /// [`Self::session`]): the principal, the session's id, and whether it is new.
+    async fn target(
+        &self,
+        parts: &axum::http::request::Parts,
+        requested: Option<String>,
+    ) -> Result<(Principal, String, bool), CallToolResult> {
+        let (principal, caller) = caller_of(parts)?;
+        let (id, new) = self.session(&principal, &caller, requested).await?;
+        Ok((principal, id, new))
+    }
+
     /// A new session for `principal`.
     async fn create(
         &self,
@@ -430,12 +442,8 @@ impl Tools {
         Parameters(request): Parameters<RunPython>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, caller) = match caller_of(&parts) {
-            Ok(found) => found,
-            Err(error) => return error,
-        };
-        let (id, new) = match self.session(&principal, &caller, request.session_id).await {
-            Ok(session) => session,
+        let (principal, id, new) = match self.target(&parts, request.session_id).await {
+            Ok(target) => target,
             Err(error) => return error,
         };
         let mut body = json!({"code": request.code});
@@ -535,12 +543,8 @@ impl Tools {
         Parameters(request): Parameters<ListFiles>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, caller) = match caller_of(&parts) {
-            Ok(found) => found,
-            Err(error) => return error,
-        };
-        let (id, _) = match self.session(&principal, &caller, request.session_id).await {
-            Ok(session) => session,
+        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+            Ok(target) => target,
             Err(error) => return error,
         };
         let mut path = format!("{}/files", session_path(&id));
@@ -580,12 +584,8 @@ impl Tools {
         Parameters(request): Parameters<ReadFile>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, caller) = match caller_of(&parts) {
-            Ok(found) => found,
-            Err(error) => return error,
-        };
-        let (id, _) = match self.session(&principal, &caller, request.session_id).await {
-            Ok(session) => session,
+        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+            Ok(target) => target,
             Err(error) => return error,
         };
         let answer = self
@@ -617,12 +617,8 @@ impl Tools {
         Parameters(request): Parameters<WriteFile>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, caller) = match caller_of(&parts) {
-            Ok(found) => found,
-            Err(error) => return error,
-        };
-        let (id, _) = match self.session(&principal, &caller, request.session_id).await {
-            Ok(session) => session,
+        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+            Ok(target) => target,
             Err(error) => return error,
         };
         let bytes = match request.encoding.as_deref() {
@@ -697,12 +693,8 @@ impl Tools {
         Parameters(request): Parameters<SessionOnly>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, caller) = match caller_of(&parts) {
-            Ok(found) => found,
-            Err(error) => return error,
-        };
-        let (id, _) = match self.session(&principal, &caller, request.session_id).await {
-            Ok(session) => session,
+        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+            Ok(target) => target,
             Err(error) => return error,
         };
         let answer = self
@@ -727,12 +719,8 @@ impl Tools {
         Parameters(request): Parameters<SessionOnly>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, caller) = match caller_of(&parts) {
-            Ok(found) => found,
-            Err(error) => return error,
-        };
-        let (id, _) = match self.session(&principal, &caller, request.session_id).await {
-            Ok(session) => session,
+        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+            Ok(target) => target,
             Err(error) => return error,
         };
         let answer = self
@@ -760,12 +748,8 @@ impl Tools {
         Parameters(request): Parameters<SessionOnly>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, caller) = match caller_of(&parts) {
-            Ok(found) => found,
-            Err(error) => return error,
-        };
-        let (id, _) = match self.session(&principal, &caller, request.session_id).await {
-            Ok(session) => session,
+        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+            Ok(target) => target,
             Err(error) => return error,
         };
         let answer = self

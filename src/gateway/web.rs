@@ -31,6 +31,17 @@ const CSP: &str = "default-src 'self'; script-src 'self' 'unsafe-eval'; \
     base-uri 'self'; form-action 'self'; frame-ancestors 'none'";
 
 fn asset(body: &'static str, content_type: &'static str) -> Response {
+    embedded(body, content_type, CSP)
+}
+
+/// An asset embedded in the binary, with `csp` and the headers every embedded page and
+/// asset gets (no sniffing, no framing, no referrer, revalidated). The API reference page
+/// (`v1/docs.rs`) serves its own under a stricter policy.
+pub(super) fn embedded(
+    body: &'static str,
+    content_type: &'static str,
+    csp: &'static str,
+) -> Response {
     let mut response = body.into_response();
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -40,7 +51,7 @@ fn asset(body: &'static str, content_type: &'static str) -> Response {
     );
     headers.insert(
         header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(CSP),
+        HeaderValue::from_static(csp),
     );
     headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     headers.insert(
@@ -52,7 +63,7 @@ fn asset(body: &'static str, content_type: &'static str) -> Response {
     response
 }
 
-const JS: &str = "text/javascript; charset=utf-8";
+pub(super) const JS: &str = "text/javascript; charset=utf-8";
 
 /// The page itself.
 pub fn page() -> Response {

@@ -52,29 +52,7 @@ fn unfinished_escape(text: &str) -> Option<usize> {
 /// Within one chunk, each line's overwritten frames are dropped: `a\rb\rc` is `\rc` (the
 /// `\r` kept, so a client redraws the line), `50%\r100%\r` is `\r100%`; `\r\n` is a newline.
 fn collapse_chunk(text: &str) -> String {
-    if !text.contains('\r') {
-        return text.to_owned();
-    }
-    let text = text.replace("\r\n", "\n");
-    let mut out = String::with_capacity(text.len());
-    for (i, line) in text.split('\n').enumerate() {
-        if i > 0 {
-            out.push('\n');
-        }
-        if line.contains('\r') {
-            // The last frame with text: `print(x, end="\r")` ends its line with a return
-            // that the next chunk's text (or nothing) follows.
-            out.push('\r');
-            out.push_str(
-                line.rsplit('\r')
-                    .find(|frame| !frame.is_empty())
-                    .unwrap_or(""),
-            );
-        } else {
-            out.push_str(line);
-        }
-    }
-    out
+    last_frames(text, true)
 }
 
 /// A whole stream with each line's last frame only: `10%\r20%\r30%` is `30%`. The last
@@ -82,6 +60,13 @@ fn collapse_chunk(text: &str) -> String {
 /// terminal: progress bars redraw their whole line, and what a shorter last frame did not
 /// cover is stale text a reader should not see.
 pub fn collapse_overwrites(text: &str) -> String {
+    last_frames(text, false)
+}
+
+/// Each line's last frame with text (`print(x, end="\r")` ends its line with a return
+/// that the next text, or nothing, follows), after a `\r` where the line had one and
+/// `mark` asks for it.
+fn last_frames(text: &str, mark: bool) -> String {
     if !text.contains('\r') {
         return text.to_owned();
     }
@@ -91,8 +76,14 @@ pub fn collapse_overwrites(text: &str) -> String {
         if i > 0 {
             out.push('\n');
         }
-        let last = line.rsplit('\r').find(|frame| !frame.is_empty());
-        out.push_str(last.unwrap_or(""));
+        if mark && line.contains('\r') {
+            out.push('\r');
+        }
+        out.push_str(
+            line.rsplit('\r')
+                .find(|frame| !frame.is_empty())
+                .unwrap_or(""),
+        );
     }
     out
 }

@@ -5,8 +5,7 @@
 //! says so. Swagger UI's call to an online validator is switched off. Like the document, the
 //! page needs no credential; "Authorize" takes the token for "try it out".
 
-use axum::http::{header, HeaderValue};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
 
@@ -51,27 +50,8 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self' 'unsa
     form-action 'none'; frame-ancestors 'none'";
 
 fn asset(body: &'static str, content_type: &'static str) -> Response {
-    let mut response = body.into_response();
-    let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-    headers.insert(
-        header::X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
-    );
-    headers.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(CSP),
-    );
-    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-    headers.insert(
-        header::REFERRER_POLICY,
-        HeaderValue::from_static("no-referrer"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    crate::gateway::web::embedded(body, content_type, CSP)
 }
-
-const JS: &str = "text/javascript; charset=utf-8";
 
 /// The page and its assets (outside the authentication layer).
 pub fn routes() -> Router<AppState> {
@@ -82,11 +62,14 @@ pub fn routes() -> Router<AppState> {
         )
         .route(
             "/v1/docs/swagger-ui-bundle.js",
-            get(|| async { asset(BUNDLE, JS) }),
+            get(|| async { asset(BUNDLE, crate::gateway::web::JS) }),
         )
         .route(
             "/v1/docs/swagger-ui.css",
             get(|| async { asset(STYLE, "text/css; charset=utf-8") }),
         )
-        .route("/v1/docs/init.js", get(|| async { asset(INIT, JS) }))
+        .route(
+            "/v1/docs/init.js",
+            get(|| async { asset(INIT, crate::gateway::web::JS) }),
+        )
 }
