@@ -15,88 +15,97 @@ use crate::tenants::TenantSettings;
 /// Options of `cellgate serve`. Every option can also be set in the config file.
 #[derive(Debug, Clone, Default, Args)]
 pub struct ServeArgs {
-    /// Address to listen on [env: CELLGATE_IP, KG_IP] [default: 127.0.0.1].
-    #[arg(long)]
+    /// Address to listen on (also KG_IP) [default: 127.0.0.1].
+    #[arg(long, env = "CELLGATE_IP")]
     pub ip: Option<IpAddr>,
-    /// Port to listen on; 0 picks a free one [env: CELLGATE_PORT, KG_PORT] [default: 8888].
-    #[arg(long)]
+    /// Port to listen on; 0 picks a free one (also KG_PORT) [default: 8888].
+    #[arg(long, env = "CELLGATE_PORT")]
     pub port: Option<u16>,
-    /// Token clients must present (`Authorization: token T`, `Bearer T` or `?token=T`)
-    /// [env: CELLGATE_AUTH_TOKEN, KG_AUTH_TOKEN]. Without one, only loopback addresses are allowed.
-    #[arg(long, hide_env_values = true)]
+    /// Token clients must present (`Authorization: token T`, `Bearer T` or `?token=T`; also
+    /// KG_AUTH_TOKEN). Without one, only loopback addresses are allowed.
+    #[arg(long, env = "CELLGATE_AUTH_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// TOML config file; command-line options and environment variables override it.
     #[arg(long, env = "CELLGATE_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Directory of kernelspecs [env: CELLGATE_KERNELS_DIR] [default: ./kernels].
-    #[arg(long)]
+    /// Directory of kernelspecs [default: ./kernels].
+    #[arg(long, env = "CELLGATE_KERNELS_DIR")]
     pub kernels_dir: Option<PathBuf>,
-    /// Directory of policy files [env: CELLGATE_POLICIES_DIR] [default: ./policies].
-    #[arg(long)]
+    /// Directory of policy files [default: ./policies].
+    #[arg(long, env = "CELLGATE_POLICIES_DIR")]
     pub policies_dir: Option<PathBuf>,
-    /// Kernelspec used when a request names none [env: KG_DEFAULT_KERNEL_NAME] [default: python3].
-    #[arg(long)]
+    /// Kernelspec used when a request names none (also KG_DEFAULT_KERNEL_NAME)
+    /// [default: python3].
+    #[arg(long, env = "CELLGATE_DEFAULT_KERNEL_NAME")]
     pub default_kernel_name: Option<String>,
     /// Run every kernel in this sandbox backend, whatever its policy names: namespaces,
     /// gvisor, or process (no isolation, development only) [default: each policy's backend].
     #[arg(long, env = "CELLGATE_SANDBOX")]
     pub sandbox: Option<Backend>,
-    /// Maximum number of kernels at once [env: KG_MAX_KERNELS] [default: unlimited].
-    #[arg(long)]
+    /// Maximum number of kernels at once (also KG_MAX_KERNELS) [default: unlimited].
+    #[arg(long, env = "CELLGATE_MAX_KERNELS")]
     pub max_kernels: Option<usize>,
     /// Cull kernels idle for this many seconds; 0 disables culling [default: 0].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_CULL_IDLE_TIMEOUT")]
     pub cull_idle_timeout: Option<u64>,
     /// Seconds between culling passes (gateway and policy idle timeouts), as Jupyter's
     /// `cull_interval` [default: 300].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_CULL_INTERVAL")]
     pub cull_interval: Option<u64>,
     /// Also cull idle kernels that have open connections [default: false].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_CULL_CONNECTED")]
     pub cull_connected: Option<bool>,
     /// Ready kernels kept for the default kernelspec and policy, handed out on start; 0
     /// disables the pool [default: 1].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_POOL_SIZE")]
     pub pool_size: Option<usize>,
     /// Seconds a kernel may take to become ready [default: 60].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_START_TIMEOUT")]
     pub start_timeout: Option<u64>,
     /// An origin (`https://app.example:8443`) whose pages may call the gateway: answered
     /// with CORS headers and let through the WebSocket and no-token origin checks. Repeatable
-    /// or comma separated; `*` allows every origin and needs a token or JWT keys
-    /// [env: KG_ALLOW_ORIGIN].
-    #[arg(long, value_delimiter = ',')]
+    /// or comma separated; `*` allows every origin and needs a token or JWT keys (also
+    /// KG_ALLOW_ORIGIN).
+    #[arg(long, env = "CELLGATE_ALLOW_ORIGIN", value_delimiter = ',')]
     pub allow_origin: Vec<String>,
     /// Environment variable names clients may pass to kernels besides KERNEL_*, comma
-    /// separated [env: KG_ENV_WHITELIST].
-    #[arg(long, value_delimiter = ',')]
+    /// separated (also KG_ENV_WHITELIST).
+    #[arg(long, env = "CELLGATE_ENV_ALLOWLIST", value_delimiter = ',')]
     pub env_allowlist: Option<Vec<String>>,
     /// Largest WebSocket message accepted from a client, in MiB [default: 64].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_MAX_MESSAGE_MIB")]
     pub max_message_mib: Option<usize>,
     /// Directory for kernels' private runtime directories [default: a fresh one under $TMPDIR].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_RUNTIME_DIR")]
     pub runtime_dir: Option<PathBuf>,
-    /// Path prefix of every route [env: KG_BASE_URL] [default: /].
-    #[arg(long)]
+    /// Path prefix of every route (also KG_BASE_URL) [default: /].
+    #[arg(long, env = "CELLGATE_BASE_URL")]
     pub base_url: Option<String>,
+    /// Also serve /metrics, /healthz and /readyz, without authentication, on this address
+    /// (e.g. 127.0.0.1:9464, an address only the scraper reaches) [default: none: /metrics
+    /// is served on the main listener, to the gateway's token only].
+    #[arg(long, env = "CELLGATE_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     // --- egress proxy and package index (src/egress, src/packages) ---
     /// Upstream simple index (PEP 691 JSON) the package index serves from
-    /// [env: CELLGATE_PACKAGE_INDEX] [default: https://pypi.org/simple].
+    /// [default: https://pypi.org/simple].
     // This text is `--help` too, where markup around the URL would be printed as is.
     #[allow(rustdoc::bare_urls)]
     #[arg(long, env = "CELLGATE_PACKAGE_INDEX")]
     pub package_index: Option<String>,
-    /// Serve packages from this directory of wheels and sdists instead (offline mode)
-    /// [env: CELLGATE_WHEELHOUSE].
+    /// Serve packages from this directory of wheels and sdists instead (offline mode).
     #[arg(long, env = "CELLGATE_WHEELHOUSE")]
     pub wheelhouse: Option<PathBuf>,
     /// Shared cache of downloaded package files [default: ~/.cache/cellgate/packages].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_PACKAGE_CACHE_DIR")]
     pub package_cache_dir: Option<PathBuf>,
+    /// Proxy connections (egress and package index) one kernel may hold at once
+    /// [default: 32].
+    #[arg(long, env = "CELLGATE_EGRESS_MAX_CONNECTIONS")]
+    pub egress_max_connections: Option<usize>,
     /// Seconds an API v1 session's artifacts stay fetchable after the session ended
     /// [default: 3600].
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_ARTIFACT_RETENTION")]
     pub artifact_retention: Option<u64>,
     // --- client connections (src/gateway/listener.rs) ---
     /// Time a client has to send a request's headers, from their first byte (from the
@@ -124,7 +133,7 @@ pub struct ServeArgs {
     /// Free disk the artifact store keeps under it, such as 2GiB: below it, retained
     /// artifacts of deleted sessions go first, then new ones are refused; 0B for no minimum
     /// [default: 1GiB].
-    #[arg(long, value_parser = crate::policy::units::parse_size)]
+    #[arg(long, env = "CELLGATE_ARTIFACT_MIN_FREE_DISK", value_parser = crate::policy::units::parse_size)]
     pub artifact_min_free_disk: Option<u64>,
     #[command(flatten)]
     pub auth: AuthArgs,
@@ -196,34 +205,44 @@ impl MicrovmArgs {
 /// JWT and tenant options of `cellgate serve` (also read by `cellgate token`).
 #[derive(Debug, Clone, Default, Args)]
 pub struct AuthArgs {
-    /// File holding the HS256 secret of tenants' JWTs (at least 32 bytes)
-    /// [env: CELLGATE_JWT_SECRET_FILE].
-    #[arg(long)]
+    /// File holding the HS256 secret of tenants' JWTs (at least 32 bytes).
+    #[arg(long, env = "CELLGATE_JWT_SECRET_FILE")]
     pub jwt_secret_file: Option<PathBuf>,
-    /// PEM file of a public key (RSA, EC or Ed25519) that signs tenants' JWTs; repeatable.
-    #[arg(long = "jwt-public-key")]
+    /// PEM file of a public key (RSA, EC or Ed25519) that signs tenants' JWTs; repeatable
+    /// (comma separated in the variable).
+    #[arg(
+        long = "jwt-public-key",
+        env = "CELLGATE_JWT_PUBLIC_KEYS",
+        value_delimiter = ','
+    )]
     pub jwt_public_keys: Vec<PathBuf>,
-    /// JWKS file of public keys that sign tenants' JWTs [env: CELLGATE_JWKS_FILE].
-    #[arg(long)]
+    /// JWKS file of public keys that sign tenants' JWTs.
+    #[arg(long, env = "CELLGATE_JWKS_FILE")]
     pub jwks_file: Option<PathBuf>,
     /// Issuer (`iss`) tenants' JWTs must name.
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_JWT_ISSUER")]
     pub jwt_issuer: Option<String>,
     /// Audience (`aud`) tenants' JWTs must name.
-    #[arg(long)]
+    #[arg(long, env = "CELLGATE_JWT_AUDIENCE")]
     pub jwt_audience: Option<String>,
-    /// Live kernels (and sessions) per tenant [default: unlimited].
-    #[arg(long)]
+    /// Seconds of clock skew allowed on JWTs' `exp` and `nbf` [default: 30].
+    #[arg(long, env = "CELLGATE_JWT_LEEWAY_S")]
+    pub jwt_leeway_s: Option<u64>,
+    /// Live kernels (and sessions) per tenant (config file: `[tenants] max_kernels`)
+    /// [default: unlimited].
+    #[arg(long, env = "CELLGATE_TENANT_MAX_KERNELS")]
     pub tenant_max_kernels: Option<usize>,
-    /// Sustained requests per second per tenant [default: unlimited].
-    #[arg(long)]
+    /// Sustained requests per second per tenant (config file: `[tenants] rate`)
+    /// [default: unlimited].
+    #[arg(long, env = "CELLGATE_TENANT_RATE")]
     pub tenant_rate: Option<f64>,
-    /// Requests a tenant may make at once before its rate applies [default: the rate].
-    #[arg(long)]
+    /// Requests a tenant may make at once before its rate applies (config file:
+    /// `[tenants] burst`) [default: the rate].
+    #[arg(long, env = "CELLGATE_TENANT_BURST")]
     pub tenant_burst: Option<u32>,
     /// Policies from least to most permissive, comma separated: a tenant capped at P may
-    /// use P and those before it [default: only P].
-    #[arg(long, value_delimiter = ',')]
+    /// use P and those before it (config file: `[tenants] policy_order`) [default: only P].
+    #[arg(long, env = "CELLGATE_POLICY_ORDER", value_delimiter = ',')]
     pub policy_order: Option<Vec<String>>,
 }
 
@@ -265,6 +284,7 @@ struct FileConfig {
     #[serde(default)]
     egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     egress_max_connections: Option<usize>,
+    metrics_listen: Option<std::net::SocketAddr>,
     artifact_retention: Option<u64>,
     guest_dir: Option<PathBuf>,
     microvm_allow_emulation: Option<bool>,
@@ -319,6 +339,8 @@ pub struct GatewayConfig {
     pub egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     /// Proxy connections one kernel may hold at once.
     pub egress_max_connections: usize,
+    /// A second listener for /metrics and the probes, without authentication.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// How long artifacts outlive their API v1 session.
     pub artifact_retention: Duration,
     /// How long a request's head may take to arrive, from its first byte.
@@ -503,7 +525,7 @@ impl GatewayConfig {
                 .or(file.jwks_file),
             issuer: args.auth.jwt_issuer.clone().or(file.jwt_issuer),
             audience: args.auth.jwt_audience.clone().or(file.jwt_audience),
-            leeway: Duration::from_secs(file.jwt_leeway_s.unwrap_or(30)),
+            leeway: Duration::from_secs(args.auth.jwt_leeway_s.or(file.jwt_leeway_s).unwrap_or(30)),
         };
         let mut tenants = file.tenants;
         if let Some(max) = args.auth.tenant_max_kernels {
@@ -696,7 +718,12 @@ impl GatewayConfig {
                 .into_iter()
                 .map(|(k, v)| (k.to_ascii_lowercase(), v))
                 .collect(),
-            egress_max_connections: file.egress_max_connections.unwrap_or(32).max(1),
+            egress_max_connections: args
+                .egress_max_connections
+                .or(file.egress_max_connections)
+                .unwrap_or(32)
+                .max(1),
+            metrics_listen: args.metrics_listen.or(file.metrics_listen),
             header_read_timeout,
             idle_connection_timeout,
             body_read_timeout,
@@ -709,6 +736,120 @@ impl GatewayConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every option of `cellgate serve` can be set three ways: a flag, a `CELLGATE_*`
+    /// variable (shown by `--help`) and a config-file key. A new option without its
+    /// variable, or without a key the file accepts, fails here.
+    #[test]
+    fn every_serve_option_has_a_variable_and_a_file_key() {
+        use clap::Args;
+        // Each option's key in the config file, with a value the file accepts.
+        let top: &[(&str, &str)] = &[
+            ("ip", "ip = \"127.0.0.1\""),
+            ("port", "port = 9999"),
+            ("token", "token = \"t\""),
+            ("kernels_dir", "kernels_dir = \"k\""),
+            ("policies_dir", "policies_dir = \"p\""),
+            ("default_kernel_name", "default_kernel_name = \"python3\""),
+            ("sandbox", "sandbox = \"namespaces\""),
+            ("max_kernels", "max_kernels = 9"),
+            ("cull_idle_timeout", "cull_idle_timeout = 600"),
+            ("cull_interval", "cull_interval = 60"),
+            ("cull_connected", "cull_connected = true"),
+            ("pool_size", "pool_size = 2"),
+            ("start_timeout", "start_timeout = 30"),
+            ("allow_origin", "allow_origin = [\"https://app.example\"]"),
+            ("env_allowlist", "env_allowlist = [\"LANG\"]"),
+            ("max_message_mib", "max_message_mib = 8"),
+            ("runtime_dir", "runtime_dir = \"/run/cellgate\""),
+            ("base_url", "base_url = \"/gw\""),
+            ("metrics_listen", "metrics_listen = \"127.0.0.1:9464\""),
+            (
+                "package_index",
+                "package_index = \"http://127.0.0.1:1/simple\"",
+            ),
+            ("wheelhouse", "wheelhouse = \"w\""),
+            ("package_cache_dir", "package_cache_dir = \"c\""),
+            ("egress_max_connections", "egress_max_connections = 8"),
+            ("artifact_retention", "artifact_retention = 60"),
+            ("header_read_timeout", "header_read_timeout = \"5s\""),
+            (
+                "idle_connection_timeout",
+                "idle_connection_timeout = \"60s\"",
+            ),
+            ("body_read_timeout", "body_read_timeout = \"30s\""),
+            ("max_connections", "max_connections = 100"),
+            ("max_connections_per_peer", "max_connections_per_peer = 10"),
+            (
+                "artifact_min_free_disk",
+                "artifact_min_free_disk = \"1GiB\"",
+            ),
+            ("jwt_secret_file", "jwt_secret_file = \"/etc/cellgate/jwt\""),
+            (
+                "jwt_public_keys",
+                "jwt_public_keys = [\"/etc/cellgate/k.pem\"]",
+            ),
+            ("jwks_file", "jwks_file = \"/etc/cellgate/jwks.json\""),
+            ("jwt_issuer", "jwt_issuer = \"idp\""),
+            ("jwt_audience", "jwt_audience = \"cellgate\""),
+            ("jwt_leeway_s", "jwt_leeway_s = 5"),
+            ("guest_dir", "guest_dir = \"g\""),
+            ("microvm_allow_emulation", "microvm_allow_emulation = false"),
+            ("microvm_snapshots", "microvm_snapshots = true"),
+            ("microvm_snapshot_dir", "microvm_snapshot_dir = \"s\""),
+            ("guest_kernel", "guest_kernel = \"vmlinux\""),
+            ("guest_kernel_pvm", "guest_kernel_pvm = false"),
+        ];
+        // The tenant options live in the file's `[tenants]` table.
+        let tenants: &[(&str, &str)] = &[
+            ("tenant_max_kernels", "max_kernels = 3"),
+            ("tenant_rate", "rate = 2.5"),
+            ("tenant_burst", "burst = 5"),
+            ("policy_order", "policy_order = [\"strict\", \"default\"]"),
+        ];
+        let command = ServeArgs::augment_args(clap::Command::new("serve"));
+        let mut checked = 0;
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "config" {
+                continue;
+            }
+            assert!(
+                arg.get_env().is_some(),
+                "--{} has no environment variable",
+                arg.get_long().unwrap_or(id)
+            );
+            assert!(
+                top.iter().chain(tenants).any(|(key, _)| *key == id),
+                "--{} has no config-file key in this test",
+                arg.get_long().unwrap_or(id)
+            );
+            checked += 1;
+        }
+        assert_eq!(
+            checked,
+            top.len() + tenants.len(),
+            "a key here is no option"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        let mut text: Vec<&str> = top.iter().map(|(_, line)| *line).collect();
+        text.push("[tenants]");
+        text.extend(tenants.iter().map(|(_, line)| *line));
+        std::fs::write(&path, text.join("\n")).unwrap();
+        let config = GatewayConfig::resolve(&ServeArgs {
+            config: Some(path),
+            ..ServeArgs::default()
+        })
+        .unwrap();
+        assert_eq!(
+            config.metrics_listen,
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+        assert_eq!(config.egress_max_connections, 8);
+        assert_eq!(config.jwt.leeway, Duration::from_secs(5));
+        assert_eq!(config.tenants.burst, Some(5));
+    }
 
     #[test]
     fn unknown_keys_are_reported_with_their_line() {

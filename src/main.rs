@@ -19,7 +19,7 @@ use cellgate::sandbox::{Backend, Backends};
 )]
 struct Cli {
     /// Log as JSON lines instead of text.
-    #[arg(long, global = true)]
+    #[arg(long, global = true, env = "CELLGATE_LOG_JSON")]
     log_json: bool,
     #[command(subcommand)]
     command: Command,

@@ -858,6 +858,13 @@ impl ArtifactStore {
         written
     }
 
+    /// How many artifacts the store holds, and their bytes (each counted whole, though
+    /// identical content is stored once).
+    pub fn totals(&self) -> (usize, u64) {
+        let index = self.index.read();
+        (index.records.len(), index.tenant_bytes.values().sum())
+    }
+
     /// A session's artifacts, oldest first.
     pub fn list(&self, session: &str) -> Vec<Arc<Artifact>> {
         let index = self.index.read();

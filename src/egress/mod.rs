@@ -126,6 +126,7 @@ impl Session {
     /// Logs a denial and attaches it to the running execution (if any).
     pub fn deny(&self, kind: DenialKind, target: &str, reason: String) {
         tracing::warn!(kernel_id = %self.kernel_id, msg_id = ?self.msg_id(), policy = %self.policy.name, kind = kind.as_str(), target, %reason, "egress denied");
+        crate::telemetry::metrics::metrics().denial(&self.policy.name, kind.as_str());
         self.sink.record_denial(Denial {
             kind,
             target: target.to_owned(),

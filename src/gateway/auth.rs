@@ -210,6 +210,7 @@ pub async fn require_token(
         .into_response(),
     };
     if let Principal::Tenant { tenant, .. } = &principal {
+        super::access_log::record_tenant(tenant);
         if let Err(err) = state.tenants.check_rate(tenant) {
             return rate_limited(tenant, err);
         }
@@ -224,6 +225,7 @@ fn rate_limited(tenant: &str, err: TenantError) -> Response {
         _ => 1.0,
     };
     tracing::debug!(tenant, "tenant over its request rate");
+    crate::telemetry::metrics::metrics().rate_limited(tenant);
     ApiError::new(StatusCode::TOO_MANY_REQUESTS, err.to_string())
         .retry_after(retry_after as u64)
         .into_response()

@@ -196,6 +196,7 @@ async fn serve_socket(
     session: String,
     framing: Framing,
 ) {
+    let _open = crate::telemetry::metrics::metrics().websocket_opened();
     let (mut sink, mut stream) = socket.split();
     if let Err(err) = kernel.wait_ready().await {
         let reason = format!("kernel unavailable: {err}");

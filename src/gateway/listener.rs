@@ -220,6 +220,8 @@ enum Refusal {
 struct Slot {
     slots: Arc<Slots>,
     peer: IpAddr,
+    /// Counted in `cellgate_connections_open` while it lives.
+    _open: crate::telemetry::metrics::OpenGuard,
 }
 
 impl Slots {
@@ -238,6 +240,7 @@ impl Slots {
         Ok(Slot {
             slots: self.clone(),
             peer,
+            _open: crate::telemetry::metrics::metrics().connection_opened(),
         })
     }
 }

@@ -5,6 +5,7 @@
 //! (`edge.rs`: JSON bodies, and loopback Host and Origin without a token), token auth, then
 //! the routes. Unknown routes answer 404 `{"reason":"Not Found","message":""}`.
 
+mod access_log;
 mod api_error;
 mod auth;
 mod edge;
@@ -13,6 +14,7 @@ mod kernels;
 pub mod listener;
 mod mcp;
 mod notebooks;
+mod operations;
 mod state;
 pub mod v1;
 mod web;
@@ -59,6 +61,8 @@ pub fn router(state: AppState) -> Router {
             json_only(post(kernels::restart_kernel)),
         )
         .route("/api/kernels/{id}/channels", get(kernel_ws::channels))
+        // Prometheus, for the admin (a tenant's JWT gets 403).
+        .merge(operations::metrics_route())
         // API v1 (chat apps and agents), behind the same auth layer.
         .merge(v1::routes())
         // API v1 as MCP tools (agent hosts), behind the same auth layer.
@@ -80,8 +84,7 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             auth::require_token,
         ));
-    let health = Router::new()
-        .route("/healthz", get(|| async { "ok" }))
+    let health = operations::probe_routes()
         .merge(v1::public_routes())
         .merge(web::routes(&state.config.base_url));
     let routes = api.merge(health).with_state(state.clone());
@@ -97,10 +100,12 @@ pub fn router(state: AppState) -> Router {
     // Inside CORS, which answers preflights first; outside auth and the base URL, so every
     // route, the page included, is checked.
     let routes = routes.layer(middleware::from_fn_with_state(state.clone(), edge::check));
-    match cors_layer(&state.config) {
+    let routes = match cors_layer(&state.config) {
         Some(cors) => routes.layer(cors),
         None => routes,
-    }
+    };
+    // Outermost: every answer is logged and counted, refusals of the layers above included.
+    routes.layer(middleware::from_fn(access_log::access_log))
 }
 
 /// `route` with the JSON body rule ([`edge::require_json`]) on the methods it takes: every
@@ -196,7 +201,34 @@ pub async fn serve(
         max_connections_per_peer = limits.max_per_peer,
         "client connection limits"
     );
-    let state = AppState::new(config, kernels, sessions).map_err(std::io::Error::other)?;
+    let state = AppState::new(config.clone(), kernels, sessions).map_err(std::io::Error::other)?;
+    // The metrics listener stops with the main one.
+    let (stopping, stop) = tokio::sync::watch::channel(false);
+    if let Some(address) = config.metrics_listen {
+        let metrics_listener = tokio::net::TcpListener::bind(address)
+            .await
+            .map_err(|err| {
+                std::io::Error::new(
+                    err.kind(),
+                    format!("cannot listen on {address} (--metrics-listen): {err}"),
+                )
+            })?;
+        let local = metrics_listener.local_addr()?;
+        tracing::info!(url = %format!("http://{local}/metrics"), "serving metrics and probes");
+        // Tools that start us (tests) read the port from this line.
+        println!("cellgate metrics on http://{local}/metrics");
+        let app = operations::metrics_listener_router(state.clone())
+            .layer(middleware::from_fn(access_log::access_log));
+        let mut stop = stop.clone();
+        tokio::spawn(listener::serve(metrics_listener, app, limits, async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        }));
+    }
+    drop(stop);
+    let shutdown = async move {
+        shutdown.await;
+        stopping.send_replace(true);
+    };
     listener::serve(listener, router(state), limits, shutdown).await;
     Ok(())
 }

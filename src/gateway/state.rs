@@ -18,6 +18,8 @@ pub struct AppState {
     /// Verifies tenants' JWTs; `None` when no JWT key is configured.
     pub jwt: Option<Arc<JwtVerifier>>,
     pub tenants: Arc<Tenants>,
+    /// The sandbox backends' last checks (readiness).
+    pub checks: Arc<super::operations::Checks>,
 }
 
 /// Why the gateway's state could not be built.
@@ -30,12 +32,14 @@ pub enum StateError {
 }
 
 impl AppState {
-    /// Loads the JWT keys and tenant rules named in `config`.
+    /// Loads the JWT keys and tenant rules named in `config`; starts checking the sandbox
+    /// backends (in the background).
     pub fn new(
         config: Arc<GatewayConfig>,
         kernels: Arc<KernelManager>,
         sessions: Arc<Sessions>,
     ) -> Result<AppState, StateError> {
+        let checks = super::operations::Checks::spawn(&kernels, config.microvm.clone());
         let jwt = JwtVerifier::from_settings(&config.jwt)?.map(Arc::new);
         let tenants = Arc::new(Tenants::new(config.tenants.clone())?);
         Ok(AppState {
@@ -44,6 +48,7 @@ impl AppState {
             sessions,
             jwt,
             tenants,
+            checks,
         })
     }
 }

@@ -24,6 +24,7 @@ use serde_json::json;
 pub use crate::policy::{Denial, DenialKind};
 use crate::protocol::{Channel, HeaderFields, Message};
 use crate::sandbox::SandboxHandle;
+use crate::telemetry::metrics::{ExecOutcome, ExecutionMetrics};
 
 /// Why a sandbox ended, as its backend knows it. Defined by the sandbox (which must not
 /// depend on kernels) and mapped to an [`Outcome`] here ([`limit_exit`]).
@@ -158,6 +159,8 @@ pub(super) struct Answer {
 /// An execute request sent to the kernel and not answered yet.
 struct Waiting {
     msg_id: String,
+    /// When the request went to the kernel (the execution's duration, for metrics).
+    sent: Instant,
     /// The request's header, to answer it (or add lines to it) in the kernel's stead.
     header: HeaderFields,
     header_bytes: Bytes,
@@ -208,6 +211,8 @@ pub(super) struct Executions {
     /// (`output_truncated`) depends on those outputs, and clients get them first.
     held: Option<(String, Arc<Message>)>,
     pids: Option<PidsProbe>,
+    /// Where executions' ends are counted (the kernel's policy's handles).
+    metrics: Option<ExecutionMetrics>,
 }
 
 impl Executions {
@@ -221,7 +226,13 @@ impl Executions {
             denials: HashMap::new(),
             held: None,
             pids: None,
+            metrics: None,
         }
+    }
+
+    /// Counts executions' ends under the kernel's policy.
+    pub fn set_metrics(&mut self, metrics: ExecutionMetrics) {
+        self.metrics = Some(metrics);
     }
 
     pub fn set_output_limit(&mut self, limit: Option<u64>) {
@@ -240,6 +251,7 @@ impl Executions {
         }
         self.waiting.push_back(Waiting {
             msg_id: request.msg_id().to_owned(),
+            sent: Instant::now(),
             header: request.header.clone(),
             header_bytes: request.header_bytes.clone(),
         });
@@ -479,8 +491,16 @@ impl Executions {
     /// The execute_reply for its requester, with what the gateway knows of its execution: a
     /// timeout, cut-off output, a refused fork, policy denials.
     fn finish(&mut self, parent: &str, message: Arc<Message>) -> Verdict {
-        self.take_waiting(parent);
-        let message = match self.timed_out.remove(parent) {
+        let waiting = self.take_waiting(parent);
+        let timed_out = self.timed_out.remove(parent);
+        if let (Some(metrics), Some(waiting)) = (&self.metrics, &waiting) {
+            let outcome = match timed_out {
+                Some(_) => ExecOutcome::timeout,
+                None => ending(&message, self.denials.get(parent)),
+            };
+            metrics.record(outcome, waiting.sent.elapsed());
+        }
+        let message = match timed_out {
             Some(timed_out) => Arc::new(timeout_reply(&message, &timed_out.evalue)),
             None => message,
         };
@@ -541,9 +561,19 @@ impl Executions {
     fn answer(&mut self, waiting: Waiting, ename: &str, evalue: &str, outcome: Outcome) -> Answer {
         let Waiting {
             msg_id,
+            sent,
             header,
             header_bytes,
         } = waiting;
+        if let Some(metrics) = &self.metrics {
+            let counted = match outcome {
+                Outcome::Timeout => ExecOutcome::timeout,
+                Outcome::Oom => ExecOutcome::oom,
+                Outcome::SandboxLost | Outcome::Pids => ExecOutcome::lost,
+                Outcome::OutputTruncated => ExecOutcome::error,
+            };
+            metrics.record(counted, sent.elapsed());
+        }
         let error = json!({
             "ename": ename,
             "evalue": evalue,
@@ -611,6 +641,34 @@ fn truncation_marker(dropped: &Message, limit: u64) -> Message {
 struct ReplyStatus<'a> {
     #[serde(borrow)]
     status: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// How a reply the kernel sent ends its execution, for the metrics (a timeout is known
+/// before: the gateway enforced it).
+fn ending(message: &Message, denials: Option<&Vec<Denial>>) -> ExecOutcome {
+    #[derive(Deserialize)]
+    struct Reply<'a> {
+        #[serde(borrow)]
+        status: Option<std::borrow::Cow<'a, str>>,
+        #[serde(borrow)]
+        ename: Option<std::borrow::Cow<'a, str>>,
+    }
+    let reply = serde_json::from_slice::<Reply<'_>>(&message.content).ok();
+    let status = reply.as_ref().and_then(|r| r.status.as_deref());
+    let denied = denials.is_some_and(|d| !d.is_empty());
+    // `%pip install` of a refused package fails on stderr without raising: the cell "ends
+    // ok" having installed nothing (as API v1's `denied` status says).
+    let refused_package = denials.is_some_and(|d| d.iter().any(|d| d.kind == DenialKind::Package));
+    match status {
+        Some("ok") if refused_package => ExecOutcome::denied,
+        Some("ok") => ExecOutcome::ok,
+        Some("aborted") => ExecOutcome::aborted,
+        _ if reply.as_ref().and_then(|r| r.ename.as_deref()) == Some("KeyboardInterrupt") => {
+            ExecOutcome::interrupted
+        }
+        _ if denied => ExecOutcome::denied,
+        _ => ExecOutcome::error,
+    }
 }
 
 /// Whether a reply's `status` is anything but `ok`.

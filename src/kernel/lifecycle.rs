@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use super::channels::{spawn_heartbeat, Channels};
 use super::execution::{limit_exit, ExecutionState, Outcome};
@@ -182,7 +183,11 @@ impl Kernel {
         }
         let (readiness, _) = watch::channel(Readiness::Starting);
         let kernel = Arc::new(Kernel {
-            router: Arc::new(Router::new(&id).with_output_limit(options.output_limit)),
+            router: Arc::new(
+                Router::new(&id)
+                    .with_output_limit(options.output_limit)
+                    .with_metrics(crate::telemetry::metrics::metrics().executions_of(&policy)),
+            ),
             session: uuid::Uuid::new_v4().to_string(),
             id,
             spec,
@@ -203,7 +208,11 @@ impl Kernel {
         kernel.spawn_watchdog();
         let launched = kernel.launch_generation().await?;
         let booting = kernel.clone();
-        tokio::spawn(async move { booting.finish_boot(launched).await });
+        // The boot's log lines belong to the request that started the kernel (its
+        // request_id), not to whatever the runtime was doing.
+        tokio::spawn(
+            async move { booting.finish_boot(launched).await }.instrument(tracing::Span::current()),
+        );
         Ok(kernel)
     }
 

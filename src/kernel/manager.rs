@@ -14,6 +14,7 @@ use super::spec::KernelSpecs;
 use super::KernelError;
 use crate::policy::{Policies, Policy};
 use crate::sandbox::{Backends, Limits, SandboxError};
+use crate::telemetry::metrics::StartSource;
 
 /// The environment variable (from the start request) that names a kernel's policy.
 /// GatewayClient forwards every `KERNEL_*` variable of the lab server's environment, so a
@@ -85,6 +86,26 @@ struct Pool {
     ready: std::collections::VecDeque<Arc<Kernel>>,
     /// Kernels being started for the pool.
     filling: usize,
+    /// Whether the pool has held its target since the gateway started.
+    filled_once: bool,
+    /// Why the last pool kernel failed to start, until one starts again.
+    last_error: Option<String>,
+}
+
+/// The warm pool's state, for readiness and metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// Ready kernels the pool keeps (`--pool-size`).
+    pub target: usize,
+    /// Ready kernels in it now.
+    pub ready: usize,
+    /// Kernels being started for it.
+    pub filling: usize,
+    /// Whether it has held its target since the gateway started (a pool that never filled
+    /// says the default policy's kernels cannot start here).
+    pub filled_once: bool,
+    /// Why its last kernel failed to start, until one starts again.
+    pub last_error: Option<String>,
 }
 
 impl KernelManager {
@@ -196,8 +217,13 @@ impl KernelManager {
             });
         }
         let poolable = spec.name == self.specs.default_name() && policy.name == "default";
-        if poolable {
-            if let Some(kernel) = self.take_from_pool() {
+        let asked = std::time::Instant::now();
+        let backend = self.backends.forced().unwrap_or(policy.backend).as_str();
+        let metrics = crate::telemetry::metrics::metrics();
+        if poolable && self.options.pool_size > 0 {
+            let pooled = self.take_from_pool();
+            metrics.pool_lookup(pooled.is_some());
+            if let Some(kernel) = pooled {
                 let extra: BTreeMap<String, String> = client_env
                     .into_iter()
                     .filter(|(k, _)| k != POLICY_ENV)
@@ -213,12 +239,34 @@ impl KernelManager {
                     .write()
                     .insert(kernel.id.clone(), kernel.clone());
                 self.refill_pool();
+                metrics.kernel_started(&policy.name, backend, StartSource::pool, asked.elapsed());
                 tracing::info!(kernel_id = %kernel.id, "kernel handed out from the warm pool");
                 return Ok(kernel);
             }
             self.refill_pool();
         }
-        let kernel = self.launch(spec, &policy, client_env).await?;
+        let kernel = match self.launch(spec, &policy, client_env).await {
+            Ok(kernel) => kernel,
+            Err(err) => {
+                metrics.kernel_start_failed(&policy.name, backend);
+                return Err(err);
+            }
+        };
+        // The client's wait ends when the kernel is ready, which the start request does
+        // not wait for: measured beside it.
+        let watched = kernel.clone();
+        let policy_name = policy.name.clone();
+        tokio::spawn(async move {
+            match watched.wait_ready().await {
+                Ok(()) => metrics.kernel_started(
+                    &policy_name,
+                    backend,
+                    StartSource::cold,
+                    asked.elapsed(),
+                ),
+                Err(_) => metrics.kernel_start_failed(&policy_name, backend),
+            }
+        });
         if let Some(owner) = owner {
             kernel.set_owner(&owner.tenant);
         }
@@ -328,20 +376,37 @@ impl KernelManager {
                 let Some(manager) = manager.upgrade() else {
                     return;
                 };
-                let kernel = match (
+                let began = std::time::Instant::now();
+                let metrics = crate::telemetry::metrics::metrics();
+                let (kernel, labels) = match (
                     manager.specs.get(manager.specs.default_name()),
                     manager.options.policies.get("default"),
                 ) {
                     (Some(spec), Ok(policy)) => {
                         let (spec, policy) = (spec.clone(), policy.clone());
-                        manager.launch(&spec, &policy, BTreeMap::new()).await
+                        let backend = manager.backends.forced().unwrap_or(policy.backend);
+                        (
+                            manager.launch(&spec, &policy, BTreeMap::new()).await,
+                            Some((policy.name, backend.as_str())),
+                        )
                     }
-                    _ => Err(KernelError::NotReady),
+                    _ => (Err(KernelError::NotReady), None),
                 };
                 let ready = match kernel {
                     Ok(kernel) => kernel.wait_ready().await.map(|_| kernel),
                     Err(err) => Err(err),
                 };
+                if let Some((policy, backend)) = &labels {
+                    match &ready {
+                        Ok(_) => metrics.kernel_started(
+                            policy,
+                            backend,
+                            StartSource::refill,
+                            began.elapsed(),
+                        ),
+                        Err(_) => metrics.kernel_start_failed(policy, backend),
+                    }
+                }
                 let mut pool = manager.pool.lock();
                 pool.filling = pool.filling.saturating_sub(1);
                 match ready {
@@ -349,8 +414,13 @@ impl KernelManager {
                         // Logged once it can be handed out ("kernel ready" comes earlier).
                         tracing::info!(kernel_id = %kernel.id, "kernel joined the warm pool");
                         pool.ready.push_back(kernel);
+                        pool.filled_once |= pool.ready.len() >= wanted;
+                        pool.last_error = None;
                     }
-                    Err(err) => tracing::warn!(%err, "could not start a pool kernel"),
+                    Err(err) => {
+                        tracing::warn!(%err, "could not start a pool kernel");
+                        pool.last_error = Some(err.to_string());
+                    }
                 }
             });
         }
@@ -376,6 +446,23 @@ impl KernelManager {
             .unwrap_or("default");
         let policy = self.options.policies.get(name)?;
         Ok(policy)
+    }
+
+    /// The warm pool's state.
+    pub fn pool_status(&self) -> PoolStatus {
+        let pool = self.pool.lock();
+        PoolStatus {
+            target: self.options.pool_size,
+            ready: pool.ready.len(),
+            filling: pool.filling,
+            filled_once: pool.filled_once || self.options.pool_size == 0,
+            last_error: pool.last_error.clone(),
+        }
+    }
+
+    /// The backend a policy's kernels run in here (the operator's `--sandbox`, else its own).
+    pub fn backend_of(&self, policy: &Policy) -> crate::sandbox::Backend {
+        self.backends.forced().unwrap_or(policy.backend)
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Kernel>> {

@@ -34,6 +34,7 @@ use super::execution::{Answer, Denial, ExecutionState, Executions, Outcome, Rele
 use super::history::History;
 use crate::protocol::{Channel, Message};
 use crate::sandbox::SandboxHandle;
+use crate::telemetry::metrics::ExecutionMetrics;
 
 /// Identifies one attached WebSocket.
 pub type ClientId = u64;
@@ -205,6 +206,12 @@ impl Router {
     /// Caps the output of each execution (policy `output_per_execution`).
     pub fn with_output_limit(mut self, limit: Option<u64>) -> Router {
         self.state.get_mut().executions.set_output_limit(limit);
+        self
+    }
+
+    /// Counts executions' ends under the kernel's policy.
+    pub fn with_metrics(mut self, metrics: ExecutionMetrics) -> Router {
+        self.state.get_mut().executions.set_metrics(metrics);
         self
     }
 

@@ -18,6 +18,7 @@ mod mcp;
 mod messaging;
 mod microvm;
 mod notebook;
+mod operations;
 mod pool;
 mod sdk;
 mod tenants;

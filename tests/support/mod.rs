@@ -81,6 +81,7 @@ pub struct Gateway {
     pub token: Option<String>,
     pub http: reqwest::Client,
     log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    stdout: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 pub struct GatewayBuilder {
@@ -150,11 +151,14 @@ impl GatewayBuilder {
             }
         });
         let (tx, rx) = std::sync::mpsc::channel();
+        let printed = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let printed_out = printed.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 if let Some(url) = line.strip_prefix("cellgate listening on ") {
                     let _ = tx.send(url.trim_end_matches('/').to_owned());
                 }
+                printed_out.lock().unwrap().push(line);
             }
         });
         let base = rx
@@ -177,6 +181,7 @@ impl GatewayBuilder {
             token: self.token,
             http: reqwest::Client::new(),
             log,
+            stdout: printed,
         })
     }
 }
@@ -208,6 +213,11 @@ impl Gateway {
 
     pub fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")
+    }
+
+    /// What the gateway printed on stdout so far, one line each.
+    pub fn stdout_lines(&self) -> Vec<String> {
+        self.stdout.lock().unwrap().clone()
     }
 
     pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {

@@ -1,5 +1,9 @@
-//! Logging: `tracing` to stderr, human-readable or JSON lines, filtered by `RUST_LOG`.
-//! Spans and events carry `kernel_id`, `session_id` and `msg_id` fields where they apply.
+//! What the gateway tells its operator: logs (`tracing` to stderr, human-readable or JSON
+//! lines, filtered by `RUST_LOG`; spans and events carry `kernel_id`, `session_id`,
+//! `msg_id` and a request's `request_id` where they apply) and Prometheus metrics
+//! ([`metrics`]).
+
+pub mod metrics;
 
 use tracing_subscriber::EnvFilter;
 

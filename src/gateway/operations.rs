@@ -1,0 +1,284 @@
+//! What an operator's tooling asks the gateway: `/healthz` (liveness), `/readyz` (readiness)
+//! and `/metrics` (Prometheus), on the main listener and, with `--metrics-listen`, on an
+//! address of their own.
+//!
+//! - `/healthz` answers `ok` while the process serves requests: nothing is checked, so a
+//!   busy host never gets a healthy gateway restarted.
+//! - `/readyz` answers 200 only when every backend the policies use passed its last check
+//!   (the checks of `cellgate doctor`, probe sandboxes included, run in the background every
+//!   [`CHECK_EVERY`], never on the request) and the warm pool has reached its target with
+//!   its last start succeeding; else 503. Its JSON body says which part is missing either
+//!   way. A pool that dips while it refills after a hand-out stays ready: only a pool that
+//!   never filled, or whose refill fails, is not.
+//! - `/metrics` needs the admin (the gateway's token; a tenant's JWT gets 403, as metrics
+//!   cross tenants) on the main listener, and nothing on the metrics listener, which an
+//!   operator binds to an address only the scraper reaches.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Extension, Json, Router};
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use super::{ApiError, AppState, Principal};
+use crate::kernel::KernelManager;
+use crate::sandbox::{Backend, MicrovmConfig};
+use crate::telemetry::metrics::{KernelGroup, Snapshot};
+
+/// How often the backends are checked again.
+pub const CHECK_EVERY: Duration = Duration::from_secs(60);
+
+/// One backend's last check.
+#[derive(Debug, Clone, Serialize)]
+pub struct BackendCheck {
+    pub ok: bool,
+    /// What failed (the doctor's words), when something did.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
+}
+
+/// The backends' last checks; `None` until the first has run.
+#[derive(Default)]
+pub struct Checks {
+    last: Mutex<Option<BTreeMap<&'static str, BackendCheck>>>,
+}
+
+impl Checks {
+    /// Checks the backends the policies use now, then every [`CHECK_EVERY`], for as long
+    /// as the manager lives.
+    pub fn spawn(kernels: &Arc<KernelManager>, microvm: MicrovmConfig) -> Arc<Checks> {
+        let checks = Arc::new(Checks::default());
+        let (weak_checks, weak_kernels) = (Arc::downgrade(&checks), Arc::downgrade(kernels));
+        tokio::spawn(async move {
+            loop {
+                let Some(kernels) = weak_kernels.upgrade() else {
+                    return;
+                };
+                let mut used: Vec<Backend> = Vec::new();
+                for policy in kernels.policies().iter() {
+                    let backend = kernels.backend_of(policy);
+                    if !used.contains(&backend) {
+                        used.push(backend);
+                    }
+                }
+                drop(kernels);
+                let mut results = BTreeMap::new();
+                for backend in used {
+                    let diagnosis = crate::sandbox::diagnose(backend, true, &microvm).await;
+                    let problems: Vec<String> = diagnosis
+                        .problems
+                        .iter()
+                        .map(|p| p.problem.clone())
+                        .collect();
+                    if !diagnosis.available {
+                        tracing::warn!(backend = backend.as_str(), problems = ?problems, "readiness: backend check failed");
+                    }
+                    results.insert(
+                        backend.as_str(),
+                        BackendCheck {
+                            ok: diagnosis.available,
+                            problems,
+                        },
+                    );
+                }
+                let Some(checks) = weak_checks.upgrade() else {
+                    return;
+                };
+                *checks.last.lock() = Some(results);
+                drop(checks);
+                tokio::time::sleep(CHECK_EVERY).await;
+            }
+        });
+        checks
+    }
+
+    fn last(&self) -> Option<BTreeMap<&'static str, BackendCheck>> {
+        self.last.lock().clone()
+    }
+}
+
+/// `/readyz`'s body.
+#[derive(Debug, Serialize)]
+pub struct ReadyReport {
+    pub ready: bool,
+    /// Why not, in words; empty when ready.
+    pub waiting_for: Vec<String>,
+    pub backends: BTreeMap<&'static str, BackendCheck>,
+    pub pool: PoolReport,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PoolReport {
+    pub target: usize,
+    pub ready: usize,
+    pub starting: usize,
+    pub filled: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// Whether the gateway is ready, and why not.
+pub fn ready_report(state: &AppState) -> ReadyReport {
+    let mut waiting_for = Vec::new();
+    let backends = match state.checks.last() {
+        Some(backends) => backends,
+        None => {
+            waiting_for.push("the first check of the sandbox backends is running".to_owned());
+            BTreeMap::new()
+        }
+    };
+    for (name, check) in &backends {
+        if !check.ok {
+            waiting_for.push(format!(
+                "sandbox backend {name} cannot launch kernels: {}",
+                check.problems.join("; ")
+            ));
+        }
+    }
+    let pool = state.kernels.pool_status();
+    if !pool.filled_once {
+        waiting_for.push(format!(
+            "the warm pool has not reached its target of {} kernels yet",
+            pool.target
+        ));
+    }
+    if let Some(err) = &pool.last_error {
+        waiting_for.push(format!(
+            "the warm pool's last kernel failed to start: {err}"
+        ));
+    }
+    ReadyReport {
+        ready: waiting_for.is_empty(),
+        waiting_for,
+        backends,
+        pool: PoolReport {
+            target: pool.target,
+            ready: pool.ready,
+            starting: pool.filling,
+            filled: pool.filled_once,
+            last_error: pool.last_error,
+        },
+    }
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    let report = ready_report(&state);
+    let status = if report.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, [(header::CACHE_CONTROL, "no-store")], Json(report)).into_response()
+}
+
+/// The gateway's state for the metrics.
+fn snapshot(state: &AppState) -> Snapshot {
+    let kernels = &state.kernels;
+    let mut snapshot = Snapshot::default();
+    // Every policy's states exist from the start, at zero: a dashboard's series do not
+    // appear and vanish with the first and last kernel.
+    for policy in kernels.policies().iter() {
+        for s in ["starting", "idle", "busy", "restarting", "dead"] {
+            snapshot.kernels.insert(
+                KernelGroup {
+                    state: s,
+                    policy: policy.name.clone(),
+                    backend: kernels.backend_of(policy).as_str(),
+                },
+                0,
+            );
+        }
+    }
+    for kernel in kernels.list() {
+        *snapshot
+            .kernels
+            .entry(KernelGroup {
+                state: kernel.execution_state().as_str(),
+                policy: kernel.policy.clone(),
+                backend: kernel.backend().as_str(),
+            })
+            .or_default() += 1;
+        if let Some(tenant) = kernel.owner() {
+            *snapshot
+                .tenant_kernels
+                .entry(tenant.to_owned())
+                .or_default() += 1;
+        }
+    }
+    let pool = kernels.pool_status();
+    snapshot.pool_ready = pool.ready as i64;
+    snapshot.pool_target = pool.target as i64;
+    let (count, bytes) = state.sessions.artifacts().totals();
+    snapshot.artifacts = count as i64;
+    snapshot.artifact_bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
+    snapshot.ready = ready_report(state).ready;
+    snapshot
+}
+
+fn render_metrics(state: &AppState) -> Response {
+    match crate::telemetry::metrics::render(&snapshot(state)) {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                crate::telemetry::metrics::CONTENT_TYPE,
+            )],
+            text,
+        )
+            .into_response(),
+        Err(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "cannot encode the metrics",
+        )
+        .into_response(),
+    }
+}
+
+/// `/metrics` on the main listener: the admin only.
+async fn metrics_for_admin(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+) -> Response {
+    if principal != Principal::Admin {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "the metrics cover every tenant: scrape them with the gateway's token, or from --metrics-listen",
+        )
+        .into_response();
+    }
+    render_metrics(&state)
+}
+
+/// `/metrics` on the metrics listener.
+async fn metrics_open(State(state): State<AppState>) -> Response {
+    render_metrics(&state)
+}
+
+/// The probes, open to anyone (on the main listener under `base_url`).
+pub fn probe_routes() -> Router<AppState> {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+}
+
+/// `/metrics` behind the main listener's authentication.
+pub fn metrics_route() -> Router<AppState> {
+    Router::new().route("/metrics", get(metrics_for_admin))
+}
+
+/// The metrics listener's whole surface: probes and metrics, without authentication.
+pub fn metrics_listener_router(state: AppState) -> Router {
+    probe_routes()
+        .route("/metrics", get(metrics_open))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n") })
+        .with_state(state)
+}

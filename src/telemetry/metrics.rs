@@ -1,0 +1,619 @@
+//! The gateway's Prometheus metrics: what happened (counters and histograms, recorded where
+//! it happens) and what is (gauges read from the gateway's state at each scrape).
+//!
+//! Events are recorded into process-wide families ([`metrics()`]), as the logger is
+//! process-wide: kernels, the egress proxy, tenants and the HTTP edge all record without
+//! being handed a registry. Nothing here sits on the per-message path: an execution, a
+//! kernel start, a request or a denial costs an atomic add and, for histograms, one
+//! uncontended mutex. Hot recorders hold pre-resolved handles ([`ExecutionMetrics`]), so
+//! they hash no labels either.
+//!
+//! State (kernels by state, the pool, artifacts, tenants' kernels, readiness) is not kept in
+//! gauges that every change would have to update, and could drift: the gateway reads it at
+//! scrape time into a [`Snapshot`], and [`render`] encodes both in the Prometheus text
+//! format (0.0.4), with the process's own figures (RSS, CPU, descriptors) read from procfs.
+//!
+//! Labels are bounded: policies and backends come from configuration, outcomes and routes
+//! are fixed sets (a route is its template, never a raw path), tenants are the gateway's
+//! own tenants.
+
+use std::collections::BTreeMap;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// The `Content-Type` of [`render`]'s text.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// How a kernel handed to a client was started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)] // The label's values, as Prometheus shows them.
+pub enum StartSource {
+    /// Taken from the warm pool.
+    pool,
+    /// Launched for the request (the client waited for the whole start).
+    cold,
+    /// Launched to refill the pool (no client waited).
+    refill,
+}
+
+/// How an execution ended, as the metrics count it: the kernel's reply status, refined by
+/// what the gateway knows (a timeout it enforced, a limit that ended the sandbox, a policy
+/// denial during the cell).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)] // The label's values, as Prometheus shows them.
+pub enum ExecOutcome {
+    ok,
+    error,
+    /// Interrupted by a client (`KeyboardInterrupt`).
+    interrupted,
+    /// Not run: an earlier cell failed and the kernel aborted the queue.
+    aborted,
+    timeout,
+    oom,
+    /// Failed, or installed nothing, because the policy refused something it tried.
+    denied,
+    /// The sandbox ended under the cell (or before it ran).
+    lost,
+}
+
+impl ExecOutcome {
+    const ALL: [ExecOutcome; 8] = [
+        ExecOutcome::ok,
+        ExecOutcome::error,
+        ExecOutcome::interrupted,
+        ExecOutcome::aborted,
+        ExecOutcome::timeout,
+        ExecOutcome::oom,
+        ExecOutcome::denied,
+        ExecOutcome::lost,
+    ];
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StartLabels {
+    policy: String,
+    backend: &'static str,
+    source: StartSource,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct KernelLabels {
+    policy: String,
+    backend: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ExecLabels {
+    policy: String,
+    outcome: ExecOutcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DenialLabels {
+    policy: String,
+    kind: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TenantLabels {
+    tenant: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HttpLabels {
+    method: &'static str,
+    route: String,
+    status: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RouteLabels {
+    method: &'static str,
+    route: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+    policy: String,
+    backend: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct VersionLabels {
+    version: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Kernel starts: from a pool hand-out (milliseconds) to a cold microVM boot (seconds).
+fn start_histogram() -> Histogram {
+    Histogram::new([
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0,
+    ])
+}
+
+/// Cells: from `1+1` (milliseconds) to long computations (the policies' timeouts).
+fn execution_histogram() -> Histogram {
+    Histogram::new([
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+        600.0, 1800.0,
+    ])
+}
+
+/// Requests, to their response's head (a stream's or a WebSocket's whole life is not a
+/// request's latency).
+fn http_histogram() -> Histogram {
+    Histogram::new([
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    ])
+}
+
+/// The process-wide event metrics.
+pub struct Metrics {
+    kernel_start: HistogramFamily<StartLabels>,
+    kernel_start_failures: Family<KernelLabels, Counter>,
+    pool_hits: Counter,
+    pool_misses: Counter,
+    executions: Family<ExecLabels, Counter>,
+    execution_seconds: HistogramFamily<ExecLabels>,
+    denials: Family<DenialLabels, Counter>,
+    rate_limited: Family<TenantLabels, Counter>,
+    websockets_open: Gauge,
+    connections_open: Gauge,
+    http_requests: Family<HttpLabels, Counter>,
+    http_seconds: HistogramFamily<RouteLabels>,
+}
+
+static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
+    kernel_start: Family::new_with_constructor(start_histogram),
+    kernel_start_failures: Family::default(),
+    pool_hits: Counter::default(),
+    pool_misses: Counter::default(),
+    executions: Family::default(),
+    execution_seconds: Family::new_with_constructor(execution_histogram),
+    denials: Family::default(),
+    rate_limited: Family::default(),
+    websockets_open: Gauge::default(),
+    connections_open: Gauge::default(),
+    http_requests: Family::default(),
+    http_seconds: Family::new_with_constructor(http_histogram),
+});
+
+/// The process's metrics.
+pub fn metrics() -> &'static Metrics {
+    &METRICS
+}
+
+/// An open connection or WebSocket, counted until dropped.
+#[must_use]
+pub struct OpenGuard(&'static Gauge);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// One policy's execution counters and histograms, resolved once per kernel so that an
+/// execution's end is two atomic adds and a histogram observation.
+#[derive(Clone)]
+pub struct ExecutionMetrics {
+    by_outcome: [(Counter, Histogram); ExecOutcome::ALL.len()],
+}
+
+impl std::fmt::Debug for ExecutionMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ExecutionMetrics")
+    }
+}
+
+impl ExecutionMetrics {
+    /// Records one execution's end.
+    pub fn record(&self, outcome: ExecOutcome, elapsed: Duration) {
+        let at = ExecOutcome::ALL
+            .iter()
+            .position(|o| *o == outcome)
+            .unwrap_or(0);
+        let (count, seconds) = &self.by_outcome[at];
+        count.inc();
+        seconds.observe(elapsed.as_secs_f64());
+    }
+}
+
+impl Metrics {
+    /// A kernel became ready for a client (or for the pool).
+    pub fn kernel_started(
+        &self,
+        policy: &str,
+        backend: &'static str,
+        source: StartSource,
+        elapsed: Duration,
+    ) {
+        self.kernel_start
+            .get_or_create(&StartLabels {
+                policy: policy.to_owned(),
+                backend,
+                source,
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// A kernel failed to start, or to become ready.
+    pub fn kernel_start_failed(&self, policy: &str, backend: &'static str) {
+        self.kernel_start_failures
+            .get_or_create(&KernelLabels {
+                policy: policy.to_owned(),
+                backend,
+            })
+            .inc();
+    }
+
+    /// A start the warm pool could serve took a pool kernel (`hit`) or found none.
+    pub fn pool_lookup(&self, hit: bool) {
+        if hit {
+            self.pool_hits.inc();
+        } else {
+            self.pool_misses.inc();
+        }
+    }
+
+    /// The handles a kernel of `policy` records its executions with.
+    pub fn executions_of(&self, policy: &str) -> ExecutionMetrics {
+        ExecutionMetrics {
+            by_outcome: ExecOutcome::ALL.map(|outcome| {
+                let labels = ExecLabels {
+                    policy: policy.to_owned(),
+                    outcome,
+                };
+                (
+                    self.executions.get_or_create_owned(&labels),
+                    self.execution_seconds.get_or_create_owned(&labels),
+                )
+            }),
+        }
+    }
+
+    /// The policy refused a kernel something (`kind`: `egress` or `package`).
+    pub fn denial(&self, policy: &str, kind: &'static str) {
+        self.denials
+            .get_or_create(&DenialLabels {
+                policy: policy.to_owned(),
+                kind,
+            })
+            .inc();
+    }
+
+    /// A tenant's request was refused for its rate.
+    pub fn rate_limited(&self, tenant: &str) {
+        self.rate_limited
+            .get_or_create(&TenantLabels {
+                tenant: tenant.to_owned(),
+            })
+            .inc();
+    }
+
+    /// A kernel WebSocket opened; closed when the guard drops.
+    pub fn websocket_opened(&'static self) -> OpenGuard {
+        self.websockets_open.inc();
+        OpenGuard(&self.websockets_open)
+    }
+
+    /// A client connection was admitted; closed when the guard drops.
+    pub fn connection_opened(&'static self) -> OpenGuard {
+        self.connections_open.inc();
+        OpenGuard(&self.connections_open)
+    }
+
+    /// A request's response head went out. `route` is the route's template.
+    pub fn http_request(&self, method: &'static str, route: &str, status: u16, elapsed: Duration) {
+        self.http_requests
+            .get_or_create(&HttpLabels {
+                method,
+                route: route.to_owned(),
+                status,
+            })
+            .inc();
+        self.http_seconds
+            .get_or_create(&RouteLabels {
+                method,
+                route: route.to_owned(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+}
+
+/// Kernels of one state, policy and backend.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct KernelGroup {
+    pub state: &'static str,
+    pub policy: String,
+    pub backend: &'static str,
+}
+
+/// The gateway's state at a scrape.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub kernels: BTreeMap<KernelGroup, i64>,
+    pub tenant_kernels: BTreeMap<String, i64>,
+    pub pool_ready: i64,
+    pub pool_target: i64,
+    pub artifacts: i64,
+    pub artifact_bytes: i64,
+    pub ready: bool,
+}
+
+/// The metrics and `snapshot` in the Prometheus text format.
+pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
+    let m = metrics();
+    let mut registry = Registry::with_prefix("cellgate");
+    registry.register(
+        "kernel_start_seconds",
+        "Time from a start request (or a pool refill) to a kernel ready for messages",
+        m.kernel_start.clone(),
+    );
+    registry.register(
+        "kernel_start_failures",
+        "Kernels that failed to start or to become ready",
+        m.kernel_start_failures.clone(),
+    );
+    registry.register(
+        "pool_hits",
+        "Starts served from the warm pool",
+        m.pool_hits.clone(),
+    );
+    registry.register(
+        "pool_misses",
+        "Starts the warm pool could have served but found empty",
+        m.pool_misses.clone(),
+    );
+    registry.register(
+        "executions",
+        "Executions ended, by outcome",
+        m.executions.clone(),
+    );
+    registry.register(
+        "execution_seconds",
+        "Time from an execute_request to its reply, by outcome",
+        m.execution_seconds.clone(),
+    );
+    registry.register(
+        "denials",
+        "Requests the policy refused a kernel: egress (network) or package",
+        m.denials.clone(),
+    );
+    registry.register(
+        "rate_limited",
+        "Requests refused for their tenant's rate",
+        m.rate_limited.clone(),
+    );
+    registry.register(
+        "websockets_open",
+        "Kernel channel WebSockets open",
+        m.websockets_open.clone(),
+    );
+    registry.register(
+        "connections_open",
+        "Client connections open (HTTP and WebSocket)",
+        m.connections_open.clone(),
+    );
+    registry.register(
+        "http_requests",
+        "Requests answered, by method, route template and status",
+        m.http_requests.clone(),
+    );
+    registry.register(
+        "http_request_duration_seconds",
+        "Time to a response's head, by method and route template",
+        m.http_seconds.clone(),
+    );
+    let kernels = Family::<StateLabels, Gauge>::default();
+    for (group, count) in &snapshot.kernels {
+        kernels
+            .get_or_create(&StateLabels {
+                state: group.state,
+                policy: group.policy.clone(),
+                backend: group.backend,
+            })
+            .set(*count);
+    }
+    registry.register(
+        "kernels",
+        "Kernels by execution state, policy and backend (pool kernels excluded)",
+        kernels,
+    );
+    let tenants = Family::<TenantLabels, Gauge>::default();
+    for (tenant, count) in &snapshot.tenant_kernels {
+        tenants
+            .get_or_create(&TenantLabels {
+                tenant: tenant.clone(),
+            })
+            .set(*count);
+    }
+    registry.register("tenant_kernels", "Live kernels per tenant", tenants);
+    for (name, help, value) in [
+        (
+            "pool_ready",
+            "Ready kernels waiting in the warm pool",
+            snapshot.pool_ready,
+        ),
+        (
+            "pool_target",
+            "Kernels the warm pool keeps ready",
+            snapshot.pool_target,
+        ),
+        ("artifacts", "Artifacts stored", snapshot.artifacts),
+        (
+            "artifact_bytes",
+            "Bytes of the artifacts stored",
+            snapshot.artifact_bytes,
+        ),
+        (
+            "ready",
+            "1 when /readyz answers 200",
+            i64::from(snapshot.ready),
+        ),
+    ] {
+        registry.register(name, help, ConstGauge::new(value));
+    }
+    let info = Family::<VersionLabels, Gauge>::default();
+    info.get_or_create(&VersionLabels {
+        version: env!("CARGO_PKG_VERSION"),
+    })
+    .set(1);
+    registry.register("build_info", "The gateway's version", info);
+    // Unprefixed, as every Prometheus client library names them.
+    let mut process = Registry::default();
+    register_process(&mut process);
+    let mut out = String::with_capacity(16 << 10);
+    prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)?;
+    prometheus_client::encoding::prometheus_text::encode(&mut out, &process)?;
+    Ok(out)
+}
+
+/// The process figures Prometheus's client libraries export under these names, from procfs.
+/// Written here: prometheus-client has no process collector, and these are five reads.
+fn register_process(registry: &mut Registry) {
+    let process = registry.sub_registry_with_prefix("process");
+    let Some(stat) = ProcessStat::read() else {
+        return;
+    };
+    process.register(
+        "cpu_seconds",
+        "User and system CPU time of the gateway process (kernels not included)",
+        ConstCounter::new(stat.cpu_seconds),
+    );
+    process.register(
+        "resident_memory_bytes",
+        "Resident memory of the gateway process",
+        ConstGauge::new(stat.rss_bytes),
+    );
+    process.register(
+        "virtual_memory_bytes",
+        "Virtual memory of the gateway process",
+        ConstGauge::new(stat.vsize_bytes),
+    );
+    process.register(
+        "threads",
+        "Threads of the gateway process",
+        ConstGauge::new(stat.threads),
+    );
+    if let Some(start) = stat.start_time_seconds {
+        process.register(
+            "start_time_seconds",
+            "Start of the gateway process since the Unix epoch",
+            ConstGauge::new(start),
+        );
+    }
+    if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
+        process.register(
+            "open_fds",
+            "Open file descriptors of the gateway process",
+            ConstGauge::new(fds.count() as i64),
+        );
+    }
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    if let Some(max) = limit.current {
+        process.register(
+            "max_fds",
+            "The gateway's open file limit",
+            ConstGauge::new(i64::try_from(max).unwrap_or(i64::MAX)),
+        );
+    }
+}
+
+struct ProcessStat {
+    cpu_seconds: f64,
+    rss_bytes: i64,
+    vsize_bytes: i64,
+    threads: i64,
+    start_time_seconds: Option<i64>,
+}
+
+impl ProcessStat {
+    fn read() -> Option<ProcessStat> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // The command name is in parentheses and may hold spaces: fields count from its end.
+        let after = &stat[stat.rfind(')')? + 2..];
+        let fields: Vec<&str> = after.split(' ').collect();
+        // proc(5) numbers fields from 1 with the pid; `after` starts at field 3 (state).
+        let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+        let ticks = rustix::param::clock_ticks_per_second() as f64;
+        let page = rustix::param::page_size() as i64;
+        let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("btime "))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        });
+        let started = field(22)? as f64 / ticks;
+        Some(ProcessStat {
+            cpu_seconds: (field(14)? + field(15)?) as f64 / ticks,
+            threads: field(20)? as i64,
+            start_time_seconds: boot.map(|b| (b as f64 + started) as i64),
+            vsize_bytes: field(23)? as i64,
+            rss_bytes: field(24)? as i64 * page,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_format_holds_events_state_and_process() {
+        let m = metrics();
+        m.executions_of("unit-policy")
+            .record(ExecOutcome::timeout, Duration::from_millis(1500));
+        m.kernel_started(
+            "unit-policy",
+            "namespaces",
+            StartSource::pool,
+            Duration::from_millis(3),
+        );
+        m.denial("unit-policy", "package");
+        let mut snapshot = Snapshot {
+            pool_target: 2,
+            ready: true,
+            ..Snapshot::default()
+        };
+        snapshot.kernels.insert(
+            KernelGroup {
+                state: "busy",
+                policy: "unit-policy".into(),
+                backend: "gvisor",
+            },
+            4,
+        );
+        let text = render(&snapshot).unwrap();
+        for line in [
+            "cellgate_executions_total{policy=\"unit-policy\",outcome=\"timeout\"} 1",
+            "cellgate_execution_seconds_bucket{policy=\"unit-policy\",outcome=\"timeout\",le=\"2.5\"} 1",
+            "cellgate_execution_seconds_bucket{policy=\"unit-policy\",outcome=\"timeout\",le=\"1\"} 0",
+            "cellgate_kernel_start_seconds_count{policy=\"unit-policy\",backend=\"namespaces\",source=\"pool\"} 1",
+            "cellgate_denials_total{policy=\"unit-policy\",kind=\"package\"} 1",
+            "cellgate_kernels{state=\"busy\",policy=\"unit-policy\",backend=\"gvisor\"} 4",
+            "cellgate_pool_target 2",
+            "cellgate_ready 1",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+        // The outcomes a kernel resolved are exported at zero before the first of each.
+        assert!(
+            text.contains("cellgate_executions_total{policy=\"unit-policy\",outcome=\"oom\"} 0")
+        );
+        let rss = text
+            .lines()
+            .find_map(|l| l.strip_prefix("process_resident_memory_bytes "))
+            .expect("rss exported");
+        assert!(rss.parse::<i64>().unwrap() > 1 << 20, "{rss}");
+        assert!(text.contains("process_open_fds "));
+    }
+}
