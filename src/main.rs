@@ -69,27 +69,30 @@ struct DoctorArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
-    /// Directory of kernelspecs to check.
-    #[arg(long, env = "CELLGATE_KERNELS_DIR", default_value = "kernels")]
-    kernels_dir: std::path::PathBuf,
-    /// Directory of policy files to check.
-    #[arg(long, env = "CELLGATE_POLICIES_DIR", default_value = "policies")]
-    policies_dir: std::path::PathBuf,
-    /// The backend the gateway would use; the exit code says whether it works.
-    #[arg(long, env = "CELLGATE_SANDBOX", default_value = "namespaces")]
-    sandbox: Backend,
+    /// The gateway's config file: its kernels, policies, backend, microVM and package
+    /// settings are checked (the options below override it, as for `serve`).
+    #[arg(long, env = "CELLGATE_CONFIG")]
+    config: Option<std::path::PathBuf>,
+    /// Directory of kernelspecs to check [default: ./kernels].
+    #[arg(long, env = "CELLGATE_KERNELS_DIR")]
+    kernels_dir: Option<std::path::PathBuf>,
+    /// Directory of policy files to check [default: ./policies].
+    #[arg(long, env = "CELLGATE_POLICIES_DIR")]
+    policies_dir: Option<std::path::PathBuf>,
+    /// The backend the gateway would use; the exit code says whether it works
+    /// [default: namespaces].
+    #[arg(long, env = "CELLGATE_SANDBOX")]
+    sandbox: Option<Backend>,
     /// Only inspect the host; do not start probe sandboxes.
     #[arg(long)]
     no_probe: bool,
     #[command(flatten)]
     microvm: cellgate::config::MicrovmArgs,
-    /// Upstream index the package index would serve from (checked for reachability).
-    #[arg(
-        long,
-        env = "CELLGATE_PACKAGE_INDEX",
-        default_value = "https://pypi.org/simple"
-    )]
-    package_index: String,
+    /// Upstream index the package index would serve from (checked for reachability)
+    /// [default: https://pypi.org/simple].
+    #[allow(rustdoc::bare_urls)]
+    #[arg(long, env = "CELLGATE_PACKAGE_INDEX")]
+    package_index: Option<String>,
     /// A wheelhouse directory instead of the upstream index.
     #[arg(long, env = "CELLGATE_WHEELHOUSE")]
     wheelhouse: Option<std::path::PathBuf>,
@@ -112,6 +115,16 @@ fn main() -> anyhow::Result<()> {
     {
         cellgate::sandbox::sandbox_init_main()
     }
+    // An empty CELLGATE_* or KG_* variable means unset (an env file's `CELLGATE_AUTH_TOKEN=`),
+    // as it always has: clap would parse "" as the option's value. Still one thread here.
+    for (name, value) in std::env::vars_os() {
+        let ours = name
+            .to_str()
+            .is_some_and(|n| n.starts_with("CELLGATE_") || n.starts_with("KG_"));
+        if ours && value.is_empty() {
+            std::env::remove_var(&name);
+        }
+    }
     let cli = Cli::parse();
     if matches!(cli.command, Command::Export(_) | Command::Replay(_))
         && std::env::var_os("RUST_LOG").is_none()
@@ -128,19 +141,9 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => runtime.block_on(serve(args)),
         Command::Token(args) => issue_token(args),
         Command::Doctor(args) => {
-            let report =
-                runtime.block_on(cellgate::doctor::run(&cellgate::doctor::DoctorOptions {
-                    kernels_dir: args.kernels_dir,
-                    policies_dir: args.policies_dir,
-                    default_backend: args.sandbox,
-                    probe: !args.no_probe,
-                    microvm: args.microvm.config(Default::default()),
-                    package_source: Some(match args.wheelhouse {
-                        Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
-                        None => cellgate::egress::packages::Source::Upstream(args.package_index),
-                    }),
-                }));
-            if args.json {
+            let json = args.json;
+            let report = runtime.block_on(cellgate::doctor::run(&doctor_options(args)?));
+            if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", report.to_text());
@@ -155,6 +158,33 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(code)
         }
     }
+}
+
+/// What `cellgate doctor` checks: its options, then the config file `serve` would read,
+/// then the defaults, resolved as `serve` resolves them.
+fn doctor_options(args: DoctorArgs) -> anyhow::Result<cellgate::doctor::DoctorOptions> {
+    let serve_args = ServeArgs {
+        config: args.config,
+        kernels_dir: args.kernels_dir,
+        policies_dir: args.policies_dir,
+        sandbox: args.sandbox,
+        package_index: args.package_index,
+        wheelhouse: args.wheelhouse,
+        microvm: args.microvm,
+        ..Default::default()
+    };
+    let config = GatewayConfig::resolve(&serve_args)?;
+    Ok(cellgate::doctor::DoctorOptions {
+        kernels_dir: config.kernels_dir,
+        policies_dir: config.policies_dir,
+        default_backend: config.sandbox.unwrap_or(Backend::Namespaces),
+        probe: !args.no_probe,
+        microvm: config.microvm,
+        package_source: Some(match config.wheelhouse {
+            Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
+            None => cellgate::egress::packages::Source::Upstream(config.package_index),
+        }),
+    })
 }
 
 /// `cellgate token`: reads the secret (and issuer and audience) exactly as `serve` would.

@@ -124,3 +124,64 @@ fn text_output_is_readable() {
     assert!(text.contains("kernels: NOT AVAILABLE"), "{text}");
     assert!(text.contains("fix: "), "{text}");
 }
+
+/// `--config` reads the same file `serve` does: its directories are the ones checked, and a
+/// flag still overrides it.
+#[test]
+fn the_config_file_names_what_is_checked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(
+        &config,
+        "kernels_dir = \"/nonexistent-kernels\"\npolicies_dir = \"policies\"\n",
+    )
+    .expect("write config");
+    let config = config.to_str().expect("path");
+    let (_, report) = doctor(&["--config", config, "--no-probe"]);
+    let kernels = section(&report, "setup", "kernels");
+    assert_eq!(kernels["available"], false, "{kernels:#}");
+    assert!(
+        kernels.to_string().contains("/nonexistent-kernels"),
+        "{kernels:#}"
+    );
+    let (_, report) = doctor(&["--config", config, "--no-probe", "--kernels-dir", "kernels"]);
+    assert_ne!(
+        section(&report, "setup", "kernels")
+            .to_string()
+            .contains("/nonexistent-kernels"),
+        true
+    );
+    // A config file with an unknown key is refused as `serve` refuses it.
+    std::fs::write(dir.path().join("bad.toml"), "kernel_dir = \"k\"\n").expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_cellgate"))
+        .args(["doctor", "--no-probe", "--config"])
+        .arg(dir.path().join("bad.toml"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cellgate doctor");
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("kernel_dir"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// An empty `CELLGATE_*` variable (an env file's `CELLGATE_KERNELS_DIR=`) counts as unset,
+/// not as an empty value.
+#[test]
+fn empty_variables_count_as_unset() {
+    let output = Command::new(env!("CARGO_BIN_EXE_cellgate"))
+        .args(["doctor", "--json", "--no-probe"])
+        .env("CELLGATE_KERNELS_DIR", "")
+        .env("CELLGATE_SANDBOX", "")
+        .env("CELLGATE_POLICIES_DIR", "")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cellgate doctor");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let report: Value = serde_json::from_slice(&output.stdout).expect("json");
+    assert_eq!(report["default_backend"], "namespaces");
+    assert_eq!(section(&report, "setup", "policies")["available"], true);
+}
