@@ -5,8 +5,9 @@
 //! - `/healthz` answers `ok` while the process serves requests: nothing is checked, so a
 //!   busy host never gets a healthy gateway restarted.
 //! - `/readyz` answers 200 only when every backend the policies use passed its last check
-//!   (the checks of `cellgate doctor`, probe sandboxes included, run in the background every
-//!   [`CHECK_EVERY`], never on the request) and the warm pool has reached its target with
+//!   (the checks of `cellgate doctor`, run in the background every [`CHECK_EVERY`], never on
+//!   the request: with a probe sandbox at start and after a failure, the host's facts
+//!   alone in between, as a microVM probe costs a VM boot) and the warm pool has reached its target with
 //!   its last start succeeding; else 503. Its JSON body says which part is missing either
 //!   way. A pool that dips while it refills after a hand-out stays ready: only a pool that
 //!   never filled, or whose refill fails, is not.
@@ -56,6 +57,8 @@ impl Checks {
         let checks = Arc::new(Checks::default());
         let (weak_checks, weak_kernels) = (Arc::downgrade(&checks), Arc::downgrade(kernels));
         tokio::spawn(async move {
+            let mut failed_before = std::collections::HashSet::new();
+            let mut first = true;
             loop {
                 let Some(kernels) = weak_kernels.upgrade() else {
                     return;
@@ -70,7 +73,13 @@ impl Checks {
                 drop(kernels);
                 let mut results = BTreeMap::new();
                 for backend in used {
-                    let diagnosis = crate::sandbox::diagnose(backend, true, &microvm).await;
+                    let probe = first || failed_before.contains(&backend);
+                    let diagnosis = crate::sandbox::diagnose(backend, probe, &microvm).await;
+                    if diagnosis.available {
+                        failed_before.remove(&backend);
+                    } else {
+                        failed_before.insert(backend);
+                    }
                     let problems: Vec<String> = diagnosis
                         .problems
                         .iter()
@@ -92,6 +101,7 @@ impl Checks {
                 };
                 *checks.last.lock() = Some(results);
                 drop(checks);
+                first = false;
                 tokio::time::sleep(CHECK_EVERY).await;
             }
         });
