@@ -1,64 +1,22 @@
-//! Reading just enough of an artifact to describe it: image dimensions from PNG, JPEG, GIF
-//! and SVG headers, and a one-line summary a language model can use instead of the bytes.
+//! Reading just enough of an artifact to describe it: image dimensions from PNG, JPEG, GIF,
+//! WebP and SVG headers, and a one-line summary a language model can use instead of the
+//! bytes.
 //!
-//! Hand-written rather than an image crate: only headers are read (a few bytes, never a
-//! decode), and a decoder of untrusted images in the gateway's process is attack surface we
-//! do not need.
+//! Raster headers are read by `imagesize` (headers only, never a decode: a decoder of
+//! untrusted images in the gateway's process is attack surface we do not need); SVG's
+//! `width`/`height`/`viewBox` by hand, as no small crate reads them without parsing XML.
 
 /// Width and height in pixels (SVG: user units of `width`/`height` or the `viewBox`).
 pub fn dimensions(mime: &str, content: &[u8]) -> Option<(u32, u32)> {
     match mime {
-        "image/png" => png_size(content),
-        "image/jpeg" => jpeg_size(content),
-        "image/gif" => gif_size(content),
+        // PNG, JPEG, GIF and WebP (lossy VP8, lossless VP8L, extended VP8X).
+        "image/png" | "image/jpeg" | "image/gif" | "image/webp" => {
+            let size = imagesize::blob_size(content).ok()?;
+            Some((size.width.try_into().ok()?, size.height.try_into().ok()?))
+        }
         "image/svg+xml" => svg_size(content),
         _ => None,
     }
-}
-
-fn png_size(b: &[u8]) -> Option<(u32, u32)> {
-    if b.len() < 24 || &b[..8] != b"\x89PNG\r\n\x1a\n" || &b[12..16] != b"IHDR" {
-        return None;
-    }
-    let w = u32::from_be_bytes(b[16..20].try_into().ok()?);
-    let h = u32::from_be_bytes(b[20..24].try_into().ok()?);
-    Some((w, h))
-}
-
-fn gif_size(b: &[u8]) -> Option<(u32, u32)> {
-    if b.len() < 10 || !(b.starts_with(b"GIF87a") || b.starts_with(b"GIF89a")) {
-        return None;
-    }
-    let w = u16::from_le_bytes([b[6], b[7]]);
-    let h = u16::from_le_bytes([b[8], b[9]]);
-    Some((w.into(), h.into()))
-}
-
-fn jpeg_size(b: &[u8]) -> Option<(u32, u32)> {
-    if b.len() < 4 || b[0] != 0xFF || b[1] != 0xD8 {
-        return None;
-    }
-    let mut i = 2;
-    while i + 9 < b.len() {
-        if b[i] != 0xFF {
-            i += 1;
-            continue;
-        }
-        let marker = b[i + 1];
-        // Start-of-frame markers (not DHT C4, JPG C8, DAC CC) carry the size.
-        if (0xC0..=0xCF).contains(&marker) && !matches!(marker, 0xC4 | 0xC8 | 0xCC) {
-            let h = u16::from_be_bytes([b[i + 5], b[i + 6]]);
-            let w = u16::from_be_bytes([b[i + 7], b[i + 8]]);
-            return Some((w.into(), h.into()));
-        }
-        if marker == 0xD8 || marker == 0x01 || (0xD0..=0xD7).contains(&marker) || marker == 0xFF {
-            i += if marker == 0xFF { 1 } else { 2 };
-            continue;
-        }
-        let len = u16::from_be_bytes([b[i + 2], b[i + 3]]) as usize;
-        i += 2 + len;
-    }
-    None
 }
 
 fn svg_size(b: &[u8]) -> Option<(u32, u32)> {
@@ -125,7 +83,7 @@ pub fn summarize(
         "image/png" => format!("PNG image{size}"),
         "image/jpeg" => format!("JPEG image{size}"),
         "image/gif" => format!("GIF image{size}"),
-        "image/webp" => "WebP image".to_owned(),
+        "image/webp" => format!("WebP image{size}"),
         "image/svg+xml" => format!("SVG image{size}"),
         "application/pdf" => "PDF document".to_owned(),
         "text/html" => html_kind(content).to_owned(),

@@ -101,6 +101,39 @@ fn dimensions_from_headers() {
     assert_eq!(dimensions("image/png", b"not a png at all, no"), None);
 }
 
+/// Real WebP files (written by Pillow), one of each kind: the size is read from the VP8
+/// frame header, the VP8L bitstream's packed 14-bit fields, or the VP8X canvas (24-bit,
+/// minus one).
+#[test]
+fn webp_dimensions_of_each_kind() {
+    let hex = |s: &str| hex::decode(s).unwrap();
+    let lossy = hex("524946464a00000057454250565038203e0000005003009d012a250017003ed166ac50a825a422a56801001a096700c6e680002bf7c37000feed072faef16946bffc94ff177de6efbeebacdb777aa6000000");
+    let lossless =
+        hex("5249464620000000574542505650384c140000002f28800400075081540820000a9afec78888fe07");
+    let extended = hex("524946465e00000057454250565038580a000000100000002b0100010000414c50480a000000010750c088084444ff03565038202e000000b003009d012a2c0102003ed168af52a8262422a1a801001a096900000c74e1c3870e1c386e8000fef36200000000");
+    assert_eq!(&lossy[12..16], b"VP8 ");
+    assert_eq!(&lossless[12..16], b"VP8L");
+    assert_eq!(&extended[12..16], b"VP8X");
+    assert_eq!(dimensions("image/webp", &lossy), Some((37, 23)));
+    assert_eq!(dimensions("image/webp", &lossless), Some((41, 19)));
+    assert_eq!(dimensions("image/webp", &extended), Some((300, 2)));
+    assert_eq!(dimensions("image/webp", &lossy[..20]), None, "cut short");
+    assert_eq!(
+        summarize("image/webp", &lossy, None, (Some(37), Some(23)), None),
+        "WebP image 37×23"
+    );
+}
+
+#[test]
+fn png_and_gif_dimensions() {
+    // A 2×3 PNG and a 5×7 GIF header.
+    let png =
+        hex::decode("89504e470d0a1a0a0000000d4948445200000002000000030806000000b9eade81").unwrap();
+    assert_eq!(dimensions("image/png", &png), Some((2, 3)));
+    let gif = b"GIF89a\x05\x00\x07\x00\x80\x00\x00";
+    assert_eq!(dimensions("image/gif", gif), Some((5, 7)));
+}
+
 #[test]
 fn ansi_codes_are_stripped() {
     let tb = "\u{1b}[0;31mZeroDivisionError\u{1b}[0m: division by zero \u{1b}]8;;http://x\u{7}link";

@@ -2,7 +2,7 @@
 //! run: execution counts, memory addresses in reprs (`0x7f…`), timestamps, kernel temp-file
 //! names, uuids and widget model ids, terminal colours, tracebacks (their frames name the cell
 //! by its execution count and the kernel's temp file; the exception type and message are
-//! compared), and image bytes (images are compared by their decoded dimensions: PNG and JPEG
+//! compared), and image bytes (images are compared by their header dimensions: PNG and JPEG
 //! encoders are not byte-stable across library versions).
 
 use std::sync::OnceLock;
@@ -73,60 +73,19 @@ fn joined(value: &Value) -> Option<String> {
     }
 }
 
-/// Width and height of a base64 PNG, JPEG or GIF.
+/// Width and height of a base64 PNG, JPEG, GIF or WebP.
 pub fn image_dimensions(mime: &str, base64_data: &str) -> Option<(u32, u32)> {
+    if !matches!(
+        mime,
+        "image/png" | "image/jpeg" | "image/gif" | "image/webp"
+    ) {
+        return None;
+    }
     let compact: String = base64_data.chars().filter(|c| !c.is_whitespace()).collect();
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(compact.as_bytes())
         .ok()?;
-    match mime {
-        "image/png" => {
-            if bytes.len() < 24 || &bytes[..8] != b"\x89PNG\r\n\x1a\n" || &bytes[12..16] != b"IHDR"
-            {
-                return None;
-            }
-            let w = u32::from_be_bytes(bytes[16..20].try_into().ok()?);
-            let h = u32::from_be_bytes(bytes[20..24].try_into().ok()?);
-            Some((w, h))
-        }
-        "image/gif" => {
-            if bytes.len() < 10 || !bytes.starts_with(b"GIF8") {
-                return None;
-            }
-            let w = u16::from_le_bytes([bytes[6], bytes[7]]) as u32;
-            let h = u16::from_le_bytes([bytes[8], bytes[9]]) as u32;
-            Some((w, h))
-        }
-        "image/jpeg" => jpeg_dimensions(&bytes),
-        _ => None,
-    }
-}
-
-/// Walks JPEG segments to the first start-of-frame marker.
-fn jpeg_dimensions(bytes: &[u8]) -> Option<(u32, u32)> {
-    if bytes.len() < 4 || bytes[0] != 0xFF || bytes[1] != 0xD8 {
-        return None;
-    }
-    let mut at = 2;
-    while at + 9 < bytes.len() {
-        if bytes[at] != 0xFF {
-            return None;
-        }
-        let marker = bytes[at + 1];
-        if marker == 0xFF {
-            at += 1;
-            continue;
-        }
-        let length = u16::from_be_bytes([bytes[at + 2], bytes[at + 3]]) as usize;
-        let is_sof = (0xC0..=0xCF).contains(&marker) && !matches!(marker, 0xC4 | 0xC8 | 0xCC);
-        if is_sof {
-            let h = u16::from_be_bytes([bytes[at + 5], bytes[at + 6]]) as u32;
-            let w = u16::from_be_bytes([bytes[at + 7], bytes[at + 8]]) as u32;
-            return Some((w, h));
-        }
-        at += 2 + length;
-    }
-    None
+    crate::artifacts::dimensions(mime, &bytes)
 }
 
 fn normalize_value(value: &Value) -> Value {

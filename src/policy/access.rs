@@ -133,61 +133,111 @@ pub fn normalize_project(name: &str) -> String {
     out
 }
 
-/// One `allow` entry of `[packages]`: a project and optionally a version pattern
-/// (`==2.32.*`, `==1.0`); other specifiers are refused, so a pin means what it says.
+/// One `allow` entry of `[packages]`: a project and optionally PEP 440 version specifiers
+/// (`==2.32.*`, `>=1.4,!=1.5.0`, `~=2.1`), compared with PEP 440's semantics by
+/// `pep440_rs` (`==2.0` matches `2.0.0`). A file whose version is not PEP 440 matches only
+/// a rule without specifiers (or an `===` naming it exactly): deny by default.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PackageRule {
     /// Normalised name.
     pub project: String,
-    /// The version as written after `==`; a trailing `.*` matches a prefix.
+    /// The specifiers as written (for messages); `None`: any version.
     pub version: Option<String>,
+    /// What `version` says, parsed.
+    specifiers: Vec<Specifier>,
+}
+
+/// One comma-separated clause of a rule's version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Specifier {
+    Pep440(pep440_rs::VersionSpecifier),
+    /// `===text`: the version string exactly (PEP 440's arbitrary equality, which is
+    /// meant for versions that are not PEP 440 and so is not parsed).
+    Exactly(String),
+}
+
+impl Specifier {
+    fn parse(clause: &str) -> Result<Specifier, String> {
+        if let Some(text) = clause.strip_prefix("===") {
+            let text = text.trim();
+            if text.is_empty() || text.contains(char::is_whitespace) {
+                return Err(format!("{clause:?}: expected a version after ==="));
+            }
+            return Ok(Specifier::Exactly(text.to_owned()));
+        }
+        clause
+            .parse::<pep440_rs::VersionSpecifier>()
+            .map(Specifier::Pep440)
+            .map_err(|e| format!("{clause:?} is not a PEP 440 version specifier ({e})"))
+    }
+
+    fn matches(&self, raw: &str, version: Option<&pep440_rs::Version>) -> bool {
+        match self {
+            Specifier::Exactly(text) => text.eq_ignore_ascii_case(raw.trim()),
+            Specifier::Pep440(spec) => version.is_some_and(|v| {
+                // pep440_rs compares only as many release segments as the shorter side has,
+                // so `==2.32.*` would take `2`; PEP 440 pads the candidate with zeros first.
+                use pep440_rs::Operator::{EqualStar, NotEqualStar};
+                let wanted = spec.version().release().len();
+                if matches!(spec.operator(), EqualStar | NotEqualStar) && v.release().len() < wanted
+                {
+                    let mut release = v.release().to_vec();
+                    release.resize(wanted, 0);
+                    spec.contains(&v.clone().with_release(release))
+                } else {
+                    spec.contains(v)
+                }
+            }),
+        }
+    }
 }
 
 impl PackageRule {
     pub fn parse(entry: &str) -> Result<PackageRule, String> {
         let entry = entry.trim();
-        let (name, version) = match entry.split_once("==") {
-            Some((n, v)) => (n.trim(), Some(v.trim().to_owned())),
-            None => (entry, None),
-        };
-        let valid_name = !name.is_empty()
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-        if !valid_name {
+        let name_end = entry
+            .find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+            .unwrap_or(entry.len());
+        let (name, version) = entry.split_at(name_end);
+        let version = version.trim();
+        if name.is_empty() {
             return Err(format!(
-                "{entry:?}: expected a project name, optionally with ==version or ==version.*"
+                "{entry:?}: expected a project name, optionally followed by PEP 440 version specifiers (name>=1.2,!=1.3)"
             ));
         }
-        if let Some(v) = &version {
-            let body = v.strip_suffix(".*").unwrap_or(v);
-            if body.is_empty()
-                || !body
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '+' | '!'))
-            {
-                return Err(format!("{entry:?}: bad version {v:?}"));
-            }
+        let project = normalize_project(name);
+        if version.is_empty() {
+            return Ok(PackageRule {
+                project,
+                version: None,
+                specifiers: vec![],
+            });
         }
+        if !version.starts_with(['=', '!', '<', '>', '~']) {
+            return Err(format!(
+                "{entry:?}: project '{project}': expected PEP 440 version specifiers after the name, not {version:?} (extras and markers are not supported)"
+            ));
+        }
+        let specifiers = version
+            .split(',')
+            .map(|clause| Specifier::parse(clause.trim()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{entry:?}: project '{project}': {e}"))?;
         Ok(PackageRule {
-            project: normalize_project(name),
-            version,
+            project,
+            version: Some(version.to_owned()),
+            specifiers,
         })
     }
 
+    /// Whether a file of this version may be served: every clause holds. Without
+    /// specifiers any version does; with them, a version that is not PEP 440 fails every
+    /// clause but an exact `===`.
     pub fn version_matches(&self, version: &str) -> bool {
-        match &self.version {
-            None => true,
-            Some(pin) => match pin.strip_suffix(".*") {
-                Some(prefix) => {
-                    version == prefix
-                        || version
-                            .strip_prefix(prefix)
-                            .is_some_and(|rest| rest.starts_with('.'))
-                }
-                None => version == pin,
-            },
-        }
+        let parsed = version.parse::<pep440_rs::Version>().ok();
+        self.specifiers
+            .iter()
+            .all(|s| s.matches(version, parsed.as_ref()))
     }
 }
 
@@ -266,9 +316,73 @@ mod tests {
         assert_eq!(r.project, "requests");
         assert!(r.version_matches("2.32.3") && r.version_matches("2.32"));
         assert!(!r.version_matches("2.320.0") && !r.version_matches("2.31.0"));
+        assert!(
+            !r.version_matches("2"),
+            "a wildcard pads the candidate with zeros"
+        );
         let r = PackageRule::parse("x==1.0").unwrap();
         assert!(r.version_matches("1.0") && !r.version_matches("1.0.1"));
-        assert!(PackageRule::parse("x>=1").is_err());
         assert!(PackageRule::parse("x==").is_err());
+        let r = PackageRule::parse("cgtiny").unwrap();
+        assert!(r.version_matches("1.0") && r.version_matches("not a version"));
+    }
+
+    #[test]
+    fn pep440_semantics() {
+        let m = |rule: &str, v: &str| PackageRule::parse(rule).unwrap().version_matches(v);
+        // == compares versions, not strings.
+        assert!(m("x==2.0", "2.0.0") && m("x==2", "2.0") && m("x == 1.0", "1.0"));
+        assert!(!m("x==2.0", "2.0.1"));
+        // A local label is ignored unless the specifier has one.
+        assert!(m("x==1.0", "1.0+cpu") && !m("x==1.0+gpu", "1.0+cpu"));
+        // Ranges, exclusions and their combinations.
+        assert!(m("x>=1.4", "1.4") && m("x>=1.4", "1.10") && !m("x>=1.4", "1.3.9"));
+        assert!(m("x>1.4", "1.4.1") && !m("x>1.4", "1.4") && !m("x>1.4", "1.4.post1"));
+        assert!(m("x<2", "1.9") && !m("x<2", "2.0") && !m("x<2", "2.0rc1"));
+        assert!(m("x<=2", "2.0.0") && !m("x<=2", "2.0.1"));
+        assert!(m("x!=1.5", "1.6") && !m("x!=1.5", "1.5.0"));
+        assert!(m("x!=1.5.*", "1.6") && !m("x!=1.5.*", "1.5.3"));
+        let r = PackageRule::parse("x >=1.4, !=1.5.*, <2").unwrap();
+        assert!(r.version_matches("1.4.2") && r.version_matches("1.6"));
+        assert!(!r.version_matches("1.5.1") && !r.version_matches("2.0"));
+        assert!(!r.version_matches("1.3"));
+        // Compatible release: ~=2.2 is >=2.2,==2.*; ~=1.4.5 is >=1.4.5,==1.4.*.
+        assert!(m("x~=2.2", "2.9") && !m("x~=2.2", "3.0") && !m("x~=2.2", "2.1"));
+        assert!(m("x~=1.4.5", "1.4.9") && !m("x~=1.4.5", "1.5.0"));
+        // Epochs and pre-releases.
+        assert!(m("x>=2", "1!1.0") && !m("x<3", "1!1.0"));
+        // === is the string, for versions PEP 440 cannot read.
+        assert!(m("x===1.0-custom", "1.0-CUSTOM") && !m("x===1.0", "1.0.0"));
+        // A version that is not PEP 440 fails any restriction (deny by default).
+        for rule in ["x>=0", "x!=1.0", "x<99", "x==1.*"] {
+            assert!(!m(rule, "dev-snapshot"), "{rule}");
+        }
+    }
+
+    #[test]
+    fn bad_specifiers_name_the_project() {
+        for entry in [
+            "x>=",
+            "x>=1.0,",
+            "x~=1",
+            "x>=one",
+            "x==1.*.2",
+            "x[extra]>=1",
+            "x 1.0",
+            "x===",
+            "x>=1.0+local",
+        ] {
+            let err = PackageRule::parse(entry).expect_err(entry);
+            assert!(
+                err.contains("project 'x'") || err.contains(entry),
+                "{entry}: {err}"
+            );
+        }
+        let err = PackageRule::parse("Some_Pkg>=banana").unwrap_err();
+        assert!(
+            err.contains("project 'some-pkg'") && err.contains("banana"),
+            "{err}"
+        );
+        assert!(PackageRule::parse(">=1.0").is_err());
     }
 }

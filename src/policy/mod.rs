@@ -377,10 +377,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("line 3") && err.contains("alow"), "{err}");
-        let err = parse("[packages]\nallow = [\"x>=1\"]\n")
+        let err = parse("[packages]\nallow = [\"x>=1\", \"Y_z>=one\"]\n")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("packages.allow"), "{err}");
+        assert!(
+            err.contains("t.toml")
+                && err.contains("packages.allow")
+                && err.contains("project 'y-z'"),
+            "{err}"
+        );
         let p = parse("[egress]\nallow = [\"*.a.org:443\"]\n[packages]\nallow = [\"Numpy\"]\ndependencies = \"implicit\"\n").unwrap();
         assert!(p.egress.allowing("x.a.org", 443).is_some());
         assert_eq!(p.packages.dependencies, Dependencies::Implicit);

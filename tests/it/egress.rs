@@ -3,10 +3,14 @@
 //! on loopback and are reached through host names the gateway config maps to them; nothing
 //! leaves this machine except the upstream-index test, which talks to PyPI.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -161,11 +165,14 @@ async fn wheelhouse_packages_install_import_and_denials_name_the_package() -> Re
     build_wheel(wheels.path(), "cgdenied", "1.0", &[])?;
     build_wheel(wheels.path(), "cgparent", "1.0", &["cgchild"])?;
     build_wheel(wheels.path(), "cgchild", "1.0", &[])?;
+    for version in ["1.0", "2.0", "3.0", "3.1"] {
+        build_wheel(wheels.path(), "cgrange", version, &[])?;
+    }
     let setup = gateway_with(
         &[
             (
                 "pkgs",
-                "description = \"test\"\n[packages]\nallow = [\"CGTiny==1.*\", \"cgparent\"]\n"
+                "description = \"test\"\n[packages]\nallow = [\"CGTiny==1.*\", \"cgparent\", \"cgrange >=2.0, !=3.*\"]\n"
                     .to_owned(),
             ),
             (
@@ -200,6 +207,25 @@ async fn wheelhouse_packages_install_import_and_denials_name_the_package() -> Re
         "{out}{}",
         stderr(&msgs)
     );
+
+    // PEP 440 specifiers: `>=2.0, !=3.*` serves 2.0 (the newest it allows), and neither
+    // 1.0 (below) nor 3.0 (excluded) is there for pip.
+    let msgs = run_long(&mut client, "%pip install cgrange").await?;
+    let out = stdout(&msgs);
+    assert!(
+        out.contains("Successfully installed cgrange-2.0"),
+        "{out}\n{}",
+        stderr(&msgs)
+    );
+    for refused in ["1.0", "3.0"] {
+        let msgs = run_long(&mut client, &format!("%pip install cgrange=={refused}")).await?;
+        let out = stdout(&msgs) + &stderr(&msgs);
+        assert!(
+            out.contains("No matching distribution found for cgrange==")
+                && !out.contains("Successfully installed"),
+            "{refused}: {out}"
+        );
+    }
 
     // Denied: fails at once, the reason names the package and the policy, on iopub and in
     // the reply's metadata.
@@ -651,5 +677,459 @@ except Exception as e:
             .is_some_and(|d| d.iter().any(|d| d["kind"] == "egress")),
         "{result}"
     );
+    Ok(())
+}
+
+/// Writes `name-version`, a valid wheel whose module carries `size` random bytes stored
+/// uncompressed (quick to write, and nothing along the way can shrink it).
+fn build_large_wheel(dir: &Path, name: &str, version: &str, size: usize) -> Result<PathBuf> {
+    let script = r#"
+import base64, hashlib, os, sys, zipfile
+out, name, version, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+dist = f"{name}-{version}.dist-info"
+small = {
+    f"{name}/__init__.py": f"VALUE = '{name} {version} works'\n",
+    f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+    f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: cellgate-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+def digest(h):
+    return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+record = []
+path = os.path.join(out, f"{name}-{version}-py3-none-any.whl")
+with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+    h = hashlib.sha256()
+    with z.open(f"{name}/blob.bin", "w", force_zip64=True) as f:
+        left = size
+        while left:
+            chunk = os.urandom(min(left, 1 << 20))
+            h.update(chunk)
+            f.write(chunk)
+            left -= len(chunk)
+    record.append(f"{name}/blob.bin,sha256={digest(h)},{size}")
+    for p, text in small.items():
+        z.writestr(p, text)
+        record.append(f"{p},sha256={digest(hashlib.sha256(text.encode()))},{len(text.encode())}")
+    record.append(f"{dist}/RECORD,,")
+    z.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
+print(path)
+"#;
+    let output = std::process::Command::new(tools_python())
+        .args(["-c", script])
+        .arg(dir)
+        .args([name, version, &size.to_string()])
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "building a wheel failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(PathBuf::from(
+        String::from_utf8(output.stdout)?.trim().to_owned(),
+    ))
+}
+
+fn sha256_hex(path: &Path) -> Result<String> {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    std::io::copy(&mut std::fs::File::open(path)?, &mut hasher)?;
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// A PEP 691 upstream index on 127.0.0.1 serving wheels from disk with their sha256 and
+/// `Content-Length`. It counts requests per file; while `corrupt` is set it sends every
+/// file with one byte changed; while `gate` is shut it sends a file's first MiB and then
+/// waits.
+struct Upstream {
+    port: u16,
+    hits: Arc<Mutex<HashMap<String, usize>>>,
+    corrupt: Arc<AtomicBool>,
+    gate: tokio::sync::watch::Sender<bool>,
+}
+
+#[derive(Clone)]
+struct UpstreamState {
+    files: Arc<Vec<(String, PathBuf, String)>>,
+    hits: Arc<Mutex<HashMap<String, usize>>>,
+    corrupt: Arc<AtomicBool>,
+    gate: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Upstream {
+    async fn start(wheels: &[PathBuf]) -> Result<Upstream> {
+        use axum::extract::{Path as UrlPath, State};
+        use axum::http::{header, StatusCode};
+        use axum::response::IntoResponse;
+        let mut files = vec![];
+        for path in wheels {
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .context("wheel name")?
+                .to_owned();
+            files.push((name, path.clone(), sha256_hex(path)?));
+        }
+        let (gate, gate_rx) = tokio::sync::watch::channel(true);
+        let state = UpstreamState {
+            files: Arc::new(files),
+            hits: Arc::default(),
+            corrupt: Arc::default(),
+            gate: gate_rx,
+        };
+        let upstream = Upstream {
+            port: 0,
+            hits: state.hits.clone(),
+            corrupt: state.corrupt.clone(),
+            gate,
+        };
+        async fn project(
+            State(state): State<UpstreamState>,
+            UrlPath(project): UrlPath<String>,
+        ) -> impl IntoResponse {
+            let files: Vec<Value> = state
+                .files
+                .iter()
+                .filter(|(name, _, _)| name.starts_with(&format!("{project}-")))
+                .map(|(name, _, sha)| {
+                    json!({"filename": name, "url": format!("/files/{name}"), "hashes": {"sha256": sha}})
+                })
+                .collect();
+            (
+                [(header::CONTENT_TYPE, "application/vnd.pypi.simple.v1+json")],
+                json!({"meta": {"api-version": "1.0"}, "name": project, "files": files})
+                    .to_string(),
+            )
+        }
+        async fn file(
+            State(state): State<UpstreamState>,
+            UrlPath(name): UrlPath<String>,
+        ) -> axum::response::Response {
+            let Some((_, path, _)) = state.files.iter().find(|(n, _, _)| *n == name) else {
+                return StatusCode::NOT_FOUND.into_response();
+            };
+            *state.hits.lock().entry(name.clone()).or_default() += 1;
+            let Ok(file) = tokio::fs::File::open(path).await else {
+                return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+            };
+            let Ok(meta) = file.metadata().await else {
+                return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+            };
+            let corrupt = state.corrupt.load(Ordering::SeqCst);
+            let chunks = futures_util::stream::unfold(
+                (file, 0u64, state.gate.clone()),
+                move |(mut file, sent, mut gate)| async move {
+                    if sent >= 1 << 20 {
+                        // Err: the test is over and the gate gone; no one wants the rest.
+                        gate.wait_for(|open| *open).await.ok()?;
+                    }
+                    let mut buf = vec![0u8; 1 << 20];
+                    let n = file.read(&mut buf).await.ok()?;
+                    if n == 0 {
+                        return None;
+                    }
+                    buf.truncate(n);
+                    if corrupt && sent == 0 {
+                        buf[n / 2] ^= 0xff;
+                    }
+                    Some((
+                        Ok::<_, std::io::Error>(bytes::Bytes::from(buf)),
+                        (file, sent + n as u64, gate),
+                    ))
+                },
+            );
+            (
+                [
+                    (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+                    (header::CONTENT_LENGTH, meta.len().to_string()),
+                ],
+                axum::body::Body::from_stream(chunks),
+            )
+                .into_response()
+        }
+        let app = axum::Router::new()
+            .route("/simple/{project}/", axum::routing::get(project))
+            .route("/files/{name}", axum::routing::get(file))
+            .with_state(state);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Upstream { port, ..upstream })
+    }
+
+    fn hits(&self, name: &str) -> usize {
+        self.hits.lock().get(name).copied().unwrap_or(0)
+    }
+
+    fn config(&self) -> String {
+        format!(
+            "package_index = \"http://127.0.0.1:{}/simple\"\n",
+            self.port
+        )
+    }
+}
+
+/// The gateway's peak resident memory so far (VmHWM), in bytes.
+fn peak_rss(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .context("VmHWM")?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()?;
+    Ok(kib << 10)
+}
+
+/// Messages of execution `msg_id` until its stdout contains `needle` (an error if the
+/// execution ends first), added to `msgs`.
+async fn until_stdout(
+    client: &mut Client,
+    msg_id: &str,
+    needle: &str,
+    msgs: &mut Vec<Msg>,
+) -> Result<()> {
+    while !stdout(msgs).contains(needle) {
+        let msg = client.recv(Duration::from_secs(180)).await?;
+        anyhow::ensure!(
+            !msg.is_idle_for(msg_id),
+            "execution ended before {needle:?}:\n{}{}",
+            stdout(msgs),
+            stderr(msgs)
+        );
+        msgs.push(msg);
+    }
+    Ok(())
+}
+
+/// The rest of execution `msg_id` (until its idle status and its reply), added to `msgs`.
+async fn finish(client: &mut Client, msg_id: &str, msgs: &mut Vec<Msg>) -> Result<()> {
+    let (mut idle, mut replied) = (false, false);
+    while !(idle && replied) {
+        let msg = client.recv(Duration::from_secs(300)).await?;
+        idle |= msg.is_idle_for(msg_id);
+        replied |= msg.channel == "shell" && msg.parent_id() == msg_id;
+        msgs.push(msg);
+    }
+    Ok(())
+}
+
+/// A large wheel streams from the upstream index to pip: one upstream download however many
+/// sessions install it at once, a `Content-Length` all the way (pip names the size and
+/// draws a progress bar, which reaches an API v1 client as one clean line), and the
+/// gateway's memory does not grow with the wheel.
+#[tokio::test]
+async fn a_large_wheel_streams_once_to_concurrent_installs_in_bounded_memory() -> Result<()> {
+    let wheels = tempfile::tempdir()?;
+    let wheel = build_large_wheel(wheels.path(), "cgbig", "1.0", 160 << 20)?;
+    let name = wheel
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("name")?
+        .to_owned();
+    let size = std::fs::metadata(&wheel)?.len();
+    let sha = sha256_hex(&wheel)?;
+    let upstream = Upstream::start(std::slice::from_ref(&wheel)).await?;
+    let setup = gateway_with(
+        &[(
+            "big",
+            "description = \"big\"\n[packages]\nallow = [\"cgbig\"]\n".to_owned(),
+        )],
+        upstream.config(),
+    )
+    .await?;
+    let gateway = &setup.gateway;
+    // One install through Jupyter's protocol, one through API v1 (streamed as SSE).
+    let kernel = start_with_policy(gateway, "big").await?;
+    let mut client = gateway.connect(&kernel, "a", false).await?;
+    let v1 = V1Client::new(gateway);
+    let session = v1.create_session(json!({"policy": "big"})).await?;
+    let rss_before = peak_rss(gateway.pid())?;
+
+    // Upstream sends the first MiB and holds the rest until both pips are reading.
+    upstream.gate.send_replace(false);
+    let id = client.execute("%pip install cgbig").await?;
+    let mut events = v1
+        .sse(
+            &format!("/v1/sessions/{session}/execute"),
+            json!({"code": "%pip install cgbig"}),
+        )
+        .await?;
+    // pip names the size only from a Content-Length, once the gateway answered: both
+    // sessions are then reading the download that upstream is holding.
+    let shown = format!("({:.1} MB)", size as f64 / 1e6);
+    let mut msgs = vec![];
+    until_stdout(&mut client, &id, &shown, &mut msgs).await?;
+    let mut streamed = String::new();
+    while !streamed.contains(&shown) {
+        let (kind, event) = events.next().await?;
+        anyhow::ensure!(kind != "done", "API v1 install ended early: {event}");
+        if kind == "stream" {
+            streamed.push_str(event["text"].as_str().unwrap_or_default());
+        }
+    }
+    upstream.gate.send_replace(true);
+    finish(&mut client, &id, &mut msgs).await?;
+    let result = loop {
+        let (kind, event) = events.next().await?;
+        if kind == "stream" {
+            streamed.push_str(event["text"].as_str().unwrap_or_default());
+        }
+        if kind == "done" {
+            break event["result"].clone();
+        }
+    };
+    assert!(
+        stdout(&msgs).contains("Successfully installed cgbig-1.0"),
+        "{}{}",
+        stdout(&msgs),
+        stderr(&msgs)
+    );
+    let out = result["stdout"].as_str().context("stdout")?;
+    assert!(out.contains("Successfully installed cgbig-1.0"), "{result}");
+    assert_eq!(
+        upstream.hits(&name),
+        1,
+        "two installs, one upstream download"
+    );
+    assert!(
+        setup._dir.path().join("cache").join(&sha).exists(),
+        "the verified file is in the cache"
+    );
+
+    // API v1: pip's progress bar (drawn under a pty, redrawn in place many times while
+    // upstream held the file) is one line with the sizes, done, without escape sequences
+    // or the frames it overwrote; the live events carry no escape sequences either.
+    println!("API v1 stdout of the install:\n{out}");
+    let total = format!("{:.1}", size as f64 / 1e6);
+    let bar: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains(&format!("/{total} MB")))
+        .collect();
+    assert_eq!(bar.len(), 1, "one progress line: {out:?}");
+    assert!(
+        bar[0].contains(&format!("{total}/{total} MB")),
+        "the last frame: {out:?}"
+    );
+    assert!(
+        !out.contains('\u{1b}') && !out.contains('\r') && !out.contains("bytes ?"),
+        "{out:?}"
+    );
+    assert!(!streamed.contains('\u{1b}'), "{streamed:?}");
+
+    let msgs = client.run("import cgbig; print(cgbig.VALUE)").await?;
+    assert_eq!(stdout(&msgs), "cgbig 1.0 works\n", "{}", stderr(&msgs));
+    // A cached file has its length too.
+    let msgs = client
+        .run(&format!(
+            concat!(
+                "import urllib.request\n",
+                "r = urllib.request.urlopen(urllib.request.Request('http://packages.cellgate.internal/files/{sha}/{name}', method='HEAD'), timeout=30)\n",
+                "print(r.status, r.headers['Content-Length'])\n",
+            ),
+            sha = sha,
+            name = name
+        ))
+        .await?;
+    assert_eq!(stdout(&msgs), format!("200 {size}\n"), "{}", stderr(&msgs));
+
+    let rss_after = peak_rss(gateway.pid())?;
+    let growth = rss_after.saturating_sub(rss_before);
+    println!(
+        "gateway peak RSS: {} MiB before, {} MiB after 2 installs of a {} MiB wheel (+{} MiB)",
+        rss_before >> 20,
+        rss_after >> 20,
+        size >> 20,
+        growth >> 20
+    );
+    assert!(
+        growth < size / 4,
+        "peak RSS grew by {} MiB for a {} MiB wheel",
+        growth >> 20,
+        size >> 20
+    );
+    Ok(())
+}
+
+/// An upstream whose bytes do not match the sha256 it lists: the install fails, nothing is
+/// left in the cache (not even a partial file), and once upstream serves the right bytes
+/// the same install works.
+#[tokio::test]
+async fn a_download_that_fails_its_hash_is_refused_and_leaves_nothing_cached() -> Result<()> {
+    let wheels = tempfile::tempdir()?;
+    let wheel = build_large_wheel(wheels.path(), "cgbad", "1.0", 4 << 20)?;
+    let name = wheel
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("name")?
+        .to_owned();
+    let sha = sha256_hex(&wheel)?;
+    let upstream = Upstream::start(std::slice::from_ref(&wheel)).await?;
+    let setup = gateway_with(
+        &[(
+            "bad",
+            "description = \"bad\"\n[packages]\nallow = [\"cgbad\"]\n".to_owned(),
+        )],
+        upstream.config(),
+    )
+    .await?;
+    let gateway = &setup.gateway;
+    let cache = setup._dir.path().join("cache");
+    let kernel = start_with_policy(gateway, "bad").await?;
+    let mut client = gateway.connect(&kernel, "bad", false).await?;
+
+    upstream.corrupt.store(true, Ordering::SeqCst);
+    let msgs = run_long(&mut client, "%pip install cgbad").await?;
+    let out = stdout(&msgs) + &stderr(&msgs);
+    assert!(!out.contains("Successfully installed"), "{out}");
+    assert_eq!(upstream.hits(&name), 1, "{out}");
+    let msgs = client
+        .run("import importlib.util; print(importlib.util.find_spec('cgbad'))")
+        .await?;
+    assert_eq!(stdout(&msgs), "None\n", "{}", stderr(&msgs));
+    // pip's urllib3 does not hold a response to its Content-Length, so pip failed on its own
+    // hash check; Python's http.client does: the body ends before its last byte.
+    let msgs = client
+        .run(&format!(
+            concat!(
+                "import urllib.request, http.client\n",
+                "try:\n",
+                "    data = urllib.request.urlopen('http://packages.cellgate.internal/files/{sha}/{name}', timeout=30).read()\n",
+                "    print('whole', len(data))\n",
+                "except http.client.IncompleteRead as e:\n",
+                "    print('incomplete', len(e.partial) < {size})\n",
+            ),
+            sha = sha,
+            name = name,
+            size = std::fs::metadata(&wheel)?.len()
+        ))
+        .await?;
+    assert_eq!(stdout(&msgs), "incomplete True\n", "{}", stderr(&msgs));
+    assert_eq!(upstream.hits(&name), 2, "a failed download is not reused");
+    let left: Vec<_> = std::fs::read_dir(&cache)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<std::io::Result<_>>()?;
+    assert!(left.is_empty(), "left in the cache: {left:?}");
+    assert!(
+        gateway.log().contains("does not match"),
+        "the gateway says why: {}",
+        gateway.log()
+    );
+
+    upstream.corrupt.store(false, Ordering::SeqCst);
+    let msgs = run_long(&mut client, "%pip install cgbad").await?;
+    assert!(
+        stdout(&msgs).contains("Successfully installed cgbad-1.0"),
+        "{}{}",
+        stdout(&msgs),
+        stderr(&msgs)
+    );
+    assert_eq!(upstream.hits(&name), 3);
+    let left: Vec<_> = std::fs::read_dir(&cache)?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<std::io::Result<_>>()?;
+    assert_eq!(left, [sha]);
     Ok(())
 }

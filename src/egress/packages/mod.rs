@@ -4,10 +4,12 @@
 //! Reached by pip inside the sandbox as `http://packages.cellgate.internal/simple/` through
 //! the egress proxy (the proxy hands those requests here, whatever the egress rules say).
 //! Files come from an upstream simple index (PEP 691 JSON; default PyPI) or, offline, from a
-//! wheelhouse directory. Upstream files land in a shared on-disk cache named by their sha256,
-//! written only after the download's hash matched the index's; every file is served under
-//! `/files/<sha256>/<filename>`, and a session gets a file only if its policy allows the
-//! file's project and version: knowing another tenant's hash opens nothing.
+//! wheelhouse directory. Upstream files stream to pip as they download, once however many
+//! sessions ask (`download.rs`), into a shared on-disk cache named by their sha256, kept only
+//! when the download's hash matched the index's; every file is served under
+//! `/files/<sha256>/<filename>` with its `Content-Length` (so pip draws a progress bar), and a
+//! session gets a file only if its policy allows the file's project and version: knowing
+//! another tenant's hash opens nothing.
 //!
 //! A project the policy does not list answers 404 (pip fails at once: "no matching
 //! distribution") and a denial naming the project and the policy is attached to the running
@@ -16,6 +18,9 @@
 //!
 //! Part of the egress proxy (it is the proxy's one built-in upstream, served under
 //! [`super::INDEX_HOST`]). Must not depend on: kernels (it reports through [`super::Session`]).
+
+mod download;
+mod wheel;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -29,7 +34,9 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::proxy::{text, Body, BodyError};
+use download::{DownloadError, Downloads, FileBody, State, Wanted};
+
+use super::proxy::{text, Body};
 use super::Session;
 use crate::policy::access::{normalize_project, PackageRule};
 use crate::policy::DenialKind;
@@ -63,12 +70,8 @@ pub enum IndexError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{filename}: sha256 {got} does not match the index's {want}")]
-    HashMismatch {
-        filename: String,
-        got: String,
-        want: String,
-    },
+    #[error(transparent)]
+    Download(#[from] DownloadError),
 }
 
 /// Per-session state of the index.
@@ -107,8 +110,8 @@ pub struct PackageIndex {
     files: Mutex<HashMap<String, FileEntry>>,
     /// Wheelhouse hashes by (path, size, mtime).
     local_hashes: Mutex<HashMap<(PathBuf, u64, i64), String>>,
-    /// Cache files whose hash was checked by this process.
-    verified: Mutex<HashSet<String>>,
+    /// Upstream files: cached, or downloading for whoever asks.
+    downloads: Arc<Downloads>,
     /// Upstream listings, by project, for [`LISTING_TTL`]: an install of a cached wheel
     /// should not wait for the upstream index each time.
     listings: Mutex<HashMap<String, (std::time::Instant, Vec<FileEntry>)>>,
@@ -118,6 +121,8 @@ pub struct PackageIndex {
 const LISTING_TTL: std::time::Duration = std::time::Duration::from_secs(300);
 /// Upstream listings kept at most (the oldest go first).
 const MAX_LISTINGS: usize = 1024;
+/// The most an upstream listing may take in all (files have a stall timeout only).
+const LISTING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 #[derive(Deserialize)]
 struct UpstreamProject {
@@ -192,21 +197,27 @@ impl PackageIndex {
                 what: format!("create {}", config.cache_dir.display()),
                 source,
             })?;
+        for stale in download::stale_temporaries(&config.cache_dir) {
+            let _ = std::fs::remove_file(stale);
+        }
+        // A read (stall) timeout and no total one: a large wheel on a slow link takes as
+        // long as it takes while bytes move. Listings add a total timeout of their own.
         let client = reqwest::Client::builder()
             .connect_timeout(std::time::Duration::from_secs(10))
-            .timeout(std::time::Duration::from_secs(120))
+            .read_timeout(download::STALL)
             .user_agent(concat!("cellgate/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| IndexError::Upstream {
                 url: String::new(),
                 reason: e.to_string(),
             })?;
+        let downloads = Downloads::new(client.clone(), config.cache_dir.clone());
         Ok(Arc::new(PackageIndex {
             config,
             client,
             files: Mutex::new(HashMap::new()),
             local_hashes: Mutex::new(HashMap::new()),
-            verified: Mutex::new(HashSet::new()),
+            downloads,
             listings: Mutex::new(HashMap::new()),
         }))
     }
@@ -252,7 +263,7 @@ impl PackageIndex {
     }
 
     /// Answers one request for `packages.cellgate.internal`.
-    pub async fn handle(&self, session: &Session, req: Request<Incoming>) -> Response<Body> {
+    pub async fn handle(&self, session: &Arc<Session>, req: Request<Incoming>) -> Response<Body> {
         if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
             return text(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -468,6 +479,7 @@ impl PackageIndex {
             .client
             .get(&url)
             .header("Accept", JSON_TYPE)
+            .timeout(LISTING_TIMEOUT)
             .send()
             .await
             .map_err(|e| upstream_err(e.to_string()))?;
@@ -530,7 +542,7 @@ impl PackageIndex {
         Ok(hash)
     }
 
-    async fn file(&self, session: &Session, sha: &str, filename: &str) -> Response<Body> {
+    async fn file(&self, session: &Arc<Session>, sha: &str, filename: &str) -> Response<Body> {
         let entry = self.files.lock().get(sha).cloned();
         let Some(entry) = entry.filter(|e| e.filename == filename) else {
             return text(StatusCode::NOT_FOUND, "cellgate index: no such file");
@@ -551,198 +563,100 @@ impl PackageIndex {
                 return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
             }
         }
-        let path = match self.fetch(&entry).await {
-            Ok(path) => path,
+        let mut body = match self.open(&entry).await {
+            Ok(body) => body,
             Err(err) => {
                 tracing::warn!(kernel_id = %session.kernel_id, file = %entry.filename, %err, "package index: file failed");
                 return text(StatusCode::BAD_GATEWAY, format!("cellgate index: {err}"));
             }
         };
-        let file = match tokio::fs::File::open(&path).await {
-            Ok(file) => file,
-            Err(err) => {
-                return text(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("cellgate index: {err}"),
-                )
-            }
-        };
-        let implied = if session.policy.packages.dependencies == Dependencies::Implicit
+        if session.policy.packages.dependencies == Dependencies::Implicit
             && entry.filename.ends_with(".whl")
         {
-            read_small(&path).await.map(|b| wheel_requirements(&b))
-        } else {
-            None
-        };
-        {
-            let mut state = session.packages.lock();
-            state.last_allowed = Some((entry.project.clone(), session.msg_id()));
-            state.implied.extend(implied.unwrap_or_default());
+            // Before pip has the whole wheel, so before it can ask for a dependency.
+            let session = session.clone();
+            body.on_complete = Some(Box::new(move |file| {
+                let requires = wheel::requirements(file);
+                session.packages.lock().implied.extend(requires);
+            }));
         }
+        let length = body.progress.as_ref().map_or(Some(body.length), |rx| {
+            let progress = rx.borrow();
+            match progress.state {
+                State::Done => Some(progress.written),
+                _ => progress.length,
+            }
+        });
+        session.packages.lock().last_allowed = Some((entry.project.clone(), session.msg_id()));
         session.allow("package", &entry.project, &entry.filename);
-        let mut response = Response::new(stream_file(file));
-        response.headers_mut().insert(
+        let mut response = Response::new(body.into_body());
+        let headers = response.headers_mut();
+        headers.insert(
             hyper::header::CONTENT_TYPE,
             hyper::header::HeaderValue::from_static("application/octet-stream"),
         );
+        if let Some(length) = length {
+            headers.insert(hyper::header::CONTENT_LENGTH, length.into());
+        }
         response
     }
 
-    /// The file on disk: the wheelhouse's, or the cache's (downloaded and verified first).
-    async fn fetch(&self, entry: &FileEntry) -> Result<PathBuf, IndexError> {
+    /// The file's bytes: the wheelhouse's or the cache's whole, or a download's as they
+    /// arrive (once upstream answered, so that its length is known).
+    async fn open(&self, entry: &FileEntry) -> Result<FileBody, IndexError> {
+        let whole = |file: std::fs::File, what: &Path| {
+            let length = file
+                .metadata()
+                .map_err(|source| IndexError::Io {
+                    what: format!("read {}", what.display()),
+                    source,
+                })?
+                .len();
+            Ok(FileBody {
+                file: Arc::new(file),
+                length,
+                progress: None,
+                on_complete: None,
+            })
+        };
         let url = match &entry.origin {
-            Origin::Path(path) => return Ok(path.clone()),
+            Origin::Path(path) => {
+                let file = std::fs::File::open(path).map_err(|source| IndexError::Io {
+                    what: format!("read {}", path.display()),
+                    source,
+                })?;
+                return whole(file, path);
+            }
             Origin::Url(url) => url,
         };
         let cached = self.config.cache_dir.join(&entry.sha256);
-        if cached.exists() {
-            if self.verified.lock().contains(&entry.sha256) {
-                return Ok(cached);
-            }
-            let got = sha256_file(&cached).map_err(|source| IndexError::Io {
-                what: format!("read {}", cached.display()),
-                source,
-            })?;
-            if got == entry.sha256 {
-                self.verified.lock().insert(got);
-                return Ok(cached);
-            }
-            tracing::warn!(file = %cached.display(), "cached package file is corrupt; fetching it again");
-            let _ = std::fs::remove_file(&cached);
+        if let Some(file) = self.downloads.cached_file(&entry.sha256).await {
+            return whole(file, &cached);
         }
-        let upstream_err = |reason: String| IndexError::Upstream {
+        let flight = match self.downloads.join(Wanted {
             url: url.clone(),
-            reason,
+            sha256: entry.sha256.clone(),
+            filename: entry.filename.clone(),
+        })? {
+            Ok(flight) => flight,
+            Err(file) => return whole(file, &cached),
         };
-        let response = self
-            .client
-            .get(url)
-            .send()
+        let mut progress = flight.progress.clone();
+        let state = progress
+            .wait_for(|p| !matches!(p.state, State::Starting))
             .await
-            .map_err(|e| upstream_err(e.to_string()))?;
-        if !response.status().is_success() {
-            return Err(upstream_err(response.status().to_string()));
+            .map(|p| p.state.clone())
+            .unwrap_or(State::Failed(Arc::new(DownloadError::Abandoned)));
+        if let State::Failed(err) = state {
+            return Err(IndexError::Download((*err).clone()));
         }
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|e| upstream_err(e.to_string()))?;
-        let got = hex::encode(Sha256::digest(&bytes));
-        if got != entry.sha256 {
-            return Err(IndexError::HashMismatch {
-                filename: entry.filename.clone(),
-                got,
-                want: entry.sha256.clone(),
-            });
-        }
-        let tmp = self.config.cache_dir.join(format!(
-            ".{}.{}",
-            entry.sha256,
-            uuid::Uuid::new_v4().simple()
-        ));
-        let io = |source| IndexError::Io {
-            what: format!("write {}", tmp.display()),
-            source,
-        };
-        tokio::fs::write(&tmp, &bytes).await.map_err(io)?;
-        tokio::fs::rename(&tmp, &cached).await.map_err(io)?;
-        self.verified.lock().insert(got);
-        Ok(cached)
-    }
-}
-
-/// Wheels up to this size are read for their dependencies (implicit mode); a larger one's
-/// dependencies must be listed.
-const MAX_WHEEL_SCAN: u64 = 256 << 20;
-
-async fn read_small(path: &Path) -> Option<Vec<u8>> {
-    let meta = tokio::fs::metadata(path).await.ok()?;
-    if meta.len() > MAX_WHEEL_SCAN {
-        return None;
-    }
-    tokio::fs::read(path).await.ok()
-}
-
-/// A file as a streamed response body, read in 64 KiB chunks.
-fn stream_file(file: tokio::fs::File) -> Body {
-    use hyper::body::Frame;
-    use tokio::io::AsyncReadExt;
-    let stream = futures_util::stream::unfold(file, |mut file| async move {
-        let mut buf = vec![0u8; 64 << 10];
-        match file.read(&mut buf).await {
-            Ok(0) => None,
-            Ok(n) => {
-                buf.truncate(n);
-                Some((Ok(Frame::data(Bytes::from(buf))), file))
-            }
-            Err(err) => Some((Err(BodyError::from(err)), file)),
-        }
-    });
-    http_body_util::StreamBody::new(stream).boxed()
-}
-
-/// Project names a wheel's `METADATA` declares in `Requires-Dist` (without extras markers:
-/// a conditional dependency is still a dependency pip may ask for).
-fn wheel_requirements(wheel: &[u8]) -> Vec<String> {
-    let Some(metadata) = zip_member_suffix(wheel, ".dist-info/METADATA") else {
-        return vec![];
-    };
-    String::from_utf8_lossy(&metadata)
-        .lines()
-        .take_while(|l| !l.is_empty())
-        .filter_map(|l| l.strip_prefix("Requires-Dist:"))
-        .filter_map(|req| {
-            let name: String = req
-                .trim()
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-                .collect();
-            (!name.is_empty()).then(|| normalize_project(&name))
+        Ok(FileBody {
+            file: flight.file.clone(),
+            length: 0,
+            progress: Some(progress),
+            on_complete: None,
         })
-        .collect()
-}
-
-/// One stored or deflated member of a zip archive, by the end of its name. Hand-written
-/// over miniz_oxide: only `METADATA` is ever read, and a full zip crate is a large
-/// dependency for one small file.
-fn zip_member_suffix(data: &[u8], suffix: &str) -> Option<Vec<u8>> {
-    let u16_at = |o: usize| Some(u16::from_le_bytes(data.get(o..o + 2)?.try_into().ok()?));
-    let u32_at = |o: usize| Some(u32::from_le_bytes(data.get(o..o + 4)?.try_into().ok()?));
-    // End of central directory: the last "PK\5\6".
-    let eocd = (0..data.len().saturating_sub(21))
-        .rev()
-        .find(|&i| data[i..].starts_with(b"PK\x05\x06"))?;
-    let entries = u16_at(eocd + 10)? as usize;
-    let mut at = u32_at(eocd + 16)? as usize;
-    for _ in 0..entries {
-        if u32_at(at)? != 0x0201_4b50 {
-            return None;
-        }
-        let method = u16_at(at + 10)?;
-        let compressed = u32_at(at + 20)? as usize;
-        let name_len = u16_at(at + 28)? as usize;
-        let extra_len = u16_at(at + 30)? as usize;
-        let comment_len = u16_at(at + 32)? as usize;
-        let local = u32_at(at + 42)? as usize;
-        let name = data.get(at + 46..at + 46 + name_len)?;
-        at += 46 + name_len + extra_len + comment_len;
-        if !name.ends_with(suffix.as_bytes()) {
-            continue;
-        }
-        let start = local + 30 + u16_at(local + 26)? as usize + u16_at(local + 28)? as usize;
-        let raw = data.get(start..start + compressed)?;
-        return match method {
-            0 => Some(raw.to_vec()),
-            8 => inflate(raw),
-            _ => None,
-        };
     }
-    None
-}
-
-fn inflate(raw: &[u8]) -> Option<Vec<u8>> {
-    // METADATA is small; the cap keeps a hostile wheel from inflating without bound.
-    miniz_oxide::inflate::decompress_to_vec_with_limit(raw, 4 << 20).ok()
 }
 
 #[cfg(test)]
