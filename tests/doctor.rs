@@ -7,12 +7,21 @@ use std::process::Command;
 
 use serde_json::Value;
 
+/// `cellgate` as the tests run it: from the repository, with the package index's check
+/// pointed at a closed loopback port (the default, PyPI, is not this machine's to probe).
+fn cellgate() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_cellgate"));
+    command
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("CELLGATE_PACKAGE_INDEX", "http://127.0.0.1:9/simple");
+    command
+}
+
 fn doctor(args: &[&str]) -> (Option<i32>, Value) {
-    let output = Command::new(env!("CARGO_BIN_EXE_cellgate"))
+    let output = cellgate()
         .arg("doctor")
         .arg("--json")
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("run cellgate doctor");
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -35,6 +44,9 @@ fn section<'a>(report: &'a Value, group: &str, name: &str) -> &'a Value {
 #[test]
 fn namespaces_is_available_here_with_real_facts() {
     let (code, report) = doctor(&[]);
+    // The index's check ran, against the loopback stand-in.
+    let index = section(&report, "setup", "package index");
+    assert!(index.to_string().contains("127.0.0.1:9"), "{index:#}");
     let ns = section(&report, "backends", "namespaces");
     assert_eq!(ns["available"], true, "{ns:#}");
     assert_eq!(report["default_backend"], "namespaces");
@@ -114,9 +126,8 @@ fn a_missing_kernels_dir_is_reported_as_a_problem() {
 
 #[test]
 fn text_output_is_readable() {
-    let output = Command::new(env!("CARGO_BIN_EXE_cellgate"))
+    let output = cellgate()
         .args(["doctor", "--no-probe", "--kernels-dir", "/nonexistent"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("run cellgate doctor");
     let text = String::from_utf8_lossy(&output.stdout);
@@ -152,10 +163,9 @@ fn the_config_file_names_what_is_checked() {
     );
     // A config file with an unknown key is refused as `serve` refuses it.
     std::fs::write(dir.path().join("bad.toml"), "kernel_dir = \"k\"\n").expect("write");
-    let output = Command::new(env!("CARGO_BIN_EXE_cellgate"))
+    let output = cellgate()
         .args(["doctor", "--no-probe", "--config"])
         .arg(dir.path().join("bad.toml"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("run cellgate doctor");
     assert!(!output.status.success());
@@ -170,12 +180,11 @@ fn the_config_file_names_what_is_checked() {
 /// not as an empty value.
 #[test]
 fn empty_variables_count_as_unset() {
-    let output = Command::new(env!("CARGO_BIN_EXE_cellgate"))
+    let output = cellgate()
         .args(["doctor", "--json", "--no-probe"])
         .env("CELLGATE_KERNELS_DIR", "")
         .env("CELLGATE_SANDBOX", "")
         .env("CELLGATE_POLICIES_DIR", "")
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("run cellgate doctor");
     let stderr = String::from_utf8_lossy(&output.stderr);

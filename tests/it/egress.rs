@@ -574,50 +574,49 @@ async fn a_proxy_flood_from_one_sandbox_does_not_starve_another() -> Result<()> 
     Ok(())
 }
 
+/// The upstream path (PEP 691 JSON listing, download, hash check, cache) with a local
+/// index standing in for PyPI: an allowed project installs; one the index lists but the
+/// policy does not is refused.
 #[tokio::test]
 async fn an_allowed_package_installs_from_the_upstream_index() -> Result<()> {
-    let reachable = reqwest::Client::new()
-        .get("https://pypi.org/simple/tomli-w/")
-        .timeout(Duration::from_secs(15))
-        .send()
-        .await
-        .map(|r| r.status().is_success())
-        .unwrap_or(false);
-    if !reachable {
-        let message = "\n\n*** PyPI (https://pypi.org/simple) is NOT reachable from this machine: the upstream-index install test CANNOT run ***\n\n";
-        if std::env::var("CELLGATE_TEST_OFFLINE").is_ok() {
-            eprintln!("{message}(CELLGATE_TEST_OFFLINE is set: not failing)");
-            return Ok(());
-        }
-        panic!("{message}set CELLGATE_TEST_OFFLINE=1 to run the rest of the suite offline");
-    }
+    let wheels = tempfile::tempdir()?;
+    let allowed = build_wheel(wheels.path(), "cgupstream", "1.0", &[])?;
+    let listed = build_wheel(wheels.path(), "cgunlisted", "1.0", &[])?;
+    let upstream = Upstream::start(&[allowed, listed]).await?;
     let setup = gateway_with(
         &[(
-            "pypi",
-            "description = \"pypi\"\n[packages]\nallow = [\"tomli_w\"]\n".to_owned(),
+            "upstream",
+            "description = \"upstream\"\n[packages]\nallow = [\"cgupstream\"]\n".to_owned(),
         )],
-        String::new(),
+        upstream.config(),
     )
     .await?;
     let gateway = &setup.gateway;
-    let kernel = start_with_policy(gateway, "pypi").await?;
-    let mut client = gateway.connect(&kernel, "pypi", false).await?;
-    let msgs = run_long(&mut client, "%pip install tomli-w").await?;
+    let kernel = start_with_policy(gateway, "upstream").await?;
+    let mut client = gateway.connect(&kernel, "upstream", false).await?;
+    let msgs = run_long(&mut client, "%pip install cgupstream").await?;
     assert!(
-        stdout(&msgs).contains("Successfully installed tomli-w")
-            || stdout(&msgs).contains("Successfully installed tomli_w"),
+        stdout(&msgs).contains("Successfully installed cgupstream"),
         "{}{}",
         stdout(&msgs),
         stderr(&msgs)
     );
     let msgs = client
-        .run("import tomli_w; print(tomli_w.dumps({'a': 1}).strip())")
+        .run("import cgupstream; print(cgupstream.VALUE)")
         .await?;
-    assert_eq!(stdout(&msgs), "a = 1\n", "{}", stderr(&msgs));
-    // Listed upstream is not allowed: requests is on PyPI but not in the policy.
-    let msgs = run_long(&mut client, "%pip install requests").await?;
+    assert_eq!(stdout(&msgs), "cgupstream 1.0 works\n", "{}", stderr(&msgs));
+    // Listed upstream is not allowed: the index has it, the policy does not.
+    let msgs = run_long(&mut client, "%pip install cgunlisted").await?;
     let found = denials(&msgs);
-    assert!(found.iter().any(|d| d["target"] == "requests"), "{found:?}");
+    assert!(
+        found.iter().any(|d| d["target"] == "cgunlisted"),
+        "{found:?}"
+    );
+    assert_eq!(
+        upstream.hits.lock().get("cgunlisted-1.0-py3-none-any.whl"),
+        None,
+        "a refused project's file was downloaded"
+    );
     Ok(())
 }
 
