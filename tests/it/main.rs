@@ -10,6 +10,7 @@ mod attacks;
 mod clients;
 mod compat;
 mod contract;
+mod deploy;
 mod egress;
 mod hostile;
 mod http;

@@ -140,7 +140,16 @@ impl GatewayBuilder {
         if !self.args.iter().any(|a| a == "--pool-size") {
             command.args(["--pool-size", "0"]);
         }
-        let mut child = command.spawn().context("spawn cellgate")?;
+        let child = command.spawn().context("spawn cellgate")?;
+        Gateway::attach(child, self.token).await
+    }
+}
+
+impl Gateway {
+    /// Takes over a `cellgate serve` process started with piped stdout and stderr (a test
+    /// that builds its own command line): waits for its "listening" line and collects its
+    /// log. `token` is what clients present.
+    pub async fn attach(mut child: Child, token: Option<String>) -> Result<Gateway> {
         let stdout = child.stdout.take().context("stdout")?;
         let stderr = child.stderr.take().context("stderr")?;
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -178,7 +187,7 @@ impl GatewayBuilder {
             child,
             base,
             port,
-            token: self.token,
+            token,
             http: reqwest::Client::new(),
             log,
             stdout: printed,
