@@ -831,66 +831,6 @@ async fn nginx_with_the_example_config_carries_rest_websockets_and_streams_over_
 
 // --- the Grafana dashboard and the alerting rules -----------------------------------------
 
-/// The metrics the gateway exports, with their labels (`le` of histograms is implied).
-/// The source of truth will be a live scrape of `/metrics`; until then, this list.
-const METRICS: &[(&str, &[&str])] = &[
-    ("cellgate_kernels", &["state", "policy", "backend"]),
-    (
-        "cellgate_kernel_start_seconds_bucket",
-        &["policy", "backend", "source"],
-    ),
-    (
-        "cellgate_kernel_start_seconds_sum",
-        &["policy", "backend", "source"],
-    ),
-    (
-        "cellgate_kernel_start_seconds_count",
-        &["policy", "backend", "source"],
-    ),
-    (
-        "cellgate_kernel_start_failures_total",
-        &["policy", "backend"],
-    ),
-    ("cellgate_pool_ready", &[]),
-    ("cellgate_pool_target", &[]),
-    ("cellgate_pool_hits_total", &[]),
-    ("cellgate_pool_misses_total", &[]),
-    ("cellgate_executions_total", &["policy", "outcome"]),
-    ("cellgate_execution_seconds_bucket", &["policy", "outcome"]),
-    ("cellgate_execution_seconds_sum", &["policy", "outcome"]),
-    ("cellgate_execution_seconds_count", &["policy", "outcome"]),
-    ("cellgate_denials_total", &["policy", "kind"]),
-    ("cellgate_artifacts", &[]),
-    ("cellgate_artifact_bytes", &[]),
-    ("cellgate_websockets_open", &[]),
-    ("cellgate_connections_open", &[]),
-    ("cellgate_tenant_kernels", &["tenant"]),
-    ("cellgate_rate_limited_total", &["tenant"]),
-    (
-        "cellgate_http_requests_total",
-        &["method", "route", "status"],
-    ),
-    (
-        "cellgate_http_request_duration_seconds_bucket",
-        &["method", "route"],
-    ),
-    (
-        "cellgate_http_request_duration_seconds_sum",
-        &["method", "route"],
-    ),
-    (
-        "cellgate_http_request_duration_seconds_count",
-        &["method", "route"],
-    ),
-    ("cellgate_ready", &[]),
-    ("cellgate_build_info", &["version"]),
-    ("process_resident_memory_bytes", &[]),
-    ("process_cpu_seconds_total", &[]),
-    ("process_open_fds", &[]),
-    ("process_max_fds", &[]),
-    ("process_start_time_seconds", &[]),
-];
-
 /// Labels Prometheus adds to every scraped series.
 const TARGET_LABELS: &[&str] = &["instance", "job"];
 
@@ -1026,7 +966,7 @@ fn promql_selectors(expr: &str) -> Result<Vec<(String, Vec<String>)>> {
 fn check_expression(
     expr: &str,
     also_allowed: &[&str],
-    known: &BTreeMap<&str, Vec<&str>>,
+    known: &BTreeMap<String, Vec<String>>,
 ) -> Result<Vec<String>> {
     let selectors = promql_selectors(expr)?;
     ensure!(!selectors.is_empty(), "no metric in {expr:?}");
@@ -1040,7 +980,7 @@ fn check_expression(
         };
         for label in &labels {
             ensure!(
-                exported.contains(&label.as_str())
+                exported.iter().any(|l| l == label)
                     || TARGET_LABELS.contains(&label.as_str())
                     || (label == "le" && name.ends_with("_bucket")),
                 "{expr:?}: {name} has no label {label}"
@@ -1051,11 +991,59 @@ fn check_expression(
     Ok(names)
 }
 
-fn known_metrics() -> BTreeMap<&'static str, Vec<&'static str>> {
-    METRICS
-        .iter()
-        .map(|(name, labels)| (*name, labels.to_vec()))
-        .collect()
+/// The metrics the gateway exports, with their labels (`le` of histograms is implied): the
+/// gateway's own exposition code, given one event of every kind and a state with a kernel,
+/// a tenant and a pool, so that every family has a sample whose labels can be read. A
+/// family renamed or a label dropped in the code fails the dashboard and the alerts here.
+fn known_metrics() -> BTreeMap<String, Vec<String>> {
+    use cellgate::telemetry::metrics::{metrics, ExecOutcome, KernelGroup, Snapshot, StartSource};
+    let m = metrics();
+    m.kernel_started(
+        "default",
+        "namespaces",
+        StartSource::cold,
+        Duration::from_secs(1),
+    );
+    m.kernel_start_failed("default", "namespaces");
+    m.pool_lookup(true);
+    m.executions_of("default")
+        .record(ExecOutcome::ok, Duration::from_millis(3));
+    m.denial("default", "egress");
+    m.rate_limited("acme");
+    m.http_request("GET", "/api/kernels", 200, Duration::from_millis(1));
+    let _open = (m.websocket_opened(), m.connection_opened());
+    let mut snapshot = Snapshot {
+        pool_target: 1,
+        ..Snapshot::default()
+    };
+    snapshot.kernels.insert(
+        KernelGroup {
+            state: "idle",
+            policy: "default".to_owned(),
+            backend: "namespaces",
+        },
+        1,
+    );
+    snapshot.tenant_kernels.insert("acme".to_owned(), 1);
+    let text = cellgate::telemetry::metrics::render(&snapshot).expect("render");
+    let mut known: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let series = line.rsplit_once(' ').map_or(line, |(series, _)| series);
+        let (name, matchers) = series.split_once('{').unwrap_or((series, ""));
+        let labels = known.entry(name.to_owned()).or_default();
+        // Label values here are plain words: no comma or quote inside them.
+        for pair in matchers.trim_end_matches('}').split(',') {
+            if let Some((label, _)) = pair.split_once('=') {
+                if label != "le" && !labels.iter().any(|l| l == label) {
+                    labels.push(label.to_owned());
+                }
+            }
+        }
+    }
+    known
 }
 
 #[test]
@@ -1135,16 +1123,23 @@ fn the_grafana_dashboard_uses_only_exported_metrics() -> Result<()> {
                 .get(metric)
                 .with_context(|| format!("variable {query:?}: no metric {metric}"))?;
             ensure!(
-                labels.contains(&label) || TARGET_LABELS.contains(&label),
+                labels.iter().any(|l| l == label) || TARGET_LABELS.contains(&label),
                 "variable {query:?}: {metric} has no label {label}"
             );
         }
     }
     // Every family is on the dashboard (histograms through their buckets).
-    let unused: Vec<&&str> = known
+    // The process's threads and virtual memory are exported for completeness, not charted.
+    let unused: Vec<&String> = known
         .keys()
         .filter(|name| !name.ends_with("_sum") && !name.ends_with("_count"))
-        .filter(|name| !used.contains(**name))
+        .filter(|name| {
+            !matches!(
+                name.as_str(),
+                "process_threads" | "process_virtual_memory_bytes"
+            )
+        })
+        .filter(|name| !used.contains(*name))
         .collect();
     ensure!(unused.is_empty(), "metrics no panel shows: {unused:?}");
     ensure!(expressions >= 20, "only {expressions} queries");
