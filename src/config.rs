@@ -53,7 +53,7 @@ pub struct ServeArgs {
     #[arg(long, env = "CELLGATE_CULL_INTERVAL")]
     pub cull_interval: Option<u64>,
     /// Also cull idle kernels that have open connections [default: false].
-    #[arg(long, env = "CELLGATE_CULL_CONNECTED")]
+    #[arg(long, env = "CELLGATE_CULL_CONNECTED", value_parser = clap::builder::BoolishValueParser::new())]
     pub cull_connected: Option<bool>,
     /// Ready kernels kept for the default kernelspec and policy, handed out on start; 0
     /// disables the pool [default: 1].
@@ -150,12 +150,12 @@ pub struct MicrovmArgs {
     pub guest_dir: Option<PathBuf>,
     /// Serve microVMs under software emulation (TCG) when this host has no usable KVM:
     /// functional, ~50x slower for Python; for tests and development.
-    #[arg(long, env = "CELLGATE_MICROVM_ALLOW_EMULATION")]
+    #[arg(long, env = "CELLGATE_MICROVM_ALLOW_EMULATION", value_parser = clap::builder::BoolishValueParser::new())]
     pub microvm_allow_emulation: bool,
     /// Restore sessions' microVMs from warm-pool snapshots (a VM with Python and ipykernel
     /// imported, made once per kind of VM in the background) instead of booting each one
     /// [default: true].
-    #[arg(long, env = "CELLGATE_MICROVM_SNAPSHOTS")]
+    #[arg(long, env = "CELLGATE_MICROVM_SNAPSHOTS", value_parser = clap::builder::BoolishValueParser::new())]
     pub microvm_snapshots: Option<bool>,
     /// Where the warm-pool snapshots are kept [default: snapshots/ in the guest directory].
     #[arg(long, env = "CELLGATE_MICROVM_SNAPSHOT_DIR")]
@@ -165,7 +165,7 @@ pub struct MicrovmArgs {
     #[arg(long, env = "CELLGATE_GUEST_VMLINUX")]
     pub guest_kernel: Option<PathBuf>,
     /// The --guest-kernel is a PVM guest (CELLGATE_GUEST_PVM=1).
-    #[arg(long, env = "CELLGATE_GUEST_PVM", requires = "guest_kernel")]
+    #[arg(long, env = "CELLGATE_GUEST_PVM", value_parser = clap::builder::BoolishValueParser::new(), requires = "guest_kernel")]
     pub guest_kernel_pvm: bool,
 }
 
@@ -538,7 +538,8 @@ impl GatewayConfig {
             tenants.burst = Some(burst);
         }
         if let Some(order) = &args.auth.policy_order {
-            tenants.policy_order = order.clone();
+            // `a, b` in a variable means `a` and `b`.
+            tenants.policy_order = order.iter().map(|p| p.trim().to_owned()).collect();
         }
         tenants.validate()?;
         if token.is_none() && !jwt.enabled() && !ip.is_loopback() {
@@ -685,7 +686,8 @@ impl GatewayConfig {
             allow_origin,
             env_allowlist: args
                 .env_allowlist
-                .clone()
+                .as_ref()
+                .map(|names| names.iter().map(|n| n.trim().to_owned()).collect())
                 .or_else(|| {
                     env_var("KG_ENV_WHITELIST")
                         .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())

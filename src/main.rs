@@ -19,7 +19,7 @@ use cellgate::sandbox::{Backend, Backends};
 )]
 struct Cli {
     /// Log as JSON lines instead of text.
-    #[arg(long, global = true, env = "CELLGATE_LOG_JSON")]
+    #[arg(long, global = true, env = "CELLGATE_LOG_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     log_json: bool,
     #[command(subcommand)]
     command: Command,
@@ -165,6 +165,9 @@ fn main() -> anyhow::Result<()> {
 fn doctor_options(args: DoctorArgs) -> anyhow::Result<cellgate::doctor::DoctorOptions> {
     let serve_args = ServeArgs {
         config: args.config,
+        // The doctor listens nowhere: a public `ip` whose credentials come from elsewhere
+        // (a JWT key in the environment, say) must not fail its check.
+        ip: Some(std::net::IpAddr::from([127, 0, 0, 1])),
         kernels_dir: args.kernels_dir,
         policies_dir: args.policies_dir,
         sandbox: args.sandbox,
@@ -283,6 +286,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}:{}", config.ip, config.port))?;
     let local = listener.local_addr()?;
+    // Bound before any kernel starts, so a taken address fails the start with nothing to
+    // clean up.
+    let metrics_listener = match config.metrics_listen {
+        Some(address) => Some(
+            tokio::net::TcpListener::bind(address)
+                .await
+                .with_context(|| format!("cannot listen on {address} (--metrics-listen)"))?,
+        ),
+        None => None,
+    };
     // Bound first: the egress proxy must know the gateway's own address to refuse it.
     let egress = egress_proxy(&config, local)?;
     let kernels = KernelManager::new(
@@ -319,6 +332,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     // Tools that start us (tests, benchmarks) read the port from this line.
     println!("cellgate listening on http://{local}{}", config.base_url);
+    if let Some(metrics) = &metrics_listener {
+        let address = metrics.local_addr()?;
+        tracing::info!(url = %format!("http://{address}/metrics"), "serving metrics and probes");
+        println!("cellgate metrics on http://{address}/metrics");
+    }
     let shutdown = async {
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
@@ -328,9 +346,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         tracing::info!("shutting down");
     };
-    cellgate::gateway::serve(config, kernels.clone(), listener, shutdown).await?;
+    let served = cellgate::gateway::serve(
+        config,
+        kernels.clone(),
+        listener,
+        metrics_listener,
+        shutdown,
+    )
+    .await;
+    // Whatever ended the serving, no sandbox outlives the gateway.
     kernels.shutdown_all().await;
-    Ok(())
+    Ok(served?)
 }
 
 /// Raises the soft limit on open files to the hard limit: every client connection, kernel

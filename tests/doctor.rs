@@ -14,6 +14,17 @@ fn cellgate() -> Command {
     command
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("CELLGATE_PACKAGE_INDEX", "http://127.0.0.1:9/simple");
+    // The runner's own settings (./dev test exports CELLGATE_KERNELS_DIR) would override
+    // what a test gives in a config file.
+    for name in [
+        "CELLGATE_KERNELS_DIR",
+        "CELLGATE_POLICIES_DIR",
+        "CELLGATE_SANDBOX",
+        "CELLGATE_CONFIG",
+        "CELLGATE_WHEELHOUSE",
+    ] {
+        command.env_remove(name);
+    }
     command
 }
 

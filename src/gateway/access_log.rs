@@ -86,16 +86,16 @@ pub async fn access_log(mut request: Request, next: Next) -> Response {
     let status = response.status().as_u16();
     response.headers_mut().insert(X_REQUEST_ID.clone(), id);
     crate::telemetry::metrics::metrics().http_request(method, &route, status, elapsed);
+    let latency_ms = (elapsed.as_secs_f64() * 1e5).round() / 100.0;
+    let peer = peer.map_or_else(|| "-".to_owned(), |ip| ip.to_string());
     span.in_scope(|| {
-        tracing::info!(
-            target: "cellgate::access",
-            method,
-            route,
-            status,
-            latency_ms = (elapsed.as_secs_f64() * 1e5).round() / 100.0,
-            peer = %peer.map_or_else(|| "-".to_owned(), |ip| ip.to_string()),
-            "request"
-        );
+        // Probes and scrapes come every few seconds from the orchestrator: at debug, so
+        // they do not bury the requests people make (a failed one is still at info).
+        if matches!(route.as_str(), "/healthz" | "/readyz" | "/metrics") && status < 400 {
+            tracing::debug!(target: "cellgate::access", method, route, status, latency_ms, %peer, "request");
+        } else {
+            tracing::info!(target: "cellgate::access", method, route, status, latency_ms, %peer, "request");
+        }
     });
     response
 }

@@ -184,6 +184,7 @@ pub async fn serve(
     config: Arc<GatewayConfig>,
     kernels: Arc<KernelManager>,
     listener: tokio::net::TcpListener,
+    metrics_listener: Option<tokio::net::TcpListener>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let sessions = v1_sessions(&config, &kernels)?;
@@ -204,20 +205,12 @@ pub async fn serve(
     let state = AppState::new(config.clone(), kernels, sessions).map_err(std::io::Error::other)?;
     // The metrics listener stops with the main one.
     let (stopping, stop) = tokio::sync::watch::channel(false);
-    if let Some(address) = config.metrics_listen {
-        let metrics_listener = tokio::net::TcpListener::bind(address)
-            .await
-            .map_err(|err| {
-                std::io::Error::new(
-                    err.kind(),
-                    format!("cannot listen on {address} (--metrics-listen): {err}"),
-                )
-            })?;
+    if let Some(metrics_listener) = metrics_listener {
         let local = metrics_listener.local_addr()?;
-        tracing::info!(url = %format!("http://{local}/metrics"), "serving metrics and probes");
-        // Tools that start us (tests) read the port from this line.
-        println!("cellgate metrics on http://{local}/metrics");
-        let app = operations::metrics_listener_router(state.clone())
+        if !local.ip().is_loopback() {
+            tracing::warn!(address = %local, "the metrics listener needs no credential and its metrics name tenants: keep its address reachable by the scraper only");
+        }
+        let app = operations::metrics_listener_router(state.clone(), local.ip().is_loopback())
             .layer(middleware::from_fn(access_log::access_log));
         let mut stop = stop.clone();
         tokio::spawn(listener::serve(metrics_listener, app, limits, async move {

@@ -4,16 +4,21 @@
 //!
 //! - `/healthz` answers `ok` while the process serves requests: nothing is checked, so a
 //!   busy host never gets a healthy gateway restarted.
-//! - `/readyz` answers 200 only when every backend the policies use passed its last check
+//! - `/readyz` answers 200 only when the default policy's backend passed its last check
 //!   (the checks of `cellgate doctor`, run in the background every [`CHECK_EVERY`], never on
 //!   the request: with a probe sandbox at start and after a failure, the host's facts
-//!   alone in between, as a microVM probe costs a VM boot) and the warm pool has reached its target with
-//!   its last start succeeding; else 503. Its JSON body says which part is missing either
-//!   way. A pool that dips while it refills after a hand-out stays ready: only a pool that
-//!   never filled, or whose refill fails, is not.
+//!   alone in between, as a microVM probe costs a VM boot) and the warm pool has reached its
+//!   target, with kernels in it or its last start succeeding; else 503. The other policies'
+//!   backends are checked and reported as `degraded`, as the gateway's start treats them:
+//!   one optional policy that cannot run here must not take every replica out of a load
+//!   balancer. A pool that dips while it refills after a hand-out stays ready. The body
+//!   says what is missing; its details (the doctor's words, the pool's last error, which
+//!   name host paths) go only to the admin, the metrics listener, or a gateway without
+//!   credentials (loopback only).
 //! - `/metrics` needs the admin (the gateway's token; a tenant's JWT gets 403, as metrics
 //!   cross tenants) on the main listener, and nothing on the metrics listener, which an
-//!   operator binds to an address only the scraper reaches.
+//!   operator binds to an address only the scraper reaches. Bound to loopback, that
+//!   listener answers only loopback `Host` names (a DNS-rebinding page gets nothing).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -119,7 +124,13 @@ pub struct ReadyReport {
     pub ready: bool,
     /// Why not, in words; empty when ready.
     pub waiting_for: Vec<String>,
-    pub backends: BTreeMap<&'static str, BackendCheck>,
+    /// Other policies' backends that cannot launch kernels here (their kernels are
+    /// refused; the gateway stays ready).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub degraded: Vec<String>,
+    /// Each backend's last check (detailed answers only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backends: Option<BTreeMap<&'static str, BackendCheck>>,
     pub pool: PoolReport,
 }
 
@@ -133,9 +144,17 @@ pub struct PoolReport {
     pub last_error: Option<String>,
 }
 
-/// Whether the gateway is ready, and why not.
-pub fn ready_report(state: &AppState) -> ReadyReport {
+/// Whether the gateway is ready, and why not; `detailed`: with the doctor's words and the
+/// pool's last error.
+pub fn ready_report(state: &AppState, detailed: bool) -> ReadyReport {
     let mut waiting_for = Vec::new();
+    let mut degraded = Vec::new();
+    let default_backend = state
+        .kernels
+        .policies()
+        .get("default")
+        .map(|p| state.kernels.backend_of(p).as_str())
+        .ok();
     let backends = match state.checks.last() {
         Some(backends) => backends,
         None => {
@@ -144,11 +163,19 @@ pub fn ready_report(state: &AppState) -> ReadyReport {
         }
     };
     for (name, check) in &backends {
-        if !check.ok {
-            waiting_for.push(format!(
-                "sandbox backend {name} cannot launch kernels: {}",
-                check.problems.join("; ")
-            ));
+        if check.ok {
+            continue;
+        }
+        let why = if detailed {
+            format!(": {}", check.problems.join("; "))
+        } else {
+            String::new()
+        };
+        let line = format!("sandbox backend {name} cannot launch kernels{why}");
+        if Some(*name) == default_backend {
+            waiting_for.push(line);
+        } else {
+            degraded.push(line);
         }
     }
     let pool = state.kernels.pool_status();
@@ -158,21 +185,27 @@ pub fn ready_report(state: &AppState) -> ReadyReport {
             pool.target
         ));
     }
-    if let Some(err) = &pool.last_error {
+    if let Some(err) = pool.last_error.as_ref().filter(|_| pool.ready == 0) {
+        let why = if detailed {
+            format!(": {err}")
+        } else {
+            String::new()
+        };
         waiting_for.push(format!(
-            "the warm pool's last kernel failed to start: {err}"
+            "the warm pool is empty and its last kernel failed to start{why}"
         ));
     }
     ReadyReport {
         ready: waiting_for.is_empty(),
         waiting_for,
-        backends,
+        degraded,
+        backends: detailed.then_some(backends),
         pool: PoolReport {
             target: pool.target,
             ready: pool.ready,
             starting: pool.filling,
             filled: pool.filled_once,
-            last_error: pool.last_error,
+            last_error: pool.last_error.filter(|_| detailed),
         },
     }
 }
@@ -181,8 +214,24 @@ async fn healthz() -> &'static str {
     "ok"
 }
 
-async fn readyz(State(state): State<AppState>) -> Response {
-    let report = ready_report(&state);
+/// `/readyz` on the main listener: details for the admin (or a gateway without
+/// credentials, loopback only).
+async fn readyz(State(state): State<AppState>, request: axum::extract::Request) -> Response {
+    let open = state.config.token.is_none() && state.jwt.is_none();
+    let admin = open
+        || match (&state.config.token, super::auth::credential(&request)) {
+            (Some(expected), Some(presented)) => super::auth::token_matches(expected, &presented),
+            _ => false,
+        };
+    ready_answer(ready_report(&state, admin))
+}
+
+/// `/readyz` on the metrics listener: with details.
+async fn readyz_detailed(State(state): State<AppState>) -> Response {
+    ready_answer(ready_report(&state, true))
+}
+
+fn ready_answer(report: ReadyReport) -> Response {
     let status = if report.ready {
         StatusCode::OK
     } else {
@@ -231,7 +280,7 @@ fn snapshot(state: &AppState) -> Snapshot {
     let (count, bytes) = state.sessions.artifacts().totals();
     snapshot.artifacts = count as i64;
     snapshot.artifact_bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
-    snapshot.ready = ready_report(state).ready;
+    snapshot.ready = ready_report(state, false).ready;
     snapshot
 }
 
@@ -286,9 +335,38 @@ pub fn metrics_route() -> Router<AppState> {
 }
 
 /// The metrics listener's whole surface: probes and metrics, without authentication.
-pub fn metrics_listener_router(state: AppState) -> Router {
-    probe_routes()
+/// `loopback`: it is bound to a loopback address, so only loopback `Host` names are served.
+pub fn metrics_listener_router(state: AppState, loopback: bool) -> Router {
+    let router = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz_detailed))
         .route("/metrics", get(metrics_open))
         .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n") })
-        .with_state(state)
+        .with_state(state);
+    if loopback {
+        router.layer(axum::middleware::from_fn(loopback_host_only))
+    } else {
+        router
+    }
+}
+
+/// A page elsewhere whose name resolves to 127.0.0.1 (DNS rebinding) sends its own name as
+/// `Host`: refused, as the main listener refuses it without a token.
+async fn loopback_host_only(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or_default();
+    if !super::edge::is_loopback_host(host) {
+        return (
+            StatusCode::FORBIDDEN,
+            "this listener answers loopback names only\n",
+        )
+            .into_response();
+    }
+    next.run(request).await
 }

@@ -448,7 +448,7 @@ impl Executions {
                     self.answer(w, ename, evalue, outcome)
                 } else {
                     let text = format!("this cell never ran: {evalue}");
-                    self.answer(w, ename, &text, outcome)
+                    self.answer_unrun(w, ename, &text, outcome)
                 }
             })
             .collect();
@@ -557,6 +557,24 @@ impl Executions {
         )
     }
 
+    /// [`Self::answer`] for an execution that was queued behind the one that ended the
+    /// kernel: counted as `aborted` (it never ran), answered with the same outcome.
+    fn answer_unrun(
+        &mut self,
+        waiting: Waiting,
+        ename: &str,
+        evalue: &str,
+        outcome: Outcome,
+    ) -> Answer {
+        let metrics = self.metrics.take();
+        if let Some(metrics) = &metrics {
+            metrics.record(ExecOutcome::aborted, waiting.sent.elapsed());
+        }
+        let answer = self.answer(waiting, ename, evalue, outcome);
+        self.metrics = metrics;
+        answer
+    }
+
     /// The gateway's error, execute_reply and idle for `waiting`, in the kernel's stead.
     fn answer(&mut self, waiting: Waiting, ename: &str, evalue: &str, outcome: Outcome) -> Answer {
         let Waiting {
@@ -566,11 +584,14 @@ impl Executions {
             header_bytes,
         } = waiting;
         if let Some(metrics) = &self.metrics {
+            let denied = self.denials.get(&msg_id).is_some_and(|d| !d.is_empty());
+            // As API v1's status says it (`sessions::execution::status_of`).
             let counted = match outcome {
                 Outcome::Timeout => ExecOutcome::timeout,
                 Outcome::Oom => ExecOutcome::oom,
-                Outcome::SandboxLost | Outcome::Pids => ExecOutcome::lost,
-                Outcome::OutputTruncated => ExecOutcome::error,
+                Outcome::SandboxLost => ExecOutcome::lost,
+                Outcome::Pids | Outcome::OutputTruncated if denied => ExecOutcome::denied,
+                Outcome::Pids | Outcome::OutputTruncated => ExecOutcome::error,
             };
             metrics.record(counted, sent.elapsed());
         }
@@ -659,14 +680,16 @@ fn ending(message: &Message, denials: Option<&Vec<Denial>>) -> ExecOutcome {
     // `%pip install` of a refused package fails on stderr without raising: the cell "ends
     // ok" having installed nothing (as API v1's `denied` status says).
     let refused_package = denials.is_some_and(|d| d.iter().any(|d| d.kind == DenialKind::Package));
+    // In `status_of`'s order: a failed cell that tried something refused is `denied`,
+    // whatever it raised.
     match status {
         Some("ok") if refused_package => ExecOutcome::denied,
         Some("ok") => ExecOutcome::ok,
         Some("aborted") => ExecOutcome::aborted,
+        _ if denied => ExecOutcome::denied,
         _ if reply.as_ref().and_then(|r| r.ename.as_deref()) == Some("KeyboardInterrupt") => {
             ExecOutcome::interrupted
         }
-        _ if denied => ExecOutcome::denied,
         _ => ExecOutcome::error,
     }
 }

@@ -90,7 +90,13 @@ struct Pool {
     filled_once: bool,
     /// Why the last pool kernel failed to start, until one starts again.
     last_error: Option<String>,
+    /// Pool starts that failed in a row (the retry's back-off), and whether a retry waits.
+    failures: u32,
+    retry_pending: bool,
 }
+
+/// The longest wait before a failed pool start is tried again.
+const POOL_RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// The warm pool's state, for readiness and metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -248,7 +254,7 @@ impl KernelManager {
         let kernel = match self.launch(spec, &policy, client_env).await {
             Ok(kernel) => kernel,
             Err(err) => {
-                metrics.kernel_start_failed(&policy.name, backend);
+                metrics.kernel_start_failed(&policy.name, backend, StartSource::cold);
                 return Err(err);
             }
         };
@@ -264,7 +270,7 @@ impl KernelManager {
                     StartSource::cold,
                     asked.elapsed(),
                 ),
-                Err(_) => metrics.kernel_start_failed(&policy_name, backend),
+                Err(_) => metrics.kernel_start_failed(&policy_name, backend, StartSource::cold),
             }
         });
         if let Some(owner) = owner {
@@ -404,7 +410,7 @@ impl KernelManager {
                             StartSource::refill,
                             began.elapsed(),
                         ),
-                        Err(_) => metrics.kernel_start_failed(policy, backend),
+                        Err(_) => metrics.kernel_start_failed(policy, backend, StartSource::refill),
                     }
                 }
                 let mut pool = manager.pool.lock();
@@ -416,10 +422,28 @@ impl KernelManager {
                         pool.ready.push_back(kernel);
                         pool.filled_once |= pool.ready.len() >= wanted;
                         pool.last_error = None;
+                        pool.failures = 0;
                     }
                     Err(err) => {
-                        tracing::warn!(%err, "could not start a pool kernel");
                         pool.last_error = Some(err.to_string());
+                        pool.failures = pool.failures.saturating_add(1);
+                        // Tried again by itself, backing off: a pool that failed once (a
+                        // host busy at boot) must not stay empty, and the gateway unready,
+                        // until a client happens to start a kernel.
+                        let wait =
+                            Duration::from_secs(1 << pool.failures.min(6)).min(POOL_RETRY_MAX);
+                        tracing::warn!(%err, retry_in = ?wait, "could not start a pool kernel");
+                        if !pool.retry_pending {
+                            pool.retry_pending = true;
+                            let weak = Arc::downgrade(&manager);
+                            tokio::spawn(async move {
+                                tokio::time::sleep(wait).await;
+                                if let Some(manager) = weak.upgrade() {
+                                    manager.pool.lock().retry_pending = false;
+                                    manager.refill_pool();
+                                }
+                            });
+                        }
                     }
                 }
             });
@@ -453,7 +477,12 @@ impl KernelManager {
         let pool = self.pool.lock();
         PoolStatus {
             target: self.options.pool_size,
-            ready: pool.ready.len(),
+            // A pool kernel that died waiting is dropped at the next hand-out, not counted.
+            ready: pool
+                .ready
+                .iter()
+                .filter(|k| k.readiness() == Readiness::Ready)
+                .count(),
             filling: pool.filling,
             filled_once: pool.filled_once || self.options.pool_size == 0,
             last_error: pool.last_error.clone(),

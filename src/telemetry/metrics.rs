@@ -84,12 +84,6 @@ struct StartLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct KernelLabels {
-    policy: String,
-    backend: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ExecLabels {
     policy: String,
     outcome: ExecOutcome,
@@ -159,7 +153,7 @@ fn http_histogram() -> Histogram {
 /// The process-wide event metrics.
 pub struct Metrics {
     kernel_start: HistogramFamily<StartLabels>,
-    kernel_start_failures: Family<KernelLabels, Counter>,
+    kernel_start_failures: Family<StartLabels, Counter>,
     pool_hits: Counter,
     pool_misses: Counter,
     executions: Family<ExecLabels, Counter>,
@@ -218,11 +212,8 @@ impl std::fmt::Debug for ExecutionMetrics {
 impl ExecutionMetrics {
     /// Records one execution's end.
     pub fn record(&self, outcome: ExecOutcome, elapsed: Duration) {
-        let at = ExecOutcome::ALL
-            .iter()
-            .position(|o| *o == outcome)
-            .unwrap_or(0);
-        let (count, seconds) = &self.by_outcome[at];
+        // `ALL` lists the variants in declaration order (checked in the tests).
+        let (count, seconds) = &self.by_outcome[outcome as usize];
         count.inc();
         seconds.observe(elapsed.as_secs_f64());
     }
@@ -246,12 +237,14 @@ impl Metrics {
             .observe(elapsed.as_secs_f64());
     }
 
-    /// A kernel failed to start, or to become ready.
-    pub fn kernel_start_failed(&self, policy: &str, backend: &'static str) {
+    /// A kernel failed to start, or to become ready (`source`: `cold` for a client's,
+    /// `refill` for the pool's).
+    pub fn kernel_start_failed(&self, policy: &str, backend: &'static str, source: StartSource) {
         self.kernel_start_failures
-            .get_or_create(&KernelLabels {
+            .get_or_create(&StartLabels {
                 policy: policy.to_owned(),
                 backend,
+                source,
             })
             .inc();
     }
@@ -566,6 +559,13 @@ impl ProcessStat {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outcomes_index_their_own_handles() {
+        for (at, outcome) in ExecOutcome::ALL.iter().enumerate() {
+            assert_eq!(*outcome as usize, at, "{outcome:?}");
+        }
+    }
 
     #[test]
     fn the_text_format_holds_events_state_and_process() {

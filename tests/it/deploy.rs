@@ -1004,7 +1004,7 @@ fn known_metrics() -> BTreeMap<String, Vec<String>> {
         StartSource::cold,
         Duration::from_secs(1),
     );
-    m.kernel_start_failed("default", "namespaces");
+    m.kernel_start_failed("default", "namespaces", StartSource::refill);
     m.pool_lookup(true);
     m.executions_of("default")
         .record(ExecOutcome::ok, Duration::from_millis(3));

@@ -140,6 +140,19 @@ impl GatewayBuilder {
         if !self.args.iter().any(|a| a == "--pool-size") {
             command.args(["--pool-size", "0"]);
         }
+        // Every serve option reads a CELLGATE_* (or KG_*) variable: one set in the shell that
+        // runs the tests would change every gateway. Only the machine's own facts pass.
+        for (name, _) in std::env::vars_os() {
+            let Some(name) = name.to_str() else { continue };
+            let ours = name.starts_with("CELLGATE_") || name.starts_with("KG_");
+            let kept = matches!(
+                name,
+                "CELLGATE_GUEST_DIR" | "CELLGATE_TOOLS_PYTHON" | "CELLGATE_MICROVM_ALLOW_EMULATION"
+            ) || name.starts_with("CELLGATE_TEST_");
+            if ours && !kept {
+                command.env_remove(name);
+            }
+        }
         let child = command.spawn().context("spawn cellgate")?;
         Gateway::attach(child, self.token).await
     }
