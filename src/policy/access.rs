@@ -233,8 +233,22 @@ impl PackageRule {
     /// Whether a file of this version may be served: every clause holds. Without
     /// specifiers any version does; with them, a version that is not PEP 440 fails every
     /// clause but an exact `===`.
+    ///
+    /// As PEP 440 says of specifiers, a pre- or dev-release matches only a rule that names
+    /// one itself: `>=1.0` does not open `2.0rc1` (pip skips them by default, but
+    /// `pip install --pre` would otherwise reach releases the operator never meant).
     pub fn version_matches(&self, version: &str) -> bool {
         let parsed = version.parse::<pep440_rs::Version>().ok();
+        let names_prerelease = self.specifiers.iter().any(|s| match s {
+            Specifier::Pep440(spec) => spec.version().any_prerelease(),
+            Specifier::Exactly(_) => true,
+        });
+        if !self.specifiers.is_empty()
+            && !names_prerelease
+            && parsed.as_ref().is_some_and(|v| v.any_prerelease())
+        {
+            return false;
+        }
         self.specifiers
             .iter()
             .all(|s| s.matches(version, parsed.as_ref()))
@@ -293,6 +307,18 @@ pub(super) fn package_rules(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pre_releases_match_only_a_rule_that_names_one() {
+        let rule = PackageRule::parse("demo>=1.0").unwrap();
+        assert!(rule.version_matches("1.5"));
+        assert!(!rule.version_matches("2.0rc1"));
+        assert!(!rule.version_matches("2.0.dev3"));
+        let rule = PackageRule::parse("demo>=2.0rc1").unwrap();
+        assert!(rule.version_matches("2.0rc2") && rule.version_matches("2.0"));
+        // No specifier: every version, pre-releases included (the project is allowed).
+        assert!(PackageRule::parse("demo").unwrap().version_matches("3.0a1"));
+    }
 
     #[test]
     fn host_patterns() {
