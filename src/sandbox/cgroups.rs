@@ -39,6 +39,9 @@ use crate::sandbox::{Limits, ResourceUsage};
 
 /// The directory under the gateway's own cgroup that holds the kernels' cgroups.
 const PARENT: &str = "cellgate";
+/// The leaf the gateway's own processes move to on cgroup v2 when its cgroup must hand
+/// controllers down (see [`move_into_leaf`]).
+const GATEWAY_LEAF: &str = "cellgate-gateway";
 
 /// CFS period for CPU limits.
 const CPU_PERIOD_US: u64 = 100_000;
@@ -203,6 +206,37 @@ fn make_dir(dir: &Path) -> Result<(), CgroupError> {
     }
 }
 
+/// cgroup v2 lets a cgroup hand controllers to its children only while it holds no process
+/// itself (the "no internal processes" rule, EBUSY): a gateway started by systemd with
+/// `Delegate=yes`, or as a container's process, sits in the very cgroup it was delegated.
+/// Its processes (the gateway, and any other process of that cgroup, all of them in the
+/// subtree delegated to it) move into a leaf beside the kernels' parent, as container
+/// runtimes do with their init; the cgroup is then free to delegate. Only taken on EBUSY,
+/// so a gateway already in a leaf (or on v1) is never moved.
+fn move_into_leaf(own_dir: &Path) -> Result<(), CgroupError> {
+    let leaf = own_dir.join(GATEWAY_LEAF);
+    make_dir(&leaf)?;
+    let procs = fs::read_to_string(own_dir.join("cgroup.procs")).map_err(io_err(format!(
+        "read {}",
+        own_dir.join("cgroup.procs").display()
+    )))?;
+    for pid in procs.split_whitespace() {
+        match fs::write(leaf.join("cgroup.procs"), pid) {
+            Ok(()) => {}
+            // Gone since the list was read.
+            Err(err) if err.raw_os_error() == Some(rustix::io::Errno::SRCH.raw_os_error()) => {}
+            Err(err) => {
+                return Err(io_err(format!(
+                    "move process {pid} into {}",
+                    leaf.display()
+                ))(err))
+            }
+        }
+    }
+    tracing::info!(leaf = %leaf.display(), "cgroup v2: moved the gateway's processes into a leaf so that its cgroup can delegate controllers to kernels");
+    Ok(())
+}
+
 fn create_v2(own_dir: &Path, name: &str, limits: &Limits) -> Result<KernelCgroup, CgroupError> {
     let parent = own_dir.join(PARENT);
     make_dir(&parent)?;
@@ -217,7 +251,15 @@ fn create_v2(own_dir: &Path, name: &str, limits: &Limits) -> Result<KernelCgroup
         .collect::<Vec<_>>()
         .join(" ");
     if !enable.is_empty() {
-        write(own_dir, "cgroup.subtree_control", &enable)?;
+        match write(own_dir, "cgroup.subtree_control", &enable) {
+            Err(CgroupError::Io { source, .. })
+                if source.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) =>
+            {
+                move_into_leaf(own_dir)?;
+                write(own_dir, "cgroup.subtree_control", &enable)?;
+            }
+            other => other?,
+        }
         write(&parent, "cgroup.subtree_control", &enable)?;
     }
     let dir = parent.join(name);
