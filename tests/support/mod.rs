@@ -209,7 +209,22 @@ impl Gateway {
 }
 
 impl Drop for Gateway {
+    /// SIGTERM first, as an operator stops it: the gateway ends its kernels and removes its
+    /// runtime directory (a SIGKILL left one behind in /tmp per test gateway, gigabytes
+    /// over a few runs). SIGKILL after 10 s, for a gateway a test left stuck.
     fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                if !matches!(self.child.try_wait(), Ok(None)) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
