@@ -356,6 +356,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     .await;
     // Whatever ended the serving, no sandbox outlives the gateway.
     kernels.shutdown_all().await;
+    // The manager's own drop would remove it, but tasks still holding it (the culler, the
+    // artifact reaper) keep it alive until the process is gone.
+    if let Err(err) = std::fs::remove_dir_all(kernels.runtime_root()) {
+        if err.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(dir = %kernels.runtime_root().display(), %err, "could not remove the runtime directory");
+        }
+    }
     Ok(served?)
 }
 
