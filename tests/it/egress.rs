@@ -1,7 +1,7 @@
 //! Egress proxy and package index, end to end: a real gateway, real kernels in the
 //! namespaces sandbox, real pip inside them, the real proxy and bridge. Test servers listen
-//! on loopback and are reached through host names the gateway config maps to them; nothing
-//! leaves this machine except the upstream-index test, which talks to PyPI.
+//! on loopback and are reached through host names the gateway config maps to them; the
+//! upstream index (PEP 691 JSON) is a local one too: nothing leaves this machine.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -735,13 +735,19 @@ fn sha256_hex(path: &Path) -> Result<String> {
 }
 
 /// A PEP 691 upstream index on 127.0.0.1 serving wheels from disk with their sha256 and
-/// `Content-Length`. It counts requests per file; while `corrupt` is set it sends every
-/// file with one byte changed; while `gate` is shut it sends a file's first MiB and then
-/// waits.
+/// `Content-Length`. It counts requests per file (any method) and the file bodies a client
+/// dropped before their end; while `corrupt` is set it sends every file with one byte
+/// changed; while `gate` is shut it sends a file's first MiB and then a KiB every 2 s
+/// (slower than the gateway writes to its clients, faster than its stall timeout); it lists the
+/// PEP 700 `size` of the files in `sizes` (which may lie); while `unannounced` is set it
+/// sends files without a `Content-Length`.
 struct Upstream {
     port: u16,
     hits: Arc<Mutex<HashMap<String, usize>>>,
+    dropped: Arc<Mutex<HashMap<String, usize>>>,
     corrupt: Arc<AtomicBool>,
+    unannounced: Arc<AtomicBool>,
+    sizes: Arc<Mutex<HashMap<String, u64>>>,
     gate: tokio::sync::watch::Sender<bool>,
 }
 
@@ -749,8 +755,32 @@ struct Upstream {
 struct UpstreamState {
     files: Arc<Vec<(String, PathBuf, String)>>,
     hits: Arc<Mutex<HashMap<String, usize>>>,
+    dropped: Arc<Mutex<HashMap<String, usize>>>,
     corrupt: Arc<AtomicBool>,
+    unannounced: Arc<AtomicBool>,
+    sizes: Arc<Mutex<HashMap<String, u64>>>,
     gate: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Counts a file body dropped before its end (its client hung up) in `dropped`.
+struct BodyEnd {
+    name: String,
+    dropped: Arc<Mutex<HashMap<String, usize>>>,
+    done: bool,
+}
+
+impl BodyEnd {
+    fn finished(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for BodyEnd {
+    fn drop(&mut self) {
+        if !self.done {
+            *self.dropped.lock().entry(self.name.clone()).or_default() += 1;
+        }
+    }
 }
 
 impl Upstream {
@@ -771,13 +801,19 @@ impl Upstream {
         let state = UpstreamState {
             files: Arc::new(files),
             hits: Arc::default(),
+            dropped: Arc::default(),
             corrupt: Arc::default(),
+            unannounced: Arc::default(),
+            sizes: Arc::default(),
             gate: gate_rx,
         };
         let upstream = Upstream {
             port: 0,
             hits: state.hits.clone(),
+            dropped: state.dropped.clone(),
             corrupt: state.corrupt.clone(),
+            unannounced: state.unannounced.clone(),
+            sizes: state.sizes.clone(),
             gate,
         };
         async fn project(
@@ -789,7 +825,11 @@ impl Upstream {
                 .iter()
                 .filter(|(name, _, _)| name.starts_with(&format!("{project}-")))
                 .map(|(name, _, sha)| {
-                    json!({"filename": name, "url": format!("/files/{name}"), "hashes": {"sha256": sha}})
+                    let mut entry = json!({"filename": name, "url": format!("/files/{name}"), "hashes": {"sha256": sha}});
+                    if let Some(size) = state.sizes.lock().get(name) {
+                        entry["size"] = json!(size);
+                    }
+                    entry
                 })
                 .collect();
             (
@@ -813,16 +853,34 @@ impl Upstream {
                 return StatusCode::INTERNAL_SERVER_ERROR.into_response();
             };
             let corrupt = state.corrupt.load(Ordering::SeqCst);
+            let end = BodyEnd {
+                name: name.clone(),
+                dropped: state.dropped.clone(),
+                done: false,
+            };
             let chunks = futures_util::stream::unfold(
-                (file, 0u64, state.gate.clone()),
-                move |(mut file, sent, mut gate)| async move {
-                    if sent >= 1 << 20 {
-                        // Err: the test is over and the gate gone; no one wants the rest.
-                        gate.wait_for(|open| *open).await.ok()?;
+                (file, 0u64, state.gate.clone(), end),
+                move |(mut file, sent, mut gate, mut end)| async move {
+                    let mut len = 1 << 20;
+                    if sent >= 1 << 20 && !*gate.borrow() {
+                        // Shut: a trickle (a KiB every 2 s) until it opens, so that the
+                        // gateway's stall timeout does not end a download a test holds.
+                        match tokio::time::timeout(
+                            Duration::from_secs(2),
+                            gate.wait_for(|open| *open),
+                        )
+                        .await
+                        {
+                            Ok(Ok(_)) => {}
+                            // The test is over and the gate gone; no one wants the rest.
+                            Ok(Err(_)) => return None,
+                            Err(_) => len = 1 << 10,
+                        }
                     }
-                    let mut buf = vec![0u8; 1 << 20];
+                    let mut buf = vec![0u8; len];
                     let n = file.read(&mut buf).await.ok()?;
                     if n == 0 {
+                        end.finished();
                         return None;
                     }
                     buf.truncate(n);
@@ -831,18 +889,21 @@ impl Upstream {
                     }
                     Some((
                         Ok::<_, std::io::Error>(bytes::Bytes::from(buf)),
-                        (file, sent + n as u64, gate),
+                        (file, sent + n as u64, gate, end),
                     ))
                 },
             );
-            (
-                [
-                    (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
-                    (header::CONTENT_LENGTH, meta.len().to_string()),
-                ],
+            let mut response = (
+                [(header::CONTENT_TYPE, "application/octet-stream".to_owned())],
                 axum::body::Body::from_stream(chunks),
             )
-                .into_response()
+                .into_response();
+            if !state.unannounced.load(Ordering::SeqCst) {
+                response
+                    .headers_mut()
+                    .insert(header::CONTENT_LENGTH, meta.len().into());
+            }
+            response
         }
         let app = axum::Router::new()
             .route("/simple/{project}/", axum::routing::get(project))
@@ -858,6 +919,11 @@ impl Upstream {
 
     fn hits(&self, name: &str) -> usize {
         self.hits.lock().get(name).copied().unwrap_or(0)
+    }
+
+    /// File bodies dropped before their end, all files.
+    fn dropped(&self) -> usize {
+        self.dropped.lock().values().sum()
     }
 
     fn config(&self) -> String {
@@ -1130,5 +1196,285 @@ async fn a_download_that_fails_its_hash_is_refused_and_leaves_nothing_cached() -
         .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
         .collect::<std::io::Result<_>>()?;
     assert_eq!(left, [sha]);
+    Ok(())
+}
+
+/// The names in the package cache directory (temporary files start with a dot).
+fn cache_entries(cache: &Path) -> Result<Vec<String>> {
+    Ok(std::fs::read_dir(cache)?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<std::io::Result<_>>()?)
+}
+
+/// Waits until `done` holds, failing after a generous minute with `what` and the log.
+async fn eventually(gateway: &Gateway, what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "never: {what}\n{}",
+            gateway.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// Python that prints the `/files/...` URL of `project`'s (only) file, as the gateway's
+/// index lists it to this kernel.
+fn listed_url(project: &str) -> String {
+    format!(
+        concat!(
+            "import json, urllib.request\n",
+            "def listed(p):\n",
+            "    r = urllib.request.Request(f'http://packages.cellgate.internal/simple/{{p}}/', headers={{'Accept': 'application/vnd.pypi.simple.v1+json'}})\n",
+            "    return 'http://packages.cellgate.internal' + json.load(urllib.request.urlopen(r, timeout=60))['files'][0]['url']\n",
+            "url = listed('{project}')\n",
+        ),
+        project = project
+    )
+}
+
+/// A hostile kernel cannot leave downloads behind or hold the slots: clients that hang up
+/// mid-download stop their downloads (upstream sees its connections dropped, the temporary
+/// files go, nothing is cached); a request that finds every slot taken gets a 503 with
+/// `Retry-After` once it waited too long, and its queued download is dropped without ever
+/// reaching upstream; afterwards the same files install.
+#[tokio::test]
+async fn downloads_whose_clients_hang_up_or_wait_too_long_leave_nothing_behind() -> Result<()> {
+    let wheels = tempfile::tempdir()?;
+    let mut names = vec![];
+    let mut paths = vec![];
+    for i in 0..5 {
+        let wheel = build_large_wheel(wheels.path(), &format!("cgquit{i}"), "1.0", 3 << 20)?;
+        names.push(
+            wheel
+                .file_name()
+                .and_then(|n| n.to_str())
+                .context("name")?
+                .to_owned(),
+        );
+        paths.push(wheel);
+    }
+    let upstream = Upstream::start(&paths).await?;
+    let allow: Vec<String> = (0..5).map(|i| format!("\"cgquit{i}\"")).collect();
+    let setup = gateway_with(
+        &[(
+            "quit",
+            format!(
+                "description = \"quit\"\n[packages]\nallow = [{}]\n",
+                allow.join(", ")
+            ),
+        )],
+        upstream.config(),
+    )
+    .await?;
+    let gateway = &setup.gateway;
+    let cache = setup._dir.path().join("cache");
+    let kernel = start_with_policy(gateway, "quit").await?;
+    let mut client = gateway.connect(&kernel, "quit", false).await?;
+
+    // Upstream sends each file's first MiB and holds the rest: four downloads take the four
+    // slots, each with one client that has its first bytes.
+    upstream.gate.send_replace(false);
+    let msgs = client
+        .run(&format!(
+            concat!(
+                "{listed}",
+                "held = []\n",
+                "for i in range(4):\n",
+                "    r = urllib.request.urlopen(listed(f'cgquit{{i}}'), timeout=60)\n",
+                "    print(len(r.read(1000)), r.headers['Content-Length'])\n",
+                "    held.append(r)\n",
+            ),
+            listed = listed_url("cgquit0"),
+        ))
+        .await?;
+    let size = std::fs::metadata(&paths[0])?.len();
+    assert_eq!(
+        stdout(&msgs),
+        format!("1000 {size}\n").repeat(4),
+        "{}",
+        stderr(&msgs)
+    );
+    let temporaries = cache_entries(&cache)?;
+    assert!(
+        temporaries.len() == 4 && temporaries.iter().all(|n| n.starts_with('.')),
+        "{temporaries:?}"
+    );
+
+    // The fifth waits for a slot, then is told to come back later.
+    let started = Instant::now();
+    let msgs = client
+        .run(concat!(
+            "import urllib.error\n",
+            "try:\n",
+            "    urllib.request.urlopen(listed('cgquit4'), timeout=120)\n",
+            "    print('served')\n",
+            "except urllib.error.HTTPError as e:\n",
+            "    print(e.code, e.headers['Retry-After'])\n",
+        ))
+        .await?;
+    println!(
+        "the queued request was refused after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(stdout(&msgs), "503 10\n", "{}", stderr(&msgs));
+    assert_eq!(
+        upstream.hits(&names[4]),
+        0,
+        "the queued download never started"
+    );
+
+    // The four clients hang up: their downloads stop.
+    let msgs = client
+        .run("for r in held: r.close()\nheld.clear()\nprint('closed')")
+        .await?;
+    assert_eq!(stdout(&msgs), "closed\n", "{}", stderr(&msgs));
+    eventually(gateway, "upstream sees the four downloads dropped", || {
+        upstream.dropped() == 4
+    })
+    .await?;
+    eventually(gateway, "the temporary files are removed", || {
+        cache_entries(&cache).is_ok_and(|e| e.is_empty())
+    })
+    .await?;
+    // Four running downloads stopped, and the queued one dropped when its client left.
+    eventually(gateway, "five downloads dropped", || {
+        gateway.log().matches("every client hung up").count() == 5
+    })
+    .await?;
+    assert_eq!(
+        upstream.hits(&names[4]),
+        0,
+        "the queued download never started"
+    );
+
+    // The same files install afresh.
+    upstream.gate.send_replace(true);
+    let msgs = run_long(&mut client, "%pip install cgquit0 cgquit4").await?;
+    let out = stdout(&msgs);
+    assert!(
+        out.contains("Successfully installed")
+            && out.contains("cgquit0-1.0")
+            && out.contains("cgquit4-1.0"),
+        "{out}{}",
+        stderr(&msgs)
+    );
+    assert_eq!(upstream.hits(&names[0]), 2);
+    assert_eq!(upstream.hits(&names[4]), 1);
+    let mut left = cache_entries(&cache)?;
+    left.sort();
+    let mut want = vec![sha256_hex(&paths[0])?, sha256_hex(&paths[4])?];
+    want.sort();
+    assert_eq!(left, want);
+    Ok(())
+}
+
+/// `HEAD` of a file answers from what the gateway knows (the listed size; then the cached
+/// file's length) and never starts a download.
+#[tokio::test]
+async fn head_of_a_file_never_reaches_upstream() -> Result<()> {
+    let wheels = tempfile::tempdir()?;
+    let wheel = build_wheel(wheels.path(), "cghead", "1.0", &[])?;
+    let name = wheel
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("name")?
+        .to_owned();
+    let size = std::fs::metadata(&wheel)?.len();
+    let upstream = Upstream::start(std::slice::from_ref(&wheel)).await?;
+    upstream.sizes.lock().insert(name.clone(), size);
+    let setup = gateway_with(
+        &[(
+            "head",
+            "description = \"head\"\n[packages]\nallow = [\"cghead\"]\n".to_owned(),
+        )],
+        upstream.config(),
+    )
+    .await?;
+    let gateway = &setup.gateway;
+    let cache = setup._dir.path().join("cache");
+    let kernel = start_with_policy(gateway, "head").await?;
+    let mut client = gateway.connect(&kernel, "head", false).await?;
+    let head = concat!(
+        "r = urllib.request.urlopen(urllib.request.Request(url, method='HEAD'), timeout=30)\n",
+        "print(r.status, r.headers['Content-Length'], len(r.read()))\n",
+    );
+    let msgs = client
+        .run(&format!("{}{}", listed_url("cghead"), head))
+        .await?;
+    assert_eq!(
+        stdout(&msgs),
+        format!("200 {size} 0\n"),
+        "{}",
+        stderr(&msgs)
+    );
+    assert_eq!(upstream.hits(&name), 0, "a HEAD reached upstream");
+    assert!(cache_entries(&cache)?.is_empty());
+
+    let msgs = run_long(&mut client, "%pip install cghead").await?;
+    assert!(
+        stdout(&msgs).contains("Successfully installed cghead-1.0"),
+        "{}{}",
+        stdout(&msgs),
+        stderr(&msgs)
+    );
+    assert_eq!(upstream.hits(&name), 1);
+    // Cached: its length, still without upstream.
+    let msgs = client.run(head).await?;
+    assert_eq!(
+        stdout(&msgs),
+        format!("200 {size} 0\n"),
+        "{}",
+        stderr(&msgs)
+    );
+    assert_eq!(upstream.hits(&name), 1);
+    Ok(())
+}
+
+/// An upstream that sends more than the index listed for a file (PEP 700 `size`), without
+/// a `Content-Length` to give it away, is cut off: the install fails, nothing is cached,
+/// and the gateway says why.
+#[tokio::test]
+async fn an_upstream_file_larger_than_its_listed_size_is_refused() -> Result<()> {
+    let wheels = tempfile::tempdir()?;
+    let wheel = build_large_wheel(wheels.path(), "cglong", "1.0", 3 << 20)?;
+    let name = wheel
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("name")?
+        .to_owned();
+    let size = std::fs::metadata(&wheel)?.len();
+    let upstream = Upstream::start(std::slice::from_ref(&wheel)).await?;
+    upstream.sizes.lock().insert(name.clone(), size - 4096);
+    upstream.unannounced.store(true, Ordering::SeqCst);
+    let setup = gateway_with(
+        &[(
+            "long",
+            "description = \"long\"\n[packages]\nallow = [\"cglong\"]\n".to_owned(),
+        )],
+        upstream.config(),
+    )
+    .await?;
+    let gateway = &setup.gateway;
+    let cache = setup._dir.path().join("cache");
+    let kernel = start_with_policy(gateway, "long").await?;
+    let mut client = gateway.connect(&kernel, "long", false).await?;
+    let msgs = run_long(&mut client, "%pip install cglong").await?;
+    let out = stdout(&msgs) + &stderr(&msgs);
+    assert!(!out.contains("Successfully installed"), "{out}");
+    assert!(upstream.hits(&name) >= 1, "{out}");
+    let msgs = client
+        .run("import importlib.util; print(importlib.util.find_spec('cglong'))")
+        .await?;
+    assert_eq!(stdout(&msgs), "None\n", "{}", stderr(&msgs));
+    assert!(
+        cache_entries(&cache)?.is_empty(),
+        "{:?}",
+        cache_entries(&cache)
+    );
+    let why = format!("more than the {} bytes the index lists", size - 4096);
+    assert!(gateway.log().contains(&why), "{why}: {}", gateway.log());
     Ok(())
 }

@@ -11,6 +11,12 @@
 //! session gets a file only if its policy allows the file's project and version: knowing
 //! another tenant's hash opens nothing.
 //!
+//! Downloads are bounded (`download.rs` has the limits): a session waits or downloads at
+//! most [`MAX_SESSION_FLIGHTS`] files at once and a file waits at most
+//! [`download::SLOT_WAIT`] for a download slot (both then answer 503 with `Retry-After`,
+//! which pip retries), a download stops when its last client hangs up, and a `HEAD`
+//! never starts one.
+//!
 //! A project the policy does not list answers 404 (pip fails at once: "no matching
 //! distribution") and a denial naming the project and the policy is attached to the running
 //! execution; when pip asks for it right after fetching an allowed project, the denial says
@@ -34,7 +40,7 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use download::{DownloadError, Downloads, FileBody, State, Wanted};
+use download::{DownloadError, Downloads, FileBody, Joined, State, Wanted};
 
 use super::proxy::{text, Body};
 use super::Session;
@@ -72,16 +78,39 @@ pub enum IndexError {
     },
     #[error(transparent)]
     Download(#[from] DownloadError),
+    /// Try again later (answered 503 with `Retry-After`).
+    #[error("{0}")]
+    Busy(String),
 }
 
+/// Downloads one session may wait for or run at once: enough for pip (which fetches one
+/// file at a time) and a few cells installing side by side, too few for one kernel to
+/// queue ahead of every other tenant.
+pub const MAX_SESSION_FLIGHTS: usize = 8;
+/// Seconds a client told 503 is asked to wait before it retries.
+const RETRY_AFTER_SECS: u32 = 10;
+
 /// Per-session state of the index.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SessionPackages {
     /// Projects declared as dependencies by allowed wheels this session fetched (used when
     /// the policy's dependencies are implicit).
     pub implied: HashSet<String>,
     /// The last allowed project whose file this session fetched, with the execution.
     pub last_allowed: Option<(String, Option<String>)>,
+    /// [`MAX_SESSION_FLIGHTS`] permits, one held by each body of this session following a
+    /// download that is not over.
+    flights: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for SessionPackages {
+    fn default() -> SessionPackages {
+        SessionPackages {
+            implied: HashSet::new(),
+            last_allowed: None,
+            flights: Arc::new(tokio::sync::Semaphore::new(MAX_SESSION_FLIGHTS)),
+        }
+    }
 }
 
 /// One distribution file.
@@ -91,6 +120,8 @@ struct FileEntry {
     version: String,
     filename: String,
     sha256: String,
+    /// The file's size as the upstream index lists it (PEP 700), if it does.
+    size: Option<u64>,
     requires_python: Option<String>,
     yanked: bool,
     origin: Origin,
@@ -135,6 +166,9 @@ struct UpstreamFile {
     url: String,
     #[serde(default)]
     hashes: HashMap<String, String>,
+    /// PEP 700 (API 1.1); older indexes leave it out.
+    #[serde(default)]
+    size: Option<u64>,
     #[serde(rename = "requires-python")]
     requires_python: Option<String>,
     #[serde(default)]
@@ -275,12 +309,13 @@ impl PackageIndex {
             .get(hyper::header::ACCEPT)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|a| a.contains(JSON_TYPE));
+        let head = req.method() == hyper::Method::HEAD;
         let path = req.uri().path().to_owned();
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         match segments.as_slice() {
             ["simple"] => self.root(session, json),
             ["simple", project] => self.project(session, project, json).await,
-            ["files", sha, filename] => self.file(session, sha, filename).await,
+            ["files", sha, filename] => self.file(session, sha, filename, head).await,
             _ => text(StatusCode::NOT_FOUND, "cellgate index: no such page"),
         }
     }
@@ -435,6 +470,7 @@ impl PackageIndex {
                         version,
                         filename,
                         sha256,
+                        size: None,
                         requires_python: None,
                         yanked: false,
                         origin: Origin::Path(path),
@@ -515,6 +551,7 @@ impl PackageIndex {
                 version,
                 filename: f.filename,
                 sha256: sha256.to_ascii_lowercase(),
+                size: f.size,
                 requires_python: f.requires_python,
                 yanked: !matches!(
                     f.yanked,
@@ -542,7 +579,13 @@ impl PackageIndex {
         Ok(hash)
     }
 
-    async fn file(&self, session: &Arc<Session>, sha: &str, filename: &str) -> Response<Body> {
+    async fn file(
+        &self,
+        session: &Arc<Session>,
+        sha: &str,
+        filename: &str,
+        head: bool,
+    ) -> Response<Body> {
         let entry = self.files.lock().get(sha).cloned();
         let Some(entry) = entry.filter(|e| e.filename == filename) else {
             return text(StatusCode::NOT_FOUND, "cellgate index: no such file");
@@ -563,11 +606,27 @@ impl PackageIndex {
                 return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
             }
         }
-        let mut body = match self.open(&entry).await {
+        if head {
+            return self.head(&entry);
+        }
+        let mut body = match self.open(session, &entry).await {
             Ok(body) => body,
             Err(err) => {
                 tracing::warn!(kernel_id = %session.kernel_id, file = %entry.filename, %err, "package index: file failed");
-                return text(StatusCode::BAD_GATEWAY, format!("cellgate index: {err}"));
+                let status = match &err {
+                    IndexError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
+                    IndexError::Download(DownloadError::DiskFull { .. }) => {
+                        StatusCode::INSUFFICIENT_STORAGE
+                    }
+                    _ => StatusCode::BAD_GATEWAY,
+                };
+                let mut response = text(status, format!("cellgate index: {err}"));
+                if status == StatusCode::SERVICE_UNAVAILABLE {
+                    response
+                        .headers_mut()
+                        .insert(hyper::header::RETRY_AFTER, RETRY_AFTER_SECS.into());
+                }
+                return response;
             }
         };
         if session.policy.packages.dependencies == Dependencies::Implicit
@@ -601,9 +660,28 @@ impl PackageIndex {
         response
     }
 
+    /// `HEAD` of a file, answered from what is known: it never starts a download (a client
+    /// that asks only for headers would leave one behind). The length of the wheelhouse's
+    /// or the cache's file, else the listed size, else no length.
+    fn head(&self, entry: &FileEntry) -> Response<Body> {
+        let length = match &entry.origin {
+            Origin::Path(path) => std::fs::metadata(path).ok().map(|m| m.len()),
+            Origin::Url(_) => self.downloads.cached_length(&entry.sha256).or(entry.size),
+        };
+        let mut response = respond(StatusCode::OK, "application/octet-stream", Bytes::new());
+        if let Some(length) = length {
+            response
+                .headers_mut()
+                .insert(hyper::header::CONTENT_LENGTH, length.into());
+        }
+        response
+    }
+
     /// The file's bytes: the wheelhouse's or the cache's whole, or a download's as they
-    /// arrive (once upstream answered, so that its length is known).
-    async fn open(&self, entry: &FileEntry) -> Result<FileBody, IndexError> {
+    /// arrive (once upstream answered, so that its length is known). A download counts
+    /// against the session's [`MAX_SESSION_FLIGHTS`] and waits at most
+    /// [`download::SLOT_WAIT`] for a slot ([`IndexError::Busy`] past either).
+    async fn open(&self, session: &Session, entry: &FileEntry) -> Result<FileBody, IndexError> {
         let whole = |file: std::fs::File, what: &Path| {
             let length = file
                 .metadata()
@@ -617,6 +695,8 @@ impl PackageIndex {
                 length,
                 progress: None,
                 on_complete: None,
+                flight: None,
+                session_slot: None,
             })
         };
         let url = match &entry.origin {
@@ -633,28 +713,61 @@ impl PackageIndex {
         if let Some(file) = self.downloads.cached_file(&entry.sha256).await {
             return whole(file, &cached);
         }
+        let session_slot = session
+            .packages
+            .lock()
+            .flights
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                IndexError::Busy(format!(
+                    "this session already waits for or runs {MAX_SESSION_FLIGHTS} package downloads"
+                ))
+            })?;
         let flight = match self.downloads.join(Wanted {
             url: url.clone(),
             sha256: entry.sha256.clone(),
             filename: entry.filename.clone(),
+            size: entry.size,
         })? {
-            Ok(flight) => flight,
-            Err(file) => return whole(file, &cached),
+            Joined::Flight(flight) => flight,
+            Joined::Cached(file) => return whole(file, &cached),
         };
+        // From here, returning early drops `flight`: if no other client holds it, the
+        // download is dropped (queued) or stopped (running).
         let mut progress = flight.progress.clone();
+        let abandoned = || IndexError::Download(DownloadError::Abandoned);
+        tokio::time::timeout(
+            download::SLOT_WAIT,
+            progress.wait_for(|p| !matches!(p.state, State::Queued)),
+        )
+        .await
+        .map_err(|_| {
+            IndexError::Busy(format!(
+                "all {} package download slots stayed busy for {} s",
+                download::MAX_DOWNLOADS,
+                download::SLOT_WAIT.as_secs()
+            ))
+        })?
+        .map_err(|_| abandoned())?;
+        // Upstream's headers: bounded by the client's connect and read timeouts.
         let state = progress
-            .wait_for(|p| !matches!(p.state, State::Starting))
+            .wait_for(|p| !matches!(p.state, State::Queued | State::Starting))
             .await
             .map(|p| p.state.clone())
-            .unwrap_or(State::Failed(Arc::new(DownloadError::Abandoned)));
+            .map_err(|_| abandoned())?;
         if let State::Failed(err) = state {
             return Err(IndexError::Download((*err).clone()));
         }
+        // Set before the state left `Starting`.
+        let file = progress.borrow().file.clone().ok_or_else(abandoned)?;
         Ok(FileBody {
-            file: flight.file.clone(),
+            file,
             length: 0,
             progress: Some(progress),
             on_complete: None,
+            flight: Some(flight),
+            session_slot: Some(session_slot),
         })
     }
 }
