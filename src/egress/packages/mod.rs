@@ -13,7 +13,7 @@
 //!
 //! Downloads are bounded (`download.rs` has the limits): a session waits or downloads at
 //! most [`MAX_SESSION_FLIGHTS`] files at once and a file waits at most
-//! [`download::SLOT_WAIT`] for a download slot (both then answer 503 with `Retry-After`,
+//! `download::SLOT_WAIT` (30 s) for a download slot (both then answer 503 with `Retry-After`,
 //! which pip retries), a download stops when its last client hangs up, and a `HEAD`
 //! never starts one.
 //!
