@@ -7,7 +7,8 @@
 //! - `/readyz` answers 200 only when the default policy's backend passed its last check
 //!   (the checks of `cellgate doctor`, run in the background every [`CHECK_EVERY`], never on
 //!   the request: with a probe sandbox at start and after a failure, the host's facts
-//!   alone in between, as a microVM probe costs a VM boot) and the warm pool has reached its
+//!   alone in between and always for microVMs, whose probe is a VM boot) and the warm pool
+//!   has reached its
 //!   target, with kernels in it or its last start succeeding; else 503. The other policies'
 //!   backends are checked and reported as `degraded`, as the gateway's start treats them:
 //!   one optional policy that cannot run here must not take every replica out of a load
@@ -78,7 +79,11 @@ impl Checks {
                 drop(kernels);
                 let mut results = BTreeMap::new();
                 for backend in used {
-                    let probe = first || failed_before.contains(&backend);
+                    // A microVM probe is a VM boot (seconds of CPU under emulation, in
+                    // every gateway that names the backend): its host facts, images and
+                    // binaries are checked instead, and its kernels' starts tell the rest.
+                    let probe =
+                        (first || failed_before.contains(&backend)) && backend != Backend::Microvm;
                     let diagnosis = crate::sandbox::diagnose(backend, probe, &microvm).await;
                     if diagnosis.available {
                         failed_before.remove(&backend);
