@@ -515,3 +515,78 @@ async fn readiness_waits_for_the_pool_and_the_backends_and_says_what_is_missing(
     assert_eq!(scrape(&broken).await?.get("cellgate_ready"), Some(&0.0));
     Ok(())
 }
+
+/// A pool whose kernel failed to start tries again by itself, backing off, so a gateway
+/// that was unready (a host busy at boot, a missing file since put back) becomes ready
+/// with no client starting a kernel. The kernelspec fails until a marker file exists; the
+/// development backend runs it, so the test can create the marker where it looks.
+#[tokio::test]
+async fn a_failed_pool_start_is_retried_until_the_gateway_is_ready() -> Result<()> {
+    if let Some(backend) = crate::support::forced_sandbox() {
+        eprintln!(
+            "\n*** --sandbox {backend} is forced: this test needs the development backend (its kernelspec reads a file the test creates on the host); NOT RUN ***\n"
+        );
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let spec = dir.path().join("kernels/python3");
+    std::fs::create_dir_all(&spec)?;
+    std::os::unix::fs::symlink(
+        crate::support::kernels_dir().join("python3/.venv"),
+        spec.join(".venv"),
+    )?;
+    let marker = dir.path().join("ready-marker");
+    std::fs::write(
+        spec.join("kernel.json"),
+        json!({
+            "argv": [
+                "/bin/sh", "-c",
+                format!("test -e {} || exit 3; exec \"$0\" -m cellgate_kernel_launcher -f \"$1\"", marker.display()),
+                "{prefix}/bin/python", "{connection_file}"
+            ],
+            "display_name": "fails until the marker exists",
+            "language": "python"
+        })
+        .to_string(),
+    )?;
+    let gateway = Gateway::builder()
+        .kernels_dir(dir.path().join("kernels"))
+        .args(&["--pool-size", "1", "--sandbox", "process"])
+        .start()
+        .await?;
+    let mut answer = (0, Value::Null);
+    for _ in 0..120 {
+        answer = gateway.get_json("/readyz").await?;
+        if answer.1["waiting_for"]
+            .to_string()
+            .contains("failed to start")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(answer.0, 503, "{}", answer.1);
+    std::fs::write(&marker, "")?;
+    // The back-off is at most 60 s; nothing but probes reaches the gateway meanwhile.
+    for _ in 0..240 {
+        answer = gateway.get_json("/readyz").await?;
+        if answer.0 == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(answer.0, 200, "{}\n{}", answer.1, gateway.log());
+    assert_eq!(answer.1["pool"]["ready"], 1);
+    let log = gateway.log();
+    assert!(log.contains("could not start a pool kernel"), "{log}");
+    assert!(log.contains("kernel joined the warm pool"), "{log}");
+    let metrics = scrape(&gateway).await?;
+    assert_eq!(sample(&metrics, "cellgate_pool_hits_total"), 0.0);
+    assert!(
+        sample(
+            &metrics,
+            "cellgate_kernel_start_failures_total{policy=\"default\",backend=\"process\",source=\"refill\"}"
+        ) >= 1.0
+    );
+    Ok(())
+}
