@@ -658,23 +658,19 @@ fn truncation_marker(dropped: &Message, limit: u64) -> Message {
     )
 }
 
+/// The fields of a reply's content the gateway reads (the rest is skipped, not copied).
 #[derive(Deserialize)]
 struct ReplyStatus<'a> {
     #[serde(borrow)]
     status: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow)]
+    ename: Option<std::borrow::Cow<'a, str>>,
 }
 
 /// How a reply the kernel sent ends its execution, for the metrics (a timeout is known
 /// before: the gateway enforced it).
 fn ending(message: &Message, denials: Option<&Vec<Denial>>) -> ExecOutcome {
-    #[derive(Deserialize)]
-    struct Reply<'a> {
-        #[serde(borrow)]
-        status: Option<std::borrow::Cow<'a, str>>,
-        #[serde(borrow)]
-        ename: Option<std::borrow::Cow<'a, str>>,
-    }
-    let reply = serde_json::from_slice::<Reply<'_>>(&message.content).ok();
+    let reply = serde_json::from_slice::<ReplyStatus<'_>>(&message.content).ok();
     let status = reply.as_ref().and_then(|r| r.status.as_deref());
     let denied = denials.is_some_and(|d| !d.is_empty());
     // `%pip install` of a refused package fails on stderr without raising: the cell "ends

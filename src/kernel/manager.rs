@@ -224,7 +224,7 @@ impl KernelManager {
         }
         let poolable = spec.name == self.specs.default_name() && policy.name == "default";
         let asked = std::time::Instant::now();
-        let backend = self.backends.forced().unwrap_or(policy.backend).as_str();
+        let backend = self.backend_of(&policy).as_str();
         let metrics = crate::telemetry::metrics::metrics();
         if poolable && self.options.pool_size > 0 {
             let pooled = self.take_from_pool();
@@ -302,7 +302,7 @@ impl KernelManager {
             pids: Some(policy.limits.pids),
             workspace_bytes: Some(policy.limits.workspace_bytes),
         };
-        let backend = self.backends.forced().unwrap_or(policy.backend).as_str();
+        let backend = self.backend_of(policy).as_str();
         let unavailable = |err: SandboxError| KernelError::BackendUnavailable {
             policy: policy.name.clone(),
             backend,
@@ -390,7 +390,7 @@ impl KernelManager {
                 ) {
                     (Some(spec), Ok(policy)) => {
                         let (spec, policy) = (spec.clone(), policy.clone());
-                        let backend = manager.backends.forced().unwrap_or(policy.backend);
+                        let backend = manager.backend_of(&policy);
                         (
                             manager.launch(&spec, &policy, BTreeMap::new()).await,
                             Some((policy.name, backend.as_str())),
