@@ -14,6 +14,7 @@
 //!
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
+pub mod agent;
 pub mod cgroupfs;
 mod cgroups;
 pub mod diagnosis;

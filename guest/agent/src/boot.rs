@@ -35,6 +35,7 @@ pub fn settings_from_cmdline() -> Result<Settings, String> {
     Ok(Settings {
         transport,
         init: true,
+        pod: false,
     })
 }
 

@@ -29,6 +29,9 @@ const LOG_FILE: &str = "/run/cellgate-agent/kernel.log";
 pub struct Kernel {
     /// Whether this agent is the guest's init: cgroups, mounts and ownership are its job.
     init: bool,
+    /// A cgroup the agent reads but does not own (a pod's container cgroup, which holds the
+    /// agent too): the kernel's usage and out-of-memory kills, never `cgroup.kill`.
+    observed: Option<PathBuf>,
     state: Mutex<State>,
     exit: watch::Sender<Option<Exit>>,
 }
@@ -105,9 +108,20 @@ impl Kernel {
     pub fn new(init: bool) -> Kernel {
         Kernel {
             init,
+            observed: None,
             state: Mutex::new(State::default()),
             exit: watch::channel(None).0,
         }
+    }
+
+    /// Reads the container's cgroup (v2, the agent's own as the cgroup namespace shows it)
+    /// for usage and out-of-memory kills, when it is there to read.
+    pub fn observing_container_cgroup(mut self) -> Kernel {
+        let root = Path::new("/sys/fs/cgroup");
+        if root.join("memory.events").is_file() {
+            self.observed = Some(root.to_owned());
+        }
+        self
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -309,7 +323,7 @@ impl Kernel {
     }
 
     pub fn usage(&self) -> Usage {
-        let Some(cgroup) = self.state().cgroup.clone() else {
+        let Some(cgroup) = self.state().cgroup.clone().or_else(|| self.observed.clone()) else {
             return Usage::default();
         };
         Usage {
@@ -367,6 +381,11 @@ impl Kernel {
             let _ = std::fs::write(cgroup.join("cgroup.kill"), "1");
             oom = keyed(&cgroup.join("memory.events"), "oom_kill").unwrap_or(0) > 0;
             pids_limit_hits = keyed(&cgroup.join("pids.events"), "max").unwrap_or(0);
+        } else if let Some(observed) = &self.observed {
+            // One kernel per pod: any kill in the container's cgroup was the kernel's (the
+            // agent, far smaller, is never the one picked while the kernel lives).
+            oom = keyed(&observed.join("memory.events"), "oom_kill").unwrap_or(0) > 0;
+            pids_limit_hits = keyed(&observed.join("pids.events"), "max").unwrap_or(0);
         }
         let exit = Exit {
             code: status.exit_status(),

@@ -32,6 +32,20 @@
 //!
 //! The host treats all of this as hostile input: every line is read with a length cap, and
 //! anything malformed ends the session.
+//!
+//! Over TCP (a Kubernetes pod's agent, reachable on the cluster network) the handshake is
+//! preceded by a mutual proof of the kernel's key, which only the gateway and the pod (from
+//! its Secret) hold, with a fresh nonce from each side so that nothing can be replayed:
+//! 1. the host says [`auth`] with its nonce;
+//! 2. the guest answers [`guest_proof`]: its own nonce and an HMAC-SHA256 of both nonces;
+//! 3. the host checks it (a pod that cannot prove the key is not this kernel's: a reused pod
+//!    IP, say) and answers [`host_proof`], over the nonces in the other order and with
+//!    another label, so the guest's proof is never a valid host proof;
+//! 4. the guest checks it, and only then do the lines above follow.
+//!
+//! This authenticates the two ends; it does not encrypt what follows (see SCALING.md: the
+//! cluster network between gateway and kernel pods is trusted to be private, as for Jupyter
+//! Enterprise Gateway's ZMQ ports; a service mesh's mTLS adds confidentiality).
 
 use std::collections::BTreeMap;
 
@@ -73,6 +87,108 @@ pub fn begin(nonce: &str) -> String {
 /// The guest's last handshake line: yamux follows it.
 pub fn go(nonce: &str) -> String {
     format!("{MAGIC} GO {nonce}\n")
+}
+
+/// The first line over TCP: the host asks the guest to prove the key (see the module's doc).
+pub fn auth(nonce: &str) -> String {
+    format!("{MAGIC} AUTH {nonce}\n")
+}
+
+/// The host's nonce of an `AUTH` line, if `line` is one.
+pub fn parse_auth(line: &str) -> Option<&str> {
+    let nonce = line.strip_prefix(&format!("{MAGIC} AUTH "))?.trim_end();
+    valid_nonce(nonce).then_some(nonce)
+}
+
+/// The guest's answer to [`auth`]: its nonce and its proof.
+pub fn guest_proof(key: &[u8], host_nonce: &str, guest_nonce: &str) -> String {
+    let mac = proof_mac(key, "guest", host_nonce, guest_nonce);
+    format!("{MAGIC} PROOF {guest_nonce} {mac}\n")
+}
+
+/// The guest's nonce of a `PROOF` line that proves `key` for `host_nonce`.
+pub fn check_guest_proof<'a>(key: &[u8], host_nonce: &str, line: &'a str) -> Option<&'a str> {
+    let rest = line.strip_prefix(&format!("{MAGIC} PROOF "))?.trim_end();
+    let (guest_nonce, mac) = rest.split_once(' ')?;
+    (valid_nonce(guest_nonce) && mac_matches(key, "guest", host_nonce, guest_nonce, mac))
+        .then_some(guest_nonce)
+}
+
+/// The host's answer to the guest's proof.
+pub fn host_proof(key: &[u8], host_nonce: &str, guest_nonce: &str) -> String {
+    let mac = proof_mac(key, "host", guest_nonce, host_nonce);
+    format!("{MAGIC} PROOF {mac}\n")
+}
+
+/// Whether `line` is the host's proof of `key` for these nonces.
+pub fn check_host_proof(key: &[u8], host_nonce: &str, guest_nonce: &str, line: &str) -> bool {
+    line.strip_prefix(&format!("{MAGIC} PROOF "))
+        .map(str::trim_end)
+        .is_some_and(|mac| mac_matches(key, "host", guest_nonce, host_nonce, mac))
+}
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+fn proof_hmac(key: &[u8], label: &str, first: &str, second: &str) -> HmacSha256 {
+    use hmac::Mac;
+    // Any key length is valid for HMAC.
+    let mut mac = HmacSha256::new_from_slice(key).unwrap_or_else(|_| unreachable!());
+    mac.update(format!("cellgate-agent {label} {first} {second}").as_bytes());
+    mac
+}
+
+fn proof_mac(key: &[u8], label: &str, first: &str, second: &str) -> String {
+    use hmac::Mac;
+    let bytes = proof_hmac(key, label, first, second).finalize().into_bytes();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Compares in constant time (the HMAC crate's own comparison).
+fn mac_matches(key: &[u8], label: &str, first: &str, second: &str, hex: &str) -> bool {
+    use hmac::Mac;
+    let Some(bytes) = decode_hex(hex) else {
+        return false;
+    };
+    proof_hmac(key, label, first, second)
+        .verify_slice(&bytes)
+        .is_ok()
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    if text.len() != 64 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(&text[at..at + 2], 16).ok())
+        .collect()
+}
+
+/// The guest's side of the proof (see the module's doc), on a fresh TCP connection. `Ok(false)`:
+/// the peer is not the key's holder (or not a gateway at all); the connection is to be dropped.
+pub async fn prove_to_host<S>(
+    io: &mut tokio::io::BufReader<S>,
+    key: &[u8],
+    guest_nonce: &str,
+) -> Result<bool, ProtocolError>
+where
+    S: tokio::io::AsyncRead + AsyncWrite + Unpin,
+{
+    let Some(line) = read_line(io, 512).await? else {
+        return Ok(false);
+    };
+    let Some(host_nonce) = parse_auth(&line) else {
+        return Ok(false);
+    };
+    io.get_mut()
+        .write_all(guest_proof(key, host_nonce, guest_nonce).as_bytes())
+        .await?;
+    io.get_mut().flush().await?;
+    let host_nonce = host_nonce.to_owned();
+    let Some(line) = read_line(io, 512).await? else {
+        return Ok(false);
+    };
+    Ok(check_host_proof(key, &host_nonce, guest_nonce, &line))
 }
 
 /// The nonce of a `HELLO` line, if `line` is one.
@@ -504,6 +620,25 @@ mod tests {
         assert_eq!(parse_begin(&go("abcdef123456")), None);
         assert_eq!(parse_hello(&hello("short")), None);
         assert_eq!(parse_hello(&hello("abc def 123456")), None);
+    }
+
+    #[test]
+    fn proofs_hold_for_the_key_and_the_nonces_only() {
+        let key = b"0123456789abcdef0123456789abcdef";
+        let (host, guest) = ("aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb");
+        assert_eq!(parse_auth(&auth(host)), Some(host));
+        let proof = guest_proof(key, host, guest);
+        assert_eq!(check_guest_proof(key, host, &proof), Some(guest));
+        assert_eq!(check_guest_proof(b"another key", host, &proof), None);
+        assert_eq!(check_guest_proof(key, "cccccccccccccccc", &proof), None);
+        let answer = host_proof(key, host, guest);
+        assert!(check_host_proof(key, host, guest, &answer));
+        assert!(!check_host_proof(b"another key", host, guest, &answer));
+        assert!(!check_host_proof(key, host, "cccccccccccccccc", &answer));
+        // The guest's proof, replayed as the host's, does not pass: the labels differ.
+        let guest_mac = proof.trim_end().rsplit(' ').next().unwrap();
+        assert!(!check_host_proof(key, host, guest, &format!("{MAGIC} PROOF {guest_mac}")));
+        assert!(!check_host_proof(key, host, guest, &format!("{MAGIC} PROOF zz")));
     }
 
     #[test]

@@ -7,6 +7,13 @@
 //! own listener (hybrid vsock puts it at `<uds>_<port>`). A virtio-serial port is one pipe
 //! for the VM's whole life, which the host side opens and closes. Both end up as one
 //! [`Stream`] that the session module handshakes on.
+//!
+//! TCP (a Kubernetes pod's agent): the agent listens, since the gateway knows the pod's
+//! address once the pod runs, and every connection must first prove the kernel's key
+//! ([`cellgate_agent::protocol::prove_to_host`]). Proofs run concurrently, each with a
+//! deadline and a cap on how many at once, so a port scanner or a stalled peer never holds
+//! the gateway out; a connection that proves the key supersedes the session before it (a
+//! gateway replica adopting the kernel after its owner vanished without closing).
 
 use std::future::Future;
 use std::io;
@@ -25,7 +32,16 @@ pub enum Kind {
     Vsock,
     Serial,
     Unix(PathBuf),
+    Tcp {
+        listen: std::net::SocketAddr,
+        key_file: PathBuf,
+    },
 }
+
+/// How long a TCP peer has to prove the key.
+const PROOF_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+/// Unproven TCP connections at once; more are closed at once.
+const MAX_UNPROVEN: usize = 16;
 
 /// A duplex byte stream to the host.
 pub trait Duplex: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -42,6 +58,8 @@ pub enum Transport {
     Vsock,
     Serial(PathBuf),
     Unix(tokio::net::UnixListener),
+    /// Connections that proved the key, from the acceptor task.
+    Tcp(tokio::sync::mpsc::Receiver<Stream>),
 }
 
 impl Transport {
@@ -53,7 +71,27 @@ impl Transport {
                 let _ = std::fs::remove_file(path);
                 Transport::Unix(tokio::net::UnixListener::bind(path)?)
             }
+            Kind::Tcp { listen, key_file } => {
+                let key = std::fs::read_to_string(key_file).map_err(|e| {
+                    io::Error::new(e.kind(), format!("the key file {}: {e}", key_file.display()))
+                })?;
+                let key = key.trim().as_bytes().to_vec();
+                if key.len() < 32 {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("the key in {} is shorter than 32 bytes", key_file.display()),
+                    ));
+                }
+                let listener = tokio::net::TcpListener::bind(listen).await?;
+                Transport::Tcp(accept_proven(listener, key))
+            }
         })
+    }
+
+    /// Whether a new connection ends the session in progress (TCP: a replica adopting the
+    /// kernel); the other transports serve one session after the other.
+    pub fn supersedes(&self) -> bool {
+        matches!(self, Transport::Tcp(_))
     }
 
     /// Waits for the next host connection.
@@ -71,8 +109,66 @@ impl Transport {
                 io: Box::new(listener.accept().await?.0),
                 eof_is_idle: false,
             },
+            Transport::Tcp(proven) => proven.recv().await.ok_or_else(|| {
+                io::Error::new(io::ErrorKind::BrokenPipe, "the TCP listener ended")
+            })?,
         })
     }
+}
+
+/// 128 bits from the kernel's generator, in hex: the guest's side of a proof.
+fn random_nonce() -> String {
+    let mut bytes = [0u8; 16];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            // EINTR; the generator itself never fails once seeded.
+            Err(_) => continue,
+        }
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Accepts TCP connections and passes on those that prove `key`, in the order they did.
+fn accept_proven(
+    listener: tokio::net::TcpListener,
+    key: Vec<u8>,
+) -> tokio::sync::mpsc::Receiver<Stream> {
+    let (proven_tx, proven) = tokio::sync::mpsc::channel(1);
+    let key = std::sync::Arc::new(key);
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_UNPROVEN));
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, peer)) = listener.accept().await else {
+                // Out of descriptors, say: a moment, then on.
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                continue; // dropped: closed at once
+            };
+            let _ = tcp.set_nodelay(true);
+            let (key, proven_tx) = (key.clone(), proven_tx.clone());
+            tokio::spawn(async move {
+                let nonce = random_nonce();
+                let mut io = tokio::io::BufReader::new(tcp);
+                let proof = cellgate_agent::protocol::prove_to_host(&mut io, &key, &nonce);
+                match tokio::time::timeout(PROOF_DEADLINE, proof).await {
+                    Ok(Ok(true)) => {
+                        drop(slot);
+                        let stream = Stream {
+                            io: Box::new(io),
+                            eof_is_idle: false,
+                        };
+                        let _ = proven_tx.send(stream).await;
+                    }
+                    _ => eprintln!("cellgate-agent: {peer} did not prove the key; closed"),
+                }
+            });
+        }
+    });
+    proven
 }
 
 /// The largest write handed to the guest's vsock socket.

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use cellgate_agent::protocol::VSOCK_PORT;
 
-use super::agent::Duplex;
+use crate::sandbox::agent::Duplex;
 use super::confine::Jail;
 use super::spawner_command;
 use super::vmm::AgentLink;

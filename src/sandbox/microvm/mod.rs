@@ -35,11 +35,8 @@
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
 pub mod accel;
-mod agent;
-mod channels;
 mod confine;
 pub mod diagnose;
-mod files;
 mod handle;
 mod hostview;
 pub mod image;
@@ -53,10 +50,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellgate_agent::protocol::{fixed_at_zygote_start, ConnectionFile, Op, Reply, Start, Zygote};
+use cellgate_agent::protocol::{fixed_at_zygote_start, ConnectionFile, Op, Reply, Zygote};
 use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
+use super::agent::{self, channels};
 use super::relocate::{self, Relocation};
 use super::spawner::Spawner;
 use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
@@ -99,6 +97,12 @@ pub enum MicrovmError {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<agent::AgentError> for MicrovmError {
+    fn from(error: agent::AgentError) -> MicrovmError {
+        MicrovmError::Agent(error.0)
+    }
 }
 
 fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> MicrovmError {
@@ -378,8 +382,8 @@ impl Core {
         {
             return Err(MicrovmError::Accel(refused.clone()));
         }
-        let map = relocation(spec);
-        let connection = guest_connection(spec, &map)?;
+        let map = agent::relocation(spec);
+        let connection = agent::guest_connection(spec, &map)?;
         let size = VmSize::of(&spec.limits);
         let plan = self.zygote_plan(spec, &map, size, connection.is_some());
         let snapshots = self.snapshots.as_ref();
@@ -595,7 +599,7 @@ impl Core {
             if restore {
                 agent.request(restored_op()).await?;
             }
-            start_kernel(&agent, spec, map, connection).await?;
+            agent::start_kernel(&agent, spec, map, connection, KERNEL_UID).await?;
             Ok(Arc::new(agent))
         };
         let agent = tokio::select! {
@@ -861,65 +865,6 @@ impl VmSize {
                 .map_or(1, |millis| millis.div_ceil(1000).max(1)),
         }
     }
-}
-
-/// Asks the agent to start the kernel.
-async fn start_kernel(
-    agent: &agent::Agent,
-    spec: &LaunchSpec,
-    map: &Relocation,
-    connection: Option<ConnectionFile>,
-) -> Result<(), MicrovmError> {
-    let start = Start {
-        argv: map.argv(&spec.argv),
-        env: map.env(&spec.env),
-        cwd: relocate::WORKSPACE.to_owned(),
-        connection,
-        uid: KERNEL_UID,
-        gid: KERNEL_UID,
-        pids: spec.limits.pids,
-        memory_bytes: spec.limits.memory_bytes,
-    };
-    match agent.request(Op::Start(start)).await? {
-        Reply::Started { .. } => Ok(()),
-        other => Err(MicrovmError::Agent(format!("unexpected reply {other:?}"))),
-    }
-}
-
-/// The kernel's paths in the guest: the same fixed paths as in every sandbox, with the
-/// venv where the root image has it.
-fn relocation(spec: &LaunchSpec) -> Relocation {
-    let mut map = Relocation::new();
-    map.add(&spec.workspace, relocate::WORKSPACE);
-    map.add(&spec.runtime_dir, relocate::RUN_DIR);
-    let program = Path::new(spec.argv.first().map(String::as_str).unwrap_or_default());
-    if let Some(venv) = program
-        .parent()
-        .and_then(Path::parent)
-        .filter(|venv| venv.join("pyvenv.cfg").is_file())
-    {
-        map.add(venv, relocate::VENV);
-    }
-    map
-}
-
-/// The kernel's connection file as the guest must have it (its ipc paths under
-/// [`relocate::RUN_DIR`]); `None` when the command has none (a plain program).
-fn guest_connection(
-    spec: &LaunchSpec,
-    map: &Relocation,
-) -> Result<Option<ConnectionFile>, MicrovmError> {
-    let json = match std::fs::read(&spec.connection_file) {
-        Ok(json) => json,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_error(spec.connection_file.display().to_string())(e)),
-    };
-    let bad = |e: serde_json::Error| MicrovmError::Start(format!("the connection file: {e}"));
-    let info = serde_json::from_slice(&map.connection_json(&json).map_err(bad)?).map_err(bad)?;
-    Ok(Some(ConnectionFile {
-        path: map.path(&spec.connection_file).display().to_string(),
-        info,
-    }))
 }
 
 /// The transport when the configuration names none: hybrid vsock where its device backend

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cellgate_agent::protocol::Channel;
 
-use super::agent::Agent;
+use super::session::Agent;
 use crate::protocol::ConnectionInfo;
 
 /// Binds the five sockets and serves them until the agent session ends.
@@ -16,7 +16,7 @@ pub fn serve(connection: &ConnectionInfo, agent: Arc<Agent>) -> std::io::Result<
         return Err(std::io::Error::new(
             std::io::ErrorKind::Unsupported,
             format!(
-                "transport {:?}: microVM kernels use ipc",
+                "transport {:?}: agent kernels use ipc",
                 connection.transport
             ),
         ));
@@ -52,7 +52,7 @@ pub fn serve(connection: &ConnectionInfo, agent: Arc<Agent>) -> std::io::Result<
                         Ok(mut stream) => {
                             let _ = tokio::io::copy_bidirectional(&mut socket, &mut stream).await;
                         }
-                        Err(error) => tracing::debug!(%error, ?channel, "microvm: channel stream"),
+                        Err(error) => tracing::debug!(%error, ?channel, "agent: channel stream"),
                     }
                 });
             }

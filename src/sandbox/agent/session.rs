@@ -19,7 +19,7 @@ use futures_util::StreamExt;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::{oneshot, watch, Mutex};
 
-use super::MicrovmError;
+use super::AgentError;
 
 /// How long a request waits for its reply. Generous: an emulated guest is slow, and a start
 /// writes files and forks.
@@ -61,7 +61,7 @@ impl Agent {
         io: impl Duplex,
         egress: Option<PathBuf>,
         handshake_timeout: Duration,
-    ) -> Result<Agent, MicrovmError> {
+    ) -> Result<Agent, AgentError> {
         let nonce = format!("{:032x}", rand::random::<u128>());
         let mut io = BufReader::new(io);
         // See the handshake in `cellgate_agent::protocol`: lines other than the one awaited
@@ -91,7 +91,7 @@ impl Agent {
             loop {
                 match handshake_line(&mut io).await? {
                     Some(line) if parse_go(&line) == Some(nonce.as_str()) => {
-                        return Ok::<(), MicrovmError>(())
+                        return Ok::<(), AgentError>(())
                     }
                     Some(line) => last_line = line.chars().take(80).collect(),
                     None => {}
@@ -102,12 +102,12 @@ impl Agent {
         match shaken {
             Ok(result) => result?,
             Err(_) if last_line.is_empty() => {
-                return Err(MicrovmError::Agent(
+                return Err(AgentError(
                     "the guest agent did not answer in time".into(),
                 ))
             }
             Err(_) => {
-                return Err(MicrovmError::Agent(format!(
+                return Err(AgentError(format!(
                     "the guest agent did not answer in time; it said {last_line:?}"
                 )))
             }
@@ -143,7 +143,7 @@ impl Agent {
         control
             .flush()
             .await
-            .map_err(|e| MicrovmError::Agent(format!("control stream: {e}")))?;
+            .map_err(|e| AgentError(format!("control stream: {e}")))?;
         let (reader, writer) = tokio::io::split(control);
         let pending: Pending = Arc::default();
         let (exit_tx, exit) = watch::channel(None);
@@ -169,12 +169,12 @@ impl Agent {
     }
 
     /// Sends `op` and waits for its reply.
-    pub async fn request(&self, op: Op) -> Result<Reply, MicrovmError> {
+    pub async fn request(&self, op: Op) -> Result<Reply, AgentError> {
         self.request_within(op, REPLY_TIMEOUT).await
     }
 
     /// Sends `op` and waits `timeout` for its reply.
-    pub async fn request_within(&self, op: Op, timeout: Duration) -> Result<Reply, MicrovmError> {
+    pub async fn request_within(&self, op: Op, timeout: Duration) -> Result<Reply, AgentError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().insert(id, tx);
@@ -189,22 +189,22 @@ impl Agent {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
                 self.pending.lock().remove(&id);
-                return Err(MicrovmError::Agent(format!("control stream: {error}")));
+                return Err(AgentError(format!("control stream: {error}")));
             }
             Err(_) => {
                 self.pending.lock().remove(&id);
-                return Err(MicrovmError::Agent(
+                return Err(AgentError(
                     "the guest stopped reading its control stream".into(),
                 ));
             }
         }
         match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(Reply::Failed { message })) => Err(MicrovmError::Agent(message)),
+            Ok(Ok(Reply::Failed { message })) => Err(AgentError(message)),
             Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(_)) => Err(MicrovmError::Agent("the agent session ended".into())),
+            Ok(Err(_)) => Err(AgentError("the agent session ended".into())),
             Err(_) => {
                 self.pending.lock().remove(&id);
-                Err(MicrovmError::Agent(
+                Err(AgentError(
                     "the guest agent did not reply in time".into(),
                 ))
             }
@@ -215,7 +215,7 @@ impl Agent {
     pub async fn open_channel(
         &self,
         channel: Channel,
-    ) -> Result<tokio_yamux::StreamHandle, MicrovmError> {
+    ) -> Result<tokio_yamux::StreamHandle, AgentError> {
         self.open_stream(&Open::Channel { channel }).await
     }
 
@@ -223,13 +223,13 @@ impl Agent {
     pub async fn open_stream(
         &self,
         what: &Open,
-    ) -> Result<tokio_yamux::StreamHandle, MicrovmError> {
+    ) -> Result<tokio_yamux::StreamHandle, AgentError> {
         tokio::time::timeout(REPLY_TIMEOUT, async {
             let mut streams = self.streams.lock().await;
             open(&mut streams, what).await
         })
         .await
-        .map_err(|_| MicrovmError::Agent("the guest does not take new streams".into()))?
+        .map_err(|_| AgentError("the guest does not take new streams".into()))?
     }
 
     /// The kernel's exit, once the guest reported it.
@@ -243,15 +243,15 @@ impl Agent {
     }
 }
 
-fn handshake_error(error: impl std::fmt::Display) -> MicrovmError {
-    MicrovmError::Agent(format!("handshake: {error}"))
+fn handshake_error(error: impl std::fmt::Display) -> AgentError {
+    AgentError(format!("handshake: {error}"))
 }
 
 /// Writes a handshake line and flushes it.
 async fn send_line<W: AsyncRead + AsyncWrite + Unpin>(
     io: &mut BufReader<W>,
     line: &str,
-) -> Result<(), MicrovmError> {
+) -> Result<(), AgentError> {
     io.get_mut()
         .write_all(line.as_bytes())
         .await
@@ -262,7 +262,7 @@ async fn send_line<W: AsyncRead + AsyncWrite + Unpin>(
 /// The next handshake line; `None` for junk longer than one (dropped).
 async fn handshake_line<R: AsyncRead + Unpin>(
     io: &mut BufReader<R>,
-) -> Result<Option<String>, MicrovmError> {
+) -> Result<Option<String>, AgentError> {
     match read_line(io, 512).await {
         Ok(Some(line)) => Ok(Some(line)),
         Err(protocol::ProtocolError::LineTooLong) => {
@@ -277,14 +277,14 @@ async fn handshake_line<R: AsyncRead + Unpin>(
 async fn open(
     streams: &mut tokio_yamux::Control,
     what: &Open,
-) -> Result<tokio_yamux::StreamHandle, MicrovmError> {
+) -> Result<tokio_yamux::StreamHandle, AgentError> {
     let mut stream = streams
         .open_stream()
         .await
-        .map_err(|e| MicrovmError::Agent(format!("opening a stream: {e}")))?;
+        .map_err(|e| AgentError(format!("opening a stream: {e}")))?;
     write_json(&mut stream, what)
         .await
-        .map_err(|e| MicrovmError::Agent(format!("opening a stream: {e}")))?;
+        .map_err(|e| AgentError(format!("opening a stream: {e}")))?;
     Ok(stream)
 }
 
@@ -307,7 +307,7 @@ async fn read_control(
             }
             Ok(None) => break,
             Err(error) => {
-                tracing::warn!(%error, "microvm: the guest agent broke the protocol");
+                tracing::warn!(%error, "agent: the guest agent broke the protocol");
                 break;
             }
         }
@@ -331,7 +331,7 @@ async fn serve_guest_stream(stream: tokio_yamux::StreamHandle, egress: Option<Pa
         Ok(mut proxy) => {
             let _ = tokio::io::copy_bidirectional(&mut stream, &mut proxy).await;
         }
-        Err(error) => tracing::debug!(%error, "microvm: egress proxy unreachable"),
+        Err(error) => tracing::debug!(%error, "agent: egress proxy unreachable"),
     }
 }
 

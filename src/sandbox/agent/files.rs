@@ -1,6 +1,7 @@
-//! The VM's workspace as the gateway serves it: each operation of the files API and of the
-//! `outputs/` collection is one `files` stream to the guest agent, which runs the same
-//! workspace code the gateway runs on a host directory (`cellgate_agent::workspace`).
+//! A kernel's workspace as the gateway serves it when an agent holds it (a VM's disk, a
+//! pod's volume): each operation of the files API and of the `outputs/` collection is one
+//! `files` stream to the agent, which runs the same workspace code the gateway runs on a
+//! host directory (`cellgate_agent::workspace`).
 //!
 //! The guest is hostile here as everywhere: every line is capped, every wait has a
 //! deadline, a listing stops at [`MAX_LIST_ENTRIES`], a read delivers at most the size the
@@ -17,7 +18,7 @@ use cellgate_agent::protocol::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, WriteHalf};
 use tokio::runtime::Handle;
 
-use super::agent::Agent;
+use super::session::Agent;
 use crate::workspace::{
     check_path, FileEntry, GuestFiles, GuestUpload, Listing, WorkspaceError, MAX_LIST_ENTRIES,
 };
@@ -33,14 +34,14 @@ const MAX_LISTING_BYTES: usize = 8 << 20;
 
 type FileStream = BufReader<tokio_yamux::StreamHandle>;
 
-/// A VM's workspace, through its agent.
-pub(super) struct AgentFiles {
+/// A kernel's workspace, through its agent.
+pub struct AgentFiles {
     agent: Arc<Agent>,
     runtime: Handle,
 }
 
 impl AgentFiles {
-    pub(super) fn new(agent: Arc<Agent>, runtime: Handle) -> AgentFiles {
+    pub fn new(agent: Arc<Agent>, runtime: Handle) -> AgentFiles {
         AgentFiles { agent, runtime }
     }
 

@@ -1,0 +1,142 @@
+//! The gateway's side of the guest agent (`guest/agent`), shared by the backends whose
+//! kernels run behind one: a microVM's (over vsock or virtio-serial) and a Kubernetes
+//! pod's (over TCP, after a proof of the kernel's key). One authenticated byte stream
+//! carries a yamux session: the control stream ([`session`]), one stream per ZMQ
+//! connection, joined to unix sockets at the kernel's ipc paths ([`channels`], so
+//! `KernelClient` is the same for every backend), one per workspace file operation
+//! ([`files`]), and the guest's egress connections, joined to the egress proxy.
+//!
+//! Everything the agent sends is hostile input: see each module.
+
+pub mod channels;
+pub mod files;
+pub mod session;
+
+use std::path::Path;
+use std::time::Duration;
+
+use cellgate_agent::protocol::{
+    self, auth, check_guest_proof, host_proof, read_line, ConnectionFile, Op, Reply, Start,
+};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+
+use super::relocate::{self, Relocation};
+use super::LaunchSpec;
+
+pub use session::{Agent, Duplex};
+
+/// What went wrong with an agent: the sentence says it.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct AgentError(pub String);
+
+/// The host's side of the TCP proof (`cellgate_agent::protocol`'s module doc): sends its
+/// nonce, checks the guest's proof of `key`, answers with its own. Within `deadline`; the
+/// stream, with whatever the guest sent after its proof, is returned for [`Agent::connect`].
+pub async fn prove<S>(io: S, key: &[u8], deadline: Duration) -> Result<BufReader<S>, AgentError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let nonce = format!("{:032x}", rand::random::<u128>());
+    let mut io = BufReader::new(io);
+    let exchange = async {
+        let failed = |e: std::io::Error| AgentError(format!("the key proof: {e}"));
+        io.get_mut()
+            .write_all(auth(&nonce).as_bytes())
+            .await
+            .map_err(failed)?;
+        io.get_mut().flush().await.map_err(failed)?;
+        let line = read_line(&mut io, 512)
+            .await
+            .map_err(|e| AgentError(format!("the key proof: {e}")))?
+            .ok_or_else(|| AgentError("the agent closed the connection before its proof".into()))?;
+        let guest_nonce = check_guest_proof(key, &nonce, &line)
+            .ok_or_else(|| {
+                AgentError(
+                    "the agent did not prove the kernel's key: this is not the kernel's pod"
+                        .into(),
+                )
+            })?
+            .to_owned();
+        io.get_mut()
+            .write_all(host_proof(key, &nonce, &guest_nonce).as_bytes())
+            .await
+            .map_err(failed)?;
+        io.get_mut().flush().await.map_err(failed)?;
+        Ok::<(), AgentError>(())
+    };
+    match tokio::time::timeout(deadline, exchange).await {
+        Ok(result) => result.map(|()| io),
+        Err(_) => Err(AgentError(format!(
+            "the agent did not prove the key within {deadline:?} ({})",
+            protocol::MAGIC
+        ))),
+    }
+}
+
+/// Asks the agent to start the kernel (as `uid`, where the agent may change ids), at the
+/// fixed paths of [`relocation`].
+pub async fn start_kernel(
+    agent: &Agent,
+    spec: &LaunchSpec,
+    map: &Relocation,
+    connection: Option<ConnectionFile>,
+    uid: u32,
+) -> Result<(), AgentError> {
+    let start = Start {
+        argv: map.argv(&spec.argv),
+        env: map.env(&spec.env),
+        cwd: relocate::WORKSPACE.to_owned(),
+        connection,
+        uid,
+        gid: uid,
+        pids: spec.limits.pids,
+        memory_bytes: spec.limits.memory_bytes,
+    };
+    match agent.request(Op::Start(start)).await? {
+        Reply::Started { .. } => Ok(()),
+        other => Err(AgentError(format!("unexpected reply {other:?}"))),
+    }
+}
+
+/// The kernel's paths in the guest: the same fixed paths as in every sandbox, with the
+/// venv where the guest's image has it (a VM's root image, a pod's container image).
+pub fn relocation(spec: &LaunchSpec) -> Relocation {
+    let mut map = Relocation::new();
+    map.add(&spec.workspace, relocate::WORKSPACE);
+    map.add(&spec.runtime_dir, relocate::RUN_DIR);
+    let program = Path::new(spec.argv.first().map(String::as_str).unwrap_or_default());
+    if let Some(venv) = program
+        .parent()
+        .and_then(Path::parent)
+        .filter(|venv| venv.join("pyvenv.cfg").is_file())
+    {
+        map.add(venv, relocate::VENV);
+    }
+    map
+}
+
+/// The kernel's connection file as the guest must have it (its ipc paths under
+/// [`relocate::RUN_DIR`]); `None` when the command has none (a plain program).
+pub fn guest_connection(
+    spec: &LaunchSpec,
+    map: &Relocation,
+) -> Result<Option<ConnectionFile>, AgentError> {
+    let json = match std::fs::read(&spec.connection_file) {
+        Ok(json) => json,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(AgentError(format!(
+                "{}: {e}",
+                spec.connection_file.display()
+            )))
+        }
+    };
+    let bad = |e: serde_json::Error| AgentError(format!("the connection file: {e}"));
+    let info = serde_json::from_slice(&map.connection_json(&json).map_err(bad)?).map_err(bad)?;
+    Ok(Some(ConnectionFile {
+        path: map.path(&spec.connection_file).display().to_string(),
+        info,
+    }))
+}
+
