@@ -122,6 +122,7 @@ pub async fn run(options: &DoctorOptions) -> Report {
         Backend::Namespaces,
         Backend::Gvisor,
         Backend::Microvm,
+        Backend::Kubernetes,
     ] {
         backends.push(crate::sandbox::diagnose(backend, options.probe, &options.microvm).await);
     }

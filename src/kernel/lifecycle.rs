@@ -62,6 +62,8 @@ pub struct KernelOptions {
     pub egress: Option<Arc<crate::egress::Egress>>,
     /// The kernel's policy, set by the manager at launch: what the egress proxy allows.
     pub policy: Option<Arc<crate::policy::Policy>>,
+    /// The tenant the kernel is started for, when one asked (a kernel pod's labels).
+    pub tenant: Option<String>,
 }
 
 impl Default for KernelOptions {
@@ -77,6 +79,7 @@ impl Default for KernelOptions {
             lifetime: None,
             egress: None,
             policy: None,
+            tenant: None,
         }
     }
 }
@@ -250,6 +253,13 @@ impl Kernel {
                 .policy
                 .as_ref()
                 .is_some_and(|policy| policy.allow_emulation),
+            pod: self.options.policy.as_ref().and_then(|policy| {
+                Some(crate::sandbox::PodLaunch {
+                    settings: policy.kubernetes.clone()?,
+                    policy: policy.name.clone(),
+                    tenant: self.options.tenant.clone(),
+                })
+            }),
         };
         let launched = self.sandbox.launch(&spec).await?;
         tracing::info!(kernel_id = %self.id, generation, backend = self.sandbox.backend().as_str(), pid = ?launched.handle.pid(), "kernel process launched");

@@ -251,7 +251,8 @@ impl KernelManager {
             }
             self.refill_pool();
         }
-        let kernel = match self.launch(spec, &policy, client_env).await {
+        let tenant = owner.map(|owner| owner.tenant.clone());
+        let kernel = match self.launch(spec, &policy, client_env, tenant).await {
             Ok(kernel) => kernel,
             Err(err) => {
                 metrics.kernel_start_failed(&policy.name, backend, StartSource::cold);
@@ -288,8 +289,10 @@ impl KernelManager {
         spec: &super::KernelSpec,
         policy: &Policy,
         client_env: BTreeMap<String, String>,
+        tenant: Option<String>,
     ) -> Result<Arc<Kernel>, KernelError> {
         let mut options = self.options.kernel.clone();
+        options.tenant = tenant;
         options.execution_timeout = Some(policy.limits.execution_timeout);
         options.interrupt_grace = policy.limits.interrupt_grace;
         options.output_limit = Some(policy.limits.output_per_execution_bytes);
@@ -392,7 +395,7 @@ impl KernelManager {
                         let (spec, policy) = (spec.clone(), policy.clone());
                         let backend = manager.backend_of(&policy);
                         (
-                            manager.launch(&spec, &policy, BTreeMap::new()).await,
+                            manager.launch(&spec, &policy, BTreeMap::new(), None).await,
                             Some((policy.name, backend.as_str())),
                         )
                     }

@@ -59,6 +59,26 @@ struct PolicyFile {
     egress: access::EgressSection,
     #[serde(default)]
     packages: access::PackagesSection,
+    kubernetes: Option<KubernetesSection>,
+}
+
+/// `[kubernetes]`: where and how the kubernetes backend runs this policy's kernel pods.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KubernetesSection {
+    image: String,
+    namespace: Option<String>,
+    runtime_class: Option<String>,
+    service_account: Option<String>,
+    #[serde(default)]
+    node_selector: BTreeMap<String, String>,
+    #[serde(default)]
+    tolerations: Vec<crate::sandbox::kubernetes::PodToleration>,
+    image_pull_policy: Option<String>,
+    #[serde(default)]
+    image_pull_secrets: Vec<String>,
+    #[serde(default, with = "units::serde_duration")]
+    pending_timeout: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -166,6 +186,9 @@ pub struct Policy {
     pub egress: EgressRules,
     /// Projects the package index lists (none by default).
     pub packages: PackageRules,
+    /// `[kubernetes]`: the pods of the kubernetes backend (required by that backend, refused
+    /// with any other).
+    pub kubernetes: Option<std::sync::Arc<crate::sandbox::PodSettings>>,
 }
 
 fn invalid(path: &Path, field: &'static str, reason: impl Into<String>) -> PolicyError {
@@ -174,6 +197,106 @@ fn invalid(path: &Path, field: &'static str, reason: impl Into<String>) -> Polic
         field,
         reason: reason.into(),
     }
+}
+
+/// Checks a `[kubernetes]` section as the API server would, so a typo fails at load time
+/// rather than at each kernel start.
+fn pod_settings(
+    section: KubernetesSection,
+) -> Result<crate::sandbox::PodSettings, (&'static str, String)> {
+    let defaults = crate::sandbox::PodSettings::default();
+    if section.image.trim().is_empty() || section.image.chars().any(char::is_whitespace) {
+        return Err((
+            "kubernetes.image",
+            format!("{:?} is not an image reference", section.image),
+        ));
+    }
+    // DNS-1123 names: namespaces are labels, RuntimeClasses and service accounts subdomains.
+    fn dns_label(value: &str) -> bool {
+        !value.is_empty()
+            && value.len() <= 63
+            && value
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !value.starts_with('-')
+            && !value.ends_with('-')
+    }
+    fn dns_subdomain(value: &str) -> bool {
+        value.len() <= 253 && value.split('.').all(dns_label)
+    }
+    let names = [
+        (
+            "kubernetes.namespace",
+            section.namespace.as_deref().map(|v| (v, dns_label(v))),
+        ),
+        (
+            "kubernetes.runtime_class",
+            section
+                .runtime_class
+                .as_deref()
+                .map(|v| (v, dns_subdomain(v))),
+        ),
+        (
+            "kubernetes.service_account",
+            section
+                .service_account
+                .as_deref()
+                .map(|v| (v, dns_subdomain(v))),
+        ),
+    ];
+    for (field, checked) in names {
+        if let Some((value, false)) = checked {
+            return Err((field, format!("{value:?} is not a valid Kubernetes name")));
+        }
+    }
+    let image_pull_policy = section
+        .image_pull_policy
+        .unwrap_or(defaults.image_pull_policy);
+    if !matches!(
+        image_pull_policy.as_str(),
+        "Always" | "IfNotPresent" | "Never"
+    ) {
+        return Err((
+            "kubernetes.image_pull_policy",
+            format!("{image_pull_policy:?} is not Always, IfNotPresent or Never"),
+        ));
+    }
+    for toleration in &section.tolerations {
+        if let Some(operator) = toleration.operator.as_deref() {
+            if !matches!(operator, "Exists" | "Equal") {
+                return Err((
+                    "kubernetes.tolerations",
+                    format!("operator {operator:?} is not Exists or Equal"),
+                ));
+            }
+        }
+        if let Some(effect) = toleration.effect.as_deref() {
+            if !matches!(effect, "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
+                return Err((
+                    "kubernetes.tolerations",
+                    format!("effect {effect:?} is not NoSchedule, PreferNoSchedule or NoExecute"),
+                ));
+            }
+        }
+    }
+    let pending_timeout = section.pending_timeout.unwrap_or(defaults.pending_timeout);
+    if pending_timeout < Duration::from_secs(5) {
+        return Err((
+            "kubernetes.pending_timeout",
+            "below 5s no pod starts".to_owned(),
+        ));
+    }
+    Ok(crate::sandbox::PodSettings {
+        image: section.image,
+        namespace: section.namespace,
+        runtime_class: section.runtime_class,
+        service_account: section.service_account,
+        node_selector: section.node_selector,
+        tolerations: section.tolerations,
+        image_pull_policy,
+        image_pull_secrets: section.image_pull_secrets,
+        pending_timeout,
+    })
 }
 
 impl Policy {
@@ -255,6 +378,26 @@ impl Policy {
                 "only the microvm backend runs under emulation",
             ));
         }
+        let kubernetes = match (backend, file.kubernetes) {
+            (Backend::Kubernetes, Some(section)) => Some(std::sync::Arc::new(
+                pod_settings(section).map_err(|(field, why)| invalid(path, field, why))?,
+            )),
+            (Backend::Kubernetes, None) => {
+                return Err(invalid(
+                    path,
+                    "kubernetes",
+                    "the kubernetes backend needs a [kubernetes] section with at least `image`",
+                ))
+            }
+            (_, Some(_)) => {
+                return Err(invalid(
+                    path,
+                    "kubernetes",
+                    "only a policy with `[sandbox] backend = \"kubernetes\"` runs pods",
+                ))
+            }
+            (_, None) => None,
+        };
         Ok(Policy {
             name: name.to_owned(),
             description: file.description.unwrap_or_default(),
@@ -263,6 +406,7 @@ impl Policy {
             limits,
             egress,
             packages,
+            kubernetes,
         })
     }
 
@@ -394,6 +538,30 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("docker"), "{err}");
+        let pods = parse(
+            "[sandbox]\nbackend = \"kubernetes\"\n[kubernetes]\nimage = \"r.example/k:1\"\nruntime_class = \"gvisor\"\npending_timeout = \"30s\"\ntolerations = [{ key = \"k\", operator = \"Exists\", effect = \"NoSchedule\" }]\n",
+        )
+        .unwrap();
+        let settings = pods.kubernetes.unwrap();
+        assert_eq!(settings.runtime_class.as_deref(), Some("gvisor"));
+        assert_eq!(settings.pending_timeout, Duration::from_secs(30));
+        assert_eq!(settings.image_pull_policy, "IfNotPresent");
+        let err = parse("[sandbox]\nbackend = \"kubernetes\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("[kubernetes] section"), "{err}");
+        let err = parse("[kubernetes]\nimage = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("only a policy"), "{err}");
+        let err = parse("[sandbox]\nbackend = \"kubernetes\"\n[kubernetes]\nimage = \"x\"\nnamespace = \"Bad_NS\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("kubernetes.namespace"), "{err}");
+        let err = parse("[sandbox]\nbackend = \"kubernetes\"\n[kubernetes]\nimage = \"x\"\nimagePullPolicy = \"Always\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("imagePullPolicy"), "{err}");
         let err = parse("[sandbox]\nallow_emulation = true\n")
             .unwrap_err()
             .to_string();

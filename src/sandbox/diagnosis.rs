@@ -158,6 +158,7 @@ async fn probe_in(sandbox: &dyn Sandbox, dir: &Path, program: &str) -> Result<Du
         limits: Limits::default(),
         egress_socket: None,
         allow_emulation: false,
+        pod: None,
     };
     let started = Instant::now();
     let launched = sandbox.launch(&spec).await.map_err(|e| e.to_string())?;

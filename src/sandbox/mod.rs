@@ -19,6 +19,7 @@ pub mod cgroupfs;
 mod cgroups;
 pub mod diagnosis;
 mod gvisor;
+pub mod kubernetes;
 pub mod microvm;
 mod namespaces;
 mod process;
@@ -38,6 +39,7 @@ use tokio::sync::watch;
 use crate::protocol::ConnectionInfo;
 
 pub use gvisor::{GvisorConfig, GvisorSandbox, PIDS_OVERHEAD as GVISOR_PIDS_OVERHEAD};
+pub use kubernetes::{KubernetesError, KubernetesSandbox, PodLaunch, PodSettings};
 pub use microvm::{MicrovmConfig, MicrovmError, MicrovmSandbox};
 pub use namespaces::{
     sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox, SANDBOX_INIT_ARG,
@@ -57,6 +59,9 @@ pub enum Backend {
     /// A virtual machine per kernel (QEMU's microvm machine), reached through the guest
     /// agent.
     Microvm,
+    /// A Kubernetes pod per kernel (isolated by the policy's RuntimeClass), reached over TCP
+    /// through the same agent.
+    Kubernetes,
 }
 
 impl Backend {
@@ -64,8 +69,17 @@ impl Backend {
     /// namespaces bridge, the microVM agent's proxy port); the others have no network at all.
     pub fn bridges_egress(self) -> bool {
         match self {
-            Backend::Namespaces | Backend::Microvm => true,
+            Backend::Namespaces | Backend::Microvm | Backend::Kubernetes => true,
             Backend::Process | Backend::Gvisor => false,
+        }
+    }
+
+    /// Whether the kernel's workspace is served by its agent (`SandboxHandle::guest_files`)
+    /// rather than opened by the gateway.
+    pub fn has_agent(self) -> bool {
+        match self {
+            Backend::Microvm | Backend::Kubernetes => true,
+            Backend::Process | Backend::Namespaces | Backend::Gvisor => false,
         }
     }
 
@@ -75,6 +89,7 @@ impl Backend {
             Backend::Namespaces => "namespaces",
             Backend::Gvisor => "gvisor",
             Backend::Microvm => "microvm",
+            Backend::Kubernetes => "kubernetes",
         }
     }
 }
@@ -87,6 +102,7 @@ impl std::str::FromStr for Backend {
             "namespaces" => Ok(Backend::Namespaces),
             "gvisor" => Ok(Backend::Gvisor),
             "microvm" => Ok(Backend::Microvm),
+            "kubernetes" => Ok(Backend::Kubernetes),
             other => Err(SandboxError::UnknownBackend(other.to_owned())),
         }
     }
@@ -100,6 +116,7 @@ pub fn create(backend: Backend, microvm: &MicrovmConfig) -> Result<Arc<dyn Sandb
         Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig::default())?),
         Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
         Backend::Microvm => Arc::new(MicrovmSandbox::new(microvm.clone())?),
+        Backend::Kubernetes => Arc::new(KubernetesSandbox::new()),
     })
 }
 
@@ -115,6 +132,7 @@ pub async fn diagnose(
         Backend::Namespaces => namespaces::diagnose::diagnose(probe).await,
         Backend::Gvisor => gvisor::diagnose(probe).await,
         Backend::Microvm => microvm::diagnose::diagnose(probe, microvm).await,
+        Backend::Kubernetes => kubernetes::diagnose().await,
     }
 }
 
@@ -216,6 +234,8 @@ pub struct LaunchSpec {
     pub egress_socket: Option<PathBuf>,
     /// The policy lets a microVM run under software emulation (`[sandbox] allow_emulation`).
     pub allow_emulation: bool,
+    /// The kubernetes backend's pod settings and labels (the policy's `[kubernetes]`).
+    pub pod: Option<PodLaunch>,
 }
 
 /// The words an [`ExitReport`] reason uses for the pids limit.
@@ -367,7 +387,9 @@ pub trait Sandbox: Send + Sync {
 /// Errors of sandbox backends.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
-    #[error("unknown sandbox backend {0:?} (known: process, namespaces, gvisor, microvm)")]
+    #[error(
+        "unknown sandbox backend {0:?} (known: process, namespaces, gvisor, microvm, kubernetes)"
+    )]
     UnknownBackend(String),
     #[error("the process backend runs kernels without any isolation; name it explicitly (--sandbox process) to use it")]
     ProcessNotAllowed,
@@ -385,6 +407,8 @@ pub enum SandboxError {
     Namespaces(#[from] NamespacesError),
     #[error(transparent)]
     Microvm(MicrovmError),
+    #[error(transparent)]
+    Kubernetes(Box<KubernetesError>),
 }
 
 impl SandboxError {

@@ -463,6 +463,7 @@ mod tests {
                 limits: super::super::Limits::default(),
                 egress_socket: None,
                 allow_emulation: false,
+                pod: None,
             };
             let view = KernelView::of(&spec, &["/usr"]).unwrap();
             assert_eq!(view.python_prefix, None, "home = {home}");

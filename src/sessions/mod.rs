@@ -216,7 +216,7 @@ impl Session {
         ) {
             return Err(WorkspaceError::Unavailable);
         }
-        if self.kernel.backend() == crate::sandbox::Backend::Microvm {
+        if self.kernel.backend().has_agent() {
             return self
                 .kernel
                 .guest_files()

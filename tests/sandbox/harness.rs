@@ -201,6 +201,7 @@ pub fn command_spec(dirs: &KernelDirs, argv: Vec<String>, limits: Limits) -> Lau
         limits,
         egress_socket: None,
         allow_emulation: false,
+        pod: None,
     }
 }
 
@@ -297,6 +298,7 @@ pub async fn start_kernel_in(sandbox: Box<dyn Sandbox>, python: PathBuf, limits:
         limits,
         egress_socket: None,
         allow_emulation: false,
+        pod: None,
     };
     let started = Instant::now();
     let launched = sandbox

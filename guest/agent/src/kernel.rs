@@ -323,7 +323,12 @@ impl Kernel {
     }
 
     pub fn usage(&self) -> Usage {
-        let Some(cgroup) = self.state().cgroup.clone().or_else(|| self.observed.clone()) else {
+        let Some(cgroup) = self
+            .state()
+            .cgroup
+            .clone()
+            .or_else(|| self.observed.clone())
+        else {
             return Usage::default();
         };
         Usage {

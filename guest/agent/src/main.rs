@@ -141,9 +141,11 @@ fn settings_from_args() -> Result<Settings, String> {
                 pod: true,
             })
         }
-        _ => Err("usage: cellgate-agent --listen-unix PATH | --listen-tcp ADDR --key-file PATH \
+        _ => Err(
+            "usage: cellgate-agent --listen-unix PATH | --listen-tcp ADDR --key-file PATH \
              (as a VM's init it reads the kernel command line)"
-            .to_owned()),
+                .to_owned(),
+        ),
     }
 }
 

@@ -139,7 +139,9 @@ fn proof_hmac(key: &[u8], label: &str, first: &str, second: &str) -> HmacSha256 
 
 fn proof_mac(key: &[u8], label: &str, first: &str, second: &str) -> String {
     use hmac::Mac;
-    let bytes = proof_hmac(key, label, first, second).finalize().into_bytes();
+    let bytes = proof_hmac(key, label, first, second)
+        .finalize()
+        .into_bytes();
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -637,8 +639,18 @@ mod tests {
         assert!(!check_host_proof(key, host, "cccccccccccccccc", &answer));
         // The guest's proof, replayed as the host's, does not pass: the labels differ.
         let guest_mac = proof.trim_end().rsplit(' ').next().unwrap();
-        assert!(!check_host_proof(key, host, guest, &format!("{MAGIC} PROOF {guest_mac}")));
-        assert!(!check_host_proof(key, host, guest, &format!("{MAGIC} PROOF zz")));
+        assert!(!check_host_proof(
+            key,
+            host,
+            guest,
+            &format!("{MAGIC} PROOF {guest_mac}")
+        ));
+        assert!(!check_host_proof(
+            key,
+            host,
+            guest,
+            &format!("{MAGIC} PROOF zz")
+        ));
     }
 
     #[test]

@@ -73,7 +73,10 @@ impl Transport {
             }
             Kind::Tcp { listen, key_file } => {
                 let key = std::fs::read_to_string(key_file).map_err(|e| {
-                    io::Error::new(e.kind(), format!("the key file {}: {e}", key_file.display()))
+                    io::Error::new(
+                        e.kind(),
+                        format!("the key file {}: {e}", key_file.display()),
+                    )
                 })?;
                 let key = key.trim().as_bytes().to_vec();
                 if key.len() < 32 {

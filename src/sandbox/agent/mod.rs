@@ -53,8 +53,7 @@ where
         let guest_nonce = check_guest_proof(key, &nonce, &line)
             .ok_or_else(|| {
                 AgentError(
-                    "the agent did not prove the kernel's key: this is not the kernel's pod"
-                        .into(),
+                    "the agent did not prove the kernel's key: this is not the kernel's pod".into(),
                 )
             })?
             .to_owned();
@@ -139,4 +138,3 @@ pub fn guest_connection(
         info,
     }))
 }
-

@@ -102,9 +102,7 @@ impl Agent {
         match shaken {
             Ok(result) => result?,
             Err(_) if last_line.is_empty() => {
-                return Err(AgentError(
-                    "the guest agent did not answer in time".into(),
-                ))
+                return Err(AgentError("the guest agent did not answer in time".into()))
             }
             Err(_) => {
                 return Err(AgentError(format!(
@@ -204,9 +202,7 @@ impl Agent {
             Ok(Err(_)) => Err(AgentError("the agent session ended".into())),
             Err(_) => {
                 self.pending.lock().remove(&id);
-                Err(AgentError(
-                    "the guest agent did not reply in time".into(),
-                ))
+                Err(AgentError("the guest agent did not reply in time".into()))
             }
         }
     }
@@ -220,10 +216,7 @@ impl Agent {
     }
 
     /// A new stream for `what`.
-    pub async fn open_stream(
-        &self,
-        what: &Open,
-    ) -> Result<tokio_yamux::StreamHandle, AgentError> {
+    pub async fn open_stream(&self, what: &Open) -> Result<tokio_yamux::StreamHandle, AgentError> {
         tokio::time::timeout(REPLY_TIMEOUT, async {
             let mut streams = self.streams.lock().await;
             open(&mut streams, what).await

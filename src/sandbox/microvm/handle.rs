@@ -21,9 +21,9 @@ use std::time::Duration;
 use cellgate_agent::protocol::{Exit, Op, LOG_TAIL_BYTES};
 use tokio::sync::watch;
 
-use crate::sandbox::agent::Agent;
 use super::confine::Jail;
 use crate::sandbox::agent::files::AgentFiles;
+use crate::sandbox::agent::Agent;
 use crate::sandbox::{
     ExitCause, ExitReason, ExitReport, ResourceUsage, SandboxError, SandboxHandle,
 };

@@ -15,11 +15,11 @@ use std::time::Duration;
 
 use cellgate_agent::protocol::VSOCK_PORT;
 
-use crate::sandbox::agent::Duplex;
 use super::confine::Jail;
 use super::spawner_command;
 use super::vmm::AgentLink;
 use super::MicrovmError;
+use crate::sandbox::agent::Duplex;
 use crate::sandbox::spawner::Spawner;
 
 /// The link's sockets in the VM's runtime directory: the serial port's (QEMU listens), the
