@@ -86,6 +86,15 @@ pub struct ServeArgs {
     /// is served on the main listener, to the gateway's token only].
     #[arg(long, env = "CELLGATE_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Serve as one of several replicas on Kubernetes: the URL the other replicas reach this
+    /// one at (e.g. http://$(POD_IP):8888). Kernel ownership goes in Leases in the gateway's
+    /// namespace, requests for another replica's kernel are forwarded to it, and the kernels
+    /// of a replica that is gone are taken over [default: none: a single gateway].
+    #[arg(long, env = "CELLGATE_REPLICA_URL")]
+    pub replica_url: Option<String>,
+    /// This replica's name among replicas (its pod's name) [default: the host name].
+    #[arg(long, env = "CELLGATE_REPLICA_ID")]
+    pub replica_id: Option<String>,
     // --- egress proxy and package index (src/egress, src/packages) ---
     /// Upstream simple index (PEP 691 JSON) the package index serves from
     /// [default: https://pypi.org/simple].
@@ -285,6 +294,8 @@ struct FileConfig {
     egress_hosts: std::collections::BTreeMap<String, IpAddr>,
     egress_max_connections: Option<usize>,
     metrics_listen: Option<std::net::SocketAddr>,
+    replica_url: Option<String>,
+    replica_id: Option<String>,
     artifact_retention: Option<u64>,
     guest_dir: Option<PathBuf>,
     microvm_allow_emulation: Option<bool>,
@@ -341,6 +352,8 @@ pub struct GatewayConfig {
     pub egress_max_connections: usize,
     /// A second listener for /metrics and the probes, without authentication.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// This gateway's name and URL among replicas on Kubernetes, when it has others.
+    pub replica: Option<ReplicaConfig>,
     /// How long artifacts outlive their API v1 session.
     pub artifact_retention: Duration,
     /// How long a request's head may take to arrive, from its first byte.
@@ -361,6 +374,48 @@ pub struct GatewayConfig {
 
 /// The artifact store's default minimum of free disk.
 pub const DEFAULT_ARTIFACT_MIN_FREE_DISK: u64 = 1 << 30;
+
+/// This gateway's place among replicas on Kubernetes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaConfig {
+    /// Its name (the holder of its Lease); unique among the replicas.
+    pub id: String,
+    /// Where the other replicas reach it, without a trailing slash.
+    pub url: String,
+}
+
+/// The replica settings: none without a URL; the id defaults to the host name (a pod's
+/// name, which is unique in its namespace).
+fn replica_config(
+    url: Option<String>,
+    id: Option<String>,
+) -> Result<Option<ReplicaConfig>, ConfigError> {
+    let Some(url) = url else {
+        return match id {
+            Some(_) => Err(ConfigError::ReplicaIdAlone),
+            None => Ok(None),
+        };
+    };
+    let trimmed = url.trim_end_matches('/');
+    let valid = ["http://"].iter().any(|scheme| {
+        trimmed
+            .strip_prefix(scheme)
+            .is_some_and(|rest| !rest.is_empty() && !rest.contains(['/', '?', '#', '@', ' ']))
+    });
+    if !valid {
+        return Err(ConfigError::BadReplicaUrl(url));
+    }
+    let id = id.filter(|id| !id.trim().is_empty()).unwrap_or_else(|| {
+        rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned()
+    });
+    Ok(Some(ReplicaConfig {
+        id,
+        url: trimmed.to_owned(),
+    }))
+}
 
 /// Errors in settings.
 #[derive(Debug, thiserror::Error)]
@@ -383,6 +438,10 @@ pub enum ConfigError {
     AnyOriginWithoutToken,
     #[error("base_url {0:?} must be a path")]
     BadBaseUrl(String),
+    #[error("replica_url {0:?}: expected http://, a host and an optional port, no path (the address other replicas reach this one at on the cluster network)")]
+    BadReplicaUrl(String),
+    #[error("replica_id needs replica_url: a replica must say where the others reach it")]
+    ReplicaIdAlone,
     #[error("{name} = 0 would {consequence}: give at least {least}")]
     Zero {
         name: &'static str,
@@ -726,6 +785,10 @@ impl GatewayConfig {
                 .unwrap_or(32)
                 .max(1),
             metrics_listen: args.metrics_listen.or(file.metrics_listen),
+            replica: replica_config(
+                args.replica_url.clone().or(file.replica_url),
+                args.replica_id.clone().or(file.replica_id),
+            )?,
             header_read_timeout,
             idle_connection_timeout,
             body_read_timeout,
@@ -766,6 +829,8 @@ mod tests {
             ("runtime_dir", "runtime_dir = \"/run/cellgate\""),
             ("base_url", "base_url = \"/gw\""),
             ("metrics_listen", "metrics_listen = \"127.0.0.1:9464\""),
+            ("replica_url", "replica_url = \"http://10.0.0.1:8888\""),
+            ("replica_id", "replica_id = \"gw-1\""),
             (
                 "package_index",
                 "package_index = \"http://127.0.0.1:1/simple\"",

@@ -255,7 +255,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&config.policies_dir)
         .with_context(|| format!("loading policies from {}", config.policies_dir.display()))?;
-    let backends = Backends::new(config.sandbox, config.microvm.clone());
+    let mut backends = Backends::new(config.sandbox, config.microvm.clone());
+    // A replica takes its Lease before any kernel starts: every kernel it makes has a live
+    // owner from its first moment.
+    let replicas = match &config.replica {
+        Some(replica) => {
+            let (client, namespace) =
+                cellgate::sandbox::kubernetes::client_from_environment().await?;
+            let replicas = cellgate::sandbox::kubernetes::replicas::Replicas::join(
+                client,
+                &namespace,
+                &replica.id,
+                &replica.url,
+            )
+            .await
+            .context("joining the gateway replicas (--replica-url)")?;
+            tracing::info!(replica = %replica.id, url = %replica.url, %namespace, "serving as one of the gateway's replicas");
+            backends = backends.with_replicas(replicas.clone());
+            Some(replicas)
+        }
+        None => None,
+    };
     // Fail at start, not at the first kernel, when the default policy's backend cannot run;
     // other policies' backends are made on first use (and `cellgate doctor` checks them).
     let default_backend = policies
@@ -351,10 +371,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         kernels.clone(),
         listener,
         metrics_listener,
+        replicas.clone(),
         shutdown,
     )
     .await;
-    // Whatever ended the serving, no sandbox outlives the gateway.
+    // A replica's kernel pods go on running for the others to take over (at once: its
+    // Lease is released); every other sandbox ends with the gateway.
+    if let Some(replicas) = &replicas {
+        let handed = kernels.hand_over_pods();
+        replicas.release().await;
+        tracing::info!(
+            kernels = handed,
+            "kernel pods handed over to the other replicas"
+        );
+    }
     kernels.shutdown_all().await;
     // The manager's own drop would remove it, but tasks still holding it (the culler, the
     // artifact reaper) keep it alive until the process is gone.

@@ -179,6 +179,12 @@ impl From<KernelError> for ApiError {
             E::Dead(_) | E::DiedDuringStart => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string()).code("kernel_dead")
             }
+            E::Sandbox(sandbox) if sandbox.start_failure().is_some() => {
+                tracing::warn!(error = %err, "kernel start failed");
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
+                    .code(sandbox.start_failure().unwrap_or("sandbox_start_failed"))
+                    .retry_after(30)
+            }
             E::NoReply(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
                 .code("kernel_busy")
                 .retry_after(5),

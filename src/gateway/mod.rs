@@ -9,12 +9,14 @@ mod access_log;
 mod api_error;
 mod auth;
 mod edge;
+mod forward;
 mod kernel_ws;
 mod kernels;
 pub mod listener;
 mod mcp;
 mod notebooks;
 mod operations;
+mod replicas;
 mod state;
 pub mod v1;
 mod web;
@@ -80,6 +82,15 @@ pub fn router(state: AppState) -> Router {
         )
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
+        // Inside auth: only authenticated requests are forwarded or cost an API read.
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            replicas::route_to_owner,
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            replicas::gather_listings,
+        ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,
@@ -185,6 +196,7 @@ pub async fn serve(
     kernels: Arc<KernelManager>,
     listener: tokio::net::TcpListener,
     metrics_listener: Option<tokio::net::TcpListener>,
+    replicas: Option<Arc<crate::sandbox::kubernetes::replicas::Replicas>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let sessions = v1_sessions(&config, &kernels)?;
@@ -202,7 +214,12 @@ pub async fn serve(
         max_connections_per_peer = limits.max_per_peer,
         "client connection limits"
     );
-    let state = AppState::new(config.clone(), kernels, sessions).map_err(std::io::Error::other)?;
+    let mut state =
+        AppState::new(config.clone(), kernels, sessions).map_err(std::io::Error::other)?;
+    if let Some(replicas) = replicas {
+        replicas::spawn_adopter(state.clone(), replicas.clone());
+        state.replicas = Some(replicas);
+    }
     // The metrics listener stops with the main one.
     let (stopping, stop) = tokio::sync::watch::channel(false);
     if let Some(metrics_listener) = metrics_listener {

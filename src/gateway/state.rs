@@ -20,6 +20,8 @@ pub struct AppState {
     pub tenants: Arc<Tenants>,
     /// The sandbox backends' last checks (readiness).
     pub checks: Arc<super::operations::Checks>,
+    /// This gateway's membership among replicas on Kubernetes, when it has others.
+    pub replicas: Option<Arc<crate::sandbox::kubernetes::replicas::Replicas>>,
 }
 
 /// Why the gateway's state could not be built.
@@ -49,6 +51,7 @@ impl AppState {
             jwt,
             tenants,
             checks,
+            replicas: None,
         })
     }
 }

@@ -61,6 +61,7 @@ pub fn write_connection_file(
     dirs: &KernelDirs,
     generation: u64,
     kernel_name: &str,
+    key: Option<&str>,
 ) -> Result<(PathBuf, PathBuf, ConnectionInfo), KernelError> {
     let mut nonce = [0u8; 4];
     rand::rng().fill_bytes(&mut nonce);
@@ -74,7 +75,10 @@ pub fn write_connection_file(
             what: format!("create {}", dir.display()),
             source,
         })?;
-    let info = ConnectionInfo::ipc(&dir.join("k"), new_key(), kernel_name);
+    // A fresh key per generation, except for a kernel taken over from another replica,
+    // whose process signs with the key it was started with.
+    let key = key.map_or_else(new_key, str::to_owned);
+    let info = ConnectionInfo::ipc(&dir.join("k"), key, kernel_name);
     let path = dir.join("connection.json");
     let json = serde_json::to_vec_pretty(&info).map_err(|err| KernelError::Io {
         what: "serialise the connection file".to_owned(),
@@ -198,8 +202,8 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let root = tempfile::tempdir().unwrap();
         let dirs = KernelDirs::create(root.path(), "k").unwrap();
-        let (dir, path, info) = write_connection_file(&dirs, 1, "python3").unwrap();
-        let (dir2, _, info2) = write_connection_file(&dirs, 2, "python3").unwrap();
+        let (dir, path, info) = write_connection_file(&dirs, 1, "python3", None).unwrap();
+        let (dir2, _, info2) = write_connection_file(&dirs, 2, "python3", None).unwrap();
         assert_ne!(info.key, info2.key);
         assert_ne!(dir, dir2);
         assert!(path.starts_with(&dir));

@@ -64,6 +64,9 @@ pub struct KernelOptions {
     pub policy: Option<Arc<crate::policy::Policy>>,
     /// The tenant the kernel is started for, when one asked (a kernel pod's labels).
     pub tenant: Option<String>,
+    /// A kernel pod to take over from a replica that is gone, and the key its kernel signs
+    /// with: the first generation attaches to it instead of launching.
+    pub adopt: Option<(crate::sandbox::kubernetes::replicas::KernelRecord, String)>,
 }
 
 impl Default for KernelOptions {
@@ -80,6 +83,7 @@ impl Default for KernelOptions {
             egress: None,
             policy: None,
             tenant: None,
+            adopt: None,
         }
     }
 }
@@ -221,8 +225,14 @@ impl Kernel {
 
     async fn launch_generation(&self) -> Result<(u64, Launched), KernelError> {
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
-        let (runtime_dir, connection_file, connection) =
-            write_connection_file(&self.dirs, generation, &self.spec.name)?;
+        // Only the first generation takes a pod over; a restart launches a new one.
+        let adopt = self.options.adopt.clone().filter(|_| generation == 1);
+        let (runtime_dir, connection_file, connection) = write_connection_file(
+            &self.dirs,
+            generation,
+            &self.spec.name,
+            adopt.as_ref().map(|(_, key)| key.as_str()),
+        )?;
         let mut egress_socket = None;
         let proxy = (self.options.egress.as_ref())
             .zip(self.options.policy.as_ref())
@@ -258,6 +268,8 @@ impl Kernel {
                     settings: policy.kubernetes.clone()?,
                     policy: policy.name.clone(),
                     tenant: self.options.tenant.clone(),
+                    kernelspec: self.spec.name.clone(),
+                    adopt: adopt.map(|(record, _)| record),
                 })
             }),
         };
@@ -712,6 +724,18 @@ impl Kernel {
         self.router.close_all();
         self.dirs.remove();
         tracing::info!(kernel_id = %self.id, "kernel shut down");
+    }
+
+    /// Lets the kernel go without ending it (a replica handing its kernel pods over as it
+    /// shuts down): the sandbox's link is closed, its process left running for another
+    /// gateway to take over, and this gateway forgets it.
+    pub fn detach(&self) {
+        if let Some(instance) = self.instance.lock().as_ref() {
+            instance.expected_exit.store(true, Ordering::SeqCst);
+            instance.handle.detach();
+        }
+        self.readiness.send_replace(Readiness::Terminated);
+        self.router.close_all();
     }
 
     /// Kills the process at once (gateway shutdown after the grace period).

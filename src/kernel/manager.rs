@@ -13,6 +13,7 @@ use super::lifecycle::{Kernel, KernelOptions, Readiness};
 use super::spec::KernelSpecs;
 use super::KernelError;
 use crate::policy::{Policies, Policy};
+use crate::sandbox::kubernetes::replicas::KernelRecord;
 use crate::sandbox::{Backends, Limits, SandboxError};
 use crate::telemetry::metrics::StartSource;
 
@@ -252,7 +253,7 @@ impl KernelManager {
             self.refill_pool();
         }
         let tenant = owner.map(|owner| owner.tenant.clone());
-        let kernel = match self.launch(spec, &policy, client_env, tenant).await {
+        let kernel = match self.launch(spec, &policy, client_env, tenant, None).await {
             Ok(kernel) => kernel,
             Err(err) => {
                 metrics.kernel_start_failed(&policy.name, backend, StartSource::cold);
@@ -290,9 +291,15 @@ impl KernelManager {
         policy: &Policy,
         client_env: BTreeMap<String, String>,
         tenant: Option<String>,
+        adopt: Option<(KernelRecord, String)>,
     ) -> Result<Arc<Kernel>, KernelError> {
         let mut options = self.options.kernel.clone();
         options.tenant = tenant;
+        let id = adopt.as_ref().map_or_else(
+            || uuid::Uuid::new_v4().to_string(),
+            |(record, _)| record.kernel_id.clone(),
+        );
+        options.adopt = adopt;
         options.execution_timeout = Some(policy.limits.execution_timeout);
         options.interrupt_grace = policy.limits.interrupt_grace;
         options.output_limit = Some(policy.limits.output_per_execution_bytes);
@@ -312,7 +319,6 @@ impl KernelManager {
             reason: err.to_string(),
         };
         let sandbox = self.backends.get(policy.backend).map_err(unavailable)?;
-        let id = uuid::Uuid::new_v4().to_string();
         let dirs = KernelDirs::create(&self.options.runtime_root, &id)?;
         let started = Kernel::start(
             id,
@@ -395,7 +401,9 @@ impl KernelManager {
                         let (spec, policy) = (spec.clone(), policy.clone());
                         let backend = manager.backend_of(&policy);
                         (
-                            manager.launch(&spec, &policy, BTreeMap::new(), None).await,
+                            manager
+                                .launch(&spec, &policy, BTreeMap::new(), None, None)
+                                .await,
                             Some((policy.name, backend.as_str())),
                         )
                     }
@@ -505,6 +513,64 @@ impl KernelManager {
         let mut kernels: Vec<_> = self.kernels.read().values().cloned().collect();
         kernels.sort_by(|a, b| a.id.cmp(&b.id));
         kernels
+    }
+
+    /// Takes over a kernel whose replica is gone (its pod still runs): attached to, not
+    /// started, under the id, kernelspec, policy and tenant its Lease records; `key` is the
+    /// one its messages are signed with. A kernel this gateway has already is returned.
+    pub async fn adopt(
+        &self,
+        record: KernelRecord,
+        key: String,
+    ) -> Result<Arc<Kernel>, KernelError> {
+        if let Some(kernel) = self.get(&record.kernel_id) {
+            return Ok(kernel);
+        }
+        let spec = self
+            .specs
+            .get(&record.kernelspec)
+            .ok_or_else(|| KernelError::NoSuchSpec {
+                name: record.kernelspec.clone(),
+                known: self.specs.names(),
+            })?
+            .clone();
+        let policy = self.options.policies.get(&record.policy)?.clone();
+        let tenant = record.tenant.clone();
+        let kernel = self
+            .launch(
+                &spec,
+                &policy,
+                BTreeMap::new(),
+                tenant.clone(),
+                Some((record, key)),
+            )
+            .await?;
+        if let Some(tenant) = &tenant {
+            kernel.set_owner(tenant);
+        }
+        self.kernels
+            .write()
+            .insert(kernel.id.clone(), kernel.clone());
+        tracing::info!(kernel_id = %kernel.id, "kernel taken over from a replica that is gone");
+        Ok(kernel)
+    }
+
+    /// Lets every kernel pod go, running, to the other replicas (this one is shutting down);
+    /// the other kernels stay for [`KernelManager::shutdown_all`].
+    pub fn hand_over_pods(&self) -> usize {
+        let pods: Vec<Arc<Kernel>> = {
+            let mut kernels = self.kernels.write();
+            let ids: Vec<String> = kernels
+                .values()
+                .filter(|k| k.backend() == crate::sandbox::Backend::Kubernetes)
+                .map(|k| k.id.clone())
+                .collect();
+            ids.iter().filter_map(|id| kernels.remove(id)).collect()
+        };
+        for kernel in &pods {
+            kernel.detach();
+        }
+        pods.len()
     }
 
     /// Shuts one kernel down and forgets it.

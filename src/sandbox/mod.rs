@@ -108,15 +108,20 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// Makes the sandbox of `backend`: the microvm backend with `microvm`, the others with their
-/// default configuration.
-pub fn create(backend: Backend, microvm: &MicrovmConfig) -> Result<Arc<dyn Sandbox>, SandboxError> {
+/// Makes the sandbox of `backend`: the microvm backend with `microvm`, the kubernetes backend
+/// with this gateway's membership among replicas, the others with their default
+/// configuration.
+pub fn create(
+    backend: Backend,
+    microvm: &MicrovmConfig,
+    replicas: Option<Arc<kubernetes::replicas::Replicas>>,
+) -> Result<Arc<dyn Sandbox>, SandboxError> {
     Ok(match backend {
         Backend::Process => Arc::new(ProcessSandbox::new()?),
         Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig::default())?),
         Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
         Backend::Microvm => Arc::new(MicrovmSandbox::new(microvm.clone())?),
-        Backend::Kubernetes => Arc::new(KubernetesSandbox::new()),
+        Backend::Kubernetes => Arc::new(KubernetesSandbox::new(replicas)),
     })
 }
 
@@ -143,6 +148,7 @@ pub async fn diagnose(
 pub struct Backends {
     forced: Option<Backend>,
     microvm: MicrovmConfig,
+    replicas: Option<Arc<kubernetes::replicas::Replicas>>,
     made: parking_lot::Mutex<std::collections::HashMap<Backend, Arc<dyn Sandbox>>>,
 }
 
@@ -151,8 +157,15 @@ impl Backends {
         Backends {
             forced,
             microvm,
+            replicas: None,
             made: parking_lot::Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// Records kernel pods' owners among `replicas` (the kubernetes backend).
+    pub fn with_replicas(mut self, replicas: Arc<kubernetes::replicas::Replicas>) -> Backends {
+        self.replicas = Some(replicas);
+        self
     }
 
     /// The backend every kernel runs in, when the operator forced one.
@@ -172,7 +185,7 @@ impl Backends {
         if let Some(sandbox) = made.get(&backend) {
             return Ok(sandbox.clone());
         }
-        let sandbox = create(backend, &self.microvm)?;
+        let sandbox = create(backend, &self.microvm, self.replicas.clone())?;
         made.insert(backend, sandbox.clone());
         Ok(sandbox)
     }
@@ -352,6 +365,10 @@ pub trait SandboxHandle: Send + Sync {
     fn guest_files(&self) -> Option<Arc<dyn crate::workspace::GuestFiles>> {
         None
     }
+    /// Closes the gateway's link to a kernel that outlives it (a pod another replica takes
+    /// over): its end is not reported and nothing is killed. Backends whose kernels die with
+    /// the gateway have nothing to do.
+    fn detach(&self) {}
     /// Whether the kernel process still exists. Checked *after* opening a path from
     /// [`SandboxHandle::workspace_root`] under `/proc/<pid>`: a process that has not exited
     /// cannot have had its pid reused, so the handle opened was the sandbox's.
@@ -417,5 +434,19 @@ impl SandboxError {
     /// to a launch that failed.
     pub fn is_refusal(&self) -> bool {
         matches!(self, SandboxError::Microvm(MicrovmError::Accel(_)))
+    }
+
+    /// The error code of a start that failed for what the cluster said (clients get the
+    /// reason: a pod that did not schedule or pull, or that failed while it started), as
+    /// opposed to an internal error.
+    pub fn start_failure(&self) -> Option<&'static str> {
+        match self {
+            SandboxError::Kubernetes(error) => match **error {
+                KubernetesError::Pending { .. } => Some("pod_pending"),
+                KubernetesError::Ended(_) => Some("pod_failed"),
+                _ => None,
+            },
+            _ => None,
+        }
     }
 }

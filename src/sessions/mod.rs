@@ -403,6 +403,24 @@ impl Sessions {
             let _ = self.kernels.shutdown(&kernel.id).await;
             return Err(err.into());
         }
+        let session = self.register(kernel, new.owner);
+        tracing::info!(session_id = %session.id, tenant = ?session.owner, policy = %session.kernel.policy, "session created");
+        Ok(session)
+    }
+
+    /// The session of a kernel this gateway took over from a replica that is gone: the
+    /// kernel and its variables carried on; what the old replica held in memory (the
+    /// history, unsaved artifact records) did not.
+    pub fn adopt(&self, kernel: Arc<Kernel>, owner: Option<String>) -> Arc<Session> {
+        if let Some(session) = self.get(&kernel.id) {
+            return session;
+        }
+        let session = self.register(kernel, owner);
+        tracing::info!(session_id = %session.id, tenant = ?session.owner, "session taken over");
+        session
+    }
+
+    fn register(&self, kernel: Arc<Kernel>, owner: Option<String>) -> Arc<Session> {
         let mut options = self.options.clone();
         if let Ok(policy) = self.kernels.policies().get(&kernel.policy) {
             options.artifact_max_bytes = policy.limits.artifact_bytes;
@@ -414,7 +432,7 @@ impl Sessions {
         let (events, _) = broadcast::channel(EVENT_BACKLOG);
         let session = Arc::new(Session {
             id: kernel.id.clone(),
-            owner: new.owner,
+            owner,
             client: KernelClient::attach(kernel.clone()),
             kernel,
             created: crate::kernel::format_timestamp(time::OffsetDateTime::now_utc()),
@@ -430,8 +448,7 @@ impl Sessions {
             .write()
             .insert(session.id.clone(), session.clone());
         spawn_monitor(&session);
-        tracing::info!(session_id = %session.id, tenant = ?session.owner, policy = %session.kernel.policy, "session created");
-        Ok(session)
+        session
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Session>> {

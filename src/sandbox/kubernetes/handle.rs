@@ -25,6 +25,8 @@ use crate::sandbox::{
 /// How fresh a usage reading must be before another is asked for: the trait's `usage` is
 /// synchronous, so it answers the latest reading and refreshes it in the background.
 const USAGE_FRESH: Duration = Duration::from_millis(500);
+/// How long a broken link waits for the pod's status to say why.
+const LINK_EXPLAINED: Duration = Duration::from_secs(10);
 
 pub(super) struct PodHandle {
     agent: Arc<Agent>,
@@ -34,6 +36,8 @@ pub(super) struct PodHandle {
     ended: Arc<AtomicBool>,
     /// The gateway deleted the pod on purpose.
     killed: AtomicBool,
+    /// The gateway let the pod go, running, to another replica.
+    detached: Arc<AtomicBool>,
     usage: Arc<parking_lot::Mutex<(Option<Instant>, ResourceUsage)>>,
 }
 
@@ -45,6 +49,7 @@ impl PodHandle {
             remover: Arc::new(remover),
             ended: Arc::new(AtomicBool::new(false)),
             killed: AtomicBool::new(false),
+            detached: Arc::new(AtomicBool::new(false)),
             usage: Arc::default(),
         };
         let _ = handle.files.set(Arc::new(AgentFiles::new(
@@ -133,6 +138,12 @@ impl SandboxHandle for PodHandle {
     fn alive(&self) -> bool {
         !self.ended.load(Ordering::SeqCst)
     }
+
+    fn detach(&self) {
+        self.detached.store(true, Ordering::SeqCst);
+        self.ended.store(true, Ordering::SeqCst);
+        self.agent.close();
+    }
 }
 
 /// Watches the kernel until it ends and reports exactly once; then the pod goes.
@@ -155,7 +166,7 @@ pub(super) fn watch_exit(
         let mut closed = agent.closed();
         let ended = tokio::select! {
             exit = kernel_exit.wait_for(Option::is_some) => Ended::Kernel(exit.ok().and_then(|e| e.clone())),
-            why = pod_ended(&pods, &name, version) => Ended::Pod(why),
+            why = pod_ended(&pods, &name, version.clone()) => Ended::Pod(why),
             _ = closed.wait_for(Option::is_some) => Ended::Link,
         };
         let exit_report = match ended {
@@ -166,20 +177,19 @@ pub(super) fn watch_exit(
             Ended::Kernel(None) => lost(&handle, "the agent's exit watch ended".to_owned()),
             Ended::Pod(why) => lost(&handle, why),
             Ended::Link => {
-                // The link broke: say why the pod went, if it did.
+                // The link broke: the pod's end explains it when the pod ended (the kubelet
+                // writes the status a moment after the container goes).
                 let link = closed.borrow().clone().unwrap_or_default();
-                let pod = tokio::time::timeout(Duration::from_secs(5), pods.get_opt(&name)).await;
-                let why = match pod {
-                    Ok(Ok(Some(pod))) => match status::state(&pod) {
-                        PodState::Ended { why } => why,
-                        _ => format!("the link to the kernel's pod broke ({link})"),
-                    },
-                    Ok(Ok(None)) => "the kernel's pod was deleted".to_owned(),
-                    _ => format!("the link to the kernel's pod broke ({link})"),
-                };
+                let why = tokio::time::timeout(LINK_EXPLAINED, pod_ended(&pods, &name, version))
+                    .await
+                    .unwrap_or_else(|_| format!("the link to the kernel's pod broke ({link})"));
                 lost(&handle, why)
             }
         };
+        if handle.detached.load(Ordering::SeqCst) {
+            // Another replica's now: no end to report, nothing to delete.
+            return;
+        }
         handle.delete_pod();
         let _ = report.send(Some(exit_report));
     });

@@ -25,6 +25,7 @@
 
 mod handle;
 pub mod objects;
+pub mod replicas;
 pub mod status;
 
 use std::collections::{BTreeMap, HashSet};
@@ -104,6 +105,10 @@ pub struct PodLaunch {
     pub settings: Arc<PodSettings>,
     pub policy: String,
     pub tenant: Option<String>,
+    pub kernelspec: String,
+    /// A running pod to take over (its kernel started by a replica that is gone), rather
+    /// than a new one.
+    pub adopt: Option<replicas::KernelRecord>,
 }
 
 /// Errors of the kubernetes backend.
@@ -146,81 +151,60 @@ pub struct KubernetesSandbox {
     client: OnceCell<(kube::Client, String)>,
     /// The policies whose NetworkPolicy this process has made sure of, by namespace.
     network_policies: parking_lot::Mutex<HashSet<(String, String)>>,
+    /// This gateway's membership among replicas, when it has others: each kernel's owner is
+    /// recorded as it is created.
+    replicas: Option<Arc<replicas::Replicas>>,
+}
+
+/// The API client and the configuration's default namespace, from the environment: the
+/// in-cluster service account, else `KUBECONFIG` or `~/.kube/config`.
+pub async fn client_from_environment() -> Result<(kube::Client, String), KubernetesError> {
+    let config = kube::Config::infer()
+        .await
+        .map_err(|e| KubernetesError::Config(e.to_string()))?;
+    let namespace = config.default_namespace.clone();
+    let client =
+        kube::Client::try_from(config).map_err(|e| KubernetesError::Config(e.to_string()))?;
+    Ok((client, namespace))
 }
 
 impl KubernetesSandbox {
-    pub fn new() -> KubernetesSandbox {
+    pub fn new(replicas: Option<Arc<replicas::Replicas>>) -> KubernetesSandbox {
         KubernetesSandbox {
             client: OnceCell::new(),
             network_policies: parking_lot::Mutex::new(HashSet::new()),
+            replicas,
         }
     }
 
     /// The API client and the configuration's default namespace.
     async fn client(&self) -> Result<&(kube::Client, String), KubernetesError> {
-        self.client
-            .get_or_try_init(|| async {
-                let config = kube::Config::infer()
-                    .await
-                    .map_err(|e| KubernetesError::Config(e.to_string()))?;
-                let namespace = config.default_namespace.clone();
-                let client = kube::Client::try_from(config)
-                    .map_err(|e| KubernetesError::Config(e.to_string()))?;
-                Ok((client, namespace))
-            })
-            .await
+        self.client.get_or_try_init(client_from_environment).await
     }
 
     async fn launch_pod(&self, spec: &LaunchSpec) -> Result<Launched, KubernetesError> {
         let launch = spec.pod.as_ref().ok_or(KubernetesError::NoSettings)?;
         let settings = &launch.settings;
         let (client, default_namespace) = self.client().await?;
-        let namespace = settings
-            .namespace
-            .clone()
-            .unwrap_or_else(|| default_namespace.clone());
-        self.ensure_network_policy(client, &namespace, &launch.policy)
-            .await?;
-        let owner = PodOwner {
-            kernel_id: spec.kernel_id.clone(),
-            policy: launch.policy.clone(),
-            tenant: launch.tenant.clone(),
+        let namespace = match &launch.adopt {
+            Some(record) => record.namespace.clone(),
+            None => settings
+                .namespace
+                .clone()
+                .unwrap_or_else(|| default_namespace.clone()),
         };
-        let suffix = format!("{:05x}", rand::random::<u32>() & 0xf_ffff);
-        let name = objects::pod_name(&spec.kernel_id, &suffix);
+        self.ensure_network_policy(client, &namespace, &launch.policy, default_namespace)
+            .await?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
         let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
-        let key = format!(
-            "{:032x}{:032x}",
-            rand::random::<u128>(),
-            rand::random::<u128>()
-        );
-        let pod = objects::pod(&name, &namespace, &owner, settings, &spec.limits);
-        let created = pods
-            .create(&PostParams::default(), &pod)
-            .await
-            .map_err(api_error(format!("create the pod {name}")))?;
-        let remove = PodRemover {
-            pods: pods.clone(),
-            secrets: secrets.clone(),
-            name: name.clone(),
-        };
-        let started = async {
-            secrets
-                .create(&PostParams::default(), &objects::secret(&created, &key))
-                .await
-                .map_err(api_error(format!("create the secret {name}")))?;
-            let (ip, version) = wait_running(&pods, &name, settings.pending_timeout).await?;
-            let agent = connect(&ip, key.as_bytes(), spec).await?;
-            Ok::<_, KubernetesError>((agent, version))
-        };
-        let (agent, version) = match started.await {
-            Ok(started) => started,
-            Err(error) => {
-                remove.now().await;
-                return Err(error);
+        let (name, agent, version) = match &launch.adopt {
+            Some(record) => self.attach(spec, &pods, &secrets, record).await?,
+            None => {
+                self.create(spec, launch, &pods, &secrets, &namespace)
+                    .await?
             }
         };
+        let remove = self.remover(&pods, &secrets, &name, &spec.kernel_id);
         let agent = Arc::new(agent);
         let handle = Arc::new(PodHandle::new(agent.clone(), remove));
         if let Err(error) = channels::serve(&spec.connection, agent.clone()) {
@@ -229,7 +213,7 @@ impl KubernetesSandbox {
                 "listening on the kernel's channels: {error}"
             ))));
         }
-        tracing::info!(kernel_id = %spec.kernel_id, pod = %name, %namespace, "kernel pod running");
+        tracing::info!(kernel_id = %spec.kernel_id, pod = %name, %namespace, adopted = launch.adopt.is_some(), "kernel pod running");
         let (exit_tx, exit) = watch::channel(None);
         handle::watch_exit(
             handle.clone(),
@@ -247,19 +231,126 @@ impl KubernetesSandbox {
         })
     }
 
+    fn remover(
+        &self,
+        pods: &Api<Pod>,
+        secrets: &Api<Secret>,
+        name: &str,
+        kernel_id: &str,
+    ) -> PodRemover {
+        PodRemover {
+            pods: pods.clone(),
+            secrets: secrets.clone(),
+            name: name.to_owned(),
+            lease: self
+                .replicas
+                .as_ref()
+                .map(|replicas| (replicas.clone(), kernel_id.to_owned())),
+        }
+    }
+
+    /// A new pod for the kernel: created, its owner recorded, its Secret made, watched until
+    /// it runs, its agent proven and the kernel started. Anything failing removes the pod.
+    async fn create(
+        &self,
+        spec: &LaunchSpec,
+        launch: &PodLaunch,
+        pods: &Api<Pod>,
+        secrets: &Api<Secret>,
+        namespace: &str,
+    ) -> Result<(String, Agent, String), KubernetesError> {
+        let settings = &launch.settings;
+        let owner = PodOwner {
+            kernel_id: spec.kernel_id.clone(),
+            policy: launch.policy.clone(),
+            tenant: launch.tenant.clone(),
+        };
+        let suffix = format!("{:05x}", rand::random::<u32>() & 0xf_ffff);
+        let name = objects::pod_name(&spec.kernel_id, &suffix);
+        let key = format!(
+            "{:032x}{:032x}",
+            rand::random::<u128>(),
+            rand::random::<u128>()
+        );
+        let map = agent::relocation(spec);
+        let connection = agent::guest_connection(spec, &map)?;
+        let pod = objects::pod(&name, namespace, &owner, settings, &spec.limits);
+        let created = pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .map_err(api_error(format!("create the pod {name}")))?;
+        let remove = self.remover(pods, secrets, &name, &spec.kernel_id);
+        let started = async {
+            if let Some(replicas) = &self.replicas {
+                let record = replicas::KernelRecord {
+                    kernel_id: spec.kernel_id.clone(),
+                    owner: replicas.id().to_owned(),
+                    pod: name.clone(),
+                    namespace: namespace.to_owned(),
+                    kernelspec: launch.kernelspec.clone(),
+                    policy: launch.policy.clone(),
+                    tenant: launch.tenant.clone(),
+                };
+                replicas.claim(&record, &created).await?;
+            }
+            let secret = objects::secret(&created, &key, connection.as_ref().map(|c| &c.info));
+            secrets
+                .create(&PostParams::default(), &secret)
+                .await
+                .map_err(api_error(format!("create the secret {name}")))?;
+            let (ip, version) = wait_running(pods, &name, settings.pending_timeout).await?;
+            let agent = dial(&ip, key.as_bytes(), spec).await?;
+            agent::start_kernel(&agent, spec, &map, connection, objects::KERNEL_UID as u32).await?;
+            Ok::<_, KubernetesError>((agent, version))
+        };
+        match started.await {
+            Ok((agent, version)) => Ok((name, agent, version)),
+            Err(error) => {
+                remove.now().await;
+                Err(error)
+            }
+        }
+    }
+
+    /// A running pod whose owner is gone: its key from its Secret, its agent proven, the
+    /// kernel already running in it (no start).
+    async fn attach(
+        &self,
+        spec: &LaunchSpec,
+        pods: &Api<Pod>,
+        secrets: &Api<Secret>,
+        record: &replicas::KernelRecord,
+    ) -> Result<(String, Agent, String), KubernetesError> {
+        let name = record.pod.clone();
+        let secret = secrets
+            .get(&name)
+            .await
+            .map_err(api_error(format!("read the secret {name}")))?;
+        let key = secret
+            .data
+            .as_ref()
+            .and_then(|data| data.get(objects::KEY_NAME))
+            .map(|key| key.0.clone())
+            .ok_or_else(|| KubernetesError::Ended(format!("the secret {name} has no key")))?;
+        let (ip, version) = wait_running(pods, &name, Duration::from_secs(10)).await?;
+        let agent = dial(&ip, &key, spec).await?;
+        Ok((name, agent, version))
+    }
+
     /// Creates the policy's NetworkPolicy, or brings it back to what it must be.
     async fn ensure_network_policy(
         &self,
         client: &kube::Client,
         namespace: &str,
         policy: &str,
+        gateway_namespace: &str,
     ) -> Result<(), KubernetesError> {
         let key = (namespace.to_owned(), policy.to_owned());
         if self.network_policies.lock().contains(&key) {
             return Ok(());
         }
         let api: Api<NetworkPolicy> = Api::namespaced(client.clone(), namespace);
-        let wanted = objects::network_policy(namespace, policy);
+        let wanted = objects::network_policy(namespace, policy, gateway_namespace);
         let name = objects::network_policy_name(policy);
         let action = format!("make sure of the network policy {name}");
         match api
@@ -289,12 +380,6 @@ impl KubernetesSandbox {
     }
 }
 
-impl Default for KubernetesSandbox {
-    fn default() -> Self {
-        KubernetesSandbox::new()
-    }
-}
-
 impl Sandbox for KubernetesSandbox {
     fn backend(&self) -> Backend {
         Backend::Kubernetes
@@ -318,6 +403,9 @@ pub(crate) struct PodRemover {
     pods: Api<Pod>,
     secrets: Api<Secret>,
     name: String,
+    /// The kernel's ownership Lease, when replicas record one (in the replicas' namespace,
+    /// which may not be the pod's: no owner reference reaches across).
+    lease: Option<(Arc<replicas::Replicas>, String)>,
 }
 
 impl PodRemover {
@@ -337,6 +425,9 @@ impl PodRemover {
                     tracing::warn!(pod = %self.name, %error, "deleting a kernel's pod or secret failed")
                 }
             }
+        }
+        if let Some((replicas, kernel_id)) = &self.lease {
+            replicas.forget(kernel_id).await;
         }
     }
 }
@@ -411,9 +502,8 @@ async fn wait_running(
     }
 }
 
-/// Dials the pod's agent (it may take a moment to listen), proves the key both ways and
-/// starts the kernel through it.
-async fn connect(ip: &str, key: &[u8], spec: &LaunchSpec) -> Result<Agent, KubernetesError> {
+/// Dials the pod's agent (it may take a moment to listen) and proves the key both ways.
+async fn dial(ip: &str, key: &[u8], spec: &LaunchSpec) -> Result<Agent, KubernetesError> {
     let address = match ip.parse::<std::net::IpAddr>() {
         Ok(ip) => std::net::SocketAddr::new(ip, objects::AGENT_PORT),
         Err(_) => {
@@ -438,11 +528,7 @@ async fn connect(ip: &str, key: &[u8], spec: &LaunchSpec) -> Result<Agent, Kuber
     })?;
     let _ = dialed.set_nodelay(true);
     let proven = agent::prove(dialed, key, AGENT_TIMEOUT).await?;
-    let agent = Agent::connect(proven, spec.egress_socket.clone(), AGENT_TIMEOUT).await?;
-    let map = agent::relocation(spec);
-    let connection = agent::guest_connection(spec, &map)?;
-    agent::start_kernel(&agent, spec, &map, connection, objects::KERNEL_UID as u32).await?;
-    Ok(agent)
+    Ok(Agent::connect(proven, spec.egress_socket.clone(), AGENT_TIMEOUT).await?)
 }
 
 /// What `cellgate doctor` and readiness say of this backend: whether a configuration is
@@ -450,7 +536,7 @@ async fn connect(ip: &str, key: &[u8], spec: &LaunchSpec) -> Result<Agent, Kuber
 /// gateway's role must allow). Nothing is created.
 pub async fn diagnose() -> Diagnosis {
     let mut diagnosis = Diagnosis::new("kubernetes");
-    let sandbox = KubernetesSandbox::new();
+    let sandbox = KubernetesSandbox::new(None);
     match sandbox.client().await {
         Err(error) => diagnosis.fail(
             error.to_string(),

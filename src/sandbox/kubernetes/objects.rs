@@ -13,9 +13,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, LocalObjectReference, Pod,
-    PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, Secret, SecretVolumeSource,
-    SecurityContext, Toleration, Volume, VolumeMount,
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, KeyToPath, LocalObjectReference,
+    Pod, PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, Secret,
+    SecretVolumeSource, SecurityContext, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
@@ -36,6 +36,8 @@ pub const KERNEL_UID: i64 = 1000;
 /// Where the pod's Secret is mounted, and its one key.
 pub const KEY_DIR: &str = "/var/run/secrets/cellgate";
 pub const KEY_NAME: &str = "key";
+/// The Secret's key holding the kernel's connection info (not mounted in the pod).
+pub const CONNECTION_NAME: &str = "connection";
 /// The agent binary in the kernel image.
 pub const AGENT_PATH: &str = "/opt/cellgate/bin/cellgate-agent";
 /// The agent's own run directory (the kernel's log), a volume: the root is read-only.
@@ -275,7 +277,12 @@ pub fn pod(
                         secret_name: Some(name.to_owned()),
                         default_mode: Some(0o440),
                         optional: Some(false),
-                        items: None,
+                        // The agent's key only: the connection info stays with gateways.
+                        items: Some(vec![KeyToPath {
+                            key: KEY_NAME.to_owned(),
+                            path: KEY_NAME.to_owned(),
+                            mode: None,
+                        }]),
                     }),
                     ..Volume::default()
                 },
@@ -290,9 +297,10 @@ pub fn pod(
     }
 }
 
-/// The Secret holding the kernel's key, owned by its pod (created after it, with its uid),
-/// so the cluster deletes it with the pod whoever deletes that.
-pub fn secret(pod: &Pod, key: &str) -> Secret {
+/// The Secret holding the kernel's agent key and its connection info (the key its messages
+/// are signed with: a replica taking the kernel over needs both), owned by its pod (created
+/// after it, with its uid), so the cluster deletes it with the pod whoever deletes that.
+pub fn secret(pod: &Pod, key: &str, connection: Option<&serde_json::Value>) -> Secret {
     let owner = OwnerReference {
         api_version: "v1".to_owned(),
         kind: "Pod".to_owned(),
@@ -309,10 +317,16 @@ pub fn secret(pod: &Pod, key: &str) -> Secret {
             owner_references: Some(vec![owner]),
             ..ObjectMeta::default()
         },
-        data: Some(BTreeMap::from([(
-            KEY_NAME.to_owned(),
-            ByteString(key.as_bytes().to_vec()),
-        )])),
+        data: Some(
+            [(KEY_NAME, Some(key.as_bytes().to_vec()))]
+                .into_iter()
+                .chain([(
+                    CONNECTION_NAME,
+                    connection.and_then(|info| serde_json::to_vec(info).ok()),
+                )])
+                .filter_map(|(name, bytes)| Some((name.to_owned(), ByteString(bytes?))))
+                .collect(),
+        ),
         type_: Some("Opaque".to_owned()),
         immutable: Some(true),
         ..Secret::default()
@@ -327,8 +341,9 @@ pub fn network_policy_name(policy: &str) -> String {
     )
 }
 
-/// A policy's kernel pods admit gateway pods on the agent's port and reach nothing at all.
-pub fn network_policy(namespace: &str, policy: &str) -> NetworkPolicy {
+/// A policy's kernel pods admit gateway pods (of `gateway_namespace`) on the agent's port and
+/// reach nothing at all.
+pub fn network_policy(namespace: &str, policy: &str, gateway_namespace: &str) -> NetworkPolicy {
     let kernels = BTreeMap::from([
         (LABEL_NAME.to_owned(), KERNEL_POD_NAME.to_owned()),
         (LABEL_POLICY.to_owned(), label_value(policy)),
@@ -357,6 +372,14 @@ pub fn network_policy(namespace: &str, policy: &str) -> NetworkPolicy {
                 from: Some(vec![NetworkPolicyPeer {
                     pod_selector: Some(LabelSelector {
                         match_labels: Some(gateways),
+                        match_expressions: None,
+                    }),
+                    // A pod selector alone means the kernels' own namespace.
+                    namespace_selector: (gateway_namespace != namespace).then(|| LabelSelector {
+                        match_labels: Some(BTreeMap::from([(
+                            "kubernetes.io/metadata.name".to_owned(),
+                            gateway_namespace.to_owned(),
+                        )])),
                         match_expressions: None,
                     }),
                     ..NetworkPolicyPeer::default()
@@ -446,16 +469,19 @@ mod tests {
     fn the_secret_is_owned_by_its_pod() {
         let mut pod = pod("p", "ns", &owner(), &settings(), &Limits::default());
         pod.metadata.uid = Some("uid-1".to_owned());
-        let secret = secret(&pod, "k".repeat(64).as_str());
+        let connection = serde_json::json!({"key": "jupyter-key"});
+        let secret = secret(&pod, "k".repeat(64).as_str(), Some(&connection));
         let owners = secret.metadata.owner_references.unwrap();
         assert_eq!(owners[0].uid, "uid-1");
         assert_eq!(owners[0].kind, "Pod");
-        assert_eq!(secret.data.unwrap()[KEY_NAME].0.len(), 64);
+        let data = secret.data.unwrap();
+        assert_eq!(data[KEY_NAME].0.len(), 64);
+        assert_eq!(data[CONNECTION_NAME].0, br#"{"key":"jupyter-key"}"#);
     }
 
     #[test]
     fn kernel_pods_reach_nothing_and_admit_gateways_only() {
-        let policy = network_policy("ns", "default");
+        let policy = network_policy("ns", "default", "ns");
         let json = serde_json::to_value(&policy).unwrap();
         assert_eq!(json["spec"]["egress"], serde_json::json!([]));
         assert_eq!(
@@ -465,6 +491,13 @@ mod tests {
         let from = &json["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"];
         assert_eq!(from[LABEL_COMPONENT], GATEWAY_COMPONENT);
         assert_eq!(json["spec"]["ingress"][0]["ports"][0]["port"], AGENT_PORT);
+        assert!(json["spec"]["ingress"][0]["from"][0]["namespaceSelector"].is_null());
+        let elsewhere = serde_json::to_value(network_policy("kernels", "default", "gw")).unwrap();
+        let from = &elsewhere["spec"]["ingress"][0]["from"][0];
+        assert_eq!(
+            from["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+            "gw"
+        );
     }
 
     #[test]

@@ -1,0 +1,283 @@
+//! The gateway as one of several replicas on Kubernetes (`--replica-url`): any replica
+//! accepts any request, and the one that owns the kernel serves it.
+//!
+//! - A request naming a kernel (`/api/kernels/{id}…`, `/v1/sessions/{id}…`) that this
+//!   replica does not hold is forwarded to its owner, by the kernel's Lease
+//!   (`sandbox::kubernetes::replicas`), after authentication here (so unauthenticated
+//!   requests never cost an API read) and again there.
+//! - A kernel whose owner is gone is taken over: at once when a request names it, and by a
+//!   sweep every few seconds otherwise, so sessions survive the loss of a replica. The
+//!   kernel keeps its process, variables and id; the new owner keeps a session for it.
+//! - Listings (`GET /api/kernels`, `GET /v1/sessions`) gather every live replica's.
+//!
+//! A request carrying [`forward::FORWARDED_BY`] is never forwarded again.
+
+use std::sync::Arc;
+
+use axum::extract::{OriginalUri, Request, State};
+use axum::http::{Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::forward::{self, FORWARDED_BY};
+use super::{ApiError, AppState};
+use crate::sandbox::kubernetes::replicas::{KernelRecord, Replicas, RENEW_EVERY};
+
+/// The kernel a request is about, by its path (inside the base URL).
+fn kernel_of(path: &str) -> Option<&str> {
+    let rest = path
+        .strip_prefix("/api/kernels/")
+        .or_else(|| path.strip_prefix("/v1/sessions/"))?;
+    let id = rest.split('/').next()?;
+    // Kernel ids are uuids; anything else is not one of ours to look up.
+    (id.len() == 36 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')).then_some(id)
+}
+
+/// The middleware: serves a request here when this replica holds its kernel (or no replica
+/// does), forwards it to the owner otherwise, and takes over a kernel whose owner is gone.
+pub async fn route_to_owner(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(replicas) = state.replicas.clone() else {
+        return next.run(request).await;
+    };
+    let Some(kernel_id) = kernel_of(request.uri().path()).map(str::to_owned) else {
+        return next.run(request).await;
+    };
+    if state.kernels.get(&kernel_id).is_some() {
+        return next.run(request).await;
+    }
+    let forwarded = request.headers().contains_key(FORWARDED_BY);
+    match replicas.owner_of(&kernel_id).await {
+        // Nobody's: the handlers answer 404.
+        Ok(None) => next.run(request).await,
+        Ok(Some((_, Some(owner)))) if !forwarded => {
+            let original = request
+                .extensions()
+                .get::<OriginalUri>()
+                .map_or_else(|| request.uri().clone(), |o| o.0.clone());
+            forward::forward(request, &original, &owner.url, replicas.id()).await
+        }
+        Ok(Some((_, Some(_)))) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the kernel's owner changed while the request travelled; try again",
+        )
+        .code("kernel_moving")
+        .retry_after(1)
+        .into_response(),
+        Ok(Some((record, None))) => {
+            if let Err(error) = take_over(&state, &replicas, record).await {
+                tracing::warn!(%error, kernel_id, "taking a kernel over failed");
+            }
+            // Ours now, or another replica's that won: served or forwarded on retry.
+            if state.kernels.get(&kernel_id).is_some() {
+                next.run(request).await
+            } else {
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the kernel is being taken over by another replica; try again",
+                )
+                .code("kernel_moving")
+                .retry_after(1)
+                .into_response()
+            }
+        }
+        Err(error) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string())
+            .code("kubernetes_unavailable")
+            .retry_after(2)
+            .into_response(),
+    }
+}
+
+/// Takes a kernel over whose owner is gone, when this replica wins its Lease: attached to,
+/// ready, and given a session. Losing the race is not an error.
+async fn take_over(
+    state: &AppState,
+    replicas: &Replicas,
+    record: KernelRecord,
+) -> Result<(), String> {
+    if !replicas
+        .take_over(&record)
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        return Ok(());
+    }
+    let key = replicas
+        .jupyter_key(&record)
+        .await
+        .map_err(|e| e.to_string())?;
+    let tenant = record.tenant.clone();
+    let kernel = state
+        .kernels
+        .adopt(record, key)
+        .await
+        .map_err(|e| e.to_string())?;
+    kernel.wait_ready().await.map_err(|e| e.to_string())?;
+    state.sessions.adopt(kernel, tenant);
+    Ok(())
+}
+
+/// Sweeps for kernels whose owner is gone, every [`RENEW_EVERY`], for as long as the
+/// gateway serves.
+pub fn spawn_adopter(state: AppState, replicas: Arc<Replicas>) {
+    tokio::spawn(async move {
+        let mut sweeps = 0u64;
+        loop {
+            tokio::time::sleep(RENEW_EVERY).await;
+            let orphans = match replicas.orphans().await {
+                Ok(orphans) => orphans,
+                Err(error) => {
+                    tracing::warn!(%error, "looking for kernels whose replica is gone failed");
+                    continue;
+                }
+            };
+            for record in orphans {
+                let kernel_id = record.kernel_id.clone();
+                if let Err(error) = take_over(&state, &replicas, record).await {
+                    tracing::warn!(%error, kernel_id, "taking a kernel over failed");
+                }
+            }
+            sweeps += 1;
+            if sweeps.is_multiple_of(12) {
+                replicas.forget_gone().await;
+            }
+        }
+    });
+}
+
+/// The listing routes whose answers gather every replica's.
+fn gathered(method: &Method, path: &str) -> bool {
+    method == Method::GET && matches!(path, "/api/kernels" | "/v1/sessions")
+}
+
+/// The middleware for listings: this replica's answer, with every live peer's merged in
+/// (asked with the same credentials; a peer that does not answer in time is left out).
+pub async fn gather_listings(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(replicas) = state.replicas.clone() else {
+        return next.run(request).await;
+    };
+    if !gathered(request.method(), request.uri().path())
+        || request.headers().contains_key(FORWARDED_BY)
+    {
+        return next.run(request).await;
+    }
+    let original = request
+        .extensions()
+        .get::<OriginalUri>()
+        .map_or_else(|| request.uri().clone(), |o| o.0.clone());
+    let headers = request.headers().clone();
+    let local = next.run(request).await;
+    if !local.status().is_success() {
+        return local;
+    }
+    let peers = match replicas.peers().await {
+        Ok(peers) => peers,
+        Err(error) => {
+            tracing::warn!(%error, "listing the other replicas failed; this replica's list only");
+            return local;
+        }
+    };
+    let (parts, body) = local.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let Ok(mut merged) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return Response::from_parts(parts, axum::body::Body::from(bytes));
+    };
+    let me = replicas.id().to_owned();
+    let asks = peers.iter().map(|peer| {
+        let me = me.clone();
+        let mut headers = headers.clone();
+        headers.remove(axum::http::header::HOST);
+        let url = format!(
+            "{}{}",
+            peer.url,
+            original.path_and_query().map_or("", |p| p.as_str())
+        );
+        async move {
+            let client = reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(3))
+                .no_proxy()
+                .build()
+                .ok()?;
+            let response = client
+                .get(url)
+                .headers(headers)
+                .header(FORWARDED_BY, me)
+                .send()
+                .await
+                .ok()?;
+            response.json::<serde_json::Value>().await.ok()
+        }
+    });
+    for answer in futures_util::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+    {
+        merge(&mut merged, answer);
+    }
+    let body = serde_json::to_vec(&merged).unwrap_or_default();
+    let mut response = Response::from_parts(parts, axum::body::Body::from(body));
+    response
+        .headers_mut()
+        .remove(axum::http::header::CONTENT_LENGTH);
+    response
+}
+
+/// Appends a peer's list to ours: a bare array (`/api/kernels`) or an object's array field
+/// (`/v1/sessions`: `{"sessions": [...]}`).
+fn merge(ours: &mut serde_json::Value, theirs: serde_json::Value) {
+    match (ours, theirs) {
+        (serde_json::Value::Array(ours), serde_json::Value::Array(theirs)) => ours.extend(theirs),
+        (serde_json::Value::Object(ours), serde_json::Value::Object(theirs)) => {
+            for (key, value) in theirs {
+                if let (Some(serde_json::Value::Array(list)), serde_json::Value::Array(more)) =
+                    (ours.get_mut(&key), value)
+                {
+                    list.extend(more);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_paths_name_their_kernel() {
+        let id = "0b3c4e4e-6c1b-4f7e-9b7c-2d1f1e0c9a11";
+        assert_eq!(kernel_of(&format!("/api/kernels/{id}")), Some(id));
+        assert_eq!(kernel_of(&format!("/api/kernels/{id}/channels")), Some(id));
+        assert_eq!(
+            kernel_of(&format!("/v1/sessions/{id}/files/a.txt")),
+            Some(id)
+        );
+        assert_eq!(kernel_of("/api/kernels"), None);
+        assert_eq!(kernel_of("/api/kernels/not-an-id"), None);
+        assert_eq!(kernel_of("/v1/artifacts/x"), None);
+    }
+
+    #[test]
+    fn listings_merge_arrays_and_fields() {
+        let mut kernels = serde_json::json!([{"id": "a"}]);
+        merge(&mut kernels, serde_json::json!([{"id": "b"}]));
+        assert_eq!(kernels.as_array().unwrap().len(), 2);
+        let mut sessions = serde_json::json!({"sessions": [{"id": "a"}]});
+        merge(
+            &mut sessions,
+            serde_json::json!({"sessions": [{"id": "b"}], "other": 1}),
+        );
+        assert_eq!(sessions["sessions"].as_array().unwrap().len(), 2);
+    }
+}

@@ -1,0 +1,504 @@
+//! Gateway replicas on Kubernetes: who owns which kernel, recorded in `coordination.k8s.io`
+//! Leases, with the API server as the only arbiter (no protocol of our own between
+//! replicas).
+//!
+//! - Each replica holds a Lease of its own, `cellgate-replica-<id>`, renewed every
+//!   [`RENEW_EVERY`] for [`LEASE_SECONDS`], annotated with the URL other replicas reach it at.
+//! - Each kernel pod has a Lease `cellgate-kernel-<kernel id>` whose holder is its owning
+//!   replica, labelled with the owner, tenant and policy (listings and caps count these
+//!   across replicas), owned by the pod (the cluster deletes it with the pod). It is written
+//!   when a kernel is created or changes hands, never renewed: a kernel's owner is alive as
+//!   long as the owner's replica Lease is, so the API's load is per replica, not per kernel.
+//! - A replica is gone when its Lease is released (a graceful shutdown hands its kernels
+//!   over that way) or has not changed for a full lease duration as *this* replica's clock
+//!   measures it (clocks of different nodes are never compared). Its kernels are then
+//!   adopted: each live replica tries to take each kernel's Lease with the version it read,
+//!   and the API server's optimistic concurrency (409 to all but one) picks the new owner.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+
+use super::objects::{self, label_value};
+use super::{api_error, is_status, KubernetesError};
+
+/// How long a replica's Lease holds without renewal.
+pub const LEASE_SECONDS: i32 = 15;
+/// How often a replica renews its Lease.
+pub const RENEW_EVERY: Duration = Duration::from_secs(5);
+/// Label keys of the Leases.
+pub const LABEL_ROLE: &str = "cellgate.io/role";
+pub const LABEL_OWNER: &str = "cellgate.io/owner";
+/// The annotation of a replica's URL, and of a kernel Lease's pod and kernelspec.
+pub const ANNOTATION_URL: &str = "cellgate.io/url";
+pub const ANNOTATION_POD: &str = "cellgate.io/pod";
+pub const ANNOTATION_KERNELSPEC: &str = "cellgate.io/kernelspec";
+pub const ANNOTATION_NAMESPACE: &str = "cellgate.io/namespace";
+
+/// A replica's Lease name.
+pub fn replica_lease_name(replica: &str) -> String {
+    format!(
+        "cellgate-replica-{}",
+        label_value(replica).to_lowercase().replace('_', "-")
+    )
+}
+
+/// A kernel's Lease name.
+pub fn kernel_lease_name(kernel_id: &str) -> String {
+    format!("cellgate-kernel-{kernel_id}")
+}
+
+/// Who owns a kernel, as its Lease says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelRecord {
+    pub kernel_id: String,
+    pub owner: String,
+    pub pod: String,
+    pub namespace: String,
+    pub kernelspec: String,
+    pub policy: String,
+    pub tenant: Option<String>,
+}
+
+/// A live replica other than this one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    pub id: String,
+    pub url: String,
+}
+
+/// This replica's membership: its Lease, its view of the others.
+pub struct Replicas {
+    leases: Api<Lease>,
+    namespace: String,
+    id: String,
+    url: String,
+    /// Each replica Lease's version as last seen, and when this replica first saw it.
+    seen: parking_lot::Mutex<HashMap<String, (String, Instant)>>,
+    renewer: parking_lot::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Replicas {
+    /// Takes this replica's Lease (creating it, or taking over one a previous process of the
+    /// same id left) and renews it in the background.
+    pub async fn join(
+        client: kube::Client,
+        namespace: &str,
+        id: &str,
+        url: &str,
+    ) -> Result<Arc<Replicas>, KubernetesError> {
+        let replicas = Arc::new(Replicas {
+            leases: Api::namespaced(client, namespace),
+            namespace: namespace.to_owned(),
+            id: id.to_owned(),
+            url: url.to_owned(),
+            seen: parking_lot::Mutex::new(HashMap::new()),
+            renewer: parking_lot::Mutex::new(None),
+        });
+        replicas.renew().await?;
+        let renewing = replicas.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(RENEW_EVERY).await;
+                if let Err(error) = renewing.renew().await {
+                    tracing::warn!(%error, "renewing this replica's lease failed");
+                }
+            }
+        });
+        *replicas.renewer.lock() = Some(task);
+        Ok(replicas)
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    fn own_lease(&self, version: Option<String>, held: bool) -> Lease {
+        let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(replica_lease_name(&self.id)),
+                namespace: Some(self.namespace.clone()),
+                resource_version: version,
+                labels: Some(BTreeMap::from([
+                    (
+                        objects::LABEL_NAME.to_owned(),
+                        objects::GATEWAY_NAME.to_owned(),
+                    ),
+                    (LABEL_ROLE.to_owned(), "replica".to_owned()),
+                ])),
+                annotations: Some(BTreeMap::from([(
+                    ANNOTATION_URL.to_owned(),
+                    self.url.clone(),
+                )])),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(if held { self.id.clone() } else { String::new() }),
+                lease_duration_seconds: Some(LEASE_SECONDS),
+                acquire_time: Some(now.clone()),
+                renew_time: Some(now),
+                ..LeaseSpec::default()
+            }),
+        }
+    }
+
+    /// Writes this replica's Lease (a new renew time), creating it if it is not there.
+    async fn renew(&self) -> Result<(), KubernetesError> {
+        let name = replica_lease_name(&self.id);
+        let action = format!("renew the lease {name}");
+        let current = self
+            .leases
+            .get_opt(&name)
+            .await
+            .map_err(api_error(action.clone()))?;
+        let result = match current {
+            None => self
+                .leases
+                .create(&PostParams::default(), &self.own_lease(None, true))
+                .await
+                .map(|_| ()),
+            Some(lease) => {
+                let version = lease.metadata.resource_version.clone();
+                self.leases
+                    .replace(
+                        &name,
+                        &PostParams::default(),
+                        &self.own_lease(version, true),
+                    )
+                    .await
+                    .map(|_| ())
+            }
+        };
+        match result {
+            // Someone wrote it between our read and write (another process with our id?):
+            // the next renewal reads again.
+            Err(error) if is_status(&error, 409) => {
+                tracing::warn!(lease = %name, "this replica's lease changed under it");
+                Ok(())
+            }
+            other => other.map_err(api_error(action)),
+        }
+    }
+
+    /// Releases this replica's Lease (holder empty) and stops renewing it: the others adopt
+    /// its kernels at once instead of after the lease duration.
+    pub async fn release(&self) {
+        if let Some(task) = self.renewer.lock().take() {
+            task.abort();
+        }
+        let name = replica_lease_name(&self.id);
+        if let Ok(Some(lease)) = self.leases.get_opt(&name).await {
+            let version = lease.metadata.resource_version.clone();
+            let released = self.own_lease(version, false);
+            if let Err(error) = self
+                .leases
+                .replace(&name, &PostParams::default(), &released)
+                .await
+            {
+                tracing::warn!(%error, "releasing this replica's lease failed");
+            }
+        }
+    }
+
+    /// The replicas' Leases, sorted into live peers (not this one) and gone replicas.
+    async fn census(&self) -> Result<(Vec<Peer>, Vec<(String, Lease)>), KubernetesError> {
+        let params = ListParams::default().labels(&format!("{LABEL_ROLE}=replica"));
+        let leases = self
+            .leases
+            .list(&params)
+            .await
+            .map_err(api_error("list the replicas' leases"))?;
+        let mut seen = self.seen.lock();
+        let mut live = Vec::new();
+        let mut gone = Vec::new();
+        for lease in leases {
+            let Some(name) = lease.metadata.name.clone() else {
+                continue;
+            };
+            let holder = lease
+                .spec
+                .as_ref()
+                .and_then(|s| s.holder_identity.clone())
+                .unwrap_or_default();
+            let version = lease.metadata.resource_version.clone().unwrap_or_default();
+            let duration = lease
+                .spec
+                .as_ref()
+                .and_then(|s| s.lease_duration_seconds)
+                .unwrap_or(LEASE_SECONDS);
+            let first_seen = match seen.get(&name) {
+                Some((known, at)) if *known == version => *at,
+                _ => {
+                    seen.insert(name.clone(), (version, Instant::now()));
+                    Instant::now()
+                }
+            };
+            let lapsed = first_seen.elapsed() > Duration::from_secs(duration.max(1) as u64);
+            if holder.is_empty() || lapsed {
+                gone.push((name, lease));
+            } else if holder != self.id {
+                let url = lease
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(ANNOTATION_URL).cloned())
+                    .unwrap_or_default();
+                live.push(Peer { id: holder, url });
+            }
+        }
+        Ok((live, gone))
+    }
+
+    /// The live replicas other than this one.
+    pub async fn peers(&self) -> Result<Vec<Peer>, KubernetesError> {
+        Ok(self.census().await?.0)
+    }
+
+    /// Records this replica as the owner of a new kernel (its pod just created).
+    pub async fn claim(&self, record: &KernelRecord, pod: &Pod) -> Result<(), KubernetesError> {
+        let lease = kernel_lease(record, &self.id, pod, &self.namespace);
+        self.leases
+            .create(&PostParams::default(), &lease)
+            .await
+            .map_err(api_error(format!(
+                "record the owner of kernel {}",
+                record.kernel_id
+            )))?;
+        Ok(())
+    }
+
+    /// Who owns `kernel_id`, by its Lease in `namespace`, and whether that owner is a live
+    /// replica (its URL) or gone.
+    pub async fn owner_of(
+        &self,
+        kernel_id: &str,
+    ) -> Result<Option<(KernelRecord, Option<Peer>)>, KubernetesError> {
+        let Some(lease) = self
+            .leases
+            .get_opt(&kernel_lease_name(kernel_id))
+            .await
+            .map_err(api_error(format!("read the owner of kernel {kernel_id}")))?
+        else {
+            return Ok(None);
+        };
+        let Some(record) = record_of(&lease) else {
+            return Ok(None);
+        };
+        let (live, _) = self.census().await?;
+        let peer = live.into_iter().find(|peer| peer.id == record.owner);
+        Ok(Some((record, peer)))
+    }
+
+    /// The kernels whose owner is gone (its Lease released, lapsed or deleted), for
+    /// adoption.
+    pub async fn orphans(&self) -> Result<Vec<KernelRecord>, KubernetesError> {
+        let (live, _) = self.census().await?;
+        let params = ListParams::default().labels(&format!("{LABEL_ROLE}=kernel"));
+        let kernels = self
+            .leases
+            .list(&params)
+            .await
+            .map_err(api_error("list the kernels' leases"))?;
+        Ok(kernels
+            .iter()
+            .filter_map(record_of)
+            .filter(|record| {
+                record.owner != self.id && !live.iter().any(|peer| peer.id == record.owner)
+            })
+            .collect())
+    }
+
+    /// Takes `kernel_id` over from its gone owner: the Lease's holder becomes this replica,
+    /// if nobody else changed the Lease since `record` was read. `false`: another replica
+    /// won.
+    pub async fn take_over(&self, record: &KernelRecord) -> Result<bool, KubernetesError> {
+        let leases = &self.leases;
+        let name = kernel_lease_name(&record.kernel_id);
+        let action = format!("take kernel {} over", record.kernel_id);
+        let Some(mut lease) = leases
+            .get_opt(&name)
+            .await
+            .map_err(api_error(action.clone()))?
+        else {
+            return Ok(false);
+        };
+        if record_of(&lease).is_none_or(|now| now.owner != record.owner) {
+            return Ok(false);
+        }
+        let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+        spec.holder_identity = Some(self.id.clone());
+        spec.acquire_time = Some(MicroTime(k8s_openapi::jiff::Timestamp::now()));
+        spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+        lease
+            .metadata
+            .labels
+            .get_or_insert_with(BTreeMap::new)
+            .insert(LABEL_OWNER.to_owned(), label_value(&self.id));
+        match leases.replace(&name, &PostParams::default(), &lease).await {
+            Ok(_) => Ok(true),
+            Err(error) if is_status(&error, 409) || is_status(&error, 404) => Ok(false),
+            Err(error) => Err(api_error(action)(error)),
+        }
+    }
+
+    /// Deletes gone replicas' Leases that no kernel names any more (housekeeping).
+    pub async fn forget_gone(&self) {
+        let Ok((_, gone)) = self.census().await else {
+            return;
+        };
+        for (name, lease) in gone {
+            let Some(version) = lease.metadata.resource_version.clone() else {
+                continue;
+            };
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    resource_version: Some(version),
+                    uid: lease.metadata.uid.clone(),
+                }),
+                ..DeleteParams::default()
+            };
+            let _ = self.leases.delete(&name, &params).await;
+        }
+    }
+
+    /// Deletes a kernel's Lease (its pod is gone).
+    pub async fn forget(&self, kernel_id: &str) {
+        match self
+            .leases
+            .delete(&kernel_lease_name(kernel_id), &DeleteParams::default())
+            .await
+        {
+            Ok(_) => {}
+            Err(error) if is_status(&error, 404) => {}
+            Err(error) => tracing::warn!(%error, kernel_id, "deleting a kernel's lease failed"),
+        }
+    }
+
+    /// The Jupyter key a kernel's messages are signed with, from its Secret (for a take-over).
+    pub async fn jupyter_key(&self, record: &KernelRecord) -> Result<String, KubernetesError> {
+        let secrets: Api<Secret> =
+            Api::namespaced(self.leases.clone().into_client(), &record.namespace);
+        let secret = secrets
+            .get(&record.pod)
+            .await
+            .map_err(api_error(format!("read the secret {}", record.pod)))?;
+        let connection = secret
+            .data
+            .as_ref()
+            .and_then(|data| data.get(objects::CONNECTION_NAME))
+            .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes.0).ok())
+            .and_then(|info| info.get("key")?.as_str().map(str::to_owned));
+        connection.ok_or_else(|| {
+            KubernetesError::Ended(format!("the secret {} has no connection info", record.pod))
+        })
+    }
+
+    /// How many kernels have `label=value` across all replicas (listing their Leases).
+    pub async fn count(&self, label: &str, value: &str) -> Result<usize, KubernetesError> {
+        let leases = &self.leases;
+        let params = ListParams::default().labels(&format!(
+            "{LABEL_ROLE}=kernel,{label}={}",
+            label_value(value)
+        ));
+        Ok(leases
+            .list(&params)
+            .await
+            .map_err(api_error("count kernels"))?
+            .items
+            .len())
+    }
+}
+
+/// A kernel's Lease in `namespace` (the replicas'), held by `owner`, owned by its pod when
+/// that is in the same namespace (an owner reference cannot reach across).
+fn kernel_lease(record: &KernelRecord, owner: &str, pod: &Pod, namespace: &str) -> Lease {
+    let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+    let mut labels = BTreeMap::from([
+        (
+            objects::LABEL_NAME.to_owned(),
+            objects::GATEWAY_NAME.to_owned(),
+        ),
+        (LABEL_ROLE.to_owned(), "kernel".to_owned()),
+        (LABEL_OWNER.to_owned(), label_value(owner)),
+        (
+            objects::LABEL_KERNEL.to_owned(),
+            label_value(&record.kernel_id),
+        ),
+        (
+            objects::LABEL_POLICY.to_owned(),
+            label_value(&record.policy),
+        ),
+    ]);
+    labels.insert(
+        objects::LABEL_TENANT.to_owned(),
+        label_value(record.tenant.as_deref().unwrap_or("")),
+    );
+    let mut annotations = BTreeMap::from([
+        (ANNOTATION_POD.to_owned(), record.pod.clone()),
+        (ANNOTATION_NAMESPACE.to_owned(), record.namespace.clone()),
+        (ANNOTATION_KERNELSPEC.to_owned(), record.kernelspec.clone()),
+        (objects::LABEL_POLICY.to_owned(), record.policy.clone()),
+    ]);
+    if let Some(tenant) = &record.tenant {
+        annotations.insert(objects::ANNOTATION_TENANT.to_owned(), tenant.clone());
+    }
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(kernel_lease_name(&record.kernel_id)),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(labels),
+            annotations: Some(annotations),
+            owner_references: (record.namespace == namespace).then(|| {
+                vec![OwnerReference {
+                    api_version: "v1".to_owned(),
+                    kind: "Pod".to_owned(),
+                    name: pod.metadata.name.clone().unwrap_or_default(),
+                    uid: pod.metadata.uid.clone().unwrap_or_default(),
+                    controller: Some(false),
+                    block_owner_deletion: Some(false),
+                }]
+            }),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(owner.to_owned()),
+            acquire_time: Some(now),
+            lease_transitions: Some(0),
+            ..LeaseSpec::default()
+        }),
+    }
+}
+
+/// What a kernel Lease records; `None` for a Lease that is not one of ours.
+fn record_of(lease: &Lease) -> Option<KernelRecord> {
+    let labels = lease.metadata.labels.as_ref()?;
+    if labels.get(LABEL_ROLE).map(String::as_str) != Some("kernel") {
+        return None;
+    }
+    let annotations = lease.metadata.annotations.clone().unwrap_or_default();
+    let kernel_id = lease
+        .metadata
+        .name
+        .as_deref()?
+        .strip_prefix("cellgate-kernel-")?
+        .to_owned();
+    Some(KernelRecord {
+        kernel_id,
+        owner: lease.spec.as_ref()?.holder_identity.clone()?,
+        pod: annotations.get(ANNOTATION_POD)?.clone(),
+        namespace: annotations.get(ANNOTATION_NAMESPACE)?.clone(),
+        kernelspec: annotations.get(ANNOTATION_KERNELSPEC)?.clone(),
+        policy: annotations.get(objects::LABEL_POLICY)?.clone(),
+        tenant: annotations.get(objects::ANNOTATION_TENANT).cloned(),
+    })
+}
