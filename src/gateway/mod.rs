@@ -93,6 +93,10 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
+            replicas::artifacts_anywhere,
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
             auth::require_token,
         ));
     let health = operations::probe_routes()

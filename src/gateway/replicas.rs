@@ -8,7 +8,10 @@
 //! - A kernel whose owner is gone is taken over: at once when a request names it, and by a
 //!   sweep every few seconds otherwise, so sessions survive the loss of a replica. The
 //!   kernel keeps its process, variables and id; the new owner keeps a session for it.
-//! - Listings (`GET /api/kernels`, `GET /v1/sessions`) gather every live replica's.
+//! - Listings (`GET /api/kernels`, `GET /v1/sessions`) gather every live replica's, and an
+//!   artifact this replica does not hold is asked of the others.
+//! - Not shared: MCP sessions (`/mcp`, stateful per replica: a load balancer must keep a
+//!   client's MCP session on one replica) and kernels of non-kubernetes policies.
 //!
 //! A request carrying [`forward::FORWARDED_BY`] is never forwarded again.
 
@@ -146,6 +149,47 @@ pub fn spawn_adopter(state: AppState, replicas: Arc<Replicas>) {
             }
         }
     });
+}
+
+/// The middleware for artifacts: one this replica does not hold is asked of each live peer
+/// (the artifact store is each replica's own disk), the first answer that is not a 404
+/// wins. Artifact ids are random: nothing tells which replica made one.
+pub async fn artifacts_anywhere(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(replicas) = state.replicas.clone() else {
+        return next.run(request).await;
+    };
+    let asks_artifact = request.method() == Method::GET
+        && request.uri().path().starts_with("/v1/artifacts/")
+        && !request.headers().contains_key(FORWARDED_BY);
+    if !asks_artifact {
+        return next.run(request).await;
+    }
+    let original = request
+        .extensions()
+        .get::<OriginalUri>()
+        .map_or_else(|| request.uri().clone(), |o| o.0.clone());
+    let (method, headers) = (request.method().clone(), request.headers().clone());
+    let local = next.run(request).await;
+    if local.status() != StatusCode::NOT_FOUND {
+        return local;
+    }
+    let Ok(peers) = replicas.peers().await else {
+        return local;
+    };
+    for peer in peers {
+        let mut ask = Request::new(axum::body::Body::empty());
+        *ask.method_mut() = method.clone();
+        *ask.headers_mut() = headers.clone();
+        let answer = forward::forward(ask, &original, &peer.url, replicas.id()).await;
+        if answer.status() != StatusCode::NOT_FOUND && !answer.status().is_server_error() {
+            return answer;
+        }
+    }
+    local
 }
 
 /// The listing routes whose answers gather every replica's.

@@ -188,6 +188,52 @@ impl KernelManager {
         })
     }
 
+    /// The tenant's and the policy's caps across replicas: their kernel pods are counted by
+    /// their Leases' labels (every replica's), this gateway's other kernels and the starts
+    /// in progress here as for one gateway. Starts racing on two replicas may both pass: a
+    /// cap can be exceeded by the number of replicas at most.
+    async fn check_cluster_caps(
+        &self,
+        owner: Option<&Owner>,
+        policy: &Policy,
+    ) -> Result<(), KernelError> {
+        use crate::sandbox::kubernetes::objects::{LABEL_POLICY, LABEL_TENANT};
+        let Some(replicas) = self.backends.replicas() else {
+            return Ok(());
+        };
+        let api = |e: crate::sandbox::KubernetesError| KernelError::Sandbox(e.into());
+        if let Some((owner, max)) = owner.and_then(|o| Some((o, o.max_kernels?))) {
+            let pods = replicas.count(LABEL_TENANT, &owner.tenant).await.map_err(api)?;
+            let elsewhere_here = self
+                .kernels
+                .read()
+                .values()
+                .filter(|k| k.owner() == Some(owner.tenant.as_str()))
+                .filter(|k| k.backend() != crate::sandbox::Backend::Kubernetes)
+                .count();
+            // This start's own reservation is among the pending ones.
+            let pending = self
+                .starting
+                .lock()
+                .get(&owner.tenant)
+                .copied()
+                .unwrap_or(1)
+                .saturating_sub(1);
+            if pods + elsewhere_here + pending >= max {
+                return Err(KernelError::TenantKernelLimit { max });
+            }
+        }
+        if self.backend_of(policy) == crate::sandbox::Backend::Kubernetes {
+            let pods = replicas.count(LABEL_POLICY, &policy.name).await.map_err(api)?;
+            if pods >= policy.limits.max_kernels {
+                return Err(KernelError::TooManyKernels {
+                    max: policy.limits.max_kernels,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Starts a kernel owned by `owner` (the admin when `None`), from the warm pool when one
     /// fits. The kernel has its owner before any other request can see it.
     pub async fn start_for(
@@ -223,6 +269,7 @@ impl KernelManager {
                 max: policy.limits.max_kernels,
             });
         }
+        self.check_cluster_caps(owner, &policy).await?;
         let poolable = spec.name == self.specs.default_name() && policy.name == "default";
         let asked = std::time::Instant::now();
         let backend = self.backend_of(&policy).as_str();

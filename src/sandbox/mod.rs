@@ -168,6 +168,11 @@ impl Backends {
         self
     }
 
+    /// This gateway's membership among replicas, when it has one.
+    pub fn replicas(&self) -> Option<&Arc<kubernetes::replicas::Replicas>> {
+        self.replicas.as_ref()
+    }
+
     /// The backend every kernel runs in, when the operator forced one.
     pub fn forced(&self) -> Option<Backend> {
         self.forced

@@ -668,15 +668,42 @@ fn env_value<'a>(container: &'a Container, name: &str) -> Option<&'a str> {
 }
 
 #[test]
-fn the_deployment_runs_one_unprivileged_gateway_with_the_labels_its_kernels_admit() -> Result<()> {
+fn the_deployment_runs_unprivileged_replicas_with_the_labels_their_kernels_admit() -> Result<()> {
     let manifests = manifests()?;
     let deployment: Deployment = find(&manifests, "", "cellgate")?;
     let spec = deployment.spec.as_ref().context("spec")?;
-    // One replica until kernels are shared through leases; Recreate, so that an update
-    // never runs two gateways side by side.
-    ensure!(spec.replicas == Some(1), "replicas: {:?}", spec.replicas);
-    let strategy = spec.strategy.as_ref().and_then(|s| s.type_.as_deref());
-    ensure!(strategy == Some("Recreate"), "strategy: {strategy:?}");
+    // Replicas sharing kernels through leases; a rolling update that starts the new one
+    // before the old one hands its kernels over.
+    ensure!(spec.replicas >= Some(2), "replicas: {:?}", spec.replicas);
+    let strategy = spec.strategy.as_ref().context("strategy")?;
+    ensure!(
+        strategy.type_.as_deref() == Some("RollingUpdate")
+            && strategy.rolling_update.as_ref().and_then(|r| r.max_unavailable.clone())
+                == Some(IntOrString::Int(0)),
+        "strategy: {strategy:?}"
+    );
+    let env = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .map(|p| p.containers[0].env.clone().unwrap_or_default())
+        .unwrap_or_default();
+    let from_field = |name: &str| {
+        env.iter()
+            .find(|var| var.name == name)
+            .and_then(|var| var.value_from.as_ref()?.field_ref.as_ref())
+            .map(|field| field.field_path.clone())
+    };
+    ensure!(
+        from_field("CELLGATE_REPLICA_ID").as_deref() == Some("metadata.name"),
+        "each replica is named by its pod"
+    );
+    ensure!(from_field("POD_IP").as_deref() == Some("status.podIP"));
+    ensure!(
+        env.iter().any(|var| var.name == "CELLGATE_REPLICA_URL"
+            && var.value.as_deref() == Some("http://$(POD_IP):8888")),
+        "the replica URL is the pod's address on the API port"
+    );
 
     let labels = pod_labels(&deployment);
     for (key, value) in GATEWAY_LABELS {
@@ -1054,10 +1081,10 @@ fn the_service_and_the_budget_select_the_gateways_pods() -> Result<()> {
         selects(&selector, &labels),
         "the budget's selector {selector:?} misses the pods"
     );
-    // One replica: a budget that forbids its eviction would block node drains forever.
+    // Drains take one replica at a time; with two or more, one always serves.
     ensure!(
-        spec.min_available.is_none() && spec.max_unavailable == Some(IntOrString::Int(1)),
-        "with one replica the budget must allow its eviction: maxUnavailable: 1"
+        spec.min_available == Some(IntOrString::Int(1)) && spec.max_unavailable.is_none(),
+        "the budget keeps one replica: minAvailable: 1"
     );
     Ok(())
 }

@@ -11,7 +11,7 @@ use crate::support::v1::V1Client;
 use crate::support::*;
 
 /// An HTTP server on 127.0.0.1 answering `hello from <name>`.
-async fn test_server(name: &'static str) -> Result<u16> {
+pub(crate) async fn test_server(name: &'static str) -> Result<u16> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
     tokio::spawn(async move {
@@ -188,7 +188,7 @@ async fn a_microvm_session_runs_code_under_its_policy() -> Result<()> {
 /// `outputs/` becomes an artifact, listing and download see what the kernel wrote; links the
 /// kernel plants are never followed (in the guest either), and the policy's workspace size
 /// bounds an upload.
-async fn workspace_files_cross_the_vm_boundary(v1: &V1Client<'_>, id: &str) -> Result<()> {
+pub(crate) async fn workspace_files_cross_the_vm_boundary(v1: &V1Client<'_>, id: &str) -> Result<()> {
     assert_eq!(
         v1.put_file(id, "data/in.csv", b"a,b\n1,2\n".to_vec())
             .await?,

@@ -3,6 +3,7 @@
 //! client.
 
 pub mod v1;
+pub mod kube_api;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;

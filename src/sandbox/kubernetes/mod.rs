@@ -427,7 +427,7 @@ impl PodRemover {
             }
         }
         if let Some((replicas, kernel_id)) = &self.lease {
-            replicas.forget(kernel_id).await;
+            replicas.forget(kernel_id, &self.name).await;
         }
     }
 }

@@ -264,16 +264,28 @@ impl Replicas {
         Ok(self.census().await?.0)
     }
 
-    /// Records this replica as the owner of a new kernel (its pod just created).
+    /// Records this replica as the owner of a kernel's new pod (just created): a new Lease,
+    /// or, for a kernel restarted into a new pod, its Lease rewritten for that pod.
     pub async fn claim(&self, record: &KernelRecord, pod: &Pod) -> Result<(), KubernetesError> {
+        let action = format!("record the owner of kernel {}", record.kernel_id);
         let lease = kernel_lease(record, &self.id, pod, &self.namespace);
-        self.leases
-            .create(&PostParams::default(), &lease)
+        match self.leases.create(&PostParams::default(), &lease).await {
+            Ok(_) => return Ok(()),
+            Err(error) if is_status(&error, 409) => {}
+            Err(error) => return Err(api_error(action)(error)),
+        }
+        let name = kernel_lease_name(&record.kernel_id);
+        let current = self
+            .leases
+            .get(&name)
             .await
-            .map_err(api_error(format!(
-                "record the owner of kernel {}",
-                record.kernel_id
-            )))?;
+            .map_err(api_error(action.clone()))?;
+        let mut replaced = lease;
+        replaced.metadata.resource_version = current.metadata.resource_version;
+        self.leases
+            .replace(&name, &PostParams::default(), &replaced)
+            .await
+            .map_err(api_error(action))?;
         Ok(())
     }
 
@@ -371,15 +383,32 @@ impl Replicas {
         }
     }
 
-    /// Deletes a kernel's Lease (its pod is gone).
-    pub async fn forget(&self, kernel_id: &str) {
-        match self
-            .leases
-            .delete(&kernel_lease_name(kernel_id), &DeleteParams::default())
-            .await
-        {
+    /// Deletes a kernel's Lease once its pod `pod` is gone, unless the Lease names another
+    /// pod by now (the kernel restarted into a new one, whose start may have won the race).
+    pub async fn forget(&self, kernel_id: &str, pod: &str) {
+        let name = kernel_lease_name(kernel_id);
+        let Ok(Some(lease)) = self.leases.get_opt(&name).await else {
+            return;
+        };
+        let names_pod = lease
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_POD))
+            .is_some_and(|named| named == pod);
+        if !names_pod {
+            return;
+        }
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                resource_version: lease.metadata.resource_version.clone(),
+                uid: lease.metadata.uid.clone(),
+            }),
+            ..DeleteParams::default()
+        };
+        match self.leases.delete(&name, &params).await {
             Ok(_) => {}
-            Err(error) if is_status(&error, 404) => {}
+            Err(error) if is_status(&error, 404) || is_status(&error, 409) => {}
             Err(error) => tracing::warn!(%error, kernel_id, "deleting a kernel's lease failed"),
         }
     }
