@@ -174,9 +174,9 @@ pub(super) fn watch_exit(
                 append_log(&log_file, truncate(&exit.log_tail, LOG_TAIL_BYTES));
                 kernel_report(&exit)
             }
-            Ended::Kernel(None) => lost(&handle, "the agent's exit watch ended".to_owned()),
             Ended::Pod(why) => lost(&handle, why),
-            Ended::Link => {
+            // The agent's exit watch ends with its session: the link broke.
+            Ended::Kernel(None) | Ended::Link => {
                 // The link broke: the pod's end explains it when the pod ended (the kubelet
                 // writes the status a moment after the container goes).
                 let link = closed.borrow().clone().unwrap_or_default();
