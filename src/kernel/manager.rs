@@ -203,7 +203,10 @@ impl KernelManager {
         };
         let api = |e: crate::sandbox::KubernetesError| KernelError::Sandbox(e.into());
         if let Some((owner, max)) = owner.and_then(|o| Some((o, o.max_kernels?))) {
-            let pods = replicas.count(LABEL_TENANT, &owner.tenant).await.map_err(api)?;
+            let pods = replicas
+                .count(LABEL_TENANT, &owner.tenant)
+                .await
+                .map_err(api)?;
             let elsewhere_here = self
                 .kernels
                 .read()
@@ -224,7 +227,10 @@ impl KernelManager {
             }
         }
         if self.backend_of(policy) == crate::sandbox::Backend::Kubernetes {
-            let pods = replicas.count(LABEL_POLICY, &policy.name).await.map_err(api)?;
+            let pods = replicas
+                .count(LABEL_POLICY, &policy.name)
+                .await
+                .map_err(api)?;
             if pods >= policy.limits.max_kernels {
                 return Err(KernelError::TooManyKernels {
                     max: policy.limits.max_kernels,

@@ -678,7 +678,10 @@ fn the_deployment_runs_unprivileged_replicas_with_the_labels_their_kernels_admit
     let strategy = spec.strategy.as_ref().context("strategy")?;
     ensure!(
         strategy.type_.as_deref() == Some("RollingUpdate")
-            && strategy.rolling_update.as_ref().and_then(|r| r.max_unavailable.clone())
+            && strategy
+                .rolling_update
+                .as_ref()
+                .and_then(|r| r.max_unavailable.clone())
                 == Some(IntOrString::Int(0)),
         "strategy: {strategy:?}"
     );

@@ -188,7 +188,10 @@ async fn a_microvm_session_runs_code_under_its_policy() -> Result<()> {
 /// `outputs/` becomes an artifact, listing and download see what the kernel wrote; links the
 /// kernel plants are never followed (in the guest either), and the policy's workspace size
 /// bounds an upload.
-pub(crate) async fn workspace_files_cross_the_vm_boundary(v1: &V1Client<'_>, id: &str) -> Result<()> {
+pub(crate) async fn workspace_files_cross_the_vm_boundary(
+    v1: &V1Client<'_>,
+    id: &str,
+) -> Result<()> {
     assert_eq!(
         v1.put_file(id, "data/in.csv", b"a,b\n1,2\n".to_vec())
             .await?,

@@ -2,8 +2,8 @@
 //! HTTP client and a Jupyter WebSocket client speaking either framing; [`v1`] is the API v1
 //! client.
 
-pub mod v1;
 pub mod kube_api;
+pub mod v1;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
