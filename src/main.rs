@@ -378,6 +378,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // A replica's kernel pods go on running for the others to take over (at once: its
     // Lease is released); every other sandbox ends with the gateway.
     if let Some(replicas) = &replicas {
+        replicas.leave();
         let handed = kernels.hand_over_pods();
         replicas.release().await;
         tracing::info!(

@@ -3,7 +3,8 @@
 //! NetworkPolicy, real scheduling, image pulls and evictions.
 //!
 //! These tests need a cluster with cellgate deployed from `deploy/kubernetes` (DEPLOY.md,
-//! "Kubernetes", "Testing on a real cluster"), so they are ignored unless asked for:
+//! "Kubernetes", "Testing on a real cluster": kind or k3s), so they are ignored unless
+//! asked for:
 //!
 //! ```text
 //! KUBECONFIG=~/.kube/config \
@@ -11,8 +12,10 @@
 //!   cargo nextest run --test cluster --run-ignored only
 //! ```
 //!
-//! (`kubectl -n cellgate port-forward svc/cellgate 8888:80` makes the URL.) Each test says
-//! loudly what it misses instead of passing without a cluster.
+//! The URL must reach the Service, not one gateway pod (a port-forward dies with the pod it
+//! picked, and the second test kills replicas): k3s's built-in load balancer, or kind with
+//! a NodePort and `extraPortMappings`. Each test says loudly what it misses instead of
+//! passing without a cluster.
 
 use std::time::Duration;
 

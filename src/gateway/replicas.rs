@@ -70,6 +70,14 @@ pub async fn route_to_owner(
         .code("kernel_moving")
         .retry_after(1)
         .into_response(),
+        // This very process is creating or taking the kernel over right now.
+        Ok(Some((record, None))) if replicas.wrote(&record) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the kernel is starting or being taken over; try again",
+        )
+        .code("kernel_moving")
+        .retry_after(1)
+        .into_response(),
         Ok(Some((record, None))) => {
             if let Err(error) = take_over(&state, &replicas, record).await {
                 tracing::warn!(%error, kernel_id, "taking a kernel over failed");
@@ -130,13 +138,20 @@ pub fn spawn_adopter(state: AppState, replicas: Arc<Replicas>) {
         let mut sweeps = 0u64;
         loop {
             tokio::time::sleep(RENEW_EVERY).await;
-            let orphans = match replicas.orphans().await {
-                Ok(orphans) => orphans,
+            let (orphans, held_elsewhere) = match replicas.sweep().await {
+                Ok(found) => found,
                 Err(error) => {
                     tracing::warn!(%error, "looking for kernels whose replica is gone failed");
                     continue;
                 }
             };
+            // Kernels another replica took from this one (paused past its lease): let go,
+            // so requests for them are forwarded to their owner.
+            for kernel_id in held_elsewhere {
+                if state.kernels.release_lost(&kernel_id) {
+                    tracing::warn!(kernel_id, "a kernel this replica held is another's now");
+                }
+            }
             for record in orphans {
                 let kernel_id = record.kernel_id.clone();
                 if let Err(error) = take_over(&state, &replicas, record).await {
@@ -164,7 +179,8 @@ pub async fn artifacts_anywhere(
     };
     let asks_artifact = request.method() == Method::GET
         && request.uri().path().starts_with("/v1/artifacts/")
-        && !request.headers().contains_key(FORWARDED_BY);
+        && !request.headers().contains_key(FORWARDED_BY)
+        && request.extensions().get::<super::Principal>().is_some();
     if !asks_artifact {
         return next.run(request).await;
     }
@@ -209,6 +225,7 @@ pub async fn gather_listings(
     };
     if !gathered(request.method(), request.uri().path())
         || request.headers().contains_key(FORWARDED_BY)
+        || request.extensions().get::<super::Principal>().is_none()
     {
         return next.run(request).await;
     }

@@ -294,6 +294,15 @@ impl KernelManager {
                 kernel.touch();
                 if let Some(owner) = owner {
                     kernel.set_owner(&owner.tenant);
+                    // Started for nobody: its Lease learns its tenant (caps, take-overs).
+                    let replicas = self.backends.replicas();
+                    if let Some(replicas) =
+                        replicas.filter(|_| kernel.backend() == crate::sandbox::Backend::Kubernetes)
+                    {
+                        if let Err(error) = replicas.set_tenant(&kernel.id, &owner.tenant).await {
+                            tracing::warn!(%error, kernel_id = %kernel.id, "recording a pooled kernel's tenant failed");
+                        }
+                    }
                 }
                 self.kernels
                     .write()
@@ -606,6 +615,25 @@ impl KernelManager {
             .insert(kernel.id.clone(), kernel.clone());
         tracing::info!(kernel_id = %kernel.id, "kernel taken over from a replica that is gone");
         Ok(kernel)
+    }
+
+    /// Forgets a kernel pod another replica holds now (this one lost it), without touching
+    /// its pod; whether there was one to forget.
+    pub fn release_lost(&self, id: &str) -> bool {
+        let kernel = {
+            let mut kernels = self.kernels.write();
+            match kernels.get(id) {
+                Some(k) if k.backend() == crate::sandbox::Backend::Kubernetes => kernels.remove(id),
+                _ => None,
+            }
+        };
+        match kernel {
+            Some(kernel) => {
+                kernel.detach();
+                true
+            }
+            None => false,
+        }
     }
 
     /// Lets every kernel pod go, running, to the other replicas (this one is shutting down);

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::microvm::{test_server, workspace_files_cross_the_vm_boundary};
-use crate::support::kube_api::{Image, KubeApi, Options};
+use crate::support::kube_api::{Image, KubeApi, Options, Rule};
 use crate::support::v1::V1Client;
 use crate::support::{kernels_dir, repo, Gateway, TOKEN};
 
@@ -38,12 +38,45 @@ fn kernel_image() -> Image {
         .bind("/opt/cellgate/bin/cellgate-agent", agent_binary())
 }
 
+/// The token gateways present: a user with exactly the rules of the gateway's Role in
+/// `deploy/kubernetes/role.yaml`, so a request the Role does not allow fails the tests (403).
+const GATEWAY_TOKEN: &str = "gateway-service-account-token";
+
+/// The rules of `deploy/kubernetes/role.yaml`, in the double's terms.
+fn gateway_role() -> Vec<Rule> {
+    let text = std::fs::read_to_string(repo().join("deploy/kubernetes/role.yaml"))
+        .expect("deploy/kubernetes/role.yaml");
+    let role: k8s_openapi::api::rbac::v1::Role =
+        serde_saphyr::from_str(&text).expect("role.yaml is a Role");
+    let mut rules = Vec::new();
+    for rule in role.rules.unwrap_or_default() {
+        for group in rule.api_groups.unwrap_or_default() {
+            let resources: Vec<&str> = rule
+                .resources
+                .iter()
+                .flatten()
+                .map(String::as_str)
+                .collect();
+            let verbs: Vec<&str> = rule.verbs.iter().map(String::as_str).collect();
+            rules.push(Rule::new(&group, &resources, &verbs, &[NAMESPACE]));
+        }
+    }
+    assert!(!rules.is_empty(), "role.yaml grants nothing");
+    rules
+}
+
 pub(crate) async fn cluster() -> KubeApi {
     let mut options = Options::default()
         .namespace(NAMESPACE)
         .image(IMAGE, kernel_image());
     options.runtime_classes = vec!["gvisor".to_owned()];
-    KubeApi::start(options).await
+    let api = KubeApi::start(options).await;
+    api.add_user(
+        GATEWAY_TOKEN,
+        &format!("system:serviceaccount:{NAMESPACE}:cellgate"),
+        gateway_role(),
+    );
+    api
 }
 
 /// Policies and a config for gateways on the double: `default` runs pods (egress to
@@ -104,7 +137,7 @@ pub(crate) async fn gateway(
         .arg(config)
         .args(["--token", TOKEN, "--pool-size", "0"])
         .args(extra)
-        .env("KUBECONFIG", api.kubeconfig())
+        .env("KUBECONFIG", api.kubeconfig_for(GATEWAY_TOKEN, NAMESPACE))
         // kube-client would send the double's requests to a proxy the shell names.
         .env_remove("HTTPS_PROXY")
         .env_remove("https_proxy")

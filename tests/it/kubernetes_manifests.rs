@@ -48,7 +48,7 @@ const GATEWAY_LABELS: [(&str, &str); 2] = [
 ];
 /// The gateway's rights: (API group, resource) → verbs. Exactly these, nothing more.
 fn gateway_rights() -> BTreeMap<(&'static str, &'static str), BTreeSet<&'static str>> {
-    let rights: [(&str, &str, &[&str]); 5] = [
+    let rights: [(&str, &str, &[&str]); 4] = [
         ("", "pods", &["create", "get", "list", "watch", "delete"]),
         ("", "secrets", &["create", "get", "delete"]),
         (
@@ -59,9 +59,8 @@ fn gateway_rights() -> BTreeMap<(&'static str, &'static str), BTreeSet<&'static 
         (
             "coordination.k8s.io",
             "leases",
-            &["create", "get", "list", "watch", "update", "delete"],
+            &["create", "get", "list", "update", "delete"],
         ),
-        ("", "events", &["create"]),
     ];
     rights
         .into_iter()

@@ -38,8 +38,9 @@ pub enum Kind {
     },
 }
 
-/// How long a TCP peer has to prove the key.
-const PROOF_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a TCP peer has to prove the key: a gateway answers in milliseconds, and every
+/// unproven connection holds one of [`MAX_UNPROVEN`] slots meanwhile.
+const PROOF_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 /// Unproven TCP connections at once; more are closed at once.
 const MAX_UNPROVEN: usize = 16;
 

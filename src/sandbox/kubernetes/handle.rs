@@ -176,6 +176,14 @@ pub(super) fn watch_exit(
             }
             Ended::Pod(why) => lost(&handle, why),
             // The agent's exit watch ends with its session: the link broke.
+            Ended::Kernel(None) | Ended::Link if !handle.remover.still_ours().await => {
+                // Another replica took the kernel over (this one was paused past its
+                // lease): its pod is not this replica's to delete, nor its end to report.
+                tracing::warn!(pod = %name, "this replica lost a kernel to another replica");
+                handle.detached.store(true, Ordering::SeqCst);
+                handle.ended.store(true, Ordering::SeqCst);
+                return;
+            }
             Ended::Kernel(None) | Ended::Link => {
                 // The link broke: the pod's end explains it when the pod ended (the kubelet
                 // writes the status a moment after the container goes).

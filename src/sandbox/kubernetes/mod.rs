@@ -285,6 +285,7 @@ impl KubernetesSandbox {
                 let record = replicas::KernelRecord {
                     kernel_id: spec.kernel_id.clone(),
                     owner: replicas.id().to_owned(),
+                    incarnation: String::new(),
                     pod: name.clone(),
                     namespace: namespace.to_owned(),
                     kernelspec: launch.kernelspec.clone(),
@@ -409,6 +410,16 @@ pub(crate) struct PodRemover {
 }
 
 impl PodRemover {
+    /// Whether this process still owns the kernel by its Lease (always, without replicas).
+    /// An owner that was paused past its lease finds another replica holding its kernel:
+    /// it must then let the pod be, not delete it from under its new owner.
+    pub(crate) async fn still_ours(&self) -> bool {
+        match &self.lease {
+            None => true,
+            Some((replicas, kernel_id)) => replicas.holds(kernel_id).await,
+        }
+    }
+
     pub(crate) async fn now(&self) {
         let now = DeleteParams {
             grace_period_seconds: Some(0),

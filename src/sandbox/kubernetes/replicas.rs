@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Pod, Secret};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 
 use super::objects::{self, label_value};
@@ -39,6 +39,8 @@ pub const ANNOTATION_URL: &str = "cellgate.io/url";
 pub const ANNOTATION_POD: &str = "cellgate.io/pod";
 pub const ANNOTATION_KERNELSPEC: &str = "cellgate.io/kernelspec";
 pub const ANNOTATION_NAMESPACE: &str = "cellgate.io/namespace";
+pub const ANNOTATION_INCARNATION: &str = "cellgate.io/incarnation";
+pub const ANNOTATION_POD_UID: &str = "cellgate.io/pod-uid";
 
 /// A replica's Lease name.
 pub fn replica_lease_name(replica: &str) -> String {
@@ -58,6 +60,10 @@ pub fn kernel_lease_name(kernel_id: &str) -> String {
 pub struct KernelRecord {
     pub kernel_id: String,
     pub owner: String,
+    /// Which process of the owner wrote it: a replica restarted under the same id (its
+    /// container restarted in the same pod) has a new one, and takes its old kernels over
+    /// like any other replica's.
+    pub incarnation: String,
     pub pod: String,
     pub namespace: String,
     pub kernelspec: String,
@@ -78,6 +84,10 @@ pub struct Replicas {
     namespace: String,
     id: String,
     url: String,
+    /// This process among the replica's (a random id drawn at its start).
+    incarnation: String,
+    /// Set when this replica is shutting down: it takes nothing over any more.
+    leaving: std::sync::atomic::AtomicBool,
     /// Each replica Lease's version as last seen, and when this replica first saw it.
     seen: parking_lot::Mutex<HashMap<String, (String, Instant)>>,
     renewer: parking_lot::Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -97,6 +107,8 @@ impl Replicas {
             namespace: namespace.to_owned(),
             id: id.to_owned(),
             url: url.to_owned(),
+            incarnation: format!("{:016x}", rand::random::<u64>()),
+            leaving: std::sync::atomic::AtomicBool::new(false),
             seen: parking_lot::Mutex::new(HashMap::new()),
             renewer: parking_lot::Mutex::new(None),
         });
@@ -116,6 +128,12 @@ impl Replicas {
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Whether `record` was written by this very process (a kernel it is creating, holds or
+    /// is taking over), as opposed to another process, even of the same replica id.
+    pub fn wrote(&self, record: &KernelRecord) -> bool {
+        record.owner == self.id && record.incarnation == self.incarnation
     }
 
     pub fn namespace(&self) -> &str {
@@ -268,25 +286,39 @@ impl Replicas {
     /// or, for a kernel restarted into a new pod, its Lease rewritten for that pod.
     pub async fn claim(&self, record: &KernelRecord, pod: &Pod) -> Result<(), KubernetesError> {
         let action = format!("record the owner of kernel {}", record.kernel_id);
-        let lease = kernel_lease(record, &self.id, pod, &self.namespace);
-        match self.leases.create(&PostParams::default(), &lease).await {
-            Ok(_) => return Ok(()),
-            Err(error) if is_status(&error, 409) => {}
-            Err(error) => return Err(api_error(action)(error)),
-        }
         let name = kernel_lease_name(&record.kernel_id);
-        let current = self
-            .leases
-            .get(&name)
-            .await
-            .map_err(api_error(action.clone()))?;
-        let mut replaced = lease;
-        replaced.metadata.resource_version = current.metadata.resource_version;
-        self.leases
-            .replace(&name, &PostParams::default(), &replaced)
-            .await
-            .map_err(api_error(action))?;
-        Ok(())
+        let lease = kernel_lease(record, &self.id, &self.incarnation, pod);
+        // The old pod's clean-up may delete the old Lease between any two of these calls
+        // (it deletes only a Lease naming the old pod): start over then.
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let outcome = match self.leases.create(&PostParams::default(), &lease).await {
+                Ok(_) => return Ok(()),
+                Err(error) if is_status(&error, 409) => match self.leases.get_opt(&name).await {
+                    Ok(Some(current)) => {
+                        let mut replaced = lease.clone();
+                        replaced.metadata.resource_version = current.metadata.resource_version;
+                        self.leases
+                            .replace(&name, &PostParams::default(), &replaced)
+                            .await
+                            .map(|_| ())
+                    }
+                    Ok(None) if tries < 5 => continue,
+                    Ok(None) => return Err(api_error(action)(kube::Error::Api(Box::new(
+                        kube::core::Status::failure("the lease came and went", "Conflict")
+                            .with_code(409),
+                    )))),
+                    Err(error) => Err(error),
+                },
+                Err(error) => Err(error),
+            };
+            match outcome {
+                Ok(()) => return Ok(()),
+                Err(error) if tries < 5 && (is_status(&error, 404) || is_status(&error, 409)) => {}
+                Err(error) => return Err(api_error(action)(error)),
+            }
+        }
     }
 
     /// Who owns `kernel_id`, by its Lease in `namespace`, and whether that owner is a live
@@ -314,6 +346,12 @@ impl Replicas {
     /// The kernels whose owner is gone (its Lease released, lapsed or deleted), for
     /// adoption.
     pub async fn orphans(&self) -> Result<Vec<KernelRecord>, KubernetesError> {
+        Ok(self.sweep().await?.0)
+    }
+
+    /// The kernels whose owner is gone, and those held by any process but this one (which
+    /// this process, if it still has them, lost: paused past its lease, say).
+    pub async fn sweep(&self) -> Result<(Vec<KernelRecord>, Vec<String>), KubernetesError> {
         let (live, _) = self.census().await?;
         let params = ListParams::default().labels(&format!("{LABEL_ROLE}=kernel"));
         let kernels = self
@@ -321,19 +359,32 @@ impl Replicas {
             .list(&params)
             .await
             .map_err(api_error("list the kernels' leases"))?;
-        Ok(kernels
+        let records: Vec<KernelRecord> = kernels.iter().filter_map(record_of).collect();
+        let held_elsewhere = records
             .iter()
-            .filter_map(record_of)
+            .filter(|record| !self.wrote(record))
+            .map(|record| record.kernel_id.clone())
+            .collect();
+        let orphans = records
+            .into_iter()
             .filter(|record| {
-                record.owner != self.id && !live.iter().any(|peer| peer.id == record.owner)
+                if record.owner == self.id {
+                    // An earlier process of this replica's (its container restarted).
+                    return record.incarnation != self.incarnation;
+                }
+                !live.iter().any(|peer| peer.id == record.owner)
             })
-            .collect())
+            .collect();
+        Ok((orphans, held_elsewhere))
     }
 
     /// Takes `kernel_id` over from its gone owner: the Lease's holder becomes this replica,
     /// if nobody else changed the Lease since `record` was read. `false`: another replica
     /// won.
     pub async fn take_over(&self, record: &KernelRecord) -> Result<bool, KubernetesError> {
+        if self.leaving.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(false);
+        }
         let leases = &self.leases;
         let name = kernel_lease_name(&record.kernel_id);
         let action = format!("take kernel {} over", record.kernel_id);
@@ -344,9 +395,16 @@ impl Replicas {
         else {
             return Ok(false);
         };
-        if record_of(&lease).is_none_or(|now| now.owner != record.owner) {
+        if record_of(&lease)
+            .is_none_or(|now| now.owner != record.owner || now.incarnation != record.incarnation)
+        {
             return Ok(false);
         }
+        lease
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(ANNOTATION_INCARNATION.to_owned(), self.incarnation.clone());
         let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
         spec.holder_identity = Some(self.id.clone());
         spec.acquire_time = Some(MicroTime(k8s_openapi::jiff::Timestamp::now()));
@@ -363,7 +421,92 @@ impl Replicas {
         }
     }
 
-    /// Deletes gone replicas' Leases that no kernel names any more (housekeeping).
+    /// Whether this process holds `kernel_id`'s Lease (also when the API cannot say: acting
+    /// on its own kernel is the safe default while the API is away, and a Lease that is gone
+    /// names nobody else).
+    pub async fn holds(&self, kernel_id: &str) -> bool {
+        match self.leases.get_opt(&kernel_lease_name(kernel_id)).await {
+            Ok(Some(lease)) => record_of(&lease).is_none_or(|record| self.wrote(&record)),
+            Ok(None) | Err(_) => true,
+        }
+    }
+
+    /// Stops taking kernels over (this replica is leaving).
+    pub fn leave(&self) {
+        self.leaving.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Gives up a kernel this replica took over but could not attach to: its Lease goes when
+    /// its pod is gone (nothing left to take over), else it is released (holder empty) for
+    /// the next sweep of any replica to try again.
+    pub async fn abandon(&self, record: &KernelRecord) {
+        let client = self.leases.clone().into_client();
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &record.namespace);
+        let pod_gone = match pods.get_opt(&record.pod).await {
+            Ok(None) => true,
+            Ok(Some(pod)) => matches!(super::status::state(&pod), super::status::PodState::Ended { .. }),
+            Err(_) => false,
+        };
+        if pod_gone {
+            // Nothing left to take over: the pod, its key and its Lease go.
+            let remover = super::PodRemover {
+                pods,
+                secrets: Api::namespaced(client, &record.namespace),
+                name: record.pod.clone(),
+                lease: None,
+            };
+            remover.now().await;
+            self.forget(&record.kernel_id, &record.pod).await;
+            return;
+        }
+        let name = kernel_lease_name(&record.kernel_id);
+        let Ok(Some(mut lease)) = self.leases.get_opt(&name).await else {
+            return;
+        };
+        if record_of(&lease).is_none_or(|now| !self.wrote(&now)) {
+            return;
+        }
+        if let Some(spec) = lease.spec.as_mut() {
+            spec.holder_identity = Some(String::new());
+        }
+        if let Err(error) = self
+            .leases
+            .replace(&name, &PostParams::default(), &lease)
+            .await
+        {
+            tracing::warn!(%error, kernel_id = %record.kernel_id, "releasing a kernel's lease failed");
+        }
+    }
+
+    /// Records the tenant a kernel was handed to (a warm-pool kernel, started for nobody):
+    /// caps and take-overs read it from the Lease.
+    pub async fn set_tenant(&self, kernel_id: &str, tenant: &str) -> Result<(), KubernetesError> {
+        let name = kernel_lease_name(kernel_id);
+        let action = format!("record the tenant of kernel {kernel_id}");
+        let mut lease = self
+            .leases
+            .get(&name)
+            .await
+            .map_err(api_error(action.clone()))?;
+        lease
+            .metadata
+            .labels
+            .get_or_insert_with(BTreeMap::new)
+            .insert(objects::LABEL_TENANT.to_owned(), label_value(tenant));
+        lease
+            .metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(objects::ANNOTATION_TENANT.to_owned(), tenant.to_owned());
+        self.leases
+            .replace(&name, &PostParams::default(), &lease)
+            .await
+            .map_err(api_error(action))?;
+        Ok(())
+    }
+
+    /// Deletes the Leases of gone replicas (housekeeping; a replica that comes back under
+    /// the same id makes its own again).
     pub async fn forget_gone(&self) {
         let Ok((_, gone)) = self.census().await else {
             return;
@@ -448,9 +591,11 @@ impl Replicas {
     }
 }
 
-/// A kernel's Lease in `namespace` (the replicas'), held by `owner`, owned by its pod when
-/// that is in the same namespace (an owner reference cannot reach across).
-fn kernel_lease(record: &KernelRecord, owner: &str, pod: &Pod, namespace: &str) -> Lease {
+/// A kernel's Lease, held by `owner`'s process `incarnation`, for its pod `pod`. No owner
+/// reference to the pod: a restarted kernel's Lease moves from its old pod to its new one,
+/// and the old pod's deletion must not take it along (the gateway deletes a kernel's Lease
+/// itself, and a take-over of a pod that is gone deletes it).
+fn kernel_lease(record: &KernelRecord, owner: &str, incarnation: &str, pod: &Pod) -> Lease {
     let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
     let mut labels = BTreeMap::from([
         (
@@ -477,6 +622,11 @@ fn kernel_lease(record: &KernelRecord, owner: &str, pod: &Pod, namespace: &str) 
         (ANNOTATION_NAMESPACE.to_owned(), record.namespace.clone()),
         (ANNOTATION_KERNELSPEC.to_owned(), record.kernelspec.clone()),
         (objects::LABEL_POLICY.to_owned(), record.policy.clone()),
+        (ANNOTATION_INCARNATION.to_owned(), incarnation.to_owned()),
+        (
+            ANNOTATION_POD_UID.to_owned(),
+            pod.metadata.uid.clone().unwrap_or_default(),
+        ),
     ]);
     if let Some(tenant) = &record.tenant {
         annotations.insert(objects::ANNOTATION_TENANT.to_owned(), tenant.clone());
@@ -484,19 +634,8 @@ fn kernel_lease(record: &KernelRecord, owner: &str, pod: &Pod, namespace: &str) 
     Lease {
         metadata: ObjectMeta {
             name: Some(kernel_lease_name(&record.kernel_id)),
-            namespace: Some(namespace.to_owned()),
             labels: Some(labels),
             annotations: Some(annotations),
-            owner_references: (record.namespace == namespace).then(|| {
-                vec![OwnerReference {
-                    api_version: "v1".to_owned(),
-                    kind: "Pod".to_owned(),
-                    name: pod.metadata.name.clone().unwrap_or_default(),
-                    uid: pod.metadata.uid.clone().unwrap_or_default(),
-                    controller: Some(false),
-                    block_owner_deletion: Some(false),
-                }]
-            }),
             ..ObjectMeta::default()
         },
         spec: Some(LeaseSpec {
@@ -529,5 +668,9 @@ fn record_of(lease: &Lease) -> Option<KernelRecord> {
         kernelspec: annotations.get(ANNOTATION_KERNELSPEC)?.clone(),
         policy: annotations.get(objects::LABEL_POLICY)?.clone(),
         tenant: annotations.get(objects::ANNOTATION_TENANT).cloned(),
+        incarnation: annotations
+            .get(ANNOTATION_INCARNATION)
+            .cloned()
+            .unwrap_or_default(),
     })
 }
