@@ -151,6 +151,8 @@ pub struct KubernetesSandbox {
     client: OnceCell<(kube::Client, String)>,
     /// The policies whose NetworkPolicy this process has made sure of, by namespace.
     network_policies: parking_lot::Mutex<HashSet<(String, String)>>,
+    /// The policies without a RuntimeClass this process has warned of.
+    unsandboxed: parking_lot::Mutex<HashSet<String>>,
     /// This gateway's membership among replicas, when it has others: each kernel's owner is
     /// recorded as it is created.
     replicas: Option<Arc<replicas::Replicas>>,
@@ -173,6 +175,7 @@ impl KubernetesSandbox {
         KubernetesSandbox {
             client: OnceCell::new(),
             network_policies: parking_lot::Mutex::new(HashSet::new()),
+            unsandboxed: parking_lot::Mutex::new(HashSet::new()),
             replicas,
         }
     }
@@ -185,6 +188,12 @@ impl KubernetesSandbox {
     async fn launch_pod(&self, spec: &LaunchSpec) -> Result<Launched, KubernetesError> {
         let launch = spec.pod.as_ref().ok_or(KubernetesError::NoSettings)?;
         let settings = &launch.settings;
+        if settings.runtime_class.is_none() && self.unsandboxed.lock().insert(launch.policy.clone())
+        {
+            // Said once per policy: the cluster's default runtime is a container, which is
+            // no sandbox for hostile code.
+            tracing::warn!(policy = %launch.policy, "this policy names no runtime_class: its kernel pods run in the cluster's default runtime (containers, not a sandbox); name gvisor or kata for untrusted code");
+        }
         let (client, default_namespace) = self.client().await?;
         let namespace = match &launch.adopt {
             Some(record) => record.namespace.clone(),

@@ -5,10 +5,11 @@
 //! - Each replica holds a Lease of its own, `cellgate-replica-<id>`, renewed every
 //!   [`RENEW_EVERY`] for [`LEASE_SECONDS`], annotated with the URL other replicas reach it at.
 //! - Each kernel pod has a Lease `cellgate-kernel-<kernel id>` whose holder is its owning
-//!   replica, labelled with the owner, tenant and policy (listings and caps count these
-//!   across replicas), owned by the pod (the cluster deletes it with the pod). It is written
-//!   when a kernel is created or changes hands, never renewed: a kernel's owner is alive as
-//!   long as the owner's replica Lease is, so the API's load is per replica, not per kernel.
+//!   replica process (its id and incarnation), labelled with the owner, tenant and policy
+//!   (listings and caps count these across replicas). It is written when a kernel gets a
+//!   pod or changes hands, never renewed: a kernel's owner is alive as long as the owner's
+//!   replica Lease is, so the API's load is per replica, not per kernel. The gateway deletes
+//!   it with the kernel (no owner reference: a restart moves it to the kernel's new pod).
 //! - A replica is gone when its Lease is released (a graceful shutdown hands its kernels
 //!   over that way) or has not changed for a full lease duration as *this* replica's clock
 //!   measures it (clocks of different nodes are never compared). Its kernels are then
@@ -305,10 +306,12 @@ impl Replicas {
                             .map(|_| ())
                     }
                     Ok(None) if tries < 5 => continue,
-                    Ok(None) => return Err(api_error(action)(kube::Error::Api(Box::new(
-                        kube::core::Status::failure("the lease came and went", "Conflict")
-                            .with_code(409),
-                    )))),
+                    Ok(None) => {
+                        return Err(api_error(action)(kube::Error::Api(Box::new(
+                            kube::core::Status::failure("the lease came and went", "Conflict")
+                                .with_code(409),
+                        ))))
+                    }
                     Err(error) => Err(error),
                 },
                 Err(error) => Err(error),
@@ -433,7 +436,8 @@ impl Replicas {
 
     /// Stops taking kernels over (this replica is leaving).
     pub fn leave(&self) {
-        self.leaving.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Gives up a kernel this replica took over but could not attach to: its Lease goes when
@@ -444,7 +448,10 @@ impl Replicas {
         let pods: Api<Pod> = Api::namespaced(client.clone(), &record.namespace);
         let pod_gone = match pods.get_opt(&record.pod).await {
             Ok(None) => true,
-            Ok(Some(pod)) => matches!(super::status::state(&pod), super::status::PodState::Ended { .. }),
+            Ok(Some(pod)) => matches!(
+                super::status::state(&pod),
+                super::status::PodState::Ended { .. }
+            ),
             Err(_) => false,
         };
         if pod_gone {
