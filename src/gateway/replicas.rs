@@ -36,6 +36,14 @@ fn kernel_of(path: &str) -> Option<&str> {
     (id.len() == 36 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')).then_some(id)
 }
 
+/// The path and query as the client sent them (with the base URL the router strips).
+fn original_uri(request: &Request) -> axum::http::Uri {
+    request
+        .extensions()
+        .get::<OriginalUri>()
+        .map_or_else(|| request.uri().clone(), |o| o.0.clone())
+}
+
 /// The middleware: serves a request here when this replica holds its kernel (or no replica
 /// does), forwards it to the owner otherwise, and takes over a kernel whose owner is gone.
 pub async fn route_to_owner(
@@ -43,7 +51,7 @@ pub async fn route_to_owner(
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(replicas) = state.replicas.clone() else {
+    let Some(replicas) = state.replicas.as_ref() else {
         return next.run(request).await;
     };
     let Some(kernel_id) = kernel_of(request.uri().path()).map(str::to_owned) else {
@@ -57,10 +65,7 @@ pub async fn route_to_owner(
         // Nobody's: the handlers answer 404.
         Ok(None) => next.run(request).await,
         Ok(Some((_, Some(owner)))) if !forwarded => {
-            let original = request
-                .extensions()
-                .get::<OriginalUri>()
-                .map_or_else(|| request.uri().clone(), |o| o.0.clone());
+            let original = original_uri(&request);
             forward::forward(request, &original, &owner.url, replicas.id()).await
         }
         Ok(Some((_, Some(_)))) => ApiError::new(
@@ -79,7 +84,7 @@ pub async fn route_to_owner(
         .retry_after(1)
         .into_response(),
         Ok(Some((record, None))) => {
-            if let Err(error) = take_over(&state, &replicas, record).await {
+            if let Err(error) = take_over(&state, replicas, record).await {
                 tracing::warn!(%error, kernel_id, "taking a kernel over failed");
             }
             // Ours now, or another replica's that won: served or forwarded on retry.
@@ -174,7 +179,7 @@ pub async fn artifacts_anywhere(
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(replicas) = state.replicas.clone() else {
+    let Some(replicas) = state.replicas.as_ref() else {
         return next.run(request).await;
     };
     let asks_artifact = request.method() == Method::GET
@@ -184,10 +189,7 @@ pub async fn artifacts_anywhere(
     if !asks_artifact {
         return next.run(request).await;
     }
-    let original = request
-        .extensions()
-        .get::<OriginalUri>()
-        .map_or_else(|| request.uri().clone(), |o| o.0.clone());
+    let original = original_uri(&request);
     let (method, headers) = (request.method().clone(), request.headers().clone());
     let local = next.run(request).await;
     if local.status() != StatusCode::NOT_FOUND {
@@ -220,7 +222,7 @@ pub async fn gather_listings(
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(replicas) = state.replicas.clone() else {
+    let Some(replicas) = state.replicas.as_ref() else {
         return next.run(request).await;
     };
     if !gathered(request.method(), request.uri().path())
@@ -229,10 +231,7 @@ pub async fn gather_listings(
     {
         return next.run(request).await;
     }
-    let original = request
-        .extensions()
-        .get::<OriginalUri>()
-        .map_or_else(|| request.uri().clone(), |o| o.0.clone());
+    let original = original_uri(&request);
     let headers = request.headers().clone();
     let local = next.run(request).await;
     if !local.status().is_success() {
@@ -263,12 +262,7 @@ pub async fn gather_listings(
             original.path_and_query().map_or("", |p| p.as_str())
         );
         async move {
-            let client = reqwest::Client::builder()
-                .timeout(std::time::Duration::from_secs(3))
-                .no_proxy()
-                .build()
-                .ok()?;
-            let response = client
+            let response = peer_client()?
                 .get(url)
                 .headers(headers)
                 .header(FORWARDED_BY, me)
@@ -291,6 +285,21 @@ pub async fn gather_listings(
         .headers_mut()
         .remove(axum::http::header::CONTENT_LENGTH);
     response
+}
+
+/// The client that asks peers for their listings, made once: building one loads the TLS
+/// roots, which a listing must not pay for.
+fn peer_client() -> Option<&'static reqwest::Client> {
+    static CLIENT: std::sync::OnceLock<Option<reqwest::Client>> = std::sync::OnceLock::new();
+    CLIENT
+        .get_or_init(|| {
+            reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(3))
+                .no_proxy()
+                .build()
+                .ok()
+        })
+        .as_ref()
 }
 
 /// Appends a peer's list to ours: a bare array (`/api/kernels`) or an object's array field

@@ -160,6 +160,29 @@ pub(crate) async fn gateway(
     Gateway::attach(command.spawn()?, Some(TOKEN.to_owned())).await
 }
 
+/// The stream output of `code` run through Server-Sent Events, as it arrived.
+async fn streamed(v1: &V1Client<'_>, id: &str, code: &str) -> Result<String> {
+    let mut sse = v1
+        .sse(&format!("/v1/sessions/{id}/execute"), json!({"code": code}))
+        .await?;
+    let mut text = String::new();
+    loop {
+        let (event, data) = sse.next().await?;
+        match event.as_str() {
+            "stream" => text.push_str(data["text"].as_str().unwrap_or_default()),
+            "done" => return Ok(text),
+            _ => {}
+        }
+    }
+}
+
+/// Code that asks the gateway's proxy for a host no policy allows.
+fn fetch_denied(port: u16) -> String {
+    format!(
+        "import urllib.request\nurllib.request.urlopen('http://denied.test:{port}/', timeout=30)"
+    )
+}
+
 /// `check`'s first `Some`, asked every 100 ms until `timeout`.
 pub(crate) async fn until<T, F, Fut>(timeout: Duration, mut check: F) -> Option<T>
 where
@@ -221,22 +244,8 @@ async fn a_kernel_pod_runs_code_streams_files_and_its_policy() -> Result<()> {
     assert_eq!(r["stdout"], format!("1000 /home/user {pod_name}\n"), "{r}");
 
     // Output streams as it is printed (SSE through the pod's agent link).
-    let mut sse = v1
-        .sse(
-            &format!("/v1/sessions/{id}/execute"),
-            json!({"code": "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.3)"}),
-        )
-        .await?;
-    let mut streamed = String::new();
-    loop {
-        let (event, data) = sse.next().await?;
-        match event.as_str() {
-            "stream" => streamed.push_str(data["text"].as_str().unwrap_or_default()),
-            "done" => break,
-            _ => {}
-        }
-    }
-    assert_eq!(streamed, "0\n1\n2\n");
+    let code = "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.3)";
+    assert_eq!(streamed(&v1, &id, code).await?, "0\n1\n2\n");
 
     // Egress: the policy's host through the gateway's proxy (over the agent link), any
     // other refused and reported as a denial.
@@ -250,12 +259,7 @@ async fn a_kernel_pod_runs_code_streams_files_and_its_policy() -> Result<()> {
         )
         .await?;
     assert_eq!(r["stdout"], "hello from allowed\n", "{r}");
-    let r = v1
-        .execute(
-            &id,
-            &format!("import urllib.request\nurllib.request.urlopen('http://denied.test:{port}/', timeout=30)"),
-        )
-        .await?;
+    let r = v1.execute(&id, &fetch_denied(port)).await?;
     assert_eq!(r["status"], "denied", "{r}");
 
     // A restart is a new pod (the old one deleted); the kernel's id, lease and policy stay.
@@ -445,22 +449,10 @@ async fn replicas_share_kernels_and_sessions_survive_losing_one() -> Result<()> 
     assert_eq!(fetched.status(), 200);
     assert!(fetched.text().await?.contains("<b>on A</b>"));
     // Server-Sent Events through the other replica, as they are sent.
-    let mut sse = via_b
-        .sse(
-            &format!("/v1/sessions/{id}/execute"),
-            json!({"code": "print('streamed', x)"}),
-        )
-        .await?;
-    let mut streamed = String::new();
-    loop {
-        let (event, data) = sse.next().await?;
-        match event.as_str() {
-            "stream" => streamed.push_str(data["text"].as_str().unwrap_or_default()),
-            "done" => break,
-            _ => {}
-        }
-    }
-    assert_eq!(streamed, "streamed 41\n");
+    assert_eq!(
+        streamed(&via_b, &id, "print('streamed', x)").await?,
+        "streamed 41\n"
+    );
     // Jupyter's WebSocket through the other replica.
     let mut client = b.connect(&id, "s-replica", false).await?;
     let replies = client.run("print(x * 2)").await?;
@@ -489,9 +481,7 @@ async fn replicas_share_kernels_and_sessions_survive_losing_one() -> Result<()> 
     assert_eq!(lease["spec"]["holderIdentity"], "gw-b", "{lease}");
     // Files and the policy still hold in the taken-over kernel.
     assert_eq!(via_b.put_file(&id, "after.txt", b"ok".to_vec()).await?, 201);
-    let r = via_b
-        .execute(&id, &format!("import urllib.request\nurllib.request.urlopen('http://denied.test:{port}/', timeout=30)"))
-        .await?;
+    let r = via_b.execute(&id, &fetch_denied(port)).await?;
     assert_eq!(r["status"], "denied", "{r}");
     if api.objects("pods", NAMESPACE).len() != 2 {
         bail!("pods: {:?}", api.objects("pods", NAMESPACE));

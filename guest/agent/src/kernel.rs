@@ -525,7 +525,7 @@ pub fn restored(seed: &str, unix_time_ns: u64) -> Result<(), KernelError> {
 fn reseed(seed: &str) -> Result<(), KernelError> {
     use std::io::Write;
     use std::os::fd::AsRawFd;
-    let bytes = decode_hex(seed)
+    let bytes = cellgate_agent::protocol::decode_hex(seed)
         .filter(|b| b.len() >= 32)
         .ok_or_else(|| KernelError::Connection("a seed is 32 bytes or more, in hex".to_owned()))?;
     let mut urandom = std::fs::OpenOptions::new()
@@ -545,16 +545,6 @@ fn reseed(seed: &str) -> Result<(), KernelError> {
         ));
     }
     Ok(())
-}
-
-fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 /// Puts the child into the kernel's cgroup before it runs a single instruction of the

@@ -139,13 +139,15 @@ fn proof_hmac(key: &[u8], label: &str, first: &str, second: &str) -> HmacSha256 
 
 fn proof_mac(key: &[u8], label: &str, first: &str, second: &str) -> String {
     use hmac::Mac;
-    let bytes = proof_hmac(key, label, first, second)
-        .finalize()
-        .into_bytes();
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    encode_hex(
+        &proof_hmac(key, label, first, second)
+            .finalize()
+            .into_bytes(),
+    )
 }
 
-/// Compares in constant time (the HMAC crate's own comparison).
+/// Compares in constant time (the HMAC crate's own comparison, which also refuses a MAC of
+/// the wrong length).
 fn mac_matches(key: &[u8], label: &str, first: &str, second: &str, hex: &str) -> bool {
     use hmac::Mac;
     let Some(bytes) = decode_hex(hex) else {
@@ -156,8 +158,14 @@ fn mac_matches(key: &[u8], label: &str, first: &str, second: &str, hex: &str) ->
         .is_ok()
 }
 
-fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if text.len() != 64 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+/// `bytes` in lowercase hex.
+pub fn encode_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of a hex string (digits only, an even number of them).
+pub fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     (0..text.len())

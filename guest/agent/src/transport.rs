@@ -131,7 +131,7 @@ fn random_nonce() -> String {
             Err(_) => continue,
         }
     }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    cellgate_agent::protocol::encode_hex(&bytes)
 }
 
 /// Accepts TCP connections and passes on those that prove `key`, in the order they did.

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use cellgate_agent::protocol::{
     self, auth, check_guest_proof, host_proof, read_line, ConnectionFile, Op, Reply, Start,
+    LOG_TAIL_BYTES,
 };
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 
@@ -137,4 +138,26 @@ pub fn guest_connection(
         path: map.path(&spec.connection_file).display().to_string(),
         info,
     }))
+}
+
+/// Appends the kernel's log tail that the agent reported with its exit to the kernel's log
+/// file on the gateway's side (where a dead kernel's reason is read from), at most
+/// [`LOG_TAIL_BYTES`] of it, cut at a character boundary: the agent says how long its tail
+/// is, and the gateway does not take its word.
+pub fn keep_log_tail(log_file: &Path, tail: &str) {
+    use std::io::Write;
+    let mut end = tail.len().min(LOG_TAIL_BYTES);
+    while !tail.is_char_boundary(end) {
+        end -= 1;
+    }
+    if end == 0 {
+        return;
+    }
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file)
+    {
+        let _ = file.write_all(&tail.as_bytes()[..end]);
+    }
 }

@@ -5,10 +5,10 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cellgate_agent::protocol::{Exit, Op, Reply, LOG_TAIL_BYTES};
+use cellgate_agent::protocol::{Exit, Op, Reply};
 use futures_util::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, WatchEvent, WatchParams};
@@ -30,7 +30,7 @@ const LINK_EXPLAINED: Duration = Duration::from_secs(10);
 
 pub(super) struct PodHandle {
     agent: Arc<Agent>,
-    files: OnceLock<Arc<AgentFiles>>,
+    files: Arc<AgentFiles>,
     remover: Arc<PodRemover>,
     /// The pod is gone or going.
     ended: Arc<AtomicBool>,
@@ -43,20 +43,15 @@ pub(super) struct PodHandle {
 
 impl PodHandle {
     pub(super) fn new(agent: Arc<Agent>, remover: PodRemover) -> PodHandle {
-        let handle = PodHandle {
+        PodHandle {
             agent: agent.clone(),
-            files: OnceLock::new(),
+            files: Arc::new(AgentFiles::new(agent, tokio::runtime::Handle::current())),
             remover: Arc::new(remover),
             ended: Arc::new(AtomicBool::new(false)),
             killed: AtomicBool::new(false),
             detached: Arc::new(AtomicBool::new(false)),
             usage: Arc::default(),
-        };
-        let _ = handle.files.set(Arc::new(AgentFiles::new(
-            agent,
-            tokio::runtime::Handle::current(),
-        )));
-        handle
+        }
     }
 
     /// Deletes the pod and its Secret, in the background (the trait is synchronous).
@@ -131,7 +126,7 @@ impl SandboxHandle for PodHandle {
         if self.ended.load(Ordering::SeqCst) {
             return None;
         }
-        let files: Arc<dyn crate::workspace::GuestFiles> = self.files.get()?.clone();
+        let files: Arc<dyn crate::workspace::GuestFiles> = self.files.clone();
         Some(files)
     }
 
@@ -171,7 +166,7 @@ pub(super) fn watch_exit(
         };
         let exit_report = match ended {
             Ended::Kernel(Some(exit)) => {
-                append_log(&log_file, truncate(&exit.log_tail, LOG_TAIL_BYTES));
+                crate::sandbox::agent::keep_log_tail(&log_file, &exit.log_tail);
                 kernel_report(&exit)
             }
             Ended::Pod(why) => lost(&handle, why),
@@ -286,32 +281,5 @@ fn lost(handle: &PodHandle, why: String) -> ExitReport {
         code: None,
         signal: None,
         reason: Some(ExitReason::new(ExitCause::SandboxFailed, why)),
-    }
-}
-
-/// At most `max` bytes of `text`, cut at a character boundary: the agent says how long its
-/// log tail is, and the gateway does not take its word.
-fn truncate(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
-}
-
-fn append_log(path: &std::path::Path, text: &str) {
-    use std::io::Write;
-    if text.is_empty() {
-        return;
-    }
-    if let Ok(mut file) = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-    {
-        let _ = file.write_all(text.as_bytes());
     }
 }

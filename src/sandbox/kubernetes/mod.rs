@@ -556,15 +556,14 @@ async fn dial(ip: &str, key: &[u8], spec: &LaunchSpec) -> Result<Agent, Kubernet
 /// gateway's role must allow). Nothing is created.
 pub async fn diagnose() -> Diagnosis {
     let mut diagnosis = Diagnosis::new("kubernetes");
-    let sandbox = KubernetesSandbox::new(None);
-    match sandbox.client().await {
+    match client_from_environment().await {
         Err(error) => diagnosis.fail(
             error.to_string(),
             "run the gateway in the cluster with its ServiceAccount (deploy/kubernetes), or set KUBECONFIG",
         ),
         Ok((client, namespace)) => {
             diagnosis.fact("namespace", namespace.as_str());
-            let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+            let pods: Api<Pod> = Api::namespaced(client, &namespace);
             let params = ListParams::default()
                 .labels(&format!("{}={}", objects::LABEL_NAME, objects::KERNEL_POD_NAME))
                 .limit(1);

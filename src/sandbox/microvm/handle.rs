@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use cellgate_agent::protocol::{Exit, Op, LOG_TAIL_BYTES};
+use cellgate_agent::protocol::{Exit, Op};
 use tokio::sync::watch;
 
 use super::confine::Jail;
@@ -156,7 +156,7 @@ pub(super) fn watch_exit(
         let reaped = |handle: &MicrovmHandle| handle.exited.store(true, Ordering::SeqCst);
         let exit_report = match ended {
             Ok(Some(exit)) => {
-                append_log(&log_file, truncate(&exit.log_tail, LOG_TAIL_BYTES));
+                crate::sandbox::agent::keep_log_tail(&log_file, &exit.log_tail);
                 // The kernel is gone; the VM goes too. The agent powers off when asked; a
                 // guest that does not is killed.
                 let poweroff = agent.request(Op::Poweroff);
@@ -321,19 +321,6 @@ fn tail_of(file: &File) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// At most `max` bytes of `text`, cut at a character boundary: the guest says how long its
-/// log tail is, and the gateway does not take its word.
-fn truncate(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
-}
-
 /// A console line without its timestamp and control characters.
 fn clean(line: &str) -> String {
     let line = match line.trim_start().strip_prefix('[') {
@@ -345,20 +332,6 @@ fn clean(line: &str) -> String {
         .collect::<String>()
         .trim()
         .to_owned()
-}
-
-fn append_log(path: &Path, text: &str) {
-    use std::io::Write;
-    if text.is_empty() {
-        return;
-    }
-    if let Ok(mut file) = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-    {
-        let _ = file.write_all(text.as_bytes());
-    }
 }
 
 #[cfg(test)]
