@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 use crate::support::v1::{json_of, ws_next, ws_send, ws_until_done, V1Client, WAIT};
-use crate::support::{sandbox_backend, Gateway};
+use crate::support::{sandbox_backend, Gateway, PATIENCE};
 
 /// Python that waits (at most 60 s) for the workspace file `name`, then goes on; failing
 /// loudly if it never comes.
@@ -1060,7 +1060,8 @@ async fn one_shot_execute() -> Result<()> {
     assert_eq!(response.status().as_u16(), 200);
     assert_eq!(response.text().await?, "**hi**");
     let mut gone = false;
-    for _ in 0..100 {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while std::time::Instant::now() < deadline {
         let (_, list) = v1.get("/v1/sessions").await?;
         if list.as_array().map(|l| l.is_empty()).unwrap_or(false) {
             gone = true;
@@ -1415,7 +1416,8 @@ async fn bad_file_requests_leave_nothing_behind() -> Result<()> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     drop(stream);
     let mut kept = None;
-    for _ in 0..50 {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while std::time::Instant::now() < deadline {
         let (_, listing) = v1
             .get(&format!(
                 "/v1/sessions/{id}/files?recursive=true&hidden=true"

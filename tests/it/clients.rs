@@ -16,7 +16,7 @@ async fn two_clients_share_iopub_and_keep_their_own_replies() -> anyhow::Result<
     // b sees a's output and idle, but not a's reply.
     let mut seen_by_b = vec![];
     loop {
-        let msg = b.recv(Duration::from_secs(10)).await?;
+        let msg = b.recv(PATIENCE).await?;
         let done = msg.is_idle_for(&id);
         seen_by_b.push(msg);
         if done {

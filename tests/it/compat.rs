@@ -259,7 +259,7 @@ impl JupyterServer {
     fn stop(mut self) -> Result<()> {
         let pgid = self.child.id();
         self.kill();
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + PATIENCE;
         while !group_members(pgid).is_empty() {
             if Instant::now() > deadline {
                 bail!(
@@ -415,8 +415,9 @@ async fn drive_through_jupyter_server(gateway: &Gateway) -> Result<()> {
     );
     assert_eq!(model["execution_state"], "idle", "{model}");
 
-    // Interrupt through jupyter_server's REST.
-    let id = client.execute("import time; time.sleep(60)").await?;
+    // Interrupt through jupyter_server's REST (the sleep is far past the wait for the cell's
+    // end: only the interrupt ends it in time).
+    let id = client.execute("import time; time.sleep(600)").await?;
     loop {
         let msg = client.recv(Duration::from_secs(30)).await?;
         if msg.msg_type() == "execute_input" && msg.parent_id() == id {
@@ -433,7 +434,7 @@ async fn drive_through_jupyter_server(gateway: &Gateway) -> Result<()> {
         .await?;
     assert_eq!(status, 204, "{}", context(&body.to_string()));
     let msgs = client
-        .collect(&id, Duration::from_secs(20))
+        .collect(&id, 2 * PATIENCE)
         .await
         .with_context(|| context("interrupted execution"))?;
     let errors = of_type(&msgs, "error");
@@ -482,7 +483,7 @@ async fn drive_through_jupyter_server(gateway: &Gateway) -> Result<()> {
     let (status, _) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
     assert_eq!(status, 404);
     assert!(
-        eventually(Duration::from_secs(5), || pids_with(&kernel).is_empty()).await,
+        eventually(PATIENCE, || pids_with(&kernel).is_empty()).await,
         "the kernel process is gone"
     );
     let (status, lab_kernels) = lab.json(reqwest::Method::GET, "/api/kernels", None).await?;

@@ -283,7 +283,7 @@ async fn wheelhouse_packages_install_import_and_denials_name_the_package() -> Re
         .run(concat!(
             "import urllib.request, urllib.error\n",
             "try:\n",
-            "    urllib.request.urlopen('http://packages.cellgate.internal/simple/cgdenied/', timeout=5)\n",
+            "    urllib.request.urlopen('http://packages.cellgate.internal/simple/cgdenied/', timeout=30)\n",
             "except urllib.error.HTTPError as e:\n",
             "    print(e.code)\n",
         ))
@@ -332,7 +332,7 @@ async fn egress_reaches_named_hosts_only_and_never_internal_addresses() -> Resul
     // Absolute-form HTTP through the proxy (urllib reads HTTP_PROXY).
     let msgs = client
         .run(&format!(
-            "import urllib.request\nprint(urllib.request.urlopen('http://allowed.test:{port}/x', timeout=10).read().decode())"
+            "import urllib.request\nprint(urllib.request.urlopen('http://allowed.test:{port}/x', timeout=30).read().decode())"
         ))
         .await?;
     assert_eq!(
@@ -351,7 +351,7 @@ async fn egress_reaches_named_hosts_only_and_never_internal_addresses() -> Resul
         .run(&format!(
             concat!(
                 "import http.client\n",
-                "c = http.client.HTTPConnection('127.0.0.1', 3128, timeout=10)\n",
+                "c = http.client.HTTPConnection('127.0.0.1', 3128, timeout=30)\n",
                 "c.set_tunnel('allowed.test', {port})\n",
                 "try:\n",
                 "    c.request('GET', '/')\n",
@@ -384,7 +384,7 @@ async fn egress_reaches_named_hosts_only_and_never_internal_addresses() -> Resul
             concat!(
                 "import urllib.request, urllib.error\n",
                 "try:\n",
-                "    urllib.request.urlopen('{url}', timeout=10)\n",
+                "    urllib.request.urlopen('{url}', timeout=30)\n",
                 "    print('reached')\n",
                 "except urllib.error.HTTPError as e:\n",
                 "    print(e.code)\n",
@@ -410,7 +410,7 @@ async fn egress_reaches_named_hosts_only_and_never_internal_addresses() -> Resul
         .run(&format!(
             concat!(
                 "import http.client\n",
-                "c = http.client.HTTPConnection('127.0.0.1', 3128, timeout=10)\n",
+                "c = http.client.HTTPConnection('127.0.0.1', 3128, timeout=30)\n",
                 "c.set_tunnel('denied.test', {port})\n",
                 "try:\n",
                 "    c.request('GET', '/')\n",
@@ -447,7 +447,7 @@ async fn egress_reaches_named_hosts_only_and_never_internal_addresses() -> Resul
             .run(&format!(
                 concat!(
                     "import http.client\n",
-                    "c = http.client.HTTPConnection('127.0.0.1', 3128, timeout=10)\n",
+                    "c = http.client.HTTPConnection('127.0.0.1', 3128, timeout=30)\n",
                     "c.request('GET', 'http://{target}/api')\n",
                     "print(c.getresponse().status)\n",
                 ),
@@ -462,11 +462,11 @@ async fn egress_reaches_named_hosts_only_and_never_internal_addresses() -> Resul
     let msgs = client
         .run(&format!(concat!(
             "import socket, urllib.request\n",
-            "s = socket.create_connection(('127.0.0.1', 3128), timeout=5)\n",
+            "s = socket.create_connection(('127.0.0.1', 3128), timeout=30)\n",
             "s.sendall(b'\\x00\\xff\\xfe not http at all\\r\\n\\r\\n')\n",
             "print(s.recv(12).decode())\n",
             "s.close()\n",
-            "print(urllib.request.urlopen('http://allowed.test:{port}/', timeout=10).read().decode())\n",
+            "print(urllib.request.urlopen('http://allowed.test:{port}/', timeout=30).read().decode())\n",
         ), port = port))
         .await?;
     assert_eq!(
@@ -482,7 +482,7 @@ async fn egress_reaches_named_hosts_only_and_never_internal_addresses() -> Resul
             concat!(
                 "import socket, os\n",
                 "try:\n",
-                "    socket.create_connection(('127.0.0.1', {port}), timeout=5)\n",
+                "    socket.create_connection(('127.0.0.1', {port}), timeout=30)\n",
                 "    print('connected')\n",
                 "except OSError as e:\n",
                 "    print('direct:', type(e).__name__)\n",
@@ -560,16 +560,32 @@ async fn a_proxy_flood_from_one_sandbox_does_not_starve_another() -> Result<()> 
     // …while the other session's traffic goes through.
     let msgs = b
         .run(&format!(
-            "import urllib.request\nprint(urllib.request.urlopen('http://allowed.test:{port}/', timeout=10).read().decode())"
+            "import urllib.request\nprint(urllib.request.urlopen('http://allowed.test:{port}/', timeout=30).read().decode())"
         ))
         .await?;
     assert_eq!(stdout(&msgs), "hello from allowed\n", "{}", stderr(&msgs));
-    // Releasing the connections gives the flooder its proxy back.
-    let msgs = a
-        .run(&format!(
-            "for s in held: s.close()\nimport time, urllib.request\ntime.sleep(0.5)\nprint(urllib.request.urlopen('http://allowed.test:{port}/', timeout=10).read().decode())"
-        ))
-        .await?;
+    // Releasing the connections gives the flooder its proxy back, once the gateway has seen
+    // them close: asked again until then (a minute at most).
+    let msgs = run_long(
+        &mut a,
+        &format!(
+            concat!(
+                "for s in held: s.close()\n",
+                "import time, urllib.request\n",
+                "end = time.monotonic() + 60\n",
+                "while True:\n",
+                "    try:\n",
+                "        print(urllib.request.urlopen('http://allowed.test:{port}/', timeout=30).read().decode())\n",
+                "        break\n",
+                "    except OSError:\n",
+                "        if time.monotonic() > end:\n",
+                "            raise\n",
+                "        time.sleep(0.2)\n",
+            ),
+            port = port
+        ),
+    )
+    .await?;
     assert_eq!(stdout(&msgs), "hello from allowed\n", "{}", stderr(&msgs));
     Ok(())
 }
@@ -664,7 +680,7 @@ async fn api_v1_results_carry_denials_and_the_denied_status() -> Result<()> {
             &id,
             "import urllib.request
 try:
-    urllib.request.urlopen('http://blocked.example/', timeout=10)
+    urllib.request.urlopen('http://blocked.example/', timeout=30)
 except Exception as e:
     print('caught', type(e).__name__)",
         )

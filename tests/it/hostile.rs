@@ -142,7 +142,7 @@ async fn observe(client: &mut Client, msg_id: &str, timeout: Duration) -> Result
 /// valid execute_reply on shell reach the client; nothing malformed does.
 async fn hostile_round(client: &mut Client, spec: &str, round: u64) -> Result<()> {
     let id = client.execute(spec).await?;
-    let seen = observe(client, &id, Duration::from_secs(20)).await?;
+    let seen = observe(client, &id, PATIENCE).await?;
     let summary: Vec<String> = seen
         .msgs
         .iter()
@@ -155,7 +155,7 @@ async fn hostile_round(client: &mut Client, spec: &str, round: u64) -> Result<()
     );
     assert!(
         seen.complete,
-        "round {round} ({spec}): the valid idle status and execute_reply did not both arrive within 20 s; received: {summary:#?}"
+        "round {round} ({spec}): the valid idle status and execute_reply did not both arrive within {PATIENCE:?}; received: {summary:#?}"
     );
     let iopub: Vec<&Msg> = seen.msgs.iter().filter(|m| m.channel == "iopub").collect();
     let shell: Vec<&Msg> = seen.msgs.iter().filter(|m| m.channel == "shell").collect();
@@ -279,10 +279,7 @@ async fn hostile_beside_a_real_kernel(spec: &str, v1: bool) -> Result<()> {
     if spec == "hostile:frame" {
         // Proof the garbage was really sent and really refused by the gateway's decoder.
         let expected = 2 * FRAME_KINDS * ROUNDS as usize;
-        let counted = eventually(Duration::from_secs(5), || {
-            dropped_invalid(&gateway.log()) >= expected
-        })
-        .await;
+        let counted = eventually(PATIENCE, || dropped_invalid(&gateway.log()) >= expected).await;
         assert!(
             counted,
             "expected at least {expected} dropped messages in the gateway log, found {}",

@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::support::kube_api::{netns_exists, Image, KubeApi, Options, Rule};
+use crate::support::PATIENCE;
 
 const NS: &str = "default";
 
@@ -354,9 +355,9 @@ async fn a_watch_sees_changes_in_order_and_410_for_a_compacted_version() {
         .expect("delete");
     let mut seen = vec![];
     while seen.len() < 3 {
-        let event = tokio::time::timeout(Duration::from_secs(10), stream.try_next())
+        let event = tokio::time::timeout(PATIENCE, stream.try_next())
             .await
-            .expect("an event within 10 s")
+            .expect("an event within a minute")
             .expect("a good event")
             .expect("the stream goes on");
         seen.push(match event {
@@ -439,15 +440,11 @@ async fn deleting_a_pod_collects_the_secret_it_owns() {
         .await
         .expect("delete the pod");
     double
-        .wait_until(
-            "the pod and its secret to be gone",
-            Duration::from_secs(10),
-            || {
-                let gone = double.object("pods", NS, "kernel-1").is_none()
-                    && double.object("secrets", NS, "kernel-1-key").is_none();
-                gone.then_some(())
-            },
-        )
+        .wait_until("the pod and its secret to be gone", PATIENCE, || {
+            let gone = double.object("pods", NS, "kernel-1").is_none()
+                && double.object("secrets", NS, "kernel-1-key").is_none();
+            gone.then_some(())
+        })
         .await;
     assert!(double.object("secrets", NS, "unowned").is_some());
 }
@@ -589,7 +586,7 @@ async fn a_pod_runs_as_its_user_with_pid_1_and_an_ip_the_host_reaches() {
     .await
     .expect("create");
     let running = double
-        .wait_for_pod(NS, "echo", Duration::from_secs(30), "Ready", |p| {
+        .wait_for_pod(NS, "echo", PATIENCE, "Ready", |p| {
             p["status"]["conditions"].as_array().is_some_and(|c| {
                 c.iter()
                     .any(|c| c["type"] == "Ready" && c["status"] == "True")
@@ -645,9 +642,9 @@ async fn a_pod_runs_as_its_user_with_pid_1_and_an_ip_the_host_reaches() {
         .expect("delete");
     let mut kinds = vec![];
     loop {
-        let event = tokio::time::timeout(Duration::from_secs(20), events.try_next())
+        let event = tokio::time::timeout(PATIENCE, events.try_next())
             .await
-            .expect("an event within 20 s")
+            .expect("an event within a minute")
             .expect("a good event")
             .expect("the watch goes on");
         match event {
@@ -690,16 +687,9 @@ async fn a_pod_of_an_unknown_image_stays_pending_in_image_pull_back_off() {
         Some("Pending")
     );
     let stored = double
-        .wait_for_pod(
-            NS,
-            "nope",
-            Duration::from_secs(10),
-            "ImagePullBackOff",
-            |p| {
-                p["status"]["containerStatuses"][0]["state"]["waiting"]["reason"]
-                    == "ImagePullBackOff"
-            },
-        )
+        .wait_for_pod(NS, "nope", PATIENCE, "ImagePullBackOff", |p| {
+            p["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] == "ImagePullBackOff"
+        })
         .await;
     assert_eq!(stored["status"]["phase"], "Pending");
     assert_eq!(
@@ -716,7 +706,7 @@ async fn a_pod_of_an_unknown_image_stays_pending_in_image_pull_back_off() {
     .await
     .expect("create");
     let stored = double
-        .wait_for_pod(NS, "later", Duration::from_secs(10), "Unschedulable", |p| {
+        .wait_for_pod(NS, "later", PATIENCE, "Unschedulable", |p| {
             p["status"]["conditions"]
                 .as_array()
                 .is_some_and(|c| c.iter().any(|c| c["reason"] == "Unschedulable"))
@@ -761,16 +751,9 @@ async fn a_pod_starts_only_once_its_secret_exists() {
         .await
         .expect("create");
     let waiting = double
-        .wait_for_pod(
-            NS,
-            "kernel",
-            Duration::from_secs(10),
-            "ContainerCreating",
-            |p| {
-                p["status"]["containerStatuses"][0]["state"]["waiting"]["reason"]
-                    == "ContainerCreating"
-            },
-        )
+        .wait_for_pod(NS, "kernel", PATIENCE, "ContainerCreating", |p| {
+            p["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] == "ContainerCreating"
+        })
         .await;
     assert!(
         waiting["status"]["podIP"].is_null(),
@@ -793,12 +776,12 @@ async fn a_pod_starts_only_once_its_secret_exists() {
         .await
         .expect("create the secret");
     double
-        .wait_for_pod(NS, "kernel", Duration::from_secs(30), "Running", |p| {
+        .wait_for_pod(NS, "kernel", PATIENCE, "Running", |p| {
             p["status"]["phase"] == "Running"
         })
         .await;
     double
-        .wait_until("the key in the pod's log", Duration::from_secs(30), || {
+        .wait_until("the key in the pod's log", PATIENCE, || {
             double.pod_log(NS, "kernel").contains("key:").then_some(())
         })
         .await;
@@ -825,14 +808,14 @@ async fn an_evicted_pod_fails_with_reason_evicted_and_stays() {
     .await
     .expect("create");
     double
-        .wait_for_pod(NS, "victim", Duration::from_secs(30), "Running", |p| {
+        .wait_for_pod(NS, "victim", PATIENCE, "Running", |p| {
             p["status"]["phase"] == "Running"
         })
         .await;
     let pid = double.pod_pid(NS, "victim").expect("a pid");
     double.evict(NS, "victim", "The node was low on resource: memory.");
     let pod = double
-        .wait_for_pod(NS, "victim", Duration::from_secs(10), "Failed", |p| {
+        .wait_for_pod(NS, "victim", PATIENCE, "Failed", |p| {
             p["status"]["phase"] == "Failed"
         })
         .await;
@@ -843,7 +826,7 @@ async fn an_evicted_pod_fails_with_reason_evicted_and_stays() {
     );
     // The status comes first, then the kill (as in the kubelet), then the container's end.
     let stored = double
-        .wait_for_pod(NS, "victim", Duration::from_secs(10), "terminated", |p| {
+        .wait_for_pod(NS, "victim", PATIENCE, "terminated", |p| {
             p["status"]["containerStatuses"][0]["state"]["terminated"].is_object()
         })
         .await;
@@ -859,7 +842,7 @@ async fn an_evicted_pod_fails_with_reason_evicted_and_stays() {
         .await
         .expect("delete");
     double
-        .wait_until("the evicted pod to go", Duration::from_secs(10), || {
+        .wait_until("the evicted pod to go", PATIENCE, || {
             double.object("pods", NS, "victim").is_none().then_some(())
         })
         .await;
@@ -888,9 +871,7 @@ async fn a_container_that_exits_leaves_its_pod_succeeded_or_failed() {
         ("bad", "Failed", 3, "Error"),
     ] {
         let stored = double
-            .wait_for_pod(NS, name, Duration::from_secs(30), phase, |p| {
-                p["status"]["phase"] == phase
-            })
+            .wait_for_pod(NS, name, PATIENCE, phase, |p| p["status"]["phase"] == phase)
             .await;
         let terminated = &stored["status"]["containerStatuses"][0]["state"]["terminated"];
         assert_eq!(
@@ -902,7 +883,7 @@ async fn a_container_that_exits_leaves_its_pod_succeeded_or_failed() {
         );
         assert_eq!(double.pod_log(NS, name), "bye\n");
         double
-            .wait_until("the network torn down", Duration::from_secs(10), || {
+            .wait_until("the network torn down", PATIENCE, || {
                 double.pod_netns(NS, name).is_none().then_some(())
             })
             .await;
@@ -930,7 +911,7 @@ async fn a_container_that_exits_leaves_its_pod_succeeded_or_failed() {
     .await
     .expect("create");
     let stored = double
-        .wait_for_pod(NS, "missing", Duration::from_secs(30), "Failed", |p| {
+        .wait_for_pod(NS, "missing", PATIENCE, "Failed", |p| {
             p["status"]["phase"] == "Failed"
         })
         .await;

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use crate::microvm::{test_server, workspace_files_cross_the_vm_boundary};
 use crate::support::kube_api::{Image, KubeApi, Options, Rule};
 use crate::support::v1::V1Client;
-use crate::support::{kernels_dir, repo, Gateway, TOKEN};
+use crate::support::{kernels_dir, repo, Gateway, PATIENCE, TOKEN};
 
 const NAMESPACE: &str = "cellgate";
 const IMAGE: &str = "registry.test/cellgate-kernel:dev";
@@ -203,7 +203,7 @@ where
 
 /// The one kernel pod of `kernel` in the double, once there is one.
 pub(crate) async fn pod_of(api: &KubeApi, kernel: &str) -> Result<Value> {
-    let found = until(Duration::from_secs(30), || async {
+    let found = until(PATIENCE, || async {
         api.objects("pods", NAMESPACE)
             .into_iter()
             .find(|p| p["metadata"]["labels"]["cellgate.io/kernel"] == kernel)
@@ -267,7 +267,7 @@ async fn a_kernel_pod_runs_code_streams_files_and_its_policy() -> Result<()> {
         .post(&format!("/v1/sessions/{id}/restart"), json!({}))
         .await?;
     assert!(status < 300, "{status} {body}");
-    let restarted = until(Duration::from_secs(30), || async {
+    let restarted = until(PATIENCE, || async {
         let pods = api.objects("pods", NAMESPACE);
         let mine: Vec<&Value> = pods
             .iter()
@@ -318,7 +318,7 @@ async fn a_kernel_pod_runs_code_streams_files_and_its_policy() -> Result<()> {
         .call(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"), None)
         .await?;
     assert_eq!(status, 204);
-    let gone = until(Duration::from_secs(20), || async {
+    let gone = until(PATIENCE, || async {
         (api.object("pods", NAMESPACE, pod_name).is_none()
             && api.object("secrets", NAMESPACE, pod_name).is_none())
         .then_some(())
@@ -346,7 +346,7 @@ async fn a_pod_that_cannot_start_fails_with_kubernetes_reason_and_is_deleted() -
     assert_eq!(body["code"], "pod_pending", "{body}");
     let message = body["message"].as_str().unwrap_or_default();
     assert!(message.contains("ImagePullBackOff"), "{body}");
-    let left = until(Duration::from_secs(20), || async {
+    let left = until(PATIENCE, || async {
         api.objects("pods", NAMESPACE).is_empty().then_some(())
     })
     .await;
@@ -376,7 +376,7 @@ async fn an_evicted_pod_is_a_lost_sandbox_with_the_reason() -> Result<()> {
     let pod = pod_of(&api, &id).await?;
     let name = pod["metadata"]["name"].as_str().context("name")?.to_owned();
     api.evict(NAMESPACE, &name, "The node was low on resource: memory.");
-    let dead = until(Duration::from_secs(30), || async {
+    let dead = until(PATIENCE, || async {
         let (_, model) = v1.get(&format!("/v1/sessions/{id}")).await.ok()?;
         (model["state"] == "dead").then_some(model)
     })
@@ -468,7 +468,7 @@ async fn replicas_share_kernels_and_sessions_survive_losing_one() -> Result<()> 
     // same variables, now B's.
     a.child.kill()?;
     a.child.wait()?;
-    let r = until(Duration::from_secs(60), || async {
+    let r = until(2 * PATIENCE, || async {
         let r = via_b.execute(&id, "x").await.ok()?;
         (r["status"] == "ok").then_some(r)
     })
@@ -494,7 +494,7 @@ async fn replicas_share_kernels_and_sessions_survive_losing_one() -> Result<()> 
     assert!(status < 300, "{status} {body}");
     let r = via_b.execute(&id, "1 + 1").await?;
     assert_eq!(r["result"], "2", "{r}");
-    let after = until(Duration::from_secs(30), || async {
+    let after = until(PATIENCE, || async {
         let pods = api.objects("pods", NAMESPACE);
         let mine: Vec<Value> = pods
             .into_iter()
@@ -505,7 +505,7 @@ async fn replicas_share_kernels_and_sessions_survive_losing_one() -> Result<()> 
     })
     .await
     .context("no single new pod after the restart")?;
-    let lease = until(Duration::from_secs(10), || async {
+    let lease = until(PATIENCE, || async {
         api.object("leases", NAMESPACE, &format!("cellgate-kernel-{id}"))
     })
     .await
@@ -544,7 +544,7 @@ async fn a_replica_shutting_down_hands_its_kernels_over() -> Result<()> {
         .object("leases", NAMESPACE, "cellgate-replica-gw-a")
         .context("A's lease")?;
     assert_eq!(released["spec"]["holderIdentity"], "", "{released}");
-    let r = until(Duration::from_secs(30), || async {
+    let r = until(PATIENCE, || async {
         let r = via_b.execute(&id, "y").await.ok()?;
         (r["status"] == "ok").then_some(r)
     })

@@ -19,7 +19,7 @@ use serde_json::json;
 use crate::kubernetes::{cluster, free_port, gateway, pod_of, setup, until};
 use crate::support::kube_api::{KubeApi, RequestRecord};
 use crate::support::v1::V1Client;
-use crate::support::Gateway;
+use crate::support::{Gateway, PATIENCE};
 
 const NAMESPACE: &str = "cellgate";
 /// How long idle replicas are watched (then scaled to a minute); `CELLGATE_TEST_IDLE_SECONDS`
@@ -135,11 +135,30 @@ impl Load {
         self.requests() - renewals - lists + lists.saturating_sub(sweep_lists)
     }
 
-    /// Requests that can only be the operation's: all but the replicas' own Leases and the
-    /// lists of Leases (whoever made them).
+    /// Requests that can only be the operation's: all but the replicas' own Leases, the
+    /// lists of Leases (whoever made them), and the once-a-minute work: the readiness
+    /// check's list of pods (nothing else lists pods) and the housekeeping's deletes of gone
+    /// replicas' Leases. Those come by the clock, into whichever window runs then: a slow
+    /// machine, whose windows are longer and later, catches them more often.
     fn unambiguous(&self) -> usize {
         let (renewals, _) = self.background();
-        self.requests() - renewals - self.count("list leases")
+        self.requests()
+            - renewals
+            - self.count("list leases")
+            - self.readiness()
+            - self.count("delete leases(replica)")
+    }
+
+    /// The readiness check's lists of pods (once a minute per gateway: nothing else lists
+    /// pods).
+    fn readiness(&self) -> usize {
+        self.count("list pods")
+    }
+
+    /// The most once-a-minute rounds (readiness check, housekeeping) one gateway's window can
+    /// hold: each runs a minute after the last one ended.
+    fn minutes(&self) -> usize {
+        self.elapsed.as_secs() as usize / 60 + 1
     }
 
     fn detail(&self) -> String {
@@ -232,9 +251,11 @@ impl Table {
     }
 }
 
-/// After a start: the kernel's exit watch is opened just after the start returns.
+/// After a start: the kernel's exit watch is opened just after the start returns. Waited for
+/// (up to [`PATIENCE`]), not assumed: a watch late on a busy machine would fall into the next
+/// window, whose bounds have no room for it.
 async fn exit_watch_opened(api: &KubeApi, meter: &Meter, watches: usize) {
-    let _ = until(Duration::from_secs(5), || async {
+    let _ = until(PATIENCE, || async {
         (meter.stop(api).count("watch pods") >= watches).then_some(())
     })
     .await;
@@ -243,7 +264,7 @@ async fn exit_watch_opened(api: &KubeApi, meter: &Meter, watches: usize) {
 /// After a delete: the pod, its Secret and (with replicas) its Lease are gone, and the
 /// requests that follow (the exit watch's end) are in.
 async fn deleted(api: &KubeApi, id: &str, pod: &str) -> Result<()> {
-    let gone = until(Duration::from_secs(20), || async {
+    let gone = until(PATIENCE, || async {
         (api.object("pods", NAMESPACE, pod).is_none()
             && api.object("secrets", NAMESPACE, pod).is_none()
             && api
@@ -260,7 +281,7 @@ async fn deleted(api: &KubeApi, id: &str, pod: &str) -> Result<()> {
 /// Lets a gateway's start-up requests (its first readiness check, its Lease, its first
 /// sweep) pass before anything is measured.
 async fn settled(api: &KubeApi) {
-    let _ = until(Duration::from_secs(10), || async {
+    let _ = until(PATIENCE, || async {
         api.requests()
             .iter()
             .any(|r| r.verb == "list" && r.path.ends_with("/pods"))
@@ -298,7 +319,7 @@ async fn restarted(
         response.text().await.unwrap_or_default(),
         gateway.log()
     );
-    let moved = until(Duration::from_secs(30), || async {
+    let moved = until(PATIENCE, || async {
         let pods: Vec<_> = api
             .objects("pods", NAMESPACE)
             .into_iter()
@@ -349,9 +370,10 @@ fn periods(load: &Load) -> usize {
 
 /// Asserts that the operation's requests stay within `own` beyond the background that
 /// `replicas` replicas may add in its window (2 renewal requests and 2 sweep lists per
-/// period each, and the once-a-minute readiness list and housekeeping census).
+/// period each, and the once-a-minute readiness list and housekeeping census), as many as
+/// the window's length allows: a slow machine's longer window holds more of them.
 fn assert_within(what: &str, load: &Load, replicas: usize, own: usize) -> Result<()> {
-    let background = replicas * periods(load) * 4 + replicas * 2;
+    let background = replicas * periods(load) * 4 + replicas * 2 * load.minutes();
     ensure!(
         load.requests() <= own + background,
         "{what}: {} requests (at most {own} of its own and {background} of background \
@@ -360,7 +382,7 @@ fn assert_within(what: &str, load: &Load, replicas: usize, own: usize) -> Result
         load.detail()
     );
     ensure!(
-        load.own() <= own + 2 * replicas,
+        load.own() <= own + 2 * replicas * load.minutes(),
         "{what}: {} requests of its own, at most {own} expected: {}",
         load.own(),
         load.detail()
@@ -462,9 +484,11 @@ async fn api_load_of_one_gateway() -> Result<()> {
         ensure!(load.watches() <= 3, "{}", load.detail());
         ensure!(load.watch_events <= 20, "{} events", load.watch_events);
     }
-    // An execution never reaches the API: it goes to the kernel over the agent's link.
+    // An execution never reaches the API: it goes to the kernel over the agent's link (the
+    // readiness check may fall into its window, by the clock).
     ensure!(
-        execute.requests() + execute.watches() == 0,
+        execute.requests() - execute.readiness() + execute.watches() == 0
+            && execute.readiness() <= execute.minutes(),
         "{}",
         execute.detail()
     );
@@ -487,11 +511,7 @@ async fn api_load_of_one_gateway() -> Result<()> {
         delete.detail()
     );
     // Idle: nothing but the readiness check (a list of pods a minute).
-    ensure!(
-        idle.requests() <= idle.elapsed.as_secs() as usize / 60 + 1,
-        "{}",
-        idle.detail()
-    );
+    ensure!(idle.requests() <= idle.minutes(), "{}", idle.detail());
     ensure!(idle.watches() <= 1, "{}", idle.detail());
     Ok(())
 }
@@ -507,7 +527,7 @@ fn terminate(gateway: &Gateway) -> Result<()> {
 
 /// Waits until `gateway` says it took `id` over, and its pod watch is open.
 async fn taken_over(api: &KubeApi, gateway: &Gateway, meter: &Meter, id: &str) -> Result<()> {
-    let done = until(Duration::from_secs(60), || async {
+    let done = until(PATIENCE, || async {
         gateway
             .log()
             .lines()
@@ -669,13 +689,19 @@ async fn api_load_of_two_replicas() -> Result<()> {
     }
 
     // Idle: per replica, a renewal (read and write) and a sweep (two lists) every 5 s: 48 a
-    // minute, plus the readiness list and the housekeeping census once a minute. The bound
-    // is a third above, whatever the window.
+    // minute, plus the readiness list and the housekeeping census once a minute. Each loop
+    // waits its full period after its last round ended (no catch-up after a stall), so a
+    // window holds at most a round per period and one more, however busy the machine:
+    // that count is the bound (about 66 a minute per replica over 20 s).
     for load in [&idle_empty, &idle_kernel] {
         let per_replica = per_minute(load.requests(), 2, load);
+        let rounds = (load.elapsed.as_secs_f64() / PERIOD_SECONDS).floor() as usize + 1;
+        let most = 2 * (4 * rounds + 2 * load.minutes());
         ensure!(
-            per_replica <= 65.0,
-            "{per_replica:.1}/min per replica: {}",
+            load.requests() <= most,
+            "{per_replica:.1}/min per replica, {} requests in {:?} (at most {most}): {}",
+            load.requests(),
+            load.elapsed,
             load.detail()
         );
         ensure!(load.watches() <= 1, "{}", load.detail());

@@ -9,7 +9,8 @@ async fn interrupt_stops_a_long_sleep() -> anyhow::Result<()> {
     let gateway = Gateway::start().await?;
     let kernel = gateway.start_kernel().await?;
     let mut client = gateway.connect(&kernel, "s-int", false).await?;
-    let id = client.execute("import time; time.sleep(60)").await?;
+    // Far longer than the wait for its end below: only the interrupt can end it in time.
+    let id = client.execute("import time; time.sleep(600)").await?;
     // Wait until the cell is running.
     loop {
         let msg = client.recv(Duration::from_secs(30)).await?;
@@ -30,8 +31,11 @@ async fn interrupt_stops_a_long_sleep() -> anyhow::Result<()> {
         .await?
         .status();
     assert_eq!(status.as_u16(), 204);
-    let msgs = client.collect(&id, Duration::from_secs(20)).await?;
-    assert!(started.elapsed() < Duration::from_secs(20));
+    let msgs = client.collect(&id, 2 * PATIENCE).await?;
+    println!(
+        "the interrupted cell ended {:?} after the interrupt",
+        started.elapsed()
+    );
     assert_eq!(
         of_type(&msgs, "error")[0].content["ename"],
         "KeyboardInterrupt"
@@ -71,10 +75,8 @@ async fn restart_keeps_the_id_and_loses_the_state() -> anyhow::Result<()> {
     let model: serde_json::Value = response.json().await?;
     assert_eq!(model["id"], kernel.as_str());
     assert!(
-        eventually(Duration::from_secs(5), || !old_pids
-            .iter()
-            .any(|p| alive(*p)))
-        .await
+        eventually(PATIENCE, || !old_pids.iter().any(|p| alive(*p))).await,
+        "the old process outlived the restart: {old_pids:?}"
     );
     // The same socket keeps working with the new process.
     let msgs = client.run("secret").await?;
@@ -126,14 +128,26 @@ async fn shutdown_removes_kernel_and_process() -> anyhow::Result<()> {
     assert_eq!(status, 404);
     assert_eq!(body["reason"], "Not Found");
     assert_eq!(gateway.delete_kernel(&kernel).await?, 404);
-    // The socket was closed by the gateway.
-    let closed = client.recv(Duration::from_secs(5)).await;
-    assert!(closed.is_err());
+    // The socket was closed by the gateway (not merely silent: a wait that runs out is no
+    // close).
+    let closed = loop {
+        match client.recv(PATIENCE).await {
+            Ok(_) => continue,
+            Err(err) => break err.to_string(),
+        }
+    };
+    assert!(
+        !closed.starts_with("no message within"),
+        "the socket is still open: {closed}"
+    );
     Ok(())
 }
 
+/// A kernel killed by someone else is reported dead, with the signal, and its clients are
+/// told. How long that took is printed (tens of milliseconds: the gateway learns of the exit
+/// from the process, not by polling); only a report that never comes fails.
 #[tokio::test]
-async fn kernel_killed_from_outside_is_reported_dead_within_a_second() -> anyhow::Result<()> {
+async fn kernel_killed_from_outside_is_reported_dead() -> anyhow::Result<()> {
     let gateway = Gateway::start().await?;
     let kernel = gateway.start_kernel().await?;
     let mut client = gateway.connect(&kernel, "s-kill", false).await?;
@@ -152,7 +166,7 @@ async fn kernel_killed_from_outside_is_reported_dead_within_a_second() -> anyhow
         .args(["-9", &pids[0].to_string()])
         .status()?;
     let mut dead_after = None;
-    while killed_at.elapsed() < Duration::from_secs(3) {
+    while killed_at.elapsed() < PATIENCE {
         let (_, model) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
         if model["execution_state"] == "dead" {
             dead_after = Some(killed_at.elapsed());
@@ -167,9 +181,8 @@ async fn kernel_killed_from_outside_is_reported_dead_within_a_second() -> anyhow
     }
     let dead_after = dead_after.expect("kernel reported dead");
     println!("dead reported {dead_after:?} after the kill");
-    assert!(dead_after < Duration::from_secs(1));
     // Connected clients are told too.
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + PATIENCE;
     loop {
         let msg = client.recv(deadline - Instant::now()).await?;
         if msg.msg_type() == "status" && msg.content["execution_state"] == "dead" {
@@ -210,7 +223,7 @@ async fn no_kernel_survives_a_killed_gateway() -> anyhow::Result<()> {
     );
     gateway.child.kill()?; // SIGKILL
     gateway.child.wait()?;
-    let gone = eventually(Duration::from_secs(3), || !pids.iter().any(|p| alive(*p))).await;
+    let gone = eventually(PATIENCE, || !pids.iter().any(|p| alive(*p))).await;
     assert!(
         gone,
         "kernels outlived the gateway: {:?}",
@@ -229,7 +242,8 @@ async fn message_mode_interrupts_go_over_control() -> anyhow::Result<()> {
         .start_kernel_named("python3-message-interrupt")
         .await?;
     let mut client = gateway.connect(&kernel, "s-msg", false).await?;
-    let id = client.execute("import time; time.sleep(60)").await?;
+    // Far longer than the wait for its end below: only the interrupt can end it in time.
+    let id = client.execute("import time; time.sleep(600)").await?;
     loop {
         if client.recv(Duration::from_secs(30)).await?.msg_type() == "execute_input" {
             break;
@@ -245,7 +259,7 @@ async fn message_mode_interrupts_go_over_control() -> anyhow::Result<()> {
         .await?
         .status();
     assert_eq!(status.as_u16(), 204);
-    let msgs = client.collect(&id, Duration::from_secs(20)).await?;
+    let msgs = client.collect(&id, 2 * PATIENCE).await?;
     assert_eq!(
         of_type(&msgs, "error")[0].content["ename"],
         "KeyboardInterrupt"
@@ -277,7 +291,12 @@ async fn idle_kernels_are_culled_and_busy_or_connected_ones_kept() -> anyhow::Re
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     };
-    tokio::time::timeout(Duration::from_secs(10), culled).await?;
+    let started = Instant::now();
+    tokio::time::timeout(PATIENCE, culled).await?;
+    println!(
+        "the idle kernel was culled {:?} after polling began",
+        started.elapsed()
+    );
     assert!(
         pids_with(&idle).is_empty(),
         "a culled kernel's process is gone"
@@ -441,7 +460,8 @@ async fn timeout_gateway() -> anyhow::Result<(tempfile::TempDir, Gateway)> {
 }
 
 /// A cell past the policy's execution timeout is interrupted and reported as a timeout, not
-/// as a KeyboardInterrupt; the kernel keeps its variables.
+/// as a KeyboardInterrupt; the kernel keeps its variables. Not before the timeout (1 s); the
+/// sleep (600 s) is far past the wait for the cell's end, so only the timeout ends it in time.
 #[tokio::test]
 async fn execution_timeout_interrupts_and_reports_a_timeout() -> anyhow::Result<()> {
     let (_dir, gateway) = timeout_gateway().await?;
@@ -449,10 +469,11 @@ async fn execution_timeout_interrupts_and_reports_a_timeout() -> anyhow::Result<
     let mut client = gateway.connect(&kernel, "slow", false).await?;
     client.run("kept = 7").await?;
     let started = Instant::now();
-    let msgs = client.run("import time; time.sleep(30)").await?;
+    let msgs = client.run("import time; time.sleep(600)").await?;
+    println!("the cell ended {:?} after it was sent", started.elapsed());
     assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "{:?}",
+        started.elapsed() >= Duration::from_secs(1),
+        "ended {:?} after it was sent, before its 1 s timeout",
         started.elapsed()
     );
     let errors = of_type(&msgs, "error");
@@ -479,19 +500,23 @@ async fn execution_timeout_interrupts_and_reports_a_timeout() -> anyhow::Result<
 }
 
 /// A cell that ignores the interrupt gets its kernel restarted after the grace period; the
-/// client still receives an error, a reply and idle, and the state generation moves on.
+/// client still receives an error, a reply and idle, and the state generation moves on. Not
+/// before the timeout and the grace (1 s each); the sleep (600 s) is far past the wait for
+/// the cell's end (which holds a kernel start), so only the restart ends it in time.
 #[tokio::test]
 async fn a_cell_ignoring_the_interrupt_gets_the_kernel_restarted() -> anyhow::Result<()> {
     let (_dir, gateway) = timeout_gateway().await?;
     let kernel = gateway.start_kernel().await?;
     let mut client = gateway.connect(&kernel, "stubborn", true).await?;
     client.run("lost = 1").await?;
-    let code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)";
+    let code = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(600)";
     let started = Instant::now();
-    let msgs = client.run(code).await?;
+    let id = client.execute(code).await?;
+    let msgs = client.collect(&id, 2 * PATIENCE).await?;
+    println!("the cell ended {:?} after it was sent", started.elapsed());
     assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "{:?}",
+        started.elapsed() >= Duration::from_secs(2),
+        "ended {:?} after it was sent, before its 1 s timeout and 1 s grace",
         started.elapsed()
     );
     let errors = of_type(&msgs, "error");
@@ -560,9 +585,17 @@ fn reply_metadata_is_plain(msgs: &[Msg]) -> bool {
 }
 
 /// The policy's idle_timeout culls even a connected kernel that does nothing, and its
-/// lifetime ends even a busy one.
+/// lifetime ends even a busy one (which its idle timeout does not).
+///
+/// Each is checked against its own clock, and never before its time: the idle kernel's cull
+/// at least 2 s after its last activity as its model reported it, the busy kernel's end at
+/// least 6 s after the instant before it was created. Their reasons (the gateway's log) tell
+/// which limit ended which kernel; how late each came is printed, and only one that never
+/// comes within [`PATIENCE`] fails.
 #[tokio::test]
 async fn policy_idle_timeout_and_lifetime_end_kernels() -> anyhow::Result<()> {
+    use cellgate::timestamp::format_timestamp;
+    use time::OffsetDateTime;
     let dir = tempfile::tempdir()?;
     std::fs::write(
         dir.path().join("default.toml"),
@@ -573,36 +606,72 @@ async fn policy_idle_timeout_and_lifetime_end_kernels() -> anyhow::Result<()> {
         .args(&["--cull-interval", "1"])
         .start()
         .await?;
-    let idle = gateway.start_kernel().await?;
+    // The busy kernel first, and busy at once (its last activity is its long cell's start, a
+    // round trip after its own start).
+    let before_busy = Instant::now();
     let busy = gateway.start_kernel().await?;
-    let _idle_client = gateway.connect(&idle, "idle", false).await?;
     let mut busy_client = gateway.connect(&busy, "busy", false).await?;
-    let started = Instant::now();
-    let mut idle_gone_at = None;
-    let mut busy_gone_at = None;
-    while started.elapsed() < Duration::from_secs(20) && busy_gone_at.is_none() {
-        if busy_client.run("1").await.is_err() {
-            // The socket closed under us: the kernel was shut down.
+    busy_client.execute("import time; time.sleep(600)").await?;
+    let idle = gateway.start_kernel().await?;
+    let _idle_client = gateway.connect(&idle, "idle", false).await?;
+    let mut idle_last_activity = String::new();
+    let (mut idle_gone, mut busy_gone) = (None, None);
+    let deadline = before_busy + Duration::from_secs(6) + PATIENCE;
+    while (idle_gone.is_none() || busy_gone.is_none()) && Instant::now() < deadline {
+        if idle_gone.is_none() {
+            let (status, model) = gateway.get_json(&format!("/api/kernels/{idle}")).await?;
+            if status == 404 {
+                // No later than now, and not before 2 s past the last activity seen.
+                let due = format_timestamp(OffsetDateTime::now_utc() - Duration::from_secs(2));
+                idle_gone = Some((due, before_busy.elapsed()));
+            } else if let Some(at) = model["last_activity"].as_str() {
+                idle_last_activity = at.to_owned();
+            }
         }
-        let (status, _) = gateway.get_json(&format!("/api/kernels/{idle}")).await?;
-        if status == 404 && idle_gone_at.is_none() {
-            idle_gone_at = Some(started.elapsed());
+        if busy_gone.is_none() {
+            let (status, _) = gateway.get_json(&format!("/api/kernels/{busy}")).await?;
+            if status == 404 {
+                busy_gone = Some(before_busy.elapsed());
+            }
         }
-        let (status, _) = gateway.get_json(&format!("/api/kernels/{busy}")).await?;
-        if status == 404 {
-            busy_gone_at = Some(started.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let idle_gone_at = idle_gone_at.expect("the idle kernel was culled");
-    let busy_gone_at = busy_gone_at.expect("the busy kernel reached its lifetime");
-    println!("idle culled after {idle_gone_at:?}, busy ended after {busy_gone_at:?}");
-    assert!(idle_gone_at >= Duration::from_secs(2) && idle_gone_at < Duration::from_secs(6));
-    assert!(
-        busy_gone_at >= Duration::from_secs(5),
-        "kept busy, it outlived its idle timeout"
+    let (due, idle_gone) = idle_gone.expect("the idle kernel was culled");
+    let busy_gone = busy_gone.expect("the busy kernel reached its lifetime");
+    println!(
+        "idle kernel (last active {idle_last_activity}) gone by {idle_gone:?}, busy kernel by \
+         {busy_gone:?}, both after the busy kernel's start was asked for"
     );
-    assert!(gateway.log().contains("older than its policy's lifetime"));
+    // Timestamps of one fixed-width format compare as strings.
+    assert!(
+        !idle_last_activity.is_empty() && due >= idle_last_activity,
+        "the idle kernel was culled before 2 s had passed since its last activity \
+         ({idle_last_activity}; gone by {due} + 2 s)"
+    );
+    assert!(
+        busy_gone >= Duration::from_secs(6),
+        "the busy kernel was ended {busy_gone:?} after it was asked for, before its 6 s lifetime"
+    );
+    let culled = |id: &str, reason: &str| {
+        gateway
+            .log()
+            .lines()
+            .any(|l| l.contains("culling kernel") && l.contains(id) && l.contains(reason))
+    };
+    assert!(
+        eventually(PATIENCE, || culled(
+            &idle,
+            "idle past its policy's idle_timeout"
+        ))
+        .await,
+        "the idle kernel was not culled for its idle timeout: {}",
+        gateway.log()
+    );
+    assert!(
+        culled(&busy, "older than its policy's lifetime"),
+        "kept busy, the kernel outlived its idle timeout and ended at its lifetime: {}",
+        gateway.log()
+    );
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 
 use crate::support::v1::V1Client;
-use crate::support::{eventually, Gateway};
+use crate::support::{eventually, Gateway, PATIENCE};
 use crate::tenants::{claims, hs256, secret_file};
 
 /// The samples of a Prometheus text exposition, by their series (name and labels as
@@ -57,7 +57,7 @@ async fn scrape(gateway: &Gateway) -> Result<HashMap<String, f64>> {
 /// The metrics listener's address, from the line the gateway prints.
 async fn metrics_address(gateway: &Gateway) -> Result<String> {
     let mut address = None;
-    eventually(Duration::from_secs(10), || {
+    eventually(PATIENCE, || {
         address = gateway.stdout_lines().iter().find_map(|l| {
             l.strip_prefix("cellgate metrics on ")
                 .map(|u| u.trim_end_matches("/metrics").to_owned())
@@ -125,7 +125,8 @@ async fn metrics_count_what_kernels_did_and_only_operators_read_them() -> Result
     let client = gateway.connect(&kernel, "ops-session", false).await?;
     // Counted by the socket's task, which may run a moment after the handshake.
     let mut open_now = 0.0;
-    for _ in 0..50 {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while std::time::Instant::now() < deadline {
         open_now = sample(&scrape(&gateway).await?, "cellgate_websockets_open");
         if open_now == 1.0 {
             break;
@@ -200,7 +201,8 @@ async fn metrics_count_what_kernels_did_and_only_operators_read_them() -> Result
     );
     assert_eq!(sample(&after, "cellgate_pool_target"), 1.0);
     let mut open_now = 1.0;
-    for _ in 0..50 {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while std::time::Instant::now() < deadline {
         open_now = sample(&scrape(&gateway).await?, "cellgate_websockets_open");
         if open_now == 0.0 {
             break;
@@ -555,7 +557,7 @@ async fn a_failed_pool_start_is_retried_until_the_gateway_is_ready() -> Result<(
         .start()
         .await?;
     let mut answer = (0, Value::Null);
-    for _ in 0..120 {
+    for _ in 0..240 {
         answer = gateway.get_json("/readyz").await?;
         if answer.1["waiting_for"]
             .to_string()

@@ -598,7 +598,7 @@ async fn pooled_kernels_belong_to_the_tenant_they_are_handed_to() -> Result<()> 
     // The line is logged before the response is sent, but read from the gateway's stderr by
     // another thread, which may not have got to it yet.
     assert!(
-        crate::support::eventually(std::time::Duration::from_secs(5), || gateway
+        crate::support::eventually(crate::support::PATIENCE, || gateway
             .log()
             .contains("handed out from the warm pool"))
         .await,

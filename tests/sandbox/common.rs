@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use cellgate::sandbox::Limits;
 use serde_json::json;
 
-use super::harness::{require_root, run_python, sandbox, start_kernel, Kind};
+use super::harness::{require_root, run_python, sandbox, start_kernel, Kind, PATIENCE};
 
 async fn one_plus_one_round_trips(kind: Kind) {
     require_root("one_plus_one_round_trips");
@@ -35,11 +35,12 @@ async fn interrupt_reaches_the_kernel(kind: Kind) {
     let handle = kernel.launched.handle.clone();
     let started = Instant::now();
     // The interrupt goes once the cell runs: ipykernel ignores SIGINT between cells, and a
-    // slow (emulated) kernel may take seconds to start one.
+    // slow (emulated) kernel may take seconds to start one. The sleep is far past the wait
+    // for the cell's end: only the interrupt ends it in time.
     let out = kernel
         .execute_watching(
-            "import time\nprint('sleeping', flush=True)\ntime.sleep(60)",
-            Duration::from_secs(30),
+            "import time\nprint('sleeping', flush=True)\ntime.sleep(600)",
+            2 * PATIENCE,
             "sleeping",
             // Half a second on, the cell is in `time.sleep`, not in the print's flush
             // (ipykernel waits there for its IO thread). gVisor's signal waits for
@@ -55,7 +56,10 @@ async fn interrupt_reaches_the_kernel(kind: Kind) {
         .await;
     assert_eq!(out.status, "error", "{out:?}");
     assert_eq!(out.error.as_deref(), Some("KeyboardInterrupt"));
-    assert!(started.elapsed() < Duration::from_secs(20));
+    println!(
+        "{kind:?}: the interrupted cell ended {:?} after it was sent",
+        started.elapsed()
+    );
     let out = kernel.execute("1+1").await;
     assert_eq!(
         out.result.as_deref(),
@@ -90,7 +94,7 @@ async fn network_is_loopback_only(kind: Kind) {
 import socket, json
 r = {{'ifaces': [n for _, n in socket.if_nameindex()]}}
 try:
-    socket.create_connection(('127.0.0.1', {port}), timeout=3); r['host_tcp'] = 'connected'
+    socket.create_connection(('127.0.0.1', {port}), timeout=30); r['host_tcp'] = 'connected'
 except OSError as e:
     r['host_tcp'] = type(e).__name__
 try:
@@ -98,7 +102,7 @@ try:
 except OSError as e:
     r['dns'] = type(e).__name__
 s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()
-c = socket.create_connection(s.getsockname(), timeout=3)
+c = socket.create_connection(s.getsockname(), timeout=30)
 r['loopback'] = 'ok'
 print(json.dumps(r))
 "#

@@ -15,7 +15,7 @@ use serde_json::json;
 
 use super::harness::{
     self, base_prefix_inside, command_spec, exit_of, python, require_root, run_python, runtime,
-    Kernel, KernelDirs, Kind,
+    Kernel, KernelDirs, Kind, PATIENCE,
 };
 use super::{MODE_VAR, OUT_VAR};
 
@@ -167,7 +167,7 @@ async fn kill_leaves_no_process_and_no_runsc_state() {
         .expect("kill");
     let report = exit_of(kernel.launched).await;
     assert_eq!(report.signal, Some(libc::SIGKILL), "{report:?}");
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + PATIENCE;
     while !alive(&processes).is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -183,10 +183,10 @@ async fn kill_leaves_no_process_and_no_runsc_state() {
     );
 }
 
-/// Whether the bundles are gone within a few seconds (they are removed just after the exit
-/// is reported, so the report does not wait for them).
+/// Whether the bundles are gone within [`PATIENCE`] (they are removed just after the exit is
+/// reported, so the report does not wait for them).
 async fn no_bundle_soon(kernel_dir: &Path) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + PATIENCE;
     while !bundles_left(kernel_dir).is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -371,7 +371,7 @@ async fn memory_limit_applies_to_the_whole_sandbox() {
             .filter(|d| d.file_name() == Some(container))
             .collect()
     };
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + PATIENCE;
     while !left(&container).is_empty() && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -497,9 +497,10 @@ async fn size_limited_workspace_is_private_and_reachable() {
     assert_no_mount_soon(&work, "the sandbox").await;
 }
 
-/// Fails unless no process holds a mount at `path` within 10 s (`owner` ended just now).
+/// Fails unless no process holds a mount at `path` within [`PATIENCE`] (`owner` ended just
+/// now).
 async fn assert_no_mount_soon(path: &Path, owner: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + PATIENCE;
     while !mounts_at(path).is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -574,7 +575,7 @@ async fn sandbox_dies_with_the_gateway() {
     );
     gateway.kill().expect("SIGKILL the gateway");
     let _ = gateway.wait();
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + PATIENCE;
     while !alive(&processes).is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -598,7 +599,7 @@ async fn sandbox_dies_with_the_gateway() {
             .filter(|d| d.file_name().and_then(|n| n.to_str()) == Some(name))
             .collect()
     };
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + PATIENCE;
     loop {
         drop(sandbox());
         let left = stale(&container);

@@ -19,6 +19,11 @@ use cellgate::sandbox::{
 use serde_json::{json, Value};
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
+/// How long a test waits for something that must happen (a process or a mount to go, a
+/// cgroup to be swept): long enough that only something broken, never a slow or busy
+/// machine, takes it.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
 /// The backends the suite runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {

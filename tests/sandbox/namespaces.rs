@@ -12,7 +12,7 @@ use serde_json::json;
 
 use super::harness::{
     self, base_prefix_inside, command_spec, exit_of, python, require_root, runtime, Kernel,
-    KernelDirs, Kind,
+    KernelDirs, Kind, PATIENCE,
 };
 use super::{MODE_VAR, OUT_VAR};
 
@@ -626,7 +626,7 @@ async fn kill_leaves_no_process_and_no_cgroup() {
     kernel.launched.handle.kill().expect("kill");
     let report = exit_of(kernel.launched).await;
     assert_eq!(report.signal, Some(libc::SIGKILL), "{report:?}");
-    let left = wait_namespace_empty(&ns, Duration::from_secs(5)).await;
+    let left = wait_namespace_empty(&ns, PATIENCE).await;
     assert!(left.is_empty(), "processes survived kill(): {left:?}");
     assert!(!Path::new(&format!("/proc/{pid}")).exists());
     assert!(!cgroup_dir.exists(), "the cgroup is removed after the exit");
@@ -699,7 +699,7 @@ async fn sandbox_dies_with_the_gateway() {
         })
         .collect();
     // Let the kernel start its grandchild.
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + PATIENCE;
     while processes_in(&ns).len() < 3 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -710,7 +710,7 @@ async fn sandbox_dies_with_the_gateway() {
 
     gateway.kill().expect("SIGKILL the gateway");
     let _ = gateway.wait();
-    let left = wait_namespace_empty(&ns, Duration::from_secs(5)).await;
+    let left = wait_namespace_empty(&ns, PATIENCE).await;
     assert!(left.is_empty(), "processes outlived the gateway: {left:?}");
     assert!(
         !Path::new(&format!("/proc/{pid}")).exists(),
@@ -767,9 +767,9 @@ async fn the_cellgate_binary_dispatches_the_sandbox_helper() {
     let mut stdin = child.stdin.take().expect("stdin");
     let _ = stdin.write_all(b"not a plan\n").await;
     drop(stdin);
-    let output = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
+    let output = tokio::time::timeout(PATIENCE, child.wait_with_output())
         .await
-        .expect("cellgate __sandbox-init did not end within 20 s")
+        .expect("cellgate __sandbox-init did not end within a minute")
         .expect("wait");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(

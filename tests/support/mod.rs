@@ -185,7 +185,7 @@ impl Gateway {
             }
         });
         let base = rx
-            .recv_timeout(Duration::from_secs(30))
+            .recv_timeout(PATIENCE)
             .map_err(|_| anyhow!("cellgate did not start: {:?}", log.lock().unwrap()))?;
         // The printed address ends with the base URL (`http://127.0.0.1:PORT/gw`).
         let port = base
@@ -611,7 +611,7 @@ impl Client {
 
     pub async fn run(&mut self, code: &str) -> Result<Vec<Msg>> {
         let id = self.execute(code).await?;
-        self.collect(&id, Duration::from_secs(60)).await
+        self.collect(&id, PATIENCE).await
     }
 
     pub async fn close(mut self) {
@@ -688,6 +688,11 @@ pub fn pids_with(needle: &str) -> Vec<u32> {
     }
     out
 }
+
+/// How long a test waits for something that must happen (a process to go, a message or a log
+/// line to come, a kernel to be culled): long enough that only something broken, never a
+/// slow or busy machine, takes it. Reached only when a test fails, so it costs nothing.
+pub const PATIENCE: Duration = Duration::from_secs(60);
 
 /// Polls `check` until it holds or `timeout` passes.
 pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut check: F) -> bool {

@@ -161,7 +161,7 @@ async fn http_front(seen: Seen) -> Result<u16> {
 const HELPERS: &str = r#"
 import socket, ssl, struct, json, os
 def _connect(target):
-    s = socket.create_connection(('127.0.0.1', 3128), timeout=10)
+    s = socket.create_connection(('127.0.0.1', 3128), timeout=30)
     s.sendall(f'CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n'.encode())
     head = b''
     while not head.endswith(b'\r\n\r\n'):
@@ -205,7 +205,7 @@ def tunnel(target, kind, payload):
         return 'tls failed: ' + type(e).__name__ + ': ' + str(e)
 def plain(url, hosts):
     try:
-        s = socket.create_connection(('127.0.0.1', 3128), timeout=10)
+        s = socket.create_connection(('127.0.0.1', 3128), timeout=30)
     except OSError as e:
         return 'no proxy: ' + type(e).__name__
     head = f'GET {url} HTTP/1.1\r\n' + ''.join(f'Host: {h}\r\n' for h in hosts) + 'Connection: close\r\n\r\n'
@@ -390,7 +390,7 @@ async fn fronting_through_an_allowed_name_is_refused() -> Result<()> {
     let (out, msgs) = cell(
         &mut client,
         &format!(
-            "import urllib.request\nprint(urllib.request.urlopen('http://{allowed_http}/x', timeout=10).read().decode())"
+            "import urllib.request\nprint(urllib.request.urlopen('http://{allowed_http}/x', timeout=30).read().decode())"
         ),
     )
     .await?;
