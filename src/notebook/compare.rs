@@ -153,12 +153,32 @@ fn normalize_output(output: &Value) -> Value {
     }
 }
 
+/// Lines a library writes only when something took long: whether they appear says how
+/// busy the machine was, not what the code did. matplotlib logs its notice when building
+/// its font cache (in a fresh sandbox, at the first import of pyplot) takes over 5 s.
+const TIMING_NOTICES: &[&str] = &["Matplotlib is building the font cache; this may take a moment."];
+
+/// A stream's text without [`TIMING_NOTICES`] lines.
+fn without_timing_notices(text: &str) -> String {
+    if !TIMING_NOTICES.iter().any(|notice| text.contains(notice)) {
+        return text.to_owned();
+    }
+    text.split_inclusive('\n')
+        .filter(|line| !TIMING_NOTICES.contains(&line.trim_end()))
+        .collect()
+}
+
 /// Normalized outputs, with consecutive streams of one name merged (writers differ in how
-/// they split them).
+/// they split them), and timing notices dropped.
 fn normalize_all(outputs: &[Value]) -> Vec<Value> {
     let mut out: Vec<Value> = Vec::with_capacity(outputs.len());
-    for output in outputs.iter().map(normalize_output) {
+    for mut output in outputs.iter().map(normalize_output) {
         if output["output_type"] == "stream" {
+            let text = without_timing_notices(output["text"].as_str().unwrap_or(""));
+            if text.is_empty() {
+                continue;
+            }
+            output["text"] = Value::String(text);
             if let Some(last) = out.last_mut() {
                 if last["output_type"] == "stream" && last["name"] == output["name"] {
                     let text = format!(
@@ -289,6 +309,27 @@ mod tests {
             compare_outputs(s1.as_array().unwrap(), s2.as_array().unwrap()),
             None
         );
+    }
+
+    #[test]
+    fn timing_notices_are_ignored_and_nothing_else() {
+        let notice = "Matplotlib is building the font cache; this may take a moment.\n";
+        let quiet = json!([{"output_type": "stream", "name": "stdout", "text": "True\n"}]);
+        let busy = json!([{"output_type": "stream", "name": "stderr", "text": notice},
+            {"output_type": "stream", "name": "stdout", "text": "True\n"}]);
+        assert_eq!(
+            compare_outputs(quiet.as_array().unwrap(), busy.as_array().unwrap()),
+            None
+        );
+        let mixed =
+            json!([{"output_type": "stream", "name": "stdout", "text": format!("{notice}True\n")}]);
+        assert_eq!(
+            compare_outputs(quiet.as_array().unwrap(), mixed.as_array().unwrap()),
+            None
+        );
+        // A line that only mentions it is text like any other.
+        let quoted = json!([{"output_type": "stream", "name": "stdout", "text": format!("said: {notice}True\n")}]);
+        assert!(compare_outputs(quiet.as_array().unwrap(), quoted.as_array().unwrap()).is_some());
     }
 
     #[test]

@@ -331,11 +331,46 @@ impl ExitReport {
             return reason.text.clone();
         }
         match (self.code, self.signal) {
-            (_, Some(sig)) => format!("kernel process killed by signal {sig}"),
+            (_, Some(sig)) => match signal_name(sig) {
+                Some(name) => format!("kernel process killed by signal {sig} ({name})"),
+                None => format!("kernel process killed by signal {sig}"),
+            },
             (Some(code), None) => format!("kernel process exited with code {code}"),
             (None, None) => "kernel process ended".to_owned(),
         }
     }
+}
+
+/// The name of the signals a kernel commonly dies of.
+pub fn signal_name(signal: i32) -> Option<&'static str> {
+    Some(match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => return None,
+    })
+}
+
+/// The reason of a kernel killed by a fault whose record the sandbox's own kernel logged
+/// (`cellgate_agent::fault`): the signal, and where it happened, in Linux's words.
+pub fn fault_reason(signal: i32, record: &str) -> ExitReason {
+    let name = signal_name(signal).unwrap_or("a fault signal");
+    ExitReason::new(
+        ExitCause::Exited,
+        format!("kernel process killed by signal {signal} ({name}); Linux logged: {record}"),
+    )
 }
 
 /// Control of a running sandboxed kernel.

@@ -14,6 +14,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use cellgate_agent::fault::{is_fault_signal, last_fault, Kmsg};
 use cellgate_agent::protocol::{
     fixed_at_zygote_start, Channel, ConnectionFile, Exit, Start, Usage, Zygote, LOG_TAIL_BYTES,
     ZYGOTE_FLAG,
@@ -47,6 +48,9 @@ struct State {
     workspace: Option<PathBuf>,
     /// A zygote waiting to become the kernel (see [`Kernel::prepare_zygote`]).
     zygote: Option<ZygoteProcess>,
+    /// The guest kernel's log from the kernel's start on: where a fault that killed it is
+    /// recorded. None where the agent may not read the log (a pod's agent).
+    kmsg: Option<Kmsg>,
 }
 
 /// A prepared zygote: its process, the agent's end of its socket, and what it was started
@@ -176,6 +180,8 @@ impl Kernel {
         } else {
             None
         };
+        // Opened before the kernel runs: its records are the ones logged after this.
+        state.kmsg = Kmsg::open().ok();
         let pid = match state.zygote.take() {
             Some(zygote) => match zygote.become_kernel(start) {
                 Ok(pid) => pid,
@@ -375,9 +381,21 @@ impl Kernel {
     }
 
     fn ended(&self, status: rustix::process::WaitStatus) {
-        let (cgroup, log) = {
-            let state = self.state();
-            (state.cgroup.clone(), state.log.clone())
+        let (cgroup, log, kmsg, pid) = {
+            let mut state = self.state();
+            (
+                state.cgroup.clone(),
+                state.log.clone(),
+                state.kmsg.take(),
+                state.pid,
+            )
+        };
+        let signal = status.terminating_signal();
+        let fault = match (signal, kmsg) {
+            (Some(signal), Some(mut kmsg)) if is_fault_signal(signal) => {
+                last_fault(&kmsg.drain(), pid.map(|p| p.as_raw_nonzero().get() as u32))
+            }
+            _ => None,
         };
         let mut oom = false;
         let mut pids_limit_hits = 0;
@@ -394,10 +412,11 @@ impl Kernel {
         }
         let exit = Exit {
             code: status.exit_status(),
-            signal: status.terminating_signal(),
+            signal,
             oom,
             pids_limit_hits,
             log_tail: log.as_deref().map(log_tail).unwrap_or_default(),
+            fault,
         };
         self.exit.send_replace(Some(exit));
     }

@@ -2,5 +2,6 @@
 //! with the agent, and the workspace file operations both sides use. The agent itself is the
 //! `cellgate-agent` binary (src/main.rs).
 
+pub mod fault;
 pub mod protocol;
 pub mod workspace;

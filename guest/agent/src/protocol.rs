@@ -516,6 +516,10 @@ pub struct Exit {
     pub pids_limit_hits: u64,
     /// The end of the kernel's stdout and stderr, at most [`LOG_TAIL_BYTES`].
     pub log_tail: String,
+    /// For a kernel killed by a fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE): the guest kernel's
+    /// record of it (see [`crate::fault`]), when the guest logged one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<String>,
 }
 
 /// Errors reading the protocol.

@@ -252,14 +252,21 @@ async fn pod_ended(pods: &Api<Pod>, name: &str, mut version: String) -> String {
 
 /// The kernel's end as the agent saw it.
 fn kernel_report(exit: &Exit) -> ExitReport {
-    let reason = exit.oom.then(|| {
-        ExitReason::new(
-            ExitCause::OutOfMemory,
-            "the kernel ran out of memory: it was killed at its pod's memory limit (the \
-             policy's memory plus the agent's share)"
-                .to_owned(),
-        )
-    });
+    let reason = exit
+        .oom
+        .then(|| {
+            ExitReason::new(
+                ExitCause::OutOfMemory,
+                "the kernel ran out of memory: it was killed at its pod's memory limit (the \
+                 policy's memory plus the agent's share)"
+                    .to_owned(),
+            )
+        })
+        .or_else(|| {
+            exit.signal
+                .zip(exit.fault.as_deref())
+                .map(|(signal, record)| crate::sandbox::fault_reason(signal, record))
+        });
     ExitReport {
         code: exit.code,
         signal: exit.signal,

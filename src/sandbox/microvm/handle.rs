@@ -219,7 +219,9 @@ fn kernel_report(exit: &Exit) -> ExitReport {
             ),
         ))
     } else {
-        None
+        exit.signal
+            .zip(exit.fault.as_deref())
+            .map(|(signal, record)| crate::sandbox::fault_reason(signal, record))
     };
     ExitReport {
         code: exit.code,
@@ -355,9 +357,37 @@ mod tests {
             oom: true,
             pids_limit_hits: 0,
             log_tail: String::new(),
+            fault: None,
         };
         assert!(kernel_report(&exit).is_oom());
         let plain = Exit { oom: false, ..exit };
         assert_eq!(kernel_report(&plain).cause(), ExitCause::Exited);
+    }
+
+    #[test]
+    fn a_fault_says_where_it_happened() {
+        let exit = Exit {
+            code: None,
+            signal: Some(11),
+            oom: false,
+            pids_limit_hits: 0,
+            log_tail: String::new(),
+            fault: Some("python3[9]: segfault at 0 ip 1234 sp 0 error 4 in a.so[1000+1000] (ip is a.so+0x234)".into()),
+        };
+        let report = kernel_report(&exit);
+        assert_eq!(report.cause(), ExitCause::Exited);
+        assert_eq!(
+            report.describe(),
+            "kernel process killed by signal 11 (SIGSEGV); Linux logged: \
+             python3[9]: segfault at 0 ip 1234 sp 0 error 4 in a.so[1000+1000] (ip is a.so+0x234)"
+        );
+        let unrecorded = Exit {
+            fault: None,
+            ..exit
+        };
+        assert_eq!(
+            kernel_report(&unrecorded).describe(),
+            "kernel process killed by signal 11 (SIGSEGV)"
+        );
     }
 }

@@ -311,6 +311,12 @@ fn open_snapshots(
         snapshot::file_input(&images.root),
         snapshot::file_input(qemu),
         accel.as_str().to_owned(),
+        // A VM's state holds its CPU's model and features: a state saved with another model
+        // is never restored into this one.
+        match accel {
+            Accel::Tcg => format!("cpu {}", qemu::TCG_CPU),
+            Accel::Kvm => "cpu host".to_owned(),
+        },
         // The TSC rate is measured at each start and jitters by a few kHz: to the MHz, so a
         // restarted gateway finds its snapshots (the guest's clock runs off the host's TSC
         // either way; the rate only steers its calibration).

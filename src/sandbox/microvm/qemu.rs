@@ -14,6 +14,25 @@ use super::vmm::{Accel, AgentLink, VmSpec, Vmm};
 /// what does not fit is translated again.
 pub const TCG_CACHE_MIB: u64 = 128;
 
+/// The CPU a VM gets under emulation: a named model whose every feature QEMU's emulator
+/// has run correctly for years, not `max`.
+///
+/// `max` under TCG advertises everything the emulator implements, and QEMU 7.2 (Debian
+/// bookworm's) is the first release that implements AVX2, gathers included. Its decoder
+/// reads a gather's vector index register 4 (`vpgatherqq (%rax,%ymm4,8)`) as "no index", as
+/// for an ordinary SIB byte, so every lane loads the same element (QEMU issue 2474, fixed by
+/// "target/i386: Fix VSIB decode" in 9.1, 9.0.3 and 8.2.7, never in 7.2). numpy 2.4
+/// dispatches to its x86-64-v3 kernels (AVX2, FMA, BMI) when the CPU has them, and its AVX2
+/// argsort (x86-simd-sort) gathers through ymm4: `np.argsort` of 64 or more numbers is
+/// silently wrong, and pandas, indexing with it (`pivot_table`, `groupby` on unsorted keys),
+/// reads out of bounds and dies of SIGSEGV. Nehalem is x86-64-v2 exactly (SSE4.2, POPCNT,
+/// CMPXCHG16B, LAHF), the baseline numpy 2.4 requires, with no AVX: numpy, pandas and
+/// OpenBLAS pick their SSE kernels, and no gather exists to mis-decode.
+///
+/// Under KVM the VM gets `-cpu host`: the host CPU runs every instruction itself, so what it
+/// advertises is what it executes, AVX-512 included.
+pub const TCG_CPU: &str = "Nehalem";
+
 /// The VMM's descriptor of the snapshot it restores from (`-incoming fd:3`).
 pub const SNAPSHOT_FD: i32 = 3;
 
@@ -58,7 +77,7 @@ pub fn args(vm: &VmSpec) -> Vec<String> {
         "-cpu".into(),
         match vm.accel {
             Accel::Kvm => "host".into(),
-            Accel::Tcg => "max".into(),
+            Accel::Tcg => TCG_CPU.into(),
         },
         "-m".into(),
         format!("{}M", vm.memory_mib),

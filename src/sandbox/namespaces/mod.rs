@@ -373,6 +373,10 @@ impl NamespacesSandbox {
             .stderr(std::process::Stdio::piped())
             .process_group(0)
             .kill_on_drop(false);
+        // The host's kernel log from before the kernel runs: where the host kernel records a
+        // fault that kills it (read only for a fault, only the kernel's own record; None
+        // without the right to read the log).
+        let kmsg = cellgate_agent::fault::Kmsg::open().ok();
         let mut child = match self.spawner.spawn(command).await {
             Ok(child) => child,
             Err(source) => {
@@ -465,6 +469,7 @@ impl NamespacesSandbox {
             cgroup,
             memory_limit,
             log_copy,
+            started.kernel_pid.zip(kmsg),
             exit_tx,
         ));
         Ok(Launched {
@@ -554,11 +559,11 @@ async fn handshake(
 
     // The helper reports the init and the init reports the kernel, from two processes:
     // either line may come first.
-    let (mut init_pid, mut kernel_started) = (None, false);
-    while init_pid.is_none() || !kernel_started {
+    let (mut init_pid, mut kernel_ns_pid) = (None, None);
+    while init_pid.is_none() || kernel_ns_pid.is_none() {
         match next_event(events, "the init and the kernel process").await? {
             Event::Init { pid } => init_pid = Some(pid),
-            Event::Kernel { .. } => kernel_started = true,
+            Event::Kernel { pid } => kernel_ns_pid = Some(pid),
             other => return Err(NamespacesError::Handshake(format!("unexpected {other:?}"))),
         }
     }
@@ -571,7 +576,7 @@ async fn handshake(
     let init_pidfd = sys::pidfd_open(init_pid).ok();
     // A kernel process that already ended has no pid any more; the launch still succeeded,
     // and its exit report follows.
-    let kernel_pid = first_child(init_pid);
+    let kernel_pid = kernel_ns_pid.and_then(|ns_pid| kernel_child(init_pid, ns_pid));
     let kernel_pidfd = kernel_pid.and_then(|pid| sys::pidfd_open(pid).ok());
     Ok(Started {
         init_pid,
@@ -581,24 +586,38 @@ async fn handshake(
     })
 }
 
-/// The host pid of the init's (only, at this point) child: the kernel process.
-fn first_child(parent: i32) -> Option<i32> {
+/// The host pid of the init's child whose pid in the sandbox is `ns_pid`: the kernel
+/// process. The init has another child when the plan names an egress socket (the egress
+/// bridge, forked first), so the kernel is told by its pid in the namespace (the last field
+/// of `NSpid`), never by its place among the children.
+fn kernel_child(parent: i32, ns_pid: i32) -> Option<i32> {
+    let status_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/status")).ok();
+    let field = |status: &str, name: &str| -> Option<String> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_owned())
+    };
+    let is_kernel = |pid: i32| {
+        status_of(pid).is_some_and(|status| {
+            field(&status, "PPid:").and_then(|v| v.parse::<i32>().ok()) == Some(parent)
+                && field(&status, "NSpid:")
+                    .and_then(|v| v.split_whitespace().last()?.parse::<i32>().ok())
+                    == Some(ns_pid)
+        })
+    };
     if let Ok(children) = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
     {
-        return children.split_whitespace().find_map(|p| p.parse().ok());
+        return children
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .find(|&pid| is_kernel(pid));
     }
-    // Kernels without CONFIG_PROC_CHILDREN: scan for a process whose parent is the init.
+    // Kernels without CONFIG_PROC_CHILDREN: scan every process.
     let entries = std::fs::read_dir("/proc").ok()?;
     entries.flatten().find_map(|entry| {
         let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-        let status = std::fs::read_to_string(entry.path().join("status")).ok()?;
-        let ppid: i32 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("PPid:"))?
-            .trim()
-            .parse()
-            .ok()?;
-        (ppid == parent).then_some(pid)
+        is_kernel(pid).then_some(pid)
     })
 }
 
@@ -638,6 +657,9 @@ async fn remove_cgroup(cgroup: Option<Arc<KernelCgroup>>) {
     }
 }
 
+// Each argument is one thing the exit report is made of, handed over once by `launch`; a
+// struct for them would only be this list again.
+#[allow(clippy::too_many_arguments)]
 async fn watch_exit(
     mut child: Child,
     mut events: Lines<BufReader<ChildStdout>>,
@@ -645,6 +667,7 @@ async fn watch_exit(
     cgroup: Option<Arc<KernelCgroup>>,
     memory_limit: Option<u64>,
     log_copy: Option<tokio::task::JoinHandle<()>>,
+    kmsg: Option<(i32, cellgate_agent::fault::Kmsg)>,
     exit_tx: watch::Sender<Option<ExitReport>>,
 ) {
     let mut kernel_status = None;
@@ -696,8 +719,24 @@ async fn watch_exit(
             ExitCause::SandboxFailed,
             format!("lost track of the sandbox: {err}"),
         ))
+    } else if let Some(text) = failure {
+        Some(ExitReason::new(ExitCause::SandboxFailed, text))
     } else {
-        failure.map(|text| ExitReason::new(ExitCause::SandboxFailed, text))
+        // A fault: the host kernel's record of this kernel's own (never another process's).
+        match (signal, kmsg) {
+            (Some(signal), Some((pid, mut kmsg)))
+                if cellgate_agent::fault::is_fault_signal(signal) =>
+            {
+                let messages = tokio::task::spawn_blocking(move || kmsg.drain())
+                    .await
+                    .unwrap_or_default();
+                u32::try_from(pid)
+                    .ok()
+                    .and_then(|pid| cellgate_agent::fault::fault_of(&messages, pid))
+                    .map(|record| crate::sandbox::fault_reason(signal, &record))
+            }
+            _ => None,
+        }
     };
     let _ = exit_tx.send(Some(ExitReport {
         code,
