@@ -367,6 +367,11 @@ pub fn signal_name(signal: i32) -> Option<&'static str> {
 /// (`cellgate_agent::fault`): the signal, and where it happened, in Linux's words.
 pub fn fault_reason(signal: i32, record: &str) -> ExitReason {
     let name = signal_name(signal).unwrap_or("a fault signal");
+    // A guest agent's record is the guest's word: no longer than the agent would send.
+    let record: String = record
+        .chars()
+        .take(cellgate_agent::fault::MAX_FAULT_BYTES)
+        .collect();
     ExitReason::new(
         ExitCause::Exited,
         format!("kernel process killed by signal {signal} ({name}); Linux logged: {record}"),

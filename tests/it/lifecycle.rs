@@ -171,25 +171,49 @@ async fn a_kernel_killed_by_a_fault_says_where() -> anyhow::Result<()> {
     assert_eq!(r["status"], "sandbox_lost", "{r}");
     let said = r["error"]["evalue"].as_str().unwrap_or_default().to_owned();
     assert!(said.contains("signal 11 (SIGSEGV)"), "{r}");
-    if std::fs::File::open("/dev/kmsg").is_err() {
+    let backend = sandbox_backend();
+    if backend != "namespaces" {
         eprintln!(
-            "NOT CHECKED: this host's kernel log is not readable here (/dev/kmsg needs root), \
-             so the fault's record cannot be: {said}"
+            "NOT CHECKED: the fault's record is read from the host's log for namespaces \
+             kernels only, and these run under {backend}: {said}"
         );
         return Ok(());
     }
-    for part in ["segfault at 0 ip", " in libc.so", "| Code: "] {
+    if std::fs::File::open("/dev/kmsg").is_err() {
+        eprintln!(
+            "NOT CHECKED: this host's kernel log is not readable here (/dev/kmsg needs \
+             CAP_SYSLOG or kernel.dmesg_restrict=0), so the fault's record cannot be: {said}"
+        );
+        return Ok(());
+    }
+    for part in ["]: segfault at 0 ip", " in libc.so"] {
         assert!(said.contains(part), "{part:?} is not in the error: {r}");
     }
+    // The pid is the one the sandbox knows (the kernel is 2 or 3: the init forks the egress
+    // bridge first when there is one), never the host's; the code bytes are left out of a
+    // shared log's record.
+    let pid: u32 = said
+        .split_once("python[")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .and_then(|(pid, _)| pid.parse().ok())
+        .unwrap_or(0);
+    assert!((2..=3).contains(&pid), "not the sandbox's pid: {said}");
+    assert!(!said.contains("Code: "), "{said}");
     assert!(
         !said.contains("segfault at 8 "),
         "the child's fault was reported as the kernel's: {said}"
     );
     assert!(!said.contains("likely on CPU"), "{said}");
-    let log = gateway.log();
+    // The log is read from the gateway's stderr by a thread of the test: wait for it.
+    let logged = eventually(PATIENCE, || {
+        let log = gateway.log();
+        log.contains("kernel died") && log.contains("segfault at 0 ip")
+    })
+    .await;
     assert!(
-        log.contains("kernel died") && log.contains("segfault at 0 ip"),
-        "the gateway's log lacks the fault: {log}"
+        logged,
+        "the gateway's log lacks the fault: {}",
+        gateway.log()
     );
     Ok(())
 }

@@ -437,10 +437,16 @@ async fn microvm_limits_timeouts_restarts_and_kernel_death() -> Result<()> {
     ] {
         assert!(said.contains(part), "{part:?} is not in the error: {r}");
     }
-    let log = gateway.log();
+    // The log is read from the gateway's stderr by a thread of the test: wait for it.
+    let logged = eventually(PATIENCE, || {
+        let log = gateway.log();
+        log.contains("segfault at 0 ip") && log.contains("kernel died")
+    })
+    .await;
     assert!(
-        log.contains("segfault at 0 ip") && log.contains("kernel died"),
-        "the gateway's log lacks the fault: {log}"
+        logged,
+        "the gateway's log lacks the fault: {}",
+        gateway.log()
     );
     Ok(())
 }

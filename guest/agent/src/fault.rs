@@ -97,42 +97,66 @@ fn is_fault_line(message: &str) -> bool {
 }
 
 /// The last fault record among `messages` (oldest first) with the code line that follows
-/// it, as one line: `None` when no process faulted. `pid`, when given, picks that process's
-/// records first (a thread's record carries its thread id, so another pid may still be the
-/// kernel's: the last record of any process is taken when none is the pid's).
+/// it, as one line: `None` when no process faulted. For a log only the sandbox writes (a
+/// guest's). `pid`, when given, picks that process's records first; when none is the pid's
+/// (a fault in another thread carries the thread's id; a child's carries the child's), the
+/// last record of any process is given, saying so.
 pub fn last_fault(messages: &[String], pid: Option<u32>) -> Option<String> {
     let faults: Vec<usize> = (0..messages.len())
         .filter(|&i| is_fault_line(&messages[i]))
         .collect();
-    let own = pid.and_then(|pid| own_record(messages, &faults, pid));
-    let at = own.or_else(|| faults.last().copied())?;
-    Some(record_at(messages, at))
-}
-
-/// The last fault record of process `pid` alone, with its code line: for a log that other
-/// processes share (a host's), where another process's record must never be shown. A fault
-/// in one of the process's other threads carries that thread's id, and is not found.
-pub fn fault_of(messages: &[String], pid: u32) -> Option<String> {
-    let faults: Vec<usize> = (0..messages.len())
-        .filter(|&i| is_fault_line(&messages[i]))
-        .collect();
-    own_record(messages, &faults, pid).map(|at| record_at(messages, at))
-}
-
-fn own_record(messages: &[String], faults: &[usize], pid: u32) -> Option<usize> {
-    // `comm[pid]` ends the process's name in both record forms: `comm[pid]: segfault` and
-    // `traps: comm[pid] trap`.
-    let tag = format!("[{pid}]");
-    faults.iter().rev().copied().find(|&i| {
-        messages[i].split_once(&tag).is_some_and(|(_, after)| {
-            after.starts_with(": segfault at ")
-                || after.starts_with(" trap ")
-                || after.starts_with(" general protection")
+    let own = pid.and_then(|pid| {
+        let tag = format!("[{pid}]");
+        faults.iter().rev().copied().find(|&i| {
+            messages[i].split_once(&tag).is_some_and(|(_, after)| {
+                after.starts_with(": segfault at ")
+                    || after.starts_with(" trap ")
+                    || after.starts_with(" general protection")
+            })
         })
-    })
+    });
+    match own {
+        Some(at) => Some(record_at(messages, at, true)),
+        None => {
+            let at = faults.last().copied()?;
+            Some(truncate(
+                format!(
+                    "(a process of the sandbox, maybe a thread or child of the kernel) {}",
+                    record_at(messages, at, true)
+                ),
+                MAX_FAULT_BYTES,
+            ))
+        }
+    }
 }
 
-fn record_at(messages: &[String], at: usize) -> String {
+/// The fault record of process `pid` named `comm` alone: for a log other processes share
+/// (a host's), where another process's record must never be shown. Only a record that
+/// starts with exactly `comm[pid]` in one of the two forms counts: a process name is at most
+/// 15 bytes, too short to hold a forged `comm[pid]: segfault at ` of its own. The first
+/// such record is taken (opened after the process had its pid, the log holds none of an
+/// earlier owner's; the process's own comes before any later owner's). Its code line is
+/// left out: it is a record of its own, and two processes faulting at once interleave
+/// theirs. `pid` in the text becomes `shown_pid` (the pid the sandbox knows).
+pub fn fault_of(messages: &[String], comm: &str, pid: u32, shown_pid: u32) -> Option<String> {
+    if comm.is_empty() {
+        return None;
+    }
+    let segfault = format!("{comm}[{pid}]: segfault at ");
+    let trap = format!("traps: {comm}[{pid}] trap ");
+    let protection = format!("traps: {comm}[{pid}] general protection");
+    let at = messages.iter().position(|m| {
+        m.starts_with(&segfault) || m.starts_with(&trap) || m.starts_with(&protection)
+    })?;
+    let record = record_at(messages, at, false);
+    Some(record.replacen(
+        &format!("{comm}[{pid}]"),
+        &format!("{comm}[{shown_pid}]"),
+        1,
+    ))
+}
+
+fn record_at(messages: &[String], at: usize, with_code: bool) -> String {
     // Which CPU of the machine ran it says nothing about the fault, and a host's topology is
     // none of a sandboxed kernel's business.
     let line = match messages[at].split_once(" likely on CPU ") {
@@ -142,7 +166,7 @@ fn record_at(messages: &[String], at: usize) -> String {
     let mut text = with_offset(line);
     if let Some(code) = messages
         .get(at + 1)
-        .filter(|m| m.trim_start().starts_with("Code: "))
+        .filter(|m| with_code && m.trim_start().starts_with("Code: "))
     {
         text.push_str(" | ");
         text.push_str(code.trim());
@@ -150,10 +174,12 @@ fn record_at(messages: &[String], at: usize) -> String {
     truncate(text, MAX_FAULT_BYTES)
 }
 
-/// Adds the instruction pointer's offset in its module, which is what a reader looks up in
-/// the module's disassembly (`objdump -d`): `in libfoo.so[7f12…+2a000]` says where the
-/// module's executable mapping starts, `ip 00007f12…` where the fault was. Kernels that
-/// print the offset themselves, or records without both numbers, are left as they are.
+/// Adds how far into the module's mapping the instruction pointer is: `in
+/// libfoo.so[7f12…+2a000]` says where the executable mapping holding `ip 00007f12…` starts.
+/// That mapping rarely starts at the file's offset 0, so this is an offset into the mapping,
+/// not the address `objdump -d` shows (add the mapping's file offset for that). Kernels that
+/// print the file offset themselves (`[offset,start+size]`), or records without both
+/// numbers, are left as they are.
 fn with_offset(line: &str) -> String {
     let ip = line
         .split_once(" ip ")
@@ -173,7 +199,10 @@ fn with_offset(line: &str) -> String {
     });
     match (ip, mapping) {
         (Some(ip), Some((module, start))) if ip >= start => {
-            format!("{line} (ip is {module}+{:#x})", ip - start)
+            format!(
+                "{line} (ip is {:#x} into its mapping of {module})",
+                ip - start
+            )
         }
         _ => line.to_owned(),
     }
@@ -213,7 +242,7 @@ mod tests {
             "{fault}"
         );
         assert!(
-            fault.contains("(ip is _multiarray_umath.cpython-311-x86_64-linux-gnu.so+0x2b3c4d)"),
+            fault.contains("(ip is 0x2b3c4d into its mapping of _multiarray_umath.cpython-311-x86_64-linux-gnu.so)"),
             "{fault}"
         );
         assert!(
@@ -229,7 +258,10 @@ mod tests {
             "traps: python3[9] trap invalid opcode ip:7f0000001234 sp:7ffc00000000 error:0 in libfoo.so[7f0000001000+2000]",
         ]);
         let fault = last_fault(&log, None).unwrap();
-        assert!(fault.contains("(ip is libfoo.so+0x234)"), "{fault}");
+        assert!(
+            fault.contains("(ip is 0x234 into its mapping of libfoo.so)"),
+            "{fault}"
+        );
         let log = lines(&[
             "traps: python3[9] general protection fault ip:7f0000001234 sp:7ffc00000000 error:0 in libfoo.so[7f0000001000+2000]",
         ]);
@@ -237,7 +269,7 @@ mod tests {
     }
 
     #[test]
-    fn the_pids_own_record_first_then_the_last_one() {
+    fn the_pids_own_record_first_then_the_last_one_said_to_be_another() {
         let log = lines(&[
             "python3[10]: segfault at 0 ip 0000000000001000 sp 0 error 4 in a.so[1000+1000]",
             "sleep[11]: segfault at 0 ip 0000000000002000 sp 0 error 4 in b.so[2000+1000]",
@@ -245,25 +277,33 @@ mod tests {
         assert!(last_fault(&log, Some(10))
             .unwrap()
             .starts_with("python3[10]"));
-        assert!(last_fault(&log, Some(12)).unwrap().starts_with("sleep[11]"));
-        assert!(last_fault(&log, None).unwrap().starts_with("sleep[11]"));
+        let other = last_fault(&log, Some(12)).unwrap();
+        assert!(other.starts_with("(a process of the sandbox"), "{other}");
+        assert!(other.contains("sleep[11]"), "{other}");
     }
 
     #[test]
-    fn a_shared_log_gives_only_the_pids_own_record() {
+    fn a_shared_log_gives_only_the_processs_own_record() {
         let log = lines(&[
-            "python3[10]: segfault at 0 ip 0000000000001000 sp 0 error 4 in a.so[1000+1000]",
+            "python[110]: segfault at 0 ip 0000000000002000 sp 0 error 4 in b.so[2000+1000]",
+            "python[10]: segfault at 0 ip 0000000000001000 sp 0 error 4 in a.so[1000+1000]",
             "Code: 01",
-            "python3[110]: segfault at 0 ip 0000000000002000 sp 0 error 4 in b.so[2000+1000]",
-            "traps: python3[12] trap invalid opcode ip:1000 sp:0 error:0 in c.so[1000+1000]",
+            "python[10]: segfault at 8 ip 0000000000001000 sp 0 error 4 in a.so[1000+1000]",
+            "traps: python[12] trap invalid opcode ip:1000 sp:0 error:0 in c.so[1000+1000]",
+            // Forgeries: a name of up to 15 bytes that imitates a record.
+            "traps: [13] trap x[777] trap invalid opcode ip:1000 sp:0 error:0 in c.so[1000+1000]",
+            "python[13]: s[778]: segfault at 0 ip 0 sp 0 error 4 in d.so[0+1]",
         ]);
-        assert!(fault_of(&log, 10).unwrap().starts_with("python3[10]:"));
-        assert!(fault_of(&log, 10).unwrap().ends_with("| Code: 01"));
-        assert!(fault_of(&log, 12)
+        let own = fault_of(&log, "python", 10, 3).unwrap();
+        assert!(own.starts_with("python[3]: segfault at 0 ip"), "{own}");
+        assert!(!own.contains("Code:"), "{own}");
+        assert!(fault_of(&log, "python", 12, 3)
             .unwrap()
-            .starts_with("traps: python3[12]"));
-        assert_eq!(fault_of(&log, 11), None);
-        assert_eq!(fault_of(&log, 1), None);
+            .starts_with("traps: python[3] trap"));
+        assert_eq!(fault_of(&log, "python", 11, 3), None);
+        assert_eq!(fault_of(&log, "python", 13, 3), None);
+        assert_eq!(fault_of(&log, "", 13, 3), None);
+        assert_eq!(fault_of(&log, "sleep", 10, 3), None);
     }
 
     #[test]

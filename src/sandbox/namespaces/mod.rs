@@ -373,10 +373,6 @@ impl NamespacesSandbox {
             .stderr(std::process::Stdio::piped())
             .process_group(0)
             .kill_on_drop(false);
-        // The host's kernel log from before the kernel runs: where the host kernel records a
-        // fault that kills it (read only for a fault, only the kernel's own record; None
-        // without the right to read the log).
-        let kmsg = cellgate_agent::fault::Kmsg::open().ok();
         let mut child = match self.spawner.spawn(command).await {
             Ok(child) => child,
             Err(source) => {
@@ -436,6 +432,10 @@ impl NamespacesSandbox {
             }
         };
 
+        let fault_log = started
+            .kernel_pid
+            .zip(started.kernel_ns_pid)
+            .and_then(|(pid, ns_pid)| FaultLog::open(pid, ns_pid));
         let exited = Arc::new(AtomicBool::new(false));
         let handle = Arc::new(NamespacesHandle {
             helper_pid,
@@ -469,7 +469,7 @@ impl NamespacesSandbox {
             cgroup,
             memory_limit,
             log_copy,
-            started.kernel_pid.zip(kmsg),
+            fault_log,
             exit_tx,
         ));
         Ok(Launched {
@@ -496,6 +496,8 @@ struct Started {
     init_pidfd: Option<OwnedFd>,
     kernel_pid: Option<i32>,
     kernel_pidfd: Option<OwnedFd>,
+    /// The kernel's pid inside the sandbox.
+    kernel_ns_pid: Option<i32>,
 }
 
 async fn next_event(
@@ -583,6 +585,7 @@ async fn handshake(
         init_pidfd,
         kernel_pid,
         kernel_pidfd,
+        kernel_ns_pid,
     })
 }
 
@@ -657,6 +660,43 @@ async fn remove_cgroup(cgroup: Option<Arc<KernelCgroup>>) {
     }
 }
 
+/// The host's kernel log from the kernel's start on, where Linux records a fault that kills
+/// it. Only where the gateway runs in the host's own pid namespace (the log names processes
+/// by their pids there, which are then the ones the gateway sees) and may read the log.
+struct FaultLog {
+    kmsg: cellgate_agent::fault::Kmsg,
+    pid: u32,
+    ns_pid: u32,
+    comm: String,
+}
+
+impl FaultLog {
+    /// The pid namespace every host process starts in (`PROC_PID_INIT_INO`).
+    const HOST_PID_NAMESPACE: &'static str = "pid:[4026531836]";
+
+    /// Opened once the kernel has its pid: the log then holds no record of an earlier
+    /// process with that pid.
+    fn open(pid: i32, ns_pid: i32) -> Option<FaultLog> {
+        let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
+        if ns.as_os_str() != Self::HOST_PID_NAMESPACE {
+            return None;
+        }
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+        Some(FaultLog {
+            kmsg: cellgate_agent::fault::Kmsg::open().ok()?,
+            pid: u32::try_from(pid).ok()?,
+            ns_pid: u32::try_from(ns_pid).ok()?,
+            comm: comm.trim_end_matches('\n').to_owned(),
+        })
+    }
+
+    /// The kernel's own fault record, with its pid as the sandbox knows it.
+    fn record(mut self) -> Option<String> {
+        let messages = self.kmsg.drain();
+        cellgate_agent::fault::fault_of(&messages, &self.comm, self.pid, self.ns_pid)
+    }
+}
+
 // Each argument is one thing the exit report is made of, handed over once by `launch`; a
 // struct for them would only be this list again.
 #[allow(clippy::too_many_arguments)]
@@ -667,7 +707,7 @@ async fn watch_exit(
     cgroup: Option<Arc<KernelCgroup>>,
     memory_limit: Option<u64>,
     log_copy: Option<tokio::task::JoinHandle<()>>,
-    kmsg: Option<(i32, cellgate_agent::fault::Kmsg)>,
+    fault_log: Option<FaultLog>,
     exit_tx: watch::Sender<Option<ExitReport>>,
 ) {
     let mut kernel_status = None;
@@ -723,16 +763,12 @@ async fn watch_exit(
         Some(ExitReason::new(ExitCause::SandboxFailed, text))
     } else {
         // A fault: the host kernel's record of this kernel's own (never another process's).
-        match (signal, kmsg) {
-            (Some(signal), Some((pid, mut kmsg)))
-                if cellgate_agent::fault::is_fault_signal(signal) =>
-            {
-                let messages = tokio::task::spawn_blocking(move || kmsg.drain())
+        match (signal, fault_log) {
+            (Some(signal), Some(log)) if cellgate_agent::fault::is_fault_signal(signal) => {
+                tokio::task::spawn_blocking(move || log.record())
                     .await
-                    .unwrap_or_default();
-                u32::try_from(pid)
                     .ok()
-                    .and_then(|pid| cellgate_agent::fault::fault_of(&messages, pid))
+                    .flatten()
                     .map(|record| crate::sandbox::fault_reason(signal, &record))
             }
             _ => None,
