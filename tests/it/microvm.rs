@@ -664,16 +664,7 @@ async fn everyday_analysis_replays_the_same_in_a_microvm() -> Result<()> {
     )
     .await
     .with_context(|| gateway.log())?;
-    let statuses = |answer: &serde_json::Value| -> Vec<String> {
-        answer["report"]
-            .as_array()
-            .map(|r| {
-                r.iter()
-                    .map(|c| c["status"].as_str().unwrap_or("?").to_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
+    use crate::notebook::statuses;
     let ran = statuses(&reference);
     assert_eq!(ran.len(), cells, "{reference}");
     assert!(

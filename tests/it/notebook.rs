@@ -67,7 +67,8 @@ async fn replay_http(gateway: &Gateway, body: &str, query: &str) -> Result<(u16,
     ))
 }
 
-fn statuses(answer: &Value) -> Vec<String> {
+/// Each replayed cell's status, in order (`same`, `different`, `error`, `skipped`).
+pub(crate) fn statuses(answer: &Value) -> Vec<String> {
     answer["report"]
         .as_array()
         .map(|r| {
