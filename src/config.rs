@@ -241,6 +241,10 @@ pub struct AuthArgs {
     /// [default: unlimited].
     #[arg(long, env = "CELLGATE_TENANT_MAX_KERNELS")]
     pub tenant_max_kernels: Option<usize>,
+    /// Open MCP sessions per tenant (config file: `[tenants] max_mcp_sessions`)
+    /// [default: 100].
+    #[arg(long, env = "CELLGATE_TENANT_MAX_MCP_SESSIONS")]
+    pub tenant_max_mcp_sessions: Option<usize>,
     /// Sustained requests per second per tenant (config file: `[tenants] rate`)
     /// [default: unlimited].
     #[arg(long, env = "CELLGATE_TENANT_RATE")]
@@ -590,6 +594,9 @@ impl GatewayConfig {
         if let Some(max) = args.auth.tenant_max_kernels {
             tenants.max_kernels = Some(max);
         }
+        if let Some(max) = args.auth.tenant_max_mcp_sessions {
+            tenants.max_mcp_sessions = Some(max);
+        }
         if let Some(rate) = args.auth.tenant_rate {
             tenants.rate = Some(rate);
         }
@@ -870,6 +877,7 @@ mod tests {
         // The tenant options live in the file's `[tenants]` table.
         let tenants: &[(&str, &str)] = &[
             ("tenant_max_kernels", "max_kernels = 3"),
+            ("tenant_max_mcp_sessions", "max_mcp_sessions = 20"),
             ("tenant_rate", "rate = 2.5"),
             ("tenant_burst", "burst = 5"),
             ("policy_order", "policy_order = [\"strict\", \"default\"]"),

@@ -11,6 +11,10 @@
 //! **Kernel cap.** Live kernels per tenant (API v1 sessions are kernels, so this caps them
 //! too); kernels being started count, so concurrent starts cannot overshoot.
 //!
+//! **MCP session cap.** Open MCP sessions (`/mcp` conversations) per tenant, 100 unless
+//! set: each holds server state and may start a kernel, and a client that reconnects in a
+//! loop must not open them without end.
+//!
 //! **Rate.** A token bucket per tenant (governor's GCRA): `rate` requests per second
 //! sustained, `burst` at once; a request past it answers 429 with `Retry-After`.
 //!
@@ -36,6 +40,8 @@ pub struct TenantSettings {
     pub policy_order: Vec<String>,
     /// Live kernels per tenant; unlimited when unset.
     pub max_kernels: Option<usize>,
+    /// Open MCP sessions per tenant [default: [`DEFAULT_MAX_MCP_SESSIONS`]].
+    pub max_mcp_sessions: Option<usize>,
     /// Sustained requests per second per tenant; unlimited when unset.
     pub rate: Option<f64>,
     /// Requests a tenant may make at once before the rate applies [default: rate, at least 1].
@@ -50,9 +56,13 @@ pub struct TenantSettings {
 #[serde(deny_unknown_fields)]
 pub struct TenantLimits {
     pub max_kernels: Option<usize>,
+    pub max_mcp_sessions: Option<usize>,
     pub rate: Option<f64>,
     pub burst: Option<u32>,
 }
+
+/// Open MCP sessions a tenant may keep when no setting says otherwise.
+pub const DEFAULT_MAX_MCP_SESSIONS: usize = 100;
 
 /// Errors of tenant settings and tenant requests; the `Display` of a request error is meant
 /// for the tenant.
@@ -151,6 +161,16 @@ impl Tenants {
             .or(self.settings.max_kernels)
     }
 
+    /// Open MCP sessions `tenant` may keep.
+    pub fn max_mcp_sessions(&self, tenant: &str) -> usize {
+        self.settings
+            .limits
+            .get(tenant)
+            .and_then(|l| l.max_mcp_sessions)
+            .or(self.settings.max_mcp_sessions)
+            .unwrap_or(DEFAULT_MAX_MCP_SESSIONS)
+    }
+
     fn quota(&self, tenant: &str) -> Option<Quota> {
         let own = self.settings.limits.get(tenant);
         let rate = own.and_then(|l| l.rate).or(self.settings.rate)?;
@@ -224,10 +244,18 @@ mod tests {
     #[test]
     fn limits_with_overrides() {
         let t = tenants(
-            "max_kernels = 2\nrate = 1000\nburst = 3\n[limits.big]\nmax_kernels = 10\n[limits.slow]\nrate = 0.001\nburst = 1\n",
+            "max_kernels = 2\nmax_mcp_sessions = 7\nrate = 1000\nburst = 3\n[limits.big]\nmax_kernels = 10\nmax_mcp_sessions = 70\n[limits.slow]\nrate = 0.001\nburst = 1\n",
         );
         assert_eq!(t.max_kernels("anyone"), Some(2));
         assert_eq!(t.max_kernels("big"), Some(10));
+        assert_eq!(t.max_mcp_sessions("anyone"), 7);
+        assert_eq!(t.max_mcp_sessions("big"), 70);
+        assert_eq!(t.max_mcp_sessions("slow"), 7);
+        assert_eq!(
+            tenants("").max_mcp_sessions("x"),
+            DEFAULT_MAX_MCP_SESSIONS,
+            "capped unless set"
+        );
         assert!(t.check_rate("slow").is_ok());
         let Err(TenantError::RateLimited { retry_after }) = t.check_rate("slow") else {
             panic!("a second request within the period must be limited");

@@ -1,13 +1,24 @@
 //! The MCP server at `/mcp` with a real MCP client, the official Python SDK over streamable
 //! HTTP (`tests/python/mcp_check.py`), against a real gateway and real kernels: the tools
 //! and their schemas, state across calls, images, errors, files, artifacts, the notebook,
-//! interrupt, restart, a fresh session, one kernel per conversation, the token, and two
-//! tenants (JWTs) that cannot use each other's sessions.
+//! interrupt, restart, a fresh session, one kernel per conversation (ended with it), the
+//! token, two tenants (JWTs) that cannot use each other's sessions, two whose names would
+//! collide if joined into one string, and the cap on a tenant's MCP sessions.
 
 use anyhow::{ensure, Context, Result};
 
 use crate::support::{repo, tools_python, Gateway, TOKEN};
 use crate::tenants::{claims, hs256, secret_file};
+
+/// The cap on each tenant's open MCP sessions the checks run with.
+const MCP_CAP: usize = 3;
+
+/// A token of `tenant` with `subject` as its `sub`.
+fn token_of(tenant: &str, subject: &str) -> String {
+    let mut claims = claims(tenant, "default");
+    claims["sub"] = subject.into();
+    hs256(&claims)
+}
 
 #[tokio::test]
 async fn an_mcp_client_uses_every_tool_within_its_rights() -> Result<()> {
@@ -16,6 +27,7 @@ async fn an_mcp_client_uses_every_tool_within_its_rights() -> Result<()> {
     let gateway = Gateway::builder()
         .arg("--jwt-secret-file")
         .arg(secret.to_str().context("path")?)
+        .args(&["--tenant-max-mcp-sessions", &MCP_CAP.to_string()])
         .start()
         .await?;
     let output = tokio::time::timeout(
@@ -26,6 +38,11 @@ async fn an_mcp_client_uses_every_tool_within_its_rights() -> Result<()> {
             .env("CELLGATE_TOKEN", TOKEN)
             .env("CELLGATE_TENANT_A", hs256(&claims("acme", "default")))
             .env("CELLGATE_TENANT_B", hs256(&claims("globex", "default")))
+            // One string if the caller were keyed by `tenant:{tenant}:{subject}`.
+            .env("CELLGATE_TENANT_T_UX", token_of("t", "u:x"))
+            .env("CELLGATE_TENANT_TU_X", token_of("t:u", "x"))
+            .env("CELLGATE_TENANT_CAPPED", token_of("capped", "c"))
+            .env("CELLGATE_MCP_CAP", MCP_CAP.to_string())
             .kill_on_drop(true)
             .output(),
     )
@@ -38,10 +55,17 @@ async fn an_mcp_client_uses_every_tool_within_its_rights() -> Result<()> {
         "the MCP checks failed:\n{stdout}\n{stderr}\ngateway log:\n{}",
         gateway.log()
     );
-    ensure!(
-        stdout.contains("a tenant cannot use another tenant's session"),
-        "the tenant checks did not run:\n{stdout}"
-    );
+    for check in [
+        "a tenant cannot use another tenant's session",
+        "ending an MCP session ends its kernel",
+        "tenants whose names join into one string stay apart",
+        "a tenant's MCP sessions are capped at 3",
+    ] {
+        ensure!(
+            stdout.contains(check),
+            "the check {check:?} did not run:\n{stdout}"
+        );
+    }
     // The official client ends its sessions with a DELETE, and is content with the answer.
     ensure!(
         !stderr.contains("Session termination failed"),

@@ -23,6 +23,16 @@ URL = os.environ["CELLGATE_URL"].rstrip("/") + "/mcp"
 TOKEN = os.environ["CELLGATE_TOKEN"]
 TENANT_A = os.environ.get("CELLGATE_TENANT_A")
 TENANT_B = os.environ.get("CELLGATE_TENANT_B")
+# Tenant "t" with subject "u:x" and tenant "t:u" with subject "x": one string if joined by ":".
+COLLIDING = (os.environ.get("CELLGATE_TENANT_T_UX"), os.environ.get("CELLGATE_TENANT_TU_X"))
+# A tenant whose MCP sessions are capped at MCP_CAP (the gateway's --tenant-max-mcp-sessions).
+CAPPED = os.environ.get("CELLGATE_TENANT_CAPPED")
+MCP_CAP = int(os.environ.get("CELLGATE_MCP_CAP", "0"))
+ACCEPT = {"Accept": "application/json, text/event-stream"}
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": "2025-03-26", "capabilities": {},
+    "clientInfo": {"name": "check", "version": "1"}}}
+LISTING = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
 
 TOOLS = {"run_python", "new_session", "list_files", "read_file", "write_file", "get_artifact",
          "interrupt", "restart", "export_notebook"}
@@ -56,6 +66,30 @@ async def connect(token):
 async def run(session, code, **arguments):
     result = await session.call_tool("run_python", {"code": code, **arguments})
     return result, text_of(result)
+
+
+async def session_gone(session_id):
+    """Waits (up to a minute) for API v1 to answer 404 for the session: ending an MCP
+    session deletes its kernel in the background."""
+    api = os.environ["CELLGATE_URL"].rstrip("/") + f"/v1/sessions/{session_id}"
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for _ in range(120):
+            answer = await http.get(api)
+            if answer.status_code == 404:
+                return True
+            await asyncio.sleep(0.5)
+    return False
+
+
+async def open_raw(http, token):
+    """An MCP session opened by hand (initialize, then initialized): the answer and its id."""
+    opened = await http.post(URL, json=INIT, headers={**ACCEPT, "Authorization": f"Bearer {token}"})
+    mcp_id = opened.headers.get("mcp-session-id")
+    if opened.status_code == 200 and mcp_id:
+        await http.post(URL, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                        headers={**ACCEPT, "Authorization": f"Bearer {token}",
+                                 "Mcp-Session-Id": mcp_id})
+    return opened, mcp_id
 
 
 async def main():
@@ -163,7 +197,13 @@ async def main():
         async with connect(TOKEN) as other:
             _, text = await run(other, "1")
             check(session_of(text) not in (first, second), "two conversations share a kernel")
+            others = session_of(text)
         print("ok: another MCP session gets another kernel")
+        check(await session_gone(others), f"the ended conversation's session {others} lives on")
+        _, text = await run(mcp, "1")
+        check(session_of(text) == second, f"ending another conversation ended this one's: {text}")
+        print("ok: ending an MCP session ends its kernel, and only its own")
+    check(await session_gone(second), f"the ended conversation's session {second} lives on")
 
     async with httpx2.AsyncClient() as http:
         answer = await http.post(URL, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
@@ -184,6 +224,7 @@ async def main():
             _, text = await run(b, "1")
             check(session_of(text) != owned, text)
         print("ok: a tenant cannot use another tenant's session")
+        check(await session_gone(owned), f"tenant A's ended conversation's session {owned} lives on")
 
         # Nor its MCP session: naming A's Mcp-Session-Id with B's token reaches nothing.
         init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
@@ -224,6 +265,71 @@ async def main():
                 "Authorization": f"Bearer {TENANT_A}", "Mcp-Session-Id": mcp_id})
             check(mine.status_code == 204, f"A could not end its own MCP session: {mine.status_code}")
         print("ok: an MCP session is its opener's alone")
+
+    if all(COLLIDING):
+        victim, other = COLLIDING
+        async with connect(victim) as mine, httpx2.AsyncClient(timeout=120) as http:
+            _, text = await run(mine, "secret = 'the victim'")
+            owned = session_of(text)
+            opened, mcp_id = await open_raw(http, victim)
+            check(opened.status_code == 200 and mcp_id, opened.text)
+            call = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                    "params": {"name": "run_python", "arguments": {"code": "secret = 'replaced'"}}}
+            for body in (LISTING, call):
+                as_other = await http.post(URL, json=body, headers={
+                    **ACCEPT, "Authorization": f"Bearer {other}", "Mcp-Session-Id": mcp_id})
+                check(as_other.status_code == 404
+                      and as_other.json()["code"] == "no_such_mcp_session",
+                      f"t:u/x used t/u:x's MCP session: {as_other.status_code} {as_other.text}")
+            # Ending it is answered as ending an unknown session is (rmcp: success), and
+            # ends nothing, as the victim's next call shows.
+            ended = await http.delete(URL, headers={
+                "Authorization": f"Bearer {other}", "Mcp-Session-Id": mcp_id})
+            nothing = await http.delete(URL, headers={
+                "Authorization": f"Bearer {other}",
+                "Mcp-Session-Id": "33333333-3333-3333-3333-333333333333"})
+            check(ended.status_code == nothing.status_code,
+                  f"ending t/u:x's session and an unknown one differ: {ended.status_code} {nothing.status_code}")
+            alive = await http.post(URL, json=LISTING, headers={
+                **ACCEPT, "Authorization": f"Bearer {victim}", "Mcp-Session-Id": mcp_id})
+            check(alive.status_code == 200 and "run_python" in alive.text,
+                  f"the victim's MCP session is gone: {alive.status_code} {alive.text[:200]}")
+            _, text = await run(mine, "secret")
+            check("the victim" in text and session_of(text) == owned,
+                  f"the victim's default session was replaced: {text}")
+            await http.delete(URL, headers={"Authorization": f"Bearer {victim}",
+                                            "Mcp-Session-Id": mcp_id})
+        print("ok: tenants whose names join into one string stay apart")
+
+    if CAPPED and MCP_CAP:
+        async with httpx2.AsyncClient(timeout=120) as http:
+            held = []
+            for _ in range(MCP_CAP):
+                opened, mcp_id = await open_raw(http, CAPPED)
+                check(opened.status_code == 200 and mcp_id, opened.text)
+                held.append(mcp_id)
+            refused, _ = await open_raw(http, CAPPED)
+            check(refused.status_code == 403
+                  and refused.json()["code"] == "tenant_mcp_session_limit"
+                  and f"{MCP_CAP} open MCP sessions" in refused.json()["message"],
+                  f"past the cap: {refused.status_code} {refused.text}")
+            # Other tenants are not counted against it.
+            if TENANT_A:
+                opened, mcp_id = await open_raw(http, TENANT_A)
+                check(opened.status_code == 200, f"another tenant was capped: {opened.text}")
+                await http.delete(URL, headers={"Authorization": f"Bearer {TENANT_A}",
+                                                "Mcp-Session-Id": mcp_id})
+            ended = await http.delete(URL, headers={"Authorization": f"Bearer {CAPPED}",
+                                                    "Mcp-Session-Id": held.pop()})
+            check(ended.status_code == 204, f"ending one: {ended.status_code}")
+            opened, mcp_id = await open_raw(http, CAPPED)
+            check(opened.status_code == 200 and mcp_id,
+                  f"an ended session did not give its slot back: {opened.text}")
+            held.append(mcp_id)
+            for mcp_id in held:
+                await http.delete(URL, headers={"Authorization": f"Bearer {CAPPED}",
+                                                "Mcp-Session-Id": mcp_id})
+        print(f"ok: a tenant's MCP sessions are capped at {MCP_CAP}")
 
     print("all checks passed")
 

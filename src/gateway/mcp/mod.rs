@@ -39,6 +39,9 @@ use tower::ServiceExt as _;
 
 use super::auth::Principal;
 use super::state::AppState;
+use conversations::{Caller, Conversation, Conversations, Defaults};
+
+mod conversations;
 
 /// The most bytes of a file or artifact a tool returns (as text or an image).
 const MAX_CONTENT_BYTES: usize = 1 << 20;
@@ -50,6 +53,9 @@ const DEFAULT_SESSIONS_KEPT: u64 = 100_000;
 const DEFAULT_SESSION_IDLE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 /// How long an MCP session may be idle before rmcp ends it.
 const MCP_SESSION_IDLE: std::time::Duration = std::time::Duration::from_secs(2 * 3600);
+/// How much longer the gateway remembers an idle MCP session's opener: rmcp ends the
+/// session first, so a client never finds its session alive but disowned.
+const MCP_SESSION_MARGIN: std::time::Duration = std::time::Duration::from_secs(60);
 /// The most bytes of an execution's result a tool reads (its streams are capped at 1 MiB
 /// each by the gateway; artifact references and the rest are small).
 const MAX_RESULT_BYTES: usize = 8 << 20;
@@ -61,61 +67,109 @@ const MAX_STREAM_CHARS: usize = 20_000;
 /// What is mounted at `/mcp` (behind the authentication layer): the MCP service behind
 /// [`guard`].
 pub fn routes(state: AppState) -> axum::Router {
-    let owners: moka::sync::Cache<String, String> = moka::sync::Cache::builder()
+    let api = super::v1::routes().with_state(state.clone());
+    let defaults: Defaults = moka::sync::Cache::builder()
         .max_capacity(DEFAULT_SESSIONS_KEPT)
-        .time_to_idle(MCP_SESSION_IDLE * 2)
+        .time_to_idle(DEFAULT_SESSION_IDLE)
         .build();
+    let deleter = api.clone();
+    let end_session: conversations::EndSession = Arc::new(move |principal, session| {
+        let api = deleter.clone();
+        tokio::spawn(async move {
+            let request = Request::builder()
+                .method(Method::DELETE)
+                .uri(session_path(&session))
+                .body(Body::empty());
+            let Ok(mut request) = request else { return };
+            request.extensions_mut().insert(principal);
+            let Ok(answer) = api.oneshot(request).await;
+            tracing::info!(session_id = %session, status = answer.status().as_u16(), "an MCP conversation ended: its session deleted");
+        });
+    });
+    let conversations = Conversations::new(
+        MCP_SESSION_IDLE + MCP_SESSION_MARGIN,
+        DEFAULT_SESSIONS_KEPT,
+        defaults.clone(),
+        end_session,
+    );
+    let tenants = state.tenants.clone();
     axum::Router::new()
-        .fallback_service(service(state))
+        .fallback_service(service(api, defaults))
         .layer(axum::middleware::from_fn(move |request, next| {
-            guard(owners.clone(), request, next)
+            guard(conversations.clone(), tenants.clone(), request, next)
         }))
 }
 
-/// What rmcp leaves to its host:
-/// - an MCP session is its caller's: rmcp accepts any request naming a live session id,
+/// What rmcp leaves to its host (see [`conversations`]):
+/// - an MCP session is its opener's: rmcp accepts any request naming a live session id,
 ///   which would let another caller replay its cached results or end it. A request naming
-///   a session some other principal opened is handed on with an id that names none, so it
-///   is answered exactly as an unknown session is;
+///   a session this caller did not open (another's, or one unknown here) is handed on with
+///   an id that names none, so it is answered exactly as an unknown session is;
+/// - opening one takes a slot of the tenant's cap, and ending one ends its kernel;
 /// - every error is the gateway's JSON body (rmcp answers some in plain text);
 /// - a client ending its session (`DELETE`) gets 204, not rmcp's 202: the success the
 ///   official Python SDK expects (it warns about any other).
 async fn guard(
-    owners: moka::sync::Cache<String, String>,
+    conversations: Conversations,
+    tenants: Arc<crate::tenants::Tenants>,
     mut request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use axum::response::IntoResponse as _;
 
-    let who = request
-        .extensions()
-        .get::<Principal>()
-        .map(identity)
-        .unwrap_or_default();
+    let Some(principal) = request.extensions().get::<Principal>().cloned() else {
+        // The authentication layer puts a principal on every request it lets through.
+        return super::ApiError::unauthorized("the request carries no identity").into_response();
+    };
+    let who = Caller::of(&principal);
     let named = request
         .headers()
         .get(MCP_SESSION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    if let Some(id) = &named {
-        if owners.get(id).is_some_and(|owner| owner != who) {
+        .map(|v| v.to_str().map(str::to_owned).unwrap_or_default());
+    let mut slot = None;
+    let mut own = false;
+    match &named {
+        Some(id) if !conversations.is_openers(id, &who) => {
             let nobody =
                 axum::http::HeaderValue::from_static("00000000-0000-0000-0000-000000000000");
             request.headers_mut().insert(MCP_SESSION_HEADER, nobody);
         }
+        Some(_) => own = true,
+        // Only a POST without a session opens one.
+        None if request.method() == Method::POST => {
+            let limit = principal
+                .tenant()
+                .map_or(usize::MAX, |tenant| tenants.max_mcp_sessions(tenant));
+            match conversations.reserve(&who, limit) {
+                Ok(reserved) => slot = Some(reserved),
+                Err(err) => {
+                    return super::ApiError::new(StatusCode::FORBIDDEN, err.to_string())
+                        .code("tenant_mcp_session_limit")
+                        .into_response()
+                }
+            }
+        }
+        None => {}
     }
     let ending = request.method() == Method::DELETE;
     let mut response = next.run(request).await;
-    if let Some(issued) = response
-        .headers()
-        .get(MCP_SESSION_HEADER)
-        .and_then(|v| v.to_str().ok())
-    {
-        if named.as_deref() != Some(issued) {
-            owners.insert(issued.to_owned(), who);
-        }
+    if let (Some(slot), Some(issued)) = (
+        slot,
+        response
+            .headers()
+            .get(MCP_SESSION_HEADER)
+            .and_then(|v| v.to_str().ok()),
+    ) {
+        conversations.opened(issued, &principal, slot);
     }
     let status = response.status();
+    // rmcp answers success to ending a session it does not know: only the opener's own
+    // request, which reached its session, ends it here.
+    if ending && own && status.is_success() {
+        if let Some(id) = &named {
+            conversations.ended(id);
+        }
+    }
     if ending && status == StatusCode::ACCEPTED {
         *response.status_mut() = StatusCode::NO_CONTENT;
     }
@@ -150,12 +204,10 @@ async fn guard(
 const MCP_SESSION_HEADER: &str = "mcp-session-id";
 
 /// The MCP service itself.
-fn service(state: AppState) -> StreamableHttpService<Tools, LocalSessionManager> {
-    let api = super::v1::routes().with_state(state);
-    let defaults = moka::sync::Cache::builder()
-        .max_capacity(DEFAULT_SESSIONS_KEPT)
-        .time_to_idle(DEFAULT_SESSION_IDLE)
-        .build();
+fn service(
+    api: axum::Router,
+    defaults: Defaults,
+) -> StreamableHttpService<Tools, LocalSessionManager> {
     let config = StreamableHttpServerConfig::default()
         // The gateway's edge already checks hosts and origins (a gateway without a token
         // answers loopback names only); with a token, the credential is what protects.
@@ -171,15 +223,12 @@ fn service(state: AppState) -> StreamableHttpService<Tools, LocalSessionManager>
     )
 }
 
-/// Each caller's default session, behind a lock of its own.
-type Defaults = moka::sync::Cache<String, Arc<tokio::sync::Mutex<Option<String>>>>;
-
 /// One MCP session's server (made per session, or per request for stateless clients);
 /// the callers' default sessions are shared by all of them.
 #[derive(Clone)]
 pub struct Tools {
     api: axum::Router,
-    /// The caller's (principal and MCP session) default cellgate session.
+    /// Each conversation's (caller and MCP session) default cellgate session.
     defaults: Defaults,
     #[allow(dead_code)] // read by the code `tool_handler` generates
     tool_router: ToolRouter<Tools>,
@@ -376,15 +425,15 @@ impl Tools {
     async fn session(
         &self,
         principal: &Principal,
-        caller: &str,
+        caller: &Conversation,
         requested: Option<String>,
     ) -> Result<(String, bool), CallToolResult> {
         if let Some(id) = requested {
             return Ok((id, false));
         }
-        let slot = self.defaults.get_with(caller.to_owned(), || {
-            Arc::new(tokio::sync::Mutex::new(None))
-        });
+        let slot = self
+            .defaults
+            .get_with(caller.clone(), || Arc::new(tokio::sync::Mutex::new(None)));
         let mut known = slot.lock().await;
         if let Some(id) = known.clone() {
             let answer = self
@@ -801,29 +850,22 @@ impl Answer {
 }
 
 /// The caller of an MCP request: its principal (put there by the authentication layer) and
-/// the key of its default session (the principal, and the MCP session if there is one).
-fn caller_of(parts: &axum::http::request::Parts) -> Result<(Principal, String), CallToolResult> {
+/// its conversation, the key of its default session.
+fn caller_of(
+    parts: &axum::http::request::Parts,
+) -> Result<(Principal, Conversation), CallToolResult> {
     let Some(principal) = parts.extensions.get::<Principal>().cloned() else {
         // Unreachable behind the authentication layer, which every /mcp request passes.
         return Err(tool_error("the request carries no identity".to_owned()));
     };
-    let who = identity(&principal);
     let conversation = parts
         .headers
-        .get("mcp-session-id")
+        .get(MCP_SESSION_HEADER)
         .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    Ok((principal, format!("{who}/{conversation}")))
-}
-
-/// Who a principal is, as a key: the admin, or one subject of one tenant.
-fn identity(principal: &Principal) -> String {
-    match principal {
-        Principal::Admin => "admin".to_owned(),
-        Principal::Tenant {
-            tenant, subject, ..
-        } => format!("tenant:{tenant}:{subject}"),
-    }
+        .unwrap_or("")
+        .to_owned();
+    let caller = Caller::of(&principal);
+    Ok((principal, (caller, conversation)))
 }
 
 fn text(text: String) -> CallToolResult {
