@@ -1,6 +1,7 @@
 //! The MCP server at `/mcp` with a real MCP client, the official Python SDK over streamable
-//! HTTP (`tests/python/mcp_check.py`), against a real gateway and real kernels: the tools
-//! and their schemas, state across calls, images, errors, files, artifacts, the notebook,
+//! HTTP (`tests/python/mcp_check.py`), against a real gateway and real kernels: the tools,
+//! their annotations and input and output schemas, structured results that validate and say
+//! what the text says, state across calls, images, errors, files, artifacts, the notebook,
 //! interrupt, restart, a fresh session, one kernel per conversation (ended with it), the
 //! token, two tenants (JWTs) that cannot use each other's sessions, two whose names would
 //! collide if joined into one string, and the cap on a tenant's MCP sessions.
@@ -56,6 +57,8 @@ async fn an_mcp_client_uses_every_tool_within_its_rights() -> Result<()> {
         gateway.log()
     );
     for check in [
+        "every tool says what it may do, and has a title",
+        "the structured tools declare output schemas",
         "a tenant cannot use another tenant's session",
         "ending an MCP session ends its kernel",
         "tenants whose names join into one string stay apart",
@@ -73,3 +76,4 @@ async fn an_mcp_client_uses_every_tool_within_its_rights() -> Result<()> {
     );
     Ok(())
 }
+

@@ -16,6 +16,7 @@ import re
 import sys
 
 import httpx2
+from jsonschema.validators import validator_for
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
@@ -36,6 +37,29 @@ LISTING = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
 
 TOOLS = {"run_python", "new_session", "list_files", "read_file", "write_file", "get_artifact",
          "interrupt", "restart", "export_notebook"}
+# Each tool's hints as the host reads them (None: not said). The test gateway's policies
+# allow no egress and no packages, so nothing reaches an open world.
+READ_ONLY = {"readOnlyHint": True, "destructiveHint": None, "idempotentHint": None,
+             "openWorldHint": False}
+HINTS = {
+    "run_python": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
+                   "openWorldHint": False},
+    "new_session": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
+                    "openWorldHint": False},
+    "restart": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
+                "openWorldHint": False},
+    "write_file": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": True,
+                   "openWorldHint": False},
+    "interrupt": {"readOnlyHint": False, "destructiveHint": False, "idempotentHint": True,
+                  "openWorldHint": False},
+    "list_files": READ_ONLY, "read_file": READ_ONLY, "get_artifact": READ_ONLY,
+    "export_notebook": READ_ONLY,
+}
+# The tools whose results carry structuredContent (the others return a file, an artifact or
+# a notebook as it is).
+STRUCTURED = {"run_python", "new_session", "list_files", "write_file", "interrupt", "restart"}
+# Each tool's outputSchema, from the listing.
+SCHEMAS = {}
 
 
 def check(condition, message):
@@ -45,6 +69,87 @@ def check(condition, message):
 
 def text_of(result):
     return "\n".join(c.text for c in result.content if c.type == "text")
+
+
+def structured(name, result):
+    """A successful result's structuredContent, checked against the tool's outputSchema
+    (independently of the SDK, which checks too) and against its text, which must say the
+    same: field by field."""
+    check(not result.is_error, f"{name} failed: {text_of(result)}")
+    data = result.structured_content
+    check(isinstance(data, dict), f"{name}: no structuredContent: {result}")
+    schema = SCHEMAS[name]
+    errors = [e.message for e in validator_for(schema)(schema).iter_errors(data)]
+    check(not errors, f"{name}: structuredContent against its outputSchema: {errors}\n{data}")
+    texts = [c for c in result.content if c.type == "text"]
+    check(len(texts) == 1, f"{name}: one text block expected: {result.content}")
+    text = texts[0].text
+    if name == "run_python":
+        check(text == execution_text(data),
+              f"run_python's text and structuredContent differ:\n{text}\n---\n{execution_text(data)}")
+        expected = []
+    elif name == "list_files":
+        lines = text.split("\n")
+        check(lines[0].startswith(f"session {data['session_id']}"), text)
+        check(lines[1:] == [f"{f['path']} ({f['kind']}, {f['size']} bytes)" for f in data["files"]],
+              f"the listing's text and data differ: {text}\n{data}")
+        expected = []
+    elif name == "new_session":
+        expected = [f"New session {data['session_id']}: policy {data['policy']}, "
+                    f"sandbox {data['sandbox']}, state_generation {data['state_generation']}."]
+        check((data["replaced"] is not None) == ("was shut down" in text), f"{text} {data}")
+    elif name == "write_file":
+        check(text == f"wrote {data['path']} ({data['bytes']} bytes) in session {data['session_id']}",
+              f"{text} {data}")
+        expected = []
+    elif name in ("interrupt", "restart"):
+        check(data["action"] == {"interrupt": "interrupted", "restart": "restarted"}[name], data)
+        check(text.startswith(f"{data['action']} session {data['session_id']}"), f"{text} {data}")
+        if data["state_generation"] is not None:
+            expected = [f"(state_generation {data['state_generation']})"]
+        else:
+            expected = []
+    for part in expected:
+        check(part in text, f"{name}: {part!r} (from structuredContent) is not in the text:\n{text}")
+    return data
+
+
+def execution_text(d):
+    """What run_python's text must be, given its structuredContent: every field, nothing
+    else."""
+    new = "; a new session: variables from earlier calls are not here" if d["new_session"] else ""
+    out = f"status: {d['status']}\nsession: {d['session_id']} (state_generation {d['state_generation']}{new})\n"
+    for stream in ("stdout", "stderr"):
+        if d[stream]:
+            out += f"{stream}:\n{d[stream]}\n"
+        if d[f"{stream}_truncated"]:
+            out += f"[{stream} was cut: more was printed than is shown]\n"
+    if d["result"] is not None:
+        out += f"result: {d['result']}\n"
+    if d["error"] is not None:
+        out += f"error: {d['error']['ename']}: {d['error']['evalue']}\n"
+        if d["error"]["traceback"]:
+            out += "traceback:\n" + "\n".join(d["error"]["traceback"]) + "\n"
+    if d["artifacts"]:
+        out += "artifacts:\n"
+        for a in d["artifacts"]:
+            file = f", file {a['path']}" if a["path"] else ""
+            out += f"- {a['id']} ({a['mime']}, {a['bytes']} bytes{file}): {a['summary']}\n"
+    if d["denials"]:
+        out += "denied by the policy:\n"
+        for x in d["denials"]:
+            out += f"- {x['kind']} {x['target']} (policy {x['policy']}): {x['reason']}\n"
+    if d["omitted"]:
+        out += f"{d['omitted']} outputs were not stored (quotas)\n"
+    return out
+
+
+async def tool_call(session, name, arguments):
+    """A tool call; a successful result of a structured tool is checked by `structured`."""
+    result = await session.call_tool(name, arguments)
+    if name in STRUCTURED and not result.is_error:
+        structured(name, result)
+    return result
 
 
 def session_of(text):
@@ -64,7 +169,7 @@ async def connect(token):
 
 
 async def run(session, code, **arguments):
-    result = await session.call_tool("run_python", {"code": code, **arguments})
+    result = await tool_call(session, "run_python", {"code": code, **arguments})
     return result, text_of(result)
 
 
@@ -100,6 +205,37 @@ async def main():
               tools["run_python"].input_schema)
         print("ok: the tools are listed with their schemas")
 
+        for name, tool in tools.items():
+            hints = tool.annotations
+            check(hints is not None, f"{name}: no annotations")
+            said = {hint: getattr(hints, {"readOnlyHint": "read_only_hint",
+                                          "destructiveHint": "destructive_hint",
+                                          "idempotentHint": "idempotent_hint",
+                                          "openWorldHint": "open_world_hint"}[hint])
+                    for hint in HINTS[name]}
+            check(said == HINTS[name], f"{name}: hints {said}, expected {HINTS[name]}")
+            check(tool.title and hints.title == tool.title, f"{name}: titles {tool.title!r} {hints.title!r}")
+        print("ok: every tool says what it may do, and has a title")
+
+        for name, tool in tools.items():
+            schema = tool.output_schema
+            if name not in STRUCTURED:
+                check(schema is None, f"{name} declares an outputSchema but returns none: {schema}")
+                continue
+            check(schema and schema.get("type") == "object", f"{name}: outputSchema {schema}")
+            validator_for(schema).check_schema(schema)
+            SCHEMAS[name] = schema
+        check(set(SCHEMAS["run_python"]["properties"]) >= {
+            "status", "session_id", "new_session", "stdout", "stderr", "result", "error",
+            "artifacts", "denials", "state_generation"}, SCHEMAS["run_python"])
+        # A check that could never fail proves nothing: a result missing a required field, or
+        # with a status the schema does not know, must be refused.
+        run_schema = SCHEMAS["run_python"]
+        bad = {"status": "fine", "session_id": "s"}
+        check(list(validator_for(run_schema)(run_schema).iter_errors(bad)),
+              "the run_python schema accepts a result without its fields")
+        print("ok: the structured tools declare output schemas")
+
         result, text = await run(mcp, "x = 21\nprint('hello')\nx * 2")
         check(not result.is_error and "status: ok" in text, text)
         check("stdout:\nhello" in text and "result: 42" in text, text)
@@ -122,16 +258,16 @@ async def main():
         check("traceback:" in text and "1 / 0" in text and "\x1b[" not in text, text)
         print("ok: an error comes with its traceback")
 
-        result = await mcp.call_tool("write_file", {"path": "data/in.csv", "content": "a,b\n1,2\n"})
+        result = await tool_call(mcp, "write_file", {"path": "data/in.csv", "content": "a,b\n1,2\n"})
         check(not result.is_error and "8 bytes" in text_of(result), text_of(result))
         blob = base64.b64encode(bytes(range(256))).decode()
-        result = await mcp.call_tool("write_file",
+        result = await tool_call(mcp, "write_file",
                                      {"path": "blob.bin", "content": blob, "encoding": "base64"})
         check(not result.is_error, text_of(result))
         result, text = await run(mcp, "import pandas as pd\ndf = pd.read_csv('data/in.csv')\n"
                                  "df.to_csv('out.csv', index=False)\nlen(open('blob.bin','rb').read())")
         check("result: 256" in text, text)
-        files = text_of(await mcp.call_tool("list_files", {}))
+        files = text_of(await tool_call(mcp, "list_files", {}))
         check("out.csv (file" in files and "data (dir" in files, files)
         check(text_of(await mcp.call_tool("read_file", {"path": "out.csv"})) == "a,b\n1,2\n", "read")
         binary = text_of(await mcp.call_tool("read_file", {"path": "blob.bin"}))
@@ -170,7 +306,7 @@ async def main():
             await asyncio.wait([running], timeout=2)
             if running.done():
                 break
-            stopped = await mcp.call_tool("interrupt", {})
+            stopped = await tool_call(mcp, "interrupt", {})
         result, text = running.result()
         check("KeyboardInterrupt" in text, text)
         check(stopped is not None and "interrupted session" in text_of(stopped),
@@ -179,13 +315,13 @@ async def main():
         check("result: 21" in text, f"variables lost by an interrupt: {text}")
         print("ok: interrupt stops a running cell and keeps the variables")
 
-        restarted = text_of(await mcp.call_tool("restart", {}))
+        restarted = text_of(await tool_call(mcp, "restart", {}))
         check("variables and files are gone" in restarted, restarted)
         _, text = await run(mcp, "x")
         check("NameError" in text and session_of(text) == first, text)
         print("ok: restart loses the variables")
 
-        fresh = text_of(await mcp.call_tool("new_session", {}))
+        fresh = text_of(await tool_call(mcp, "new_session", {}))
         second = re.search(r"New session ([0-9a-f-]{36})", fresh).group(1)
         check(second != first, fresh)
         _, text = await run(mcp, "1")

@@ -19,6 +19,11 @@
 //! and traceback, artifacts with their summaries, denials, `state_generation`. Images (PNG,
 //! JPEG, GIF, WebP) come as MCP image content, a few per result and each bounded; other rich
 //! outputs as their summary and the artifact id, which `get_artifact` reads as text.
+//!
+//! **Results a program can read.** The tools whose result is not a file's content also
+//! return it as `structuredContent`, typed in [`output`] (whose schemas are their
+//! `outputSchema`); the text is rendered from that same value. Every tool carries a title and
+//! its hints (read-only, destructive, idempotent, open world).
 
 use std::sync::Arc;
 
@@ -40,8 +45,10 @@ use tower::ServiceExt as _;
 use super::auth::Principal;
 use super::state::AppState;
 use conversations::{Caller, Conversation, Conversations, Defaults};
+use output::capped;
 
 mod conversations;
+mod output;
 
 /// The most bytes of a file or artifact a tool returns (as text or an image).
 const MAX_CONTENT_BYTES: usize = 1 << 20;
@@ -61,8 +68,6 @@ const MCP_SESSION_MARGIN: std::time::Duration = std::time::Duration::from_secs(6
 const MAX_RESULT_BYTES: usize = 8 << 20;
 /// The most images one `run_python` result carries (the rest are listed).
 const MAX_IMAGES: usize = 4;
-/// The most characters of one stream a result quotes (the rest are cut, and it says so).
-const MAX_STREAM_CHARS: usize = 20_000;
 
 /// What is mounted at `/mcp` (behind the authentication layer): the MCP service behind
 /// [`guard`].
@@ -93,8 +98,9 @@ pub fn routes(state: AppState) -> axum::Router {
         end_session,
     );
     let tenants = state.tenants.clone();
+    let open_world = open_world(state.kernels.policies());
     axum::Router::new()
-        .fallback_service(service(api, defaults))
+        .fallback_service(service(api, defaults, open_world))
         .layer(axum::middleware::from_fn(move |request, next| {
             guard(conversations.clone(), tenants.clone(), request, next)
         }))
@@ -200,6 +206,16 @@ async fn guard(
     response
 }
 
+/// Whether code run through the tools may reach anything beyond the gateway: whether any
+/// policy lets its kernels through the egress proxy or install packages (fetched from an
+/// index outside). The hint is one per tool, not per caller, so it is the widest any caller
+/// could get; with the shipped policies, which allow neither, it is false.
+fn open_world(policies: &crate::policy::Policies) -> bool {
+    policies
+        .iter()
+        .any(|policy| !policy.egress.allow.is_empty() || !policy.packages.allow.is_empty())
+}
+
 /// The header naming an MCP session.
 const MCP_SESSION_HEADER: &str = "mcp-session-id";
 
@@ -207,6 +223,7 @@ const MCP_SESSION_HEADER: &str = "mcp-session-id";
 fn service(
     api: axum::Router,
     defaults: Defaults,
+    open_world: bool,
 ) -> StreamableHttpService<Tools, LocalSessionManager> {
     let config = StreamableHttpServerConfig::default()
         // The gateway's edge already checks hosts and origins (a gateway without a token
@@ -217,7 +234,7 @@ fn service(
     // a policy lets run, so no result is lost midway and a conversation keeps its kernel.
     sessions.session_config.keep_alive = Some(MCP_SESSION_IDLE);
     StreamableHttpService::new(
-        move || Ok(Tools::new(api.clone(), defaults.clone())),
+        move || Ok(Tools::new(api.clone(), defaults.clone(), open_world)),
         Arc::new(sessions),
         config,
     )
@@ -230,7 +247,7 @@ pub struct Tools {
     api: axum::Router,
     /// Each conversation's (caller and MCP session) default cellgate session.
     defaults: Defaults,
-    #[allow(dead_code)] // read by the code `tool_handler` generates
+    /// The tools, as `tool_handler`'s code lists and calls them.
     tool_router: ToolRouter<Tools>,
 }
 
@@ -314,6 +331,16 @@ impl Answer {
         serde_json::from_slice(&self.body).unwrap_or(Value::Null)
     }
 
+    /// The body read as a `T`; one that does not fit is a tool error naming `what`, so a
+    /// result is never built from a guess.
+    fn parse<T: serde::de::DeserializeOwned>(&self, what: &str) -> Result<T, CallToolResult> {
+        serde_json::from_slice(&self.body).map_err(|error| {
+            tool_error(format!(
+                "{what}: an answer the tool could not read: {error}"
+            ))
+        })
+    }
+
     /// A success whose body was too long to read, said as such.
     fn oversized(&self, what: &str, limit: usize) -> Option<CallToolResult> {
         self.too_large.then(|| {
@@ -337,11 +364,17 @@ impl Answer {
 
 #[tool_router]
 impl Tools {
-    fn new(api: axum::Router, defaults: Defaults) -> Tools {
+    /// `open_world`: some policy lets code reach beyond the gateway (see [`open_world`]).
+    fn new(api: axum::Router, defaults: Defaults, open_world: bool) -> Tools {
+        let mut tool_router = Self::tool_router();
+        if let Some(route) = tool_router.map.get_mut("run_python") {
+            let annotations = route.attr.annotations.get_or_insert_with(Default::default);
+            annotations.open_world_hint = Some(open_world);
+        }
         Tools {
             api,
             defaults,
-            tool_router: Self::tool_router(),
+            tool_router,
         }
     }
 
@@ -484,7 +517,17 @@ impl Tools {
     }
 
     #[tool(
-        description = "Run Python code in a sandboxed Jupyter kernel. Variables, imports and files persist across calls in the same session (the caller's own unless session_id is given). Returns the status (ok, error, timeout, oom, denied, output_truncated, sandbox_lost), stdout, stderr, the value of the last expression, the error with its traceback, and rich outputs: images inline, other charts, tables and HTML as artifacts (read one with get_artifact). Network access and package installs follow the session's policy; what it refused is listed under denials. state_generation changes when the kernel's variables were lost (restart, crash, out of memory)."
+        title = "Run Python",
+        description = "Run Python code in a sandboxed Jupyter kernel. Variables, imports and files persist across calls in the same session (the caller's own unless session_id is given). Returns the status (ok, error, timeout, oom, denied, output_truncated, sandbox_lost), stdout, stderr, the value of the last expression, the error with its traceback, and rich outputs: images inline, other charts, tables and HTML as artifacts (read one with get_artifact). Network access and package installs follow the session's policy; what it refused is listed under denials. state_generation changes when the kernel's variables were lost (restart, crash, out of memory).",
+        // Its code may delete or overwrite anything in the session; whether it reaches the
+        // network depends on the policies, so `Tools::new` sets openWorldHint.
+        annotations(
+            title = "Run Python",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = false
+        ),
+        output_schema = rmcp::handler::server::tool::schema_for_output::<output::Execution>()
     )]
     async fn run_python(
         &self,
@@ -515,39 +558,47 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("running the code");
         }
-        let result = answer.json();
-        let mut content = vec![ContentBlock::text(describe_execution(&id, new, &result))];
-        let mut images = 0;
-        for artifact in result["artifacts"].as_array().into_iter().flatten() {
-            let mime = artifact["mime"].as_str().unwrap_or_default();
-            let bytes = artifact["bytes"].as_u64().unwrap_or(u64::MAX);
-            if !is_image(mime) || bytes > MAX_CONTENT_BYTES as u64 || images == MAX_IMAGES {
+        let execution = match answer.parse::<output::ApiExecution>("the result") {
+            Ok(read) => output::Execution::new(id, new, read),
+            Err(error) => return error,
+        };
+        let mut images = Vec::new();
+        for artifact in &execution.artifacts {
+            if !is_image(&artifact.mime)
+                || artifact.bytes > MAX_CONTENT_BYTES as u64
+                || images.len() == MAX_IMAGES
+            {
                 continue;
             }
-            let Some(artifact_id) = artifact["id"].as_str() else {
-                continue;
-            };
             let fetched = self
                 .call(
                     &principal,
                     Method::GET,
-                    &format!("/v1/artifacts/{artifact_id}"),
+                    &format!("/v1/artifacts/{}", percent(&artifact.id)),
                     None,
                 )
                 .await;
             if fetched.ok() && fetched.body.len() <= MAX_CONTENT_BYTES {
-                content.push(ContentBlock::image(
+                images.push(ContentBlock::image(
                     base64::engine::general_purpose::STANDARD.encode(&fetched.body),
-                    mime,
+                    artifact.mime.clone(),
                 ));
-                images += 1;
             }
         }
-        CallToolResult::success(content)
+        structured(&execution, images)
     }
 
     #[tool(
-        description = "Start over: a fresh session (a new kernel, empty workspace) becomes the caller's own; the old one is shut down. Optionally under another policy."
+        title = "New session",
+        description = "Start over: a fresh session (a new kernel, empty workspace) becomes the caller's own; the old one is shut down. Optionally under another policy.",
+        annotations(
+            title = "New session",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = false,
+            open_world_hint = false
+        ),
+        output_schema = rmcp::handler::server::tool::schema_for_output::<output::NewSession>()
     )]
     async fn new_session(
         &self,
@@ -568,24 +619,47 @@ impl Tools {
         };
         let old = known.replace(id.clone());
         drop(known);
-        if let Some(old) = old {
-            self.call(&principal, Method::DELETE, &session_path(&old), None)
+        if let Some(old) = &old {
+            self.call(&principal, Method::DELETE, &session_path(old), None)
                 .await;
         }
         let answer = self
             .call(&principal, Method::GET, &session_path(&id), None)
             .await;
-        let model = answer.json();
-        text(format!(
-            "New session {id}: policy {}, sandbox {}, state_generation {}.",
-            model["policy"].as_str().unwrap_or("?"),
-            model["sandbox"].as_str().unwrap_or("?"),
-            model["state_generation"]
-        ))
+        if !answer.ok() {
+            return answer.failure("reading the new session");
+        }
+        #[derive(Deserialize)]
+        struct Model {
+            policy: String,
+            sandbox: String,
+            state_generation: u64,
+        }
+        let model = match answer.parse::<Model>("the new session") {
+            Ok(model) => model,
+            Err(error) => return error,
+        };
+        structured(
+            &output::NewSession {
+                session_id: id,
+                policy: model.policy,
+                sandbox: model.sandbox,
+                state_generation: model.state_generation,
+                replaced: old,
+            },
+            vec![],
+        )
     }
 
     #[tool(
-        description = "List the files and directories of the session's workspace (the kernel's working directory), or of one directory in it."
+        title = "List workspace files",
+        description = "List the files and directories of the session's workspace (the kernel's working directory), or of one directory in it.",
+        annotations(
+            title = "List workspace files",
+            read_only_hint = true,
+            open_world_hint = false
+        ),
+        output_schema = rmcp::handler::server::tool::schema_for_output::<output::FileList>()
     )]
     async fn list_files(
         &self,
@@ -596,37 +670,37 @@ impl Tools {
             Ok(target) => target,
             Err(error) => return error,
         };
+        let dir = request.dir.unwrap_or_default();
         let mut path = format!("{}/files", session_path(&id));
-        if let Some(dir) = request.dir.filter(|d| !d.is_empty()) {
+        if !dir.is_empty() {
             path.push_str(&format!("?dir={}", percent(&dir)));
         }
         let answer = self.call(&principal, Method::GET, &path, None).await;
         if !answer.ok() {
             return answer.failure("listing the files");
         }
-        let entries = answer.json();
-        let lines: Vec<String> = entries
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|entry| {
-                format!(
-                    "{} ({}, {} bytes)",
-                    entry["path"].as_str().unwrap_or("?"),
-                    entry["kind"].as_str().unwrap_or("?"),
-                    entry["size"]
-                )
-            })
-            .collect();
-        text(if lines.is_empty() {
-            format!("session {id}: no files")
-        } else {
-            format!("session {id}:\n{}", lines.join("\n"))
-        })
+        let files = match answer.parse::<Vec<output::ListedFile>>("the listing") {
+            Ok(files) => files,
+            Err(error) => return error,
+        };
+        structured(
+            &output::FileList {
+                session_id: id,
+                dir,
+                files,
+            },
+            vec![],
+        )
     }
 
     #[tool(
-        description = "Read a file of the session's workspace: text as text, images as images; other binary files are described, not returned."
+        title = "Read a workspace file",
+        description = "Read a file of the session's workspace: text as text, images as images; other binary files are described, not returned.",
+        annotations(
+            title = "Read a workspace file",
+            read_only_hint = true,
+            open_world_hint = false
+        )
     )]
     async fn read_file(
         &self,
@@ -659,7 +733,17 @@ impl Tools {
     }
 
     #[tool(
-        description = "Write a file into the session's workspace (text, or base64 with encoding=base64), replacing any file at that path. The code can then open it by its relative path."
+        title = "Write a workspace file",
+        description = "Write a file into the session's workspace (text, or base64 with encoding=base64), replacing any file at that path. The code can then open it by its relative path.",
+        // Replaces what was at the path; writing the same content again changes nothing.
+        annotations(
+            title = "Write a workspace file",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        ),
+        output_schema = rmcp::handler::server::tool::schema_for_output::<output::Written>()
     )]
     async fn write_file(
         &self,
@@ -697,16 +781,33 @@ impl Tools {
         if !answer.ok() {
             return answer.failure(&format!("writing {}", request.path));
         }
-        let written = answer.json();
-        text(format!(
-            "wrote {} ({} bytes) in session {id}",
-            written["path"].as_str().unwrap_or(&request.path),
-            written["bytes"]
-        ))
+        #[derive(Deserialize)]
+        struct Uploaded {
+            path: String,
+            bytes: u64,
+        }
+        let written = match answer.parse::<Uploaded>("the upload's answer") {
+            Ok(written) => written,
+            Err(error) => return error,
+        };
+        structured(
+            &output::Written {
+                session_id: id,
+                path: written.path,
+                bytes: written.bytes,
+            },
+            vec![],
+        )
     }
 
     #[tool(
-        description = "Read an artifact a result listed (by its id): images as images; HTML tables, JSON, Markdown, CSV and other text as text."
+        title = "Read an artifact",
+        description = "Read an artifact a result listed (by its id): images as images; HTML tables, JSON, Markdown, CSV and other text as text.",
+        annotations(
+            title = "Read an artifact",
+            read_only_hint = true,
+            open_world_hint = false
+        )
     )]
     async fn get_artifact(
         &self,
@@ -735,7 +836,18 @@ impl Tools {
     }
 
     #[tool(
-        description = "Interrupt the code running in the session (its result reports KeyboardInterrupt); variables are kept."
+        title = "Interrupt",
+        description = "Interrupt the code running in the session (its result reports KeyboardInterrupt); variables are kept.",
+        // It ends the running cell's work, but no state: a second interrupt finds nothing
+        // more to stop.
+        annotations(
+            title = "Interrupt",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        ),
+        output_schema = rmcp::handler::server::tool::schema_for_output::<output::SessionAction>()
     )]
     async fn interrupt(
         &self,
@@ -757,11 +869,27 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("interrupting");
         }
-        text(format!("interrupted session {id}"))
+        structured(
+            &output::SessionAction {
+                session_id: id,
+                action: output::Action::Interrupted,
+                state_generation: None,
+            },
+            vec![],
+        )
     }
 
     #[tool(
-        description = "Restart the session's kernel: all variables and workspace files are lost; state_generation changes."
+        title = "Restart the kernel",
+        description = "Restart the session's kernel: all variables and workspace files are lost; state_generation changes.",
+        annotations(
+            title = "Restart the kernel",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = false,
+            open_world_hint = false
+        ),
+        output_schema = rmcp::handler::server::tool::schema_for_output::<output::SessionAction>()
     )]
     async fn restart(
         &self,
@@ -783,14 +911,32 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("restarting");
         }
-        text(format!(
-            "restarted session {id}: variables and files are gone (state_generation {})",
-            answer.json()["state_generation"]
-        ))
+        #[derive(Deserialize)]
+        struct Model {
+            state_generation: u64,
+        }
+        let model = match answer.parse::<Model>("the restarted session") {
+            Ok(model) => model,
+            Err(error) => return error,
+        };
+        structured(
+            &output::SessionAction {
+                session_id: id,
+                action: output::Action::Restarted,
+                state_generation: Some(model.state_generation),
+            },
+            vec![],
+        )
     }
 
     #[tool(
-        description = "Export the session's history as a Jupyter notebook (.ipynb JSON, nbformat 4): every cell run, with its outputs."
+        title = "Export the notebook",
+        description = "Export the session's history as a Jupyter notebook (.ipynb JSON, nbformat 4): every cell run, with its outputs.",
+        annotations(
+            title = "Export the notebook",
+            read_only_hint = true,
+            open_world_hint = false
+        )
     )]
     async fn export_notebook(
         &self,
@@ -822,7 +968,9 @@ impl Tools {
     }
 }
 
-#[tool_handler]
+// The router this server holds (not a fresh one per call, rmcp's default): its tools carry
+// the hints `Tools::new` set.
+#[tool_handler(router = self.tool_router)]
 impl ServerHandler for Tools {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
@@ -872,6 +1020,23 @@ fn text(text: String) -> CallToolResult {
     CallToolResult::success(vec![ContentBlock::text(text)])
 }
 
+/// A result whose text (then `more`, such as images) and `structuredContent` are one value:
+/// the text is rendered from it, so the two cannot disagree.
+fn structured<T: serde::Serialize + std::fmt::Display>(
+    value: &T,
+    more: Vec<ContentBlock>,
+) -> CallToolResult {
+    let structured = match serde_json::to_value(value) {
+        Ok(structured) => structured,
+        Err(error) => return tool_error(format!("a result the tool could not write: {error}")),
+    };
+    let mut content = vec![ContentBlock::text(value.to_string())];
+    content.extend(more);
+    let mut result = CallToolResult::success(content);
+    result.structured_content = Some(structured);
+    result
+}
+
 fn tool_error(message: String) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(message)])
 }
@@ -912,18 +1077,6 @@ fn content_of(answer: &Answer, name: &str) -> CallToolResult {
     }
 }
 
-/// `text`, cut at `max` characters with a note saying how much was left out.
-fn capped(text: &str, max: usize) -> String {
-    match text.char_indices().nth(max) {
-        None => text.to_owned(),
-        Some((cut, _)) => format!(
-            "{}\n[… {} more characters not shown]",
-            &text[..cut],
-            text[cut..].chars().count()
-        ),
-    }
-}
-
 /// API v1's path of session `id` (encoded: an id is the caller's input).
 fn session_path(id: &str) -> String {
     format!("/v1/sessions/{}", percent(id))
@@ -951,127 +1104,9 @@ fn percent(text: &str) -> String {
     encoded
 }
 
-/// An execution result as a model reads it.
-fn describe_execution(id: &str, new: bool, result: &Value) -> String {
-    let mut out = format!(
-        "status: {}\nsession: {id} (state_generation {}{})\n",
-        result["status"].as_str().unwrap_or("?"),
-        result["state_generation"],
-        if new {
-            "; a new session: variables from earlier calls are not here"
-        } else {
-            ""
-        }
-    );
-    for stream in ["stdout", "stderr"] {
-        if let Some(text) = result[stream].as_str().filter(|t| !t.is_empty()) {
-            out.push_str(&format!("{stream}:\n{}\n", capped(text, MAX_STREAM_CHARS)));
-            if result[format!("{stream}_truncated")] == true {
-                out.push_str(&format!("[{stream} was cut by the gateway]\n"));
-            }
-        }
-    }
-    if let Some(value) = result["result"].as_str() {
-        out.push_str(&format!("result: {}\n", capped(value, MAX_STREAM_CHARS)));
-    }
-    if let Some(error) = result["error"].as_object() {
-        out.push_str(&format!(
-            "error: {}: {}\n",
-            error.get("ename").and_then(Value::as_str).unwrap_or("?"),
-            error.get("evalue").and_then(Value::as_str).unwrap_or("")
-        ));
-        let traceback: Vec<&str> = error
-            .get("traceback")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .collect();
-        if !traceback.is_empty() {
-            out.push_str(&format!(
-                "traceback:\n{}\n",
-                capped(&traceback.join("\n"), MAX_STREAM_CHARS)
-            ));
-        }
-    }
-    let artifacts: Vec<&Value> = result["artifacts"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .collect();
-    if !artifacts.is_empty() {
-        out.push_str("artifacts:\n");
-        for artifact in artifacts {
-            out.push_str(&format!(
-                "- {} ({}, {} bytes{}): {}\n",
-                artifact["id"].as_str().unwrap_or("?"),
-                artifact["mime"].as_str().unwrap_or("?"),
-                artifact["bytes"],
-                artifact["path"]
-                    .as_str()
-                    .map(|p| format!(", file {p}"))
-                    .unwrap_or_default(),
-                artifact["summary"].as_str().unwrap_or("")
-            ));
-        }
-    }
-    let denials: Vec<&Value> = result["denials"].as_array().into_iter().flatten().collect();
-    if !denials.is_empty() {
-        out.push_str("denied by the policy:\n");
-        for denial in denials {
-            out.push_str(&format!(
-                "- {} {} (policy {}): {}\n",
-                denial["kind"].as_str().unwrap_or("?"),
-                denial["target"].as_str().unwrap_or("?"),
-                denial["policy"].as_str().unwrap_or("?"),
-                denial["reason"].as_str().unwrap_or("")
-            ));
-        }
-    }
-    if let Some(omitted) = result["omitted"].as_array().filter(|o| !o.is_empty()) {
-        out.push_str(&format!(
-            "{} outputs were not stored (quotas)\n",
-            omitted.len()
-        ));
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn results_read_as_text_with_every_part() {
-        let result = json!({
-            "status": "error", "state_generation": 2, "stdout": "hi\n", "stderr": "",
-            "result": null,
-            "error": {"ename": "ZeroDivisionError", "evalue": "division by zero",
-                      "traceback": ["Traceback", "  1 / 0"]},
-            "artifacts": [{"id": "a1", "mime": "image/png", "bytes": 10, "summary": "PNG image 1×1"}],
-            "denials": [{"kind": "egress", "target": "x.example:443", "policy": "default", "reason": "not allowed"}],
-        });
-        let text = describe_execution("s1", true, &result);
-        for part in [
-            "status: error",
-            "session: s1 (state_generation 2; a new session",
-            "stdout:\nhi\n",
-            "error: ZeroDivisionError: division by zero",
-            "traceback:\nTraceback\n  1 / 0",
-            "- a1 (image/png, 10 bytes): PNG image 1×1",
-            "- egress x.example:443 (policy default): not allowed",
-        ] {
-            assert!(text.contains(part), "{part:?} missing from:\n{text}");
-        }
-        assert!(!text.contains("stderr"), "{text}");
-    }
-
-    #[test]
-    fn long_text_is_cut_and_says_so() {
-        assert_eq!(capped("abc", 5), "abc");
-        assert_eq!(capped("abcdef", 3), "abc\n[… 3 more characters not shown]");
-        assert_eq!(capped("ééé", 2), "éé\n[… 1 more characters not shown]");
-    }
 
     #[test]
     fn paths_are_percent_encoded_by_segment() {
