@@ -81,6 +81,13 @@ pub struct ServeArgs {
     /// Path prefix of every route (also KG_BASE_URL) [default: /].
     #[arg(long, env = "CELLGATE_BASE_URL")]
     pub base_url: Option<String>,
+    /// The origin clients reach the gateway at (scheme, host, optional port; e.g.
+    /// https://cellgate.example.com when TLS ends at a proxy in front), for where the gateway
+    /// names itself in full: /mcp's OAuth metadata [default: http:// and each request's Host].
+    // This text is `--help` too, where markup around the URL would be printed as is.
+    #[allow(rustdoc::bare_urls)]
+    #[arg(long, env = "CELLGATE_PUBLIC_URL")]
+    pub public_url: Option<String>,
     /// Also serve /metrics, /healthz and /readyz, without authentication, on this address
     /// (e.g. 127.0.0.1:9464, an address only the scraper reaches) [default: none: /metrics
     /// is served on the main listener, to the gateway's token only].
@@ -281,6 +288,7 @@ struct FileConfig {
     max_message_mib: Option<usize>,
     runtime_dir: Option<PathBuf>,
     base_url: Option<String>,
+    public_url: Option<String>,
     jwt_secret_file: Option<PathBuf>,
     #[serde(default)]
     jwt_public_keys: Vec<PathBuf>,
@@ -343,6 +351,9 @@ pub struct GatewayConfig {
     pub runtime_dir: Option<PathBuf>,
     /// Always starts and ends with `/`.
     pub base_url: String,
+    /// `scheme://host[:port]`, lower case, no trailing slash; `None`: taken from each
+    /// request.
+    pub public_url: Option<String>,
     /// JWT keys (paths only: secrets are read when the gateway starts and never kept here).
     pub jwt: JwtSettings,
     pub tenants: TenantSettings,
@@ -442,6 +453,8 @@ pub enum ConfigError {
     AnyOriginWithoutToken,
     #[error("base_url {0:?} must be a path")]
     BadBaseUrl(String),
+    #[error("public_url {0:?}: expected an origin such as https://cellgate.example.com (http or https, a host, an optional port, no path)")]
+    BadPublicUrl(String),
     #[error("replica_url {0:?}: expected http://, a host and an optional port, no path (the address other replicas reach this one at on the cluster network)")]
     BadReplicaUrl(String),
     #[error("replica_id needs replica_url: a replica must say where the others reach it")]
@@ -491,6 +504,14 @@ fn normalise_origin(origin: &str) -> Result<String, ConfigError> {
         return Err(bad());
     }
     Ok(lower)
+}
+
+/// An origin clients reach the gateway at, normalised as [`normalise_origin`] does.
+fn public_url(url: &str) -> Result<String, ConfigError> {
+    match normalise_origin(url) {
+        Ok(origin) if origin != "*" => Ok(origin),
+        _ => Err(ConfigError::BadPublicUrl(url.to_owned())),
+    }
 }
 
 /// Reads an environment variable, treating an empty value as unset.
@@ -768,6 +789,12 @@ impl GatewayConfig {
                 << 20,
             runtime_dir: args.runtime_dir.clone().or(file.runtime_dir),
             base_url,
+            public_url: args
+                .public_url
+                .clone()
+                .or(file.public_url)
+                .map(|url| public_url(&url))
+                .transpose()?,
             jwt,
             tenants,
             package_index: args
@@ -835,6 +862,7 @@ mod tests {
             ("max_message_mib", "max_message_mib = 8"),
             ("runtime_dir", "runtime_dir = \"/run/cellgate\""),
             ("base_url", "base_url = \"/gw\""),
+            ("public_url", "public_url = \"https://gw.example\""),
             ("metrics_listen", "metrics_listen = \"127.0.0.1:9464\""),
             ("replica_url", "replica_url = \"http://10.0.0.1:8888\""),
             ("replica_id", "replica_id = \"gw-1\""),
@@ -962,6 +990,35 @@ mod tests {
         };
         let config = GatewayConfig::resolve(&args).unwrap();
         assert_eq!(config.base_url, "/gw/");
+    }
+
+    #[test]
+    fn public_url_is_an_origin() {
+        let resolve = |url: &str| {
+            GatewayConfig::resolve(&ServeArgs {
+                public_url: Some(url.into()),
+                ..ServeArgs::default()
+            })
+            .map(|config| config.public_url)
+        };
+        assert_eq!(
+            resolve("HTTPS://GW.example:8443/").unwrap().as_deref(),
+            Some("https://gw.example:8443")
+        );
+        for bad in [
+            "gw.example",
+            "ftp://gw.example",
+            "https://gw.example/mcp",
+            "https://gw\".example",
+            "*",
+        ] {
+            assert!(
+                matches!(resolve(bad), Err(ConfigError::BadPublicUrl(_))),
+                "{bad}"
+            );
+        }
+        let unset = GatewayConfig::resolve(&ServeArgs::default()).unwrap();
+        assert_eq!(unset.public_url, None);
     }
 
     #[test]

@@ -98,6 +98,11 @@ pub fn router(state: AppState) -> Router {
         .layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,
+        ))
+        // Outside auth, whose 401s it completes: on /mcp they say where the OAuth metadata is.
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            mcp::oauth::challenge,
         ));
     let health = operations::probe_routes()
         .merge(v1::public_routes())
@@ -112,6 +117,9 @@ pub fn router(state: AppState) -> Router {
             .route(&format!("{prefix}/"), get(|| async { web::page() }))
             .fallback(no_route)
     };
+    // At the root whatever the base URL: RFC 9728 puts the well-known prefix before the
+    // resource's path. No credential: a host reads it before it has one.
+    let routes = routes.merge(mcp::oauth::routes(&state));
     // Inside CORS, which answers preflights first; outside auth and the base URL, so every
     // route, the page included, is checked.
     let routes = routes.layer(middleware::from_fn_with_state(state.clone(), edge::check));

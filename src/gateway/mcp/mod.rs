@@ -23,7 +23,8 @@
 //! **Results a program can read.** The tools whose result is not a file's content also
 //! return it as `structuredContent`, typed in [`output`] (whose schemas are their
 //! `outputSchema`); the text is rendered from that same value. Every tool carries a title and
-//! its hints (read-only, destructive, idempotent, open world).
+//! its hints (read-only, destructive, idempotent, open world). [`oauth`] publishes `/mcp`'s
+//! OAuth protected-resource metadata when the gateway names a JWT issuer.
 
 use std::sync::Arc;
 
@@ -48,6 +49,7 @@ use conversations::{Caller, Conversation, Conversations, Defaults};
 use output::capped;
 
 mod conversations;
+pub mod oauth;
 mod output;
 
 /// The most bytes of a file or artifact a tool returns (as text or an image).
