@@ -59,7 +59,8 @@ pub struct ServeArgs {
     /// disables the pool [default: 1].
     #[arg(long, env = "CELLGATE_POOL_SIZE")]
     pub pool_size: Option<usize>,
-    /// Seconds a kernel may take to become ready [default: 60].
+    /// Seconds a kernel may take to become ready (five times as long in a microVM under
+    /// software emulation) [default: 60].
     #[arg(long, env = "CELLGATE_START_TIMEOUT")]
     pub start_timeout: Option<u64>,
     /// An origin (`https://app.example:8443`) whose pages may call the gateway: answered

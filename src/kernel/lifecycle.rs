@@ -282,7 +282,8 @@ impl Kernel {
     async fn finish_boot(self: Arc<Self>, (generation, launched): (u64, Launched)) {
         let expected_exit = Arc::new(AtomicBool::new(false));
         self.spawn_exit_watch(generation, launched.exit.clone(), expected_exit.clone());
-        let result = tokio::time::timeout(self.options.start_timeout, async {
+        let start_timeout = self.start_timeout();
+        let result = tokio::time::timeout(start_timeout, async {
             let mut exit = launched.exit.clone();
             let identity = format!("cellgate-{}", uuid::Uuid::new_v4().simple());
             let channels = tokio::select! {
@@ -317,7 +318,7 @@ impl Kernel {
                 &launched,
                 format!(
                     "kernel did not become ready within {} s",
-                    self.options.start_timeout.as_secs()
+                    start_timeout.as_secs()
                 ),
             ),
         }
@@ -556,9 +557,15 @@ impl Kernel {
                 }
             }
         };
-        tokio::time::timeout(self.options.start_timeout, wait)
+        tokio::time::timeout(self.start_timeout(), wait)
             .await
             .map_err(|_| KernelError::NotReady)?
+    }
+
+    /// How long a start may take: the gateway's start timeout, times what the sandbox needs
+    /// (see [`Sandbox::start_time_factor`]).
+    fn start_timeout(&self) -> Duration {
+        self.options.start_timeout * self.sandbox.start_time_factor()
     }
 
     /// Waits for readiness, for clients that attach while the kernel starts.

@@ -444,6 +444,12 @@ pub trait Sandbox: Send + Sync {
     fn backend(&self) -> Backend;
     /// Starts a kernel. Returns once the kernel process exists (not once it is ready).
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>>;
+    /// How many times the gateway's start timeout a kernel here may take to become ready:
+    /// 1, except where the host makes every start slow by nature (an emulated VM), so that
+    /// the timeout catches a kernel that hangs, not one that runs at the emulator's speed.
+    fn start_time_factor(&self) -> u32 {
+        1
+    }
 }
 
 /// Errors of sandbox backends.

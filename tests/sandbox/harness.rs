@@ -330,12 +330,11 @@ pub async fn start_kernel_in(sandbox: Box<dyn Sandbox>, python: PathBuf, limits:
             .await
             .expect("iopub");
     };
-    if tokio::time::timeout(Duration::from_secs(60), connect)
-        .await
-        .is_err()
-    {
+    // The gateway's own allowance: 60 s, times what the backend needs (an emulated VM).
+    let patience = Duration::from_secs(60) * sandbox.start_time_factor();
+    if tokio::time::timeout(patience, connect).await.is_err() {
         panic!(
-            "kernel sockets never appeared; log:\n{}",
+            "kernel sockets never appeared in {patience:?}; log:\n{}",
             std::fs::read_to_string(&spec.log_file).unwrap_or_default()
         );
     }

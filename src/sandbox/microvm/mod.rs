@@ -358,7 +358,19 @@ impl Sandbox for MicrovmSandbox {
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
         Box::pin(async move { Ok(self.core.launch_vm(spec).await?) })
     }
+
+    /// Under emulation Python runs ~50x slower: ipykernel's imports alone took over the
+    /// default 60 s on a busy 2-core machine while the VM was healthy.
+    fn start_time_factor(&self) -> u32 {
+        match self.core.accel {
+            Accel::Tcg => TCG_START_TIME_FACTOR,
+            _ => 1,
+        }
+    }
 }
+
+/// How many times the start timeout an emulated VM's kernel gets (5 minutes by default).
+const TCG_START_TIME_FACTOR: u32 = 5;
 
 /// The workspace disk's size in a zygote VM: a blank sparse placeholder, as large as any
 /// restored VM's disk may be (the guest keeps the size it saw at its boot).
