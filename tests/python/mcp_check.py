@@ -449,6 +449,13 @@ async def main():
                   and refused.json()["code"] == "tenant_mcp_session_limit"
                   and f"{MCP_CAP} open MCP sessions" in refused.json()["message"],
                   f"past the cap: {refused.status_code} {refused.text}")
+            # Another tenant ending one of them ends nothing and frees no slot.
+            if TENANT_A:
+                await http.delete(URL, headers={"Authorization": f"Bearer {TENANT_A}",
+                                                "Mcp-Session-Id": held[0]})
+                still, _ = await open_raw(http, CAPPED)
+                check(still.status_code == 403,
+                      f"another tenant's DELETE freed a slot: {still.status_code} {still.text}")
             # Other tenants are not counted against it.
             if TENANT_A:
                 opened, mcp_id = await open_raw(http, TENANT_A)

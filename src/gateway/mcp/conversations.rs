@@ -12,12 +12,16 @@
 //!   (never issued, ended, or forgotten) is handed on exactly as one naming another caller's
 //!   session: with an id that names no session, so rmcp answers "no such session" and the
 //!   client starts a new one. Nothing is let through for want of an entry.
-//! - **A cap per tenant.** Opening a session takes one of the tenant's slots
-//!   ([`crate::tenants::Tenants::max_mcp_sessions`]) before rmcp sees the request, so
-//!   concurrent opens cannot overshoot; ending or expiring gives it back.
-//! - **A conversation's kernel ends with it.** When an MCP session ends (its client's
-//!   `DELETE`, or idle expiry a little after rmcp's own), the cellgate session the tools made
-//!   for it is deleted, as its opener: a client that reconnects leaves no idle kernel behind.
+//! - **A cap per tenant, and one for the gateway.** A session rmcp opens is counted
+//!   against its tenant's cap ([`crate::tenants::Tenants::max_mcp_sessions`]) and the
+//!   gateway's, under one lock, before its id reaches the client; past either it is closed
+//!   again and the open refused, so concurrent opens cannot overshoot. The gateway's cap
+//!   stays below what the cache of openers holds, so no opener is ever evicted for room.
+//! - **One record.** Whenever the gateway forgets an opener (the opener's `DELETE`, rmcp
+//!   answering that the session is gone, or idle expiry a little after rmcp's own), it also
+//!   closes the session in rmcp, gives the slot back and deletes the cellgate session the
+//!   tools made for the conversation, as its opener: a client that reconnects leaves no idle
+//!   kernel behind, and no session lives on in rmcp that the gateway no longer counts.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -59,18 +63,35 @@ impl Caller {
 /// One conversation: a caller and its MCP session id (empty for a client that keeps none).
 pub type Conversation = (Caller, String);
 
-/// Each conversation's default cellgate session, behind a lock of its own.
-pub type Defaults = moka::sync::Cache<Conversation, Arc<tokio::sync::Mutex<Option<String>>>>;
+/// A conversation's default cellgate session.
+#[derive(Debug, Default)]
+pub struct DefaultSession {
+    /// `None` until a tool makes one.
+    pub id: Option<String>,
+    /// The conversation has ended: no tool may make a session for it any more (one made
+    /// after its end would never be deleted).
+    pub ended: bool,
+}
 
-/// What is done with a conversation's default session when the conversation ends: called
-/// with the opener's principal and the session id.
-pub type EndSession = Arc<dyn Fn(Principal, String) + Send + Sync>;
+/// Each conversation's default session, behind a lock of its own.
+pub type Defaults = moka::sync::Cache<Conversation, Arc<tokio::sync::Mutex<DefaultSession>>>;
+
+/// What the end of a conversation does outside this module.
+#[derive(Clone)]
+pub struct Hooks {
+    /// Closes MCP session `id` in rmcp (a no-op for one rmcp no longer has).
+    pub close_mcp_session: Arc<dyn Fn(String) + Send + Sync>,
+    /// Deletes cellgate session `id` as `principal`.
+    pub delete_session: Arc<dyn Fn(Principal, String) + Send + Sync>,
+}
 
 /// Why an MCP session cannot be opened.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConversationError {
     #[error("tenant {tenant:?} has {open} open MCP sessions, its limit: end one (DELETE /mcp with its Mcp-Session-Id) or let one expire")]
     TooMany { tenant: String, open: usize },
+    #[error("the gateway holds {open} open MCP sessions, as many as it keeps: try again later")]
+    Full { open: usize },
 }
 
 /// The opener of one MCP session.
@@ -81,77 +102,87 @@ struct Opener {
     principal: Principal,
 }
 
-/// The MCP sessions this gateway issued, their openers and each tenant's count.
+/// Open MCP sessions, in all and per tenant.
+#[derive(Default)]
+struct Counts {
+    total: usize,
+    per_tenant: HashMap<String, usize>,
+}
+
+impl Counts {
+    fn release(&mut self, caller: &Caller) {
+        self.total = self.total.saturating_sub(1);
+        if let Some(tenant) = caller.tenant() {
+            if let Some(count) = self.per_tenant.get_mut(tenant) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    self.per_tenant.remove(tenant);
+                }
+            }
+        }
+    }
+}
+
+/// The MCP sessions this gateway vouches for, their openers and the counts.
 #[derive(Clone)]
 pub struct Conversations {
     openers: moka::sync::Cache<String, Opener>,
-    /// Open MCP sessions (and opens under way) per tenant.
-    open: Arc<Mutex<HashMap<String, usize>>>,
+    counts: Arc<Mutex<Counts>>,
+    /// The most open at once, for the whole gateway.
+    capacity: usize,
+    hooks: Hooks,
 }
 
-/// A tenant's slot, taken for an MCP session being opened: given back when dropped unless
-/// [`Conversations::opened`] hands it to the new session.
-pub struct Slot {
-    open: Arc<Mutex<HashMap<String, usize>>>,
-    tenant: Option<String>,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if let Some(tenant) = self.tenant.take() {
-            release(&self.open, &tenant);
-        }
-    }
-}
-
-fn release(open: &Mutex<HashMap<String, usize>>, tenant: &str) {
-    let mut open = open.lock();
-    if let Some(count) = open.get_mut(tenant) {
-        *count = count.saturating_sub(1);
-        if *count == 0 {
-            open.remove(tenant);
-        }
-    }
-}
+/// Room the cache of openers keeps beyond [`Conversations`]' capacity: moka evicts by an
+/// estimate, and an opener must never be evicted to make room.
+const CACHE_SLACK: u64 = 1024;
 
 impl Conversations {
     /// `idle`: how long an unused MCP session is remembered (a little longer than rmcp keeps
-    /// it, so rmcp always ends it first); `capacity`: the most remembered at once.
-    pub fn new(
-        idle: Duration,
-        capacity: u64,
-        defaults: Defaults,
-        end_session: EndSession,
-    ) -> Conversations {
-        let open: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-        let counts = open.clone();
+    /// it, so rmcp ends it first); `capacity`: the most open at once.
+    pub fn new(idle: Duration, capacity: usize, defaults: Defaults, hooks: Hooks) -> Conversations {
+        let counts: Arc<Mutex<Counts>> = Arc::default();
+        let listener_counts = counts.clone();
+        let listener_hooks = hooks.clone();
         let openers = moka::sync::Cache::builder()
-            .max_capacity(capacity)
+            .max_capacity(capacity as u64 + CACHE_SLACK)
             .time_to_idle(idle)
             .eviction_listener(move |id: Arc<String>, opener: Opener, cause| {
-                if let Some(tenant) = opener.caller.tenant() {
-                    release(&counts, tenant);
-                }
-                // A replaced entry is the same session still open.
+                listener_counts.lock().release(&opener.caller);
+                // A replaced entry is the same session still open (and counted again).
                 if cause == RemovalCause::Replaced {
                     return;
                 }
+                (listener_hooks.close_mcp_session)(id.as_ref().clone());
                 let conversation = (opener.caller, id.as_ref().clone());
-                if let Some(slot) = defaults.remove(&conversation) {
-                    // The lock: a tool call that is making the session finishes first.
-                    let end = end_session.clone();
-                    let principal = opener.principal;
-                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                        runtime.spawn(async move {
-                            if let Some(session) = slot.lock().await.take() {
-                                end(principal, session);
-                            }
-                        });
+                let Some(slot) = defaults.remove(&conversation) else {
+                    return;
+                };
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    // Every cache call is made on the gateway's runtime; should one not be,
+                    // the session is left to the idle cull.
+                    tracing::warn!(mcp_session = %id, "an MCP conversation ended off the runtime: its session is left to the idle cull");
+                    return;
+                };
+                let delete = listener_hooks.delete_session.clone();
+                let principal = opener.principal;
+                runtime.spawn(async move {
+                    // The lock: a tool call making the session finishes first, and none
+                    // makes one after this.
+                    let mut state = slot.lock().await;
+                    state.ended = true;
+                    if let Some(session) = state.id.take() {
+                        delete(principal, session);
                     }
-                }
+                });
             })
             .build();
-        Conversations { openers, open }
+        Conversations {
+            openers,
+            counts,
+            capacity,
+            hooks,
+        }
     }
 
     /// Whether `caller` opened MCP session `id` (false for an id never issued or ended).
@@ -159,56 +190,66 @@ impl Conversations {
         self.openers.get(id).is_some_and(|o| &o.caller == caller)
     }
 
-    /// Takes one of the tenant's slots for a session about to be opened (the admin has no
-    /// cap), or says why not.
-    pub fn reserve(&self, caller: &Caller, limit: usize) -> Result<Slot, ConversationError> {
-        let Some(tenant) = caller.tenant() else {
-            return Ok(Slot {
-                open: self.open.clone(),
-                tenant: None,
-            });
-        };
+    /// Counts the session rmcp just opened for `principal` (`limit`: its tenant's cap; the
+    /// admin has none) and remembers its opener; past a cap, closes it and says why.
+    pub fn open(
+        &self,
+        id: &str,
+        principal: &Principal,
+        limit: usize,
+    ) -> Result<(), ConversationError> {
+        let caller = Caller::of(principal);
         // Expired sessions give their slots back first.
         self.openers.run_pending_tasks();
-        let mut open = self.open.lock();
-        let count = open.entry(tenant.to_owned()).or_default();
-        if *count >= limit {
-            return Err(ConversationError::TooMany {
-                tenant: tenant.to_owned(),
-                open: *count,
+        let refused = {
+            let mut counts = self.counts.lock();
+            let tenant_open = caller.tenant().map_or(0, |tenant| {
+                counts.per_tenant.get(tenant).copied().unwrap_or(0)
             });
+            if counts.total >= self.capacity {
+                Some(ConversationError::Full { open: counts.total })
+            } else if let Some(tenant) = caller.tenant().filter(|_| tenant_open >= limit) {
+                Some(ConversationError::TooMany {
+                    tenant: tenant.to_owned(),
+                    open: tenant_open,
+                })
+            } else {
+                counts.total += 1;
+                if let Some(tenant) = caller.tenant() {
+                    *counts.per_tenant.entry(tenant.to_owned()).or_default() += 1;
+                }
+                None
+            }
+        };
+        if let Some(error) = refused {
+            (self.hooks.close_mcp_session)(id.to_owned());
+            return Err(error);
         }
-        *count += 1;
-        Ok(Slot {
-            open: self.open.clone(),
-            tenant: Some(tenant.to_owned()),
-        })
-    }
-
-    /// Records the session rmcp issued for `principal`, which keeps `slot`.
-    pub fn opened(&self, id: &str, principal: &Principal, mut slot: Slot) {
-        // The entry owns the slot now: its removal gives it back.
-        slot.tenant = None;
         self.openers.insert(
             id.to_owned(),
             Opener {
-                caller: Caller::of(principal),
+                caller,
                 principal: principal.clone(),
             },
         );
+        Ok(())
     }
 
-    /// The session's opener ended it.
+    /// The session ended (its opener's `DELETE`) or is gone from rmcp.
     pub fn ended(&self, id: &str) {
         self.openers.invalidate(id);
         self.openers.run_pending_tasks();
     }
 
-    /// Open sessions (and opens under way) of `tenant`.
+    /// Open sessions of `tenant`, and in all.
     #[cfg(test)]
-    fn open_of(&self, tenant: &str) -> usize {
+    fn open_of(&self, tenant: &str) -> (usize, usize) {
         self.openers.run_pending_tasks();
-        self.open.lock().get(tenant).copied().unwrap_or(0)
+        let counts = self.counts.lock();
+        (
+            counts.per_tenant.get(tenant).copied().unwrap_or(0),
+            counts.total,
+        )
     }
 }
 
@@ -224,13 +265,48 @@ mod tests {
         }
     }
 
-    fn conversations(ended: Arc<Mutex<Vec<String>>>) -> (Conversations, Defaults) {
+    /// What the hooks were called with.
+    #[derive(Default)]
+    struct Seen {
+        closed: Mutex<Vec<String>>,
+        deleted: Mutex<Vec<String>>,
+    }
+
+    fn conversations(idle: Duration, capacity: usize) -> (Conversations, Defaults, Arc<Seen>) {
+        let seen = Arc::new(Seen::default());
         let defaults: Defaults = moka::sync::Cache::new(100);
-        let end: EndSession = Arc::new(move |_, session| ended.lock().push(session));
+        let (closed, deleted) = (seen.clone(), seen.clone());
+        let hooks = Hooks {
+            close_mcp_session: Arc::new(move |id| closed.closed.lock().push(id)),
+            delete_session: Arc::new(move |_, session| deleted.deleted.lock().push(session)),
+        };
         (
-            Conversations::new(Duration::from_secs(3600), 100, defaults.clone(), end),
+            Conversations::new(idle, capacity, defaults.clone(), hooks),
             defaults,
+            seen,
         )
+    }
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    fn with_default(defaults: &Defaults, principal: &Principal, id: &str, session: &str) {
+        defaults.insert(
+            (Caller::of(principal), id.to_owned()),
+            Arc::new(tokio::sync::Mutex::new(DefaultSession {
+                id: Some(session.to_owned()),
+                ended: false,
+            })),
+        );
+    }
+
+    async fn eventually(what: impl Fn() -> bool) -> bool {
+        for _ in 0..200 {
+            if what() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
     }
 
     #[test]
@@ -238,9 +314,10 @@ mod tests {
         let a = Caller::of(&tenant("t", "u:x"));
         let b = Caller::of(&tenant("t:u", "x"));
         assert_ne!(a, b);
-        let (conversations, _) = conversations(Arc::default());
-        let slot = conversations.reserve(&a, 10).unwrap();
-        conversations.opened("s1", &tenant("t", "u:x"), slot);
+        let (conversations, _, _) = conversations(HOUR, 100);
+        conversations
+            .open("s1", &tenant("t", "u:x"), 10)
+            .expect("open");
         assert!(conversations.is_openers("s1", &a));
         assert!(!conversations.is_openers("s1", &b));
         assert!(!conversations.is_openers("s1", &Caller::Admin));
@@ -252,69 +329,89 @@ mod tests {
 
     #[test]
     fn a_tenant_is_capped_and_ending_gives_slots_back() {
-        let (conversations, _) = conversations(Arc::default());
+        let (conversations, _, seen) = conversations(HOUR, 100);
         let alice = tenant("acme", "alice");
-        let caller = Caller::of(&alice);
-        let first = conversations.reserve(&caller, 2).unwrap();
-        let second = conversations.reserve(&caller, 2).unwrap();
+        conversations.open("s1", &alice, 2).expect("first");
+        conversations.open("s2", &alice, 2).expect("second");
         assert_eq!(
-            conversations.reserve(&caller, 2).err(),
-            Some(ConversationError::TooMany {
+            conversations.open("s3", &alice, 2),
+            Err(ConversationError::TooMany {
                 tenant: "acme".to_owned(),
                 open: 2
-            }),
-            "opens under way count"
+            })
         );
+        assert_eq!(
+            *seen.closed.lock(),
+            ["s3"],
+            "a refused session is closed in rmcp"
+        );
+        assert!(!conversations.is_openers("s3", &Caller::of(&alice)));
         // Another tenant, and the admin, are not counted against acme.
         assert!(conversations
-            .reserve(&Caller::of(&tenant("globex", "bob")), 2)
+            .open("g1", &tenant("globex", "bob"), 2)
             .is_ok());
-        assert!(conversations.reserve(&Caller::Admin, 0).is_ok());
-        // A reservation that issued nothing gives its slot back.
-        drop(second);
-        assert_eq!(conversations.open_of("acme"), 1);
-        conversations.opened("s1", &alice, first);
-        assert_eq!(
-            conversations.open_of("acme"),
-            1,
-            "the session keeps its slot"
-        );
-        let third = conversations.reserve(&caller, 2).unwrap();
-        conversations.opened("s2", &alice, third);
-        assert!(conversations.reserve(&caller, 2).is_err());
+        assert!(conversations.open("a1", &Principal::Admin, 0).is_ok());
+        assert_eq!(conversations.open_of("acme"), (2, 4));
         conversations.ended("s1");
-        assert_eq!(conversations.open_of("acme"), 1);
+        assert_eq!(conversations.open_of("acme"), (1, 3));
         assert!(
-            !conversations.is_openers("s1", &caller),
+            !conversations.is_openers("s1", &Caller::of(&alice)),
             "ended is nobody's"
         );
-        assert!(conversations.reserve(&caller, 2).is_ok());
+        assert!(conversations.open("s4", &alice, 2).is_ok());
+    }
+
+    #[test]
+    fn the_gateway_cap_holds_for_everyone() {
+        let (conversations, _, seen) = conversations(HOUR, 2);
+        conversations.open("a1", &Principal::Admin, 0).expect("one");
+        conversations
+            .open("t1", &tenant("acme", "alice"), 10)
+            .expect("two");
+        assert_eq!(
+            conversations.open("a2", &Principal::Admin, 0),
+            Err(ConversationError::Full { open: 2 })
+        );
+        assert_eq!(*seen.closed.lock(), ["a2"]);
     }
 
     #[tokio::test]
-    async fn an_ended_conversation_ends_its_default_session() {
-        let ended = Arc::new(Mutex::new(Vec::new()));
-        let (conversations, defaults) = conversations(ended.clone());
+    async fn an_ended_conversation_ends_its_default_session_and_no_other() {
+        let (conversations, defaults, seen) = conversations(HOUR, 100);
         let alice = tenant("acme", "alice");
-        let caller = Caller::of(&alice);
-        let slot = conversations.reserve(&caller, 5).unwrap();
-        conversations.opened("s1", &alice, slot);
-        let slot = conversations.reserve(&caller, 5).unwrap();
-        conversations.opened("s2", &alice, slot);
-        for (id, session) in [("s1", "kernel-1"), ("s2", "kernel-2")] {
-            defaults.insert(
-                (caller.clone(), id.to_owned()),
-                Arc::new(tokio::sync::Mutex::new(Some(session.to_owned()))),
-            );
-        }
+        conversations.open("s1", &alice, 5).expect("open");
+        conversations.open("s2", &alice, 5).expect("open");
+        with_default(&defaults, &alice, "s1", "kernel-1");
+        with_default(&defaults, &alice, "s2", "kernel-2");
+        let s1 = defaults
+            .get(&(Caller::of(&alice), "s1".to_owned()))
+            .expect("s1's");
         conversations.ended("s1");
-        for _ in 0..100 {
-            if !ended.lock().is_empty() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(*ended.lock(), ["kernel-1"], "only the ended conversation's");
-        assert!(defaults.get(&(caller.clone(), "s2".to_owned())).is_some());
+        assert!(eventually(|| !seen.deleted.lock().is_empty()).await);
+        assert_eq!(*seen.deleted.lock(), ["kernel-1"], "only the ended one's");
+        assert_eq!(*seen.closed.lock(), ["s1"]);
+        assert!(
+            s1.lock().await.ended,
+            "no tool may make it a session any more"
+        );
+        assert!(defaults
+            .get(&(Caller::of(&alice), "s2".to_owned()))
+            .is_some());
+    }
+
+    #[tokio::test]
+    async fn an_idle_conversation_expires_whole() {
+        let (conversations, defaults, seen) = conversations(Duration::from_millis(50), 100);
+        let alice = tenant("acme", "alice");
+        conversations.open("s1", &alice, 1).expect("open");
+        with_default(&defaults, &alice, "s1", "kernel-1");
+        assert_eq!(conversations.open_of("acme"), (1, 1));
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        assert_eq!(conversations.open_of("acme"), (0, 0), "its slot is back");
+        assert!(!conversations.is_openers("s1", &Caller::of(&alice)));
+        assert!(eventually(|| !seen.deleted.lock().is_empty()).await);
+        assert_eq!(*seen.deleted.lock(), ["kernel-1"]);
+        assert_eq!(*seen.closed.lock(), ["s1"], "and rmcp forgets it too");
+        assert!(conversations.open("s2", &alice, 1).is_ok());
     }
 }

@@ -60,6 +60,8 @@ const MAX_TEXT_CHARS: usize = 100_000;
 /// caller back after that gets a new session (and is told so), as after a cull.
 const DEFAULT_SESSIONS_KEPT: u64 = 100_000;
 const DEFAULT_SESSION_IDLE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+/// The most MCP sessions open at once on the gateway (each tenant has its own cap besides).
+const MAX_MCP_SESSIONS: usize = 100_000;
 /// How long an MCP session may be idle before rmcp ends it.
 const MCP_SESSION_IDLE: std::time::Duration = std::time::Duration::from_secs(2 * 3600);
 /// How much longer the gateway remembers an idle MCP session's opener: rmcp ends the
@@ -79,30 +81,47 @@ pub fn routes(state: AppState) -> axum::Router {
         .max_capacity(DEFAULT_SESSIONS_KEPT)
         .time_to_idle(DEFAULT_SESSION_IDLE)
         .build();
+    let mut sessions = LocalSessionManager::default();
+    // rmcp ends a session idle this long, counting while a tool runs: longer than any cell
+    // a policy lets run, so no result is lost midway and a conversation keeps its kernel.
+    sessions.session_config.keep_alive = Some(MCP_SESSION_IDLE);
+    let sessions = Arc::new(sessions);
+    let closer = sessions.clone();
     let deleter = api.clone();
-    let end_session: conversations::EndSession = Arc::new(move |principal, session| {
-        let api = deleter.clone();
-        tokio::spawn(async move {
-            let request = Request::builder()
-                .method(Method::DELETE)
-                .uri(session_path(&session))
-                .body(Body::empty());
-            let Ok(mut request) = request else { return };
-            request.extensions_mut().insert(principal);
-            let Ok(answer) = api.oneshot(request).await;
-            tracing::info!(session_id = %session, status = answer.status().as_u16(), "an MCP conversation ended: its session deleted");
-        });
-    });
+    let hooks = conversations::Hooks {
+        close_mcp_session: Arc::new(move |id| {
+            let sessions = closer.clone();
+            tokio::spawn(async move {
+                use rmcp::transport::streamable_http_server::session::SessionManager as _;
+                if let Err(error) = sessions.close_session(&Arc::from(id.as_str())).await {
+                    tracing::warn!(mcp_session = %id, %error, "closing an MCP session failed");
+                }
+            });
+        }),
+        delete_session: Arc::new(move |principal, session| {
+            let api = deleter.clone();
+            tokio::spawn(async move {
+                let request = Request::builder()
+                    .method(Method::DELETE)
+                    .uri(session_path(&session))
+                    .body(Body::empty());
+                let Ok(mut request) = request else { return };
+                request.extensions_mut().insert(principal);
+                let Ok(answer) = api.oneshot(request).await;
+                tracing::info!(session_id = %session, status = answer.status().as_u16(), "an MCP conversation ended: its session deleted");
+            });
+        }),
+    };
     let conversations = Conversations::new(
         MCP_SESSION_IDLE + MCP_SESSION_MARGIN,
-        DEFAULT_SESSIONS_KEPT,
+        MAX_MCP_SESSIONS,
         defaults.clone(),
-        end_session,
+        hooks,
     );
     let tenants = state.tenants.clone();
     let open_world = open_world(state.kernels.policies());
     axum::Router::new()
-        .fallback_service(service(api, defaults, open_world))
+        .fallback_service(service(api, defaults, sessions, open_world))
         .layer(axum::middleware::from_fn(move |request, next| {
             guard(conversations.clone(), tenants.clone(), request, next)
         }))
@@ -113,7 +132,8 @@ pub fn routes(state: AppState) -> axum::Router {
 ///   which would let another caller replay its cached results or end it. A request naming
 ///   a session this caller did not open (another's, or one unknown here) is handed on with
 ///   an id that names none, so it is answered exactly as an unknown session is;
-/// - opening one takes a slot of the tenant's cap, and ending one ends its kernel;
+/// - opening one is counted against the tenant's cap and the gateway's, and ending one
+///   ends its kernel;
 /// - every error is the gateway's JSON body (rmcp answers some in plain text);
 /// - a client ending its session (`DELETE`) gets 204, not rmcp's 202: the success the
 ///   official Python SDK expects (it warns about any other).
@@ -134,7 +154,6 @@ async fn guard(
         .headers()
         .get(MCP_SESSION_HEADER)
         .map(|v| v.to_str().map(str::to_owned).unwrap_or_default());
-    let mut slot = None;
     let mut own = false;
     match &named {
         Some(id) if !conversations.is_openers(id, &who) => {
@@ -143,37 +162,39 @@ async fn guard(
             request.headers_mut().insert(MCP_SESSION_HEADER, nobody);
         }
         Some(_) => own = true,
-        // Only a POST without a session opens one.
-        None if request.method() == Method::POST => {
-            let limit = principal
-                .tenant()
-                .map_or(usize::MAX, |tenant| tenants.max_mcp_sessions(tenant));
-            match conversations.reserve(&who, limit) {
-                Ok(reserved) => slot = Some(reserved),
-                Err(err) => {
-                    return super::ApiError::new(StatusCode::FORBIDDEN, err.to_string())
-                        .code("tenant_mcp_session_limit")
-                        .into_response()
-                }
-            }
-        }
         None => {}
     }
     let ending = request.method() == Method::DELETE;
     let mut response = next.run(request).await;
-    if let (Some(slot), Some(issued)) = (
-        slot,
-        response
-            .headers()
-            .get(MCP_SESSION_HEADER)
-            .and_then(|v| v.to_str().ok()),
-    ) {
-        conversations.opened(issued, &principal, slot);
+    // A session rmcp just opened is counted before its id reaches the client.
+    let issued = response
+        .headers()
+        .get(MCP_SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|_| named.is_none());
+    if let Some(issued) = issued {
+        let limit = principal
+            .tenant()
+            .map_or(usize::MAX, |tenant| tenants.max_mcp_sessions(tenant));
+        if let Err(err) = conversations.open(issued, &principal, limit) {
+            let (status, code) = match err {
+                conversations::ConversationError::TooMany { .. } => {
+                    (StatusCode::FORBIDDEN, "tenant_mcp_session_limit")
+                }
+                conversations::ConversationError::Full { .. } => {
+                    (StatusCode::SERVICE_UNAVAILABLE, "mcp_session_limit")
+                }
+            };
+            return super::ApiError::new(status, err.to_string())
+                .code(code)
+                .into_response();
+        }
     }
     let status = response.status();
-    // rmcp answers success to ending a session it does not know: only the opener's own
-    // request, which reached its session, ends it here.
-    if ending && own && status.is_success() {
+    // The opener's own request ended its session, or found it gone from rmcp (expired a
+    // moment before the gateway's record). rmcp answers success to ending a session it does
+    // not know, so only the opener's own request, which reached its session, counts.
+    if own && ((ending && status.is_success()) || status == StatusCode::NOT_FOUND) {
         if let Some(id) = &named {
             conversations.ended(id);
         }
@@ -225,19 +246,16 @@ const MCP_SESSION_HEADER: &str = "mcp-session-id";
 fn service(
     api: axum::Router,
     defaults: Defaults,
+    sessions: Arc<LocalSessionManager>,
     open_world: bool,
 ) -> StreamableHttpService<Tools, LocalSessionManager> {
     let config = StreamableHttpServerConfig::default()
         // The gateway's edge already checks hosts and origins (a gateway without a token
         // answers loopback names only); with a token, the credential is what protects.
         .disable_allowed_hosts();
-    let mut sessions = LocalSessionManager::default();
-    // rmcp ends a session idle this long, counting while a tool runs: longer than any cell
-    // a policy lets run, so no result is lost midway and a conversation keeps its kernel.
-    sessions.session_config.keep_alive = Some(MCP_SESSION_IDLE);
     StreamableHttpService::new(
         move || Ok(Tools::new(api.clone(), defaults.clone(), open_world)),
-        Arc::new(sessions),
+        sessions,
         config,
     )
 }
@@ -466,11 +484,12 @@ impl Tools {
         if let Some(id) = requested {
             return Ok((id, false));
         }
-        let slot = self
-            .defaults
-            .get_with(caller.clone(), || Arc::new(tokio::sync::Mutex::new(None)));
+        let slot = self.defaults.get_with(caller.clone(), Default::default);
         let mut known = slot.lock().await;
-        if let Some(id) = known.clone() {
+        if known.ended {
+            return Err(ended_conversation());
+        }
+        if let Some(id) = known.id.clone() {
             let answer = self
                 .call(principal, Method::GET, &session_path(&id), None)
                 .await;
@@ -483,7 +502,7 @@ impl Tools {
             }
         }
         let id = self.create(principal, None).await?;
-        *known = Some(id.clone());
+        known.id = Some(id.clone());
         Ok((id, true))
     }
 
@@ -611,15 +630,16 @@ impl Tools {
             Ok(found) => found,
             Err(error) => return error,
         };
-        let slot = self
-            .defaults
-            .get_with(caller.clone(), || Arc::new(tokio::sync::Mutex::new(None)));
+        let slot = self.defaults.get_with(caller.clone(), Default::default);
         let mut known = slot.lock().await;
+        if known.ended {
+            return ended_conversation();
+        }
         let id = match self.create(&principal, request.policy).await {
             Ok(id) => id,
             Err(error) => return error,
         };
-        let old = known.replace(id.clone());
+        let old = known.id.replace(id.clone());
         drop(known);
         if let Some(old) = &old {
             self.call(&principal, Method::DELETE, &session_path(old), None)
@@ -1016,6 +1036,11 @@ fn caller_of(
         .to_owned();
     let caller = Caller::of(&principal);
     Ok((principal, (caller, conversation)))
+}
+
+/// The answer to a tool call racing its conversation's end.
+fn ended_conversation() -> CallToolResult {
+    tool_error("this MCP session has ended; open a new one to go on".to_owned())
 }
 
 fn text(text: String) -> CallToolResult {

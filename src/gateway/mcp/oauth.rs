@@ -33,6 +33,11 @@ const WELL_KNOWN: &str = "/.well-known/oauth-protected-resource";
 /// they answer 404 as an unknown route does, rather than the 401 of one behind the
 /// authentication layer, so a host asking learns there is nothing to discover.
 pub fn routes(state: &AppState) -> Router {
+    if issuer(state).is_some() && state.config.public_url.is_none() {
+        // Behind a proxy that ends TLS, `http://{Host}` is not the URL clients used, and
+        // RFC 9728 §3.3 has them discard metadata whose resource differs from it.
+        tracing::warn!("OAuth metadata for /mcp names the gateway as http:// and each request's Host: set --public-url if clients reach it by another scheme or name");
+    }
     let own = format!("{WELL_KNOWN}{}mcp", state.config.base_url);
     Router::new()
         .route(WELL_KNOWN, get(metadata))
