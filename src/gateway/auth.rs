@@ -13,7 +13,7 @@
 //! configured the body stays Kernel Gateway's (empty message).
 
 use axum::extract::{Request, State};
-use axum::http::{header, Method, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq;
@@ -160,9 +160,51 @@ pub fn token_matches(expected: &str, presented: &str) -> bool {
 /// its [`Principal`] into the request's extensions; applies tenants' rate limits.
 pub async fn require_token(
     State(state): State<AppState>,
-    mut request: Request,
+    request: Request,
     next: Next,
 ) -> Response {
+    // A refusal leaves the request's body unread, and the connection cannot carry another
+    // request after it: saying so keeps a client from sending its next one (say, the same
+    // request with a token) on a connection the server is closing.
+    let unread_body = has_body(&request);
+    let response = authenticate(state, request, next).await;
+    if unread_body && response.extensions().get::<Refused>().is_some() {
+        let mut response = response;
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return response;
+    }
+    response
+}
+
+/// Marks a response as this layer's refusal of the request.
+#[derive(Clone, Copy)]
+struct Refused;
+
+trait MarkRefused {
+    fn refused(self) -> Response;
+}
+
+impl MarkRefused for Response {
+    fn refused(mut self) -> Response {
+        self.extensions_mut().insert(Refused);
+        self
+    }
+}
+
+/// Whether a request declares a body.
+fn has_body(request: &Request) -> bool {
+    let headers = request.headers();
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim() != "0")
+}
+
+/// [`require_token`] without the connection's fate.
+async fn authenticate(state: AppState, mut request: Request, next: Next) -> Response {
     let expected = state.config.token.as_deref();
     let jwt = state.jwt.as_deref();
     if expected.is_none() && jwt.is_none() {
@@ -188,7 +230,8 @@ pub async fn require_token(
                 tracing::info!(reason = %err, path = %request.uri().path(), "bearer token refused");
                 return ApiError::unauthorized(format!("invalid token: {err}"))
                     .code("invalid_token")
-                    .into_response();
+                    .into_response()
+                    .refused();
             }
         },
         (None, Some(_)) => {
@@ -197,22 +240,25 @@ pub async fn require_token(
             )
             .code("missing_token")
             .into_response()
+            .refused()
         }
         (Some(_), None) => {
             return ApiError::unauthorized("wrong token")
                 .code("invalid_token")
                 .into_response()
+                .refused()
         }
         (None, None) => return ApiError::unauthorized(
             "authentication required: Authorization: Bearer <the gateway's token> (or token <T>)",
         )
         .code("missing_token")
-        .into_response(),
+        .into_response()
+        .refused(),
     };
     if let Principal::Tenant { tenant, .. } = &principal {
         super::access_log::record_tenant(tenant);
         if let Err(err) = state.tenants.check_rate(tenant) {
-            return rate_limited(tenant, err);
+            return rate_limited(tenant, err).refused();
         }
     }
     request.extensions_mut().insert(principal);

@@ -148,6 +148,47 @@ async fn rest_contract() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A refused request with a body ends its connection, and says so: the body was never read,
+/// so the connection cannot carry another request, and a client that reused it (the same
+/// request again, now with a token) would meet a closed socket. Many requests in a row,
+/// refused then accepted on one client, all get answers.
+#[tokio::test]
+async fn a_refused_request_with_a_body_closes_its_connection_openly() -> anyhow::Result<()> {
+    let gateway = Gateway::start().await?;
+    let url = format!("{}/api/kernels", gateway.base);
+    let client = reqwest::Client::new();
+    let body = json!({"name": "python3", "env": {"PAD": "x".repeat(4096)}});
+    let refused = client.post(&url).json(&body).send().await?;
+    assert_eq!(refused.status().as_u16(), 401);
+    assert_eq!(
+        refused
+            .headers()
+            .get("connection")
+            .map(|v| v.to_str().unwrap_or_default()),
+        Some("close"),
+        "{:?}",
+        refused.headers()
+    );
+    let bodiless = client.get(&url).send().await?;
+    assert_eq!(bodiless.status().as_u16(), 401);
+    assert!(
+        bodiless.headers().get("connection").is_none(),
+        "a refusal with nothing unread keeps its connection: {:?}",
+        bodiless.headers()
+    );
+    for round in 0..20 {
+        let refused = client.post(&url).json(&body).send().await?;
+        assert_eq!(refused.status().as_u16(), 401, "round {round}");
+        let listed = client
+            .get(&url)
+            .header("Authorization", format!("token {TOKEN}"))
+            .send()
+            .await?;
+        assert_eq!(listed.status().as_u16(), 200, "round {round}");
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn tokens_are_required_everywhere() -> anyhow::Result<()> {
     let gateway = Gateway::start().await?;
