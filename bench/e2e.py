@@ -23,6 +23,9 @@ Scenarios (see BENCHMARKS.md for what each one means and its target):
   3 50 MB stdout throughput          4 one 5 MB PNG display_data
   5 WS connect + kernel_info         6 gateway RSS idle and per idle connection
   7 K kernels started at once        8 single kernel start -> ready
+  9 first chart (pandas+matplotlib)  10 first seaborn chart
+ 11 K first charts at once           12 PSS/USS per kernel after its chart
+ 13 first `import sklearn`
 
 Run with the tools venv:  .venv-tools/bin/python bench/e2e.py [--quick] ...
 (`./dev bench ...` does exactly that).  Everything listens on 127.0.0.1 only.
@@ -1010,6 +1013,160 @@ async def sc_start(t, a):
             "start_died": died}
 
 
+# The first question of a chat about data: a DataFrame and its chart (issue 28).
+CHART_CELL = (
+    "import pandas as pd\n"
+    "import matplotlib.pyplot as plt\n"
+    "df = pd.DataFrame({'month': range(1, 13), 'revenue': [3 + (i * 7) % 5 for i in range(12)]})\n"
+    "df.plot(x='month', y='revenue', title='Revenue by month')\n"
+    "plt.show()\n"
+)
+SEABORN_CELL = (
+    "import seaborn as sns\n"
+    "import pandas as pd\n"
+    "import matplotlib.pyplot as plt\n"
+    "df = pd.DataFrame({'x': range(50), 'y': [(i * 37) % 11 for i in range(50)], 'g': ['a', 'b'] * 25})\n"
+    "sns.scatterplot(data=df, x='x', y='y', hue='g')\n"
+    "plt.show()\n"
+)
+
+
+async def first_chart(t, cell):
+    """New kernel -> ready -> `cell` until its PNG display_data and idle; seconds.
+    Returns (ready_s, chart_s), both from the start request."""
+    t0 = time.perf_counter()
+    kid = await t.new_kernel()
+    c = None
+    try:
+        c = await t.connect(kid)
+        await kernel_info(c)
+        ready = time.perf_counter() - t0
+        pngs = []
+
+        def on_msg(m):
+            if m["header"]["msg_type"] in ("display_data", "execute_result") and \
+                    "image/png" in m["content"].get("data", {}):
+                pngs.append(time.perf_counter() - t0)
+        await execute(c, cell, on_msg)
+        if not pngs:
+            raise ScenarioError("the chart cell displayed no PNG")
+        return ready, pngs[0]
+    finally:
+        if c is not None:
+            await c.close()
+        if hasattr(t, "track_children"):
+            t.track_children()
+        await t.delete_kernel(kid)
+
+
+async def sc_first_chart(t, a):
+    """Scenarios 9 and 10: a new kernel's first chart, one after another: pandas +
+    matplotlib (9), seaborn (10, when the kernel's environment has it)."""
+    out = {}
+    for key, cell in (("chart", CHART_CELL), ("seaborn", SEABORN_CELL)):
+        ready, chart = [], []
+        for _ in range(a.n9):
+            try:
+                r, c = await first_chart(t, cell)
+            except ScenarioError as e:
+                if key == "seaborn":
+                    out["seaborn_na"] = str(e)
+                    break
+                raise
+            ready.append(r * 1e3)
+            chart.append(c * 1e3)
+            await asyncio.sleep(1.0)  # lets a warm pool refill, as between two users
+        if chart:
+            out[f"{key}_p50_ms"] = statistics.median(chart)
+            out[f"{key}_max_ms"] = max(chart)
+            out[f"{key}_ready_p50_ms"] = statistics.median(ready)
+    return out
+
+
+def kernel_memory_kb(pids):
+    """Mean PSS and USS (kB) of the kernel processes among `pids` (ipykernel's)."""
+    pss, uss = [], []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            if b"ipykernel" not in cmd and b"cellgate_kernel_launcher" not in cmd:
+                continue
+            fields = {}
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 2 and parts[1].isdigit():
+                        fields[parts[0].rstrip(":")] = int(parts[1])
+        except OSError:
+            continue
+        pss.append(fields.get("Pss", 0))
+        uss.append(fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0))
+    if not pss:
+        return None
+    return statistics.mean(pss), statistics.mean(uss), len(pss)
+
+
+async def sc_chart_burst(t, a):
+    """Scenario 11: K new kernels at once, each making its first chart: until all charts
+    are in, and the p50. Then (12) the kernels' mean PSS and USS, idle after the chart."""
+    K = a.chart_burst
+    t0 = time.perf_counter()
+    kids, conns, done = [], [], []
+
+    async def one():
+        kid = await t.new_kernel()
+        kids.append(kid)
+        c = await t.connect(kid)
+        conns.append(c)
+        await kernel_info(c)
+        pngs = []
+
+        def on_msg(m):
+            if m["header"]["msg_type"] in ("display_data", "execute_result") and \
+                    "image/png" in m["content"].get("data", {}):
+                pngs.append(True)
+        await execute(c, CHART_CELL, on_msg)
+        if not pngs:
+            raise ScenarioError("the chart cell displayed no PNG")
+        done.append(time.perf_counter() - t0)
+
+    try:
+        res = await asyncio.gather(*(asyncio.wait_for(one(), a.many_timeout) for _ in range(K)),
+                                   return_exceptions=True)
+        errors = [repr(r) for r in res if isinstance(r, BaseException)]
+        if not done:
+            raise ScenarioError(f"no chart arrived: {errors[:3]}")
+        out = {"burst_k": K, "burst_all_s": max(done) if not errors else None,
+               "burst_p50_s": pct(done, 50), "burst_errors": errors}
+        await asyncio.sleep(3.0)
+        root = t.gateway_pid or os.getpid()
+        mem = kernel_memory_kb(descendants(root))
+        if mem is not None:
+            out["kernel_pss_mb"] = mem[0] / 1024
+            out["kernel_uss_mb"] = mem[1] / 1024
+            out["kernel_processes"] = mem[2]
+        return out
+    finally:
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        if hasattr(t, "track_children"):
+            t.track_children()
+        await asyncio.gather(*(t.delete_kernel(k) for k in kids), return_exceptions=True)
+
+
+async def sc_first_import(t, a):
+    """Scenario 13: a ready kernel's first `import sklearn` (scikit-learn), when its
+    environment has it."""
+    async def run(conn):
+        s = time.perf_counter()
+        msg_id = conn.send("execute_request", dict(EXEC_CONTENT, code="import sklearn"))
+        reply = await wait_reply_idle(conn, msg_id)
+        if reply.get("status") != "ok":
+            return {"sklearn_na": f"{reply.get('ename')}: {reply.get('evalue')}"}
+        return {"sklearn_import_ms": (time.perf_counter() - s) * 1e3}
+    return await with_kernel(t, run)
+
+
 # scenario id -> (runner, ids of the scenarios whose metrics it produces)
 RUNNERS = {
     "rt": (sc_roundtrip, (1, 2)),
@@ -1018,6 +1175,9 @@ RUNNERS = {
     "ws": (sc_reconnect, (5,)),
     "mem": (sc_memory, (6,)),
     "start": (sc_start, (8,)),
+    "chart": (sc_first_chart, (9, 10)),
+    "sklearn": (sc_first_import, (13,)),
+    "burst": (sc_chart_burst, (11, 12)),
     "many": (sc_many, (7,)),  # last: 50 kernels leave the load average high for a while
 }
 
@@ -1041,6 +1201,14 @@ METRICS = [
     (7, "many_all_ready_s", "K kernels at once: all ready", "s", "lower", ("rel_kg", 1.0)),
     (7, "many_exec_p99_ms", "K kernels: concurrent `1+1` p99", "ms", "lower", ("abs", 100.0)),
     (8, "start_ready_ms", "kernel start → ready (median)", "ms", "lower", None),
+    (9, "chart_p50_ms", "first chart (pandas + matplotlib) p50, from the start request", "ms", "lower", ("abs", 100.0)),
+    (9, "chart_ready_p50_ms", "first chart: kernel ready p50", "ms", "lower", None),
+    (10, "seaborn_p50_ms", "first seaborn chart p50, from the start request", "ms", "lower", None),
+    (11, "burst_all_s", "K first charts at once: all done", "s", "lower", ("abs", 1.5)),
+    (11, "burst_p50_s", "K first charts at once: p50", "s", "lower", None),
+    (12, "kernel_pss_mb", "PSS per kernel after its chart", "MB", "lower", None),
+    (12, "kernel_uss_mb", "USS per kernel after its chart", "MB", "lower", ("abs", 10.0)),
+    (13, "sklearn_import_ms", "first `import sklearn`", "ms", "lower", None),
 ]
 
 
@@ -1278,7 +1446,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--targets", default="bare,kg,cellgate")
-    p.add_argument("--scenarios", default="1,2,3,4,5,6,7,8",
+    p.add_argument("--scenarios", default="1,2,3,4,5,6,7,8",  # 9-13: --scenarios 9,10,11,12,13
                    help="comma-separated scenario numbers (1 and 2 share one run)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per scenario (default 3, quick 1)")
     p.add_argument("--quick", action="store_true", help="small N everywhere (smoke run, ~2 min)")
@@ -1291,6 +1459,9 @@ def parse_args(argv=None):
     p.add_argument("--m", type=int, default=None, help="scenario 6 idle connections (default 100)")
     p.add_argument("--kernels", type=int, default=None, help="scenario 7 kernels (default 50)")
     p.add_argument("--n8", type=int, default=None, help="scenario 8 kernel starts (default 10)")
+    p.add_argument("--n9", type=int, default=None, help="scenario 9/10 first charts (default 10)")
+    p.add_argument("--chart-burst", type=int, default=None,
+                   help="scenario 11 kernels charting at once (default 10; 50 is the issue's other burst)")
     p.add_argument("--cellgate-bin", default=os.path.join(REPO, "target", "release", "cellgate"))
     p.add_argument("--cellgate-arg", action="append", default=[], help="extra argument for cellgate serve")
     p.add_argument("--kernels-dir", default=os.path.join(REPO, "kernels"))
@@ -1319,7 +1490,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     q = a.quick
     defaults = dict(rounds=(1, 3), n=(30, 300), warmup=(5, 20), reps=(1, 3), output_mb=(10.0, 50.0),
-                    n5=(5, 30), m=(10, 100), kernels=(5, 50), n8=(2, 10))
+                    n5=(5, 30), m=(10, 100), kernels=(5, 50), n8=(2, 10), n9=(2, 10),
+                    chart_burst=(3, 10))
     for k, (qv, fv) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, qv if q else fv)

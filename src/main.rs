@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 
 use cellgate::config::{GatewayConfig, ServeArgs};
 use cellgate::kernel::{KernelManager, KernelOptions, KernelSpecs, ManagerOptions};
-use cellgate::sandbox::{Backend, Backends};
+use cellgate::sandbox::{Backend, Backends, ZygoteSettings};
 
 #[derive(Parser)]
 #[command(
@@ -255,7 +255,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&config.policies_dir)
         .with_context(|| format!("loading policies from {}", config.policies_dir.display()))?;
-    let mut backends = Backends::new(config.sandbox, config.microvm.clone());
+    let mut backends =
+        Backends::new(config.sandbox, config.microvm.clone()).with_zygote(ZygoteSettings {
+            enabled: config.kernel_zygote,
+            ..ZygoteSettings::default()
+        });
     // A replica takes its Lease before any kernel starts: every kernel it makes has a live
     // owner from its first moment.
     let replicas = match &config.replica {

@@ -45,6 +45,9 @@ REMEMBERED_CELLS = 64
 
 def main() -> None:
     gc.disable()
+    # Only a zygote reads it (see `_preload`): a kernel started afresh imports on demand.
+    os.environ.pop(PRELOAD_ENV, None)
+    _say_preload_failures()
     # As ipykernel_launcher means to: the working directory (the user's workspace) is not on
     # the path while the kernel imports, so a `json.py` there cannot replace a module the
     # kernel needs. `python -m` puts it there as a full path, not the '' ipykernel_launcher
@@ -263,31 +266,57 @@ def _show_figures_left_open(app) -> None:
 
 
 ZYGOTE_FLAG = "--cellgate-zygote"
+# The kernelspec's preload list (kernel.json's `env`): modules a zygote imports before it waits.
+PRELOAD_ENV = "CELLGATE_PRELOAD"
+# What the preload could not import, `(module, error)`: said in the log of every kernel the
+# zygote becomes.
+_PRELOAD_FAILED = []
+
+
+def _say_preload_failures() -> None:
+    for name, error in _PRELOAD_FAILED:
+        print(f"cellgate: preload: {name} could not be imported: {error}", file=sys.stderr)
+
+
+def _preload(names: str) -> None:
+    """Imports the kernelspec's preload list, so the first cell that uses it does not wait.
+
+    A module that fails to import is left out and said (`_PRELOAD_FAILED`): the kernels start
+    without it, and a cell that imports it gets the error then, as without a preload. With
+    matplotlib, the backend is ipykernel's inline one (what ipykernel would choose at start,
+    read by matplotlib when it is imported), and one small figure is drawn and closed, so the
+    Agg renderer and the default font are loaded too: most of a first chart's cost after the
+    imports.
+    """
+    import importlib
+
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # any failure of a third-party import: leave it out
+            _PRELOAD_FAILED.append((name, f"{type(error).__name__}: {error}"))
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        try:
+            import io
+
+            from matplotlib.figure import Figure
+
+            figure = Figure(figsize=(1, 1))
+            figure.add_subplot().plot([0, 1], [0, 1], label="x")
+            figure.savefig(io.BytesIO(), format="png")
+        except Exception as error:
+            _PRELOAD_FAILED.append(("matplotlib (first figure)", repr(error)))
 # The longest start request a zygote reads (the kernel's argv and environment).
 ZYGOTE_REQUEST_MAX = 1 << 20
 
 
-def _zygote() -> None:
-    """Imports what a kernel start imports, says so, and waits to become a kernel.
-
-    The microVM backend's warm pool snapshots a VM whose agent has started this (agent in the
-    guest: `Kernel::prepare_zygote`), and restores it for each session, so the imports (most of
-    a kernel's start, ~50x slower under emulation) are paid once. Nothing secret is here yet:
-    the connection file, with its key, comes with the start request, after the restore.
-
-    Standard input is a unix socket to the agent: this writes `ready` on it once the imports
-    are done, then reads one JSON line, `{"args": [...], "env": {...}, "cwd": "..."}`, takes
-    that environment, directory and command line (the agent checked that the interpreter
-    and what it read at its own start match), reseeds what a restore would otherwise share
-    between clones, and runs `main()` as `python -m cellgate_kernel_launcher ARGS` would.
-    """
+def _import_kernel_modules() -> None:
+    """What a kernel's start imports (measured: `IPKernelApp.initialize` adds ~170 modules to
+    these three, debugpy's and pydevd's most of them); importing is most of a start."""
     import importlib
-    import random
-    import socket
 
-    gc.disable()
-    # What a kernel's start imports (measured: `IPKernelApp.initialize` adds ~170 modules to
-    # these three, debugpy's and pydevd's most of them); importing is most of a start.
     import ipykernel.ipkernel  # noqa: F401  the kernel, its shell, IPython, zmq, tornado
     import ipykernel.kernelapp  # noqa: F401
     import ipykernel.zmqshell  # noqa: F401
@@ -308,6 +337,148 @@ def _zygote() -> None:
         except ImportError:
             pass  # an environment without it starts without it too
 
+
+def _reseed() -> None:
+    """Draws afresh what a zygote's clones (forked or restored) would otherwise share."""
+    import random
+
+    random.seed()
+    if "numpy.random" in sys.modules:
+        # numpy's global generator was seeded when the zygote imported it.
+        sys.modules["numpy.random"].seed()
+    if "ssl" in sys.modules:
+        # OpenSSL's generator reseeds itself on fork, not on a VM's restore.
+        sys.modules["ssl"].RAND_add(os.urandom(48), 48.0)
+
+
+NS_ZYGOTE_FLAG = "--cellgate-ns-zygote"
+# Where the library a namespaces zygote's children build their sandbox with is.
+LIBRARY_ENV = "CELLGATE_ZYGOTE_LIB"
+# The descriptor a forked helper has the egress proxy's socket at (the gateway's EGRESS_FD).
+EGRESS_FD = 3
+
+
+def _ns_zygote() -> None:
+    """The namespaces backend's zygote (`src/sandbox/namespaces/zygote.rs`): imports what a
+    kernel imports and the preload list once, then forks a child for each kernel.
+
+    Standard input is the gateway's control socket. This writes `ready` on it, then reads
+    requests: one byte with the new helper's three stdio pipes (and maybe the egress proxy's
+    socket) attached, and answers each with the child's pid. Nothing else ever comes in: the
+    kernel's plan, key and environment reach the child only, on its own pipe, so no kernel
+    inherits another's. The child calls the library's `cellgate_become_kernel`, the gateway's
+    own sandbox code: it returns, confined, only in the kernel process, which then runs
+    `main()` as `python -m cellgate_kernel_launcher ARGS` would.
+    """
+    import ctypes
+    import signal
+    import socket
+
+    gc.disable()
+    _import_kernel_modules()
+    _preload(os.environ.get(PRELOAD_ENV, ""))
+    library = ctypes.CDLL(os.environ[LIBRARY_ENV])
+    become = library.cellgate_become_kernel
+    become.argtypes = []
+    become.restype = ctypes.c_char_p
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        sys.exit(f"cellgate: the zygote has {threads} threads; a process that forks must have one")
+    gc.enable()
+    # What the imports made is shared with every child; collections would write to all of it.
+    gc.freeze()
+
+    def reap(*_):
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    signal.signal(signal.SIGCHLD, reap)
+    control = socket.socket(fileno=0)
+    control.sendall(b"ready\n")
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 1, 4)
+        except OSError:
+            break
+        if not message:
+            break
+        if len(fds) not in (3, 4):
+            for fd in fds:
+                os.close(fd)
+            control.sendall(b"error: 3 or 4 descriptors\n")
+            continue
+        pid = os.fork()
+        if pid == 0:
+            _forked_kernel(control, fds, become)
+        for fd in fds:
+            os.close(fd)
+        control.sendall(f"{pid}\n".encode())
+    sys.exit(0)
+
+
+def _forked_kernel(control, fds, become) -> None:
+    """A zygote's child: the helper's stdio, then the gateway's sandbox code; in the kernel
+    process, the kernel. Never returns."""
+    import signal
+
+    try:
+        control.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        # Above every target first, so no descriptor is overwritten before it is moved.
+        high = [os.dup2(fd, 100 + i) for i, fd in enumerate(fds)]
+        for fd in fds:
+            os.close(fd)
+        for target, fd in zip((0, 1, 2, EGRESS_FD), high):
+            os.dup2(fd, target)
+            os.close(fd)
+        start = json.loads(become())
+    except BaseException:
+        os._exit(1)
+    os.environ.clear()
+    os.environ.update(start["env"])
+    sys.argv = [sys.argv[0], *start["argv"][3:]]
+    # The confinement reset every signal to its default; these are what Python itself sets.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    import importlib
+
+    importlib.invalidate_caches()
+    _reseed()
+    try:
+        main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)
+
+
+def _zygote() -> None:
+    """Imports what a kernel start imports, says so, and waits to become a kernel.
+
+    The microVM backend's warm pool snapshots a VM whose agent has started this (agent in the
+    guest: `Kernel::prepare_zygote`), and restores it for each session, so the imports (most of
+    a kernel's start, ~50x slower under emulation) are paid once. Nothing secret is here yet:
+    the connection file, with its key, comes with the start request, after the restore.
+
+    Standard input is a unix socket to the agent: this writes `ready` on it once the imports
+    are done, then reads one JSON line, `{"args": [...], "env": {...}, "cwd": "..."}`, takes
+    that environment, directory and command line (the agent checked that the interpreter
+    and what it read at its own start match), reseeds what a restore would otherwise share
+    between clones, and runs `main()` as `python -m cellgate_kernel_launcher ARGS` would.
+    """
+    import importlib
+    import socket
+
+    gc.disable()
+    _import_kernel_modules()
+    _preload(os.environ.get(PRELOAD_ENV, ""))
     gc.enable()
     agent = socket.socket(fileno=os.dup(0))
     agent.sendall(b"ready\n")
@@ -331,15 +502,14 @@ def _zygote() -> None:
     sys.argv = [sys.argv[0], *start["args"]]
     # A restored VM's generators were seeded in the snapshot, the same in every clone; the
     # agent reseeded the guest kernel's before this request, and os.urandom reads that.
-    random.seed()
-    if "ssl" in sys.modules:
-        # OpenSSL's generator reseeds itself on fork, not on a VM's restore.
-        sys.modules["ssl"].RAND_add(os.urandom(48), 48.0)
+    _reseed()
     main()
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [ZYGOTE_FLAG]:
         _zygote()
+    elif sys.argv[1:2] == [NS_ZYGOTE_FLAG]:
+        _ns_zygote()
     else:
         main()

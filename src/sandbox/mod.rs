@@ -42,7 +42,8 @@ pub use gvisor::{GvisorConfig, GvisorSandbox, PIDS_OVERHEAD as GVISOR_PIDS_OVERH
 pub use kubernetes::{KubernetesError, KubernetesSandbox, PodLaunch, PodSettings};
 pub use microvm::{MicrovmConfig, MicrovmError, MicrovmSandbox};
 pub use namespaces::{
-    sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox, SANDBOX_INIT_ARG,
+    become_kernel, sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox,
+    ZygoteSettings, SANDBOX_INIT_ARG,
 };
 pub use process::ProcessSandbox;
 
@@ -108,17 +109,22 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// Makes the sandbox of `backend`: the microvm backend with `microvm`, the kubernetes backend
+/// Makes the sandbox of `backend`: the microvm backend with `microvm`, the namespaces backend
+/// with `zygote`, the kubernetes backend
 /// with this gateway's membership among replicas, the others with their default
 /// configuration.
 pub fn create(
     backend: Backend,
     microvm: &MicrovmConfig,
+    zygote: &ZygoteSettings,
     replicas: Option<Arc<kubernetes::replicas::Replicas>>,
 ) -> Result<Arc<dyn Sandbox>, SandboxError> {
     Ok(match backend {
         Backend::Process => Arc::new(ProcessSandbox::new()?),
-        Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig::default())?),
+        Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig {
+            zygote: zygote.clone(),
+            ..NamespacesConfig::default()
+        })?),
         Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
         Backend::Microvm => Arc::new(MicrovmSandbox::new(microvm.clone())?),
         Backend::Kubernetes => Arc::new(KubernetesSandbox::new(replicas)),
@@ -148,6 +154,7 @@ pub async fn diagnose(
 pub struct Backends {
     forced: Option<Backend>,
     microvm: MicrovmConfig,
+    zygote: ZygoteSettings,
     replicas: Option<Arc<kubernetes::replicas::Replicas>>,
     made: parking_lot::Mutex<std::collections::HashMap<Backend, Arc<dyn Sandbox>>>,
 }
@@ -157,9 +164,16 @@ impl Backends {
         Backends {
             forced,
             microvm,
+            zygote: ZygoteSettings::default(),
             replicas: None,
             made: parking_lot::Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// The namespaces backend's zygotes (on by default).
+    pub fn with_zygote(mut self, zygote: ZygoteSettings) -> Backends {
+        self.zygote = zygote;
+        self
     }
 
     /// Records kernel pods' owners among `replicas` (the kubernetes backend).
@@ -190,7 +204,7 @@ impl Backends {
         if let Some(sandbox) = made.get(&backend) {
             return Ok(sandbox.clone());
         }
-        let sandbox = create(backend, &self.microvm, self.replicas.clone())?;
+        let sandbox = create(backend, &self.microvm, &self.zygote, self.replicas.clone())?;
         made.insert(backend, sandbox.clone());
         Ok(sandbox)
     }

@@ -847,3 +847,47 @@ async fn a_kernel_dying_mid_cell_answers_the_cell() -> anyhow::Result<()> {
     assert_eq!(model["execution_state"], "dead");
     Ok(())
 }
+
+/// A kernelspec's preload list (issue 28) that names a module the environment lacks: the
+/// zygote imports the rest, leaves that one out, and the kernel it becomes says which and
+/// why on its stderr (the kernel's log) instead of failing to start.
+#[test]
+fn a_broken_preload_is_left_out_and_said() -> anyhow::Result<()> {
+    let python = kernels_dir().join("python3/.venv/bin/python");
+    let output = std::process::Command::new(&python)
+        .args([
+            "-c",
+            "import json, sys, cellgate_kernel_launcher as launcher\n\
+             launcher._preload('json, no_such_module_here ,matplotlib.pyplot')\n\
+             print(json.dumps({'failed': [n for n, _ in launcher._PRELOAD_FAILED],\n\
+               'loaded': 'matplotlib.pyplot' in sys.modules}))\n\
+             launcher._say_preload_failures()\n",
+        ])
+        .env_clear()
+        .env("MPLCONFIGDIR", std::env::temp_dir())
+        .output()?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(stdout.trim())?;
+    assert_eq!(
+        report["failed"],
+        serde_json::json!(["no_such_module_here"]),
+        "{report}"
+    );
+    assert_eq!(
+        report["loaded"], true,
+        "the rest of the list is imported: {report}"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(
+            "cellgate: preload: no_such_module_here could not be imported: ModuleNotFoundError"
+        ),
+        "the kernel says what its zygote left out: {stderr}"
+    );
+    Ok(())
+}

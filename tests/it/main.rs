@@ -28,3 +28,4 @@ mod pool;
 mod sdk;
 mod tenants;
 mod web_client;
+mod zygote;

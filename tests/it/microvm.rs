@@ -460,7 +460,9 @@ print(json.dumps({'key': k.session.key.hex(), 'session': k.session.session,\n\
   'urandom': os.urandom(16).hex(), 'random': random.random(), 'time': time.time(),\n\
   'disk': st.f_blocks * st.f_frsize,\n\
   'memory_max': open('/sys/fs/cgroup/kernel/memory.max').read().strip(),\n\
-  'zygote': '--cellgate-zygote' in sys.orig_argv}))";
+  'zygote': '--cellgate-zygote' in sys.orig_argv,\n\
+  'preloaded': sorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules),\n\
+  'numpy_random': __import__('numpy').random.random()}))";
 
 /// The warm pool (issue 15, item 6): the first session of a kind of VM boots and the
 /// gateway makes that kind's snapshot in the background (a zygote: Python with ipykernel
@@ -468,6 +470,10 @@ print(json.dumps({'key': k.session.key.hex(), 'session': k.session.session,\n\
 /// no key, session id or random output, have the host's time, their policy's memory limit
 /// and a fresh workspace of their policy's size (not the zygote's placeholder disk), and
 /// their files API works. A corrupt snapshot is deleted and the session boots instead.
+///
+/// The snapshot holds the kernelspec's preload list (issue 28: numpy, pandas, matplotlib,
+/// turned on under emulation here): a restored kernel has them imported before its first
+/// cell, numpy's generator differs between clones, and a first chart arrives inline.
 #[tokio::test]
 async fn microvms_restored_from_a_snapshot_are_fresh_and_their_own() -> Result<()> {
     let port = test_server("unused").await?;
@@ -477,9 +483,14 @@ async fn microvms_restored_from_a_snapshot_are_fresh_and_their_own() -> Result<(
     let dir_arg = snapshot_dir.to_str().context("path")?.to_owned();
     let (gateway, _dir) = vm_gateway_with(
         port,
-        "memory = \"320MiB\"\nworkspace = \"24MiB\"",
+        "memory = \"512MiB\"\nworkspace = \"24MiB\"",
         true,
-        &["--microvm-snapshot-dir", &dir_arg],
+        &[
+            "--microvm-snapshot-dir",
+            &dir_arg,
+            "--microvm-preload-under-emulation",
+            "true",
+        ],
     )
     .await?;
     let v1 = V1Client::new(&gateway);
@@ -559,10 +570,15 @@ async fn microvms_restored_from_a_snapshot_are_fresh_and_their_own() -> Result<(
             disk <= 24 << 20 && disk > 16 << 20,
             "the workspace is a fresh disk of the policy's size: {probe}"
         );
-        assert_eq!(probe["memory_max"], (320u64 << 20).to_string(), "{probe}");
+        assert_eq!(probe["memory_max"], (512u64 << 20).to_string(), "{probe}");
         assert_eq!(
             probe["zygote"], true,
             "the kernel is the snapshot's zygote: {probe}"
+        );
+        assert_eq!(
+            probe["preloaded"],
+            json!(["matplotlib.pyplot", "numpy", "pandas"]),
+            "the snapshot holds the preload list, imported before the first cell: {probe}"
         );
         probes.push(probe);
         sessions.push(id);
@@ -576,7 +592,7 @@ async fn microvms_restored_from_a_snapshot_are_fresh_and_their_own() -> Result<(
     // The key comes from the gateway (fresh for every kernel); these come from the guest,
     // drawn after the restore: the session id (uuid4, from the guest kernel's generator),
     // os.urandom, and Python's own generator, which the zygote had seeded before the save.
-    for field in ["session", "urandom", "random"] {
+    for field in ["session", "urandom", "random", "numpy_random"] {
         assert_ne!(
             probes[0][field], probes[1][field],
             "two clones share {field}: {probes:?}"
@@ -592,6 +608,19 @@ async fn microvms_restored_from_a_snapshot_are_fresh_and_their_own() -> Result<(
         .await?;
     assert_eq!(r["stdout"], "restored\n", "{r}");
     assert_eq!(v1.execute(&sessions[1], "6 * 7").await?["result"], "42");
+    // The preloaded pyplot draws inline: the chart is the cell's output, an artifact.
+    let r = v1
+        .execute(
+            &sessions[1],
+            "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2]); plt.title('first chart')",
+        )
+        .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    let artifacts = r["artifacts"].as_array().context("artifacts")?;
+    assert!(
+        artifacts.iter().any(|a| a["mime"] == "image/png"),
+        "the chart arrives as a PNG artifact: {r}"
+    );
 
     // A snapshot that no longer loads costs a boot, not a session.
     std::fs::write(&snapshot, b"not a VM's state")?;

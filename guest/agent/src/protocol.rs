@@ -457,14 +457,24 @@ pub const ZYGOTE_FLAG: &str = "--cellgate-zygote";
 /// Whether the environment variable `key` is one a zygote starts with, so that a kernel it
 /// becomes must have the same value: what the interpreter reads only when it starts
 /// (`PYTHON*`, the locale), what modules the zygote imports read at their import (pydevd's
-/// `PYDEVD_*`), and the program search path and home. Nothing else of a kernel's environment
+/// `PYDEVD_*`, matplotlib's `MPLBACKEND`), the preload list, and the program search path
+/// and home. Nothing else of a kernel's environment
 /// (its id, a client's variables) is ever in a zygote, which every clone shares.
 pub fn fixed_at_zygote_start(key: &str) -> bool {
     key.starts_with("PYTHON")
         || key.starts_with("PYDEVD_")
         || key.starts_with("LC_")
-        || matches!(key, "LANG" | "LANGUAGE" | "PATH" | "HOME")
+        || matches!(
+            key,
+            "LANG" | "LANGUAGE" | "PATH" | "HOME" | PRELOAD_ENV | "MPLBACKEND"
+        )
 }
+
+/// The kernelspec's preload list (`kernels/python3/kernel.json`): modules, comma-separated,
+/// that a zygote imports before it waits (see the launcher's `_preload`), so the first cell
+/// that uses them does not pay for the import. Fixed at a zygote's start, like the
+/// matplotlib backend (`MPLBACKEND`), which matplotlib reads when it is imported.
+pub const PRELOAD_ENV: &str = "CELLGATE_PRELOAD";
 
 /// A connection file to write before the kernel starts. The kernel's ipc endpoints are guest
 /// paths in it; the agent joins channel streams to them.

@@ -50,7 +50,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellgate_agent::protocol::{fixed_at_zygote_start, ConnectionFile, Op, Reply, Zygote};
+use cellgate_agent::protocol::{
+    fixed_at_zygote_start, ConnectionFile, Op, Reply, Zygote, PRELOAD_ENV,
+};
 use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
@@ -129,6 +131,10 @@ pub struct MicrovmConfig {
     pub snapshots: bool,
     /// Where the snapshots are kept; `None`: `snapshots/` in the guest directory.
     pub snapshot_dir: Option<PathBuf>,
+    /// Whether emulated VMs' snapshots import the kernelspec's preload list too
+    /// (`CELLGATE_PRELOAD`, see `cellgate_agent::protocol::PRELOAD_ENV`); with KVM they
+    /// always do.
+    pub preload_under_emulation: bool,
     /// An operator's own guest kernel (an uncompressed `vmlinux`) instead of the project's.
     pub guest_kernel: Option<PathBuf>,
     /// Whether [`Self::guest_kernel`] is a PVM guest (for hosts whose KVM is PVM-only).
@@ -154,6 +160,7 @@ impl Default for MicrovmConfig {
             transport: None,
             snapshots: true,
             snapshot_dir: None,
+            preload_under_emulation: false,
             guest_kernel: None,
             guest_kernel_pvm: false,
         }
@@ -400,6 +407,19 @@ impl Core {
         {
             return Err(MicrovmError::Accel(refused.clone()));
         }
+        let unloaded;
+        let spec = if self.accel == Accel::Tcg
+            && !self.config.preload_under_emulation
+            && spec.env.contains_key(PRELOAD_ENV)
+        {
+            // Under emulation the preload is a cell's cost, not every snapshot's.
+            let mut without = spec.clone();
+            without.env.remove(PRELOAD_ENV);
+            unloaded = without;
+            &unloaded
+        } else {
+            spec
+        };
         let map = agent::relocation(spec);
         let connection = agent::guest_connection(spec, &map)?;
         let size = VmSize::of(&spec.limits);

@@ -27,7 +27,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use seccompiler::BpfProgram;
 
 use super::landlock;
-use super::plan::Plan;
+use super::plan::{Plan, Role};
 use super::seccomp;
 use super::sys;
 
@@ -36,6 +36,21 @@ const KERNEL_NOFILE: u64 = 4096;
 
 pub fn exec_kernel(plan: &Plan, programs: &[BpfProgram], error_pipe: OwnedFd) -> ! {
     let Err(message) = confine_and_exec(plan, programs, error_pipe.as_raw_fd());
+    fail(error_pipe, &message)
+}
+
+/// For [`Role::Forked`]: the same confinement as [`exec_kernel`], in the same order, and then
+/// a return to the caller (the zygote's Python, which becomes the kernel) instead of
+/// `execve`. The error pipe is closed on success, which tells the init the kernel started,
+/// as a successful `execve` closes it.
+pub fn confine_in_place(plan: &Plan, programs: &[BpfProgram], error_pipe: OwnedFd) {
+    match confine(plan, programs, error_pipe.as_raw_fd()) {
+        Ok(_) => drop(error_pipe),
+        Err(message) => fail(error_pipe, &message),
+    }
+}
+
+fn fail(error_pipe: OwnedFd, message: &str) -> ! {
     let mut error_pipe = std::fs::File::from(error_pipe);
     let _ = error_pipe.write_all(message.as_bytes());
     sys::exit_now(127)
@@ -50,17 +65,31 @@ fn confine_and_exec(
     programs: &[BpfProgram],
     error_fd: RawFd,
 ) -> Result<Infallible, String> {
+    let (program, argv, env) = confine(plan, programs, error_fd)?;
+    let err = sys::execve(&program, &argv, &env);
+    Err(format!("execve {}: {err}", plan.argv[0]))
+}
+
+/// Every step before `execve`; the command and environment, ready for it.
+fn confine(
+    plan: &Plan,
+    programs: &[BpfProgram],
+    error_fd: RawFd,
+) -> Result<(CString, Vec<CString>, Vec<CString>), String> {
     sys::reset_signals().map_err(step("reset signals"))?;
     sys::set_parent_death_signal(libc::SIGKILL).map_err(step("set parent death signal"))?;
     sys::setsid().map_err(step("setsid"))?;
 
-    let null = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/null")
-        .map_err(step("open /dev/null"))?;
-    sys::dup2(null.as_raw_fd(), 0).map_err(step("stdin"))?;
-    drop(null);
+    // A zygote's standard input is the gateway's control socket (see `Role::Zygote`).
+    if plan.role != Role::Zygote {
+        let null = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null")
+            .map_err(step("open /dev/null"))?;
+        sys::dup2(null.as_raw_fd(), 0).map_err(step("stdin"))?;
+        drop(null);
+    }
     sys::dup2(2, 1).map_err(step("stdout"))?;
 
     sys::setrlimit(libc::RLIMIT_CORE, 0, 0).map_err(step("RLIMIT_CORE"))?;
@@ -98,6 +127,5 @@ fn confine_and_exec(
     // The error pipe stays open (it is close-on-exec); everything else inherited goes.
     sys::close_all_above_stdio_except(&[error_fd]).map_err(step("close inherited descriptors"))?;
     seccomp::install(programs).map_err(step("seccomp"))?;
-    let err = sys::execve(&program, &argv, &env);
-    Err(format!("execve {}: {err}", plan.argv[0]))
+    Ok((program, argv, env))
 }

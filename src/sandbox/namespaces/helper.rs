@@ -27,8 +27,9 @@
 
 use std::io::{self, BufRead, Write};
 
+use super::idmap::IdMap;
 use super::pid1;
-use super::plan::{Event, Plan, GO};
+use super::plan::{Event, Plan, Role, GO};
 use super::sys::{self, Ended, Forked};
 
 /// The hidden first argument that makes the gateway's binary the sandbox helper.
@@ -60,8 +61,10 @@ pub fn at<E: std::fmt::Display>(stage: &'static str) -> impl FnOnce(E) -> Failur
 /// particular before the tokio runtime): `unshare(CLONE_NEWUSER)` fails in a multithreaded
 /// process.
 pub fn sandbox_init_main() -> ! {
-    let code = match run() {
-        Ok(code) => code,
+    let code = match run(&mut io::stdin().lock()) {
+        Ok(Outcome::Exit(code)) => code,
+        // Only a `Role::Forked` plan's kernel returns, and only a zygote's child runs one.
+        Ok(Outcome::Kernel(_)) => 127,
         Err(failure) => {
             report(&Event::Failed {
                 stage: failure.stage.to_owned(),
@@ -73,9 +76,16 @@ pub fn sandbox_init_main() -> ! {
     sys::exit_now(code)
 }
 
-fn run() -> Result<i32, Failure> {
-    let stdin = io::stdin();
-    let mut input = stdin.lock();
+/// How [`run`] ends in the process that called it.
+pub enum Outcome {
+    /// The helper's work is done: exit with this code.
+    Exit(i32),
+    /// This process is now the confined kernel of a [`Role::Forked`] plan.
+    Kernel(Box<Plan>),
+}
+
+/// The helper's steps, reading the plan and the gateway's `go` from `input`.
+pub fn run(input: &mut impl BufRead) -> Result<Outcome, Failure> {
     let mut line = String::new();
     input.read_line(&mut line).map_err(at("read plan"))?;
     let plan: Plan = serde_json::from_str(line.trim_end()).map_err(at("parse plan"))?;
@@ -89,6 +99,14 @@ fn run() -> Result<i32, Failure> {
             | libc::CLONE_NEWPID,
     )
     .map_err(at("unshare namespaces"))?;
+    if plan.role == Role::Forked {
+        // Entering the new user namespace made this process non-dumpable (its capabilities
+        // changed), which gives its /proc files to root: it could not write its own maps.
+        // Dumpable for that moment only; the init's change of uid clears it again.
+        sys::set_dumpable(true).map_err(at("set dumpable"))?;
+        IdMap::FORKED.write_own().map_err(at("write the id maps"))?;
+        sys::set_dumpable(false).map_err(at("set dumpable"))?;
+    }
     report(&Event::Unshared);
 
     line.clear();
@@ -97,23 +115,27 @@ fn run() -> Result<i32, Failure> {
         .map_err(at("wait for the gateway"))?;
     if line.trim_end() != GO {
         // The gateway gave up (its end closed): nothing was started.
-        return Ok(1);
+        return Ok(Outcome::Exit(1));
     }
-    drop(input);
 
     sys::unshare(libc::CLONE_NEWCGROUP).map_err(at("unshare cgroup namespace"))?;
 
     // The init watches this pipe: when its write end (held only by us) closes, we are gone.
     let (alive_read, alive_write) = sys::pipe().map_err(at("pipe"))?;
-    // SAFETY: this process is single-threaded: it was exec'd moments ago and starts no
-    // threads (reading stdin and writing stdout do not).
+    // SAFETY: this process is single-threaded: it was exec'd moments ago (or forked from a
+    // zygote that checked it has one thread) and starts no threads (reading stdin and
+    // writing stdout do not).
     match unsafe { sys::fork() }.map_err(at("fork the init"))? {
         Forked::Child => {
             drop(alive_write);
-            pid1::run(plan, alive_read)
+            Ok(Outcome::Kernel(Box::new(pid1::run(plan, alive_read))))
         }
         Forked::Parent { child } => {
             drop(alive_read);
+            if plan.role == Role::Zygote {
+                // The zygote's control socket is the zygote's alone.
+                sys::stdin_from_null().map_err(at("close the control socket"))?;
+            }
             report(&Event::Init { pid: child });
             let ended = loop {
                 match sys::waitpid(child, 0) {
@@ -124,10 +146,15 @@ fn run() -> Result<i32, Failure> {
                 }
             };
             drop(alive_write);
-            Ok(match ended {
+            let (code, signal) = match ended {
+                Ended::Exited(code) => (Some(code), None),
+                Ended::Signaled(signal) => (None, Some(signal)),
+            };
+            report(&Event::InitEnded { code, signal });
+            Ok(Outcome::Exit(match ended {
                 Ended::Exited(code) => code,
                 Ended::Signaled(signal) => 128 + signal,
-            })
+            }))
         }
     }
 }

@@ -58,9 +58,31 @@ impl IdMap {
         }
     }
 
+    /// The maps of a helper forked from a zygote, which it writes itself (see
+    /// [`IdMap::write_own`]): uid/gid 1000 inside stand for the zygote's uid/gid 1000, and
+    /// `setgroups` is denied.
+    pub const FORKED: IdMap = IdMap {
+        outside_uid: INSIDE_ID,
+        outside_gid: INSIDE_ID,
+        privileged: false,
+    };
+
+    /// Writes the maps of the user namespace this process has just unshared, as a process
+    /// without privilege over its parent namespace may: its own ids only. A helper forked
+    /// from a zygote does this, since only a process of the parent namespace or of the
+    /// namespace itself may write them, and the gateway is neither (the zygote's namespace
+    /// lies between).
+    pub fn write_own(&self) -> io::Result<()> {
+        self.write_at("self")
+    }
+
     /// Writes the maps of the user namespace that process `pid` has just unshared.
     pub fn write(&self, pid: u32) -> io::Result<()> {
-        fn with(pid: u32, what: &'static str) -> impl FnOnce(io::Error) -> io::Error {
+        self.write_at(&pid.to_string())
+    }
+
+    fn write_at(&self, pid: &str) -> io::Result<()> {
+        fn with<'a>(pid: &'a str, what: &'static str) -> impl FnOnce(io::Error) -> io::Error + 'a {
             move |err| io::Error::new(err.kind(), format!("write /proc/{pid}/{what}: {err}"))
         }
         if !self.privileged {

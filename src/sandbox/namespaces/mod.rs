@@ -74,11 +74,12 @@ mod plan;
 mod seccomp;
 /// Also used by the gvisor backend (pidfds).
 pub(super) mod sys;
+pub mod zygote;
 
 use crate::sandbox::spawner::Spawner;
 use std::collections::BTreeSet;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -86,7 +87,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
 use super::{
@@ -99,7 +100,9 @@ use crate::sandbox::relocate::{self, KernelView};
 pub use error::NamespacesError;
 pub use helper::{sandbox_init_main, SANDBOX_INIT_ARG};
 use idmap::{IdMap, INSIDE_ID};
-use plan::{Event, Plan, RuntimeFile, GO};
+use plan::{Event, Plan, Role, RuntimeFile, GO};
+pub use zygote::{become_kernel, ZygoteSettings};
+use zygote::{Kind, Lookup, Zygote};
 
 const GIB: u64 = 1 << 30;
 /// Processes of the sandbox machinery that share the kernel's cgroup (the helper outside and
@@ -132,6 +135,8 @@ pub struct NamespacesConfig {
     /// How long the sandbox may take to exist (not the kernel to be ready).
     pub start_timeout: Duration,
     pub hostname: String,
+    /// Kernels forked from a warm zygote (see [`zygote`]).
+    pub zygote: ZygoteSettings,
 }
 
 impl Default for NamespacesConfig {
@@ -146,17 +151,49 @@ impl Default for NamespacesConfig {
             cgroups: true,
             start_timeout: Duration::from_secs(30),
             hostname: "sandbox".to_owned(),
+            zygote: ZygoteSettings::default(),
         }
     }
 }
 
 /// Starts kernels in namespaced sandboxes.
 pub struct NamespacesSandbox {
+    core: Arc<Core>,
+}
+
+/// The backend's state, shared with the background tasks that start zygotes.
+struct Core {
     config: NamespacesConfig,
     ids: IdMap,
     hierarchy: Hierarchy,
     spawner: Spawner,
+    zygotes: zygote::Zygotes,
 }
+
+/// How a sandbox's helper comes to be.
+enum How {
+    /// Spawned by the gateway, its plan on a pipe: a kernel started cold.
+    Cold,
+    /// Spawned by the gateway with this socket as its standard input, which the zygote
+    /// keeps; `writer` is the gateway's end, for the plan.
+    Zygote {
+        stdin: OwnedFd,
+        writer: tokio::net::UnixStream,
+    },
+    /// Forked by this zygote.
+    Forked(Arc<Zygote>),
+}
+
+/// The helper process, as far as the gateway can wait for it.
+enum Helper {
+    Spawned(Child),
+    /// A zygote's child: not the gateway's to wait for; its end is the events' end.
+    Forked,
+}
+
+type Writer = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
+type Reader = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+type EventLines = Lines<BufReader<Reader>>;
 
 impl NamespacesSandbox {
     /// Must be called from within a tokio runtime: the spawner thread registers the helpers'
@@ -178,19 +215,38 @@ impl NamespacesSandbox {
         };
         hierarchy.sweep();
         let ids = IdMap::for_this_process(config.root_maps_to);
+        let mut zygote = config.zygote.clone();
+        if zygote.enabled && zygote.library().is_none() {
+            tracing::warn!(
+                "kernel zygotes are off: {} is not beside the gateway's binary (`cargo build -p cellgate-zygote`); every kernel starts cold",
+                zygote::LIBRARY_FILE
+            );
+            zygote.enabled = false;
+        }
         tracing::info!(
             cgroups = %hierarchy.describe(),
             sandbox_uid = ids.outside_uid,
+            zygotes = zygote.enabled,
             "namespaces sandbox backend ready"
         );
         Ok(NamespacesSandbox {
-            config,
-            ids,
-            hierarchy,
-            spawner,
+            core: Arc::new(Core {
+                config,
+                ids,
+                hierarchy,
+                spawner,
+                zygotes: zygote::Zygotes::new(zygote),
+            }),
         })
     }
 
+    /// How many zygotes serve now.
+    pub fn zygotes_serving(&self) -> usize {
+        self.core.zygotes.serving()
+    }
+}
+
+impl Core {
     fn init_program(&self) -> PathBuf {
         self.config
             .init_program
@@ -265,6 +321,7 @@ impl NamespacesSandbox {
             // The gateway opened the proxy socket for this generation: the init runs the
             // bridge to it.
             egress_socket: spec.egress_socket.clone(),
+            role: Role::Kernel,
         })
     }
 
@@ -336,8 +393,121 @@ impl NamespacesSandbox {
         }
     }
 
-    async fn launch_namespaced(&self, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
-        let mut plan = self.plan(spec)?;
+    async fn launch(self: &Arc<Self>, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
+        let plan = self.plan(spec)?;
+        if let Some(kind) = Kind::of(&plan) {
+            // At most two looks: the second after waiting for a starting zygote.
+            for _ in 0..2 {
+                let starting = match self.zygotes.lookup(&kind) {
+                    Lookup::Ready(zygote) => {
+                        let forked = self
+                            .launch_with(spec, plan.clone(), How::Forked(zygote.clone()))
+                            .await;
+                        match forked {
+                            Ok(launched) => return Ok(launched),
+                            Err(err) => self.zygotes.failed(&kind, &zygote, &err.to_string()),
+                        }
+                        break;
+                    }
+                    Lookup::Start(starting) => {
+                        let core = self.clone();
+                        let (plan, spec, kind) = (plan.clone(), spec.clone(), kind.clone());
+                        tokio::spawn(async move {
+                            let started = core.start_zygote(&spec, &plan).await;
+                            core.zygotes
+                                .started(kind, started.map_err(|e| e.to_string()));
+                        });
+                        starting
+                    }
+                    Lookup::Wait(starting) => starting,
+                    Lookup::Cold => break,
+                };
+                starting.wait(self.zygotes.settings.ready_timeout).await;
+            }
+        }
+        self.launch_with(spec, plan, How::Cold).await
+    }
+
+    /// Starts a zygote for kernels like `plan`'s (of `spec`) and waits until it is ready.
+    async fn start_zygote(
+        &self,
+        spec: &LaunchSpec,
+        plan: &Plan,
+    ) -> Result<Zygote, NamespacesError> {
+        let library =
+            self.zygotes.settings.library().ok_or_else(|| {
+                NamespacesError::Handshake(format!("no {}", zygote::LIBRARY_FILE))
+            })?;
+        let io = |what: &'static str| {
+            let path = spec.runtime_dir.clone();
+            move |source| NamespacesError::Io { what, path, source }
+        };
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(io("socketpair"))?;
+        let writer = ours.try_clone().map_err(io("socketpair"))?;
+        writer.set_nonblocking(true).map_err(io("socketpair"))?;
+        let writer = tokio::net::UnixStream::from_std(writer).map_err(io("socketpair"))?;
+        let zygote_plan = zygote::zygote_plan(plan, &library);
+        let zygote_spec = LaunchSpec {
+            kernel_id: zygote_plan.kernel_id.clone(),
+            limits: Limits::default(),
+            log_file: spec
+                .log_file
+                .with_file_name(format!("{}.log", zygote_plan.kernel_id)),
+            egress_socket: None,
+            ..spec.clone()
+        };
+        let how = How::Zygote {
+            stdin: theirs.into(),
+            writer,
+        };
+        let launched = self.launch_with(&zygote_spec, zygote_plan, how).await?;
+        // The writer was a clone of this socket, made non-blocking for tokio (a flag of the
+        // socket, not of the descriptor): the zygote is talked to in blocking calls.
+        if let Err(source) = ours.set_nonblocking(false) {
+            let _ = launched.handle.kill();
+            return Err(NamespacesError::Io {
+                what: "socketpair",
+                path: spec.runtime_dir.clone(),
+                source,
+            });
+        }
+        let pid = launched
+            .handle
+            .pid()
+            .and_then(|pid| i32::try_from(pid).ok())
+            .ok_or_else(|| NamespacesError::Handshake("the zygote has no pid".to_owned()))?;
+        let zygote = Zygote::new(ours, pid, launched.handle.clone(), launched.exit.clone());
+        let timeout = self.zygotes.settings.ready_timeout;
+        let started = std::time::Instant::now();
+        let zygote =
+            tokio::task::spawn_blocking(move || zygote.wait_ready(timeout).map(|()| zygote))
+                .await
+                .map_err(|err| NamespacesError::Handshake(err.to_string()))?;
+        match zygote {
+            Ok(zygote) => {
+                tracing::info!(
+                    pid,
+                    ready_ms = started.elapsed().as_millis() as u64,
+                    "kernel zygote ready: kernels of its kind are forked from it"
+                );
+                Ok(zygote)
+            }
+            Err(err) => {
+                let _ = launched.handle.kill();
+                Err(NamespacesError::Handshake(format!(
+                    "the zygote did not become ready: {err} (its log: {})",
+                    zygote_spec.log_file.display()
+                )))
+            }
+        }
+    }
+
+    async fn launch_with(
+        &self,
+        spec: &LaunchSpec,
+        mut plan: Plan,
+        how: How,
+    ) -> Result<Launched, NamespacesError> {
         let plan_workspace = plan.workspace.clone();
         let cgroup = self.cgroup(spec);
         if !cgroup.as_ref().is_some_and(|c| c.memory_limited()) {
@@ -363,55 +533,30 @@ impl NamespacesSandbox {
                 });
             }
         };
-        let program = self.init_program();
-        let mut command = Command::new(&program);
-        command
-            .arg(SANDBOX_INIT_ARG)
-            .env_clear()
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(false);
-        let mut child = match self.spawner.spawn(command).await {
-            Ok(child) => child,
-            Err(source) => {
+        let forked = matches!(how, How::Forked(_));
+        let started = match how {
+            How::Forked(zygote) => {
+                plan = zygote::forked_plan(plan);
+                self.fork_helper(spec, &zygote).await
+            }
+            How::Cold => self.spawn_helper(None).await,
+            How::Zygote { stdin, writer } => self.spawn_helper(Some((stdin, writer))).await,
+        };
+        let (mut helper, helper_pid, stdin, stdout, output) = match started {
+            Ok(started) => started,
+            Err(err) => {
                 remove_cgroup(cgroup).await;
-                return Err(NamespacesError::SpawnHelper { program, source });
+                return Err(err);
             }
         };
-        let helper_pid = child.id().unwrap_or(0);
-        let log_copy = match child.stderr.take() {
-            Some(stderr) => {
-                // The kernel's stdout and stderr are this pipe: hand it to the sandbox user
-                // too, so the kernel can reopen it as /dev/stdout or /dev/stderr.
-                if self.ids.privileged {
-                    if let Err(err) = std::os::unix::fs::fchown(
-                        &stderr,
-                        Some(self.ids.outside_uid),
-                        Some(self.ids.outside_gid),
-                    ) {
-                        tracing::warn!(%err, "cannot hand the kernel's output pipe to the sandbox user");
-                    }
-                }
-                Some(tokio::spawn(copy_log(stderr, log)))
-            }
-            None => None,
-        };
-        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-            remove_cgroup(cgroup).await;
-            return Err(NamespacesError::Handshake(
-                "helper has no stdio pipes".to_owned(),
-            ));
-        };
+        let log_copy = tokio::spawn(copy_log(output, log));
         let mut events = BufReader::new(stdout).lines();
         let handshake = handshake(
             stdin,
             &mut events,
             &plan,
             helper_pid,
+            forked,
             self.ids,
             cgroup.as_deref(),
         );
@@ -425,8 +570,17 @@ impl NamespacesSandbox {
         let started = match started {
             Ok(started) => started,
             Err(err) => {
-                let _ = child.start_kill();
-                let _ = child.wait().await;
+                match &mut helper {
+                    Helper::Spawned(child) => {
+                        let _ = child.start_kill();
+                        let _ = child.wait().await;
+                    }
+                    Helper::Forked => {
+                        if let Ok(pid) = i32::try_from(helper_pid) {
+                            let _ = sys::kill(pid, libc::SIGKILL);
+                        }
+                    }
+                }
                 remove_cgroup(cgroup).await;
                 return Err(err);
             }
@@ -451,6 +605,7 @@ impl NamespacesSandbox {
             kernel_id = %spec.kernel_id,
             init_pid = started.init_pid,
             kernel_pid = started.kernel_pid,
+            forked,
             "kernel started in a namespaces sandbox"
         );
         let (exit_tx, exit_rx) = watch::channel(None);
@@ -463,12 +618,12 @@ impl NamespacesSandbox {
             )),
         );
         tokio::spawn(watch_exit(
-            child,
+            helper,
             events,
             exited,
             cgroup,
             memory_limit,
-            log_copy,
+            Some(log_copy),
             fault_log,
             exit_tx,
         ));
@@ -478,6 +633,120 @@ impl NamespacesSandbox {
             connection: gateway_view(&spec.connection, &spec.runtime_dir, helper_pid),
         })
     }
+
+    /// Spawns the helper (`cellgate __sandbox-init`); for a zygote, with the control socket
+    /// as its standard input.
+    async fn spawn_helper(
+        &self,
+        zygote: Option<(OwnedFd, tokio::net::UnixStream)>,
+    ) -> Result<(Helper, u32, Writer, Reader, Reader), NamespacesError> {
+        let program = self.init_program();
+        let mut command = Command::new(&program);
+        let (stdin, writer) = match zygote {
+            Some((stdin, writer)) => (std::process::Stdio::from(stdin), Some(writer)),
+            None => (std::process::Stdio::piped(), None),
+        };
+        command
+            .arg(SANDBOX_INIT_ARG)
+            .env_clear()
+            .stdin(stdin)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(false);
+        let mut child = self
+            .spawner
+            .spawn(command)
+            .await
+            .map_err(|source| NamespacesError::SpawnHelper { program, source })?;
+        let helper_pid = child.id().unwrap_or(0);
+        let writer: Option<Writer> = match writer {
+            Some(writer) => Some(Box::new(writer)),
+            None => child.stdin.take().map(|w| Box::new(w) as Writer),
+        };
+        let (Some(writer), Some(stdout), Some(stderr)) =
+            (writer, child.stdout.take(), child.stderr.take())
+        else {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            return Err(NamespacesError::Handshake(
+                "helper has no stdio pipes".to_owned(),
+            ));
+        };
+        // The kernel's stdout and stderr are this pipe: hand it to the sandbox user too, so
+        // the kernel can reopen it as /dev/stdout or /dev/stderr.
+        self.hand_over_output(&stderr);
+        Ok((
+            Helper::Spawned(child),
+            helper_pid,
+            writer,
+            Box::new(stdout),
+            Box::new(stderr),
+        ))
+    }
+
+    /// Has `zygote` fork the helper, its stdio three new pipes.
+    async fn fork_helper(
+        &self,
+        spec: &LaunchSpec,
+        zygote: &Arc<Zygote>,
+    ) -> Result<(Helper, u32, Writer, Reader, Reader), NamespacesError> {
+        let io = |what: &'static str| {
+            let path = spec.runtime_dir.clone();
+            move |source| NamespacesError::Io { what, path, source }
+        };
+        let (plan_read, plan_write) = sys::pipe().map_err(io("pipe"))?;
+        let (events_read, events_write) = sys::pipe().map_err(io("pipe"))?;
+        let (output_read, output_write) = sys::pipe().map_err(io("pipe"))?;
+        self.hand_over_output(&output_read);
+        let egress = spec
+            .egress_socket
+            .as_deref()
+            .map(sys::open_path)
+            .transpose()
+            .map_err(io("open the egress proxy socket"))?;
+        let zygote = zygote.clone();
+        let forked = tokio::task::spawn_blocking(move || {
+            zygote.fork(
+                [
+                    plan_read.as_fd(),
+                    events_write.as_fd(),
+                    output_write.as_fd(),
+                ],
+                egress.as_ref().map(|fd| fd.as_fd()),
+            )
+        })
+        .await
+        .map_err(|err| NamespacesError::Handshake(err.to_string()))?
+        .map_err(|err| NamespacesError::Handshake(format!("the zygote's fork: {err}")))?;
+        let helper_pid = u32::try_from(forked)
+            .map_err(|_| NamespacesError::Handshake(format!("bad pid {forked}")))?;
+        let pipe = |fd: OwnedFd| -> Result<tokio::net::unix::pipe::Receiver, NamespacesError> {
+            tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(io("pipe"))
+        };
+        let writer =
+            tokio::net::unix::pipe::Sender::from_owned_fd(plan_write).map_err(io("pipe"))?;
+        Ok((
+            Helper::Forked,
+            helper_pid,
+            Box::new(writer),
+            Box::new(pipe(events_read)?),
+            Box::new(pipe(output_read)?),
+        ))
+    }
+
+    /// Gives the kernel's output pipe to the sandbox user (only a root gateway's differs).
+    fn hand_over_output(&self, pipe: &impl std::os::fd::AsFd) {
+        if self.ids.privileged {
+            if let Err(err) = std::os::unix::fs::fchown(
+                pipe,
+                Some(self.ids.outside_uid),
+                Some(self.ids.outside_gid),
+            ) {
+                tracing::warn!(%err, "cannot hand the kernel's output pipe to the sandbox user");
+            }
+        }
+    }
 }
 
 impl Sandbox for NamespacesSandbox {
@@ -486,7 +755,7 @@ impl Sandbox for NamespacesSandbox {
     }
 
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
-        Box::pin(async move { Ok(self.launch_namespaced(spec).await?) })
+        Box::pin(async move { Ok(self.core.launch(spec).await?) })
     }
 }
 
@@ -500,10 +769,7 @@ struct Started {
     kernel_ns_pid: Option<i32>,
 }
 
-async fn next_event(
-    events: &mut Lines<BufReader<ChildStdout>>,
-    waiting_for: &str,
-) -> Result<Event, NamespacesError> {
+async fn next_event(events: &mut EventLines, waiting_for: &str) -> Result<Event, NamespacesError> {
     let line = events
         .next_line()
         .await
@@ -520,10 +786,11 @@ async fn next_event(
 }
 
 async fn handshake(
-    mut stdin: ChildStdin,
-    events: &mut Lines<BufReader<ChildStdout>>,
+    mut stdin: Writer,
+    events: &mut EventLines,
     plan: &Plan,
     helper_pid: u32,
+    forked: bool,
     ids: IdMap,
     cgroup: Option<&KernelCgroup>,
 ) -> Result<Started, NamespacesError> {
@@ -544,7 +811,10 @@ async fn handshake(
     // (BENCHMARKS.md, "Measurements behind the code").
     let cgroup = cgroup.cloned();
     tokio::task::spawn_blocking(move || -> Result<(), NamespacesError> {
-        ids.write(helper_pid).map_err(NamespacesError::IdMap)?;
+        // A forked helper wrote its own (see `IdMap::write_own`).
+        if !forked {
+            ids.write(helper_pid).map_err(NamespacesError::IdMap)?;
+        }
         if let Some(cgroup) = cgroup {
             cgroup.join(helper_pid)?;
         }
@@ -569,9 +839,17 @@ async fn handshake(
             other => return Err(NamespacesError::Handshake(format!("unexpected {other:?}"))),
         }
     }
-    let Some(init_pid) = init_pid else {
+    let Some(mut init_pid) = init_pid else {
         return Err(NamespacesError::Handshake("no init pid".to_owned()));
     };
+    if forked {
+        // A forked helper names its init by its pid in the zygote's pid namespace; the init
+        // is its only child.
+        init_pid = i32::try_from(helper_pid)
+            .ok()
+            .and_then(only_child)
+            .ok_or_else(|| NamespacesError::Handshake("the init is gone".to_owned()))?;
+    }
     // The init's pid is not reused before the helper reaps it, and the init only ends after
     // the kernel process, which has just started: this pidfd names the init. (If the kernel
     // ended at once, the init may be ending too; then the exit watch reports it.)
@@ -589,11 +867,22 @@ async fn handshake(
     })
 }
 
+/// The host pid of `parent`'s one child.
+fn only_child(parent: i32) -> Option<i32> {
+    let children =
+        std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
+    let mut pids = children.split_whitespace().filter_map(|p| p.parse().ok());
+    match (pids.next(), pids.next()) {
+        (Some(pid), None) => Some(pid),
+        _ => None,
+    }
+}
+
 /// The host pid of the init's child whose pid in the sandbox is `ns_pid`: the kernel
 /// process. The init has another child when the plan names an egress socket (the egress
 /// bridge, forked first), so the kernel is told by its pid in the namespace (the last field
 /// of `NSpid`), never by its place among the children.
-fn kernel_child(parent: i32, ns_pid: i32) -> Option<i32> {
+pub(super) fn kernel_child(parent: i32, ns_pid: i32) -> Option<i32> {
     let status_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/status")).ok();
     let field = |status: &str, name: &str| -> Option<String> {
         status
@@ -629,7 +918,7 @@ const LOG_LIMIT: u64 = 64 * MIB;
 
 /// Appends the kernel's output (and the helper's own stderr) to the log file, up to
 /// [`LOG_LIMIT`]; the rest is read and dropped so the kernel never blocks on a full pipe.
-async fn copy_log(mut output: tokio::process::ChildStderr, log: std::fs::File) {
+async fn copy_log(mut output: Reader, log: std::fs::File) {
     use tokio::io::AsyncReadExt;
     let mut log = tokio::fs::File::from_std(log);
     let mut written: u64 = 0;
@@ -701,8 +990,8 @@ impl FaultLog {
 // struct for them would only be this list again.
 #[allow(clippy::too_many_arguments)]
 async fn watch_exit(
-    mut child: Child,
-    mut events: Lines<BufReader<ChildStdout>>,
+    helper: Helper,
+    mut events: EventLines,
     exited: Arc<AtomicBool>,
     cgroup: Option<Arc<KernelCgroup>>,
     memory_limit: Option<u64>,
@@ -711,17 +1000,23 @@ async fn watch_exit(
     exit_tx: watch::Sender<Option<ExitReport>>,
 ) {
     let mut kernel_status = None;
+    let mut init_status = None;
     let mut failure = None;
     while let Ok(Some(line)) = events.next_line().await {
         match serde_json::from_str::<Event>(&line) {
             Ok(Event::Exited { code, signal }) => kernel_status = Some((code, signal)),
+            Ok(Event::InitEnded { code, signal }) => init_status = Some((code, signal)),
             Ok(Event::Failed { stage, error }) => {
                 failure = Some(format!("sandbox failure at {stage}: {error}"))
             }
             _ => {}
         }
     }
-    let helper = child.wait().await;
+    // A forked helper's end is the end of its events (it reports last and exits).
+    let helper = match helper {
+        Helper::Spawned(mut child) => Some(child.wait().await),
+        Helper::Forked => None,
+    };
     exited.store(true, Ordering::SeqCst);
     // Every writer of the output pipe is gone with the pid namespace: let the copy finish,
     // so the log is complete when the exit is reported.
@@ -731,18 +1026,19 @@ async fn watch_exit(
     let oom_kills = cgroup.as_ref().and_then(|c| c.oom_kills()).unwrap_or(0);
     remove_cgroup(cgroup).await;
 
-    let (code, signal) = match (kernel_status, &helper) {
-        (Some(status), _) => status,
+    let (code, signal) = match (kernel_status, &helper, init_status) {
+        (Some(status), _, _) => status,
         // No report from the init: it was killed (kill(), the OOM killer, or the gateway's
-        // death). The helper exits with 128 + the init's signal.
-        (None, Ok(status)) => {
+        // death). The helper said how, and exits with 128 + the init's signal.
+        (None, _, Some(status)) => status,
+        (None, Some(Ok(status)), None) => {
             use std::os::unix::process::ExitStatusExt;
             match (status.code(), status.signal()) {
                 (Some(code), _) if code > 128 => (None, Some(code - 128)),
                 (code, signal) => (code, signal),
             }
         }
-        (None, Err(_)) => (None, None),
+        (None, _, None) => (None, None),
     };
     let reason = if signal == Some(libc::SIGKILL) && oom_kills > 0 {
         Some(ExitReason::new(
@@ -754,7 +1050,7 @@ async fn watch_exit(
                 None => "kernel process killed by the out-of-memory killer".to_owned(),
             },
         ))
-    } else if let Err(err) = helper {
+    } else if let Some(Err(err)) = helper {
         Some(ExitReason::new(
             ExitCause::SandboxFailed,
             format!("lost track of the sandbox: {err}"),

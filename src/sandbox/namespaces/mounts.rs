@@ -41,7 +41,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
-use super::plan::Plan;
+use super::plan::{Plan, Role};
 use super::sys::{self, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY};
 use crate::sandbox::relocate::{self, VenvEntry};
 use crate::sandbox::rootfs::{self, ETC_ENTRIES, USR_LINKS};
@@ -183,7 +183,12 @@ impl RootFs {
         ops.push(Op::Proc {
             target: "/proc".into(),
         });
-        ops.extend(proc_masks());
+        // A zygote's `/proc` stays whole: Linux lets a user namespace mount a `/proc` only
+        // where one is fully visible already, and each sandbox forked from the zygote mounts
+        // its own (masked) one. The zygote runs no tenant code.
+        if plan.role != Role::Zygote {
+            ops.extend(proc_masks());
+        }
         ops.push(Op::Tmpfs {
             target: "/tmp".into(),
             flags: libc::MS_NOSUID | libc::MS_NODEV,

@@ -40,7 +40,7 @@ use super::bridge;
 use super::confine;
 use super::helper::{at, report, Failure};
 use super::mounts::RootFs;
-use super::plan::{Event, Plan};
+use super::plan::{Event, Plan, Role};
 use super::seccomp;
 use super::sys::{self, Ended, Forked, SignalSet};
 
@@ -54,10 +54,12 @@ pub const FORWARDED: &[libc::c_int] = &[
     libc::SIGUSR2,
 ];
 
-/// Runs the init; never returns.
-pub fn run(plan: Plan, helper_alive: OwnedFd) -> ! {
+/// Runs the init. Returns only in the kernel process of a [`Role::Forked`] sandbox, confined,
+/// with its plan: that process goes on as the kernel (see [`super::zygote`]).
+pub fn run(plan: Plan, helper_alive: OwnedFd) -> Plan {
     match init(plan, helper_alive) {
-        Ok(()) => sys::exit_now(0),
+        Ok(Some(plan)) => plan,
+        Ok(None) => sys::exit_now(0),
         Err(failure) => {
             report(&Event::Failed {
                 stage: failure.stage.to_owned(),
@@ -68,7 +70,7 @@ pub fn run(plan: Plan, helper_alive: OwnedFd) -> ! {
     }
 }
 
-fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
+fn init(plan: Plan, helper_alive: OwnedFd) -> Result<Option<Plan>, Failure> {
     sys::set_parent_death_signal(libc::SIGKILL).map_err(at("set parent death signal"))?;
     if sys::pipe_hung_up(&helper_alive) {
         return Err(at("start")("the sandbox helper is gone"));
@@ -109,7 +111,11 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
 
     drop_all_capabilities()?;
 
-    let programs = seccomp::build().map_err(at("build the seccomp filter"))?;
+    let programs = match plan.role {
+        Role::Zygote => seccomp::build_for_zygote(),
+        Role::Kernel | Role::Forked => seccomp::build(),
+    }
+    .map_err(at("build the seccomp filter"))?;
     let signals = {
         let mut list = FORWARDED.to_vec();
         list.push(libc::SIGCHLD);
@@ -131,11 +137,22 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
     let kernel = match unsafe { sys::fork() }.map_err(at("fork the kernel"))? {
         Forked::Child => {
             drop(exec_read);
-            confine::exec_kernel(&plan, &programs, exec_write)
+            if plan.role != Role::Forked {
+                confine::exec_kernel(&plan, &programs, exec_write)
+            }
+            // Closed here rather than by the confinement's sweep of inherited descriptors,
+            // which would leave this owner to close a number that is no longer its own.
+            drop(helper_alive);
+            confine::confine_in_place(&plan, &programs, exec_write);
+            return Ok(Some(plan));
         }
         Forked::Parent { child } => child,
     };
     drop(exec_write);
+    if plan.role == Role::Zygote {
+        // The zygote's control socket is the zygote's alone.
+        sys::stdin_from_null().map_err(at("close the control socket"))?;
+    }
 
     let mut exec_error = String::new();
     let _ = std::fs::File::from(exec_read).read_to_string(&mut exec_error);
@@ -148,13 +165,13 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<(), Failure> {
     }
     report(&Event::Kernel { pid: kernel });
 
-    let ended = supervise(&signals, kernel).map_err(at("supervise"))?;
+    let ended = supervise(&signals, kernel, plan.role).map_err(at("supervise"))?;
     let (code, signal) = match ended {
         Ended::Exited(code) => (Some(code), None),
         Ended::Signaled(signal) => (None, Some(signal)),
     };
     report(&Event::Exited { code, signal });
-    Ok(())
+    Ok(None)
 }
 
 fn drop_all_capabilities() -> Result<(), Failure> {
@@ -173,18 +190,26 @@ fn drop_all_capabilities() -> Result<(), Failure> {
 }
 
 /// Reaps and forwards until the kernel process ends; then ends everything else.
-fn supervise(signals: &SignalSet, kernel: libc::pid_t) -> std::io::Result<Ended> {
+///
+/// A zygote's init differs in two ways: signals go to the zygote alone (its children, the
+/// helpers of running sandboxes, are not its process group's to share), and when the zygote
+/// ends the sandboxes forked from it go on; the init reaps until the last of them ended.
+fn supervise(signals: &SignalSet, kernel: libc::pid_t, role: Role) -> std::io::Result<Ended> {
     loop {
         let (signal, _) = signals.wait()?;
         if signal != libc::SIGCHLD {
             // The kernel leads its own process group (it called setsid).
-            if sys::kill(-kernel, signal).is_err() {
+            if role == Role::Zygote || sys::kill(-kernel, signal).is_err() {
                 let _ = sys::kill(kernel, signal);
             }
             continue;
         }
         loop {
             match sys::waitpid(-1, libc::WNOHANG) {
+                Ok(Some((pid, ended))) if pid == kernel && role == Role::Zygote => {
+                    reap_all();
+                    return Ok(ended);
+                }
                 Ok(Some((pid, ended))) if pid == kernel => {
                     // Everything else in the namespace goes with the kernel.
                     let _ = sys::kill(-1, libc::SIGKILL);

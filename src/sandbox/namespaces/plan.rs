@@ -68,6 +68,27 @@ pub struct Plan {
     /// Directories inside the workspace made (by the sandbox user) before the kernel starts.
     #[serde(default)]
     pub workspace_dirs: Vec<PathBuf>,
+    /// What the sandbox's last process is (see [`Role`]).
+    #[serde(default)]
+    pub role: Role,
+}
+
+/// What the process the init starts becomes.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// A kernel: confined, then `execve` of the plan's command.
+    #[default]
+    Kernel,
+    /// A kernel zygote (`super::zygote`): the plan's command, confined by the zygote's own
+    /// seccomp filter (which lets its children build sandboxes of their own), with the
+    /// helper's standard input, the gateway's control socket, as its standard input. Its
+    /// init outlives it while sandboxes forked from it still run.
+    Zygote,
+    /// A kernel forked from a zygote: the helper, the init and the kernel are forks of the
+    /// zygote's child, which runs this same code; the kernel process is confined exactly as
+    /// a [`Role::Kernel`] and then returns to the zygote's Python instead of `execve`.
+    Forked,
 }
 
 /// A file the sandbox's init writes into the kernel's runtime directory.
@@ -92,6 +113,13 @@ pub enum Event {
     Failed { stage: String, error: String },
     /// The kernel process ended (the init then ends every other process of the sandbox).
     Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    /// The init ended (reported by the helper, last): how, for a gateway that is not the
+    /// helper's parent (a helper forked from a zygote), when the init could not say
+    /// [`Event::Exited`] itself (it was killed).
+    InitEnded {
         code: Option<i32>,
         signal: Option<i32>,
     },
@@ -127,6 +155,10 @@ mod tests {
             Event::Exited {
                 code: None,
                 signal: Some(9),
+            },
+            Event::InitEnded {
+                code: Some(0),
+                signal: None,
             },
         ];
         for event in events {

@@ -132,8 +132,29 @@ fn compile(
         .map_err(|err: seccompiler::BackendError| SeccompError(err.to_string()))
 }
 
+/// What a zygote's children need and a kernel must not have: building a sandbox (new
+/// namespaces, mounts, `pivot_root`). The kernel's own filter, installed later in each forked
+/// kernel, stacks on the zygote's and denies them again.
+const SANDBOX_BUILDING: &[i64] = &[
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_mount_setattr,
+    libc::SYS_unshare,
+];
+
 /// The two programs, in the order to install them.
 pub fn build() -> Result<Vec<BpfProgram>, SeccompError> {
+    programs(false)
+}
+
+/// A zygote's programs: the kernel's, less [`SANDBOX_BUILDING`] (and `clone` with namespace
+/// flags), so the children it forks can build the sandboxes of the kernels they become.
+pub fn build_for_zygote() -> Result<Vec<BpfProgram>, SeccompError> {
+    programs(true)
+}
+
+fn programs(zygote: bool) -> Result<Vec<BpfProgram>, SeccompError> {
     // Filter 1: clone3 → ENOSYS, and every x32 syscall number → ENOSYS.
     let enosys = {
         let mut rules = BTreeMap::new();
@@ -146,13 +167,17 @@ pub fn build() -> Result<Vec<BpfProgram>, SeccompError> {
     // Filter 2: the deny list → EPERM.
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for nr in denied_syscalls() {
-        rules.insert(nr, vec![]);
+        if !(zygote && SANDBOX_BUILDING.contains(&nr)) {
+            rules.insert(nr, vec![]);
+        }
     }
-    let clone_rules = NAMESPACE_FLAGS
-        .iter()
-        .map(|&flag| rule(vec![cond(0, SeccompCmpOp::MaskedEq(flag), flag)?]))
-        .collect::<Result<Vec<_>, _>>()?;
-    rules.insert(libc::SYS_clone, clone_rules);
+    if !zygote {
+        let clone_rules = NAMESPACE_FLAGS
+            .iter()
+            .map(|&flag| rule(vec![cond(0, SeccompCmpOp::MaskedEq(flag), flag)?]))
+            .collect::<Result<Vec<_>, _>>()?;
+        rules.insert(libc::SYS_clone, clone_rules);
+    }
     let not_allowed_family = ALLOWED_FAMILIES
         .iter()
         .map(|&family| cond(0, SeccompCmpOp::Ne, family))

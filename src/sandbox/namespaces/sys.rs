@@ -183,6 +183,10 @@ pub fn set_no_new_privs() -> io::Result<()> {
     prctl(libc::PR_SET_NO_NEW_PRIVS, 1)
 }
 
+pub fn set_dumpable(dumpable: bool) -> io::Result<()> {
+    prctl(libc::PR_SET_DUMPABLE, libc::c_ulong::from(dumpable))
+}
+
 pub fn set_securebits(bits: libc::c_int) -> io::Result<()> {
     prctl(libc::PR_SET_SECUREBITS, bits as libc::c_ulong)
 }
@@ -388,6 +392,12 @@ pub fn setrlimit(resource: libc::__rlimit_resource_t, soft: u64, hard: u64) -> i
 pub fn dup2(old: RawFd, new: RawFd) -> io::Result<()> {
     // SAFETY: dup2(2) on integers; the caller owns `new`'s slot (it replaces stdio).
     check(unsafe { libc::dup2(old, new) }).map(drop)
+}
+
+/// Makes standard input `/dev/null` (closing what it was).
+pub fn stdin_from_null() -> io::Result<()> {
+    let null = std::fs::File::open("/dev/null")?;
+    dup2(null.as_raw_fd(), 0)
 }
 
 /// Closes every descriptor above stdio except `keep`.

@@ -1,0 +1,246 @@
+//! Kernels forked from a warm zygote (issue 28, `src/sandbox/namespaces/zygote.rs`): real
+//! gateways, real ipykernels, the namespaces sandbox.
+
+use anyhow::{Context, Result};
+use serde_json::json;
+
+use crate::support::v1::V1Client;
+use crate::support::*;
+
+/// What a kernel says about itself: forked or not, what it has imported, its draws, what it
+/// sees of processes.
+const PROBE: &str = "import json, os, random, sys, uuid\n\
+import numpy\n\
+pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n\
+print(json.dumps({'forked': '--cellgate-ns-zygote' in sys.orig_argv,\n\
+  'preloaded': sorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules),\n\
+  'random': random.random(), 'numpy_random': numpy.random.random(),\n\
+  'uuid': str(uuid.uuid4()), 'urandom': os.urandom(8).hex(),\n\
+  'key': get_ipython().kernel.session.key.hex(),\n\
+  'pid': os.getpid(), 'ppid': os.getppid(), 'pids': pids, 'uid': os.getuid(),\n\
+  'cwd': os.getcwd(), 'env': sorted(os.environ)}))";
+
+async fn probe(v1: &V1Client<'_>, id: &str) -> Result<serde_json::Value> {
+    let r = v1.execute(id, PROBE).await?;
+    anyhow::ensure!(r["status"] == "ok", "the probe failed: {r}");
+    Ok(serde_json::from_str(
+        r["stdout"].as_str().context("stdout")?.trim(),
+    )?)
+}
+
+/// The gateway's zygote processes: its descendants whose command line names the zygote flag
+/// and whose parent's does not (forked helpers, inits and kernels keep the zygote's command
+/// line; the zygote's parent is its sandbox's init, the gateway's binary), first in a pid
+/// namespace one level below the host's.
+fn zygote_pids(gateway: &Gateway) -> Vec<i32> {
+    let is_zygote_like = |pid: i32| {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        String::from_utf8_lossy(&cmdline).contains("--cellgate-ns-zygote")
+    };
+    let mut found = Vec::new();
+    for pid in descendants(gateway.pid() as i32) {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let ppid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .and_then(|v| v.trim().parse::<i32>().ok())
+            .unwrap_or(0);
+        if !is_zygote_like(pid) || is_zygote_like(ppid) {
+            continue;
+        }
+        // In its own pid namespace the zygote is its init's first child, 2; the helpers it
+        // forks come later (and stay in that namespace, with the init, when it dies).
+        let nspid: Vec<String> = status
+            .lines()
+            .find_map(|l| l.strip_prefix("NSpid:"))
+            .map(|v| v.split_whitespace().map(str::to_owned).collect())
+            .unwrap_or_default();
+        if nspid.len() == 2 && nspid[1] == "2" {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Every descendant of `root`, by the parent pids in /proc.
+fn descendants(root: i32) -> Vec<i32> {
+    let mut parents = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        if let Some(ppid) = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .and_then(|v| v.trim().parse::<i32>().ok())
+        {
+            parents.push((pid, ppid));
+        }
+    }
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(
+            parents
+                .iter()
+                .filter(|(_, p)| *p == parent)
+                .map(|(c, _)| *c),
+        );
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// Kernels of a gateway with the zygote on (the default) are forked from it, each in a
+/// sandbox of its own: the preload list is imported before the first cell, and a first
+/// chart arrives; two kernels share no random draw, key or file; a kernel sees only its
+/// own sandbox's processes (no zygote, no other kernel); interrupts, the files API and
+/// restarts work; a killed zygote leaves running kernels working and new ones start (cold
+/// meanwhile, forked again once a new zygote is up).
+#[tokio::test]
+async fn kernels_fork_from_a_zygote_into_sandboxes_of_their_own() -> Result<()> {
+    if sandbox_backend() != "namespaces" {
+        eprintln!(
+            "NOT RUN: the zygote is the namespaces backend's, and this run forces {}",
+            sandbox_backend()
+        );
+        return Ok(());
+    }
+    let gateway = Gateway::builder()
+        .args(&["--pool-size", "0"])
+        .start()
+        .await?;
+    let v1 = V1Client::new(&gateway);
+    let started = std::time::Instant::now();
+    let a = v1
+        .create_session(json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    println!(
+        "first session (waits for the zygote) in {:?}",
+        started.elapsed()
+    );
+    let started = std::time::Instant::now();
+    let b = v1.create_session(json!({})).await?;
+    println!("second session in {:?}", started.elapsed());
+    let (pa, pb) = (probe(&v1, &a).await?, probe(&v1, &b).await?);
+    for p in [&pa, &pb] {
+        assert_eq!(
+            p["forked"],
+            true,
+            "forked from the zygote: {p}\n{}",
+            gateway.log()
+        );
+        assert_eq!(
+            p["preloaded"],
+            json!(["matplotlib.pyplot", "numpy", "pandas"]),
+            "the preload list is imported before the first cell: {p}"
+        );
+        // The kernel's parent is its sandbox's init; it sees its own sandbox only.
+        assert_eq!(p["ppid"], 1, "{p}");
+        assert!(p["pids"].as_array().map_or(0, Vec::len) <= 4, "{p}");
+        assert_eq!(p["uid"], 1000, "{p}");
+        assert_eq!(p["cwd"], "/home/user", "{p}");
+        let env = p["env"].as_array().context("env")?;
+        assert!(
+            !env.iter()
+                .any(|k| k == "CELLGATE_ZYGOTE_LIB" || k == "CELLGATE_PRELOAD"),
+            "the kernel has the kernel's environment, not the zygote's: {p}"
+        );
+    }
+    for field in ["random", "numpy_random", "uuid", "urandom", "key"] {
+        assert_ne!(pa[field], pb[field], "two forked kernels share {field}");
+    }
+
+    // A first chart, with pandas and matplotlib already imported.
+    let r = v1
+        .execute(
+            &a,
+            "import pandas as pd\nimport matplotlib.pyplot as plt\n\
+             pd.DataFrame({'m': range(12), 'r': range(12)}).plot(x='m', y='r'); plt.show()",
+        )
+        .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        r["artifacts"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x["mime"] == "image/png")),
+        "the chart is a PNG artifact: {r}"
+    );
+
+    // Files are each kernel's own, and the files API reaches a forked kernel's workspace.
+    assert_eq!(v1.put_file(&a, "mine.txt", b"a's".to_vec()).await?, 201);
+    let r = v1
+        .execute(&b, "import os\nprint(os.path.exists('mine.txt'))")
+        .await?;
+    assert_eq!(r["stdout"], "False\n", "{r}");
+    let r = v1.execute(&a, "print(open('mine.txt').read())").await?;
+    assert_eq!(r["stdout"], "a's\n", "{r}");
+
+    // An interrupt is a KeyboardInterrupt, as in a kernel started afresh (the confinement
+    // reset the signals Python had set).
+    let interrupt = async {
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        v1.post(&format!("/v1/sessions/{a}/interrupt"), json!({}))
+            .await
+    };
+    let (r, interrupted) = tokio::join!(v1.execute(&a, "import time\ntime.sleep(60)"), interrupt);
+    let (r, (status, _)) = (r?, interrupted?);
+    assert!(status < 300, "interrupt answered {status}");
+    assert_eq!(r["error"]["ename"], "KeyboardInterrupt", "{r}");
+    assert_eq!(v1.execute(&a, "6 * 7").await?["result"], "42");
+
+    // A killed zygote: the running kernels go on; new ones start.
+    let zygotes = zygote_pids(&gateway);
+    assert_eq!(zygotes.len(), 1, "one zygote: {zygotes:?}");
+    kill(zygotes[0]);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(v1.execute(&b, "1 + 1").await?["result"], "2");
+    let c = v1
+        .create_session(json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    assert_eq!(v1.execute(&c, "2 + 2").await?["result"], "4");
+    let pc = probe(&v1, &c).await?;
+    assert_eq!(
+        pc["forked"],
+        true,
+        "a new zygote serves: {pc}\n{}",
+        gateway.log()
+    );
+    let zygotes = zygote_pids(&gateway);
+    assert_eq!(zygotes.len(), 1, "one new zygote: {zygotes:?}");
+    Ok(())
+}
+
+fn kill(pid: i32) {
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+}
+
+/// `--kernel-zygote false`: every kernel starts afresh, and no zygote runs.
+#[tokio::test]
+async fn the_zygote_can_be_turned_off() -> Result<()> {
+    if sandbox_backend() != "namespaces" {
+        eprintln!(
+            "NOT RUN: the zygote is the namespaces backend's, and this run forces {}",
+            sandbox_backend()
+        );
+        return Ok(());
+    }
+    let gateway = Gateway::builder()
+        .args(&["--pool-size", "0", "--kernel-zygote", "false"])
+        .start()
+        .await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    let p = probe(&v1, &id).await?;
+    assert_eq!(p["forked"], false, "{p}");
+    assert_eq!(p["preloaded"], json!(["numpy"]), "nothing preloaded: {p}");
+    assert_eq!(p["ppid"], 1, "{p}");
+    Ok(())
+}
