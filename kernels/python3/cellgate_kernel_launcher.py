@@ -443,6 +443,7 @@ def _forked_kernel(control, fds, become) -> None:
     os.environ.clear()
     os.environ.update(start["env"])
     sys.argv = [sys.argv[0], *start["argv"][3:]]
+    _retitle(start["argv"], start["env"])
     # The confinement reset every signal to its default; these are what Python itself sets.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
@@ -457,6 +458,34 @@ def _forked_kernel(control, fds, become) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(0)
+
+
+def _retitle(argv, env) -> None:
+    """Makes /proc/PID/cmdline and /proc/PID/environ the kernel's, not the zygote's.
+
+    Linux shows the memory where the process's first command line and environment were put
+    at its `execve`: for a forked kernel, the zygote's (whose environment names a host path,
+    the library's). This writes the kernel's own over them, as setproctitle does, in the room
+    the zygote was started with (`CELLGATE_ZYGOTE_ROOM` and a padding argument), so `ps` and
+    the kernel itself see what a kernel started afresh would show. libc no longer points into
+    that memory: the environment was cleared (and set anew) before.
+    """
+    import ctypes
+
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        # Fields 48-51 of proc(5), counted after the command name (field 2).
+        arg_start, arg_end, env_start, env_end = (int(x) for x in fields[45:49])
+        for start, end, strings in (
+            (arg_start, arg_end, argv),
+            (env_start, env_end, [f"{k}={v}" for k, v in env.items()]),
+        ):
+            room = end - start
+            data = b"".join(s.encode() + b"\0" for s in strings)[: room - 1]
+            ctypes.memmove(start, data.ljust(room, b"\0"), room)
+    except (OSError, ValueError):
+        pass  # only what `ps` shows would be the zygote's
 
 
 def _zygote() -> None:

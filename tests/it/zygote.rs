@@ -18,7 +18,9 @@ print(json.dumps({'forked': '--cellgate-ns-zygote' in sys.orig_argv,\n\
   'uuid': str(uuid.uuid4()), 'urandom': os.urandom(8).hex(),\n\
   'key': get_ipython().kernel.session.key.hex(),\n\
   'pid': os.getpid(), 'ppid': os.getppid(), 'pids': pids, 'uid': os.getuid(),\n\
-  'cwd': os.getcwd(), 'env': sorted(os.environ)}))";
+  'cwd': os.getcwd(), 'env': sorted(os.environ),\n\
+  'cmdline': open('/proc/self/cmdline').read().split('\\0'),\n\
+  'environ': sorted(e.split('=')[0] for e in open('/proc/self/environ').read().split('\\0') if e)}))";
 
 async fn probe(v1: &V1Client<'_>, id: &str) -> Result<serde_json::Value> {
     let r = v1.execute(id, PROBE).await?;
@@ -149,6 +151,24 @@ async fn kernels_fork_from_a_zygote_into_sandboxes_of_their_own() -> Result<()> 
             !env.iter()
                 .any(|k| k == "CELLGATE_ZYGOTE_LIB" || k == "CELLGATE_PRELOAD"),
             "the kernel has the kernel's environment, not the zygote's: {p}"
+        );
+        // What `ps` and /proc show is the kernel's command line and environment, as for a
+        // kernel started afresh, and nothing of the zygote's (whose names a host path).
+        let cmdline = p["cmdline"].as_array().context("cmdline")?;
+        assert!(
+            cmdline.iter().any(|a| a == "-f")
+                && !cmdline
+                    .iter()
+                    .any(|a| a.as_str().is_some_and(|a| a.contains("zygote"))),
+            "{p}"
+        );
+        let environ = p["environ"].as_array().context("environ")?;
+        assert!(
+            environ.iter().any(|k| k == "KERNEL_ID")
+                && !environ
+                    .iter()
+                    .any(|k| k.as_str().is_some_and(|k| k.contains("ZYGOTE"))),
+            "{p}"
         );
     }
     for field in ["random", "numpy_random", "uuid", "urandom", "key"] {

@@ -44,8 +44,14 @@ pub fn exec_kernel(plan: &Plan, programs: &[BpfProgram], error_pipe: OwnedFd) ->
 /// `execve`. The error pipe is closed on success, which tells the init the kernel started,
 /// as a successful `execve` closes it.
 pub fn confine_in_place(plan: &Plan, programs: &[BpfProgram], error_pipe: OwnedFd) {
-    match confine(plan, programs, error_pipe.as_raw_fd()) {
-        Ok(_) => drop(error_pipe),
+    let confined = confine(plan, programs, error_pipe.as_raw_fd()).and_then(|_| {
+        // Dumpable, as a kernel is after its `execve` (the init's change of uid cleared it):
+        // its /proc files are then its own, so it can read its /proc/self/environ, as a
+        // kernel started afresh can.
+        sys::set_dumpable(true).map_err(step("set dumpable"))
+    });
+    match confined {
+        Ok(()) => drop(error_pipe),
         Err(message) => fail(error_pipe, &message),
     }
 }

@@ -69,6 +69,12 @@ pub const LIBRARY_FILE: &str = "libcellgate_zygote.so";
 /// The descriptor a forked helper has the egress proxy's socket at (the zygote's child puts
 /// it there), and the path its init opens it by.
 pub const EGRESS_FD: i32 = 3;
+/// The variable that gives a forked kernel room for its own environment block.
+pub const ROOM_ENV: &str = "CELLGATE_ZYGOTE_ROOM";
+/// Bytes of room for a forked kernel's environment (a kernel's is 1-2 KiB).
+const ENVIRON_ROOM: usize = 8 << 10;
+/// Bytes of room for a forked kernel's command line.
+const CMDLINE_ROOM: usize = 512;
 /// How long a broken kind waits before a zygote is tried again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(60);
 /// How long the zygote may take to answer a fork.
@@ -160,12 +166,18 @@ fn start_env(plan: &Plan) -> std::collections::BTreeMap<String, String> {
 pub fn zygote_plan(plan: &Plan, library: &Path) -> Plan {
     let mut env = start_env(plan);
     env.insert(LIBRARY_ENV.to_owned(), library.display().to_string());
+    // Room for the kernel's own environment in the block /proc/PID/environ shows, which a
+    // forked kernel rewrites (the launcher's `_retitle`): what it shows is then its own, as
+    // for a kernel started afresh, and no longer the zygote's (which names a host path).
+    env.insert(ROOM_ENV.to_owned(), ".".repeat(ENVIRON_ROOM));
     // One thread: a process that forks must have no other (numpy's BLAS would start a pool).
     for pool in ["OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"] {
         env.insert(pool.to_owned(), "1".to_owned());
     }
     let mut argv = plan.argv[..3].to_vec();
     argv.push(ZYGOTE_FLAG.to_owned());
+    // The same for the command line (/proc/PID/cmdline).
+    argv.push(".".repeat(CMDLINE_ROOM));
     let mut ro_binds = plan.ro_binds.clone();
     ro_binds.push(library.to_owned());
     Plan {
