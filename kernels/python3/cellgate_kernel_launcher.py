@@ -399,7 +399,9 @@ def _ns_zygote() -> None:
 
     signal.signal(signal.SIGCHLD, reap)
     control = socket.socket(fileno=0)
-    control.sendall(b"ready\n")
+    # What the preload could not import, said to the gateway (its log) with the ready line.
+    failed = ",".join(name.replace(",", " ").replace("\n", " ") for name, _ in _PRELOAD_FAILED)
+    control.sendall(f"ready {failed}".rstrip().encode() + b"\n")
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(control, 1, 4)

@@ -263,6 +263,11 @@ impl Kernel {
                 .policy
                 .as_ref()
                 .is_some_and(|policy| policy.allow_emulation),
+            zygote: self
+                .options
+                .policy
+                .as_ref()
+                .is_none_or(|policy| policy.zygote),
             pod: self.options.policy.as_ref().and_then(|policy| {
                 Some(crate::sandbox::PodLaunch {
                     settings: policy.kubernetes.clone()?,

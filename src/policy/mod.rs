@@ -89,6 +89,9 @@ struct SandboxSection {
     /// has no usable KVM (the gateway's `--microvm-allow-emulation` allows it for all).
     #[serde(default)]
     allow_emulation: bool,
+    /// namespaces only: `false` starts this policy's kernels afresh instead of forking them
+    /// from the kernel zygote (`src/sandbox/namespaces/zygote.rs`).
+    zygote: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -181,6 +184,9 @@ pub struct Policy {
     pub backend: Backend,
     /// `[sandbox] allow_emulation`: this policy's microVMs may run under emulation.
     pub allow_emulation: bool,
+    /// `[sandbox] zygote` (default true): this policy's namespaces kernels may be forked from
+    /// the kernel zygote.
+    pub zygote: bool,
     pub limits: PolicyLimits,
     /// Hosts reachable through the egress proxy (none by default).
     pub egress: EgressRules,
@@ -371,6 +377,13 @@ impl Policy {
         let packages = access::package_rules(file.packages)
             .map_err(|(field, why)| invalid(path, field, why))?;
         let backend = file.sandbox.backend.unwrap_or(Backend::Namespaces);
+        if file.sandbox.zygote.is_some() && backend != Backend::Namespaces {
+            return Err(invalid(
+                path,
+                "sandbox.zygote",
+                "only the namespaces backend forks kernels from a zygote",
+            ));
+        }
         if file.sandbox.allow_emulation && backend != Backend::Microvm {
             return Err(invalid(
                 path,
@@ -403,6 +416,7 @@ impl Policy {
             description: file.description.unwrap_or_default(),
             backend,
             allow_emulation: file.sandbox.allow_emulation,
+            zygote: file.sandbox.zygote.unwrap_or(true),
             limits,
             egress,
             packages,
@@ -562,6 +576,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("imagePullPolicy"), "{err}");
+        // The zygote is the namespaces backend's: on unless a policy says otherwise.
+        assert!(parse("").unwrap().zygote);
+        assert!(!parse("[sandbox]\nzygote = false\n").unwrap().zygote);
+        let err = parse("[sandbox]\nbackend = \"gvisor\"\nzygote = false\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sandbox.zygote"), "{err}");
         let err = parse("[sandbox]\nallow_emulation = true\n")
             .unwrap_err()
             .to_string();

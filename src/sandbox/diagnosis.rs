@@ -158,6 +158,7 @@ async fn probe_in(sandbox: &dyn Sandbox, dir: &Path, program: &str) -> Result<Du
         limits: Limits::default(),
         egress_socket: None,
         allow_emulation: false,
+        zygote: false,
         pod: None,
     };
     let started = Instant::now();

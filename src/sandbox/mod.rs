@@ -266,6 +266,8 @@ pub struct LaunchSpec {
     pub egress_socket: Option<PathBuf>,
     /// The policy lets a microVM run under software emulation (`[sandbox] allow_emulation`).
     pub allow_emulation: bool,
+    /// The policy lets a namespaces kernel be forked from the zygote (`[sandbox] zygote`).
+    pub zygote: bool,
     /// The kubernetes backend's pod settings and labels (the policy's `[kubernetes]`).
     pub pod: Option<PodLaunch>,
 }

@@ -463,6 +463,7 @@ mod tests {
                 limits: super::super::Limits::default(),
                 egress_socket: None,
                 allow_emulation: false,
+                zygote: false,
                 pod: None,
             };
             let view = KernelView::of(&spec, &["/usr"]).unwrap();

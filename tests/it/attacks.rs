@@ -118,8 +118,11 @@ async fn arena_built(args: &[&str], token: Option<&str>) -> Result<Arena> {
         std::fs::write(policies.path().join(format!("{name}.toml")), text)?;
     }
     std::fs::write(policies.path().join("bystander.toml"), "")?;
+    // The attackers' namespaces kernels are forked from the kernel zygote, as the product's
+    // default is (issue 28: forked kernels must stand the same attacks as cold ones).
     let mut builder = Gateway::builder()
         .policies_dir(policies.path().to_owned())
+        .args(&["--kernel-zygote", "true"])
         .args(args);
     if let Some(token) = token {
         builder = builder.token(Some(token));

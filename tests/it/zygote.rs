@@ -112,7 +112,7 @@ async fn kernels_fork_from_a_zygote_into_sandboxes_of_their_own() -> Result<()> 
         return Ok(());
     }
     let gateway = Gateway::builder()
-        .args(&["--pool-size", "0"])
+        .args(&["--kernel-zygote", "true"])
         .start()
         .await?;
     let v1 = V1Client::new(&gateway);
@@ -242,7 +242,8 @@ fn kill(pid: i32) {
         .status();
 }
 
-/// `--kernel-zygote false`: every kernel starts afresh, and no zygote runs.
+/// `--kernel-zygote false`: every kernel starts afresh. With the zygote on, a policy's
+/// `[sandbox] zygote = false` starts that policy's kernels afresh, and only those.
 #[tokio::test]
 async fn the_zygote_can_be_turned_off() -> Result<()> {
     if sandbox_backend() != "namespaces" {
@@ -253,7 +254,7 @@ async fn the_zygote_can_be_turned_off() -> Result<()> {
         return Ok(());
     }
     let gateway = Gateway::builder()
-        .args(&["--pool-size", "0", "--kernel-zygote", "false"])
+        .args(&["--kernel-zygote", "false"])
         .start()
         .await?;
     let v1 = V1Client::new(&gateway);
@@ -262,5 +263,67 @@ async fn the_zygote_can_be_turned_off() -> Result<()> {
     assert_eq!(p["forked"], false, "{p}");
     assert_eq!(p["preloaded"], json!(["numpy"]), "nothing preloaded: {p}");
     assert_eq!(p["ppid"], 1, "{p}");
+    drop(gateway);
+
+    let policies = tempfile::tempdir()?;
+    std::fs::write(policies.path().join("default.toml"), "")?;
+    std::fs::write(
+        policies.path().join("cold.toml"),
+        "[sandbox]\nbackend = \"namespaces\"\nzygote = false\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(policies.path().to_owned())
+        .args(&["--kernel-zygote", "true"])
+        .start()
+        .await?;
+    let v1 = V1Client::new(&gateway);
+    let cold = v1.create_session(json!({"policy": "cold"})).await?;
+    let forked = v1.create_session(json!({"policy": "default"})).await?;
+    assert_eq!(probe(&v1, &cold).await?["forked"], false);
+    assert_eq!(probe(&v1, &forked).await?["forked"], true);
+    Ok(())
+}
+
+/// A kernelspec whose preload list names a module its environment lacks: the zygote starts
+/// without it and says so (the gateway's log, and each kernel's log), its kernels are forked
+/// and work, with the rest of the list imported.
+#[tokio::test]
+async fn a_broken_preload_leaves_the_zygote_working() -> Result<()> {
+    if sandbox_backend() != "namespaces" {
+        eprintln!(
+            "NOT RUN: the zygote is the namespaces backend's, and this run forces {}",
+            sandbox_backend()
+        );
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let spec_dir = dir.path().join("kernels/python3");
+    std::fs::create_dir_all(&spec_dir)?;
+    let real = kernels_dir().join("python3");
+    let mut spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(real.join("kernel.json"))?)?;
+    spec["env"]["CELLGATE_PRELOAD"] = json!("numpy,no_such_module_here,pandas");
+    std::fs::write(spec_dir.join("kernel.json"), spec.to_string())?;
+    std::os::unix::fs::symlink(real.join(".venv"), spec_dir.join(".venv"))?;
+    let gateway = Gateway::builder()
+        .kernels_dir(dir.path().join("kernels"))
+        .args(&["--kernel-zygote", "true"])
+        .start()
+        .await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1
+        .create_session(json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    let p = probe(&v1, &id).await?;
+    assert_eq!(p["forked"], true, "{p}\n{}", gateway.log());
+    assert_eq!(p["preloaded"], json!(["numpy", "pandas"]), "{p}");
+    let log = gateway.log();
+    assert!(
+        log.contains("could not preload these modules") && log.contains("no_such_module_here"),
+        "the gateway's log says which module is missing:\n{log}"
+    );
+    let r = v1.execute(&id, "import no_such_module_here").await?;
+    assert_eq!(r["error"]["ename"], "ModuleNotFoundError", "{r}");
     Ok(())
 }

@@ -206,6 +206,7 @@ pub fn command_spec(dirs: &KernelDirs, argv: Vec<String>, limits: Limits) -> Lau
         limits,
         egress_socket: None,
         allow_emulation: false,
+        zygote: false,
         pod: None,
     }
 }
@@ -303,6 +304,7 @@ pub async fn start_kernel_in(sandbox: Box<dyn Sandbox>, python: PathBuf, limits:
         limits,
         egress_socket: None,
         allow_emulation: false,
+        zygote: false,
         pod: None,
     };
     let started = Instant::now();

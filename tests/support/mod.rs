@@ -141,6 +141,13 @@ impl GatewayBuilder {
         if !self.args.iter().any(|a| a == "--pool-size") {
             command.args(["--pool-size", "0"]);
         }
+        // No kernel zygote unless a test asks for one (the zygote's own tests, the attack
+        // suite): each costs its imports, seconds of CPU, once per gateway, and most tests
+        // start one gateway for a kernel or two. Cold kernels are the product's path too
+        // (`--kernel-zygote false`, a policy's `zygote = false`, a failed zygote).
+        if !self.args.iter().any(|a| a == "--kernel-zygote") {
+            command.args(["--kernel-zygote", "false"]);
+        }
         // Every serve option reads a CELLGATE_* (or KG_*) variable: one set in the shell that
         // runs the tests would change every gateway. Only the machine's own facts pass.
         for (name, _) in std::env::vars_os() {

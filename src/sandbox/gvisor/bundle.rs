@@ -238,6 +238,7 @@ mod tests {
             },
             egress_socket: None,
             allow_emulation: false,
+            zygote: false,
             pod: None,
         };
         let bundle = dir.path().join("bundle");

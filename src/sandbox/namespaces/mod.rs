@@ -395,7 +395,7 @@ impl Core {
 
     async fn launch(self: &Arc<Self>, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
         let plan = self.plan(spec)?;
-        if let Some(kind) = Kind::of(&plan) {
+        if let Some(kind) = Kind::of(&plan).filter(|_| spec.zygote) {
             // At most two looks: the second after waiting for a starting zygote.
             for _ in 0..2 {
                 let starting = match self.zygotes.lookup(&kind) {
@@ -480,11 +480,18 @@ impl Core {
         let timeout = self.zygotes.settings.ready_timeout;
         let started = std::time::Instant::now();
         let zygote =
-            tokio::task::spawn_blocking(move || zygote.wait_ready(timeout).map(|()| zygote))
+            tokio::task::spawn_blocking(move || zygote.wait_ready(timeout).map(|f| (zygote, f)))
                 .await
                 .map_err(|err| NamespacesError::Handshake(err.to_string()))?;
         match zygote {
-            Ok(zygote) => {
+            Ok((zygote, failed)) => {
+                if !failed.is_empty() {
+                    tracing::warn!(
+                        modules = %failed.join(", "),
+                        log = %zygote_spec.log_file.display(),
+                        "kernel zygote could not preload these modules: its kernels import them on first use (the kernelspec's CELLGATE_PRELOAD)"
+                    );
+                }
                 tracing::info!(
                     pid,
                     ready_ms = started.elapsed().as_millis() as u64,

@@ -280,5 +280,9 @@ mod tests {
         if cfg!(target_arch = "x86_64") {
             assert_eq!(programs[0][4].k, 0x4000_0000);
         }
+        // The zygote's filter denies less (what building a sandbox needs): shorter.
+        let zygote = build_for_zygote().unwrap();
+        assert_eq!(zygote.len(), 2);
+        assert!(zygote[1].len() < programs[1].len());
     }
 }

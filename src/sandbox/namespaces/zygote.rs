@@ -277,15 +277,17 @@ impl Zygote {
         }
     }
 
-    /// Waits for the zygote's `ready` (its imports done). Blocking.
-    pub fn wait_ready(&self, timeout: Duration) -> io::Result<()> {
+    /// Waits for the zygote's `ready` (its imports done); the preload modules it could not
+    /// import (its kernels start without them, and say so in their logs). Blocking.
+    pub fn wait_ready(&self, timeout: Duration) -> io::Result<Vec<String>> {
         let mut control = self.control.lock();
         control.get_ref().set_read_timeout(Some(timeout))?;
         let line = read_line(&mut control)?;
-        if line != "ready" {
-            return Err(io::Error::other(format!("the zygote said {line:?}")));
+        match line.split_once(' ') {
+            None if line == "ready" => Ok(Vec::new()),
+            Some(("ready", failed)) => Ok(failed.split(',').map(str::to_owned).collect()),
+            _ => Err(io::Error::other(format!("the zygote said {line:?}"))),
         }
-        Ok(())
     }
 
     fn alive(&self) -> bool {
