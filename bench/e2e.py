@@ -1558,6 +1558,12 @@ async def amain(a):
                     f.write(data)
                 os.chmod(copy, 0o755)
                 del data
+                # The kernel zygote's library goes with it (looked for beside the binary).
+                library = os.path.join(os.path.dirname(a.cellgate_bin), "libcellgate_zygote.so")
+                if os.path.exists(library):
+                    shutil.copy(library, os.path.join(_RUNTIME_DIR, "libcellgate_zygote.so"))
+                else:
+                    loud(f"cellgate: no {library}: its namespaces kernels start without a zygote")
                 log(f"cellgate: using a copy of {a.cellgate_bin} (built {meta['cellgate_bin']['mtime']}, "
                     f"sha256 {meta['cellgate_bin']['sha256'][:12]})")
                 a_copy = argparse.Namespace(**vars(a))
