@@ -414,7 +414,13 @@ def _ns_zygote() -> None:
                 os.close(fd)
             control.sendall(b"error: 3 or 4 descriptors\n")
             continue
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as error:  # out of memory or pids: this kernel starts afresh
+            for fd in fds:
+                os.close(fd)
+            control.sendall(f"error: {error}".replace("\n", " ").encode() + b"\n")
+            continue
         if pid == 0:
             _forked_kernel(control, fds, become)
         for fd in fds:
@@ -443,6 +449,10 @@ def _forked_kernel(control, fds, become) -> None:
     except BaseException:
         os._exit(1)
     os.environ.clear()
+    # The interpreter's first copy of the environment (the zygote's) goes too.
+    import posix
+
+    posix.environ.clear()
     os.environ.update(start["env"])
     sys.argv = [sys.argv[0], *start["argv"][3:]]
     _retitle(start["argv"], start["env"])
@@ -454,12 +464,10 @@ def _forked_kernel(control, fds, become) -> None:
 
     importlib.invalidate_caches()
     _reseed()
-    try:
-        main()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(0)
+    main()
+    # The interpreter's own exit, as a kernel started afresh has (atexit handlers, buffers):
+    # nothing between here and the top of the zygote catches SystemExit.
+    sys.exit(0)
 
 
 def _retitle(argv, env) -> None:

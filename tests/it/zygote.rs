@@ -327,3 +327,62 @@ async fn a_broken_preload_leaves_the_zygote_working() -> Result<()> {
     assert_eq!(r["error"]["ename"], "ModuleNotFoundError", "{r}");
     Ok(())
 }
+
+/// A zygote that stops answering (here: stopped with SIGSTOP) costs the kernel asked for
+/// meanwhile a fresh start after the fork's timeout, never a session, and the kernels it
+/// forked before keep running, also once it is let go and exits.
+#[tokio::test]
+async fn a_zygote_that_stops_answering_is_let_go_and_its_kernels_live_on() -> Result<()> {
+    if sandbox_backend() != "namespaces" {
+        eprintln!(
+            "NOT RUN: the zygote is the namespaces backend's, and this run forces {}",
+            sandbox_backend()
+        );
+        return Ok(());
+    }
+    let gateway = Gateway::builder()
+        .args(&["--kernel-zygote", "true"])
+        .start()
+        .await?;
+    let v1 = V1Client::new(&gateway);
+    let a = v1
+        .create_session(json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    assert_eq!(probe(&v1, &a).await?["forked"], true);
+    let zygotes = zygote_pids(&gateway);
+    assert_eq!(zygotes.len(), 1, "{zygotes:?}");
+    let signal = |name: &str| {
+        let _ = std::process::Command::new("kill")
+            .args([name, &zygotes[0].to_string()])
+            .status();
+    };
+    signal("-STOP");
+    let b = v1
+        .create_session(json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    signal("-CONT");
+    let pb = probe(&v1, &b).await?;
+    assert_eq!(pb["forked"], false, "started afresh: {pb}");
+    assert!(
+        gateway
+            .log()
+            .contains("a kernel fork from the zygote failed"),
+        "{}",
+        gateway.log()
+    );
+    // The zygote was let go: it exits, and the kernel it forked lives on.
+    assert!(
+        eventually(PATIENCE, || !std::path::Path::new(&format!(
+            "/proc/{}",
+            zygotes[0]
+        ))
+        .exists())
+        .await,
+        "the zygote let go of did not exit"
+    );
+    assert_eq!(v1.execute(&a, "1 + 1").await?["result"], "2");
+    assert_eq!(v1.execute(&b, "2 + 2").await?["result"], "4");
+    Ok(())
+}

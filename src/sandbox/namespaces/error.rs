@@ -32,4 +32,7 @@ pub enum NamespacesError {
     IdMap(#[source] std::io::Error),
     #[error(transparent)]
     Cgroup(#[from] crate::sandbox::cgroups::CgroupError),
+    /// The zygote did not fork (the kernel then starts afresh, and the zygote is replaced).
+    #[error(transparent)]
+    Zygote(#[from] super::zygote::ZygoteError),
 }

@@ -187,8 +187,9 @@ enum How {
 /// The helper process, as far as the gateway can wait for it.
 enum Helper {
     Spawned(Child),
-    /// A zygote's child: not the gateway's to wait for; its end is the events' end.
-    Forked,
+    /// A zygote's child: not the gateway's to wait for (its end is the events' end), and
+    /// named by this pidfd, never by its pid, which its reaper may free at any time.
+    Forked(OwnedFd),
 }
 
 type Writer = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
@@ -396,8 +397,9 @@ impl Core {
     async fn launch(self: &Arc<Self>, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
         let plan = self.plan(spec)?;
         if let Some(kind) = Kind::of(&plan).filter(|_| spec.zygote) {
-            // At most two looks: the second after waiting for a starting zygote.
-            for _ in 0..2 {
+            // One wait at most, for a zygote that is starting; then fork, or start afresh.
+            let mut waited = false;
+            loop {
                 let starting = match self.zygotes.lookup(&kind) {
                     Lookup::Ready(zygote) => {
                         let forked = self
@@ -405,7 +407,17 @@ impl Core {
                             .await;
                         match forked {
                             Ok(launched) => return Ok(launched),
-                            Err(err) => self.zygotes.failed(&kind, &zygote, &err.to_string()),
+                            // The zygote's own failure: it is replaced.
+                            Err(NamespacesError::Zygote(err)) => {
+                                self.zygotes.failed(&kind, &zygote, &err.to_string())
+                            }
+                            // This kernel's (its limits, its log, a slow machine): the zygote
+                            // serves on, and this kernel is given a fresh start.
+                            Err(err) => tracing::warn!(
+                                kernel_id = %spec.kernel_id,
+                                %err,
+                                "a kernel forked from the zygote failed to start: starting it afresh"
+                            ),
                         }
                         break;
                     }
@@ -413,7 +425,18 @@ impl Core {
                         let core = self.clone();
                         let (plan, spec, kind) = (plan.clone(), spec.clone(), kind.clone());
                         tokio::spawn(async move {
-                            let started = core.start_zygote(&spec, &plan).await;
+                            use futures_util::FutureExt;
+                            // A panic must still end the start, or the kind's kernels would
+                            // wait for it every time.
+                            let started =
+                                std::panic::AssertUnwindSafe(core.start_zygote(&spec, &plan))
+                                    .catch_unwind()
+                                    .await
+                                    .unwrap_or_else(|_| {
+                                        Err(NamespacesError::Handshake(
+                                            "the zygote's start panicked".to_owned(),
+                                        ))
+                                    });
                             core.zygotes
                                 .started(kind, started.map_err(|e| e.to_string()));
                         });
@@ -422,6 +445,10 @@ impl Core {
                     Lookup::Wait(starting) => starting,
                     Lookup::Cold => break,
                 };
+                if waited {
+                    break;
+                }
+                waited = true;
                 starting.wait(self.zygotes.settings.ready_timeout).await;
             }
         }
@@ -582,10 +609,8 @@ impl Core {
                         let _ = child.start_kill();
                         let _ = child.wait().await;
                     }
-                    Helper::Forked => {
-                        if let Ok(pid) = i32::try_from(helper_pid) {
-                            let _ = sys::kill(pid, libc::SIGKILL);
-                        }
+                    Helper::Forked(pidfd) => {
+                        let _ = sys::pidfd_send_signal(pidfd, libc::SIGKILL);
                     }
                 }
                 remove_cgroup(cgroup).await;
@@ -600,6 +625,7 @@ impl Core {
         let exited = Arc::new(AtomicBool::new(false));
         let handle = Arc::new(NamespacesHandle {
             helper_pid,
+            helper_forked: forked,
             init_pid: started.init_pid,
             init: started.init_pidfd,
             kernel_pid: started.kernel_pid,
@@ -724,8 +750,8 @@ impl Core {
             )
         })
         .await
-        .map_err(|err| NamespacesError::Handshake(err.to_string()))?
-        .map_err(|err| NamespacesError::Handshake(format!("the zygote's fork: {err}")))?;
+        .map_err(|err| NamespacesError::Handshake(err.to_string()))??;
+        let (forked, pidfd) = forked;
         let helper_pid = u32::try_from(forked)
             .map_err(|_| NamespacesError::Handshake(format!("bad pid {forked}")))?;
         let pipe = |fd: OwnedFd| -> Result<tokio::net::unix::pipe::Receiver, NamespacesError> {
@@ -734,7 +760,7 @@ impl Core {
         let writer =
             tokio::net::unix::pipe::Sender::from_owned_fd(plan_write).map_err(io("pipe"))?;
         Ok((
-            Helper::Forked,
+            Helper::Forked(pidfd),
             helper_pid,
             Box::new(writer),
             Box::new(pipe(events_read)?),
@@ -1022,7 +1048,7 @@ async fn watch_exit(
     // A forked helper's end is the end of its events (it reports last and exits).
     let helper = match helper {
         Helper::Spawned(mut child) => Some(child.wait().await),
-        Helper::Forked => None,
+        Helper::Forked(_) => None,
     };
     exited.store(true, Ordering::SeqCst);
     // Every writer of the output pipe is gone with the pid namespace: let the copy finish,
@@ -1087,6 +1113,9 @@ async fn watch_exit(
 /// Control of one sandboxed kernel.
 struct NamespacesHandle {
     helper_pid: u32,
+    /// The helper is a zygote's child, which the zygote reaps: its pid is not ours to signal
+    /// (it may name another process by then). The init's end is its end.
+    helper_forked: bool,
     init_pid: i32,
     init: Option<OwnedFd>,
     kernel_pid: Option<i32>,
@@ -1149,7 +1178,7 @@ impl SandboxHandle for NamespacesHandle {
             cgroup.kill_all();
         }
         if let Ok(pid) = i32::try_from(self.helper_pid) {
-            if pid > 0 {
+            if pid > 0 && !self.helper_forked {
                 let _ = sys::kill(pid, libc::SIGKILL);
             }
         }

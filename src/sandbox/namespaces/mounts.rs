@@ -224,8 +224,16 @@ impl RootFs {
         for dir in &plan.ro_binds {
             ops.push(bind(dir, ro)?);
         }
+        // A forked kernel's sources are the zygote's overlays: bound, not overlaid again
+        // (Linux stacks at most two file systems, and a container's root may be one), and a
+        // bind of an overlay's root names no host path in mountinfo either.
+        let shown_at = if plan.role == Role::Forked {
+            bind_at
+        } else {
+            overlay_at
+        };
         if let Some(prefix) = &plan.python_prefix {
-            ops.push(overlay_at(prefix, Path::new(relocate::PYTHON), ro)?);
+            ops.push(shown_at(prefix, Path::new(relocate::PYTHON), ro)?);
         }
         for entry in &plan.venv {
             ops.push(match entry {
@@ -242,7 +250,7 @@ impl RootFs {
                     target: inside.clone(),
                     points_to: points_to.clone(),
                 },
-                VenvEntry::Bind { host, inside } => overlay_at(host, inside, ro)?,
+                VenvEntry::Bind { host, inside } => shown_at(host, inside, ro)?,
             });
         }
         for dir in &plan.masked {

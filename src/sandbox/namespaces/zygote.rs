@@ -45,10 +45,10 @@
 
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -79,8 +79,23 @@ const CMDLINE_ROOM: usize = 512;
 pub const RETRY_AFTER: Duration = Duration::from_secs(60);
 /// How long the zygote may take to answer a fork.
 const FORK_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest line a zygote writes.
+/// The longest answer to a fork a zygote writes.
 const LINE_MAX: u64 = 256;
+/// The longest `ready` line (it lists the preload modules that failed).
+const READY_LINE_MAX: u64 = 64 << 10;
+
+/// Why a zygote did not fork, or did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ZygoteError {
+    #[error("the zygote's control socket: {0}")]
+    Control(#[from] io::Error),
+    #[error("the zygote answered {0:?}")]
+    Answer(String),
+    #[error("the zygote's child {0} is not among its children")]
+    NoChild(i32),
+    #[error("the zygote was given up after an earlier failure")]
+    Poisoned,
+}
 
 /// The zygote settings of the backend.
 #[derive(Debug, Clone)]
@@ -258,6 +273,9 @@ pub struct Zygote {
     _exit: tokio::sync::watch::Receiver<Option<ExitReport>>,
     forks: AtomicU32,
     born: Instant,
+    /// Set by a failed exchange: its socket may hold an answer nobody read, so no request
+    /// may be made on it again.
+    poisoned: AtomicBool,
 }
 
 impl Zygote {
@@ -274,24 +292,25 @@ impl Zygote {
             _exit: exit,
             forks: AtomicU32::new(0),
             born: Instant::now(),
+            poisoned: AtomicBool::new(false),
         }
     }
 
     /// Waits for the zygote's `ready` (its imports done); the preload modules it could not
     /// import (its kernels start without them, and say so in their logs). Blocking.
-    pub fn wait_ready(&self, timeout: Duration) -> io::Result<Vec<String>> {
+    pub fn wait_ready(&self, timeout: Duration) -> Result<Vec<String>, ZygoteError> {
         let mut control = self.control.lock();
         control.get_ref().set_read_timeout(Some(timeout))?;
-        let line = read_line(&mut control)?;
+        let line = read_line(&mut control, READY_LINE_MAX)?;
         match line.split_once(' ') {
             None if line == "ready" => Ok(Vec::new()),
             Some(("ready", failed)) => Ok(failed.split(',').map(str::to_owned).collect()),
-            _ => Err(io::Error::other(format!("the zygote said {line:?}"))),
+            _ => Err(ZygoteError::Answer(line)),
         }
     }
 
     fn alive(&self) -> bool {
-        self.handle.alive()
+        !self.poisoned.load(Ordering::SeqCst) && self.handle.alive()
     }
 
     fn expired(&self, settings: &ZygoteSettings) -> bool {
@@ -300,12 +319,29 @@ impl Zygote {
     }
 
     /// Has the zygote fork a helper with these stdio (and egress socket); the helper's host
-    /// pid. Blocking.
+    /// pid, and a pidfd naming it (opened before the pid was checked, so it cannot name a
+    /// process that reused the pid: the zygote reaps its children, the gateway cannot pin
+    /// them). Any failure poisons the zygote. Blocking.
     pub fn fork(
         &self,
         stdio: [BorrowedFd<'_>; 3],
         egress: Option<BorrowedFd<'_>>,
-    ) -> io::Result<i32> {
+    ) -> Result<(i32, OwnedFd), ZygoteError> {
+        if self.poisoned.load(Ordering::SeqCst) {
+            return Err(ZygoteError::Poisoned);
+        }
+        let forked = self.exchange(stdio, egress);
+        if forked.is_err() {
+            self.poisoned.store(true, Ordering::SeqCst);
+        }
+        forked
+    }
+
+    fn exchange(
+        &self,
+        stdio: [BorrowedFd<'_>; 3],
+        egress: Option<BorrowedFd<'_>>,
+    ) -> Result<(i32, OwnedFd), ZygoteError> {
         use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
         self.forks.fetch_add(1, Ordering::Relaxed);
         let mut control = self.control.lock();
@@ -314,7 +350,9 @@ impl Zygote {
         let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
         let mut ancillary = SendAncillaryBuffer::new(&mut space);
         if !ancillary.push(SendAncillaryMessage::ScmRights(&fds)) {
-            return Err(io::Error::other("cannot attach the descriptors"));
+            return Err(ZygoteError::Control(io::Error::other(
+                "cannot attach the descriptors",
+            )));
         }
         let request = [b'F'];
         sendmsg(
@@ -322,17 +360,18 @@ impl Zygote {
             &[io::IoSlice::new(&request)],
             &mut ancillary,
             SendFlags::NOSIGNAL,
-        )?;
+        )
+        .map_err(io::Error::from)?;
         control.get_ref().set_read_timeout(Some(FORK_TIMEOUT))?;
-        let line = read_line(&mut control)?;
-        let ns_pid: i32 = line
-            .parse()
-            .map_err(|_| io::Error::other(format!("the zygote answered {line:?}")))?;
-        super::kernel_child(self.pid, ns_pid).ok_or_else(|| {
-            io::Error::other(format!(
-                "the zygote's child {ns_pid} is not among its children"
-            ))
-        })
+        let line = read_line(&mut control, LINE_MAX)?;
+        let ns_pid: i32 = line.parse().map_err(|_| ZygoteError::Answer(line))?;
+        let pid = super::kernel_child(self.pid, ns_pid).ok_or(ZygoteError::NoChild(ns_pid))?;
+        let pidfd = sys::pidfd_open(pid)?;
+        // Still the zygote's child of that number: the pidfd names the helper.
+        if super::kernel_child(self.pid, ns_pid) != Some(pid) {
+            return Err(ZygoteError::NoChild(ns_pid));
+        }
+        Ok((pid, pidfd))
     }
 }
 
@@ -345,9 +384,9 @@ impl Drop for Zygote {
     }
 }
 
-fn read_line(control: &mut BufReader<UnixStream>) -> io::Result<String> {
+fn read_line(control: &mut BufReader<UnixStream>, max: u64) -> io::Result<String> {
     let mut line = String::new();
-    let read = io::Read::take(&mut *control, LINE_MAX).read_line(&mut line)?;
+    let read = io::Read::take(&mut *control, max).read_line(&mut line)?;
     if read == 0 || !line.ends_with('\n') {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
@@ -459,13 +498,15 @@ impl Zygotes {
         }
     }
 
-    /// A fork from `zygote` failed: the kind starts cold until a new zygote is up.
+    /// A fork from `zygote` failed: the kind starts cold until a new zygote is up. The
+    /// zygote is let go, not killed: its socket closes and it exits, and its init keeps the
+    /// kernels it forked.
     pub fn failed(&self, kind: &Kind, zygote: &Arc<Zygote>, why: &str) {
         tracing::warn!(%why, "a kernel fork from the zygote failed: that kernel starts cold, and the zygote is replaced");
+        zygote.poisoned.store(true, Ordering::SeqCst);
         let mut slots = self.slots.lock();
         if let Some(Slot::Ready(current)) = slots.get(kind) {
             if Arc::ptr_eq(current, zygote) {
-                current.handle.kill().ok();
                 slots.insert(
                     kind.clone(),
                     Slot::Broken {
