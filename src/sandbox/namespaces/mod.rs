@@ -217,6 +217,12 @@ impl NamespacesSandbox {
         hierarchy.sweep();
         let ids = IdMap::for_this_process(config.root_maps_to);
         let mut zygote = config.zygote.clone();
+        if zygote.enabled && !ids.privileged {
+            // The gateway reaches a forked kernel through its helper's /proc entries, which
+            // only a privileged gateway may follow (see `gateway_view`).
+            tracing::warn!("kernel zygotes are off: the gateway does not run as root; every kernel starts cold");
+            zygote.enabled = false;
+        }
         if zygote.enabled && zygote.library().is_none() {
             tracing::warn!(
                 "kernel zygotes are off: {} is not beside the gateway's binary (`cargo build -p cellgate-zygote`); every kernel starts cold",
@@ -1338,6 +1344,9 @@ pub(super) fn argv_files(args: &[String]) -> Vec<PathBuf> {
 /// the sandbox, reached through the helper's root. The helper shares the sandbox's mount
 /// namespace, so `pivot_root` moved its root too, and unlike the init it stays dumpable
 /// (it never changes uid), so an unprivileged gateway may follow `/proc/<pid>/root` as well.
+/// A helper forked from a zygote is not dumpable (entering its user namespace without
+/// privilege cleared it): a root gateway follows the link by its capabilities, and an
+/// unprivileged gateway forks no kernels.
 fn gateway_view(
     connection: &ConnectionInfo,
     runtime_dir: &Path,
