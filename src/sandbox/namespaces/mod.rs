@@ -135,7 +135,7 @@ pub struct NamespacesConfig {
     /// How long the sandbox may take to exist (not the kernel to be ready).
     pub start_timeout: Duration,
     pub hostname: String,
-    /// Kernels forked from a warm zygote (see [`zygote`]).
+    /// Kernels forked from a warm zygote (see `namespaces/zygote.rs`).
     pub zygote: ZygoteSettings,
 }
 
