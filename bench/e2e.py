@@ -1031,6 +1031,15 @@ SEABORN_CELL = (
 )
 
 
+def png_watcher(pngs, t0):
+    """An on_msg that records when (seconds since t0) each PNG display arrives."""
+    def on_msg(m):
+        if m["header"]["msg_type"] in ("display_data", "execute_result") and \
+                "image/png" in m["content"].get("data", {}):
+            pngs.append(time.perf_counter() - t0)
+    return on_msg
+
+
 async def first_chart(t, cell):
     """New kernel -> ready -> `cell` until its PNG display_data and idle; seconds.
     Returns (ready_s, chart_s), both from the start request."""
@@ -1042,12 +1051,7 @@ async def first_chart(t, cell):
         await kernel_info(c)
         ready = time.perf_counter() - t0
         pngs = []
-
-        def on_msg(m):
-            if m["header"]["msg_type"] in ("display_data", "execute_result") and \
-                    "image/png" in m["content"].get("data", {}):
-                pngs.append(time.perf_counter() - t0)
-        await execute(c, cell, on_msg)
+        await execute(c, cell, png_watcher(pngs, t0))
         if not pngs:
             raise ScenarioError("the chart cell displayed no PNG")
         return ready, pngs[0]
@@ -1121,12 +1125,7 @@ async def sc_chart_burst(t, a):
         conns.append(c)
         await kernel_info(c)
         pngs = []
-
-        def on_msg(m):
-            if m["header"]["msg_type"] in ("display_data", "execute_result") and \
-                    "image/png" in m["content"].get("data", {}):
-                pngs.append(True)
-        await execute(c, CHART_CELL, on_msg)
+        await execute(c, CHART_CELL, png_watcher(pngs, t0))
         if not pngs:
             raise ScenarioError("the chart cell displayed no PNG")
         done.append(time.perf_counter() - t0)

@@ -7,6 +7,16 @@ use serde_json::json;
 use crate::support::v1::V1Client;
 use crate::support::*;
 
+/// Whether this run's kernels are namespaces ones, which the zygote is for; says so loudly
+/// when not.
+fn namespaces_run() -> bool {
+    let backend = sandbox_backend();
+    if backend != "namespaces" {
+        eprintln!("NOT RUN: the zygote is the namespaces backend's, and this run forces {backend}");
+    }
+    backend == "namespaces"
+}
+
 /// What a kernel says about itself: forked or not, what it has imported, its draws, what it
 /// sees of processes.
 const PROBE: &str = "import json, os, random, sys, uuid\n\
@@ -104,11 +114,7 @@ fn descendants(root: i32) -> Vec<i32> {
 /// meanwhile, forked again once a new zygote is up).
 #[tokio::test]
 async fn kernels_fork_from_a_zygote_into_sandboxes_of_their_own() -> Result<()> {
-    if sandbox_backend() != "namespaces" {
-        eprintln!(
-            "NOT RUN: the zygote is the namespaces backend's, and this run forces {}",
-            sandbox_backend()
-        );
+    if !namespaces_run() {
         return Ok(());
     }
     let gateway = Gateway::builder()
@@ -216,7 +222,7 @@ async fn kernels_fork_from_a_zygote_into_sandboxes_of_their_own() -> Result<()> 
     // A killed zygote: the running kernels go on; new ones start.
     let zygotes = zygote_pids(&gateway);
     assert_eq!(zygotes.len(), 1, "one zygote: {zygotes:?}");
-    kill(zygotes[0]);
+    signal(zygotes[0], "-KILL");
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert_eq!(v1.execute(&b, "1 + 1").await?["result"], "2");
     let c = v1
@@ -236,9 +242,9 @@ async fn kernels_fork_from_a_zygote_into_sandboxes_of_their_own() -> Result<()> 
     Ok(())
 }
 
-fn kill(pid: i32) {
+fn signal(pid: i32, name: &str) {
     let _ = std::process::Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
+        .args([name, &pid.to_string()])
         .status();
 }
 
@@ -246,11 +252,7 @@ fn kill(pid: i32) {
 /// `[sandbox] zygote = false` starts that policy's kernels afresh, and only those.
 #[tokio::test]
 async fn the_zygote_can_be_turned_off() -> Result<()> {
-    if sandbox_backend() != "namespaces" {
-        eprintln!(
-            "NOT RUN: the zygote is the namespaces backend's, and this run forces {}",
-            sandbox_backend()
-        );
+    if !namespaces_run() {
         return Ok(());
     }
     let gateway = Gateway::builder()
@@ -289,11 +291,7 @@ async fn the_zygote_can_be_turned_off() -> Result<()> {
 /// and work, with the rest of the list imported.
 #[tokio::test]
 async fn a_broken_preload_leaves_the_zygote_working() -> Result<()> {
-    if sandbox_backend() != "namespaces" {
-        eprintln!(
-            "NOT RUN: the zygote is the namespaces backend's, and this run forces {}",
-            sandbox_backend()
-        );
+    if !namespaces_run() {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
@@ -333,11 +331,7 @@ async fn a_broken_preload_leaves_the_zygote_working() -> Result<()> {
 /// forked before keep running, also once it is let go and exits.
 #[tokio::test]
 async fn a_zygote_that_stops_answering_is_let_go_and_its_kernels_live_on() -> Result<()> {
-    if sandbox_backend() != "namespaces" {
-        eprintln!(
-            "NOT RUN: the zygote is the namespaces backend's, and this run forces {}",
-            sandbox_backend()
-        );
+    if !namespaces_run() {
         return Ok(());
     }
     let gateway = Gateway::builder()
@@ -352,17 +346,12 @@ async fn a_zygote_that_stops_answering_is_let_go_and_its_kernels_live_on() -> Re
     assert_eq!(probe(&v1, &a).await?["forked"], true);
     let zygotes = zygote_pids(&gateway);
     assert_eq!(zygotes.len(), 1, "{zygotes:?}");
-    let signal = |name: &str| {
-        let _ = std::process::Command::new("kill")
-            .args([name, &zygotes[0].to_string()])
-            .status();
-    };
-    signal("-STOP");
+    signal(zygotes[0], "-STOP");
     let b = v1
         .create_session(json!({}))
         .await
         .with_context(|| gateway.log())?;
-    signal("-CONT");
+    signal(zygotes[0], "-CONT");
     let pb = probe(&v1, &b).await?;
     assert_eq!(pb["forked"], false, "started afresh: {pb}");
     assert!(

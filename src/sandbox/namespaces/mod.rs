@@ -246,11 +246,6 @@ impl NamespacesSandbox {
             }),
         })
     }
-
-    /// How many zygotes serve now.
-    pub fn zygotes_serving(&self) -> usize {
-        self.core.zygotes.serving()
-    }
 }
 
 impl Core {

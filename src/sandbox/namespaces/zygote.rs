@@ -516,13 +516,4 @@ impl Zygotes {
             }
         }
     }
-
-    /// Whether any zygote is serving (for `doctor` and the tests).
-    pub fn serving(&self) -> usize {
-        self.slots
-            .lock()
-            .values()
-            .filter(|slot| matches!(slot, Slot::Ready(z) if z.alive()))
-            .count()
-    }
 }
