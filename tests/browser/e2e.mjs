@@ -160,10 +160,8 @@ try {
   // bundled libraries (a histogram needs Plotly's cartesian bundle, not the basic one).
   step = "plotly express";
   cell = await run(
-    "import plotly.express as px
-" +
-      "fig = px.histogram(x=[1, 2, 2, 3, 3, 3, 4, 4, 5], nbins=5, title='spread')
-fig.show()",
+    "import plotly.express as px\n" +
+      "fig = px.histogram(x=[1, 2, 2, 3, 3, 3, 4, 4, 5], nbins=5, title='spread')\nfig.show()",
   );
   check((await finished(cell)) === "ok", "the plotly.express cell ends ok");
   await cell.locator(".plotly-chart .main-svg .bars path").first().waitFor();
@@ -173,8 +171,7 @@ fig.show()",
 
   step = "altair";
   cell = await run(
-    "import altair as alt, pandas as pd
-" +
+    "import altair as alt, pandas as pd\n" +
       "alt.Chart(pd.DataFrame({'a': ['x', 'y'], 'b': [2, 7]})).mark_bar().encode(x='a', y='b')",
   );
   check((await finished(cell)) === "ok", "the Altair cell ends ok");

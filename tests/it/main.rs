@@ -26,5 +26,6 @@ mod notebook;
 mod operations;
 mod pool;
 mod sdk;
+mod stack;
 mod tenants;
 mod web_client;
