@@ -9,7 +9,7 @@ use std::path::Path;
 const VENDORED: &[(&str, &str)] = &[
     (
         "plotly.min.js",
-        "plotly.js-basic-dist-min/plotly-basic.min.js",
+        "plotly.js-cartesian-dist-min/plotly-cartesian.min.js",
     ),
     ("vega.min.js", "vega/build/vega.min.js"),
     ("vega-lite.min.js", "vega-lite/build/vega-lite.min.js"),

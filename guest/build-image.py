@@ -152,13 +152,13 @@ def build_root(out_dir, venv, venv_at):
     sha256_file(stamp, digest)
     sha256_file(os.path.join(venv, "pyvenv.cfg"), digest)
     # The stamp covers what pip installed; ./dev setup also copies the project's kernel
-    # launcher into the venv, and a changed launcher must make a new image too.
-    launchers = sorted(glob.glob(os.path.join(venv, "lib", "python3*", "site-packages",
-                                              "cellgate_kernel_launcher.py")))
-    if not launchers:
+    # launcher and display extension (cellgate_*.py) into the venv, and a changed one must
+    # make a new image too.
+    site = os.path.join(venv, "lib", "python3*", "site-packages")
+    if not glob.glob(os.path.join(site, "cellgate_kernel_launcher.py")):
         raise SystemExit(f"build-image.py: no cellgate_kernel_launcher.py in {venv}: run ./dev setup")
-    for launcher in launchers:
-        sha256_file(launcher, digest)
+    for own in sorted(glob.glob(os.path.join(site, "cellgate_*.py"))):
+        sha256_file(own, digest)
     result = os.path.join(out_dir, f"root-{digest.hexdigest()[:16]}.ext4")
     if os.path.exists(result):
         return result

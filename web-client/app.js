@@ -321,8 +321,11 @@ function finishCell(cell, result) {
 // Richest first; the first artifact of the bundle whose type is here is the one shown.
 const PREFERENCE = [
   "application/vnd.plotly.v1+json",
+  "application/vnd.vegalite.v6+json",
+  "application/vnd.vegalite.v6.json",
   "application/vnd.vegalite.v5+json",
   "application/vnd.vegalite.v4+json",
+  "application/vnd.vega.v6+json",
   "application/vnd.vega.v5+json",
   "text/html",
   "image/svg+xml",

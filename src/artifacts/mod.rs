@@ -44,11 +44,16 @@ use tokio::sync::watch;
 
 pub use inspect::{dimensions, strip_ansi, summarize};
 
-/// MIME types kept as artifacts, in the order a frontend prefers them.
+/// MIME types kept as artifacts, in the order a frontend prefers them. Vega-Lite 6 has two
+/// spellings: `+json` (what the python3 kernel's Altair renderer sends, and the usual form)
+/// and Altair 6's own `.json` (its `mimetype` renderer, when user code enables it).
 pub const RICH_MIME_TYPES: &[&str] = &[
     "application/vnd.plotly.v1+json",
+    "application/vnd.vegalite.v6+json",
+    "application/vnd.vegalite.v6.json",
     "application/vnd.vegalite.v5+json",
     "application/vnd.vegalite.v4+json",
+    "application/vnd.vega.v6+json",
     "application/vnd.vega.v5+json",
     "image/png",
     "image/jpeg",

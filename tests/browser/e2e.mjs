@@ -155,6 +155,31 @@ try {
   await screenshot("charts");
   console.log("ok Vega-Lite chart");
 
+  // The libraries themselves, as generated code uses them: the kernel's display extension
+  // sends each figure's spec and a PNG; the page shows the interactive one, drawn by the
+  // bundled libraries (a histogram needs Plotly's cartesian bundle, not the basic one).
+  step = "plotly express";
+  cell = await run(
+    "import plotly.express as px\n" +
+      "fig = px.histogram(x=[1, 2, 2, 3, 3, 3, 4, 4, 5], nbins=5, title='spread')\nfig.show()",
+  );
+  check((await finished(cell)) === "ok", "the plotly.express cell ends ok");
+  await cell.locator(".plotly-chart .main-svg .bars path").first().waitFor();
+  check((await cell.locator(".rich").first().getAttribute("data-mime")) === "application/vnd.plotly.v1+json", "the interactive figure, not its PNG");
+  check(!(await cell.locator(".rich img").count()), "no static image beside the interactive figure");
+  console.log("ok plotly.express histogram");
+
+  step = "altair";
+  cell = await run(
+    "import altair as alt, pandas as pd\n" +
+      "alt.Chart(pd.DataFrame({'a': ['x', 'y'], 'b': [2, 7]})).mark_bar().encode(x='a', y='b')",
+  );
+  check((await finished(cell)) === "ok", "the Altair cell ends ok");
+  await cell.locator(".vega-chart svg .mark-rect path").first().waitFor();
+  check((await cell.locator(".rich").first().getAttribute("data-mime")) === "application/vnd.vegalite.v6+json", "Altair's Vega-Lite 6 spec is shown");
+  await screenshot("library-charts");
+  console.log("ok Altair chart");
+
   step = "error";
   cell = await run("def f():\n    return 1 / 0\nf()");
   check((await finished(cell)) === "error", "a raising cell ends with status error");

@@ -26,6 +26,7 @@ mod notebook;
 mod operations;
 mod pool;
 mod sdk;
+mod stack;
 mod tenants;
 mod web_client;
 mod zygote;

@@ -28,7 +28,7 @@ pub(crate) fn browser_tools() -> std::path::PathBuf {
     );
     assert!(
         repo()
-            .join("web-client/node_modules/plotly.js-basic-dist-min")
+            .join("web-client/node_modules/plotly.js-cartesian-dist-min")
             .exists(),
         "web-client/node_modules is missing: `./dev setup` runs npm ci there (the binary embeds the chart libraries)"
     );

@@ -40,17 +40,22 @@ FROM docker.io/library/debian:${DEBIAN}-slim AS venv
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
  && rm -rf /var/lib/apt/lists/*
-COPY kernels/python3/requirements.txt kernels/python3/cellgate_kernel_launcher.py /tmp/kernel/
-# The steps of `./dev setup` (setup_venv, install_kernel_launcher): Debian's interpreter
+# python3-lean (--build-arg KERNEL=python3-lean): the small environment of
+# kernels/python3-lean instead of the full stack (DEPLOY.md, "A lean kernel").
+ARG KERNEL=python3
+COPY kernels/${KERNEL}/requirements.txt kernels/python3/cellgate_kernel_launcher.py \
+     kernels/python3/cellgate_display.py /tmp/kernel/
+# The steps of `./dev setup` (setup_venv, install_kernel_files): Debian's interpreter
 # makes the venv at /opt/cellgate/venv, pip installs exactly the lock file's pins, the
-# launcher goes into site-packages, compiled where it will run (the pod's root is read-only:
-# nothing can be compiled there later), and pip check finds no broken requirement.
+# launcher and the display extension go into site-packages, compiled where they will run
+# (the pod's root is read-only: nothing can be compiled there later), and pip check finds
+# no broken requirement.
 RUN /usr/bin/python3.11 -m venv /opt/cellgate/venv \
  && /opt/cellgate/venv/bin/python -m pip install --no-cache-dir --quiet --no-input \
         --disable-pip-version-check --progress-bar off -r /tmp/kernel/requirements.txt \
  && purelib="$(/opt/cellgate/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
- && install -m 0644 /tmp/kernel/cellgate_kernel_launcher.py "$purelib/" \
- && /opt/cellgate/venv/bin/python -m compileall -q -f "$purelib/cellgate_kernel_launcher.py" \
+ && install -m 0644 /tmp/kernel/cellgate_kernel_launcher.py /tmp/kernel/cellgate_display.py "$purelib/" \
+ && /opt/cellgate/venv/bin/python -m compileall -q -f "$purelib/cellgate_kernel_launcher.py" "$purelib/cellgate_display.py" \
  && /opt/cellgate/venv/bin/python -m pip check --disable-pip-version-check
 
 # --- the image -----------------------------------------------------------------------------
