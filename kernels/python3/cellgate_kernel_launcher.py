@@ -381,9 +381,17 @@ def _ns_zygote() -> None:
     become = library.cellgate_become_kernel
     become.argtypes = []
     become.restype = ctypes.c_char_p
-    threads = len(os.listdir("/proc/self/task"))
-    if threads != 1:
-        sys.exit(f"cellgate: the zygote has {threads} threads; a process that forks must have one")
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:
+        names = []
+        for tid in threads:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as comm:
+                    names.append(comm.read().strip())
+            except OSError:
+                names.append(tid)
+        sys.exit(f"cellgate: the zygote has {len(threads)} threads ({', '.join(sorted(names))}) "
+                 "after importing its preload list; a process that forks must have one")
     gc.enable()
     # What the imports made is shared with every child; collections would write to all of it.
     gc.freeze()

@@ -168,6 +168,16 @@ impl Kind {
     }
 }
 
+/// Settings that keep the preloaded libraries from starting threads at import.
+const ONE_THREAD: &[(&str, &str)] = &[
+    ("OPENBLAS_NUM_THREADS", "1"),
+    ("OMP_NUM_THREADS", "1"),
+    ("MKL_NUM_THREADS", "1"),
+    // The jemalloc inside pyarrow (symbols prefixed `je_arrow_`) starts a background thread
+    // when the library loads; without it, dirty pages are purged inline, on allocation.
+    ("JE_ARROW_MALLOC_CONF", "background_thread:false"),
+];
+
 /// What of a kernel's environment a zygote starts with (and so every kernel it forks shares).
 fn start_env(plan: &Plan) -> std::collections::BTreeMap<String, String> {
     plan.env
@@ -185,9 +195,10 @@ pub fn zygote_plan(plan: &Plan, library: &Path) -> Plan {
     // forked kernel rewrites (the launcher's `_retitle`): what it shows is then its own, as
     // for a kernel started afresh, and no longer the zygote's (which names a host path).
     env.insert(ROOM_ENV.to_owned(), ".".repeat(ENVIRON_ROOM));
-    // One thread: a process that forks must have no other (numpy's BLAS would start a pool).
-    for pool in ["OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"] {
-        env.insert(pool.to_owned(), "1".to_owned());
+    // One thread: a process that forks must have no other. numpy's BLAS would start a pool,
+    // and pyarrow (which pandas imports when it is installed) its jemalloc's purging thread.
+    for (setting, value) in ONE_THREAD {
+        env.insert((*setting).to_owned(), (*value).to_owned());
     }
     let mut argv = plan.argv[..3].to_vec();
     argv.push(ZYGOTE_FLAG.to_owned());
