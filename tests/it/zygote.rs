@@ -196,6 +196,23 @@ async fn kernels_fork_from_a_zygote_into_sandboxes_of_their_own() -> Result<()> 
             .is_some_and(|a| a.iter().any(|x| x["mime"] == "image/png")),
         "the chart is a PNG artifact: {r}"
     );
+    // A seaborn chart left open at the cell's end, in the other kernel: the inline backend's
+    // end-of-cell display, which the zygote (whose warm-up chart loaded that backend before
+    // any shell existed) must leave hooked into each kernel's shell.
+    let r = v1
+        .execute(
+            &b,
+            "import seaborn as sns\n\
+             sns.barplot(x=['a', 'b', 'c'], y=[3, 1, 2])",
+        )
+        .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert!(
+        r["artifacts"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x["mime"] == "image/png")),
+        "the figure left open is shown as a PNG artifact: {r}"
+    );
 
     // Files are each kernel's own, and the files API reaches a forked kernel's workspace.
     assert_eq!(v1.put_file(&a, "mine.txt", b"a's".to_vec()).await?, 201);
