@@ -184,7 +184,7 @@ pub struct MicrovmArgs {
     #[arg(long, env = "CELLGATE_MICROVM_SNAPSHOT_DIR")]
     pub microvm_snapshot_dir: Option<PathBuf>,
     /// Import the kernelspec's preload list (`CELLGATE_PRELOAD` in its kernel.json: numpy,
-    /// pandas, matplotlib by default) into warm-pool snapshots under emulation too. With KVM
+    /// pandas, matplotlib, seaborn by default) into warm-pool snapshots under emulation too. With KVM
     /// they always hold it; under TCG the imports cost ~40 s per kind of VM and every
     /// restored VM is larger, so by default emulated VMs import the list at their first use
     /// instead [default: false].

@@ -38,7 +38,7 @@ pub struct DoctorOptions {
     pub microvm: crate::sandbox::MicrovmConfig,
 }
 
-use crate::sandbox::diagnosis::{euid, read_trim, run_command};
+use crate::sandbox::diagnosis::{euid, read_trim, run_command, run_command_with};
 /// One backend or one piece of the set-up, as the backends describe themselves.
 pub use crate::sandbox::diagnosis::{Diagnosis as Section, Problem};
 
@@ -226,17 +226,108 @@ async fn kernels_section(dir: &Path) -> Section {
             .await
             {
                 Ok(out) => s.fact(&format!("{}.ipykernel", spec.name), out.trim().to_owned()),
-                Err(err) => s.fail(
-                    format!(
-                        "kernelspec {}: `import ipykernel` or module {module} fails: {err}",
-                        spec.name
-                    ),
-                    "./dev setup   (reinstalls the kernel venv and its launcher)",
-                ),
+                Err(err) => {
+                    s.fail(
+                        format!(
+                            "kernelspec {}: `import ipykernel` or module {module} fails: {err}",
+                            spec.name
+                        ),
+                        "./dev setup   (reinstalls the kernel venv and its launcher)",
+                    );
+                    continue;
+                }
+            }
+            if module == "cellgate_kernel_launcher" {
+                check_preload(&mut s, spec, &program).await;
             }
         }
     }
     s
+}
+
+/// Imports the kernelspec's preload list (`CELLGATE_PRELOAD`) as a zygote would, outside any
+/// sandbox: what fails to import is left out of every zygote (a warning: kernels still start,
+/// that module's first import is just slower), and a thread left running after the imports
+/// makes the namespaces zygote refuse to fork, so every kernel starts cold.
+async fn check_preload(s: &mut Section, spec: &crate::kernel::KernelSpec, program: &Path) {
+    let Some(list) = spec
+        .env
+        .get(cellgate_agent::protocol::PRELOAD_ENV)
+        .filter(|list| !list.trim().is_empty())
+    else {
+        return;
+    };
+    // matplotlib writes its font cache under MPLCONFIGDIR: a scratch one, not the
+    // operator's home.
+    let scratch = std::env::temp_dir().join(format!(
+        "cellgate-doctor-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    ));
+    let scratch_path = scratch.display().to_string();
+    let mut env: Vec<(&str, &str)> = spec
+        .env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    env.extend(crate::sandbox::ZYGOTE_ONE_THREAD.iter().copied());
+    env.push(("MPLCONFIGDIR", &scratch_path));
+    let started = Instant::now();
+    let out = run_command_with(
+        program,
+        &["-m", "cellgate_kernel_launcher", "--cellgate-check-preload"],
+        &env,
+        Duration::from_secs(120),
+    )
+    .await;
+    let _ = std::fs::remove_dir_all(&scratch);
+    let report = out.map_err(|err| err.to_string()).and_then(|out| {
+        serde_json::from_str::<Value>(out.lines().last().unwrap_or_default())
+            .map_err(|err| format!("unreadable answer ({err}): {out}"))
+    });
+    let report = match report {
+        Ok(report) => report,
+        Err(err) => {
+            s.warn(
+                format!("kernelspec {}: the preload check failed: {err}", spec.name),
+                "./dev setup   (reinstalls the kernel venv and its launcher)",
+            );
+            return;
+        }
+    };
+    s.fact(
+        &format!("{}.preload", spec.name),
+        format!("{list} (imported in {} ms)", started.elapsed().as_millis()),
+    );
+    for failed in report["failed"].as_array().into_iter().flatten() {
+        s.warn(
+            format!(
+                "kernelspec {}: preload {}: zygotes start without it",
+                spec.name,
+                plain(failed)
+            ),
+            format!(
+                "install it in {}/.venv, or remove it from CELLGATE_PRELOAD in its kernel.json",
+                spec.dir.display()
+            ),
+        );
+    }
+    let threads: Vec<String> = report["threads"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(plain)
+        .collect();
+    if threads.len() > 1 {
+        s.warn(
+            format!(
+                "kernelspec {}: importing its preload list leaves {} threads ({}): a namespaces zygote will not fork, every kernel starts cold",
+                spec.name,
+                threads.len(),
+                threads.join(", ")
+            ),
+            "find the module that starts the thread (import each alone) and remove it from CELLGATE_PRELOAD, or keep it from starting one (an environment setting in its kernel.json)",
+        );
+    }
 }
 
 /// The package index's source: the upstream index answers, or the wheelhouse is readable.

@@ -602,10 +602,32 @@ def _zygote() -> None:
     main()
 
 
+CHECK_PRELOAD_FLAG = "--cellgate-check-preload"
+
+
+def _check_preload() -> None:
+    """`cellgate doctor`'s check of the preload list: imports it and draws the warm-up chart
+    exactly as a zygote would (the caller gives the zygote's environment), and prints what
+    failed and which threads are left, as one JSON line. A zygote with threads forks no
+    kernel."""
+    _preload(os.environ.get(PRELOAD_ENV, ""))
+    threads = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                threads.append(comm.read().strip())
+        except OSError:
+            threads.append(tid)
+    print(json.dumps({"failed": [f"{name}: {error}" for name, error in _PRELOAD_FAILED],
+                      "threads": sorted(threads)}))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == [ZYGOTE_FLAG]:
         _zygote()
     elif sys.argv[1:2] == [NS_ZYGOTE_FLAG]:
         _ns_zygote()
+    elif sys.argv[1:2] == [CHECK_PRELOAD_FLAG]:
+        _check_preload()
     else:
         main()

@@ -93,9 +93,20 @@ pub fn find_on_path(name: &str) -> Option<PathBuf> {
 
 /// Runs a command with a time limit; `Ok(stdout)` only when it exits 0.
 pub async fn run_command(program: &Path, args: &[&str], limit: Duration) -> Result<String, String> {
+    run_command_with(program, args, &[], limit).await
+}
+
+/// [`run_command`] with `env` added to the inherited environment.
+pub async fn run_command_with(
+    program: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> Result<String, String> {
     let mut command = tokio::process::Command::new(program);
     command
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

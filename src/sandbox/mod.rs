@@ -43,7 +43,7 @@ pub use kubernetes::{KubernetesError, KubernetesSandbox, PodLaunch, PodSettings}
 pub use microvm::{MicrovmConfig, MicrovmError, MicrovmSandbox};
 pub use namespaces::{
     become_kernel, sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox,
-    ZygoteSettings, SANDBOX_INIT_ARG,
+    ZygoteSettings, SANDBOX_INIT_ARG, ZYGOTE_ONE_THREAD,
 };
 pub use process::ProcessSandbox;
 

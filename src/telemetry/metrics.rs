@@ -76,6 +76,19 @@ impl ExecOutcome {
     ];
 }
 
+/// How a kernel zygote's start, or a fork from one, ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)] // The label's values, as Prometheus shows them.
+pub enum ZygoteOutcome {
+    ok,
+    failed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ZygoteLabels {
+    outcome: ZygoteOutcome,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct StartLabels {
     policy: String,
@@ -164,22 +177,50 @@ pub struct Metrics {
     connections_open: Gauge,
     http_requests: Family<HttpLabels, Counter>,
     http_seconds: HistogramFamily<RouteLabels>,
+    zygote_starts: Family<ZygoteLabels, Counter>,
+    zygote_forks: Family<ZygoteLabels, Counter>,
+    zygote_cold_starts: Counter,
+    zygote_preload_missing: Gauge,
 }
 
-static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
-    kernel_start: Family::new_with_constructor(start_histogram),
-    kernel_start_failures: Family::default(),
-    pool_hits: Counter::default(),
-    pool_misses: Counter::default(),
-    executions: Family::default(),
-    execution_seconds: Family::new_with_constructor(execution_histogram),
-    denials: Family::default(),
-    rate_limited: Family::default(),
-    websockets_open: Gauge::default(),
-    connections_open: Gauge::default(),
-    http_requests: Family::default(),
-    http_seconds: Family::new_with_constructor(http_histogram),
+static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
+    let metrics = new_metrics();
+    // At zero from the start, so that an alert on the first failure has a series to see.
+    for outcome in [ZygoteOutcome::ok, ZygoteOutcome::failed] {
+        drop(
+            metrics
+                .zygote_starts
+                .get_or_create(&ZygoteLabels { outcome }),
+        );
+        drop(
+            metrics
+                .zygote_forks
+                .get_or_create(&ZygoteLabels { outcome }),
+        );
+    }
+    metrics
 });
+
+fn new_metrics() -> Metrics {
+    Metrics {
+        kernel_start: Family::new_with_constructor(start_histogram),
+        kernel_start_failures: Family::default(),
+        pool_hits: Counter::default(),
+        pool_misses: Counter::default(),
+        executions: Family::default(),
+        execution_seconds: Family::new_with_constructor(execution_histogram),
+        denials: Family::default(),
+        rate_limited: Family::default(),
+        websockets_open: Gauge::default(),
+        connections_open: Gauge::default(),
+        http_requests: Family::default(),
+        http_seconds: Family::new_with_constructor(http_histogram),
+        zygote_starts: Family::default(),
+        zygote_forks: Family::default(),
+        zygote_cold_starts: Counter::default(),
+        zygote_preload_missing: Gauge::default(),
+    }
+}
 
 /// The process's metrics.
 pub fn metrics() -> &'static Metrics {
@@ -247,6 +288,30 @@ impl Metrics {
                 source,
             })
             .inc();
+    }
+
+    /// A kernel zygote's start ended: ready (with `preload_missing` modules of its preload
+    /// list left out), or failed.
+    pub fn zygote_started(&self, outcome: ZygoteOutcome, preload_missing: usize) {
+        self.zygote_starts
+            .get_or_create(&ZygoteLabels { outcome })
+            .inc();
+        if outcome == ZygoteOutcome::ok {
+            self.zygote_preload_missing
+                .set(i64::try_from(preload_missing).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// A kernel was forked from a zygote, or the zygote failed to fork it.
+    pub fn zygote_fork(&self, outcome: ZygoteOutcome) {
+        self.zygote_forks
+            .get_or_create(&ZygoteLabels { outcome })
+            .inc();
+    }
+
+    /// A kernel a zygote could have forked started cold (no zygote ready, or a failed fork).
+    pub fn zygote_cold_start(&self) {
+        self.zygote_cold_starts.inc();
     }
 
     /// A start the warm pool could serve took a pool kernel (`hit`) or found none.
@@ -406,6 +471,26 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
         "http_request_duration_seconds",
         "Time to a response's head, by method and route template",
         m.http_seconds.clone(),
+    );
+    registry.register(
+        "zygote_starts",
+        "Kernel zygote starts (namespaces backend), by outcome",
+        m.zygote_starts.clone(),
+    );
+    registry.register(
+        "zygote_forks",
+        "Kernels forked from a zygote (ok), and forks the zygote failed (it is then replaced)",
+        m.zygote_forks.clone(),
+    );
+    registry.register(
+        "zygote_cold_starts",
+        "Kernels a zygote could have forked that started cold (no zygote ready, or a failed fork)",
+        m.zygote_cold_starts.clone(),
+    );
+    registry.register(
+        "zygote_preload_missing",
+        "Modules of its preload list the newest zygote could not import",
+        m.zygote_preload_missing.clone(),
     );
     let kernels = Family::<StateLabels, Gauge>::default();
     for (group, count) in &snapshot.kernels {

@@ -26,7 +26,7 @@ fn samples(text: &str) -> HashMap<String, f64> {
         .collect()
 }
 
-fn sample(samples: &HashMap<String, f64>, series: &str) -> f64 {
+pub(crate) fn sample(samples: &HashMap<String, f64>, series: &str) -> f64 {
     samples.get(series).copied().unwrap_or_else(|| {
         let family = series.split('{').next().unwrap_or(series);
         let known: Vec<&String> = samples.keys().filter(|k| k.starts_with(family)).collect();
@@ -34,7 +34,7 @@ fn sample(samples: &HashMap<String, f64>, series: &str) -> f64 {
     })
 }
 
-async fn scrape(gateway: &Gateway) -> Result<HashMap<String, f64>> {
+pub(crate) async fn scrape(gateway: &Gateway) -> Result<HashMap<String, f64>> {
     let response = gateway.request(Method::GET, "/metrics").send().await?;
     let status = response.status();
     let content_type = response

@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use serde_json::json;
 
+use crate::operations::{sample, scrape};
 use crate::support::v1::V1Client;
 use crate::support::*;
 
@@ -340,6 +341,41 @@ async fn a_broken_preload_leaves_the_zygote_working() -> Result<()> {
     );
     let r = v1.execute(&id, "import no_such_module_here").await?;
     assert_eq!(r["error"]["ename"], "ModuleNotFoundError", "{r}");
+
+    // An operator sees it in the metrics, and `cellgate doctor` names the module.
+    let metrics = scrape(&gateway).await?;
+    assert_eq!(sample(&metrics, "cellgate_zygote_preload_missing"), 1.0);
+    assert_eq!(
+        sample(&metrics, r#"cellgate_zygote_starts_total{outcome="ok"}"#),
+        1.0
+    );
+    assert_eq!(
+        sample(&metrics, r#"cellgate_zygote_forks_total{outcome="ok"}"#),
+        1.0
+    );
+    assert_eq!(
+        sample(&metrics, r#"cellgate_zygote_forks_total{outcome="failed"}"#),
+        0.0
+    );
+    let doctor = tokio::process::Command::new(env!("CARGO_BIN_EXE_cellgate"))
+        .args(["doctor", "--json", "--no-probe", "--kernels-dir"])
+        .arg(dir.path().join("kernels"))
+        .output()
+        .await?;
+    let report: serde_json::Value = serde_json::from_slice(&doctor.stdout)
+        .with_context(|| String::from_utf8_lossy(&doctor.stderr).into_owned())?;
+    let kernels = report["setup"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["name"] == "kernels"))
+        .with_context(|| format!("{report}"))?;
+    assert!(
+        kernels["problems"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["problem"]
+                .as_str()
+                .is_some_and(|t| t.contains("preload no_such_module_here")))),
+        "doctor names the module the preload cannot import: {kernels}"
+    );
     Ok(())
 }
 

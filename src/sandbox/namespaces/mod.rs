@@ -77,6 +77,7 @@ pub(super) mod sys;
 pub mod zygote;
 
 use crate::sandbox::spawner::Spawner;
+use crate::telemetry::metrics::{metrics, ZygoteOutcome};
 use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -101,7 +102,7 @@ pub use error::NamespacesError;
 pub use helper::{sandbox_init_main, SANDBOX_INIT_ARG};
 use idmap::{IdMap, INSIDE_ID};
 use plan::{Event, Plan, Role, RuntimeFile, GO};
-pub use zygote::{become_kernel, ZygoteSettings};
+pub use zygote::{become_kernel, ZygoteSettings, ONE_THREAD as ZYGOTE_ONE_THREAD};
 use zygote::{Kind, Lookup, Zygote};
 
 const GIB: u64 = 1 << 30;
@@ -407,9 +408,13 @@ impl Core {
                             .launch_with(spec, plan.clone(), How::Forked(zygote.clone()))
                             .await;
                         match forked {
-                            Ok(launched) => return Ok(launched),
+                            Ok(launched) => {
+                                metrics().zygote_fork(ZygoteOutcome::ok);
+                                return Ok(launched);
+                            }
                             // The zygote's own failure: it is replaced.
                             Err(NamespacesError::Zygote(err)) => {
+                                metrics().zygote_fork(ZygoteOutcome::failed);
                                 self.zygotes.failed(&kind, &zygote, &err.to_string())
                             }
                             // This kernel's (its limits, its log, a slow machine): the zygote
@@ -438,6 +443,9 @@ impl Core {
                                             "the zygote's start panicked".to_owned(),
                                         ))
                                     });
+                            if started.is_err() {
+                                metrics().zygote_started(ZygoteOutcome::failed, 0);
+                            }
                             core.zygotes
                                 .started(kind, started.map_err(|e| e.to_string()));
                         });
@@ -451,6 +459,9 @@ impl Core {
                 }
                 waited = true;
                 starting.wait(self.zygotes.settings.ready_timeout).await;
+            }
+            if self.zygotes.settings.enabled {
+                metrics().zygote_cold_start();
             }
         }
         self.launch_with(spec, plan, How::Cold).await
@@ -513,6 +524,7 @@ impl Core {
                 .map_err(|err| NamespacesError::Handshake(err.to_string()))?;
         match zygote {
             Ok((zygote, failed)) => {
+                metrics().zygote_started(ZygoteOutcome::ok, failed.len());
                 if !failed.is_empty() {
                     tracing::warn!(
                         modules = %failed.join(", "),

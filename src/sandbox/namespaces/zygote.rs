@@ -168,8 +168,9 @@ impl Kind {
     }
 }
 
-/// Settings that keep the preloaded libraries from starting threads at import.
-const ONE_THREAD: &[(&str, &str)] = &[
+/// Settings that keep the preloaded libraries from starting threads at import (`cellgate
+/// doctor` imports the preload list with them too).
+pub const ONE_THREAD: &[(&str, &str)] = &[
     ("OPENBLAS_NUM_THREADS", "1"),
     ("OMP_NUM_THREADS", "1"),
     ("MKL_NUM_THREADS", "1"),
