@@ -4,8 +4,8 @@
 //! exists, runs the real thing. Each backend answers for itself (`sandbox::diagnose`: the
 //! namespaces backend starts `/usr/bin/true` in a complete sandbox, the same code path as a
 //! kernel; the gvisor backend runs `runsc --version` and `runsc do /bin/true`); this module
-//! adds the set-up (the kernelspecs' interpreters import `ipykernel`, the policies, the
-//! package index) and the microVM host facts, until that backend exists. Nothing here
+//! adds the set-up (the kernelspecs' interpreters import `ipykernel` and, as a kernel zygote
+//! would, their preload lists; the policies, the package index) and the microVM host facts, until that backend exists. Nothing here
 //! changes the host: no sysctl is written, no package installed, no module loaded; the fixes
 //! are printed as commands for the operator.
 //!
