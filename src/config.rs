@@ -65,6 +65,16 @@ pub struct ServeArgs {
     /// that fails costs cold starts, never a session [default: true].
     #[arg(long, env = "CELLGATE_KERNEL_ZYGOTE", value_parser = clap::builder::BoolishValueParser::new())]
     pub kernel_zygote: Option<bool>,
+    /// Kernels one zygote forks before a fresh one replaces it. Every kernel of one zygote
+    /// shares its address-space layout and `str` hash seed (ARCHITECTURE.md, the zygote's
+    /// invariant): fewer means less shared, at a zygote's start (~2-4 s of CPU) each time
+    /// [default: 500].
+    #[arg(long, env = "CELLGATE_KERNEL_ZYGOTE_MAX_FORKS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub kernel_zygote_max_forks: Option<u32>,
+    /// Seconds one zygote serves before a fresh one replaces it (see
+    /// --kernel-zygote-max-forks) [default: 3600].
+    #[arg(long, env = "CELLGATE_KERNEL_ZYGOTE_MAX_AGE", value_parser = clap::value_parser!(u64).range(1..))]
+    pub kernel_zygote_max_age: Option<u64>,
     /// Seconds a kernel may take to become ready (five times as long in a microVM under
     /// software emulation) [default: 60].
     #[arg(long, env = "CELLGATE_START_TIMEOUT")]
@@ -303,6 +313,8 @@ struct FileConfig {
     start_timeout: Option<u64>,
     pool_size: Option<usize>,
     kernel_zygote: Option<bool>,
+    kernel_zygote_max_forks: Option<u32>,
+    kernel_zygote_max_age: Option<u64>,
     allow_origin: Option<OneOrMany>,
     env_allowlist: Option<Vec<String>>,
     max_message_mib: Option<usize>,
@@ -367,6 +379,9 @@ pub struct GatewayConfig {
     pub pool_size: usize,
     /// Whether namespaces kernels fork from a zygote.
     pub kernel_zygote: bool,
+    /// Kernels one zygote forks, and how long it serves, before a fresh one replaces it.
+    pub kernel_zygote_max_forks: u32,
+    pub kernel_zygote_max_age: Duration,
     /// Origins allowed to call the gateway from a browser (`*`: any), normalised.
     pub allow_origin: Vec<String>,
     pub env_allowlist: Vec<String>,
@@ -777,6 +792,17 @@ impl GatewayConfig {
             ),
             pool_size: args.pool_size.or(file.pool_size).unwrap_or(1),
             kernel_zygote: args.kernel_zygote.or(file.kernel_zygote).unwrap_or(true),
+            kernel_zygote_max_forks: args
+                .kernel_zygote_max_forks
+                .or(file.kernel_zygote_max_forks)
+                .unwrap_or(500)
+                .max(1),
+            kernel_zygote_max_age: Duration::from_secs(
+                args.kernel_zygote_max_age
+                    .or(file.kernel_zygote_max_age)
+                    .unwrap_or(3600)
+                    .max(1),
+            ),
             artifact_retention: Duration::from_secs(
                 args.artifact_retention
                     .or(file.artifact_retention)
@@ -882,6 +908,8 @@ mod tests {
             ("cull_connected", "cull_connected = true"),
             ("pool_size", "pool_size = 2"),
             ("kernel_zygote", "kernel_zygote = false"),
+            ("kernel_zygote_max_forks", "kernel_zygote_max_forks = 50"),
+            ("kernel_zygote_max_age", "kernel_zygote_max_age = 600"),
             ("start_timeout", "start_timeout = 30"),
             ("allow_origin", "allow_origin = [\"https://app.example\"]"),
             ("env_allowlist", "env_allowlist = [\"LANG\"]"),

@@ -258,6 +258,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut backends =
         Backends::new(config.sandbox, config.microvm.clone()).with_zygote(ZygoteSettings {
             enabled: config.kernel_zygote,
+            max_forks: config.kernel_zygote_max_forks,
+            max_age: config.kernel_zygote_max_age,
             ..ZygoteSettings::default()
         });
     // A replica takes its Lease before any kernel starts: every kernel it makes has a live

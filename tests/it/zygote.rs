@@ -428,3 +428,75 @@ async fn a_zygote_that_stops_answering_is_let_go_and_its_kernels_live_on() -> Re
     assert_eq!(v1.execute(&b, "2 + 2").await?["result"], "4");
     Ok(())
 }
+
+/// A zygote that has forked `--kernel-zygote-max-forks` kernels is replaced: the kernel that
+/// finds it spent still forks from it while its successor starts (no wait), and later
+/// kernels fork from the successor.
+#[tokio::test]
+async fn a_zygote_is_replaced_after_its_forks_and_no_kernel_waits_for_that() -> Result<()> {
+    if !namespaces_run() {
+        return Ok(());
+    }
+    let gateway = Gateway::builder()
+        .args(&["--kernel-zygote", "true", "--kernel-zygote-max-forks", "1"])
+        .start()
+        .await?;
+    let v1 = V1Client::new(&gateway);
+    let a = v1
+        .create_session(json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    let b = v1
+        .create_session(json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    for id in [&a, &b] {
+        let p = probe(&v1, id).await?;
+        assert_eq!(p["forked"], true, "{p}\n{}", gateway.log());
+    }
+    // b found the first zygote spent: its successor starts in the background.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let starts = loop {
+        let metrics = scrape(&gateway).await?;
+        let starts = sample(&metrics, r#"cellgate_zygote_starts_total{outcome="ok"}"#);
+        if starts >= 2.0 || std::time::Instant::now() > deadline {
+            break starts;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(starts, 2.0, "a successor started: {}", gateway.log());
+    let c = v1.create_session(json!({})).await?;
+    let p = probe(&v1, &c).await?;
+    assert_eq!(p["forked"], true, "{p}\n{}", gateway.log());
+    let metrics = scrape(&gateway).await?;
+    assert_eq!(
+        sample(&metrics, r#"cellgate_zygote_forks_total{outcome="ok"}"#),
+        3.0
+    );
+    assert_eq!(sample(&metrics, "cellgate_zygote_cold_starts_total"), 0.0);
+    // The first zygote, let go, exits; its kernels live on.
+    eventually(PATIENCE, || zygote_pids(&gateway).len() == 1).await;
+    assert_eq!(
+        zygote_pids(&gateway).len(),
+        1,
+        "{:?}",
+        zygote_pids(&gateway)
+    );
+    // A fork keeps its zygote's address-space layout: a and b share one (b forked from the
+    // spent zygote, not from its successor), c has its successor's.
+    let mut layout = Vec::new();
+    for id in [&a, &b, &c] {
+        let r = v1.execute(id, "import os\nprint(hex(id(os)))").await?;
+        assert_eq!(r["status"], "ok", "{r}");
+        layout.push(r["stdout"].as_str().unwrap_or_default().to_owned());
+    }
+    assert_eq!(
+        layout[0], layout[1],
+        "a and b forked from one zygote: {layout:?}"
+    );
+    assert_ne!(
+        layout[0], layout[2],
+        "c forked from the successor: {layout:?}"
+    );
+    Ok(())
+}

@@ -449,7 +449,11 @@ impl Core {
                             core.zygotes
                                 .started(kind, started.map_err(|e| e.to_string()));
                         });
-                        starting
+                        // A successor of a zygote that served its time: this kernel forks
+                        // from the old one while the new one starts, like every other
+                        // meanwhile (the next lookup finds it), rather than wait.
+                        drop(starting);
+                        continue;
                     }
                     Lookup::Wait(starting) => starting,
                     Lookup::Cold => break,

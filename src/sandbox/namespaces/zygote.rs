@@ -413,7 +413,8 @@ pub enum Lookup {
     /// Fork from this one.
     Ready(Arc<Zygote>),
     /// Start one (the caller does, in the background, and reports to [`Zygotes::started`]),
-    /// then wait for it like [`Lookup::Wait`].
+    /// then look again: a predecessor that served its time still serves until then, else
+    /// the answer is [`Lookup::Wait`].
     Start(Starting),
     /// One is starting: wait for it ([`Starting::wait`]), then look again.
     Wait(Starting),
