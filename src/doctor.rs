@@ -257,25 +257,44 @@ async fn check_preload(s: &mut Section, spec: &crate::kernel::KernelSpec, progra
     else {
         return;
     };
-    // matplotlib writes its font cache under MPLCONFIGDIR: a scratch one, not the
-    // operator's home.
+    // Run as root, usually, and outside any sandbox: in an empty directory of its own (`-m`
+    // puts the working directory first on the module path), with only what a zygote starts
+    // with (the kernelspec's variables a zygote keeps, the one-thread settings) and a scratch
+    // home for matplotlib's font cache, never the operator's environment or home.
     let scratch = std::env::temp_dir().join(format!(
         "cellgate-doctor-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     ));
+    let made = {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new().mode(0o700).create(&scratch)
+    };
+    if let Err(err) = made {
+        s.warn(
+            format!("the preload check needs a scratch directory: {err}"),
+            "make the temporary directory writable (TMPDIR)",
+        );
+        return;
+    }
     let scratch_path = scratch.display().to_string();
     let mut env: Vec<(&str, &str)> = spec
         .env
         .iter()
+        .filter(|(k, _)| cellgate_agent::protocol::fixed_at_zygote_start(k))
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     env.extend(crate::sandbox::ZYGOTE_ONE_THREAD.iter().copied());
-    env.push(("MPLCONFIGDIR", &scratch_path));
+    env.extend([
+        ("HOME", scratch_path.as_str()),
+        ("MPLCONFIGDIR", scratch_path.as_str()),
+        ("PATH", "/usr/local/bin:/usr/bin:/bin"),
+    ]);
     let started = Instant::now();
     let out = run_command_with(
         program,
         &["-m", "cellgate_kernel_launcher", "--cellgate-check-preload"],
         &env,
+        &scratch,
         Duration::from_secs(120),
     )
     .await;

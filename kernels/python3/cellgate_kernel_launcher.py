@@ -225,13 +225,16 @@ def _hook_inline_backend(app) -> None:
     shell = getattr(app, "shell", None)
     if backend is None or shell is None:
         return
-    import matplotlib
-    from IPython.core.pylabtools import activate_matplotlib
+    try:
+        import matplotlib
+        from IPython.core.pylabtools import activate_matplotlib
 
-    name = matplotlib.get_backend()
-    if name in ("inline", "module://matplotlib_inline.backend_inline"):
-        activate_matplotlib(name)
-        backend.configure_inline_support(shell, name)
+        name = matplotlib.get_backend()
+        if name in ("inline", "module://matplotlib_inline.backend_inline"):
+            activate_matplotlib(name)
+            backend.configure_inline_support(shell, name)
+    except Exception as error:  # the kernel still works, its figures then do not show: say so
+        print(f"cellgate: the inline backend could not be hooked: {error!r}", file=sys.stderr)
 
 
 # Matplotlib backends that draw to files only: with one of these, `plt.show()` shows nothing.
@@ -334,8 +337,8 @@ def _warm_charts() -> None:
 
     from matplotlib.figure import Figure
 
-    # Not the inline backend's module: importing it is what hooks figures into a kernel's
-    # shell (its PNG formatter, its post-execute flush), and a zygote has no shell yet.
+    # pandas' plot resolves pyplot's backend, which imports the inline one here, where there
+    # is no shell for it to hook into: each forked kernel does that (`_hook_inline_backend`).
     figure = Figure()  # the default size, as pyplot's first figure
     left, right = figure.subplots(1, 2)
     pandas = sys.modules.get("pandas")
@@ -610,6 +613,7 @@ def _check_preload() -> None:
     exactly as a zygote would (the caller gives the zygote's environment), and prints what
     failed and which threads are left, as one JSON line. A zygote with threads forks no
     kernel."""
+    _import_kernel_modules()
     _preload(os.environ.get(PRELOAD_ENV, ""))
     threads = []
     for tid in os.listdir("/proc/self/task"):

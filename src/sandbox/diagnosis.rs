@@ -93,20 +93,28 @@ pub fn find_on_path(name: &str) -> Option<PathBuf> {
 
 /// Runs a command with a time limit; `Ok(stdout)` only when it exits 0.
 pub async fn run_command(program: &Path, args: &[&str], limit: Duration) -> Result<String, String> {
-    run_command_with(program, args, &[], limit).await
+    run(tokio::process::Command::new(program).args(args), limit).await
 }
 
-/// [`run_command`] with `env` added to the inherited environment.
+/// [`run_command`] with exactly the environment `env` (nothing inherited), in `cwd`.
 pub async fn run_command_with(
     program: &Path,
     args: &[&str],
     env: &[(&str, &str)],
+    cwd: &Path,
     limit: Duration,
 ) -> Result<String, String> {
     let mut command = tokio::process::Command::new(program);
     command
         .args(args)
+        .env_clear()
         .envs(env.iter().copied())
+        .current_dir(cwd);
+    run(&mut command, limit).await
+}
+
+async fn run(command: &mut tokio::process::Command, limit: Duration) -> Result<String, String> {
+    command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

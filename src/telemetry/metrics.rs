@@ -290,16 +290,17 @@ impl Metrics {
             .inc();
     }
 
-    /// A kernel zygote's start ended: ready (with `preload_missing` modules of its preload
-    /// list left out), or failed.
-    pub fn zygote_started(&self, outcome: ZygoteOutcome, preload_missing: usize) {
+    /// A kernel zygote's start ended: ready, or failed.
+    pub fn zygote_started(&self, outcome: ZygoteOutcome) {
         self.zygote_starts
             .get_or_create(&ZygoteLabels { outcome })
             .inc();
-        if outcome == ZygoteOutcome::ok {
-            self.zygote_preload_missing
-                .set(i64::try_from(preload_missing).unwrap_or(i64::MAX));
-        }
+    }
+
+    /// The most modules any serving zygote left out of its preload list.
+    pub fn zygote_preload_missing(&self, most: usize) {
+        self.zygote_preload_missing
+            .set(i64::try_from(most).unwrap_or(i64::MAX));
     }
 
     /// A kernel was forked from a zygote, or the zygote failed to fork it.
@@ -489,7 +490,7 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
     );
     registry.register(
         "zygote_preload_missing",
-        "Modules of its preload list the newest zygote could not import",
+        "The most modules of its preload list a serving zygote could not import",
         m.zygote_preload_missing.clone(),
     );
     let kernels = Family::<StateLabels, Gauge>::default();

@@ -376,6 +376,23 @@ async fn a_broken_preload_leaves_the_zygote_working() -> Result<()> {
                 .is_some_and(|t| t.contains("preload no_such_module_here")))),
         "doctor names the module the preload cannot import: {kernels}"
     );
+    // pandas imports pyarrow, whose allocator would start a thread but for the zygote's
+    // one-thread settings, which doctor's check uses too.
+    assert!(
+        kernels["problems"]
+            .as_array()
+            .is_some_and(|p| p.iter().all(|p| !p["problem"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("threads"))),
+        "importing the preload list leaves one thread: {kernels}"
+    );
+    assert!(
+        kernels["facts"]["python3.preload"]
+            .as_str()
+            .is_some_and(|f| f.starts_with("numpy,no_such_module_here,pandas")),
+        "{kernels}"
+    );
     Ok(())
 }
 

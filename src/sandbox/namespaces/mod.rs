@@ -218,6 +218,7 @@ impl NamespacesSandbox {
         hierarchy.sweep();
         let ids = IdMap::for_this_process(config.root_maps_to);
         let mut zygote = config.zygote.clone();
+        let wanted = zygote.enabled;
         if zygote.enabled && !ids.privileged {
             // The gateway reaches a forked kernel through its helper's /proc entries, which
             // only a privileged gateway may follow (see `gateway_view`).
@@ -243,7 +244,7 @@ impl NamespacesSandbox {
                 ids,
                 hierarchy,
                 spawner,
-                zygotes: zygote::Zygotes::new(zygote),
+                zygotes: zygote::Zygotes::new(zygote, wanted),
             }),
         })
     }
@@ -444,7 +445,7 @@ impl Core {
                                         ))
                                     });
                             if started.is_err() {
-                                metrics().zygote_started(ZygoteOutcome::failed, 0);
+                                metrics().zygote_started(ZygoteOutcome::failed);
                             }
                             core.zygotes
                                 .started(kind, started.map_err(|e| e.to_string()));
@@ -464,7 +465,9 @@ impl Core {
                 waited = true;
                 starting.wait(self.zygotes.settings.ready_timeout).await;
             }
-            if self.zygotes.settings.enabled {
+            // Counted also when zygotes were asked for but cannot run here (not root, no
+            // library): the metric is how an operator learns that.
+            if self.zygotes.wanted {
                 metrics().zygote_cold_start();
             }
         }
@@ -527,8 +530,9 @@ impl Core {
                 .await
                 .map_err(|err| NamespacesError::Handshake(err.to_string()))?;
         match zygote {
-            Ok((zygote, failed)) => {
-                metrics().zygote_started(ZygoteOutcome::ok, failed.len());
+            Ok((mut zygote, failed)) => {
+                metrics().zygote_started(ZygoteOutcome::ok);
+                zygote.preload_missing = failed.len();
                 if !failed.is_empty() {
                     tracing::warn!(
                         modules = %failed.join(", "),

@@ -288,6 +288,11 @@ pub struct Zygote {
     /// Set by a failed exchange: its socket may hold an answer nobody read, so no request
     /// may be made on it again.
     poisoned: AtomicBool,
+    /// When its successor last failed to start: it serves on, and the next successor is
+    /// tried [`RETRY_AFTER`] later.
+    successor_failed: Mutex<Option<Instant>>,
+    /// How many modules of its preload list it could not import.
+    pub preload_missing: usize,
 }
 
 impl Zygote {
@@ -305,6 +310,8 @@ impl Zygote {
             forks: AtomicU32::new(0),
             born: Instant::now(),
             poisoned: AtomicBool::new(false),
+            successor_failed: Mutex::new(None),
+            preload_missing: 0,
         }
     }
 
@@ -326,8 +333,13 @@ impl Zygote {
     }
 
     fn expired(&self, settings: &ZygoteSettings) -> bool {
-        self.forks.load(Ordering::Relaxed) >= settings.max_forks
-            || self.born.elapsed() >= settings.max_age
+        let spent = self.forks.load(Ordering::Relaxed) >= settings.max_forks
+            || self.born.elapsed() >= settings.max_age;
+        spent
+            && self
+                .successor_failed
+                .lock()
+                .is_none_or(|at| at.elapsed() >= RETRY_AFTER)
     }
 
     /// Has the zygote fork a helper with these stdio (and egress socket); the helper's host
@@ -449,13 +461,17 @@ enum Slot {
 /// The zygotes of the backend, one per [`Kind`].
 pub struct Zygotes {
     pub settings: ZygoteSettings,
+    /// Whether the configuration asked for zygotes (`settings.enabled` is off also where
+    /// they cannot run).
+    pub wanted: bool,
     slots: Mutex<HashMap<Kind, Slot>>,
 }
 
 impl Zygotes {
-    pub fn new(settings: ZygoteSettings) -> Zygotes {
+    pub fn new(settings: ZygoteSettings, wanted: bool) -> Zygotes {
         Zygotes {
             settings,
+            wanted,
             slots: Mutex::new(HashMap::new()),
         }
     }
@@ -497,9 +513,23 @@ impl Zygotes {
     /// A zygote's start ended.
     pub fn started(&self, kind: Kind, zygote: Result<Zygote, String>) {
         let mut slots = self.slots.lock();
-        let slot = match zygote {
-            Ok(zygote) => Slot::Ready(Arc::new(zygote)),
-            Err(why) => {
+        let previous = match slots.get(&kind) {
+            Some(Slot::Starting {
+                previous: Some(previous),
+                ..
+            }) if previous.alive() => Some(previous.clone()),
+            _ => None,
+        };
+        let slot = match (zygote, previous) {
+            (Ok(zygote), _) => Slot::Ready(Arc::new(zygote)),
+            // A successor that failed: the zygote it was to replace still works, so it serves
+            // on rather than leave the kind to cold starts.
+            (Err(why), Some(previous)) => {
+                tracing::warn!(%why, "the successor of a kernel zygote that served its time failed to start: the old one serves on (retried in {} s)", RETRY_AFTER.as_secs());
+                *previous.successor_failed.lock() = Some(Instant::now());
+                Slot::Ready(previous)
+            }
+            (Err(why), None) => {
                 tracing::warn!(%why, "kernel zygote failed to start: kernels start cold (retried in {} s)", RETRY_AFTER.as_secs());
                 Slot::Broken {
                     since: Instant::now(),
@@ -509,6 +539,15 @@ impl Zygotes {
         if let Some(Slot::Starting { done, .. }) = slots.insert(kind, slot) {
             let _ = done.send(true);
         }
+        let most = slots
+            .values()
+            .filter_map(|slot| match slot {
+                Slot::Ready(zygote) => Some(zygote.preload_missing),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        crate::telemetry::metrics::metrics().zygote_preload_missing(most);
     }
 
     /// A fork from `zygote` failed: the kind starts cold until a new zygote is up. The
