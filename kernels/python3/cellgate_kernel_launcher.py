@@ -433,16 +433,9 @@ def _ns_zygote() -> None:
     become = library.cellgate_become_kernel
     become.argtypes = []
     become.restype = ctypes.c_char_p
-    threads = os.listdir("/proc/self/task")
+    threads = _thread_names()
     if len(threads) != 1:
-        names = []
-        for tid in threads:
-            try:
-                with open(f"/proc/self/task/{tid}/comm") as comm:
-                    names.append(comm.read().strip())
-            except OSError:
-                names.append(tid)
-        sys.exit(f"cellgate: the zygote has {len(threads)} threads ({', '.join(sorted(names))}) "
+        sys.exit(f"cellgate: the zygote has {len(threads)} threads ({', '.join(threads)}) "
                  "after importing its preload list; a process that forks must have one")
     gc.enable()
     # What the imports made is shared with every child; collections would write to all of it.
@@ -615,15 +608,20 @@ def _check_preload() -> None:
     kernel."""
     _import_kernel_modules()
     _preload(os.environ.get(PRELOAD_ENV, ""))
-    threads = []
+    print(json.dumps({"failed": [f"{name}: {error}" for name, error in _PRELOAD_FAILED],
+                      "threads": _thread_names()}))
+
+
+def _thread_names() -> list:
+    """This process's threads, by name (their id where a name cannot be read), sorted."""
+    names = []
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as comm:
-                threads.append(comm.read().strip())
+                names.append(comm.read().strip())
         except OSError:
-            threads.append(tid)
-    print(json.dumps({"failed": [f"{name}: {error}" for name, error in _PRELOAD_FAILED],
-                      "threads": sorted(threads)}))
+            names.append(tid)
+    return sorted(names)
 
 
 if __name__ == "__main__":
