@@ -140,6 +140,19 @@ pub struct ServeArgs {
     /// [default: 3600].
     #[arg(long, env = "CELLGATE_ARTIFACT_RETENTION")]
     pub artifact_retention: Option<u64>,
+    /// How long the signed link in each artifact reference works (a URL a page can put in
+    /// `<img src>` with no credential), e.g. 1h; 0s for no signed links [default: 1h].
+    #[arg(long, env = "CELLGATE_ARTIFACT_LINK_TTL", value_parser = crate::policy::parse_duration)]
+    pub artifact_link_ttl: Option<Duration>,
+    /// The longest a client may ask one signed link to work
+    /// (`POST /v1/artifacts/{id}/links`) [default: 7d].
+    #[arg(long, env = "CELLGATE_ARTIFACT_LINK_MAX_TTL", value_parser = crate::policy::parse_duration)]
+    pub artifact_link_max_ttl: Option<Duration>,
+    /// File holding the key that signs artifact links (at least 32 bytes; replicas behind
+    /// one address share it) [default: derived from the token, else from the JWT secret,
+    /// else random at each start].
+    #[arg(long, env = "CELLGATE_ARTIFACT_LINK_KEY_FILE")]
+    pub artifact_link_key_file: Option<PathBuf>,
     // --- client connections (src/gateway/listener.rs) ---
     /// Time a client has to send a request's headers, from their first byte (from the
     /// connection's opening for its first request); past it the connection is closed
@@ -341,6 +354,11 @@ struct FileConfig {
     replica_url: Option<String>,
     replica_id: Option<String>,
     artifact_retention: Option<u64>,
+    #[serde(default, with = "crate::policy::units::serde_duration")]
+    artifact_link_ttl: Option<Duration>,
+    #[serde(default, with = "crate::policy::units::serde_duration")]
+    artifact_link_max_ttl: Option<Duration>,
+    artifact_link_key_file: Option<PathBuf>,
     guest_dir: Option<PathBuf>,
     microvm_allow_emulation: Option<bool>,
     microvm_snapshots: Option<bool>,
@@ -409,6 +427,12 @@ pub struct GatewayConfig {
     pub replica: Option<ReplicaConfig>,
     /// How long artifacts outlive their API v1 session.
     pub artifact_retention: Duration,
+    /// How long the signed link in an artifact reference works; zero: no links.
+    pub artifact_link_ttl: Duration,
+    /// The longest one link asked for may work.
+    pub artifact_link_max_ttl: Duration,
+    /// The links' key (a path only: read when the gateway starts, never kept here).
+    pub artifact_link_key_file: Option<PathBuf>,
     /// How long a request's head may take to arrive, from its first byte.
     pub header_read_timeout: Duration,
     /// How long a keep-alive connection may wait for its next request.
@@ -808,6 +832,18 @@ impl GatewayConfig {
                     .or(file.artifact_retention)
                     .unwrap_or(3600),
             ),
+            artifact_link_ttl: args
+                .artifact_link_ttl
+                .or(file.artifact_link_ttl)
+                .unwrap_or(Duration::from_secs(3600)),
+            artifact_link_max_ttl: args
+                .artifact_link_max_ttl
+                .or(file.artifact_link_max_ttl)
+                .unwrap_or(Duration::from_secs(7 * 86_400)),
+            artifact_link_key_file: args
+                .artifact_link_key_file
+                .clone()
+                .or(file.artifact_link_key_file.clone()),
             artifact_min_free_disk: args
                 .artifact_min_free_disk
                 .or(file.artifact_min_free_disk)
@@ -928,6 +964,12 @@ mod tests {
             ("package_cache_dir", "package_cache_dir = \"c\""),
             ("egress_max_connections", "egress_max_connections = 8"),
             ("artifact_retention", "artifact_retention = 60"),
+            ("artifact_link_ttl", "artifact_link_ttl = \"10m\""),
+            ("artifact_link_max_ttl", "artifact_link_max_ttl = \"1d\""),
+            (
+                "artifact_link_key_file",
+                "artifact_link_key_file = \"/etc/cellgate/link-key\"",
+            ),
             ("header_read_timeout", "header_read_timeout = \"5s\""),
             (
                 "idle_connection_timeout",

@@ -30,6 +30,7 @@
 //! Must not depend on: HTTP, kernels.
 
 mod inspect;
+pub mod links;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -780,6 +781,17 @@ impl ArtifactStore {
                 }
             }
         }
+    }
+
+    /// An artifact of a session that still lives (not one retained after its session
+    /// ended): what a signed link may open, so that deleting a session revokes its links.
+    pub fn get_live(&self, id: &str) -> Option<Arc<Artifact>> {
+        self.index
+            .read()
+            .records
+            .get(id)
+            .filter(|r| r.expires.is_none())
+            .map(|r| r.artifact.clone())
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Artifact>> {

@@ -265,7 +265,7 @@ async fn authenticate(state: AppState, mut request: Request, next: Next) -> Resp
     next.run(request).await
 }
 
-fn rate_limited(tenant: &str, err: TenantError) -> Response {
+pub(crate) fn rate_limited(tenant: &str, err: TenantError) -> Response {
     let retry_after = match &err {
         TenantError::RateLimited { retry_after } => retry_after.as_secs_f64().ceil().max(1.0),
         _ => 1.0,

@@ -33,6 +33,7 @@ pub use api_error::ApiError;
 pub use auth::{start_terms, Principal, StartTerms};
 pub use state::{AppState, StateError};
 
+use crate::artifacts::links::LinkSigner;
 use crate::config::GatewayConfig;
 use crate::kernel::KernelManager;
 
@@ -104,8 +105,13 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             mcp::oauth::challenge,
         ));
+    // Signed artifact links are public routes, and held by one replica like any artifact.
+    let public_v1 = v1::public_routes().layer(middleware::from_fn_with_state(
+        state.clone(),
+        replicas::artifacts_anywhere,
+    ));
     let health = operations::probe_routes()
-        .merge(v1::public_routes())
+        .merge(public_v1)
         .merge(web::routes(&state.config.base_url));
     let routes = api.merge(health).with_state(state.clone());
     let routes = if state.config.base_url == "/" {
@@ -191,14 +197,63 @@ fn v1_sessions(
     )
     .map_err(std::io::Error::other)?
     .with_min_free_disk(config.artifact_min_free_disk);
+    let links = link_signer(config)?.map(Arc::new);
+    let random_key = config.artifact_link_key_file.is_none()
+        && config.token.is_none()
+        && config.jwt.secret_file.is_none();
+    if links.is_some() && random_key && config.jwt.enabled() {
+        tracing::warn!("artifact links are signed with a random key: they stop working when the gateway restarts, and replicas refuse each other's (set --artifact-link-key-file)");
+    }
     Ok(crate::sessions::Sessions::new(
         kernels.clone(),
         Arc::new(artifacts),
         crate::sessions::SessionOptions {
             base_url: config.base_url.clone(),
+            links,
             ..Default::default()
         },
     ))
+}
+
+/// The signer of artifact links (`crate::artifacts::links`), with the key from
+/// `--artifact-link-key-file`, else derived from the token, else from the JWT HMAC secret,
+/// else random; `None` when links are off (a zero TTL).
+pub fn link_signer(config: &GatewayConfig) -> std::io::Result<Option<LinkSigner>> {
+    if config.artifact_link_ttl.is_zero() {
+        return Ok(None);
+    }
+    let key = if let Some(path) = &config.artifact_link_key_file {
+        let mut key = std::fs::read(path).map_err(|err| {
+            std::io::Error::new(
+                err.kind(),
+                format!("artifact link key {}: {err}", path.display()),
+            )
+        })?;
+        while matches!(key.last(), Some(b'\n' | b'\r')) {
+            key.pop();
+        }
+        if key.len() < crate::artifacts::links::MIN_KEY_BYTES {
+            return Err(std::io::Error::other(format!(
+                "artifact link key {}: {} bytes; at least {} are required",
+                path.display(),
+                key.len(),
+                crate::artifacts::links::MIN_KEY_BYTES
+            )));
+        }
+        key
+    } else if let Some(token) = &config.token {
+        LinkSigner::derive_key(token.as_bytes())
+    } else if let Some(path) = &config.jwt.secret_file {
+        let secret = crate::jwt::read_secret(path).map_err(std::io::Error::other)?;
+        LinkSigner::derive_key(&secret)
+    } else {
+        LinkSigner::random_key()
+    };
+    Ok(Some(LinkSigner::new(
+        key,
+        config.artifact_link_ttl,
+        config.artifact_link_max_ttl,
+    )))
 }
 
 /// Serves on `listener` (TCP_NODELAY on every connection, the timeouts and caps of

@@ -171,7 +171,8 @@ pub fn spawn_adopter(state: AppState, replicas: Arc<Replicas>) {
     });
 }
 
-/// The middleware for artifacts: one this replica does not hold is asked of each live peer
+/// The middleware for artifacts (on the authenticated routes and on signed links): one this
+/// replica does not hold is asked of each live peer
 /// (the artifact store is each replica's own disk), the first answer that is not a 404
 /// wins. Artifact ids are random: nothing tells which replica made one.
 pub async fn artifacts_anywhere(
@@ -182,10 +183,13 @@ pub async fn artifacts_anywhere(
     let Some(replicas) = state.replicas.as_ref() else {
         return next.run(request).await;
     };
+    let path = request.uri().path();
+    // An authenticated fetch, or a signed link (its own credential; the holder checks it, and
+    // this replica answers 404 only for a well-formed link that has not expired).
     let asks_artifact = request.method() == Method::GET
-        && request.uri().path().starts_with("/v1/artifacts/")
+        && path.starts_with("/v1/artifacts/")
         && !request.headers().contains_key(FORWARDED_BY)
-        && request.extensions().get::<super::Principal>().is_some();
+        && (request.extensions().get::<super::Principal>().is_some() || path.ends_with("/signed"));
     if !asks_artifact {
         return next.run(request).await;
     }

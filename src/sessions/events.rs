@@ -5,6 +5,7 @@
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::artifacts::links::LinkSigner;
 use crate::artifacts::{Artifact, Quota};
 
 /// A reference to an artifact: what a client (or a language model) needs instead of the
@@ -28,13 +29,25 @@ pub struct ArtifactRef {
     pub previous: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
+    /// The same bytes with no credential, for a page's `<img src>` (relative to the gateway's
+    /// base URL): signed for this artifact, valid until `signed_url_expires` and while the
+    /// session lives (`crate::artifacts::links`). Absent when the gateway signs no links.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signed_url: Option<String>,
+    /// When `signed_url` stops working (RFC 3339, UTC).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signed_url_expires: Option<String>,
 }
 
 impl ArtifactRef {
-    pub fn new(artifact: &Artifact, base_url: &str) -> ArtifactRef {
+    /// The reference to `artifact`, with a signed link when `links` is given.
+    pub fn new(artifact: &Artifact, base_url: &str, links: Option<&LinkSigner>) -> ArtifactRef {
+        let link = links.map(|signer| signer.sign(artifact, base_url));
         ArtifactRef {
             id: artifact.id.clone(),
             url: format!("{base_url}v1/artifacts/{}", artifact.id),
+            signed_url_expires: link.as_ref().map(|l| expiry_timestamp(l.expires)),
+            signed_url: link.map(|l| l.url),
             mime: artifact.mime.clone(),
             bytes: artifact.bytes,
             width: artifact.width,
@@ -46,6 +59,15 @@ impl ArtifactRef {
             path: artifact.path.clone(),
         }
     }
+}
+
+/// Unix seconds as the gateway writes timestamps.
+pub fn expiry_timestamp(unix: u64) -> String {
+    let at = i64::try_from(unix)
+        .ok()
+        .and_then(|s| time::OffsetDateTime::from_unix_timestamp(s).ok())
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    crate::timestamp::format_timestamp(at)
 }
 
 /// The error of a failed execution; the traceback has no ANSI colour codes.

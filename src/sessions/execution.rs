@@ -503,9 +503,7 @@ impl Session {
                         let description = Description::from_head(&new, &head.bytes, bytes);
                         let encoded = std::mem::take(encoded);
                         match self.store_in_background(&new, description, encoded).await {
-                            Ok(artifact) => {
-                                refs.push(ArtifactRef::new(&artifact, &self.options.base_url))
-                            }
+                            Ok(artifact) => refs.push(self.options.reference(&artifact)),
                             Err(err) => match refused(&self.id, mime, bytes, None, &err) {
                                 Some(entry) => omitted.push(entry),
                                 None => log_store_error(&self.id, &err),
@@ -575,7 +573,7 @@ impl Session {
             })
             .await;
             match stored {
-                Ok(Ok(artifact)) => refs.push(ArtifactRef::new(&artifact, &self.options.base_url)),
+                Ok(Ok(artifact)) => refs.push(self.options.reference(&artifact)),
                 Ok(Err(err)) => match refused(&self.id, mime, bytes, None, &err) {
                     Some(entry) => omitted.push(entry),
                     None => log_store_error(&self.id, &err),
@@ -690,10 +688,7 @@ impl Session {
         match scanned {
             Ok((stored, omitted, seen)) => {
                 *self.outputs_seen.lock() = seen;
-                let refs = stored
-                    .iter()
-                    .map(|a| ArtifactRef::new(a, &self.options.base_url))
-                    .collect();
+                let refs = stored.iter().map(|a| self.options.reference(a)).collect();
                 (refs, omitted)
             }
             Err(_) => (Vec::new(), Vec::new()),

@@ -22,13 +22,15 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 
-use crate::artifacts::{ArtifactError, ArtifactStore};
+use crate::artifacts::links::LinkSigner;
+use crate::artifacts::{Artifact, ArtifactError, ArtifactStore};
 use crate::kernel::{
     ExecutionState, Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV,
 };
 use crate::workspace::{Files, Workspace, WorkspaceError};
 pub use events::{
-    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, Status,
+    expiry_timestamp, ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent,
+    Status,
 };
 
 /// Events kept for WebSocket subscribers that fall behind.
@@ -51,6 +53,15 @@ pub struct SessionOptions {
     pub artifact_retention: Duration,
     /// The gateway's base URL (starts and ends with `/`), for artifact URLs.
     pub base_url: String,
+    /// Signs the links in artifact references (`None`: references carry none).
+    pub links: Option<Arc<LinkSigner>>,
+}
+
+impl SessionOptions {
+    /// The reference to `artifact` that results and listings carry.
+    pub fn reference(&self, artifact: &Artifact) -> ArtifactRef {
+        ArtifactRef::new(artifact, &self.base_url, self.links.as_deref())
+    }
 }
 
 impl Default for SessionOptions {
@@ -61,6 +72,7 @@ impl Default for SessionOptions {
             artifact_quotas: crate::artifacts::Quotas::default(),
             artifact_retention: Duration::from_secs(3600),
             base_url: "/".to_owned(),
+            links: None,
         }
     }
 }

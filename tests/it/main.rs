@@ -6,6 +6,7 @@ mod support;
 
 mod api_v1;
 mod api_v1_flow;
+mod artifact_links;
 mod attacks;
 mod clients;
 mod compat;

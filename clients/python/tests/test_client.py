@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import httpx
 import pytest
 
 import cellgate
@@ -86,6 +87,16 @@ def test_a_chart_is_an_artifact_to_fetch_and_save(session, tmp_path):
     saved = png.save(tmp_path)
     assert saved.read_bytes() == data and saved.suffix == ".png"
     assert [a.id for a in session.artifacts()] == [png.id]
+    # The signed link is absolute and needs no credential; link() makes another.
+    assert png.signed_url.startswith(URL + "/v1/artifacts/" + png.id + "/signed?"), png.signed_url
+    assert httpx.get(png.signed_url).content == data
+    assert httpx.get(URL + png.url).status_code == 401
+    link = png.link(ttl=60)
+    assert link.url != png.signed_url and link.expires
+    assert httpx.get(link.url).content == data
+    with pytest.raises(cellgate.APIError) as refused:
+        png.link(ttl=10 ** 9)
+    assert refused.value.code == "bad_ttl"
 
 
 def test_input_is_answered_by_the_callback(session):
@@ -214,6 +225,8 @@ def test_the_async_client_does_the_same():
             shown = await s.run_code(
                 "from IPython.display import HTML, display\ndisplay(HTML('<i>x</i>'))")
             assert await shown.artifacts[0].afetch() == b"<i>x</i>"
+            link = await shown.artifacts[0].alink()
+            assert httpx.get(link.url).content == b"<i>x</i>"
             with pytest.raises(TypeError):
                 shown.artifacts[0].fetch()
             session_id = s.id

@@ -36,6 +36,22 @@ export interface ArtifactRef {
   version: number;
   previous?: string;
   path?: string;
+  /**
+   * The same bytes with no credential, for a page's `<img src>`: signed for this artifact,
+   * working until `signed_url_expires` and while the session lives (absent when the gateway
+   * signs no links). Relative to the gateway's origin in a reference; absolute in an
+   * {@link Artifact}.
+   */
+  signed_url?: string;
+  /** When `signed_url` stops working (RFC 3339, UTC). */
+  signed_url_expires?: string;
+}
+
+/** A signed artifact link: an absolute URL that needs no credential. */
+export interface ArtifactLink {
+  url: string;
+  /** RFC 3339, UTC; the link also stops working when the session is deleted. */
+  expires: string;
 }
 
 /** An artifact with the means to fetch its bytes. */
@@ -44,6 +60,8 @@ export interface Artifact extends ArtifactRef {
   fetch(): Promise<Uint8Array>;
   /** Its bytes as text (HTML, JSON, Markdown, SVG…). */
   text(): Promise<string>;
+  /** A signed link that works for `ttlSeconds` (the gateway's default if omitted). */
+  link(ttlSeconds?: number): Promise<ArtifactLink>;
 }
 
 export interface ExecError {
@@ -220,13 +238,31 @@ export class Client {
     return new Uint8Array(await response.arrayBuffer());
   }
 
+  /**
+   * A signed link to an artifact, for a page's `<img src>` with no credential: it works for
+   * `ttlSeconds` (the gateway's default if omitted, at most its maximum) and while the
+   * session lives.
+   */
+  async artifactLink(id: string, ttlSeconds?: number): Promise<ArtifactLink> {
+    const body = ttlSeconds === undefined ? {} : { ttl_s: Math.floor(ttlSeconds) };
+    const link = await this.json<ArtifactLink>("POST", `/v1/artifacts/${enc(id)}/links`, body);
+    return { ...link, url: this.absoluteUrl(link.url) };
+  }
+
+  /** A URL the gateway gave relative to its origin, made absolute. */
+  absoluteUrl(path: string): string {
+    return new URL(path, this.url + "/").toString();
+  }
+
   /** @internal */
   artifact(ref: ArtifactRef): Artifact {
     const client = this;
     return {
       ...ref,
+      ...(ref.signed_url ? { signed_url: client.absoluteUrl(ref.signed_url) } : {}),
       fetch: () => client.fetchArtifact(ref.id),
       text: async () => new TextDecoder().decode(await client.fetchArtifact(ref.id)),
+      link: (ttlSeconds?: number) => client.artifactLink(ref.id, ttlSeconds),
     };
   }
 }

@@ -83,6 +83,15 @@ test("a chart is an artifact to fetch; HTML reads as text", () =>
     assert.equal(await html.text(), "<b>t</b>");
     assert.deepEqual(seen.map((a) => a.id).sort(), execution.artifacts.map((a) => a.id).sort());
     assert.equal((await session.artifacts()).length, 2);
+    // The signed link is absolute and needs no credential; link() makes another.
+    assert.ok(png.signed_url.startsWith(`${URL}/v1/artifacts/${png.id}/signed?`), png.signed_url);
+    const anonymous = await fetch(png.signed_url);
+    assert.equal(anonymous.status, 200);
+    assert.deepEqual(new Uint8Array(await anonymous.arrayBuffer()), bytes);
+    assert.equal((await fetch(URL + png.url)).status, 401);
+    const link = await png.link(60);
+    assert.ok(link.expires && link.url !== png.signed_url, JSON.stringify(link));
+    assert.equal((await fetch(link.url)).status, 200);
   }));
 
 test("files go up and come down", () =>

@@ -1,17 +1,19 @@
 //! Artifacts: a session's list, and the bytes of one by id with the headers that keep
-//! active content (HTML, SVG) from ever running in the gateway's origin.
+//! active content (HTML, SVG) from ever running in the gateway's origin, with a credential or
+//! through a signed link (`crate::artifacts::links`).
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
 use super::{session_for, ApiError, STREAM_CHUNK};
+use crate::artifacts::links::LinkError;
 use crate::artifacts::{is_active_content, Artifact};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
-use crate::sessions::ArtifactRef;
+use crate::sessions::{expiry_timestamp, ArtifactRef};
 
 /// How long a fetch waits for a large output's bytes still being stored (seconds of work at
 /// most, unless the host's disk stalls).
@@ -27,14 +29,14 @@ pub async fn list(
     Path(id): Path<String>,
 ) -> Result<Json<Vec<ArtifactRef>>, ApiError> {
     let session = session_for(&state, &principal, &id)?;
-    let base = &state.sessions.options().base_url;
+    let options = state.sessions.options();
     Ok(Json(
         state
             .sessions
             .artifacts()
             .list(&session.id)
             .iter()
-            .map(|a| ArtifactRef::new(a, base))
+            .map(|a| options.reference(a))
             .collect(),
     ))
 }
@@ -83,30 +85,205 @@ pub async fn fetch(
     Path(id): Path<String>,
     request_headers: axum::http::HeaderMap,
 ) -> Result<Response, ApiError> {
-    let store = state.sessions.artifacts();
-    let not_found = || ApiError::not_found(format!("no artifact {id}")).code("no_such_artifact");
-    let known = store
+    let known = state
+        .sessions
+        .artifacts()
         .get(&id)
         .filter(|a| principal.may_see(a.owner.as_deref()))
-        .ok_or_else(not_found)?;
+        .ok_or_else(|| not_found(&id))?;
+    // An id always names the same bytes.
+    serve(
+        &state,
+        &known,
+        &request_headers,
+        "private, max-age=31536000, immutable",
+    )
+    .await
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::not_found(format!("no artifact {id}")).code("no_such_artifact")
+}
+
+/// The query of a signed link.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct LinkQuery {
+    /// Unix seconds after which the link no longer works (required).
+    #[serde(default)]
+    expires: Option<String>,
+    /// base64url HMAC-SHA256 (unpadded) of the artifact, its owner and `expires` (required).
+    #[serde(default)]
+    signature: Option<String>,
+}
+
+/// The artifact's bytes through a signed link, with no credential: what a page puts in
+/// `<img src>`. The link comes in every artifact reference (`signed_url`) or from
+/// `POST /v1/artifacts/{id}/links`; it works until it expires and while the artifact's
+/// session lives. A link that is altered, for another artifact, or whose session ended
+/// answers 404, as an unknown id does.
+#[utoipa::path(get, path = "/v1/artifacts/{id}/signed", tag = "artifacts", operation_id = "fetch_artifact_signed",
+    params(("id" = String, Path), LinkQuery),
+    responses((status = 200, description = "the artifact's bytes"),
+              (status = 304, description = "the client's copy is current"),
+              (status = 400, description = "the link is malformed"),
+              (status = 403, description = "the link has expired"),
+              (status = 404, description = "no such artifact, its session ended, or the link is not for it"),
+              (status = 429, description = "the artifact's tenant is over its request rate")))]
+pub async fn fetch_signed(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<LinkQuery>,
+    request_headers: axum::http::HeaderMap,
+) -> Result<Response, ApiError> {
+    let Some(signer) = state.sessions.options().links.clone() else {
+        return Err(not_found(&id));
+    };
+    let (Some(expires), Some(signature)) = (&query.expires, &query.signature) else {
+        return Err(
+            ApiError::bad_request("a signed link has expires and signature in its query")
+                .code("malformed_link"),
+        );
+    };
+    let (expires, signature) = signer
+        .precheck(expires, signature)
+        .map_err(|err| match err {
+            LinkError::Expired => {
+                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("link_expired")
+            }
+            LinkError::TooFarAhead => {
+                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("link_too_long")
+            }
+            other => ApiError::bad_request(other.to_string()).code("malformed_link"),
+        })?;
+    // Only a live session's artifact: deleting the session revokes its links.
+    let known = state
+        .sessions
+        .artifacts()
+        .get_live(&id)
+        .ok_or_else(|| not_found(&id))?;
+    if signer.verify(&known, expires, &signature).is_err() {
+        tracing::info!(artifact = %id, "artifact link refused: signature does not match");
+        return Err(not_found(&id));
+    }
+    // The link spends its tenant's requests, as the tenant's own fetch would.
+    if let Some(tenant) = known.owner.as_deref() {
+        crate::gateway::access_log::record_tenant(tenant);
+        if let Err(err) = state.tenants.check_rate(tenant) {
+            return Ok(crate::gateway::auth::rate_limited(tenant, err));
+        }
+    }
+    let remaining = expires.saturating_sub(now_unix());
+    let mut response = serve(
+        &state,
+        &known,
+        &request_headers,
+        &format!("private, max-age={remaining}"),
+    )
+    .await?;
+    // The link is a credential: never sent on as a Referer by what the page does next.
+    response.headers_mut().insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    Ok(response)
+}
+
+/// What `POST /v1/artifacts/{id}/links` takes.
+#[derive(Debug, Default, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LinkRequest {
+    /// Seconds the link works, from 1 to the gateway's maximum
+    /// (`--artifact-link-max-ttl`, 7 days unless set) [default: the gateway's link TTL].
+    #[serde(default)]
+    ttl_s: Option<u64>,
+}
+
+/// A signed link.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct LinkResponse {
+    /// Relative to the gateway's base URL, as artifact URLs are.
+    url: String,
+    /// RFC 3339, UTC.
+    expires: String,
+}
+
+/// A signed link to one artifact for as long as asked (within the gateway's maximum): for a
+/// page that keeps a chat transcript longer than the links in its references last.
+#[utoipa::path(post, path = "/v1/artifacts/{id}/links", tag = "artifacts", operation_id = "sign_artifact_link",
+    params(("id" = String, Path)),
+    request_body(content = LinkRequest, description = "optional"),
+    responses((status = 200, body = LinkResponse),
+              (status = 400, description = "a TTL of zero or past the maximum"),
+              (status = 404, description = "no such artifact, not the caller's, its session ended, or links are off")))]
+pub async fn sign_link(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Json<LinkResponse>, ApiError> {
+    let request: LinkRequest = super::body::parse(&body)?;
+    let options = state.sessions.options();
+    let Some(signer) = options.links.as_deref() else {
+        return Err(ApiError::not_found(
+            "this gateway signs no artifact links (--artifact-link-ttl 0s)",
+        )
+        .code("links_off"));
+    };
+    let known = state
+        .sessions
+        .artifacts()
+        .get_live(&id)
+        .filter(|a| principal.may_see(a.owner.as_deref()))
+        .ok_or_else(|| not_found(&id))?;
+    let ttl = request
+        .ttl_s
+        .map(std::time::Duration::from_secs)
+        .unwrap_or(signer.ttl());
+    let link = signer
+        .sign_for(&known, &options.base_url, ttl)
+        .map_err(|err| ApiError::bad_request(err.to_string()).code("bad_ttl"))?;
+    Ok(Json(LinkResponse {
+        url: link.url,
+        expires: expiry_timestamp(link.expires),
+    }))
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The bytes of `known`, with the headers every artifact gets and `cache_control`.
+async fn serve(
+    state: &AppState,
+    known: &Artifact,
+    request_headers: &axum::http::HeaderMap,
+    cache_control: &str,
+) -> Result<Response, ApiError> {
+    let id = &known.id;
     // An id always names the same bytes, so a client holding them (it sends their ETag,
     // the id) needs nothing more.
-    if etag_matches(&request_headers, &known.id) {
+    if etag_matches(request_headers, id) {
         let mut response = StatusCode::NOT_MODIFIED.into_response();
-        if let Ok(etag) = HeaderValue::from_str(&format!("\"{}\"", known.id)) {
+        if let Ok(etag) = HeaderValue::from_str(&format!("\"{id}\"")) {
             response.headers_mut().insert(header::ETAG, etag);
         }
         return Ok(response);
     }
     // A reference goes out before a large output's bytes are stored: wait for them.
-    let (artifact, path) = store
-        .open(&id, STORE_WAIT)
+    let (artifact, path) = state
+        .sessions
+        .artifacts()
+        .open(id, STORE_WAIT)
         .await
         .map_err(|err| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string()))?
-        .ok_or_else(not_found)?;
+        .ok_or_else(|| not_found(id))?;
     let file = tokio::fs::File::open(path).await.map_err(|err| {
         tracing::error!(artifact = %artifact.id, %err, "artifact file missing");
-        ApiError::not_found(format!("no artifact {id}")).code("no_such_artifact")
+        not_found(id)
     })?;
     let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
         file,
@@ -122,12 +299,7 @@ pub async fn fetch(
     set(headers, header::CONTENT_TYPE, &content_type(&artifact));
     set(headers, header::CONTENT_LENGTH, &artifact.bytes.to_string());
     set(headers, header::X_CONTENT_TYPE_OPTIONS, "nosniff");
-    // An id always names the same bytes.
-    set(
-        headers,
-        header::CACHE_CONTROL,
-        "private, max-age=31536000, immutable",
-    );
+    set(headers, header::CACHE_CONTROL, cache_control);
     set(headers, header::ETAG, &format!("\"{}\"", artifact.id));
     if is_active_content(&artifact.mime) {
         set(headers, header::CONTENT_SECURITY_POLICY, "sandbox");

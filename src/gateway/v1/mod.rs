@@ -38,6 +38,8 @@ use crate::workspace::WorkspaceError;
 pub fn public_routes() -> Router<AppState> {
     Router::new()
         .route("/v1/openapi.json", get(openapi::document))
+        // A signed link is its own credential (crate::artifacts::links).
+        .route("/v1/artifacts/{id}/signed", get(artifacts::fetch_signed))
         .merge(docs::routes())
 }
 
@@ -73,6 +75,10 @@ pub fn routes() -> Router<AppState> {
         )
         .route("/v1/sessions/{id}/artifacts", get(artifacts::list))
         .route("/v1/artifacts/{id}", get(artifacts::fetch))
+        .route(
+            "/v1/artifacts/{id}/links",
+            json_only(post(artifacts::sign_link)),
+        )
         .route("/v1/sessions/{id}/ws", get(ws::socket))
         .route("/v1/sessions/{id}/notebook", get(notebooks::export))
         .route(

@@ -46,14 +46,14 @@ impl Modify for Security {
         sessions::create, sessions::list, sessions::get, sessions::delete,
         sessions::execute, sessions::execute_once, sessions::interrupt, sessions::restart,
         sessions::input, files::list, files::upload, files::download,
-        artifacts::list, artifacts::fetch, ws::socket, notebooks::export, notebooks::replay,
+        artifacts::list, artifacts::fetch, artifacts::fetch_signed, artifacts::sign_link, ws::socket, notebooks::export, notebooks::replay,
         document,
     ),
     components(schemas(
         crate::gateway::api_error::ErrorBody, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded,
         ws::ClientMessage, SessionModel, ExecutionResult, ExecError, Resources, Status, Omitted,
-        ArtifactRef, SessionEvent, files::ListedFile,
+        ArtifactRef, SessionEvent, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
     )),
     modifiers(&Security),
     security(("bearer" = []), ("token" = [])),
@@ -114,16 +114,23 @@ fn complete(document: &mut Value) {
             let has_json_body = operation
                 .pointer("/requestBody/content/application~1json")
                 .is_some();
+            // A signed link is its own credential (`crate::artifacts::links`).
+            let signed_link = id == "fetch_artifact_signed";
+            if signed_link {
+                operation["security"] = json!([]);
+            }
             let responses = &mut operation["responses"];
             let mut add = |status: &str, description: &str| {
                 if responses.get(status).is_none() {
                     responses[status] = json!({"description": description});
                 }
             };
-            add(
-                "401",
-                "no credential, or a wrong one (`WWW-Authenticate` says how to authenticate)",
-            );
+            if !signed_link {
+                add(
+                    "401",
+                    "no credential, or a wrong one (`WWW-Authenticate` says how to authenticate)",
+                );
+            }
             add("429", "the tenant is over its request rate");
             add("500", "the gateway failed; its log has the details");
             if has_json_body || method == "post" {

@@ -20,12 +20,12 @@ from ._errors import (
     UnavailableError,
 )
 from ._events import InputRequest
-from ._models import Artifact, Denial, ExecError, Execution, FileEntry, SessionInfo
+from ._models import Artifact, Denial, ExecError, Execution, FileEntry, Link, SessionInfo
 
 __all__ = [
     "APIError", "Artifact", "AsyncClient", "AsyncSession", "AuthenticationError",
     "CellgateError", "Client", "ConflictError", "Denial", "ExecError", "Execution",
-    "ExecutionFailed", "FileEntry", "InputRequest", "NotFoundError", "RateLimitError",
+    "ExecutionFailed", "FileEntry", "InputRequest", "Link", "NotFoundError", "RateLimitError",
     "Session", "SessionInfo", "UnavailableError",
 ]
 __version__ = "0.1.0"

@@ -11,10 +11,11 @@ from urllib.parse import quote
 
 import httpx
 
-from ._client import DEFAULT_TIMEOUT, Content, _auth_headers, file_url, list_params, session_body
+from ._client import (DEFAULT_TIMEOUT, Content, _auth_headers, absolute_url, file_url, list_params,
+                      session_body)
 from ._errors import CellgateError, NotFoundError, error_from
 from ._events import Collector, InputRequest, SseDecoder
-from ._models import Artifact, Execution, FileEntry, SessionInfo
+from ._models import Artifact, Execution, FileEntry, Link, SessionInfo
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -65,6 +66,18 @@ class AsyncClient:
     async def fetch_artifact(self, artifact_id: str) -> bytes:
         answer = await self.request("GET", f"/v1/artifacts/{quote(artifact_id, safe='')}")
         return answer.content
+
+    async def artifact_link(self, artifact_id: str, *, ttl: Optional[float] = None) -> Link:
+        """A signed link to an artifact (see :meth:`cellgate.Client.artifact_link`)."""
+        body = {} if ttl is None else {"ttl_s": int(ttl)}
+        answer = await self.request("POST", f"/v1/artifacts/{quote(artifact_id, safe='')}/links",
+                                    json=body)
+        data = answer.json()
+        return Link(url=self.absolute_url(data["url"]), expires=data["expires"])
+
+    def absolute_url(self, path: str) -> str:
+        """A URL the gateway gave relative to its origin, made absolute."""
+        return absolute_url(self.url, path)
 
     async def aclose(self) -> None:
         if self._own_http:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Union
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 
 from ._errors import CellgateError, NotFoundError, error_from
 from ._events import ArtifactCallback, Collector, EventCallback, InputRequest, SseDecoder, StreamCallback
-from ._models import Artifact, Execution, FileEntry, SessionInfo
+from ._models import Artifact, Execution, FileEntry, Link, SessionInfo
 
 InputCallback = Callable[[str, bool], str]
 Content = Union[bytes, str, Path, IO[bytes]]
@@ -55,6 +55,14 @@ def list_params(dir: str, recursive: bool, hidden: bool) -> Dict[str, str]:
     if hidden:
         params["hidden"] = "true"
     return params
+
+
+def absolute_url(base: str, path: str) -> str:
+    """``path`` (absolute on the gateway's origin, as its URLs are) on ``base``'s origin."""
+    if "://" in path:
+        return path
+    parts = urlsplit(base)
+    return f"{parts.scheme}://{parts.netloc}{path}"
 
 
 def file_url(session_id: str, path: str) -> str:
@@ -107,6 +115,19 @@ class Client:
     def fetch_artifact(self, artifact_id: str) -> bytes:
         """An artifact's bytes."""
         return self.request("GET", f"/v1/artifacts/{quote(artifact_id, safe='')}").content
+
+    def artifact_link(self, artifact_id: str, *, ttl: Optional[float] = None) -> Link:
+        """A signed link to an artifact, for a page's ``<img src>`` with no credential:
+        it works for ``ttl`` seconds (the gateway's default when ``None``, at most its
+        maximum) and while the session lives."""
+        body = {} if ttl is None else {"ttl_s": int(ttl)}
+        data = self.request("POST", f"/v1/artifacts/{quote(artifact_id, safe='')}/links",
+                            json=body).json()
+        return Link(url=self.absolute_url(data["url"]), expires=data["expires"])
+
+    def absolute_url(self, path: str) -> str:
+        """A URL the gateway gave relative to its origin, made absolute."""
+        return absolute_url(self.url, path)
 
     def close(self) -> None:
         if self._own_http:

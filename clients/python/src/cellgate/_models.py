@@ -41,6 +41,15 @@ class SessionInfo:
 
 
 @dataclass
+class Link:
+    """A signed artifact link: an absolute URL that needs no credential, until ``expires``
+    (RFC 3339) and while the artifact's session lives."""
+
+    url: str
+    expires: str
+
+
+@dataclass
 class Artifact:
     """A rich output (chart, table, HTML, JSON…) or a file the code wrote under
     ``outputs/``, stored once on the gateway. ``fetch()`` gets its bytes, ``save()`` writes
@@ -57,10 +66,19 @@ class Artifact:
     version: int = 1
     previous: Optional[str] = None
     path: Optional[str] = None
+    #: The same bytes with no credential, for a page's ``<img src>``: an absolute URL signed
+    #: for this artifact, working until ``signed_url_expires`` and while the session lives
+    #: (``None`` when the gateway signs no links). :meth:`link` makes a longer-lived one.
+    signed_url: Optional[str] = None
+    signed_url_expires: Optional[str] = None
     _client: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, data: Dict[str, Any], client: Any = None) -> "Artifact":
+        signed = data.get("signed_url")
+        absolute = getattr(client, "absolute_url", None)
+        if signed and absolute is not None:
+            signed = absolute(signed)
         return cls(
             id=data["id"],
             url=data.get("url", f"/v1/artifacts/{data['id']}"),
@@ -73,8 +91,22 @@ class Artifact:
             version=int(data.get("version", 1)),
             previous=data.get("previous"),
             path=data.get("path"),
+            signed_url=signed,
+            signed_url_expires=data.get("signed_url_expires"),
             _client=client,
         )
+
+    def link(self, ttl: Optional[float] = None) -> "Link":
+        """A signed link to the artifact that works for ``ttl`` seconds (the gateway's
+        default when ``None``, at most its maximum), with a synchronous client."""
+        make = getattr(self._client, "artifact_link", None)
+        if make is None or inspect.iscoroutinefunction(make):
+            raise TypeError("this artifact came from an AsyncClient: use `await artifact.alink()`")
+        return make(self.id, ttl=ttl)
+
+    async def alink(self, ttl: Optional[float] = None) -> "Link":
+        """:meth:`link`, with an asynchronous client."""
+        return await self._client.artifact_link(self.id, ttl=ttl)
 
     def fetch(self) -> bytes:
         """The artifact's bytes (with a synchronous client)."""
