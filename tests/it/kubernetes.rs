@@ -448,6 +448,20 @@ async fn replicas_share_kernels_and_sessions_survive_losing_one() -> Result<()> 
     let fetched = via_b.artifact(&artifact).await?;
     assert_eq!(fetched.status(), 200);
     assert!(fetched.text().await?.contains("<b>on A</b>"));
+    // Its signed link, with no credential, through B too (the replicas share the token the
+    // links' key derives from).
+    let link = r["artifacts"]
+        .as_array()
+        .and_then(|a| a.iter().find(|a| a["id"] == artifact.as_str()))
+        .and_then(|a| a["signed_url"].as_str())
+        .with_context(|| format!("no signed link: {r}"))?;
+    let path = link
+        .split_once("/v1/")
+        .map(|(_, rest)| rest)
+        .context("a v1 link")?;
+    let anonymous = reqwest::get(format!("{}/v1/{path}", b.base)).await?;
+    assert_eq!(anonymous.status(), 200);
+    assert!(anonymous.text().await?.contains("<b>on A</b>"));
     // Server-Sent Events through the other replica, as they are sent.
     assert_eq!(
         streamed(&via_b, &id, "print('streamed', x)").await?,
