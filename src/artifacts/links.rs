@@ -2,16 +2,24 @@
 //!
 //! A chat page that shows a chart must not hold the gateway's token (or a tenant's JWT) just
 //! to fetch an image, and `<img>` cannot send an `Authorization` header anyway. A link is the
-//! artifact's id, an expiry and an HMAC-SHA256 over both and the artifact's owner:
+//! artifact's id, an expiry, a tag of the artifact's owner and an HMAC-SHA256 over all three:
 //!
 //! ```text
-//! <base>v1/artifacts/<id>/signed?expires=<unix seconds>&signature=<base64url, no padding>
-//! signature = HMAC(key, "cellgate artifact link v1\n" id "\n" owner "\n" expires)
+//! <base>v1/artifacts/<id>/signed?expires=<unix seconds>&owner=<tag>&signature=<mac>
+//! tag       = HMAC(key, "cellgate artifact owner v1\n" owner)[..16]
+//! signature = HMAC(key, "cellgate artifact link v1\n" id "\n" tag "\n" expires)
 //! ```
 //!
-//! - **Bound to one artifact and its tenant.** The id and the owner (the tenant, or `-` for
-//!   the admin's sessions) are under the MAC, so a link opens nothing else, and an artifact
-//!   that is not its signer's tenant's never matches.
+//! (`owner` is `t`, the tenant name's length as 8 bytes big-endian, and the name, or `-` for
+//! the admin's sessions; tag and signature are base64url without padding.)
+//!
+//! - **Bound to one artifact and its tenant.** The id and the owner's tag are under the MAC,
+//!   and the gateway that holds the artifact checks the tag against the artifact's owner: a
+//!   link opens nothing else. The tag, not the name, travels: a link does not say which
+//!   tenant it is from.
+//! - **Checked anywhere, before anything is looked up.** Everything the MAC covers is in the
+//!   URL, so any gateway with the key refuses a forged or altered link at once
+//!   ([`LinkSigner::check`]); replicas ask each other only for links that verified.
 //! - **Expiring.** `expires` is under the MAC; a link past it is refused. The gateway signs
 //!   for `ttl` (default an hour) in every artifact reference it gives out, and for up to
 //!   `max_ttl` when a client asks for one link ([`LinkSigner::sign_for`]).
@@ -20,11 +28,12 @@
 //!   them fetchable for the retention period. Changing the key revokes every link.
 //! - **The key.** `--artifact-link-key-file` (shared by replicas behind one load balancer),
 //!   else one derived from the gateway's token (replicas share that too), else from the JWT
-//!   HMAC secret, else a random key per process (links die with it; said at start). A
-//!   derived key is HMAC(secret, a fixed label): a link says nothing about the secret.
+//!   HMAC secret, else a random key per process (links die with it). A derived key is
+//!   HMAC(secret, a fixed label): a link says nothing about the secret.
 //!
-//! Verification compares in constant time (`hmac`'s `verify_slice`), and refuses an expiry
-//! further ahead than `max_ttl` allows (a link cannot outlive the policy that made it).
+//! Comparisons are constant-time (`hmac`'s `verify_slice`, `subtle` for the tag); an expiry
+//! further ahead than `max_ttl` allows is refused (a link cannot outlive the setting that
+//! made it), and so is any spelling of a number but the canonical one (one URL per link).
 //!
 //! Must not depend on: HTTP, kernels (a link is a string; the HTTP edge serves it).
 
@@ -144,26 +153,41 @@ impl LinkSigner {
     }
 
     fn sign_until(&self, artifact: &Artifact, base_url: &str, expires: u64) -> Link {
-        let signature = URL_SAFE_NO_PAD.encode(self.signature(
-            &artifact.id,
-            artifact.owner.as_deref(),
-            expires,
-        ));
+        let tag = self.owner_tag(artifact.owner.as_deref());
+        let signature = URL_SAFE_NO_PAD.encode(self.signature(&artifact.id, &tag, expires));
+        let tag = URL_SAFE_NO_PAD.encode(tag);
         Link {
             url: format!(
-                "{base_url}v1/artifacts/{}/signed?expires={expires}&signature={signature}",
+                "{base_url}v1/artifacts/{}/signed?expires={expires}&owner={tag}&signature={signature}",
                 artifact.id
             ),
             expires,
         }
     }
 
-    /// Checks the shape and expiry of a link's query values, before the artifact is looked
-    /// up (cheap refusals first: a replica asks its peers only for links that may be good).
-    pub fn precheck(&self, expires: &str, signature: &str) -> Result<(u64, Vec<u8>), LinkError> {
+    /// Checks a link to artifact `id` from its query values alone: the shape, the expiry and
+    /// the MAC. What it answers still has to be the artifact's owner's ([`Self::owned_by`]).
+    pub fn check(
+        &self,
+        id: &str,
+        expires: &str,
+        owner: &str,
+        signature: &str,
+    ) -> Result<Checked, LinkError> {
+        let canonical = !expires.is_empty()
+            && expires.len() <= 20
+            && expires.bytes().all(|b| b.is_ascii_digit())
+            && !(expires.len() > 1 && expires.starts_with('0'));
         let expires: u64 = expires
             .parse()
-            .map_err(|_| LinkError::Malformed("expires is not a number of seconds"))?;
+            .ok()
+            .filter(|_| canonical)
+            .ok_or(LinkError::Malformed("expires is not a number of seconds"))?;
+        let owner: [u8; TAG_BYTES] = URL_SAFE_NO_PAD
+            .decode(owner)
+            .ok()
+            .and_then(|tag| tag.try_into().ok())
+            .ok_or(LinkError::Malformed("owner is not a tag"))?;
         let signature = URL_SAFE_NO_PAD
             .decode(signature)
             .map_err(|_| LinkError::Malformed("signature is not base64url"))?;
@@ -178,26 +202,59 @@ impl LinkSigner {
         if expires > now + self.max_ttl.as_secs() + 60 {
             return Err(LinkError::TooFarAhead);
         }
-        Ok((expires, signature))
+        let mut mac = keyed(&self.key);
+        feed(&mut mac, id, &owner, expires);
+        mac.verify_slice(&signature)
+            .map_err(|_| LinkError::BadSignature)?;
+        Ok(Checked { owner, expires })
     }
 
-    /// Whether `signature` signs `artifact` until `expires` (both from [`Self::precheck`]).
-    pub fn verify(
-        &self,
-        artifact: &Artifact,
-        expires: u64,
-        signature: &[u8],
-    ) -> Result<(), LinkError> {
-        let mut mac = keyed(&self.key);
-        feed(&mut mac, &artifact.id, artifact.owner.as_deref(), expires);
-        mac.verify_slice(signature)
-            .map_err(|_| LinkError::BadSignature)
+    /// Whether a checked link names `artifact`'s owner.
+    pub fn owned_by(&self, checked: &Checked, artifact: &Artifact) -> bool {
+        use subtle::ConstantTimeEq;
+        self.owner_tag(artifact.owner.as_deref())
+            .ct_eq(&checked.owner)
+            .into()
     }
 
-    fn signature(&self, id: &str, owner: Option<&str>, expires: u64) -> [u8; 32] {
+    fn owner_tag(&self, owner: Option<&str>) -> [u8; TAG_BYTES] {
         let mut mac = keyed(&self.key);
-        feed(&mut mac, id, owner, expires);
+        mac.update(OWNER_LABEL.as_bytes());
+        mac.update(b"\n");
+        match owner {
+            // Length-prefixed, so no tenant's name can stand for another's (JWT claims may
+            // hold any byte), and the admin's mark is no tenant's name.
+            Some(tenant) => {
+                mac.update(b"t");
+                mac.update(&(tenant.len() as u64).to_be_bytes());
+                mac.update(tenant.as_bytes());
+            }
+            None => mac.update(b"-"),
+        }
+        let full: [u8; 32] = mac.finalize().into_bytes().into();
+        let mut tag = [0u8; TAG_BYTES];
+        tag.copy_from_slice(&full[..TAG_BYTES]);
+        tag
+    }
+
+    fn signature(&self, id: &str, tag: &[u8; TAG_BYTES], expires: u64) -> [u8; 32] {
+        let mut mac = keyed(&self.key);
+        feed(&mut mac, id, tag, expires);
         mac.finalize().into_bytes().into()
+    }
+}
+
+/// A link whose MAC and expiry hold; its owner's tag is still to be compared.
+#[derive(Debug)]
+pub struct Checked {
+    owner: [u8; TAG_BYTES],
+    expires: u64,
+}
+
+impl Checked {
+    /// Unix seconds the link works until.
+    pub fn expires(&self) -> u64 {
+        self.expires
     }
 }
 
@@ -217,23 +274,13 @@ fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     mac.finalize().into_bytes().into()
 }
 
-/// The signed message. A tenant's name is length-prefixed (JWT claims may hold any byte), so
-/// no owner can stand for another owner and the fields after it, and the admin's mark is no
-/// tenant's name.
-fn feed(mac: &mut HmacSha256, id: &str, owner: Option<&str>, expires: u64) {
+/// The signed message.
+fn feed(mac: &mut HmacSha256, id: &str, tag: &[u8; TAG_BYTES], expires: u64) {
     mac.update(LABEL.as_bytes());
     mac.update(b"\n");
     mac.update(id.as_bytes());
     mac.update(b"\n");
-    match owner {
-        // Length-prefixed, so no owner's bytes can stand for the fields after it.
-        Some(tenant) => {
-            mac.update(b"t");
-            mac.update(&(tenant.len() as u64).to_be_bytes());
-            mac.update(tenant.as_bytes());
-        }
-        None => mac.update(b"-"),
-    }
+    mac.update(tag);
     mac.update(b"\n");
     mac.update(expires.to_string().as_bytes());
 }
@@ -278,25 +325,32 @@ mod tests {
         )
     }
 
-    fn query(link: &Link) -> (String, String) {
-        let query = link.url.split_once('?').unwrap().1;
-        let mut expires = String::new();
-        let mut signature = String::new();
+    fn query(link: &Link) -> (String, String, String, String) {
+        let (path, query) = link.url.split_once('?').unwrap();
+        let id = path.split('/').rev().nth(1).unwrap().to_owned();
+        let mut fields = std::collections::HashMap::new();
         for pair in query.split('&') {
             let (k, v) = pair.split_once('=').unwrap();
-            match k {
-                "expires" => expires = v.to_owned(),
-                "signature" => signature = v.to_owned(),
-                _ => panic!("unexpected {k}"),
-            }
+            fields.insert(k.to_owned(), v.to_owned());
         }
-        (expires, signature)
+        assert_eq!(fields.len(), 3, "{}", link.url);
+        (
+            id,
+            fields["expires"].clone(),
+            fields["owner"].clone(),
+            fields["signature"].clone(),
+        )
     }
 
+    /// What the holder of `artifact` answers to `link`.
     fn check(signer: &LinkSigner, artifact: &Artifact, link: &Link) -> Result<(), LinkError> {
-        let (expires, signature) = query(link);
-        let (expires, signature) = signer.precheck(&expires, &signature)?;
-        signer.verify(artifact, expires, &signature)
+        let (_, expires, owner, signature) = query(link);
+        let checked = signer.check(&artifact.id, &expires, &owner, &signature)?;
+        if signer.owned_by(&checked, artifact) {
+            Ok(())
+        } else {
+            Err(LinkError::BadSignature)
+        }
     }
 
     #[test]
@@ -305,6 +359,10 @@ mod tests {
         let a = artifact("a1", Some("acme"));
         let link = s.sign(&a, "/gw/");
         assert!(link.url.starts_with("/gw/v1/artifacts/a1/signed?expires="));
+        assert!(
+            !link.url.contains("acme"),
+            "the tenant's name stays out of the link"
+        );
         assert_eq!(check(&s, &a, &link), Ok(()));
         // Another id, another owner, the admin's: refused.
         assert_eq!(
@@ -329,41 +387,63 @@ mod tests {
     }
 
     #[test]
-    fn altered_or_expired_links_are_refused() {
+    fn altered_or_expired_links_are_refused_from_the_link_alone() {
         let s = signer();
         let a = artifact("a1", None);
         let link = s.sign(&a, "/");
-        let (expires, signature) = query(&link);
+        let (id, expires, owner, signature) = query(&link);
+        assert!(s.check(&id, &expires, &owner, &signature).is_ok());
         // A later expiry under the old signature.
         let later = (expires.parse::<u64>().unwrap() + 1).to_string();
-        let (e, sig) = s.precheck(&later, &signature).unwrap();
-        assert_eq!(s.verify(&a, e, &sig), Err(LinkError::BadSignature));
+        assert_eq!(
+            s.check(&id, &later, &owner, &signature).unwrap_err(),
+            LinkError::BadSignature
+        );
+        // Another spelling of the same expiry.
+        for spelling in [
+            format!("0{expires}"),
+            format!("+{expires}"),
+            format!("{expires} "),
+        ] {
+            assert!(matches!(
+                s.check(&id, &spelling, &owner, &signature),
+                Err(LinkError::Malformed(_))
+            ));
+        }
+        // Another owner's tag (a tenant's on the admin's link).
+        let tenant_tag = URL_SAFE_NO_PAD.encode(s.owner_tag(Some("acme")));
+        assert_eq!(
+            s.check(&id, &expires, &tenant_tag, &signature).unwrap_err(),
+            LinkError::BadSignature
+        );
         // One character of the signature changed.
         let mut bad = signature.clone().into_bytes();
         bad[0] = if bad[0] == b'A' { b'B' } else { b'A' };
-        let (e, sig) = s
-            .precheck(&expires, std::str::from_utf8(&bad).unwrap())
-            .unwrap();
-        assert_eq!(s.verify(&a, e, &sig), Err(LinkError::BadSignature));
+        let bad = String::from_utf8(bad).unwrap();
+        assert_eq!(
+            s.check(&id, &expires, &owner, &bad).unwrap_err(),
+            LinkError::BadSignature
+        );
         // Past, too far ahead, malformed.
-        let past = s.sign_until(&a, "/", now() - 1);
-        let (e, sig) = query(&past);
-        assert_eq!(s.precheck(&e, &sig), Err(LinkError::Expired));
-        let far = s.sign_until(&a, "/", now() + 86400 * 2);
-        let (e, sig) = query(&far);
-        assert_eq!(s.precheck(&e, &sig), Err(LinkError::TooFarAhead));
-        assert!(matches!(
-            s.precheck("soon", &signature),
-            Err(LinkError::Malformed(_))
-        ));
-        assert!(matches!(
-            s.precheck(&expires, "not base64!"),
-            Err(LinkError::Malformed(_))
-        ));
-        assert!(matches!(
-            s.precheck(&expires, "AAAA"),
-            Err(LinkError::Malformed(_))
-        ));
+        let (_, e, o, sig) = query(&s.sign_until(&a, "/", now() - 1));
+        assert_eq!(s.check(&id, &e, &o, &sig).unwrap_err(), LinkError::Expired);
+        let (_, e, o, sig) = query(&s.sign_until(&a, "/", now() + 86400 * 2));
+        assert_eq!(
+            s.check(&id, &e, &o, &sig).unwrap_err(),
+            LinkError::TooFarAhead
+        );
+        for (e, o, sig) in [
+            ("soon", owner.as_str(), signature.as_str()),
+            ("", owner.as_str(), signature.as_str()),
+            (expires.as_str(), "AAAA", signature.as_str()),
+            (expires.as_str(), owner.as_str(), "not base64!"),
+            (expires.as_str(), owner.as_str(), "AAAA"),
+        ] {
+            assert!(
+                matches!(s.check(&id, e, o, sig), Err(LinkError::Malformed(_))),
+                "{e} {o} {sig}"
+            );
+        }
     }
 
     #[test]
@@ -386,17 +466,17 @@ mod tests {
 
     #[test]
     fn owners_cannot_stand_for_each_other() {
-        // A tenant name that would read as another owner plus fields in a joined string.
         let s = signer();
         let a = artifact("a1", Some("x\n1"));
         let b = artifact("a1", Some("x"));
         let link = s.sign(&a, "/");
         assert_eq!(check(&s, &b, &link), Err(LinkError::BadSignature));
         assert_ne!(
-            s.signature("a1", Some("-"), 5),
-            s.signature("a1", None, 5),
+            s.owner_tag(Some("-")),
+            s.owner_tag(None),
             "the admin's mark is not a tenant named '-'"
         );
+        assert_ne!(s.owner_tag(Some("t:u")), s.owner_tag(Some("t")));
     }
 
     #[test]

@@ -172,9 +172,12 @@ pub fn spawn_adopter(state: AppState, replicas: Arc<Replicas>) {
 }
 
 /// The middleware for artifacts (on the authenticated routes and on signed links): one this
-/// replica does not hold is asked of each live peer
-/// (the artifact store is each replica's own disk), the first answer that is not a 404
-/// wins. Artifact ids are random: nothing tells which replica made one.
+/// replica does not hold is asked of each live peer (the artifact store is each replica's
+/// own disk), the first answer that is not a 404 wins. Artifact ids are random: nothing
+/// tells which replica made one. Asked: an authenticated fetch or request for a link
+/// (`POST /v1/artifacts/{id}/links`, its small body passed on), and a signed link only when
+/// this replica verified it ([`super::v1::VerifiedLink`]): a forged link costs no peer a
+/// request.
 pub async fn artifacts_anywhere(
     State(state): State<AppState>,
     request: Request,
@@ -184,26 +187,50 @@ pub async fn artifacts_anywhere(
         return next.run(request).await;
     };
     let path = request.uri().path();
-    // An authenticated fetch, or a signed link (its own credential; the holder checks it, and
-    // this replica answers 404 only for a well-formed link that has not expired).
-    let asks_artifact = request.method() == Method::GET
+    let authenticated = request.extensions().get::<super::Principal>().is_some();
+    let signed = path.ends_with("/signed");
+    let asks_link = request.method() == Method::POST && path.ends_with("/links");
+    let asks_artifact = (request.method() == Method::GET || asks_link)
         && path.starts_with("/v1/artifacts/")
         && !request.headers().contains_key(FORWARDED_BY)
-        && (request.extensions().get::<super::Principal>().is_some() || path.ends_with("/signed"));
+        && (authenticated || (signed && !asks_link));
     if !asks_artifact {
         return next.run(request).await;
     }
     let original = original_uri(&request);
     let (method, headers) = (request.method().clone(), request.headers().clone());
+    // A link request's body (a TTL) is small: kept to be passed on.
+    let (request, body) = if asks_link {
+        let (parts, body) = request.into_parts();
+        match axum::body::to_bytes(body, LINK_BODY_LIMIT).await {
+            Ok(bytes) => (
+                Request::from_parts(parts, axum::body::Body::from(bytes.clone())),
+                bytes,
+            ),
+            Err(_) => {
+                return ApiError::bad_request("a link request's body is a small JSON object")
+                    .code("invalid_json")
+                    .into_response()
+            }
+        }
+    } else {
+        (request, axum::body::Bytes::new())
+    };
     let local = next.run(request).await;
-    if local.status() != StatusCode::NOT_FOUND {
+    if local.status() != StatusCode::NOT_FOUND
+        || (signed
+            && local
+                .extensions()
+                .get::<super::v1::VerifiedLink>()
+                .is_none())
+    {
         return local;
     }
     let Ok(peers) = replicas.peers().await else {
         return local;
     };
     for peer in peers {
-        let mut ask = Request::new(axum::body::Body::empty());
+        let mut ask = Request::new(axum::body::Body::from(body.clone()));
         *ask.method_mut() = method.clone();
         *ask.headers_mut() = headers.clone();
         let answer = forward::forward(ask, &original, &peer.url, replicas.id()).await;
@@ -213,6 +240,9 @@ pub async fn artifacts_anywhere(
     }
     local
 }
+
+/// The largest body a link request passed on to peers may have.
+const LINK_BODY_LIMIT: usize = 4096;
 
 /// The listing routes whose answers gather every replica's.
 fn gathered(method: &Method, path: &str) -> bool {

@@ -39,6 +39,41 @@ fn origin(gateway: &Gateway) -> String {
     gateway.base[..end].to_owned()
 }
 
+fn b64url(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+/// The documented owner tag: HMAC(key, label, owner)[..16].
+fn owner_tag(key: &str, tenant: Option<&str>) -> String {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(key.as_bytes()).expect("a key");
+    mac.update(b"cellgate artifact owner v1\n");
+    match tenant {
+        Some(name) => {
+            mac.update(b"t");
+            mac.update(&(name.len() as u64).to_be_bytes());
+            mac.update(name.as_bytes());
+        }
+        None => mac.update(b"-"),
+    }
+    b64url(&mac.finalize().into_bytes()[..16])
+}
+
+/// The documented link MAC over the id, the owner's tag and the expiry.
+fn link_mac(key: &str, id: &str, tag: &str, expires: &str) -> String {
+    use base64::Engine;
+    use hmac::Mac;
+    let tag = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(tag)
+        .expect("a tag");
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(key.as_bytes()).expect("a key");
+    mac.update(format!("cellgate artifact link v1\n{id}\n").as_bytes());
+    mac.update(&tag);
+    mac.update(format!("\n{expires}").as_bytes());
+    b64url(&mac.finalize().into_bytes())
+}
+
 /// A GET with no credential at all; status, headers and body.
 async fn anonymous(url: &str) -> Result<(u16, reqwest::header::HeaderMap, Vec<u8>)> {
     let response = reqwest::Client::new().get(url).send().await?;
@@ -140,8 +175,12 @@ async fn a_signed_link_opens_its_artifact_only_while_valid_and_its_session_lives
     assert!(String::from_utf8_lossy(&body).contains("malformed_link"));
     let (status, _, _) = anonymous(&with_query(&link, "expires", "soon")).await?;
     assert_eq!(status, 400);
-    let (status, _, _) = anonymous(link.split_once('?').context("query")?.0).await?;
+    let (status, _, body) = anonymous(link.split_once('?').context("query")?.0).await?;
     assert_eq!(status, 400, "no query at all");
+    assert!(String::from_utf8_lossy(&body).contains("malformed_link"));
+    let (status, _, body) = anonymous(&format!("{link}&expires=1")).await?;
+    assert_eq!(status, 400, "a key twice");
+    assert!(String::from_utf8_lossy(&body).contains("malformed_link"));
 
     // A link asked for: within the maximum, for the caller's own artifacts only.
     let (status, minted) = a
@@ -209,7 +248,8 @@ async fn a_signed_link_opens_its_artifact_only_while_valid_and_its_session_lives
         .await?;
     assert_eq!(status, 404, "no new link for an ended session: {body}");
 
-    // The admin's sessions have links too; a tenant's link never opens them.
+    // The admin's sessions have links too; a link moved to another owner's artifact never
+    // opens it (the owner's tag is checked by the unit tests and the key-file test below).
     let session_admin = admin.create_session(json!({})).await?;
     let (chart_admin, admin_link) =
         first_artifact(&gateway, &admin.execute(&session_admin, CHART).await?)?;
@@ -297,13 +337,15 @@ async fn links_are_off_with_a_zero_ttl_and_a_key_file_signs_them() -> Result<()>
         .await?;
     assert_eq!(status, 404, "{body}");
     assert_eq!(body["code"], "links_off");
-    let (status, _, _) = anonymous(&format!(
-        "{}/v1/artifacts/{id}/signed?expires=9999999999&signature={}",
+    let (status, _, body) = anonymous(&format!(
+        "{}/v1/artifacts/{id}/signed?expires=9999999999&owner={}&signature={}",
         gateway.base,
+        "A".repeat(22),
         "A".repeat(43)
     ))
     .await?;
     assert_eq!(status, 404);
+    assert!(String::from_utf8_lossy(&body).contains("links_off"));
     drop(gateway);
 
     // A key file too short to be a key stops the gateway with a clear error, before it
@@ -346,21 +388,32 @@ async fn links_are_off_with_a_zero_ttl_and_a_key_file_signs_them() -> Result<()>
     let (status, _, bytes) = anonymous(&link).await?;
     assert_eq!(status, 200);
     assert!(bytes.starts_with(b"\x89PNG"));
-    // Signed with the file's key (the gateway has a token too), by the documented scheme:
-    // HMAC-SHA256 over the label, the id, the admin's mark and the expiry.
-    use base64::Engine;
-    use hmac::Mac;
+    // Signed with the file's key (the gateway has a token too), by the documented scheme.
+    let key = "k".repeat(40);
     let id = link
         .split("/v1/artifacts/")
         .nth(1)
         .and_then(|rest| rest.split('/').next())
-        .context("id")?;
+        .context("id")?
+        .to_owned();
     let expires = query_value(&link, "expires");
-    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice("k".repeat(40).as_bytes())?;
-    mac.update(format!("cellgate artifact link v1\n{id}\n-\n{expires}").as_bytes());
-    let expected =
-        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes());
-    assert_eq!(query_value(&link, "signature"), expected);
+    let admin_tag = owner_tag(&key, None);
+    assert_eq!(query_value(&link, "owner"), admin_tag);
+    assert_eq!(
+        query_value(&link, "signature"),
+        link_mac(&key, &id, &admin_tag, &expires)
+    );
+    // A link made with the key for another owner (a tenant's tag on the admin's artifact):
+    // it verifies, and the holder refuses it.
+    let tenant_tag = owner_tag(&key, Some("acme"));
+    let forged = with_query(
+        &with_query(&link, "owner", &tenant_tag),
+        "signature",
+        &link_mac(&key, &id, &tenant_tag, &expires),
+    );
+    let (status, _, body) = anonymous(&forged).await?;
+    assert_eq!(status, 404, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("no_such_artifact"));
     assert!(!TOKEN.is_empty());
     Ok(())
 }

@@ -462,6 +462,39 @@ async fn replicas_share_kernels_and_sessions_survive_losing_one() -> Result<()> 
     let anonymous = reqwest::get(format!("{}/v1/{path}", b.base)).await?;
     assert_eq!(anonymous.status(), 200);
     assert!(anonymous.text().await?.contains("<b>on A</b>"));
+    // A link asked of B (its body passed on to A), and it works through B.
+    let (status, minted) = via_b
+        .post(
+            &format!("/v1/artifacts/{artifact}/links"),
+            json!({"ttl_s": 600}),
+        )
+        .await?;
+    assert_eq!(status, 200, "{minted}");
+    let minted = minted["url"].as_str().context("url")?;
+    let path = minted
+        .split_once("/v1/")
+        .map(|(_, rest)| rest)
+        .context("a v1 link")?;
+    let anonymous = reqwest::get(format!("{}/v1/{path}", b.base)).await?;
+    assert_eq!(anonymous.status(), 200);
+    // A forged link is refused by B itself: 404, and A never hears of it.
+    let forged = format!(
+        "{}/v1/artifacts/{artifact}/signed?expires={}&owner={}&signature={}",
+        b.base,
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs()
+            + 600,
+        "A".repeat(22),
+        "A".repeat(43)
+    );
+    let refused = reqwest::get(&forged).await?;
+    assert_eq!(refused.status(), 404);
+    assert!(
+        !a.log().contains("artifact link refused"),
+        "a forged link reached the holder: {}",
+        a.log()
+    );
     // Server-Sent Events through the other replica, as they are sent.
     assert_eq!(
         streamed(&via_b, &id, "print('streamed', x)").await?,

@@ -112,10 +112,19 @@ pub struct LinkQuery {
     /// Unix seconds after which the link no longer works (required).
     #[serde(default)]
     expires: Option<String>,
-    /// base64url HMAC-SHA256 (unpadded) of the artifact, its owner and `expires` (required).
+    /// A tag of the artifact's owner, base64url (required).
+    #[serde(default)]
+    owner: Option<String>,
+    /// base64url HMAC-SHA256 (unpadded) of the artifact's id, the owner's tag and `expires`
+    /// (required).
     #[serde(default)]
     signature: Option<String>,
 }
+
+/// Marks a 404 to a signed link that verified but names an artifact this gateway does not
+/// hold: the only refusal a replica asks its peers about (`replicas::artifacts_anywhere`).
+#[derive(Clone, Copy, Debug)]
+pub struct VerifiedLink;
 
 /// The artifact's bytes through a signed link, with no credential: what a page puts in
 /// `<img src>`. The link comes in every artifact reference (`signed_url`) or from
@@ -126,27 +135,32 @@ pub struct LinkQuery {
     params(("id" = String, Path), LinkQuery),
     responses((status = 200, description = "the artifact's bytes"),
               (status = 304, description = "the client's copy is current"),
-              (status = 400, description = "the link is malformed"),
-              (status = 403, description = "the link has expired"),
-              (status = 404, description = "no such artifact, its session ended, or the link is not for it"),
+              (status = 400, description = "the link is malformed (`malformed_link`)"),
+              (status = 403, description = "the link has expired (`link_expired`) or reaches further ahead than this gateway signs (`link_too_long`)"),
+              (status = 404, description = "no such artifact, its session ended, the link is not for it, or links are off (`links_off`)"),
               (status = 429, description = "the artifact's tenant is over its request rate")))]
 pub async fn fetch_signed(
     State(state): State<AppState>,
     Path(id): Path<String>,
-    Query(query): Query<LinkQuery>,
+    query: Result<Query<LinkQuery>, axum::extract::rejection::QueryRejection>,
     request_headers: axum::http::HeaderMap,
 ) -> Result<Response, ApiError> {
     let Some(signer) = state.sessions.options().links.clone() else {
-        return Err(not_found(&id));
+        return Err(ApiError::not_found("this gateway signs no artifact links").code("links_off"));
     };
-    let (Some(expires), Some(signature)) = (&query.expires, &query.signature) else {
-        return Err(
-            ApiError::bad_request("a signed link has expires and signature in its query")
-                .code("malformed_link"),
-        );
+    let malformed = |message: String| ApiError::bad_request(message).code("malformed_link");
+    let Query(query) = query.map_err(|err| malformed(format!("a signed link's query: {err}")))?;
+    let (Some(expires), Some(owner), Some(signature)) =
+        (&query.expires, &query.owner, &query.signature)
+    else {
+        return Err(malformed(
+            "a signed link has expires, owner and signature in its query".to_owned(),
+        ));
     };
-    let (expires, signature) = signer
-        .precheck(expires, signature)
+    // Everything the MAC covers is in the link: a forged or altered one is refused here,
+    // before anything is looked up or any replica asked.
+    let checked = signer
+        .check(&id, expires, owner, signature)
         .map_err(|err| match err {
             LinkError::Expired => {
                 ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("link_expired")
@@ -154,16 +168,20 @@ pub async fn fetch_signed(
             LinkError::TooFarAhead => {
                 ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("link_too_long")
             }
-            other => ApiError::bad_request(other.to_string()).code("malformed_link"),
+            LinkError::BadSignature => {
+                tracing::info!(artifact = %id, "artifact link refused: signature does not match");
+                not_found(&id)
+            }
+            other => malformed(other.to_string()),
         })?;
     // Only a live session's artifact: deleting the session revokes its links.
-    let known = state
-        .sessions
-        .artifacts()
-        .get_live(&id)
-        .ok_or_else(|| not_found(&id))?;
-    if signer.verify(&known, expires, &signature).is_err() {
-        tracing::info!(artifact = %id, "artifact link refused: signature does not match");
+    let Some(known) = state.sessions.artifacts().get_live(&id) else {
+        let mut response = not_found(&id).into_response();
+        response.extensions_mut().insert(VerifiedLink);
+        return Ok(response);
+    };
+    if !signer.owned_by(&checked, &known) {
+        tracing::info!(artifact = %id, "artifact link refused: not the artifact's owner");
         return Err(not_found(&id));
     }
     // The link spends its tenant's requests, as the tenant's own fetch would.
@@ -173,7 +191,7 @@ pub async fn fetch_signed(
             return Ok(crate::gateway::auth::rate_limited(tenant, err));
         }
     }
-    let remaining = expires.saturating_sub(now_unix());
+    let remaining = checked.expires().saturating_sub(now_unix());
     let mut response = serve(
         &state,
         &known,

@@ -8,6 +8,7 @@
 //! another tenant answers 404 exactly like a missing one.
 
 mod artifacts;
+pub use artifacts::VerifiedLink;
 mod body;
 mod docs;
 mod files;
