@@ -50,6 +50,10 @@ type HmacSha256 = Hmac<Sha256>;
 
 /// What a signature covers first: a version, so a later scheme cannot be confused with this.
 const LABEL: &str = "cellgate artifact link v1";
+/// What an owner's tag covers first.
+const OWNER_LABEL: &str = "cellgate artifact owner v1";
+/// Bytes of an owner's tag: enough that no two owners' tags meet.
+const TAG_BYTES: usize = 16;
 /// What a key derived from another secret is derived with.
 const DERIVE_LABEL: &[u8] = b"cellgate artifact link key v1";
 /// The fewest bytes a key file must hold.
