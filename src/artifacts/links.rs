@@ -23,9 +23,10 @@
 //! - **Expiring.** `expires` is under the MAC; a link past it is refused. The gateway signs
 //!   for `ttl` (default an hour) in every artifact reference it gives out, and for up to
 //!   `max_ttl` when a client asks for one link ([`LinkSigner::sign_for`]).
-//! - **Revocable.** A link opens an artifact only while its session lives: deleting the
-//!   session revokes every link to its artifacts at once, though the authenticated API keeps
-//!   them fetchable for the retention period. Changing the key revokes every link.
+//! - **Revocable.** A client's `DELETE` of the session revokes every link to its
+//!   artifacts at once, though the authenticated API keeps them fetchable for the retention
+//!   period; a session that ended otherwise (a one-shot execute, a culled kernel) keeps its
+//!   links until they expire or its artifacts go. Changing the key revokes every link.
 //! - **The key.** `--artifact-link-key-file` (shared by replicas behind one load balancer),
 //!   else one derived from the gateway's token (replicas share that too), else from the JWT
 //!   HMAC secret, else a random key per process (links die with it). A derived key is

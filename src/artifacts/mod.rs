@@ -264,6 +264,8 @@ struct Record {
     blob: Blob,
     /// Set when the owning session ended: the record goes at this instant.
     expires: Option<Instant>,
+    /// Whether signed links may open it: until its session is deleted by a client.
+    linkable: bool,
 }
 
 #[derive(Default)]
@@ -761,6 +763,7 @@ impl ArtifactStore {
             artifact: artifact.clone(),
             blob,
             expires: None,
+            linkable: true,
         });
         Ok(artifact)
     }
@@ -783,15 +786,26 @@ impl ArtifactStore {
         }
     }
 
-    /// An artifact of a session that still lives (not one retained after its session
-    /// ended): what a signed link may open, so that deleting a session revokes its links.
-    pub fn get_live(&self, id: &str) -> Option<Arc<Artifact>> {
+    /// An artifact a signed link may open: any record, retained ones included, unless a
+    /// client deleted its session ([`Self::revoke_links`]).
+    pub fn get_linkable(&self, id: &str) -> Option<Arc<Artifact>> {
         self.index
             .read()
             .records
             .get(id)
-            .filter(|r| r.expires.is_none())
+            .filter(|r| r.linkable)
             .map(|r| r.artifact.clone())
+    }
+
+    /// A client deleted the session: no signed link opens its artifacts any more (the
+    /// authenticated API keeps them for the retention period).
+    pub fn revoke_links(&self, session: &str) {
+        let mut index = self.index.write();
+        for record in index.records.values_mut() {
+            if record.artifact.session == session {
+                record.linkable = false;
+            }
+        }
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Artifact>> {

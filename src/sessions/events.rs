@@ -31,7 +31,7 @@ pub struct ArtifactRef {
     pub path: Option<String>,
     /// The same bytes with no credential, for a page's `<img src>` (relative to the gateway's
     /// base URL): signed for this artifact, valid until `signed_url_expires` and while the
-    /// session lives (`crate::artifacts::links`). Absent when the gateway signs no links.
+    /// session is not deleted (`crate::artifacts::links`). Absent when the gateway signs no links.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signed_url: Option<String>,
     /// When `signed_url` stops working (RFC 3339, UTC).

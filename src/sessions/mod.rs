@@ -473,8 +473,18 @@ impl Sessions {
         out
     }
 
-    /// Shuts the session's kernel down; its artifacts stay for the retention period.
+    /// A client deletes the session: its kernel is shut down, its artifacts stay for the
+    /// retention period, and the signed links to them stop working.
     pub async fn delete(&self, id: &str) -> Result<(), SessionError> {
+        self.end(id).await?;
+        self.artifacts.revoke_links(id);
+        Ok(())
+    }
+
+    /// Ends the session as [`Self::delete`] does, but its artifacts' signed links keep
+    /// working until they expire or the artifacts go: a one-shot execute's session ends with
+    /// its result, whose links are what the caller shows.
+    pub async fn end(&self, id: &str) -> Result<(), SessionError> {
         let session = self
             .sessions
             .write()

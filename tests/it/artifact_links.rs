@@ -248,6 +248,12 @@ async fn a_signed_link_opens_its_artifact_only_while_valid_and_its_session_lives
         .await?;
     assert_eq!(status, 404, "no new link for an ended session: {body}");
 
+    // A one-shot execute's session ends with its result, and the links it gave keep working.
+    let (status, once) = a.post("/v1/execute", json!({"code": CHART})).await?;
+    assert_eq!(status, 200, "{once}");
+    let (_, once_link) = first_artifact(&gateway, &once)?;
+    assert_eq!(anonymous(&once_link).await?.0, 200);
+
     // The admin's sessions have links too; a link moved to another owner's artifact never
     // opens it (the owner's tag is checked by the unit tests and the key-file test below).
     let session_admin = admin.create_session(json!({})).await?;

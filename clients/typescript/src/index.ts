@@ -38,7 +38,7 @@ export interface ArtifactRef {
   path?: string;
   /**
    * The same bytes with no credential, for a page's `<img src>`: signed for this artifact,
-   * working until `signed_url_expires` and while the session lives (absent when the gateway
+   * working until `signed_url_expires` and until the session is deleted (absent when the gateway
    * signs no links). Relative to the gateway's origin in a reference; absolute in an
    * {@link Artifact}.
    */
@@ -241,7 +241,7 @@ export class Client {
   /**
    * A signed link to an artifact, for a page's `<img src>` with no credential: it works for
    * `ttlSeconds` (the gateway's default if omitted, at most its maximum) and while the
-   * session lives.
+   * session is deleted.
    */
   async artifactLink(id: string, ttlSeconds?: number): Promise<ArtifactLink> {
     const body = ttlSeconds === undefined ? {} : { ttl_s: Math.floor(ttlSeconds) };

@@ -129,15 +129,15 @@ pub struct VerifiedLink;
 /// The artifact's bytes through a signed link, with no credential: what a page puts in
 /// `<img src>`. The link comes in every artifact reference (`signed_url`) or from
 /// `POST /v1/artifacts/{id}/links`; it works until it expires and while the artifact's
-/// session lives. A link that is altered, for another artifact, or whose session ended
-/// answers 404, as an unknown id does.
+/// session is not deleted. A link that is altered, for another artifact, or whose session a
+/// client deleted answers 404, as an unknown id does.
 #[utoipa::path(get, path = "/v1/artifacts/{id}/signed", tag = "artifacts", operation_id = "fetch_artifact_signed",
     params(("id" = String, Path), LinkQuery),
     responses((status = 200, description = "the artifact's bytes"),
               (status = 304, description = "the client's copy is current"),
               (status = 400, description = "the link is malformed (`malformed_link`)"),
               (status = 403, description = "the link has expired (`link_expired`) or reaches further ahead than this gateway signs (`link_too_long`)"),
-              (status = 404, description = "no such artifact, its session ended, the link is not for it, or links are off (`links_off`)"),
+              (status = 404, description = "no such artifact, its session was deleted, the link is not for it, or links are off (`links_off`)"),
               (status = 429, description = "the artifact's tenant is over its request rate")))]
 pub async fn fetch_signed(
     State(state): State<AppState>,
@@ -174,8 +174,8 @@ pub async fn fetch_signed(
             }
             other => malformed(other.to_string()),
         })?;
-    // Only a live session's artifact: deleting the session revokes its links.
-    let Some(known) = state.sessions.artifacts().get_live(&id) else {
+    // Not once a client deleted the session: that revokes its links.
+    let Some(known) = state.sessions.artifacts().get_linkable(&id) else {
         let mut response = not_found(&id).into_response();
         response.extensions_mut().insert(VerifiedLink);
         return Ok(response);
@@ -233,7 +233,7 @@ pub struct LinkResponse {
     request_body(content = LinkRequest, description = "optional"),
     responses((status = 200, body = LinkResponse),
               (status = 400, description = "a TTL of zero or past the maximum"),
-              (status = 404, description = "no such artifact, not the caller's, its session ended, or links are off")))]
+              (status = 404, description = "no such artifact, not the caller's, its session was deleted, or links are off")))]
 pub async fn sign_link(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
@@ -251,7 +251,7 @@ pub async fn sign_link(
     let known = state
         .sessions
         .artifacts()
-        .get_live(&id)
+        .get_linkable(&id)
         .filter(|a| principal.may_see(a.owner.as_deref()))
         .ok_or_else(|| not_found(&id))?;
     let ttl = request

@@ -301,7 +301,7 @@ fn sse(
             let done = matches!(*event, SessionEvent::Done { .. });
             let delete_after = match (done, delete_after) {
                 (true, Some((sessions, id))) => {
-                    let _ = sessions.delete(&id).await;
+                    let _ = sessions.end(&id).await;
                     None
                 }
                 (_, pending) => pending,
@@ -391,7 +391,7 @@ pub async fn execute_once(
     }
     let result = wait_for_result(events).await;
     // Gone before the answer: a one-shot session never shows up in a later listing.
-    if let Err(err) = state.sessions.delete(&session.id).await {
+    if let Err(err) = state.sessions.end(&session.id).await {
         tracing::warn!(session_id = %session.id, %err, "one-shot session not deleted");
     }
     Ok(Json(result?).into_response())

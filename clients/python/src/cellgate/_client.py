@@ -119,7 +119,7 @@ class Client:
     def artifact_link(self, artifact_id: str, *, ttl: Optional[float] = None) -> Link:
         """A signed link to an artifact, for a page's ``<img src>`` with no credential:
         it works for ``ttl`` seconds (the gateway's default when ``None``, at most its
-        maximum) and while the session lives."""
+        maximum) and until the session is deleted."""
         body = {} if ttl is None else {"ttl_s": int(ttl)}
         data = self.request("POST", f"/v1/artifacts/{quote(artifact_id, safe='')}/links",
                             json=body).json()

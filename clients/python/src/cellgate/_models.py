@@ -43,7 +43,7 @@ class SessionInfo:
 @dataclass
 class Link:
     """A signed artifact link: an absolute URL that needs no credential, until ``expires``
-    (RFC 3339) and while the artifact's session lives."""
+    (RFC 3339) and until the artifact's session is deleted."""
 
     url: str
     expires: str
@@ -67,7 +67,7 @@ class Artifact:
     previous: Optional[str] = None
     path: Optional[str] = None
     #: The same bytes with no credential, for a page's ``<img src>``: an absolute URL signed
-    #: for this artifact, working until ``signed_url_expires`` and while the session lives
+    #: for this artifact, working until ``signed_url_expires`` and until the session is deleted
     #: (``None`` when the gateway signs no links). :meth:`link` makes a longer-lived one.
     signed_url: Optional[str] = None
     signed_url_expires: Optional[str] = None
