@@ -89,6 +89,20 @@ function signOut(message = "") {
   setKernelState("disconnected");
 }
 
+// Sign out ends the tab's session: its kernel is shut down and its artifacts' signed links
+// revoked, instead of idling until the gateway culls it. Best effort: a gateway that cannot
+// be reached still lets the user sign out.
+async function endSession() {
+  const id = state.session?.id ?? sessionStorage.getItem(SESSION_KEY);
+  if (!id || !state.token) return;
+  state.socket?.close();
+  await fetch(apiPath(`v1/sessions/${id}`), {
+    method: "DELETE",
+    headers: { Authorization: `Bearer ${state.token}` },
+  }).catch(() => {});
+  state.session = null;
+}
+
 async function signIn(token) {
   state.token = token;
   sessionStorage.setItem(TOKEN_KEY, token);
@@ -530,7 +544,7 @@ $("#code").addEventListener("keydown", (key) => {
 });
 $("#interrupt").addEventListener("click", () => send({ type: "interrupt" }));
 $("#restart").addEventListener("click", () => send({ type: "restart" }));
-$("#logout").addEventListener("click", () => signOut());
+$("#logout").addEventListener("click", () => endSession().finally(() => signOut()));
 $("#upload").addEventListener("change", (change) => {
   upload([...change.target.files]);
   change.target.value = "";

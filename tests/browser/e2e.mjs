@@ -238,6 +238,21 @@ try {
   check((await page.evaluate(() => sessionStorage.getItem("cellgate.session"))) === sessionBefore, "same session");
   console.log("ok reload");
 
+  step = "sign out ends the session";
+  const ended = await page.evaluate(() => sessionStorage.getItem("cellgate.session"));
+  check(ended, "a session id before signing out");
+  await page.click("#logout");
+  await page.locator("#login").waitFor();
+  let gone = false;
+  for (let i = 0; i < 100 && !gone; i++) {
+    const answer = await fetch(`${url}/v1/sessions/${ended}`, { headers: { Authorization: `Bearer ${token}` } });
+    gone = answer.status === 404;
+    if (!gone) await new Promise((r) => setTimeout(r, 100));
+  }
+  check(gone, `the session ${ended} is deleted after Sign out`);
+  check((await page.evaluate(() => sessionStorage.getItem("cellgate.token"))) === null, "the token is forgotten");
+  console.log("ok sign out");
+
   step = "bad token";
   const other = await context.newPage();
   await other.goto(url + "/");

@@ -2,7 +2,7 @@
 //! driven by playwright-core (`tests/browser/e2e.mjs`): sign in, output arriving while the
 //! cell still runs, `input()`, a matplotlib chart, a DataFrame table, Plotly and Vega-Lite
 //! charts, an error with its traceback, an interrupt, upload → analyse → download, a reload
-//! that keeps the session; and the page and API under a base URL. Screenshots go to
+//! that keeps the session, Sign out ending the session; and the page and API under a base URL. Screenshots go to
 //! `target/web-client-screenshots/`.
 
 use std::path::Path;
