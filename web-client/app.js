@@ -103,6 +103,18 @@ async function endSession() {
   state.session = null;
 }
 
+// An HTML output's frame says how tall its content is: the frame takes that height (within
+// bounds). Only the frame the message came from is sized.
+addEventListener("message", (event) => {
+  const height = Number(event.data?.cellgateFrameHeight);
+  if (!Number.isFinite(height) || height <= 0) return;
+  for (const frame of document.querySelectorAll("iframe.artifact-html")) {
+    if (frame.contentWindow === event.source) {
+      frame.style.height = `${Math.min(Math.max(height + 2, 40), 640)}px`;
+    }
+  }
+});
+
 async function signIn(token) {
   state.token = token;
   sessionStorage.setItem(TOKEN_KEY, token);
@@ -395,7 +407,10 @@ async function renderArtifact(holder, artifact, fallbackText) {
     frame.className = "artifact-html";
     // Scripts may run, but in an opaque origin: no access to this page, its storage or token.
     frame.setAttribute("sandbox", "allow-scripts");
-    frame.srcdoc = await response.text();
+    // The frame reports its content's height (frame-height.js, from the gateway: the page's
+    // policy, which the frame inherits, allows only its scripts), so it fits its table.
+    const reporter = new URL("assets/frame-height.js", document.baseURI).href;
+    frame.srcdoc = `${await response.text()}<script src="${reporter}"></script>`;
     holder.append(frame);
   } else if (mime === "application/vnd.plotly.v1+json") {
     const figure = await response.json();

@@ -4,7 +4,8 @@
 //!
 //! The page itself needs no authentication (it holds no data); it asks for a token and calls
 //! the API with it. Its Content-Security-Policy keeps scripts to these assets and framing
-//! out; rich HTML outputs run in sandboxed srcdoc iframes, which inherit that policy.
+//! out; rich HTML outputs run in sandboxed srcdoc iframes, which inherit that policy (the one
+//! script the page adds to them, `frame-height.js`, only reports the content's height).
 
 use axum::extract::RawQuery;
 use axum::http::{header, HeaderValue};
@@ -17,6 +18,7 @@ use super::state::AppState;
 const INDEX: &str = include_str!("../../web-client/index.html");
 const APP_JS: &str = include_str!("../../web-client/app.js");
 const STYLE: &str = include_str!("../../web-client/style.css");
+const FRAME_HEIGHT_JS: &str = include_str!("../../web-client/frame-height.js");
 const PLOTLY: &str = include_str!(concat!(env!("OUT_DIR"), "/plotly.min.js"));
 const VEGA: &str = include_str!(concat!(env!("OUT_DIR"), "/vega.min.js"));
 const VEGA_LITE: &str = include_str!(concat!(env!("OUT_DIR"), "/vega-lite.min.js"));
@@ -91,6 +93,10 @@ pub fn routes(base_url: &str) -> Router<AppState> {
     Router::new()
         .route("/", root)
         .route("/assets/app.js", get(|| async { asset(APP_JS, JS) }))
+        .route(
+            "/assets/frame-height.js",
+            get(|| async { asset(FRAME_HEIGHT_JS, JS) }),
+        )
         .route(
             "/assets/style.css",
             get(|| async { asset(STYLE, "text/css; charset=utf-8") }),

@@ -132,6 +132,17 @@ try {
   const table = cell.frameLocator("iframe.artifact-html").locator("table");
   await table.locator("td", { hasText: "19.25" }).waitFor();
   check((await table.locator("tbody tr").count()) === 2, "the table has the DataFrame's two rows");
+  // The frame fits its table: taller than the table, not the fixed 320 px it starts with.
+  const tableBottom = await table.evaluate((t) => t.getBoundingClientRect().bottom);
+  await page.waitForFunction(
+    ([i, bottom]) => {
+      const frames = document.querySelectorAll("iframe.artifact-html");
+      const height = frames[frames.length - 1]?.getBoundingClientRect().height ?? 0;
+      return height >= bottom && height <= bottom + 60;
+    },
+    [0, tableBottom],
+    { timeout: 10_000 },
+  );
   await screenshot("dataframe");
   console.log("ok DataFrame table");
 

@@ -83,6 +83,7 @@ async fn the_page_and_its_assets_are_served_with_a_strict_policy() -> Result<()>
     for (path, kind) in [
         ("/", "text/html"),
         ("/assets/app.js", "text/javascript"),
+        ("/assets/frame-height.js", "text/javascript"),
         ("/assets/style.css", "text/css"),
         ("/assets/plotly.min.js", "text/javascript"),
         ("/assets/vega-embed.min.js", "text/javascript"),
