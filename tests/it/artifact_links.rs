@@ -423,3 +423,30 @@ async fn links_are_off_with_a_zero_ttl_and_a_key_file_signs_them() -> Result<()>
     assert!(!TOKEN.is_empty());
     Ok(())
 }
+
+#[tokio::test]
+async fn fetches_through_a_link_spend_its_tenants_request_rate() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    // A burst of 6 and then one request per 100 s: exact counts, whatever the machine's speed.
+    let gateway = Gateway::builder()
+        .arg("--jwt-secret-file")
+        .arg(secret.to_str().context("path")?)
+        .args(&["--tenant-rate", "0.01", "--tenant-burst", "6"])
+        .start()
+        .await?;
+    let a = V1Client::bearer(&gateway, &hs256(&claims("links-rate", "default")));
+    // Two of the six: the session and the cell.
+    let session = a.create_session(json!({})).await?;
+    let (_, link) = first_artifact(&gateway, &a.execute(&session, CHART).await?)?;
+    for n in 3..=6 {
+        assert_eq!(anonymous(&link).await?.0, 200, "request {n} of the burst");
+    }
+    let (status, headers, body) = anonymous(&link).await?;
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(&body));
+    assert!(headers.contains_key("retry-after"));
+    // The tenant's own API calls wait with it: the link spent them.
+    let (status, _) = a.get(&format!("/v1/sessions/{session}")).await?;
+    assert_eq!(status, 429);
+    Ok(())
+}
