@@ -252,7 +252,7 @@ fn egress_proxy(
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = Arc::new(GatewayConfig::resolve(&args)?);
     // A key file that cannot sign links stops the gateway before any kernel starts.
-    cellgate::gateway::link_signer(&config)?;
+    let links = cellgate::gateway::link_signer(&config)?;
     let specs = KernelSpecs::load(&config.kernels_dir, config.default_kernel_name.as_deref())
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&config.policies_dir)
@@ -380,6 +380,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         listener,
         metrics_listener,
         replicas.clone(),
+        links,
         shutdown,
     )
     .await;

@@ -128,11 +128,6 @@ impl LinkSigner {
         self.ttl
     }
 
-    /// The most a single link may last.
-    pub fn max_ttl(&self) -> Duration {
-        self.max_ttl
-    }
-
     /// The link an artifact reference carries: valid for `ttl` from now.
     pub fn sign(&self, artifact: &Artifact, base_url: &str) -> Link {
         self.sign_until(artifact, base_url, now() + self.ttl.as_secs())
@@ -257,9 +252,9 @@ pub struct Checked {
 }
 
 impl Checked {
-    /// Unix seconds the link works until.
-    pub fn expires(&self) -> u64 {
-        self.expires
+    /// Seconds the link still works.
+    pub fn remaining_secs(&self) -> u64 {
+        self.expires.saturating_sub(now())
     }
 }
 

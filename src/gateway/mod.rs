@@ -190,6 +190,7 @@ fn cors_layer(config: &GatewayConfig) -> Option<CorsLayer> {
 fn v1_sessions(
     config: &GatewayConfig,
     kernels: &Arc<KernelManager>,
+    links: Option<LinkSigner>,
 ) -> std::io::Result<Arc<crate::sessions::Sessions>> {
     let artifacts = crate::artifacts::ArtifactStore::new(
         kernels.runtime_root().join("artifacts"),
@@ -197,19 +198,12 @@ fn v1_sessions(
     )
     .map_err(std::io::Error::other)?
     .with_min_free_disk(config.artifact_min_free_disk);
-    let links = link_signer(config)?.map(Arc::new);
-    let random_key = config.artifact_link_key_file.is_none()
-        && config.token.is_none()
-        && config.jwt.secret_file.is_none();
-    if links.is_some() && random_key && config.jwt.enabled() {
-        tracing::warn!("artifact links are signed with a random key: they stop working when the gateway restarts, and replicas refuse each other's (set --artifact-link-key-file)");
-    }
     Ok(crate::sessions::Sessions::new(
         kernels.clone(),
         Arc::new(artifacts),
         crate::sessions::SessionOptions {
             base_url: config.base_url.clone(),
-            links,
+            links: links.map(Arc::new),
             ..Default::default()
         },
     ))
@@ -217,7 +211,8 @@ fn v1_sessions(
 
 /// The signer of artifact links (`crate::artifacts::links`), with the key from
 /// `--artifact-link-key-file`, else derived from the token, else from the JWT HMAC secret,
-/// else random; `None` when links are off (a zero TTL).
+/// else random; `None` when links are off (a zero TTL). Called before any kernel starts, so a
+/// bad key file stops the gateway first.
 pub fn link_signer(config: &GatewayConfig) -> std::io::Result<Option<LinkSigner>> {
     if config.artifact_link_ttl.is_zero() {
         return Ok(None);
@@ -247,6 +242,9 @@ pub fn link_signer(config: &GatewayConfig) -> std::io::Result<Option<LinkSigner>
         let secret = crate::jwt::read_secret(path).map_err(std::io::Error::other)?;
         LinkSigner::derive_key(&secret)
     } else {
+        if config.jwt.enabled() {
+            tracing::warn!("artifact links are signed with a random key: they stop working when the gateway restarts, and replicas refuse each other's (set --artifact-link-key-file)");
+        }
         LinkSigner::random_key()
     };
     Ok(Some(LinkSigner::new(
@@ -264,9 +262,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics_listener: Option<tokio::net::TcpListener>,
     replicas: Option<Arc<crate::sandbox::kubernetes::replicas::Replicas>>,
+    links: Option<LinkSigner>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let sessions = v1_sessions(&config, &kernels)?;
+    let sessions = v1_sessions(&config, &kernels, links)?;
     // Often enough for short retention periods, cheap at any size.
     let reap_every = (config.artifact_retention / 2).clamp(
         std::time::Duration::from_millis(250),

@@ -146,7 +146,7 @@ pub async fn fetch_signed(
     request_headers: axum::http::HeaderMap,
 ) -> Result<Response, ApiError> {
     let Some(signer) = state.sessions.options().links.clone() else {
-        return Err(ApiError::not_found("this gateway signs no artifact links").code("links_off"));
+        return Err(links_off());
     };
     let malformed = |message: String| ApiError::bad_request(message).code("malformed_link");
     let Query(query) = query.map_err(|err| malformed(format!("a signed link's query: {err}")))?;
@@ -191,12 +191,11 @@ pub async fn fetch_signed(
             return Ok(crate::gateway::auth::rate_limited(tenant, err));
         }
     }
-    let remaining = checked.expires().saturating_sub(now_unix());
     let mut response = serve(
         &state,
         &known,
         &request_headers,
-        &format!("private, max-age={remaining}"),
+        &format!("private, max-age={}", checked.remaining_secs()),
     )
     .await?;
     // The link is a credential: never sent on as a Referer by what the page does next.
@@ -243,10 +242,7 @@ pub async fn sign_link(
     let request: LinkRequest = super::body::parse(&body)?;
     let options = state.sessions.options();
     let Some(signer) = options.links.as_deref() else {
-        return Err(ApiError::not_found(
-            "this gateway signs no artifact links (--artifact-link-ttl 0s)",
-        )
-        .code("links_off"));
+        return Err(links_off());
     };
     let known = state
         .sessions
@@ -267,11 +263,9 @@ pub async fn sign_link(
     }))
 }
 
-fn now_unix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+fn links_off() -> ApiError {
+    ApiError::not_found("this gateway signs no artifact links (--artifact-link-ttl 0s)")
+        .code("links_off")
 }
 
 /// The bytes of `known`, with the headers every artifact gets and `cache_control`.
