@@ -100,9 +100,14 @@ pub fn write_connection_file(
     Ok((dir, path, info))
 }
 
-/// Whether a client may set the variable `name`: `KERNEL_*` and the gateway's `allowlist`.
-pub fn client_may_set(name: &str, allowlist: &[String]) -> bool {
-    (name.starts_with("KERNEL_") || allowlist.iter().any(|a| a == name))
+/// Whether a client may set the variable `name`: `KERNEL_*`, the gateway's `allowlist`, and
+/// what the kernel's policy allows (`[environment]`, which never allows a reserved name).
+pub fn client_may_set(
+    name: &str,
+    allowlist: &[String],
+    policy: &crate::policy::EnvironmentRules,
+) -> bool {
+    (name.starts_with("KERNEL_") || allowlist.iter().any(|a| a == name) || policy.allows(name))
         // A path on the client's machine: never used, never passed on.
         && name != "KERNEL_WORKING_DIR"
 }
@@ -114,10 +119,11 @@ pub fn client_may_set(name: &str, allowlist: &[String]) -> bool {
 pub fn filter_client_env(
     requested: &BTreeMap<String, String>,
     allowlist: &[String],
+    policy: &crate::policy::EnvironmentRules,
 ) -> Result<BTreeMap<String, String>, KernelError> {
     let mut env = BTreeMap::new();
     for (name, value) in requested {
-        if !client_may_set(name, allowlist) {
+        if !client_may_set(name, allowlist, policy) {
             continue;
         }
         let valid_name = !name.is_empty()
@@ -183,18 +189,20 @@ mod tests {
             ("PATH", "/evil"),
             ("MY_SETTING", "1"),
         ]);
-        let out = filter_client_env(&requested, &["MY_SETTING".to_owned()]).unwrap();
+        let out =
+            filter_client_env(&requested, &["MY_SETTING".to_owned()], &Default::default()).unwrap();
         assert_eq!(out, env(&[("KERNEL_USERNAME", "bob"), ("MY_SETTING", "1")]));
     }
 
     #[test]
     fn hostile_values_are_refused() {
         for value in ["$(id)", "a`b`", "a\nb", "a\0b"] {
-            let err = filter_client_env(&env(&[("KERNEL_X", value)]), &[]).unwrap_err();
+            let err = filter_client_env(&env(&[("KERNEL_X", value)]), &[], &Default::default())
+                .unwrap_err();
             assert!(err.to_string().contains("KERNEL_X"));
         }
         let long = "x".repeat(4097);
-        assert!(filter_client_env(&env(&[("KERNEL_X", &long)]), &[]).is_err());
+        assert!(filter_client_env(&env(&[("KERNEL_X", &long)]), &[], &Default::default()).is_err());
     }
 
     #[test]

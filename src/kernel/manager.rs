@@ -99,6 +99,18 @@ struct Pool {
 /// The longest wait before a failed pool start is tried again.
 const POOL_RETRY_MAX: Duration = Duration::from_secs(60);
 
+/// Client variables a start would not pass on, and what would have allowed them.
+#[derive(Debug, Clone)]
+pub struct EnvRefusal {
+    pub names: Vec<String>,
+    /// The policy the kernel would run under.
+    pub policy: String,
+    /// Its `[environment] allow` patterns.
+    pub patterns: Vec<String>,
+    /// The gateway's `env_allowlist`.
+    pub allowlist: Vec<String>,
+}
+
 /// The warm pool's state, for readiness and metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolStatus {
@@ -262,8 +274,19 @@ impl KernelManager {
                 return Err(KernelError::TooManyKernels { max });
             }
         }
-        let client_env = filter_client_env(requested_env, &self.options.env_allowlist)?;
-        let policy = self.policy_for(spec, &client_env)?.clone();
+        // The policy may come from the client's KERNEL_POLICY, which any client may set;
+        // its `[environment]` then decides the client's other variables.
+        let base_env = filter_client_env(
+            requested_env,
+            &self.options.env_allowlist,
+            &Default::default(),
+        )?;
+        let policy = self.policy_for(spec, &base_env)?.clone();
+        let client_env = filter_client_env(
+            requested_env,
+            &self.options.env_allowlist,
+            &policy.environment,
+        )?;
         let running = self
             .kernels
             .read()
@@ -526,6 +549,40 @@ impl KernelManager {
     /// The policy a kernel runs under: `KERNEL_POLICY` from the request, else the
     /// kernelspec's `metadata.cellgate.policy`, else `default`. Its backend is the policy's
     /// own unless the operator forced one (`--sandbox`).
+    /// The variables of `requested` a start of kernelspec `name` would drop (neither
+    /// `KERNEL_*`, the gateway's allowlist nor allowed by the policy it would run under),
+    /// for a caller that refuses rather than drops.
+    pub fn refused_env(
+        &self,
+        name: Option<&str>,
+        requested: &BTreeMap<String, String>,
+    ) -> Result<Option<EnvRefusal>, KernelError> {
+        let name = name.unwrap_or(self.specs.default_name());
+        let spec = self
+            .specs
+            .get(name)
+            .ok_or_else(|| KernelError::NoSuchSpec {
+                name: name.to_owned(),
+                known: self.specs.names(),
+            })?;
+        let base_env =
+            filter_client_env(requested, &self.options.env_allowlist, &Default::default())?;
+        let policy = self.policy_for(spec, &base_env)?;
+        let names: Vec<String> = requested
+            .keys()
+            .filter(|n| {
+                !super::launch::client_may_set(n, &self.options.env_allowlist, &policy.environment)
+            })
+            .cloned()
+            .collect();
+        Ok((!names.is_empty()).then(|| EnvRefusal {
+            names,
+            policy: policy.name.clone(),
+            patterns: policy.environment.patterns(),
+            allowlist: self.options.env_allowlist.clone(),
+        }))
+    }
+
     fn policy_for(
         &self,
         spec: &super::KernelSpec,

@@ -25,7 +25,7 @@ pub use lifecycle::{Kernel, KernelOptions, Readiness};
 // format is every surface's, so it lives in `crate::timestamp`.
 pub use crate::timestamp::format_timestamp;
 pub use launch::client_may_set;
-pub use manager::{KernelManager, ManagerOptions, Owner, PoolStatus, POLICY_ENV};
+pub use manager::{EnvRefusal, KernelManager, ManagerOptions, Owner, PoolStatus, POLICY_ENV};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
 pub use spec::{KernelSpec, KernelSpecs};
 

@@ -11,6 +11,7 @@
 
 pub mod access;
 pub mod denial;
+pub mod environment;
 pub mod units;
 
 use std::collections::BTreeMap;
@@ -22,6 +23,7 @@ use serde::Deserialize;
 use crate::sandbox::Backend;
 pub use access::{Dependencies, EgressRules, PackageRules};
 pub use denial::{Denial, DenialKind};
+pub use environment::EnvironmentRules;
 pub use units::{parse_duration, parse_size};
 
 /// Errors in policy files.
@@ -59,6 +61,8 @@ struct PolicyFile {
     egress: access::EgressSection,
     #[serde(default)]
     packages: access::PackagesSection,
+    #[serde(default)]
+    environment: environment::EnvironmentSection,
     kubernetes: Option<KubernetesSection>,
 }
 
@@ -192,6 +196,8 @@ pub struct Policy {
     pub egress: EgressRules,
     /// Projects the package index lists (none by default).
     pub packages: PackageRules,
+    /// Variables a client may set on its kernel besides `KERNEL_*` (none by default).
+    pub environment: EnvironmentRules,
     /// `[kubernetes]`: the pods of the kubernetes backend (required by that backend, refused
     /// with any other).
     pub kubernetes: Option<std::sync::Arc<crate::sandbox::PodSettings>>,
@@ -376,6 +382,8 @@ impl Policy {
             access::egress_rules(file.egress).map_err(|(field, why)| invalid(path, field, why))?;
         let packages = access::package_rules(file.packages)
             .map_err(|(field, why)| invalid(path, field, why))?;
+        let environment = environment::environment_rules(file.environment)
+            .map_err(|(field, why)| invalid(path, field, why))?;
         let backend = file.sandbox.backend.unwrap_or(Backend::Namespaces);
         if file.sandbox.zygote.is_some() && backend != Backend::Namespaces {
             return Err(invalid(
@@ -420,6 +428,7 @@ impl Policy {
             limits,
             egress,
             packages,
+            environment,
             kubernetes,
         })
     }

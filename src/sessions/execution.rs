@@ -30,7 +30,7 @@ struct Collected {
     omitted: Vec<Omitted>,
 }
 
-fn push_capped(buffer: &mut String, truncated: &mut bool, text: &str, cap: usize) {
+pub(super) fn push_capped(buffer: &mut String, truncated: &mut bool, text: &str, cap: usize) {
     if *truncated {
         return;
     }

@@ -10,6 +10,7 @@
 //!
 //! Must not depend on: HTTP.
 
+pub mod commands;
 pub mod events;
 mod execution;
 mod plain;
@@ -96,6 +97,8 @@ pub enum SessionError {
     },
     #[error("no input is awaited")]
     NoInputAwaited,
+    #[error("this session's kernel ({language}) cannot run commands: only Python kernels can")]
+    CommandsUnsupported { language: String },
 }
 
 /// What a new session asks for.

@@ -27,6 +27,14 @@ pub trait GuestFiles: Send + Sync {
     /// Starts writing `path`, refusing more than `limit` bytes; nothing is at `path` until
     /// the upload is committed.
     fn create(&self, path: &str, limit: u64) -> Result<Box<dyn GuestUpload>, WorkspaceError>;
+    /// As [`Workspace::stat`].
+    fn stat(&self, path: &str) -> Result<FileEntry, WorkspaceError>;
+    /// As [`Workspace::make_dir`].
+    fn make_dir(&self, path: &str) -> Result<FileEntry, WorkspaceError>;
+    /// As [`Workspace::remove`].
+    fn remove(&self, path: &str, recursive: bool) -> Result<u64, WorkspaceError>;
+    /// As [`Workspace::rename`].
+    fn rename(&self, from: &str, to: &str, overwrite: bool) -> Result<FileEntry, WorkspaceError>;
 }
 
 /// A file being written into a guest's workspace; dropped uncommitted, it leaves nothing.
@@ -60,6 +68,49 @@ impl Files {
                     .open_read(path)
                     .map(|(reader, size)| (FileReader::Guest(reader), size))
             }
+        }
+    }
+
+    /// What is at `path` (a link as a link).
+    pub fn stat(&self, path: &str) -> Result<FileEntry, WorkspaceError> {
+        check_path(path)?;
+        match self {
+            Files::Local(workspace) => workspace.stat(path),
+            Files::Guest(files) => files.stat(path),
+        }
+    }
+
+    /// Creates a directory and its parents.
+    pub fn make_dir(&self, path: &str) -> Result<FileEntry, WorkspaceError> {
+        check_path(path)?;
+        match self {
+            Files::Local(workspace) => workspace.make_dir(path),
+            Files::Guest(files) => files.make_dir(path),
+        }
+    }
+
+    /// Removes a file, link or directory (a non-empty one only when `recursive`); how many
+    /// entries went.
+    pub fn remove(&self, path: &str, recursive: bool) -> Result<u64, WorkspaceError> {
+        check_path(path)?;
+        match self {
+            Files::Local(workspace) => workspace.remove(path, recursive),
+            Files::Guest(files) => files.remove(path, recursive),
+        }
+    }
+
+    /// Moves `from` to `to`; the entry now at `to`.
+    pub fn rename(
+        &self,
+        from: &str,
+        to: &str,
+        overwrite: bool,
+    ) -> Result<FileEntry, WorkspaceError> {
+        check_path(from)?;
+        check_path(to)?;
+        match self {
+            Files::Local(workspace) => workspace.rename(from, to, overwrite),
+            Files::Guest(files) => files.rename(from, to, overwrite),
         }
     }
 

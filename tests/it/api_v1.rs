@@ -1037,7 +1037,8 @@ async fn files_on(backend: &str) -> Result<()> {
         .text()
         .await?;
     assert_eq!(body, "x,y\n5,6\n");
-    Ok(())
+
+    crate::workspace_ops::operations_on(&v1, &id, true).await
 }
 
 /// One-shot execute: a result from a fresh session that is gone afterwards (its kernel

@@ -225,7 +225,7 @@ async fn errors_are_one_body_with_a_code_and_the_headers_to_act_on() -> Result<(
     let response = v1.request(Method::GET, "/v1/nowhere").send().await?;
     error_of(response, 404, "no_such_route").await?;
     let response = v1
-        .request(Method::POST, "/v1/sessions/x/files/a.txt")
+        .request(Method::PATCH, "/v1/sessions/x/files/a.txt")
         .header("Content-Type", "text/plain")
         .body("x")
         .send()

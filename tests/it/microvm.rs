@@ -316,7 +316,8 @@ pub(crate) async fn workspace_files_cross_the_vm_boundary(
         r["stdout"], "['data', 'down.bin', 'etcdir', 'evil', 'outputs', 'up.bin']\n",
         "{r}"
     );
-    Ok(())
+    // Exists, stat, mkdir, move and delete, done by the guest agent.
+    crate::workspace_ops::operations_on(v1, id, false).await
 }
 
 /// Whether this host's KVM runs only PVM guests (this project's machines), so a microVM of

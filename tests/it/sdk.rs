@@ -5,11 +5,30 @@
 
 use anyhow::{ensure, Context, Result};
 
-use crate::support::{repo, tools_python, Gateway, TOKEN};
+use crate::support::{repo, sandbox_backend, tools_python, Gateway, TOKEN};
+
+/// The clients' gateway: the test sandbox, and a default policy that lets a client set
+/// `CLIENT_TEST_*` variables (the clients' per-session environment tests; any other name
+/// is refused, which they test too). The directory must outlive the gateway.
+async fn gateway() -> Result<(Gateway, tempfile::TempDir)> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(
+        dir.path().join("default.toml"),
+        format!(
+            "[sandbox]\nbackend = \"{}\"\n[environment]\nallow = [\"CLIENT_TEST_*\"]\n",
+            sandbox_backend()
+        ),
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    Ok((gateway, dir))
+}
 
 #[tokio::test]
 async fn the_python_client_passes_its_tests_against_a_live_gateway() -> Result<()> {
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = gateway().await?;
     let output = tokio::time::timeout(
         std::time::Duration::from_secs(600),
         tokio::process::Command::new(tools_python())
@@ -61,7 +80,7 @@ async fn the_typescript_client_passes_its_tests_against_a_live_gateway() -> Resu
         String::from_utf8_lossy(&built.stdout),
         String::from_utf8_lossy(&built.stderr)
     );
-    let gateway = Gateway::start().await?;
+    let (gateway, _policies) = gateway().await?;
     let output = tokio::time::timeout(
         std::time::Duration::from_secs(600),
         tokio::process::Command::new("node")

@@ -35,8 +35,8 @@ INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
     "clientInfo": {"name": "check", "version": "1"}}}
 LISTING = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
 
-TOOLS = {"run_python", "new_session", "list_files", "read_file", "write_file", "get_artifact",
-         "interrupt", "restart", "export_notebook"}
+TOOLS = {"run_python", "run_command", "new_session", "list_files", "read_file", "write_file",
+         "get_artifact", "interrupt", "restart", "export_notebook"}
 # Each tool's hints as the host reads them (None: not said). The test gateway's policies
 # allow no egress and no packages, so nothing reaches an open world.
 READ_ONLY = {"readOnlyHint": True, "destructiveHint": None, "idempotentHint": None,
@@ -44,6 +44,8 @@ READ_ONLY = {"readOnlyHint": True, "destructiveHint": None, "idempotentHint": No
 HINTS = {
     "run_python": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
                    "openWorldHint": False},
+    "run_command": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
+                    "openWorldHint": False},
     "new_session": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
                     "openWorldHint": False},
     "restart": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
@@ -57,7 +59,7 @@ HINTS = {
 }
 # The tools whose results carry structuredContent (the others return a file, an artifact or
 # a notebook as it is).
-STRUCTURED = {"run_python", "new_session", "list_files", "write_file", "interrupt", "restart"}
+STRUCTURED = {"run_python", "run_command", "new_session", "list_files", "write_file", "interrupt", "restart"}
 # Each tool's outputSchema, from the listing.
 SCHEMAS = {}
 
@@ -87,6 +89,10 @@ def structured(name, result):
     if name == "run_python":
         check(text == execution_text(data),
               f"run_python's text and structuredContent differ:\n{text}\n---\n{execution_text(data)}")
+        expected = []
+    elif name == "run_command":
+        check(text == command_text(data),
+              f"run_command's text and structuredContent differ:\n{text}\n---\n{command_text(data)}")
         expected = []
     elif name == "list_files":
         lines = text.split("\n")
@@ -141,6 +147,27 @@ def execution_text(d):
             out += f"- {x['kind']} {x['target']} (policy {x['policy']}): {x['reason']}\n"
     if d["omitted"]:
         out += f"{d['omitted']} outputs were not stored (quotas)\n"
+    return out
+
+
+def command_text(d):
+    """What run_command's text must be, given its structuredContent."""
+    if d["exit_code"] is not None:
+        how = f" (exit code {d['exit_code']})"
+    elif d["signal"] is not None:
+        how = f" (killed by {d['signal']})"
+    else:
+        how = ""
+    out = f"status: {d['status']}{how}\nsession: {d['session_id']}\n"
+    for stream in ("stdout", "stderr"):
+        if d[stream]:
+            out += f"{stream}:\n{d[stream]}\n"
+        if d[f"{stream}_truncated"]:
+            out += f"[{stream} was cut: more was printed than is shown]\n"
+    if d["error"] is not None:
+        out += f"error: {d['error']}\n"
+    for x in d["denials"]:
+        out += f"denied by the policy: {x['kind']} {x['target']} (policy {x['policy']}): {x['reason']}\n"
     return out
 
 
@@ -277,6 +304,18 @@ async def main():
         escape = await mcp.call_tool("read_file", {"path": "../../etc/passwd"})
         check(escape.is_error and "bad_path" in text_of(escape), text_of(escape))
         print("ok: files are written, listed and read; bad paths are refused")
+
+        result = await tool_call(mcp, "run_command", {"cmd": "wc -l < in.csv; echo oops >&2; exit 4",
+                                                      "cwd": "data"})
+        text = text_of(result)
+        check(not result.is_error and "status: error (exit code 4)" in text, text)
+        check("stdout:\n2\n" in text and "stderr:\noops" in text, text)
+        data = result.structured_content
+        check(data["exit_code"] == 4 and data["stdout"] == "2\n" and data["session_id"] == first,
+              data)
+        _, text = await run(mcp, "x")
+        check("result: 21" in text, f"a command touched the variables: {text}")
+        print("ok: a shell command runs in the caller's session, with its exit code")
 
         result, text = await run(mcp, "from IPython.display import HTML, display\n"
                                  "display(HTML('<table><tr><td>7</td></tr></table>'))")

@@ -136,5 +136,22 @@ fn run(
             let bytes = upload.commit()?;
             send(stream, &FileReply::Written { bytes })
         }
+        FileOp::Stat { path } => send(stream, &FileReply::Entry(workspace.stat(&path)?.to_wire())),
+        FileOp::MakeDir { path } => send(
+            stream,
+            &FileReply::Entry(workspace.make_dir(&path)?.to_wire()),
+        ),
+        FileOp::Remove { path, recursive } => {
+            let entries = workspace.remove(&path, recursive)?;
+            send(stream, &FileReply::Removed { entries })
+        }
+        FileOp::Rename {
+            from,
+            to,
+            overwrite,
+        } => {
+            let entry = workspace.rename(&from, &to, overwrite)?;
+            send(stream, &FileReply::Entry(entry.to_wire()))
+        }
     }
 }

@@ -314,6 +314,19 @@ pub enum FileOp {
     /// file in place. A stream that ends without it, or more than `limit` bytes, leaves
     /// nothing ([`FileReply::Failed`] for the limit).
     Write { path: String, limit: u64 },
+    /// What is at `path`: [`FileReply::Entry`].
+    Stat { path: String },
+    /// Creates the directory and its parents: [`FileReply::Entry`] of it.
+    MakeDir { path: String },
+    /// Removes a file, link or (empty, or with `recursive`) directory:
+    /// [`FileReply::Removed`].
+    Remove { path: String, recursive: bool },
+    /// Moves `from` to `to`: [`FileReply::Entry`] of `to`.
+    Rename {
+        from: String,
+        to: String,
+        overwrite: bool,
+    },
 }
 
 /// The largest frame of a file write.
@@ -327,6 +340,7 @@ pub enum FileReply {
     End,
     Size { bytes: u64 },
     Written { bytes: u64 },
+    Removed { entries: u64 },
     Failed(FileFailure),
 }
 
@@ -357,6 +371,8 @@ pub enum FailureKind {
     IsADirectory,
     TooLarge,
     NoSpace,
+    Exists,
+    NotEmpty,
     Unavailable,
     Io,
 }

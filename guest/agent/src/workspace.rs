@@ -56,6 +56,10 @@ pub enum WorkspaceError {
     TooLarge { limit: u64 },
     #[error("the workspace is full")]
     NoSpace,
+    #[error("{0} already exists")]
+    Exists(String),
+    #[error("{0} is a directory that is not empty (remove it with recursive)")]
+    NotEmpty(String),
     #[error("the session has no running kernel (its workspace lives and ends with the sandbox)")]
     Unavailable,
     #[error("{what}: {source}")]
@@ -76,6 +80,8 @@ fn io_error(what: &str, path: &str, err: rustix::io::Errno) -> WorkspaceError {
         Errno::NOTDIR => WorkspaceError::NotFound(path.to_owned()),
         Errno::ISDIR => WorkspaceError::IsADirectory(path.to_owned()),
         Errno::NOSPC | Errno::DQUOT => WorkspaceError::NoSpace,
+        Errno::EXIST => WorkspaceError::Exists(path.to_owned()),
+        Errno::NOTEMPTY => WorkspaceError::NotEmpty(path.to_owned()),
         err => WorkspaceError::Io {
             what: format!("{what} {path}"),
             source: err.into(),
@@ -114,6 +120,16 @@ pub fn check_path(path: &str) -> Result<Vec<&str>, WorkspaceError> {
         }
     }
     Ok(parts)
+}
+
+/// The last component of a checked path, and the directories above it.
+fn split<'a, 'p>(
+    parts: &'a [&'p str],
+    path: &str,
+) -> Result<(&'a &'p str, &'a [&'p str]), WorkspaceError> {
+    parts
+        .split_last()
+        .ok_or(WorkspaceError::NotFound(path.to_owned()))
 }
 
 fn resolve() -> ResolveFlags {
@@ -290,6 +306,164 @@ impl Workspace {
         })
     }
 
+    /// What is at `path` (a link is reported as one, never followed).
+    pub fn stat(&self, path: &str) -> Result<FileEntry, WorkspaceError> {
+        let parts = check_path(path)?;
+        let (name, dirs) = split(&parts, path)?;
+        let dir = self.open_dir(dirs, false, path)?;
+        let stat = rustix::fs::statat(&dir, *name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| io_error("stat", path, e))?;
+        Ok(FileEntry::from_stat(parts.join("/"), &stat))
+    }
+
+    /// Creates the directory `path` and any missing parent; an existing directory is fine,
+    /// anything else at `path` is [`WorkspaceError::Exists`].
+    pub fn make_dir(&self, path: &str) -> Result<FileEntry, WorkspaceError> {
+        let parts = check_path(path)?;
+        let _identity = self.as_owner()?;
+        match self.open_dir(&parts, true, path) {
+            Ok(_) => self.stat(path),
+            // Something that is not a directory stands in the way (ENOTDIR reads as
+            // NotFound on the way down; the last component is checked here).
+            Err(err) => match self.stat(path) {
+                Ok(entry) if entry.kind != "dir" => Err(WorkspaceError::Exists(path.to_owned())),
+                _ => Err(err),
+            },
+        }
+    }
+
+    /// Removes `path`: a file or link (the link itself), or a directory (with its contents
+    /// only when `recursive`; otherwise it must be empty). Returns how many entries went.
+    pub fn remove(&self, path: &str, recursive: bool) -> Result<u64, WorkspaceError> {
+        let parts = check_path(path)?;
+        let (name, dirs) = split(&parts, path)?;
+        let dir = self.open_dir(dirs, false, path)?;
+        let stat = rustix::fs::statat(&dir, *name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| io_error("remove", path, e))?;
+        let is_dir =
+            rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::Directory;
+        let mut removed = 0;
+        if is_dir && recursive {
+            let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+            let sub = rustix::fs::openat2(&dir, *name, flags, Mode::empty(), resolve())
+                .map_err(|e| io_error("remove", path, e))?;
+            removed += self.empty_dir(&sub, path, 0)?;
+        }
+        let flags = if is_dir {
+            rustix::fs::AtFlags::REMOVEDIR
+        } else {
+            rustix::fs::AtFlags::empty()
+        };
+        rustix::fs::unlinkat(&dir, *name, flags).map_err(|e| io_error("remove", path, e))?;
+        Ok(removed + 1)
+    }
+
+    /// Removes everything in `dir` (whose path is `shown`), depth first, never following a
+    /// link: a link is unlinked, the directory it pointed to untouched.
+    fn empty_dir(&self, dir: &OwnedFd, shown: &str, depth: usize) -> Result<u64, WorkspaceError> {
+        if depth > MAX_DEPTH {
+            return Err(WorkspaceError::BadPath {
+                path: shown.chars().take(200).collect(),
+                reason: "nested too deep to remove",
+            });
+        }
+        let readable = rustix::fs::openat2(
+            dir,
+            ".",
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            resolve(),
+        )
+        .map_err(|e| io_error("remove", shown, e))?;
+        let mut names = Vec::new();
+        for entry in
+            rustix::fs::Dir::read_from(&readable).map_err(|e| io_error("remove", shown, e))?
+        {
+            let entry = entry.map_err(|e| io_error("remove", shown, e))?;
+            let name = entry.file_name().to_owned();
+            if name.as_bytes() != b"." && name.as_bytes() != b".." {
+                names.push(name);
+            }
+        }
+        let mut removed = 0;
+        for name in names {
+            let shown_child = format!("{shown}/{}", name.to_string_lossy());
+            let stat = match rustix::fs::statat(dir, &name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(stat) => stat,
+                // The kernel removed it meanwhile.
+                Err(rustix::io::Errno::NOENT) => continue,
+                Err(e) => return Err(io_error("remove", &shown_child, e)),
+            };
+            let flags = if rustix::fs::FileType::from_raw_mode(stat.st_mode)
+                == rustix::fs::FileType::Directory
+            {
+                let sub = rustix::fs::openat2(
+                    dir,
+                    &name,
+                    OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                    resolve(),
+                )
+                .map_err(|e| io_error("remove", &shown_child, e))?;
+                removed += self.empty_dir(&sub, &shown_child, depth + 1)?;
+                rustix::fs::AtFlags::REMOVEDIR
+            } else {
+                rustix::fs::AtFlags::empty()
+            };
+            match rustix::fs::unlinkat(dir, &name, flags) {
+                Ok(()) => removed += 1,
+                Err(rustix::io::Errno::NOENT) => {}
+                Err(e) => return Err(io_error("remove", &shown_child, e)),
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Moves `from` to `to` (parents of `to` are created). A link moves as a link. Without
+    /// `overwrite`, anything at `to` is [`WorkspaceError::Exists`]; with it, a file or
+    /// link at `to` is replaced (a directory only by a directory, and only if empty).
+    pub fn rename(
+        &self,
+        from: &str,
+        to: &str,
+        overwrite: bool,
+    ) -> Result<FileEntry, WorkspaceError> {
+        let from_parts = check_path(from)?;
+        let to_parts = check_path(to)?;
+        if to_parts.len() > from_parts.len() && to_parts[..from_parts.len()] == from_parts[..] {
+            return Err(WorkspaceError::BadPath {
+                path: to.chars().take(200).collect(),
+                reason: "a directory cannot move into itself",
+            });
+        }
+        let (from_name, from_dirs) = split(&from_parts, from)?;
+        let (to_name, to_dirs) = split(&to_parts, to)?;
+        let source = self.open_dir(from_dirs, false, from)?;
+        // Checked first so that a missing source does not leave new directories behind.
+        rustix::fs::statat(&source, *from_name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| io_error("move", from, e))?;
+        let _identity = self.as_owner()?;
+        let target = self.open_dir(to_dirs, true, to)?;
+        let flags = if overwrite {
+            rustix::fs::RenameFlags::empty()
+        } else {
+            rustix::fs::RenameFlags::NOREPLACE
+        };
+        rustix::fs::renameat_with(&source, *from_name, &target, *to_name, flags).map_err(|e| {
+            match e {
+                rustix::io::Errno::NOENT => WorkspaceError::NotFound(from.to_owned()),
+                // Moving a directory below itself, or onto a link's own directory.
+                rustix::io::Errno::INVAL => WorkspaceError::BadPath {
+                    path: to.chars().take(200).collect(),
+                    reason: "a directory cannot move into itself",
+                },
+                e => io_error("move", to, e),
+            }
+        })?;
+        drop(_identity);
+        self.stat(to)
+    }
+
     /// Files and directories in `dir` ("" for the whole workspace): its own entries, or
     /// everything below it depth first (`listing`), at most [`MAX_LIST_ENTRIES`]. Links are
     /// listed as `symlink`, never followed. Names starting with a dot are skipped, their
@@ -350,24 +524,14 @@ impl Workspace {
             else {
                 continue;
             };
-            let kind = match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
-                rustix::fs::FileType::RegularFile => "file",
-                rustix::fs::FileType::Directory => "dir",
-                rustix::fs::FileType::Symlink => "symlink",
-                _ => "other",
-            };
             let path = if prefix.is_empty() {
                 name.clone()
             } else {
                 format!("{prefix}/{name}")
             };
-            out.push(FileEntry {
-                path: path.clone(),
-                kind,
-                size: stat.st_size as u64,
-                mtime_s: stat.st_mtime,
-                mtime_ns: stat.st_mtime_nsec as i64,
-            });
+            let entry = FileEntry::from_stat(path.clone(), &stat);
+            let kind = entry.kind;
+            out.push(entry);
             if kind == "dir" && listing.recursive {
                 let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
                 if let Ok(sub) =
@@ -490,6 +654,8 @@ impl WorkspaceError {
             WorkspaceError::IsADirectory(_) => FailureKind::IsADirectory,
             WorkspaceError::TooLarge { .. } => FailureKind::TooLarge,
             WorkspaceError::NoSpace => FailureKind::NoSpace,
+            WorkspaceError::Exists(_) => FailureKind::Exists,
+            WorkspaceError::NotEmpty(_) => FailureKind::NotEmpty,
             WorkspaceError::Unavailable => FailureKind::Unavailable,
             WorkspaceError::Io { .. } => FailureKind::Io,
         };
@@ -514,6 +680,8 @@ impl WorkspaceError {
             FailureKind::IsADirectory => WorkspaceError::IsADirectory(path),
             FailureKind::TooLarge => WorkspaceError::TooLarge { limit },
             FailureKind::NoSpace => WorkspaceError::NoSpace,
+            FailureKind::Exists => WorkspaceError::Exists(path),
+            FailureKind::NotEmpty => WorkspaceError::NotEmpty(path),
             FailureKind::Unavailable => WorkspaceError::Unavailable,
             FailureKind::Io => WorkspaceError::Io {
                 what: format!("{path} in the guest"),
@@ -526,6 +694,16 @@ impl WorkspaceError {
 }
 
 impl FileEntry {
+    fn from_stat(path: String, stat: &rustix::fs::Stat) -> FileEntry {
+        FileEntry {
+            path,
+            kind: kind_of(stat),
+            size: stat.st_size as u64,
+            mtime_s: stat.st_mtime,
+            mtime_ns: stat.st_mtime_nsec as i64,
+        }
+    }
+
     /// This entry as it crosses the link.
     pub fn to_wire(&self) -> WireEntry {
         WireEntry {
@@ -552,6 +730,15 @@ impl FileEntry {
             mtime_s: entry.mtime_s,
             mtime_ns: entry.mtime_ns,
         }
+    }
+}
+
+fn kind_of(stat: &rustix::fs::Stat) -> &'static str {
+    match rustix::fs::FileType::from_raw_mode(stat.st_mode) {
+        rustix::fs::FileType::RegularFile => "file",
+        rustix::fs::FileType::Directory => "dir",
+        rustix::fs::FileType::Symlink => "symlink",
+        _ => "other",
     }
 }
 

@@ -284,6 +284,21 @@ pub struct RunPython {
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct RunCommand {
+    /// The shell command line (run by `bash -c` in the workspace).
+    pub cmd: String,
+    /// A directory below the workspace to run in.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Kill it after this many seconds (default 60; the policy's limit applies as well).
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+    /// A session to run in; default: the caller's own, created on first use.
+    #[serde(default)]
+    pub session_id: Option<String>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct SessionOnly {
     /// The session; default: the caller's own.
     #[serde(default)]
@@ -387,9 +402,11 @@ impl Tools {
     /// `open_world`: some policy lets code reach beyond the gateway (see [`open_world`]).
     fn new(api: axum::Router, defaults: Defaults, open_world: bool) -> Tools {
         let mut tool_router = Self::tool_router();
-        if let Some(route) = tool_router.map.get_mut("run_python") {
-            let annotations = route.attr.annotations.get_or_insert_with(Default::default);
-            annotations.open_world_hint = Some(open_world);
+        for tool in ["run_python", "run_command"] {
+            if let Some(route) = tool_router.map.get_mut(tool) {
+                let annotations = route.attr.annotations.get_or_insert_with(Default::default);
+                annotations.open_world_hint = Some(open_world);
+            }
         }
         Tools {
             api,
@@ -607,6 +624,57 @@ impl Tools {
             }
         }
         structured(&execution, images)
+    }
+
+    #[tool(
+        title = "Run a shell command",
+        description = "Run a shell command (bash) in the session's sandbox, in its workspace: the same files, user, limits and network policy as the Python code (pip, ls, git, unzip, a script...). Returns the status (ok for exit code 0, error, timeout, oom, denied, sandbox_lost), the exit code or signal, stdout and stderr. It runs after any running code and does not change the Python variables.",
+        annotations(
+            title = "Run a shell command",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = false
+        ),
+        output_schema = rmcp::handler::server::tool::schema_for_output::<output::Command>()
+    )]
+    async fn run_command(
+        &self,
+        Parameters(request): Parameters<RunCommand>,
+        Extension(parts): Extension<axum::http::request::Parts>,
+    ) -> CallToolResult {
+        let (principal, id, new) = match self.target(&parts, request.session_id).await {
+            Ok(target) => target,
+            Err(error) => return error,
+        };
+        let mut body = json!({"cmd": request.cmd});
+        if let Some(cwd) = request.cwd {
+            body["cwd"] = json!(cwd);
+        }
+        if let Some(timeout) = request.timeout_s {
+            body["timeout_s"] = json!(timeout);
+        }
+        let answer = self
+            .call_bounded(
+                &principal,
+                Method::POST,
+                &format!("{}/commands", session_path(&id)),
+                Some((
+                    "application/json",
+                    serde_json::to_vec(&body).unwrap_or_default(),
+                )),
+                MAX_RESULT_BYTES,
+            )
+            .await;
+        if let Some(oversized) = answer.oversized("the result", MAX_RESULT_BYTES) {
+            return oversized;
+        }
+        if !answer.ok() {
+            return answer.failure("running the command");
+        }
+        match answer.parse::<output::ApiCommand>("the result") {
+            Ok(read) => structured(&output::Command::new(id, new, read), vec![]),
+            Err(error) => error,
+        }
     }
 
     #[tool(

@@ -224,6 +224,102 @@ impl fmt::Display for Execution {
     }
 }
 
+/// `run_command`'s result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Command {
+    /// `ok` (exit 0), `error` (another exit code, a signal, or it could not start),
+    /// `timeout`, `oom`, `denied`, `sandbox_lost`.
+    pub status: ExecutionStatus,
+    pub session_id: String,
+    /// The session was made for this call.
+    pub new_session: bool,
+    pub exit_code: Option<i32>,
+    /// The signal that ended it (`SIGKILL` after the timeout).
+    pub signal: Option<String>,
+    /// What it printed, at most 20 000 characters.
+    pub stdout: String,
+    pub stdout_truncated: bool,
+    pub stderr: String,
+    pub stderr_truncated: bool,
+    /// Why it could not run, or what ended it early.
+    pub error: Option<String>,
+    pub denials: Vec<Denial>,
+}
+
+/// API v1's command result: the part of it a tool reads.
+#[derive(Debug, Deserialize)]
+pub struct ApiCommand {
+    status: ExecutionStatus,
+    exit_code: Option<i32>,
+    signal: Option<String>,
+    #[serde(default)]
+    stdout: String,
+    #[serde(default)]
+    stderr: String,
+    #[serde(default)]
+    stdout_truncated: bool,
+    #[serde(default)]
+    stderr_truncated: bool,
+    error: Option<String>,
+    #[serde(default)]
+    denials: Vec<Denial>,
+}
+
+impl Command {
+    /// The result of `answer`, with every text capped as the model will read it.
+    pub fn new(session_id: String, new_session: bool, answer: ApiCommand) -> Command {
+        let (stdout, stdout_cut) = cut(&answer.stdout, MAX_STREAM_CHARS);
+        let (stderr, stderr_cut) = cut(&answer.stderr, MAX_STREAM_CHARS);
+        Command {
+            status: answer.status,
+            session_id,
+            new_session,
+            exit_code: answer.exit_code,
+            signal: answer.signal,
+            stdout,
+            stdout_truncated: answer.stdout_truncated || stdout_cut,
+            stderr,
+            stderr_truncated: answer.stderr_truncated || stderr_cut,
+            error: answer.error.map(|e| capped(&e, MAX_STREAM_CHARS)),
+            denials: answer.denials,
+        }
+    }
+}
+
+impl fmt::Display for Command {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "status: {}", self.status.as_str())?;
+        match (self.exit_code, &self.signal) {
+            (Some(code), _) => writeln!(f, " (exit code {code})")?,
+            (None, Some(signal)) => writeln!(f, " (killed by {signal})")?,
+            (None, None) => writeln!(f)?,
+        }
+        writeln!(f, "session: {}", self.session_id)?;
+        for (name, text, truncated) in [
+            ("stdout", &self.stdout, self.stdout_truncated),
+            ("stderr", &self.stderr, self.stderr_truncated),
+        ] {
+            if !text.is_empty() {
+                writeln!(f, "{name}:\n{text}")?;
+            }
+            if truncated {
+                writeln!(f, "[{name} was cut: more was printed than is shown]")?;
+            }
+        }
+        if let Some(error) = &self.error {
+            writeln!(f, "error: {error}")?;
+        }
+        for denial in &self.denials {
+            writeln!(
+                f,
+                "denied by the policy: {} {} (policy {}): {}",
+                denial.kind, denial.target, denial.policy, denial.reason
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// `list_files`' result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct FileList {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -16,7 +16,7 @@ use super::{session_for, ApiError, STREAM_CHUNK};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::sessions::Session;
-use crate::workspace::{mime_for, FileEntry, FileReader};
+use crate::workspace::{mime_for, FileEntry, FileReader, WorkspaceError};
 
 /// Largest upload: the policy's `upload_size`, and never more than its workspace.
 pub fn upload_limit(state: &AppState, session: &Session) -> u64 {
@@ -196,6 +196,151 @@ pub async fn upload(
         .await
         .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
     Ok((StatusCode::CREATED, Json(Uploaded { path, bytes })).into_response())
+}
+
+/// Runs `work` on the session's workspace on a blocking thread.
+async fn on_workspace<T: Send + 'static>(
+    session: Arc<Session>,
+    work: impl FnOnce(&crate::workspace::Files) -> Result<T, WorkspaceError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(move || {
+        let workspace = session.open_workspace()?;
+        work(&workspace).map_err(ApiError::from)
+    })
+    .await
+    .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))?
+}
+
+/// Whether something is at `path`, and what: answers 200 with `X-Cellgate-File-Kind`
+/// (`file`, `dir`, `symlink`, `other`), `Last-Modified` and, for a file, `Content-Length`;
+/// 404 when nothing is there. A link is reported as a link, never followed.
+#[utoipa::path(head, path = "/v1/sessions/{id}/files/{path}", tag = "files", operation_id = "file_exists",
+    params(("id" = String, Path), ("path" = String, Path)),
+    responses((status = 200, description = "something is at the path",
+               headers(("X-Cellgate-File-Kind" = String, description = "file, dir, symlink or other"),
+                       ("Content-Length" = u64, description = "a file's size"),
+                       ("Last-Modified" = String, description = "its modification time"))),
+              (status = 400, description = "a bad path"),
+              (status = 404, description = "no such session or file"),
+              (status = 409, description = "the workspace is unavailable")))]
+pub async fn head(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let session = session_for(&state, &principal, &id)?;
+    let entry = on_workspace(session, move |workspace| workspace.stat(&path)).await?;
+    let mut response = StatusCode::OK.into_response();
+    let headers = response.headers_mut();
+    headers.insert(FILE_KIND, HeaderValue::from_static(entry.kind));
+    if entry.kind == "file" {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(entry.size));
+    }
+    let modified = std::time::UNIX_EPOCH
+        + std::time::Duration::from_secs(u64::try_from(entry.mtime_s).unwrap_or(0));
+    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(modified)) {
+        headers.insert(header::LAST_MODIFIED, value);
+    }
+    Ok(response)
+}
+
+/// The header that says what a path is.
+pub const FILE_KIND: &str = "x-cellgate-file-kind";
+
+#[derive(Debug, Deserialize)]
+pub struct RemoveQuery {
+    /// Also a directory that is not empty, with everything in it.
+    #[serde(default)]
+    recursive: bool,
+}
+
+/// What a removal removed.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Removed {
+    pub path: String,
+    /// Entries removed: 1 for a file, link or empty directory; more for a tree.
+    pub removed: u64,
+}
+
+/// Remove a file, a link (the link, not what it points at) or a directory: an empty one, or
+/// with `recursive=true` everything in it.
+#[utoipa::path(delete, path = "/v1/sessions/{id}/files/{path}", tag = "files", operation_id = "remove_file",
+    params(("id" = String, Path), ("path" = String, Path),
+           ("recursive" = Option<bool>, Query, description = "also a directory that is not empty (default: false)")),
+    responses((status = 200, body = Removed), (status = 400, description = "a bad path"),
+              (status = 404, description = "no such session or file"),
+              (status = 409, description = "a directory that is not empty (`not_empty`), or the workspace is unavailable")))]
+pub async fn remove(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path((id, path)): Path<(String, String)>,
+    query: Result<Query<RemoveQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Removed>, ApiError> {
+    let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
+    let session = session_for(&state, &principal, &id)?;
+    let removed_path = path.clone();
+    let removed = on_workspace(session, move |workspace| {
+        workspace.remove(&removed_path, query.recursive)
+    })
+    .await?;
+    Ok(Json(Removed { path, removed }))
+}
+
+/// `POST /v1/sessions/{id}/files/{path}`: an operation on the path.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum FileOperation {
+    /// Create the directory and any missing parent (an existing directory is fine).
+    Mkdir,
+    /// Move (rename) the path to `to`; missing parents of `to` are created. Without
+    /// `overwrite`, anything at `to` is a conflict (`exists`).
+    Move {
+        to: String,
+        #[serde(default)]
+        overwrite: bool,
+    },
+    /// What is at the path.
+    Stat,
+}
+
+/// Create a directory, move a file or directory, or describe a path: answers with the entry
+/// at the path (for `move`, at its new path).
+#[utoipa::path(post, path = "/v1/sessions/{id}/files/{path}", tag = "files", operation_id = "file_operation",
+    params(("id" = String, Path), ("path" = String, Path)),
+    request_body = FileOperation,
+    responses((status = 200, body = ListedFile, description = "the entry now at the path (`move`: at `to`)"),
+              (status = 201, body = ListedFile, description = "`mkdir` created the directory"),
+              (status = 400, description = "a bad path, or a directory moved into itself"),
+              (status = 404, description = "no such session or file"),
+              (status = 409, description = "something else is at the path (`exists`), or the workspace is unavailable")))]
+pub async fn operate(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path((id, path)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let operation: FileOperation = super::body::parse(&body)?;
+    let session = session_for(&state, &principal, &id)?;
+    let (status, entry) = on_workspace(session, move |workspace| match operation {
+        FileOperation::Mkdir => {
+            let existed = matches!(workspace.stat(&path), Ok(entry) if entry.kind == "dir");
+            let entry = workspace.make_dir(&path)?;
+            Ok((
+                if existed {
+                    StatusCode::OK
+                } else {
+                    StatusCode::CREATED
+                },
+                entry,
+            ))
+        }
+        FileOperation::Move { to, overwrite } => {
+            Ok((StatusCode::OK, workspace.rename(&path, &to, overwrite)?))
+        }
+        FileOperation::Stat => Ok((StatusCode::OK, workspace.stat(&path)?)),
+    })
+    .await?;
+    Ok((status, Json(ListedFile::from_entry(entry))).into_response())
 }
 
 /// The bytes of a blocking reader (a guest's file stream) as a body stream: read on a

@@ -10,6 +10,7 @@
 mod artifacts;
 pub use artifacts::VerifiedLink;
 mod body;
+mod commands;
 mod docs;
 mod files;
 mod notebooks;
@@ -69,10 +70,18 @@ pub fn routes() -> Router<AppState> {
             json_only(post(sessions::restart)),
         )
         .route("/v1/sessions/{id}/input", json_only(post(sessions::input)))
+        .route("/v1/sessions/{id}/commands", json_only(post(commands::run)))
         .route("/v1/sessions/{id}/files", get(files::list))
         .route(
             "/v1/sessions/{id}/files/{*path}",
-            get(files::download).put(files::upload),
+            // The JSON rule binds POST only: an upload's body is the file.
+            json_only(
+                get(files::download)
+                    .head(files::head)
+                    .put(files::upload)
+                    .delete(files::remove)
+                    .post(files::operate),
+            ),
         )
         .route("/v1/sessions/{id}/artifacts", get(artifacts::list))
         .route("/v1/artifacts/{id}", get(artifacts::fetch))
@@ -114,6 +123,9 @@ impl From<SessionError> for ApiError {
             SessionError::PolicyNotAllowed { .. } => {
                 ApiError::bad_request(err.to_string()).code("policy_not_allowed")
             }
+            SessionError::CommandsUnsupported { .. } => {
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("commands_unsupported")
+            }
             SessionError::NoInputAwaited => ApiError::new(
                 StatusCode::CONFLICT,
                 "no execution of this session is waiting for input",
@@ -148,6 +160,10 @@ impl From<WorkspaceError> for ApiError {
             E::TooLarge { .. } => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string()),
             E::NoSpace => {
                 ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string()).code("workspace_full")
+            }
+            E::Exists(_) => ApiError::new(StatusCode::CONFLICT, err.to_string()).code("exists"),
+            E::NotEmpty(_) => {
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("not_empty")
             }
             E::Unavailable => {
                 ApiError::new(StatusCode::CONFLICT, err.to_string()).code("workspace_unavailable")

@@ -7,7 +7,8 @@ use serde_json::{json, Value};
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{artifacts, files, notebooks, sessions, ws};
+use super::{artifacts, commands, files, notebooks, sessions, ws};
+use crate::sessions::commands::{CommandEvent, CommandResult};
 use crate::sessions::{
     ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel, Status,
 };
@@ -45,13 +46,13 @@ impl Modify for Security {
     paths(
         sessions::create, sessions::list, sessions::get, sessions::delete,
         sessions::execute, sessions::execute_once, sessions::interrupt, sessions::restart,
-        sessions::input, files::list, files::upload, files::download,
+        sessions::input, commands::run, files::list, files::upload, files::download, files::head, files::remove, files::operate,
         artifacts::list, artifacts::fetch, artifacts::fetch_signed, artifacts::sign_link, ws::socket, notebooks::export, notebooks::replay,
         document,
     ),
     components(schemas(
         crate::gateway::api_error::ErrorBody, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
-        sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded,
+        sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded, files::Removed, files::FileOperation, commands::RunCommand, CommandResult, CommandEvent,
         ws::ClientMessage, SessionModel, ExecutionResult, ExecError, Resources, Status, Omitted,
         ArtifactRef, SessionEvent, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
     )),

@@ -183,22 +183,6 @@ async fn create_session(
     request: CreateSession,
 ) -> Result<Arc<Session>, ApiError> {
     let files = decode_files(request.files)?;
-    // Kernel Gateway's surface drops what a client may not set, as Kernel Gateway does; a
-    // v1 client is told, so a setting never silently goes missing.
-    let refused: Vec<&str> = request
-        .env
-        .keys()
-        .filter(|name| !crate::kernel::client_may_set(name, &state.config.env_allowlist))
-        .map(String::as_str)
-        .collect();
-    if !refused.is_empty() {
-        return Err(ApiError::bad_request(format!(
-            "env: a client may set only KERNEL_* variables (not KERNEL_WORKING_DIR) and the gateway's allowlist ({}); refused: {}",
-            if state.config.env_allowlist.is_empty() { "empty".to_owned() } else { state.config.env_allowlist.join(", ") },
-            refused.join(", ")
-        ))
-        .code("env_not_allowed"));
-    }
     let new = new_session(
         state,
         principal,
@@ -206,6 +190,33 @@ async fn create_session(
         request.policy,
         request.env,
     )?;
+    // Kernel Gateway's surface drops what a client may not set, as Kernel Gateway does; a
+    // v1 client is told, so a setting never silently goes missing.
+    let mut env = new.env.clone();
+    if let Some(policy) = &new.policy {
+        env.insert(crate::kernel::POLICY_ENV.to_owned(), policy.clone());
+    }
+    if let Some(refusal) = state
+        .sessions
+        .kernels()
+        .refused_env(new.kernel_name.as_deref(), &env)?
+    {
+        let list = |items: &[String]| {
+            if items.is_empty() {
+                "none".to_owned()
+            } else {
+                items.join(", ")
+            }
+        };
+        return Err(ApiError::bad_request(format!(
+            "env: policy {:?} does not let a client set {} (a client may set KERNEL_* variables but KERNEL_WORKING_DIR, the gateway's env_allowlist ({}), and what the policy's [environment] allow names ({}), never a name the sandbox reserves)",
+            refusal.policy,
+            refusal.names.join(", "),
+            list(&refusal.allowlist),
+            list(&refusal.patterns),
+        ))
+        .code("env_not_allowed"));
+    }
     let session = state.sessions.create(new).await?;
     if let Err(err) = write_initial_files(state, &session, files).await {
         let _ = state.sessions.delete(&session.id).await;
@@ -277,7 +288,7 @@ pub async fn delete(
     Ok(StatusCode::NO_CONTENT)
 }
 
-fn wants_sse(headers: &HeaderMap) -> bool {
+pub(super) fn wants_sse(headers: &HeaderMap) -> bool {
     headers
         .get(header::ACCEPT)
         .and_then(|a| a.to_str().ok())

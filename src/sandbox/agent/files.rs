@@ -78,7 +78,69 @@ fn unexpected(reply: &FileReply) -> WorkspaceError {
     guest_error(format!("unexpected answer {reply:?}"))
 }
 
+impl AgentFiles {
+    /// One operation answered by one entry, which must be the path asked about.
+    fn entry(&self, op: FileOp, path: &str) -> Result<FileEntry, WorkspaceError> {
+        let mut stream = self.open(op)?;
+        match self.reply(&mut stream)? {
+            FileReply::Entry(entry) => {
+                let asked = check_path(path)?.join("/");
+                if entry.path != asked {
+                    return Err(guest_error(format!(
+                        "the guest answered for {:?} when asked about {asked:?}",
+                        entry.path.chars().take(200).collect::<String>()
+                    )));
+                }
+                Ok(FileEntry::from_wire(entry))
+            }
+            FileReply::Failed(failure) => Err(WorkspaceError::from_wire(failure, path, 0)),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
 impl GuestFiles for AgentFiles {
+    fn stat(&self, path: &str) -> Result<FileEntry, WorkspaceError> {
+        self.entry(
+            FileOp::Stat {
+                path: path.to_owned(),
+            },
+            path,
+        )
+    }
+
+    fn make_dir(&self, path: &str) -> Result<FileEntry, WorkspaceError> {
+        self.entry(
+            FileOp::MakeDir {
+                path: path.to_owned(),
+            },
+            path,
+        )
+    }
+
+    fn remove(&self, path: &str, recursive: bool) -> Result<u64, WorkspaceError> {
+        let mut stream = self.open(FileOp::Remove {
+            path: path.to_owned(),
+            recursive,
+        })?;
+        match self.reply(&mut stream)? {
+            FileReply::Removed { entries } => Ok(entries),
+            FileReply::Failed(failure) => Err(WorkspaceError::from_wire(failure, path, 0)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    fn rename(&self, from: &str, to: &str, overwrite: bool) -> Result<FileEntry, WorkspaceError> {
+        self.entry(
+            FileOp::Rename {
+                from: from.to_owned(),
+                to: to.to_owned(),
+                overwrite,
+            },
+            to,
+        )
+    }
+
     fn list(&self, dir: &str, listing: Listing) -> Result<Vec<FileEntry>, WorkspaceError> {
         let mut stream = self.open(FileOp::List {
             dir: dir.to_owned(),

@@ -1,0 +1,323 @@
+//! Shell commands in a session's sandbox (API v1's commands, MCP's `run_command`).
+//!
+//! A command runs through the session's own kernel: one silent execution of a line that
+//! hands the command to `cellgate_command.run` (kernels/python3/cellgate_command.py), which
+//! runs `bash -c` in the kernel's sandbox and streams its output back as the cell's stream
+//! output, then reports the exit in a display bundle of [`EXIT_MIME`]. So a command gets
+//! exactly the kernel's isolation, limits and egress on every backend, through the one
+//! channel the gateway already has into the sandbox; nothing new crosses the boundary.
+//!
+//! What follows from that, and is documented for clients: a command waits for a running
+//! cell (and a cell for a running command: they share the session's turn), it is not part of
+//! the notebook history (export and replay show cells only), its events go to its caller
+//! only (not to the session's WebSocket subscribers), and only kernels whose language has a
+//! runner can take commands (Python today).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use super::events::Status;
+use super::{Session, SessionError};
+use crate::kernel::{ExecEvent, ExecuteOptions, Outcome};
+
+/// The MIME type of the bundle in which the runner reports how a command ended.
+pub const EXIT_MIME: &str = "application/vnd.cellgate.command-exit+json";
+/// How long past the command's own timeout the kernel may take before the gateway
+/// interrupts it (the runner kills the command at its timeout; this is the backstop).
+const BACKSTOP: Duration = Duration::from_secs(10);
+
+/// A command to run.
+#[derive(Debug, Clone)]
+pub struct CommandRequest {
+    /// Given to `bash -c`.
+    pub cmd: String,
+    /// A directory below the workspace (checked by the caller); `None`: the workspace.
+    pub cwd: Option<String>,
+    /// Added to the kernel's environment for this command.
+    pub env: BTreeMap<String, String>,
+    pub timeout: Duration,
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct CommandResult {
+    pub command_id: String,
+    /// `ok`: it exited with 0; `error`: another exit code, a signal, or it could not start
+    /// (`error` says why); `timeout`: its timeout killed it; `oom`, `sandbox_lost`, `denied`
+    /// as for executions.
+    pub status: Status,
+    /// Its exit code, when it exited.
+    pub exit_code: Option<i32>,
+    /// The signal that ended it (`SIGKILL` after a timeout or an interrupt).
+    pub signal: Option<String>,
+    /// Capped (see `stdout_truncated`); the complete stream went out as events.
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    /// The policy's per-execution output limit cut the output off.
+    pub output_truncated: bool,
+    /// Why it could not run, or what ended the kernel's side of it.
+    pub error: Option<String>,
+    /// Policy denials (egress, packages) it caused.
+    pub denials: Vec<Value>,
+    pub duration_ms: u64,
+    pub state_generation: u64,
+}
+
+/// One event of a running command.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum CommandEvent {
+    Started {
+        command_id: String,
+        cmd: String,
+    },
+    Stream {
+        command_id: String,
+        /// `stdout` or `stderr`.
+        name: String,
+        text: String,
+    },
+    Done {
+        command_id: String,
+        result: Box<CommandResult>,
+    },
+}
+
+impl CommandEvent {
+    /// The name used as the SSE `event:` field.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CommandEvent::Started { .. } => "started",
+            CommandEvent::Stream { .. } => "stream",
+            CommandEvent::Done { .. } => "done",
+        }
+    }
+}
+
+/// The runner's report, from its [`EXIT_MIME`] bundle.
+#[derive(Debug, Default, serde::Deserialize)]
+struct Exit {
+    exit_code: Option<i32>,
+    signal: Option<String>,
+    #[serde(default)]
+    timed_out: bool,
+    #[serde(default)]
+    interrupted: bool,
+    error: Option<String>,
+}
+
+/// The line the kernel executes for `request` (Python).
+fn python_line(request: &CommandRequest) -> String {
+    // JSON strings are Python string literals (serde_json leaves non-ASCII as it is, so no
+    // surrogate escapes), and a JSON object of strings is a Python dict.
+    let text = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned());
+    let cwd = request.cwd.as_deref().map(text);
+    let env = serde_json::to_string(&request.env).unwrap_or_else(|_| "{}".to_owned());
+    format!(
+        "__import__(\"cellgate_command\").run({}, cwd={}, env={env}, timeout={:.3})",
+        text(&request.cmd),
+        cwd.as_deref().unwrap_or("None"),
+        request.timeout.as_secs_f64(),
+    )
+}
+
+impl Session {
+    /// Whether this session's kernel can run commands.
+    pub fn runs_commands(&self) -> bool {
+        self.kernel.spec.language.eq_ignore_ascii_case("python")
+    }
+
+    /// Runs `request` in the session's sandbox: its events, ending with
+    /// [`CommandEvent::Done`].
+    pub fn run_command(
+        self: &Arc<Self>,
+        request: CommandRequest,
+    ) -> Result<mpsc::UnboundedReceiver<CommandEvent>, SessionError> {
+        if !self.runs_commands() {
+            return Err(SessionError::CommandsUnsupported {
+                language: self.kernel.spec.language.clone(),
+            });
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let session = self.clone();
+        tokio::spawn(async move { session.command(request, tx).await });
+        Ok(rx)
+    }
+
+    async fn command(
+        self: Arc<Self>,
+        request: CommandRequest,
+        tx: mpsc::UnboundedSender<CommandEvent>,
+    ) {
+        let _turn = self.run_lock.lock().await;
+        let started = Instant::now();
+        let options = ExecuteOptions {
+            timeout: Some(request.timeout + BACKSTOP),
+            allow_stdin: false,
+            silent: true,
+            adopt_display_updates: false,
+        };
+        let cap = self.options.stream_cap;
+        let mut result = CommandResult {
+            command_id: String::new(),
+            status: Status::Error,
+            exit_code: None,
+            signal: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            output_truncated: false,
+            error: None,
+            denials: Vec::new(),
+            duration_ms: 0,
+            state_generation: self.kernel.generation(),
+        };
+        let mut execution = match self.client.execute(&python_line(&request), options).await {
+            Ok(execution) => execution,
+            Err(err) => {
+                result.command_id = uuid::Uuid::new_v4().simple().to_string();
+                result.status = Status::SandboxLost;
+                result.error = Some(format!("the kernel cannot run it: {err}"));
+                let _ = tx.send(CommandEvent::Started {
+                    command_id: result.command_id.clone(),
+                    cmd: request.cmd,
+                });
+                let _ = tx.send(CommandEvent::Done {
+                    command_id: result.command_id.clone(),
+                    result: Box::new(result),
+                });
+                return;
+            }
+        };
+        let id = execution.msg_id.clone();
+        result.command_id = id.clone();
+        let _ = tx.send(CommandEvent::Started {
+            command_id: id.clone(),
+            cmd: request.cmd,
+        });
+        let mut exit = None;
+        let mut raised = None;
+        let mut reply = None;
+        let mut plain_stdout = super::plain::PlainStream::default();
+        let mut plain_stderr = super::plain::PlainStream::default();
+        while let Some(event) = execution.events.recv().await {
+            match event {
+                ExecEvent::Stream { name, text } => {
+                    let (buffer, truncated, plain) = if name == "stderr" {
+                        (
+                            &mut result.stderr,
+                            &mut result.stderr_truncated,
+                            &mut plain_stderr,
+                        )
+                    } else {
+                        (
+                            &mut result.stdout,
+                            &mut result.stdout_truncated,
+                            &mut plain_stdout,
+                        )
+                    };
+                    let text = plain.push(&text);
+                    if text.is_empty() {
+                        continue;
+                    }
+                    super::execution::push_capped(buffer, truncated, &text, cap);
+                    let _ = tx.send(CommandEvent::Stream {
+                        command_id: id.clone(),
+                        name,
+                        text,
+                    });
+                }
+                ExecEvent::Display { data, .. } => {
+                    if let Some(report) = data.get(EXIT_MIME) {
+                        exit = Some(
+                            serde_json::from_value::<Exit>(report.clone()).unwrap_or_default(),
+                        );
+                    }
+                }
+                ExecEvent::Error { ename, evalue, .. } => {
+                    raised = Some(format!("{ename}: {evalue}"))
+                }
+                ExecEvent::Done(done) => {
+                    reply = Some(done);
+                    break;
+                }
+                ExecEvent::Busy
+                | ExecEvent::Result { .. }
+                | ExecEvent::ClearOutput { .. }
+                | ExecEvent::InputRequest { .. } => {}
+            }
+        }
+        let reply = reply.unwrap_or_default();
+        result.stdout = super::plain::collapse_overwrites(&result.stdout);
+        result.stderr = super::plain::collapse_overwrites(&result.stderr);
+        result.output_truncated = reply.outcome == Some(Outcome::OutputTruncated);
+        result.denials = reply
+            .denials
+            .iter()
+            .filter_map(|d| serde_json::to_value(d).ok())
+            .collect();
+        let exit = exit.unwrap_or_default();
+        result.exit_code = exit.exit_code;
+        result.signal = exit.signal;
+        result.error = exit.error.or(raised).or_else(|| {
+            (reply.status != "ok" && reply.ename.is_some()).then(|| {
+                format!(
+                    "{}: {}",
+                    reply.ename.clone().unwrap_or_default(),
+                    reply.evalue.clone().unwrap_or_default()
+                )
+            })
+        });
+        if exit.interrupted && result.error.is_none() {
+            result.error = Some("interrupted".to_owned());
+        }
+        result.status = match reply.outcome {
+            Some(Outcome::Oom) => Status::Oom,
+            Some(Outcome::SandboxLost) => Status::SandboxLost,
+            Some(Outcome::Timeout) => Status::Timeout,
+            _ if exit.timed_out => Status::Timeout,
+            _ if result.exit_code == Some(0) => Status::Ok,
+            _ if !result.denials.is_empty() => Status::Denied,
+            _ => Status::Error,
+        };
+        result.duration_ms = started.elapsed().as_millis() as u64;
+        result.state_generation = self.kernel.generation();
+        let _ = tx.send(CommandEvent::Done {
+            command_id: id,
+            result: Box::new(result),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_quotes_everything_as_python_literals() {
+        let request = CommandRequest {
+            cmd: "echo \"$HOME\" 'a\\b'\nexit 3 # é".to_owned(),
+            cwd: Some("data/x y".to_owned()),
+            env: BTreeMap::from([("K".to_owned(), "v\"\\".to_owned())]),
+            timeout: Duration::from_millis(2500),
+        };
+        assert_eq!(
+            python_line(&request),
+            r#"__import__("cellgate_command").run("echo \"$HOME\" 'a\\b'\nexit 3 # é", cwd="data/x y", env={"K":"v\"\\"}, timeout=2.500)"#
+        );
+        let bare = CommandRequest {
+            cwd: None,
+            env: BTreeMap::new(),
+            ..request
+        };
+        assert!(python_line(&bare).contains("cwd=None, env={}, timeout=2.500)"));
+    }
+}
