@@ -3,7 +3,7 @@
 // Works in browsers and in Node 18+ (global fetch); no framework, no dependency.
 //
 //   import { Session } from "@cellgate/client";
-//   const session = await Session.create("http://127.0.0.1:8888", token);
+//   const session = await Session.create("http://127.0.0.1:8888", token); // or CELLGATE_URL/TOKEN
 //   const execution = await session.runCode("6 * 7");
 //   console.log(execution.status, execution.result); // ok 42
 //   await session.close();
@@ -116,6 +116,48 @@ export interface FileEntry {
   mtime: string;
 }
 
+/** How a shell command ended: `ok` (exit code 0), `error` (another exit code, a signal, or it
+ * could not start: `error` says why), `timeout` (killed after its timeout), and as for
+ * executions `oom`, `denied`, `sandbox_lost`. */
+export type CommandStatus = "ok" | "error" | "timeout" | "oom" | "denied" | "sandbox_lost";
+
+/** The typed result of a shell command run in the session's sandbox. */
+export interface CommandResult {
+  command_id: string;
+  status: CommandStatus;
+  /** Its exit code, when it exited. */
+  exit_code: number | null;
+  /** The signal that ended it (`SIGKILL` after a timeout or an interrupt). */
+  signal: string | null;
+  /** Capped (see `stdout_truncated`); the callbacks saw the complete streams. */
+  stdout: string;
+  stderr: string;
+  stdout_truncated: boolean;
+  stderr_truncated: boolean;
+  /** The policy's per-execution output limit cut the output off. */
+  output_truncated: boolean;
+  /** Why it could not run, or what ended the kernel's side of it. */
+  error: string | null;
+  denials: Denial[];
+  duration_ms: number;
+  state_generation: number;
+}
+
+export interface CommandOptions {
+  /** A directory below the workspace to run in (default: the workspace). */
+  cwd?: string;
+  /** Variables added to the kernel's environment for this command. */
+  env?: Record<string, string>;
+  /** Kill the command (its whole process group) after this many seconds (the gateway's
+   * default: 60) and report `timeout`. */
+  timeoutSeconds?: number;
+  /** With either callback the output is streamed (Server-Sent Events), chunk by chunk. */
+  onStdout?: (text: string) => void;
+  onStderr?: (text: string) => void;
+  /** Aborting stops waiting for the answer (the command keeps running to its timeout). */
+  signal?: AbortSignal;
+}
+
 /** One event of an execution, as `docs/api-v1.md` lists them. */
 export type ExecutionEvent = { type: string; execution_id?: string; [field: string]: unknown };
 
@@ -142,7 +184,7 @@ export interface NewSessionOptions {
 
 /** The gateway answered an error: its status, its stable machine `code`
  * (`no_such_session`, `invalid_json`, `rate_limited`…), its message, and `retryAfter`
- * (seconds) where waiting helps. */
+ * (seconds, from the `Retry-After` header of a 429 or 503) where waiting helps. */
 export class CellgateError extends Error {
   constructor(
     readonly status: number,
@@ -165,35 +207,95 @@ export class CellgateError extends Error {
     } catch {
       if (text) message = text;
     }
-    const retry = Number(response.headers.get("retry-after"));
-    return new CellgateError(response.status, code, message, Number.isFinite(retry) && retry > 0 ? retry : undefined);
+    return new CellgateError(response.status, code, message, retryAfter(response));
+  }
+}
+
+/** The gateway could not be reached at all (down, connection refused, unknown host, TLS…):
+ * `url` is what was asked for, `cause` what fetch threw. `status` is 0. */
+export class CellgateConnectionError extends CellgateError {
+  constructor(
+    readonly url: string,
+    cause: unknown,
+  ) {
+    super(0, "connection_failed", `cannot reach ${url}: ${describe(cause)}`);
+    this.name = "CellgateConnectionError";
+    this.message = `cannot reach ${url}: ${describe(cause)}`;
+    this.cause = cause;
   }
 }
 
 type FetchLike = typeof fetch;
 
-/** A cellgate gateway. `token` is its static token or a tenant's JWT. */
+export interface ClientOptions {
+  /** The fetch to use (default: the global one). */
+  fetch?: FetchLike;
+  /** How many times to repeat a request the gateway refused with 429 or 503 and a
+   * `Retry-After` header (it sends one only when nothing was done), after waiting as it
+   * says. Default 3; 0 never repeats. */
+  maxRetries?: number;
+  /** The longest `Retry-After` to wait for, in seconds (default 30): a longer one is thrown
+   * at once, as a CellgateError with `retryAfter`. */
+  maxRetryWaitSeconds?: number;
+}
+
+/** A cellgate gateway. `token` is its static token or a tenant's JWT. Under Node, a `url`
+ * or `token` not given (undefined) is read from `CELLGATE_URL` / `CELLGATE_TOKEN`; `""` as
+ * the token sends none. */
 export class Client {
   readonly url: string;
+  readonly maxRetries: number;
+  readonly maxRetryWaitSeconds: number;
   private readonly headers: Record<string, string>;
   private readonly fetchImpl: FetchLike;
 
-  constructor(url: string, token?: string, options: { fetch?: FetchLike } = {}) {
-    this.url = url.replace(/\/+$/, "");
+  constructor(url?: string, token?: string, options: ClientOptions = {}) {
+    const base = url ?? environment("CELLGATE_URL");
+    if (!base) {
+      throw new Error(
+        "no cellgate URL: pass one (new Client(url, token)) or set CELLGATE_URL (e.g. http://127.0.0.1:8888)",
+      );
+    }
+    this.url = base.replace(/\/+$/, "");
+    const credential = token ?? environment("CELLGATE_TOKEN");
     // `Bearer` carries both the static token and a tenant's JWT.
-    this.headers = token ? { Authorization: `Bearer ${token}` } : {};
+    this.headers = credential ? { Authorization: `Bearer ${credential}` } : {};
     this.fetchImpl = options.fetch ?? globalThis.fetch.bind(globalThis);
+    this.maxRetries = Math.max(0, Math.floor(options.maxRetries ?? 3));
+    this.maxRetryWaitSeconds = Math.max(0, options.maxRetryWaitSeconds ?? 30);
   }
 
-  /** One request; throws a CellgateError for an error answer. */
+  /** One request; throws a CellgateError for an error answer, a CellgateConnectionError when
+   * the gateway cannot be reached. A 429 or 503 with `Retry-After` is repeated after the wait
+   * (up to `maxRetries` times, for waits up to `maxRetryWaitSeconds`), unless the body is a
+   * stream, which cannot be sent twice. */
   async request(method: string, path: string, init: RequestInit = {}): Promise<Response> {
-    const response = await this.fetchImpl(this.url + path, {
-      ...init,
-      method,
-      headers: { ...this.headers, ...(init.headers as Record<string, string> | undefined) },
-    });
-    if (!response.ok && response.status !== 304) throw await CellgateError.from(response);
-    return response;
+    const url = this.url + path;
+    const replayable = !isStream(init.body);
+    for (let attempt = 0; ; attempt++) {
+      let response: Response;
+      try {
+        response = await this.fetchImpl(url, {
+          ...init,
+          method,
+          headers: { ...this.headers, ...(init.headers as Record<string, string> | undefined) },
+        });
+      } catch (error) {
+        if (init.signal?.aborted || isAbort(error)) throw error;
+        throw new CellgateConnectionError(url, error);
+      }
+      if (response.ok || response.status === 304) return response;
+      const wait = retryAfter(response);
+      const retryable =
+        (response.status === 429 || response.status === 503) &&
+        wait !== undefined &&
+        wait <= this.maxRetryWaitSeconds &&
+        attempt < this.maxRetries &&
+        replayable;
+      if (!retryable) throw await CellgateError.from(response);
+      await response.body?.cancel().catch(() => {});
+      await sleep(wait * 1000, init.signal ?? undefined);
+    }
   }
 
   async json<T>(method: string, path: string, body?: unknown): Promise<T> {
@@ -222,9 +324,11 @@ export class Client {
     return this.json<SessionInfo[]>("GET", "/v1/sessions");
   }
 
-  /** Runs `code` once in a fresh session, deleted afterwards. */
-  async runCode(code: string, options: RunOptions & { policy?: string } = {}): Promise<Execution> {
-    const session = await this.session({ policy: options.policy });
+  /** Runs `code` once in a fresh session (`policy`, `kernelName`, `env`, `files` as for
+   * `session()`), deleted afterwards. */
+  async runCode(code: string, options: RunOptions & NewSessionOptions = {}): Promise<Execution> {
+    const { policy, kernelName, env, files } = options;
+    const session = await this.session({ policy, kernelName, env, files });
     try {
       return await session.runCode(code, options);
     } finally {
@@ -279,8 +383,9 @@ export class Session {
     this.id = infoAtStart.id;
   }
 
-  /** `new Client(url, token).session(options)`. */
-  static async create(url: string, token?: string, options: NewSessionOptions = {}): Promise<Session> {
+  /** `new Client(url, token).session(options)` (no url or token: `CELLGATE_URL`,
+   * `CELLGATE_TOKEN`). */
+  static async create(url?: string, token?: string, options: NewSessionOptions = {}): Promise<Session> {
     return new Client(url, token).session(options);
   }
 
@@ -334,6 +439,84 @@ export class Session {
       }
     }
     throw new CellgateError(0, "stream_ended", "the event stream ended before the execution's result");
+  }
+
+  /** Runs the shell command `cmd` (`bash -c`) in the session's sandbox, as the kernel's user
+   * with its limits and egress, after any running cell; resolves to its CommandResult
+   * whatever its status. With `onStdout`/`onStderr` its output is streamed as it comes. */
+  async runCommand(cmd: string, options: CommandOptions = {}): Promise<CommandResult> {
+    const body: Record<string, unknown> = { cmd };
+    if (options.cwd !== undefined) body.cwd = options.cwd;
+    if (options.env !== undefined) body.env = options.env;
+    if (options.timeoutSeconds !== undefined) body.timeout_s = options.timeoutSeconds;
+    const streaming = Boolean(options.onStdout || options.onStderr);
+    const headers: Record<string, string> = { "Content-Type": "application/json" };
+    if (streaming) headers.Accept = "text/event-stream";
+    const response = await this.client.request("POST", `${this.path}/commands`, {
+      body: JSON.stringify(body),
+      headers,
+      signal: options.signal,
+    });
+    if (!streaming) return (await response.json()) as CommandResult;
+    if (!response.body) throw new CellgateError(0, "no_stream", "the answer has no body");
+    for await (const event of sseEvents(response.body)) {
+      if (event.type === "stream") {
+        const text = String(event.text ?? "");
+        (event.name === "stderr" ? options.onStderr : options.onStdout)?.(text);
+      } else if (event.type === "done") {
+        return event.result as CommandResult;
+      }
+    }
+    throw new CellgateError(0, "stream_ended", "the event stream ended before the command's result");
+  }
+
+  /** Whether anything (file, directory, link…) is at `path` in the workspace. */
+  async exists(path: string): Promise<boolean> {
+    try {
+      await this.client.request("HEAD", `${this.path}/files/${encPath(path)}`);
+      return true;
+    } catch (error) {
+      if (!(error instanceof CellgateError && error.status === 404)) throw error;
+    }
+    // A HEAD answer has no body to tell a missing file from a missing session: ask again.
+    try {
+      await this.stat(path);
+      return true;
+    } catch (error) {
+      if (error instanceof CellgateError && error.code === "no_such_file") return false;
+      throw error;
+    }
+  }
+
+  /** What is at `path` (a link is described, not followed); 404 `no_such_file` if nothing. */
+  stat(path: string): Promise<FileEntry> {
+    return this.fileOperation(path, { op: "stat" });
+  }
+
+  /** Creates the directory `path` and any missing parent (one that exists is fine). */
+  makeDir(path: string): Promise<FileEntry> {
+    return this.fileOperation(path, { op: "mkdir" });
+  }
+
+  /** Moves (renames) `from` to `to`, creating missing parents, and resolves to the entry at
+   * `to`. Something already at `to` is a 409 `exists`, unless `overwrite`. */
+  move(from: string, to: string, options: { overwrite?: boolean } = {}): Promise<FileEntry> {
+    return this.fileOperation(from, { op: "move", to, overwrite: Boolean(options.overwrite) });
+  }
+
+  /** Removes a file, a link, or a directory: an empty one, or with `recursive` everything
+   * in it (else 409 `not_empty`). Resolves to how many entries went. */
+  async remove(path: string, options: { recursive?: boolean } = {}): Promise<number> {
+    const query = options.recursive ? "?recursive=true" : "";
+    const answer = await this.client.json<{ path: string; removed: number }>(
+      "DELETE",
+      `${this.path}/files/${encPath(path)}${query}`,
+    );
+    return answer.removed;
+  }
+
+  private fileOperation(path: string, operation: Record<string, unknown>): Promise<FileEntry> {
+    return this.client.json<FileEntry>("POST", `${this.path}/files/${encPath(path)}`, operation);
   }
 
   /** Answers the `input()` a running cell waits for. */
@@ -430,6 +613,62 @@ export async function* sseEvents(body: ReadableStream<Uint8Array>): AsyncGenerat
     // Left early (a callback threw, the caller aborted, or `done` came): stop the stream.
     await reader.cancel().catch(() => {});
   }
+}
+
+/** The `Retry-After` of an answer in seconds (delta-seconds or an HTTP date), if any. */
+function retryAfter(response: Response): number | undefined {
+  const value = response.headers.get("retry-after")?.trim();
+  if (!value) return undefined;
+  if (/^\d+$/.test(value)) return Number(value);
+  const date = Date.parse(value);
+  return Number.isNaN(date) ? undefined : Math.max(0, (date - Date.now()) / 1000);
+}
+
+/** A body that can be read only once (a stream, or an async iterable under Node). */
+function isStream(body: unknown): boolean {
+  if (body === null || typeof body !== "object") return false;
+  if (typeof ReadableStream !== "undefined" && body instanceof ReadableStream) return true;
+  return Symbol.asyncIterator in body;
+}
+
+function isAbort(error: unknown): boolean {
+  const name = (error as { name?: unknown } | null)?.name;
+  return name === "AbortError" || name === "TimeoutError";
+}
+
+/** What fetch's error says, with its cause (Node: "fetch failed" caused by ECONNREFUSED…). */
+function describe(error: unknown): string {
+  const parts: string[] = [];
+  let current: unknown = error;
+  for (let depth = 0; current !== undefined && current !== null && depth < 4; depth++) {
+    const { message, code } = current as { message?: unknown; code?: unknown };
+    const said = typeof message === "string" ? message : "";
+    const text = typeof code === "string" && !said.includes(code) ? `${code} ${said}`.trim() : said;
+    parts.push(text || String(current));
+    current = (current as { cause?: unknown }).cause;
+  }
+  return parts.join(": ");
+}
+
+function sleep(ms: number, signal?: AbortSignal): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(signal.reason);
+    const onAbort = () => {
+      clearTimeout(timer);
+      reject(signal?.reason);
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, ms);
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+/** A variable of the process's environment under Node (undefined in a browser). */
+function environment(name: string): string | undefined {
+  const runtime = globalThis as { process?: { env?: Record<string, string | undefined> } };
+  return typeof runtime.process !== "undefined" ? runtime.process.env?.[name] || undefined : undefined;
 }
 
 function sessionBody(options: NewSessionOptions): Record<string, unknown> {

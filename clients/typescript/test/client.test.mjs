@@ -1,9 +1,10 @@
 // The TypeScript client against a live gateway (started by tests/it/sdk.rs, which sets
 // CELLGATE_URL and CELLGATE_TOKEN and builds dist/ first): real kernels in the default sandbox.
 import assert from "node:assert/strict";
+import { createServer } from "node:http";
 import { test } from "node:test";
 
-import { CellgateError, Client, Session } from "../dist/index.js";
+import { CellgateConnectionError, CellgateError, Client, Session } from "../dist/index.js";
 
 const URL = process.env.CELLGATE_URL;
 const TOKEN = process.env.CELLGATE_TOKEN;
@@ -151,4 +152,250 @@ test("attach by id keeps the state; one-shot runCode leaves no session", async (
   const before = (await client.sessions()).length;
   assert.equal((await client.runCode("2 ** 10")).result, "1024");
   assert.equal((await client.sessions()).length, before);
+});
+
+test("commands: exit codes, stderr, cwd, env and timeouts", () =>
+  withSession(async (session) => {
+    const ok = await session.runCommand("echo hello; echo oops >&2");
+    assert.equal(ok.status, "ok", JSON.stringify(ok));
+    assert.equal(ok.exit_code, 0);
+    assert.equal(ok.signal, null);
+    assert.equal(ok.stdout, "hello\n");
+    assert.equal(ok.stderr, "oops\n");
+    assert.equal(ok.error, null);
+    assert.ok(ok.command_id && ok.duration_ms >= 0 && ok.state_generation >= 1, JSON.stringify(ok));
+    const failed = await session.runCommand("echo no >&2; exit 3");
+    assert.equal(failed.status, "error");
+    assert.equal(failed.exit_code, 3);
+    assert.equal(failed.stderr, "no\n");
+    await session.makeDir("sub/dir");
+    const there = await session.runCommand("pwd; echo made > here.txt", { cwd: "sub/dir" });
+    assert.match(there.stdout, /\/sub\/dir\n$/);
+    assert.deepEqual(new TextDecoder().decode(await session.download("sub/dir/here.txt")), "made\n");
+    const env = await session.runCommand('echo "$GREETING, $WHO"', { env: { GREETING: "hi", WHO: "Ada" } });
+    assert.equal(env.stdout, "hi, Ada\n");
+    const slow = await session.runCommand("sleep 30", { timeoutSeconds: 1 });
+    assert.equal(slow.status, "timeout", JSON.stringify(slow));
+    assert.equal(slow.signal, "SIGKILL");
+    assert.equal(slow.exit_code, null);
+    assert.ok(slow.duration_ms < 20000, JSON.stringify(slow));
+    await assert.rejects(session.runCommand("ls", { cwd: "../etc" }), (e) => e instanceof CellgateError && e.status === 400);
+  }));
+
+test("commands stream their output to the callbacks while they run", () =>
+  withSession(async (session) => {
+    // The command prints, then waits for a file the test uploads only once that first chunk
+    // has arrived: the callback provably ran before the command ended.
+    const out = [];
+    const err = [];
+    let released;
+    const result = await session.runCommand(
+      "echo first; echo warn >&2; while [ ! -e go ]; do sleep 0.1; done; echo second",
+      {
+        timeoutSeconds: 60,
+        onStdout: (text) => {
+          out.push(text);
+          if (!released && out.join("").includes("first")) released = session.upload("go", "");
+        },
+        onStderr: (text) => err.push(text),
+      },
+    );
+    assert.ok(released, "the first chunk came while the command ran");
+    await released;
+    assert.equal(result.status, "ok", JSON.stringify(result));
+    assert.equal(out.join(""), "first\nsecond\n");
+    assert.equal(err.join(""), "warn\n");
+    assert.equal(result.stdout, "first\nsecond\n");
+  }));
+
+test("workspace files: mkdir, stat, exists, move, remove", () =>
+  withSession(async (session) => {
+    const made = await session.makeDir("a/b");
+    assert.equal(made.path, "a/b");
+    assert.equal(made.kind, "dir");
+    assert.match(made.mtime, /^\d{4}-\d\d-\d\dT/);
+    assert.equal((await session.makeDir("a/b")).kind, "dir", "an existing directory is fine");
+    await session.upload("a/b/one.txt", "12345");
+    const one = await session.stat("a/b/one.txt");
+    assert.deepEqual([one.path, one.kind, one.size], ["a/b/one.txt", "file", 5]);
+    assert.equal(await session.exists("a/b/one.txt"), true);
+    assert.equal(await session.exists("a"), true);
+    assert.equal(await session.exists("a/nothing.txt"), false);
+    await assert.rejects(session.stat("a/nothing.txt"), (e) => e.status === 404 && e.code === "no_such_file");
+
+    const moved = await session.move("a/b/one.txt", "c/two.txt");
+    assert.deepEqual([moved.path, moved.kind, moved.size], ["c/two.txt", "file", 5]);
+    assert.equal(await session.exists("a/b/one.txt"), false);
+    await session.upload("three.txt", "333");
+    await assert.rejects(session.move("three.txt", "c/two.txt"), (e) => e.status === 409 && e.code === "exists");
+    assert.equal((await session.move("three.txt", "c/two.txt", { overwrite: true })).size, 3);
+    assert.equal(new TextDecoder().decode(await session.download("c/two.txt")), "333");
+
+    await assert.rejects(session.remove("c"), (e) => e.status === 409 && e.code === "not_empty");
+    assert.equal(await session.remove("c/two.txt"), 1);
+    assert.equal(await session.remove("c"), 1);
+    await session.upload("a/b/x.txt", "x");
+    assert.equal(await session.remove("a", { recursive: true }), 3);
+    assert.equal(await session.exists("a"), false);
+    await assert.rejects(session.remove("a"), (e) => e.status === 404 && e.code === "no_such_file");
+  }));
+
+test("exists on a deleted session throws instead of saying false", async () => {
+  const session = await Session.create(URL, TOKEN);
+  await session.close();
+  await assert.rejects(session.exists("x"), (e) => e.status === 404 && e.code === "no_such_session");
+});
+
+test("sessions take environment variables the policy allows", async () => {
+  const client = new Client(URL, TOKEN);
+  const session = await client.session({ env: { CLIENT_TEST_X: "from the client" } });
+  try {
+    const seen = await session.runCode("import os\nos.environ['CLIENT_TEST_X']");
+    assert.equal(seen.result, "'from the client'");
+    assert.equal((await session.runCommand('printf %s "$CLIENT_TEST_X"')).stdout, "from the client");
+  } finally {
+    await session.close();
+  }
+  const oneShot = await client.runCode("import os\nos.environ.get('CLIENT_TEST_Y')", { env: { CLIENT_TEST_Y: "once" } });
+  assert.equal(oneShot.result, "'once'");
+  await assert.rejects(
+    client.session({ env: { NOT_ALLOWED_HERE: "x" } }),
+    (e) => e instanceof CellgateError && e.status === 400 && e.code === "env_not_allowed",
+  );
+});
+
+test("a client with no URL or token reads CELLGATE_URL and CELLGATE_TOKEN", async () => {
+  const client = new Client();
+  assert.equal(client.url, URL.replace(/\/+$/, ""));
+  assert.ok(Array.isArray(await client.sessions()));
+  const session = await Session.create();
+  try {
+    assert.equal((await session.runCode("1 + 1")).result, "2");
+  } finally {
+    await session.close();
+  }
+  // An explicit empty token sends none.
+  await assert.rejects(new Client(undefined, "").sessions(), (e) => e.status === 401 && e.code === "missing_token");
+  const saved = process.env.CELLGATE_URL;
+  delete process.env.CELLGATE_URL;
+  try {
+    assert.throws(() => new Client(), /CELLGATE_URL/);
+  } finally {
+    process.env.CELLGATE_URL = saved;
+  }
+});
+
+/** A port on 127.0.0.1 nothing listens on. */
+async function closedPort() {
+  const server = createServer();
+  await new Promise((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const { port } = server.address();
+  await new Promise((resolve) => server.close(resolve));
+  return port;
+}
+
+test("an unreachable gateway is a CellgateConnectionError naming the URL", async () => {
+  const url = `http://127.0.0.1:${await closedPort()}`;
+  await assert.rejects(new Client(url, TOKEN).sessions(), (e) => {
+    assert.ok(e instanceof CellgateConnectionError && e instanceof CellgateError, String(e));
+    assert.equal(e.name, "CellgateConnectionError");
+    assert.equal(e.code, "connection_failed");
+    assert.equal(e.url, `${url}/v1/sessions`);
+    assert.ok(e.message.includes(url) && e.message.includes("ECONNREFUSED"), e.message);
+    assert.ok(e.cause, "fetch's own error is the cause");
+    return true;
+  });
+});
+
+/** A local server that gives the answers in `script` (status, headers) one after another,
+ * then 200 `[]`; `requests` counts what it received. */
+async function scriptedServer(script) {
+  const served = { requests: 0, bodies: [] };
+  const server = createServer((request, response) => {
+    const chunks = [];
+    request.on("data", (chunk) => chunks.push(chunk));
+    request.on("end", () => {
+      served.bodies.push(Buffer.concat(chunks).toString());
+      const [status, headers] = script[served.requests++] ?? [200, {}];
+      const body = status === 200 ? "[]" : JSON.stringify({ reason: "x", message: "try later", code: status === 429 ? "rate_limited" : "unavailable" });
+      response.writeHead(status, { "Content-Type": "application/json", ...headers });
+      response.end(body);
+    });
+  });
+  await new Promise((resolve) => server.listen(0, "127.0.0.1", resolve));
+  served.url = `http://127.0.0.1:${server.address().port}`;
+  served.close = () => new Promise((resolve) => server.close(resolve));
+  return served;
+}
+
+test("429 and 503 with Retry-After are retried after the wait, within bounds", async () => {
+  const retried = await scriptedServer([
+    [429, { "Retry-After": "0" }],
+    [503, { "Retry-After": "1" }],
+  ]);
+  try {
+    const started = Date.now();
+    assert.deepEqual(await new Client(retried.url, "t").sessions(), []);
+    assert.equal(retried.requests, 3);
+    assert.ok(Date.now() - started >= 900, "it waited the second answer's second");
+  } finally {
+    await retried.close();
+  }
+
+  const tooLong = await scriptedServer([[429, { "Retry-After": "120" }]]);
+  try {
+    const started = Date.now();
+    await assert.rejects(new Client(tooLong.url, "t", { maxRetryWaitSeconds: 30 }).sessions(), (e) =>
+      e instanceof CellgateError && e.status === 429 && e.code === "rate_limited" && e.retryAfter === 120,
+    );
+    assert.equal(tooLong.requests, 1);
+    assert.ok(Date.now() - started < 5000, "thrown at once, not after waiting");
+  } finally {
+    await tooLong.close();
+  }
+
+  const noHeader = await scriptedServer([[503, {}]]);
+  try {
+    await assert.rejects(new Client(noHeader.url, "t").sessions(), (e) => e.status === 503 && e.retryAfter === undefined);
+    assert.equal(noHeader.requests, 1, "a 503 without Retry-After is not repeated");
+  } finally {
+    await noHeader.close();
+  }
+
+  const limited = await scriptedServer([
+    [429, { "Retry-After": "0" }],
+    [429, { "Retry-After": "0" }],
+    [429, { "Retry-After": "0" }],
+  ]);
+  try {
+    await assert.rejects(new Client(limited.url, "t", { maxRetries: 1 }).sessions(), (e) => e.status === 429 && e.retryAfter === 0);
+    assert.equal(limited.requests, 2, "one retry, as maxRetries says");
+  } finally {
+    await limited.close();
+  }
+
+  // Bytes can be sent again; a stream cannot, so its refusal is thrown.
+  const bytes = await scriptedServer([[429, { "Retry-After": "0" }]]);
+  try {
+    await new Client(bytes.url, "t").request("PUT", "/v1/sessions/s/files/a", { body: new Uint8Array([65, 66]) });
+    assert.deepEqual(bytes.bodies, ["AB", "AB"]);
+  } finally {
+    await bytes.close();
+  }
+  const streamed = await scriptedServer([[429, { "Retry-After": "0" }]]);
+  try {
+    const stream = new ReadableStream({
+      start(controller) {
+        controller.enqueue(new TextEncoder().encode("once"));
+        controller.close();
+      },
+    });
+    await assert.rejects(
+      new Client(streamed.url, "t").request("PUT", "/v1/sessions/s/files/b", { body: stream, duplex: "half" }),
+      (e) => e.status === 429 && e.retryAfter === 0,
+    );
+    assert.deepEqual(streamed.bodies, ["once"], "a stream body is never sent twice");
+  } finally {
+    await streamed.close();
+  }
 });
