@@ -1122,6 +1122,10 @@ async fn openapi_document_lists_every_route() -> Result<()> {
         ("/v1/sessions/{id}/files", "get"),
         ("/v1/sessions/{id}/files/{path}", "put"),
         ("/v1/sessions/{id}/files/{path}", "get"),
+        ("/v1/sessions/{id}/files/{path}", "head"),
+        ("/v1/sessions/{id}/files/{path}", "post"),
+        ("/v1/sessions/{id}/files/{path}", "delete"),
+        ("/v1/sessions/{id}/commands", "post"),
         ("/v1/sessions/{id}/artifacts", "get"),
         ("/v1/artifacts/{id}", "get"),
         ("/v1/sessions/{id}/ws", "get"),
@@ -1136,9 +1140,22 @@ async fn openapi_document_lists_every_route() -> Result<()> {
     let schemas = doc["components"]["schemas"]
         .as_object()
         .context("schemas")?;
-    for schema in ["ExecutionResult", "SessionEvent", "ArtifactRef"] {
+    for schema in [
+        "ExecutionResult",
+        "SessionEvent",
+        "ArtifactRef",
+        "CommandResult",
+        "CommandEvent",
+        "FileOperation",
+    ] {
         assert!(schemas.contains_key(schema), "{schema} missing");
     }
+    // The MCP tool the document names is one the gateway has (`/v1/docs` renders it).
+    let text = doc.to_string();
+    assert!(
+        !text.contains("execute_python") && text.contains("`run_python`"),
+        "the one-shot execute's description names no real MCP tool"
+    );
     Ok(())
 }
 

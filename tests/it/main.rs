@@ -27,6 +27,7 @@ mod microvm;
 mod notebook;
 mod operations;
 mod pool;
+mod release;
 mod sdk;
 mod stack;
 mod tenants;

@@ -368,7 +368,7 @@ pub async fn execute(
     Ok(Json(wait_for_result(events).await?).into_response())
 }
 
-/// One-shot execute (an agent's `execute_python` tool): a fresh session, one execution,
+/// One-shot execute (for an agent's stateless code tool; MCP's `run_python` keeps a session): a fresh session, one execution,
 /// deleted afterwards.
 #[utoipa::path(post, path = "/v1/execute", tag = "execute", operation_id = "execute_once",
     request_body = ExecuteOnceRequest,

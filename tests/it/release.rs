@@ -1,0 +1,260 @@
+//! `./dev release` (issue 32, item 1), checked as CI can afford: the packaging runs on the
+//! debug build this suite already has (`--binary`; the release compile itself is what
+//! `./dev setup` runs), and everything it makes is installed and used as a user would:
+//! the tarball through its `install.sh` into a scratch prefix, its stripped binary serving a
+//! real kernel (forked from the zygote by the stripped library), the Python wheel and the
+//! npm tarball each running a cell against it.
+
+use std::path::{Path, PathBuf};
+
+use std::process::Stdio;
+
+use anyhow::{ensure, Context, Result};
+use serde_json::json;
+
+use crate::support::v1::V1Client;
+use crate::support::{repo, sandbox_backend, tools_python, Gateway, TOKEN};
+
+fn run(command: &mut std::process::Command) -> Result<String> {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("run {command:?}"))?;
+    ensure!(
+        output.status.success(),
+        "{command:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn version() -> Result<String> {
+    let cargo = std::fs::read_to_string(repo().join("Cargo.toml"))?;
+    cargo
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .map(|v| v.trim_end_matches('"').to_owned())
+        .context("Cargo.toml has no version")
+}
+
+fn section_names(binary: &Path) -> Result<String> {
+    run(std::process::Command::new("readelf")
+        .args(["-SW"])
+        .arg(binary))
+}
+
+#[tokio::test]
+async fn a_release_installs_and_serves() -> Result<()> {
+    let version = version()?;
+    let scratch = tempfile::tempdir()?;
+    let dist = scratch.path().join("dist");
+    let binary = PathBuf::from(env!("CARGO_BIN_EXE_cellgate"));
+    run(std::process::Command::new(repo().join("dev"))
+        .args(["release", "--binary"])
+        .arg(&binary)
+        .arg("--out")
+        .arg(&dist)
+        .current_dir(repo()))?;
+
+    // Every file is in SHA256SUMS, and the sums hold.
+    let sums = std::fs::read_to_string(dist.join("SHA256SUMS"))?;
+    let name = format!("cellgate-{version}-linux-{}", std::env::consts::ARCH);
+    for file in [
+        format!("{name}.tar.gz"),
+        format!("{name}-debug.tar.gz"),
+        format!("cellgate-{version}-py3-none-any.whl"),
+        format!("cellgate-{version}.tar.gz"),
+        format!("cellgate-client-{version}.tgz"),
+    ] {
+        ensure!(
+            sums.contains(&format!("  {file}\n")),
+            "{file} missing from {sums}"
+        );
+    }
+    run(std::process::Command::new("sha256sum")
+        .args(["--check", "--quiet", "SHA256SUMS"])
+        .current_dir(&dist))?;
+
+    // The binary and the library come without their debug info, which is apart.
+    let unpacked = scratch.path().join("unpacked");
+    std::fs::create_dir_all(&unpacked)?;
+    for archive in [format!("{name}.tar.gz"), format!("{name}-debug.tar.gz")] {
+        run(std::process::Command::new("tar")
+            .arg("-xzf")
+            .arg(dist.join(&archive))
+            .arg("-C")
+            .arg(&unpacked))?;
+    }
+    let release = unpacked.join(&name);
+    for file in ["cellgate", "libcellgate_zygote.so"] {
+        let sections = section_names(&release.join("bin").join(file))?;
+        ensure!(
+            !sections.contains(".debug_info"),
+            "{file} still carries debug info"
+        );
+        ensure!(
+            sections.contains(".gnu_debuglink"),
+            "{file} does not name its debug file"
+        );
+        let debug = section_names(&unpacked.join(format!("{name}-debug/{file}.debug")))?;
+        ensure!(
+            debug.contains(".debug_info") || debug.contains(".debug_line"),
+            "{file}.debug holds no debug info"
+        );
+    }
+    for file in [
+        "LICENSE",
+        "SECURITY.md",
+        "CHANGELOG.md",
+        "install.sh",
+        "share/kernels/python3/kernel.json",
+        "share/kernels/python3/cellgate_command.py",
+        "share/policies/default.toml",
+        "etc/cellgate.toml",
+    ] {
+        ensure!(
+            release.join(file).exists(),
+            "{file} missing from the release"
+        );
+    }
+
+    // install.sh into a scratch prefix, the kernel environment this checkout built (building
+    // one from the lock file is ./dev setup's work, tested by every run of it).
+    let prefix = scratch.path().join("usr");
+    let etc = scratch.path().join("etc");
+    let venv = crate::support::kernels_dir()
+        .join("python3/.venv")
+        .canonicalize()?;
+    run(std::process::Command::new(release.join("install.sh"))
+        .arg("--prefix")
+        .arg(&prefix)
+        .arg("--etc")
+        .arg(&etc)
+        .arg("--venv")
+        .arg(&venv))?;
+    // The test sandbox (CELLGATE_TEST_SANDBOX) in the installed default policy.
+    let policy = etc.join("policies/default.toml");
+    let installed = std::fs::read_to_string(&policy)?;
+    std::fs::write(
+        &policy,
+        installed.replace(
+            "backend = \"namespaces\"",
+            &format!("backend = \"{}\"", sandbox_backend()),
+        ),
+    )?;
+    let mut command = std::process::Command::new(prefix.join("bin/cellgate"));
+    command
+        .args([
+            "serve",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--token",
+            TOKEN,
+            "--pool-size",
+            "0",
+        ])
+        .arg("--kernels-dir")
+        .arg(prefix.join("share/cellgate/kernels"))
+        .arg("--policies-dir")
+        .arg(etc.join("policies"))
+        .env("RUST_LOG", "info,zeromq=error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // As an operator's shell would be: none of the test run's CELLGATE_* settings.
+    for (name, _) in std::env::vars() {
+        if (name.starts_with("CELLGATE_") || name.starts_with("KG_"))
+            && !name.starts_with("CELLGATE_TEST_")
+        {
+            command.env_remove(name);
+        }
+    }
+    let gateway = Gateway::attach(command.spawn()?, Some(TOKEN.to_owned())).await?;
+    let v1 = V1Client::new(&gateway);
+    // Ready once the first check of the sandbox backends is done.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (status, ready) = v1.get("/readyz").await?;
+        if status == 200 {
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "/readyz: {status} {ready}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let id = v1.create_session(json!({})).await?;
+    let r = v1.execute(&id, "6 * 7").await?;
+    ensure!(r["result"] == "42", "{r}\n{}", gateway.log());
+    if sandbox_backend() == "namespaces" {
+        ensure!(
+            gateway.log().contains("forked=true"),
+            "the installed library forked no kernel:\n{}",
+            gateway.log()
+        );
+    }
+
+    // The Python wheel, alone on the path (the checkout's client is on the tools venv's).
+    let site = scratch.path().join("wheel");
+    run(std::process::Command::new(tools_python())
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--target",
+        ])
+        .arg(&site)
+        .arg(dist.join(format!("cellgate-{version}-py3-none-any.whl"))))?;
+    let out = run(std::process::Command::new(tools_python())
+        .args(["-c", "import cellgate, os; print(cellgate.__file__); s = cellgate.Session(os.environ['U'], os.environ['T']); print(s.run_code('6 * 7').result); s.delete()"])
+        .env("PYTHONPATH", &site)
+        .env("U", &gateway.base)
+        .env("T", TOKEN))?;
+    let mut lines = out.lines();
+    let file = lines.next().unwrap_or_default();
+    ensure!(
+        file.starts_with(&site.display().to_string()),
+        "the wheel's client was not the one imported: {file}"
+    );
+    ensure!(lines.next() == Some("42"), "{out}");
+
+    // The npm tarball, as a project that installed it would import it.
+    let project = scratch.path().join("npm");
+    std::fs::create_dir_all(project.join("node_modules"))?;
+    run(std::process::Command::new("tar")
+        .arg("-xzf")
+        .arg(dist.join(format!("cellgate-client-{version}.tgz")))
+        .arg("-C")
+        .arg(project.join("node_modules")))?;
+    std::fs::create_dir_all(project.join("node_modules/@cellgate"))?;
+    std::fs::rename(
+        project.join("node_modules/package"),
+        project.join("node_modules/@cellgate/client"),
+    )?;
+    ensure!(
+        project
+            .join("node_modules/@cellgate/client/LICENSE")
+            .exists(),
+        "the npm tarball has no LICENSE"
+    );
+    std::fs::write(
+        project.join("check.mjs"),
+        "import { Client } from '@cellgate/client';\n\
+         const c = new Client(process.env.U, process.env.T);\n\
+         const r = await c.runCode('6 * 7');\n\
+         console.log(r.result);\n",
+    )?;
+    let out = run(std::process::Command::new("node")
+        .arg("check.mjs")
+        .current_dir(&project)
+        .env("U", &gateway.base)
+        .env("T", TOKEN))?;
+    ensure!(out.trim() == "42", "{out}");
+    Ok(())
+}
