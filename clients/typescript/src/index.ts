@@ -154,7 +154,7 @@ export interface CommandOptions {
   /** With either callback the output is streamed (Server-Sent Events), chunk by chunk. */
   onStdout?: (text: string) => void;
   onStderr?: (text: string) => void;
-  /** Aborting stops waiting for the answer (the command keeps running to its timeout). */
+  /** Aborting stops waiting for the answer. */
   signal?: AbortSignal;
 }
 
@@ -218,9 +218,10 @@ export class CellgateConnectionError extends CellgateError {
     readonly url: string,
     cause: unknown,
   ) {
-    super(0, "connection_failed", `cannot reach ${url}: ${describe(cause)}`);
+    const message = `cannot reach ${url}: ${describe(cause)}`;
+    super(0, "connection_failed", message);
     this.name = "CellgateConnectionError";
-    this.message = `cannot reach ${url}: ${describe(cause)}`;
+    this.message = message; // without CellgateError's "status code:" prefix: there was no answer
     this.cause = cause;
   }
 }
