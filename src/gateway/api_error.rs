@@ -11,6 +11,9 @@ use axum::Json;
 
 use crate::kernel::KernelError;
 
+/// The header that repeats an error's machine `code` ([`ErrorBody::code`]).
+pub const ERROR_CODE: &str = "x-cellgate-error-code";
+
 /// Every error response's body.
 #[derive(Debug, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct ErrorBody {
@@ -122,6 +125,9 @@ impl IntoResponse for ApiError {
         )
             .into_response();
         let headers = response.headers_mut();
+        // The code also as a header: the answer to a `HEAD` has no body, and a client asking
+        // whether a file exists must tell a missing file from a missing session.
+        headers.insert(ERROR_CODE, HeaderValue::from_static(self.code));
         if self.status == StatusCode::PAYLOAD_TOO_LARGE {
             // The rest of the oversize body is never read, so this connection cannot carry
             // another request: saying so keeps a client from reusing it and failing its

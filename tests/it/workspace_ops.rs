@@ -74,6 +74,22 @@ pub(crate) async fn operations_on(v1: &V1Client<'_>, id: &str, host_checks: bool
     assert_eq!(head(v1, id, "ops/a").await?.0, 200);
     assert_eq!(head(v1, id, "ops/a").await?.1.as_deref(), Some("dir"));
     assert_eq!(head(v1, id, "ops/nope").await?.0, 404);
+    // A HEAD's 404 has no body: the code in a header tells a missing file from a missing
+    // session.
+    for (session, code) in [(id, "no_such_file"), ("no-such-session", "no_such_session")] {
+        let response = v1
+            .request(
+                Method::HEAD,
+                &format!("/v1/sessions/{session}/files/ops/nope"),
+            )
+            .send()
+            .await?;
+        let said = response
+            .headers()
+            .get("x-cellgate-error-code")
+            .and_then(|v| v.to_str().ok());
+        assert_eq!((response.status().as_u16(), said), (404, Some(code)));
+    }
     assert_eq!(head(v1, id, "ops/a/b/f.txt/x").await?.0, 404);
     let (status, entry) = op(v1, id, "ops/a/b/f.txt", json!({"op": "stat"})).await?;
     assert_eq!(status, 200, "{entry}");

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 import cellgate
-from cellgate import AsyncSession, Client, Session
+from cellgate import (AsyncClient, AsyncSession, BadRequestError, Client, ConflictError,
+                      NotFoundError, Session)
 
 URL = os.environ.get("CELLGATE_URL", "")
 TOKEN = os.environ.get("CELLGATE_TOKEN", "")
@@ -232,5 +233,186 @@ def test_the_async_client_does_the_same():
             session_id = s.id
         async with cellgate.AsyncClient(URL, TOKEN) as client:
             assert session_id not in {s.id for s in await client.sessions()}
+
+    asyncio.run(main())
+
+
+def test_a_command_reports_its_exit_code_and_both_streams(session):
+    result = session.run_command("echo out; echo err >&2; exit 3")
+    assert isinstance(result, cellgate.CommandResult)
+    assert result.status == "error" and not result.ok, result
+    assert result.exit_code == 3 and result.signal is None and result.error is None
+    assert result.stdout == "out\n" and result.stderr == "err\n"
+    assert not (result.stdout_truncated or result.stderr_truncated or result.output_truncated)
+    assert result.command_id and result.state_generation >= 1
+    with pytest.raises(cellgate.CommandFailed) as failed:
+        result.raise_for_status()
+    assert failed.value.result is result and "exit code 3" in str(failed.value)
+    fine = session.run_command("true")
+    assert fine.ok and fine.exit_code == 0 and fine.raise_for_status() is fine
+
+
+def test_a_command_runs_in_cwd_with_env_and_leaves_the_variables_alone(session):
+    session.run_code("x = 1")
+    session.make_dir("work/sub")
+    result = session.run_command('pwd; echo "$GREETING"; x=2', cwd="work/sub",
+                                 env={"GREETING": "hello there"})
+    assert result.ok, result
+    where, greeting = result.stdout.splitlines()
+    assert where.endswith("/work/sub") and greeting == "hello there"
+    assert session.run_code("x").result == "1"
+    # Without cwd it runs in the workspace, where the file API looks.
+    assert session.run_command("echo made > work/made.txt").ok
+    assert session.download("work/made.txt") == b"made\n"
+
+
+def test_a_command_past_its_timeout_is_killed(session):
+    result = session.run_command("sleep 30", timeout=1)
+    assert result.status == "timeout", result
+    assert result.signal == "SIGKILL" and result.exit_code is None
+    assert result.duration_ms < 20_000
+    assert session.run_command("echo still here").stdout == "still here\n"
+
+
+def test_command_output_streams_before_the_command_ends(session):
+    # The command prints, then waits for a file that only the callback uploads, on seeing
+    # that first line: it can only end if its output came while it was still running.
+    seen = []
+
+    def on_stdout(text):
+        seen.append(text)
+        if "waiting" in text and not session.exists("go"):
+            session.upload("go", b"")
+
+    result = session.run_command(
+        "echo waiting; while [ ! -e go ]; do sleep 0.05; done; echo released",
+        timeout=30, on_stdout=on_stdout)
+    assert result.ok, result
+    assert "".join(seen) == "waiting\nreleased\n" == result.stdout
+
+
+def test_workspace_files_are_made_stated_moved_and_removed(session):
+    assert not session.exists("d")
+    made = session.make_dir("d/e")
+    assert isinstance(made, cellgate.FileEntry) and (made.path, made.kind) == ("d/e", "dir")
+    assert session.make_dir("d/e").kind == "dir"  # it exists already: fine
+    assert session.exists("d") and session.exists("d/e")
+    session.upload("d/e/a.txt", "hello")
+    entry = session.stat("d/e/a.txt")
+    assert (entry.path, entry.kind, entry.size) == ("d/e/a.txt", "file", 5)
+    assert entry.mtime and entry.mtime.endswith("Z"), entry.mtime
+    moved = session.move("d/e/a.txt", "f/b.txt")
+    assert (moved.path, moved.kind, moved.size) == ("f/b.txt", "file", 5)
+    assert not session.exists("d/e/a.txt") and session.download("f/b.txt") == b"hello"
+    session.upload("c.txt", "other")
+    with pytest.raises(ConflictError) as conflict:
+        session.move("c.txt", "f/b.txt")
+    assert conflict.value.code == "exists"
+    assert session.download("f/b.txt") == b"hello"
+    assert session.rename("c.txt", "f/b.txt", overwrite=True).path == "f/b.txt"
+    assert session.download("f/b.txt") == b"other" and not session.exists("c.txt")
+    with pytest.raises(ConflictError) as conflict:
+        session.remove("d")
+    assert conflict.value.code == "not_empty"
+    assert session.remove("f/b.txt") == 1
+    assert session.remove("d", recursive=True) == 2
+    assert not session.exists("d")
+    with pytest.raises(NotFoundError) as missing:
+        session.stat("d")
+    assert missing.value.code == "no_such_file"
+    with pytest.raises(NotFoundError):
+        session.remove("d")
+
+
+def test_exists_on_a_session_that_is_gone_raises_instead_of_saying_no():
+    with Client(URL, TOKEN) as client:
+        gone = client.session()
+        gone.delete()
+        with pytest.raises(NotFoundError) as error:
+            gone.exists("anything")
+        assert error.value.code == "no_such_session"
+
+
+def test_a_session_gets_the_variables_its_policy_allows():
+    with Session(URL, TOKEN, env={"CLIENT_TEST_X": "from the client"}) as s:
+        assert s.run_code("import os\nos.environ['CLIENT_TEST_X']").result == "'from the client'"
+        assert s.run_command('echo "$CLIENT_TEST_X"').stdout == "from the client\n"
+    with pytest.raises(BadRequestError) as refused:
+        Session(URL, TOKEN, env={"CLIENT_OTHER_X": "1"})
+    assert refused.value.status == 400 and refused.value.code == "env_not_allowed"
+    assert "CLIENT_OTHER_X" in refused.value.message and "default" in refused.value.message
+    with Client(URL, TOKEN) as client:
+        before = {s.id for s in client.sessions()}
+        with pytest.raises(BadRequestError):
+            client.session(env={"CLIENT_OTHER_X": "1"})
+        one_shot = client.run_code("import os\nos.environ['CLIENT_TEST_ONE']",
+                                   env={"CLIENT_TEST_ONE": "1"})
+        assert one_shot.result == "'1'", one_shot
+        assert {s.id for s in client.sessions()} == before
+
+
+def test_the_gateway_and_token_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CELLGATE_URL", URL)
+    monkeypatch.setenv("CELLGATE_TOKEN", TOKEN)
+    with Session() as s:
+        assert s.run_code("6 * 7").result == "42"
+    with Client() as client:
+        assert client.url == URL.rstrip("/")
+        client.sessions()
+    # What is passed beats the environment.
+    with Client(token="not-the-token") as client, pytest.raises(cellgate.AuthenticationError):
+        client.sessions()
+
+    async def sessions():
+        async with AsyncClient() as client:
+            return await client.sessions()
+
+    asyncio.run(sessions())
+    monkeypatch.delenv("CELLGATE_TOKEN")
+    with Client() as client, pytest.raises(cellgate.AuthenticationError):
+        client.sessions()
+    with pytest.raises(cellgate.AuthenticationError):
+        asyncio.run(sessions())
+    monkeypatch.delenv("CELLGATE_URL")
+    for make in (Client, Session, AsyncClient, AsyncSession):
+        with pytest.raises(cellgate.CellgateError, match="CELLGATE_URL"):
+            make()
+
+
+def test_the_async_client_runs_commands_and_file_operations():
+    async def main():
+        out, err = [], []
+
+        async def on_stdout(text):
+            out.append(text)
+
+        async with AsyncSession(URL, TOKEN, env={"CLIENT_TEST_ASYNC": "yes"}) as s:
+            result = await s.run_command('echo "$CLIENT_TEST_ASYNC"; echo oops >&2; exit 4',
+                                         on_stdout=on_stdout, on_stderr=err.append)
+            assert result.status == "error" and result.exit_code == 4, result
+            assert "".join(out) == "yes\n" and "".join(err) == "oops\n"
+            timed_out = await s.run_command("sleep 30", timeout=1)
+            assert timed_out.status == "timeout" and timed_out.signal == "SIGKILL"
+            assert (await s.make_dir("d")).kind == "dir"
+            await s.upload("d/a.txt", "x")
+            assert await s.exists("d/a.txt") and (await s.stat("d/a.txt")).size == 1
+            assert (await s.move("d/a.txt", "e/b.txt")).path == "e/b.txt"
+            await s.upload("c.txt", "y")
+            with pytest.raises(ConflictError) as conflict:
+                await s.rename("c.txt", "e/b.txt")
+            assert conflict.value.code == "exists"
+            with pytest.raises(ConflictError) as conflict:
+                await s.remove("e")
+            assert conflict.value.code == "not_empty"
+            assert await s.remove("e", recursive=True) == 2
+            assert not await s.exists("e") and await s.exists("d")
+        with pytest.raises(BadRequestError) as refused:
+            async with AsyncSession(URL, TOKEN, env={"NOT_ALLOWED": "1"}):
+                pass
+        assert refused.value.code == "env_not_allowed"
+        async with AsyncClient(URL, TOKEN) as client:
+            one_shot = await client.run_code("import os\nos.environ['CLIENT_TEST_ONE']",
+                                             env={"CLIENT_TEST_ONE": "async"})
+            assert one_shot.result == "'async'", one_shot
 
     asyncio.run(main())

@@ -5,6 +5,9 @@
     with Session("http://127.0.0.1:8888", token) as session:
         execution = session.run_code("1 + 1")
         print(execution.status, execution.result)   # ok 2
+
+``Session()`` alone reads the gateway's address and token from ``CELLGATE_URL`` and
+``CELLGATE_TOKEN``.
 """
 
 from ._async import AsyncClient, AsyncSession
@@ -12,7 +15,10 @@ from ._client import Client, Session
 from ._errors import (
     APIError,
     AuthenticationError,
+    BadRequestError,
+    CellgateConnectionError,
     CellgateError,
+    CommandFailed,
     ConflictError,
     ExecutionFailed,
     NotFoundError,
@@ -20,12 +26,14 @@ from ._errors import (
     UnavailableError,
 )
 from ._events import InputRequest
-from ._models import Artifact, Denial, ExecError, Execution, FileEntry, Link, SessionInfo
+from ._models import (Artifact, CommandResult, Denial, ExecError, Execution, FileEntry, Link,
+                      SessionInfo)
 
 __all__ = [
     "APIError", "Artifact", "AsyncClient", "AsyncSession", "AuthenticationError",
-    "CellgateError", "Client", "ConflictError", "Denial", "ExecError", "Execution",
-    "ExecutionFailed", "FileEntry", "InputRequest", "Link", "NotFoundError", "RateLimitError",
-    "Session", "SessionInfo", "UnavailableError",
+    "BadRequestError", "CellgateConnectionError", "CellgateError", "Client", "CommandFailed",
+    "CommandResult", "ConflictError", "Denial", "ExecError", "Execution", "ExecutionFailed",
+    "FileEntry", "InputRequest", "Link", "NotFoundError", "RateLimitError", "Session",
+    "SessionInfo", "UnavailableError",
 ]
 __version__ = "0.1.0"

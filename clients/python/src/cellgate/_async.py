@@ -4,18 +4,22 @@ s.run_code(...)``). Callbacks may be plain functions or coroutines."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, AsyncGenerator, Callable, Dict, List, Mapping, Optional, Union
 from urllib.parse import quote
 
 import httpx
 
-from ._client import (DEFAULT_TIMEOUT, Content, _auth_headers, absolute_url, file_url, list_params,
-                      session_body)
+from ._client import (CONNECTION_ERRORS, DEFAULT_MAX_RETRIES, DEFAULT_MAX_RETRY_WAIT,
+                      DEFAULT_TIMEOUT, SSE_HEADERS, Content, _auth_headers, absolute_url,
+                      command_body, connection_error, file_url, gateway_token, gateway_url,
+                      list_params, move_body, remove_params, replayable, retry_wait,
+                      session_body, stream_timeout)
 from ._errors import CellgateError, NotFoundError, error_from
-from ._events import Collector, InputRequest, SseDecoder
-from ._models import Artifact, Execution, FileEntry, Link, SessionInfo
+from ._events import CommandCollector, Collector, InputRequest, SseDecoder
+from ._models import Artifact, CommandResult, Execution, FileEntry, Link, SessionInfo
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -23,23 +27,62 @@ async def _maybe_await(value: Any) -> Any:
 
 
 class AsyncClient:
-    """A cellgate gateway, for asyncio code (see :class:`cellgate.Client`)."""
+    """A cellgate gateway, for asyncio code (see :class:`cellgate.Client`: the same
+    environment defaults and retries)."""
 
-    def __init__(self, url: str, token: Optional[str] = None, *,
-                 timeout: float = DEFAULT_TIMEOUT,
+    def __init__(self, url: Optional[str] = None, token: Optional[str] = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES,
+                 max_retry_wait: float = DEFAULT_MAX_RETRY_WAIT,
                  http: Optional[httpx.AsyncClient] = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = gateway_url(url)
         self.timeout = timeout
+        self.max_retries = max_retries
+        self.max_retry_wait = max_retry_wait
         self._own_http = http is None
         self._http = http or httpx.AsyncClient(timeout=timeout)
-        self._headers = _auth_headers(token)
+        self._headers = _auth_headers(gateway_token(token))
 
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """See :meth:`cellgate.Client.request`."""
+        return await self._send(method, path, **kwargs)
+
+    async def _send(self, method: str, path: str, *, stream: bool = False, content: Any = None,
+                    **kwargs: Any) -> httpx.Response:
         headers = {**self._headers, **kwargs.pop("headers", {})}
-        response = await self._http.request(method, self.url + path, headers=headers, **kwargs)
-        if response.status_code >= 400:
-            raise error_from(response)
-        return response
+        retries = 0
+        while True:
+            # A local file is read afresh for each attempt (httpx's async client cannot
+            # stream a blocking file).
+            body = content.read_bytes() if isinstance(content, Path) else content
+            try:
+                request = self._http.build_request(method, self.url + path, headers=headers,
+                                                   content=body, **kwargs)
+                response = await self._http.send(request, stream=stream)
+                if response.status_code < 400:
+                    return response
+                if stream:
+                    try:
+                        await response.aread()
+                    finally:
+                        await response.aclose()
+            except CONNECTION_ERRORS as error:
+                raise connection_error(self.url, error) from error
+            wait = retry_wait(response, retries, self.max_retries, self.max_retry_wait,
+                              replayable(content))
+            if wait is None:
+                raise error_from(response)
+            retries += 1
+            await asyncio.sleep(wait)
+
+    async def _events(self, response: httpx.Response) -> AsyncGenerator[Dict[str, Any], None]:
+        decoder = SseDecoder()
+        try:
+            async for line in response.aiter_lines():
+                event = decoder.feed(line)
+                if event is not None:
+                    yield event
+        except CONNECTION_ERRORS as error:
+            raise connection_error(self.url, error) from error
 
     async def session(self, *, policy: Optional[str] = None, kernel_name: Optional[str] = None,
                       env: Optional[Mapping[str, str]] = None,
@@ -59,8 +102,9 @@ class AsyncClient:
         return [SessionInfo.from_json(s) for s in answer.json()]
 
     async def run_code(self, code: str, *, timeout: Optional[float] = None,
-                       policy: Optional[str] = None, **callbacks: Any) -> Execution:
-        async with await self.session(policy=policy) as session:
+                       policy: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+                       **callbacks: Any) -> Execution:
+        async with await self.session(policy=policy, env=env) as session:
             return await session.run_code(code, timeout=timeout, **callbacks)
 
     async def fetch_artifact(self, artifact_id: str) -> bytes:
@@ -99,11 +143,12 @@ class AsyncSession:
                  env: Optional[Mapping[str, str]] = None,
                  files: Optional[Mapping[str, Union[str, bytes]]] = None,
                  client: Optional[AsyncClient] = None, id: Optional[str] = None,
-                 keep: bool = False, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 keep: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                 max_retries: int = DEFAULT_MAX_RETRIES,
+                 max_retry_wait: float = DEFAULT_MAX_RETRY_WAIT) -> None:
         if client is None:
-            if url is None:
-                raise TypeError("AsyncSession needs a url (or a client)")
-            client = AsyncClient(url, token, timeout=timeout)
+            client = AsyncClient(url, token, timeout=timeout, max_retries=max_retries,
+                                 max_retry_wait=max_retry_wait)
             self._own_client = True
         else:
             self._own_client = False
@@ -148,19 +193,12 @@ class AsyncSession:
         collect = lambda f: (lambda *a: pending.append(f(*a))) if f else None  # noqa: E731
         collector = Collector(self.client, collect(on_stdout), collect(on_stderr),
                               collect(on_artifact), collect(on_event))
-        headers = {**self.client._headers, "Accept": "text/event-stream"}
-        stream_timeout = httpx.Timeout(self.client.timeout, read=max(self.client.timeout, 60.0))
-        async with self.client._http.stream("POST", self.client.url + self._path + "/execute",
-                                            json=body, headers=headers,
-                                            timeout=stream_timeout) as response:
-            if response.status_code >= 400:
-                await response.aread()
-                raise error_from(response)
-            decoder = SseDecoder()
-            async for line in response.aiter_lines():
-                event = decoder.feed(line)
-                if event is None:
-                    continue
+        response = await self.client._send("POST", self._path + "/execute", stream=True,
+                                           json=body, headers=SSE_HEADERS,
+                                           timeout=stream_timeout(self.client.timeout))
+        events = self.client._events(response)
+        try:
+            async for event in events:
                 request = collector.handle(event)
                 while pending:
                     await _maybe_await(pending.pop(0))
@@ -168,7 +206,38 @@ class AsyncSession:
                     await self._answer(request, on_input)
                 if collector.result is not None:
                     return collector.result
+        finally:
+            # Closed here, not whenever the garbage collector gets to it.
+            await events.aclose()
+            await response.aclose()
         raise CellgateError("the event stream ended before the execution's result")
+
+    async def run_command(self, cmd: str, *, cwd: Optional[str] = None,
+                          env: Optional[Mapping[str, str]] = None,
+                          timeout: Optional[float] = None,
+                          on_stdout: Optional[Callable[[str], Any]] = None,
+                          on_stderr: Optional[Callable[[str], Any]] = None) -> CommandResult:
+        """See :meth:`cellgate.Session.run_command`; callbacks may be coroutines."""
+        pending: List[Any] = []
+        collect = lambda f: (lambda *a: pending.append(f(*a))) if f else None  # noqa: E731
+        collector = CommandCollector(collect(on_stdout), collect(on_stderr))
+        response = await self.client._send("POST", self._path + "/commands", stream=True,
+                                           json=command_body(cmd, cwd, env, timeout),
+                                           headers=SSE_HEADERS,
+                                           timeout=stream_timeout(self.client.timeout))
+        events = self.client._events(response)
+        try:
+            async for event in events:
+                collector.handle(event)
+                while pending:
+                    await _maybe_await(pending.pop(0))
+                if collector.result is not None:
+                    return collector.result
+        finally:
+            # Closed here, not whenever the garbage collector gets to it.
+            await events.aclose()
+            await response.aclose()
+        raise CellgateError("the event stream ended before the command's result")
 
     async def _answer(self, request: InputRequest, on_input: Optional[Callable[[str, bool], Any]]) -> None:
         if on_input is None:
@@ -208,6 +277,40 @@ class AsyncSession:
         answer = await self.client.request("GET", self._path + "/files",
                                            params=list_params(dir, recursive, hidden))
         return [FileEntry.from_json(f) for f in answer.json()]
+
+    async def exists(self, path: str) -> bool:
+        """See :meth:`cellgate.Session.exists`."""
+        try:
+            await self.stat(path)
+        except NotFoundError as error:
+            if error.code == "no_such_file":
+                return False
+            raise
+        return True
+
+    async def stat(self, path: str) -> FileEntry:
+        """See :meth:`cellgate.Session.stat`."""
+        answer = await self.client.request("POST", file_url(self.id, path), json={"op": "stat"})
+        return FileEntry.from_json(answer.json())
+
+    async def make_dir(self, path: str) -> FileEntry:
+        """See :meth:`cellgate.Session.make_dir`."""
+        answer = await self.client.request("POST", file_url(self.id, path), json={"op": "mkdir"})
+        return FileEntry.from_json(answer.json())
+
+    async def move(self, src: str, dst: str, *, overwrite: bool = False) -> FileEntry:
+        """See :meth:`cellgate.Session.move`."""
+        answer = await self.client.request("POST", file_url(self.id, src),
+                                           json=move_body(dst, overwrite))
+        return FileEntry.from_json(answer.json())
+
+    rename = move
+
+    async def remove(self, path: str, *, recursive: bool = False) -> int:
+        """See :meth:`cellgate.Session.remove`."""
+        answer = await self.client.request("DELETE", file_url(self.id, path),
+                                           params=remove_params(recursive))
+        return int(answer.json().get("removed", 0))
 
     async def artifacts(self) -> List[Artifact]:
         answer = await self.client.request("GET", self._path + "/artifacts")

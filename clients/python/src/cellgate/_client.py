@@ -3,15 +3,20 @@ kernel whose state lasts across calls)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import IO, Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 from urllib.parse import quote, urlsplit
 
 import httpx
 
-from ._errors import CellgateError, NotFoundError, error_from
-from ._events import ArtifactCallback, Collector, EventCallback, InputRequest, SseDecoder, StreamCallback
-from ._models import Artifact, Execution, FileEntry, Link, SessionInfo
+from ._errors import (CellgateConnectionError, CellgateError, NotFoundError, error_from,
+                      parse_retry_after)
+from ._events import (ArtifactCallback, CommandCollector, Collector, EventCallback, InputRequest,
+                      SseDecoder, StreamCallback)
+from ._models import Artifact, CommandResult, Execution, FileEntry, Link, SessionInfo
 
 InputCallback = Callable[[str, bool], str]
 Content = Union[bytes, str, Path, IO[bytes]]
@@ -19,6 +24,58 @@ Content = Union[bytes, str, Path, IO[bytes]]
 #: Seconds to wait for an answer; an execution's event stream waits longer (the gateway
 #: sends a keep-alive every 15 s, so a silent stream this long is a lost one).
 DEFAULT_TIMEOUT = 60.0
+#: How many times a request the gateway refused with ``Retry-After`` (429, 503) is sent
+#: again, and the longest wait before one: a longer ``Retry-After`` raises at once, since
+#: a caller would rather know than block that long.
+DEFAULT_MAX_RETRIES = 3
+DEFAULT_MAX_RETRY_WAIT = 30.0
+
+#: What httpx raises when the gateway cannot be reached, or drops the connection without a
+#: complete answer: raised as :class:`~cellgate.CellgateConnectionError` instead. Timeouts
+#: waiting for an answer (``httpx.ReadTimeout``) are not among them: the gateway was there.
+CONNECTION_ERRORS = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+
+
+def gateway_url(url: Optional[str]) -> str:
+    """``url``, else ``CELLGATE_URL``: an app configured by its environment passes neither."""
+    url = url or os.environ.get("CELLGATE_URL")
+    if not url:
+        raise CellgateError("no gateway URL: pass url=... or set CELLGATE_URL")
+    return url.rstrip("/")
+
+
+def gateway_token(token: Optional[str]) -> Optional[str]:
+    """``token``, else ``CELLGATE_TOKEN`` (``""`` sends none, whatever the environment)."""
+    return token if token is not None else os.environ.get("CELLGATE_TOKEN")
+
+
+def connection_error(url: str, error: Exception) -> CellgateConnectionError:
+    """The :class:`~cellgate.CellgateConnectionError` for an httpx ``error`` talking to the
+    gateway at ``url``."""
+    detail = str(error) or type(error).__name__
+    if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return CellgateConnectionError(f"cannot reach the gateway at {url}: {detail}", url)
+    return CellgateConnectionError(f"the connection to the gateway at {url} broke: {detail}", url)
+
+
+def replayable(content: Any) -> bool:
+    """Whether a request body can be sent again: none, bytes, text, or a local file (opened
+    afresh each time); a file object or an iterator is consumed by the first attempt."""
+    return content is None or isinstance(content, (bytes, str, Path))
+
+
+def retry_wait(response: httpx.Response, retries: int, max_retries: int,
+               max_retry_wait: float, can_replay: bool) -> Optional[float]:
+    """Seconds to wait before sending the request of ``response`` again, or ``None`` to raise
+    its error now. Only a 429 or 503 with ``Retry-After`` is retried: the gateway sends that
+    header only for a request it refused before doing anything, so sending it again is safe
+    (whatever its method); without the header, it may have done part of the work."""
+    if response.status_code not in (429, 503) or not can_replay or retries >= max_retries:
+        return None
+    wait = parse_retry_after(response.headers.get("retry-after"))
+    if wait is None or wait > max_retry_wait:
+        return None
+    return wait
 
 
 def _auth_headers(token: Optional[str]) -> Dict[str, str]:
@@ -69,28 +126,105 @@ def file_url(session_id: str, path: str) -> str:
     return f"/v1/sessions/{quote(session_id, safe='')}/files/{quote(path.lstrip('/'), safe='/')}"
 
 
+def command_body(cmd: str, cwd: Optional[str], env: Optional[Mapping[str, str]],
+                 timeout: Optional[float]) -> Dict[str, Any]:
+    """The JSON of a command (shared with the async client)."""
+    body: Dict[str, Any] = {"cmd": cmd}
+    if cwd is not None:
+        body["cwd"] = cwd
+    if env:
+        body["env"] = dict(env)
+    if timeout is not None:
+        body["timeout_s"] = timeout
+    return body
+
+
+def move_body(dst: str, overwrite: bool) -> Dict[str, Any]:
+    return {"op": "move", "to": dst.lstrip("/"), "overwrite": overwrite}
+
+
+def remove_params(recursive: bool) -> Dict[str, str]:
+    return {"recursive": "true"} if recursive else {}
+
+
+#: An event stream's headers, and its timeouts: reads wait at least a minute, four times the
+#: gateway's keep-alive interval.
+SSE_HEADERS = {"Accept": "text/event-stream"}
+
+
+def stream_timeout(timeout: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout, read=max(timeout, 60.0))
+
+
 class Client:
-    """A cellgate gateway: ``Client("http://127.0.0.1:8888", token)``.
+    """A cellgate gateway: ``Client("http://127.0.0.1:8888", token)``, or ``Client()`` with
+    ``CELLGATE_URL`` and ``CELLGATE_TOKEN`` in the environment.
 
     ``token`` is the gateway's static token or a tenant's JWT. Use :meth:`session` for a
     kernel that keeps its state across calls, :meth:`run_code` for a one-shot execution.
+    A request the gateway refuses with ``Retry-After`` (429, 503) is sent again after that
+    wait, up to ``max_retries`` times and for waits up to ``max_retry_wait`` seconds.
     """
 
-    def __init__(self, url: str, token: Optional[str] = None, *,
-                 timeout: float = DEFAULT_TIMEOUT, http: Optional[httpx.Client] = None) -> None:
-        self.url = url.rstrip("/")
+    def __init__(self, url: Optional[str] = None, token: Optional[str] = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES,
+                 max_retry_wait: float = DEFAULT_MAX_RETRY_WAIT,
+                 http: Optional[httpx.Client] = None) -> None:
+        self.url = gateway_url(url)
         self.timeout = timeout
+        self.max_retries = max_retries
+        self.max_retry_wait = max_retry_wait
         self._own_http = http is None
         self._http = http or httpx.Client(base_url=self.url, timeout=timeout)
-        self._headers = _auth_headers(token)
+        self._headers = _auth_headers(gateway_token(token))
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request; raises :class:`~cellgate.APIError` for an error answer."""
+        """One request; raises :class:`~cellgate.APIError` for an error answer (after the
+        retries ``Retry-After`` allows) and :class:`~cellgate.CellgateConnectionError` when
+        the gateway cannot be reached. ``content`` may be a :class:`~pathlib.Path`, sent
+        from the file (again on a retry)."""
+        return self._send(method, path, **kwargs)
+
+    def _send(self, method: str, path: str, *, stream: bool = False, content: Any = None,
+              **kwargs: Any) -> httpx.Response:
+        """:meth:`request`; with ``stream``, the response's body is left to read (and the
+        response to close) for the caller."""
         headers = {**self._headers, **kwargs.pop("headers", {})}
-        response = self._http.request(method, self.url + path, headers=headers, **kwargs)
-        if response.status_code >= 400:
-            raise error_from(response)
-        return response
+        retries = 0
+        while True:
+            try:
+                with contextlib.ExitStack() as files:
+                    body = files.enter_context(content.open("rb")) \
+                        if isinstance(content, Path) else content
+                    request = self._http.build_request(method, self.url + path, headers=headers,
+                                                       content=body, **kwargs)
+                    response = self._http.send(request, stream=stream)
+                if response.status_code < 400:
+                    return response
+                if stream:
+                    try:
+                        response.read()
+                    finally:
+                        response.close()
+            except CONNECTION_ERRORS as error:
+                raise connection_error(self.url, error) from error
+            wait = retry_wait(response, retries, self.max_retries, self.max_retry_wait,
+                              replayable(content))
+            if wait is None:
+                raise error_from(response)
+            retries += 1
+            time.sleep(wait)
+
+    def _events(self, response: httpx.Response) -> Iterator[Dict[str, Any]]:
+        """The events of a ``text/event-stream`` response, as they come."""
+        decoder = SseDecoder()
+        try:
+            for line in response.iter_lines():
+                event = decoder.feed(line)
+                if event is not None:
+                    yield event
+        except CONNECTION_ERRORS as error:
+            raise connection_error(self.url, error) from error
 
     def session(self, *, policy: Optional[str] = None, kernel_name: Optional[str] = None,
                 env: Optional[Mapping[str, str]] = None,
@@ -107,9 +241,11 @@ class Client:
         return [SessionInfo.from_json(s) for s in self.request("GET", "/v1/sessions").json()]
 
     def run_code(self, code: str, *, timeout: Optional[float] = None,
-                 policy: Optional[str] = None, **callbacks: Any) -> Execution:
-        """Runs ``code`` once in a fresh session that is deleted afterwards."""
-        with self.session(policy=policy) as session:
+                 policy: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+                 **callbacks: Any) -> Execution:
+        """Runs ``code`` once in a fresh session (with ``policy`` and ``env``) that is
+        deleted afterwards."""
+        with self.session(policy=policy, env=env) as session:
             return session.run_code(code, timeout=timeout, **callbacks)
 
     def fetch_artifact(self, artifact_id: str) -> bytes:
@@ -143,8 +279,11 @@ class Client:
 class Session:
     """One sandboxed kernel whose variables and files last across calls.
 
-    ``Session(url, token, policy="data-science")`` creates it; as a context manager it is
-    deleted on exit (``keep=True`` keeps it, for a later :meth:`Client.attach`).
+    ``Session(url, token, policy="data-science")`` creates it (``url`` and ``token``
+    default to ``CELLGATE_URL`` and ``CELLGATE_TOKEN``); as a context manager it is deleted
+    on exit (``keep=True`` keeps it, for a later :meth:`Client.attach`). ``env`` sets the
+    kernel's environment variables: ``KERNEL_*``, and the names the policy's
+    ``[environment] allow`` lists (others are refused, ``env_not_allowed``).
     """
 
     def __init__(self, url: Optional[str] = None, token: Optional[str] = None, *,
@@ -152,11 +291,12 @@ class Session:
                  env: Optional[Mapping[str, str]] = None,
                  files: Optional[Mapping[str, Union[str, bytes]]] = None,
                  client: Optional[Client] = None, id: Optional[str] = None,
-                 keep: bool = False, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 keep: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                 max_retries: int = DEFAULT_MAX_RETRIES,
+                 max_retry_wait: float = DEFAULT_MAX_RETRY_WAIT) -> None:
         if client is None:
-            if url is None:
-                raise TypeError("Session needs a url (or a client)")
-            client = Client(url, token, timeout=timeout)
+            client = Client(url, token, timeout=timeout, max_retries=max_retries,
+                            max_retry_wait=max_retry_wait)
             self._own_client = True
         else:
             self._own_client = False
@@ -201,25 +341,50 @@ class Session:
         if timeout is not None:
             body["timeout_s"] = timeout
         collector = Collector(self.client, on_stdout, on_stderr, on_artifact, on_event)
-        headers = {**self.client._headers, "Accept": "text/event-stream"}
-        stream_timeout = httpx.Timeout(self.client.timeout, read=max(self.client.timeout, 60.0))
-        with self.client._http.stream("POST", self.client.url + self._path + "/execute",
-                                      json=body, headers=headers,
-                                      timeout=stream_timeout) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise error_from(response)
-            decoder = SseDecoder()
-            for line in response.iter_lines():
-                event = decoder.feed(line)
-                if event is None:
-                    continue
+        response = self.client._send("POST", self._path + "/execute", stream=True, json=body,
+                                     headers=SSE_HEADERS,
+                                     timeout=stream_timeout(self.client.timeout))
+        try:
+            for event in self.client._events(response):
                 request = collector.handle(event)
                 if request is not None:
                     self._answer(request, on_input)
                 if collector.result is not None:
                     return collector.result
+        finally:
+            response.close()
         raise CellgateError("the event stream ended before the execution's result")
+
+    def run_command(self, cmd: str, *, cwd: Optional[str] = None,
+                    env: Optional[Mapping[str, str]] = None, timeout: Optional[float] = None,
+                    on_stdout: Optional[StreamCallback] = None,
+                    on_stderr: Optional[StreamCallback] = None) -> CommandResult:
+        """Runs the shell command ``cmd`` (``bash -c``) in the session's sandbox, with the
+        kernel's user, limits and network policy, and returns its
+        :class:`~cellgate.CommandResult` whatever its status (check ``.ok``, or call
+        ``.raise_for_status()``). For ``pip install``, ``git clone``, ``ls``: it leaves the
+        kernel's variables alone and is not part of the notebook history.
+
+        It runs in the workspace, or ``cwd`` below it, with ``env`` added to the kernel's
+        variables, after any cell that is running. ``timeout`` (seconds; the gateway's
+        default is 60) kills it and everything it started: status ``timeout``. Output goes
+        to ``on_stdout``/``on_stderr`` as it comes. The answer is always an event stream,
+        whose keep-alives let a long command (or a long wait behind a cell) outlast the
+        client's read timeout.
+        """
+        collector = CommandCollector(on_stdout, on_stderr)
+        response = self.client._send("POST", self._path + "/commands", stream=True,
+                                     json=command_body(cmd, cwd, env, timeout),
+                                     headers=SSE_HEADERS,
+                                     timeout=stream_timeout(self.client.timeout))
+        try:
+            for event in self.client._events(response):
+                collector.handle(event)
+                if collector.result is not None:
+                    return collector.result
+        finally:
+            response.close()
+        raise CellgateError("the event stream ended before the command's result")
 
     def _answer(self, request: InputRequest, on_input: Optional[InputCallback]) -> None:
         if on_input is None:
@@ -245,10 +410,8 @@ class Session:
 
     def upload(self, path: str, content: Content) -> Dict[str, Any]:
         """Writes ``content`` (bytes, text, a local file's :class:`~pathlib.Path`, or a
-        binary file object, streamed) to ``path`` in the workspace."""
-        if isinstance(content, Path):
-            with content.open("rb") as file:
-                return self.client.request("PUT", file_url(self.id, path), content=file).json()
+        binary file object, streamed) to ``path`` in the workspace. A file object is read
+        once: its upload is not retried."""
         if isinstance(content, str):
             content = content.encode()
         return self.client.request("PUT", file_url(self.id, path), content=content).json()
@@ -264,6 +427,49 @@ class Session:
         answer = self.client.request("GET", self._path + "/files",
                                      params=list_params(dir, recursive, hidden))
         return [FileEntry.from_json(f) for f in answer.json()]
+
+    def exists(self, path: str) -> bool:
+        """Whether anything (a file, a directory, a link) is at ``path`` in the workspace.
+        A session that is gone raises :class:`~cellgate.NotFoundError` rather than answer
+        ``False`` (which is why this asks for a ``stat``, whose 404 says which is missing,
+        and not ``HEAD``, whose 404 has no body to say it)."""
+        try:
+            self.stat(path)
+        except NotFoundError as error:
+            if error.code == "no_such_file":
+                return False
+            raise
+        return True
+
+    def stat(self, path: str) -> FileEntry:
+        """What is at ``path`` (a link is described, never followed);
+        :class:`~cellgate.NotFoundError` (``no_such_file``) when nothing is."""
+        answer = self.client.request("POST", file_url(self.id, path), json={"op": "stat"})
+        return FileEntry.from_json(answer.json())
+
+    def make_dir(self, path: str) -> FileEntry:
+        """Creates the directory ``path`` and any missing parent; one that exists is fine."""
+        answer = self.client.request("POST", file_url(self.id, path), json={"op": "mkdir"})
+        return FileEntry.from_json(answer.json())
+
+    def move(self, src: str, dst: str, *, overwrite: bool = False) -> FileEntry:
+        """Moves (renames) the file or directory ``src`` to ``dst``, creating ``dst``'s
+        missing parents, and returns the entry at ``dst``. Anything already at ``dst`` is a
+        :class:`~cellgate.ConflictError` (``exists``) unless ``overwrite``."""
+        answer = self.client.request("POST", file_url(self.id, src),
+                                     json=move_body(dst, overwrite))
+        return FileEntry.from_json(answer.json())
+
+    rename = move
+
+    def remove(self, path: str, *, recursive: bool = False) -> int:
+        """Removes a file, a link (not what it points at) or an empty directory; with
+        ``recursive``, a directory and everything in it (without it, a directory that is
+        not empty is a :class:`~cellgate.ConflictError`, ``not_empty``). Returns how many
+        entries went."""
+        answer = self.client.request("DELETE", file_url(self.id, path),
+                                     params=remove_params(recursive))
+        return int(answer.json().get("removed", 0))
 
     def artifacts(self) -> List[Artifact]:
         """Every artifact the session made, oldest first."""

@@ -1,7 +1,11 @@
-"""Errors: every failed request raises an :class:`APIError` carrying the gateway's answer."""
+"""Errors: every failed request raises an :class:`APIError` carrying the gateway's answer,
+and a gateway that cannot be reached a :class:`CellgateConnectionError`."""
 
 from __future__ import annotations
 
+import email.utils
+import math
+import time
 from typing import Optional
 
 import httpx
@@ -24,6 +28,22 @@ class APIError(CellgateError):
         self.retry_after = retry_after
 
 
+class CellgateConnectionError(CellgateError, ConnectionError):
+    """The gateway at ``url`` could not be reached (refused, unresolvable, timed out while
+    connecting) or dropped the connection before answering. Also a built-in
+    :class:`ConnectionError`, so code that already catches those catches it; the httpx
+    exception it stands for is its ``__cause__``."""
+
+    def __init__(self, message: str, url: str = ""):
+        super().__init__(message)
+        self.url = url
+
+
+class BadRequestError(APIError):
+    """400: the request itself is wrong (``invalid_json``, ``unknown_policy``,
+    ``env_not_allowed``…): sending it again will not help."""
+
+
 class AuthenticationError(APIError):
     """401: no token, or a wrong one."""
 
@@ -37,14 +57,17 @@ class ConflictError(APIError):
 
 
 class RateLimitError(APIError):
-    """429: over the tenant's request rate; ``retry_after`` says when to try again."""
+    """429: over the tenant's request rate; ``retry_after`` (seconds) says when to try again.
+    The clients wait and retry by themselves first (``max_retries``, ``max_retry_wait``)."""
 
 
 class UnavailableError(APIError):
-    """503: the kernel is starting, restarting, busy or dead."""
+    """503: the kernel is starting, restarting, busy or dead; ``retry_after`` (seconds) when
+    the gateway says waiting helps (the clients have already retried then, up to
+    ``max_retries``)."""
 
 
-_BY_STATUS = {401: AuthenticationError, 404: NotFoundError, 409: ConflictError,
+_BY_STATUS = {400: BadRequestError, 401: AuthenticationError, 404: NotFoundError, 409: ConflictError,
               429: RateLimitError, 503: UnavailableError}
 
 
@@ -58,6 +81,38 @@ class ExecutionFailed(CellgateError):
         self.execution = execution
 
 
+class CommandFailed(CellgateError):
+    """Raised by :meth:`CommandResult.raise_for_status` for a command that did not end ``ok``
+    (a non-zero exit, a signal, a timeout…)."""
+
+    def __init__(self, result):  # type: ignore[no-untyped-def]
+        if result.exit_code is not None:
+            detail = f"exit code {result.exit_code}"
+        else:
+            detail = result.error or (f"signal {result.signal}" if result.signal else result.status)
+        super().__init__(f"command {result.status}: {detail}")
+        self.result = result
+
+
+def parse_retry_after(value: Optional[str]) -> Optional[float]:
+    """Seconds to wait from a ``Retry-After`` header: delay-seconds, or an HTTP-date (how
+    long until then, 0 once past); ``None`` when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        return max(0.0, when.timestamp() - time.time())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
 def error_from(response: httpx.Response) -> APIError:
     """The :class:`APIError` for a failed ``response`` (its body already read)."""
     code, message = "error", response.reason_phrase
@@ -69,7 +124,6 @@ def error_from(response: httpx.Response) -> APIError:
     if isinstance(body, dict):
         code = str(body.get("code") or code)
         message = str(body.get("message") or message)
-    retry = response.headers.get("retry-after")
-    retry_after = float(retry) if retry and retry.isdigit() else None
+    retry_after = parse_retry_after(response.headers.get("retry-after"))
     kind = _BY_STATUS.get(response.status_code, APIError)
     return kind(response.status_code, code, message, retry_after)

@@ -1,5 +1,6 @@
 """What the sync and async clients share: reading Server-Sent Events, and turning an
-execution's events into callbacks and, at its ``done`` event, an :class:`Execution`."""
+execution's (or a command's) events into callbacks and, at its ``done`` event, an
+:class:`Execution` (a :class:`CommandResult`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from ._models import Artifact, Execution
+from ._models import Artifact, CommandResult, Execution
 
 StreamCallback = Callable[[str], Any]
 ArtifactCallback = Callable[[Artifact], Any]
@@ -87,3 +88,23 @@ class Collector:
         elif kind == "done":
             self.result = Execution.from_json(event.get("result", {}), self.client)
         return None
+
+
+class CommandCollector:
+    """Turns one command's events (``started``, ``stream``, ``done``) into callbacks;
+    ``result`` is set at ``done``."""
+
+    def __init__(self, on_stdout: Optional[StreamCallback],
+                 on_stderr: Optional[StreamCallback]) -> None:
+        self.on_stdout = on_stdout
+        self.on_stderr = on_stderr
+        self.result: Optional[CommandResult] = None
+
+    def handle(self, event: Dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "stream":
+            callback = self.on_stdout if event.get("name") == "stdout" else self.on_stderr
+            if callback is not None:
+                callback(event.get("text", ""))
+        elif kind == "done":
+            self.result = CommandResult.from_json(event.get("result", {}))

@@ -1,4 +1,5 @@
-"""What the gateway answers, as typed objects: sessions, executions, artifacts, files."""
+"""What the gateway answers, as typed objects: sessions, executions, commands, artifacts,
+files."""
 
 from __future__ import annotations
 
@@ -165,6 +166,11 @@ class Denial:
     reason: str
 
 
+def _denial(data: Dict[str, Any]) -> Denial:
+    return Denial(data.get("kind", ""), data.get("target", ""), data.get("policy", ""),
+                  data.get("reason", ""))
+
+
 @dataclass
 class Execution:
     """The typed result of running code.
@@ -216,8 +222,7 @@ class Execution:
             error=ExecError(error.get("ename", ""), error.get("evalue", ""),
                             list(error.get("traceback", []))) if error else None,
             artifacts=[Artifact.from_json(a, client) for a in data.get("artifacts", [])],
-            denials=[Denial(d.get("kind", ""), d.get("target", ""), d.get("policy", ""),
-                            d.get("reason", "")) for d in data.get("denials", [])],
+            denials=[_denial(d) for d in data.get("denials", [])],
             omitted=list(data.get("omitted", [])),
             duration_ms=int(data.get("duration_ms", 0)),
             state_generation=int(data.get("state_generation", 0)),
@@ -230,14 +235,71 @@ class Execution:
 
 @dataclass
 class FileEntry:
-    """A file or directory of the session's workspace."""
+    """A file or directory of the session's workspace: ``path`` relative to the workspace
+    (``/``-separated), ``kind`` (``file``, ``dir``, ``symlink`` (never followed) or
+    ``other``), ``size`` in bytes and ``mtime``, the last modification (RFC 3339, UTC)."""
 
     path: str
     kind: str
     size: int
-    mtime: Any
+    mtime: Optional[str]
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "FileEntry":
         return cls(data["path"], data.get("kind", "file"), int(data.get("size", 0)),
                    data.get("mtime"))
+
+
+@dataclass
+class CommandResult:
+    """The typed result of a shell command (:meth:`Session.run_command`).
+
+    ``status`` is ``ok`` (exit code 0), ``error`` (another exit code, a signal, or it could
+    not start: ``error`` says why), ``timeout`` (its timeout killed it: ``signal`` is
+    ``SIGKILL``), ``oom``, ``denied`` or ``sandbox_lost``. ``stdout`` and ``stderr`` are
+    capped (the ``*_truncated`` flags say so); the callbacks saw everything.
+    """
+
+    command_id: str
+    status: str
+    exit_code: Optional[int]
+    signal: Optional[str]
+    stdout: str
+    stderr: str
+    error: Optional[str]
+    denials: List[Denial]
+    duration_ms: int
+    state_generation: int
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    output_truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def raise_for_status(self) -> "CommandResult":
+        """Raises :class:`CommandFailed` unless the command ended ``ok``."""
+        from ._errors import CommandFailed
+
+        if not self.ok:
+            raise CommandFailed(self)
+        return self
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "CommandResult":
+        return cls(
+            command_id=data.get("command_id", ""),
+            status=data.get("status", ""),
+            exit_code=data.get("exit_code"),
+            signal=data.get("signal"),
+            stdout=data.get("stdout", ""),
+            stderr=data.get("stderr", ""),
+            error=data.get("error"),
+            denials=[_denial(d) for d in data.get("denials", [])],
+            duration_ms=int(data.get("duration_ms", 0)),
+            state_generation=int(data.get("state_generation", 0)),
+            stdout_truncated=bool(data.get("stdout_truncated", False)),
+            stderr_truncated=bool(data.get("stderr_truncated", False)),
+            output_truncated=bool(data.get("output_truncated", False)),
+        )

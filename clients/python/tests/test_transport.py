@@ -1,0 +1,253 @@
+"""How the client talks HTTP, against stand-ins for the gateway: retries that honour
+Retry-After (a tiny scripted server on 127.0.0.1), and a gateway that cannot be reached (a
+closed port). No kernel is involved, so these say exactly what went over the wire."""
+
+import asyncio
+import email.utils
+import io
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+import cellgate
+from cellgate import AsyncClient, AsyncSession, Client, Session
+
+SESSION = {"id": "s1", "kernel_name": "python3", "policy": "default", "sandbox": "namespaces",
+           "state": "idle", "state_generation": 1, "created": "", "last_activity": "",
+           "executions": 0}
+HANG_UP = object()
+
+
+def answer(status, body=None, retry_after=None, content_type="application/json"):
+    """One scripted answer: ``status``, a JSON (or, as bytes, any) ``body``, a Retry-After."""
+    headers = {"Content-Type": content_type}
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    if body is None and status >= 400:
+        body = {"reason": "", "message": f"scripted {status}", "code": f"scripted_{status}"}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return status, headers, data
+
+
+def refused(status, retry_after=None):
+    return answer(status, retry_after=retry_after)
+
+
+class FakeGateway:
+    """A scripted HTTP server: each request gets the next answer (``HANG_UP`` closes the
+    connection without one), and is recorded as ``(method, path, body, headers)``."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.requests = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def handle_one(self):
+                fake.requests.append((self.command, self.path, self.read_body(), dict(self.headers)))
+                scripted = fake.answers.pop(0) if fake.answers else answer(500, {"code": "script_ended"})
+                if scripted is HANG_UP:
+                    self.close_connection = True
+                    return
+                status, headers, data = scripted
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def read_body(self):
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                        if size == 0:
+                            return b"".join(chunks)
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = handle_one
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+    @property
+    def paths(self):
+        return [(method, path) for method, path, _, _ in self.requests]
+
+
+def test_a_refusal_with_retry_after_is_sent_again_after_the_wait():
+    with FakeGateway(refused(429, "0"), refused(429, "1"), answer(200, [])) as fake:
+        with Client(fake.url, "t") as client:
+            started = time.monotonic()
+            assert client.sessions() == []
+            waited = time.monotonic() - started
+    assert fake.paths == [("GET", "/v1/sessions")] * 3
+    assert all(headers["Authorization"] == "Bearer t" for _, _, _, headers in fake.requests)
+    assert waited >= 0.9, waited
+
+
+def test_a_wait_beyond_max_retry_wait_raises_at_once():
+    with FakeGateway(refused(429, "120")) as fake:
+        with Client(fake.url, "t", max_retry_wait=30) as client:
+            started = time.monotonic()
+            with pytest.raises(cellgate.RateLimitError) as error:
+                client.sessions()
+            assert time.monotonic() - started < 5
+    assert error.value.retry_after == 120 and error.value.code == "scripted_429"
+    assert len(fake.requests) == 1
+
+
+def test_without_retry_after_a_refusal_is_never_retried():
+    with FakeGateway(refused(503), refused(500), refused(409)) as fake:
+        with Client(fake.url, "t") as client:
+            for kind in (cellgate.UnavailableError, cellgate.APIError, cellgate.ConflictError):
+                with pytest.raises(kind) as error:
+                    client.sessions()
+                assert error.value.retry_after is None
+    assert len(fake.requests) == 3
+
+
+def test_retries_stop_after_max_retries():
+    with FakeGateway(*[refused(503, "0")] * 4) as fake:
+        with Client(fake.url, "t", max_retries=2) as client:
+            with pytest.raises(cellgate.UnavailableError) as error:
+                client.sessions()
+            assert error.value.retry_after == 0 and len(fake.requests) == 3
+        with Client(fake.url, "t", max_retries=0) as client:
+            with pytest.raises(cellgate.UnavailableError):
+                client.sessions()
+    assert len(fake.requests) == 4
+
+
+def test_retry_after_may_be_an_http_date():
+    past = email.utils.formatdate(time.time() - 5, usegmt=True)
+    far = email.utils.formatdate(time.time() + 3600, usegmt=True)
+    with FakeGateway(refused(429, past), answer(200, []), refused(429, far)) as fake:
+        with Client(fake.url, "t") as client:
+            assert client.sessions() == []
+            with pytest.raises(cellgate.RateLimitError) as error:
+                client.sessions()
+    assert 3000 < error.value.retry_after <= 3600
+    assert len(fake.requests) == 3
+
+
+def test_bodies_are_sent_again_but_never_a_consumed_file_object(tmp_path):
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"from a path")
+    uploaded = answer(201, {"path": "a", "bytes": 3})
+    with FakeGateway(answer(200, SESSION),
+                     refused(429, "0"), uploaded,
+                     refused(503, "0"), uploaded,
+                     refused(429, "0")) as fake:
+        with Client(fake.url, "t") as client:
+            session = client.attach("s1")
+            session.upload("a", "abc")
+            session.upload("a", local)
+            with pytest.raises(cellgate.RateLimitError):
+                session.upload("a", io.BytesIO(b"a stream"))
+    assert [(m, p, body) for m, p, body, _ in fake.requests] == [
+        ("GET", "/v1/sessions/s1", b""),
+        ("PUT", "/v1/sessions/s1/files/a", b"abc"), ("PUT", "/v1/sessions/s1/files/a", b"abc"),
+        ("PUT", "/v1/sessions/s1/files/a", b"from a path"),
+        ("PUT", "/v1/sessions/s1/files/a", b"from a path"),
+        ("PUT", "/v1/sessions/s1/files/a", b"a stream"),
+    ]
+
+
+def sse(*events):
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def test_the_async_client_retries_too_and_an_event_stream_as_well():
+    result = {"command_id": "c1", "status": "ok", "exit_code": 0, "signal": None,
+              "stdout": "hi\n", "stderr": "", "stdout_truncated": False,
+              "stderr_truncated": False, "output_truncated": False, "error": None,
+              "denials": [], "duration_ms": 5, "state_generation": 1}
+    stream = sse({"type": "started", "command_id": "c1", "cmd": "echo hi"},
+                 {"type": "stream", "command_id": "c1", "name": "stdout", "text": "hi\n"},
+                 {"type": "done", "command_id": "c1", "result": result})
+
+    async def main(url):
+        chunks = []
+        async with AsyncClient(url, "t") as client:
+            assert await client.sessions() == []
+            session = await client.attach("s1")
+            done = await session.run_command("echo hi", on_stdout=chunks.append)
+        return done, chunks
+
+    with FakeGateway(refused(503, "0"), answer(200, []), answer(200, SESSION),
+                     refused(429, "0"),
+                     answer(200, stream, content_type="text/event-stream")) as fake:
+        done, chunks = asyncio.run(main(fake.url))
+    assert isinstance(done, cellgate.CommandResult) and done.ok and done.stdout == "hi\n"
+    assert chunks == ["hi\n"]
+    commands = [r for r in fake.requests if r[1] == "/v1/sessions/s1/commands"]
+    assert len(commands) == 2 and commands[0][2] == commands[1][2]
+    assert json.loads(commands[0][2]) == {"cmd": "echo hi"}
+    assert commands[0][3]["Accept"] == "text/event-stream"
+    assert len(fake.requests) == 5
+
+
+def closed_port_url():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_an_unreachable_gateway_is_a_connection_error():
+    url = closed_port_url()
+    with Client(url, "t") as client:
+        with pytest.raises(cellgate.CellgateConnectionError) as error:
+            client.sessions()
+    assert isinstance(error.value, ConnectionError) and isinstance(error.value, cellgate.CellgateError)
+    assert error.value.url == url and url in str(error.value)
+    assert isinstance(error.value.__cause__, httpx.ConnectError)
+    with pytest.raises(cellgate.CellgateConnectionError):
+        Session(url, "t")
+
+    async def main():
+        async with AsyncSession(url, "t"):
+            pass
+
+    with pytest.raises(cellgate.CellgateConnectionError) as error:
+        asyncio.run(main())
+    assert url in str(error.value)
+
+
+def test_a_gateway_that_hangs_up_without_answering_is_a_connection_error():
+    with FakeGateway(HANG_UP, HANG_UP) as fake:
+        with Client(fake.url, "t", max_retries=3) as client:
+            with pytest.raises(cellgate.CellgateConnectionError) as error:
+                client.sessions()
+        assert fake.url in str(error.value)
+
+        async def main():
+            async with AsyncClient(fake.url, "t") as client:
+                await client.sessions()
+
+        with pytest.raises(cellgate.CellgateConnectionError):
+            asyncio.run(main())
+    # Never retried: the gateway may have done the work before the connection broke.
+    assert len(fake.requests) == 2
