@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
+use ipnet::{IpNet, Ipv4Net};
 use serde::Deserialize;
 
 use crate::jwt::JwtSettings;
@@ -172,10 +173,21 @@ pub struct ServeArgs {
     /// [default: half the open-file limit, at most 65536].
     #[arg(long, env = "CELLGATE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
-    /// Client connections one IP address may hold at once; past it its new ones get 503
-    /// [default: 256].
+    /// Client connections one IP address may hold at once; past it its new ones get 503.
+    /// Trusted proxies (--trusted-proxy) are not held to it [default: 256].
     #[arg(long, env = "CELLGATE_MAX_CONNECTIONS_PER_PEER")]
     pub max_connections_per_peer: Option<usize>,
+    /// A reverse proxy in front of the gateway, as an IP address or a network (10.0.0.0/8,
+    /// fd00::/8); repeatable or comma separated. For a connection from one, the client's
+    /// address is taken from X-Forwarded-For (the rightmost address that is not itself a
+    /// trusted proxy) for the access log, and the connection is not held to
+    /// --max-connections-per-peer [default: none: X-Forwarded-For is ignored].
+    #[arg(
+        long = "trusted-proxy",
+        env = "CELLGATE_TRUSTED_PROXIES",
+        value_delimiter = ','
+    )]
+    pub trusted_proxies: Vec<String>,
     /// Free disk the artifact store keeps under it, such as 2GiB: below it, retained
     /// artifacts of deleted sessions go first, then new ones are refused; 0B for no minimum
     /// [default: 1GiB].
@@ -374,6 +386,7 @@ struct FileConfig {
     body_read_timeout: Option<Duration>,
     max_connections: Option<usize>,
     max_connections_per_peer: Option<usize>,
+    trusted_proxies: Option<OneOrMany>,
     #[serde(default, with = "crate::policy::units::serde_size")]
     artifact_min_free_disk: Option<u64>,
 }
@@ -441,8 +454,11 @@ pub struct GatewayConfig {
     pub body_read_timeout: Duration,
     /// Client connections at once; `None`: derived from the open-file limit when serving.
     pub max_connections: Option<usize>,
-    /// Client connections at once from one IP address.
+    /// Client connections at once from one IP address (trusted proxies excepted).
     pub max_connections_per_peer: usize,
+    /// Networks of the reverse proxies whose `X-Forwarded-For` is believed, host bits
+    /// cleared, IPv4-mapped networks as IPv4 ones (peers are compared in that form).
+    pub trusted_proxies: Vec<IpNet>,
     /// Free bytes the artifact store keeps on its disk (0: no minimum).
     pub artifact_min_free_disk: u64,
     /// The microvm backend's settings.
@@ -521,6 +537,8 @@ pub enum ConfigError {
     BadReplicaUrl(String),
     #[error("replica_id needs replica_url: a replica must say where the others reach it")]
     ReplicaIdAlone,
+    #[error("trusted_proxies {0:?}: expected an IP address (10.0.0.7, ::1) or a network in CIDR notation (10.0.0.0/8, fd00::/8)")]
+    BadTrustedProxy(String),
     #[error("{name} = 0 would {consequence}: give at least {least}")]
     Zero {
         name: &'static str,
@@ -566,6 +584,26 @@ fn normalise_origin(origin: &str) -> Result<String, ConfigError> {
         return Err(bad());
     }
     Ok(lower)
+}
+
+/// A trusted proxy's address (a network of one) or network. An IPv4-mapped IPv6 network
+/// (`::ffff:10.0.0.0/104`) becomes its IPv4 network, since a peer's address is compared in
+/// its canonical form (an IPv4 client of a dual-stack listener as IPv4). Host bits are
+/// cleared (`10.1.2.3/8` is `10.0.0.0/8`), as most tools read such a value.
+fn trusted_network(value: &str) -> Result<IpNet, ConfigError> {
+    let bad = || ConfigError::BadTrustedProxy(value.to_owned());
+    let net = match value.parse::<IpNet>() {
+        Ok(net) => net,
+        Err(_) => IpNet::from(value.parse::<IpAddr>().map_err(|_| bad())?),
+    };
+    let net = match net {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
+            Some(v4) => IpNet::V4(Ipv4Net::new(v4, v6.prefix_len() - 96).map_err(|_| bad())?),
+            None => net,
+        },
+        _ => net,
+    };
+    Ok(net.trunc())
 }
 
 /// An origin clients reach the gateway at, normalised as [`normalise_origin`] does.
@@ -750,6 +788,19 @@ impl GatewayConfig {
             "close every keep-alive connection after its first response",
             "a few seconds, e.g. 60s",
         )?;
+        let trusted_proxies = if args.trusted_proxies.is_empty() {
+            file.trusted_proxies
+                .map(OneOrMany::into_vec)
+                .unwrap_or_default()
+        } else {
+            args.trusted_proxies.clone()
+        };
+        let trusted_proxies = trusted_proxies
+            .iter()
+            .map(|value| value.trim())
+            .filter(|value| !value.is_empty())
+            .map(trusted_network)
+            .collect::<Result<Vec<_>, _>>()?;
         let max_connections = args.max_connections.or(file.max_connections);
         if max_connections == Some(0) {
             return Err(ConfigError::Zero {
@@ -915,6 +966,7 @@ impl GatewayConfig {
             body_read_timeout,
             max_connections,
             max_connections_per_peer,
+            trusted_proxies,
         })
     }
 }
@@ -978,6 +1030,10 @@ mod tests {
             ("body_read_timeout", "body_read_timeout = \"30s\""),
             ("max_connections", "max_connections = 100"),
             ("max_connections_per_peer", "max_connections_per_peer = 10"),
+            (
+                "trusted_proxies",
+                "trusted_proxies = [\"10.0.0.0/8\", \"127.0.0.1\"]",
+            ),
             (
                 "artifact_min_free_disk",
                 "artifact_min_free_disk = \"1GiB\"",
@@ -1052,6 +1108,81 @@ mod tests {
         assert_eq!(config.egress_max_connections, 8);
         assert_eq!(config.jwt.leeway, Duration::from_secs(5));
         assert_eq!(config.tenants.burst, Some(5));
+        assert_eq!(
+            config.trusted_proxies,
+            [
+                "10.0.0.0/8".parse::<IpNet>().unwrap(),
+                "127.0.0.1/32".parse().unwrap()
+            ]
+        );
+    }
+
+    #[test]
+    fn trusted_proxies_from_flags_or_file_and_bad_ones_refused() {
+        let resolve = |values: &[&str]| {
+            GatewayConfig::resolve(&ServeArgs {
+                trusted_proxies: values.iter().map(|v| v.to_string()).collect(),
+                ..ServeArgs::default()
+            })
+            .map(|config| config.trusted_proxies)
+        };
+        let net = |text: &str| text.parse::<IpNet>().unwrap();
+        assert_eq!(resolve(&[]).unwrap(), []);
+        // Addresses are networks of one; host bits are cleared; a mapped IPv6 network is
+        // the IPv4 one its addresses canonicalise to; blanks (a trailing comma) are skipped.
+        assert_eq!(
+            resolve(&[
+                " 127.0.0.1",
+                "::1",
+                "10.1.2.3/8",
+                "::ffff:192.168.0.0/112",
+                ""
+            ])
+            .unwrap(),
+            [
+                net("127.0.0.1/32"),
+                net("::1/128"),
+                net("10.0.0.0/8"),
+                net("192.168.0.0/16")
+            ]
+        );
+        for bad in [
+            "10.0.0.0/33",
+            "localhost",
+            "10.0.0",
+            "10.0.0.0/8/1",
+            "fe80::1%eth0",
+            "*",
+        ] {
+            let err = resolve(&["127.0.0.1", bad]).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::BadTrustedProxy(value) if value == bad),
+                "{bad}: {err}"
+            );
+            assert!(err.to_string().contains(bad), "{err}");
+        }
+        // The file's list, or one comma-separated string; the command line replaces it.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "trusted_proxies = \"10.0.0.0/8, 192.0.2.1\"\n").unwrap();
+        let from_file = |trusted_proxies: Vec<String>| {
+            GatewayConfig::resolve(&ServeArgs {
+                config: Some(path.clone()),
+                trusted_proxies,
+                ..ServeArgs::default()
+            })
+            .map(|config| config.trusted_proxies)
+        };
+        assert_eq!(
+            from_file(vec![]).unwrap(),
+            [net("10.0.0.0/8"), net("192.0.2.1/32")]
+        );
+        assert_eq!(from_file(vec!["::1".into()]).unwrap(), [net("::1/128")]);
+        std::fs::write(&path, "trusted_proxies = [\"10.0.0.0/8\", \"nginx\"]\n").unwrap();
+        assert!(matches!(
+            from_file(vec![]),
+            Err(ConfigError::BadTrustedProxy(value)) if value == "nginx"
+        ));
     }
 
     #[test]

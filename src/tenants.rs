@@ -107,6 +107,15 @@ impl TenantSettings {
         }
         Ok(())
     }
+
+    /// The tenants these settings name (`[tenants.limits.NAME]`) that have a request rate,
+    /// their own or the default: the ones whose rate-limit counter can be made ahead.
+    pub fn rate_limited_tenants(&self) -> impl Iterator<Item = &str> {
+        self.limits
+            .iter()
+            .filter(|(_, limits)| limits.rate.or(self.rate).is_some())
+            .map(|(name, _)| name.as_str())
+    }
 }
 
 /// Tenant rules in force, with each tenant's token bucket.

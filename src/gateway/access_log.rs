@@ -3,6 +3,10 @@
 //! log line the request causes (a kernel's start included) inside a `request` span that
 //! carries its `request_id`.
 //!
+//! `peer` is the request's client ([`ClientAddr`]): the TCP peer, or, behind a trusted
+//! proxy, the client the proxy named in `X-Forwarded-For`, with the proxy as `via` (a field
+//! only such lines have).
+//!
 //! A client's `X-Request-Id` is kept when it is a plain token (letters, digits and `-._:`,
 //! at most 128 bytes) so that a proxy's or a client's id follows the request through; any
 //! other value is replaced by a fresh one, since the id is written into log lines a log
@@ -14,11 +18,13 @@
 
 use std::time::Instant;
 
-use axum::extract::{ConnectInfo, MatchedPath, Request};
+use axum::extract::{MatchedPath, Request};
 use axum::http::{HeaderName, HeaderValue, Method};
 use axum::middleware::Next;
 use axum::response::Response;
 use tracing::Instrument;
+
+use super::client_addr::ClientAddr;
 
 /// The request id header, both ways.
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -72,10 +78,7 @@ pub async fn access_log(mut request: Request, next: Next) -> Response {
         .map_or("unmatched", |m| m.as_str())
         .to_owned();
     let method = method_label(request.method());
-    let peer = request
-        .extensions()
-        .get::<ConnectInfo<std::net::SocketAddr>>()
-        .map(|c| c.0.ip());
+    let client = request.extensions().get::<ClientAddr>().copied();
     let span = tracing::info_span!(
         "request",
         request_id = %String::from_utf8_lossy(id.as_bytes()),
@@ -87,14 +90,18 @@ pub async fn access_log(mut request: Request, next: Next) -> Response {
     response.headers_mut().insert(X_REQUEST_ID.clone(), id);
     crate::telemetry::metrics::metrics().http_request(method, &route, status, elapsed);
     let latency_ms = (elapsed.as_secs_f64() * 1e5).round() / 100.0;
-    let peer = peer.map_or_else(|| "-".to_owned(), |ip| ip.to_string());
+    let peer = client.map_or_else(|| "-".to_owned(), |client| client.ip.to_string());
+    // `None` records no field at all.
+    let via = client
+        .and_then(|client| client.via)
+        .map(tracing::field::display);
     span.in_scope(|| {
         // Probes and scrapes come every few seconds from the orchestrator: at debug, so
         // they do not bury the requests people make (a failed one is still at info).
         if matches!(route.as_str(), "/healthz" | "/readyz" | "/metrics") && status < 400 {
-            tracing::debug!(target: "cellgate::access", method, route, status, latency_ms, %peer, "request");
+            tracing::debug!(target: "cellgate::access", method, route, status, latency_ms, %peer, via, "request");
         } else {
-            tracing::info!(target: "cellgate::access", method, route, status, latency_ms, %peer, "request");
+            tracing::info!(target: "cellgate::access", method, route, status, latency_ms, %peer, via, "request");
         }
     });
     response

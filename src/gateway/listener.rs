@@ -15,6 +15,13 @@
 //!   from one IP address. Past either, the new connection gets `503` with `Retry-After: 1`
 //!   and `Connection: close`, written straight on the socket without hyper, and is closed.
 //!   Refusals are counted, and logged at most once every `REPORT_EVERY`, not once each.
+//!   A trusted proxy (`--trusted-proxy`) is held to the total cap only: it carries many
+//!   clients, and the caps are taken when a connection is accepted, before any request
+//!   (and its `X-Forwarded-For`) is read, so its clients cannot be told apart here.
+//!
+//! Every request gets a [`ClientAddr`] extension, the address of its client
+//! (`client_addr.rs`: the peer, or the client a trusted proxy forwarded for), beside axum's
+//! `ConnectInfo` with the peer's socket address.
 //!
 //! A connection keeps its place under the caps until its socket closes, WebSockets included:
 //! the place lives in the socket's wrapper, which an upgraded connection keeps. Neither
@@ -54,6 +61,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
+use super::client_addr::{ClientAddr, TrustedProxies};
 use crate::config::GatewayConfig;
 
 /// How long requests in flight may take to finish once shutdown begins.
@@ -110,15 +118,18 @@ pub fn default_max_connections() -> usize {
 
 /// Serves `app` on `listener` until `shutdown` resolves; then stops accepting, lets requests
 /// in flight finish for up to `SHUTDOWN_GRACE` and returns. WebSockets already upgraded
-/// are not waited for.
+/// are not waited for. Connections from `trusted` proxies are exempt from the per-peer cap,
+/// and their requests' clients are read from `X-Forwarded-For`.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: ConnectionLimits,
+    trusted: TrustedProxies,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     let slots = Arc::new(Slots {
         limits,
+        trusted: trusted.clone(),
         open: Mutex::new(Open::default()),
     });
     let refusing = Arc::new(AtomicUsize::new(0));
@@ -173,6 +184,7 @@ pub async fn serve(
                     slot,
                     app.clone(),
                     limits,
+                    trusted.clone(),
                     closing_rx.clone(),
                 ));
             }
@@ -197,9 +209,10 @@ pub async fn serve(
     }
 }
 
-/// Connections open now: in total, and per peer address.
+/// Connections open now: in total, and per peer address (trusted proxies' not counted).
 struct Slots {
     limits: ConnectionLimits,
+    trusted: TrustedProxies,
     open: Mutex<Open>,
 }
 
@@ -219,27 +232,32 @@ enum Refusal {
 /// A connection's place under the caps, given back when it is dropped with the socket.
 struct Slot {
     slots: Arc<Slots>,
-    peer: IpAddr,
+    /// The peer it counts for under the per-peer cap; `None` for a trusted proxy.
+    peer: Option<IpAddr>,
     /// Counted in `cellgate_connections_open` while it lives.
     _open: crate::telemetry::metrics::OpenGuard,
 }
 
 impl Slots {
     fn admit(self: &Arc<Self>, peer: IpAddr) -> Result<Slot, Refusal> {
+        // Outside the lock: a walk over the trusted networks.
+        let counted = (!self.trusted.contains(peer)).then_some(peer);
         let mut guard = self.open.lock();
         let open = &mut *guard;
-        let from_peer = open.per_peer.get(&peer).copied().unwrap_or(0);
-        if from_peer >= self.limits.max_per_peer {
+        let from_peer = counted.map(|peer| open.per_peer.get(&peer).copied().unwrap_or(0));
+        if from_peer.is_some_and(|n| n >= self.limits.max_per_peer) {
             return Err(Refusal::Peer);
         }
         if open.total >= self.limits.max_connections {
             return Err(Refusal::Total);
         }
-        open.per_peer.insert(peer, from_peer + 1);
+        if let (Some(peer), Some(n)) = (counted, from_peer) {
+            open.per_peer.insert(peer, n + 1);
+        }
         open.total += 1;
         Ok(Slot {
             slots: self.clone(),
-            peer,
+            peer: counted,
             _open: crate::telemetry::metrics::metrics().connection_opened(),
         })
     }
@@ -249,7 +267,10 @@ impl Drop for Slot {
     fn drop(&mut self) {
         let mut open = self.slots.open.lock();
         open.total = open.total.saturating_sub(1);
-        if let Entry::Occupied(mut entry) = open.per_peer.entry(self.peer) {
+        let Some(peer) = self.peer else {
+            return;
+        };
+        if let Entry::Occupied(mut entry) = open.per_peer.entry(peer) {
             *entry.get_mut() -= 1;
             if *entry.get() == 0 {
                 entry.remove();
@@ -657,6 +678,7 @@ async fn serve_connection(
     slot: Slot,
     app: Router,
     limits: ConnectionLimits,
+    trusted: TrustedProxies,
     mut closing: watch::Receiver<bool>,
 ) {
     let activity = Arc::new(Activity::new(&limits, Instant::now()));
@@ -670,6 +692,9 @@ async fn serve_connection(
         let activity = activity.clone();
         hyper::service::service_fn(move |mut request: Request<Incoming>| {
             request.extensions_mut().insert(ConnectInfo(peer));
+            // Per request: a proxy's keep-alive connection carries many clients' requests.
+            let client: ClientAddr = trusted.client(peer.ip(), request.headers());
+            request.extensions_mut().insert(client);
             let in_flight = activity.request_started();
             let request = request.map(|body| WatchedBody {
                 body,
@@ -737,6 +762,7 @@ mod tests {
     fn slots_count_per_peer_and_in_total_and_come_back_on_drop() {
         let slots = Arc::new(Slots {
             limits: limits(3, 2),
+            trusted: TrustedProxies::default(),
             open: Mutex::new(Open::default()),
         });
         let a: IpAddr = [127, 0, 0, 1].into();
@@ -754,6 +780,37 @@ mod tests {
         let open = slots.open.lock();
         assert_eq!(open.total, 0);
         assert!(open.per_peer.is_empty(), "no entry left for a peer gone");
+    }
+
+    #[test]
+    fn trusted_proxies_are_held_to_the_total_cap_only() {
+        let networks = ["10.0.0.0/8".parse().unwrap()];
+        let slots = Arc::new(Slots {
+            limits: limits(4, 1),
+            trusted: TrustedProxies::new(&networks),
+            open: Mutex::new(Open::default()),
+        });
+        let proxy: IpAddr = [10, 0, 0, 1].into();
+        let client: IpAddr = [192, 0, 2, 1].into();
+        let proxied: Vec<Slot> = (0..3).map(|_| slots.admit(proxy).unwrap()).collect();
+        // A mapped address of a dual-stack listener is the same proxy.
+        let mapped = slots
+            .admit(IpAddr::V6(
+                std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped(),
+            ))
+            .unwrap();
+        assert!(matches!(slots.admit(proxy), Err(Refusal::Total)));
+        assert!(matches!(slots.admit(client), Err(Refusal::Total)));
+        drop(mapped);
+        let _direct = slots.admit(client).unwrap();
+        drop(proxied);
+        assert!(
+            matches!(slots.admit(client), Err(Refusal::Peer)),
+            "an untrusted peer keeps its cap"
+        );
+        let open = slots.open.lock();
+        assert_eq!(open.total, 1);
+        assert_eq!(open.per_peer.len(), 1, "proxies are not counted per peer");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 mod access_log;
 mod api_error;
 mod auth;
+pub mod client_addr;
 mod edge;
 mod forward;
 mod kernel_ws;
@@ -273,13 +274,23 @@ pub async fn serve(
     );
     sessions.spawn_reaper(reap_every);
     let limits = listener::ConnectionLimits::from_config(&config);
+    let trusted = client_addr::TrustedProxies::new(&config.trusted_proxies);
     tracing::info!(
         header_read_timeout = ?limits.header_read_timeout,
         idle_connection_timeout = ?limits.idle_timeout,
         max_connections = limits.max_connections,
         max_connections_per_peer = limits.max_per_peer,
+        trusted_proxies = ?config.trusted_proxies,
         "client connection limits"
     );
+    for network in trusted.everything() {
+        tracing::warn!(%network, "trusted_proxies holds every address: any client of that family can name itself whatever address it likes in X-Forwarded-For, and none is held to max_connections_per_peer; name the proxies' own addresses instead");
+    }
+    // Counters alerts watch exist at zero from the start (telemetry::metrics): the tenants
+    // the settings name, under a request rate.
+    for tenant in config.tenants.rate_limited_tenants() {
+        crate::telemetry::metrics::metrics().declare_tenant(tenant);
+    }
     let mut state =
         AppState::new(config.clone(), kernels, sessions).map_err(std::io::Error::other)?;
     if let Some(replicas) = replicas {
@@ -296,15 +307,21 @@ pub async fn serve(
         let app = operations::metrics_listener_router(state.clone(), local.ip().is_loopback())
             .layer(middleware::from_fn(access_log::access_log));
         let mut stop = stop.clone();
-        tokio::spawn(listener::serve(metrics_listener, app, limits, async move {
-            let _ = stop.wait_for(|stopped| *stopped).await;
-        }));
+        tokio::spawn(listener::serve(
+            metrics_listener,
+            app,
+            limits,
+            trusted.clone(),
+            async move {
+                let _ = stop.wait_for(|stopped| *stopped).await;
+            },
+        ));
     }
     drop(stop);
     let shutdown = async move {
         shutdown.await;
         stopping.send_replace(true);
     };
-    listener::serve(listener, router(state), limits, shutdown).await;
+    listener::serve(listener, router(state), limits, trusted, shutdown).await;
     Ok(())
 }

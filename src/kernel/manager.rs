@@ -142,14 +142,28 @@ impl KernelManager {
                 what: format!("create {}", options.runtime_root.display()),
                 source,
             })?;
-        Ok(Arc::new(KernelManager {
+        let manager = Arc::new(KernelManager {
             kernels: RwLock::new(HashMap::new()),
             specs,
             backends,
             options,
             pool: parking_lot::Mutex::new(Pool::default()),
             starting: parking_lot::Mutex::new(HashMap::new()),
-        }))
+        });
+        // Each policy's counters exist at zero before its first start, failure, execution
+        // or denial, so that alerts on their increase see the first one (telemetry::metrics).
+        let kinds = crate::policy::DenialKind::ALL.map(|kind| kind.as_str());
+        for policy in manager.options.policies.iter() {
+            // Only the default policy's kernels are pooled (`start_for`, `refill_pool`).
+            let pooled = policy.name == "default" && manager.options.pool_size > 0;
+            crate::telemetry::metrics::metrics().declare_policy(
+                &policy.name,
+                manager.backend_of(policy).as_str(),
+                pooled,
+                &kinds,
+            );
+        }
+        Ok(manager)
     }
 
     /// The policies kernels run under.

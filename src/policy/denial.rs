@@ -27,6 +27,9 @@ pub enum DenialKind {
 }
 
 impl DenialKind {
+    /// Every kind (the metrics export each at zero before its first denial).
+    pub const ALL: [DenialKind; 2] = [DenialKind::Egress, DenialKind::Package];
+
     /// The wire name (the same as serde's), for logs.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -16,6 +16,15 @@
 //! Labels are bounded: policies and backends come from configuration, outcomes and routes
 //! are fixed sets (a route is its template, never a raw path), tenants are the gateway's
 //! own tenants.
+//!
+//! Counters whose label values are known at start exist at zero from then on: without a
+//! series before the first event, Prometheus's `increase()` and `rate()` see the first
+//! event as the series' start, not as a step, and an alert on it stays silent. The zygote's
+//! outcomes are made with the families; each policy's starts, start failures, executions
+//! and denials when the kernel registry loads the policies ([`Metrics::declare_policy`]);
+//! each configured tenant's rate limiting when the gateway starts serving
+//! ([`Metrics::declare_tenant`]). Requests by route and status are not: their label sets
+//! are only known as requests come.
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -261,6 +270,54 @@ impl ExecutionMetrics {
 }
 
 impl Metrics {
+    /// Makes the series of `policy`'s kernels (run by `backend`) at zero, where not there
+    /// yet: starts and start failures (cold; from and for the pool when `pooled`),
+    /// executions by outcome, and denials of each of `denial_kinds`.
+    pub fn declare_policy(
+        &self,
+        policy: &str,
+        backend: &'static str,
+        pooled: bool,
+        denial_kinds: &[&'static str],
+    ) {
+        let labels = |source| StartLabels {
+            policy: policy.to_owned(),
+            backend,
+            source,
+        };
+        drop(self.kernel_start.get_or_create(&labels(StartSource::cold)));
+        drop(
+            self.kernel_start_failures
+                .get_or_create(&labels(StartSource::cold)),
+        );
+        if pooled {
+            drop(self.kernel_start.get_or_create(&labels(StartSource::pool)));
+            drop(
+                self.kernel_start
+                    .get_or_create(&labels(StartSource::refill)),
+            );
+            // A pool hand-out does not fail (an empty pool is a miss): only refills do.
+            drop(
+                self.kernel_start_failures
+                    .get_or_create(&labels(StartSource::refill)),
+            );
+        }
+        drop(self.executions_of(policy));
+        for &kind in denial_kinds {
+            drop(self.denials.get_or_create(&DenialLabels {
+                policy: policy.to_owned(),
+                kind,
+            }));
+        }
+    }
+
+    /// Makes `tenant`'s rate-limit counter at zero, where not there yet.
+    pub fn declare_tenant(&self, tenant: &str) {
+        drop(self.rate_limited.get_or_create(&TenantLabels {
+            tenant: tenant.to_owned(),
+        }));
+    }
+
     /// A kernel became ready for a client (or for the pool).
     pub fn kernel_started(
         &self,
@@ -650,6 +707,40 @@ mod tests {
     fn outcomes_index_their_own_handles() {
         for (at, outcome) in ExecOutcome::ALL.iter().enumerate() {
             assert_eq!(*outcome as usize, at, "{outcome:?}");
+        }
+    }
+
+    #[test]
+    fn declared_series_are_exported_at_zero() {
+        let m = metrics();
+        m.declare_policy("declared-policy", "gvisor", true, &["egress", "package"]);
+        m.declare_policy("declared-unpooled", "namespaces", false, &["egress"]);
+        m.declare_tenant("declared-tenant");
+        let text = render(&Snapshot::default()).unwrap();
+        let p = "policy=\"declared-policy\",backend=\"gvisor\"";
+        for line in [
+            format!("cellgate_kernel_start_failures_total{{{p},source=\"cold\"}} 0"),
+            format!("cellgate_kernel_start_failures_total{{{p},source=\"refill\"}} 0"),
+            format!("cellgate_kernel_start_seconds_count{{{p},source=\"pool\"}} 0"),
+            format!("cellgate_kernel_start_seconds_bucket{{{p},source=\"cold\",le=\"+Inf\"}} 0"),
+            "cellgate_executions_total{policy=\"declared-policy\",outcome=\"ok\"} 0".to_owned(),
+            "cellgate_denials_total{policy=\"declared-policy\",kind=\"package\"} 0".to_owned(),
+            "cellgate_denials_total{policy=\"declared-unpooled\",kind=\"egress\"} 0".to_owned(),
+            "cellgate_rate_limited_total{tenant=\"declared-tenant\"} 0".to_owned(),
+            "cellgate_zygote_forks_total{outcome=\"failed\"} 0".to_owned(),
+            "cellgate_zygote_cold_starts_total 0".to_owned(),
+            "cellgate_pool_misses_total 0".to_owned(),
+        ] {
+            assert!(text.contains(&line), "{line} missing from:\n{text}");
+        }
+        // No pool, no pool series; only the kinds named.
+        for absent in ["source=\"refill\"", "source=\"pool\"", "kind=\"package\""] {
+            assert!(
+                !text
+                    .lines()
+                    .any(|l| l.contains("declared-unpooled") && l.contains(absent)),
+                "{absent} for an unpooled policy"
+            );
         }
     }
 

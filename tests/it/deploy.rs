@@ -1153,9 +1153,9 @@ fn the_grafana_dashboard_uses_only_exported_metrics() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn the_alerting_rules_use_only_exported_metrics() -> Result<()> {
-    // YAML through the tools venv's PyYAML (the crate has no YAML parser), as JSON.
+/// The alerting rules of `deploy/prometheus/alerts.yml`, each group's `rules` flattened,
+/// read as YAML through the tools venv's PyYAML (the crate has no YAML parser).
+fn alert_rules() -> Result<Vec<Value>> {
     let path = deploy_dir().join("prometheus/alerts.yml");
     let out = Command::new(support::tools_python())
         .args([
@@ -1171,22 +1171,158 @@ fn the_alerting_rules_use_only_exported_metrics() -> Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     let rules: Value = serde_json::from_slice(&out.stdout)?;
-    let known = known_metrics();
-    let mut alerts = 0;
+    let mut all = Vec::new();
     for group in rules["groups"].as_array().context("groups")? {
-        for rule in group["rules"].as_array().context("rules")? {
-            let name = rule["alert"].as_str().context("a rule without a name")?;
-            let expr = rule["expr"].as_str().context("a rule without expr")?;
-            // `up` is Prometheus's own, per scrape target.
-            check_expression(expr, &["up"], &known).with_context(|| format!("alert {name}"))?;
-            ensure!(
-                rule["annotations"]["summary"].is_string()
-                    && rule["labels"]["severity"].is_string(),
-                "alert {name} needs a summary and a severity"
-            );
-            alerts += 1;
+        all.extend(group["rules"].as_array().context("rules")?.iter().cloned());
+    }
+    ensure!(!all.is_empty(), "no alerting rule");
+    Ok(all)
+}
+
+/// Where the rules' `runbook_url`s point: docs/runbook.md under one placeholder base the
+/// operator replaces (alerts.yml's header says so).
+const RUNBOOK_BASE: &str = "https://git.example.com/cellgate/blob/main/docs/runbook.md#";
+
+/// The anchors of a Markdown file's headings, as GitHub makes them: lower case, spaces to
+/// `-`, punctuation other than `-` and `_` dropped.
+fn heading_anchors(markdown: &str) -> BTreeSet<String> {
+    let mut in_code = false;
+    let mut anchors = BTreeSet::new();
+    for line in markdown.lines() {
+        if line.starts_with("```") {
+            in_code = !in_code;
+        }
+        let Some(title) = line.strip_prefix('#').filter(|_| !in_code) else {
+            continue;
+        };
+        let title = title.trim_start_matches('#').trim();
+        anchors.insert(
+            title
+                .to_lowercase()
+                .chars()
+                .filter(|c| c.is_alphanumeric() || matches!(c, ' ' | '-' | '_'))
+                .map(|c| if c == ' ' { '-' } else { c })
+                .collect(),
+        );
+    }
+    anchors
+}
+
+#[test]
+fn the_alerting_rules_use_only_exported_metrics() -> Result<()> {
+    let known = known_metrics();
+    let runbook = std::fs::read_to_string(support::repo().join("docs/runbook.md"))
+        .context("docs/runbook.md")?;
+    let anchors = heading_anchors(&runbook);
+    let mut linked = BTreeSet::new();
+    for rule in alert_rules()? {
+        let name = rule["alert"].as_str().context("a rule without a name")?;
+        let expr = rule["expr"].as_str().context("a rule without expr")?;
+        // `up` is Prometheus's own, per scrape target.
+        check_expression(expr, &["up"], &known).with_context(|| format!("alert {name}"))?;
+        ensure!(
+            rule["annotations"]["summary"].is_string() && rule["labels"]["severity"].is_string(),
+            "alert {name} needs a summary and a severity"
+        );
+        // Every alert says where its runbook is, and that section exists.
+        let url = rule["annotations"]["runbook_url"]
+            .as_str()
+            .with_context(|| format!("alert {name} has no runbook_url"))?;
+        let anchor = url
+            .strip_prefix(RUNBOOK_BASE)
+            .with_context(|| format!("alert {name}: runbook_url {url} is not {RUNBOOK_BASE}…"))?;
+        ensure!(
+            anchors.contains(anchor),
+            "alert {name}: docs/runbook.md has no section #{anchor} (its anchors: {anchors:?})"
+        );
+        linked.insert(anchor.to_owned());
+    }
+    // And no runbook section outlives its alert (alerts' sections are their names: one
+    // word, unlike the page's title).
+    let orphans: Vec<&String> = anchors
+        .iter()
+        .filter(|a| a.starts_with("cellgate") && !a.contains('-'))
+        .filter(|a| !linked.contains(*a))
+        .collect();
+    ensure!(
+        orphans.is_empty(),
+        "runbook sections no alert links: {orphans:?}"
+    );
+    Ok(())
+}
+
+/// Every counter an alerting rule watches (a `_total` or a histogram's `_bucket`) is
+/// exported with at least one series at zero by a gateway that has just started, before any
+/// request: Prometheus's `increase()` and `rate()` see a series' first sample as its
+/// start, so without a series at zero the rule would miss the first event.
+///
+/// Label values come from the configuration: the policies (the repository's), and a tenant
+/// named under `[tenants.limits]` with a request rate (tenants are only known from their
+/// JWTs otherwise). Requests by route and status are made by requests alone: their label
+/// sets are not known ahead, and the rule on them is a ratio sustained over 10 minutes,
+/// which a first request missed does not change.
+#[tokio::test]
+async fn every_counter_the_alerts_watch_exists_at_zero_right_after_start() -> Result<()> {
+    const MADE_BY_REQUESTS: &[&str] = &["cellgate_http_requests_total"];
+    let mut watched = BTreeSet::new();
+    for rule in alert_rules()? {
+        let expr = rule["expr"].as_str().context("a rule without expr")?;
+        for (name, _) in promql_selectors(expr)? {
+            if name.starts_with("cellgate_")
+                && (name.ends_with("_total") || name.ends_with("_bucket"))
+            {
+                watched.insert(name);
+            }
         }
     }
-    ensure!(alerts > 0, "no alerting rule");
+    ensure!(
+        watched.contains("cellgate_kernel_start_failures_total")
+            && watched.contains("cellgate_rate_limited_total"),
+        "the rules watch other counters now: {watched:?}"
+    );
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(
+        &config,
+        "[tenants]\nrate = 5\n[tenants.limits.acme]\nmax_kernels = 2\n",
+    )?;
+    let gateway = Gateway::builder()
+        .arg("--config")
+        .arg(config.to_str().context("path")?)
+        .start()
+        .await?;
+    // The first request the gateway serves (the harness sends none before it).
+    let response = gateway
+        .request(reqwest::Method::GET, "/metrics")
+        .send()
+        .await?;
+    ensure!(response.status() == 200, "/metrics: {}", response.status());
+    let text = response.text().await?;
+    let series: Vec<(&str, &str)> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' '))
+        .collect();
+    for name in &watched {
+        if MADE_BY_REQUESTS.contains(&name.as_str()) {
+            continue;
+        }
+        let found: Vec<&(&str, &str)> = series
+            .iter()
+            .filter(|(s, _)| s.split('{').next() == Some(name.as_str()))
+            .collect();
+        ensure!(
+            !found.is_empty(),
+            "{name} has no series before its first event:\n{text}"
+        );
+        // At zero: made ahead, not by an event.
+        for (s, value) in found {
+            ensure!(*value == "0", "{s} is {value} before anything happened");
+        }
+    }
+    ensure!(
+        text.contains("cellgate_rate_limited_total{tenant=\"acme\"} 0"),
+        "the configured tenant's counter:\n{text}"
+    );
     Ok(())
 }

@@ -799,6 +799,47 @@ fn the_deployment_runs_unprivileged_replicas_with_the_labels_their_kernels_admit
     Ok(())
 }
 
+/// The replicas spread over nodes and then zones, as a preference (a one-node cluster still
+/// runs them all), counting the gateway's own pods only.
+#[test]
+fn the_gateway_replicas_spread_over_nodes_and_zones() -> Result<()> {
+    let manifests = manifests()?;
+    let deployment: Deployment = find(&manifests, "", "cellgate")?;
+    let labels = pod_labels(&deployment);
+    let constraints = pod_spec(&deployment)?
+        .topology_spread_constraints
+        .as_deref()
+        .unwrap_or_default();
+    for key in ["kubernetes.io/hostname", "topology.kubernetes.io/zone"] {
+        let constraint = constraints
+            .iter()
+            .find(|c| c.topology_key == key)
+            .with_context(|| format!("no topologySpreadConstraint over {key}: {constraints:?}"))?;
+        ensure!(
+            constraint.max_skew == 1 && constraint.when_unsatisfiable == "ScheduleAnyway",
+            "{key}: maxSkew 1 and ScheduleAnyway (a preference, never a pending replica): {constraint:?}"
+        );
+        let selector = constraint
+            .label_selector
+            .as_ref()
+            .with_context(|| format!("{key}: no labelSelector"))?;
+        let match_labels = selector.match_labels.clone().unwrap_or_default();
+        ensure!(
+            selector.match_expressions.is_none() && selects(&match_labels, &labels),
+            "{key}: the selector {selector:?} misses the gateway's pods"
+        );
+        // The gateway's own labels, not merely some of its pods' (kustomize adds
+        // `part-of`, which other pods of the namespace could share).
+        for (label, value) in GATEWAY_LABELS {
+            ensure!(
+                match_labels.get(label).map(String::as_str) == Some(value),
+                "{key}: the selector does not name {label}={value}: {match_labels:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
 fn security_uid(pod: &PodSpec) -> Result<i64> {
     pod.security_context
         .as_ref()

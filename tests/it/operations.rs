@@ -390,6 +390,101 @@ async fn the_access_log_names_route_status_tenant_and_request_id() -> Result<()>
     Ok(())
 }
 
+/// The access lines of `gateway`'s JSON log, by the request id each was sent with, once all
+/// of `ids` have one.
+async fn access_lines_of(gateway: &Gateway, ids: &[&str]) -> Result<HashMap<String, Value>> {
+    let read = || -> HashMap<String, Value> {
+        gateway
+            .log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|l| l["target"] == "cellgate::access")
+            .filter_map(|l| Some((l["span"]["request_id"].as_str()?.to_owned(), l)))
+            .collect()
+    };
+    // The line is written after the response, and read from the log by another thread.
+    eventually(PATIENCE, || ids.iter().all(|id| read().contains_key(*id))).await;
+    let lines = read();
+    for id in ids {
+        lines
+            .get(*id)
+            .with_context(|| format!("no access line for {id}: {}", gateway.log()))?;
+    }
+    Ok(lines)
+}
+
+/// Behind a trusted proxy (`--trusted-proxy 127.0.0.1`, the test's own address) the access
+/// line names the client from `X-Forwarded-For` as `peer` (the rightmost address that is
+/// not a trusted proxy) and the proxy as `via`; without the header, or with a malformed
+/// entry, the peer itself. A gateway that trusts no proxy ignores the header.
+#[tokio::test]
+async fn the_access_log_names_the_client_behind_a_trusted_proxy_only() -> Result<()> {
+    // (request id, X-Forwarded-For, expected peer, expected via)
+    let trusted_cases: &[(&str, Option<&str>, &str, Option<&str>)] = &[
+        (
+            "xff-one",
+            Some("198.51.100.7"),
+            "198.51.100.7",
+            Some("127.0.0.1"),
+        ),
+        (
+            "xff-chain",
+            Some("1.2.3.4, 198.51.100.7"),
+            "198.51.100.7",
+            Some("127.0.0.1"),
+        ),
+        // nginx's own entry (a trusted address) is skipped.
+        (
+            "xff-hops",
+            Some("1.2.3.4, 198.51.100.7, 127.0.0.1"),
+            "198.51.100.7",
+            Some("127.0.0.1"),
+        ),
+        ("xff-none", None, "127.0.0.1", None),
+        (
+            "xff-garbage",
+            Some("198.51.100.7, unknown"),
+            "127.0.0.1",
+            None,
+        ),
+    ];
+    let gateway = Gateway::builder()
+        .args(&["--log-json", "--trusted-proxy", "127.0.0.1"])
+        .start()
+        .await?;
+    let plain = Gateway::builder().arg("--log-json").start().await?;
+    for (id, forwarded, _, _) in trusted_cases {
+        for gateway in [&gateway, &plain] {
+            let mut request = gateway
+                .request(Method::GET, "/api/kernelspecs")
+                .header("X-Request-Id", *id);
+            if let Some(forwarded) = forwarded {
+                request = request.header("X-Forwarded-For", *forwarded);
+            }
+            let status = request.send().await?.status();
+            assert_eq!(status, 200, "{id}");
+        }
+    }
+    let ids: Vec<&str> = trusted_cases.iter().map(|case| case.0).collect();
+    let lines = access_lines_of(&gateway, &ids).await?;
+    for (id, forwarded, peer, via) in trusted_cases {
+        let fields = &lines[*id]["fields"];
+        assert_eq!(fields["peer"], *peer, "{id} ({forwarded:?}): {fields}");
+        match via {
+            Some(via) => assert_eq!(fields["via"], *via, "{id}: {fields}"),
+            None => assert!(fields.get("via").is_none(), "{id}: {fields}"),
+        }
+    }
+    // Not trusted: the header changes nothing, whatever it says.
+    let lines = access_lines_of(&plain, &ids).await?;
+    for (id, _, _, _) in trusted_cases {
+        let fields = &lines[*id]["fields"];
+        assert_eq!(fields["peer"], "127.0.0.1", "{id}: {fields}");
+        assert!(fields.get("via").is_none(), "{id}: {fields}");
+    }
+    Ok(())
+}
+
 /// Ready once the pool holds its kernel and the backends passed their check; a gateway
 /// whose pool cannot start a kernel, and one of whose policies' backends cannot run here,
 /// answers 503 saying both. `/healthz` answers in both.

@@ -10,7 +10,7 @@
 //!   timeout.
 //! - Connections per peer address and in total are capped: the excess gets 503 with
 //!   `Retry-After`, and room comes back when connections close. An open WebSocket holds
-//!   its place.
+//!   its place. A trusted proxy (`--trusted-proxy`) is held to the total cap only.
 //! - A request body that stalls is cut at the body-read timeout; one that keeps coming, even
 //!   a byte at a time, is read whole and answered.
 //! - None of it touches an authenticated WebSocket or a long execution.
@@ -450,6 +450,62 @@ async fn connections_are_capped_per_peer_and_in_total() -> Result<()> {
         "refusals over {span:?} make at most {most} log line(s), and one at least, not {}:\n{log}",
         lines()
     );
+    Ok(())
+}
+
+/// `--max-connections-per-peer 2 --max-connections 6 --trusted-proxy 127.0.0.1`: 127.0.0.1,
+/// a trusted proxy, holds four connections (its clients are many) while 127.0.0.2 is still
+/// held to two; with six open, the proxy's next one is refused for the total, which it
+/// still counts against (the per-peer cap is checked first: a proxy held to it would be
+/// refused for that). The same gateway without `--trusted-proxy` refuses 127.0.0.1's third.
+#[tokio::test]
+async fn trusted_proxies_are_not_held_to_the_per_peer_cap() -> Result<()> {
+    let caps = ["--max-connections-per-peer", "2", "--max-connections", "6"];
+    let gateway = Gateway::builder()
+        .args(&caps)
+        .args(&["--trusted-proxy", "127.0.0.1"])
+        .start()
+        .await?;
+    let port = gateway.port;
+    let mut held = vec![];
+    for n in 0..4 {
+        let mut stream = connect_from(port, [127, 0, 0, 1]).await?;
+        let answer = get(&mut stream, "/healthz").await?;
+        ensure!(
+            answer.status == 200,
+            "the trusted proxy's connection {} of 4: {answer:?}",
+            n + 1
+        );
+        held.push(stream);
+    }
+    for _ in 0..2 {
+        let mut stream = connect_from(port, [127, 0, 0, 2]).await?;
+        let answer = get(&mut stream, "/healthz").await?;
+        ensure!(answer.status == 200, "{answer:?}");
+        held.push(stream);
+    }
+    let mut over = connect_from(port, [127, 0, 0, 2]).await?;
+    expect_refused(&mut over, "too many connections from 127.0.0.2").await?;
+    let mut over = connect_from(port, [127, 0, 0, 1]).await?;
+    expect_refused(&mut over, "the gateway has its most connections open (6)").await?;
+    // The held connections still work.
+    for stream in &mut held {
+        let answer = get(stream, "/healthz").await?;
+        ensure!(answer.status == 200, "{answer:?}");
+    }
+    drop(held);
+    drop(gateway);
+
+    let untrusted = Gateway::builder().args(&caps).start().await?;
+    let mut first = vec![];
+    for _ in 0..2 {
+        let mut stream = connect_from(untrusted.port, [127, 0, 0, 1]).await?;
+        let answer = get(&mut stream, "/healthz").await?;
+        ensure!(answer.status == 200, "{answer:?}");
+        first.push(stream);
+    }
+    let mut over = connect_from(untrusted.port, [127, 0, 0, 1]).await?;
+    expect_refused(&mut over, "too many connections from 127.0.0.1").await?;
     Ok(())
 }
 
