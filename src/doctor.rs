@@ -36,6 +36,8 @@ pub struct DoctorOptions {
     pub package_source: Option<crate::egress::packages::Source>,
     /// The microvm backend's settings.
     pub microvm: crate::sandbox::MicrovmConfig,
+    /// Whether the configuration forks namespaces kernels from a zygote.
+    pub kernel_zygote: bool,
 }
 
 use crate::sandbox::diagnosis::{euid, read_trim, run_command, run_command_with};
@@ -124,7 +126,15 @@ pub async fn run(options: &DoctorOptions) -> Report {
         Backend::Microvm,
         Backend::Kubernetes,
     ] {
-        backends.push(crate::sandbox::diagnose(backend, options.probe, &options.microvm).await);
+        backends.push(
+            crate::sandbox::diagnose(
+                backend,
+                options.probe,
+                &options.microvm,
+                options.kernel_zygote,
+            )
+            .await,
+        );
     }
     let mut setup = vec![kernels_section(&options.kernels_dir).await];
     setup.push(policies_section(&options.policies_dir, &backends));

@@ -86,6 +86,10 @@ struct DoctorArgs {
     /// Only inspect the host; do not start probe sandboxes.
     #[arg(long)]
     no_probe: bool,
+    /// Whether the gateway forks namespaces kernels from a zygote, as for `serve`
+    /// [default: true].
+    #[arg(long, env = "CELLGATE_KERNEL_ZYGOTE", value_parser = clap::builder::BoolishValueParser::new())]
+    kernel_zygote: Option<bool>,
     #[command(flatten)]
     microvm: cellgate::config::MicrovmArgs,
     /// Upstream index the package index would serve from (checked for reachability)
@@ -174,6 +178,7 @@ fn doctor_options(args: DoctorArgs) -> anyhow::Result<cellgate::doctor::DoctorOp
         package_index: args.package_index,
         wheelhouse: args.wheelhouse,
         microvm: args.microvm,
+        kernel_zygote: args.kernel_zygote,
         ..Default::default()
     };
     let config = GatewayConfig::resolve(&serve_args)?;
@@ -183,6 +188,7 @@ fn doctor_options(args: DoctorArgs) -> anyhow::Result<cellgate::doctor::DoctorOp
         default_backend: config.sandbox.unwrap_or(Backend::Namespaces),
         probe: !args.no_probe,
         microvm: config.microvm,
+        kernel_zygote: config.kernel_zygote,
         package_source: Some(match config.wheelhouse {
             Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
             None => cellgate::egress::packages::Source::Upstream(config.package_index),

@@ -59,7 +59,11 @@ pub struct Checks {
 impl Checks {
     /// Checks the backends the policies use now, then every [`CHECK_EVERY`], for as long
     /// as the manager lives.
-    pub fn spawn(kernels: &Arc<KernelManager>, microvm: MicrovmConfig) -> Arc<Checks> {
+    pub fn spawn(
+        kernels: &Arc<KernelManager>,
+        microvm: MicrovmConfig,
+        zygote: bool,
+    ) -> Arc<Checks> {
         let checks = Arc::new(Checks::default());
         let (weak_checks, weak_kernels) = (Arc::downgrade(&checks), Arc::downgrade(kernels));
         tokio::spawn(async move {
@@ -84,7 +88,8 @@ impl Checks {
                     // binaries are checked instead, and its kernels' starts tell the rest.
                     let probe =
                         (first || failed_before.contains(&backend)) && backend != Backend::Microvm;
-                    let diagnosis = crate::sandbox::diagnose(backend, probe, &microvm).await;
+                    let diagnosis =
+                        crate::sandbox::diagnose(backend, probe, &microvm, zygote).await;
                     if diagnosis.available {
                         failed_before.remove(&backend);
                     } else {

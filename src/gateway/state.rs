@@ -41,7 +41,11 @@ impl AppState {
         kernels: Arc<KernelManager>,
         sessions: Arc<Sessions>,
     ) -> Result<AppState, StateError> {
-        let checks = super::operations::Checks::spawn(&kernels, config.microvm.clone());
+        let checks = super::operations::Checks::spawn(
+            &kernels,
+            config.microvm.clone(),
+            config.kernel_zygote,
+        );
         let jwt = JwtVerifier::from_settings(&config.jwt)?.map(Arc::new);
         let tenants = Arc::new(Tenants::new(config.tenants.clone())?);
         Ok(AppState {

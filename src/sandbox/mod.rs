@@ -132,15 +132,17 @@ pub fn create(
 }
 
 /// What `backend` says about this host (`cellgate doctor`); with `probe`, a real sandbox is
-/// started to prove it.
+/// started to prove it. `zygote`: whether the configuration wants kernels forked from a
+/// zygote (`--kernel-zygote`).
 pub async fn diagnose(
     backend: Backend,
     probe: bool,
     microvm: &MicrovmConfig,
+    zygote: bool,
 ) -> diagnosis::Diagnosis {
     match backend {
         Backend::Process => process::diagnose(),
-        Backend::Namespaces => namespaces::diagnose::diagnose(probe).await,
+        Backend::Namespaces => namespaces::diagnose::diagnose(probe, zygote).await,
         Backend::Gvisor => gvisor::diagnose(probe).await,
         Backend::Microvm => microvm::diagnose::diagnose(probe, microvm).await,
         Backend::Kubernetes => kubernetes::diagnose().await,

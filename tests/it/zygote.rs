@@ -392,6 +392,29 @@ async fn a_broken_preload_leaves_the_zygote_working() -> Result<()> {
             .is_some_and(|f| f.starts_with("numpy,no_such_module_here,pandas")),
         "{kernels}"
     );
+    // The namespaces backend's zygote fact follows the configuration: on (this host can
+    // fork: root, the library beside the binary), then off as `--kernel-zygote false`'s
+    // variable says.
+    for (setting, expected) in [("true", "kernels fork from a warm zygote"), ("false", "off")] {
+        let doctor = tokio::process::Command::new(env!("CARGO_BIN_EXE_cellgate"))
+            .args(["doctor", "--json", "--no-probe", "--kernels-dir"])
+            .arg(dir.path().join("kernels"))
+            .env("CELLGATE_KERNEL_ZYGOTE", setting)
+            .output()
+            .await?;
+        let report: serde_json::Value = serde_json::from_slice(&doctor.stdout)
+            .with_context(|| String::from_utf8_lossy(&doctor.stderr).into_owned())?;
+        let namespaces = report["backends"]
+            .as_array()
+            .and_then(|b| b.iter().find(|b| b["name"] == "namespaces"))
+            .with_context(|| format!("{report}"))?;
+        assert!(
+            namespaces["facts"]["zygote"]
+                .as_str()
+                .is_some_and(|f| f.starts_with(expected)),
+            "CELLGATE_KERNEL_ZYGOTE={setting}: {namespaces}"
+        );
+    }
     Ok(())
 }
 

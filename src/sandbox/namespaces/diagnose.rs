@@ -12,7 +12,7 @@ use super::{sys, NamespacesConfig, NamespacesSandbox};
 use crate::sandbox::diagnosis::{self, euid, read_trim, Diagnosis};
 
 /// Whether this host can run namespaces sandboxes, and what it lacks.
-pub async fn diagnose(probe: bool) -> Diagnosis {
+pub async fn diagnose(probe: bool, zygote_wanted: bool) -> Diagnosis {
     let mut s = Diagnosis::new("namespaces");
     match read_trim("/proc/sys/user/max_user_namespaces") {
         Some(max) => {
@@ -113,6 +113,10 @@ pub async fn diagnose(probe: bool) -> Diagnosis {
     // Kernels forked from a warm zygote (zygote.rs): a first chart in ~0.2 s instead of ~1 s.
     let zygote = super::ZygoteSettings::default();
     match zygote.library() {
+        _ if !zygote_wanted => s.fact(
+            "zygote",
+            "off (--kernel-zygote false): every kernel starts afresh (a first chart takes ~1 s more)",
+        ),
         Some(library) if euid() == 0 => s.fact(
             "zygote",
             format!("kernels fork from a warm zygote ({})", library.display()),
