@@ -537,6 +537,8 @@ pub enum ConfigError {
     BadReplicaUrl(String),
     #[error("replica_id needs replica_url: a replica must say where the others reach it")]
     ReplicaIdAlone,
+    #[error("env_allowlist names {0}, which no client may set: the sandbox and the kernel's start rely on it (policies/README.md, [environment])")]
+    ReservedEnv(String),
     #[error("trusted_proxies {0:?}: expected an IP address (10.0.0.7, ::1) or a network in CIDR notation (10.0.0.0/8, fd00::/8)")]
     BadTrustedProxy(String),
     #[error("{name} = 0 would {consequence}: give at least {least}")]
@@ -809,6 +811,22 @@ impl GatewayConfig {
                 least: "1 (leave it unset for half the open-file limit)",
             });
         }
+        let env_allowlist: Vec<String> = args
+            .env_allowlist
+            .as_ref()
+            .map(|names| names.iter().map(|n| n.trim().to_owned()).collect())
+            .or_else(|| {
+                env_var("KG_ENV_WHITELIST")
+                    .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
+            })
+            .or(file.env_allowlist)
+            .unwrap_or_default();
+        if let Some(name) = env_allowlist
+            .iter()
+            .find(|n| crate::policy::environment::reserved(n))
+        {
+            return Err(ConfigError::ReservedEnv(name.clone()));
+        }
         let max_connections_per_peer = args
             .max_connections_per_peer
             .or(file.max_connections_per_peer)
@@ -909,16 +927,7 @@ impl GatewayConfig {
                 guest_kernel_pvm: file.guest_kernel_pvm,
             }),
             allow_origin,
-            env_allowlist: args
-                .env_allowlist
-                .as_ref()
-                .map(|names| names.iter().map(|n| n.trim().to_owned()).collect())
-                .or_else(|| {
-                    env_var("KG_ENV_WHITELIST")
-                        .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
-                })
-                .or(file.env_allowlist)
-                .unwrap_or_default(),
+            env_allowlist,
             max_message_bytes: args
                 .max_message_mib
                 .or(file.max_message_mib)
@@ -979,6 +988,31 @@ mod tests {
     /// variable (shown by `--help`) and a config-file key. A new option without its
     /// variable, or without a key the file accepts, fails here.
     #[test]
+    fn an_allowlist_naming_a_reserved_variable_is_refused() {
+        for name in [
+            "LANG",
+            "PYTHONPATH",
+            "LD_PRELOAD",
+            "KERNEL_ID",
+            "http_proxy",
+        ] {
+            let args = ServeArgs {
+                env_allowlist: Some(vec![name.to_owned()]),
+                ..Default::default()
+            };
+            match GatewayConfig::resolve(&args) {
+                Err(ConfigError::ReservedEnv(refused)) => assert_eq!(refused, name),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let args = ServeArgs {
+            env_allowlist: Some(vec!["MY_SETTING".to_owned()]),
+            ..Default::default()
+        };
+        assert!(GatewayConfig::resolve(&args).is_ok());
+    }
+
+    #[test]
     fn every_serve_option_has_a_variable_and_a_file_key() {
         use clap::Args;
         // Each option's key in the config file, with a value the file accepts.
@@ -1000,7 +1034,7 @@ mod tests {
             ("kernel_zygote_max_age", "kernel_zygote_max_age = 600"),
             ("start_timeout", "start_timeout = 30"),
             ("allow_origin", "allow_origin = [\"https://app.example\"]"),
-            ("env_allowlist", "env_allowlist = [\"LANG\"]"),
+            ("env_allowlist", "env_allowlist = [\"MY_SETTING\"]"),
             ("max_message_mib", "max_message_mib = 8"),
             ("runtime_dir", "runtime_dir = \"/run/cellgate\""),
             ("base_url", "base_url = \"/gw\""),

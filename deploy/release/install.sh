@@ -10,7 +10,7 @@
 #   --prefix DIR   where bin/ and share/cellgate/ go (default /usr/local)
 #   --etc DIR      policies and settings (default /etc/cellgate)
 #   --venv DIR     link the kernelspec to this existing kernel environment instead of
-#                  building /opt/cellgate/venv (it must already hold the launcher files)
+#                  building /opt/cellgate/venv (its launcher files are brought up to date)
 #   --no-venv      install no kernel environment (the kernelspec then has none)
 set -euo pipefail
 
@@ -41,7 +41,7 @@ install -m 0644 "$here/bin/libcellgate_zygote.so" "$prefix/bin/libcellgate_zygot
 launcher_files=(cellgate_kernel_launcher.py cellgate_display.py cellgate_command.py)
 if [ "$build_venv" -eq 1 ]; then
   if [ -x "$venv/bin/python" ]; then
-    log "kernel environment: $venv exists; syncing it with the release's lock file"
+    log "kernel environment: $venv exists; installing the release's lock file into it"
   else
     command -v python3.11 >/dev/null ||
       { echo "install.sh: python3.11 is needed (Debian: apt-get install python3.11 python3.11-venv)" >&2; exit 1; }
@@ -64,6 +64,18 @@ for spec in "$here"/share/kernels/*/; do
   find "$spec" -maxdepth 1 -type f ! -name '*.py' -exec install -m 0644 {} "$dest/" \;
 done
 if [ -n "$venv" ]; then
+  # A venv given with --venv gets this release's launcher files too: commands and forked
+  # kernels need the ones of the binary they run with.
+  if [ "$build_venv" -eq 0 ]; then
+    [ -x "$venv/bin/python" ] || { echo "install.sh: --venv $venv has no bin/python" >&2; exit 1; }
+    purelib="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    for file in "${launcher_files[@]}"; do
+      if ! cmp -s "$here/share/kernels/python3/$file" "$purelib/$file"; then
+        install -m 0644 "$here/share/kernels/python3/$file" "$purelib/$file"
+        "$venv/bin/python" -m compileall -q "$purelib/$file" >/dev/null
+      fi
+    done
+  fi
   ln -sfn "$venv" "$prefix/share/cellgate/kernels/python3/.venv"
 fi
 

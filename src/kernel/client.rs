@@ -50,6 +50,10 @@ pub struct ExecuteOptions {
     /// an earlier cell) come to this execution too: for a caller that keeps every output
     /// of the kernel, such as a notebook.
     pub adopt_display_updates: bool,
+    /// Expressions the kernel evaluates after the code, answered in the reply
+    /// ([`ExecuteReply::user_expressions`]): what must reach the caller even past the
+    /// output limit, which drops outputs but never the reply.
+    pub user_expressions: serde_json::Map<String, Value>,
 }
 
 /// One piece of an execution, in the order the kernel produced it.
@@ -106,6 +110,8 @@ pub struct ExecuteReply {
     /// This request's own timeout ([`ExecuteOptions::timeout`]) passed while the cell ran
     /// (whichever timeout's interrupt got there first).
     pub request_timed_out: bool,
+    /// The reply's `user_expressions`, as the kernel sent them (`{}` when it sent none).
+    pub user_expressions: Value,
 }
 
 impl ExecuteReply {
@@ -131,6 +137,7 @@ impl ExecuteReply {
             evalue: content["evalue"].as_str().map(str::to_owned),
             traceback: strings(&content["traceback"]),
             request_timed_out: false,
+            user_expressions: content["user_expressions"].clone(),
         }
     }
 
@@ -145,6 +152,7 @@ impl ExecuteReply {
             evalue: Some(evalue.to_owned()),
             traceback: vec![format!("{ename}: {evalue}")],
             request_timed_out: false,
+            user_expressions: Value::Null,
         }
     }
 }
@@ -284,7 +292,7 @@ impl KernelClient {
             "code": code,
             "silent": options.silent,
             "store_history": !options.silent,
-            "user_expressions": {},
+            "user_expressions": options.user_expressions,
             "allow_stdin": options.allow_stdin,
             "stop_on_error": true,
         });

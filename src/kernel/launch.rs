@@ -108,6 +108,9 @@ pub fn client_may_set(
     policy: &crate::policy::EnvironmentRules,
 ) -> bool {
     (name.starts_with("KERNEL_") || allowlist.iter().any(|a| a == name) || policy.allows(name))
+        // What the sandbox and the kernel's start rely on (KERNEL_ID, say), whatever let
+        // the name through.
+        && !crate::policy::environment::reserved(name)
         // A path on the client's machine: never used, never passed on.
         && name != "KERNEL_WORKING_DIR"
 }
@@ -185,6 +188,9 @@ mod tests {
         let requested = env(&[
             ("KERNEL_USERNAME", "bob"),
             ("KERNEL_WORKING_DIR", "/home/bob/nb"),
+            // KERNEL_* but the gateway's own: reserved.
+            ("KERNEL_ID", "someone-else"),
+            ("KERNEL_GATEWAY", "0"),
             ("KG_AUTH_TOKEN", "secret"),
             ("PATH", "/evil"),
             ("MY_SETTING", "1"),

@@ -600,8 +600,7 @@ impl Kernel {
     pub async fn set_env(&self, vars: &BTreeMap<String, String>) -> Result<(), KernelError> {
         let instance = self.ready_instance().await?;
         let json = serde_json::to_string(vars).unwrap_or_else(|_| "{}".to_owned());
-        // A JSON string literal is a valid Python string literal.
-        let literal = serde_json::Value::String(json).to_string();
+        let literal = super::python::str_literal(&json);
         let code = format!(
             "import json as _cg_json, os as _cg_os\n_cg_os.environ.update(_cg_json.loads({literal}))\ndel _cg_json, _cg_os"
         );

@@ -320,14 +320,26 @@ impl KernelManager {
         if poolable && self.options.pool_size > 0 {
             let pooled = self.take_from_pool();
             metrics.pool_lookup(pooled.is_some());
+            let extra: BTreeMap<String, String> = client_env
+                .iter()
+                .filter(|(k, _)| k.as_str() != POLICY_ENV)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            // A pooled kernel that cannot take the client's variables is nobody's: it is
+            // shut down (it is in no registry, so nothing else would) and the start goes on
+            // cold.
+            let pooled = match pooled {
+                Some(kernel) if !extra.is_empty() => match kernel.set_env(&extra).await {
+                    Ok(()) => Some(kernel),
+                    Err(error) => {
+                        tracing::warn!(%error, kernel_id = %kernel.id, "a pooled kernel did not take the client's variables: it is shut down, and a kernel starts afresh");
+                        tokio::spawn(async move { kernel.shutdown().await });
+                        None
+                    }
+                },
+                other => other,
+            };
             if let Some(kernel) = pooled {
-                let extra: BTreeMap<String, String> = client_env
-                    .into_iter()
-                    .filter(|(k, _)| k != POLICY_ENV)
-                    .collect();
-                if !extra.is_empty() {
-                    kernel.set_env(&extra).await?;
-                }
                 kernel.touch();
                 if let Some(owner) = owner {
                     kernel.set_owner(&owner.tenant);
@@ -560,9 +572,6 @@ impl KernelManager {
         }
     }
 
-    /// The policy a kernel runs under: `KERNEL_POLICY` from the request, else the
-    /// kernelspec's `metadata.cellgate.policy`, else `default`. Its backend is the policy's
-    /// own unless the operator forced one (`--sandbox`).
     /// The variables of `requested` a start of kernelspec `name` would drop (neither
     /// `KERNEL_*`, the gateway's allowlist nor allowed by the policy it would run under),
     /// for a caller that refuses rather than drops.
@@ -597,6 +606,9 @@ impl KernelManager {
         }))
     }
 
+    /// The policy a kernel runs under: `KERNEL_POLICY` from the request, else the
+    /// kernelspec's `metadata.cellgate.policy`, else `default`. Its backend is the policy's
+    /// own unless the operator forced one (`--sandbox`).
     fn policy_for(
         &self,
         spec: &super::KernelSpec,

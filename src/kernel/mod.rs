@@ -11,6 +11,7 @@ pub mod history;
 mod launch;
 mod lifecycle;
 mod manager;
+pub mod python;
 mod router;
 pub mod spec;
 

@@ -244,6 +244,7 @@ impl CellRunner for KernelRunner {
             allow_stdin: false,
             silent: false,
             adopt_display_updates: true,
+            user_expressions: Default::default(),
         };
         let mut execution = self.client.execute(code, options).await?;
         let mut run = CellRun::default();

@@ -1,9 +1,10 @@
 //! Shell commands in a session's sandbox (API v1's commands, MCP's `run_command`).
 //!
 //! A command runs through the session's own kernel: one silent execution of a line that
-//! hands the command to `cellgate_command.run` (kernels/python3/cellgate_command.py), which
-//! runs `bash -c` in the kernel's sandbox and streams its output back as the cell's stream
-//! output, then reports the exit in a display bundle of [`EXIT_MIME`]. So a command gets
+//! hands the command to `cellgate_command.run_json` (kernels/python3/cellgate_command.py),
+//! which runs `bash -c` in the kernel's sandbox and streams its output back as the cell's
+//! stream output; how it ended comes back in the reply's `user_expressions` ([`EXIT_EXPR`]),
+//! which the output limit (it drops outputs, never the reply) cannot take away. So a command gets
 //! exactly the kernel's isolation, limits and egress on every backend, through the one
 //! channel the gateway already has into the sandbox; nothing new crosses the boundary.
 //!
@@ -25,8 +26,8 @@ use super::events::Status;
 use super::{Session, SessionError};
 use crate::kernel::{ExecEvent, ExecuteOptions, Outcome};
 
-/// The MIME type of the bundle in which the runner reports how a command ended.
-pub const EXIT_MIME: &str = "application/vnd.cellgate.command-exit+json";
+/// The user expression whose value (its `application/json`) says how the command ended.
+const EXIT_EXPR: &str = "__import__(\"cellgate_command\").last";
 /// How long past the command's own timeout the kernel may take before the gateway
 /// interrupts it (the runner kills the command at its timeout; this is the backstop).
 const BACKSTOP: Duration = Duration::from_secs(10);
@@ -101,7 +102,7 @@ impl CommandEvent {
     }
 }
 
-/// The runner's report, from its [`EXIT_MIME`] bundle.
+/// The runner's report, from [`EXIT_EXPR`].
 #[derive(Debug, Default, serde::Deserialize)]
 struct Exit {
     exit_code: Option<i32>,
@@ -113,18 +114,18 @@ struct Exit {
     error: Option<String>,
 }
 
-/// The line the kernel executes for `request` (Python).
+/// The line the kernel executes for `request` (Python): the request as JSON in one ASCII
+/// string literal (`crate::kernel::python`), which the runner parses.
 fn python_line(request: &CommandRequest) -> String {
-    // JSON strings are Python string literals (serde_json leaves non-ASCII as it is, so no
-    // surrogate escapes), and a JSON object of strings is a Python dict.
-    let text = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned());
-    let cwd = request.cwd.as_deref().map(text);
-    let env = serde_json::to_string(&request.env).unwrap_or_else(|_| "{}".to_owned());
+    let json = serde_json::json!({
+        "cmd": request.cmd,
+        "cwd": request.cwd,
+        "env": request.env,
+        "timeout": request.timeout.as_secs_f64(),
+    });
     format!(
-        "__import__(\"cellgate_command\").run({}, cwd={}, env={env}, timeout={:.3})",
-        text(&request.cmd),
-        cwd.as_deref().unwrap_or("None"),
-        request.timeout.as_secs_f64(),
+        "__import__(\"cellgate_command\").run_json({})",
+        crate::kernel::python::str_literal(&json.to_string())
     )
 }
 
@@ -163,6 +164,10 @@ impl Session {
             allow_stdin: false,
             silent: true,
             adopt_display_updates: false,
+            user_expressions: serde_json::Map::from_iter([(
+                "exit".to_owned(),
+                Value::String(EXIT_EXPR.to_owned()),
+            )]),
         };
         let cap = self.options.stream_cap;
         let mut result = CommandResult {
@@ -203,7 +208,6 @@ impl Session {
             command_id: id.clone(),
             cmd: request.cmd,
         });
-        let mut exit = None;
         let mut raised = None;
         let mut reply = None;
         let mut plain_stdout = super::plain::PlainStream::default();
@@ -235,13 +239,6 @@ impl Session {
                         text,
                     });
                 }
-                ExecEvent::Display { data, .. } => {
-                    if let Some(report) = data.get(EXIT_MIME) {
-                        exit = Some(
-                            serde_json::from_value::<Exit>(report.clone()).unwrap_or_default(),
-                        );
-                    }
-                }
                 ExecEvent::Error { ename, evalue, .. } => {
                     raised = Some(format!("{ename}: {evalue}"))
                 }
@@ -250,6 +247,7 @@ impl Session {
                     break;
                 }
                 ExecEvent::Busy
+                | ExecEvent::Display { .. }
                 | ExecEvent::Result { .. }
                 | ExecEvent::ClearOutput { .. }
                 | ExecEvent::InputRequest { .. } => {}
@@ -264,7 +262,15 @@ impl Session {
             .iter()
             .filter_map(|d| serde_json::to_value(d).ok())
             .collect();
-        let exit = exit.unwrap_or_default();
+        // `{"exit": {"status": "ok", "data": {"application/json": {...}, ...}}}`.
+        let exit = reply
+            .user_expressions
+            .get("exit")
+            .filter(|e| e["status"] == "ok")
+            .and_then(|e| {
+                serde_json::from_value::<Exit>(e["data"]["application/json"].clone()).ok()
+            })
+            .unwrap_or_default();
         result.exit_code = exit.exit_code;
         result.signal = exit.signal;
         result.error = exit.error.or(raised).or_else(|| {
@@ -302,22 +308,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_line_quotes_everything_as_python_literals() {
+    fn the_line_is_ascii_and_carries_the_request_as_json() {
         let request = CommandRequest {
-            cmd: "echo \"$HOME\" 'a\\b'\nexit 3 # é".to_owned(),
+            cmd: "echo \"$HOME\" 'a\\b'\u{2028}x = 1 # é".to_owned(),
             cwd: Some("data/x y".to_owned()),
             env: BTreeMap::from([("K".to_owned(), "v\"\\".to_owned())]),
-            timeout: Duration::from_millis(2500),
+            timeout: Duration::from_millis(250),
         };
-        assert_eq!(
-            python_line(&request),
-            r#"__import__("cellgate_command").run("echo \"$HOME\" 'a\\b'\nexit 3 # é", cwd="data/x y", env={"K":"v\"\\"}, timeout=2.500)"#
+        let line = python_line(&request);
+        assert!(line.chars().all(|c| (' '..='~').contains(&c)), "{line}");
+        assert!(
+            line.starts_with("__import__(\"cellgate_command\").run_json(\""),
+            "{line}"
         );
-        let bare = CommandRequest {
-            cwd: None,
-            env: BTreeMap::new(),
-            ..request
-        };
-        assert!(python_line(&bare).contains("cwd=None, env={}, timeout=2.500)"));
+        assert!(line.contains("\\u2028"), "{line}");
     }
 }

@@ -169,6 +169,7 @@ impl Session {
             allow_stdin: true,
             silent: false,
             adopt_display_updates: false,
+            user_expressions: Default::default(),
         };
         let emit = |event: SessionEvent, history: &mut Vec<Arc<SessionEvent>>| {
             let event = Arc::new(event);

@@ -12,17 +12,24 @@ use serde_json::{json, Value};
 use crate::support::v1::V1Client;
 use crate::support::{sandbox_backend, Gateway};
 
-async fn gateway(environment: &str) -> Result<(Gateway, tempfile::TempDir)> {
+/// A gateway whose default policy runs the test sandbox with these `[environment]` and
+/// `[limits]` lines, and these extra arguments.
+async fn gateway(
+    environment: &str,
+    limits: &str,
+    args: &[&str],
+) -> Result<(Gateway, tempfile::TempDir)> {
     let dir = tempfile::tempdir()?;
     std::fs::write(
         dir.path().join("default.toml"),
         format!(
-            "[sandbox]\nbackend = \"{}\"\n[environment]\n{environment}\n",
+            "[sandbox]\nbackend = \"{}\"\n[environment]\n{environment}\n[limits]\n{limits}\n",
             sandbox_backend()
         ),
     )?;
     let gateway = Gateway::builder()
         .policies_dir(dir.path().to_owned())
+        .args(args)
         .start()
         .await?;
     Ok((gateway, dir))
@@ -38,7 +45,7 @@ async fn run(v1: &V1Client<'_>, id: &str, body: Value) -> Result<Value> {
 
 #[tokio::test]
 async fn commands_run_in_the_sessions_sandbox() -> Result<()> {
-    let (gateway, _policies) = gateway("").await?;
+    let (gateway, _policies) = gateway("", "output_per_execution = \"256KiB\"", &[]).await?;
     let v1 = V1Client::new(&gateway);
     let id = v1.create_session(json!({})).await?;
     let r = v1
@@ -120,7 +127,9 @@ async fn commands_run_in_the_sessions_sandbox() -> Result<()> {
     let r = run(
         &v1,
         &id,
-        json!({"cmd": "cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$' || true"}),
+        // Live ones only: under gVisor the kernel is PID 1 and reaps no orphan, so a killed
+        // process may linger as a zombie (which holds nothing but its pid).
+        json!({"cmd": "for p in /proc/[0-9]*; do [ \"$(cat $p/comm 2>/dev/null)\" = sleep ] && ! grep -q '^State:[[:space:]]*Z' $p/status 2>/dev/null && echo x; done | wc -l"}),
     )
     .await?;
     assert_eq!(
@@ -141,6 +150,59 @@ async fn commands_run_in_the_sessions_sandbox() -> Result<()> {
         "{r}"
     );
 
+    // A background process that keeps writing keeps running after the command's result
+    // (its output is read and dropped, never a broken pipe).
+    let r = run(
+        &v1,
+        &id,
+        json!({"cmd": "sh -c 'while :; do echo tick; sleep 0.1; done' & echo started"}),
+    )
+    .await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    // The writer may print first: the two run at once.
+    assert!(
+        r["stdout"]
+            .as_str()
+            .is_some_and(|s| s.lines().any(|l| l == "started")),
+        "{r}"
+    );
+    let alive = "sleep 2; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q 'whil[e] :' && ! grep -q '^State:[[:space:]]*Z' $p/status && echo alive; done | sort -u";
+    let r = run(&v1, &id, json!({ "cmd": alive })).await?;
+    assert_eq!(r["stdout"], "alive\n", "the background writer died: {r}");
+    // A command that closes its output runs to its end, not to a kill.
+    let r = run(
+        &v1,
+        &id,
+        json!({"cmd": "exec >/dev/null 2>&1; sleep 1; exit 5"}),
+    )
+    .await?;
+    assert_eq!(
+        (r["exit_code"].as_i64(), r["signal"].as_str()),
+        (Some(5), None),
+        "{r}"
+    );
+    // Past the policy's output limit the exit still comes back.
+    let r = run(
+        &v1,
+        &id,
+        json!({"cmd": "head -c 600000 /dev/zero | tr '\\0' x; echo; exit 0"}),
+    )
+    .await?;
+    assert_eq!(
+        (
+            r["status"].as_str(),
+            r["exit_code"].as_i64(),
+            r["output_truncated"].as_bool()
+        ),
+        (Some("ok"), Some(0), Some(true)),
+        "{r}"
+    );
+    // Any character reaches the shell as written: line separators IPython would split a
+    // cell at, prompts it would strip.
+    let odd = "a\u{2028}>>> b\u{85}In [1]: c\u{2029}!d";
+    let r = run(&v1, &id, json!({ "cmd": format!("printf '%s' '{odd}'") })).await?;
+    assert_eq!(r["stdout"], odd, "{r}");
+
     // A directory that is not there: the command never ran, and says why.
     let r = run(&v1, &id, json!({"cmd": "true", "cwd": "missing"})).await?;
     assert_eq!(r["status"], "error", "{r}");
@@ -155,15 +217,29 @@ async fn commands_run_in_the_sessions_sandbox() -> Result<()> {
     let r = run(
         &v1,
         &id,
-        json!({"cmd": "python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=3)\""}),
+        json!({"cmd": "python3 -c \"import socket; socket.create_connection(('192.0.2.1', 80), timeout=3)\""}),
     )
     .await?;
     assert_eq!(r["status"], "error", "a command reached the network: {r}");
+    let stderr = r["stderr"].as_str().unwrap_or_default();
+    assert!(
+        // ENETUNREACH (namespaces: loopback only), EHOSTUNREACH (gVisor's --network=none).
+        ["Network is unreachable", "No route to host", "timed out"]
+            .iter()
+            .any(|why| stderr.contains(why)),
+        "refused for another reason: {r}"
+    );
     let marker = format!("/tmp/cellgate-host-only-{}", std::process::id());
     std::fs::write(&marker, "host")?;
     let r = run(&v1, &id, json!({"cmd": format!("cat {marker}")})).await?;
     std::fs::remove_file(&marker)?;
     assert_eq!(r["status"], "error", "a command read a host file: {r}");
+    assert!(
+        r["stderr"]
+            .as_str()
+            .is_some_and(|e| e.contains("No such file")),
+        "{r}"
+    );
 
     // Streamed as it runs: the command waits for a file the test uploads only after the
     // command's first line arrived.
@@ -198,6 +274,44 @@ async fn commands_run_in_the_sessions_sandbox() -> Result<()> {
     assert_eq!(done["result"]["stdout"], "first\nwent\n", "{done}");
     assert!(rest.iter().any(|e| e["text"] == "went\n"), "{rest:?}");
 
+    // An interrupt of the session ends a running command (its whole group), not the kernel.
+    let mut sse = v1
+        .sse(
+            &format!("/v1/sessions/{id}/commands"),
+            json!({"cmd": "echo waiting; sleep 300"}),
+        )
+        .await?;
+    let (_, _started) = sse.next().await?;
+    let (kind, first) = sse.next().await?;
+    assert_eq!(
+        (kind.as_str(), first["text"].as_str()),
+        ("stream", Some("waiting\n")),
+        "{first}"
+    );
+    let (status, _) = v1
+        .post(&format!("/v1/sessions/{id}/interrupt"), json!({}))
+        .await?;
+    assert_eq!(status, 204);
+    let done = loop {
+        let (kind, event) = sse.next().await?;
+        if kind == "done" {
+            break event;
+        }
+    };
+    assert_eq!(
+        (
+            done["result"]["signal"].as_str(),
+            done["result"]["error"].as_str()
+        ),
+        (Some("SIGKILL"), Some("interrupted")),
+        "{done}"
+    );
+    assert_eq!(
+        v1.execute(&id, "kept").await?["result"],
+        "41",
+        "the interrupt cost the variables"
+    );
+
     // Bad requests: refused before anything runs, the session unharmed.
     for (body, why) in [
         (json!({"cmd": ""}), "empty"),
@@ -224,7 +338,7 @@ async fn commands_run_in_the_sessions_sandbox() -> Result<()> {
 /// for a pooled kernel as for a fresh one.
 #[tokio::test]
 async fn session_variables_follow_the_policy() -> Result<()> {
-    let (strict, _strict_policies) = gateway("").await?;
+    let (strict, _strict_policies) = gateway("", "", &[]).await?;
     let v1 = V1Client::new(&strict);
     let (status, body) = v1
         .post("/v1/sessions", json!({"env": {"OPENAI_API_KEY": "sk-1"}}))
@@ -241,8 +355,27 @@ async fn session_variables_follow_the_policy() -> Result<()> {
     );
     drop(strict);
 
-    let (open, _open_policies) = gateway("allow = [\"OPENAI_*\", \"MY_SETTING\"]").await?;
+    // A warm pool of one: the first session's kernel comes from it and takes the variables
+    // as it is handed out, the second starts afresh with them.
+    let (open, _open_policies) = gateway(
+        "allow = [\"OPENAI_*\", \"MY_SETTING\"]",
+        "",
+        &["--pool-size", "1"],
+    )
+    .await?;
     let v1 = V1Client::new(&open);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let (_, ready) = v1.get("/readyz").await?;
+        if ready["pool"]["ready"] == 1 {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the pool never filled: {ready}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
     for reserved in ["PATH", "LD_PRELOAD", "PYTHONPATH", "HTTP_PROXY"] {
         let (status, body) = v1
             .post("/v1/sessions", json!({"env": {reserved: "x"}}))
@@ -263,22 +396,30 @@ async fn session_variables_follow_the_policy() -> Result<()> {
             .contains("OTHER"),
         "{body}"
     );
-    // Twice: the first may come from the warm pool, the second starts afresh.
+    // Values with what IPython would split a line at reach the kernel intact, both ways.
+    let value = |round: u32| format!("sk-{round}\u{2028}>>> x\u{85}y");
     for round in 0..2 {
         let id = v1
-            .create_session(
-                json!({"env": {"OPENAI_API_KEY": format!("sk-{round}"), "MY_SETTING": "on"}}),
-            )
+            .create_session(json!({"env": {"OPENAI_API_KEY": value(round), "MY_SETTING": "on"}}))
             .await?;
         let r = v1
-            .execute(
-                &id,
-                "import os\n(os.environ['OPENAI_API_KEY'], os.environ['MY_SETTING'])",
-            )
+            .execute(&id, "import os, json\nprint(json.dumps([os.environ['OPENAI_API_KEY'], os.environ['MY_SETTING']]))")
             .await?;
-        assert_eq!(r["result"], format!("('sk-{round}', 'on')"), "{r}");
-        let r = run(&v1, &id, json!({"cmd": "echo $OPENAI_API_KEY"})).await?;
-        assert_eq!(r["stdout"], format!("sk-{round}\n"), "{r}");
+        let seen: Vec<String> = serde_json::from_str(r["stdout"].as_str().unwrap_or_default())
+            .with_context(|| format!("{r}"))?;
+        assert_eq!(seen, [value(round), "on".to_owned()], "{r}");
+        let r = run(&v1, &id, json!({"cmd": "printf '%s' \"$OPENAI_API_KEY\""})).await?;
+        assert_eq!(r["stdout"].as_str(), Some(value(round).as_str()), "{r}");
     }
+    let handed_out = open
+        .log()
+        .matches("kernel handed out from the warm pool")
+        .count();
+    assert_eq!(
+        handed_out,
+        1,
+        "one kernel from the pool, one afresh:\n{}",
+        open.log()
+    );
     Ok(())
 }

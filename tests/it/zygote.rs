@@ -395,7 +395,10 @@ async fn a_broken_preload_leaves_the_zygote_working() -> Result<()> {
     // The namespaces backend's zygote fact follows the configuration: on (this host can
     // fork: root, the library beside the binary), then off as `--kernel-zygote false`'s
     // variable says.
-    for (setting, expected) in [("true", "kernels fork from a warm zygote"), ("false", "off")] {
+    for (setting, expected) in [
+        ("true", "kernels fork from a warm zygote"),
+        ("false", "off"),
+    ] {
         let doctor = tokio::process::Command::new(env!("CARGO_BIN_EXE_cellgate"))
             .args(["doctor", "--json", "--no-probe", "--kernels-dir"])
             .arg(dir.path().join("kernels"))

@@ -1,6 +1,7 @@
 """How the client talks HTTP, against stand-ins for the gateway: retries that honour
-Retry-After (a tiny scripted server on 127.0.0.1), and a gateway that cannot be reached (a
-closed port). No kernel is involved, so these say exactly what went over the wire."""
+Retry-After, exists() as one HEAD, connections that break mid-answer (a tiny scripted server
+on 127.0.0.1), and a gateway that cannot be reached (a closed port). No kernel is involved,
+so these say exactly what went over the wire."""
 
 import asyncio
 import email.utils
@@ -23,11 +24,14 @@ SESSION = {"id": "s1", "kernel_name": "python3", "policy": "default", "sandbox":
 HANG_UP = object()
 
 
-def answer(status, body=None, retry_after=None, content_type="application/json"):
-    """One scripted answer: ``status``, a JSON (or, as bytes, any) ``body``, a Retry-After."""
+def answer(status, body=None, retry_after=None, content_type="application/json", code=None):
+    """One scripted answer: ``status``, a JSON (or, as bytes, any) ``body``, a Retry-After,
+    an ``X-Cellgate-Error-Code``."""
     headers = {"Content-Type": content_type}
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
+    if code is not None:
+        headers["X-Cellgate-Error-Code"] = code
     if body is None and status >= 400:
         body = {"reason": "", "message": f"scripted {status}", "code": f"scripted_{status}"}
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -38,9 +42,18 @@ def refused(status, retry_after=None):
     return answer(status, retry_after=retry_after)
 
 
+class Cut:
+    """A scripted answer whose body is cut off: its headers promise more than its bytes,
+    and the connection closes after them."""
+
+    def __init__(self, scripted):
+        self.scripted = scripted
+
+
 class FakeGateway:
     """A scripted HTTP server: each request gets the next answer (``HANG_UP`` closes the
-    connection without one), and is recorded as ``(method, path, body, headers)``."""
+    connection without one, a :class:`Cut` one breaks off mid-body), and is recorded as
+    ``(method, path, body, headers)``."""
 
     def __init__(self, *answers):
         self.answers = list(answers)
@@ -54,13 +67,19 @@ class FakeGateway:
                 if scripted is HANG_UP:
                     self.close_connection = True
                     return
-                status, headers, data = scripted
+                cut = isinstance(scripted, Cut)
+                status, headers, data = scripted.scripted if cut else scripted
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(len(data) + (1000 if cut else 0)))
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":  # a HEAD answer has headers only
+                    self.wfile.write(data)
+                if cut:
+                    self.wfile.flush()
+                    time.sleep(0.05)
+                    self.close_connection = True
 
             def read_body(self):
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -223,6 +242,8 @@ def test_an_unreachable_gateway_is_a_connection_error():
             client.sessions()
     assert isinstance(error.value, ConnectionError) and isinstance(error.value, cellgate.CellgateError)
     assert error.value.url == url and url in str(error.value)
+    assert str(error.value).startswith(f"cannot reach the gateway at {url}: ")
+    assert error.value.request_may_have_run is False
     assert isinstance(error.value.__cause__, httpx.ConnectError)
     with pytest.raises(cellgate.CellgateConnectionError):
         Session(url, "t")
@@ -233,7 +254,7 @@ def test_an_unreachable_gateway_is_a_connection_error():
 
     with pytest.raises(cellgate.CellgateConnectionError) as error:
         asyncio.run(main())
-    assert url in str(error.value)
+    assert url in str(error.value) and error.value.request_may_have_run is False
 
 
 def test_a_gateway_that_hangs_up_without_answering_is_a_connection_error():
@@ -242,12 +263,107 @@ def test_a_gateway_that_hangs_up_without_answering_is_a_connection_error():
             with pytest.raises(cellgate.CellgateConnectionError) as error:
                 client.sessions()
         assert fake.url in str(error.value)
+        assert error.value.request_may_have_run is True
+        assert "may have run" in str(error.value) and "cannot reach" not in str(error.value)
+        assert isinstance(error.value.__cause__, httpx.RemoteProtocolError)
 
         async def main():
             async with AsyncClient(fake.url, "t") as client:
                 await client.sessions()
 
-        with pytest.raises(cellgate.CellgateConnectionError):
+        with pytest.raises(cellgate.CellgateConnectionError) as error:
             asyncio.run(main())
+        assert error.value.request_may_have_run is True
     # Never retried: the gateway may have done the work before the connection broke.
     assert len(fake.requests) == 2
+
+
+COMMAND = {"command_id": "c1", "status": "ok", "exit_code": 0, "signal": None,
+           "stdout": "", "stderr": "", "stdout_truncated": False, "stderr_truncated": False,
+           "output_truncated": False, "error": None, "denials": [], "duration_ms": 5,
+           "state_generation": 1}
+
+
+def test_an_answer_cut_off_mid_body_says_the_request_may_have_run():
+    chunk = sse({"type": "stream", "command_id": "c1", "name": "stdout", "text": "first\n"})
+    with FakeGateway(answer(200, SESSION), Cut(answer(201, b'{"path": "a", ')),
+                     Cut(answer(200, chunk, content_type="text/event-stream")),
+                     answer(200, SESSION),
+                     Cut(answer(200, chunk, content_type="text/event-stream"))) as fake:
+        with Client(fake.url, "t") as client:
+            session = client.attach("s1")
+            with pytest.raises(cellgate.CellgateConnectionError) as error:
+                session.upload("a", "abc")
+            assert error.value.request_may_have_run is True
+            assert "may have run" in str(error.value) and "cannot reach" not in str(error.value)
+            out = []
+            with pytest.raises(cellgate.CellgateConnectionError) as error:
+                session.run_command("echo first; sleep 600", on_stdout=out.append)
+            assert error.value.request_may_have_run is True and out == ["first\n"]
+
+        async def main():
+            out = []
+            async with AsyncClient(fake.url, "t") as client:
+                session = await client.attach("s1")
+                with pytest.raises(cellgate.CellgateConnectionError) as error:
+                    await session.run_command("echo first; sleep 600", on_stdout=out.append)
+            assert error.value.request_may_have_run is True and out == ["first\n"]
+
+        asyncio.run(main())
+    assert len(fake.requests) == 5, "nothing was sent again"
+
+
+def test_an_event_stream_without_its_done_event_raises_saying_so():
+    partial = sse({"type": "stream", "command_id": "c1", "name": "stdout", "text": "partial\n"})
+    stream = answer(200, partial, content_type="text/event-stream")
+    with FakeGateway(answer(200, SESSION), stream, stream) as fake:
+        with Client(fake.url, "t") as client:
+            session = client.attach("s1")
+            with pytest.raises(cellgate.CellgateError, match="without the command's result"):
+                session.run_command("echo partial")
+            with pytest.raises(cellgate.CellgateError, match="without the execution's result"):
+                session.run_code("print('partial')")
+
+
+def test_exists_is_one_head_whose_error_code_says_what_is_missing():
+    def script():
+        return [answer(200, b""),
+                answer(404, b"", code="no_such_file"),
+                answer(404, b"", code="no_such_session"),
+                answer(503, b"", code="kernel_busy")]
+
+    def check(results):
+        there, missing, gone, busy = results
+        assert there is True and missing is False
+        assert isinstance(gone, cellgate.NotFoundError) and gone.code == "no_such_session"
+        assert isinstance(busy, cellgate.UnavailableError) and busy.code == "kernel_busy"
+
+    def outcome(call):
+        try:
+            return call()
+        except cellgate.APIError as error:
+            return error
+
+    with FakeGateway(answer(200, SESSION), *script()) as fake:
+        with Client(fake.url, "t") as client:
+            session = client.attach("s1")
+            check([outcome(lambda p=p: session.exists(p)) for p in ("a", "b/c", "d", "e")])
+    assert fake.paths[1:] == [("HEAD", "/v1/sessions/s1/files/a"),
+                              ("HEAD", "/v1/sessions/s1/files/b/c"),
+                              ("HEAD", "/v1/sessions/s1/files/d"),
+                              ("HEAD", "/v1/sessions/s1/files/e")]
+
+    async def main():
+        results = []
+        async with AsyncClient(fake.url, "t") as client:
+            session = await client.attach("s1")
+            for path in ("a", "b/c", "d", "e"):
+                try:
+                    results.append(await session.exists(path))
+                except cellgate.APIError as error:
+                    results.append(error)
+        return results
+
+    with FakeGateway(answer(200, SESSION), *script()) as fake:
+        check(asyncio.run(main()))
+    assert [method for method, _ in fake.paths[1:]] == ["HEAD"] * 4

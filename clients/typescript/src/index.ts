@@ -151,7 +151,8 @@ export interface CommandOptions {
   /** Kill the command (its whole process group) after this many seconds (the gateway's
    * default: 60) and report `timeout`. */
   timeoutSeconds?: number;
-  /** With either callback the output is streamed (Server-Sent Events), chunk by chunk. */
+  /** The output, chunk by chunk as it comes. The answer is always an event stream (with
+   * keep-alives), callbacks or not, so a command may run longer than any HTTP timeout. */
   onStdout?: (text: string) => void;
   onStderr?: (text: string) => void;
   /** Aborting stops waiting for the answer. */
@@ -163,6 +164,9 @@ export type ExecutionEvent = { type: string; execution_id?: string; [field: stri
 
 export interface RunOptions {
   /** Interrupt the cell after this many seconds and report `timeout`. */
+  timeoutSeconds?: number;
+  /** @deprecated The old name of `timeoutSeconds` (still honoured; `timeoutSeconds` wins
+   * when both are given). */
   timeoutS?: number;
   onStdout?: (text: string) => void;
   onStderr?: (text: string) => void;
@@ -182,6 +186,9 @@ export interface NewSessionOptions {
   files?: Record<string, string | Uint8Array>;
 }
 
+/** The header in which the gateway sends an error answer's machine code. */
+const ERROR_CODE_HEADER = "x-cellgate-error-code";
+
 /** The gateway answered an error: its status, its stable machine `code`
  * (`no_such_session`, `invalid_json`, `rate_limited`…), its message, and `retryAfter`
  * (seconds, from the `Retry-After` header of a 429 or 503) where waiting helps. */
@@ -197,12 +204,14 @@ export class CellgateError extends Error {
   }
 
   static async from(response: Response): Promise<CellgateError> {
-    let code = "error";
+    // The header carries the code on every error answer, even a HEAD's, which has no body.
+    const header = response.headers.get(ERROR_CODE_HEADER)?.trim();
+    let code = header || "error";
     let message = response.statusText;
     const text = await response.text();
     try {
       const body = JSON.parse(text);
-      code = String(body.code ?? code);
+      if (!header && body.code) code = String(body.code);
       message = String(body.message ?? message);
     } catch {
       if (text) message = text;
@@ -211,18 +220,41 @@ export class CellgateError extends Error {
   }
 }
 
-/** The gateway could not be reached at all (down, connection refused, unknown host, TLS…):
- * `url` is what was asked for, `cause` what fetch threw. `status` is 0. */
+/**
+ * No (complete) answer from the gateway: `url` is what was asked for, `cause` what fetch, or
+ * reading the answer's body, threw. `status` is 0 and `code` `connection_failed`.
+ *
+ * `requestMayHaveRun` says whether the gateway may have acted on the request:
+ * - `false`: the connection failed before the request left (connection refused, unknown host,
+ *   connect timeout, TLS): nothing ran. The message starts "cannot reach URL".
+ * - `true`: the request was sent, or may have been, and the connection broke before the
+ *   answer came or while its body was read (the message says so): the code, command or
+ *   upload may have run, so check before repeating it. Where fetch says too little to tell
+ *   (browsers say only "Failed to fetch"), it is `true`.
+ */
 export class CellgateConnectionError extends CellgateError {
+  readonly requestMayHaveRun: boolean;
+
+  /** `stage`: `"request"` when fetch itself threw (`requestMayHaveRun` then comes from
+   * `cause`), `"answer"` when reading the body of an answer did. */
   constructor(
     readonly url: string,
     cause: unknown,
+    stage: "request" | "answer" = "request",
   ) {
-    const message = `cannot reach ${url}: ${describe(cause)}`;
+    const requestMayHaveRun = stage === "answer" || !failedBeforeSending(cause);
+    const detail = describe(cause);
+    const message =
+      stage === "answer"
+        ? `the connection to ${url} broke while its answer was read; the request may have run: ${detail}`
+        : requestMayHaveRun
+          ? `no answer from ${url}: the connection failed or broke after the request was sent, so it may have run: ${detail}`
+          : `cannot reach ${url}: ${detail}`;
     super(0, "connection_failed", message);
     this.name = "CellgateConnectionError";
     this.message = message; // without CellgateError's "status code:" prefix: there was no answer
     this.cause = cause;
+    this.requestMayHaveRun = requestMayHaveRun;
   }
 }
 
@@ -267,9 +299,10 @@ export class Client {
   }
 
   /** One request; throws a CellgateError for an error answer, a CellgateConnectionError when
-   * the gateway cannot be reached. A 429 or 503 with `Retry-After` is repeated after the wait
-   * (up to `maxRetries` times, for waits up to `maxRetryWaitSeconds`), unless the body is a
-   * stream, which cannot be sent twice. */
+   * the gateway cannot be reached or the connection breaks (reading the answer's body too
+   * throws one then, not fetch's own error). A 429 or 503 with `Retry-After` is repeated
+   * after the wait (up to `maxRetries` times, for waits up to `maxRetryWaitSeconds`), unless
+   * the body is a stream, which cannot be sent twice. */
   async request(method: string, path: string, init: RequestInit = {}): Promise<Response> {
     const url = this.url + path;
     const replayable = !isStream(init.body);
@@ -285,6 +318,7 @@ export class Client {
         if (init.signal?.aborted || isAbort(error)) throw error;
         throw new CellgateConnectionError(url, error);
       }
+      response = guardBody(response, url, init.signal ?? undefined);
       if (response.ok || response.status === 304) return response;
       const wait = retryAfter(response);
       const retryable =
@@ -403,7 +437,8 @@ export class Session {
    * (whatever its status). */
   async runCode(code: string, options: RunOptions = {}): Promise<Execution> {
     const body: Record<string, unknown> = { code };
-    if (options.timeoutS !== undefined) body.timeout_s = options.timeoutS;
+    const timeout = options.timeoutSeconds ?? options.timeoutS;
+    if (timeout !== undefined) body.timeout_s = timeout;
     const response = await this.client.request("POST", `${this.path}/execute`, {
       body: JSON.stringify(body),
       headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
@@ -439,26 +474,28 @@ export class Session {
         }
       }
     }
-    throw new CellgateError(0, "stream_ended", "the event stream ended before the execution's result");
+    throw new CellgateError(
+      0,
+      "stream_ended",
+      "the event stream ended without the execution's result (no `done` event); the code may have run",
+    );
   }
 
   /** Runs the shell command `cmd` (`bash -c`) in the session's sandbox, as the kernel's user
    * with its limits and egress, after any running cell; resolves to its CommandResult
-   * whatever its status. With `onStdout`/`onStderr` its output is streamed as it comes. */
+   * whatever its status. The answer is always an event stream, whose keep-alives let a long
+   * command (or a long wait behind a cell) outlast HTTP timeouts; `onStdout`/`onStderr` get
+   * its output as it comes. */
   async runCommand(cmd: string, options: CommandOptions = {}): Promise<CommandResult> {
     const body: Record<string, unknown> = { cmd };
     if (options.cwd !== undefined) body.cwd = options.cwd;
     if (options.env !== undefined) body.env = options.env;
     if (options.timeoutSeconds !== undefined) body.timeout_s = options.timeoutSeconds;
-    const streaming = Boolean(options.onStdout || options.onStderr);
-    const headers: Record<string, string> = { "Content-Type": "application/json" };
-    if (streaming) headers.Accept = "text/event-stream";
     const response = await this.client.request("POST", `${this.path}/commands`, {
       body: JSON.stringify(body),
-      headers,
+      headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
       signal: options.signal,
     });
-    if (!streaming) return (await response.json()) as CommandResult;
     if (!response.body) throw new CellgateError(0, "no_stream", "the answer has no body");
     for await (const event of sseEvents(response.body)) {
       if (event.type === "stream") {
@@ -468,23 +505,23 @@ export class Session {
         return event.result as CommandResult;
       }
     }
-    throw new CellgateError(0, "stream_ended", "the event stream ended before the command's result");
+    throw new CellgateError(
+      0,
+      "stream_ended",
+      "the event stream ended without the command's result (no `done` event); the command may have run",
+    );
   }
 
-  /** Whether anything (file, directory, link…) is at `path` in the workspace. */
+  /** Whether anything (file, directory, link…) is at `path` in the workspace: one `HEAD`
+   * request, whose 404 names what is missing in its `X-Cellgate-Error-Code` header. Nothing
+   * there (`no_such_file`) is `false`; any other error throws, so a session that is gone
+   * is a 404 `no_such_session`, not `false`. */
   async exists(path: string): Promise<boolean> {
     try {
       await this.client.request("HEAD", `${this.path}/files/${encPath(path)}`);
       return true;
     } catch (error) {
-      if (!(error instanceof CellgateError && error.status === 404)) throw error;
-    }
-    // A HEAD answer has no body to tell a missing file from a missing session: ask again.
-    try {
-      await this.stat(path);
-      return true;
-    } catch (error) {
-      if (error instanceof CellgateError && error.code === "no_such_file") return false;
+      if (error instanceof CellgateError && error.status === 404 && error.code === "no_such_file") return false;
       throw error;
     }
   }
@@ -631,6 +668,68 @@ function isStream(body: unknown): boolean {
   if (typeof ReadableStream !== "undefined" && body instanceof ReadableStream) return true;
   return Symbol.asyncIterator in body;
 }
+
+/** `response` with a body whose read errors (the connection broke: undici's "terminated")
+ * are CellgateConnectionErrors that say the request may have run. An abort stays an abort. */
+function guardBody(response: Response, url: string, signal?: AbortSignal): Response {
+  if (!response.body || NULL_BODY_STATUSES.has(response.status)) return response;
+  const reader = response.body.getReader();
+  const body = new ReadableStream<Uint8Array>({
+    async pull(controller) {
+      try {
+        const { value, done } = await reader.read();
+        if (done) controller.close();
+        else controller.enqueue(value);
+      } catch (error) {
+        const aborted = signal?.aborted || isAbort(error);
+        controller.error(aborted ? error : new CellgateConnectionError(url, error, "answer"));
+      }
+    },
+    cancel(reason) {
+      return reader.cancel(reason);
+    },
+  });
+  const guarded = new Response(body, {
+    status: response.status,
+    statusText: response.statusText,
+    headers: response.headers,
+  });
+  Object.defineProperty(guarded, "url", { value: response.url });
+  return guarded;
+}
+
+const NULL_BODY_STATUSES = new Set([101, 103, 204, 205, 304]);
+
+/** Whether fetch's `error` says the request never left: the connection or name lookup failed
+ * (Node puts the system error, with its `code` and `syscall`, in the `cause` chain). Anything
+ * else (the socket closed after sending, a reset, a bare "Failed to fetch") may have run. */
+function failedBeforeSending(error: unknown): boolean {
+  let current: unknown = error;
+  for (let depth = 0; current !== undefined && current !== null && depth < 4; depth++) {
+    const { code, syscall } = current as { code?: unknown; syscall?: unknown };
+    if (syscall === "connect" || syscall === "getaddrinfo" || syscall === "getaddrinfo_all") return true;
+    if (typeof code === "string" && (BEFORE_SENDING_CODES.has(code) || TLS_CODE.test(code))) return true;
+    current = (current as { cause?: unknown }).cause;
+  }
+  return false;
+}
+
+const BEFORE_SENDING_CODES = new Set([
+  "ECONNREFUSED",
+  "ENOTFOUND",
+  "EAI_AGAIN",
+  "EAI_FAIL",
+  "EAI_NONAME",
+  "EHOSTUNREACH",
+  "EHOSTDOWN",
+  "ENETUNREACH",
+  "ENETDOWN",
+  "EADDRNOTAVAIL",
+  "UND_ERR_CONNECT_TIMEOUT",
+  "ERR_INVALID_URL",
+]);
+/** Certificate and handshake failures: the TLS session, and so the request, never started. */
+const TLS_CODE = /^(ERR_TLS_|ERR_SSL_|CERT_|UNABLE_TO_|DEPTH_ZERO_SELF_SIGNED_CERT|SELF_SIGNED_CERT_IN_CHAIN)/;
 
 function isAbort(error: unknown): boolean {
   const name = (error as { name?: unknown } | null)?.name;

@@ -52,7 +52,7 @@ test("errors, timeouts and input", () =>
     const failed = await session.runCode("1 / 0");
     assert.equal(failed.error.ename, "ZeroDivisionError");
     assert.ok(failed.error.traceback.some((line) => line.includes("1 / 0")));
-    const slow = await session.runCode("import time\ntime.sleep(30)", { timeoutS: 1 });
+    const slow = await session.runCode("import time\ntime.sleep(30)", { timeoutSeconds: 1 });
     assert.equal(slow.status, "timeout");
     const prompts = [];
     const answered = await session.runCode("name = input('who? ')\nprint('hi', name)", {
@@ -123,7 +123,7 @@ test("interrupt stops a running cell; the notebook exports", () =>
     }, 2000);
     let stopped;
     try {
-      stopped = await session.runCode("import time\nwhile True:\n    time.sleep(0.1)", { timeoutS: 120 });
+      stopped = await session.runCode("import time\nwhile True:\n    time.sleep(0.1)", { timeoutSeconds: 120 });
     } finally {
       clearInterval(stopper);
     }
@@ -301,10 +301,208 @@ test("an unreachable gateway is a CellgateConnectionError naming the URL", async
     assert.equal(e.name, "CellgateConnectionError");
     assert.equal(e.code, "connection_failed");
     assert.equal(e.url, `${url}/v1/sessions`);
-    assert.ok(e.message.includes(url) && e.message.includes("ECONNREFUSED"), e.message);
+    assert.ok(e.message.startsWith(`cannot reach ${url}/v1/sessions: `), e.message);
+    assert.ok(e.message.includes("ECONNREFUSED"), e.message);
+    assert.equal(e.requestMayHaveRun, false, "nothing left: nothing ran");
     assert.ok(e.cause, "fetch's own error is the cause");
     return true;
   });
+});
+
+/** A local server answering each request with `handle(request, response, body)`; `requests`
+ * lists what it received as [method, url, body, headers]. */
+async function fakeGateway(handle) {
+  const served = { requests: [] };
+  const server = createServer((request, response) => {
+    const chunks = [];
+    request.on("data", (chunk) => chunks.push(chunk));
+    request.on("end", () => {
+      const body = Buffer.concat(chunks).toString();
+      served.requests.push([request.method, request.url, body, request.headers]);
+      handle(request, response, body);
+    });
+  });
+  await new Promise((resolve) => server.listen(0, "127.0.0.1", resolve));
+  served.url = `http://127.0.0.1:${server.address().port}`;
+  served.close = () => {
+    server.closeAllConnections();
+    return new Promise((resolve) => server.close(resolve));
+  };
+  return served;
+}
+
+const SESSION = { id: "s1", kernel_name: "python3", policy: "default", state: "idle", state_generation: 1 };
+
+function sse(...events) {
+  return events.map((event) => `event: ${event.type}\ndata: ${JSON.stringify(event)}\n\n`).join("");
+}
+
+const COMMAND = {
+  command_id: "c1", status: "ok", exit_code: 0, signal: null, stdout: "hi\n", stderr: "",
+  stdout_truncated: false, stderr_truncated: false, output_truncated: false, error: null,
+  denials: [], duration_ms: 5, state_generation: 1,
+};
+
+test("exists is one HEAD: 200 is true, 404 no_such_file false, any other error throws", async () => {
+  const answers = {
+    "/v1/sessions/s1/files/there.txt": [200, {}],
+    "/v1/sessions/s1/files/dir/missing.txt": [404, { "X-Cellgate-Error-Code": "no_such_file" }],
+    "/v1/sessions/gone/files/x": [404, { "X-Cellgate-Error-Code": "no_such_session" }],
+    "/v1/sessions/s1/files/busy": [503, { "X-Cellgate-Error-Code": "kernel_busy" }],
+    "/v1/sessions/s1/files/nocode": [404, {}],
+  };
+  const fake = await fakeGateway((request, response) => {
+    const [status, headers] = answers[request.url] ?? [500, { "X-Cellgate-Error-Code": "unexpected" }];
+    // A HEAD answer has no body: the header is all there is to say what is missing.
+    response.writeHead(status, headers);
+    response.end();
+  });
+  try {
+    const client = new Client(fake.url, "t");
+    const session = new Session(client, SESSION);
+    assert.equal(await session.exists("there.txt"), true);
+    assert.equal(await session.exists("dir/missing.txt"), false);
+    await assert.rejects(new Session(client, { ...SESSION, id: "gone" }).exists("x"), (e) =>
+      e instanceof CellgateError && e.status === 404 && e.code === "no_such_session",
+    );
+    await assert.rejects(session.exists("busy"), (e) => e.status === 503 && e.code === "kernel_busy");
+    await assert.rejects(session.exists("nocode"), (e) => e.status === 404 && e.code === "error", "a 404 that names nothing is not false");
+    assert.deepEqual(
+      fake.requests.map(([method, url]) => [method, url]),
+      Object.keys(answers).map((url) => ["HEAD", url]),
+      "one HEAD per call, nothing else",
+    );
+  } finally {
+    await fake.close();
+  }
+});
+
+test("runCommand always reads the event stream, with or without callbacks", async () => {
+  const fake = await fakeGateway((request, response) => {
+    response.writeHead(200, { "Content-Type": "text/event-stream" });
+    response.end(
+      sse(
+        { type: "started", command_id: "c1", cmd: "echo hi" },
+        { type: "stream", command_id: "c1", name: "stdout", text: "hi\n" },
+        { type: "done", command_id: "c1", result: COMMAND },
+      ),
+    );
+  });
+  try {
+    const session = new Session(new Client(fake.url, "t"), SESSION);
+    assert.deepEqual(await session.runCommand("echo hi", { timeoutSeconds: 600 }), COMMAND);
+    const out = [];
+    assert.deepEqual(await session.runCommand("echo hi", { onStdout: (t) => out.push(t) }), COMMAND);
+    assert.deepEqual(out, ["hi\n"]);
+    for (const [method, url, body, headers] of fake.requests) {
+      assert.deepEqual([method, url], ["POST", "/v1/sessions/s1/commands"]);
+      assert.equal(headers.accept, "text/event-stream", "the streamed form, never one long JSON wait");
+    }
+    assert.deepEqual(JSON.parse(fake.requests[0][2]), { cmd: "echo hi", timeout_s: 600 });
+  } finally {
+    await fake.close();
+  }
+});
+
+test("an event stream that ends without its done event throws saying so", async () => {
+  const fake = await fakeGateway((request, response) => {
+    response.writeHead(200, { "Content-Type": "text/event-stream" });
+    response.end(sse({ type: "stream", command_id: "c1", execution_id: "e1", name: "stdout", text: "partial\n" }));
+  });
+  try {
+    const session = new Session(new Client(fake.url, "t"), SESSION);
+    const out = [];
+    await assert.rejects(session.runCommand("echo partial", { onStdout: (t) => out.push(t) }), (e) => {
+      assert.ok(e instanceof CellgateError && e.code === "stream_ended", String(e));
+      assert.match(e.message, /without the command's result \(no `done` event\)/);
+      return true;
+    });
+    assert.deepEqual(out, ["partial\n"]);
+    await assert.rejects(session.runCode("print('partial')"), (e) => e.code === "stream_ended" && /execution's result/.test(e.message));
+  } finally {
+    await fake.close();
+  }
+});
+
+test("a connection that breaks after the request was sent says the request may have run", async () => {
+  const fake = await fakeGateway((request, response) => {
+    if (request.url === "/v1/sessions") {
+      // Took the request, then hung up without answering.
+      request.socket.destroy();
+    } else if (request.url === "/v1/sessions/s1") {
+      // Began the answer, then hung up in the middle of its body.
+      response.writeHead(200, { "Content-Type": "application/json", "Content-Length": "1000" });
+      response.write('{"id": "s1", ');
+      setTimeout(() => response.socket.destroy(), 50);
+    } else {
+      // Streamed one chunk of the command's output, then hung up.
+      response.writeHead(200, { "Content-Type": "text/event-stream" });
+      response.write(sse({ type: "stream", command_id: "c1", name: "stdout", text: "first\n" }));
+      setTimeout(() => response.socket.destroy(), 50);
+    }
+  });
+  try {
+    const client = new Client(fake.url, "t");
+    await assert.rejects(client.session(), (e) => {
+      assert.ok(e instanceof CellgateConnectionError && e instanceof CellgateError, String(e));
+      assert.equal(e.requestMayHaveRun, true);
+      assert.equal(e.code, "connection_failed");
+      assert.equal(e.url, `${fake.url}/v1/sessions`);
+      assert.ok(!e.message.includes("cannot reach"), e.message);
+      assert.match(e.message, /may have run/);
+      assert.match(e.message, /other side closed/, "fetch's reason is kept");
+      return true;
+    });
+    await assert.rejects(client.attach("s1"), (e) => {
+      assert.ok(e instanceof CellgateConnectionError, `reading the body throws ours, not undici's: ${e}`);
+      assert.equal(e.requestMayHaveRun, true);
+      assert.match(e.message, /broke while its answer was read; the request may have run/);
+      assert.match(e.message, /terminated/);
+      return true;
+    });
+    const out = [];
+    const session = new Session(client, SESSION);
+    await assert.rejects(session.runCommand("echo first; sleep 600", { onStdout: (t) => out.push(t) }), (e) => {
+      assert.ok(e instanceof CellgateConnectionError, String(e));
+      assert.equal(e.requestMayHaveRun, true);
+      assert.equal(e.url, `${fake.url}/v1/sessions/s1/commands`);
+      return true;
+    });
+    assert.deepEqual(out, ["first\n"]);
+    assert.equal(fake.requests.length, 3, "none of them was sent again");
+  } finally {
+    await fake.close();
+  }
+});
+
+test("runCode takes timeoutSeconds, and timeoutS as its deprecated alias", async () => {
+  const execution = {
+    execution_id: "e1", status: "ok", execution_count: 1, stdout: "", stderr: "", stdout_truncated: false,
+    stderr_truncated: false, output_truncated: false, result: "2", error: null, artifacts: [], omitted: [],
+    denials: [], duration_ms: 1, state_generation: 1, resources: {},
+  };
+  const fake = await fakeGateway((request, response) => {
+    response.writeHead(200, { "Content-Type": "text/event-stream" });
+    response.end(sse({ type: "done", execution_id: "e1", result: execution }));
+  });
+  try {
+    const session = new Session(new Client(fake.url, "t"), SESSION);
+    assert.equal((await session.runCode("1 + 1", { timeoutSeconds: 5 })).result, "2");
+    await session.runCode("1 + 1", { timeoutS: 7 });
+    await session.runCode("1 + 1", { timeoutSeconds: 9, timeoutS: 1 });
+    await session.runCode("1 + 1");
+    assert.deepEqual(
+      fake.requests.map(([, , body]) => JSON.parse(body)),
+      [
+        { code: "1 + 1", timeout_s: 5 },
+        { code: "1 + 1", timeout_s: 7 },
+        { code: "1 + 1", timeout_s: 9 },
+        { code: "1 + 1" },
+      ],
+    );
+  } finally {
+    await fake.close();
+  }
 });
 
 /** A local server that gives the answers in `script` (status, headers) one after another,

@@ -373,6 +373,7 @@ pub enum FailureKind {
     NoSpace,
     Exists,
     NotEmpty,
+    PermissionDenied,
     Unavailable,
     Io,
 }

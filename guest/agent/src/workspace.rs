@@ -38,6 +38,10 @@ use crate::protocol::{FailureKind, FileFailure, WireEntry};
 /// Entries a listing returns at most.
 pub const MAX_LIST_ENTRIES: usize = 10_000;
 const MAX_DEPTH: usize = 32;
+/// Names of one directory read at once by a recursive removal.
+const REMOVE_BATCH: usize = 4096;
+/// Entries one recursive removal takes at most.
+const MAX_REMOVE_ENTRIES: u64 = 1_000_000;
 
 /// Errors of workspace operations.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +64,8 @@ pub enum WorkspaceError {
     Exists(String),
     #[error("{0} is a directory that is not empty (remove it with recursive)")]
     NotEmpty(String),
+    #[error("{0}: permission denied (the kernel's own permissions or a mount in the way)")]
+    PermissionDenied(String),
     #[error("the session has no running kernel (its workspace lives and ends with the sandbox)")]
     Unavailable,
     #[error("{what}: {source}")]
@@ -81,6 +87,11 @@ fn io_error(what: &str, path: &str, err: rustix::io::Errno) -> WorkspaceError {
         Errno::ISDIR => WorkspaceError::IsADirectory(path.to_owned()),
         Errno::NOSPC | Errno::DQUOT => WorkspaceError::NoSpace,
         Errno::EXIST => WorkspaceError::Exists(path.to_owned()),
+        // The kernel may take its own permissions away, or the path may be a mount point:
+        // the client's answer, not the gateway's failure.
+        Errno::ACCESS | Errno::PERM | Errno::BUSY | Errno::ROFS => {
+            WorkspaceError::PermissionDenied(path.to_owned())
+        }
         Errno::NOTEMPTY => WorkspaceError::NotEmpty(path.to_owned()),
         err => WorkspaceError::Io {
             what: format!("{what} {path}"),
@@ -235,6 +246,10 @@ impl Workspace {
             let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
             current = match rustix::fs::openat2(&current, *part, flags, Mode::empty(), resolve()) {
                 Ok(fd) => fd,
+                // A file where a directory must be made.
+                Err(rustix::io::Errno::NOTDIR) if create => {
+                    return Err(WorkspaceError::Exists(shown.to_owned()))
+                }
                 Err(rustix::io::Errno::NOENT) if create => {
                     match rustix::fs::mkdirat(&current, *part, Mode::from_raw_mode(0o755)) {
                         Ok(()) | Err(rustix::io::Errno::EXIST) => {}
@@ -347,7 +362,8 @@ impl Workspace {
             let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
             let sub = rustix::fs::openat2(&dir, *name, flags, Mode::empty(), resolve())
                 .map_err(|e| io_error("remove", path, e))?;
-            removed += self.empty_dir(&sub, path, 0)?;
+            let mut budget = MAX_REMOVE_ENTRIES;
+            removed += self.empty_dir(&sub, path, 0, &mut budget)?;
         }
         let flags = if is_dir {
             rustix::fs::AtFlags::REMOVEDIR
@@ -359,64 +375,90 @@ impl Workspace {
     }
 
     /// Removes everything in `dir` (whose path is `shown`), depth first, never following a
-    /// link: a link is unlinked, the directory it pointed to untouched.
-    fn empty_dir(&self, dir: &OwnedFd, shown: &str, depth: usize) -> Result<u64, WorkspaceError> {
+    /// link: a link is unlinked, the directory it pointed to untouched. Names are read and
+    /// removed [`REMOVE_BATCH`] at a time (a kernel can make a directory of millions), and
+    /// `budget` bounds the entries one removal may take.
+    fn empty_dir(
+        &self,
+        dir: &OwnedFd,
+        shown: &str,
+        depth: usize,
+        budget: &mut u64,
+    ) -> Result<u64, WorkspaceError> {
         if depth > MAX_DEPTH {
             return Err(WorkspaceError::BadPath {
                 path: shown.chars().take(200).collect(),
                 reason: "nested too deep to remove",
             });
         }
-        let readable = rustix::fs::openat2(
-            dir,
-            ".",
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-            resolve(),
-        )
-        .map_err(|e| io_error("remove", shown, e))?;
-        let mut names = Vec::new();
-        for entry in
-            rustix::fs::Dir::read_from(&readable).map_err(|e| io_error("remove", shown, e))?
-        {
-            let entry = entry.map_err(|e| io_error("remove", shown, e))?;
-            let name = entry.file_name().to_owned();
-            if name.as_bytes() != b"." && name.as_bytes() != b".." {
-                names.push(name);
-            }
-        }
         let mut removed = 0;
-        for name in names {
-            let shown_child = format!("{shown}/{}", name.to_string_lossy());
-            let stat = match rustix::fs::statat(dir, &name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(stat) => stat,
-                // The kernel removed it meanwhile.
-                Err(rustix::io::Errno::NOENT) => continue,
-                Err(e) => return Err(io_error("remove", &shown_child, e)),
-            };
-            let flags = if rustix::fs::FileType::from_raw_mode(stat.st_mode)
-                == rustix::fs::FileType::Directory
+        loop {
+            let readable = rustix::fs::openat2(
+                dir,
+                ".",
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+                resolve(),
+            )
+            .map_err(|e| io_error("remove", shown, e))?;
+            let mut names = Vec::new();
+            for entry in
+                rustix::fs::Dir::read_from(&readable).map_err(|e| io_error("remove", shown, e))?
             {
-                let sub = rustix::fs::openat2(
-                    dir,
-                    &name,
-                    OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                    Mode::empty(),
-                    resolve(),
-                )
-                .map_err(|e| io_error("remove", &shown_child, e))?;
-                removed += self.empty_dir(&sub, &shown_child, depth + 1)?;
-                rustix::fs::AtFlags::REMOVEDIR
-            } else {
-                rustix::fs::AtFlags::empty()
-            };
-            match rustix::fs::unlinkat(dir, &name, flags) {
-                Ok(()) => removed += 1,
-                Err(rustix::io::Errno::NOENT) => {}
-                Err(e) => return Err(io_error("remove", &shown_child, e)),
+                let entry = entry.map_err(|e| io_error("remove", shown, e))?;
+                let name = entry.file_name().to_owned();
+                if name.as_bytes() != b"." && name.as_bytes() != b".." {
+                    names.push(name);
+                    if names.len() >= REMOVE_BATCH {
+                        break;
+                    }
+                }
+            }
+            if names.is_empty() {
+                return Ok(removed);
+            }
+            for name in names {
+                if *budget == 0 {
+                    return Err(WorkspaceError::BadPath {
+                        path: shown.chars().take(200).collect(),
+                        reason:
+                            "holds more entries than one removal takes (remove its parts first)",
+                    });
+                }
+                let shown_child = format!("{shown}/{}", name.to_string_lossy());
+                let stat =
+                    match rustix::fs::statat(dir, &name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+                        Ok(stat) => stat,
+                        // The kernel removed it meanwhile.
+                        Err(rustix::io::Errno::NOENT) => continue,
+                        Err(e) => return Err(io_error("remove", &shown_child, e)),
+                    };
+                let flags = if rustix::fs::FileType::from_raw_mode(stat.st_mode)
+                    == rustix::fs::FileType::Directory
+                {
+                    let sub = rustix::fs::openat2(
+                        dir,
+                        &name,
+                        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                        Mode::empty(),
+                        resolve(),
+                    )
+                    .map_err(|e| io_error("remove", &shown_child, e))?;
+                    removed += self.empty_dir(&sub, &shown_child, depth + 1, budget)?;
+                    rustix::fs::AtFlags::REMOVEDIR
+                } else {
+                    rustix::fs::AtFlags::empty()
+                };
+                match rustix::fs::unlinkat(dir, &name, flags) {
+                    Ok(()) => {
+                        removed += 1;
+                        *budget -= 1;
+                    }
+                    Err(rustix::io::Errno::NOENT) => {}
+                    Err(e) => return Err(io_error("remove", &shown_child, e)),
+                }
             }
         }
-        Ok(removed)
     }
 
     /// Moves `from` to `to` (parents of `to` are created). A link moves as a link. Without
@@ -452,6 +494,8 @@ impl Workspace {
         rustix::fs::renameat_with(&source, *from_name, &target, *to_name, flags).map_err(|e| {
             match e {
                 rustix::io::Errno::NOENT => WorkspaceError::NotFound(from.to_owned()),
+                // A directory onto a file.
+                rustix::io::Errno::NOTDIR => WorkspaceError::Exists(to.to_owned()),
                 // Moving a directory below itself, or onto a link's own directory.
                 rustix::io::Errno::INVAL => WorkspaceError::BadPath {
                     path: to.chars().take(200).collect(),
@@ -656,6 +700,7 @@ impl WorkspaceError {
             WorkspaceError::NoSpace => FailureKind::NoSpace,
             WorkspaceError::Exists(_) => FailureKind::Exists,
             WorkspaceError::NotEmpty(_) => FailureKind::NotEmpty,
+            WorkspaceError::PermissionDenied(_) => FailureKind::PermissionDenied,
             WorkspaceError::Unavailable => FailureKind::Unavailable,
             WorkspaceError::Io { .. } => FailureKind::Io,
         };
@@ -682,6 +727,7 @@ impl WorkspaceError {
             FailureKind::NoSpace => WorkspaceError::NoSpace,
             FailureKind::Exists => WorkspaceError::Exists(path),
             FailureKind::NotEmpty => WorkspaceError::NotEmpty(path),
+            FailureKind::PermissionDenied => WorkspaceError::PermissionDenied(path),
             FailureKind::Unavailable => WorkspaceError::Unavailable,
             FailureKind::Io => WorkspaceError::Io {
                 what: format!("{path} in the guest"),

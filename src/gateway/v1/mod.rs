@@ -162,6 +162,9 @@ impl From<WorkspaceError> for ApiError {
                 ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string()).code("workspace_full")
             }
             E::Exists(_) => ApiError::new(StatusCode::CONFLICT, err.to_string()).code("exists"),
+            E::PermissionDenied(_) => {
+                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("permission_denied")
+            }
             E::NotEmpty(_) => {
                 ApiError::new(StatusCode::CONFLICT, err.to_string()).code("not_empty")
             }

@@ -416,7 +416,15 @@ pub async fn interrupt(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    session_for(&state, &principal, &id)?.interrupt().await?;
+    session_for(&state, &principal, &id)?
+        .interrupt()
+        .await
+        .map_err(|err| {
+            // Not to be repeated later: a late interrupt would stop the next cell.
+            let mut err = ApiError::from(err);
+            err.retry_after = None;
+            err
+        })?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -210,7 +210,8 @@ class AsyncSession:
             # Closed here, not whenever the garbage collector gets to it.
             await events.aclose()
             await response.aclose()
-        raise CellgateError("the event stream ended before the execution's result")
+        raise CellgateError("the event stream ended without the execution's result (no "
+                            "`done` event); the code may have run")
 
     async def run_command(self, cmd: str, *, cwd: Optional[str] = None,
                           env: Optional[Mapping[str, str]] = None,
@@ -237,7 +238,8 @@ class AsyncSession:
             # Closed here, not whenever the garbage collector gets to it.
             await events.aclose()
             await response.aclose()
-        raise CellgateError("the event stream ended before the command's result")
+        raise CellgateError("the event stream ended without the command's result (no "
+                            "`done` event); the command may have run")
 
     async def _answer(self, request: InputRequest, on_input: Optional[Callable[[str, bool], Any]]) -> None:
         if on_input is None:
@@ -281,7 +283,7 @@ class AsyncSession:
     async def exists(self, path: str) -> bool:
         """See :meth:`cellgate.Session.exists`."""
         try:
-            await self.stat(path)
+            await self.client.request("HEAD", file_url(self.id, path))
         except NotFoundError as error:
             if error.code == "no_such_file":
                 return False

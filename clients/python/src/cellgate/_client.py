@@ -33,6 +33,7 @@ DEFAULT_MAX_RETRY_WAIT = 30.0
 #: What httpx raises when the gateway cannot be reached, or drops the connection without a
 #: complete answer: raised as :class:`~cellgate.CellgateConnectionError` instead. Timeouts
 #: waiting for an answer (``httpx.ReadTimeout``) are not among them: the gateway was there.
+#: Of these, only ``ConnectError`` and ``ConnectTimeout`` mean the request never left.
 CONNECTION_ERRORS = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
 
 
@@ -51,11 +52,16 @@ def gateway_token(token: Optional[str]) -> Optional[str]:
 
 def connection_error(url: str, error: Exception) -> CellgateConnectionError:
     """The :class:`~cellgate.CellgateConnectionError` for an httpx ``error`` talking to the
-    gateway at ``url``."""
+    gateway at ``url``: "cannot reach" when the connection was never made (the request did
+    not leave), else a broken connection after the request was sent, which may have run."""
     detail = str(error) or type(error).__name__
     if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return CellgateConnectionError(f"cannot reach the gateway at {url}: {detail}", url)
-    return CellgateConnectionError(f"the connection to the gateway at {url} broke: {detail}", url)
+        return CellgateConnectionError(f"cannot reach the gateway at {url}: {detail}", url,
+                                       request_may_have_run=False)
+    return CellgateConnectionError(
+        f"the connection to the gateway at {url} broke after the request was sent, before "
+        f"its whole answer came; the request may have run: {detail}", url,
+        request_may_have_run=True)
 
 
 def replayable(content: Any) -> bool:
@@ -181,7 +187,8 @@ class Client:
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One request; raises :class:`~cellgate.APIError` for an error answer (after the
         retries ``Retry-After`` allows) and :class:`~cellgate.CellgateConnectionError` when
-        the gateway cannot be reached. ``content`` may be a :class:`~pathlib.Path`, sent
+        the gateway cannot be reached or the connection breaks (never retried: see its
+        ``request_may_have_run``). ``content`` may be a :class:`~pathlib.Path`, sent
         from the file (again on a retry)."""
         return self._send(method, path, **kwargs)
 
@@ -353,7 +360,8 @@ class Session:
                     return collector.result
         finally:
             response.close()
-        raise CellgateError("the event stream ended before the execution's result")
+        raise CellgateError("the event stream ended without the execution's result (no "
+                            "`done` event); the code may have run")
 
     def run_command(self, cmd: str, *, cwd: Optional[str] = None,
                     env: Optional[Mapping[str, str]] = None, timeout: Optional[float] = None,
@@ -384,7 +392,8 @@ class Session:
                     return collector.result
         finally:
             response.close()
-        raise CellgateError("the event stream ended before the command's result")
+        raise CellgateError("the event stream ended without the command's result (no "
+                            "`done` event); the command may have run")
 
     def _answer(self, request: InputRequest, on_input: Optional[InputCallback]) -> None:
         if on_input is None:
@@ -429,12 +438,13 @@ class Session:
         return [FileEntry.from_json(f) for f in answer.json()]
 
     def exists(self, path: str) -> bool:
-        """Whether anything (a file, a directory, a link) is at ``path`` in the workspace.
-        A session that is gone raises :class:`~cellgate.NotFoundError` rather than answer
-        ``False`` (which is why this asks for a ``stat``, whose 404 says which is missing,
-        and not ``HEAD``, whose 404 has no body to say it)."""
+        """Whether anything (a file, a directory, a link) is at ``path`` in the workspace:
+        one ``HEAD`` request, whose 404 names what is missing in its
+        ``X-Cellgate-Error-Code`` header. Nothing there (``no_such_file``) is ``False``; any
+        other error raises, so a session that is gone is a :class:`~cellgate.NotFoundError`
+        (``no_such_session``), not ``False``."""
         try:
-            self.stat(path)
+            self.client.request("HEAD", file_url(self.id, path))
         except NotFoundError as error:
             if error.code == "no_such_file":
                 return False

@@ -10,6 +10,10 @@ from typing import Optional
 
 import httpx
 
+#: The header in which the gateway sends an error answer's machine code (on every error
+#: answer, a ``HEAD``'s too, which has no body).
+ERROR_CODE_HEADER = "x-cellgate-error-code"
+
 
 class CellgateError(Exception):
     """Base of every error this package raises."""
@@ -29,14 +33,21 @@ class APIError(CellgateError):
 
 
 class CellgateConnectionError(CellgateError, ConnectionError):
-    """The gateway at ``url`` could not be reached (refused, unresolvable, timed out while
-    connecting) or dropped the connection before answering. Also a built-in
+    """No (complete) answer from the gateway at ``url``. Also a built-in
     :class:`ConnectionError`, so code that already catches those catches it; the httpx
-    exception it stands for is its ``__cause__``."""
+    exception it stands for is its ``__cause__``.
 
-    def __init__(self, message: str, url: str = ""):
+    ``request_may_have_run`` tells the two cases apart. ``False``: the gateway could not be
+    reached (refused, unresolvable, timed out while connecting, TLS): the request never left,
+    nothing ran, and the message says "cannot reach". ``True``: the request was sent and the
+    connection broke before or while the answer came (the gateway hung up, reset it, cut an
+    event stream short): the code, command or upload may have run, so check before repeating
+    something that is not idempotent."""
+
+    def __init__(self, message: str, url: str = "", request_may_have_run: bool = False):
         super().__init__(message)
         self.url = url
+        self.request_may_have_run = request_may_have_run
 
 
 class BadRequestError(APIError):
@@ -114,15 +125,18 @@ def parse_retry_after(value: Optional[str]) -> Optional[float]:
 
 
 def error_from(response: httpx.Response) -> APIError:
-    """The :class:`APIError` for a failed ``response`` (its body already read)."""
-    code, message = "error", response.reason_phrase
+    """The :class:`APIError` for a failed ``response`` (its body already read). Its code
+    comes from the ``X-Cellgate-Error-Code`` header, else from the JSON body."""
+    header = response.headers.get(ERROR_CODE_HEADER, "").strip()
+    code, message = header or "error", response.reason_phrase
     try:
         body = response.json()
     except ValueError:
         body = None
         message = response.text or message
     if isinstance(body, dict):
-        code = str(body.get("code") or code)
+        if not header:
+            code = str(body.get("code") or code)
         message = str(body.get("message") or message)
     retry_after = parse_retry_after(response.headers.get("retry-after"))
     kind = _BY_STATUS.get(response.status_code, APIError)
