@@ -3,7 +3,7 @@
 //! A command runs through the session's own kernel: one silent execution of a line that
 //! hands the command to `cellgate_command.run_json` (kernels/python3/cellgate_command.py),
 //! which runs `bash -c` in the kernel's sandbox and streams its output back as the cell's
-//! stream output; how it ended comes back in the reply's `user_expressions` ([`EXIT_EXPR`]),
+//! stream output; how it ended comes back in the reply's `user_expressions` (`cellgate_command.last`),
 //! which the output limit (it drops outputs, never the reply) cannot take away. So a command gets
 //! exactly the kernel's isolation, limits and egress on every backend, through the one
 //! channel the gateway already has into the sandbox; nothing new crosses the boundary.
