@@ -7,13 +7,21 @@
 #
 #   docker build -f deploy/kubernetes/images/gateway.Dockerfile -t REGISTRY/cellgate-gateway:TAG .
 #
-# UNTESTED: the machines this was written on reach no container registry and run no Docker
-# daemon, so this file was never built (it passes hadolint 2.15.1). DEPLOY.md, "Kubernetes".
+# Without Docker or a registry, `./dev release --images` (deploy/release/images.sh) builds
+# this file with buildah on a Debian root of its own (BASE_IMAGE), and replaces the build
+# stage `build` by name with a directory of what the release already made (`--build-context
+# build=DIR`, which BuildKit's `docker buildx build` also takes): DIR/out/cellgate, the
+# release's stripped binary. The final stage, what the image holds, is this file's either
+# way; that build is smoke-tested (DEPLOY.md, "Kubernetes"). UNTESTED: the stage that
+# compiles was never run here (no registry, so no rust image), nor was the image run in a
+# cluster. It passes hadolint 2.15.1.
 #
 # Bases are pinned by tag (the Rust release rust-toolchain.toml names, Debian 12); pin them
 # by digest (image@sha256:...) in your own builds for reproducible images.
 
 ARG DEBIAN=bookworm
+# The Debian image every stage but the Rust build starts from.
+ARG BASE_IMAGE=docker.io/library/debian:${DEBIAN}-slim
 ARG RUST_VERSION=1.95.0
 
 # --- the gateway ---------------------------------------------------------------------------
@@ -36,7 +44,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && install -D -m 0755 target/release/cellgate /out/cellgate
 
 # --- the image -----------------------------------------------------------------------------
-FROM docker.io/library/debian:${DEBIAN}-slim
+FROM ${BASE_IMAGE}
 # python3.11 only for the kernelspec's environment check (below); ca-certificates for the
 # package index's upstream and the egress proxy's TLS checks; tini as PID 1.
 # hadolint ignore=DL3008
