@@ -275,14 +275,7 @@ impl KernelManager {
         owner: Option<&Owner>,
     ) -> Result<Arc<Kernel>, KernelError> {
         let _reservation = owner.map(|o| self.reserve(o)).transpose()?;
-        let name = name.unwrap_or(self.specs.default_name());
-        let spec = self
-            .specs
-            .get(name)
-            .ok_or_else(|| KernelError::NoSuchSpec {
-                name: name.to_owned(),
-                known: self.specs.names(),
-            })?;
+        let spec = self.spec(name)?;
         if let Some(max) = self.options.max_kernels {
             if self.kernels.read().len() >= max {
                 return Err(KernelError::TooManyKernels { max });
@@ -572,6 +565,15 @@ impl KernelManager {
         }
     }
 
+    /// Kernelspec `name`, or the default one.
+    fn spec(&self, name: Option<&str>) -> Result<&super::KernelSpec, KernelError> {
+        let name = name.unwrap_or(self.specs.default_name());
+        self.specs.get(name).ok_or_else(|| KernelError::NoSuchSpec {
+            name: name.to_owned(),
+            known: self.specs.names(),
+        })
+    }
+
     /// The variables of `requested` a start of kernelspec `name` would drop (neither
     /// `KERNEL_*`, the gateway's allowlist nor allowed by the policy it would run under),
     /// for a caller that refuses rather than drops.
@@ -580,14 +582,7 @@ impl KernelManager {
         name: Option<&str>,
         requested: &BTreeMap<String, String>,
     ) -> Result<Option<EnvRefusal>, KernelError> {
-        let name = name.unwrap_or(self.specs.default_name());
-        let spec = self
-            .specs
-            .get(name)
-            .ok_or_else(|| KernelError::NoSuchSpec {
-                name: name.to_owned(),
-                known: self.specs.names(),
-            })?;
+        let spec = self.spec(name)?;
         let base_env =
             filter_client_env(requested, &self.options.env_allowlist, &Default::default())?;
         let policy = self.policy_for(spec, &base_env)?;

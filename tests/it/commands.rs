@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
 use crate::support::v1::V1Client;
-use crate::support::{sandbox_backend, Gateway};
+use crate::support::Gateway;
 
 /// A gateway whose default policy runs the test sandbox with these `[environment]` and
 /// `[limits]` lines, and these extra arguments.
@@ -19,20 +19,11 @@ async fn gateway(
     limits: &str,
     args: &[&str],
 ) -> Result<(Gateway, tempfile::TempDir)> {
-    let dir = tempfile::tempdir()?;
-    std::fs::write(
-        dir.path().join("default.toml"),
-        format!(
-            "[sandbox]\nbackend = \"{}\"\n[environment]\n{environment}\n[limits]\n{limits}\n",
-            sandbox_backend()
-        ),
-    )?;
-    let gateway = Gateway::builder()
-        .policies_dir(dir.path().to_owned())
-        .args(args)
-        .start()
-        .await?;
-    Ok((gateway, dir))
+    Gateway::with_default_policy(
+        &format!("[environment]\n{environment}\n[limits]\n{limits}\n"),
+        args,
+    )
+    .await
 }
 
 async fn run(v1: &V1Client<'_>, id: &str, body: Value) -> Result<Value> {

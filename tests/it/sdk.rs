@@ -5,25 +5,13 @@
 
 use anyhow::{ensure, Context, Result};
 
-use crate::support::{repo, sandbox_backend, tools_python, Gateway, TOKEN};
+use crate::support::{repo, tools_python, Gateway, TOKEN};
 
 /// The clients' gateway: the test sandbox, and a default policy that lets a client set
 /// `CLIENT_TEST_*` variables (the clients' per-session environment tests; any other name
 /// is refused, which they test too). The directory must outlive the gateway.
 async fn gateway() -> Result<(Gateway, tempfile::TempDir)> {
-    let dir = tempfile::tempdir()?;
-    std::fs::write(
-        dir.path().join("default.toml"),
-        format!(
-            "[sandbox]\nbackend = \"{}\"\n[environment]\nallow = [\"CLIENT_TEST_*\"]\n",
-            sandbox_backend()
-        ),
-    )?;
-    let gateway = Gateway::builder()
-        .policies_dir(dir.path().to_owned())
-        .start()
-        .await?;
-    Ok((gateway, dir))
+    Gateway::with_default_policy("[environment]\nallow = [\"CLIENT_TEST_*\"]\n", &[]).await
 }
 
 #[tokio::test]

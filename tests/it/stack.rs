@@ -12,24 +12,12 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
 
 use crate::support::v1::V1Client;
-use crate::support::{sandbox_backend, Gateway};
+use crate::support::Gateway;
 
 /// A gateway whose default policy runs the test sandbox with the shipped default policy's
 /// memory limit. The directory must outlive the gateway.
 async fn start_gateway() -> Result<(Gateway, tempfile::TempDir)> {
-    let dir = tempfile::tempdir()?;
-    std::fs::write(
-        dir.path().join("default.toml"),
-        format!(
-            "[sandbox]\nbackend = \"{}\"\n[limits]\nmemory = \"1GiB\"\n",
-            sandbox_backend()
-        ),
-    )?;
-    let gateway = Gateway::builder()
-        .policies_dir(dir.path().to_owned())
-        .start()
-        .await?;
-    Ok((gateway, dir))
+    Gateway::with_default_policy("[limits]\nmemory = \"1GiB\"\n", &[]).await
 }
 
 /// Imports each module and does one small real thing with it; prints what worked as JSON.

@@ -252,6 +252,27 @@ impl Gateway {
         Gateway::builder().start().await
     }
 
+    /// A gateway whose only policy, `default`, runs the test sandbox
+    /// ([`sandbox_backend`]) with the policy lines `policy` after `[sandbox]`'s backend
+    /// (further sections included), and these extra arguments. The directory must outlive
+    /// the gateway.
+    pub async fn with_default_policy(
+        policy: &str,
+        args: &[&str],
+    ) -> Result<(Gateway, tempfile::TempDir)> {
+        let dir = tempfile::tempdir()?;
+        std::fs::write(
+            dir.path().join("default.toml"),
+            format!("[sandbox]\nbackend = \"{}\"\n{policy}", sandbox_backend()),
+        )?;
+        let gateway = Gateway::builder()
+            .policies_dir(dir.path().to_owned())
+            .args(args)
+            .start()
+            .await?;
+        Ok((gateway, dir))
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

@@ -133,6 +133,36 @@ pub fn check_path(path: &str) -> Result<Vec<&str>, WorkspaceError> {
     Ok(parts)
 }
 
+/// The names in `dir` (without `.` and `..`), at most `limit`, in the directory's order;
+/// `what` and `shown` name the operation and the path in an error.
+fn read_names(
+    dir: &OwnedFd,
+    what: &str,
+    shown: &str,
+    limit: usize,
+) -> Result<Vec<std::ffi::CString>, WorkspaceError> {
+    let readable = rustix::fs::openat2(
+        dir,
+        ".",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+        resolve(),
+    )
+    .map_err(|e| io_error(what, shown, e))?;
+    let mut names = Vec::new();
+    for entry in rustix::fs::Dir::read_from(&readable).map_err(|e| io_error(what, shown, e))? {
+        let entry = entry.map_err(|e| io_error(what, shown, e))?;
+        let name = entry.file_name();
+        if name.to_bytes() != b"." && name.to_bytes() != b".." {
+            names.push(name.to_owned());
+            if names.len() >= limit {
+                break;
+            }
+        }
+    }
+    Ok(names)
+}
+
 /// The last component of a checked path, and the directories above it.
 fn split<'a, 'p>(
     parts: &'a [&'p str],
@@ -393,27 +423,7 @@ impl Workspace {
         }
         let mut removed = 0;
         loop {
-            let readable = rustix::fs::openat2(
-                dir,
-                ".",
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-                resolve(),
-            )
-            .map_err(|e| io_error("remove", shown, e))?;
-            let mut names = Vec::new();
-            for entry in
-                rustix::fs::Dir::read_from(&readable).map_err(|e| io_error("remove", shown, e))?
-            {
-                let entry = entry.map_err(|e| io_error("remove", shown, e))?;
-                let name = entry.file_name().to_owned();
-                if name.as_bytes() != b"." && name.as_bytes() != b".." {
-                    names.push(name);
-                    if names.len() >= REMOVE_BATCH {
-                        break;
-                    }
-                }
-            }
+            let names = read_names(dir, "remove", shown, REMOVE_BATCH)?;
             if names.is_empty() {
                 return Ok(removed);
             }
@@ -536,21 +546,10 @@ impl Workspace {
         if depth > MAX_DEPTH {
             return Ok(());
         }
-        let readable = rustix::fs::openat2(
-            dir,
-            ".",
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-            resolve(),
-        )
-        .map_err(|e| io_error("list", prefix, e))?;
         let mut names = Vec::new();
-        for entry in
-            rustix::fs::Dir::read_from(&readable).map_err(|e| io_error("list", prefix, e))?
-        {
-            let entry = entry.map_err(|e| io_error("list", prefix, e))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name == "." || name == ".." || name.starts_with(".cellgate-upload-") {
+        for name in read_names(dir, "list", prefix, usize::MAX)? {
+            let name = name.to_string_lossy().into_owned();
+            if name.starts_with(".cellgate-upload-") {
                 continue;
             }
             if !listing.hidden && name.starts_with('.') {

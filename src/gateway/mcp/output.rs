@@ -172,17 +172,11 @@ impl fmt::Display for Execution {
                 ""
             }
         )?;
-        for (name, text, truncated) in [
-            ("stdout", &self.stdout, self.stdout_truncated),
-            ("stderr", &self.stderr, self.stderr_truncated),
-        ] {
-            if !text.is_empty() {
-                writeln!(f, "{name}:\n{text}")?;
-            }
-            if truncated {
-                writeln!(f, "[{name} was cut: more was printed than is shown]")?;
-            }
-        }
+        write_streams(
+            f,
+            (&self.stdout, self.stdout_truncated),
+            (&self.stderr, self.stderr_truncated),
+        )?;
         if let Some(value) = &self.result {
             writeln!(f, "result: {value}")?;
         }
@@ -295,17 +289,11 @@ impl fmt::Display for Command {
             (None, None) => writeln!(f)?,
         }
         writeln!(f, "session: {}", self.session_id)?;
-        for (name, text, truncated) in [
-            ("stdout", &self.stdout, self.stdout_truncated),
-            ("stderr", &self.stderr, self.stderr_truncated),
-        ] {
-            if !text.is_empty() {
-                writeln!(f, "{name}:\n{text}")?;
-            }
-            if truncated {
-                writeln!(f, "[{name} was cut: more was printed than is shown]")?;
-            }
-        }
+        write_streams(
+            f,
+            (&self.stdout, self.stdout_truncated),
+            (&self.stderr, self.stderr_truncated),
+        )?;
         if let Some(error) = &self.error {
             writeln!(f, "error: {error}")?;
         }
@@ -318,6 +306,24 @@ impl fmt::Display for Command {
         }
         Ok(())
     }
+}
+
+/// The two streams of a result as the model reads them: each when not empty, and a line
+/// when it was cut.
+fn write_streams(
+    f: &mut fmt::Formatter<'_>,
+    stdout: (&str, bool),
+    stderr: (&str, bool),
+) -> fmt::Result {
+    for (name, (text, truncated)) in [("stdout", stdout), ("stderr", stderr)] {
+        if !text.is_empty() {
+            writeln!(f, "{name}:\n{text}")?;
+        }
+        if truncated {
+            writeln!(f, "[{name} was cut: more was printed than is shown]")?;
+        }
+    }
+    Ok(())
 }
 
 /// `list_files`' result.
