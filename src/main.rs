@@ -385,7 +385,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         kernels.clone(),
         listener,
         metrics_listener,
-        replicas.clone(),
         links,
         shutdown,
     )
@@ -394,7 +393,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Lease is released); every other sandbox ends with the gateway.
     if let Some(replicas) = &replicas {
         replicas.leave();
-        let handed = kernels.hand_over_pods();
+        let handed = kernels.hand_over_shared();
         replicas.release().await;
         tracing::info!(
             kernels = handed,

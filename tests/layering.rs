@@ -12,6 +12,7 @@ const LAYERS: &[&[&str]] = &[
     // Plain values and formats.
     &[
         "protocol",
+        "ids",
         "jwt",
         "tenants",
         "timestamp",
@@ -19,6 +20,8 @@ const LAYERS: &[&[&str]] = &[
         "telemetry",
         "notebook_cli",
     ],
+    // Who owns which kernel (the trait the backends' registries implement).
+    &["ownership"],
     // Where kernels run, and where their outputs are kept.
     &["sandbox", "artifacts"],
     // What a tenant may do (names a sandbox backend and its limits).
@@ -146,6 +149,78 @@ fn no_module_uses_its_own_layer_or_a_higher_one() {
         "imports against the layering:\n{}",
         violations.join("\n")
     );
+}
+
+/// What names a sandbox backend: its module, its variant of `Backend`, its own types.
+const BACKEND_NAMES: &[&str] = &[
+    "sandbox::kubernetes",
+    "sandbox::namespaces",
+    "sandbox::gvisor",
+    "sandbox::microvm",
+    "Backend::Process",
+    "Backend::Namespaces",
+    "Backend::Gvisor",
+    "Backend::Microvm",
+    "Backend::Kubernetes",
+    "KubernetesSandbox",
+    "KubernetesError",
+    "Replicas",
+    "PodSettings",
+    "NamespacesSandbox",
+    "NamespacesError",
+    "ZygoteSettings",
+    "GvisorSandbox",
+    "MicrovmSandbox",
+    "MicrovmConfig",
+    "MicrovmError",
+];
+
+/// The names of backends a file's code uses.
+fn backends_named(code: &str) -> Vec<&'static str> {
+    BACKEND_NAMES
+        .iter()
+        .copied()
+        .filter(|name| code.contains(name))
+        .collect()
+}
+
+/// The kernel core and the sessions above it ask the sandbox and the owners' registry
+/// through their traits and capabilities, never naming a backend (sandbox/mod.rs's
+/// promise): a backend's detail that leaks upward fails here with the file and the name.
+#[test]
+fn the_kernel_core_names_no_backend() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    for module in ["kernel", "sessions", "ownership"] {
+        rust_files(&src.join(module), &mut files);
+    }
+    files.sort();
+    assert!(files.len() > 10, "only {} files found", files.len());
+    let mut named = Vec::new();
+    for file in &files {
+        let code = code_of(&std::fs::read_to_string(file).expect("read a source file"));
+        for name in backends_named(&code) {
+            named.push(format!("{} names {name}", file.display()));
+        }
+    }
+    assert!(
+        named.is_empty(),
+        "the kernel core names sandbox backends:\n{}",
+        named.join("\n")
+    );
+}
+
+/// The backend check sees paths, variants and types, and skips comments.
+#[test]
+fn the_backend_check_sees_names_outside_comments() {
+    let code = code_of(
+        "use crate::sandbox::kubernetes::replicas;\nif b == Backend::Microvm {}\n// Backend::Gvisor",
+    );
+    assert_eq!(
+        backends_named(&code),
+        ["sandbox::kubernetes", "Backend::Microvm"]
+    );
+    assert!(backends_named(&code_of("sandbox.backend().private_tmp()")).is_empty());
 }
 
 /// The checker itself finds what it must.

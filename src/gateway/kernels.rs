@@ -16,16 +16,13 @@ use serde_json::{json, Map, Value};
 use super::api_error::ApiError;
 use super::auth::{start_terms, Principal};
 use super::state::AppState;
-use crate::kernel::{Kernel, POLICY_ENV};
+use crate::ids::KernelId;
+use crate::kernel::{Kernel, KernelModel, POLICY_ENV};
 
-/// The path pattern jupyter_server gives kernel ids: five `\w+` groups joined by `-`.
-/// Anything else is answered like an unknown route.
+/// Whether `id` is a kernel id ([`KernelId::parse`]): anything else is answered like an
+/// unknown kernel.
 pub fn is_kernel_id(id: &str) -> bool {
-    let groups: Vec<&str> = id.split('-').collect();
-    groups.len() == 5
-        && groups
-            .iter()
-            .all(|g| !g.is_empty() && g.chars().all(|c| c.is_alphanumeric() || c == '_'))
+    KernelId::parse(id).is_ok()
 }
 
 /// The kernel `id`, whoever owns it. Handlers answering a client use [`lookup_for`].
@@ -132,8 +129,8 @@ pub async fn kernelspec_resource(
 pub async fn list_kernels(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-) -> Json<Value> {
-    Json(Value::Array(
+) -> Json<Vec<KernelModel>> {
+    Json(
         state
             .kernels
             .list()
@@ -141,7 +138,7 @@ pub async fn list_kernels(
             .filter(|k| principal.may_see(k.owner()))
             .map(|k| k.model())
             .collect(),
-    ))
+    )
 }
 
 /// Parses the start body by hand so every malformed body gets the same clear 400.
@@ -203,7 +200,7 @@ pub async fn get_kernel(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<KernelModel>, ApiError> {
     Ok(Json(lookup_for(&state, &principal, &id)?.model()))
 }
 
@@ -230,7 +227,7 @@ pub async fn restart_kernel(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<KernelModel>, ApiError> {
     let kernel = lookup_for(&state, &principal, &id)?;
     kernel.restart().await?;
     Ok(Json(kernel.model()))
@@ -243,7 +240,7 @@ mod tests {
     #[test]
     fn kernel_id_pattern() {
         assert!(is_kernel_id("bc240c7a-232d-46b9-87f3-1a30b514780b"));
-        assert!(is_kernel_id("a-b-c-d-e"));
+        assert!(!is_kernel_id("a-b-c-d-e"));
         assert!(!is_kernel_id("abc"));
         assert!(!is_kernel_id("a-b-c-d"));
         assert!(!is_kernel_id("a-b-c-d-e-f"));

@@ -262,7 +262,6 @@ pub async fn serve(
     kernels: Arc<KernelManager>,
     listener: tokio::net::TcpListener,
     metrics_listener: Option<tokio::net::TcpListener>,
-    replicas: Option<Arc<crate::sandbox::kubernetes::replicas::Replicas>>,
     links: Option<LinkSigner>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -291,12 +290,9 @@ pub async fn serve(
     for tenant in config.tenants.rate_limited_tenants() {
         crate::telemetry::metrics::metrics().declare_tenant(tenant);
     }
-    let mut state =
-        AppState::new(config.clone(), kernels, sessions).map_err(std::io::Error::other)?;
-    if let Some(replicas) = replicas {
-        replicas::spawn_adopter(state.clone(), replicas.clone());
-        state.replicas = Some(replicas);
-    }
+    // Kernels of replicas that are gone are taken over (nothing to do for a gateway alone).
+    sessions.spawn_adopter();
+    let state = AppState::new(config.clone(), kernels, sessions).map_err(std::io::Error::other)?;
     // The metrics listener stops with the main one.
     let (stopping, stop) = tokio::sync::watch::channel(false);
     if let Some(metrics_listener) = metrics_listener {

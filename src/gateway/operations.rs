@@ -22,111 +22,19 @@
 //!   listener answers only loopback `Host` names (a DNS-rebinding page gets nothing).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Extension, Json, Router};
-use parking_lot::Mutex;
 use serde::Serialize;
 
 use super::{ApiError, AppState, Principal};
-use crate::kernel::KernelManager;
-use crate::sandbox::{Backend, MicrovmConfig};
+use crate::kernel::health::BackendCheck;
+#[cfg(doc)]
+use crate::kernel::health::CHECK_EVERY;
 use crate::telemetry::metrics::{KernelGroup, Snapshot};
-
-/// How often the backends are checked again.
-pub const CHECK_EVERY: Duration = Duration::from_secs(60);
-
-/// One backend's last check.
-#[derive(Debug, Clone, Serialize)]
-pub struct BackendCheck {
-    pub ok: bool,
-    /// What failed (the doctor's words), when something did.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub problems: Vec<String>,
-}
-
-/// The backends' last checks; `None` until the first has run.
-#[derive(Default)]
-pub struct Checks {
-    last: Mutex<Option<BTreeMap<&'static str, BackendCheck>>>,
-}
-
-impl Checks {
-    /// Checks the backends the policies use now, then every [`CHECK_EVERY`], for as long
-    /// as the manager lives.
-    pub fn spawn(
-        kernels: &Arc<KernelManager>,
-        microvm: MicrovmConfig,
-        zygote: bool,
-    ) -> Arc<Checks> {
-        let checks = Arc::new(Checks::default());
-        let (weak_checks, weak_kernels) = (Arc::downgrade(&checks), Arc::downgrade(kernels));
-        tokio::spawn(async move {
-            let mut failed_before = std::collections::HashSet::new();
-            let mut first = true;
-            loop {
-                let Some(kernels) = weak_kernels.upgrade() else {
-                    return;
-                };
-                let mut used: Vec<Backend> = Vec::new();
-                for policy in kernels.policies().iter() {
-                    let backend = kernels.backend_of(policy);
-                    if !used.contains(&backend) {
-                        used.push(backend);
-                    }
-                }
-                drop(kernels);
-                let mut results = BTreeMap::new();
-                for backend in used {
-                    // A microVM probe is a VM boot (seconds of CPU under emulation, in
-                    // every gateway that names the backend): its host facts, images and
-                    // binaries are checked instead, and its kernels' starts tell the rest.
-                    let probe =
-                        (first || failed_before.contains(&backend)) && backend != Backend::Microvm;
-                    let diagnosis =
-                        crate::sandbox::diagnose(backend, probe, &microvm, zygote).await;
-                    if diagnosis.available {
-                        failed_before.remove(&backend);
-                    } else {
-                        failed_before.insert(backend);
-                    }
-                    let problems: Vec<String> = diagnosis
-                        .problems
-                        .iter()
-                        .map(|p| p.problem.clone())
-                        .collect();
-                    if !diagnosis.available {
-                        tracing::warn!(backend = backend.as_str(), problems = ?problems, "readiness: backend check failed");
-                    }
-                    results.insert(
-                        backend.as_str(),
-                        BackendCheck {
-                            ok: diagnosis.available,
-                            problems,
-                        },
-                    );
-                }
-                let Some(checks) = weak_checks.upgrade() else {
-                    return;
-                };
-                *checks.last.lock() = Some(results);
-                drop(checks);
-                first = false;
-                tokio::time::sleep(CHECK_EVERY).await;
-            }
-        });
-        checks
-    }
-
-    fn last(&self) -> Option<BTreeMap<&'static str, BackendCheck>> {
-        self.last.lock().clone()
-    }
-}
 
 /// `/readyz`'s body.
 #[derive(Debug, Serialize)]

@@ -2,20 +2,16 @@
 //! accepts any request, and the one that owns the kernel serves it.
 //!
 //! - A request naming a kernel (`/api/kernels/{id}…`, `/v1/sessions/{id}…`) that this
-//!   replica does not hold is forwarded to its owner, by the kernel's Lease
-//!   (`sandbox::kubernetes::replicas`), after authentication here (so unauthenticated
-//!   requests never cost an API read) and again there.
-//! - A kernel whose owner is gone is taken over: at once when a request names it, and by a
-//!   sweep every few seconds otherwise, so sessions survive the loss of a replica. The
-//!   kernel keeps its process, variables and id; the new owner keeps a session for it.
+//!   replica does not hold is forwarded to its owner, as the session layer's route says
+//!   (`sessions::adoption`, which asks the owners' registry, and takes a kernel whose owner
+//!   is gone over on the way), after authentication here (so unauthenticated requests never
+//!   cost a registry read) and again there.
 //! - Listings (`GET /api/kernels`, `GET /v1/sessions`) gather every live replica's, and an
 //!   artifact this replica does not hold is asked of the others.
 //! - Not shared: MCP sessions (`/mcp`, stateful per replica: a load balancer must keep a
 //!   client's MCP session on one replica) and kernels of non-kubernetes policies.
 //!
 //! A request carrying [`forward::FORWARDED_BY`] is never forwarded again.
-
-use std::sync::Arc;
 
 use axum::extract::{OriginalUri, Request, State};
 use axum::http::{Method, StatusCode};
@@ -24,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::forward::{self, FORWARDED_BY};
 use super::{ApiError, AppState};
-use crate::sandbox::kubernetes::replicas::{KernelRecord, Replicas, RENEW_EVERY};
+use crate::sessions::Route;
 
 /// The kernel a request is about, by its path (inside the base URL).
 fn kernel_of(path: &str) -> Option<&str> {
@@ -32,8 +28,8 @@ fn kernel_of(path: &str) -> Option<&str> {
         .strip_prefix("/api/kernels/")
         .or_else(|| path.strip_prefix("/v1/sessions/"))?;
     let id = rest.split('/').next()?;
-    // Kernel ids are uuids; anything else is not one of ours to look up.
-    (id.len() == 36 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')).then_some(id)
+    // Anything but a kernel id is not one of ours to look up.
+    crate::ids::KernelId::parse(id).is_ok().then_some(id)
 }
 
 /// The path and query as the client sent them (with the base URL the router strips).
@@ -45,130 +41,38 @@ fn original_uri(request: &Request) -> axum::http::Uri {
 }
 
 /// The middleware: serves a request here when this replica holds its kernel (or no replica
-/// does), forwards it to the owner otherwise, and takes over a kernel whose owner is gone.
+/// does, or it has just taken it over), forwards it to the owner otherwise, by what the
+/// session layer's [`Route`] says.
 pub async fn route_to_owner(
     State(state): State<AppState>,
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(replicas) = state.replicas.as_ref() else {
+    if !state.kernels.ownership().shared() {
         return next.run(request).await;
-    };
+    }
     let Some(kernel_id) = kernel_of(request.uri().path()).map(str::to_owned) else {
         return next.run(request).await;
     };
-    if state.kernels.get(&kernel_id).is_some() {
-        return next.run(request).await;
-    }
     let forwarded = request.headers().contains_key(FORWARDED_BY);
-    match replicas.owner_of(&kernel_id).await {
-        // Nobody's: the handlers answer 404.
-        Ok(None) => next.run(request).await,
-        Ok(Some((_, Some(owner)))) if !forwarded => {
+    match state.sessions.route(&kernel_id, forwarded).await {
+        Route::Here => next.run(request).await,
+        Route::Forward(owner) => {
             let original = original_uri(&request);
-            forward::forward(request, &original, &owner.url, replicas.id()).await
+            let me = state.kernels.ownership().gateway_id().to_owned();
+            forward::forward(request, &original, &owner.url, &me).await
         }
-        Ok(Some((_, Some(_)))) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the kernel's owner changed while the request travelled; try again",
-        )
-        .code("kernel_moving")
-        .retry_after(1)
-        .into_response(),
-        // This very process is creating or taking the kernel over right now.
-        Ok(Some((record, None))) if replicas.wrote(&record) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the kernel is starting or being taken over; try again",
-        )
-        .code("kernel_moving")
-        .retry_after(1)
-        .into_response(),
-        Ok(Some((record, None))) => {
-            if let Err(error) = take_over(&state, replicas, record).await {
-                tracing::warn!(%error, kernel_id, "taking a kernel over failed");
-            }
-            // Ours now, or another replica's that won: served or forwarded on retry.
-            if state.kernels.get(&kernel_id).is_some() {
-                next.run(request).await
-            } else {
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the kernel is being taken over by another replica; try again",
-                )
-                .code("kernel_moving")
-                .retry_after(1)
-                .into_response()
-            }
-        }
-        Err(error) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string())
-            .code("kubernetes_unavailable")
-            .retry_after(2)
+        Route::Moving(why) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, why)
+            .code("kernel_moving")
+            .retry_after(1)
             .into_response(),
-    }
-}
-
-/// Takes a kernel over whose owner is gone, when this replica wins its Lease: attached to,
-/// ready, and given a session. Losing the race is not an error.
-async fn take_over(
-    state: &AppState,
-    replicas: &Replicas,
-    record: KernelRecord,
-) -> Result<(), String> {
-    if !replicas
-        .take_over(&record)
-        .await
-        .map_err(|e| e.to_string())?
-    {
-        return Ok(());
-    }
-    let key = replicas
-        .jupyter_key(&record)
-        .await
-        .map_err(|e| e.to_string())?;
-    let tenant = record.tenant.clone();
-    let kernel = state
-        .kernels
-        .adopt(record, key)
-        .await
-        .map_err(|e| e.to_string())?;
-    kernel.wait_ready().await.map_err(|e| e.to_string())?;
-    state.sessions.adopt(kernel, tenant);
-    Ok(())
-}
-
-/// Sweeps for kernels whose owner is gone, every [`RENEW_EVERY`], for as long as the
-/// gateway serves.
-pub fn spawn_adopter(state: AppState, replicas: Arc<Replicas>) {
-    tokio::spawn(async move {
-        let mut sweeps = 0u64;
-        loop {
-            tokio::time::sleep(RENEW_EVERY).await;
-            let (orphans, held_elsewhere) = match replicas.sweep().await {
-                Ok(found) => found,
-                Err(error) => {
-                    tracing::warn!(%error, "looking for kernels whose replica is gone failed");
-                    continue;
-                }
-            };
-            // Kernels another replica took from this one (paused past its lease): let go,
-            // so requests for them are forwarded to their owner.
-            for kernel_id in held_elsewhere {
-                if state.kernels.release_lost(&kernel_id) {
-                    tracing::warn!(kernel_id, "a kernel this replica held is another's now");
-                }
-            }
-            for record in orphans {
-                let kernel_id = record.kernel_id.clone();
-                if let Err(error) = take_over(&state, &replicas, record).await {
-                    tracing::warn!(%error, kernel_id, "taking a kernel over failed");
-                }
-            }
-            sweeps += 1;
-            if sweeps.is_multiple_of(12) {
-                replicas.forget_gone().await;
-            }
+        Route::Unavailable(error) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string())
+                .code("kubernetes_unavailable")
+                .retry_after(2)
+                .into_response()
         }
-    });
+    }
 }
 
 /// The middleware for artifacts (on the authenticated routes and on signed links): one this
@@ -183,9 +87,10 @@ pub async fn artifacts_anywhere(
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(replicas) = state.replicas.as_ref() else {
+    let ownership = state.kernels.ownership().clone();
+    if !ownership.shared() {
         return next.run(request).await;
-    };
+    }
     let path = request.uri().path();
     let authenticated = request.extensions().get::<super::Principal>().is_some();
     let signed = path.ends_with("/signed");
@@ -226,14 +131,14 @@ pub async fn artifacts_anywhere(
     {
         return local;
     }
-    let Ok(peers) = replicas.peers().await else {
+    let Ok(peers) = ownership.peers().await else {
         return local;
     };
     for peer in peers {
         let mut ask = Request::new(axum::body::Body::from(body.clone()));
         *ask.method_mut() = method.clone();
         *ask.headers_mut() = headers.clone();
-        let answer = forward::forward(ask, &original, &peer.url, replicas.id()).await;
+        let answer = forward::forward(ask, &original, &peer.url, ownership.gateway_id()).await;
         if answer.status() != StatusCode::NOT_FOUND && !answer.status().is_server_error() {
             return answer;
         }
@@ -256,9 +161,10 @@ pub async fn gather_listings(
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(replicas) = state.replicas.as_ref() else {
+    let ownership = state.kernels.ownership().clone();
+    if !ownership.shared() {
         return next.run(request).await;
-    };
+    }
     if !gathered(request.method(), request.uri().path())
         || request.headers().contains_key(FORWARDED_BY)
         || request.extensions().get::<super::Principal>().is_none()
@@ -271,7 +177,7 @@ pub async fn gather_listings(
     if !local.status().is_success() {
         return local;
     }
-    let peers = match replicas.peers().await {
+    let peers = match ownership.peers().await {
         Ok(peers) => peers,
         Err(error) => {
             tracing::warn!(%error, "listing the other replicas failed; this replica's list only");
@@ -285,7 +191,7 @@ pub async fn gather_listings(
     let Ok(mut merged) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
         return Response::from_parts(parts, axum::body::Body::from(bytes));
     };
-    let me = replicas.id().to_owned();
+    let me = ownership.gateway_id().to_owned();
     let asks = peers.iter().map(|peer| {
         let me = me.clone();
         let mut headers = headers.clone();

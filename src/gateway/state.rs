@@ -19,9 +19,7 @@ pub struct AppState {
     pub jwt: Option<Arc<JwtVerifier>>,
     pub tenants: Arc<Tenants>,
     /// The sandbox backends' last checks (readiness).
-    pub checks: Arc<super::operations::Checks>,
-    /// This gateway's membership among replicas on Kubernetes, when it has others.
-    pub replicas: Option<Arc<crate::sandbox::kubernetes::replicas::Replicas>>,
+    pub checks: Arc<crate::kernel::health::Checks>,
 }
 
 /// Why the gateway's state could not be built.
@@ -41,11 +39,7 @@ impl AppState {
         kernels: Arc<KernelManager>,
         sessions: Arc<Sessions>,
     ) -> Result<AppState, StateError> {
-        let checks = super::operations::Checks::spawn(
-            &kernels,
-            config.microvm.clone(),
-            config.kernel_zygote,
-        );
+        let checks = crate::kernel::health::Checks::spawn(&kernels);
         let jwt = JwtVerifier::from_settings(&config.jwt)?.map(Arc::new);
         let tenants = Arc::new(Tenants::new(config.tenants.clone())?);
         Ok(AppState {
@@ -55,7 +49,6 @@ impl AppState {
             jwt,
             tenants,
             checks,
-            replicas: None,
         })
     }
 }

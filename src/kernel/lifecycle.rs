@@ -23,8 +23,11 @@ use super::launch::{kernel_env, write_connection_file, KernelDirs};
 use super::router::{ClientId, Router};
 use super::spec::{InterruptMode, KernelSpec};
 use super::KernelError;
+use crate::ownership::KernelRecord;
 use crate::protocol::{Channel, Message};
-use crate::sandbox::{ExitReport, LaunchSpec, Launched, Limits, Sandbox, SandboxHandle};
+use crate::sandbox::{
+    ExitReport, KernelLabels, LaunchSpec, Launched, Limits, Sandbox, SandboxHandle,
+};
 use crate::timestamp::format_timestamp;
 
 /// The environment variable that tells the kernel launcher
@@ -62,11 +65,11 @@ pub struct KernelOptions {
     pub egress: Option<Arc<crate::egress::Egress>>,
     /// The kernel's policy, set by the manager at launch: what the egress proxy allows.
     pub policy: Option<Arc<crate::policy::Policy>>,
-    /// The tenant the kernel is started for, when one asked (a kernel pod's labels).
+    /// The tenant the kernel is started for, when one asked (its sandbox's labels).
     pub tenant: Option<String>,
-    /// A kernel pod to take over from a replica that is gone, and the key its kernel signs
-    /// with: the first generation attaches to it instead of launching.
-    pub adopt: Option<(crate::sandbox::kubernetes::replicas::KernelRecord, String)>,
+    /// An orphan's sandbox to take over from a gateway that is gone, and the key its kernel
+    /// signs with: the first generation attaches to it instead of launching.
+    pub adopt: Option<(KernelRecord, String)>,
 }
 
 impl Default for KernelOptions {
@@ -91,7 +94,10 @@ impl Default for KernelOptions {
 /// Where a kernel is in its life.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
+    /// The first process is starting.
     Starting,
+    /// A new process replaces the last one (asked for, or after a limit ended it).
+    Restarting,
     Ready,
     Dead(String),
     Terminated,
@@ -174,7 +180,7 @@ impl Kernel {
                 env.entry(k).or_insert(v);
             }
         }
-        if sandbox.backend() != crate::sandbox::Backend::Process {
+        if sandbox.backend().private_tmp() {
             // Configuration and caches into the sandbox's private /tmp: the workspace (the
             // kernel's HOME) then holds only what the user's code wrote.
             for (name, dir) in SANDBOX_TMP_DIRS {
@@ -268,15 +274,18 @@ impl Kernel {
                 .policy
                 .as_ref()
                 .is_none_or(|policy| policy.zygote),
-            pod: self.options.policy.as_ref().and_then(|policy| {
-                Some(crate::sandbox::PodLaunch {
-                    settings: policy.kubernetes.clone()?,
-                    policy: policy.name.clone(),
-                    tenant: self.options.tenant.clone(),
-                    kernelspec: self.spec.name.clone(),
-                    adopt: adopt.map(|(record, _)| record),
-                })
-            }),
+            labels: KernelLabels {
+                policy: self.policy.clone(),
+                tenant: self.options.tenant.clone(),
+                kernelspec: self.spec.name.clone(),
+            },
+            adopt: adopt.map(|(record, _)| record),
+            backend_settings: self
+                .options
+                .policy
+                .as_ref()
+                .map(|policy| policy.backend_settings())
+                .unwrap_or_default(),
         };
         let launched = self.sandbox.launch(&spec).await?;
         tracing::info!(kernel_id = %self.id, generation, backend = self.sandbox.backend().as_str(), pid = ?launched.handle.pid(), "kernel process launched");
@@ -465,7 +474,7 @@ impl Kernel {
                 tracing::warn!(kernel_id = %kernel.id, generation, %evalue, "kernel {what}: restarting");
                 // Hold client messages until the new process is ready, and tell clients the
                 // way jupyter_server does for an automatic restart.
-                kernel.readiness.send_replace(Readiness::Starting);
+                kernel.readiness.send_replace(Readiness::Restarting);
                 kernel
                     .router
                     .set_execution_state(ExecutionState::Restarting);
@@ -489,7 +498,10 @@ impl Kernel {
             // The log tail explains a kernel that never started (a broken environment). Once
             // the kernel ran user code its log is the user's text, so it is not repeated as
             // the gateway's explanation.
-            if kernel.readiness() == Readiness::Starting {
+            if matches!(
+                kernel.readiness(),
+                Readiness::Starting | Readiness::Restarting
+            ) {
                 if let Some(tail) = kernel.log_tail(3) {
                     reason.push_str(": ");
                     reason.push_str(&tail);
@@ -541,6 +553,11 @@ impl Kernel {
         self.readiness.borrow().clone()
     }
 
+    /// Every change of the kernel's readiness from now on (its current value first).
+    pub fn watch_readiness(&self) -> watch::Receiver<Readiness> {
+        self.readiness.subscribe()
+    }
+
     /// Waits until the kernel is ready to take messages (or fails).
     async fn ready_instance(&self) -> Result<Arc<Instance>, KernelError> {
         let mut watch = self.readiness.subscribe();
@@ -555,7 +572,7 @@ impl Kernel {
                     }
                     Readiness::Dead(reason) => return Err(KernelError::Dead(reason)),
                     Readiness::Terminated => return Err(KernelError::Terminated),
-                    Readiness::Starting => {}
+                    Readiness::Starting | Readiness::Restarting => {}
                 }
                 if watch.changed().await.is_err() {
                     return Err(KernelError::Terminated);
@@ -707,7 +724,7 @@ impl Kernel {
         }
         self.stop_instance(true).await;
         self.router.clear_running();
-        self.readiness.send_replace(Readiness::Starting);
+        self.readiness.send_replace(Readiness::Restarting);
         self.router.set_execution_state(ExecutionState::Starting);
         let launched = match self.launch_generation().await {
             Ok(launched) => launched,
@@ -795,6 +812,12 @@ impl Kernel {
         self.sandbox.backend()
     }
 
+    /// Whether the kernel's owner is recorded in the shared registry (`ownership`): other
+    /// gateways may route to it or take it over, and it outlives this gateway's process.
+    pub fn shares_ownership(&self) -> bool {
+        self.sandbox.shares_ownership()
+    }
+
     /// Whether the current process still exists (see [`crate::sandbox::SandboxHandle::alive`]).
     pub fn process_alive(&self) -> bool {
         self.instance
@@ -847,35 +870,63 @@ impl Kernel {
         match readiness {
             // The exit watch may not have told the router yet.
             Readiness::Dead(_) => ExecutionState::Dead,
-            Readiness::Starting | Readiness::Ready | Readiness::Terminated => {
-                activity.execution_state
-            }
+            Readiness::Starting
+            | Readiness::Restarting
+            | Readiness::Ready
+            | Readiness::Terminated => activity.execution_state,
         }
     }
 
     /// The kernel model of the Kernel Gateway API.
-    pub fn model(&self) -> Value {
+    pub fn model(&self) -> KernelModel {
         let activity = self.router.activity();
         let readiness = self.readiness();
-        let mut model = json!({
-            "id": self.id,
-            "name": self.spec.name,
-            "last_activity": format_timestamp(activity.last_activity),
-            "execution_state": Self::execution_state_of(&readiness, &activity),
-            "connections": self.router.connections(),
-        });
-        if let Readiness::Dead(reason) = readiness {
-            model["reason"] = json!(reason);
+        KernelModel {
+            id: self.id.clone(),
+            name: self.spec.name.clone(),
+            last_activity: format_timestamp(activity.last_activity),
+            execution_state: Self::execution_state_of(&readiness, &activity),
+            connections: self.router.connections(),
+            reason: match readiness {
+                Readiness::Dead(reason) => Some(reason),
+                _ => None,
+            },
+            cellgate: CellgateFields {
+                policy: self.policy.clone(),
+                tenant: self.owner().map(str::to_owned),
+                sandbox: self.sandbox.backend(),
+                state_generation: self.generation(),
+                last_restart_reason: self.last_restart_reason.lock().clone(),
+            },
         }
-        // cellgate's own fields, namespaced so Kernel Gateway clients are not confused.
-        // `state_generation` changes whenever the kernel's variables were lost.
-        model["cellgate"] = json!({
-            "policy": self.policy,
-            "tenant": self.owner(),
-            "sandbox": self.sandbox.backend().as_str(),
-            "state_generation": self.generation(),
-            "last_restart_reason": *self.last_restart_reason.lock(),
-        });
-        model
     }
+}
+
+/// A kernel as the Kernel Gateway API shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct KernelModel {
+    pub id: String,
+    /// The kernelspec.
+    pub name: String,
+    pub last_activity: String,
+    pub execution_state: ExecutionState,
+    pub connections: usize,
+    /// Why the kernel died, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// cellgate's own fields, namespaced so Kernel Gateway clients are not confused.
+    pub cellgate: CellgateFields,
+}
+
+/// The kernel model's `cellgate` object.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CellgateFields {
+    pub policy: String,
+    /// Always present (`null` for the admin's kernels).
+    pub tenant: Option<String>,
+    pub sandbox: crate::sandbox::Backend,
+    /// Changes whenever the kernel's variables were lost.
+    pub state_generation: u64,
+    /// Always present (`null` until a limit restarted the kernel).
+    pub last_restart_reason: Option<String>,
 }

@@ -12,8 +12,8 @@ use super::launch::{filter_client_env, KernelDirs};
 use super::lifecycle::{Kernel, KernelOptions, Readiness};
 use super::spec::KernelSpecs;
 use super::KernelError;
+use crate::ownership::{Count, KernelRecord, Ownership};
 use crate::policy::{Policies, Policy};
-use crate::sandbox::kubernetes::replicas::KernelRecord;
 use crate::sandbox::{Backends, Limits, SandboxError};
 use crate::telemetry::metrics::StartSource;
 
@@ -214,31 +214,27 @@ impl KernelManager {
         })
     }
 
-    /// The tenant's and the policy's caps across replicas: their kernel pods are counted by
-    /// their Leases' labels (every replica's), this gateway's other kernels and the starts
-    /// in progress here as for one gateway. Starts racing on two replicas may both pass: a
-    /// cap can be exceeded by the number of replicas at most.
-    async fn check_cluster_caps(
+    /// The tenant's and the policy's caps across gateways sharing ownership: their kernels
+    /// recorded there are counted by the registry (every gateway's), this gateway's other
+    /// kernels and the starts in progress here as for one gateway. Starts racing on two
+    /// gateways may both pass: a cap can be exceeded by the number of gateways at most.
+    async fn check_shared_caps(
         &self,
         owner: Option<&Owner>,
         policy: &Policy,
     ) -> Result<(), KernelError> {
-        use crate::sandbox::kubernetes::objects::{LABEL_POLICY, LABEL_TENANT};
-        let Some(replicas) = self.backends.replicas() else {
+        let ownership = self.ownership();
+        if !ownership.shared() {
             return Ok(());
-        };
-        let api = |e: crate::sandbox::KubernetesError| KernelError::Sandbox(e.into());
+        }
         if let Some((owner, max)) = owner.and_then(|o| Some((o, o.max_kernels?))) {
-            let pods = replicas
-                .count(LABEL_TENANT, &owner.tenant)
-                .await
-                .map_err(api)?;
-            let elsewhere_here = self
+            let recorded = ownership.count(Count::Tenant(&owner.tenant)).await?;
+            let unrecorded_here = self
                 .kernels
                 .read()
                 .values()
                 .filter(|k| k.owner() == Some(owner.tenant.as_str()))
-                .filter(|k| k.backend() != crate::sandbox::Backend::Kubernetes)
+                .filter(|k| !k.shares_ownership())
                 .count();
             // This start's own reservation is among the pending ones.
             let pending = self
@@ -248,22 +244,24 @@ impl KernelManager {
                 .copied()
                 .unwrap_or(1)
                 .saturating_sub(1);
-            if pods + elsewhere_here + pending >= max {
+            if recorded + unrecorded_here + pending >= max {
                 return Err(KernelError::TenantKernelLimit { max });
             }
         }
-        if self.backend_of(policy) == crate::sandbox::Backend::Kubernetes {
-            let pods = replicas
-                .count(LABEL_POLICY, &policy.name)
-                .await
-                .map_err(api)?;
-            if pods >= policy.limits.max_kernels {
+        if self.backends.shares_ownership(policy.backend) {
+            let recorded = ownership.count(Count::Policy(&policy.name)).await?;
+            if recorded >= policy.limits.max_kernels {
                 return Err(KernelError::TooManyKernels {
                     max: policy.limits.max_kernels,
                 });
             }
         }
         Ok(())
+    }
+
+    /// Who owns which kernel (this gateway alone, or the registry it shares with others).
+    pub fn ownership(&self) -> &Arc<dyn Ownership> {
+        self.backends.ownership()
     }
 
     /// Starts a kernel owned by `owner` (the admin when `None`), from the warm pool when one
@@ -305,7 +303,7 @@ impl KernelManager {
                 max: policy.limits.max_kernels,
             });
         }
-        self.check_cluster_caps(owner, &policy).await?;
+        self.check_shared_caps(owner, &policy).await?;
         let poolable = spec.name == self.specs.default_name() && policy.name == "default";
         let asked = std::time::Instant::now();
         let backend = self.backend_of(&policy).as_str();
@@ -336,12 +334,10 @@ impl KernelManager {
                 kernel.touch();
                 if let Some(owner) = owner {
                     kernel.set_owner(&owner.tenant);
-                    // Started for nobody: its Lease learns its tenant (caps, take-overs).
-                    let replicas = self.backends.replicas();
-                    if let Some(replicas) =
-                        replicas.filter(|_| kernel.backend() == crate::sandbox::Backend::Kubernetes)
-                    {
-                        if let Err(error) = replicas.set_tenant(&kernel.id, &owner.tenant).await {
+                    // Started for nobody: its record learns its tenant (caps, take-overs).
+                    if kernel.shares_ownership() {
+                        let recorded = self.ownership().set_tenant(&kernel.id, &owner.tenant);
+                        if let Err(error) = recorded.await {
                             tracing::warn!(%error, kernel_id = %kernel.id, "recording a pooled kernel's tenant failed");
                         }
                     }
@@ -400,7 +396,7 @@ impl KernelManager {
         let mut options = self.options.kernel.clone();
         options.tenant = tenant;
         let id = adopt.as_ref().map_or_else(
-            || uuid::Uuid::new_v4().to_string(),
+            || crate::ids::KernelId::random().into(),
             |(record, _)| record.kernel_id.clone(),
         );
         options.adopt = adopt;
@@ -645,6 +641,16 @@ impl KernelManager {
         self.backends.forced().unwrap_or(policy.backend)
     }
 
+    /// What `backend` says about this host (`cellgate doctor`'s checks); with `probe`, a
+    /// real sandbox is started to prove it.
+    pub async fn diagnose(
+        &self,
+        backend: crate::sandbox::Backend,
+        probe: bool,
+    ) -> crate::sandbox::diagnosis::Diagnosis {
+        self.backends.diagnose(backend, probe).await
+    }
+
     pub fn get(&self, id: &str) -> Option<Arc<Kernel>> {
         self.kernels.read().get(id).cloned()
     }
@@ -655,8 +661,8 @@ impl KernelManager {
         kernels
     }
 
-    /// Takes over a kernel whose replica is gone (its pod still runs): attached to, not
-    /// started, under the id, kernelspec, policy and tenant its Lease records; `key` is the
+    /// Takes over a kernel whose gateway is gone (its sandbox still runs): attached to, not
+    /// started, under the id, kernelspec, policy and tenant its record names; `key` is the
     /// one its messages are signed with. A kernel this gateway has already is returned.
     pub async fn adopt(
         &self,
@@ -691,17 +697,17 @@ impl KernelManager {
         self.kernels
             .write()
             .insert(kernel.id.clone(), kernel.clone());
-        tracing::info!(kernel_id = %kernel.id, "kernel taken over from a replica that is gone");
+        tracing::info!(kernel_id = %kernel.id, "kernel taken over from a gateway that is gone");
         Ok(kernel)
     }
 
-    /// Forgets a kernel pod another replica holds now (this one lost it), without touching
-    /// its pod; whether there was one to forget.
+    /// Forgets a kernel another gateway holds now (this one lost it), without touching its
+    /// sandbox; whether there was one to forget.
     pub fn release_lost(&self, id: &str) -> bool {
         let kernel = {
             let mut kernels = self.kernels.write();
             match kernels.get(id) {
-                Some(k) if k.backend() == crate::sandbox::Backend::Kubernetes => kernels.remove(id),
+                Some(k) if k.shares_ownership() => kernels.remove(id),
                 _ => None,
             }
         };
@@ -714,14 +720,14 @@ impl KernelManager {
         }
     }
 
-    /// Lets every kernel pod go, running, to the other replicas (this one is shutting down);
-    /// the other kernels stay for [`KernelManager::shutdown_all`].
-    pub fn hand_over_pods(&self) -> usize {
+    /// Lets every kernel whose owner is recorded go, running, to the other gateways (this
+    /// one is shutting down); the other kernels stay for [`KernelManager::shutdown_all`].
+    pub fn hand_over_shared(&self) -> usize {
         let pods: Vec<Arc<Kernel>> = {
             let mut kernels = self.kernels.write();
             let ids: Vec<String> = kernels
                 .values()
-                .filter(|k| k.backend() == crate::sandbox::Backend::Kubernetes)
+                .filter(|k| k.shares_ownership())
                 .map(|k| k.id.clone())
                 .collect();
             ids.iter().filter_map(|id| kernels.remove(id)).collect()

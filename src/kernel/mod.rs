@@ -7,6 +7,7 @@
 mod channels;
 pub mod client;
 pub mod execution;
+pub mod health;
 pub mod history;
 mod launch;
 mod lifecycle;
@@ -21,7 +22,7 @@ pub use channels::DROPPED_INVALID;
 pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
 pub use execution::{Denial, DenialKind, ExecutionState, ExitCause, Outcome};
 pub use history::{History, HistorySnapshot};
-pub use lifecycle::{Kernel, KernelOptions, Readiness};
+pub use lifecycle::{CellgateFields, Kernel, KernelModel, KernelOptions, Readiness};
 // Only for sessions/, which still names it here (being reworked on another branch); the
 // format is every surface's, so it lives in `crate::timestamp`.
 pub use crate::timestamp::format_timestamp;
@@ -90,6 +91,9 @@ pub enum KernelError {
     Sandbox(#[from] SandboxError),
     #[error(transparent)]
     Policy(#[from] crate::policy::PolicyError),
+    /// The shared owners' registry did not answer (counting kernels across gateways).
+    #[error("the kernels' owners could not be read: {0}")]
+    Ownership(#[from] crate::ownership::OwnershipError),
     #[error("policy {policy} runs kernels in the {backend} sandbox, which this host cannot run ({reason}); `cellgate doctor` says how to fix it")]
     BackendUnavailable {
         policy: String,

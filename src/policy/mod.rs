@@ -203,6 +203,17 @@ pub struct Policy {
     pub kubernetes: Option<std::sync::Arc<crate::sandbox::PodSettings>>,
 }
 
+impl Policy {
+    /// The policy's settings for its sandbox backend, as the kernel core passes them on
+    /// without looking inside.
+    pub fn backend_settings(&self) -> crate::sandbox::BackendSettings {
+        self.kubernetes
+            .clone()
+            .map(crate::sandbox::BackendSettings::kubernetes)
+            .unwrap_or_default()
+    }
+}
+
 fn invalid(path: &Path, field: &'static str, reason: impl Into<String>) -> PolicyError {
     PolicyError::Invalid {
         path: path.to_owned(),

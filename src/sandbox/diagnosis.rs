@@ -178,7 +178,9 @@ async fn probe_in(sandbox: &dyn Sandbox, dir: &Path, program: &str) -> Result<Du
         egress_socket: None,
         allow_emulation: false,
         zygote: false,
-        pod: None,
+        labels: Default::default(),
+        adopt: None,
+        backend_settings: Default::default(),
     };
     let started = Instant::now();
     let launched = sandbox.launch(&spec).await.map_err(|e| e.to_string())?;

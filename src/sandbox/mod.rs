@@ -36,10 +36,11 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
+use crate::ownership::{KernelRecord, Ownership, SingleGateway};
 use crate::protocol::ConnectionInfo;
 
 pub use gvisor::{GvisorConfig, GvisorSandbox, PIDS_OVERHEAD as GVISOR_PIDS_OVERHEAD};
-pub use kubernetes::{KubernetesError, KubernetesSandbox, PodLaunch, PodSettings};
+pub use kubernetes::{KubernetesError, KubernetesSandbox, PodSettings};
 pub use microvm::{MicrovmConfig, MicrovmError, MicrovmSandbox};
 pub use namespaces::{
     become_kernel, sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox,
@@ -73,6 +74,20 @@ impl Backend {
             Backend::Namespaces | Backend::Microvm | Backend::Kubernetes => true,
             Backend::Process | Backend::Gvisor => false,
         }
+    }
+
+    /// Whether the kernel has a private `/tmp` of the sandbox's own (every backend but the
+    /// unisolated process), where its configuration and caches go instead of the workspace.
+    pub fn private_tmp(self) -> bool {
+        self != Backend::Process
+    }
+
+    /// Whether a probe sandbox is cheap enough for the gateway's background checks; a
+    /// microVM's is a VM boot (seconds of CPU under emulation, in every gateway that names
+    /// the backend): its host facts, images and binaries are checked instead, and its
+    /// kernels' starts tell the rest.
+    pub fn cheap_probe(self) -> bool {
+        self != Backend::Microvm
     }
 
     /// Whether the kernel's workspace is served by its agent (`SandboxHandle::guest_files`)
@@ -158,6 +173,8 @@ pub struct Backends {
     microvm: MicrovmConfig,
     zygote: ZygoteSettings,
     replicas: Option<Arc<kubernetes::replicas::Replicas>>,
+    /// Who owns which kernel: this gateway alone, or the replicas' Leases.
+    ownership: Arc<dyn Ownership>,
     made: parking_lot::Mutex<std::collections::HashMap<Backend, Arc<dyn Sandbox>>>,
 }
 
@@ -168,6 +185,7 @@ impl Backends {
             microvm,
             zygote: ZygoteSettings::default(),
             replicas: None,
+            ownership: Arc::new(SingleGateway),
             made: parking_lot::Mutex::new(std::collections::HashMap::new()),
         }
     }
@@ -178,15 +196,28 @@ impl Backends {
         self
     }
 
-    /// Records kernel pods' owners among `replicas` (the kubernetes backend).
+    /// Records kernel pods' owners among `replicas` (the kubernetes backend), which then
+    /// answer who owns which kernel.
     pub fn with_replicas(mut self, replicas: Arc<kubernetes::replicas::Replicas>) -> Backends {
+        self.ownership = replicas.clone();
         self.replicas = Some(replicas);
         self
     }
 
-    /// This gateway's membership among replicas, when it has one.
-    pub fn replicas(&self) -> Option<&Arc<kubernetes::replicas::Replicas>> {
-        self.replicas.as_ref()
+    /// Who owns which kernel.
+    pub fn ownership(&self) -> &Arc<dyn Ownership> {
+        &self.ownership
+    }
+
+    /// Whether the backend of a policy that names `wanted` records its kernels' owners in
+    /// the shared registry (their count across gateways is the registry's).
+    pub fn shares_ownership(&self, wanted: Backend) -> bool {
+        self.forced.unwrap_or(wanted) == Backend::Kubernetes && self.replicas.is_some()
+    }
+
+    /// What `backend` says about this host, with this gateway's settings (`diagnose`).
+    pub async fn diagnose(&self, backend: Backend, probe: bool) -> diagnosis::Diagnosis {
+        diagnose(backend, probe, &self.microvm, self.zygote.enabled).await
     }
 
     /// The backend every kernel runs in, when the operator forced one.
@@ -270,8 +301,38 @@ pub struct LaunchSpec {
     pub allow_emulation: bool,
     /// The policy lets a namespaces kernel be forked from the zygote (`[sandbox] zygote`).
     pub zygote: bool,
-    /// The kubernetes backend's pod settings and labels (the policy's `[kubernetes]`).
-    pub pod: Option<PodLaunch>,
+    /// Who the kernel is for (a backend that labels its sandboxes or records their owners
+    /// names them).
+    pub labels: KernelLabels,
+    /// A running sandbox to attach to rather than a new one: an orphan's, taken over from a
+    /// gateway that is gone (the first generation of an adopted kernel only).
+    pub adopt: Option<KernelRecord>,
+    /// The policy's settings for its backend, opaque above the sandbox.
+    pub backend_settings: BackendSettings,
+}
+
+/// Who a kernel is for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KernelLabels {
+    pub policy: String,
+    pub tenant: Option<String>,
+    pub kernelspec: String,
+}
+
+/// A policy's settings for the backends that take any beyond the common limits (the
+/// `[kubernetes]` section), carried through the kernel core without its looking inside.
+#[derive(Debug, Clone, Default)]
+pub struct BackendSettings {
+    pub(crate) kubernetes: Option<Arc<PodSettings>>,
+}
+
+impl BackendSettings {
+    /// The kubernetes backend's pod settings.
+    pub fn kubernetes(settings: Arc<PodSettings>) -> BackendSettings {
+        BackendSettings {
+            kubernetes: Some(settings),
+        }
+    }
 }
 
 /// The words an [`ExitReport`] reason uses for the pids limit.
@@ -467,6 +528,12 @@ pub trait Sandbox: Send + Sync {
     /// the timeout catches a kernel that hangs, not one that runs at the emulator's speed.
     fn start_time_factor(&self) -> u32 {
         1
+    }
+    /// Whether this backend records each kernel's owner in the shared registry (`ownership`),
+    /// so other gateways may route to its kernels or take them over, and its kernels outlive
+    /// this gateway's process.
+    fn shares_ownership(&self) -> bool {
+        false
     }
 }
 

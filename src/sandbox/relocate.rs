@@ -464,7 +464,9 @@ mod tests {
                 egress_socket: None,
                 allow_emulation: false,
                 zygote: false,
-                pod: None,
+                labels: Default::default(),
+                adopt: None,
+                backend_settings: Default::default(),
             };
             let view = KernelView::of(&spec, &["/usr"]).unwrap();
             assert_eq!(view.python_prefix, None, "home = {home}");

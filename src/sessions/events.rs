@@ -205,11 +205,22 @@ pub enum SessionEvent {
     },
     /// The kernel's state changed outside an execution (restart, death).
     Kernel {
-        state: String,
+        state: KernelPhase,
         state_generation: u64,
         #[serde(skip_serializing_if = "Option::is_none")]
         reason: Option<String>,
     },
+}
+
+/// A session's kernel's life, as its subscribers are told of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelPhase {
+    Starting,
+    Restarting,
+    Ready,
+    Dead,
+    Terminated,
 }
 
 impl SessionEvent {

@@ -10,6 +10,7 @@
 //!
 //! Must not depend on: HTTP.
 
+mod adoption;
 pub mod commands;
 pub mod events;
 mod execution;
@@ -29,9 +30,10 @@ use crate::kernel::{
     ExecutionState, Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV,
 };
 use crate::workspace::{Files, Workspace, WorkspaceError};
+pub use adoption::{AdoptionError, Route};
 pub use events::{
-    expiry_timestamp, ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent,
-    Status,
+    expiry_timestamp, ArtifactRef, ExecError, ExecutionResult, KernelPhase, Omitted, Resources,
+    SessionEvent, Status,
 };
 
 /// Events kept for WebSocket subscribers that fall behind.
@@ -126,6 +128,30 @@ pub struct HistoryEntry {
     pub result: Option<Arc<ExecutionResult>>,
 }
 
+/// A session's state as listed: its kernel's execution state while it has a process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionState {
+    Starting,
+    Idle,
+    Busy,
+    Restarting,
+    Dead,
+    Terminated,
+}
+
+impl From<ExecutionState> for SessionState {
+    fn from(state: ExecutionState) -> SessionState {
+        match state {
+            ExecutionState::Starting => SessionState::Starting,
+            ExecutionState::Idle => SessionState::Idle,
+            ExecutionState::Busy => SessionState::Busy,
+            ExecutionState::Restarting => SessionState::Restarting,
+            ExecutionState::Dead => SessionState::Dead,
+        }
+    }
+}
+
 /// A session as listed.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SessionModel {
@@ -133,8 +159,7 @@ pub struct SessionModel {
     pub kernel_name: String,
     pub policy: String,
     pub sandbox: String,
-    /// idle, busy, starting, restarting, dead, terminated.
-    pub state: String,
+    pub state: SessionState,
     pub state_generation: u64,
     pub created: String,
     pub last_activity: String,
@@ -174,27 +199,21 @@ impl Session {
         let model = self.kernel.model();
         let readiness = self.kernel.readiness();
         let state = match &readiness {
-            Readiness::Terminated => "terminated".to_owned(),
-            Readiness::Dead(_) => "dead".to_owned(),
-            Readiness::Starting | Readiness::Ready => {
-                self.kernel.execution_state().as_str().to_owned()
+            Readiness::Terminated => SessionState::Terminated,
+            Readiness::Dead(_) => SessionState::Dead,
+            Readiness::Starting | Readiness::Restarting | Readiness::Ready => {
+                self.kernel.execution_state().into()
             }
         };
         SessionModel {
             id: self.id.clone(),
             kernel_name: self.kernel.spec.name.clone(),
             policy: self.kernel.policy.clone(),
-            sandbox: model["cellgate"]["sandbox"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned(),
+            sandbox: model.cellgate.sandbox.as_str().to_owned(),
             state,
             state_generation: self.kernel.generation(),
             created: self.created.clone(),
-            last_activity: model["last_activity"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned(),
+            last_activity: model.last_activity,
             executions: self.history.lock().len(),
             tenant: self.owner.clone(),
             reason: match readiness {
@@ -263,19 +282,14 @@ impl Session {
 
     /// The kernel's life as the session's subscribers see it: starting, restarting, ready,
     /// dead, terminated.
-    fn kernel_state(&self) -> (String, u64, Option<String>) {
+    fn kernel_state(&self) -> (KernelPhase, u64, Option<String>) {
         let generation = self.kernel.generation();
         match self.kernel.readiness() {
-            Readiness::Ready => ("ready".to_owned(), generation, None),
-            Readiness::Starting => {
-                let restarting = self.kernel.router().activity().execution_state
-                    == ExecutionState::Restarting
-                    || generation > 1;
-                let state = if restarting { "restarting" } else { "starting" };
-                (state.to_owned(), generation, None)
-            }
-            Readiness::Dead(reason) => ("dead".to_owned(), generation, Some(reason)),
-            Readiness::Terminated => ("terminated".to_owned(), generation, None),
+            Readiness::Ready => (KernelPhase::Ready, generation, None),
+            Readiness::Starting => (KernelPhase::Starting, generation, None),
+            Readiness::Restarting => (KernelPhase::Restarting, generation, None),
+            Readiness::Dead(reason) => (KernelPhase::Dead, generation, Some(reason)),
+            Readiness::Terminated => (KernelPhase::Terminated, generation, None),
         }
     }
 
@@ -327,29 +341,32 @@ impl Session {
 }
 
 /// Tells the session's subscribers when its kernel's life changes (a restart after a
-/// timeout or OOM, a death, a shutdown from the Kernel Gateway API), polled: cheap, and no
-/// hook in the kernel's lifecycle.
+/// timeout or OOM, a death, a shutdown from the Kernel Gateway API), as the kernel's
+/// readiness changes.
 fn spawn_monitor(session: &Arc<Session>) {
     let weak = Arc::downgrade(session);
+    let mut readiness = session.kernel.watch_readiness();
     let mut last = session.kernel_state();
+    readiness.mark_unchanged();
     tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_millis(250)).await;
+        // The kernel's sender lives as long as the kernel: an error means it is gone.
+        while readiness.changed().await.is_ok() {
             let Some(session) = weak.upgrade() else {
                 return;
             };
             let now = session.kernel_state();
-            if now != last {
-                session.publish(Arc::new(SessionEvent::Kernel {
-                    state: now.0.clone(),
-                    state_generation: now.1,
-                    reason: now.2.clone(),
-                }));
-                if now.0 == "terminated" {
-                    return;
-                }
-                last = now;
+            if now == last {
+                continue;
             }
+            session.publish(Arc::new(SessionEvent::Kernel {
+                state: now.0,
+                state_generation: now.1,
+                reason: now.2.clone(),
+            }));
+            if now.0 == KernelPhase::Terminated {
+                return;
+            }
+            last = now;
         }
     });
 }

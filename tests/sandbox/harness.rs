@@ -207,7 +207,9 @@ pub fn command_spec(dirs: &KernelDirs, argv: Vec<String>, limits: Limits) -> Lau
         egress_socket: None,
         allow_emulation: false,
         zygote: false,
-        pod: None,
+        labels: Default::default(),
+        adopt: None,
+        backend_settings: Default::default(),
     }
 }
 
@@ -305,7 +307,9 @@ pub async fn start_kernel_in(sandbox: Box<dyn Sandbox>, python: PathBuf, limits:
         egress_socket: None,
         allow_emulation: false,
         zygote: false,
-        pod: None,
+        labels: Default::default(),
+        adopt: None,
+        backend_settings: Default::default(),
     };
     let started = Instant::now();
     let launched = sandbox

@@ -34,7 +34,7 @@ use super::session_for;
 use crate::gateway::auth::Principal;
 use crate::gateway::kernel_ws::origin_allowed;
 use crate::gateway::state::AppState;
-use crate::sessions::{Session, SessionEvent};
+use crate::sessions::{KernelPhase, Session, SessionEvent};
 
 const PING_INTERVAL: Duration = Duration::from_secs(30);
 /// Largest client message (code included).
@@ -111,7 +111,7 @@ async fn serve(socket: WebSocket, session: Arc<Session>) {
             let frame = tokio::select! {
                 event = events.recv() => match event {
                     Ok(event) => {
-                        let last = matches!(&*event, SessionEvent::Kernel { state, .. } if state == "terminated");
+                        let last = matches!(&*event, SessionEvent::Kernel { state: KernelPhase::Terminated, .. });
                         let Ok(text) = serde_json::to_string(&*event) else {
                             continue;
                         };

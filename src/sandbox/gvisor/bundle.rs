@@ -239,7 +239,9 @@ mod tests {
             egress_socket: None,
             allow_emulation: false,
             zygote: false,
-            pod: None,
+            labels: Default::default(),
+            adopt: None,
+            backend_settings: Default::default(),
         };
         let bundle = dir.path().join("bundle");
         let view = KernelView::of(&spec, SYSTEM_PREFIXES).unwrap();

@@ -42,6 +42,7 @@ use tokio::sync::{watch, OnceCell};
 use super::agent::{self, channels, Agent, AgentError};
 use super::diagnosis::Diagnosis;
 use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
+use crate::ownership::KernelRecord;
 use handle::PodHandle;
 use objects::PodOwner;
 use status::PodState;
@@ -96,19 +97,6 @@ pub struct PodToleration {
     pub value: Option<String>,
     pub effect: Option<String>,
     pub toleration_seconds: Option<i64>,
-}
-
-/// What a kubernetes launch needs beyond the common spec: the policy's settings and who the
-/// pod is for (its labels).
-#[derive(Debug, Clone)]
-pub struct PodLaunch {
-    pub settings: Arc<PodSettings>,
-    pub policy: String,
-    pub tenant: Option<String>,
-    pub kernelspec: String,
-    /// A running pod to take over (its kernel started by a replica that is gone), rather
-    /// than a new one.
-    pub adopt: Option<replicas::KernelRecord>,
 }
 
 /// Errors of the kubernetes backend.
@@ -186,8 +174,12 @@ impl KubernetesSandbox {
     }
 
     async fn launch_pod(&self, spec: &LaunchSpec) -> Result<Launched, KubernetesError> {
-        let launch = spec.pod.as_ref().ok_or(KubernetesError::NoSettings)?;
-        let settings = &launch.settings;
+        let settings = spec
+            .backend_settings
+            .kubernetes
+            .as_ref()
+            .ok_or(KubernetesError::NoSettings)?;
+        let launch = &spec.labels;
         if settings.runtime_class.is_none() && self.unsandboxed.lock().insert(launch.policy.clone())
         {
             // Said once per policy: the cluster's default runtime is a container, which is
@@ -195,7 +187,7 @@ impl KubernetesSandbox {
             tracing::warn!(policy = %launch.policy, "this policy names no runtime_class: its kernel pods run in the cluster's default runtime (containers, not a sandbox); name gvisor or kata for untrusted code");
         }
         let (client, default_namespace) = self.client().await?;
-        let namespace = match &launch.adopt {
+        let namespace = match &spec.adopt {
             Some(record) => record.namespace.clone(),
             None => settings
                 .namespace
@@ -206,10 +198,10 @@ impl KubernetesSandbox {
             .await?;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
         let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
-        let (name, agent, version) = match &launch.adopt {
+        let (name, agent, version) = match &spec.adopt {
             Some(record) => self.attach(spec, &pods, &secrets, record).await?,
             None => {
-                self.create(spec, launch, &pods, &secrets, &namespace)
+                self.create(spec, settings, &pods, &secrets, &namespace)
                     .await?
             }
         };
@@ -222,7 +214,7 @@ impl KubernetesSandbox {
                 "listening on the kernel's channels: {error}"
             ))));
         }
-        tracing::info!(kernel_id = %spec.kernel_id, pod = %name, %namespace, adopted = launch.adopt.is_some(), "kernel pod running");
+        tracing::info!(kernel_id = %spec.kernel_id, pod = %name, %namespace, adopted = spec.adopt.is_some(), "kernel pod running");
         let (exit_tx, exit) = watch::channel(None);
         handle::watch_exit(
             handle.clone(),
@@ -263,12 +255,12 @@ impl KubernetesSandbox {
     async fn create(
         &self,
         spec: &LaunchSpec,
-        launch: &PodLaunch,
+        settings: &PodSettings,
         pods: &Api<Pod>,
         secrets: &Api<Secret>,
         namespace: &str,
     ) -> Result<(String, Agent, String), KubernetesError> {
-        let settings = &launch.settings;
+        let launch = &spec.labels;
         let owner = PodOwner {
             kernel_id: spec.kernel_id.clone(),
             policy: launch.policy.clone(),
@@ -291,11 +283,11 @@ impl KubernetesSandbox {
         let remove = self.remover(pods, secrets, &name, &spec.kernel_id);
         let started = async {
             if let Some(replicas) = &self.replicas {
-                let record = replicas::KernelRecord {
+                let record = KernelRecord {
                     kernel_id: spec.kernel_id.clone(),
                     owner: replicas.id().to_owned(),
                     incarnation: String::new(),
-                    pod: name.clone(),
+                    sandbox: name.clone(),
                     namespace: namespace.to_owned(),
                     kernelspec: launch.kernelspec.clone(),
                     policy: launch.policy.clone(),
@@ -329,9 +321,9 @@ impl KubernetesSandbox {
         spec: &LaunchSpec,
         pods: &Api<Pod>,
         secrets: &Api<Secret>,
-        record: &replicas::KernelRecord,
+        record: &KernelRecord,
     ) -> Result<(String, Agent, String), KubernetesError> {
-        let name = record.pod.clone();
+        let name = record.sandbox.clone();
         let secret = secrets
             .get(&name)
             .await
@@ -397,6 +389,10 @@ impl Sandbox for KubernetesSandbox {
 
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
         Box::pin(async move { self.launch_pod(spec).await.map_err(SandboxError::from) })
+    }
+
+    fn shares_ownership(&self) -> bool {
+        self.replicas.is_some()
     }
 }
 

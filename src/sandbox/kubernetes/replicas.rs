@@ -25,8 +25,11 @@ use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 
+use futures_util::future::BoxFuture;
+
 use super::objects::{self, label_value};
 use super::{api_error, is_status, KubernetesError};
+use crate::ownership::{Count, KernelRecord, Owned, Ownership, OwnershipError, Peer, Sweep};
 
 /// How long a replica's Lease holds without renewal.
 pub const LEASE_SECONDS: i32 = 15;
@@ -54,29 +57,6 @@ pub fn replica_lease_name(replica: &str) -> String {
 /// A kernel's Lease name.
 pub fn kernel_lease_name(kernel_id: &str) -> String {
     format!("cellgate-kernel-{kernel_id}")
-}
-
-/// Who owns a kernel, as its Lease says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KernelRecord {
-    pub kernel_id: String,
-    pub owner: String,
-    /// Which process of the owner wrote it: a replica restarted under the same id (its
-    /// container restarted in the same pod) has a new one, and takes its old kernels over
-    /// like any other replica's.
-    pub incarnation: String,
-    pub pod: String,
-    pub namespace: String,
-    pub kernelspec: String,
-    pub policy: String,
-    pub tenant: Option<String>,
-}
-
-/// A live replica other than this one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Peer {
-    pub id: String,
-    pub url: String,
 }
 
 /// This replica's membership: its Lease, its view of the others.
@@ -326,10 +306,7 @@ impl Replicas {
 
     /// Who owns `kernel_id`, by its Lease in `namespace`, and whether that owner is a live
     /// replica (its URL) or gone.
-    pub async fn owner_of(
-        &self,
-        kernel_id: &str,
-    ) -> Result<Option<(KernelRecord, Option<Peer>)>, KubernetesError> {
+    pub async fn owner_of(&self, kernel_id: &str) -> Result<Option<Owned>, KubernetesError> {
         let Some(lease) = self
             .leases
             .get_opt(&kernel_lease_name(kernel_id))
@@ -342,19 +319,19 @@ impl Replicas {
             return Ok(None);
         };
         let (live, _) = self.census().await?;
-        let peer = live.into_iter().find(|peer| peer.id == record.owner);
-        Ok(Some((record, peer)))
+        let owner = live.into_iter().find(|peer| peer.id == record.owner);
+        Ok(Some(Owned { record, owner }))
     }
 
     /// The kernels whose owner is gone (its Lease released, lapsed or deleted), for
     /// adoption.
     pub async fn orphans(&self) -> Result<Vec<KernelRecord>, KubernetesError> {
-        Ok(self.sweep().await?.0)
+        Ok(self.sweep().await?.orphans)
     }
 
     /// The kernels whose owner is gone, and those held by any process but this one (which
     /// this process, if it still has them, lost: paused past its lease, say).
-    pub async fn sweep(&self) -> Result<(Vec<KernelRecord>, Vec<String>), KubernetesError> {
+    pub async fn sweep(&self) -> Result<Sweep, KubernetesError> {
         let (live, _) = self.census().await?;
         let params = ListParams::default().labels(&format!("{LABEL_ROLE}=kernel"));
         let kernels = self
@@ -378,7 +355,10 @@ impl Replicas {
                 !live.iter().any(|peer| peer.id == record.owner)
             })
             .collect();
-        Ok((orphans, held_elsewhere))
+        Ok(Sweep {
+            orphans,
+            held_elsewhere,
+        })
     }
 
     /// Takes `kernel_id` over from its gone owner: the Lease's holder becomes this replica,
@@ -446,7 +426,7 @@ impl Replicas {
     pub async fn abandon(&self, record: &KernelRecord) {
         let client = self.leases.clone().into_client();
         let pods: Api<Pod> = Api::namespaced(client.clone(), &record.namespace);
-        let pod_gone = match pods.get_opt(&record.pod).await {
+        let pod_gone = match pods.get_opt(&record.sandbox).await {
             Ok(None) => true,
             Ok(Some(pod)) => matches!(
                 super::status::state(&pod),
@@ -459,11 +439,11 @@ impl Replicas {
             let remover = super::PodRemover {
                 pods,
                 secrets: Api::namespaced(client, &record.namespace),
-                name: record.pod.clone(),
+                name: record.sandbox.clone(),
                 lease: None,
             };
             remover.now().await;
-            self.forget(&record.kernel_id, &record.pod).await;
+            self.forget(&record.kernel_id, &record.sandbox).await;
             return;
         }
         let name = kernel_lease_name(&record.kernel_id);
@@ -568,9 +548,9 @@ impl Replicas {
         let secrets: Api<Secret> =
             Api::namespaced(self.leases.clone().into_client(), &record.namespace);
         let secret = secrets
-            .get(&record.pod)
+            .get(&record.sandbox)
             .await
-            .map_err(api_error(format!("read the secret {}", record.pod)))?;
+            .map_err(api_error(format!("read the secret {}", record.sandbox)))?;
         let connection = secret
             .data
             .as_ref()
@@ -578,7 +558,10 @@ impl Replicas {
             .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes.0).ok())
             .and_then(|info| info.get("key")?.as_str().map(str::to_owned));
         connection.ok_or_else(|| {
-            KubernetesError::Ended(format!("the secret {} has no connection info", record.pod))
+            KubernetesError::Ended(format!(
+                "the secret {} has no connection info",
+                record.sandbox
+            ))
         })
     }
 
@@ -595,6 +578,102 @@ impl Replicas {
             .map_err(api_error("count kernels"))?
             .items
             .len())
+    }
+}
+
+/// The Kubernetes API's answer as the owners' registry's.
+fn unavailable(error: KubernetesError) -> OwnershipError {
+    OwnershipError::Unavailable(error.to_string())
+}
+
+impl Ownership for Replicas {
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn gateway_id(&self) -> &str {
+        &self.id
+    }
+
+    fn wrote(&self, record: &KernelRecord) -> bool {
+        Replicas::wrote(self, record)
+    }
+
+    fn owner_of<'a>(
+        &'a self,
+        kernel_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Owned>, OwnershipError>> {
+        Box::pin(async move {
+            Replicas::owner_of(self, kernel_id)
+                .await
+                .map_err(unavailable)
+        })
+    }
+
+    fn sweep_every(&self) -> Duration {
+        RENEW_EVERY
+    }
+
+    fn sweep(&self) -> BoxFuture<'_, Result<Sweep, OwnershipError>> {
+        Box::pin(async move { Replicas::sweep(self).await.map_err(unavailable) })
+    }
+
+    fn take_over<'a>(
+        &'a self,
+        record: &'a KernelRecord,
+    ) -> BoxFuture<'a, Result<bool, OwnershipError>> {
+        Box::pin(async move { Replicas::take_over(self, record).await.map_err(unavailable) })
+    }
+
+    fn abandon<'a>(&'a self, record: &'a KernelRecord) -> BoxFuture<'a, ()> {
+        Box::pin(Replicas::abandon(self, record))
+    }
+
+    fn signing_key<'a>(
+        &'a self,
+        record: &'a KernelRecord,
+    ) -> BoxFuture<'a, Result<String, OwnershipError>> {
+        Box::pin(async move { self.jupyter_key(record).await.map_err(unavailable) })
+    }
+
+    fn set_tenant<'a>(
+        &'a self,
+        kernel_id: &'a str,
+        tenant: &'a str,
+    ) -> BoxFuture<'a, Result<(), OwnershipError>> {
+        Box::pin(async move {
+            Replicas::set_tenant(self, kernel_id, tenant)
+                .await
+                .map_err(unavailable)
+        })
+    }
+
+    fn count<'a>(&'a self, count: Count<'a>) -> BoxFuture<'a, Result<usize, OwnershipError>> {
+        let (label, value) = match count {
+            Count::Tenant(tenant) => (objects::LABEL_TENANT, tenant),
+            Count::Policy(policy) => (objects::LABEL_POLICY, policy),
+        };
+        Box::pin(async move {
+            Replicas::count(self, label, value)
+                .await
+                .map_err(unavailable)
+        })
+    }
+
+    fn peers(&self) -> BoxFuture<'_, Result<Vec<Peer>, OwnershipError>> {
+        Box::pin(async move { Replicas::peers(self).await.map_err(unavailable) })
+    }
+
+    fn leave(&self) {
+        Replicas::leave(self)
+    }
+
+    fn release(&self) -> BoxFuture<'_, ()> {
+        Box::pin(Replicas::release(self))
+    }
+
+    fn forget_gone(&self) -> BoxFuture<'_, ()> {
+        Box::pin(Replicas::forget_gone(self))
     }
 }
 
@@ -625,7 +704,7 @@ fn kernel_lease(record: &KernelRecord, owner: &str, incarnation: &str, pod: &Pod
         label_value(record.tenant.as_deref().unwrap_or("")),
     );
     let mut annotations = BTreeMap::from([
-        (ANNOTATION_POD.to_owned(), record.pod.clone()),
+        (ANNOTATION_POD.to_owned(), record.sandbox.clone()),
         (ANNOTATION_NAMESPACE.to_owned(), record.namespace.clone()),
         (ANNOTATION_KERNELSPEC.to_owned(), record.kernelspec.clone()),
         (objects::LABEL_POLICY.to_owned(), record.policy.clone()),
@@ -670,7 +749,7 @@ fn record_of(lease: &Lease) -> Option<KernelRecord> {
     Some(KernelRecord {
         kernel_id,
         owner: lease.spec.as_ref()?.holder_identity.clone()?,
-        pod: annotations.get(ANNOTATION_POD)?.clone(),
+        sandbox: annotations.get(ANNOTATION_POD)?.clone(),
         namespace: annotations.get(ANNOTATION_NAMESPACE)?.clone(),
         kernelspec: annotations.get(ANNOTATION_KERNELSPEC)?.clone(),
         policy: annotations.get(objects::LABEL_POLICY)?.clone(),
