@@ -28,8 +28,9 @@
 //! - **Revocable.** A link opens an artifact of a live session only
 //!   (`ArtifactStore::get_linkable`): a client's `DELETE` of the session revokes every link
 //!   to its artifacts at once, though the authenticated API keeps them fetchable for the
-//!   retention period; a session that ended otherwise (a one-shot execute, a culled kernel) keeps its
-//!   links until they expire or its artifacts go. Changing the key revokes every link.
+//!   retention period; a session that ended otherwise (a one-shot execute, a culled kernel)
+//!   keeps its links until they expire or its artifacts go. Changing the key revokes every
+//!   link.
 //! - **The key.** `--artifact-link-key-file` (shared by replicas behind one load balancer),
 //!   else one derived from the gateway's token (replicas share that too), else from the JWT
 //!   HMAC secret, else a random key per process (links die with it). A derived key is

@@ -13,8 +13,8 @@
 //! *Invariant:* a record is counted before its blob is written and blobs are removed under
 //! the index lock, so a concurrent put of the same bytes never loses its blob.
 //!
-//! Records of a deleted session stay fetchable for a retention period (1 h by default), then go with
-//! their blob's last reference ([`ArtifactStore::reap`]).
+//! Records of a deleted session stay fetchable for a retention period (1 h by default),
+//! then go with their blob's last reference ([`ArtifactStore::reap`]).
 //!
 //! Stored bytes are bounded three ways, each checked when an artifact is recorded and named
 //! in the refusal ([`Quota`]): per session and per tenant (the policy's

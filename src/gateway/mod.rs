@@ -26,9 +26,10 @@
 //! (`ws_upgrade.rs`, `kernel_ws.rs`), notebook export and replay (`notebooks.rs`), API v1
 //! ([`v1`]), MCP (`mcp/`), the web client (`web.rs`), and the operator's probes and metrics
 //! (`operations.rs`; with `--metrics-listen` also on an address of their own, bound before
-//! any kernel starts, unauthenticated). `listener.rs` is the accept loop (timeouts and connection caps),
-//! `client_addr.rs` says who a request came from, and with `--replica-url` `replicas.rs`
-//! and `forward.rs` send a request to the replica that owns its kernel.
+//! any kernel starts, unauthenticated). `listener.rs` is the accept loop (timeouts and
+//! connection caps), `client_addr.rs` says who a request came from, and with
+//! `--replica-url` `replicas.rs` and `forward.rs` send a request to the replica that owns
+//! its kernel.
 
 mod access_log;
 mod api_error;

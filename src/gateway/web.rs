@@ -9,12 +9,13 @@
 //! page draws the spec; API v1 and MCP clients, which run no JavaScript, take the PNG.
 //!
 //! The page itself needs no authentication (it holds no data); it asks for a token and
-//! drives one API v1 session over its WebSocket. Artifacts are fetched with the token in the
-//! `Authorization` header and shown from blobs. *Invariant:* the token is never in a page
-//! or subresource URL (only in the WebSocket's query, which browsers require). Its Content-Security-Policy keeps scripts to these assets and framing
-//! out; rich HTML outputs run in `sandbox="allow-scripts"` srcdoc iframes (an opaque
-//! origin: no access to the page, its storage or the token), which inherit that policy (the one
-//! script the page adds to them, `frame-height.js`, only reports the content's height).
+//! drives one API v1 session over its WebSocket. Artifacts are fetched with the token in
+//! the `Authorization` header and shown from blobs. *Invariant:* the token is never in a
+//! page or subresource URL (only in the WebSocket's query, which browsers require). Its
+//! Content-Security-Policy keeps scripts to these assets and framing out; rich HTML outputs
+//! run in `sandbox="allow-scripts"` srcdoc iframes (an opaque origin: no access to the
+//! page, its storage or the token), which inherit that policy (the one script the page adds
+//! to them, `frame-height.js`, only reports the content's height).
 
 use axum::extract::RawQuery;
 use axum::http::{header, HeaderValue};

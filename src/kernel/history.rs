@@ -15,8 +15,9 @@
 //! Outputs are assembled as a frontend does: streams merged, `clear_output` with `wait`
 //! honoured, `update_display_data` applied to earlier cells by display id.
 //!
-//! Memory is bounded: outputs and sources count against [`MAX_HISTORY_BYTES`] (64 MiB) per kernel; past
-//! it outputs are replaced by one note per cell and the history says it was truncated.
+//! Memory is bounded: outputs and sources count against [`MAX_HISTORY_BYTES`] (64 MiB) per
+//! kernel; past it outputs are replaced by one note per cell and the history says it was
+//! truncated.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;

@@ -6,13 +6,13 @@
 //! Reached by pip inside the sandbox as `http://packages.cellgate.internal/simple/` through
 //! the egress proxy (the proxy hands those requests here, whatever the egress rules say).
 //! Files come from an upstream simple index (PEP 691 JSON; `--package-index`, default PyPI)
-//! or, offline, from a wheelhouse directory (`--wheelhouse`). Upstream files stream to pip as they download, once however many
-//! sessions ask (`download.rs`), into a shared on-disk cache named by their sha256, kept only
-//! when the download's hash matched the index's; every file is served under
-//! `/files/<sha256>/<filename>` with its `Content-Length` (so pip draws a progress bar, which
-//! API v1 collapses to one line), and every file request asks the policy again: a session
-//! gets a file only if its policy allows the file's project and version, so knowing another
-//! tenant's hash opens nothing.
+//! or, offline, from a wheelhouse directory (`--wheelhouse`). Upstream files stream to pip
+//! as they download, once however many sessions ask (`download.rs`), into a shared on-disk
+//! cache named by their sha256, kept only when the download's hash matched the index's;
+//! every file is served under `/files/<sha256>/<filename>` with its `Content-Length` (so
+//! pip draws a progress bar, which API v1 collapses to one line), and every file request
+//! asks the policy again: a session gets a file only if its policy allows the file's
+//! project and version, so knowing another tenant's hash opens nothing.
 //!
 //! Downloads are bounded (`download.rs` has the limits): a session waits or downloads at
 //! most [`MAX_SESSION_FLIGHTS`] files at once and a file waits at most

@@ -12,9 +12,9 @@
 //! 2. the pod is created ([`objects::pod`]: uid 1000, read-only root, every capability
 //!    dropped, `restartPolicy: Never`, the policy's RuntimeClass, requests = limits: the
 //!    policy's memory plus the agent's 48 MiB, its CPUs, and the workspace as ephemeral
-//!    storage and as the `emptyDir` at `/home/user`), then the Secret with the kernel's key, owned by
-//!    the pod (so the cluster deletes it with the pod, whoever deletes that); the kubelet
-//!    waits for the Secret before it starts the container;
+//!    storage and as the `emptyDir` at `/home/user`), then the Secret with the kernel's
+//!    key, owned by the pod (so the cluster deletes it with the pod, whoever deletes that);
+//!    the kubelet waits for the Secret before it starts the container;
 //! 3. the pod is watched until it runs (`status.rs` reads Kubernetes' own reasons); a pod
 //!    still pending at the policy's `pending_timeout` (an image that does not pull, no node
 //!    with room), or at once for a reason that never clears (`ErrImageNeverPull`,

@@ -16,27 +16,28 @@
 //! What it holds: Python with ipykernel and the preload list (the shipped kernelspec's:
 //! numpy, pandas, matplotlib, seaborn) imported, one warm-up chart drawn (so a first chart
 //! costs what a second does), the libraries' thread pools held to one thread
-//! ([`ONE_THREAD`]: a fork copies only the forking thread), and `gc.freeze()`d. The warm-up loads matplotlib's
-//! inline backend before any IPython shell exists, so each forked kernel hooks that backend
-//! into its own shell after `IPKernelApp.initialize()`.
+//! ([`ONE_THREAD`]: a fork copies only the forking thread), and `gc.freeze()`d. The warm-up
+//! loads matplotlib's inline backend before any IPython shell exists, so each forked kernel
+//! hooks that backend into its own shell after `IPKernelApp.initialize()`.
 //!
 //! For each kernel the gateway sends the zygote three descriptors (and the egress proxy's
 //! socket, opened `O_PATH`) and nothing else: the pipes a helper has as standard input,
-//! output and error. The zygote forks; the child (`setsid`, its signals reset) makes them its
-//! stdio and calls `cellgate_become_kernel` in the library built from this crate
+//! output and error. The zygote forks; the child (`setsid`, its signals reset) makes them
+//! its stdio and calls `cellgate_become_kernel` in the library built from this crate
 //! (`zygote/`, `libcellgate_zygote.so`, shown read-only in the zygote's root): the **same
 //! helper, init and confinement code** a cold start runs, on a [`Role::Forked`] plan. The
 //! child is the helper: it reads the plan from the pipe, unshares a new user namespace (a
 //! child of the zygote's, which root owns, so no host uid gains any right over it) and the
 //! rest, and writes its own id maps (only a process of the parent user namespace or of the
 //! namespace itself may, and the gateway, with the zygote's namespace between, is neither);
-//! the gateway moves it into the kernel's cgroup from outside, as for any helper. The init builds the root from the zygote's own root (the
-//! plan's host paths are mapped to where the zygote shows them, [`forked_plan`]); the kernel
-//! process is confined exactly as a cold kernel (stdio, rlimits, `no_new_privs`, Landlock,
-//! the kernel's seccomp filter stacked on the zygote's) and then returns to Python instead of
-//! `execve`: the launcher takes the plan's environment and arguments, writes its own command
-//! line and environment over the zygote's in /proc, reseeds what a fork shares (`random`,
-//! numpy, OpenSSL) and runs the kernel.
+//! the gateway moves it into the kernel's cgroup from outside, as for any helper. The init
+//! builds the root from the zygote's own root (the plan's host paths are mapped to where
+//! the zygote shows them, [`forked_plan`]); the kernel process is confined exactly as a
+//! cold kernel (stdio, rlimits, `no_new_privs`, Landlock, the kernel's seccomp filter
+//! stacked on the zygote's) and then returns to Python instead of `execve`: the launcher
+//! takes the plan's environment and arguments, writes its own command line and environment
+//! over the zygote's in /proc, reseeds what a fork shares (`random`, numpy, OpenSSL) and
+//! runs the kernel.
 //!
 //! No key, environment or plan ever reaches the zygote's memory (which every later kernel
 //! inherits): the plan travels on a pipe only the child reads. The zygote cannot be reached
