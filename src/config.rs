@@ -1,5 +1,12 @@
 //! The gateway's settings: command line, environment (including Kernel Gateway's `KG_*`
-//! names for drop-in use) and an optional TOML file, in that order of precedence.
+//! names for drop-in use) and an optional TOML file, in that order of precedence; unknown
+//! keys in the file are refused with their line.
+//!
+//! *Invariant:* every option has a `CELLGATE_*` variable (clap's `env`, so `--help` lists
+//! it; `KG_*` names are read after it) and a file key; a unit test fails an option without
+//! both. `main` drops empty `CELLGATE_*`/`KG_*` variables before parsing (empty means
+//! unset). No token and no JWT key means loopback only. JWT settings hold paths, never
+//! secrets.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};

@@ -5,12 +5,14 @@
 //! namespaces backend starts `/usr/bin/true` in a complete sandbox, the same code path as a
 //! kernel; the gvisor backend runs `runsc --version` and `runsc do /bin/true`); this module
 //! adds the set-up (the kernelspecs' interpreters import `ipykernel` and, as a kernel zygote
-//! would, their preload lists; the policies, the package index) and the microVM host facts, until that backend exists. Nothing here
+//! would, their preload lists; the policies; whether the package index's upstream answers,
+//! or its wheelhouse is readable) and prints the backends' answers beside it. Nothing here
 //! changes the host: no sysctl is written, no package installed, no module loaded; the fixes
 //! are printed as commands for the operator.
 //!
 //! The report is plain data ([`Report`]) printed as text or, with `--json`, as one JSON
 //! object for machines. `cellgate doctor` exits 0 when the default backend works, 1 otherwise.
+//! `cellgate doctor --config FILE` checks what the gateway's configuration file names.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

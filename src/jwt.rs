@@ -1,5 +1,6 @@
-//! JWT bearer tokens for tenants: verifying them (HS256 with a shared secret; RS256/384/512,
-//! PS256/384/512, ES256/384 and EdDSA with public keys from PEM files or a JWKS file) and
+//! JWT bearer tokens for tenants: verifying them (HS256 with a shared secret from a file, at
+//! least [`MIN_SECRET_BYTES`]; RS256/384/512, PS256/384/512, ES256/384 and EdDSA with public
+//! keys from PEM files or a JWKS file, whose `kid`s are honoured and `alg`s pinned) and
 //! issuing them (`cellgate token`, HS256 from the secret).
 //!
 //! A token must carry `sub`, `tenant`, `policy` and `exp` (`nbf` is honoured when present;

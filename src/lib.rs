@@ -7,7 +7,9 @@
 //! - [`workspace`]: a kernel's files, reached without ever following a sandbox's link.
 //! - [`kernel`]: one kernel's life (launch, channels, routing replies to clients, restart,
 //!   shutdown), the registry of kernels, and the gateway's own kernel client.
+//! - `ownership`: who owns which kernel (one gateway, or one of several replicas).
 //! - [`sandbox`]: where a kernel process runs; one trait, one module per backend.
+//! - [`egress`]: the egress proxy and package index that enforce a policy's network rules.
 //! - [`protocol`]: the Jupyter wire format: multipart codec, signing, WebSocket framings.
 //! - [`notebook`]: notebook export (a kernel's history as nbformat 4.5) and replay.
 //! - [`policy`]: policy files (sandbox backend and limits), parsed and validated.
@@ -16,6 +18,8 @@
 //! - [`jwt`]: JWT bearer tokens for tenants: verifying (cached) and issuing.
 //! - [`tenants`]: per-tenant policy caps, kernel caps and request rates.
 //! - [`timestamp`]: the one timestamp format of every surface.
+//! - `ids`: typed identifiers (kernel ids) with one parser each.
+//! - [`telemetry`]: logs and Prometheus metrics.
 
 pub mod artifacts;
 pub mod config;

@@ -1,7 +1,8 @@
 //! Timestamps as the gateway writes them on every surface: the Kernel Gateway API's
 //! `last_activity`, the execution times in a kernel's history (and so in exported
 //! notebooks), and API v1's sessions, executions and artifacts. One format, so a client
-//! parses all of them the same way.
+//! parses all of them the same way: six fractional digits and `Z`, as GatewayClient parses
+//! it.
 //!
 //! Depends on nothing else in the crate.
 

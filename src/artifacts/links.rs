@@ -19,14 +19,18 @@
 //!   tenant it is from.
 //! - **Checked anywhere, before anything is looked up.** Everything the MAC covers is in the
 //!   URL, so any gateway with the key refuses a forged or altered link at once
-//!   ([`LinkSigner::check`]); replicas ask each other only for links that verified.
+//!   ([`LinkSigner::check`]); replicas ask each other only for links that verified (marked
+//!   `VerifiedLink` at the HTTP edge). A bad link answers 404 exactly as an unknown id, so a
+//!   link reveals nothing about other artifacts.
 //! - **Expiring.** `expires` is under the MAC; a link past it is refused. The gateway signs
 //!   for `ttl` (default an hour) in every artifact reference it gives out, and for up to
 //!   `max_ttl` when a client asks for one link ([`LinkSigner::sign_for`]).
-//! - **Revocable.** A client's `DELETE` of the session revokes every link to its
-//!   artifacts at once, though the authenticated API keeps them fetchable for the retention
-//!   period; a session that ended otherwise (a one-shot execute, a culled kernel) keeps its
-//!   links until they expire or its artifacts go. Changing the key revokes every link.
+//! - **Revocable.** A link opens an artifact of a live session only
+//!   (`ArtifactStore::get_linkable`): a client's `DELETE` of the session revokes every link
+//!   to its artifacts at once, though the authenticated API keeps them fetchable for the
+//!   retention period; a session that ended otherwise (a one-shot execute, a culled kernel)
+//!   keeps its links until they expire or its artifacts go. Changing the key revokes every
+//!   link.
 //! - **The key.** `--artifact-link-key-file` (shared by replicas behind one load balancer),
 //!   else one derived from the gateway's token (replicas share that too), else from the JWT
 //!   HMAC secret, else a random key per process (links die with it). A derived key is
@@ -35,6 +39,10 @@
 //! Comparisons are constant-time (`hmac`'s `verify_slice`, `subtle` for the tag); an expiry
 //! further ahead than `max_ttl` allows is refused (a link cannot outlive the setting that
 //! made it), and so is any spelling of a number but the canonical one (one URL per link).
+//!
+//! The signed route (`GET /v1/artifacts/{id}/signed`) is the only public route that serves
+//! tenant data: it is outside the auth layer by design, and its fetch spends the owner
+//! tenant's request rate.
 //!
 //! Must not depend on: HTTP, kernels (a link is a string; the HTTP edge serves it).
 

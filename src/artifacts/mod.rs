@@ -5,11 +5,16 @@
 //! rename), shared by every artifact with the same bytes and removed with the last one.
 //! An artifact record (random id, never the hash: the same bytes in two tenants' sessions
 //! are two artifacts, and an id reveals nothing about content) carries its owner (session
-//! and tenant), MIME type, size, dimensions where known, a short text summary for language
-//! models, and for `display_id` updates a version number and the id it replaces.
+//! and tenant), MIME type, size, dimensions where known (read from headers: PNG, JPEG, GIF,
+//! WebP through `imagesize`, SVG by hand; no image decoder in the gateway), a short text
+//! summary for language models, and for `display_id` updates a version number and the id it
+//! replaces (`inspect.rs` reads the head of the content).
 //!
-//! Records of a deleted session stay fetchable for a retention period, then go
-//! ([`ArtifactStore::reap`]).
+//! *Invariant:* a record is counted before its blob is written and blobs are removed under
+//! the index lock, so a concurrent put of the same bytes never loses its blob.
+//!
+//! Records of a deleted session stay fetchable for a retention period (1 h by default),
+//! then go with their blob's last reference ([`ArtifactStore::reap`]).
 //!
 //! Stored bytes are bounded three ways, each checked when an artifact is recorded and named
 //! in the refusal ([`Quota`]): per session and per tenant (the policy's
@@ -17,7 +22,7 @@
 //! or tenant, a deleted session's retained ones included), and a gateway-wide minimum of free
 //! disk under the store. Below that minimum the retained artifacts of deleted sessions go
 //! first, oldest first, before their retention ends; live sessions' artifacts are never
-//! taken back.
+//! taken back. A refusal reaches the client as an `omitted` entry naming its quota.
 //!
 //! Large outputs are stored off the execution's critical path: everything a reference
 //! carries (size, dimensions, summary) comes from the head of the content, so

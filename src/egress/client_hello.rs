@@ -14,6 +14,8 @@
 //! destination. The parser is strict where a lenient one would be a bypass: anything a
 //! server could read differently from us (two `server_name` extensions, two host names,
 //! bytes after the message, other records in the middle of it) is refused, not guessed at.
+//! Records are reassembled across reads, bounded to [`MAX_HELLO_LEN`] (32 KiB) and
+//! [`READ_TIMEOUT`] (5 s).
 
 use std::collections::HashSet;
 use std::time::Duration;

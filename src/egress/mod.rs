@@ -1,24 +1,45 @@
-//! cellgate's egress proxy: the only way out of a namespaces sandbox.
+//! cellgate's egress proxy: the only way out of a namespaces sandbox, a microVM or a
+//! Kubernetes pod. gVisor and process kernels get no proxy and no proxy environment: they
+//! have no network at all (deny-all).
 //!
 //! Each kernel generation gets its own unix socket listener (`egress.sock` in its runtime
-//! directory), so the proxy knows which session a connection comes from without trusting
-//! anything the sandbox says. Inside the sandbox a small bridge (run by the sandbox's init,
-//! see `sandbox::namespaces::bridge`) listens on 127.0.0.1:3128 and forwards each TCP
-//! connection to that socket; the kernel gets `HTTP(S)_PROXY` pointing there.
+//! directory, handed to the sandbox user; its path reaches the backend as
+//! `LaunchSpec::egress_socket`), so the proxy knows which session a connection comes from
+//! without trusting anything the sandbox says. Inside a namespaces sandbox a small bridge
+//! (forked by the sandbox's init, see `sandbox::namespaces::bridge`) listens on
+//! 127.0.0.1:3128 before the kernel exists and forwards each TCP connection to that socket;
+//! in a microVM or a pod the agent carries the connections to that port over the agent link.
+//! The bridge holds nothing the kernel lacks (the kernel could connect to the socket
+//! itself), so a kernel that takes it over (same uid) gains nothing: the policy lives only
+//! in the gateway.
+//!
+//! The kernel's environment ([`kernel_env`]): `HTTP(S)_PROXY` and `http(s)_proxy` pointing
+//! at that port, `NO_PROXY` for loopback, `PIP_INDEX_URL` naming the package index (with
+//! its trusted host, no input, no retries, no cache) and `PIP_PREFIX=<workspace>/.cellgate`,
+//! whose site-packages is on `PYTHONPATH` (made by the init before Python starts: Python
+//! caches a missing path entry for good).
 //!
 //! The proxy ([`proxy`]) speaks HTTP/1.1: `CONNECT host:port` (TLS stays end to end) and
 //! absolute-form requests (`GET http://host/…`). Every destination is checked against the
 //! session policy's `[egress]` rules, resolved by the proxy itself and vetted
 //! ([`resolve`]); requests for `packages.cellgate.internal` are answered by the package
-//! index ([`packages`]) whatever the egress rules say. The destination is asked for
-//! the approved name only: a tunnel's TLS ClientHello must name it ([`client_hello`]) and a
-//! plain request goes out with its `Host`.
+//! index ([`packages`]) whatever the egress rules say.
 //!
-//! Every decision is logged with the kernel id and the msg_id of the running execution;
-//! denials are also attached to that execution ([`Session::deny`]).
+//! *Invariants:*
+//! - the session is known from the socket, never from what the sandbox says;
+//! - what the allowlist approved is what the destination is asked for: no byte of a tunnel
+//!   goes upstream before its ClientHello named the approved host ([`client_hello`]: SNI,
+//!   no Encrypted Client Hello; no SNI only for an IP-literal target; not TLS: refused), and
+//!   a plain request goes out with the approved `Host` (another or a second `Host`: 403), so
+//!   allowing one name of a CDN opens no other (the `Host` inside TLS stays unseen);
+//! - a session holds at most `egress_max_connections` (default 32) proxy connections; more
+//!   are answered 429 at once, so one sandbox's flood costs others nothing;
+//! - every decision is logged with the kernel id and the msg_id of the running execution;
+//!   denials go to the [`DenialSink`] the listener was given (the kernel's router, which
+//!   attaches them to that execution: [`Session::deny`]), so the proxy knows nothing of
+//!   kernels.
 //!
-//! Must not depend on: HTTP gateway handlers. (It reports denials through the kernel's
-//! router, nothing else of the kernel.)
+//! Must not depend on: HTTP gateway handlers, kernels.
 
 pub mod client_hello;
 pub mod packages;

@@ -3,7 +3,7 @@
 //! The sandbox has no resolver: the proxy resolves every name itself (through the gateway's
 //! static host map first, then the system resolver) and checks every address it would
 //! connect to. Loopback, private, shared (CGNAT), link-local (with the cloud metadata
-//! address), multicast and unspecified addresses are refused unless the policy names the
+//! address), multicast, NAT64 and unspecified addresses are refused unless the policy names the
 //! host exactly; a wildcard rule never opens them. The gateway's own port on this machine
 //! counts as loopback. Checking the resolved addresses (not the name) closes DNS rebinding
 //! onto internal networks: what is checked is what is dialled.

@@ -6,7 +6,8 @@
 //! request the admin's; otherwise, when JWT keys are configured, the credential must be a JWT
 //! that `crate::jwt` verifies, and the request is its tenant's. A tenant's request then takes
 //! one token from its rate bucket (429 with `Retry-After` when empty). CORS preflights are
-//! answered before this layer runs.
+//! answered before this layer runs. A refusal of a request with a body says
+//! `Connection: close`, since the unread body ends the connection.
 //!
 //! Rejections are 401 with a reason that says what was wrong with the token (expired, bad
 //! signature, missing claim) and nothing about the gateway's keys; with only the static token

@@ -1,7 +1,15 @@
 //! Forwarding a request to the replica that owns its kernel: the same method, path, query,
-//! headers (the client's credentials included: the owner authenticates the request again)
-//! and body, streamed both ways, so Server-Sent Events arrive as they are sent; a WebSocket
-//! upgrade is passed through and its two connections joined byte for byte.
+//! headers (hop-by-hop ones removed, [`FORWARDED_BY`] added naming this replica; the
+//! client's credentials included: the owner authenticates the request again) and body,
+//! streamed both ways, so Server-Sent Events arrive as they are sent; a WebSocket upgrade
+//! (a `101`) is passed through and its two connections joined byte for byte. An owner that
+//! does not answer is a 502 `replica_unreachable`.
+//!
+//! *Invariant:* a request is never forwarded twice: one carrying [`FORWARDED_BY`] is served
+//! where it lands or refused with 503 `kernel_moving`, and peers' listing and artifact asks
+//! are not gathered again. Authentication comes before any API read or peer request (the
+//! replica middlewares sit inside the auth layer), so an unauthenticated request costs
+//! neither.
 //!
 //! Hand-written on hyper's client (no reverse-proxy crate of the field does upgrades on
 //! axum 0.8 and hyper 1 without pulling a second HTTP stack): a connection per forwarded

@@ -6,9 +6,11 @@
 //! `session_id` had no socket for a while, the output buffered meanwhile. Several sockets may
 //! share a `session_id`; none is evicted for it.
 //!
-//! A reader loop decodes client frames and sends them to the kernel; a writer task encodes
-//! kernel messages for this client (as raw frames: a large message in fragments, see
-//! `ws_upgrade`) and pings it. A frame that cannot be decoded closes this
+//! The `Origin` is checked at the handshake. A reader loop decodes client frames and sends
+//! them to the kernel; a writer task encodes kernel messages for this client (as raw frames:
+//! a large message in fragments, see `ws_upgrade`; queued frames batched per flush) and
+//! pings it every 30 s. A client that cannot keep up is disconnected past 256 MiB queued,
+//! and its session buffers like any other. A frame that cannot be decoded closes this
 //! socket with 1007 and the reason; the kernel and every other socket carry on.
 
 use std::collections::VecDeque;

@@ -1,4 +1,6 @@
-//! The Kernel Gateway REST API for kernels and kernelspecs (gateway-contract.md 1.2–1.4).
+//! The Kernel Gateway REST API for kernels and kernelspecs (gateway-contract.md 1.2–1.4):
+//! 201 with `Location` on a start, 204 on delete and interrupt, 200 with the model on
+//! restart, the kernel-id pattern in paths, and `?user=u/spec`.
 //!
 //! Tenants see only their own kernels: lists are filtered, and another tenant's kernel
 //! answers exactly as a missing one (same status, same body).

@@ -1,9 +1,35 @@
 //! The HTTP and WebSocket surfaces. Handlers parse requests into calls on the kernel registry
-//! and turn results into Kernel Gateway–shaped responses; nothing below this module sees axum.
+//! and sessions and turn results into Kernel Gateway–shaped responses. *Invariant:* axum
+//! types stop here; nothing below this module sees them.
 //!
-//! Layers, outermost first: CORS (answers preflights before anything else), the edge checks
-//! (`edge.rs`: JSON bodies, and loopback Host and Origin without a token), token auth, then
-//! the routes. Unknown routes answer 404 `{"reason":"Not Found","message":""}`.
+//! Layers, outermost first: the access log (`access_log.rs`), CORS (answers preflights
+//! before anything else), the edge checks (`edge.rs`: JSON bodies, and loopback Host and
+//! Origin without a token), auth (`auth.rs`), the replica middlewares (`replicas.rs`,
+//! inside auth), then the routes. The JSON-body rule wraps each route's methods
+//! (`json_only`), not the router, so a method a route does not take is a 405 with `Allow`
+//! whatever its body; an unknown route is a 404 `no_such_route`, in the same error body as
+//! every other answer (`api_error.rs`).
+//!
+//! *Invariants:*
+//! - no request a page elsewhere can make without a preflight reaches a handler that parses
+//!   JSON, and a gateway without a token answers no page outside loopback (DNS rebinding
+//!   included);
+//! - every handler takes `Extension<Principal>`; `auth::start_terms` gives a tenant's new
+//!   kernel its owner, its policy (capped) and its kernel cap, and every kernel a request
+//!   starts (REST, API v1 sessions, notebook replays on both surfaces) is started on the
+//!   caller's terms: owned by the caller and counted against its cap, so no route starts a
+//!   kernel that belongs to nobody;
+//! - a tenant sees only what it owns: another tenant's kernel (REST or WebSocket) answers
+//!   exactly as a missing id (`kernels::lookup_for`), never 403.
+//!
+//! The surfaces: the Kernel Gateway REST API (`kernels.rs`) and channels WebSocket
+//! (`ws_upgrade.rs`, `kernel_ws.rs`), notebook export and replay (`notebooks.rs`), API v1
+//! ([`v1`]), MCP (`mcp/`), the web client (`web.rs`), and the operator's probes and metrics
+//! (`operations.rs`; with `--metrics-listen` also on an address of their own, bound before
+//! any kernel starts, unauthenticated). `listener.rs` is the accept loop (timeouts and
+//! connection caps), `client_addr.rs` says who a request came from, and with
+//! `--replica-url` `replicas.rs` and `forward.rs` send a request to the replica that owns
+//! its kernel.
 
 mod access_log;
 mod api_error;

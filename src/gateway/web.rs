@@ -1,11 +1,21 @@
 //! The web client (`web-client/`), served at the gateway's root with every asset embedded in
-//! the binary: the page, its script and style, and the chart libraries (Plotly, Vega, Vega-Lite,
-//! vega-embed) that `build.rs` copies from `web-client/node_modules`.
+//! the binary (`include_str!`): the page, its script and style, and the chart libraries
+//! (Plotly's cartesian bundle: scatter, bar, histogram, box, heatmap, pie...; Vega,
+//! Vega-Lite, vega-embed) that `build.rs` copies from `web-client/node_modules` (a stand-in
+//! script when they are not installed).
 //!
-//! The page itself needs no authentication (it holds no data); it asks for a token and calls
-//! the API with it. Its Content-Security-Policy keeps scripts to these assets and framing
-//! out; rich HTML outputs run in sandboxed srcdoc iframes, which inherit that policy (the one
-//! script the page adds to them, `frame-height.js`, only reports the content's height).
+//! Plotly and Altair figures come from the kernel as one bundle of spec and PNG
+//! (`kernels/python3/cellgate_display.py`, an IPython extension the kernelspec loads): the
+//! page draws the spec; API v1 and MCP clients, which run no JavaScript, take the PNG.
+//!
+//! The page itself needs no authentication (it holds no data); it asks for a token and
+//! drives one API v1 session over its WebSocket. Artifacts are fetched with the token in
+//! the `Authorization` header and shown from blobs. *Invariant:* the token is never in a
+//! page or subresource URL (only in the WebSocket's query, which browsers require). Its
+//! Content-Security-Policy keeps scripts to these assets and framing out; rich HTML outputs
+//! run in `sandbox="allow-scripts"` srcdoc iframes (an opaque origin: no access to the
+//! page, its storage or the token), which inherit that policy (the one script the page adds
+//! to them, `frame-height.js`, only reports the content's height).
 
 use axum::extract::RawQuery;
 use axum::http::{header, HeaderValue};

@@ -2,9 +2,12 @@
 //! stdin sharing one identity (the kernel sends `input_request` to the identity that sent the
 //! execute), a SUB for iopub, and a REQ for the heartbeat.
 //!
-//! One reader task per socket verifies and decodes each multipart and hands it to the
-//! kernel's [`Router`]. A message that fails the signature or shape checks is dropped and
-//! counted; it never stops a reader. Dropping [`Channels`] stops the readers.
+//! The kernel's ipc sockets are awaited with inotify (no polling while fifty kernels start)
+//! and pinned by `O_PATH` descriptors. One reader task per socket verifies and decodes each
+//! multipart and hands it to the kernel's [`Router`]; a large message is checked off the
+//! async workers (signature and JSON in parallel), so other kernels' messages keep flowing.
+//! A message that fails the signature or shape checks is dropped and counted; it never
+//! stops a reader. Dropping [`Channels`] stops the readers.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -12,7 +12,8 @@
 //! travel on different sockets, in either order); a reply whose idle never comes (a kernel
 //! that died between the two) finishes after [`IDLE_AFTER_REPLY`]. A kernel that is shut
 //! down, restarted by a client, or whose router drops this client finishes every execution
-//! still waiting, so a caller never waits forever.
+//! still waiting, so a caller never waits forever. The router's truncation marker counts as
+//! `output_truncated` even when the reply overtook the output.
 //!
 //! A per-execution timeout works like the policy's: interrupt (the router reports the
 //! `KeyboardInterrupt` as `CellTimeoutError`, outcome `timeout`), then restart the kernel if

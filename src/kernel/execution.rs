@@ -11,7 +11,30 @@
 //! reply held until its `idle`, and whether the pids limit refused it a fork. The router hands
 //! it each delivered message of an execution and does what the returned `Verdict` says;
 //! `Executions` never calls back into the router, so the routing table and the supervision of
-//! executions can be read (and tested) apart.
+//! executions can be read (and tested) apart. The verdicts: forward, forward after a marker
+//! line, hold, drop (plus any held reply the message released).
+//!
+//! - **Output limit:** past the policy's per-cell limit, output is dropped with one marker
+//!   and the reply's outcome is `output_truncated`; the kernel launcher, told the limit in
+//!   `CELLGATE_OUTPUT_LIMIT`, stops buffering the cell's output a little past it, so a print
+//!   loop cannot fill the kernel's memory with output the router would drop.
+//! - **Timeouts:** a `KeyboardInterrupt` the gateway caused becomes `CellTimeoutError`.
+//! - **Held reply:** the running execution's `execute_reply` is held until its `idle` status
+//!   (released also by the next `busy`, the kernel's death or restart): shell and iopub are
+//!   separate sockets, and a reply used to overtake the cell's last large output (still being
+//!   checked), so it missed `output_truncated` and reached clients before the output.
+//! - **Pids:** a *failed* `execute_reply` asks the generation's sandbox whether its pids
+//!   limit refused a fork since the last report (cgroup `pids.events`); if so the reply gets
+//!   outcome `pids` and a stderr line names the limit. Successful replies never pay for the
+//!   read.
+//! - **Denials** the egress proxy reports (`Router::record_denial`) attach to the running
+//!   execution: the one whose `busy` was seen, else the oldest execute awaiting its reply (a
+//!   proxy request can beat the `busy`): one stderr line at once, and
+//!   `metadata.cellgate.denials` merged into the reply's `cellgate` object; only executions
+//!   with denials are rewritten.
+//!
+//! The outcomes: `timeout`, `oom`, `pids`, `sandbox_lost`, `output_truncated`; the map from
+//! the sandbox's `ExitCause` to the outcome of a limit that ended the kernel lives here too.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;

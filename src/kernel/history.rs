@@ -7,10 +7,17 @@
 //! substituted timeout errors and truncation markers) and shell replies (`execute_reply` for the
 //! execution count, `kernel_info_reply` for `language_info`, also from the gateway's readiness
 //! probe). The tap is cheap on the hot path: a message type it does not record costs one string
-//! match, and content is parsed only for recorded types.
+//! match, and content is parsed only for recorded types and only when the parent is a
+//! recorded execution; it has its own lock, taken under the router's (`cargo bench --bench
+//! history`: ~4 ns for an unrecorded type, ~40 ns for an untracked status, ~0.4 µs per
+//! recorded stream message, on the shared 2-core dev machine).
 //!
-//! Memory is bounded: outputs and sources count against [`MAX_HISTORY_BYTES`] per kernel; past
-//! it outputs are replaced by one note per cell and the history says it was truncated.
+//! Outputs are assembled as a frontend does: streams merged, `clear_output` with `wait`
+//! honoured, `update_display_data` applied to earlier cells by display id.
+//!
+//! Memory is bounded: outputs and sources count against [`MAX_HISTORY_BYTES`] (64 MiB) per
+//! kernel; past it outputs are replaced by one note per cell and the history says it was
+//! truncated.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;

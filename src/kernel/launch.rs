@@ -1,4 +1,11 @@
 //! Preparing a kernel process: its private directories, connection file, key and environment.
+//!
+//! Per kernel, `run/` (0700, with 0600 connection files and the ipc sockets) and `work/`
+//! (the workspace); per generation, a fresh 256-bit key. The environment starts from a fixed
+//! base: nothing of the gateway's own environment leaks into a kernel. Clients may add only
+//! `KERNEL_*` variables, the gateway's allowlist and what the policy's `[environment]`
+//! allows, values checked; `KERNEL_WORKING_DIR` (a path on the client's machine) is
+//! dropped.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};

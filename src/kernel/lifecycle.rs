@@ -4,7 +4,18 @@
 //! (a fresh connection file, key and sockets) in the sandbox, while the [`Router`] with its
 //! attached clients and buffers stays. Readiness means the gateway's own `kernel_info_request`
 //! was answered and the iopub subscription delivered a status: from then on no output can be
-//! lost to the ZMQ subscription race, so clients attach without any nudge of their own.
+//! lost to the ZMQ subscription race, so clients attach without any nudge of their own (the
+//! gateway's nudge is resent every 500 ms and waits on the router's signal that the state
+//! left `starting`, not on a poll). Readiness is published on a watch channel (starting,
+//! ready, restarting, dead, terminated), which sessions turn into kernel phases without polling.
+//!
+//! Death is noticed from the sandbox's exit watch (milliseconds), reported as
+//! `execution_state: dead` with a `reason` (exit code or signal plus the tail of the
+//! kernel's log) and a synthesised `status: dead` on iopub. A watchdog enforces the policy's
+//! execution timeout: interrupt, then restart after the policy's grace period, answering the
+//! cell with an error, a reply and `idle` itself. The kernel model (`KernelModel`) carries
+//! cellgate's own fields under `cellgate`: policy, sandbox, and `state_generation`, which
+//! changes whenever the kernel's variables were lost.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -2,7 +2,28 @@
 //! messages to clients, its executions and how they ended ([`execution`]), and its
 //! lifecycle; [`KernelManager`] keeps them all.
 //!
-//! Must not depend on: HTTP (axum types never reach this module).
+//! - `spec.rs` reads `kernels/*/kernel.json`; `launch.rs` makes a kernel's directories, key
+//!   and environment; `lifecycle.rs` is one kernel's life across its generations;
+//!   `channels.rs` its ZMQ sockets; `router.rs` who asked what; [`execution`] an
+//!   execution's life and outcome; [`history`] what clients executed, for export;
+//!   [`client`] the gateway's own client of a kernel (API v1, replay); `health.rs` the
+//!   backends' background readiness checks, which `/readyz` reports.
+//! - `manager.rs`, the registry: `max_kernels`, per-policy caps, the tenants' live-kernel
+//!   caps (counted under one lock together with the starts in flight, so concurrent starts
+//!   cannot overshoot), idle culling and the warm pool. A kernel's policy (from
+//!   `KERNEL_POLICY` in the start request, which GatewayClient forwards from the lab's
+//!   `KERNEL_*` variables, else the kernelspec's `metadata.cellgate.policy`, else `default`)
+//!   becomes its sandbox limits (memory, CPU, pids, workspace), its execution timeout and its
+//!   per-cell output limit. Who owns a kernel (this gateway, or another replica) is asked of
+//!   the `Ownership` trait (`Backends::ownership()`); the manager never names a backend.
+//! - The warm pool holds ready kernels of the default kernelspec and policy; a hand-out
+//!   applies the client's `KERNEL_*` variables with a silent execute; a kernel never returns
+//!   to the pool; a refill waits until the kernels clients asked for have started, so it
+//!   never competes with them; a failed pool start is retried with back-off, so readiness
+//!   recovers by itself.
+//!
+//! Must not depend on: HTTP (axum types never reach this module), and no file here names a
+//! sandbox backend (tests/layering.rs fails on one that does).
 
 mod channels;
 pub mod client;

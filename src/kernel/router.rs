@@ -17,6 +17,12 @@
 //! Messages caused by the gateway's own requests (start-up nudges, interrupts, shutdowns) are
 //! answered to the gateway and never shown to clients.
 //!
+//! Nothing is lost or duplicated: attaching a socket replays its session's buffer atomically
+//! under the routing lock; a socket that ends hands back what it did not write (and, when it
+//! vanished without a close frame, its last replies), so a reconnect with the same
+//! `session_id` misses nothing. Buffers are bounded (64 MiB per session, 8 sessions) and a
+//! replay says how much it dropped. The router also taps [`super::history`] for export.
+//!
 //! What happens to an execution (held reply, output limit, timeout, denials, the pids probe)
 //! is decided in [`super::execution`]: [`Router::deliver`] hands each message of a client's
 //! request to it and sends on what the verdict says.

@@ -4,7 +4,14 @@
 //! Parsing and writing go through the `nbformat` crate (runtimed): its v4.5 output is
 //! byte-identical to Python's `nbformat.write` and it upgrades 4.0–4.4 (adding cell ids).
 //! Outputs are compared and assembled as plain JSON (`serde_json::Value`), because the
-//! crate's typed media would re-shape MIME bundles we only relay.
+//! crate's typed media would re-shape MIME bundles we only relay (research:
+//! gateway-contract.md §4.3). Its v3 upgrade is lossy, so nbformat 3 is refused.
+//!
+//! [`export_notebook`] is a plain function of a history snapshot and the kernelspec, so any
+//! surface can serve it: `GET /api/kernels/{id}/notebook` and `POST /api/notebooks/replay`
+//! (`gateway/notebooks.rs`, where a replay runs in its own task, so a client hanging up
+//! never leaves a replay kernel behind), and `cellgate export` and `cellgate replay`
+//! (`notebook_cli.rs`, with an in-process `KernelManager` by default, or `--url`).
 //!
 //! Must not depend on: HTTP (axum types stay in `gateway/`).
 

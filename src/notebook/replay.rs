@@ -6,7 +6,8 @@
 //! the kernel's policy, timeouts and output limits apply as to any client, and a cell's
 //! timeout interrupts it the way the client's does for API v1). It stops at the first
 //! error unless the cell is tagged `raises-exception` or errors are allowed; later cells are
-//! reported as skipped.
+//! reported as skipped. Display updates of earlier cells are adopted, so outputs are
+//! compared after the last cell.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

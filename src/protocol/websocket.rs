@@ -5,6 +5,10 @@
 //! *v1* (`v1.kernel.websocket.jupyter.org`): every frame binary, little-endian u64 offsets,
 //! then channel, header, parent header, metadata, content, buffers.
 //! Byte layouts: ../shared/research/gateway-contract.md section 1.11.
+//!
+//! A message is encoded as pieces that share the kernel's bytes ([`Encoded`]), cut into
+//! fragments when it is large: one copy for a small message, none beyond tungstenite's for a
+//! fragmented large one.
 
 use std::borrow::Cow;
 

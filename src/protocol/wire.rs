@@ -1,5 +1,8 @@
 //! The ZMQ multipart codec: routing identities, `<IDS|MSG>`, signature, four JSON parts,
 //! buffers.
+//!
+//! From [`PARALLEL_CHECK_BYTES`] (1 MiB) on, a message's signature and its JSON checks run
+//! on two threads at once; `kernel/channels.rs` runs them off the async workers.
 
 use bytes::Bytes;
 

@@ -2,15 +2,45 @@
 //! never knows which backend it is talking to.
 //!
 //! A backend receives a [`LaunchSpec`] (the command, its environment, the kernel's private
-//! runtime directory holding the ipc sockets and the connection file, the workspace and the
-//! limits) and returns a [`Launched`] kernel: a handle to signal and kill it, an exit watch,
-//! and the connection info as the *gateway* must use it (a backend that exposes the runtime
-//! directory under another path inside the sandbox rewrites the paths).
+//! runtime directory holding the ipc sockets and the connection file, the workspace, the
+//! limits, the egress proxy's socket and, for a pod, its settings) and returns a
+//! [`Launched`] kernel: a handle to signal and kill it, an exit watch, and the connection
+//! info as the *gateway* must use it (a backend that exposes the runtime directory under
+//! another path inside the sandbox rewrites the paths).
 //!
 //! Invariants every backend keeps:
-//! - the kernel dies with the gateway, also when the gateway is killed with SIGKILL;
-//! - `kill` ends the kernel and everything it started;
+//! - the kernel dies with the gateway, also when the gateway is killed with SIGKILL (every
+//!   spawn happens on one long-lived thread with `PR_SET_PDEATHSIG`, because the signal
+//!   follows the forking *thread*: `spawner.rs`);
+//! - `kill` ends the kernel and everything it started (its whole process group);
 //! - the exit watch reports exactly one [`ExitReport`] when the kernel is gone.
+//!
+//! The backends: `namespaces` (the default; Linux namespaces, Landlock and seccomp, written
+//! in Rust), `gvisor` (`runsc`), `microvm` (a VM per kernel, QEMU and the guest agent),
+//! `kubernetes` (a pod per kernel, the same agent over TCP) and `process` (no isolation, for
+//! development: refused unless the configuration names it). `Backends` makes each on first
+//! use and shares it: a kernel's policy picks its backend, and `--sandbox B` forces one on
+//! every kernel (the only way `process` runs). A backend says whether it records kernels'
+//! owners for other gateway replicas (`Sandbox::shares_ownership`); nothing above this
+//! module asks which backend it is.
+//!
+//! Pieces every backend shares live once, beside the backends: the fixed paths the kernel
+//! sees (`relocate.rs`), the host files a root shows (`rootfs.rs`), where the gateway sits
+//! in the host's cgroup hierarchies (`cgroupfs.rs`, also read by `doctor`), a sandbox's
+//! cgroup below the gateway's own (`cgroups.rs`: the namespaces backend's kernels and the
+//! microvm backend's VMMs), a process's usage from `/proc` (`procfs.rs`), the spawner, the
+//! Python environment discovery and syscall wrappers, and what a backend says about the host
+//! (`diagnosis.rs`: each backend answers `diagnose` in its own module; `doctor` only prints
+//! the answers beside its set-up checks).
+//!
+//! Two invariants of the backends that run the kernel on this host's kernel (namespaces,
+//! gVisor):
+//! - the kernel sees fixed paths, never the host's (`relocate.rs` says how, and what else
+//!   could name a host path);
+//! - a RAM-backed workspace is charged to the sandbox's memory cgroup, so that cgroup holds
+//!   the policy's memory plus the workspace's size (`Limits::memory_cgroup_bytes`): a full
+//!   workspace is `ENOSPC` in the cell, never an out-of-memory kill. IPython's, matplotlib's
+//!   and the XDG caches live in the sandbox's `/tmp`, not in the workspace.
 //!
 //! Must not depend on: kernels' channels, sessions, HTTP.
 

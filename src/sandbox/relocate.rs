@@ -8,13 +8,27 @@
 //!
 //! | host | inside |
 //! |---|---|
-//! | the kernel's workspace | [`WORKSPACE`] (`/home/user`) |
-//! | the generation's runtime directory (connection file, ipc sockets, proxy socket) | [`RUN_DIR`] |
-//! | the kernel's venv | [`VENV`], rebuilt: see [`VenvView`] |
-//! | the venv's base interpreter prefix | [`PYTHON`] |
+//! | the kernel's workspace | [`WORKSPACE`] (`/home/user`, also `$HOME`) |
+//! | the generation's runtime directory (connection file, ipc sockets, proxy socket) | [`RUN_DIR`] (`/run/cellgate`) |
+//! | the kernel's venv | [`VENV`] (`/opt/cellgate/venv`), rebuilt: see [`VenvView`] |
+//! | the venv's base interpreter prefix | [`PYTHON`] (`/opt/cellgate/python`) |
 //!
 //! [`Relocation`] maps host paths (and the path lists of the kernel's command and
-//! environment) to inside paths; the gateway itself keeps using host paths.
+//! environment, path by path) to inside paths; the gateway itself keeps using host paths,
+//! and the connection file the kernel reads is rewritten to the inside ones. The venv is
+//! rebuilt rather than bound: its `lib` bound, `pyvenv.cfg`, interpreter links and console
+//! scripts rewritten. A prefix that is `/`, overlaps the kernel's directories or is no
+//! interpreter's is never bound whole.
+//!
+//! Nor does anything else the kernel can read name a host path: a namespaces sandbox binds
+//! no host directory whose `mountinfo` line would give it away (the runtime directory is a
+//! tmpfs of the sandbox's own, which the gateway reaches through the helper's
+//! `/proc/<pid>/root`, with the connection file written into it by the init; the Python
+//! environment is shown by read-only overlays; the egress bridge reaches the proxy's socket
+//! through a descriptor the init opened, never a path), and `./dev setup` builds the kernel
+//! venv from Debian's interpreter at `/opt/cellgate/venv` in a private mount namespace, so
+//! `sysconfig`, scripts and compiled modules name only `/usr` and that path. A base
+//! interpreter built on the host (pyenv) still names its install prefix in its own files.
 //!
 //! Must not depend on: kernels, HTTP.
 

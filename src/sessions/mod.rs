@@ -1,12 +1,28 @@
-//! Sessions of API v1: a kernel (started through the [`KernelManager`] under a policy), the
-//! gateway's own [`KernelClient`] of it, the history of its executions, and its artifacts
-//! and files. A session's id is its kernel's id, so the same session can also be opened from
-//! JupyterLab through the Kernel Gateway API.
+//! Sessions of API v1: a kernel (started through the [`KernelManager`] under a policy:
+//! `KERNEL_POLICY`, with the tenant's policy as a ceiling), the gateway's own
+//! [`KernelClient`] of it, the history of its executions (every event and result: notebook
+//! export's source), its artifacts and files, and its owner tenant. A session's id is its
+//! kernel's id, so the same session can also be opened from JupyterLab through the Kernel
+//! Gateway API.
 //!
-//! An execution runs in a task of its own: events are published as they come (to the
-//! caller's stream and to every WebSocket of the session), rich outputs become artifacts on
-//! the way, and the typed [`ExecutionResult`] ends the stream. A caller that goes away does
-//! not stop the execution; its result stays in the history.
+//! An execution runs in a task of its own under a per-session lock (the kernel queues
+//! anyway; the lock keeps the history and `input()` unambiguous): events are published as
+//! they come (to the caller's stream and to every WebSocket of the session), rich outputs
+//! become artifacts on the way, files new or changed under `outputs/` after the cell become
+//! artifacts, and the typed [`ExecutionResult`] ends the stream (its status mapped from the
+//! outcome, denials and reply; capped streams; an ANSI-free traceback; CPU time and peak
+//! memory from the sandbox's cgroup). A caller that goes away does not stop the execution;
+//! its result stays in the history.
+//!
+//! A session publishes its kernel's phase (`KernelPhase`) from the kernel's readiness watch
+//! channel, without polling; sessions whose kernel disappears (culled, deleted through the
+//! Kernel Gateway API) are reaped. Shell commands run through the session's kernel
+//! ([`commands`]); streams become plain text for machines (`plain.rs`).
+//!
+//! Across gateway replicas, `adoption.rs` answers where a kernel's requests go
+//! (`Sessions::route`: here, forwarded to its owner, moving, or unavailable), takes over
+//! kernels whose owner is gone (at once when a request names one, and by a periodic sweep
+//! otherwise), and gives each a session; who owns what is the `Ownership` trait's answer.
 //!
 //! Must not depend on: HTTP.
 

@@ -1,7 +1,10 @@
 //! The gateway's Prometheus metrics: what happened (counters and histograms, recorded where
 //! it happens) and what is (gauges read from the gateway's state at each scrape).
 //!
-//! Events are recorded into process-wide families ([`metrics()`]), as the logger is
+//! Events (kernel starts by source: pool, cold or refill; start failures; pool hits and
+//! misses; executions and their durations by outcome; denials; rate-limited requests; HTTP
+//! requests by route template; open connections and WebSockets; the zygotes' starts, forks
+//! and cold starts) are recorded into process-wide families ([`metrics()`]), as the logger is
 //! process-wide: kernels, the egress proxy, tenants and the HTTP edge all record without
 //! being handed a registry. Nothing here sits on the per-message path: an execution, a
 //! kernel start, a request or a denial costs an atomic add and, for histograms, one

@@ -1,7 +1,7 @@
 //! What the gateway tells its operator: logs (`tracing` to stderr, human-readable or JSON
-//! lines, filtered by `RUST_LOG`; spans and events carry `kernel_id`, `session_id`,
-//! `msg_id` and a request's `request_id` where they apply) and Prometheus metrics
-//! ([`metrics`]).
+//! lines, colour only on a terminal, filtered by `RUST_LOG`; spans and events carry
+//! `kernel_id`, `session_id`, `msg_id` and a request's `request_id` where they apply) and
+//! Prometheus metrics ([`metrics`]).
 
 pub mod metrics;
 

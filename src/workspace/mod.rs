@@ -1,11 +1,30 @@
 //! A kernel's workspace as the gateway serves it (files API, `outputs/` artifacts, initial
-//! files): [`Files`], one face for the two ways a workspace is reached.
+//! files): [`Files`], one face for the two ways a workspace is reached, against a hostile
+//! sandbox.
 //!
 //! - **Local**: the namespaces and gVisor backends' workspaces are directories the gateway
 //!   opens itself ([`Workspace`], from `cellgate_agent::workspace`, whose doc says how a
-//!   hostile sandbox's links are never followed).
-//! - **In a guest**: a microVM's workspace is a disk inside the VM; the guest agent serves
-//!   it with the same code ([`GuestFiles`], one agent stream per operation).
+//!   hostile sandbox's links are never followed). The namespaces backend's workspace is a
+//!   size-limited tmpfs in the sandbox's mount namespace (so the size limit holds and the
+//!   host sees nothing): the gateway opens it from `/proc/<kernel pid>/root`
+//!   (`SandboxHandle::workspace_root`; gVisor's from `/proc/<runsc pid>/root`; host backends
+//!   answer their host directory), and that process's pidfd must still be live after the
+//!   open, so a reused pid can never point the gateway at a host process's root.
+//! - **In a guest**: a microVM's (or a pod's) workspace is inside it; the guest agent serves
+//!   it with the same code ([`GuestFiles`], `SandboxHandle::guest_files`, one agent stream
+//!   per operation), so the same rules hold in the guest. The gateway counts an upload's
+//!   bytes against the limit itself and caps what the guest sends (listing entries, a
+//!   read's announced size, line lengths, a deadline per step).
+//!
+//! *Invariants* (kept by `cellgate_agent::workspace` on both sides): every path is resolved
+//! with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS |
+//! RESOLVE_NO_XDEV)` from a directory handle, so no link the kernel plants (absolute,
+//! relative, swapped in during the request) is ever followed; client paths are relative,
+//! without `.`/`..`/NUL; uploads go to a temporary name and are renamed into place (a link
+//! at the target is replaced, not followed; an oversized upload leaves nothing); files are
+//! created with the sandbox user's uid/gid, taken per thread around the syscalls (a tmpfs
+//! mounted in the sandbox's user namespace refuses inodes for root, which it cannot map);
+//! reads refuse anything but regular files (a FIFO would hang the gateway).
 //!
 //! Everything here blocks: callers run it on blocking threads.
 //!

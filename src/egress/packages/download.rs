@@ -6,10 +6,11 @@
 //! through a `watch` channel. Every client asking for the same sha256 meanwhile joins it
 //! (single flight) and streams the temporary file as it grows ([`FileBody`]), with
 //! upstream's `Content-Length`, so pip shows real progress and gateway memory does not grow
-//! with the file. The file is renamed into the cache (named by its sha256) only when the
-//! hash matched; on a mismatch or a broken transfer it is deleted and every client's body
-//! ends in an error. A client never receives a file's last byte before its hash matched, so
-//! pip never holds a whole, unverified file.
+//! with the file. The file is renamed into the cache (named by its sha256, and hashed again
+//! once per process when it is next served from there) only when the hash matched; on a
+//! mismatch or a broken transfer it is deleted and every client's body ends in an error. A
+//! client never receives a file's last byte before its hash matched, so pip never holds a
+//! whole, unverified file.
 //!
 //! Limits, so that a hostile kernel cannot make the gateway download for nobody, hold the
 //! slots other tenants wait for, or fill the disk:

@@ -1,15 +1,18 @@
 //! The package index cellgate serves to sandboxes: PEP 503 (HTML) and PEP 691 (JSON) simple
-//! API, listing only what the session's policy allows.
+//! API, listing only what the session's policy allows (project names normalised per PEP 503;
+//! the policy's PEP 440 specifiers, such as `>=1.2,!=1.3.*`, compared by `pep440_rs`, filter
+//! the files).
 //!
 //! Reached by pip inside the sandbox as `http://packages.cellgate.internal/simple/` through
 //! the egress proxy (the proxy hands those requests here, whatever the egress rules say).
-//! Files come from an upstream simple index (PEP 691 JSON; default PyPI) or, offline, from a
-//! wheelhouse directory. Upstream files stream to pip as they download, once however many
-//! sessions ask (`download.rs`), into a shared on-disk cache named by their sha256, kept only
-//! when the download's hash matched the index's; every file is served under
-//! `/files/<sha256>/<filename>` with its `Content-Length` (so pip draws a progress bar), and a
-//! session gets a file only if its policy allows the file's project and version: knowing
-//! another tenant's hash opens nothing.
+//! Files come from an upstream simple index (PEP 691 JSON; `--package-index`, default PyPI)
+//! or, offline, from a wheelhouse directory (`--wheelhouse`). Upstream files stream to pip
+//! as they download, once however many sessions ask (`download.rs`), into a shared on-disk
+//! cache named by their sha256, kept only when the download's hash matched the index's;
+//! every file is served under `/files/<sha256>/<filename>` with its `Content-Length` (so
+//! pip draws a progress bar, which API v1 collapses to one line), and every file request
+//! asks the policy again: a session gets a file only if its policy allows the file's
+//! project and version, so knowing another tenant's hash opens nothing.
 //!
 //! Downloads are bounded (`download.rs` has the limits): a session waits or downloads at
 //! most [`MAX_SESSION_FLIGHTS`] files at once and a file waits at most
@@ -20,7 +23,9 @@
 //! A project the policy does not list answers 404 (pip fails at once: "no matching
 //! distribution") and a denial naming the project and the policy is attached to the running
 //! execution; when pip asks for it right after fetching an allowed project, the denial says
-//! it is a dependency of that project.
+//! it is a dependency of that project. With `dependencies = "implicit"` the index also
+//! serves the projects declared in `Requires-Dist` of the allowed wheels the session fetched
+//! (`wheel.rs` reads them, recorded before pip gets the wheel's last byte).
 //!
 //! Part of the egress proxy (it is the proxy's one built-in upstream, served under
 //! [`super::INDEX_HOST`]). Must not depend on: kernels (it reports through [`super::Session`]).

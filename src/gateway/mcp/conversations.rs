@@ -18,9 +18,10 @@
 //!   again and the open refused, so concurrent opens cannot overshoot. The gateway's cap
 //!   stays below what the cache of openers holds, so no opener is ever evicted for room.
 //! - **One record.** Whenever the gateway forgets an opener (the opener's `DELETE`, rmcp
-//!   answering that the session is gone, or idle expiry a little after rmcp's own), it also
-//!   closes the session in rmcp, gives the slot back and deletes the cellgate session the
-//!   tools made for the conversation, as its opener: a client that reconnects leaves no idle
+//!   answering that the session is gone, or idle expiry a minute after rmcp's own 2 h), it
+//!   also closes the session in rmcp, gives the slot back and deletes the cellgate session
+//!   the tools made for the conversation, as its opener (marked ended, so a racing tool call
+//!   cannot make a kernel nobody deletes): a client that reconnects leaves no idle
 //!   kernel behind, and no session lives on in rmcp that the gateway no longer counts.
 
 use std::collections::HashMap;

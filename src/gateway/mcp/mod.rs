@@ -14,6 +14,10 @@
 //! MCP session (`Mcp-Session-Id`), that session: two conversations get two kernels. A
 //! session that is gone (deleted, culled) is replaced by a fresh one, and the result says
 //! its earlier state is gone. Every result names its `session_id`, which any tool accepts.
+//! These default sessions are kept in a moka cache keyed by caller and MCP session (idle
+//! entries dropped after a day), with one lock per conversation, so parallel first calls
+//! make one kernel. An MCP session is its opener's alone, counted against its tenant's cap,
+//! and ends with its default session (`conversations.rs`).
 //!
 //! **Results a model can read.** Text first: status, stdout, stderr, the value, the error
 //! and traceback, artifacts with their summaries, denials, `state_generation`. Images (PNG,
@@ -23,7 +27,10 @@
 //! **Results a program can read.** The tools whose result is not a file's content also
 //! return it as `structuredContent`, typed in [`output`] (whose schemas are their
 //! `outputSchema`); the text is rendered from that same value. Every tool carries a title and
-//! its hints (read-only, destructive, idempotent, open world). [`oauth`] publishes `/mcp`'s
+//! its hints (read-only, destructive, idempotent, open world), set on each `#[tool]`;
+//! `run_python`'s `openWorldHint` is set when the server is built, from whether any policy
+//! allows egress or packages. The handler lists the router it holds, not rmcp's default of a
+//! fresh one per call, which would drop it. [`oauth`] publishes `/mcp`'s
 //! OAuth protected-resource metadata when the gateway names a JWT issuer.
 
 use std::sync::Arc;

@@ -1,8 +1,22 @@
 //! API v1, the surface for chat apps and agents: sessions, typed execution results (JSON,
 //! Server-Sent Events, or a WebSocket per session), artifacts and workspace files. The
 //! handlers parse requests into calls on [`crate::sessions`], [`crate::artifacts`] and
-//! [`crate::workspace`] and map their errors to [`ApiError`]; the OpenAPI document at
-//! `/v1/openapi.json` is generated from the same route table ([`openapi`]).
+//! [`crate::workspace`] and map their errors to [`ApiError`]. Contract: docs/api-v1.md.
+//!
+//! Routes live here, mounted in the gateway's router behind the auth layer. Bodies are
+//! parsed with a 400 and serde's message; SSE when the client accepts `text/event-stream`;
+//! the session WebSocket is `ws.rs` (JSON events out; `execute`, `interrupt`, `input_reply`,
+//! `restart` in); artifacts are served with `nosniff` and, for HTML and SVG,
+//! `Content-Security-Policy: sandbox`; uploads stream through a bounded channel to a
+//! blocking writer. Streams in results and events are plain text (`sessions/plain.rs`: ANSI
+//! stripped across chunk boundaries, carriage-return frames collapsed); the Kernel Gateway
+//! surface never passes through that.
+//!
+//! The OpenAPI document at `/v1/openapi.json` ([`openapi`]) is generated from the same route
+//! table, then given once what every route shares (the `ErrorBody` on each error status,
+//! its `code` listed as the `ErrorCode` enum; 401 (but on the public signed-link route),
+//! 429 and 500 and their headers; binary and SSE media types). It and the reference page
+//! (`docs.rs`, Swagger UI embedded by `build.rs`) need no credential.
 //!
 //! Tenancy: every handler takes the request's [`Principal`]; a session, artifact or file of
 //! another tenant answers 404 exactly like a missing one.

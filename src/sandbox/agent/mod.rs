@@ -6,6 +6,13 @@
 //! `KernelClient` is the same for every backend), one per workspace file operation
 //! ([`files`]), and the guest's egress connections, joined to the egress proxy.
 //!
+//! Over TCP, before the handshake, both ends prove the kernel's 256-bit key with an
+//! HMAC-SHA256 over a fresh nonce from each side (the labels differ per direction, so
+//! neither proof replays as the other); the agent runs proofs concurrently (16 at most, 10 s
+//! each), and a connection that proves the key supersedes the session before it, so a
+//! replica can take a kernel over from one that vanished without closing. This
+//! authenticates; it does not encrypt (SCALING.md).
+//!
 //! Everything the agent sends is hostile input: see each module.
 
 pub mod channels;

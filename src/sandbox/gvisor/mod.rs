@@ -57,7 +57,10 @@
 //! out-of-memory kill. This build does not enforce limits per process inside the Sentry:
 //! exceeding the memory limit kills the **whole** sandbox, and the pids limit counts the
 //! Sentry's threads and the ptrace stubs (one host process per guest process), so
-//! [`PIDS_OVERHEAD`] is added to the policy's number.
+//! [`PIDS_OVERHEAD`] is added to the policy's number; a refused guest fork shows in the
+//! sandbox's `pids` cgroup like any other (a ptrace stub per guest process).
+//! The Sentry synthesises the host-wide `/proc/sys/kernel/random/boot_id` and
+//! `/proc/cmdline` (the namespaces backend masks them with files of its own).
 //! Cgroups of a `runsc run` killed with its gateway are swept when the backend next starts.
 //!
 //! **Lifetime.** `runsc run` (attached) is spawned from one dedicated thread with

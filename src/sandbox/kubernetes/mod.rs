@@ -1,24 +1,39 @@
 //! The kubernetes backend: each kernel is a pod of the policy's image (its Python
 //! environment and `cellgate-agent`), in the policy's RuntimeClass (gVisor or Kata), reached
 //! over TCP through the same guest agent as a microVM (`sandbox/agent`). No cluster protocol
-//! of our own: the API server is the record of what runs where.
+//! of our own: the API server is the record of what runs where, spoken to through `kube`
+//! with the typed objects of `k8s-openapi`.
 //!
 //! A launch, in order:
 //! 1. the policy's NetworkPolicy is made sure of (once per policy and process): its pods
-//!    admit gateway pods on the agent's port and reach nothing;
-//! 2. the pod is created ([`objects::pod`]), then the Secret with the kernel's key, owned by
-//!    the pod (so the cluster deletes it with the pod, whoever deletes that); the kubelet
-//!    waits for the Secret before it starts the container;
-//! 3. the pod is watched until it runs; a pod still pending at the policy's deadline (an
-//!    image that does not pull, no node with room) is deleted and the launch fails with
-//!    Kubernetes' reason ([`KubernetesError::Pending`]);
+//!    admit gateway pods on the agent's port (7070) and reach nothing, not even DNS (their
+//!    egress is a stream of the agent link, so the egress proxy and package index apply
+//!    unchanged);
+//! 2. the pod is created ([`objects::pod`]: uid 1000, read-only root, every capability
+//!    dropped, `restartPolicy: Never`, the policy's RuntimeClass, requests = limits: the
+//!    policy's memory plus the agent's 48 MiB, its CPUs, and the workspace as ephemeral
+//!    storage and as the `emptyDir` at `/home/user`), then the Secret with the kernel's
+//!    key, owned by the pod (so the cluster deletes it with the pod, whoever deletes that);
+//!    the kubelet waits for the Secret before it starts the container;
+//! 3. the pod is watched until it runs (`status.rs` reads Kubernetes' own reasons); a pod
+//!    still pending at the policy's `pending_timeout` (an image that does not pull, no node
+//!    with room), or at once for a reason that never clears (`ErrImageNeverPull`,
+//!    `CreateContainerConfigError`), is deleted and the launch fails with that reason
+//!    ([`KubernetesError::Pending`]; HTTP 503, `pod_pending` or `pod_failed`);
 //! 4. the gateway dials the pod's address, proves the key and makes the agent prove it
 //!    (a pod address reused by another pod is refused), then starts the kernel through the
 //!    agent, and serves the kernel's channels on unix sockets at its ipc paths, as for a VM.
 //!
 //! Afterwards the pod stays watched: a pod that fails, is evicted or deleted by someone else
 //! ends the kernel as `sandbox_lost` with the reason; the kernel's own end comes from the
-//! agent (its exit status, an out-of-memory kill). `kill` deletes the pod and the Secret.
+//! agent (its exit status, an out-of-memory kill read from the container's cgroup). `kill`
+//! asks the agent to kill the kernel and deletes the pod and the Secret. Usage is the
+//! container's cgroup as the agent reads it, refreshed in the background (the `Sandbox`
+//! trait's usage call is synchronous). The policy's pids limit is not enforced in a pod (the
+//! kubelet's `podPidsLimit` is per node).
+//!
+//! Gateway replicas share this backend's kernels: [`replicas`] records who owns which
+//! kernel in Leases (the `Ownership` implementation of this backend).
 //!
 //! Must not depend on: kernels, policies, HTTP (the policy's `[kubernetes]` section arrives
 //! as [`PodSettings`] in the launch spec).

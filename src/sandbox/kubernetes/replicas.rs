@@ -1,20 +1,31 @@
 //! Gateway replicas on Kubernetes: who owns which kernel, recorded in `coordination.k8s.io`
 //! Leases, with the API server as the only arbiter (no protocol of our own between
-//! replicas).
+//! replicas). `Replicas` is this backend's implementation of the `Ownership` trait
+//! (`crate::ownership`); a single gateway's is `SingleGateway`.
 //!
 //! - Each replica holds a Lease of its own, `cellgate-replica-<id>`, renewed every
-//!   [`RENEW_EVERY`] for [`LEASE_SECONDS`], annotated with the URL other replicas reach it at.
+//!   [`RENEW_EVERY`] (5 s) for [`LEASE_SECONDS`] (15 s), annotated with the URL other
+//!   replicas reach it at.
 //! - Each kernel pod has a Lease `cellgate-kernel-<kernel id>` whose holder is its owning
 //!   replica process (its id and incarnation), labelled with the owner, tenant and policy
 //!   (listings and caps count these across replicas). It is written when a kernel gets a
 //!   pod or changes hands, never renewed: a kernel's owner is alive as long as the owner's
 //!   replica Lease is, so the API's load is per replica, not per kernel. The gateway deletes
 //!   it with the kernel (no owner reference: a restart moves it to the kernel's new pod).
-//! - A replica is gone when its Lease is released (a graceful shutdown hands its kernels
-//!   over that way) or has not changed for a full lease duration as *this* replica's clock
-//!   measures it (clocks of different nodes are never compared). Its kernels are then
+//! - A replica is gone when its Lease is released (holder empty: a graceful shutdown hands
+//!   its kernels over that way) or has kept one resourceVersion for a full lease duration
+//!   as *this* replica's monotonic clock measures it, from when it first saw that version
+//!   (timestamps written by another node's clock are never compared). Its kernels are then
 //!   adopted: each live replica tries to take each kernel's Lease with the version it read,
 //!   and the API server's optimistic concurrency (409 to all but one) picks the new owner.
+//!   The winner reattaches to the pod through its agent, with the key from the kernel's
+//!   Secret, and gives it a session (`sessions/adoption.rs`: at once when a request names
+//!   the kernel, and by a sweep every [`RENEW_EVERY`] for kernels no request names). The
+//!   kernel keeps its process, variables and id.
+//!
+//! *Invariant:* a kernel has exactly one owner: its Lease is created by the replica that
+//! made the pod and changes hands only by a PUT carrying the resourceVersion read, so the
+//! API server's optimistic concurrency lets one replica win.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -5,8 +5,9 @@
 //! start (between fork and exec, before any instruction of theirs runs):
 //!
 //! - **in a cgroup of their own** (`<gateway's cgroup>/cellgate/<kernel>.vm-…`, the shared
-//!   [`crate::sandbox::cgroups`]): memory = the guest's RAM plus the VMM's own overhead, CPU
-//!   quota = the policy's CPUs, a pid limit; the gateway reads the VM's cost there and
+//!   [`crate::sandbox::cgroups`]): memory = the guest's RAM plus the VMM's own overhead
+//!   (with QEMU's translated-code cache fixed at 128 MiB under TCG), CPU quota = the
+//!   policy's CPUs, a pid limit (256 tasks); the gateway reads the VM's cost there and
 //!   removes it when the VM is gone;
 //! - **as nobody in particular**: under a root gateway, a uid and gid of their own, one pair
 //!   per live VM ([`IDENTITY_BASE`] onwards, no supplementary group but `/dev/kvm`'s under
@@ -23,12 +24,16 @@
 //!   of the host's files;
 //! - **in network, IPC and UTS namespaces of their own**: no interface but a down
 //!   loopback, no host abstract sockets, no host System V IPC;
-//! - **with resource limits**: open files ([`NOFILE`]), file size ([`fsize`]: the workspace
-//!   disk or the guest's RAM (a memfd) is the largest file a VMM writes, so a guest flooding
+//! - **with resource limits**: open files ([`NOFILE`], 1024), file size ([`fsize`]: the
+//!   larger of the workspace disk and the guest's RAM (a memfd), the largest file a VMM
+//!   writes, so a guest flooding
 //!   its console fills at most that much; `SIGXFSZ` is ignored so the flood fails its writes
 //!   instead of killing the VM), no core dumps, and `no_new_privs`;
 //! - **with only the descriptors it is meant to have**: stdio, and a snapshot's when it
 //!   restores one; everything else the gateway holds is close-on-exec, whoever opened it.
+//!
+//! The gateway reads the VM's console through the handle it created the file with, never
+//! through the path (which the VMM could turn into a link to a host file).
 //!
 //! QEMU adds its own seccomp filter (`-sandbox on`, see `qemu.rs`).
 

@@ -10,6 +10,11 @@
 //! - the host's OOM killer ended the VMM at the VM's memory limit on the host (its cgroup
 //!   counts it);
 //! - the VMM itself crashed or was killed by someone else.
+//!
+//! A kernel killed by a fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE) also carries the guest
+//! kernel's record of it (`guest/agent/src/fault.rs`: the `segfault at … ip … in module[…]`
+//! line from `/dev/kmsg`, the offset in the module and the code bytes), as the namespaces
+//! backend does from the host's log.
 
 use std::fs::File;
 use std::os::unix::process::ExitStatusExt;

@@ -4,17 +4,32 @@
 //! # Design
 //!
 //! **One VM per kernel.** The VMM ([`vmm::Vmm`]; QEMU's `microvm` machine today, see
-//! `qemu`) boots the project's guest kernel (`guest/kernel.config`) straight into an
-//! initramfs that holds only the agent (`guest/agent`). The agent mounts the shared
-//! read-only root image (Debian's Python and the kernel's venv, `guest/build-image.py`)
-//! under a tmpfs overlay the size of the writable layer, and waits for the gateway.
+//! `qemu`, behind that trait so Firecracker or Cloud Hypervisor can be added) boots the
+//! project's guest kernel (a Linux built from Debian's source with `guest/kernel.config`)
+//! straight into an initramfs that holds only the agent (`guest/agent`, a crate of this
+//! workspace, pid 1). The agent mounts the shared read-only ext4 root image (Debian's Python
+//! and the kernel's venv at `/opt/cellgate/venv`, `guest/build-image.py`) under a tmpfs
+//! overlay the size of the writable layer, and waits for the gateway. `./dev setup` builds
+//! all three into `target/guest/` (each cached by the hash of its inputs) and names them in
+//! `guest.json` ([`image`]).
 //!
 //! **No network.** The guest has no network device at all. Everything crosses one byte
 //! stream, the agent link ([`vmm::AgentLink`]: hybrid vsock through vhost-device-vsock by
-//! default, or virtio-serial; see [`link`]), carrying a yamux session (`agent`): a control stream for
-//! start/signal/usage/exit, one stream per ZMQ connection of the kernel's five channels,
-//! and one per TCP connection the kernel makes to its proxy port, joined here to the
-//! gateway's egress proxy, so egress and package policies hold unchanged.
+//! default, the agent dialing the host, or virtio-serial; see [`link`]), carrying a yamux
+//! session (`sandbox::agent`, protocol in `guest/agent/src/protocol.rs`): a JSON-lines
+//! control stream (zygote, restored, start, signal, kill, usage, the kernel's exit), one
+//! stream per ZMQ connection of the kernel's five channels, one per TCP connection the
+//! kernel makes to its proxy port 127.0.0.1:3128, joined here to the gateway's egress proxy,
+//! so egress and package policies hold unchanged, and one per workspace file operation
+//! (list, read, a framed write committed by an empty frame, so a dropped upload leaves
+//! nothing; stat, mkdir, rename, remove; the same `cellgate_agent::workspace` code as a host
+//! workspace).
+//!
+//! Two things the link taught: yamux takes in window updates only on reads, so a side that
+//! only writes (an upload, a download) keeps a task reading the stream, or it stalls after
+//! the first 256 KiB; and the agent writes at most 8 KiB at a time to vsock, because
+//! vhost-device-vsock 0.3.0 lost bytes of larger writes (the gateway's yamux decoder met file
+//! bytes where a frame header belonged).
 //!
 //! **The gateway's side of the channels** (`channels`): the backend listens on the ipc
 //! paths of the kernel's connection info (in the runtime directory) and turns each
@@ -28,9 +43,30 @@
 //! guest cgroup's; the workspace is a sparse ext4 disk of the policy's size, private to the
 //! VM and deleted with it.
 //!
-//! **Host detection** ([`accel`]): real VMX/SVM means KVM; a PVM-only host (this project's
-//! CI machines) or none means QEMU's emulation (TCG), which works but is ~50x slower for
-//! Python and is refused unless emulation is allowed.
+//! **Host detection** ([`accel`]): real VMX/SVM means KVM, where the guest gets `-cpu host`;
+//! a PVM-only host (this project's CI machines) or none means QEMU's emulation (TCG), which
+//! works but is ~50x slower for Python and is refused at launch unless
+//! `--microvm-allow-emulation` or the policy's `[sandbox] allow_emulation` allows it. Under
+//! TCG the guest is given the host's TSC rate (a busy host otherwise made guests hang
+//! calibrating their timers) and the `Nehalem` CPU model, not `max` (`qemu::TCG_CPU` says
+//! why: QEMU 7.2 mis-decodes the AVX2 gathers numpy's argsort uses).
+//!
+//! **Why a VM ended** (`handle.rs`): the kernel's own end (code, signal, OOM, pids) is told
+//! apart from a VMM killed by the gateway, a guest kernel panic (from its console) and a VMM
+//! crash; a kernel killed by a fault also carries the guest kernel's record of it.
+//!
+//! **The warm pool** (`snapshot.rs`, `qmp.rs`): later sessions of a kind of VM are restored
+//! from a snapshot of a zygote VM instead of booting.
+//!
+//! # Invariants
+//!
+//! - Everything from the guest is hostile input: lines are capped, requests and replies have
+//!   deadlines, guest-opened streams are capped per VM (64) and yamux to 128 streams of
+//!   256 KiB windows, the log tail and console are read to a bounded length, and a malformed
+//!   message ends the session and the VM (reported as a sandbox failure).
+//! - A VMM its guest took over holds nothing else (`confine.rs`, `hostview.rs`).
+//! - A snapshot holds nothing per session or secret, and every clone redraws what the zygote
+//!   drew (`snapshot.rs`).
 //!
 //! Must not depend on: kernels' channels, sessions, HTTP.
 

@@ -5,29 +5,50 @@
 //! A session whose kind of VM has a snapshot gets a VM restored from it instead of a boot:
 //! under emulation the restore takes ~0.5 s and the kernel is ready ~3 s after the request (ipykernel
 //! setting itself up for its connection, ~50x slower than native), against ~12 s from a boot. The first
-//! session of a kind boots, and asks for the kind's snapshot to be made in the background.
+//! session of a kind boots, and asks for the kind's snapshot to be made in the background
+//! (one at a time).
+//!
+//! **Making one.** A kind is the VM's RAM, vCPUs, the launcher command and what of its
+//! environment Python reads at its start. Its zygote VM runs over virtio-serial (QEMU 7.2
+//! cannot save a VM with a vhost-user device); its agent starts the kernel launcher in zygote
+//! mode (`--cellgate-zygote`: Python with ipykernel imported and the kernelspec's preload
+//! list, `CELLGATE_PRELOAD`: numpy, pandas and matplotlib with its inline backend and one
+//! figure drawn, so a first chart pays no import; under emulation only with
+//! `--microvm-preload-under-emulation`), in the kernel's cgroup. Then its link is closed and
+//! the VM stopped and saved through QMP `migrate` to a descriptor. A later session's VM is
+//! loaded from that descriptor (`-incoming fd:3`) and resumed (`cont`); the agent gets
+//! `restored` before `start`, which hands the zygote its argv, environment and connection
+//! file (it reseeds and becomes the kernel) or, for a command it cannot become, ends it and
+//! starts a fresh process. The agent handshake (`guest/agent/src/protocol.rs`) is built for
+//! restores: a restored guest still ending its saved session never reaches yamux.
+//! Other backends start kernels afresh or fork them (the namespaces backend's zygote);
+//! gVisor and Kubernetes pods have no fork or snapshot path yet.
 //!
 //! **What a clone shares, and what it does not.** Everything in the snapshot is the same in
 //! every VM restored from it, so nothing secret or per-session is in it: the zygote has no
 //! connection file (key, session id, ports come with the start request, after the restore),
 //! and no workspace (its disk is a blank placeholder; a restored VM gets a fresh disk of its
 //! policy's size, which the agent mounts at the start after dropping the blocks the guest
-//! cached of the blank one). What the zygote did draw from random generators is refreshed
-//! after the restore: the agent reseeds the guest kernel's generator with host randomness
-//! (`RNDADDENTROPY`-style write plus `RNDRESEEDCRNG`) and sets the clock, and the zygote
-//! reseeds Python's `random` before it becomes the kernel. One thing cannot be redrawn in a
+//! cached of the blank one, `BLKFLSBUF`; the placeholder is a sparse 1 TiB). What the zygote
+//! did draw from random generators is refreshed after the restore: the agent reseeds the
+//! guest kernel's generator with host randomness (`RNDADDENTROPY`-style write plus
+//! `RNDRESEEDCRNG`) and sets the clock, and the zygote reseeds Python's `random` and numpy's
+//! global generator before it becomes the kernel. One thing cannot be redrawn in a
 //! running interpreter: the seed of `str` hashing (`PYTHONHASHSEED`), which clones share.
 //!
-//! **Files.** A snapshot is `<dir>/<key>.vmstate`, readable only by the gateway's user; the
-//! restored VMM gets it as an open descriptor, never the path. `<key>` hashes everything the
+//! **Files.** A snapshot is `<dir>/<key>.vmstate`, mode 0600; the restored VMM gets it as an
+//! open descriptor, never the path. The directory must be the gateway's own, mode 0700
+//! (otherwise snapshots are off, said loudly), and a snapshot is opened only as the
+//! gateway's private regular file, never through a link. `<key>` hashes everything the
 //! state depends on (the guest images, the QEMU binary, the VM's shape and command line, the
 //! zygote's command and start-up environment, the agent protocol), so a changed input makes
 //! a new snapshot rather than restoring a stale one, and snapshots survive a gateway restart.
-//! A snapshot a restore fails on is deleted and made again.
+//! A snapshot a restore fails on is deleted, the session boots, and the kind is made again
+//! after [`RETRY_AFTER`] (5 minutes).
 //!
 //! **Eviction.** Each snapshot is about its VM's RAM, and every change of an input makes a
-//! new one: at most [`KEEP`] are kept, the most recently used (a restore marks its file's
-//! modification time), and none unused for [`UNUSED_FOR`]. Eviction runs when the
+//! new one: at most [`KEEP`] (8) are kept, the most recently used (a restore marks its file's
+//! modification time), and none unused for [`UNUSED_FOR`] (14 days). Eviction runs when the
 //! directory is opened and after each build. Gateways sharing a directory evict each
 //! other's snapshots by the same rule; one that finds its snapshot gone boots and builds
 //! it again.

@@ -10,7 +10,8 @@
 //!    helper's stderr, which the gateway copies into the log file; a pipe, so the kernel can
 //!    reopen `/dev/stderr` and never learns the log's host path); every other inherited
 //!    descriptor is closed, so the event channel to the gateway is out of its reach;
-//! 3. rlimits: no core dumps; `RLIMIT_AS` when the plan asks for it (no memory cgroup);
+//! 3. rlimits: no core dumps; 4096 open files whatever the gateway's own limit (which it
+//!    raises for itself); `RLIMIT_AS` when the plan asks for it (no memory cgroup);
 //! 4. the workspace as working directory;
 //! 5. `PR_SET_NO_NEW_PRIVS`, then Landlock (best effort), then the seccomp filter, last,
 //!    because it also denies calls the earlier steps make;

@@ -11,8 +11,8 @@
 //! 1. reads the [`Plan`] (one JSON line on stdin);
 //! 2. unshares new user, mount, network, IPC, UTS and pid namespaces (the pid namespace
 //!    applies to its children), reports [`Event::Unshared`] and waits for the gateway's `go`
-//!    line: meanwhile the gateway writes the uid/gid maps and moves the helper into the
-//!    kernel's cgroups;
+//!    line: meanwhile the gateway writes the uid/gid maps (a helper forked from a zygote
+//!    writes its own first: see `zygote.rs`) and moves the helper into the kernel's cgroups;
 //! 3. unshares a cgroup namespace (now rooted at the kernel's cgroup) and forks the init,
 //!    which becomes PID 1 of the new pid namespace (see [`super::pid1`]);
 //! 4. reports the init's host pid, waits for it and exits with its status.

@@ -24,8 +24,9 @@
 //! 1. The gateway computes a [`plan::Plan`] (command, environment, paths, the Python
 //!    environment's directories, sizes), creates the kernel's cgroup ([`crate::sandbox::cgroups`]) and, when
 //!    it is root, hands the runtime directory to the sandbox's host uid ([`idmap`]).
-//! 2. It spawns the helper from one dedicated thread with `PR_SET_PDEATHSIG(SIGKILL)` (the
-//!    signal fires when the *thread* that forked exits, as in the process backend), writes
+//! 2. It spawns the helper (`main` dispatches `__sandbox-init` before anything else) from
+//!    one dedicated thread with `PR_SET_PDEATHSIG(SIGKILL)` (the signal fires when the
+//!    *thread* that forked exits, as in the process backend), writes
 //!    the plan to its stdin and reads events from its stdout. The helper's stderr is a pipe
 //!    that becomes the kernel's stdout and stderr; the gateway copies it into the log file
 //!    (at most 64 MiB).
@@ -52,7 +53,17 @@
 //! the files through `/proc/<kernel pid>/root/home/user`).
 //!
 //! Workspace, `/tmp` and `/dev/shm` are tmpfs: what the kernel writes there is memory,
-//! charged to its memory cgroup, so the memory limit bounds them too.
+//! charged to its memory cgroup, so the memory limit bounds them too (the cgroup holds the
+//! policy's memory plus the workspace's size, so a full workspace is `ENOSPC`, not an
+//! out-of-memory kill).
+//!
+//! A kernel killed by a fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE) is reported with the host
+//! kernel's record of it (the `segfault at … ip … in module[…]` line from `/dev/kmsg`, for
+//! the kernel's own pid only, where the gateway runs in the host's pid namespace and may
+//! read that log), as the microvm backend does from the guest's.
+//!
+//! Kernels are forked from a warm zygote by default ([`zygote`]; `--kernel-zygote false`
+//! starts every kernel cold as above).
 //!
 //! What is not isolated: the host kernel itself (seccomp narrows, does not remove, its
 //! surface), CPU caches and timing. Without cgroups (an unprivileged gateway without a

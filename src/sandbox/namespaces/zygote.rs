@@ -7,41 +7,57 @@
 //!
 //! The zygote is itself a sandbox of this backend, started like a kernel ([`Role::Zygote`]):
 //! its own user, mount, net, ipc, uts and pid namespaces, the same read-only root (so the
-//! modules it imports have the paths every kernel sees), no capabilities, no network, a
-//! cgroup of its own. It differs from a kernel in three ways: its seccomp filter lets it
-//! build sandboxes (namespaces, mounts, `pivot_root`), its standard input is the gateway's
-//! control socket, and its init outlives it while sandboxes forked from it still run.
+//! modules it imports have the paths every kernel sees), uid 1000, no capabilities, no
+//! network, a cgroup of its own. It differs from a kernel in three ways: no Landlock and a
+//! seccomp filter that lets it build sandboxes (namespaces, mounts, `pivot_root`, which its
+//! children need), its standard input is the gateway's control socket, and its init outlives
+//! it while sandboxes forked from it still run.
+//!
+//! What it holds: Python with ipykernel and the preload list (the shipped kernelspec's:
+//! numpy, pandas, matplotlib, seaborn) imported, one warm-up chart drawn (so a first chart
+//! costs what a second does), the libraries' thread pools held to one thread
+//! ([`ONE_THREAD`]: a fork copies only the forking thread), and `gc.freeze()`d. The warm-up
+//! loads matplotlib's inline backend before any IPython shell exists, so each forked kernel
+//! hooks that backend into its own shell after `IPKernelApp.initialize()`.
 //!
 //! For each kernel the gateway sends the zygote three descriptors (and the egress proxy's
 //! socket, opened `O_PATH`) and nothing else: the pipes a helper has as standard input,
-//! output and error. The zygote forks; the child (`setsid`, its signals reset) makes them its
-//! stdio and calls `cellgate_become_kernel` in the library built from this crate
+//! output and error. The zygote forks; the child (`setsid`, its signals reset) makes them
+//! its stdio and calls `cellgate_become_kernel` in the library built from this crate
 //! (`zygote/`, `libcellgate_zygote.so`, shown read-only in the zygote's root): the **same
 //! helper, init and confinement code** a cold start runs, on a [`Role::Forked`] plan. The
 //! child is the helper: it reads the plan from the pipe, unshares a new user namespace (a
 //! child of the zygote's, which root owns, so no host uid gains any right over it) and the
-//! rest, and the gateway writes its id maps and moves it into the kernel's cgroup from
-//! outside, as for any helper. The init builds the root from the zygote's own root (the
-//! plan's host paths are mapped to where the zygote shows them, [`forked_plan`]); the kernel
-//! process is confined exactly as a cold kernel (stdio, rlimits, `no_new_privs`, Landlock,
-//! the kernel's seccomp filter stacked on the zygote's) and then returns to Python instead of
-//! `execve`: the launcher takes the plan's environment and arguments, reseeds what a fork
-//! shares (`random`, numpy, OpenSSL) and runs the kernel.
+//! rest, and writes its own id maps (only a process of the parent user namespace or of the
+//! namespace itself may, and the gateway, with the zygote's namespace between, is neither);
+//! the gateway moves it into the kernel's cgroup from outside, as for any helper. The init
+//! builds the root from the zygote's own root (the plan's host paths are mapped to where
+//! the zygote shows them, [`forked_plan`]); the kernel process is confined exactly as a
+//! cold kernel (stdio, rlimits, `no_new_privs`, Landlock, the kernel's seccomp filter
+//! stacked on the zygote's) and then returns to Python instead of `execve`: the launcher
+//! takes the plan's environment and arguments, writes its own command line and environment
+//! over the zygote's in /proc, reseeds what a fork shares (`random`, numpy, OpenSSL) and
+//! runs the kernel.
 //!
 //! No key, environment or plan ever reaches the zygote's memory (which every later kernel
 //! inherits): the plan travels on a pipe only the child reads. The zygote cannot be reached
-//! from a kernel: another pid namespace (nested), another root, and its socket closed.
+//! from a kernel: another pid namespace (nested), another root, and its socket closed. What
+//! every kernel of one zygote does share is its address-space layout and its `str` hash
+//! seed (hence the replacements below).
 //!
 //! # Lifetime
 //!
 //! One zygote per [`Kind`] (the launcher command, its start-up environment and what the
 //! sandbox shows), started by the first kernel of its kind; kernels of the kind wait for a
 //! starting zygote (at most [`ZygoteSettings::ready_timeout`]) rather than start cold, so a
-//! gateway's first burst forks too. A zygote is replaced after [`ZygoteSettings::max_forks`] kernels or
-//! [`ZygoteSettings::max_age`] (its address-space layout and `str` hash seed are shared by
-//! every kernel forked from it). A zygote that dies, or a fork that fails, costs a cold start,
-//! never a session; a broken kind is retried after [`RETRY_AFTER`]. Kernels outlive their
-//! zygote: its init keeps them.
+//! gateway's first burst forks too. A zygote is replaced after [`ZygoteSettings::max_forks`]
+//! kernels or [`ZygoteSettings::max_age`] (500 and an hour; `--kernel-zygote-max-forks`,
+//! `--kernel-zygote-max-age`), and the kernels that come while its successor starts still
+//! fork from it. A zygote that dies, or a fork that fails, costs a cold start and a new
+//! zygote, never a session; a broken kind is retried after [`RETRY_AFTER`]. Kernels outlive
+//! their zygote: its init keeps them. On by default; `--kernel-zygote false` starts every
+//! kernel cold. `cellgate_zygote_*` metrics count starts, forks and cold starts, and
+//! `cellgate doctor` imports each preload list as a zygote would.
 
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader};
