@@ -13,6 +13,7 @@
 pub mod commands;
 pub mod events;
 mod execution;
+mod outputs;
 mod plain;
 
 use std::collections::{BTreeMap, HashMap};
