@@ -662,277 +662,454 @@ fn default_package_cache() -> PathBuf {
         .join("packages")
 }
 
+/// Where and how the gateway listens: its address and the path it serves under.
+struct Listener {
+    ip: IpAddr,
+    port: u16,
+    base_url: String,
+}
+
+fn listener(args: &ServeArgs, file: &mut FileConfig) -> Result<Listener, ConfigError> {
+    let ip = match args.ip {
+        Some(ip) => Some(ip),
+        None => env_parse::<IpAddr>("CELLGATE_IP")?.or(env_parse("KG_IP")?),
+    }
+    .or(file.ip)
+    .unwrap_or(IpAddr::from([127, 0, 0, 1]));
+    let port = match args.port {
+        Some(port) => Some(port),
+        None => env_parse::<u16>("CELLGATE_PORT")?.or(env_parse("KG_PORT")?),
+    }
+    .or(file.port)
+    .unwrap_or(8888);
+    let base_url = args
+        .base_url
+        .clone()
+        .or_else(|| env_var("KG_BASE_URL"))
+        .or(file.base_url.take())
+        .unwrap_or_else(|| "/".to_owned());
+    if base_url.contains(['?', '#', ' ']) || base_url.contains("..") {
+        return Err(ConfigError::BadBaseUrl(base_url));
+    }
+    let base_url = format!("/{}/", base_url.trim_matches('/')).replace("//", "/");
+    Ok(Listener { ip, port, base_url })
+}
+
+/// Who may call: the static token, the JWT keys, and what each tenant may use.
+struct Auth {
+    token: Option<String>,
+    jwt: JwtSettings,
+    tenants: TenantSettings,
+}
+
+impl Auth {
+    /// Neither a token nor JWT keys: anyone who reaches the gateway is its admin.
+    fn open(&self) -> bool {
+        self.token.is_none() && !self.jwt.enabled()
+    }
+}
+
+/// The authentication settings; refused when nothing guards a non-loopback `ip`.
+fn auth(args: &ServeArgs, file: &mut FileConfig, ip: IpAddr) -> Result<Auth, ConfigError> {
+    let token = args
+        .token
+        .clone()
+        .or_else(|| env_var("CELLGATE_AUTH_TOKEN"))
+        .or_else(|| env_var("KG_AUTH_TOKEN"))
+        .or(file.token.take())
+        .filter(|t| !t.is_empty());
+    let auth = Auth {
+        token,
+        jwt: jwt(args, file),
+        tenants: tenants(args, file)?,
+    };
+    if auth.open() && !ip.is_loopback() {
+        return Err(ConfigError::TokenRequired { ip });
+    }
+    Ok(auth)
+}
+
+fn jwt(args: &ServeArgs, file: &mut FileConfig) -> JwtSettings {
+    let auth = &args.auth;
+    JwtSettings {
+        secret_file: auth
+            .jwt_secret_file
+            .clone()
+            .or_else(|| env_var("CELLGATE_JWT_SECRET_FILE").map(PathBuf::from))
+            .or(file.jwt_secret_file.take()),
+        public_keys: if auth.jwt_public_keys.is_empty() {
+            std::mem::take(&mut file.jwt_public_keys)
+        } else {
+            auth.jwt_public_keys.clone()
+        },
+        jwks_file: auth
+            .jwks_file
+            .clone()
+            .or_else(|| env_var("CELLGATE_JWKS_FILE").map(PathBuf::from))
+            .or(file.jwks_file.take()),
+        issuer: auth.jwt_issuer.clone().or(file.jwt_issuer.take()),
+        audience: auth.jwt_audience.clone().or(file.jwt_audience.take()),
+        leeway: Duration::from_secs(auth.jwt_leeway_s.or(file.jwt_leeway_s).unwrap_or(30)),
+    }
+}
+
+/// The file's `[tenants]`, with the command line's values over it.
+fn tenants(args: &ServeArgs, file: &mut FileConfig) -> Result<TenantSettings, ConfigError> {
+    let mut tenants = std::mem::take(&mut file.tenants);
+    if let Some(max) = args.auth.tenant_max_kernels {
+        tenants.max_kernels = Some(max);
+    }
+    if let Some(max) = args.auth.tenant_max_mcp_sessions {
+        tenants.max_mcp_sessions = Some(max);
+    }
+    if let Some(rate) = args.auth.tenant_rate {
+        tenants.rate = Some(rate);
+    }
+    if let Some(burst) = args.auth.tenant_burst {
+        tenants.burst = Some(burst);
+    }
+    if let Some(order) = &args.auth.policy_order {
+        // `a, b` in a variable means `a` and `b`.
+        tenants.policy_order = order.iter().map(|p| p.trim().to_owned()).collect();
+    }
+    tenants.validate()?;
+    Ok(tenants)
+}
+
+/// The origins whose pages may call the gateway; `*` is refused without authentication.
+fn allow_origin(
+    args: &ServeArgs,
+    file: &mut FileConfig,
+    auth: &Auth,
+) -> Result<Vec<String>, ConfigError> {
+    let allow_origin = if !args.allow_origin.is_empty() {
+        args.allow_origin.clone()
+    } else if let Some(list) = env_var("KG_ALLOW_ORIGIN") {
+        list.split(',').map(str::to_owned).collect()
+    } else {
+        file.allow_origin
+            .take()
+            .map(OneOrMany::into_vec)
+            .unwrap_or_default()
+    };
+    let allow_origin = allow_origin
+        .iter()
+        .map(|o| o.trim())
+        .filter(|o| !o.is_empty())
+        .map(normalise_origin)
+        .collect::<Result<Vec<_>, _>>()?;
+    if auth.open() && allow_origin.iter().any(|o| o == "*") {
+        return Err(ConfigError::AnyOriginWithoutToken);
+    }
+    Ok(allow_origin)
+}
+
+/// How the listener treats connections: its timeouts, the proxies it trusts, its limit.
+struct Connections {
+    header_read_timeout: Duration,
+    body_read_timeout: Duration,
+    idle_connection_timeout: Duration,
+    trusted_proxies: Vec<IpNet>,
+    max_connections: Option<usize>,
+}
+
+/// A connection timeout from the CLI, else the file, else its default; never zero.
+fn connection_timeout(
+    value: Option<Duration>,
+    default: u64,
+    name: &'static str,
+    consequence: &'static str,
+    least: &'static str,
+) -> Result<Duration, ConfigError> {
+    let value = value.unwrap_or(Duration::from_secs(default));
+    if value.is_zero() {
+        return Err(ConfigError::Zero {
+            name,
+            consequence,
+            least,
+        });
+    }
+    Ok(value)
+}
+
+fn connections(args: &ServeArgs, file: &mut FileConfig) -> Result<Connections, ConfigError> {
+    let header_read_timeout = connection_timeout(
+        args.header_read_timeout.or(file.header_read_timeout),
+        5,
+        "header_read_timeout",
+        "close every connection before its first request",
+        "a few seconds, e.g. 5s",
+    )?;
+    let body_read_timeout = connection_timeout(
+        args.body_read_timeout.or(file.body_read_timeout),
+        30,
+        "body_read_timeout",
+        "close every connection whose request has a body",
+        "some seconds, e.g. 30s",
+    )?;
+    let idle_connection_timeout = connection_timeout(
+        args.idle_connection_timeout
+            .or(file.idle_connection_timeout),
+        60,
+        "idle_connection_timeout",
+        "close every keep-alive connection after its first response",
+        "a few seconds, e.g. 60s",
+    )?;
+    let trusted_proxies = if args.trusted_proxies.is_empty() {
+        file.trusted_proxies
+            .take()
+            .map(OneOrMany::into_vec)
+            .unwrap_or_default()
+    } else {
+        args.trusted_proxies.clone()
+    };
+    let trusted_proxies = trusted_proxies
+        .iter()
+        .map(|value| value.trim())
+        .filter(|value| !value.is_empty())
+        .map(trusted_network)
+        .collect::<Result<Vec<_>, _>>()?;
+    let max_connections = args.max_connections.or(file.max_connections);
+    if max_connections == Some(0) {
+        return Err(ConfigError::Zero {
+            name: "max_connections",
+            consequence: "refuse every connection",
+            least: "1 (leave it unset for half the open-file limit)",
+        });
+    }
+    Ok(Connections {
+        header_read_timeout,
+        body_read_timeout,
+        idle_connection_timeout,
+        trusted_proxies,
+        max_connections,
+    })
+}
+
+/// The host variables a client may set for its kernel; none the gateway sets itself.
+fn env_allowlist(args: &ServeArgs, file: &mut FileConfig) -> Result<Vec<String>, ConfigError> {
+    let env_allowlist: Vec<String> = args
+        .env_allowlist
+        .as_ref()
+        .map(|names| names.iter().map(|n| n.trim().to_owned()).collect())
+        .or_else(|| {
+            env_var("KG_ENV_WHITELIST").map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
+        })
+        .or(file.env_allowlist.take())
+        .unwrap_or_default();
+    if let Some(name) = env_allowlist
+        .iter()
+        .find(|n| crate::policy::environment::reserved(n))
+    {
+        return Err(ConfigError::ReservedEnv(name.clone()));
+    }
+    Ok(env_allowlist)
+}
+
+fn max_connections_per_peer(args: &ServeArgs, file: &FileConfig) -> Result<usize, ConfigError> {
+    let max_connections_per_peer = args
+        .max_connections_per_peer
+        .or(file.max_connections_per_peer)
+        .unwrap_or(256);
+    if max_connections_per_peer == 0 {
+        return Err(ConfigError::Zero {
+            name: "max_connections_per_peer",
+            consequence: "refuse every connection",
+            least: "1; JupyterLab alone opens a few plus one WebSocket per kernel",
+        });
+    }
+    Ok(max_connections_per_peer)
+}
+
+/// Where kernels come from, how many may live, and how they are started and culled.
+struct Kernels {
+    kernels_dir: PathBuf,
+    policies_dir: PathBuf,
+    default_kernel_name: Option<String>,
+    sandbox: Option<Backend>,
+    max_kernels: Option<usize>,
+    cull_idle_timeout: Option<Duration>,
+    cull_interval: Duration,
+    cull_connected: bool,
+    start_timeout: Duration,
+    pool_size: usize,
+    kernel_zygote: bool,
+    kernel_zygote_max_forks: u32,
+    kernel_zygote_max_age: Duration,
+}
+
+fn kernels(args: &ServeArgs, file: &mut FileConfig) -> Result<Kernels, ConfigError> {
+    let cull = args
+        .cull_idle_timeout
+        .or(file.cull_idle_timeout)
+        .unwrap_or(0);
+    let seconds =
+        |value: Option<u64>, default: u64| Duration::from_secs(value.unwrap_or(default).max(1));
+    Ok(Kernels {
+        kernels_dir: args
+            .kernels_dir
+            .clone()
+            .or_else(|| env_var("CELLGATE_KERNELS_DIR").map(PathBuf::from))
+            .or(file.kernels_dir.take())
+            .unwrap_or_else(|| PathBuf::from("kernels")),
+        policies_dir: args
+            .policies_dir
+            .clone()
+            .or_else(|| env_var("CELLGATE_POLICIES_DIR").map(PathBuf::from))
+            .or(file.policies_dir.take())
+            .unwrap_or_else(|| PathBuf::from("policies")),
+        default_kernel_name: args
+            .default_kernel_name
+            .clone()
+            .or_else(|| env_var("KG_DEFAULT_KERNEL_NAME"))
+            .or(file.default_kernel_name.take()),
+        sandbox: args.sandbox.or(file.sandbox),
+        max_kernels: match args.max_kernels {
+            Some(max) => Some(max),
+            None => env_parse("KG_MAX_KERNELS")?,
+        }
+        .or(file.max_kernels),
+        cull_idle_timeout: (cull > 0).then(|| Duration::from_secs(cull)),
+        cull_interval: seconds(args.cull_interval.or(file.cull_interval), 300),
+        cull_connected: args.cull_connected.or(file.cull_connected).unwrap_or(false),
+        start_timeout: seconds(args.start_timeout.or(file.start_timeout), 60),
+        pool_size: args.pool_size.or(file.pool_size).unwrap_or(1),
+        kernel_zygote: args.kernel_zygote.or(file.kernel_zygote).unwrap_or(true),
+        kernel_zygote_max_forks: args
+            .kernel_zygote_max_forks
+            .or(file.kernel_zygote_max_forks)
+            .unwrap_or(500)
+            .max(1),
+        kernel_zygote_max_age: seconds(
+            args.kernel_zygote_max_age.or(file.kernel_zygote_max_age),
+            3600,
+        ),
+    })
+}
+
+/// How long artifacts and their links live, how links are signed, the disk they leave free.
+struct Artifacts {
+    retention: Duration,
+    link_ttl: Duration,
+    link_max_ttl: Duration,
+    link_key_file: Option<PathBuf>,
+    min_free_disk: u64,
+}
+
+fn artifacts(args: &ServeArgs, file: &mut FileConfig) -> Artifacts {
+    Artifacts {
+        retention: Duration::from_secs(
+            args.artifact_retention
+                .or(file.artifact_retention)
+                .unwrap_or(3600),
+        ),
+        link_ttl: args
+            .artifact_link_ttl
+            .or(file.artifact_link_ttl)
+            .unwrap_or(Duration::from_secs(3600)),
+        link_max_ttl: args
+            .artifact_link_max_ttl
+            .or(file.artifact_link_max_ttl)
+            .unwrap_or(Duration::from_secs(7 * 86_400)),
+        link_key_file: args
+            .artifact_link_key_file
+            .clone()
+            .or(file.artifact_link_key_file.take()),
+        min_free_disk: args
+            .artifact_min_free_disk
+            .or(file.artifact_min_free_disk)
+            .unwrap_or(DEFAULT_ARTIFACT_MIN_FREE_DISK),
+    }
+}
+
+/// Where packages come from, and how the egress proxy resolves and limits connections.
+struct Egress {
+    package_index: String,
+    wheelhouse: Option<PathBuf>,
+    package_cache_dir: PathBuf,
+    hosts: std::collections::BTreeMap<String, IpAddr>,
+    max_connections: usize,
+}
+
+fn egress(args: &ServeArgs, file: &mut FileConfig) -> Egress {
+    Egress {
+        package_index: args
+            .package_index
+            .clone()
+            .or(file.package_index.take())
+            .unwrap_or_else(|| "https://pypi.org/simple".to_owned()),
+        wheelhouse: args.wheelhouse.clone().or(file.wheelhouse.take()),
+        package_cache_dir: args
+            .package_cache_dir
+            .clone()
+            .or(file.package_cache_dir.take())
+            .unwrap_or_else(default_package_cache),
+        hosts: std::mem::take(&mut file.egress_hosts)
+            .into_iter()
+            .map(|(k, v)| (k.to_ascii_lowercase(), v))
+            .collect(),
+        max_connections: args
+            .egress_max_connections
+            .or(file.egress_max_connections)
+            .unwrap_or(32)
+            .max(1),
+    }
+}
+
+/// The microVM backend's settings the config file may give (the command line's win).
+fn microvm(args: &ServeArgs, file: &mut FileConfig) -> crate::sandbox::MicrovmConfig {
+    args.microvm.config(MicrovmFileSettings {
+        guest_dir: file.guest_dir.take(),
+        microvm_allow_emulation: file.microvm_allow_emulation,
+        microvm_snapshots: file.microvm_snapshots,
+        microvm_snapshot_dir: file.microvm_snapshot_dir.take(),
+        microvm_preload_under_emulation: file.microvm_preload_under_emulation,
+        guest_kernel: file.guest_kernel.take(),
+        guest_kernel_pvm: file.guest_kernel_pvm,
+    })
+}
+
 impl GatewayConfig {
     /// Resolves the settings: command line, then environment, then file, then defaults.
+    /// The groups are resolved in a fixed order: the first problem found is the one
+    /// reported.
     pub fn resolve(args: &ServeArgs) -> Result<GatewayConfig, ConfigError> {
-        let file = match &args.config {
+        let mut file = match &args.config {
             Some(path) => load_file(path)?,
             None => FileConfig::default(),
         };
-        let ip = match args.ip {
-            Some(ip) => Some(ip),
-            None => env_parse::<IpAddr>("CELLGATE_IP")?.or(env_parse("KG_IP")?),
-        }
-        .or(file.ip)
-        .unwrap_or(IpAddr::from([127, 0, 0, 1]));
-        let port = match args.port {
-            Some(port) => Some(port),
-            None => env_parse::<u16>("CELLGATE_PORT")?.or(env_parse("KG_PORT")?),
-        }
-        .or(file.port)
-        .unwrap_or(8888);
-        let token = args
-            .token
-            .clone()
-            .or_else(|| env_var("CELLGATE_AUTH_TOKEN"))
-            .or_else(|| env_var("KG_AUTH_TOKEN"))
-            .or(file.token)
-            .filter(|t| !t.is_empty());
-        let base_url = args
-            .base_url
-            .clone()
-            .or_else(|| env_var("KG_BASE_URL"))
-            .or(file.base_url)
-            .unwrap_or_else(|| "/".to_owned());
-        if base_url.contains(['?', '#', ' ']) || base_url.contains("..") {
-            return Err(ConfigError::BadBaseUrl(base_url));
-        }
-        let base_url = format!("/{}/", base_url.trim_matches('/')).replace("//", "/");
-        let jwt = JwtSettings {
-            secret_file: args
-                .auth
-                .jwt_secret_file
-                .clone()
-                .or_else(|| env_var("CELLGATE_JWT_SECRET_FILE").map(PathBuf::from))
-                .or(file.jwt_secret_file),
-            public_keys: if args.auth.jwt_public_keys.is_empty() {
-                file.jwt_public_keys
-            } else {
-                args.auth.jwt_public_keys.clone()
-            },
-            jwks_file: args
-                .auth
-                .jwks_file
-                .clone()
-                .or_else(|| env_var("CELLGATE_JWKS_FILE").map(PathBuf::from))
-                .or(file.jwks_file),
-            issuer: args.auth.jwt_issuer.clone().or(file.jwt_issuer),
-            audience: args.auth.jwt_audience.clone().or(file.jwt_audience),
-            leeway: Duration::from_secs(args.auth.jwt_leeway_s.or(file.jwt_leeway_s).unwrap_or(30)),
-        };
-        let mut tenants = file.tenants;
-        if let Some(max) = args.auth.tenant_max_kernels {
-            tenants.max_kernels = Some(max);
-        }
-        if let Some(max) = args.auth.tenant_max_mcp_sessions {
-            tenants.max_mcp_sessions = Some(max);
-        }
-        if let Some(rate) = args.auth.tenant_rate {
-            tenants.rate = Some(rate);
-        }
-        if let Some(burst) = args.auth.tenant_burst {
-            tenants.burst = Some(burst);
-        }
-        if let Some(order) = &args.auth.policy_order {
-            // `a, b` in a variable means `a` and `b`.
-            tenants.policy_order = order.iter().map(|p| p.trim().to_owned()).collect();
-        }
-        tenants.validate()?;
-        if token.is_none() && !jwt.enabled() && !ip.is_loopback() {
-            return Err(ConfigError::TokenRequired { ip });
-        }
-        let allow_origin = if !args.allow_origin.is_empty() {
-            args.allow_origin.clone()
-        } else if let Some(list) = env_var("KG_ALLOW_ORIGIN") {
-            list.split(',').map(str::to_owned).collect()
-        } else {
-            file.allow_origin
-                .map(OneOrMany::into_vec)
-                .unwrap_or_default()
-        };
-        let allow_origin = allow_origin
-            .iter()
-            .map(|o| o.trim())
-            .filter(|o| !o.is_empty())
-            .map(normalise_origin)
-            .collect::<Result<Vec<_>, _>>()?;
-        if token.is_none() && !jwt.enabled() && allow_origin.iter().any(|o| o == "*") {
-            return Err(ConfigError::AnyOriginWithoutToken);
-        }
-        // A connection timeout from the CLI, else the file, else its default; never zero.
-        let timeout = |value: Option<Duration>,
-                       default: u64,
-                       name: &'static str,
-                       consequence: &'static str,
-                       least: &'static str| {
-            let value = value.unwrap_or(Duration::from_secs(default));
-            if value.is_zero() {
-                return Err(ConfigError::Zero {
-                    name,
-                    consequence,
-                    least,
-                });
-            }
-            Ok(value)
-        };
-        let header_read_timeout = timeout(
-            args.header_read_timeout.or(file.header_read_timeout),
-            5,
-            "header_read_timeout",
-            "close every connection before its first request",
-            "a few seconds, e.g. 5s",
-        )?;
-        let body_read_timeout = timeout(
-            args.body_read_timeout.or(file.body_read_timeout),
-            30,
-            "body_read_timeout",
-            "close every connection whose request has a body",
-            "some seconds, e.g. 30s",
-        )?;
-        let idle_connection_timeout = timeout(
-            args.idle_connection_timeout
-                .or(file.idle_connection_timeout),
-            60,
-            "idle_connection_timeout",
-            "close every keep-alive connection after its first response",
-            "a few seconds, e.g. 60s",
-        )?;
-        let trusted_proxies = if args.trusted_proxies.is_empty() {
-            file.trusted_proxies
-                .map(OneOrMany::into_vec)
-                .unwrap_or_default()
-        } else {
-            args.trusted_proxies.clone()
-        };
-        let trusted_proxies = trusted_proxies
-            .iter()
-            .map(|value| value.trim())
-            .filter(|value| !value.is_empty())
-            .map(trusted_network)
-            .collect::<Result<Vec<_>, _>>()?;
-        let max_connections = args.max_connections.or(file.max_connections);
-        if max_connections == Some(0) {
-            return Err(ConfigError::Zero {
-                name: "max_connections",
-                consequence: "refuse every connection",
-                least: "1 (leave it unset for half the open-file limit)",
-            });
-        }
-        let env_allowlist: Vec<String> = args
-            .env_allowlist
-            .as_ref()
-            .map(|names| names.iter().map(|n| n.trim().to_owned()).collect())
-            .or_else(|| {
-                env_var("KG_ENV_WHITELIST")
-                    .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect())
-            })
-            .or(file.env_allowlist)
-            .unwrap_or_default();
-        if let Some(name) = env_allowlist
-            .iter()
-            .find(|n| crate::policy::environment::reserved(n))
-        {
-            return Err(ConfigError::ReservedEnv(name.clone()));
-        }
-        let max_connections_per_peer = args
-            .max_connections_per_peer
-            .or(file.max_connections_per_peer)
-            .unwrap_or(256);
-        if max_connections_per_peer == 0 {
-            return Err(ConfigError::Zero {
-                name: "max_connections_per_peer",
-                consequence: "refuse every connection",
-                least: "1; JupyterLab alone opens a few plus one WebSocket per kernel",
-            });
-        }
-        let cull = args
-            .cull_idle_timeout
-            .or(file.cull_idle_timeout)
-            .unwrap_or(0);
+        let file = &mut file;
+        let Listener { ip, port, base_url } = listener(args, file)?;
+        let auth = auth(args, file, ip)?;
+        let allow_origin = allow_origin(args, file, &auth)?;
+        let connections = connections(args, file)?;
+        let env_allowlist = env_allowlist(args, file)?;
+        let max_connections_per_peer = max_connections_per_peer(args, file)?;
+        let kernels = kernels(args, file)?;
+        let (artifacts, egress) = (artifacts(args, file), egress(args, file));
         Ok(GatewayConfig {
             ip,
             port,
-            token,
-            kernels_dir: args
-                .kernels_dir
-                .clone()
-                .or_else(|| env_var("CELLGATE_KERNELS_DIR").map(PathBuf::from))
-                .or(file.kernels_dir)
-                .unwrap_or_else(|| PathBuf::from("kernels")),
-            policies_dir: args
-                .policies_dir
-                .clone()
-                .or_else(|| env_var("CELLGATE_POLICIES_DIR").map(PathBuf::from))
-                .or(file.policies_dir)
-                .unwrap_or_else(|| PathBuf::from("policies")),
-            default_kernel_name: args
-                .default_kernel_name
-                .clone()
-                .or_else(|| env_var("KG_DEFAULT_KERNEL_NAME"))
-                .or(file.default_kernel_name),
-            sandbox: args.sandbox.or(file.sandbox),
-            max_kernels: match args.max_kernels {
-                Some(max) => Some(max),
-                None => env_parse("KG_MAX_KERNELS")?,
-            }
-            .or(file.max_kernels),
-            cull_idle_timeout: (cull > 0).then(|| Duration::from_secs(cull)),
-            cull_interval: Duration::from_secs(
-                args.cull_interval
-                    .or(file.cull_interval)
-                    .unwrap_or(300)
-                    .max(1),
-            ),
-            cull_connected: args.cull_connected.or(file.cull_connected).unwrap_or(false),
-            start_timeout: Duration::from_secs(
-                args.start_timeout
-                    .or(file.start_timeout)
-                    .unwrap_or(60)
-                    .max(1),
-            ),
-            pool_size: args.pool_size.or(file.pool_size).unwrap_or(1),
-            kernel_zygote: args.kernel_zygote.or(file.kernel_zygote).unwrap_or(true),
-            kernel_zygote_max_forks: args
-                .kernel_zygote_max_forks
-                .or(file.kernel_zygote_max_forks)
-                .unwrap_or(500)
-                .max(1),
-            kernel_zygote_max_age: Duration::from_secs(
-                args.kernel_zygote_max_age
-                    .or(file.kernel_zygote_max_age)
-                    .unwrap_or(3600)
-                    .max(1),
-            ),
-            artifact_retention: Duration::from_secs(
-                args.artifact_retention
-                    .or(file.artifact_retention)
-                    .unwrap_or(3600),
-            ),
-            artifact_link_ttl: args
-                .artifact_link_ttl
-                .or(file.artifact_link_ttl)
-                .unwrap_or(Duration::from_secs(3600)),
-            artifact_link_max_ttl: args
-                .artifact_link_max_ttl
-                .or(file.artifact_link_max_ttl)
-                .unwrap_or(Duration::from_secs(7 * 86_400)),
-            artifact_link_key_file: args
-                .artifact_link_key_file
-                .clone()
-                .or(file.artifact_link_key_file.clone()),
-            artifact_min_free_disk: args
-                .artifact_min_free_disk
-                .or(file.artifact_min_free_disk)
-                .unwrap_or(DEFAULT_ARTIFACT_MIN_FREE_DISK),
-            microvm: args.microvm.config(MicrovmFileSettings {
-                guest_dir: file.guest_dir.clone(),
-                microvm_allow_emulation: file.microvm_allow_emulation,
-                microvm_snapshots: file.microvm_snapshots,
-                microvm_snapshot_dir: file.microvm_snapshot_dir.clone(),
-                microvm_preload_under_emulation: file.microvm_preload_under_emulation,
-                guest_kernel: file.guest_kernel.clone(),
-                guest_kernel_pvm: file.guest_kernel_pvm,
-            }),
+            token: auth.token,
+            kernels_dir: kernels.kernels_dir,
+            policies_dir: kernels.policies_dir,
+            default_kernel_name: kernels.default_kernel_name,
+            sandbox: kernels.sandbox,
+            max_kernels: kernels.max_kernels,
+            cull_idle_timeout: kernels.cull_idle_timeout,
+            cull_interval: kernels.cull_interval,
+            cull_connected: kernels.cull_connected,
+            start_timeout: kernels.start_timeout,
+            pool_size: kernels.pool_size,
+            kernel_zygote: kernels.kernel_zygote,
+            kernel_zygote_max_forks: kernels.kernel_zygote_max_forks,
+            kernel_zygote_max_age: kernels.kernel_zygote_max_age,
+            artifact_retention: artifacts.retention,
+            artifact_link_ttl: artifacts.link_ttl,
+            artifact_link_max_ttl: artifacts.link_max_ttl,
+            artifact_link_key_file: artifacts.link_key_file,
+            artifact_min_free_disk: artifacts.min_free_disk,
+            microvm: microvm(args, file),
             allow_origin,
             env_allowlist,
             max_message_bytes: args
@@ -941,48 +1118,32 @@ impl GatewayConfig {
                 .unwrap_or(64)
                 .max(1)
                 << 20,
-            runtime_dir: args.runtime_dir.clone().or(file.runtime_dir),
+            runtime_dir: args.runtime_dir.clone().or(file.runtime_dir.take()),
             base_url,
             public_url: args
                 .public_url
                 .clone()
-                .or(file.public_url)
+                .or(file.public_url.take())
                 .map(|url| public_url(&url))
                 .transpose()?,
-            jwt,
-            tenants,
-            package_index: args
-                .package_index
-                .clone()
-                .or(file.package_index)
-                .unwrap_or_else(|| "https://pypi.org/simple".to_owned()),
-            wheelhouse: args.wheelhouse.clone().or(file.wheelhouse),
-            package_cache_dir: args
-                .package_cache_dir
-                .clone()
-                .or(file.package_cache_dir)
-                .unwrap_or_else(default_package_cache),
-            egress_hosts: file
-                .egress_hosts
-                .into_iter()
-                .map(|(k, v)| (k.to_ascii_lowercase(), v))
-                .collect(),
-            egress_max_connections: args
-                .egress_max_connections
-                .or(file.egress_max_connections)
-                .unwrap_or(32)
-                .max(1),
+            jwt: auth.jwt,
+            tenants: auth.tenants,
+            package_index: egress.package_index,
+            wheelhouse: egress.wheelhouse,
+            package_cache_dir: egress.package_cache_dir,
+            egress_hosts: egress.hosts,
+            egress_max_connections: egress.max_connections,
             metrics_listen: args.metrics_listen.or(file.metrics_listen),
             replica: replica_config(
-                args.replica_url.clone().or(file.replica_url),
-                args.replica_id.clone().or(file.replica_id),
+                args.replica_url.clone().or(file.replica_url.take()),
+                args.replica_id.clone().or(file.replica_id.take()),
             )?,
-            header_read_timeout,
-            idle_connection_timeout,
-            body_read_timeout,
-            max_connections,
+            header_read_timeout: connections.header_read_timeout,
+            idle_connection_timeout: connections.idle_connection_timeout,
+            body_read_timeout: connections.body_read_timeout,
+            max_connections: connections.max_connections,
             max_connections_per_peer,
-            trusted_proxies,
+            trusted_proxies: connections.trusted_proxies,
         })
     }
 }

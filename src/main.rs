@@ -290,31 +290,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    // Fail at start, not at the first kernel, when the default policy's backend cannot run;
-    // other policies' backends are made on first use (and `cellgate doctor` checks them).
-    let default_backend = policies
-        .get("default")
-        .map(|p| p.backend)
-        .unwrap_or(Backend::Namespaces);
-    backends.get(default_backend).with_context(|| {
-        format!(
-            "the {} sandbox (default policy) cannot run on this host (see `cellgate doctor`)",
-            config.sandbox.unwrap_or(default_backend).as_str()
-        )
-    })?;
-    for policy in policies.iter() {
-        if let Err(err) = backends.get(policy.backend) {
-            tracing::warn!(policy = %policy.name, backend = config.sandbox.unwrap_or(policy.backend).as_str(), %err, "this policy's sandbox cannot run on this host: its kernels will be refused");
-        }
-    }
-    let runtime_root = match &config.runtime_dir {
-        Some(dir) => dir.join(format!("cellgate-{}", std::process::id())),
-        // Short: ipc socket paths below it must stay under the 108-byte unix socket limit.
-        None => std::env::temp_dir().join(format!(
-            "cellgate-{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
-        )),
-    };
+    check_backends(&backends, &policies, &config)?;
+    let runtime_root = runtime_root(&config);
     raise_open_file_limit();
     let listener = tokio::net::TcpListener::bind((config.ip, config.port))
         .await
@@ -353,40 +330,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )?;
     kernels.spawn_culler();
     kernels.refill_pool();
-    tracing::info!(
-        url = %format!("http://{local}{}", config.base_url),
-        sandbox = config.sandbox.map_or("per policy", Backend::as_str),
-        auth = match (config.token.is_some(), config.jwt.enabled()) {
-            (true, true) => "token and JWT",
-            (true, false) => "token",
-            (false, true) => "JWT",
-            (false, false) => "none (loopback only)",
-        },
-        "cellgate is serving the Kernel Gateway API"
-    );
-    // Tools that start us (tests, benchmarks) read the port from this line.
-    println!("cellgate listening on http://{local}{}", config.base_url);
-    if let Some(metrics) = &metrics_listener {
-        let address = metrics.local_addr()?;
-        tracing::info!(url = %format!("http://{address}/metrics"), "serving metrics and probes");
-        println!("cellgate metrics on http://{address}/metrics");
-    }
-    let shutdown = async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {},
-        }
-        tracing::info!("shutting down");
-    };
+    announce(&config, local, metrics_listener.as_ref())?;
     let served = cellgate::gateway::serve(
         config,
         kernels.clone(),
         listener,
         metrics_listener,
         links,
-        shutdown,
+        shutdown_signal(),
     )
     .await;
     // A replica's kernel pods go on running for the others to take over (at once: its
@@ -409,6 +360,81 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
     Ok(served?)
+}
+
+/// Fails at start, not at the first kernel, when the default policy's backend cannot run;
+/// other policies' backends are made on first use (and `cellgate doctor` checks them): a
+/// policy whose backend cannot run is only warned about.
+fn check_backends(
+    backends: &Backends,
+    policies: &cellgate::policy::Policies,
+    config: &GatewayConfig,
+) -> anyhow::Result<()> {
+    let default_backend = policies
+        .get("default")
+        .map(|p| p.backend)
+        .unwrap_or(Backend::Namespaces);
+    backends.get(default_backend).with_context(|| {
+        format!(
+            "the {} sandbox (default policy) cannot run on this host (see `cellgate doctor`)",
+            config.sandbox.unwrap_or(default_backend).as_str()
+        )
+    })?;
+    for policy in policies.iter() {
+        if let Err(err) = backends.get(policy.backend) {
+            tracing::warn!(policy = %policy.name, backend = config.sandbox.unwrap_or(policy.backend).as_str(), %err, "this policy's sandbox cannot run on this host: its kernels will be refused");
+        }
+    }
+    Ok(())
+}
+
+/// The directory of this gateway's kernels' run directories.
+fn runtime_root(config: &GatewayConfig) -> std::path::PathBuf {
+    match &config.runtime_dir {
+        Some(dir) => dir.join(format!("cellgate-{}", std::process::id())),
+        // Short: ipc socket paths below it must stay under the 108-byte unix socket limit.
+        None => std::env::temp_dir().join(format!(
+            "cellgate-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        )),
+    }
+}
+
+/// Says where the gateway serves, in the log and on stdout.
+fn announce(
+    config: &GatewayConfig,
+    local: std::net::SocketAddr,
+    metrics_listener: Option<&tokio::net::TcpListener>,
+) -> anyhow::Result<()> {
+    tracing::info!(
+        url = %format!("http://{local}{}", config.base_url),
+        sandbox = config.sandbox.map_or("per policy", Backend::as_str),
+        auth = match (config.token.is_some(), config.jwt.enabled()) {
+            (true, true) => "token and JWT",
+            (true, false) => "token",
+            (false, true) => "JWT",
+            (false, false) => "none (loopback only)",
+        },
+        "cellgate is serving the Kernel Gateway API"
+    );
+    // Tools that start us (tests, benchmarks) read the port from this line.
+    println!("cellgate listening on http://{local}{}", config.base_url);
+    if let Some(metrics) = metrics_listener {
+        let address = metrics.local_addr()?;
+        tracing::info!(url = %format!("http://{address}/metrics"), "serving metrics and probes");
+        println!("cellgate metrics on http://{address}/metrics");
+    }
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {},
+    }
+    tracing::info!("shutting down");
 }
 
 /// Raises the soft limit on open files to the hard limit: every client connection, kernel

@@ -32,7 +32,7 @@ use super::auth::Principal;
 use super::kernels::is_kernel_id;
 use super::state::AppState;
 use super::ws_upgrade::{KernelSocket, WsUpgrade};
-use crate::kernel::{client_queue, Inbox, Kernel};
+use crate::kernel::{client_queue, ClientId, Inbox, Kernel};
 use crate::protocol::websocket::{self, Framing, V1_SUBPROTOCOL};
 use crate::protocol::{Channel, Message};
 
@@ -192,6 +192,13 @@ fn decode(
     }
 }
 
+/// The socket's two halves: frames to the client, frames from it.
+type FrameSink = futures_util::stream::SplitSink<KernelSocket, WsMessage>;
+type FrameSource = futures_util::stream::SplitStream<KernelSocket>;
+
+/// A close code and reason the reader wants the writer to send.
+type CloseRequest = (u16, String);
+
 async fn serve_socket(
     socket: KernelSocket,
     kernel: Arc<Kernel>,
@@ -199,7 +206,7 @@ async fn serve_socket(
     framing: Framing,
 ) {
     let _open = crate::telemetry::metrics::metrics().websocket_opened();
-    let (mut sink, mut stream) = socket.split();
+    let (mut sink, stream) = socket.split();
     if let Err(err) = kernel.wait_ready().await {
         let reason = format!("kernel unavailable: {err}");
         let _ = sink
@@ -210,126 +217,15 @@ async fn serve_socket(
             .await;
         return;
     }
-    let (outbox, mut inbox) = client_queue();
+    let (outbox, inbox) = client_queue();
     let (client, replayed) = kernel.router().attach(&session, outbox);
     tracing::info!(kernel_id = %kernel.id, session_id = %session, ?framing, replayed, "client connected");
-    // A close code and reason the reader wants the writer to send.
-    let (close_tx, mut close_rx) = oneshot::channel::<(u16, String)>();
-
-    let writer = tokio::spawn(async move {
-        let mut ping = tokio::time::interval(PING_INTERVAL);
-        ping.tick().await;
-        // Replies written most recently: on an abrupt disconnect they may never have reached
-        // the client, so they go back to the router (a rare duplicate beats a lost reply).
-        let mut recent_replies: VecDeque<Arc<Message>> = VecDeque::with_capacity(RECENT_REPLIES);
-        let end = |inbox, unsent, recent_replies| WriterEnd {
-            inbox,
-            unsent,
-            recent_replies,
-        };
-        loop {
-            tokio::select! {
-                message = inbox.recv() => {
-                    let Some(message) = message else {
-                        // The router let go of us: too slow, or the kernel was shut down.
-                        let frame = if inbox.evicted() {
-                            close_frame(1008, "client too slow: its output queue passed the limit")
-                        } else {
-                            close_frame(1001, "kernel shut down")
-                        };
-                        let _ = sink.send(frame).await;
-                        return end(inbox, Vec::new(), recent_replies);
-                    };
-                    let mut batch = vec![message];
-                    while batch.len() < WRITE_BATCH {
-                        match inbox.try_recv() {
-                            Some(more) => batch.push(more),
-                            None => break,
-                        }
-                    }
-                    for (i, message) in batch.iter().enumerate() {
-                        for frame in encode(message, framing) {
-                            if sink.feed(WsMessage::Frame(frame)).await.is_err() {
-                                return end(inbox, batch[i..].to_vec(), recent_replies);
-                            }
-                        }
-                        if message.channel != Channel::Iopub {
-                            if recent_replies.len() == RECENT_REPLIES {
-                                recent_replies.pop_front();
-                            }
-                            recent_replies.push_back(message.clone());
-                        }
-                    }
-                    if sink.flush().await.is_err() {
-                        return end(inbox, Vec::new(), recent_replies);
-                    }
-                }
-                _ = ping.tick() => {
-                    if sink.send(WsMessage::Ping(Default::default())).await.is_err() {
-                        return end(inbox, Vec::new(), recent_replies);
-                    }
-                }
-                close = &mut close_rx => {
-                    if let Ok((code, reason)) = close {
-                        let _ = sink.send(close_frame(code, reason)).await;
-                    }
-                    return end(inbox, Vec::new(), recent_replies);
-                }
-            }
-        }
-    });
-
-    let mut close_tx = Some(close_tx);
-    // A client that closes with a close frame read everything it wanted; one that vanishes
-    // may have missed what was last written to it.
-    let mut graceful = false;
-    while let Some(frame) = stream.next().await {
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(err) => {
-                tracing::info!(kernel_id = %kernel.id, session_id = %session, %err, "client socket error");
-                if let Some(tx) = close_tx.take() {
-                    let reason: String = err.to_string().chars().take(120).collect();
-                    let code = if reason.contains("too long") || reason.contains("too big") {
-                        1009
-                    } else {
-                        1002
-                    };
-                    let _ = tx.send((code, reason));
-                }
-                break;
-            }
-        };
-        if matches!(frame, WsMessage::Close(_)) {
-            graceful = true;
-            break;
-        }
-        let Some(decoded) = decode(&frame, framing) else {
-            continue;
-        };
-        match decoded {
-            Ok(message) => {
-                let msg_id = message.msg_id().to_owned();
-                if let Err(err) = kernel.send(client, &session, message).await {
-                    tracing::warn!(kernel_id = %kernel.id, session_id = %session, %msg_id, %err, "could not send a client message to the kernel");
-                }
-            }
-            Err(err) => {
-                tracing::warn!(kernel_id = %kernel.id, session_id = %session, %err, "invalid message from client; closing its socket");
-                if let Some(tx) = close_tx.take() {
-                    let reason: String = format!("invalid message: {err}")
-                        .chars()
-                        .take(120)
-                        .collect();
-                    let _ = tx.send((1007, reason));
-                }
-                break;
-            }
-        }
-    }
-    // Ends the writer (after a close frame it was asked to send), which hands back what it
-    // did not deliver; the router keeps that for the session's next socket.
-    drop(close_tx);
+    let (close_tx, close_rx) = oneshot::channel::<CloseRequest>();
+    let writer = tokio::spawn(write_frames(sink, inbox, framing, close_rx));
+    // The reader drops `close_tx` when it ends: that ends the writer (after a close frame
+    // it was asked to send), which hands back what it did not deliver; the router keeps
+    // that for the session's next socket.
+    let graceful = read_frames(stream, &kernel, client, &session, framing, close_tx).await;
     match tokio::time::timeout(Duration::from_secs(2), writer).await {
         Ok(Ok(end)) => {
             let mut leftovers = if graceful {
@@ -343,6 +239,146 @@ async fn serve_socket(
         _ => kernel.router().detach(client),
     }
     tracing::info!(kernel_id = %kernel.id, session_id = %session, "client disconnected");
+}
+
+/// The writer task: encodes the router's messages for this client, pings it, and sends the
+/// close frame the reader asks for.
+async fn write_frames(
+    mut sink: FrameSink,
+    mut inbox: Inbox,
+    framing: Framing,
+    mut close_rx: oneshot::Receiver<CloseRequest>,
+) -> WriterEnd {
+    let mut ping = tokio::time::interval(PING_INTERVAL);
+    ping.tick().await;
+    // Replies written most recently: on an abrupt disconnect they may never have reached
+    // the client, so they go back to the router (a rare duplicate beats a lost reply).
+    let mut recent_replies: VecDeque<Arc<Message>> = VecDeque::with_capacity(RECENT_REPLIES);
+    let end = |inbox, unsent, recent_replies| WriterEnd {
+        inbox,
+        unsent,
+        recent_replies,
+    };
+    loop {
+        tokio::select! {
+            message = inbox.recv() => {
+                let Some(message) = message else {
+                    // The router let go of us: too slow, or the kernel was shut down.
+                    let frame = if inbox.evicted() {
+                        close_frame(1008, "client too slow: its output queue passed the limit")
+                    } else {
+                        close_frame(1001, "kernel shut down")
+                    };
+                    let _ = sink.send(frame).await;
+                    return end(inbox, Vec::new(), recent_replies);
+                };
+                let written =
+                    write_batch(&mut sink, message, &mut inbox, framing, &mut recent_replies).await;
+                if let Err(unsent) = written {
+                    return end(inbox, unsent, recent_replies);
+                }
+            }
+            _ = ping.tick() => {
+                if sink.send(WsMessage::Ping(Default::default())).await.is_err() {
+                    return end(inbox, Vec::new(), recent_replies);
+                }
+            }
+            close = &mut close_rx => {
+                if let Ok((code, reason)) = close {
+                    let _ = sink.send(close_frame(code, reason)).await;
+                }
+                return end(inbox, Vec::new(), recent_replies);
+            }
+        }
+    }
+}
+
+/// Writes `first` and what else is queued (up to [`WRITE_BATCH`]) with one flush; replies
+/// written join `recent_replies`. On a failed write, the messages not written.
+async fn write_batch(
+    sink: &mut FrameSink,
+    first: Arc<Message>,
+    inbox: &mut Inbox,
+    framing: Framing,
+    recent_replies: &mut VecDeque<Arc<Message>>,
+) -> Result<(), Vec<Arc<Message>>> {
+    let mut batch = vec![first];
+    while batch.len() < WRITE_BATCH {
+        match inbox.try_recv() {
+            Some(more) => batch.push(more),
+            None => break,
+        }
+    }
+    for (i, message) in batch.iter().enumerate() {
+        for frame in encode(message, framing) {
+            if sink.feed(WsMessage::Frame(frame)).await.is_err() {
+                return Err(batch[i..].to_vec());
+            }
+        }
+        if message.channel != Channel::Iopub {
+            if recent_replies.len() == RECENT_REPLIES {
+                recent_replies.pop_front();
+            }
+            recent_replies.push_back(message.clone());
+        }
+    }
+    if sink.flush().await.is_err() {
+        return Err(Vec::new());
+    }
+    Ok(())
+}
+
+/// The reader: decodes the client's frames and sends their messages to the kernel until
+/// the socket ends. Whether it ended gracefully: a client that closes with a close frame
+/// read everything it wanted; one that vanishes may have missed what was last written to it.
+async fn read_frames(
+    mut stream: FrameSource,
+    kernel: &Kernel,
+    client: ClientId,
+    session: &str,
+    framing: Framing,
+    close_tx: oneshot::Sender<CloseRequest>,
+) -> bool {
+    while let Some(frame) = stream.next().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(err) => {
+                tracing::info!(kernel_id = %kernel.id, session_id = %session, %err, "client socket error");
+                let reason: String = err.to_string().chars().take(120).collect();
+                let code = if reason.contains("too long") || reason.contains("too big") {
+                    1009
+                } else {
+                    1002
+                };
+                let _ = close_tx.send((code, reason));
+                return false;
+            }
+        };
+        if matches!(frame, WsMessage::Close(_)) {
+            return true;
+        }
+        let Some(decoded) = decode(&frame, framing) else {
+            continue;
+        };
+        match decoded {
+            Ok(message) => {
+                let msg_id = message.msg_id().to_owned();
+                if let Err(err) = kernel.send(client, session, message).await {
+                    tracing::warn!(kernel_id = %kernel.id, session_id = %session, %msg_id, %err, "could not send a client message to the kernel");
+                }
+            }
+            Err(err) => {
+                tracing::warn!(kernel_id = %kernel.id, session_id = %session, %err, "invalid message from client; closing its socket");
+                let reason: String = format!("invalid message: {err}")
+                    .chars()
+                    .take(120)
+                    .collect();
+                let _ = close_tx.send((1007, reason));
+                return false;
+            }
+        }
+    }
+    false
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
-use super::execution::{Denial, ExecutionState, Outcome};
+use super::execution::{CellEnd, Denial, ExecutionState, Outcome};
 use super::lifecycle::Kernel;
 use super::router::{client_queue, ClientId, Inbox};
 use super::KernelError;
@@ -116,6 +116,16 @@ pub struct ExecuteReply {
 }
 
 impl ExecuteReply {
+    /// How the cell ended, all told (the kernel's status, cellgate's outcome, the denials).
+    pub fn end(&self) -> CellEnd {
+        CellEnd::classify(
+            Some(self.status.as_str()),
+            self.ename.as_deref(),
+            self.outcome,
+            &self.denials,
+        )
+    }
+
     fn from_message(message: &Message) -> ExecuteReply {
         let content = message.content_json().unwrap_or(Value::Null);
         let metadata: Value = serde_json::from_slice(&message.metadata).unwrap_or(Value::Null);

@@ -4,7 +4,9 @@
 //! [`Denial`] (defined in `policy::denial`, below the proxy that reports it) and the
 //! sandbox's [`ExitCause`] (defined in `sandbox`) are enums with serde names; the JSON in
 //! `metadata.cellgate` and in status messages is only their wire encoding, and every consumer
-//! matches them exhaustively, so a new outcome nobody handles does not compile.
+//! matches them exhaustively, so a new outcome nobody handles does not compile. [`CellEnd`]
+//! is the one classification of how a cell ended, from its reply and those: the metrics'
+//! outcome label and API v1's status are mapped from it.
 //!
 //! `Executions` follows one kernel's executions: which one runs, its output against the
 //! policy's limit, whether the gateway timed it out, the policy denials it collected, its
@@ -69,6 +71,100 @@ pub enum Outcome {
     SandboxLost,
     /// Output past the policy's per-cell limit was dropped; the kernel kept running.
     OutputTruncated,
+}
+
+/// How a cell ended: the one classification of an execution's end. The metrics' outcome
+/// label ([`ExecOutcome`]) and API v1's status map from it and decide nothing themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CellEnd {
+    Ok,
+    /// Succeeded; output past the policy's per-cell limit was dropped.
+    OutputTruncated,
+    /// The code raised (or failed with the pids limit's refusal, which its stderr names).
+    Error,
+    /// A client interrupted it (`KeyboardInterrupt`).
+    Interrupted,
+    /// Never ran: an earlier cell failed and the kernel aborted the queue. `denied`: the
+    /// policy refused something while it waited (API v1 says `denied`, the metrics
+    /// `aborted`).
+    Aborted {
+        denied: bool,
+    },
+    /// Failed, or installed nothing, because the policy refused something it tried.
+    Denied,
+    Timeout,
+    Oom,
+    /// The sandbox ended under the cell (or before it ran).
+    SandboxLost,
+}
+
+impl CellEnd {
+    /// Every end, for the tests that walk them (their exhaustive matches stop compiling
+    /// when a variant is added: add it here too).
+    pub const ALL: [CellEnd; 10] = [
+        CellEnd::Ok,
+        CellEnd::OutputTruncated,
+        CellEnd::Error,
+        CellEnd::Interrupted,
+        CellEnd::Aborted { denied: false },
+        CellEnd::Aborted { denied: true },
+        CellEnd::Denied,
+        CellEnd::Timeout,
+        CellEnd::Oom,
+        CellEnd::SandboxLost,
+    ];
+
+    /// Classifies an execution's end from its reply's `status` and `ename`, the outcome the
+    /// gateway gave it, and the policy's denials during it.
+    pub fn classify(
+        status: Option<&str>,
+        ename: Option<&str>,
+        outcome: Option<Outcome>,
+        denials: &[Denial],
+    ) -> CellEnd {
+        match outcome {
+            Some(Outcome::Timeout) => return CellEnd::Timeout,
+            Some(Outcome::Oom) => return CellEnd::Oom,
+            Some(Outcome::SandboxLost) => return CellEnd::SandboxLost,
+            Some(Outcome::Pids | Outcome::OutputTruncated) | None => {}
+        }
+        let denied = !denials.is_empty();
+        if status == Some("ok") {
+            // `%pip install` of a refused package fails on stderr without raising: the cell
+            // "ends ok" having installed nothing.
+            if denials.iter().any(|d| d.kind == DenialKind::Package) {
+                return CellEnd::Denied;
+            }
+            return if outcome == Some(Outcome::OutputTruncated) {
+                CellEnd::OutputTruncated
+            } else {
+                CellEnd::Ok
+            };
+        }
+        match (status, ename) {
+            (Some("aborted"), _) => CellEnd::Aborted { denied },
+            // A failed cell that tried something refused failed because of it, most likely,
+            // whatever it raised; the denials say what.
+            _ if denied => CellEnd::Denied,
+            (_, Some("KeyboardInterrupt")) => CellEnd::Interrupted,
+            _ => CellEnd::Error,
+        }
+    }
+}
+
+impl From<CellEnd> for ExecOutcome {
+    fn from(end: CellEnd) -> ExecOutcome {
+        match end {
+            CellEnd::Ok | CellEnd::OutputTruncated => ExecOutcome::ok,
+            CellEnd::Error => ExecOutcome::error,
+            CellEnd::Interrupted => ExecOutcome::interrupted,
+            CellEnd::Aborted { .. } => ExecOutcome::aborted,
+            CellEnd::Denied => ExecOutcome::denied,
+            CellEnd::Timeout => ExecOutcome::timeout,
+            CellEnd::Oom => ExecOutcome::oom,
+            CellEnd::SandboxLost => ExecOutcome::lost,
+        }
+    }
 }
 
 /// A kernel's `execution_state`: what its iopub status says, and what the gateway itself
@@ -517,11 +613,10 @@ impl Executions {
         let waiting = self.take_waiting(parent);
         let timed_out = self.timed_out.remove(parent);
         if let (Some(metrics), Some(waiting)) = (&self.metrics, &waiting) {
-            let outcome = match timed_out {
-                Some(_) => ExecOutcome::timeout,
-                None => ending(&message, self.denials.get(parent)),
-            };
-            metrics.record(outcome, waiting.sent.elapsed());
+            // The gateway's outcomes come later (truncation, pids): only its timeout counts.
+            let outcome = timed_out.as_ref().map(|_| Outcome::Timeout);
+            let end = ending(&message, outcome, self.denials.get(parent));
+            metrics.record(end.into(), waiting.sent.elapsed());
         }
         let message = match timed_out {
             Some(timed_out) => Arc::new(timeout_reply(&message, &timed_out.evalue)),
@@ -607,16 +702,10 @@ impl Executions {
             header_bytes,
         } = waiting;
         if let Some(metrics) = &self.metrics {
-            let denied = self.denials.get(&msg_id).is_some_and(|d| !d.is_empty());
-            // As API v1's status says it (`sessions::execution::status_of`).
-            let counted = match outcome {
-                Outcome::Timeout => ExecOutcome::timeout,
-                Outcome::Oom => ExecOutcome::oom,
-                Outcome::SandboxLost => ExecOutcome::lost,
-                Outcome::Pids | Outcome::OutputTruncated if denied => ExecOutcome::denied,
-                Outcome::Pids | Outcome::OutputTruncated => ExecOutcome::error,
-            };
-            metrics.record(counted, sent.elapsed());
+            let denials = self.denials.get(&msg_id).map_or(&[][..], Vec::as_slice);
+            // The end of the execute_reply made below.
+            let end = CellEnd::classify(Some("error"), Some(ename), Some(outcome), denials);
+            metrics.record(end.into(), sent.elapsed());
         }
         let error = json!({
             "ename": ename,
@@ -690,27 +779,15 @@ struct ReplyStatus<'a> {
     ename: Option<std::borrow::Cow<'a, str>>,
 }
 
-/// How a reply the kernel sent ends its execution, for the metrics (a timeout is known
-/// before: the gateway enforced it).
-fn ending(message: &Message, denials: Option<&Vec<Denial>>) -> ExecOutcome {
+/// How a reply ends its execution, with the gateway's `outcome` for it (for the metrics).
+fn ending(message: &Message, outcome: Option<Outcome>, denials: Option<&Vec<Denial>>) -> CellEnd {
     let reply = serde_json::from_slice::<ReplyStatus<'_>>(&message.content).ok();
-    let status = reply.as_ref().and_then(|r| r.status.as_deref());
-    let denied = denials.is_some_and(|d| !d.is_empty());
-    // `%pip install` of a refused package fails on stderr without raising: the cell "ends
-    // ok" having installed nothing (as API v1's `denied` status says).
-    let refused_package = denials.is_some_and(|d| d.iter().any(|d| d.kind == DenialKind::Package));
-    // In `status_of`'s order: a failed cell that tried something refused is `denied`,
-    // whatever it raised.
-    match status {
-        Some("ok") if refused_package => ExecOutcome::denied,
-        Some("ok") => ExecOutcome::ok,
-        Some("aborted") => ExecOutcome::aborted,
-        _ if denied => ExecOutcome::denied,
-        _ if reply.as_ref().and_then(|r| r.ename.as_deref()) == Some("KeyboardInterrupt") => {
-            ExecOutcome::interrupted
-        }
-        _ => ExecOutcome::error,
-    }
+    CellEnd::classify(
+        reply.as_ref().and_then(|r| r.status.as_deref()),
+        reply.as_ref().and_then(|r| r.ename.as_deref()),
+        outcome,
+        denials.map_or(&[][..], Vec::as_slice),
+    )
 }
 
 /// Whether a reply's `status` is anything but `ok`.
@@ -952,5 +1029,58 @@ mod tests {
         );
         assert_eq!(limit_exit(ExitCause::Exited), None);
         assert_eq!(limit_exit(ExitCause::SandboxFailed), None);
+    }
+
+    fn denial(kind: DenialKind) -> Denial {
+        Denial {
+            kind,
+            target: String::new(),
+            policy: String::new(),
+            reason: String::new(),
+        }
+    }
+
+    /// A reply that ends as `end`: (status, ename, the gateway's outcome, denials).
+    fn ending_as(end: CellEnd) -> (&'static str, &'static str, Option<Outcome>, Vec<Denial>) {
+        let (egress, package) = (denial(DenialKind::Egress), denial(DenialKind::Package));
+        match end {
+            CellEnd::Ok => ("ok", "", None, vec![egress]),
+            CellEnd::OutputTruncated => ("ok", "", Some(Outcome::OutputTruncated), vec![]),
+            CellEnd::Error => ("error", "ValueError", Some(Outcome::Pids), vec![]),
+            CellEnd::Interrupted => ("error", "KeyboardInterrupt", None, vec![]),
+            CellEnd::Aborted { denied: false } => ("aborted", "", None, vec![]),
+            CellEnd::Aborted { denied: true } => ("aborted", "", None, vec![egress]),
+            CellEnd::Denied => ("ok", "", Some(Outcome::OutputTruncated), vec![package]),
+            CellEnd::Timeout => ("ok", "", Some(Outcome::Timeout), vec![package]),
+            CellEnd::Oom => ("error", "", Some(Outcome::Oom), vec![egress]),
+            CellEnd::SandboxLost => ("error", "", Some(Outcome::SandboxLost), vec![]),
+        }
+    }
+
+    #[test]
+    fn every_cell_end_is_classified_and_counted() {
+        for end in CellEnd::ALL {
+            let (status, ename, outcome, denials) = ending_as(end);
+            let classified = CellEnd::classify(Some(status), Some(ename), outcome, &denials);
+            assert_eq!(classified, end);
+            let counted = match end {
+                CellEnd::Ok | CellEnd::OutputTruncated => ExecOutcome::ok,
+                CellEnd::Error => ExecOutcome::error,
+                CellEnd::Interrupted => ExecOutcome::interrupted,
+                CellEnd::Aborted { .. } => ExecOutcome::aborted,
+                CellEnd::Denied => ExecOutcome::denied,
+                CellEnd::Timeout => ExecOutcome::timeout,
+                CellEnd::Oom => ExecOutcome::oom,
+                CellEnd::SandboxLost => ExecOutcome::lost,
+            };
+            assert_eq!(ExecOutcome::from(end), counted, "{end:?}");
+        }
+        // A failed cell that tried something refused is `denied`, whatever it raised; a
+        // reply without a status failed.
+        let egress = [denial(DenialKind::Egress)];
+        let interrupted =
+            CellEnd::classify(Some("error"), Some("KeyboardInterrupt"), None, &egress);
+        assert_eq!(interrupted, CellEnd::Denied);
+        assert_eq!(CellEnd::classify(None, None, None, &[]), CellEnd::Error);
     }
 }

@@ -41,9 +41,11 @@ use std::path::PathBuf;
 
 pub use channels::DROPPED_INVALID;
 pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
-pub use execution::{Denial, DenialKind, ExecutionState, ExitCause, Outcome};
+pub use execution::{CellEnd, Denial, DenialKind, ExecutionState, ExitCause, Outcome};
 pub use history::{History, HistorySnapshot};
 pub use lifecycle::{CellgateFields, Kernel, KernelModel, KernelOptions, Readiness};
+// A kernel's resource figures ([`Kernel::usage`]), as its sandbox reads them.
+pub use crate::sandbox::ResourceUsage;
 // Only for sessions/, which still names it here (being reworked on another branch); the
 // format is every surface's, so it lives in `crate::timestamp`.
 pub use crate::timestamp::format_timestamp;

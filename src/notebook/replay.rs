@@ -283,6 +283,13 @@ fn cell_timeout(metadata: &v4::CellMetadata, default: Duration) -> Duration {
     from_cell.map_or(default, |secs| Duration::from_secs_f64(secs.min(86_400.0)))
 }
 
+/// A code cell that ran: its line in the report, its position in the notebook, its outputs.
+struct Executed {
+    line: usize,
+    index: usize,
+    outputs: OutputLog,
+}
+
 /// Runs the notebook's code cells on `runner` and compares; `progress` hears after each cell.
 pub async fn replay_with<R: CellRunner>(
     runner: &mut R,
@@ -302,8 +309,7 @@ pub async fn replay_with<R: CellRunner>(
         .filter(|c| matches!(c, v4::Cell::Code { .. }))
         .count();
     let mut report = Vec::with_capacity(total);
-    // Per executed cell: its position in the report and in the notebook, and its outputs.
-    let mut executed: Vec<(usize, usize, OutputLog)> = Vec::new();
+    let mut executed = Vec::new();
     let mut stopped = false;
     for (index, cell) in notebook.cells.iter_mut().enumerate() {
         let v4::Cell::Code {
@@ -326,73 +332,28 @@ pub async fn replay_with<R: CellRunner>(
             error: None,
             execution_count: None,
         };
-        if stopped {
-            *execution_count = None;
-            outputs.clear();
-        } else if code.trim().is_empty() {
+        if stopped || code.trim().is_empty() {
             // Jupyter does not send empty cells to the kernel either.
             *execution_count = None;
             outputs.clear();
-            line.status = match compare_outputs(&expected, &[]) {
-                None => CellStatus::Same,
-                Some(diff) => {
-                    line.diff = Some(diff);
-                    CellStatus::Different
-                }
-            };
-        } else {
-            let run = match runner
-                .execute(&code, cell_timeout(metadata, default_timeout))
-                .await
-            {
-                Ok(run) => run,
-                // The report so far is worth more than an error for the whole replay.
-                Err(err) => CellRun {
-                    error: Some(err.to_string()),
-                    kernel_lost: true,
-                    ..CellRun::default()
-                },
-            };
-            for (display_id, data, meta) in &run.display_updates {
-                for (_, _, log) in executed.iter_mut() {
-                    log.update_display(display_id, data, meta);
-                }
+            if !stopped {
+                compare_into(&mut line, &expected, &[]);
             }
+        } else {
+            let timeout = cell_timeout(metadata, default_timeout);
+            let run = run_cell(runner, &code, timeout, &mut executed).await;
             line.execution_count = run.execution_count;
             let tagged = metadata
                 .tags
                 .as_ref()
                 .is_some_and(|t| t.iter().any(|t| t == "raises-exception"));
-            let produced = run.outputs.to_json();
-            match (&run.error, tagged || options.allow_errors) {
-                (Some(error), _) if run.kernel_lost => {
-                    line.status = CellStatus::Error;
-                    line.error = Some(error.clone());
-                    stopped = true;
-                }
-                (Some(error), false) => {
-                    line.status = CellStatus::Error;
-                    line.error = Some(error.clone());
-                    stopped = true;
-                }
-                (Some(_), true) if run.timed_out => {
-                    line.status = CellStatus::Error;
-                    line.error = run.error.clone();
-                    stopped = !options.allow_errors;
-                }
-                _ => {
-                    line.error = run.error.clone();
-                    line.status = match compare_outputs(&expected, &produced) {
-                        None => CellStatus::Same,
-                        Some(diff) => {
-                            line.diff = Some(diff);
-                            CellStatus::Different
-                        }
-                    };
-                }
-            }
+            stopped = judge(&mut line, &run, &expected, tagged, options.allow_errors);
             *execution_count = run.execution_count.and_then(|c| i32::try_from(c).ok());
-            executed.push((report.len(), index, run.outputs));
+            executed.push(Executed {
+                line: report.len(),
+                index,
+                outputs: run.outputs,
+            });
         }
         report.push(line.clone());
         if let Some(progress) = progress {
@@ -403,27 +364,7 @@ pub async fn replay_with<R: CellRunner>(
             });
         }
     }
-    // Display updates may have changed earlier cells' outputs: compare (again) and write the
-    // outputs only now. Progress reported the comparison as it stood then.
-    for (report_index, index, log) in executed {
-        let produced = log.to_json();
-        let line = &mut report[report_index];
-        if matches!(line.status, CellStatus::Same | CellStatus::Different) {
-            let expected = original_outputs
-                .get(index)
-                .map(Vec::as_slice)
-                .unwrap_or(&[]);
-            line.diff = compare_outputs(expected, &produced);
-            line.status = if line.diff.is_none() {
-                CellStatus::Same
-            } else {
-                CellStatus::Different
-            };
-        }
-        if let Some(v4::Cell::Code { outputs, .. }) = notebook.cells.get_mut(index) {
-            *outputs = typed_outputs(&produced);
-        }
-    }
+    write_outputs(&mut notebook, &mut report, executed, &original_outputs);
     if let Some(info) = runner
         .language_info()
         .and_then(|i| serde_json::from_value::<v4::LanguageInfo>(i).ok())
@@ -436,6 +377,99 @@ pub async fn replay_with<R: CellRunner>(
         report,
         matched,
     })
+}
+
+/// Runs one cell; its display updates go to the outputs of the cells before it.
+async fn run_cell<R: CellRunner>(
+    runner: &mut R,
+    code: &str,
+    timeout: Duration,
+    executed: &mut [Executed],
+) -> CellRun {
+    let run = match runner.execute(code, timeout).await {
+        Ok(run) => run,
+        // The report so far is worth more than an error for the whole replay.
+        Err(err) => CellRun {
+            error: Some(err.to_string()),
+            kernel_lost: true,
+            ..CellRun::default()
+        },
+    };
+    for (display_id, data, meta) in &run.display_updates {
+        for cell in executed.iter_mut() {
+            cell.outputs.update_display(display_id, data, meta);
+        }
+    }
+    run
+}
+
+/// Reports how a cell that ran came out; whether the replay stops after it. An error stops
+/// it unless the cell is tagged `raises-exception` (`tagged`) or errors are allowed; a lost
+/// kernel always does.
+fn judge(
+    line: &mut CellReport,
+    run: &CellRun,
+    expected: &[Value],
+    tagged: bool,
+    allow_errors: bool,
+) -> bool {
+    match (&run.error, tagged || allow_errors) {
+        (Some(error), _) if run.kernel_lost => {
+            line.status = CellStatus::Error;
+            line.error = Some(error.clone());
+            true
+        }
+        (Some(error), false) => {
+            line.status = CellStatus::Error;
+            line.error = Some(error.clone());
+            true
+        }
+        (Some(_), true) if run.timed_out => {
+            line.status = CellStatus::Error;
+            line.error = run.error.clone();
+            !allow_errors
+        }
+        _ => {
+            line.error = run.error.clone();
+            compare_into(line, expected, &run.outputs.to_json());
+            false
+        }
+    }
+}
+
+/// `line`'s status (and diff) from comparing `produced` with the notebook's outputs.
+fn compare_into(line: &mut CellReport, expected: &[Value], produced: &[Value]) {
+    line.diff = compare_outputs(expected, produced);
+    line.status = if line.diff.is_none() {
+        CellStatus::Same
+    } else {
+        CellStatus::Different
+    };
+}
+
+/// Writes each executed cell's outputs into the notebook. Display updates may have changed
+/// earlier cells' outputs, so those compared are compared again (progress reported the
+/// comparison as it stood then).
+fn write_outputs(
+    notebook: &mut v4::Notebook,
+    report: &mut [CellReport],
+    executed: Vec<Executed>,
+    original_outputs: &[Vec<Value>],
+) {
+    for cell in executed {
+        let produced = cell.outputs.to_json();
+        let line = &mut report[cell.line];
+        if matches!(line.status, CellStatus::Same | CellStatus::Different) {
+            let expected = original_outputs
+                .get(cell.index)
+                .map(Vec::as_slice)
+                .unwrap_or(&[]);
+            compare_into(line, expected, &produced);
+        }
+        if let Some(v4::Cell::Code { outputs, .. }) = notebook.cells.get_mut(cell.index) {
+            *outputs = typed_outputs(&produced);
+        }
+    }
 }
 
 /// The kernelspec to replay on: the notebook's by name; else, because kernelspec names differ

@@ -23,8 +23,9 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::events::Status;
+use super::plain::Streams;
 use super::{Session, SessionError};
-use crate::kernel::{ExecEvent, ExecuteOptions, Outcome};
+use crate::kernel::{ExecEvent, ExecuteOptions, ExecuteReply, Outcome};
 
 /// The user expression whose value (its `application/json`) says how the command ended.
 const EXIT_EXPR: &str = "__import__(\"cellgate_command\").last";
@@ -157,21 +158,65 @@ impl Session {
         request: CommandRequest,
         tx: mpsc::UnboundedSender<CommandEvent>,
     ) {
-        let _turn = self.run_lock.lock().await;
+        let _one_at_a_time = self.run_lock.lock().await;
         let started = Instant::now();
-        let options = ExecuteOptions {
-            timeout: Some(request.timeout + BACKSTOP),
-            allow_stdin: false,
-            silent: true,
-            adopt_display_updates: false,
-            user_expressions: serde_json::Map::from_iter([(
-                "exit".to_owned(),
-                Value::String(EXIT_EXPR.to_owned()),
-            )]),
+        let generation = self.kernel.generation();
+        let line = python_line(&request);
+        let mut execution = match self.client.execute(&line, command_options(&request)).await {
+            Ok(execution) => execution,
+            Err(err) => {
+                let command_id = uuid::Uuid::new_v4().simple().to_string();
+                let mut result = CommandResult::new(command_id.clone(), generation);
+                result.status = Status::SandboxLost;
+                result.error = Some(format!("the kernel cannot run it: {err}"));
+                let _ = tx.send(CommandEvent::Started {
+                    command_id: command_id.clone(),
+                    cmd: request.cmd,
+                });
+                let _ = tx.send(CommandEvent::Done {
+                    command_id,
+                    result: Box::new(result),
+                });
+                return;
+            }
         };
+        let id = execution.msg_id.clone();
+        let _ = tx.send(CommandEvent::Started {
+            command_id: id.clone(),
+            cmd: request.cmd,
+        });
         let cap = self.options.stream_cap;
-        let mut result = CommandResult {
-            command_id: String::new(),
+        let relayed = relay(&id, &mut execution.events, cap, &tx).await;
+        let mut result = relayed.result(CommandResult::new(id.clone(), generation));
+        result.duration_ms = started.elapsed().as_millis() as u64;
+        result.state_generation = self.kernel.generation();
+        let _ = tx.send(CommandEvent::Done {
+            command_id: id,
+            result: Box::new(result),
+        });
+    }
+}
+
+/// A silent execution of the runner line that asks for the runner's report, interrupted
+/// past the command's own timeout (see [`BACKSTOP`]).
+fn command_options(request: &CommandRequest) -> ExecuteOptions {
+    ExecuteOptions {
+        timeout: Some(request.timeout + BACKSTOP),
+        allow_stdin: false,
+        silent: true,
+        adopt_display_updates: false,
+        user_expressions: serde_json::Map::from_iter([(
+            "exit".to_owned(),
+            Value::String(EXIT_EXPR.to_owned()),
+        )]),
+    }
+}
+
+impl CommandResult {
+    /// A result with nothing known yet (`error` until told otherwise).
+    fn new(command_id: String, state_generation: u64) -> CommandResult {
+        CommandResult {
+            command_id,
             status: Status::Error,
             exit_code: None,
             signal: None,
@@ -183,97 +228,91 @@ impl Session {
             error: None,
             denials: Vec::new(),
             duration_ms: 0,
-            state_generation: self.kernel.generation(),
-        };
-        let mut execution = match self.client.execute(&python_line(&request), options).await {
-            Ok(execution) => execution,
-            Err(err) => {
-                result.command_id = uuid::Uuid::new_v4().simple().to_string();
-                result.status = Status::SandboxLost;
-                result.error = Some(format!("the kernel cannot run it: {err}"));
-                let _ = tx.send(CommandEvent::Started {
-                    command_id: result.command_id.clone(),
-                    cmd: request.cmd,
-                });
-                let _ = tx.send(CommandEvent::Done {
-                    command_id: result.command_id.clone(),
-                    result: Box::new(result),
-                });
-                return;
-            }
-        };
-        let id = execution.msg_id.clone();
-        result.command_id = id.clone();
-        let _ = tx.send(CommandEvent::Started {
-            command_id: id.clone(),
-            cmd: request.cmd,
-        });
-        let mut raised = None;
-        let mut reply = None;
-        let mut plain_stdout = super::plain::PlainStream::default();
-        let mut plain_stderr = super::plain::PlainStream::default();
-        while let Some(event) = execution.events.recv().await {
-            match event {
-                ExecEvent::Stream { name, text } => {
-                    let (buffer, truncated, plain) = if name == "stderr" {
-                        (
-                            &mut result.stderr,
-                            &mut result.stderr_truncated,
-                            &mut plain_stderr,
-                        )
-                    } else {
-                        (
-                            &mut result.stdout,
-                            &mut result.stdout_truncated,
-                            &mut plain_stdout,
-                        )
-                    };
-                    let text = plain.push(&text);
-                    if text.is_empty() {
-                        continue;
-                    }
-                    super::execution::push_capped(buffer, truncated, &text, cap);
-                    let _ = tx.send(CommandEvent::Stream {
-                        command_id: id.clone(),
-                        name,
-                        text,
-                    });
-                }
-                ExecEvent::Error { ename, evalue, .. } => {
-                    raised = Some(format!("{ename}: {evalue}"))
-                }
-                ExecEvent::Done(done) => {
-                    reply = Some(done);
-                    break;
-                }
-                ExecEvent::Busy
-                | ExecEvent::Display { .. }
-                | ExecEvent::Result { .. }
-                | ExecEvent::ClearOutput { .. }
-                | ExecEvent::InputRequest { .. } => {}
-            }
+            state_generation,
         }
-        let reply = reply.unwrap_or_default();
-        result.stdout = super::plain::collapse_overwrites(&result.stdout);
-        result.stderr = super::plain::collapse_overwrites(&result.stderr);
-        result.output_truncated = reply.outcome == Some(Outcome::OutputTruncated);
-        result.denials = reply
-            .denials
-            .iter()
-            .filter_map(|d| serde_json::to_value(d).ok())
-            .collect();
-        // `{"exit": {"status": "ok", "data": {"application/json": {...}, ...}}}`.
-        let exit = reply
+    }
+}
+
+/// What the kernel's side of a command said: its streams, the error it raised, its reply.
+struct Relayed {
+    streams: Streams,
+    raised: Option<String>,
+    reply: ExecuteReply,
+}
+
+/// Sends the command's streams to its caller as they come, until the execution's reply.
+async fn relay(
+    id: &str,
+    events: &mut mpsc::UnboundedReceiver<ExecEvent>,
+    cap: usize,
+    tx: &mpsc::UnboundedSender<CommandEvent>,
+) -> Relayed {
+    let mut streams = Streams::default();
+    let mut raised = None;
+    while let Some(event) = events.recv().await {
+        match event {
+            ExecEvent::Stream { name, text } => {
+                let Some(text) = streams.push(&name, &text, cap) else {
+                    continue;
+                };
+                let _ = tx.send(CommandEvent::Stream {
+                    command_id: id.to_owned(),
+                    name,
+                    text,
+                });
+            }
+            ExecEvent::Error { ename, evalue, .. } => raised = Some(format!("{ename}: {evalue}")),
+            ExecEvent::Done(reply) => {
+                return Relayed {
+                    streams,
+                    raised,
+                    reply,
+                }
+            }
+            ExecEvent::Busy
+            | ExecEvent::Display { .. }
+            | ExecEvent::Result { .. }
+            | ExecEvent::ClearOutput { .. }
+            | ExecEvent::InputRequest { .. } => {}
+        }
+    }
+    Relayed {
+        streams,
+        raised,
+        reply: ExecuteReply::default(),
+    }
+}
+
+impl Relayed {
+    /// The runner's report, from the reply's `user_expressions`:
+    /// `{"exit": {"status": "ok", "data": {"application/json": {...}, ...}}}`.
+    fn exit(&self) -> Exit {
+        self.reply
             .user_expressions
             .get("exit")
             .filter(|e| e["status"] == "ok")
             .and_then(|e| {
                 serde_json::from_value::<Exit>(e["data"]["application/json"].clone()).ok()
             })
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    /// `result` completed with how the command ended.
+    fn result(self, mut result: CommandResult) -> CommandResult {
+        let exit = self.exit();
+        let reply = self.reply;
+        (result.stdout, result.stderr) = self.streams.collapsed();
+        result.stdout_truncated = self.streams.stdout_truncated;
+        result.stderr_truncated = self.streams.stderr_truncated;
+        result.output_truncated = reply.outcome == Some(Outcome::OutputTruncated);
+        result.denials = reply
+            .denials
+            .iter()
+            .filter_map(|d| serde_json::to_value(d).ok())
+            .collect();
         result.exit_code = exit.exit_code;
         result.signal = exit.signal;
-        result.error = exit.error.or(raised).or_else(|| {
+        result.error = exit.error.or(self.raised).or_else(|| {
             (reply.status != "ok" && reply.ename.is_some()).then(|| {
                 format!(
                     "{}: {}",
@@ -294,12 +333,7 @@ impl Session {
             _ if !result.denials.is_empty() => Status::Denied,
             _ => Status::Error,
         };
-        result.duration_ms = started.elapsed().as_millis() as u64;
-        result.state_generation = self.kernel.generation();
-        let _ = tx.send(CommandEvent::Done {
-            command_id: id,
-            result: Box::new(result),
-        });
+        result
     }
 }
 

@@ -30,6 +30,7 @@ mod adoption;
 pub mod commands;
 pub mod events;
 mod execution;
+mod outputs;
 mod plain;
 
 use std::collections::{BTreeMap, HashMap};

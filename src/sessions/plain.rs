@@ -34,6 +34,70 @@ impl PlainStream {
     }
 }
 
+/// Both streams of one execution as its result reports them: plain, and capped at the
+/// session's `stream_cap` bytes each (the events carried them whole).
+#[derive(Default)]
+pub struct Streams {
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    plain_stdout: PlainStream,
+    plain_stderr: PlainStream,
+}
+
+impl Streams {
+    /// Adds a chunk of stream `name` (`stderr`, else stdout); returns its plain text for
+    /// the stream's event, `None` when nothing is left of it.
+    pub fn push(&mut self, name: &str, chunk: &str, cap: usize) -> Option<String> {
+        let (buffer, truncated, plain) = if name == "stderr" {
+            (
+                &mut self.stderr,
+                &mut self.stderr_truncated,
+                &mut self.plain_stderr,
+            )
+        } else {
+            (
+                &mut self.stdout,
+                &mut self.stdout_truncated,
+                &mut self.plain_stdout,
+            )
+        };
+        let text = plain.push(chunk);
+        if text.is_empty() {
+            return None;
+        }
+        push_capped(buffer, truncated, &text, cap);
+        Some(text)
+    }
+
+    /// The whole stdout and stderr, each line's last frame only ([`collapse_overwrites`]).
+    pub fn collapsed(&self) -> (String, String) {
+        (
+            collapse_overwrites(&self.stdout),
+            collapse_overwrites(&self.stderr),
+        )
+    }
+}
+
+/// Appends `text` to `buffer` up to `cap` bytes (cut on a character boundary); past it,
+/// `truncated` is set and nothing more is added.
+fn push_capped(buffer: &mut String, truncated: &mut bool, text: &str, cap: usize) {
+    if *truncated {
+        return;
+    }
+    if buffer.len() + text.len() <= cap {
+        buffer.push_str(text);
+        return;
+    }
+    let mut end = cap.saturating_sub(buffer.len());
+    while end > 0 && !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    buffer.push_str(&text[..end]);
+    *truncated = true;
+}
+
 /// Where an escape sequence that `text` ends in starts, if it is unfinished: an `ESC` at
 /// the end, a CSI (`ESC [`) without its final byte, an OSC (`ESC ]`) without its end.
 fn unfinished_escape(text: &str) -> Option<usize> {
@@ -113,6 +177,17 @@ mod tests {
             stream.pending.is_empty(),
             "a runaway sequence is not carried over"
         );
+    }
+
+    #[test]
+    fn streams_are_capped_on_char_boundaries() {
+        let (mut buffer, mut truncated) = (String::new(), false);
+        push_capped(&mut buffer, &mut truncated, "ab", 4);
+        push_capped(&mut buffer, &mut truncated, "cé", 4);
+        assert_eq!(buffer, "abc");
+        assert!(truncated);
+        push_capped(&mut buffer, &mut truncated, "d", 4);
+        assert_eq!(buffer, "abc");
     }
 
     #[test]

@@ -473,6 +473,22 @@ pub struct Snapshot {
 pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
     let m = metrics();
     let mut registry = Registry::with_prefix("cellgate");
+    register_starts(&mut registry, m);
+    register_executions(&mut registry, m);
+    register_traffic(&mut registry, m);
+    register_zygotes(&mut registry, m);
+    register_snapshot(&mut registry, snapshot);
+    // Unprefixed, as every Prometheus client library names them.
+    let mut process = Registry::default();
+    register_process(&mut process);
+    let mut out = String::with_capacity(16 << 10);
+    prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)?;
+    prometheus_client::encoding::prometheus_text::encode(&mut out, &process)?;
+    Ok(out)
+}
+
+/// Kernel starts and the warm pool.
+fn register_starts(registry: &mut Registry, m: &Metrics) {
     registry.register(
         "kernel_start_seconds",
         "Time from a start request (or a pool refill) to a kernel ready for messages",
@@ -493,6 +509,10 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
         "Starts the warm pool could have served but found empty",
         m.pool_misses.clone(),
     );
+}
+
+/// Executions' ends and durations, and what the policy and the tenant rate refused.
+fn register_executions(registry: &mut Registry, m: &Metrics) {
     registry.register(
         "executions",
         "Executions ended, by outcome",
@@ -513,6 +533,10 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
         "Requests refused for their tenant's rate",
         m.rate_limited.clone(),
     );
+}
+
+/// Client connections, WebSockets and HTTP requests.
+fn register_traffic(registry: &mut Registry, m: &Metrics) {
     registry.register(
         "websockets_open",
         "Kernel channel WebSockets open",
@@ -533,6 +557,10 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
         "Time to a response's head, by method and route template",
         m.http_seconds.clone(),
     );
+}
+
+/// The namespaces backend's kernel zygotes.
+fn register_zygotes(registry: &mut Registry, m: &Metrics) {
     registry.register(
         "zygote_starts",
         "Kernel zygote starts (namespaces backend), by outcome",
@@ -553,6 +581,10 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
         "The most modules of its preload list a serving zygote could not import",
         m.zygote_preload_missing.clone(),
     );
+}
+
+/// The gateway's state at this scrape: kernels, tenants, the pool, artifacts, readiness.
+fn register_snapshot(registry: &mut Registry, snapshot: &Snapshot) {
     let kernels = Family::<StateLabels, Gauge>::default();
     for (group, count) in &snapshot.kernels {
         kernels
@@ -608,13 +640,6 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
     })
     .set(1);
     registry.register("build_info", "The gateway's version", info);
-    // Unprefixed, as every Prometheus client library names them.
-    let mut process = Registry::default();
-    register_process(&mut process);
-    let mut out = String::with_capacity(16 << 10);
-    prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)?;
-    prometheus_client::encoding::prometheus_text::encode(&mut out, &process)?;
-    Ok(out)
 }
 
 /// The process figures Prometheus's client libraries export under these names, from procfs.

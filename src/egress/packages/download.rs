@@ -413,85 +413,101 @@ impl Downloads {
         tmp: &Path,
         tx: &watch::Sender<Progress>,
     ) -> Result<(), DownloadError> {
-        let upstream_err = |reason: String| DownloadError::Upstream {
-            url: wanted.url.clone(),
-            reason,
-        };
-        let size_err = |reason: String| DownloadError::Size {
-            filename: wanted.filename.clone(),
-            reason,
-        };
-        let write_err = |e: std::io::Error| DownloadError::Io {
-            what: format!("write the download of {}", wanted.filename),
-            reason: e.to_string(),
-        };
         let mut reservation = Reservation {
             downloads: self,
             left: 0,
         };
+        let (mut response, length) = self.request(wanted, &mut reservation).await?;
+        let writer = open_for_clients(tmp, length, tx)?;
+        let (written, got) = self
+            .receive(wanted, &mut response, writer, length, &mut reservation, tx)
+            .await?;
+        if let Some(length) = length.filter(|&l| l != written) {
+            return Err(
+                wanted.upstream_error(format!("sent {written} bytes of the {length} it announced"))
+            );
+        }
+        if let Some(size) = wanted.size.filter(|&s| s != written) {
+            return Err(wanted.size_error(format!(
+                "upstream sent {written} bytes, the index lists {size}"
+            )));
+        }
+        if got != wanted.sha256 {
+            return Err(DownloadError::HashMismatch {
+                filename: wanted.filename.clone(),
+                got,
+                want: wanted.sha256.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Asks upstream for the file, with the disk reserved for it; the response and the
+    /// length it announces (checked against the index's and the hard cap).
+    async fn request(
+        &self,
+        wanted: &Wanted,
+        reservation: &mut Reservation<'_>,
+    ) -> Result<(reqwest::Response, Option<u64>), DownloadError> {
         // Before asking upstream: a full disk costs no connection.
-        self.reserve(&mut reservation, wanted.size.unwrap_or(0), &wanted.filename)?;
+        self.reserve(reservation, wanted.size.unwrap_or(0), &wanted.filename)?;
         // The client's read timeout is the stall timeout; there is no total one.
-        let mut response = self
+        let response = self
             .client
             .get(&wanted.url)
             .send()
             .await
-            .map_err(|e| upstream_err(e.to_string()))?;
+            .map_err(|e| wanted.upstream_error(e.to_string()))?;
         if !response.status().is_success() {
-            return Err(upstream_err(response.status().to_string()));
+            return Err(wanted.upstream_error(response.status().to_string()));
         }
         let length = response.content_length();
-        // The most this file may be: what the index lists, else the hard cap.
-        let limit = wanted.size.unwrap_or(MAX_FILE_SIZE);
         match (length, wanted.size) {
             (Some(length), Some(size)) if length != size => {
-                return Err(size_err(format!(
+                return Err(wanted.size_error(format!(
                     "upstream announces {length} bytes, the index lists {size}"
                 )));
             }
-            (Some(length), _) if length > limit => {
-                return Err(size_err(format!(
+            (Some(length), _) if length > wanted.limit() => {
+                return Err(wanted.size_error(format!(
                     "upstream announces {length} bytes, more than the {MAX_FILE_SIZE} the gateway downloads"
                 )));
             }
-            (Some(length), None) => self.reserve(&mut reservation, length, &wanted.filename)?,
+            (Some(length), None) => self.reserve(reservation, length, &wanted.filename)?,
             _ => {}
         }
-        let recheck = wanted.size.or(length).is_none();
-        // The file only now, with a slot and upstream's answer: a flight that waits holds
-        // no descriptor.
-        let io = |source: std::io::Error| DownloadError::Io {
-            what: format!("create {}", tmp.display()),
-            reason: source.to_string(),
+        Ok((response, length))
+    }
+
+    /// Writes the body to `writer` as it comes, telling clients what is written; the bytes
+    /// written and their SHA-256 (hex).
+    async fn receive(
+        &self,
+        wanted: &Wanted,
+        response: &mut reqwest::Response,
+        mut writer: tokio::fs::File,
+        length: Option<u64>,
+        reservation: &mut Reservation<'_>,
+        tx: &watch::Sender<Progress>,
+    ) -> Result<(u64, String), DownloadError> {
+        let write_err = |e: std::io::Error| DownloadError::Io {
+            what: format!("write the download of {}", wanted.filename),
+            reason: e.to_string(),
         };
-        let writer = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(tmp)
-            .map_err(io)?;
-        let reader = std::fs::File::open(tmp).map_err(io)?;
-        let mut writer = tokio::fs::File::from_std(writer);
-        tx.send_modify(|p| {
-            p.file = Some(Arc::new(reader));
-            p.length = length;
-            p.state = State::Receiving;
-        });
+        let recheck = wanted.size.or(length).is_none();
         let mut hasher = Sha256::new();
         let mut buffer = Vec::with_capacity(WRITE_BUFFER);
-        let mut received = 0u64;
-        let mut written = 0u64;
-        let mut checked = 0u64;
+        let (mut received, mut written, mut checked) = (0u64, 0u64, 0u64);
         loop {
             let chunk = response
                 .chunk()
                 .await
-                .map_err(|e| upstream_err(e.to_string()))?;
+                .map_err(|e| wanted.upstream_error(e.to_string()))?;
             let last = chunk.is_none();
             if let Some(chunk) = &chunk {
                 received += chunk.len() as u64;
-                if received > limit {
-                    return Err(size_err(match wanted.size {
+                if received > wanted.limit() {
+                    return Err(wanted.size_error(match wanted.size {
                         Some(size) => {
                             format!("upstream sent more than the {size} bytes the index lists")
                         }
@@ -505,7 +521,7 @@ impl Downloads {
             }
             if buffer.len() >= WRITE_BUFFER || (last && !buffer.is_empty()) {
                 if recheck && written - checked >= RECHECK_EVERY {
-                    self.reserve(&mut reservation, 0, &wanted.filename)?;
+                    self.reserve(reservation, 0, &wanted.filename)?;
                     checked = written;
                 }
                 writer.write_all(&buffer).await.map_err(write_err)?;
@@ -518,28 +534,55 @@ impl Downloads {
                 tx.send_modify(|p| p.written = written);
             }
             if last {
-                break;
+                return Ok((written, hex::encode(hasher.finalize())));
             }
         }
-        if let Some(length) = length.filter(|&l| l != written) {
-            return Err(upstream_err(format!(
-                "sent {written} bytes of the {length} it announced"
-            )));
+    }
+}
+
+/// Creates the download's file and hands clients a reader of it. Only now, with a slot and
+/// upstream's answer: a flight that waits holds no descriptor.
+fn open_for_clients(
+    tmp: &Path,
+    length: Option<u64>,
+    tx: &watch::Sender<Progress>,
+) -> Result<tokio::fs::File, DownloadError> {
+    let io = |source: std::io::Error| DownloadError::Io {
+        what: format!("create {}", tmp.display()),
+        reason: source.to_string(),
+    };
+    let writer = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(tmp)
+        .map_err(io)?;
+    let reader = std::fs::File::open(tmp).map_err(io)?;
+    tx.send_modify(|p| {
+        p.file = Some(Arc::new(reader));
+        p.length = length;
+        p.state = State::Receiving;
+    });
+    Ok(tokio::fs::File::from_std(writer))
+}
+
+impl Wanted {
+    /// The most this file may be: what the index lists, else the hard cap.
+    fn limit(&self) -> u64 {
+        self.size.unwrap_or(MAX_FILE_SIZE)
+    }
+
+    fn upstream_error(&self, reason: String) -> DownloadError {
+        DownloadError::Upstream {
+            url: self.url.clone(),
+            reason,
         }
-        if let Some(size) = wanted.size.filter(|&s| s != written) {
-            return Err(size_err(format!(
-                "upstream sent {written} bytes, the index lists {size}"
-            )));
+    }
+
+    fn size_error(&self, reason: String) -> DownloadError {
+        DownloadError::Size {
+            filename: self.filename.clone(),
+            reason,
         }
-        let got = hex::encode(hasher.finalize());
-        if got != wanted.sha256 {
-            return Err(DownloadError::HashMismatch {
-                filename: wanted.filename.clone(),
-                got,
-                want: wanted.sha256.clone(),
-            });
-        }
-        Ok(())
     }
 }
 
