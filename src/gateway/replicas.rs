@@ -24,6 +24,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::forward::{self, FORWARDED_BY};
 use super::{ApiError, AppState};
+use crate::gateway::ErrorCode;
 use crate::sandbox::kubernetes::replicas::{KernelRecord, Replicas, RENEW_EVERY};
 
 /// The kernel a request is about, by its path (inside the base URL).
@@ -72,7 +73,7 @@ pub async fn route_to_owner(
             StatusCode::SERVICE_UNAVAILABLE,
             "the kernel's owner changed while the request travelled; try again",
         )
-        .code("kernel_moving")
+        .code(ErrorCode::KernelMoving)
         .retry_after(1)
         .into_response(),
         // This very process is creating or taking the kernel over right now.
@@ -80,7 +81,7 @@ pub async fn route_to_owner(
             StatusCode::SERVICE_UNAVAILABLE,
             "the kernel is starting or being taken over; try again",
         )
-        .code("kernel_moving")
+        .code(ErrorCode::KernelMoving)
         .retry_after(1)
         .into_response(),
         Ok(Some((record, None))) => {
@@ -95,13 +96,13 @@ pub async fn route_to_owner(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the kernel is being taken over by another replica; try again",
                 )
-                .code("kernel_moving")
+                .code(ErrorCode::KernelMoving)
                 .retry_after(1)
                 .into_response()
             }
         }
         Err(error) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string())
-            .code("kubernetes_unavailable")
+            .code(ErrorCode::KubernetesUnavailable)
             .retry_after(2)
             .into_response(),
     }
@@ -209,7 +210,7 @@ pub async fn artifacts_anywhere(
             ),
             Err(_) => {
                 return ApiError::bad_request("a link request's body is a small JSON object")
-                    .code("invalid_json")
+                    .code(ErrorCode::InvalidJson)
                     .into_response()
             }
         }

@@ -345,6 +345,16 @@ pub struct ListedFile {
     pub size: u64,
 }
 
+impl From<crate::gateway::v1::files::ListedFile> for ListedFile {
+    fn from(file: crate::gateway::v1::files::ListedFile) -> ListedFile {
+        ListedFile {
+            path: file.path,
+            kind: file.kind,
+            size: file.size,
+        }
+    }
+}
+
 impl fmt::Display for FileList {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let place = if self.dir.is_empty() {
