@@ -364,10 +364,6 @@ impl Answer {
         self.status.is_success()
     }
 
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
-    }
-
     /// The body read as a `T`; one that does not fit is a tool error naming `what`, so a
     /// result is never built from a guess.
     fn parse<T: serde::de::DeserializeOwned>(&self, what: &str) -> Result<T, CallToolResult> {
@@ -554,7 +550,7 @@ impl Tools {
         if !answer.ok() {
             return Err(answer.failure("creating a session"));
         }
-        Ok(answer.json()["id"].as_str().unwrap_or_default().to_owned())
+        Ok(answer.parse::<output::ApiSession>("the new session")?.id)
     }
 
     #[tool(
@@ -722,13 +718,7 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("reading the new session");
         }
-        #[derive(Deserialize)]
-        struct Model {
-            policy: String,
-            sandbox: String,
-            state_generation: u64,
-        }
-        let model = match answer.parse::<Model>("the new session") {
+        let model = match answer.parse::<output::ApiSession>("the new session") {
             Ok(model) => model,
             Err(error) => return error,
         };
@@ -999,11 +989,7 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("restarting");
         }
-        #[derive(Deserialize)]
-        struct Model {
-            state_generation: u64,
-        }
-        let model = match answer.parse::<Model>("the restarted session") {
+        let model = match answer.parse::<output::ApiSession>("the restarted session") {
             Ok(model) => model,
             Err(error) => return error,
         };
