@@ -26,7 +26,7 @@ struct Cli {
 }
 
 // Parsed once at start-up: the size difference between the variants costs nothing.
-#[allow(clippy::large_enum_variant)]
+#[expect(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Serve the Kernel Gateway API (JupyterLab: --gateway-url=http://IP:PORT).
@@ -94,7 +94,7 @@ struct DoctorArgs {
     microvm: cellgate::config::MicrovmArgs,
     /// Upstream index the package index would serve from (checked for reachability)
     /// [default: https://pypi.org/simple].
-    #[allow(rustdoc::bare_urls)]
+    #[expect(rustdoc::bare_urls)]
     #[arg(long, env = "CELLGATE_PACKAGE_INDEX")]
     package_index: Option<String>,
     /// A wheelhouse directory instead of the upstream index.
@@ -126,6 +126,10 @@ fn main() -> anyhow::Result<()> {
             .to_str()
             .is_some_and(|n| n.starts_with("CELLGATE_") || n.starts_with("KG_"));
         if ours && value.is_empty() {
+            #[expect(
+                clippy::disallowed_methods,
+                reason = "one thread yet: no runtime, no other thread reads the environment"
+            )]
             std::env::remove_var(&name);
         }
     }
@@ -134,6 +138,10 @@ fn main() -> anyhow::Result<()> {
         && std::env::var_os("RUST_LOG").is_none()
     {
         // A one-shot command reports its own progress; the gateway's info log is noise there.
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "still one thread: the runtime starts below"
+        )]
         std::env::set_var("RUST_LOG", "warn,zeromq=error");
     }
     cellgate::telemetry::init(cli.log_json);

@@ -9,6 +9,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use super::error_code::ErrorCode;
 use crate::kernel::KernelError;
 
 /// The header that repeats an error's machine `code` ([`ErrorBody::code`]).
@@ -23,7 +24,7 @@ pub struct ErrorBody {
     pub message: String,
     /// What went wrong, for a program: stable across releases (`no_such_session`,
     /// `invalid_json`, `rate_limited`…).
-    pub code: String,
+    pub code: ErrorCode,
 }
 
 /// An error answered to an HTTP client.
@@ -31,30 +32,30 @@ pub struct ErrorBody {
 pub struct ApiError {
     pub status: StatusCode,
     /// The body's machine `code` (`ErrorBody::code`).
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
     /// Seconds after which the same request may succeed.
     pub retry_after: Option<u64>,
 }
 
 /// The code of an error that has no more specific one.
-fn default_code(status: StatusCode) -> &'static str {
+fn default_code(status: StatusCode) -> ErrorCode {
     match status {
-        StatusCode::BAD_REQUEST => "bad_request",
-        StatusCode::UNAUTHORIZED => "unauthorized",
-        StatusCode::FORBIDDEN => "forbidden",
-        StatusCode::NOT_FOUND => "not_found",
-        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
-        StatusCode::NOT_ACCEPTABLE => "not_acceptable",
-        StatusCode::CONFLICT => "conflict",
-        StatusCode::PAYLOAD_TOO_LARGE => "too_large",
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
-        StatusCode::UNPROCESSABLE_ENTITY => "invalid",
-        StatusCode::TOO_MANY_REQUESTS => "rate_limited",
-        StatusCode::SERVICE_UNAVAILABLE => "unavailable",
-        StatusCode::GATEWAY_TIMEOUT => "timeout",
-        status if status.is_server_error() => "internal",
-        _ => "error",
+        StatusCode::BAD_REQUEST => ErrorCode::BadRequest,
+        StatusCode::UNAUTHORIZED => ErrorCode::Unauthorized,
+        StatusCode::FORBIDDEN => ErrorCode::Forbidden,
+        StatusCode::NOT_FOUND => ErrorCode::NotFound,
+        StatusCode::METHOD_NOT_ALLOWED => ErrorCode::MethodNotAllowed,
+        StatusCode::NOT_ACCEPTABLE => ErrorCode::NotAcceptable,
+        StatusCode::CONFLICT => ErrorCode::Conflict,
+        StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::TooLarge,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,
+        StatusCode::UNPROCESSABLE_ENTITY => ErrorCode::Invalid,
+        StatusCode::TOO_MANY_REQUESTS => ErrorCode::RateLimited,
+        StatusCode::SERVICE_UNAVAILABLE => ErrorCode::Unavailable,
+        StatusCode::GATEWAY_TIMEOUT => ErrorCode::Timeout,
+        status if status.is_server_error() => ErrorCode::Internal,
+        _ => ErrorCode::Error,
     }
 }
 
@@ -69,7 +70,7 @@ impl ApiError {
     }
 
     /// This error, with a more specific machine `code`.
-    pub fn code(mut self, code: &'static str) -> ApiError {
+    pub fn code(mut self, code: ErrorCode) -> ApiError {
         self.code = code;
         self
     }
@@ -95,12 +96,12 @@ impl ApiError {
 
     /// A kernel that does not exist, or is not the caller's: the same answer for both.
     pub fn no_such_kernel(id: &str) -> ApiError {
-        ApiError::not_found(format!("Kernel does not exist: {id}")).code("no_such_kernel")
+        ApiError::not_found(format!("Kernel does not exist: {id}")).code(ErrorCode::NoSuchKernel)
     }
 
     /// The answer to a route that does not exist.
     pub fn no_route(method: &axum::http::Method, path: &str) -> ApiError {
-        ApiError::not_found(format!("no route {method} {path}")).code("no_such_route")
+        ApiError::not_found(format!("no route {method} {path}")).code(ErrorCode::NoSuchRoute)
     }
 
     /// The answer to a method a route does not take.
@@ -120,14 +121,14 @@ impl IntoResponse for ApiError {
             Json(ErrorBody {
                 reason: reason.to_owned(),
                 message: self.message,
-                code: self.code.to_owned(),
+                code: self.code,
             }),
         )
             .into_response();
         let headers = response.headers_mut();
         // The code also as a header: the answer to a `HEAD` has no body, and a client asking
         // whether a file exists must tell a missing file from a missing session.
-        headers.insert(ERROR_CODE, HeaderValue::from_static(self.code));
+        headers.insert(ERROR_CODE, HeaderValue::from_static(self.code.as_str()));
         if self.status == StatusCode::PAYLOAD_TOO_LARGE {
             // The rest of the oversize body is never read, so this connection cannot carry
             // another request: saying so keeps a client from reusing it and failing its
@@ -137,7 +138,7 @@ impl IntoResponse for ApiError {
         if self.status == StatusCode::UNAUTHORIZED {
             // RFC 9110: a 401 names how to authenticate. Both the static token and a tenant's
             // JWT go in `Authorization: Bearer …` (`token …` works for the static token too).
-            let challenge = if self.code == "invalid_token" {
+            let challenge = if self.code == ErrorCode::InvalidToken {
                 "Bearer realm=\"cellgate\", error=\"invalid_token\""
             } else {
                 "Bearer realm=\"cellgate\""
@@ -160,39 +161,46 @@ impl From<KernelError> for ApiError {
         match &err {
             E::NoSuchSpec { name, .. } => {
                 ApiError::not_found(format!("Kernel spec {name} not found"))
-                    .code("no_such_kernelspec")
+                    .code(ErrorCode::NoSuchKernelspec)
             }
             E::NoSuchKernel | E::Terminated => {
-                ApiError::not_found("Kernel does not exist").code("no_such_kernel")
+                ApiError::not_found("Kernel does not exist").code(ErrorCode::NoSuchKernel)
             }
-            E::BadEnv { .. } => ApiError::bad_request(err.to_string()).code("bad_env"),
+            E::BadEnv { .. } => ApiError::bad_request(err.to_string()).code(ErrorCode::BadEnv),
             E::BackendUnavailable { .. } => {
-                ApiError::bad_request(err.to_string()).code("backend_unavailable")
+                ApiError::bad_request(err.to_string()).code(ErrorCode::BackendUnavailable)
             }
             E::Policy(crate::policy::PolicyError::Unknown { .. }) => {
-                ApiError::bad_request(err.to_string()).code("unknown_policy")
+                ApiError::bad_request(err.to_string()).code(ErrorCode::UnknownPolicy)
             }
             E::TooManyKernels { .. } => {
-                ApiError::new(StatusCode::FORBIDDEN, "Resource Limit").code("kernel_limit")
+                ApiError::new(StatusCode::FORBIDDEN, "Resource Limit").code(ErrorCode::KernelLimit)
             }
-            E::TenantKernelLimit { .. } => {
-                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("tenant_kernel_limit")
-            }
+            E::TenantKernelLimit { .. } => ApiError::new(StatusCode::FORBIDDEN, err.to_string())
+                .code(ErrorCode::TenantKernelLimit),
             // Starting or restarting: the same request works once the kernel is up.
             E::NotReady => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
-                .code("kernel_not_ready")
+                .code(ErrorCode::KernelNotReady)
                 .retry_after(2),
             E::Dead(_) | E::DiedDuringStart => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string()).code("kernel_dead")
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
+                    .code(ErrorCode::KernelDead)
             }
             E::Sandbox(sandbox) if sandbox.start_failure().is_some() => {
                 tracing::warn!(error = %err, "kernel start failed");
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
-                    .code(sandbox.start_failure().unwrap_or("sandbox_start_failed"))
+                    .code(
+                        // The sandbox names the failure by its wire code (it is below the
+                        // gateway and knows no ErrorCode).
+                        sandbox
+                            .start_failure()
+                            .and_then(ErrorCode::from_wire)
+                            .unwrap_or(ErrorCode::SandboxStartFailed),
+                    )
                     .retry_after(30)
             }
             E::NoReply(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
-                .code("kernel_busy")
+                .code(ErrorCode::KernelBusy)
                 .retry_after(5),
             E::EnvironmentMissing { name, .. } => {
                 tracing::error!(%err, "kernel environment missing");

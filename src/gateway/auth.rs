@@ -21,6 +21,7 @@ use subtle::ConstantTimeEq;
 
 use super::api_error::ApiError;
 use super::state::AppState;
+use crate::gateway::ErrorCode;
 use crate::kernel::Owner;
 use crate::tenants::TenantError;
 
@@ -230,7 +231,7 @@ async fn authenticate(state: AppState, mut request: Request, next: Next) -> Resp
             Err(err) => {
                 tracing::info!(reason = %err, path = %request.uri().path(), "bearer token refused");
                 return ApiError::unauthorized(format!("invalid token: {err}"))
-                    .code("invalid_token")
+                    .code(ErrorCode::InvalidToken)
                     .into_response()
                     .refused();
             }
@@ -239,20 +240,20 @@ async fn authenticate(state: AppState, mut request: Request, next: Next) -> Resp
             return ApiError::unauthorized(
                 "authentication required: Authorization: Bearer <JWT> (or the gateway's token)",
             )
-            .code("missing_token")
+            .code(ErrorCode::MissingToken)
             .into_response()
             .refused()
         }
         (Some(_), None) => {
             return ApiError::unauthorized("wrong token")
-                .code("invalid_token")
+                .code(ErrorCode::InvalidToken)
                 .into_response()
                 .refused()
         }
         (None, None) => return ApiError::unauthorized(
             "authentication required: Authorization: Bearer <the gateway's token> (or token <T>)",
         )
-        .code("missing_token")
+        .code(ErrorCode::MissingToken)
         .into_response()
         .refused(),
     };

@@ -19,6 +19,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::api_error::ApiError;
 use super::state::AppState;
+use crate::gateway::ErrorCode;
 
 /// The route layer: a `POST` or `PATCH` with a body must declare it JSON. On routes only, so
 /// that a method a route does not take is a 405 and a route that does not exist a 404,
@@ -55,7 +56,7 @@ fn json_body_refusal(method: &Method, headers: &HeaderMap) -> Result<(), ApiErro
                     content_type.as_deref().unwrap_or("no Content-Type")
                 ),
             )
-            .code("not_json"));
+            .code(ErrorCode::NotJson));
         }
     }
     Ok(())
@@ -91,7 +92,7 @@ fn refusal(
                 "this gateway has no token, so it answers only to loopback names (localhost, 127.0.0.1, [::1]), not to Host {host:?}; start it with --token to serve other names"
             ),
         )
-        .code("host_refused"));
+        .code(ErrorCode::HostRefused));
     }
     if let Some(origin) = headers.get(header::ORIGIN) {
         let origin = String::from_utf8_lossy(origin.as_bytes());
@@ -102,7 +103,7 @@ fn refusal(
                     "this gateway has no token, so it answers only to pages from loopback origins or from --allow-origin, not to Origin {origin:?}"
                 ),
             )
-            .code("origin_refused"));
+            .code(ErrorCode::OriginRefused));
         }
     }
     Ok(())

@@ -24,6 +24,7 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
 
 use super::ApiError;
+use crate::gateway::ErrorCode;
 
 /// The header a forwarded request carries: the forwarding replica's id. The owner never
 /// forwards such a request again, so two replicas that disagree cannot bounce it.
@@ -139,7 +140,7 @@ fn has_token(value: Option<&HeaderValue>, token: &str) -> bool {
 fn unavailable(message: String) -> Response {
     tracing::warn!(%message, "forwarding to the owning replica failed");
     ApiError::new(StatusCode::BAD_GATEWAY, message)
-        .code("replica_unreachable")
+        .code(ErrorCode::ReplicaUnreachable)
         // A replica killed a moment ago holds its lease until it lapses; then another
         // takes its kernels over and the same request works.
         .retry_after(5)

@@ -18,6 +18,7 @@ use serde_json::{json, Map, Value};
 use super::api_error::ApiError;
 use super::auth::{start_terms, Principal};
 use super::state::AppState;
+use crate::gateway::ErrorCode;
 use crate::ids::KernelId;
 use crate::kernel::{Kernel, KernelModel, POLICY_ENV};
 
@@ -32,7 +33,7 @@ pub fn lookup(state: &AppState, id: &str) -> Result<std::sync::Arc<Kernel>, ApiE
     if !is_kernel_id(id) {
         return Err(
             ApiError::not_found(format!("{id:?} is not a kernel id (a UUID)"))
-                .code("no_such_kernel"),
+                .code(ErrorCode::NoSuchKernel),
         );
     }
     state
@@ -89,7 +90,8 @@ pub async fn get_kernelspec(
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let spec = state.kernels.specs().get(&name).ok_or_else(|| {
-        ApiError::not_found(format!("Kernel spec {name} not found")).code("no_such_kernelspec")
+        ApiError::not_found(format!("Kernel spec {name} not found"))
+            .code(ErrorCode::NoSuchKernelspec)
     })?;
     Ok(Json(spec.model(&state.config.base_url)))
 }

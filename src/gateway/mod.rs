@@ -36,6 +36,7 @@ mod api_error;
 mod auth;
 pub mod client_addr;
 mod edge;
+mod error_code;
 mod forward;
 mod kernel_ws;
 mod kernels;
@@ -58,6 +59,7 @@ use tower_http::cors::{AllowOrigin, CorsLayer};
 
 pub use api_error::ApiError;
 pub use auth::{start_terms, Principal, StartTerms};
+pub use error_code::ErrorCode;
 pub use state::{AppState, StateError};
 
 use crate::artifacts::links::LinkSigner;

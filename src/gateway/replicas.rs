@@ -20,6 +20,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::forward::{self, FORWARDED_BY};
 use super::{ApiError, AppState};
+use crate::gateway::ErrorCode;
 use crate::sessions::Route;
 
 /// The kernel a request is about, by its path (inside the base URL).
@@ -63,12 +64,12 @@ pub async fn route_to_owner(
             forward::forward(request, &original, &owner.url, &me).await
         }
         Route::Moving(why) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, why)
-            .code("kernel_moving")
+            .code(ErrorCode::KernelMoving)
             .retry_after(1)
             .into_response(),
         Route::Unavailable(error) => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string())
-                .code("kubernetes_unavailable")
+                .code(ErrorCode::KubernetesUnavailable)
                 .retry_after(2)
                 .into_response()
         }
@@ -114,7 +115,7 @@ pub async fn artifacts_anywhere(
             ),
             Err(_) => {
                 return ApiError::bad_request("a link request's body is a small JSON object")
-                    .code("invalid_json")
+                    .code(ErrorCode::InvalidJson)
                     .into_response()
             }
         }

@@ -170,7 +170,7 @@ impl From<ExecutionState> for SessionState {
 }
 
 /// A session as listed.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct SessionModel {
     pub id: String,
     pub kernel_name: String,

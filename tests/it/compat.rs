@@ -29,10 +29,11 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
@@ -160,9 +161,7 @@ impl JupyterServer {
             let log = log.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    if let Ok(mut log) = log.lock() {
-                        log.push(line);
-                    }
+                    log.lock().push(line);
                 }
             });
         }
@@ -208,7 +207,7 @@ impl JupyterServer {
     }
 
     fn log(&self) -> String {
-        self.log.lock().map(|l| l.join("\n")).unwrap_or_default()
+        self.log.lock().join("\n")
     }
 
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {

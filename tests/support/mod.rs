@@ -81,8 +81,8 @@ pub struct Gateway {
     pub port: u16,
     pub token: Option<String>,
     pub http: reqwest::Client,
-    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    stdout: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    log: std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
+    stdout: std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
 }
 
 pub struct GatewayBuilder {
@@ -173,27 +173,27 @@ impl Gateway {
     pub async fn attach(mut child: Child, token: Option<String>) -> Result<Gateway> {
         let stdout = child.stdout.take().context("stdout")?;
         let stderr = child.stderr.take().context("stderr")?;
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
         let log_err = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                log_err.lock().unwrap().push(line);
+                log_err.lock().push(line);
             }
         });
         let (tx, rx) = std::sync::mpsc::channel();
-        let printed = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let printed = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
         let printed_out = printed.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 if let Some(url) = line.strip_prefix("cellgate listening on ") {
                     let _ = tx.send(url.trim_end_matches('/').to_owned());
                 }
-                printed_out.lock().unwrap().push(line);
+                printed_out.lock().push(line);
             }
         });
         let base = rx
             .recv_timeout(PATIENCE)
-            .map_err(|_| anyhow!("cellgate did not start: {:?}", log.lock().unwrap()))?;
+            .map_err(|_| anyhow!("cellgate did not start: {:?}", log.lock()))?;
         // The printed address ends with the base URL (`http://127.0.0.1:PORT/gw`).
         let port = base
             .trim_start_matches("http://")
@@ -278,12 +278,12 @@ impl Gateway {
     }
 
     pub fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
+        self.log.lock().join("\n")
     }
 
     /// What the gateway printed on stdout so far, one line each.
     pub fn stdout_lines(&self) -> Vec<String> {
-        self.stdout.lock().unwrap().clone()
+        self.stdout.lock().clone()
     }
 
     pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {

@@ -50,7 +50,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tower::ServiceExt as _;
 
+use super::api_error::ErrorBody;
 use super::auth::Principal;
+use super::error_code::ErrorCode;
 use super::state::AppState;
 use conversations::{Caller, Conversation, Conversations, Defaults};
 use output::capped;
@@ -186,10 +188,10 @@ async fn guard(
         if let Err(err) = conversations.open(issued, &principal, limit) {
             let (status, code) = match err {
                 conversations::ConversationError::TooMany { .. } => {
-                    (StatusCode::FORBIDDEN, "tenant_mcp_session_limit")
+                    (StatusCode::FORBIDDEN, ErrorCode::TenantMcpSessionLimit)
                 }
                 conversations::ConversationError::Full { .. } => {
-                    (StatusCode::SERVICE_UNAVAILABLE, "mcp_session_limit")
+                    (StatusCode::SERVICE_UNAVAILABLE, ErrorCode::McpSessionLimit)
                 }
             };
             return super::ApiError::new(status, err.to_string())
@@ -227,7 +229,7 @@ async fn guard(
         };
         let error = super::ApiError::new(status, message);
         let error = if status == StatusCode::NOT_FOUND {
-            error.code("no_such_mcp_session")
+            error.code(ErrorCode::NoSuchMcpSession)
         } else {
             error
         };
@@ -369,10 +371,6 @@ impl Answer {
         self.status.is_success()
     }
 
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
-    }
-
     /// The body read as a `T`; one that does not fit is a tool error naming `what`, so a
     /// result is never built from a guess.
     fn parse<T: serde::de::DeserializeOwned>(&self, what: &str) -> Result<T, CallToolResult> {
@@ -394,9 +392,10 @@ impl Answer {
 
     /// The error as a model should read it: the gateway's message and code.
     fn failure(&self, what: &str) -> CallToolResult {
-        let body = self.json();
-        let message = body["message"].as_str().unwrap_or("no message");
-        let code = body["code"].as_str().unwrap_or("error");
+        let (message, code) = match serde_json::from_slice::<ErrorBody>(&self.body) {
+            Ok(body) => (body.message, body.code),
+            Err(_) => ("no message".to_owned(), ErrorCode::Error),
+        };
         CallToolResult::error(vec![ContentBlock::text(format!(
             "{what} failed: {message} ({} {code})",
             self.status.as_u16()
@@ -558,7 +557,7 @@ impl Tools {
         if !answer.ok() {
             return Err(answer.failure("creating a session"));
         }
-        Ok(answer.json()["id"].as_str().unwrap_or_default().to_owned())
+        Ok(answer.parse::<output::ApiSession>("the new session")?.id)
     }
 
     #[tool(
@@ -726,13 +725,7 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("reading the new session");
         }
-        #[derive(Deserialize)]
-        struct Model {
-            policy: String,
-            sandbox: String,
-            state_generation: u64,
-        }
-        let model = match answer.parse::<Model>("the new session") {
+        let model = match answer.parse::<output::ApiSession>("the new session") {
             Ok(model) => model,
             Err(error) => return error,
         };
@@ -776,8 +769,8 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("listing the files");
         }
-        let files = match answer.parse::<Vec<output::ListedFile>>("the listing") {
-            Ok(files) => files,
+        let files = match answer.parse::<Vec<super::v1::files::ListedFile>>("the listing") {
+            Ok(files) => files.into_iter().map(output::ListedFile::from).collect(),
             Err(error) => return error,
         };
         structured(
@@ -878,12 +871,7 @@ impl Tools {
         if !answer.ok() {
             return answer.failure(&format!("writing {}", request.path));
         }
-        #[derive(Deserialize)]
-        struct Uploaded {
-            path: String,
-            bytes: u64,
-        }
-        let written = match answer.parse::<Uploaded>("the upload's answer") {
+        let written = match answer.parse::<super::v1::files::Uploaded>("the upload's answer") {
             Ok(written) => written,
             Err(error) => return error,
         };
@@ -1008,11 +996,7 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("restarting");
         }
-        #[derive(Deserialize)]
-        struct Model {
-            state_generation: u64,
-        }
-        let model = match answer.parse::<Model>("the restarted session") {
+        let model = match answer.parse::<output::ApiSession>("the restarted session") {
             Ok(model) => model,
             Err(error) => return error,
         };
@@ -1086,9 +1070,13 @@ impl Answer {
         Answer {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             content_type: "application/json".to_owned(),
-            body: serde_json::to_vec(&json!({"message": message, "code": "internal"}))
-                .unwrap_or_default()
-                .into(),
+            body: serde_json::to_vec(&ErrorBody {
+                reason: "Internal Server Error".to_owned(),
+                message: message.to_owned(),
+                code: ErrorCode::Internal,
+            })
+            .unwrap_or_default()
+            .into(),
             too_large: false,
         }
     }

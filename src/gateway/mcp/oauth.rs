@@ -24,6 +24,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::json;
 
+use crate::gateway::ErrorCode;
 use crate::gateway::{ApiError, AppState};
 
 /// The well-known prefix of RFC 9728 §3.
@@ -86,7 +87,7 @@ async fn metadata(State(state): State<AppState>, headers: HeaderMap, uri: Uri) -
             StatusCode::BAD_REQUEST,
             "the request's Host is not a plain host[:port], and the gateway has no --public-url to name itself with",
         )
-        .code("bad_host")
+        .code(ErrorCode::BadHost)
         .into_response();
     };
     let body = json!({

@@ -345,6 +345,16 @@ pub struct ListedFile {
     pub size: u64,
 }
 
+impl From<crate::gateway::v1::files::ListedFile> for ListedFile {
+    fn from(file: crate::gateway::v1::files::ListedFile) -> ListedFile {
+        ListedFile {
+            path: file.path,
+            kind: file.kind,
+            size: file.size,
+        }
+    }
+}
+
 impl fmt::Display for FileList {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let place = if self.dir.is_empty() {
@@ -362,6 +372,9 @@ impl fmt::Display for FileList {
         Ok(())
     }
 }
+
+/// API v1's session model, read as API v1 writes it (a renamed field fails to compile).
+pub type ApiSession = crate::sessions::SessionModel;
 
 /// `new_session`'s result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -619,6 +632,165 @@ mod tests {
         assert_eq!(
             restarted.to_string(),
             "restarted session s: variables and files are gone (state_generation 3)"
+        );
+    }
+
+    // API v1's own results, serialised as the API sends them, read back as a tool reads
+    // them: a field renamed on either side fails here (a missing field would otherwise
+    // read as its default).
+    #[test]
+    fn api_v1_results_read_back_field_by_field() {
+        use crate::sessions::commands::CommandResult;
+        use crate::sessions::{ArtifactRef, ExecError, ExecutionResult, Omitted, Resources};
+
+        let denial = crate::policy::Denial {
+            kind: crate::policy::DenialKind::Egress,
+            target: "example.com:443".into(),
+            policy: "default".into(),
+            reason: "not in the allowlist".into(),
+        };
+        let execution = ExecutionResult {
+            execution_id: "e1".into(),
+            status: Status::Error,
+            execution_count: Some(4),
+            stdout: "out".into(),
+            stderr: "err".into(),
+            stdout_truncated: true,
+            stderr_truncated: true,
+            output_truncated: false,
+            result: Some("42".into()),
+            error: Some(ExecError {
+                ename: "ValueError".into(),
+                evalue: "bad".into(),
+                traceback: vec!["line".into()],
+            }),
+            artifacts: vec![ArtifactRef {
+                id: "a1".into(),
+                url: "v1/artifacts/a1".into(),
+                mime: "image/png".into(),
+                bytes: 7,
+                width: None,
+                height: None,
+                summary: "a chart".into(),
+                display_id: None,
+                version: 1,
+                previous: None,
+                path: Some("outputs/chart.png".into()),
+                signed_url: None,
+                signed_url_expires: None,
+            }],
+            omitted: vec![Omitted {
+                mime: "image/png".into(),
+                bytes: 9,
+                path: None,
+                reason: "quota".into(),
+                quota: None,
+            }],
+            denials: vec![serde_json::to_value(&denial).unwrap()],
+            duration_ms: 5,
+            state_generation: 3,
+            resources: Resources::default(),
+        };
+        let read = Execution::new(
+            "s".into(),
+            false,
+            serde_json::from_value(serde_json::to_value(&execution).unwrap()).unwrap(),
+        );
+        let expected_denial = Denial {
+            kind: "egress".into(),
+            target: denial.target.clone(),
+            policy: denial.policy.clone(),
+            reason: denial.reason.clone(),
+        };
+        assert_eq!(
+            read,
+            Execution {
+                status: ExecutionStatus::Error,
+                session_id: "s".into(),
+                new_session: false,
+                state_generation: 3,
+                stdout: "out".into(),
+                stdout_truncated: true,
+                stderr: "err".into(),
+                stderr_truncated: true,
+                result: Some("42".into()),
+                error: Some(ExecutionError {
+                    ename: "ValueError".into(),
+                    evalue: "bad".into(),
+                    traceback: vec!["line".into()],
+                }),
+                artifacts: vec![ArtifactSummary {
+                    id: "a1".into(),
+                    mime: "image/png".into(),
+                    bytes: 7,
+                    summary: "a chart".into(),
+                    path: Some("outputs/chart.png".into()),
+                }],
+                denials: vec![expected_denial.clone()],
+                omitted: 1,
+            }
+        );
+
+        let session = crate::sessions::SessionModel {
+            id: "s1".into(),
+            kernel_name: "python3".into(),
+            policy: "default".into(),
+            sandbox: "namespaces".into(),
+            state: crate::sessions::SessionState::Idle,
+            state_generation: 6,
+            created: "2026-01-01T00:00:00.000000Z".into(),
+            last_activity: "2026-01-01T00:00:00.000000Z".into(),
+            executions: 0,
+            tenant: None,
+            reason: None,
+        };
+        let read: ApiSession =
+            serde_json::from_value(serde_json::to_value(&session).unwrap()).unwrap();
+        assert_eq!(
+            (
+                read.id.as_str(),
+                read.policy.as_str(),
+                read.sandbox.as_str()
+            ),
+            ("s1", "default", "namespaces")
+        );
+        assert_eq!(read.state_generation, 6);
+
+        let command = CommandResult {
+            command_id: "c1".into(),
+            status: Status::Error,
+            exit_code: Some(2),
+            signal: Some("SIGTERM".into()),
+            stdout: "out".into(),
+            stderr: "err".into(),
+            stdout_truncated: true,
+            stderr_truncated: true,
+            output_truncated: false,
+            error: Some("why".into()),
+            denials: vec![serde_json::to_value(&denial).unwrap()],
+            duration_ms: 5,
+            state_generation: 3,
+        };
+        let read = Command::new(
+            "s".into(),
+            true,
+            serde_json::from_value(serde_json::to_value(&command).unwrap()).unwrap(),
+        );
+        assert_eq!(
+            read,
+            Command {
+                status: ExecutionStatus::Error,
+                session_id: "s".into(),
+                new_session: true,
+                exit_code: Some(2),
+                signal: Some("SIGTERM".into()),
+                stdout: "out".into(),
+                stdout_truncated: true,
+                stderr: "err".into(),
+                stderr_truncated: true,
+                error: Some("why".into()),
+                denials: vec![expected_denial],
+            }
         );
     }
 }

@@ -13,6 +13,7 @@ use crate::artifacts::links::LinkError;
 use crate::artifacts::{is_active_content, Artifact};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
+use crate::gateway::ErrorCode;
 use crate::sessions::{expiry_timestamp, ArtifactRef};
 
 /// How long a fetch waits for a large output's bytes still being stored (seconds of work at
@@ -102,7 +103,7 @@ pub async fn fetch(
 }
 
 fn not_found(id: &str) -> ApiError {
-    ApiError::not_found(format!("no artifact {id}")).code("no_such_artifact")
+    ApiError::not_found(format!("no artifact {id}")).code(ErrorCode::NoSuchArtifact)
 }
 
 /// The query of a signed link.
@@ -148,7 +149,7 @@ pub async fn fetch_signed(
     let Some(signer) = state.sessions.options().links.clone() else {
         return Err(links_off());
     };
-    let malformed = |message: String| ApiError::bad_request(message).code("malformed_link");
+    let malformed = |message: String| ApiError::bad_request(message).code(ErrorCode::MalformedLink);
     let Query(query) = query.map_err(|err| malformed(format!("a signed link's query: {err}")))?;
     let (Some(expires), Some(owner), Some(signature)) =
         (&query.expires, &query.owner, &query.signature)
@@ -163,10 +164,10 @@ pub async fn fetch_signed(
         .check(&id, expires, owner, signature)
         .map_err(|err| match err {
             LinkError::Expired => {
-                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("link_expired")
+                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code(ErrorCode::LinkExpired)
             }
             LinkError::TooFarAhead => {
-                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("link_too_long")
+                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code(ErrorCode::LinkTooLong)
             }
             LinkError::BadSignature => {
                 tracing::info!(artifact = %id, "artifact link refused: signature does not match");
@@ -217,12 +218,12 @@ pub struct LinkRequest {
 }
 
 /// A signed link.
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct LinkResponse {
     /// Relative to the gateway's base URL, as artifact URLs are.
-    url: String,
+    pub url: String,
     /// RFC 3339, UTC.
-    expires: String,
+    pub expires: String,
 }
 
 /// A signed link to one artifact for as long as asked (within the gateway's maximum): for a
@@ -256,7 +257,7 @@ pub async fn sign_link(
         .unwrap_or(signer.ttl());
     let link = signer
         .sign_for(&known, &options.base_url, ttl)
-        .map_err(|err| ApiError::bad_request(err.to_string()).code("bad_ttl"))?;
+        .map_err(|err| ApiError::bad_request(err.to_string()).code(ErrorCode::BadTtl))?;
     Ok(Json(LinkResponse {
         url: link.url,
         expires: expiry_timestamp(link.expires),
@@ -265,7 +266,7 @@ pub async fn sign_link(
 
 fn links_off() -> ApiError {
     ApiError::not_found("this gateway signs no artifact links (--artifact-link-ttl 0s)")
-        .code("links_off")
+        .code(ErrorCode::LinksOff)
 }
 
 /// The bytes of `known`, with the headers every artifact gets and `cache_control`.

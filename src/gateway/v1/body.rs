@@ -5,6 +5,7 @@ use axum::body::Bytes;
 use serde::de::DeserializeOwned;
 
 use super::ApiError;
+use crate::gateway::ErrorCode;
 
 /// Parses a JSON body, which must be an object; an empty body is `{}`.
 pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -14,11 +15,12 @@ pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
         // serde would also read a struct from an array of its fields in order.
         Some(_) => {
             return Err(
-                ApiError::bad_request("invalid JSON body: expected an object").code("invalid_json"),
+                ApiError::bad_request("invalid JSON body: expected an object")
+                    .code(ErrorCode::InvalidJson),
             )
         }
     };
     serde_json::from_slice(text).map_err(|err| {
-        ApiError::bad_request(format!("invalid JSON body: {err}")).code("invalid_json")
+        ApiError::bad_request(format!("invalid JSON body: {err}")).code(ErrorCode::InvalidJson)
     })
 }

@@ -18,6 +18,7 @@ use utoipa::ToSchema;
 use super::{body, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
+use crate::gateway::ErrorCode;
 use crate::sessions::commands::{CommandEvent, CommandRequest, CommandResult};
 
 /// The longest command line.
@@ -76,7 +77,7 @@ fn check(request: RunCommand) -> Result<CommandRequest, ApiError> {
             return Err(ApiError::bad_request(format!(
                 "env: {name:?} is not a variable name, or its value is over 32 KiB or holds NUL"
             ))
-            .code("invalid_env"));
+            .code(ErrorCode::InvalidEnv));
         }
     }
     let timeout = match request.timeout_s {
@@ -135,7 +136,7 @@ async fn wait_for_result(
         StatusCode::SERVICE_UNAVAILABLE,
         "the command ended without a result",
     )
-    .code("no_result"))
+    .code(ErrorCode::NoResult))
 }
 
 fn sse(events: mpsc::UnboundedReceiver<CommandEvent>) -> Response {

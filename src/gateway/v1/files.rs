@@ -43,7 +43,7 @@ pub struct ListQuery {
 }
 
 /// A file or directory of the workspace, as the listing shows it.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct ListedFile {
     /// Relative to the workspace, `/`-separated.
     pub path: String,
@@ -86,7 +86,7 @@ fn listed(path: &str, dir: &str, recursive: bool, hidden: bool) -> bool {
 }
 
 /// A stored upload.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct Uploaded {
     pub path: String,
     pub bytes: u64,
@@ -255,7 +255,7 @@ pub struct RemoveQuery {
 }
 
 /// What a removal removed.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct Removed {
     pub path: String,
     /// Entries removed: 1 for a file, link or empty directory; more for a tree.

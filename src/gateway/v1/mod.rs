@@ -26,7 +26,7 @@ pub use artifacts::VerifiedLink;
 mod body;
 mod commands;
 mod docs;
-mod files;
+pub(super) mod files;
 mod notebooks;
 pub mod openapi;
 mod sessions;
@@ -46,6 +46,7 @@ use super::api_error::ApiError;
 use super::auth::Principal;
 use super::json_only;
 use super::state::AppState;
+use crate::gateway::ErrorCode;
 use crate::sessions::{Session, SessionError};
 use crate::workspace::WorkspaceError;
 
@@ -123,28 +124,31 @@ fn session_for(
         .sessions
         .get(id)
         .filter(|s| principal.may_see(s.owner.as_deref()))
-        .ok_or_else(|| ApiError::not_found(format!("no session {id}")).code("no_such_session"))
+        .ok_or_else(|| {
+            ApiError::not_found(format!("no session {id}")).code(ErrorCode::NoSuchSession)
+        })
 }
 
 impl From<SessionError> for ApiError {
     fn from(err: SessionError) -> ApiError {
         match err {
             SessionError::NotFound => {
-                ApiError::not_found("no such session").code("no_such_session")
+                ApiError::not_found("no such session").code(ErrorCode::NoSuchSession)
             }
             SessionError::Kernel(err) => err.into(),
             SessionError::Workspace(err) => err.into(),
             SessionError::PolicyNotAllowed { .. } => {
-                ApiError::bad_request(err.to_string()).code("policy_not_allowed")
+                ApiError::bad_request(err.to_string()).code(ErrorCode::PolicyNotAllowed)
             }
             SessionError::CommandsUnsupported { .. } => {
-                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("commands_unsupported")
+                ApiError::new(StatusCode::CONFLICT, err.to_string())
+                    .code(ErrorCode::CommandsUnsupported)
             }
             SessionError::NoInputAwaited => ApiError::new(
                 StatusCode::CONFLICT,
                 "no execution of this session is waiting for input",
             )
-            .code("no_input_awaited"),
+            .code(ErrorCode::NoInputAwaited),
             SessionError::Artifact(err) => {
                 tracing::error!(%err, "artifact store failed");
                 ApiError::new(
@@ -160,31 +164,30 @@ impl From<WorkspaceError> for ApiError {
     fn from(err: WorkspaceError) -> ApiError {
         use WorkspaceError as E;
         match &err {
-            E::BadPath { .. } => ApiError::bad_request(err.to_string()).code("bad_path"),
-            E::NotFound(_) => ApiError::not_found(err.to_string()).code("no_such_file"),
+            E::BadPath { .. } => ApiError::bad_request(err.to_string()).code(ErrorCode::BadPath),
+            E::NotFound(_) => ApiError::not_found(err.to_string()).code(ErrorCode::NoSuchFile),
             // A link answers like a missing file: the sandbox's links are never followed,
             // and whatever they point at is none of the client's business.
-            E::Link(_) => ApiError::not_found(err.to_string()).code("no_such_file"),
+            E::Link(_) => ApiError::not_found(err.to_string()).code(ErrorCode::NoSuchFile),
             E::NotAFile(_) => {
-                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("not_a_file")
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code(ErrorCode::NotAFile)
             }
             E::IsADirectory(_) => {
-                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("is_a_directory")
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code(ErrorCode::IsADirectory)
             }
             E::TooLarge { .. } => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string()),
-            E::NoSpace => {
-                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string()).code("workspace_full")
+            E::NoSpace => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, err.to_string())
+                .code(ErrorCode::WorkspaceFull),
+            E::Exists(_) => {
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code(ErrorCode::Exists)
             }
-            E::Exists(_) => ApiError::new(StatusCode::CONFLICT, err.to_string()).code("exists"),
-            E::PermissionDenied(_) => {
-                ApiError::new(StatusCode::FORBIDDEN, err.to_string()).code("permission_denied")
-            }
+            E::PermissionDenied(_) => ApiError::new(StatusCode::FORBIDDEN, err.to_string())
+                .code(ErrorCode::PermissionDenied),
             E::NotEmpty(_) => {
-                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("not_empty")
+                ApiError::new(StatusCode::CONFLICT, err.to_string()).code(ErrorCode::NotEmpty)
             }
-            E::Unavailable => {
-                ApiError::new(StatusCode::CONFLICT, err.to_string()).code("workspace_unavailable")
-            }
+            E::Unavailable => ApiError::new(StatusCode::CONFLICT, err.to_string())
+                .code(ErrorCode::WorkspaceUnavailable),
             E::Io { .. } => {
                 tracing::error!(%err, "workspace operation failed");
                 ApiError::new(

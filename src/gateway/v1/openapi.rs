@@ -51,7 +51,7 @@ impl Modify for Security {
         document,
     ),
     components(schemas(
-        crate::gateway::api_error::ErrorBody, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
+        crate::gateway::api_error::ErrorBody, crate::gateway::ErrorCode, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded, files::Removed, files::FileOperation, commands::RunCommand, CommandResult, CommandEvent,
         ws::ClientMessage, SessionModel, ExecutionResult, ExecError, Resources, Status, Omitted,
         ArtifactRef, SessionEvent, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
@@ -223,4 +223,23 @@ fn complete(document: &mut Value) {
     responses((status = 200, description = "OpenAPI 3.1 document")))]
 pub async fn document() -> Json<&'static Value> {
     Json(document_json())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use crate::gateway::ErrorCode;
+
+    #[test]
+    fn the_error_schema_lists_every_error_code() {
+        let document = super::document_json();
+        let listed = &document["components"]["schemas"]["ErrorCode"]["enum"];
+        let codes: Vec<Value> = ErrorCode::ALL.iter().map(|c| json!(c.as_str())).collect();
+        assert_eq!(listed, &Value::Array(codes));
+        assert_eq!(
+            document["components"]["schemas"]["ErrorBody"]["properties"]["code"]["$ref"],
+            json!("#/components/schemas/ErrorCode")
+        );
+    }
 }

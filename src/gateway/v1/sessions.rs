@@ -20,6 +20,7 @@ use utoipa::ToSchema;
 use super::{body, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
+use crate::gateway::ErrorCode;
 use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionModel, Sessions};
 
 /// A file to put in the workspace when the session starts.
@@ -215,7 +216,7 @@ async fn create_session(
             list(&refusal.allowlist),
             list(&refusal.patterns),
         ))
-        .code("env_not_allowed"));
+        .code(ErrorCode::EnvNotAllowed));
     }
     let session = state.sessions.create(new).await?;
     if let Err(err) = write_initial_files(state, &session, files).await {
@@ -341,7 +342,7 @@ async fn wait_for_result(
         StatusCode::SERVICE_UNAVAILABLE,
         "the execution ended without a result",
     )
-    .code("no_result"))
+    .code(ErrorCode::NoResult))
 }
 
 /// Run code; one JSON result, or with `Accept: text/event-stream` the events as they come.

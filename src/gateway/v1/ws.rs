@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::ApiError;
+use crate::gateway::ErrorCode;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
@@ -78,13 +79,13 @@ pub async fn socket(
         Ok(upgrade) => upgrade,
         Err(rejection) => {
             return ApiError::new(rejection.status(), rejection.body_text())
-                .code("not_a_websocket")
+                .code(ErrorCode::NotAWebsocket)
                 .into_response()
         }
     };
     if !origin_allowed(&headers, &state.config.allow_origin) {
         return ApiError::new(StatusCode::FORBIDDEN, "Cross origin websockets not allowed")
-            .code("cross_origin")
+            .code(ErrorCode::CrossOrigin)
             .into_response();
     }
     let session = match session_for(&state, &principal, &id) {

@@ -15,10 +15,11 @@
 //! anything, which is all fronting can be checked against there.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
+use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::rustls;
@@ -38,10 +39,10 @@ struct Seen(Arc<Mutex<Vec<String>>>);
 
 impl Seen {
     fn push(&self, what: String) {
-        self.0.lock().unwrap().push(what);
+        self.0.lock().push(what);
     }
     fn all(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
+        self.0.lock().clone()
     }
 }
 
