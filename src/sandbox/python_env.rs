@@ -1,7 +1,8 @@
 //! The Python environment behind a kernel's interpreter, found from the host's files: the
 //! directories a sandbox must show for it to run (a venv and its base interpreter's prefix)
-//! and the host's own site-packages it must not. Every backend that shows the kernel host
-//! directories (namespaces, gVisor) and the relocation of those directories use it.
+//! and the host's own site-packages it must not. Read by the relocation of those
+//! directories (`relocate.rs`), which the backends that bind host directories (namespaces,
+//! gVisor) share.
 
 use std::path::{Path, PathBuf};
 
