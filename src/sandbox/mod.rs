@@ -49,14 +49,17 @@ pub mod cgroupfs;
 mod cgroups;
 pub mod diagnosis;
 mod gvisor;
+mod host_paths;
 pub mod kubernetes;
 pub mod microvm;
 mod namespaces;
 mod process;
 mod procfs;
+mod python_env;
 pub mod relocate;
 pub mod rootfs;
 mod spawner;
+mod sys;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -152,7 +152,7 @@ impl KernelView {
     /// The view of `spec`'s kernel. `system` lists the host prefixes every sandbox shows
     /// anyway (an interpreter there says nothing of the host and is not moved).
     pub fn of(spec: &super::LaunchSpec, system: &[&str]) -> std::io::Result<KernelView> {
-        use super::namespaces::{masked_site_packages, python_roots};
+        use super::python_env::{masked_site_packages, python_roots};
         let program = Path::new(spec.argv.first().map(String::as_str).unwrap_or_default());
         let mut map = Relocation::new();
         map.add(&spec.workspace, WORKSPACE);

@@ -211,7 +211,7 @@ fn etc_files(config: &GvisorConfig) -> Vec<(&'static str, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::namespaces::SYSTEM_PREFIXES;
+    use crate::sandbox::host_paths::SYSTEM_PREFIXES;
     use std::collections::BTreeMap;
 
     #[test]

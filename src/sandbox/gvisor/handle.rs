@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::cgroups;
 use super::runsc::Runsc;
-use crate::sandbox::namespaces::sys::pidfd_exited;
+use crate::sandbox::sys::pidfd_exited;
 use crate::sandbox::{SandboxError, SandboxHandle};
 
 /// Control of one gVisor sandbox.

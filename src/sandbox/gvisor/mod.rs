@@ -110,7 +110,7 @@ use tokio::process::Command;
 use tokio::sync::watch;
 
 use super::diagnosis;
-use super::namespaces::{argv_files, visible_roots, SYSTEM_PREFIXES};
+use super::host_paths::{argv_files, visible_roots, SYSTEM_PREFIXES};
 use super::relocate::KernelView;
 use super::spawner::Spawner;
 use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
@@ -353,7 +353,7 @@ impl GvisorSandbox {
         let pidfd = i32::try_from(pid)
             .ok()
             .filter(|&pid| pid > 0)
-            .and_then(|pid| super::namespaces::sys::pidfd_open(pid).ok());
+            .and_then(|pid| super::sys::pidfd_open(pid).ok());
         let exited = Arc::new(AtomicBool::new(false));
         let (exit_tx, exit_rx) = watch::channel(None);
         let runsc = Runsc {

@@ -8,12 +8,11 @@
 //! lives exactly as long as the sandbox's processes. The gateway reaches the files through
 //! `/proc/<runsc pid>/root` (see [`super::handle`]).
 
-#![allow(unsafe_code)]
-
 use std::io;
 use std::path::Path;
 
 use super::error::setup;
+use crate::sandbox::sys;
 use crate::sandbox::SandboxError;
 
 /// The size-limited workspace of one sandbox: a tmpfs mounted over the workspace directory
@@ -44,32 +43,15 @@ impl WorkspaceMount {
 
     /// Runs in the forked child: only system calls, no allocation.
     pub(super) fn apply(&self) -> io::Result<()> {
-        let check = |rc: libc::c_int| {
-            if rc == 0 {
-                Ok(())
-            } else {
-                Err(io::Error::last_os_error())
-            }
-        };
-        // SAFETY: unshare(2) and mount(2) with NUL-terminated strings that outlive the
-        // calls (owned by `self`) or null pointers where the call allows them.
-        unsafe {
-            check(libc::unshare(libc::CLONE_NEWNS))?;
-            // Nothing mounted from here on may propagate back to the host's namespace.
-            check(libc::mount(
-                std::ptr::null(),
-                c"/".as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ))?;
-            check(libc::mount(
-                c"cellgate-workspace".as_ptr(),
-                self.target.as_ptr(),
-                c"tmpfs".as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV,
-                self.options.as_ptr().cast(),
-            ))
-        }
+        sys::unshare(libc::CLONE_NEWNS)?;
+        // Nothing mounted from here on may propagate back to the host's namespace.
+        sys::mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None)?;
+        sys::mount(
+            Some(c"cellgate-workspace"),
+            &self.target,
+            Some(c"tmpfs"),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            Some(&self.options),
+        )
     }
 }

@@ -50,6 +50,7 @@ use parking_lot::Mutex;
 
 use super::hostview::{HostView, HostViewError, RootPlan};
 use crate::sandbox::cgroups::{self, Hierarchy, KernelCgroup};
+use crate::sandbox::sys::{self, check};
 use crate::sandbox::{Limits, ResourceUsage};
 
 /// The first uid/gid given to VMMs under a root gateway; 2^20 follow. Above
@@ -371,14 +372,6 @@ pub(super) fn host_limits(memory_mib: u64, cpu_millis: Option<u32>) -> Limits {
     }
 }
 
-fn check(result: libc::c_int) -> io::Result<()> {
-    if result < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
 /// Writes `bytes` to the file at `path` (open, write, close).
 fn write_file(path: &[u8], bytes: &[u8]) -> io::Result<()> {
     // SAFETY: `path` is NUL-terminated (a CString's bytes or a literal with `\0`).
@@ -402,7 +395,7 @@ fn set_limit(resource: libc::__rlimit_resource_t, value: u64) -> io::Result<()> 
         rlim_max: value,
     };
     // SAFETY: a plain struct passed by reference.
-    check(unsafe { libc::setrlimit(resource, &limit) })
+    check(unsafe { libc::setrlimit(resource, &limit) }).map(drop)
 }
 
 /// Runs in the child between fork and exec.
@@ -424,8 +417,7 @@ fn confine_child(plan: &ChildPlan) -> io::Result<()> {
         Identity::Dropped { id, groups, .. } => {
             // Namespaces and the new root while still root; then the ids, which drops
             // every capability.
-            // SAFETY: unshare takes flags only.
-            check(unsafe { libc::unshare(namespaces) })?;
+            sys::unshare(namespaces)?;
             plan.root.enter()?;
             // SAFETY: setgroups and setres[ug]id take integers and a live slice.
             unsafe {
@@ -435,8 +427,7 @@ fn confine_child(plan: &ChildPlan) -> io::Result<()> {
             }
         }
         Identity::Own { uid_map, gid_map } => {
-            // SAFETY: unshare takes flags only.
-            check(unsafe { libc::unshare(libc::CLONE_NEWUSER | namespaces) })?;
+            sys::unshare(libc::CLONE_NEWUSER | namespaces)?;
             write_file(b"/proc/self/setgroups\0", b"deny")?;
             write_file(b"/proc/self/uid_map\0", uid_map)?;
             write_file(b"/proc/self/gid_map\0", gid_map)?;

@@ -38,6 +38,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use crate::sandbox::rootfs::USR_LINKS;
+use crate::sandbox::sys::{
+    check, check_long, mount, mount_setattr, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC,
+    MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
+};
 
 /// Where the new root is put together: the child's own mount namespace mounts a tmpfs over
 /// it, so the host's directory is neither touched nor hidden from anyone else.
@@ -50,10 +54,6 @@ const MAX_SOURCES: usize = 32;
 /// Host device nodes every VMM may open.
 const DEVICES: &[&str] = &["/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"];
 
-const MOUNT_ATTR_RDONLY: u64 = 0x1;
-const MOUNT_ATTR_NOSUID: u64 = 0x2;
-const MOUNT_ATTR_NODEV: u64 = 0x4;
-const MOUNT_ATTR_NOEXEC: u64 = 0x8;
 const READ_ONLY: u64 = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
 const DEVICE: u64 = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC;
 const WRITABLE: u64 = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
@@ -337,7 +337,7 @@ impl RootPlan {
         }
         mount_setattr(c"/", READ_ONLY, false)?;
         // SAFETY: a NUL-terminated path.
-        check(unsafe { libc::chdir(self.workdir.as_ptr()) })
+        check(unsafe { libc::chdir(self.workdir.as_ptr()) }).map(drop)
     }
 }
 
@@ -396,78 +396,6 @@ fn relative(path: &Path) -> &Path {
 fn cstring(path: &Path) -> Result<CString, HostViewError> {
     CString::new(path.as_os_str().as_bytes())
         .map_err(|_| HostViewError::Nul(path.display().to_string()))
-}
-
-fn check(rc: libc::c_int) -> io::Result<()> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
-fn check_long(rc: libc::c_long) -> io::Result<()> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
-fn mount(
-    source: Option<&CStr>,
-    target: &CStr,
-    fstype: Option<&CStr>,
-    flags: libc::c_ulong,
-    data: Option<&CStr>,
-) -> io::Result<()> {
-    let ptr = |s: Option<&CStr>| s.map_or(std::ptr::null(), CStr::as_ptr);
-    // SAFETY: NUL-terminated strings or NULL, as mount(2) takes them.
-    check(unsafe {
-        libc::mount(
-            ptr(source),
-            target.as_ptr(),
-            ptr(fstype),
-            flags,
-            ptr(data).cast(),
-        )
-    })
-}
-
-/// `struct mount_attr` of mount_setattr(2).
-#[repr(C)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
-}
-
-/// Sets `attrs` on the mount at `target` (and below it when `recursive`), leaving the
-/// flags the host locked on a mount alone, where a remount would have to repeat them.
-fn mount_setattr(target: &CStr, attrs: u64, recursive: bool) -> io::Result<()> {
-    let attr = MountAttr {
-        attr_set: attrs,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
-    };
-    let flags = if recursive {
-        libc::AT_RECURSIVE as libc::c_uint
-    } else {
-        0
-    };
-    // SAFETY: a NUL-terminated path and a live `struct mount_attr` with its size.
-    check_long(unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            libc::AT_FDCWD,
-            target.as_ptr(),
-            flags,
-            &attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    })
 }
 
 #[cfg(test)]

@@ -25,37 +25,16 @@
 
 #![allow(unsafe_code)]
 
-use std::io::{self, BufRead, Write};
+use std::io::{self, BufRead};
 
 use super::idmap::IdMap;
 use super::pid1;
 use super::plan::{Event, Plan, Role, GO};
+use super::report::{at, report, Failure};
 use super::sys::{self, Ended, Forked};
 
 /// The hidden first argument that makes the gateway's binary the sandbox helper.
 pub const SANDBOX_INIT_ARG: &str = "__sandbox-init";
-
-/// Writes one event to the gateway. Losing the channel means the gateway is gone, and the
-/// parent-death signal is about to end us; nothing useful can be done about a failure.
-pub fn report(event: &Event) {
-    let mut out = io::stdout().lock();
-    let _ = out.write_all(event.to_line().as_bytes());
-    let _ = out.flush();
-}
-
-/// A failed step, for [`Event::Failed`].
-pub struct Failure {
-    pub stage: &'static str,
-    pub error: String,
-}
-
-/// `map_err` helper: labels an error with the step that failed.
-pub fn at<E: std::fmt::Display>(stage: &'static str) -> impl FnOnce(E) -> Failure {
-    move |err| Failure {
-        stage,
-        error: err.to_string(),
-    }
-}
 
 /// Entry point of `cellgate __sandbox-init`. Call it before anything starts a thread (in
 /// particular before the tokio runtime): `unshare(CLONE_NEWUSER)` fails in a multithreaded

@@ -73,6 +73,7 @@
 //! controllers.
 
 mod bridge;
+mod children;
 mod confine;
 pub mod diagnose;
 mod error;
@@ -82,17 +83,16 @@ mod landlock;
 mod mounts;
 mod pid1;
 mod plan;
+mod report;
 mod seccomp;
-/// Also used by the gvisor backend (pidfds).
-pub(super) mod sys;
+mod sys;
 pub mod zygote;
 
 use crate::sandbox::spawner::Spawner;
 use crate::telemetry::metrics::{metrics, ZygoteOutcome};
-use std::collections::BTreeSet;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -108,7 +108,9 @@ use super::{
 };
 use crate::protocol::ConnectionInfo;
 use crate::sandbox::cgroups::{self, Hierarchy, KernelCgroup};
+use crate::sandbox::host_paths::{argv_files, visible_roots, SYSTEM_PREFIXES};
 use crate::sandbox::relocate::{self, KernelView};
+use children::{kernel_child, only_child};
 pub use error::NamespacesError;
 pub use helper::{sandbox_init_main, SANDBOX_INIT_ARG};
 use idmap::{IdMap, INSIDE_ID};
@@ -932,52 +934,6 @@ async fn handshake(
     })
 }
 
-/// The host pid of `parent`'s one child.
-fn only_child(parent: i32) -> Option<i32> {
-    let children =
-        std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
-    let mut pids = children.split_whitespace().filter_map(|p| p.parse().ok());
-    match (pids.next(), pids.next()) {
-        (Some(pid), None) => Some(pid),
-        _ => None,
-    }
-}
-
-/// The host pid of the init's child whose pid in the sandbox is `ns_pid`: the kernel
-/// process. The init has another child when the plan names an egress socket (the egress
-/// bridge, forked first), so the kernel is told by its pid in the namespace (the last field
-/// of `NSpid`), never by its place among the children.
-pub(super) fn kernel_child(parent: i32, ns_pid: i32) -> Option<i32> {
-    let status_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/status")).ok();
-    let field = |status: &str, name: &str| -> Option<String> {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(|v| v.trim().to_owned())
-    };
-    let is_kernel = |pid: i32| {
-        status_of(pid).is_some_and(|status| {
-            field(&status, "PPid:").and_then(|v| v.parse::<i32>().ok()) == Some(parent)
-                && field(&status, "NSpid:")
-                    .and_then(|v| v.split_whitespace().last()?.parse::<i32>().ok())
-                    == Some(ns_pid)
-        })
-    };
-    if let Ok(children) = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
-    {
-        return children
-            .split_whitespace()
-            .filter_map(|p| p.parse().ok())
-            .find(|&pid| is_kernel(pid));
-    }
-    // Kernels without CONFIG_PROC_CHILDREN: scan every process.
-    let entries = std::fs::read_dir("/proc").ok()?;
-    entries.flatten().find_map(|entry| {
-        let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-        is_kernel(pid).then_some(pid)
-    })
-}
-
 /// At most this much of a kernel's output is kept in its log file.
 const LOG_LIMIT: u64 = 64 * MIB;
 
@@ -1255,89 +1211,6 @@ impl SandboxHandle for NamespacesHandle {
     }
 }
 
-/// The base interpreter's `site-packages` and `dist-packages` directories among `roots`,
-/// when `program` runs in a venv that does not use them (`include-system-site-packages =
-/// false`, the default): whatever the host installed globally (cloud CLIs, their credentials
-/// helpers …) stays out of sight.
-pub(super) fn masked_site_packages(program: &Path, roots: &[PathBuf]) -> Vec<PathBuf> {
-    let Some(venv) = program.parent().and_then(Path::parent) else {
-        return Vec::new();
-    };
-    let Ok(cfg) = std::fs::read_to_string(venv.join("pyvenv.cfg")) else {
-        return Vec::new();
-    };
-    let uses_system = cfg.lines().any(|line| {
-        line.split_once('=').is_some_and(|(k, v)| {
-            k.trim() == "include-system-site-packages" && v.trim().eq_ignore_ascii_case("true")
-        })
-    });
-    if uses_system {
-        return Vec::new();
-    }
-    let mut masked = Vec::new();
-    // Debian's interpreter keeps the host's packages in `dist-packages`, its own and those
-    // under /usr/local (`lib/python3/dist-packages`, `lib/python3.11/dist-packages`).
-    let mut roots: Vec<&Path> = roots
-        .iter()
-        .map(PathBuf::as_path)
-        .filter(|r| *r != venv)
-        .collect();
-    if roots.contains(&Path::new("/usr")) {
-        roots.push(Path::new("/usr/local"));
-    }
-    for root in roots {
-        let Ok(entries) = std::fs::read_dir(root.join("lib")) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            if !entry.file_name().to_string_lossy().starts_with("python") {
-                continue;
-            }
-            for name in ["site-packages", "dist-packages"] {
-                let site = entry.path().join(name);
-                if site.is_dir() {
-                    masked.push(site);
-                }
-            }
-        }
-    }
-    masked.sort();
-    masked
-}
-
-/// The directories of the Python environment behind `program`: a venv's own directory and,
-/// from its `pyvenv.cfg`, the base interpreter's prefix; and the prefix of the real
-/// executable behind any symlinks. Only these are shown, never their parents (a pyenv
-/// prefix under `/root` does not show the rest of `/root`).
-pub(super) fn python_roots(program: &Path) -> Vec<PathBuf> {
-    let mut roots = Vec::new();
-    if let Some(prefix) = program.parent().and_then(Path::parent) {
-        if let Ok(cfg) = std::fs::read_to_string(prefix.join("pyvenv.cfg")) {
-            roots.push(prefix.to_path_buf());
-            let home = cfg.lines().find_map(|line| {
-                let (key, value) = line.split_once('=')?;
-                (key.trim() == "home").then(|| PathBuf::from(value.trim()))
-            });
-            if let Some(home) = home {
-                match home.parent() {
-                    Some(parent) if home.ends_with("bin") => roots.push(parent.to_path_buf()),
-                    _ => roots.push(home),
-                }
-            }
-        }
-    }
-    if let Ok(real) = std::fs::canonicalize(program) {
-        if let Some(prefix) = real
-            .parent()
-            .filter(|dir| dir.ends_with("bin"))
-            .and_then(Path::parent)
-        {
-            roots.push(prefix.to_path_buf());
-        }
-    }
-    roots
-}
-
 /// Directories on the kernel's `PYTHONPATH` inside its workspace: Python caches a missing
 /// `sys.path` entry as "no finder" for good, so a directory pip creates later (the
 /// per-session site-packages) would stay invisible to `import` in the same kernel. They are
@@ -1354,16 +1227,6 @@ fn workspace_dirs(
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// Regular files the command names by absolute path (a kernelspec's own script, say):
-/// shown read-only, each file alone, not its directory. Files in the runtime directory (the
-/// connection file) are there anyway and are filtered out later.
-pub(super) fn argv_files(args: &[String]) -> Vec<PathBuf> {
-    args.iter()
-        .map(PathBuf::from)
-        .filter(|path| path.is_absolute() && path.is_file())
-        .collect()
 }
 
 /// The gateway's way to the kernel's ipc sockets: the runtime directory is a tmpfs inside
@@ -1386,126 +1249,4 @@ fn gateway_view(
         }
     }
     info
-}
-
-/// Host paths that are always visible (or never may be bound) inside the sandbox.
-pub(super) const SYSTEM_PREFIXES: &[&str] = &[
-    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/dev", "/proc", "/sys",
-];
-
-/// Cleans the list of read-only binds. Each is shown at the path the gateway named (so a
-/// venv reached through a symlink keeps working: Python finds `pyvenv.cfg` next to the path
-/// it was started as), and judged by where it really leads: it must exist, must not be the
-/// root or a system directory, must not be an ancestor of the runtime directory or workspace
-/// (which would show other kernels' directories) nor lie inside them; a directory inside
-/// another one kept is dropped.
-pub(super) fn visible_roots(
-    wanted: Vec<PathBuf>,
-    runtime_dir: &Path,
-    workspace: &Path,
-) -> Vec<PathBuf> {
-    let real = |path: &Path| std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    let (runtime_real, workspace_real) = (real(runtime_dir), real(workspace));
-    let mut kept = BTreeSet::new();
-    for path in wanted {
-        let literal_ok = path.is_absolute()
-            && path
-                .components()
-                .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
-        let Ok(resolved) = std::fs::canonicalize(&path) else {
-            tracing::warn!(path = %path.display(), "not shown in the sandbox: it does not exist");
-            continue;
-        };
-        // Already shown read-write (the connection file named in every kernel's command
-        // is in the runtime directory): nothing to bind, nothing to warn about.
-        let inside_shown = [(&path, runtime_dir), (&path, workspace)]
-            .into_iter()
-            .chain([
-                (&resolved, runtime_real.as_path()),
-                (&resolved, workspace_real.as_path()),
-            ])
-            .any(|(p, dir)| p != dir && p.starts_with(dir));
-        if inside_shown && literal_ok {
-            continue;
-        }
-        let system = |p: &Path| SYSTEM_PREFIXES.iter().any(|prefix| p.starts_with(prefix));
-        let overlaps = |p: &Path, dir: &Path| dir.starts_with(p) || p.starts_with(dir);
-        let too_wide = path == Path::new("/")
-            || resolved == Path::new("/")
-            || overlaps(&resolved, &runtime_real)
-            || overlaps(&resolved, &workspace_real)
-            || overlaps(&path, runtime_dir)
-            || overlaps(&path, workspace);
-        if too_wide || !literal_ok {
-            tracing::warn!(path = %path.display(), "not shown in the sandbox: it would expose the runtime directory or workspace, or is not a plain absolute path");
-            continue;
-        }
-        if !system(&path) && !system(&resolved) {
-            kept.insert(path);
-        }
-    }
-    let all: Vec<PathBuf> = kept.iter().cloned().collect();
-    kept.into_iter()
-        .filter(|path| {
-            !all.iter()
-                .any(|other| other != path && path.starts_with(other))
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn venv_roots_include_the_base_prefix_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().join("base");
-        std::fs::create_dir_all(base.join("bin")).unwrap();
-        std::fs::write(base.join("bin/python3.11"), "").unwrap();
-        let venv = dir.path().join("venv");
-        std::fs::create_dir_all(venv.join("bin")).unwrap();
-        std::os::unix::fs::symlink(base.join("bin/python3.11"), venv.join("bin/python")).unwrap();
-        std::fs::write(
-            venv.join("pyvenv.cfg"),
-            format!(
-                "home = {}\ninclude-system-site-packages = false\n",
-                base.join("bin").display()
-            ),
-        )
-        .unwrap();
-        let roots = python_roots(&venv.join("bin/python"));
-        assert!(roots.contains(&venv));
-        assert!(roots.contains(&base));
-        let shown = visible_roots(roots, Path::new("/run/k/1/run"), Path::new("/run/k/1/work"));
-        assert_eq!(shown.len(), 2);
-        assert!(shown.contains(&base) && shown.contains(&venv));
-    }
-
-    #[test]
-    fn wide_or_system_paths_are_never_bound() {
-        let dir = tempfile::tempdir().unwrap();
-        let runtime = dir.path().join("k1/run");
-        std::fs::create_dir_all(&runtime).unwrap();
-        let inner = dir.path().join("env/lib");
-        std::fs::create_dir_all(&inner).unwrap();
-        let connection = runtime.join("connection.json");
-        std::fs::write(&connection, "{}").unwrap();
-        let shown = visible_roots(
-            vec![
-                connection,
-                "/".into(),
-                "/usr/local".into(),
-                dir.path().to_path_buf(),
-                dir.path().join("env"),
-                inner,
-            ],
-            &std::fs::canonicalize(&runtime).unwrap(),
-            Path::new("/nonexistent/work"),
-        );
-        assert_eq!(
-            shown,
-            vec![std::fs::canonicalize(dir.path().join("env")).unwrap()]
-        );
-    }
 }

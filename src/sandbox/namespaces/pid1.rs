@@ -38,9 +38,9 @@ use std::os::fd::OwnedFd;
 
 use super::bridge;
 use super::confine;
-use super::helper::{at, report, Failure};
 use super::mounts::RootFs;
 use super::plan::{Event, Plan, Role};
+use super::report::{at, report, Failure};
 use super::seccomp;
 use super::sys::{self, Ended, Forked, SignalSet};
 

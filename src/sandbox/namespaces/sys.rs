@@ -1,8 +1,10 @@
 //! Thin wrappers over the Linux system calls the sandbox needs, each turning the C convention
 //! (`-1` and `errno`) into an [`io::Result`].
 //!
-//! Every call into libc of the backend lives here (the one exception is the gateway's
-//! `pre_exec` hook in `mod.rs`), so the rest of the backend reads as ordinary Rust; the only
+//! Every call into libc of the backend is reached through here (the one exception is the
+//! gateway's `pre_exec` hook in `mod.rs`), so the rest of the backend reads as ordinary Rust;
+//! the calls other backends make too (pidfds, `unshare`, the mount calls on C strings) live
+//! once in [`crate::sandbox::sys`] and are re-exported or wrapped here; the only
 //! `unsafe` left to callers is [`fork`], whose contract (a single-threaded caller) cannot be
 //! checked here. The wrappers add no policy: they neither retry nor ignore errors. `libc` is
 //! used directly rather than `nix` or `rustix`: the calls are few, several are raw syscalls
@@ -17,31 +19,16 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
+use crate::sandbox::sys::{self, check, check_long};
+pub use crate::sandbox::sys::{
+    pidfd_exited, pidfd_open, pidfd_send_signal, unshare, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC,
+    MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
+};
+
 /// Turns a path into a C string; paths with NUL bytes cannot name a file.
 pub fn cstring(path: impl AsRef<OsStr>) -> io::Result<CString> {
     CString::new(path.as_ref().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
-}
-
-fn check(rc: libc::c_int) -> io::Result<libc::c_int> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc)
-    }
-}
-
-fn check_long(rc: libc::c_long) -> io::Result<libc::c_long> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc)
-    }
-}
-
-pub fn unshare(flags: libc::c_int) -> io::Result<()> {
-    // SAFETY: unshare(2) takes flags only and touches no memory of ours.
-    check(unsafe { libc::unshare(flags) }).map(drop)
 }
 
 /// mount(2). `source` and `fstype` may be absent; `data` is the file system's option string.
@@ -56,63 +43,21 @@ pub fn mount(
     let target = cstring(target)?;
     let fstype = fstype.map(cstring).transpose()?;
     let data = data.map(cstring).transpose()?;
-    let ptr = |s: &Option<CString>| s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
-    // SAFETY: every pointer is either null (allowed for source, fstype and data) or points to
-    // a NUL-terminated string that outlives the call.
-    check(unsafe {
-        libc::mount(
-            ptr(&source),
-            target.as_ptr(),
-            ptr(&fstype),
-            flags,
-            ptr(&data).cast(),
-        )
-    })
-    .map(drop)
+    sys::mount(
+        source.as_deref(),
+        &target,
+        fstype.as_deref(),
+        flags,
+        data.as_deref(),
+    )
 }
-
-/// The kernel's `struct mount_attr` (linux/mount.h).
-#[repr(C)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
-}
-
-pub const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
-pub const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
-pub const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
-pub const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
 
 /// mount_setattr(2): sets `attr_set` on the mount at `target` (and every mount below it when
 /// `recursive`). Unlike a `MS_REMOUNT|MS_BIND` remount it leaves the flags it is not asked to
 /// set alone, so it never trips over flags the host locked on the original mount.
 pub fn mount_setattr(target: &Path, attr_set: u64, recursive: bool) -> io::Result<()> {
     let target = cstring(target)?;
-    let attr = MountAttr {
-        attr_set,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
-    };
-    // SAFETY: the path is NUL-terminated and `attr` is a live `struct mount_attr` whose size
-    // is passed along, as the syscall requires.
-    check_long(unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            libc::AT_FDCWD,
-            target.as_ptr(),
-            if recursive {
-                libc::AT_RECURSIVE as libc::c_uint
-            } else {
-                0
-            },
-            &attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    })
-    .map(drop)
+    sys::mount_setattr(&target, attr_set, recursive)
 }
 
 pub fn umount_detach(target: &Path) -> io::Result<()> {
@@ -484,39 +429,6 @@ pub fn execve(path: &CStr, argv: &[CString], env: &[CString]) -> io::Error {
 pub fn exit_now(code: i32) -> ! {
     // SAFETY: _exit(2) never returns and needs no cleanup from us.
     unsafe { libc::_exit(code) }
-}
-
-pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open(2) with integer arguments returns a new descriptor.
-    let fd = check_long(unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) })?;
-    // SAFETY: `fd` was just created and is ours.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
-
-pub fn pidfd_send_signal(pidfd: &OwnedFd, signal: libc::c_int) -> io::Result<()> {
-    // SAFETY: a live pidfd, a signal number, no siginfo, no flags.
-    check_long(unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            signal,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    })
-    .map(drop)
-}
-
-/// Whether the process behind a pidfd has ended (the pidfd polls readable then).
-pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
-    let mut pfd = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout.
-    let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
-    rc > 0
 }
 
 /// The Landlock ABI version the running kernel offers, or the errno saying why not.

@@ -70,8 +70,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::helper::{self, report, Outcome};
+use super::children::kernel_child;
+use super::helper::{self, Outcome};
 use super::plan::{Event, Plan, Role};
+use super::report::report;
 use super::sys;
 use crate::sandbox::relocate::{self, VenvEntry};
 use crate::sandbox::{ExitReport, SandboxHandle};
@@ -405,10 +407,10 @@ impl Zygote {
         control.get_ref().set_read_timeout(Some(FORK_TIMEOUT))?;
         let line = read_line(&mut control, LINE_MAX)?;
         let ns_pid: i32 = line.parse().map_err(|_| ZygoteError::Answer(line))?;
-        let pid = super::kernel_child(self.pid, ns_pid).ok_or(ZygoteError::NoChild(ns_pid))?;
+        let pid = kernel_child(self.pid, ns_pid).ok_or(ZygoteError::NoChild(ns_pid))?;
         let pidfd = sys::pidfd_open(pid)?;
         // Still the zygote's child of that number: the pidfd names the helper.
-        if super::kernel_child(self.pid, ns_pid) != Some(pid) {
+        if kernel_child(self.pid, ns_pid) != Some(pid) {
             return Err(ZygoteError::NoChild(ns_pid));
         }
         Ok((pid, pidfd))
