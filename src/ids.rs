@@ -47,12 +47,6 @@ impl fmt::Display for KernelId {
     }
 }
 
-impl AsRef<str> for KernelId {
-    fn as_ref(&self) -> &str {
-        &self.0
-    }
-}
-
 impl From<KernelId> for String {
     fn from(id: KernelId) -> String {
         id.0

@@ -1,7 +1,7 @@
 //! The sandbox backends' health, as readiness sees it: the checks of `cellgate doctor` for
-//! every backend a policy uses, run in the background every [`CHECK_EVERY`] (with a probe
-//! sandbox at the start and after a failure, the host's facts alone in between, and always
-//! for microVMs, whose probe is a VM boot), never on a request.
+//! every backend a policy uses, run in the background every [`CHECK_EVERY`], never on a
+//! request: with a probe sandbox at the start and after a failure, the host's facts alone in
+//! between; for microVMs always the host's facts alone (their probe is a VM boot).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -51,11 +51,15 @@ impl Checks {
                         used.push(backend);
                     }
                 }
+                // The manager is not held across the checks (a probe takes seconds): its
+                // drop at shutdown must not wait for one.
+                let diagnoser = kernels.diagnoser();
+                drop(kernels);
                 let mut results = BTreeMap::new();
                 for backend in used {
                     let probe =
                         (first || failed_before.contains(&backend)) && backend.cheap_probe();
-                    let diagnosis = kernels.diagnose(backend, probe).await;
+                    let diagnosis = diagnoser.diagnose(backend, probe).await;
                     if diagnosis.available {
                         failed_before.remove(&backend);
                     } else {
@@ -77,7 +81,6 @@ impl Checks {
                         },
                     );
                 }
-                drop(kernels);
                 let Some(checks) = weak_checks.upgrade() else {
                     return;
                 };

@@ -564,7 +564,7 @@ impl Kernel {
         self.readiness.borrow().clone()
     }
 
-    /// Every change of the kernel's readiness from now on (its current value first).
+    /// Every change of the kernel's readiness from now on (the current value counts as seen).
     pub fn watch_readiness(&self) -> watch::Receiver<Readiness> {
         self.readiness.subscribe()
     }

@@ -455,10 +455,12 @@ impl KernelManager {
 
     /// Whether a kernel handed to a client is still starting.
     fn clients_starting(&self) -> bool {
-        self.kernels
-            .read()
-            .values()
-            .any(|kernel| kernel.readiness() == Readiness::Starting)
+        self.kernels.read().values().any(|kernel| {
+            matches!(
+                kernel.readiness(),
+                Readiness::Starting | Readiness::Restarting
+            )
+        })
     }
 
     /// Starts pool kernels in the background until the pool holds `pool_size`.
@@ -641,14 +643,9 @@ impl KernelManager {
         self.backends.forced().unwrap_or(policy.backend)
     }
 
-    /// What `backend` says about this host (`cellgate doctor`'s checks); with `probe`, a
-    /// real sandbox is started to prove it.
-    pub async fn diagnose(
-        &self,
-        backend: crate::sandbox::Backend,
-        probe: bool,
-    ) -> crate::sandbox::diagnosis::Diagnosis {
-        self.backends.diagnose(backend, probe).await
+    /// What checks the backends with this gateway's settings (`cellgate doctor`'s checks).
+    pub fn diagnoser(&self) -> crate::sandbox::Diagnoser {
+        self.backends.diagnoser()
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Kernel>> {

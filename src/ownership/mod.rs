@@ -7,8 +7,9 @@
 //! may be another replica's (requests for it are forwarded), or an orphan whose owner is
 //! gone (taken over by whichever replica wins its record).
 //!
-//! The kernel core asks this trait and never a backend; the session layer takes orphans
-//! over; the HTTP layer only routes and forwards by what [`Ownership::owner_of`] says.
+//! The kernel core asks this trait and never a backend; the session layer decides where a
+//! request for a kernel goes and takes orphans over (`sessions::adoption`); the HTTP layer
+//! forwards by what the session layer says.
 //!
 //! A kernel is *claimed* (its record written) by the backend that makes its sandbox, since
 //! the record names that sandbox: the trait has no `claim`, and a backend says with

@@ -197,6 +197,20 @@ pub async fn diagnose(
     }
 }
 
+/// Diagnoses backends with one gateway's settings (`diagnose`).
+#[derive(Clone)]
+pub struct Diagnoser {
+    microvm: MicrovmConfig,
+    zygote: bool,
+}
+
+impl Diagnoser {
+    /// What `backend` says about this host; with `probe`, a real sandbox is started.
+    pub async fn diagnose(&self, backend: Backend, probe: bool) -> diagnosis::Diagnosis {
+        diagnose(backend, probe, &self.microvm, self.zygote).await
+    }
+}
+
 /// The backends of one gateway. Each policy names its backend; a backend is made on first
 /// use and then shared by all its kernels, so a gateway serves namespaces and gVisor
 /// kernels side by side. An operator may force one backend for every kernel (`--sandbox`):
@@ -248,9 +262,13 @@ impl Backends {
         self.forced.unwrap_or(wanted) == Backend::Kubernetes && self.replicas.is_some()
     }
 
-    /// What `backend` says about this host, with this gateway's settings (`diagnose`).
-    pub async fn diagnose(&self, backend: Backend, probe: bool) -> diagnosis::Diagnosis {
-        diagnose(backend, probe, &self.microvm, self.zygote.enabled).await
+    /// What diagnoses the backends with this gateway's settings, apart from the backends
+    /// themselves (a check that outlives them holds nothing of theirs).
+    pub fn diagnoser(&self) -> Diagnoser {
+        Diagnoser {
+            microvm: self.microvm.clone(),
+            zygote: self.zygote.enabled,
+        }
     }
 
     /// The backend every kernel runs in, when the operator forced one.

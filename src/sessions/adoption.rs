@@ -5,7 +5,8 @@
 //! session.
 //!
 //! Only the question "who owns this kernel" is asked here, of `ownership`; the HTTP layer
-//! forwards by the [`Route`] it gets and knows nothing of the registry.
+//! forwards by the [`Route`] it gets (it asks the registry only for the peers to gather
+//! listings and artifacts from, and for this gateway's id).
 
 use std::sync::Arc;
 
@@ -75,32 +76,19 @@ impl Sessions {
 
     /// Takes over a kernel whose gateway is gone, when this one wins its record: attached
     /// to, ready, and given a session. `false`: another gateway won. A kernel won but not
-    /// attached to is given up again, for the next sweep (of any gateway) to retry.
+    /// attached to stays this gateway's (its record is not given up: a kernel that cannot be
+    /// attached to would otherwise be retried by every gateway's sweep, for good).
     pub async fn take_over(&self, record: KernelRecord) -> Result<bool, AdoptionError> {
         let ownership = self.kernels.ownership();
         if !ownership.take_over(&record).await? {
             return Ok(false);
         }
-        let attached = async {
-            let key = ownership.signing_key(&record).await?;
-            let kernel = self.kernels.adopt(record.clone(), key).await?;
-            kernel.wait_ready().await?;
-            Ok::<_, AdoptionError>(kernel)
-        };
-        match attached.await {
-            Ok(kernel) => {
-                self.adopt(kernel, record.tenant.clone());
-                Ok(true)
-            }
-            Err(error) => {
-                if let Some(kernel) = self.kernels.get(&record.kernel_id) {
-                    // Attached but never ready: let its sandbox be for the next try.
-                    self.kernels.release_lost(&kernel.id);
-                }
-                ownership.abandon(&record).await;
-                Err(error)
-            }
-        }
+        let key = ownership.signing_key(&record).await?;
+        let tenant = record.tenant.clone();
+        let kernel = self.kernels.adopt(record, key).await?;
+        kernel.wait_ready().await?;
+        self.adopt(kernel, tenant);
+        Ok(true)
     }
 
     /// Sweeps the owners' registry for orphans, and for kernels another process holds now,

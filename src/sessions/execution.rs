@@ -278,6 +278,23 @@ impl<'a> Turn<'a> {
     }
 }
 
+/// An execution between its start and its `done`, as the session's monitor sees it; over
+/// when dropped (also when the run ends early).
+struct InTurn<'a>(&'a Session);
+
+impl<'a> InTurn<'a> {
+    fn enter(session: &'a Session) -> InTurn<'a> {
+        session.in_turn.send_replace(true);
+        InTurn(session)
+    }
+}
+
+impl Drop for InTurn<'_> {
+    fn drop(&mut self) {
+        self.0.in_turn.send_replace(false);
+    }
+}
+
 impl Session {
     pub(super) async fn run(
         self: Arc<Self>,
@@ -286,6 +303,7 @@ impl Session {
         tx: mpsc::UnboundedSender<Arc<SessionEvent>>,
     ) {
         let _one_at_a_time = self.run_lock.lock().await;
+        let _in_turn = InTurn::enter(&self);
         let started = Instant::now();
         let started_at = crate::kernel::format_timestamp(time::OffsetDateTime::now_utc());
         let usage_before = self.kernel.usage();

@@ -198,6 +198,11 @@ pub struct Session {
     /// One execution at a time through the API: the kernel would queue them anyway, and
     /// this keeps the history in order and `input()` unambiguous.
     run_lock: tokio::sync::Mutex<()>,
+    /// Whether an execution is between its start and its `done`: news of the kernel's life
+    /// waits for it (see `spawn_monitor`).
+    in_turn: tokio::sync::watch::Sender<bool>,
+    /// Whether `terminated` went out: it is the last event, told once.
+    terminated_told: std::sync::atomic::AtomicBool,
     history: Mutex<Vec<HistoryEntry>>,
     /// Files under `outputs/` already turned into artifacts: path → (size, mtime).
     outputs_seen: Mutex<HashMap<String, (u64, i64, i64)>>,
@@ -311,7 +316,22 @@ impl Session {
     }
 
     fn publish_kernel_state(&self) {
-        let (state, state_generation, reason) = self.kernel_state();
+        self.publish_kernel_phase(self.kernel_state());
+    }
+
+    /// Tells subscribers of a change of the kernel's life; `terminated` only once (the
+    /// monitor and [`Sessions::end`] may both see it).
+    fn publish_kernel_phase(
+        &self,
+        (state, state_generation, reason): (KernelPhase, u64, Option<String>),
+    ) {
+        if state == KernelPhase::Terminated
+            && self
+                .terminated_told
+                .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
         self.publish(Arc::new(SessionEvent::Kernel {
             state,
             state_generation,
@@ -359,12 +379,14 @@ impl Session {
 
 /// Tells the session's subscribers when its kernel's life changes (a restart after a
 /// timeout or OOM, a death, a shutdown from the Kernel Gateway API), as the kernel's
-/// readiness changes.
+/// readiness changes. A change that ends a running cell is told after that cell's `done`
+/// (its answer says what happened; clients read the kernel's news after it), waiting for it
+/// at most [`KERNEL_NEWS_WAIT`]: a cell may also run on across a change.
 fn spawn_monitor(session: &Arc<Session>) {
     let weak = Arc::downgrade(session);
+    // Subscribed before the state is read: a change after the read is seen below.
     let mut readiness = session.kernel.watch_readiness();
     let mut last = session.kernel_state();
-    readiness.mark_unchanged();
     tokio::spawn(async move {
         // The kernel's sender lives as long as the kernel: an error means it is gone.
         while readiness.changed().await.is_ok() {
@@ -375,18 +397,21 @@ fn spawn_monitor(session: &Arc<Session>) {
             if now == last {
                 continue;
             }
-            session.publish(Arc::new(SessionEvent::Kernel {
-                state: now.0,
-                state_generation: now.1,
-                reason: now.2.clone(),
-            }));
-            if now.0 == KernelPhase::Terminated {
+            let mut in_turn = session.in_turn.subscribe();
+            let _ =
+                tokio::time::timeout(KERNEL_NEWS_WAIT, in_turn.wait_for(|running| !running)).await;
+            let terminated = now.0 == KernelPhase::Terminated;
+            session.publish_kernel_phase(now.clone());
+            if terminated {
                 return;
             }
             last = now;
         }
     });
 }
+
+/// How long news of the kernel's life waits for the running cell's `done`.
+const KERNEL_NEWS_WAIT: Duration = Duration::from_secs(2);
 
 /// Every session of the gateway.
 pub struct Sessions {
@@ -487,6 +512,8 @@ impl Sessions {
             created: crate::kernel::format_timestamp(time::OffsetDateTime::now_utc()),
             events,
             run_lock: tokio::sync::Mutex::new(()),
+            in_turn: tokio::sync::watch::Sender::new(false),
+            terminated_told: std::sync::atomic::AtomicBool::new(false),
             history: Mutex::new(Vec::new()),
             outputs_seen: Mutex::new(HashMap::new()),
             artifacts: self.artifacts.clone(),

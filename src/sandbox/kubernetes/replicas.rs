@@ -334,12 +334,6 @@ impl Replicas {
         Ok(Some(Owned { record, owner }))
     }
 
-    /// The kernels whose owner is gone (its Lease released, lapsed or deleted), for
-    /// adoption.
-    pub async fn orphans(&self) -> Result<Vec<KernelRecord>, KubernetesError> {
-        Ok(self.sweep().await?.orphans)
-    }
-
     /// The kernels whose owner is gone, and those held by any process but this one (which
     /// this process, if it still has them, lost: paused past its lease, say).
     pub async fn sweep(&self) -> Result<Sweep, KubernetesError> {
