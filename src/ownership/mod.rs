@@ -113,10 +113,6 @@ pub trait Ownership: Send + Sync {
         record: &'a KernelRecord,
     ) -> BoxFuture<'a, Result<bool, OwnershipError>>;
 
-    /// Gives up a kernel this process took over but could not attach to: released for
-    /// another sweep, or forgotten when its sandbox is gone.
-    fn abandon<'a>(&'a self, record: &'a KernelRecord) -> BoxFuture<'a, ()>;
-
     /// The key an adopted kernel's messages are signed with.
     fn signing_key<'a>(
         &'a self,
@@ -184,10 +180,6 @@ impl Ownership for SingleGateway {
         _record: &'a KernelRecord,
     ) -> BoxFuture<'a, Result<bool, OwnershipError>> {
         Box::pin(async { Ok(false) })
-    }
-
-    fn abandon<'a>(&'a self, _record: &'a KernelRecord) -> BoxFuture<'a, ()> {
-        Box::pin(async {})
     }
 
     fn signing_key<'a>(

@@ -630,10 +630,6 @@ impl Ownership for Replicas {
         Box::pin(async move { Replicas::take_over(self, record).await.map_err(unavailable) })
     }
 
-    fn abandon<'a>(&'a self, record: &'a KernelRecord) -> BoxFuture<'a, ()> {
-        Box::pin(Replicas::abandon(self, record))
-    }
-
     fn signing_key<'a>(
         &'a self,
         record: &'a KernelRecord,
