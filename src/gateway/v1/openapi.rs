@@ -90,11 +90,9 @@ const KERNEL_OPERATIONS: &[&str] = &[
     "replay_notebook",
 ];
 
+/// Adds what every route shares to the derived document, then the media types utoipa
+/// derives wrongly or not at all.
 fn complete(document: &mut Value) {
-    let error = json!({"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}});
-    let retry_after = json!({"Retry-After": {
-        "description": "seconds after which the same request may succeed",
-        "schema": {"type": "integer", "minimum": 1}}});
     let Some(paths) = document.get_mut("paths").and_then(Value::as_object_mut) else {
         return;
     };
@@ -103,68 +101,91 @@ fn complete(document: &mut Value) {
             continue;
         };
         for (method, operation) in item.iter_mut() {
-            let id = operation["operationId"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
-            if path == "/v1/openapi.json" {
-                // It holds no secret: fetchable without credentials.
-                operation["security"] = json!([]);
-                continue;
-            }
-            let has_json_body = operation
-                .pointer("/requestBody/content/application~1json")
-                .is_some();
-            // A signed link is its own credential (`crate::artifacts::links`).
-            let signed_link = id == "fetch_artifact_signed";
-            if signed_link {
-                operation["security"] = json!([]);
-            }
-            let responses = &mut operation["responses"];
-            let mut add = |status: &str, description: &str| {
-                if responses.get(status).is_none() {
-                    responses[status] = json!({"description": description});
-                }
-            };
-            if !signed_link {
-                add(
-                    "401",
-                    "no credential, or a wrong one (`WWW-Authenticate` says how to authenticate)",
-                );
-            }
-            add("429", "the tenant is over its request rate");
-            add("500", "the gateway failed; its log has the details");
-            if has_json_body || method == "post" {
-                add("400", "the request is malformed (`code` says how)");
-            }
-            if has_json_body {
-                add("415", "a request body that is not `application/json`");
-            }
-            if path.contains("{id}") {
-                add("404", "no such session (or not the caller's)");
-            }
-            if KERNEL_OPERATIONS.contains(&id.as_str()) {
-                add(
-                    "503",
-                    "the kernel is starting, restarting or dead (`Retry-After` when waiting helps)",
-                );
-            }
-            for (status, response) in responses.as_object_mut().into_iter().flatten() {
-                let failed = status.starts_with('4') || status.starts_with('5');
-                if failed && response.get("content").is_none() {
-                    response["content"] = error.clone();
-                }
-                if status == "401" {
-                    response["headers"] = json!({"WWW-Authenticate": {
-                        "description": "`Bearer realm=\"cellgate\"`", "schema": {"type": "string"}}});
-                }
-                if status == "429" || status == "503" {
-                    response["headers"] = retry_after.clone();
-                }
-            }
+            complete_operation(path, method, operation);
         }
     }
-    // Media types utoipa derives wrongly or not at all.
+    fix_request_bodies(document);
+    fix_response_types(document);
+}
+
+/// The responses any operation may answer besides its own (the edge layers' statuses, and
+/// those its path, body and kernel make possible), so clients see every status they must
+/// handle, and who needs no credential.
+fn complete_operation(path: &str, method: &str, operation: &mut Value) {
+    let id = operation["operationId"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    if path == "/v1/openapi.json" {
+        // It holds no secret: fetchable without credentials.
+        operation["security"] = json!([]);
+        return;
+    }
+    let has_json_body = operation
+        .pointer("/requestBody/content/application~1json")
+        .is_some();
+    // A signed link is its own credential (`crate::artifacts::links`).
+    let signed_link = id == "fetch_artifact_signed";
+    if signed_link {
+        operation["security"] = json!([]);
+    }
+    let responses = &mut operation["responses"];
+    let mut add = |status: &str, description: &str| {
+        if responses.get(status).is_none() {
+            responses[status] = json!({"description": description});
+        }
+    };
+    if !signed_link {
+        add(
+            "401",
+            "no credential, or a wrong one (`WWW-Authenticate` says how to authenticate)",
+        );
+    }
+    add("429", "the tenant is over its request rate");
+    add("500", "the gateway failed; its log has the details");
+    if has_json_body || method == "post" {
+        add("400", "the request is malformed (`code` says how)");
+    }
+    if has_json_body {
+        add("415", "a request body that is not `application/json`");
+    }
+    if path.contains("{id}") {
+        add("404", "no such session (or not the caller's)");
+    }
+    if KERNEL_OPERATIONS.contains(&id.as_str()) {
+        add(
+            "503",
+            "the kernel is starting, restarting or dead (`Retry-After` when waiting helps)",
+        );
+    }
+    describe_error_responses(responses);
+}
+
+/// Every error status carries the error body, and the statuses that tell how to retry or
+/// authenticate carry the header that says so.
+fn describe_error_responses(responses: &mut Value) {
+    let error = json!({"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}});
+    let retry_after = json!({"Retry-After": {
+        "description": "seconds after which the same request may succeed",
+        "schema": {"type": "integer", "minimum": 1}}});
+    for (status, response) in responses.as_object_mut().into_iter().flatten() {
+        let failed = status.starts_with('4') || status.starts_with('5');
+        if failed && response.get("content").is_none() {
+            response["content"] = error.clone();
+        }
+        if status == "401" {
+            response["headers"] = json!({"WWW-Authenticate": {
+                "description": "`Bearer realm=\"cellgate\"`", "schema": {"type": "string"}}});
+        }
+        if status == "429" || status == "503" {
+            response["headers"] = retry_after.clone();
+        }
+    }
+}
+
+/// Request bodies utoipa derives wrongly: the upload's raw bytes, the optional session body,
+/// what can be said of variable names, and the notebook replay's free-form body.
+fn fix_request_bodies(document: &mut Value) {
     let upload = "/paths/~1v1~1sessions~1{id}~1files~1{path}/put/requestBody";
     if let Some(body) = document.pointer_mut(upload) {
         *body = json!({
@@ -192,6 +213,11 @@ fn complete(document: &mut Value) {
         *body = json!({"type": "object",
             "description": "an nbformat 4 notebook, or {notebook, policy, allow_errors, timeout_s}"});
     }
+}
+
+/// Responses of more than one media type, which utoipa cannot derive: the execute
+/// endpoints' event stream and the downloads' bytes of any type.
+fn fix_response_types(document: &mut Value) {
     for path in [
         "/paths/~1v1~1sessions~1{id}~1execute/post",
         "/paths/~1v1~1execute/post",

@@ -30,14 +30,37 @@ pub(super) fn write_bundle(
     ro_paths: &[PathBuf],
     cgroup: &str,
 ) -> Result<(), SandboxError> {
-    let io = |what: &str, path: &Path| {
-        let what = format!("{what} {}", path.display());
-        move |err: io::Error| setup(format!("{what}: {err}"))
-    };
     let rootfs = bundle.join("rootfs");
-    std::fs::create_dir_all(rootfs.join("etc")).map_err(io("mkdir", &rootfs))?;
+    let mut mounts = write_root(&rootfs, config)?;
+    let binds = binds(&rootfs, spec, view, ro_paths)?;
+    add_binds(&rootfs, binds, &mut mounts)?;
+    for dir in &view.masked {
+        // After the binds they sit in (OCI mounts apply in order).
+        mounts.push(
+            json!({"destination": dir, "type": "tmpfs", "source": "tmpfs",
+                           "options": ["ro", "nosuid", "nodev", "noexec", "size=4096"]}),
+        );
+    }
+    let oci = oci_config(config, spec, view, cgroup, mounts);
+    let text =
+        serde_json::to_vec_pretty(&oci).map_err(|err| setup(format!("config.json: {err}")))?;
+    let path = bundle.join("config.json");
+    std::fs::write(&path, text).map_err(io_err("write", &path))
+}
+
+/// The setup error of a failed file operation, naming what was done to which path.
+fn io_err(what: &str, path: &Path) -> impl FnOnce(io::Error) -> SandboxError {
+    let what = format!("{what} {}", path.display());
+    move |err: io::Error| setup(format!("{what}: {err}"))
+}
+
+/// The root's own skeleton: the directories its mounts need (the root is read-only in the
+/// sandbox), the host's `/usr` and its top-level links (or directories) so programs find
+/// their libraries, and the generated `/etc` files. Returns the mounts so far.
+fn write_root(rootfs: &Path, config: &GvisorConfig) -> Result<Vec<Value>, SandboxError> {
+    std::fs::create_dir_all(rootfs.join("etc")).map_err(io_err("mkdir", rootfs))?;
     for dir in ["usr", "proc", "tmp", "dev"] {
-        std::fs::create_dir_all(rootfs.join(dir)).map_err(io("mkdir", &rootfs))?;
+        std::fs::create_dir_all(rootfs.join(dir)).map_err(io_err("mkdir", rootfs))?;
     }
     let mut mounts = vec![
         json!({"destination": "/proc", "type": "proc", "source": "proc"}),
@@ -49,9 +72,9 @@ pub(super) fn write_bundle(
         let host = Path::new("/").join(name);
         match std::fs::read_link(&host) {
             Ok(target) => std::os::unix::fs::symlink(&target, rootfs.join(name))
-                .map_err(io("symlink", &rootfs.join(name)))?,
+                .map_err(io_err("symlink", &rootfs.join(name)))?,
             Err(_) if host.is_dir() => {
-                std::fs::create_dir_all(rootfs.join(name)).map_err(io("mkdir", &host))?;
+                std::fs::create_dir_all(rootfs.join(name)).map_err(io_err("mkdir", &host))?;
                 mounts.push(ro_bind(&host));
             }
             Err(_) => {}
@@ -59,10 +82,24 @@ pub(super) fn write_bundle(
     }
     for (name, contents) in etc_files(config) {
         let path = rootfs.join("etc").join(name);
-        std::fs::write(&path, contents).map_err(io("write", &path))?;
+        std::fs::write(&path, contents).map_err(io_err("write", &path))?;
     }
-    // (host, inside, writable)
-    let mut binds: Vec<(PathBuf, PathBuf, bool)> = ETC_ENTRIES
+    Ok(mounts)
+}
+
+/// A bind mount of the bundle: (host, inside, writable).
+type Bind = (PathBuf, PathBuf, bool);
+
+/// What the kernel sees of the host, as binds: the host's `/etc` entries, the extra
+/// read-only paths, the Python prefix and venv at their fixed places (the venv's generated
+/// files and links are written into the root here), and last the two writable directories.
+fn binds(
+    rootfs: &Path,
+    spec: &LaunchSpec,
+    view: &KernelView,
+    ro_paths: &[PathBuf],
+) -> Result<Vec<Bind>, SandboxError> {
+    let mut binds: Vec<Bind> = ETC_ENTRIES
         .iter()
         .map(PathBuf::from)
         .filter(|p| p.exists())
@@ -73,31 +110,8 @@ pub(super) fn write_bundle(
         binds.push((prefix.clone(), PathBuf::from(relocate::PYTHON), false));
     }
     for entry in &view.venv {
-        let in_rootfs = |inside: &Path| rootfs.join(inside.strip_prefix("/").unwrap_or(inside));
-        match entry {
-            VenvEntry::File {
-                inside,
-                contents,
-                executable,
-            } => {
-                use std::os::unix::fs::PermissionsExt;
-                let path = in_rootfs(inside);
-                if let Some(parent) = path.parent() {
-                    std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
-                }
-                std::fs::write(&path, contents).map_err(io("write", &path))?;
-                let mode = if *executable { 0o755 } else { 0o644 };
-                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
-                    .map_err(io("chmod", &path))?;
-            }
-            VenvEntry::Symlink { inside, points_to } => {
-                let path = in_rootfs(inside);
-                if let Some(parent) = path.parent() {
-                    std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
-                }
-                std::os::unix::fs::symlink(points_to, &path).map_err(io("symlink", &path))?;
-            }
-            VenvEntry::Bind { host, inside } => binds.push((host.clone(), inside.clone(), false)),
+        if let Some(bind) = write_venv_entry(rootfs, entry)? {
+            binds.push(bind);
         }
     }
     binds.push((
@@ -113,17 +127,54 @@ pub(super) fn write_bundle(
         PathBuf::from(relocate::WORKSPACE),
         true,
     ));
+    Ok(binds)
+}
+
+/// Writes one entry of the relocated venv into the root (a file or a symlink), or returns
+/// it as a read-only bind when it is host content shown as is.
+fn write_venv_entry(rootfs: &Path, entry: &VenvEntry) -> Result<Option<Bind>, SandboxError> {
+    let in_rootfs = |inside: &Path| rootfs.join(inside.strip_prefix("/").unwrap_or(inside));
+    match entry {
+        VenvEntry::File {
+            inside,
+            contents,
+            executable,
+        } => {
+            use std::os::unix::fs::PermissionsExt;
+            let path = in_rootfs(inside);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(io_err("mkdir", parent))?;
+            }
+            std::fs::write(&path, contents).map_err(io_err("write", &path))?;
+            let mode = if *executable { 0o755 } else { 0o644 };
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                .map_err(io_err("chmod", &path))?;
+        }
+        VenvEntry::Symlink { inside, points_to } => {
+            let path = in_rootfs(inside);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(io_err("mkdir", parent))?;
+            }
+            std::os::unix::fs::symlink(points_to, &path).map_err(io_err("symlink", &path))?;
+        }
+        VenvEntry::Bind { host, inside } => return Ok(Some((host.clone(), inside.clone(), false))),
+    }
+    Ok(None)
+}
+
+/// Adds the binds to `mounts`, in order, with their mount points made in the root.
+fn add_binds(rootfs: &Path, binds: Vec<Bind>, mounts: &mut Vec<Value>) -> Result<(), SandboxError> {
     for (host, target, writable) in binds {
         let inside = rootfs.join(target.strip_prefix("/").unwrap_or(&target));
         // Mount points must exist in the read-only root; under /tmp (a tmpfs) runsc makes
         // them itself, but creating them here too is harmless.
         if host.is_dir() {
-            std::fs::create_dir_all(&inside).map_err(io("mkdir", &inside))?;
+            std::fs::create_dir_all(&inside).map_err(io_err("mkdir", &inside))?;
         } else {
             if let Some(parent) = inside.parent() {
-                std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+                std::fs::create_dir_all(parent).map_err(io_err("mkdir", parent))?;
             }
-            std::fs::write(&inside, b"").map_err(io("create", &inside))?;
+            std::fs::write(&inside, b"").map_err(io_err("create", &inside))?;
         }
         mounts.push(if writable {
             json!({"destination": target, "type": "bind", "source": host,
@@ -132,13 +183,19 @@ pub(super) fn write_bundle(
             ro_bind_at(&host, &target)
         });
     }
-    for dir in &view.masked {
-        // After the binds they sit in (OCI mounts apply in order).
-        mounts.push(
-            json!({"destination": dir, "type": "tmpfs", "source": "tmpfs",
-                           "options": ["ro", "nosuid", "nodev", "noexec", "size=4096"]}),
-        );
-    }
+    Ok(())
+}
+
+/// The OCI `config.json`: the kernel's argv as the configured uid, no capabilities, no new
+/// privileges, a read-only root, its own namespaces (no network), and with cgroups the
+/// launch's limits.
+fn oci_config(
+    config: &GvisorConfig,
+    spec: &LaunchSpec,
+    view: &KernelView,
+    cgroup: &str,
+    mounts: Vec<Value>,
+) -> Value {
     let env: Vec<String> = view.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let no_caps = json!([]);
     let mut linux = json!({
@@ -149,7 +206,7 @@ pub(super) fn write_bundle(
         linux["cgroupsPath"] = json!(cgroup);
         linux["resources"] = resources(&spec.limits);
     }
-    let oci = json!({
+    json!({
         "ociVersion": "1.0.2",
         "hostname": config.hostname,
         "process": {
@@ -166,11 +223,7 @@ pub(super) fn write_bundle(
         "root": {"path": "rootfs", "readonly": true},
         "mounts": mounts,
         "linux": linux,
-    });
-    let text =
-        serde_json::to_vec_pretty(&oci).map_err(|err| setup(format!("config.json: {err}")))?;
-    let path = bundle.join("config.json");
-    std::fs::write(&path, text).map_err(io("write", &path))
+    })
 }
 
 fn ro_bind(host: &Path) -> Value {

@@ -237,33 +237,43 @@ impl GvisorSandbox {
         Ok((view, ro_paths))
     }
 
-    #[allow(unsafe_code)] // the workspace mount's `pre_exec` hook
     async fn launch_gvisor(&self, spec: &LaunchSpec) -> Result<Launched, SandboxError> {
         let (view, ro_paths) = self.view(spec)?;
         self.hand_over(spec)?;
-        // The gateway's pid in the name tells a later sweep whether its owner is alive.
-        let unique = format!(
-            "{}-{}",
-            std::process::id(),
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
-        );
-        let container_id = format!("cellgate-{unique}");
-        let base = spec
-            .log_file
-            .parent()
-            .ok_or_else(|| setup("the log file has no parent directory"))?;
-        let bundle = base.join(format!("gvisor-{unique}"));
-        let state = bundle.join("state");
-        let cgroup_path = format!("{CGROUP_PARENT}/{container_id}");
-        // Made (with its limit) here rather than by runsc: runsc removes the cgroups it
-        // creates before `runsc run` returns, and the watcher must read the OOM counter
-        // first. runsc joins a cgroup that exists and leaves it in place (and its limits to
-        // us); the watcher removes it.
+        let names = RunNames::new(spec)?;
         // With a size limit the workspace is a host tmpfs whose pages the sandbox's writes
         // are charged for; without one it is a host directory (reclaimable page cache).
         let cgroup_memory = spec.limits.memory_cgroup_bytes(spec.limits.workspace_bytes);
+        let memory_cgroup = self.pre_create_cgroups(spec, &names.cgroup_path, cgroup_memory);
+        self.build_bundle(spec, &names, view, ro_paths).await?;
+        let command = self.run_command(spec, &names)?;
+        let child = match self.spawner.spawn(command).await {
+            Ok(child) => child,
+            Err(source) => {
+                let _ = std::fs::remove_dir_all(&names.bundle);
+                return Err(SandboxError::Spawn {
+                    program: self.runsc.display().to_string(),
+                    source,
+                });
+            }
+        };
+        Ok(self.watch(spec, child, names, cgroup_memory, memory_cgroup))
+    }
+
+    /// Makes the sandbox's memory and pids cgroups (with their limits) here rather than
+    /// leaving them to runsc: runsc removes the cgroups it creates before `runsc run`
+    /// returns, and the watcher must read the OOM counter and `pids.events` first. runsc
+    /// joins a cgroup that exists and leaves it in place (and its limits to us); the watcher
+    /// removes it. Failing is not fatal (runsc sets the limits then), only less precise
+    /// exit reports. Returns the memory cgroup's directory when it was made.
+    fn pre_create_cgroups(
+        &self,
+        spec: &LaunchSpec,
+        cgroup_path: &str,
+        cgroup_memory: Option<u64>,
+    ) -> Option<PathBuf> {
         let memory_cgroup = (self.config.cgroups && spec.limits.memory_bytes.is_some())
-            .then(|| memory_cgroup_dir(&cgroup_path))
+            .then(|| memory_cgroup_dir(cgroup_path))
             .flatten()
             .filter(|dir| match create_memory_cgroup(dir, cgroup_memory) {
                 Ok(()) => true,
@@ -275,25 +285,45 @@ impl GvisorSandbox {
         // The pids cgroup too, so its `pids.events` outlives `runsc run`: when the guest's
         // forks exhaust the limit the Sentry dies, and the watcher reports which limit.
         if let (true, Some(pids)) = (self.config.cgroups, spec.limits.pids) {
-            if let Some(dir) = controller_cgroup_dir("pids", &cgroup_path) {
+            if let Some(dir) = controller_cgroup_dir("pids", cgroup_path) {
                 if let Err(err) = create_pids_cgroup(&dir, pids + PIDS_OVERHEAD) {
                     tracing::warn!(kernel_id = %spec.kernel_id, %err, dir = %dir.display(), "cannot pre-create the pids cgroup: runsc sets the limit, and its exhaustion is reported as a plain death");
                 }
             }
         }
+        memory_cgroup
+    }
+
+    /// Writes the OCI bundle off the async runtime (it walks and copies files), and removes
+    /// what it wrote when that fails, so a failed launch leaves nothing behind.
+    async fn build_bundle(
+        &self,
+        spec: &LaunchSpec,
+        names: &RunNames,
+        view: KernelView,
+        ro_paths: Vec<PathBuf>,
+    ) -> Result<(), SandboxError> {
         let built = tokio::task::spawn_blocking({
-            let bundle = bundle.clone();
+            let bundle = names.bundle.clone();
             let config = self.config.clone();
             let spec = spec.clone();
-            let cgroup = cgroup_path.clone();
+            let cgroup = names.cgroup_path.clone();
             move || write_bundle(&bundle, &config, &spec, &view, &ro_paths, &cgroup)
         })
         .await
         .map_err(|err| setup(format!("bundle task: {err}")))?;
         if let Err(err) = built {
-            let _ = std::fs::remove_dir_all(&bundle);
+            let _ = std::fs::remove_dir_all(&names.bundle);
             return Err(err);
         }
+        Ok(())
+    }
+
+    /// The `runsc run` command: its output to the kernel's log, a clean environment, its own
+    /// process group, and (with a workspace limit) the private tmpfs workspace mounted in
+    /// the child before exec, so the sandbox's writes are bounded and charged to it.
+    #[allow(unsafe_code)] // the workspace mount's `pre_exec` hook
+    fn run_command(&self, spec: &LaunchSpec, names: &RunNames) -> Result<Command, SandboxError> {
         let open_log = || {
             std::fs::OpenOptions::new()
                 .create(true)
@@ -313,7 +343,7 @@ impl GvisorSandbox {
             }
         }
         command
-            .args(self.global_args(&state))
+            .args(self.global_args(&names.state))
             // Explicit because the file API depends on it (see the module doc).
             .args([
                 "--network=none",
@@ -327,26 +357,35 @@ impl GvisorSandbox {
             })
             .arg("run")
             .arg("--bundle")
-            .arg(&bundle)
-            .arg(&container_id)
+            .arg(&names.bundle)
+            .arg(&names.container_id)
             .env_clear()
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-            .current_dir(&bundle)
+            .current_dir(&names.bundle)
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log_err)
             .process_group(0)
             .kill_on_drop(false);
-        let child = match self.spawner.spawn(command).await {
-            Ok(child) => child,
-            Err(source) => {
-                let _ = std::fs::remove_dir_all(&bundle);
-                return Err(SandboxError::Spawn {
-                    program: self.runsc.display().to_string(),
-                    source,
-                });
-            }
-        };
+        Ok(command)
+    }
+
+    /// Hands the started `runsc run` to its exit watcher (which reports the exit and cleans
+    /// up the container, bundle and cgroups) and makes the kernel's handle.
+    fn watch(
+        &self,
+        spec: &LaunchSpec,
+        child: tokio::process::Child,
+        names: RunNames,
+        cgroup_memory: Option<u64>,
+        memory_cgroup: Option<PathBuf>,
+    ) -> Launched {
+        let RunNames {
+            container_id,
+            bundle,
+            state,
+            cgroup_path,
+        } = names;
         let pid = child.id().unwrap_or(0);
         // Opened before the watcher can reap `runsc run`, so it names that process and no
         // later one that reuses its pid.
@@ -374,7 +413,7 @@ impl GvisorSandbox {
             exit_tx,
         ));
         tracing::info!(kernel_id = %spec.kernel_id, container = %container_id, runsc_pid = pid, "kernel started in gVisor");
-        Ok(Launched {
+        Launched {
             handle: Arc::new(GvisorHandle {
                 pid,
                 pidfd,
@@ -387,7 +426,7 @@ impl GvisorSandbox {
             }),
             exit: exit_rx,
             connection: spec.connection.clone(),
-        })
+        }
     }
 
     fn global_args(&self, state: &Path) -> Vec<String> {
@@ -407,5 +446,40 @@ impl Sandbox for GvisorSandbox {
 
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
         Box::pin(self.launch_gvisor(spec))
+    }
+}
+
+/// The names of one launch's container: its runsc id, bundle and state directories, and
+/// cgroup path, all from one unique suffix.
+struct RunNames {
+    container_id: String,
+    bundle: PathBuf,
+    state: PathBuf,
+    cgroup_path: String,
+}
+
+impl RunNames {
+    /// Names beside the kernel's log; the gateway's pid in the suffix tells a later sweep
+    /// whether their owner is alive.
+    fn new(spec: &LaunchSpec) -> Result<Self, SandboxError> {
+        let unique = format!(
+            "{}-{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
+        let container_id = format!("cellgate-{unique}");
+        let base = spec
+            .log_file
+            .parent()
+            .ok_or_else(|| setup("the log file has no parent directory"))?;
+        let bundle = base.join(format!("gvisor-{unique}"));
+        let state = bundle.join("state");
+        let cgroup_path = format!("{CGROUP_PARENT}/{container_id}");
+        Ok(Self {
+            container_id,
+            bundle,
+            state,
+            cgroup_path,
+        })
     }
 }

@@ -138,6 +138,26 @@ pub fn pod(
     settings: &PodSettings,
     limits: &Limits,
 ) -> Pod {
+    let container = container(settings, resources(limits));
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(labels(owner)),
+            annotations: owner
+                .tenant
+                .as_ref()
+                .map(|tenant| BTreeMap::from([(ANNOTATION_TENANT.to_owned(), tenant.clone())])),
+            ..ObjectMeta::default()
+        },
+        spec: Some(pod_spec(name, container, settings, limits)),
+        status: None,
+    }
+}
+
+/// The container's requests and limits (the same: the pod is guaranteed what it may use),
+/// from the policy's limits plus the agent's own memory beside the kernel.
+fn resources(limits: &Limits) -> BTreeMap<String, Quantity> {
     let mut resources = BTreeMap::new();
     if let Some(memory) = limits.memory_bytes {
         resources.insert(
@@ -153,22 +173,13 @@ pub fn pod(
         // is charged to memory; the container's own writable layer gets nothing (read-only).
         resources.insert("ephemeral-storage".to_owned(), quantity(workspace));
     }
-    let empty_dir = |medium: Option<&str>, bytes: Option<u64>| EmptyDirVolumeSource {
-        medium: medium.map(str::to_owned),
-        size_limit: bytes.map(quantity),
-    };
-    let volume = |name: &str, dir: EmptyDirVolumeSource| Volume {
-        name: name.to_owned(),
-        empty_dir: Some(dir),
-        ..Volume::default()
-    };
-    let mount = |name: &str, path: &str, read_only: bool| VolumeMount {
-        name: name.to_owned(),
-        mount_path: path.to_owned(),
-        read_only: read_only.then_some(true),
-        ..VolumeMount::default()
-    };
-    let container = Container {
+    resources
+}
+
+/// The one container: the agent with the kernel's key, non-root, no capabilities, a
+/// read-only root, writable only where its volumes are mounted.
+fn container(settings: &PodSettings, resources: BTreeMap<String, Quantity>) -> Container {
+    Container {
         name: "kernel".to_owned(),
         image: Some(settings.image.clone()),
         image_pull_policy: Some(settings.image_pull_policy.clone()),
@@ -213,7 +224,24 @@ pub fn pod(
         working_dir: Some(relocate::WORKSPACE.to_owned()),
         termination_message_policy: Some("FallbackToLogsOnError".to_owned()),
         ..Container::default()
-    };
+    }
+}
+
+/// A volume mount of the container; `read_only` is left out of the spec when false, as the
+/// cluster's default.
+fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.to_owned(),
+        mount_path: path.to_owned(),
+        read_only: read_only.then_some(true),
+        ..VolumeMount::default()
+    }
+}
+
+/// The pod's spec around its container: nothing of the node's shared (network, pids, ipc),
+/// no service account token or links, the runtime's default seccomp profile, and the
+/// deployment's scheduling settings.
+fn pod_spec(name: &str, container: Container, settings: &PodSettings, limits: &Limits) -> PodSpec {
     let tolerations = settings
         .tolerations
         .iter()
@@ -225,75 +253,79 @@ pub fn pod(
             toleration_seconds: t.toleration_seconds,
         })
         .collect::<Vec<_>>();
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            namespace: Some(namespace.to_owned()),
-            labels: Some(labels(owner)),
-            annotations: owner
-                .tenant
-                .as_ref()
-                .map(|tenant| BTreeMap::from([(ANNOTATION_TENANT.to_owned(), tenant.clone())])),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            containers: vec![container],
-            restart_policy: Some("Never".to_owned()),
-            automount_service_account_token: Some(false),
-            enable_service_links: Some(false),
-            service_account_name: settings.service_account.clone(),
-            runtime_class_name: settings.runtime_class.clone(),
-            node_selector: (!settings.node_selector.is_empty())
-                .then(|| settings.node_selector.clone()),
-            tolerations: (!tolerations.is_empty()).then_some(tolerations),
-            image_pull_secrets: (!settings.image_pull_secrets.is_empty()).then(|| {
-                settings
-                    .image_pull_secrets
-                    .iter()
-                    .map(|name| LocalObjectReference { name: name.clone() })
-                    .collect()
-            }),
-            // The agent ends the kernel at SIGTERM; nothing is worth waiting for.
-            termination_grace_period_seconds: Some(2),
-            host_network: Some(false),
-            host_pid: Some(false),
-            host_ipc: Some(false),
-            share_process_namespace: Some(false),
-            security_context: Some(PodSecurityContext {
-                run_as_non_root: Some(true),
-                run_as_user: Some(KERNEL_UID),
-                run_as_group: Some(KERNEL_UID),
-                fs_group: Some(KERNEL_UID),
-                seccomp_profile: Some(SeccompProfile {
-                    type_: "RuntimeDefault".to_owned(),
-                    localhost_profile: None,
-                }),
-                ..PodSecurityContext::default()
-            }),
-            volumes: Some(vec![
-                Volume {
-                    name: "key".to_owned(),
-                    secret: Some(SecretVolumeSource {
-                        secret_name: Some(name.to_owned()),
-                        default_mode: Some(0o440),
-                        optional: Some(false),
-                        // The agent's key only: the connection info stays with gateways.
-                        items: Some(vec![KeyToPath {
-                            key: KEY_NAME.to_owned(),
-                            path: KEY_NAME.to_owned(),
-                            mode: None,
-                        }]),
-                    }),
-                    ..Volume::default()
-                },
-                volume("workspace", empty_dir(None, limits.workspace_bytes)),
-                volume("run", empty_dir(Some("Memory"), Some(RUN_DIR_BYTES))),
-                volume("agent", empty_dir(Some("Memory"), Some(RUN_DIR_BYTES))),
-                volume("tmp", empty_dir(Some("Memory"), Some(TMP_BYTES))),
-            ]),
-            ..PodSpec::default()
+    PodSpec {
+        containers: vec![container],
+        restart_policy: Some("Never".to_owned()),
+        automount_service_account_token: Some(false),
+        enable_service_links: Some(false),
+        service_account_name: settings.service_account.clone(),
+        runtime_class_name: settings.runtime_class.clone(),
+        node_selector: (!settings.node_selector.is_empty()).then(|| settings.node_selector.clone()),
+        tolerations: (!tolerations.is_empty()).then_some(tolerations),
+        image_pull_secrets: (!settings.image_pull_secrets.is_empty()).then(|| {
+            settings
+                .image_pull_secrets
+                .iter()
+                .map(|name| LocalObjectReference { name: name.clone() })
+                .collect()
         }),
-        status: None,
+        // The agent ends the kernel at SIGTERM; nothing is worth waiting for.
+        termination_grace_period_seconds: Some(2),
+        host_network: Some(false),
+        host_pid: Some(false),
+        host_ipc: Some(false),
+        share_process_namespace: Some(false),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(KERNEL_UID),
+            run_as_group: Some(KERNEL_UID),
+            fs_group: Some(KERNEL_UID),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".to_owned(),
+                localhost_profile: None,
+            }),
+            ..PodSecurityContext::default()
+        }),
+        volumes: Some(volumes(name, limits)),
+        ..PodSpec::default()
+    }
+}
+
+/// The pod's volumes: the Secret `name` (the agent's key only) and the writable directories,
+/// the workspace sized by the policy and the rest memory-backed so they count as memory.
+fn volumes(name: &str, limits: &Limits) -> Vec<Volume> {
+    vec![
+        Volume {
+            name: "key".to_owned(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(name.to_owned()),
+                default_mode: Some(0o440),
+                optional: Some(false),
+                // The agent's key only: the connection info stays with gateways.
+                items: Some(vec![KeyToPath {
+                    key: KEY_NAME.to_owned(),
+                    path: KEY_NAME.to_owned(),
+                    mode: None,
+                }]),
+            }),
+            ..Volume::default()
+        },
+        empty_dir("workspace", None, limits.workspace_bytes),
+        empty_dir("run", Some("Memory"), Some(RUN_DIR_BYTES)),
+        empty_dir("agent", Some("Memory"), Some(RUN_DIR_BYTES)),
+        empty_dir("tmp", Some("Memory"), Some(TMP_BYTES)),
+    ]
+}
+
+/// An `emptyDir` volume of `medium` (the node's disk when `None`) of at most `bytes`.
+fn empty_dir(name: &str, medium: Option<&str>, bytes: Option<u64>) -> Volume {
+    Volume {
+        name: name.to_owned(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            medium: medium.map(str::to_owned),
+            size_limit: bytes.map(quantity),
+        }),
+        ..Volume::default()
     }
 }
 

@@ -14,6 +14,26 @@ use crate::sandbox::diagnosis::{self, euid, read_trim, Diagnosis};
 /// Whether this host can run namespaces sandboxes, and what it lacks.
 pub async fn diagnose(probe: bool, zygote_wanted: bool) -> Diagnosis {
     let mut s = Diagnosis::new("namespaces");
+    check_user_namespaces(&mut s);
+    check_cgroups(&mut s);
+    check_seccomp_and_landlock(&mut s);
+    check_zygote(&mut s, zygote_wanted);
+
+    if probe && s.available {
+        match probe_namespaces().await {
+            Ok(elapsed) => s.fact("probe", format!("started /usr/bin/true in a sandbox in {} ms", elapsed.as_millis())),
+            Err(err) => s.fail(
+                format!("starting a real sandbox failed: {err}"),
+                "see the error above; `cellgate serve --sandbox namespaces` would fail the same way",
+            ),
+        }
+    }
+    s
+}
+
+/// User namespaces are the sandbox's base: without them (or with a knob that keeps them
+/// from unprivileged users while the gateway is not root) no kernel starts.
+fn check_user_namespaces(s: &mut Diagnosis) {
     match read_trim("/proc/sys/user/max_user_namespaces") {
         Some(max) => {
             s.fact(
@@ -56,7 +76,11 @@ pub async fn diagnose(probe: bool, zygote_wanted: bool) -> Diagnosis {
             );
         }
     }
+}
 
+/// The cgroup controllers the limits use and whether the gateway may create cgroups:
+/// without them limits are not enforced, which is worth a warning but not a failure.
+fn check_cgroups(s: &mut Diagnosis) {
     let cgroups = cgroup_facts();
     s.fact("cgroup_version", cgroups.version);
     s.fact(
@@ -82,7 +106,11 @@ pub async fn diagnose(probe: bool, zygote_wanted: bool) -> Diagnosis {
             "run the gateway as root, or under a delegated cgroup (systemd: Delegate=yes in its unit)",
         );
     }
+}
 
+/// Seccomp is required (the system call filter is the sandbox's last wall); Landlock is
+/// a further layer, so its absence is a warning.
+fn check_seccomp_and_landlock(s: &mut Diagnosis) {
     let seccomp = std::fs::read_to_string("/proc/self/status")
         .unwrap_or_default()
         .lines()
@@ -109,8 +137,11 @@ pub async fn diagnose(probe: bool, zygote_wanted: bool) -> Diagnosis {
             );
         }
     }
+}
 
-    // Kernels forked from a warm zygote (zygote.rs): a first chart in ~0.2 s instead of ~1 s.
+/// Kernels forked from a warm zygote (zygote.rs) start a first chart in ~0.2 s instead of
+/// ~1 s: whether they will, and what keeps them from it.
+fn check_zygote(s: &mut Diagnosis, zygote_wanted: bool) {
     let zygote = super::ZygoteSettings::default();
     match zygote.library() {
         _ if !zygote_wanted => s.fact(
@@ -136,17 +167,6 @@ pub async fn diagnose(probe: bool, zygote_wanted: bool) -> Diagnosis {
             ),
         ),
     }
-
-    if probe && s.available {
-        match probe_namespaces().await {
-            Ok(elapsed) => s.fact("probe", format!("started /usr/bin/true in a sandbox in {} ms", elapsed.as_millis())),
-            Err(err) => s.fail(
-                format!("starting a real sandbox failed: {err}"),
-                "see the error above; `cellgate serve --sandbox namespaces` would fail the same way",
-            ),
-        }
-    }
-    s
 }
 
 /// Starts `/usr/bin/true` in a complete namespaces sandbox (helper, init, mounts, seccomp,

@@ -581,24 +581,11 @@ impl Core {
         if !cgroup.as_ref().is_some_and(|c| c.memory_limited()) {
             plan.address_space_limit = spec.limits.memory_bytes;
         }
-        if let Err(err) = self.hand_over(spec) {
-            remove_cgroup(cgroup).await;
-            return Err(err);
-        }
-
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&spec.log_file);
-        let log = match log {
+        let log = match self.hand_over(spec).and_then(|()| open_kernel_log(spec)) {
             Ok(log) => log,
-            Err(source) => {
+            Err(err) => {
                 remove_cgroup(cgroup).await;
-                return Err(NamespacesError::Io {
-                    what: "open the kernel log",
-                    path: spec.log_file.clone(),
-                    source,
-                });
+                return Err(err);
             }
         };
         let forked = matches!(how, How::Forked(_));
@@ -619,39 +606,71 @@ impl Core {
         };
         let log_copy = tokio::spawn(copy_log(output, log));
         let mut events = BufReader::new(stdout).lines();
-        let handshake = handshake(
+        let handshake = self.handshake_in_time(
             stdin,
             &mut events,
             &plan,
             helper_pid,
             forked,
-            self.ids,
             cgroup.as_deref(),
         );
-        let started = match tokio::time::timeout(self.config.start_timeout, handshake).await {
+        let started = match handshake.await {
+            Ok(started) => started,
+            Err(err) => {
+                kill_helper(&mut helper).await;
+                remove_cgroup(cgroup).await;
+                return Err(err);
+            }
+        };
+        let running = Running {
+            helper,
+            helper_pid,
+            forked,
+            events,
+            log_copy,
+            started,
+        };
+        Ok(self.watch(spec, running, cgroup, plan_workspace))
+    }
+
+    /// The handshake with the helper (the plan out, the sandbox's pids back), bounded by the
+    /// start timeout: a helper stuck in any step fails the launch instead of hanging it.
+    async fn handshake_in_time(
+        &self,
+        stdin: Writer,
+        events: &mut EventLines,
+        plan: &Plan,
+        helper_pid: u32,
+        forked: bool,
+        cgroup: Option<&KernelCgroup>,
+    ) -> Result<Started, NamespacesError> {
+        let handshake = handshake(stdin, events, plan, helper_pid, forked, self.ids, cgroup);
+        match tokio::time::timeout(self.config.start_timeout, handshake).await {
             Ok(Ok(started)) => Ok(started),
             Ok(Err(err)) => Err(err),
             Err(_) => Err(NamespacesError::Timeout(
                 self.config.start_timeout.as_secs(),
             )),
-        };
-        let started = match started {
-            Ok(started) => started,
-            Err(err) => {
-                match &mut helper {
-                    Helper::Spawned(child) => {
-                        let _ = child.start_kill();
-                        let _ = child.wait().await;
-                    }
-                    Helper::Forked(pidfd) => {
-                        let _ = sys::pidfd_send_signal(pidfd, libc::SIGKILL);
-                    }
-                }
-                remove_cgroup(cgroup).await;
-                return Err(err);
-            }
-        };
+        }
+    }
 
+    /// Makes the started sandbox's handle and hands the helper to its exit watcher, which
+    /// reports the kernel's end (with the cgroup's and the host kernel's account of it).
+    fn watch(
+        &self,
+        spec: &LaunchSpec,
+        running: Running,
+        cgroup: Option<Arc<KernelCgroup>>,
+        plan_workspace: PathBuf,
+    ) -> Launched {
+        let Running {
+            helper,
+            helper_pid,
+            forked,
+            events,
+            log_copy,
+            started,
+        } = running;
         let fault_log = started
             .kernel_pid
             .zip(started.kernel_ns_pid)
@@ -694,11 +713,11 @@ impl Core {
             fault_log,
             exit_tx,
         ));
-        Ok(Launched {
+        Launched {
             handle,
             exit: exit_rx,
             connection: gateway_view(&spec.connection, &spec.runtime_dir, helper_pid),
-        })
+        }
     }
 
     /// Spawns the helper (`cellgate __sandbox-init`); for a zygote, with the control socket
@@ -824,6 +843,44 @@ impl Sandbox for NamespacesSandbox {
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
         Box::pin(async move { Ok(self.core.launch(spec).await?) })
     }
+}
+
+/// Opens the kernel's log for appending: the helper's output is copied there, so a failed
+/// launch leaves its reason where the operator looks.
+fn open_kernel_log(spec: &LaunchSpec) -> Result<std::fs::File, NamespacesError> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&spec.log_file)
+        .map_err(|source| NamespacesError::Io {
+            what: "open the kernel log",
+            path: spec.log_file.clone(),
+            source,
+        })
+}
+
+/// Ends a helper whose handshake failed, so no half-built sandbox is left running: a spawned
+/// one is killed and reaped, a forked one killed through its pidfd (its reaper waits).
+async fn kill_helper(helper: &mut Helper) {
+    match helper {
+        Helper::Spawned(child) => {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+        Helper::Forked(pidfd) => {
+            let _ = sys::pidfd_send_signal(pidfd, libc::SIGKILL);
+        }
+    }
+}
+
+/// A helper that answered the handshake: what its exit watcher and handle are made of.
+struct Running {
+    helper: Helper,
+    helper_pid: u32,
+    forked: bool,
+    events: EventLines,
+    log_copy: tokio::task::JoinHandle<()>,
+    started: Started,
 }
 
 /// What the handshake learned.

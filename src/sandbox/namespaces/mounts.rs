@@ -133,135 +133,12 @@ impl RootFs {
     pub fn prepare(plan: &Plan) -> io::Result<RootFs> {
         let mut ops = Vec::new();
         let ro = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
-
-        ops.push(bind(Path::new("/usr"), ro)?);
-        for entry in USR_LINKS {
-            if let Some(op) = mirror(&Path::new("/").join(entry), ro)? {
-                ops.push(op);
-            }
-        }
-        for entry in ETC_ENTRIES {
-            if let Some(op) = mirror(Path::new(entry), ro)? {
-                ops.push(op);
-            }
-        }
-        for file in etc_files(plan) {
-            ops.push(file);
-        }
-
-        ops.push(Op::Tmpfs {
-            target: "/dev".into(),
-            flags: libc::MS_NOSUID | libc::MS_NOEXEC,
-            options: "mode=0755,size=64k,nr_inodes=64".into(),
-        });
-        for device in DEVICES {
-            let host = Path::new("/dev").join(device);
-            if host.exists() {
-                ops.push(bind(&host, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC)?);
-            }
-        }
-        for (name, points_to) in [
-            ("fd", "/proc/self/fd"),
-            ("stdin", "/proc/self/fd/0"),
-            ("stdout", "/proc/self/fd/1"),
-            ("stderr", "/proc/self/fd/2"),
-            ("ptmx", "pts/ptmx"),
-        ] {
-            ops.push(Op::Symlink {
-                target: Path::new("/dev").join(name),
-                points_to: points_to.into(),
-            });
-        }
-        ops.push(Op::Devpts {
-            target: "/dev/pts".into(),
-        });
-        ops.push(Op::Tmpfs {
-            target: "/dev/shm".into(),
-            flags: libc::MS_NOSUID | libc::MS_NODEV,
-            options: format!("mode=1777,size={}", plan.tmp_bytes),
-        });
-        ops.push(Op::Proc {
-            target: "/proc".into(),
-        });
-        // A zygote's `/proc` stays whole: Linux lets a user namespace mount a `/proc` only
-        // where one is fully visible already, and each sandbox forked from the zygote mounts
-        // its own (masked) one. The zygote runs no tenant code.
-        if plan.role != Role::Zygote {
-            ops.extend(proc_masks());
-        }
-        ops.push(Op::Tmpfs {
-            target: "/tmp".into(),
-            flags: libc::MS_NOSUID | libc::MS_NODEV,
-            options: format!("mode=1777,size={}", plan.tmp_bytes),
-        });
-        ops.push(Op::Symlink {
-            target: "/var/tmp".into(),
-            points_to: "/tmp".into(),
-        });
-        ops.push(Op::Tmpfs {
-            target: plan.workspace.clone(),
-            flags: libc::MS_NOSUID | libc::MS_NODEV,
-            options: format!(
-                "mode=0700,size={},uid={},gid={}",
-                plan.workspace_bytes, plan.uid, plan.gid
-            ),
-        });
-        ops.push(Op::Tmpfs {
-            target: plan.runtime_dir_inside.clone(),
-            flags: libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-            options: format!(
-                "mode=0700,size={RUNTIME_TMPFS_BYTES},nr_inodes=64,uid={},gid={}",
-                plan.uid, plan.gid
-            ),
-        });
-        if let Some(file) = &plan.connection_file {
-            ops.push(Op::File {
-                target: file.path.clone(),
-                contents: file.contents.clone(),
-                mode: 0o600,
-            });
-        }
-        for dir in &plan.ro_binds {
-            ops.push(bind(dir, ro)?);
-        }
-        // A forked kernel's sources are the zygote's overlays: bound, not overlaid again
-        // (Linux stacks at most two file systems, and a container's root may be one), and a
-        // bind of an overlay's root names no host path in mountinfo either.
-        let shown_at = if plan.role == Role::Forked {
-            bind_at
-        } else {
-            overlay_at
-        };
-        if let Some(prefix) = &plan.python_prefix {
-            ops.push(shown_at(prefix, Path::new(relocate::PYTHON), ro)?);
-        }
-        for entry in &plan.venv {
-            ops.push(match entry {
-                VenvEntry::File {
-                    inside,
-                    contents,
-                    executable,
-                } => Op::File {
-                    target: inside.clone(),
-                    contents: contents.clone(),
-                    mode: if *executable { 0o755 } else { 0o644 },
-                },
-                VenvEntry::Symlink { inside, points_to } => Op::Symlink {
-                    target: inside.clone(),
-                    points_to: points_to.clone(),
-                },
-                VenvEntry::Bind { host, inside } => shown_at(host, inside, ro)?,
-            });
-        }
-        for dir in &plan.masked {
-            // Deeper than the bind it sits in, so the depth sort mounts it afterwards.
-            ops.push(Op::Tmpfs {
-                target: dir.clone(),
-                flags: libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                options: "mode=0755,size=4k,nr_inodes=4".into(),
-            });
-        }
-        // Shallow mounts first; the sort is stable, so equal depths keep the order above.
+        host_system(&mut ops, plan, ro)?;
+        devices(&mut ops, plan)?;
+        private_dirs(&mut ops, plan);
+        python_env(&mut ops, plan, ro)?;
+        // Shallow mounts first; the sort is stable, so equal depths keep the order of the
+        // steps above.
         ops.sort_by_key(|op| depth(op.target()));
         Ok(RootFs { ops })
     }
@@ -314,6 +191,158 @@ impl RootFs {
     }
 }
 
+/// The host's system files, read-only: `/usr` and the merged-usr links (bound where a host
+/// has real directories), the host `/etc` entries the C library and Python read, and the
+/// generated `/etc` files with the sandbox's own user and hosts.
+fn host_system(ops: &mut Vec<Op>, plan: &Plan, ro: u64) -> io::Result<()> {
+    ops.push(bind(Path::new("/usr"), ro)?);
+    for entry in USR_LINKS {
+        if let Some(op) = mirror(&Path::new("/").join(entry), ro)? {
+            ops.push(op);
+        }
+    }
+    for entry in ETC_ENTRIES {
+        if let Some(op) = mirror(Path::new(entry), ro)? {
+            ops.push(op);
+        }
+    }
+    for file in etc_files(plan) {
+        ops.push(file);
+    }
+    Ok(())
+}
+
+/// A `/dev` of its own: a small tmpfs with only the harmless host devices bound in, the
+/// usual links, a private devpts instance (no host terminal reachable) and a `/dev/shm`
+/// sized like `/tmp`.
+fn devices(ops: &mut Vec<Op>, plan: &Plan) -> io::Result<()> {
+    ops.push(Op::Tmpfs {
+        target: "/dev".into(),
+        flags: libc::MS_NOSUID | libc::MS_NOEXEC,
+        options: "mode=0755,size=64k,nr_inodes=64".into(),
+    });
+    for device in DEVICES {
+        let host = Path::new("/dev").join(device);
+        if host.exists() {
+            ops.push(bind(&host, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC)?);
+        }
+    }
+    for (name, points_to) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
+        ops.push(Op::Symlink {
+            target: Path::new("/dev").join(name),
+            points_to: points_to.into(),
+        });
+    }
+    ops.push(Op::Devpts {
+        target: "/dev/pts".into(),
+    });
+    ops.push(Op::Tmpfs {
+        target: "/dev/shm".into(),
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        options: format!("mode=1777,size={}", plan.tmp_bytes),
+    });
+    Ok(())
+}
+
+/// The sandbox's private, writable or per-sandbox directories: a fresh `/proc` with its
+/// host-wide entries masked, a size-limited `/tmp`, the workspace, and the runtime
+/// directory (with the connection file). None of them is a host directory.
+fn private_dirs(ops: &mut Vec<Op>, plan: &Plan) {
+    ops.push(Op::Proc {
+        target: "/proc".into(),
+    });
+    // A zygote's `/proc` stays whole: Linux lets a user namespace mount a `/proc` only
+    // where one is fully visible already, and each sandbox forked from the zygote mounts
+    // its own (masked) one. The zygote runs no tenant code.
+    if plan.role != Role::Zygote {
+        ops.extend(proc_masks());
+    }
+    ops.push(Op::Tmpfs {
+        target: "/tmp".into(),
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        options: format!("mode=1777,size={}", plan.tmp_bytes),
+    });
+    ops.push(Op::Symlink {
+        target: "/var/tmp".into(),
+        points_to: "/tmp".into(),
+    });
+    ops.push(Op::Tmpfs {
+        target: plan.workspace.clone(),
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        options: format!(
+            "mode=0700,size={},uid={},gid={}",
+            plan.workspace_bytes, plan.uid, plan.gid
+        ),
+    });
+    ops.push(Op::Tmpfs {
+        target: plan.runtime_dir_inside.clone(),
+        flags: libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        options: format!(
+            "mode=0700,size={RUNTIME_TMPFS_BYTES},nr_inodes=64,uid={},gid={}",
+            plan.uid, plan.gid
+        ),
+    });
+    if let Some(file) = &plan.connection_file {
+        ops.push(Op::File {
+            target: file.path.clone(),
+            contents: file.contents.clone(),
+            mode: 0o600,
+        });
+    }
+}
+
+/// The command's files and the Python environment, read-only at their fixed places, with
+/// the venv's generated files and links, and last the directories masked inside them.
+fn python_env(ops: &mut Vec<Op>, plan: &Plan, ro: u64) -> io::Result<()> {
+    for dir in &plan.ro_binds {
+        ops.push(bind(dir, ro)?);
+    }
+    // A forked kernel's sources are the zygote's overlays: bound, not overlaid again
+    // (Linux stacks at most two file systems, and a container's root may be one), and a
+    // bind of an overlay's root names no host path in mountinfo either.
+    let shown_at = if plan.role == Role::Forked {
+        bind_at
+    } else {
+        overlay_at
+    };
+    if let Some(prefix) = &plan.python_prefix {
+        ops.push(shown_at(prefix, Path::new(relocate::PYTHON), ro)?);
+    }
+    for entry in &plan.venv {
+        ops.push(match entry {
+            VenvEntry::File {
+                inside,
+                contents,
+                executable,
+            } => Op::File {
+                target: inside.clone(),
+                contents: contents.clone(),
+                mode: if *executable { 0o755 } else { 0o644 },
+            },
+            VenvEntry::Symlink { inside, points_to } => Op::Symlink {
+                target: inside.clone(),
+                points_to: points_to.clone(),
+            },
+            VenvEntry::Bind { host, inside } => shown_at(host, inside, ro)?,
+        });
+    }
+    for dir in &plan.masked {
+        // Deeper than the bind it sits in, so the depth sort mounts it afterwards.
+        ops.push(Op::Tmpfs {
+            target: dir.clone(),
+            flags: libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            options: "mode=0755,size=4k,nr_inodes=4".into(),
+        });
+    }
+    Ok(())
+}
+
 fn apply(op: Op, at: &Path) -> io::Result<()> {
     match op {
         Op::Bind {
@@ -321,48 +350,12 @@ fn apply(op: Op, at: &Path) -> io::Result<()> {
             source,
             is_dir,
             attrs,
-        } => {
-            make_mount_point(at, is_dir)
-                .map_err(ctx(format!("mount point {}", target.display())))?;
-            let source_path = PathBuf::from(format!("/proc/self/fd/{}", source.as_raw_fd()));
-            sys::mount(
-                Some(&source_path),
-                at,
-                None,
-                libc::MS_BIND | libc::MS_REC,
-                None,
-            )
-            .map_err(ctx(format!("bind {}", target.display())))?;
-            sys::mount_setattr(at, attrs, true)
-                .map_err(ctx(format!("set flags on {}", target.display())))?;
-            drop(source);
-        }
+        } => apply_bind(&target, source, is_dir, attrs, at)?,
         Op::Overlay {
             target,
             source,
             attrs,
-        } => {
-            make_mount_point(at, true).map_err(ctx(format!("mount point {}", target.display())))?;
-            // overlayfs wants two layers when it has no upper one; the second is the empty
-            // mount point itself, which the overlay then covers.
-            let empty = sys::open_path(at).map_err(ctx(format!("open {}", target.display())))?;
-            let options = format!(
-                "lowerdir=/proc/self/fd/{}:/proc/self/fd/{}",
-                source.as_raw_fd(),
-                empty.as_raw_fd()
-            );
-            sys::mount(
-                Some(Path::new("overlay")),
-                at,
-                Some("overlay"),
-                libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
-                Some(&options),
-            )
-            .map_err(ctx(format!("overlay on {}", target.display())))?;
-            sys::mount_setattr(at, attrs, false)
-                .map_err(ctx(format!("set flags on {}", target.display())))?;
-            drop((source, empty));
-        }
+        } => apply_overlay(&target, source, attrs, at)?,
         Op::Symlink { target, points_to } => {
             make_parent(at)?;
             std::os::unix::fs::symlink(&points_to, at)
@@ -414,26 +407,79 @@ fn apply(op: Op, at: &Path) -> io::Result<()> {
             fs::write(at, contents).map_err(ctx(format!("write {}", target.display())))?;
             fs::set_permissions(at, fs::Permissions::from_mode(mode))?;
         }
-        Op::Mask { target, contents } => {
-            // Written beside the new root's top, bound over the target, then unlinked: the
-            // mount keeps the file, and nothing else shows it.
-            let name = target.to_string_lossy().replace('/', "_");
-            let source = Path::new(STAGING).join(format!(".mask{name}"));
-            fs::write(&source, contents)
-                .map_err(ctx(format!("write the mask of {}", target.display())))?;
-            fs::set_permissions(&source, fs::Permissions::from_mode(0o444))?;
-            sys::mount(Some(&source), at, None, libc::MS_BIND, None)
-                .map_err(ctx(format!("mask {}", target.display())))?;
-            sys::mount_setattr(
-                at,
-                MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
-                false,
-            )
-            .map_err(ctx(format!("set flags on {}", target.display())))?;
-            fs::remove_file(&source)
-                .map_err(ctx(format!("remove the mask of {}", target.display())))?;
-        }
+        Op::Mask { target, contents } => apply_mask(&target, contents, at)?,
     }
+    Ok(())
+}
+
+/// Binds an opened host source through `/proc/self/fd/N`, so the mount is of the file the
+/// gateway opened (no path looked up again), then sets its flags on the whole subtree.
+fn apply_bind(
+    target: &Path,
+    source: OwnedFd,
+    is_dir: bool,
+    attrs: u64,
+    at: &Path,
+) -> io::Result<()> {
+    make_mount_point(at, is_dir).map_err(ctx(format!("mount point {}", target.display())))?;
+    let source_path = PathBuf::from(format!("/proc/self/fd/{}", source.as_raw_fd()));
+    sys::mount(
+        Some(&source_path),
+        at,
+        None,
+        libc::MS_BIND | libc::MS_REC,
+        None,
+    )
+    .map_err(ctx(format!("bind {}", target.display())))?;
+    sys::mount_setattr(at, attrs, true)
+        .map_err(ctx(format!("set flags on {}", target.display())))?;
+    drop(source);
+    Ok(())
+}
+
+/// Mounts a read-only overlay of an opened host directory: the same files as a bind, but
+/// a mount whose `mountinfo` line names no host path.
+fn apply_overlay(target: &Path, source: OwnedFd, attrs: u64, at: &Path) -> io::Result<()> {
+    make_mount_point(at, true).map_err(ctx(format!("mount point {}", target.display())))?;
+    // overlayfs wants two layers when it has no upper one; the second is the empty
+    // mount point itself, which the overlay then covers.
+    let empty = sys::open_path(at).map_err(ctx(format!("open {}", target.display())))?;
+    let options = format!(
+        "lowerdir=/proc/self/fd/{}:/proc/self/fd/{}",
+        source.as_raw_fd(),
+        empty.as_raw_fd()
+    );
+    sys::mount(
+        Some(Path::new("overlay")),
+        at,
+        Some("overlay"),
+        libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+        Some(&options),
+    )
+    .map_err(ctx(format!("overlay on {}", target.display())))?;
+    sys::mount_setattr(at, attrs, false)
+        .map_err(ctx(format!("set flags on {}", target.display())))?;
+    drop((source, empty));
+    Ok(())
+}
+
+/// Hides a host-wide file behind a read-only file of the sandbox's own.
+fn apply_mask(target: &Path, contents: String, at: &Path) -> io::Result<()> {
+    // Written beside the new root's top, bound over the target, then unlinked: the
+    // mount keeps the file, and nothing else shows it.
+    let name = target.to_string_lossy().replace('/', "_");
+    let source = Path::new(STAGING).join(format!(".mask{name}"));
+    fs::write(&source, contents).map_err(ctx(format!("write the mask of {}", target.display())))?;
+    fs::set_permissions(&source, fs::Permissions::from_mode(0o444))?;
+    sys::mount(Some(&source), at, None, libc::MS_BIND, None)
+        .map_err(ctx(format!("mask {}", target.display())))?;
+    sys::mount_setattr(
+        at,
+        MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+        false,
+    )
+    .map_err(ctx(format!("set flags on {}", target.display())))?;
+    fs::remove_file(&source).map_err(ctx(format!("remove the mask of {}", target.display())))?;
     Ok(())
 }
 
