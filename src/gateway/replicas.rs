@@ -88,10 +88,10 @@ pub async fn artifacts_anywhere(
     request: Request,
     next: Next,
 ) -> Response {
-    let ownership = state.kernels.ownership().clone();
-    if !ownership.shared() {
+    if !state.kernels.ownership().shared() {
         return next.run(request).await;
     }
+    let ownership = state.kernels.ownership().clone();
     let path = request.uri().path();
     let authenticated = request.extensions().get::<super::Principal>().is_some();
     let signed = path.ends_with("/signed");
@@ -162,10 +162,10 @@ pub async fn gather_listings(
     request: Request,
     next: Next,
 ) -> Response {
-    let ownership = state.kernels.ownership().clone();
-    if !ownership.shared() {
+    if !state.kernels.ownership().shared() {
         return next.run(request).await;
     }
+    let ownership = state.kernels.ownership().clone();
     if !gathered(request.method(), request.uri().path())
         || request.headers().contains_key(FORWARDED_BY)
         || request.extensions().get::<super::Principal>().is_none()

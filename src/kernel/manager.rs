@@ -248,7 +248,13 @@ impl KernelManager {
                 return Err(KernelError::TenantKernelLimit { max });
             }
         }
-        if self.backends.shares_ownership(policy.backend) {
+        // The backend says whether it records its kernels (a backend that cannot run here
+        // records nothing: the launch fails on it anyway).
+        let recorded_here = self
+            .backends
+            .get(policy.backend)
+            .is_ok_and(|sandbox| sandbox.shares_ownership());
+        if recorded_here {
             let recorded = ownership.count(Count::Policy(&policy.name)).await?;
             if recorded >= policy.limits.max_kernels {
                 return Err(KernelError::TooManyKernels {

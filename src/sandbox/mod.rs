@@ -256,12 +256,6 @@ impl Backends {
         &self.ownership
     }
 
-    /// Whether the backend of a policy that names `wanted` records its kernels' owners in
-    /// the shared registry (their count across gateways is the registry's).
-    pub fn shares_ownership(&self, wanted: Backend) -> bool {
-        self.forced.unwrap_or(wanted) == Backend::Kubernetes && self.replicas.is_some()
-    }
-
     /// What diagnoses the backends with this gateway's settings, apart from the backends
     /// themselves (a check that outlives them holds nothing of theirs).
     pub fn diagnoser(&self) -> Diagnoser {

@@ -126,14 +126,24 @@ pub fn pidfd_send_signal(pidfd: &OwnedFd, signal: libc::c_int) -> io::Result<()>
     .map(drop)
 }
 
-/// Whether the process behind a pidfd has ended (the pidfd polls readable then).
-pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+/// What `fd` polls for reading right now, without waiting (`revents`; 0 for nothing or an
+/// error).
+pub fn poll_now(fd: &OwnedFd) -> libc::c_short {
     let mut pfd = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
+        fd: fd.as_raw_fd(),
         events: libc::POLLIN,
         revents: 0,
     };
     // SAFETY: one valid pollfd, zero timeout.
     let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
-    rc > 0
+    if rc > 0 {
+        pfd.revents
+    } else {
+        0
+    }
+}
+
+/// Whether the process behind a pidfd has ended (the pidfd polls readable then).
+pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    poll_now(pidfd) != 0
 }

@@ -385,14 +385,7 @@ pub fn open_path(path: &Path) -> io::Result<OwnedFd> {
 
 /// Whether the other end of a pipe we read from is gone (without blocking).
 pub fn pipe_hung_up(fd: &OwnedFd) -> bool {
-    let mut pfd = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout.
-    let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
-    rc > 0 && (pfd.revents & libc::POLLHUP) != 0
+    sys::poll_now(fd) & libc::POLLHUP != 0
 }
 
 /// Brings the loopback interface of the current network namespace up.
