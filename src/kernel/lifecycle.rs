@@ -44,6 +44,8 @@ use crate::timestamp::format_timestamp;
 /// The environment variable that tells the kernel launcher
 /// (kernels/python3/cellgate_kernel_launcher.py) the output limit of one execution.
 pub const OUTPUT_LIMIT_ENV: &str = "CELLGATE_OUTPUT_LIMIT";
+/// The variable that names the kernel's policy.
+pub const POLICY_ENV: &str = "CELLGATE_POLICY";
 
 /// Where IPython, matplotlib and other XDG-minded libraries keep their own files inside a
 /// sandbox (whose `/tmp` is private), rather than under `$HOME`, the user's workspace.
@@ -205,6 +207,9 @@ impl Kernel {
             // Set after the client's variables: a client cannot lift it.
             env.insert(OUTPUT_LIMIT_ENV.to_owned(), limit.to_string());
         }
+        // The policy's name, for a kernel's own refusals (the R kernel's `install.packages`
+        // names it, as the gateway's denials do). Set after the client's variables.
+        env.insert(POLICY_ENV.to_owned(), policy.clone());
         let (readiness, _) = watch::channel(Readiness::Starting);
         let kernel = Arc::new(Kernel {
             router: Arc::new(

@@ -149,12 +149,17 @@ impl KernelSpec {
     }
 
     /// The command to run, with `{connection_file}`, `{resource_dir}` and `{prefix}`
-    /// substituted and a bare `python`/`python3` resolved to the spec's own environment.
+    /// substituted, a bare `python`/`python3` resolved to the spec's own environment and any
+    /// other bare program to the environment's `bin/` or the system's (`R` is Debian's).
     pub fn command(&self, connection_file: &Path) -> Result<Vec<String>, KernelError> {
         let mut argv = Vec::with_capacity(self.argv.len());
         for (i, arg) in self.argv.iter().enumerate() {
             if i == 0 && is_bare_python(arg) {
                 argv.push(self.python()?.display().to_string());
+                continue;
+            }
+            if i == 0 && !arg.contains('/') && !arg.contains('{') {
+                argv.push(self.program(arg)?.display().to_string());
                 continue;
             }
             let venv = self.dir.join(".venv");
@@ -178,6 +183,27 @@ impl KernelSpec {
                 expected: python,
             })
         }
+    }
+
+    /// A bare program name of `argv[0]`: the spec's environment's `bin/` first, then the
+    /// system directories every sandbox shows (never the gateway's own `PATH`, which could
+    /// name anything on the host).
+    fn program(&self, name: &str) -> Result<PathBuf, KernelError> {
+        let env_bin = self.dir.join(".venv").join("bin");
+        let candidates = [
+            env_bin.as_path(),
+            Path::new("/usr/local/bin"),
+            Path::new("/usr/bin"),
+            Path::new("/bin"),
+        ];
+        candidates
+            .iter()
+            .map(|dir| dir.join(name))
+            .find(|path| path.is_file())
+            .ok_or_else(|| KernelError::EnvironmentMissing {
+                name: self.name.clone(),
+                expected: env_bin.join(name),
+            })
     }
 
     /// Reads one resource file, only if it is listed.

@@ -11,6 +11,7 @@
 //! | the kernel's workspace | [`WORKSPACE`] (`/home/user`, also `$HOME`) |
 //! | the generation's runtime directory (connection file, ipc sockets, proxy socket) | [`RUN_DIR`] (`/run/cellgate`) |
 //! | the kernel's venv | [`VENV`] (`/opt/cellgate/venv`), rebuilt: see [`VenvView`] |
+//! | a kernel environment without Python (marked by [`ENVIRONMENT_MARKER`]) | [`VENV`], bound whole |
 //! | the venv's base interpreter prefix | [`PYTHON`] (`/opt/cellgate/python`) |
 //!
 //! [`Relocation`] maps host paths (and the path lists of the kernel's command and
@@ -43,6 +44,11 @@ pub const RUN_DIR: &str = "/run/cellgate";
 pub const VENV: &str = "/opt/cellgate/venv";
 /// The base interpreter's install prefix.
 pub const PYTHON: &str = "/opt/cellgate/python";
+/// The file that makes a directory a kernel environment without Python (`./dev setup`
+/// writes it into `kernels/deno/.venv`): a kernel whose program is in its `bin/` sees the
+/// directory whole at [`VENV`]. A marker, not a guess from the layout: a program under
+/// some `~/.local/bin` must never show the whole of `~/.local`.
+pub const ENVIRONMENT_MARKER: &str = "cellgate-environment";
 
 /// Host path prefixes and the inside paths they are shown at; the longest prefix wins.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -176,8 +182,22 @@ impl KernelView {
         let base = venv
             .and_then(venv_base_prefix)
             .filter(|base| safe(base) && is_interpreter_prefix(base));
-        let (venv_entries, python_prefix, masked, shown_as_is) = match (venv, base) {
-            (Some(venv), Some(base)) => {
+        let environment = program
+            .parent()
+            .and_then(Path::parent)
+            .filter(|env| env.join(ENVIRONMENT_MARKER).is_file() && safe(env));
+        let (venv_entries, python_prefix, masked, shown_as_is) = match (venv, base, environment) {
+            (None, _, Some(env)) => {
+                // A kernel environment that is no Python venv (Deno's binary): shown whole,
+                // read-only, at the same fixed path, with nothing to rewrite in it.
+                map.add(env, VENV);
+                let entries = vec![VenvEntry::Bind {
+                    host: env.to_owned(),
+                    inside: PathBuf::from(VENV),
+                }];
+                (entries, None, Vec::new(), Vec::new())
+            }
+            (Some(venv), Some(base), _) => {
                 map.add(venv, VENV);
                 let is_system = system.iter().any(|prefix| base.starts_with(prefix));
                 if !is_system {

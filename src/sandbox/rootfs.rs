@@ -16,7 +16,8 @@ pub const USR_LINKS: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32
 
 /// Host `/etc` entries the kernel may read, each shown read-only on its own: the dynamic
 /// linker's cache, TLS certificates, fonts, time zone, MIME types, resolver and locale
-/// settings that name no host, and Debian's alternatives links. Never `shadow`,
+/// settings that name no host, Debian's alternatives links and R's settings (`/usr/lib/R/etc`
+/// links into `/etc/R`: without them R cannot start). Never `shadow`,
 /// `ssl/private`, `resolv.conf`, `hosts`, `hostname` or the gateway's configuration.
 pub const ETC_ENTRIES: &[&str] = &[
     "/etc/ld.so.cache",
@@ -41,6 +42,7 @@ pub const ETC_ENTRIES: &[&str] = &[
     "/etc/host.conf",
     "/etc/inputrc",
     "/etc/locale.alias",
+    "/etc/R",
 ];
 
 /// The generated `/etc` files, by name: `passwd` and `group` with root, the kernel's user

@@ -202,6 +202,19 @@ impl<'a> Turn<'a> {
             )
             .await;
         self.collected.artifacts.extend(refs.iter().cloned());
+        if refs.is_empty() && !update && display_id.is_none() {
+            // A display with nothing but text is what the cell showed as text: IRkernel
+            // shows every value so (`x` alone in a cell), and `display("…")` in Python. The
+            // result's `stdout` carries it, as a print would, or a chat client would see
+            // nothing of it; the event below still tells live clients it was a display.
+            if let Some(text) = &text {
+                let cap = self.session.options.stream_cap;
+                let _ = self
+                    .collected
+                    .streams
+                    .push("stdout", &format!("{text}\n"), cap);
+            }
+        }
         let execution_id = self.execution_id.clone();
         self.emit(if update {
             SessionEvent::UpdateDisplay {
