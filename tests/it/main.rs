@@ -20,6 +20,7 @@ mod kube_api;
 mod kubernetes;
 mod kubernetes_load;
 mod kubernetes_manifests;
+mod languages;
 mod lifecycle;
 mod mcp;
 mod messaging;
