@@ -46,6 +46,7 @@ use crate::support::*;
 // nextest override (one at a time) and the gVisor pass apply to them too.
 mod artifact_quotas;
 mod connections;
+mod deno;
 mod egress_fronting;
 mod host_view;
 mod output_floods;
