@@ -67,6 +67,10 @@ pub struct ServeArgs {
     /// disables the pool [default: 1].
     #[arg(long, env = "CELLGATE_POOL_SIZE")]
     pub pool_size: Option<usize>,
+    /// Kernelspecs the warm pool keeps `--pool-size` ready kernels of each, comma separated
+    /// (e.g. `python3,deno`) [default: the default kernelspec].
+    #[arg(long, env = "CELLGATE_POOL_KERNELS", value_delimiter = ',')]
+    pub pool_kernels: Option<Vec<String>>,
     /// Fork namespaces-sandboxed kernels from a warm zygote (Python with ipykernel and the
     /// kernelspec's preload list imported, in a sandbox of its own) instead of starting each
     /// afresh: ready in tens of milliseconds, and a first chart without imports. A zygote
@@ -344,6 +348,7 @@ struct FileConfig {
     cull_connected: Option<bool>,
     start_timeout: Option<u64>,
     pool_size: Option<usize>,
+    pool_kernels: Option<Vec<String>>,
     kernel_zygote: Option<bool>,
     kernel_zygote_max_forks: Option<u32>,
     kernel_zygote_max_age: Option<u64>,
@@ -415,6 +420,8 @@ pub struct GatewayConfig {
     pub cull_connected: bool,
     pub start_timeout: Duration,
     pub pool_size: usize,
+    /// The kernelspecs the pool keeps (empty: the default kernelspec).
+    pub pool_kernels: Vec<String>,
     /// Whether namespaces kernels fork from a zygote.
     pub kernel_zygote: bool,
     /// Kernels one zygote forks, and how long it serves, before a fresh one replaces it.
@@ -933,6 +940,7 @@ struct Kernels {
     cull_connected: bool,
     start_timeout: Duration,
     pool_size: usize,
+    pool_kernels: Vec<String>,
     kernel_zygote: bool,
     kernel_zygote_max_forks: u32,
     kernel_zygote_max_age: Duration,
@@ -974,6 +982,15 @@ fn kernels(args: &ServeArgs, file: &mut FileConfig) -> Result<Kernels, ConfigErr
         cull_connected: args.cull_connected.or(file.cull_connected).unwrap_or(false),
         start_timeout: seconds(args.start_timeout.or(file.start_timeout), 60),
         pool_size: args.pool_size.or(file.pool_size).unwrap_or(1),
+        pool_kernels: args
+            .pool_kernels
+            .clone()
+            .or(file.pool_kernels.take())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|name| name.trim().to_owned())
+            .filter(|name| !name.is_empty())
+            .collect(),
         kernel_zygote: args.kernel_zygote.or(file.kernel_zygote).unwrap_or(true),
         kernel_zygote_max_forks: args
             .kernel_zygote_max_forks
@@ -1101,6 +1118,7 @@ impl GatewayConfig {
             cull_connected: kernels.cull_connected,
             start_timeout: kernels.start_timeout,
             pool_size: kernels.pool_size,
+            pool_kernels: kernels.pool_kernels,
             kernel_zygote: kernels.kernel_zygote,
             kernel_zygote_max_forks: kernels.kernel_zygote_max_forks,
             kernel_zygote_max_age: kernels.kernel_zygote_max_age,
@@ -1197,6 +1215,7 @@ mod tests {
             ("cull_interval", "cull_interval = 60"),
             ("cull_connected", "cull_connected = true"),
             ("pool_size", "pool_size = 2"),
+            ("pool_kernels", "pool_kernels = [\"python3\", \"deno\"]"),
             ("kernel_zygote", "kernel_zygote = false"),
             ("kernel_zygote_max_forks", "kernel_zygote_max_forks = 50"),
             ("kernel_zygote_max_age", "kernel_zygote_max_age = 600"),

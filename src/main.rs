@@ -334,6 +334,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             },
             policies,
             pool_size: config.pool_size,
+            pool_kernels: config.pool_kernels.clone(),
         },
     )?;
     kernels.spawn_culler();

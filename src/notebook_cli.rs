@@ -252,6 +252,7 @@ async fn local(args: &ReplayArgs, text: &str) -> anyhow::Result<Finished> {
             kernel: KernelOptions::default(),
             policies,
             pool_size: 0,
+            pool_kernels: Vec::new(),
         },
     )?;
     let options = ReplayOptions {

@@ -37,8 +37,11 @@ pub struct ManagerOptions {
     pub cull_connected: bool,
     pub kernel: KernelOptions,
     pub policies: Policies,
-    /// Ready kernels kept for the default kernelspec under the default policy; 0 disables.
+    /// Ready kernels kept for each pooled kernelspec under the default policy; 0 disables.
     pub pool_size: usize,
+    /// The kernelspecs the warm pool keeps kernels of (`--pool-kernels`); empty: the
+    /// default kernelspec only.
+    pub pool_kernels: Vec<String>,
 }
 
 /// How long a pool refill waits at most for clients' kernels to finish starting.
@@ -57,9 +60,9 @@ pub struct KernelManager {
     specs: KernelSpecs,
     backends: Backends,
     options: ManagerOptions,
-    /// The warm pool: started, ready, never touched by a client. A kernel leaves the pool
-    /// for good when it is handed out.
-    pool: parking_lot::Mutex<Pool>,
+    /// The warm pools, one per pooled kernelspec: started, ready, never touched by a
+    /// client. A kernel leaves its pool for good when it is handed out.
+    pools: parking_lot::Mutex<HashMap<String, Pool>>,
     /// Kernels being started per tenant, so concurrent starts count toward its cap.
     starting: parking_lot::Mutex<HashMap<String, usize>>,
 }
@@ -134,6 +137,18 @@ impl KernelManager {
         options: ManagerOptions,
     ) -> Result<Arc<KernelManager>, KernelError> {
         use std::os::unix::fs::DirBuilderExt;
+        // A pooled kernelspec that does not exist is the operator's typo: said at start,
+        // not found later as a pool that never fills.
+        if let Some(name) = options
+            .pool_kernels
+            .iter()
+            .find(|name| specs.get(name).is_none())
+        {
+            return Err(KernelError::NoSuchSpec {
+                name: name.clone(),
+                known: specs.names(),
+            });
+        }
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -147,7 +162,7 @@ impl KernelManager {
             specs,
             backends,
             options,
-            pool: parking_lot::Mutex::new(Pool::default()),
+            pools: parking_lot::Mutex::new(HashMap::new()),
             starting: parking_lot::Mutex::new(HashMap::new()),
         });
         // Each policy's counters exist at zero before its first start, failure, execution
@@ -310,12 +325,12 @@ impl KernelManager {
             });
         }
         self.check_shared_caps(owner, &policy).await?;
-        let poolable = spec.name == self.specs.default_name() && policy.name == "default";
+        let poolable = policy.name == "default" && self.pooled_specs().contains(&spec.name);
         let asked = std::time::Instant::now();
         let backend = self.backend_of(&policy).as_str();
         let metrics = crate::telemetry::metrics::metrics();
         if poolable && self.options.pool_size > 0 {
-            let pooled = self.take_from_pool();
+            let pooled = self.take_from_pool(&spec.name);
             metrics.pool_lookup(pooled.is_some());
             let extra: BTreeMap<String, String> = client_env
                 .iter()
@@ -447,8 +462,9 @@ impl KernelManager {
         started
     }
 
-    fn take_from_pool(&self) -> Option<Arc<Kernel>> {
-        let mut pool = self.pool.lock();
+    fn take_from_pool(&self, spec: &str) -> Option<Arc<Kernel>> {
+        let mut pools = self.pools.lock();
+        let pool = pools.get_mut(spec)?;
         while let Some(kernel) = pool.ready.pop_front() {
             if kernel.readiness() == Readiness::Ready {
                 return Some(kernel);
@@ -469,17 +485,35 @@ impl KernelManager {
         })
     }
 
-    /// Starts pool kernels in the background until the pool holds `pool_size`.
+    /// The kernelspecs the warm pool keeps kernels of.
+    fn pooled_specs(&self) -> Vec<String> {
+        if self.options.pool_kernels.is_empty() {
+            vec![self.specs.default_name().to_owned()]
+        } else {
+            self.options.pool_kernels.clone()
+        }
+    }
+
+    /// Starts pool kernels in the background until each pooled kernelspec's pool holds
+    /// `pool_size`.
     pub fn refill_pool(self: &Arc<Self>) {
+        for spec in self.pooled_specs() {
+            self.refill_pool_of(spec);
+        }
+    }
+
+    fn refill_pool_of(self: &Arc<Self>, spec_name: String) {
         let wanted = self.options.pool_size;
         let missing = {
-            let mut pool = self.pool.lock();
+            let mut pools = self.pools.lock();
+            let pool = pools.entry(spec_name.clone()).or_default();
             let missing = wanted.saturating_sub(pool.ready.len() + pool.filling);
             pool.filling += missing;
             missing
         };
         for _ in 0..missing {
             let manager = Arc::downgrade(self);
+            let spec_name = spec_name.clone();
             tokio::spawn(async move {
                 // A pool kernel competes for the CPU with the kernels clients are waiting
                 // for: while any of theirs is still starting (a burst of fifty on two cores
@@ -502,7 +536,7 @@ impl KernelManager {
                 let began = std::time::Instant::now();
                 let metrics = crate::telemetry::metrics::metrics();
                 let (kernel, labels) = match (
-                    manager.specs.get(manager.specs.default_name()),
+                    manager.specs.get(&spec_name),
                     manager.options.policies.get("default"),
                 ) {
                     (Some(spec), Ok(policy)) => {
@@ -532,34 +566,37 @@ impl KernelManager {
                         Err(_) => metrics.kernel_start_failed(policy, backend, StartSource::refill),
                     }
                 }
-                let mut pool = manager.pool.lock();
+                let mut pools = manager.pools.lock();
+                let pool = pools.entry(spec_name.clone()).or_default();
                 pool.filling = pool.filling.saturating_sub(1);
                 match ready {
                     Ok(kernel) => {
                         // Logged once it can be handed out ("kernel ready" comes earlier).
-                        tracing::info!(kernel_id = %kernel.id, "kernel joined the warm pool");
+                        tracing::info!(kernel_id = %kernel.id, kernelspec = %spec_name, "kernel joined the warm pool");
                         pool.ready.push_back(kernel);
                         pool.filled_once |= pool.ready.len() >= wanted;
                         pool.last_error = None;
                         pool.failures = 0;
                     }
                     Err(err) => {
-                        pool.last_error = Some(err.to_string());
+                        pool.last_error = Some(format!("{spec_name}: {err}"));
                         pool.failures = pool.failures.saturating_add(1);
                         // Tried again by itself, backing off: a pool that failed once (a
                         // host busy at boot) must not stay empty, and the gateway unready,
                         // until a client happens to start a kernel.
                         let wait =
                             Duration::from_secs(1 << pool.failures.min(6)).min(POOL_RETRY_MAX);
-                        tracing::warn!(%err, retry_in = ?wait, "could not start a pool kernel");
+                        tracing::warn!(%err, kernelspec = %spec_name, retry_in = ?wait, "could not start a pool kernel");
                         if !pool.retry_pending {
                             pool.retry_pending = true;
                             let weak = Arc::downgrade(&manager);
                             tokio::spawn(async move {
                                 tokio::time::sleep(wait).await;
                                 if let Some(manager) = weak.upgrade() {
-                                    manager.pool.lock().retry_pending = false;
-                                    manager.refill_pool();
+                                    if let Some(pool) = manager.pools.lock().get_mut(&spec_name) {
+                                        pool.retry_pending = false;
+                                    }
+                                    manager.refill_pool_of(spec_name);
                                 }
                             });
                         }
@@ -627,20 +664,29 @@ impl KernelManager {
         Ok(policy)
     }
 
-    /// The warm pool's state.
+    /// The warm pools' state, summed over the pooled kernelspecs.
     pub fn pool_status(&self) -> PoolStatus {
-        let pool = self.pool.lock();
+        let specs = self.pooled_specs();
+        let pools = self.pools.lock();
+        let of = |spec: &String| pools.get(spec);
         PoolStatus {
-            target: self.options.pool_size,
+            target: self.options.pool_size * specs.len(),
             // A pool kernel that died waiting is dropped at the next hand-out, not counted.
-            ready: pool
-                .ready
+            ready: specs
                 .iter()
+                .filter_map(of)
+                .flat_map(|pool| pool.ready.iter())
                 .filter(|k| k.readiness() == Readiness::Ready)
                 .count(),
-            filling: pool.filling,
-            filled_once: pool.filled_once || self.options.pool_size == 0,
-            last_error: pool.last_error.clone(),
+            filling: specs.iter().filter_map(of).map(|pool| pool.filling).sum(),
+            filled_once: self.options.pool_size == 0
+                || specs
+                    .iter()
+                    .all(|spec| of(spec).is_some_and(|pool| pool.filled_once)),
+            last_error: specs
+                .iter()
+                .filter_map(of)
+                .find_map(|pool| pool.last_error.clone()),
         }
     }
 
@@ -753,7 +799,12 @@ impl KernelManager {
     /// Shuts every kernel down, in parallel, then kills whatever is left.
     pub async fn shutdown_all(&self) {
         let mut kernels: Vec<_> = self.kernels.write().drain().map(|(_, k)| k).collect();
-        kernels.extend(self.pool.lock().ready.drain(..));
+        kernels.extend(
+            self.pools
+                .lock()
+                .values_mut()
+                .flat_map(|pool| pool.ready.drain(..)),
+        );
         let all = kernels.iter().map(|k| k.shutdown());
         let graceful = futures_util::future::join_all(all);
         if tokio::time::timeout(Duration::from_secs(10), graceful)
@@ -771,7 +822,12 @@ impl KernelManager {
         for kernel in self.kernels.read().values() {
             kernel.kill_now();
         }
-        for kernel in self.pool.lock().ready.iter() {
+        for kernel in self
+            .pools
+            .lock()
+            .values()
+            .flat_map(|pool| pool.ready.iter())
+        {
             kernel.kill_now();
         }
     }

@@ -98,3 +98,64 @@ async fn kernels_come_ready_from_the_pool_and_are_never_reused() -> anyhow::Resu
     assert_eq!(model["cellgate"]["policy"], "strict");
     Ok(())
 }
+
+/// `--pool-kernels` keeps ready kernels of other kernelspecs too: a Deno session comes from
+/// its own pool (idle at once, logged as handed out), a bash one (not pooled) starts cold,
+/// and an unknown name stops the gateway at start with the names it knows.
+#[tokio::test]
+async fn other_kernelspecs_come_from_their_own_pools() -> anyhow::Result<()> {
+    let gateway = Gateway::builder()
+        .args(&["--pool-size", "1", "--pool-kernels", "python3,deno"])
+        .start()
+        .await?;
+    let filled = eventually(2 * PATIENCE, || {
+        let log = gateway.log();
+        log.contains("kernel joined the warm pool kernel_id")
+            && log.matches("kernel joined the warm pool").count() >= 2
+            && log.contains("kernelspec=deno")
+    })
+    .await;
+    assert!(filled, "both pools filled:\n{}", gateway.log());
+
+    // API v1 (its executions wait out Deno's late outputs; the test client's `run` ends at
+    // the idle, which Deno may send before the value).
+    let v1 = crate::support::v1::V1Client::new(&gateway);
+    let created = v1.new_session(json!({"kernel_name": "deno"})).await?;
+    assert_eq!(created.model["kernel_name"], "deno", "{}", created.model);
+    assert!(
+        eventually(PATIENCE, || gateway
+            .log()
+            .contains("handed out from the warm pool"))
+        .await,
+        "the Deno session came from its pool:\n{}",
+        gateway.log()
+    );
+    let r = v1.execute(&created.id, "6 * 7").await?;
+    assert_eq!(r["result"], "42", "{r}");
+    let handed_out = gateway
+        .log()
+        .matches("handed out from the warm pool")
+        .count();
+    let bash = v1.create_session(json!({"kernel_name": "bash"})).await?;
+    let r = v1.execute(&bash, "echo ok").await?;
+    assert_eq!(r["stdout"], "ok\n", "{r}");
+    assert_eq!(
+        gateway
+            .log()
+            .matches("handed out from the warm pool")
+            .count(),
+        handed_out,
+        "bash is not pooled"
+    );
+
+    let refused = Gateway::builder()
+        .args(&["--pool-kernels", "python3,no-such-kernel"])
+        .start()
+        .await;
+    let err = format!(
+        "{:#}",
+        refused.err().expect("an unknown kernelspec is refused")
+    );
+    assert!(err.contains("no-such-kernel"), "{err}");
+    Ok(())
+}
