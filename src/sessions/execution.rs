@@ -191,6 +191,9 @@ impl<'a> Turn<'a> {
             Origin::DisplayData
         };
         let text = plain_text(&data);
+        let text_only = !data
+            .keys()
+            .any(|mime| crate::artifacts::RICH_MIME_TYPES.contains(&mime.as_str()));
         let refs = self
             .session
             .store_bundle(
@@ -202,8 +205,9 @@ impl<'a> Turn<'a> {
             )
             .await;
         self.collected.artifacts.extend(refs.iter().cloned());
-        if refs.is_empty() && !update && display_id.is_none() {
-            // A display with nothing but text is what the cell showed as text: IRkernel
+        if text_only && !update && display_id.is_none() {
+            // A display with nothing but text (not one whose rich part was omitted: the
+            // omission says so) is what the cell showed as text: IRkernel
             // shows every value so (`x` alone in a cell), and `display("…")` in Python. The
             // result's `stdout` carries it, as a print would, or a chat client would see
             // nothing of it; the event below still tells live clients it was a display.

@@ -106,6 +106,42 @@ pub async fn start_kernel(
     }
 }
 
+/// Python modules the guest image's environment starts kernels with: its own (a VM's root
+/// image and the kernel pod's image hold the python3 kernel's venv, nothing else).
+const IMAGE_KERNEL_MODULES: &[&str] = &[
+    "cellgate_kernel_launcher",
+    "ipykernel_launcher",
+    "ipykernel",
+];
+
+/// Refuses, before any VM or pod is made, a kernel the guest's image cannot run: one whose
+/// environment is not a Python venv starting ipykernel (Deno's, R's, bash_kernel's). The
+/// image holds the python3 kernel's environment only; without this the start would fail
+/// inside the guest with a missing file or module.
+pub fn check_image_runs(spec: &LaunchSpec, backend: &str) -> Result<(), AgentError> {
+    // A plain program (a probe, a tool, a test's command) is no kernel: the image's own
+    // files are what it runs.
+    if !spec.connection_file.is_file() {
+        return Ok(());
+    }
+    let program = Path::new(spec.argv.first().map(String::as_str).unwrap_or_default());
+    let in_venv = program
+        .parent()
+        .and_then(Path::parent)
+        .is_some_and(|venv| venv.join("pyvenv.cfg").is_file());
+    let module = match spec.argv.get(1..3) {
+        Some([flag, module]) if flag == "-m" => Some(module.as_str()),
+        _ => None,
+    };
+    if in_venv && module.is_some_and(|m| IMAGE_KERNEL_MODULES.contains(&m)) {
+        return Ok(());
+    }
+    Err(AgentError(format!(
+        "this kernel cannot run in a {backend} sandbox: its image holds the python3 kernel's \
+         environment only (run other kernelspecs under a namespaces or gvisor policy)"
+    )))
+}
+
 /// The kernel's paths in the guest: the same fixed paths as in every sandbox, with the
 /// venv where the guest's image has it (a VM's root image, a pod's container image).
 pub fn relocation(spec: &LaunchSpec) -> Relocation {

@@ -288,6 +288,7 @@ impl KubernetesSandbox {
             rand::random::<u128>(),
             rand::random::<u128>()
         );
+        agent::check_image_runs(spec, "kubernetes")?;
         let map = agent::relocation(spec);
         let connection = agent::guest_connection(spec, &map)?;
         let pod = objects::pod(&name, namespace, &owner, settings, &spec.limits);

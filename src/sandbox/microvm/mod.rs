@@ -456,6 +456,7 @@ impl Core {
         } else {
             spec
         };
+        agent::check_image_runs(spec, "microvm")?;
         let map = agent::relocation(spec);
         let connection = agent::guest_connection(spec, &map)?;
         let size = VmSize::of(&spec.limits);
