@@ -1,16 +1,22 @@
 // cellgate's web client: a chat-style page over API v1 (docs/api-v1.md).
 //
 // One session per browser tab: created on sign-in (or resumed after a reload), driven over
-// its WebSocket; every event of every execution is rendered as it arrives. Rich outputs are
+// its WebSocket; every event of every execution is rendered as it arrives. The kernel of a
+// new conversation is picked from `GET /v1/kernelspecs` (the choice kept in localStorage);
+// the header names the session's language, and code is highlighted in it (highlight.js). Rich outputs are
 // artifacts fetched with the token in the Authorization header (never in a page or
 // subresource URL) and rendered by type: images as blob images, HTML in a sandboxed srcdoc
 // iframe (opaque origin: it cannot read this page, its storage or the token), Plotly and
 // Vega-Lite from their JSON. The token lives in sessionStorage only; a `#token=` given in the
 // address is taken and removed from it at once.
 
+import { highlight } from "./highlight.js";
+
 const $ = (selector) => document.querySelector(selector);
 const TOKEN_KEY = "cellgate.token";
 const SESSION_KEY = "cellgate.session";
+// Not a secret, and a preference rather than a tab's state: kept across tabs and visits.
+const KERNEL_KEY = "cellgate.kernel";
 
 const state = {
   token: null,
@@ -83,6 +89,8 @@ function signOut(message = "") {
   state.socket?.close();
   $("#app").hidden = true;
   $("#logout").hidden = true;
+  $("#kernel-picker").hidden = true;
+  $("#session-language").hidden = true;
   $("#login").hidden = false;
   $("#login-error").textContent = message;
   setControls(false);
@@ -95,7 +103,10 @@ function signOut(message = "") {
 async function endSession() {
   const id = state.session?.id ?? sessionStorage.getItem(SESSION_KEY);
   if (!id || !state.token) return;
-  state.socket?.close();
+  // Forgotten before it closes: its last events (the session's end) are no news to show.
+  const socket = state.socket;
+  state.socket = null;
+  socket?.close(1000);
   await fetch(apiPath(`v1/sessions/${id}`), {
     method: "DELETE",
     headers: { Authorization: `Bearer ${state.token}` },
@@ -127,13 +138,50 @@ async function signIn(token) {
   if (known) {
     session = await api("GET", apiPath(`v1/sessions/${known}`)).catch(() => null);
   }
+  await loadKernels();
   if (!session || session.state === "terminated" || session.state === "dead") {
-    notice("Starting a sandboxed kernel…");
-    session = await api("POST", apiPath("v1/sessions"), {
-      body: "{}",
-      headers: { "Content-Type": "application/json" },
-    });
+    await startSession($("#kernel").value);
+  } else {
+    adopt(session);
   }
+}
+
+// The kernels a conversation may run, in the picker: the remembered choice if the gateway
+// still has it, else its default. A gateway without the list leaves the picker hidden and
+// sessions get its default kernel.
+async function loadKernels() {
+  const picker = $("#kernel");
+  const listed = await api("GET", apiPath("v1/kernelspecs")).catch((err) => {
+    if (err.status === 401) throw err;
+    return null;
+  });
+  $("#kernel-picker").hidden = !listed;
+  if (!listed) return;
+  picker.replaceChildren(
+    ...listed.kernelspecs.map((spec) => {
+      const option = document.createElement("option");
+      option.value = spec.name;
+      option.textContent = spec.display_name;
+      option.dataset.language = spec.language;
+      return option;
+    }),
+  );
+  const wanted = localStorage.getItem(KERNEL_KEY);
+  const names = listed.kernelspecs.map((spec) => spec.name);
+  picker.value = names.includes(wanted) ? wanted : listed.default;
+}
+
+async function startSession(kernelName) {
+  notice(`Starting a sandboxed ${kernelName || "default"} kernel…`);
+  const body = kernelName ? { kernel_name: kernelName } : {};
+  const session = await api("POST", apiPath("v1/sessions"), {
+    body: JSON.stringify(body),
+    headers: { "Content-Type": "application/json" },
+  });
+  adopt(session);
+}
+
+function adopt(session) {
   state.session = session;
   sessionStorage.setItem(SESSION_KEY, session.id);
   showSession(session);
@@ -141,10 +189,44 @@ async function signIn(token) {
   refreshFiles();
 }
 
+// A new conversation in the picked kernel: the current session ends (its kernel shut down,
+// as Sign out does) and the transcript starts empty.
+async function newConversation() {
+  const kernelName = $("#kernel").value;
+  $("#new-session").disabled = true;
+  setControls(false);
+  try {
+    await endSession();
+    sessionStorage.removeItem(SESSION_KEY);
+    state.cells.clear();
+    state.displays.clear();
+    state.running = 0;
+    $("#transcript").replaceChildren();
+    setKernelState("starting");
+    await startSession(kernelName);
+  } catch (err) {
+    if (err.status !== 401) notice(`Could not start a session: ${err.message}`);
+  } finally {
+    $("#new-session").disabled = false;
+  }
+}
+
+const LANGUAGE_NAMES = { python: "Python", typescript: "TypeScript", javascript: "JavaScript", r: "R", bash: "Bash" };
+
+function languageName(language) {
+  return LANGUAGE_NAMES[String(language).toLowerCase()] ?? language;
+}
+
 function showSession(session) {
   const who = session.tenant ? ` · tenant ${session.tenant}` : "";
   $("#session-info").textContent =
     `${session.kernel_name} · policy ${session.policy} · ${session.sandbox}${who}`;
+  const language = session.language ?? "";
+  const badge = $("#session-language");
+  badge.textContent = language ? languageName(language) : "";
+  badge.dataset.language = language.toLowerCase();
+  badge.hidden = !language;
+  $("#code").placeholder = `${language ? `${languageName(language)} code` : "Code"} — Ctrl+Enter runs it`;
   setKernelState(session.state);
 }
 
@@ -157,6 +239,7 @@ function connect() {
   state.socket = socket;
   socket.onopen = () => setControls(true);
   socket.onmessage = (message) => {
+    if (state.socket !== socket) return;
     let event;
     try {
       event = JSON.parse(message.data);
@@ -258,7 +341,9 @@ function startCell(executionId, code) {
   root.dataset.executionId = executionId;
   const source = document.createElement("pre");
   source.className = "code";
-  source.textContent = code ?? "";
+  const language = state.session?.language ?? "";
+  source.dataset.language = language.toLowerCase();
+  source.append(...highlight(code ?? "", language));
   const outputs = document.createElement("div");
   outputs.className = "outputs";
   const meta = document.createElement("div");
@@ -560,6 +645,8 @@ $("#code").addEventListener("keydown", (key) => {
 $("#interrupt").addEventListener("click", () => send({ type: "interrupt" }));
 $("#restart").addEventListener("click", () => send({ type: "restart" }));
 $("#logout").addEventListener("click", () => endSession().finally(() => signOut()));
+$("#kernel").addEventListener("change", () => localStorage.setItem(KERNEL_KEY, $("#kernel").value));
+$("#new-session").addEventListener("click", () => newConversation());
 $("#upload").addEventListener("change", (change) => {
   upload([...change.target.files]);
   change.target.value = "";

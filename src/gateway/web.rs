@@ -1,5 +1,6 @@
 //! The web client (`web-client/`), served at the gateway's root with every asset embedded in
-//! the binary (`include_str!`): the page, its script and style, and the chart libraries
+//! the binary (`include_str!`): the page, its script (and the code highlighter it imports)
+//! and style, and the chart libraries
 //! (Plotly's cartesian bundle: scatter, bar, histogram, box, heatmap, pie...; Vega,
 //! Vega-Lite, vega-embed) that `build.rs` copies from `web-client/node_modules` (a stand-in
 //! script when they are not installed).
@@ -27,6 +28,7 @@ use super::state::AppState;
 
 const INDEX: &str = include_str!("../../web-client/index.html");
 const APP_JS: &str = include_str!("../../web-client/app.js");
+const HIGHLIGHT_JS: &str = include_str!("../../web-client/highlight.js");
 const STYLE: &str = include_str!("../../web-client/style.css");
 const FRAME_HEIGHT_JS: &str = include_str!("../../web-client/frame-height.js");
 const PLOTLY: &str = include_str!(concat!(env!("OUT_DIR"), "/plotly.min.js"));
@@ -103,6 +105,10 @@ pub fn routes(base_url: &str) -> Router<AppState> {
     Router::new()
         .route("/", root)
         .route("/assets/app.js", get(|| async { asset(APP_JS, JS) }))
+        .route(
+            "/assets/highlight.js",
+            get(|| async { asset(HIGHLIGHT_JS, JS) }),
+        )
         .route(
             "/assets/frame-height.js",
             get(|| async { asset(FRAME_HEIGHT_JS, JS) }),

@@ -187,6 +187,19 @@ pub struct SessionModel {
     pub reason: Option<String>,
 }
 
+// A wrapper rather than a field of SessionModel: that model is also built field by field
+// elsewhere (the MCP surface's tests), and the JSON is the same flat object either way.
+/// A session as API v1 answers it: its model and the language its kernel runs, so a client
+/// can label and highlight code without looking the kernelspec up.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct SessionView {
+    #[serde(flatten)]
+    pub session: SessionModel,
+    /// The kernelspec's language (`python`, `typescript`, `bash`, `R`…), as
+    /// `GET /v1/kernelspecs` lists it.
+    pub language: String,
+}
+
 /// One session.
 pub struct Session {
     pub id: String,
@@ -242,6 +255,14 @@ impl Session {
                 Readiness::Dead(reason) => Some(reason),
                 _ => None,
             },
+        }
+    }
+
+    /// [`Session::model`] with the kernel's language: what API v1 answers.
+    pub fn view(&self) -> SessionView {
+        SessionView {
+            session: self.model(),
+            language: self.kernel.spec.language.clone(),
         }
     }
 

@@ -3,7 +3,8 @@
 //   CELLGATE_URL=http://127.0.0.1:PORT CELLGATE_TOKEN=T SCREENSHOT_DIR=target/… node e2e.mjs
 // CELLGATE_PAGE (default CELLGATE_URL + "/") is the address typed into the browser;
 // CELLGATE_E2E=short stops after a printed result and a chart (used for a gateway under a
-// base URL, where only the paths differ).
+// base URL, where only the paths differ); CELLGATE_E2E=kernels instead picks the Deno
+// kernel for a new conversation and checks the language shown and the code's highlighting.
 // Prints one line per step; exits non-zero (with the page's console and a screenshot) on the
 // first failure.
 
@@ -16,6 +17,7 @@ const token = process.env.CELLGATE_TOKEN;
 const shots = process.env.SCREENSHOT_DIR ?? "target/web-client-screenshots";
 const pageUrl = process.env.CELLGATE_PAGE ?? url + "/";
 const short = process.env.CELLGATE_E2E === "short";
+const kernels = process.env.CELLGATE_E2E === "kernels";
 const executablePath = process.env.CHROMIUM ?? "/usr/bin/chromium";
 if (!url || !token) throw new Error("CELLGATE_URL and CELLGATE_TOKEN are required");
 mkdirSync(shots, { recursive: true });
@@ -80,6 +82,69 @@ try {
   check(stored === token, "the token is kept in sessionStorage");
   await screenshot("connected");
   console.log("ok login");
+  if (kernels) {
+    step = "kernels: the picker";
+    const picker = page.locator("#kernel");
+    await picker.waitFor();
+    const offered = await picker.locator("option").evaluateAll((options) =>
+      options.map((o) => [o.value, o.dataset.language]),
+    );
+    check(
+      JSON.stringify(offered.filter(([name]) => ["deno", "python3"].includes(name))) ===
+        JSON.stringify([["deno", "typescript"], ["python3", "python"]]),
+      `the picker offers the gateway's kernelspecs: ${JSON.stringify(offered)}`,
+    );
+    check((await picker.inputValue()) === "python3", "the default kernelspec is picked at first");
+    await page.locator("#session-language[data-language='python']", { hasText: "Python" }).waitFor();
+
+    step = "kernels: Python highlighted";
+    let cell = await run("def greet():\n    return 'hi'  # says hi\ngreet()");
+    check((await finished(cell)) === "ok", "the Python cell ends ok");
+    await cell.locator(".rich pre.text", { hasText: "'hi'" }).waitFor();
+    const code = cell.locator("pre.code");
+    check((await code.getAttribute("data-language")) === "python", "the cell's code is marked Python");
+    check((await code.locator(".tok-keyword").allTextContents()).join(" ") === "def return", "Python keywords highlighted");
+    check((await code.locator(".tok-string").allTextContents()).join(" ") === "'hi'", "Python strings highlighted");
+    check((await code.locator(".tok-comment").allTextContents()).join(" ") === "# says hi", "Python comments highlighted");
+    check((await code.textContent()) === "def greet():\n    return 'hi'  # says hi\ngreet()", "the code shown is the code run");
+    console.log("ok Python highlighted");
+
+    step = "kernels: a Deno conversation";
+    const before = await page.evaluate(() => sessionStorage.getItem("cellgate.session"));
+    await picker.selectOption("deno");
+    check((await page.evaluate(() => localStorage.getItem("cellgate.kernel"))) === "deno", "the choice is remembered");
+    await page.click("#new-session");
+    await page.locator("#session-language[data-language='typescript']", { hasText: "TypeScript" }).waitFor();
+    await page.locator("#kernel-state[data-state='idle']").waitFor();
+    const after = await page.evaluate(() => sessionStorage.getItem("cellgate.session"));
+    check(after && after !== before, "a new session");
+    check((await cells.count()) === 0, "the new conversation starts empty");
+    check((await page.locator("#session-info").textContent()).startsWith("deno"), "the header names the kernel");
+    const old = await fetch(`${url}/v1/sessions/${before}`, { headers: { Authorization: `Bearer ${token}` } });
+    check(old.status === 404, `the previous session is ended (${old.status})`);
+    // Awaiting the display makes Deno send it before the cell's idle (a bare expression's
+    // value can come after it, and an execution ends at its idle).
+    cell = await run('const greeting: string = "hi";\nawait Deno.jupyter.display(Deno.jupyter.html`<b>${greeting}</b>`);');
+    check((await finished(cell)) === "ok", "the TypeScript cell ends ok");
+    await cell.frameLocator("iframe.artifact-html").locator("b", { hasText: "hi" }).waitFor();
+    const ts = cell.locator("pre.code");
+    check((await ts.getAttribute("data-language")) === "typescript", "the cell's code is marked TypeScript");
+    check((await ts.locator(".tok-keyword").allTextContents()).join(" ") === "const string await", "TypeScript keywords highlighted");
+    check((await ts.locator(".tok-string").allTextContents()).join(" ") === '"hi" `<b>${greeting}</b>`', "TypeScript strings highlighted");
+    await screenshot("deno");
+    console.log("ok deno conversation");
+
+    step = "kernels: reload";
+    await page.reload();
+    await page.locator("#kernel-state[data-state='idle']").waitFor();
+    await page.locator("#session-language[data-language='typescript']").waitFor();
+    check((await page.locator("#kernel").inputValue()) === "deno", "the picker keeps the choice");
+    check((await page.evaluate(() => sessionStorage.getItem("cellgate.session"))) === after, "the same session");
+    console.log("ok reload keeps the kernel");
+    await browser.close();
+    console.log("all steps passed");
+    process.exit(0);
+  }
   if (short) {
     step = "short: print";
     const printed = await run("print(6 * 7)");

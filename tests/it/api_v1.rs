@@ -1094,6 +1094,127 @@ async fn one_shot_execute() -> Result<()> {
     Ok(())
 }
 
+/// `GET /v1/kernelspecs` lists every kernel a session may run with its language and the
+/// default; a session of a chosen kernelspec says which it is and its language in every
+/// model v1 answers (create, get, list, restart, the WebSocket's greeting), and really runs
+/// that kernel.
+#[tokio::test]
+async fn kernelspecs_are_listed_and_sessions_carry_their_language() -> Result<()> {
+    let (gateway, _policies) = start_gateway("").await?;
+    let v1 = V1Client::new(&gateway);
+
+    let anonymous = gateway
+        .http
+        .get(format!("{}/v1/kernelspecs", gateway.base))
+        .send()
+        .await?;
+    assert_eq!(
+        anonymous.status().as_u16(),
+        401,
+        "the list needs a credential"
+    );
+
+    let (status, listed) = v1.get("/v1/kernelspecs").await?;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed["default"], "python3", "{listed}");
+    let specs = listed["kernelspecs"].as_array().context("kernelspecs")?;
+    let language_of = |name: &str| {
+        specs
+            .iter()
+            .find(|s| s["name"] == name)
+            .map(|s| s["language"].clone())
+    };
+    assert_eq!(language_of("python3"), Some(json!("python")), "{listed}");
+    assert_eq!(language_of("deno"), Some(json!("typescript")), "{listed}");
+    assert_eq!(language_of("bash"), Some(json!("bash")), "{listed}");
+    assert_eq!(language_of("ir"), Some(json!("R")), "{listed}");
+    let names: Vec<&str> = specs.iter().filter_map(|s| s["name"].as_str()).collect();
+    let mut sorted = names.clone();
+    sorted.sort_unstable();
+    assert_eq!(names, sorted, "listed by name");
+    for spec in specs {
+        assert!(
+            spec["display_name"].as_str().is_some_and(|d| !d.is_empty()),
+            "{spec}"
+        );
+        assert_eq!(
+            spec.as_object().map(|o| o.len()),
+            Some(3),
+            "name, display_name and language only (no argv or host paths): {spec}"
+        );
+    }
+
+    let deno = v1.new_session(json!({"kernel_name": "deno"})).await?;
+    assert_eq!(deno.model["kernel_name"], "deno", "{}", deno.model);
+    assert_eq!(deno.model["language"], "typescript", "{}", deno.model);
+    // TypeScript that Python refuses: the session runs the kernel it names.
+    const TYPED: &str = "const answer: number = 6 * 7;";
+    let ran = v1.execute(&deno.id, TYPED).await?;
+    assert_eq!(ran["status"], "ok", "the Deno kernel ran it: {ran}");
+    // An awaited display: Deno sends it before the cell's idle. (A bare expression's value,
+    // or console.log's output, sometimes comes after that idle, when the execution has
+    // ended; so it is not what this test looks for.)
+    let shown = v1
+        .execute(
+            &deno.id,
+            "await Deno.jupyter.display(Deno.jupyter.html`<b>${answer}</b>`);",
+        )
+        .await?;
+    assert_eq!(shown["artifacts"][0]["mime"], "text/html", "{shown}");
+    let (_, got) = v1.get(&format!("/v1/sessions/{}", deno.id)).await?;
+    assert_eq!(
+        (got["kernel_name"].clone(), got["language"].clone()),
+        (json!("deno"), json!("typescript")),
+        "{got}"
+    );
+    let (status, restarted) = v1
+        .post(&format!("/v1/sessions/{}/restart", deno.id), json!({}))
+        .await?;
+    assert_eq!(status, 200, "{restarted}");
+    assert_eq!(restarted["language"], "typescript", "{restarted}");
+    let mut socket = v1.ws(&deno.id).await?;
+    let hello = ws_next(&mut socket).await?;
+    assert_eq!(hello["type"], "session", "{hello}");
+    assert_eq!(hello["session"]["language"], "typescript", "{hello}");
+
+    let python = v1.new_session(json!({})).await?;
+    assert_eq!(python.model["kernel_name"], "python3", "{}", python.model);
+    assert_eq!(python.model["language"], "python", "{}", python.model);
+    let refused = v1.execute(&python.id, TYPED).await?;
+    assert_eq!(
+        refused["status"], "error",
+        "Python is no TypeScript: {refused}"
+    );
+    let (_, all) = v1.get("/v1/sessions").await?;
+    let languages: std::collections::BTreeMap<String, String> = all
+        .as_array()
+        .context("sessions")?
+        .iter()
+        .map(|s| {
+            (
+                s["id"].as_str().unwrap_or_default().to_owned(),
+                s["language"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        languages.get(&deno.id).map(String::as_str),
+        Some("typescript"),
+        "{all}"
+    );
+    assert_eq!(
+        languages.get(&python.id).map(String::as_str),
+        Some("python"),
+        "{all}"
+    );
+
+    let (status, refused) = v1
+        .post("/v1/sessions", json!({"kernel_name": "cobol"}))
+        .await?;
+    assert_eq!(status, 404, "an unknown kernelspec: {refused}");
+    Ok(())
+}
+
 /// The OpenAPI document is served and describes every route of API v1 and the result and
 /// event schemas.
 #[tokio::test]
@@ -1112,6 +1233,7 @@ async fn openapi_document_lists_every_route() -> Result<()> {
     for (path, method) in [
         ("/v1/sessions", "post"),
         ("/v1/sessions", "get"),
+        ("/v1/kernelspecs", "get"),
         ("/v1/sessions/{id}", "get"),
         ("/v1/sessions/{id}", "delete"),
         ("/v1/sessions/{id}/execute", "post"),
@@ -1147,9 +1269,24 @@ async fn openapi_document_lists_every_route() -> Result<()> {
         "CommandResult",
         "CommandEvent",
         "FileOperation",
+        "Kernelspecs",
+        "SessionView",
     ] {
         assert!(schemas.contains_key(schema), "{schema} missing");
     }
+    // Session models carry the kernel's language.
+    assert!(
+        doc["paths"]["/v1/sessions"]["post"]["responses"]["201"]
+            .to_string()
+            .contains("#/components/schemas/SessionView"),
+        "{}",
+        doc["paths"]["/v1/sessions"]["post"]
+    );
+    assert!(
+        schemas["SessionView"].to_string().contains("\"language\""),
+        "{}",
+        schemas["SessionView"]
+    );
     // The MCP tool the document names is one the gateway has (`/v1/docs` renders it).
     let text = doc.to_string();
     assert!(

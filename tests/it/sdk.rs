@@ -29,6 +29,9 @@ async fn the_python_client_passes_its_tests_against_a_live_gateway() -> Result<(
                 "clients/python/tests",
             ])
             .current_dir(repo())
+            // This checkout's client: the tools venv's editable install points at whichever
+            // checkout ran `./dev setup` (a worktree shares the main one's venv).
+            .env("PYTHONPATH", repo().join("clients/python/src"))
             .env("CELLGATE_URL", &gateway.base)
             .env("CELLGATE_TOKEN", TOKEN)
             .kill_on_drop(true)

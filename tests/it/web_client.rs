@@ -2,7 +2,9 @@
 //! driven by playwright-core (`tests/browser/e2e.mjs`): sign in, output arriving while the
 //! cell still runs, `input()`, a matplotlib chart, a DataFrame table, Plotly and Vega-Lite
 //! charts, an error with its traceback, an interrupt, upload → analyse → download, a reload
-//! that keeps the session, Sign out ending the session; and the page and API under a base URL. Screenshots go to
+//! that keeps the session, Sign out ending the session; a conversation in the kernel the
+//! user picks (Deno), its language shown and its code highlighted; and the page and API
+//! under a base URL. Screenshots go to
 //! `target/web-client-screenshots/`.
 
 use std::path::Path;
@@ -76,6 +78,25 @@ async fn the_web_client_runs_code_and_shows_every_kind_of_output() -> Result<()>
     Ok(())
 }
 
+/// A conversation in the kernel the user picks: the picker lists the gateway's kernelspecs
+/// with the default chosen, Python code is highlighted as Python; choosing Deno and "New
+/// conversation" ends the session for one whose header says TypeScript, runs TypeScript (an
+/// HTML display), highlights it as TypeScript, and a reload keeps both choices.
+#[tokio::test]
+async fn the_web_client_starts_a_conversation_in_the_chosen_kernel() -> Result<()> {
+    let browser_dir = browser_tools();
+    let gateway = Gateway::start().await?;
+    let stdout = run_browser(
+        &browser_dir,
+        &gateway,
+        &[("CELLGATE_E2E", "kernels")],
+        "kernels",
+    )
+    .await?;
+    assert!(stdout.contains("ok deno conversation"), "{stdout}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_page_and_its_assets_are_served_with_a_strict_policy() -> Result<()> {
     let gateway = Gateway::start().await?;
@@ -83,6 +104,7 @@ async fn the_page_and_its_assets_are_served_with_a_strict_policy() -> Result<()>
     for (path, kind) in [
         ("/", "text/html"),
         ("/assets/app.js", "text/javascript"),
+        ("/assets/highlight.js", "text/javascript"),
         ("/assets/frame-height.js", "text/javascript"),
         ("/assets/style.css", "text/css"),
         ("/assets/plotly.min.js", "text/javascript"),

@@ -209,6 +209,28 @@ def test_one_shot_run_code_leaves_no_session():
         assert {s.id for s in client.sessions()} == before
 
 
+def test_kernelspecs_name_their_language_and_a_session_runs_the_one_it_names(session):
+    with Client(URL, TOKEN) as client:
+        specs = client.kernelspecs()
+        assert specs.default == "python3", specs
+        assert specs.get("python3").language == "python", specs
+        assert specs.get("deno").language == "typescript", specs
+        assert specs.get("cobol") is None
+        assert "bash" in specs.names() and all(k.display_name for k in specs.kernelspecs)
+        with client.session(kernel_name="deno") as deno:
+            assert (deno.kernel_name, deno.language) == ("deno", "typescript")
+            assert deno.info().language == "typescript"
+            assert deno.id in {s.id for s in client.sessions() if s.language == "typescript"}
+            # TypeScript that Python refuses: the session runs the kernel it named. (The
+            # status is the kernel's reply; Deno's outputs are not asserted, see
+            # tests/it/api_v1.rs.)
+            assert deno.run_code("const answer: number = 6 * 7;").ok
+        with pytest.raises(NotFoundError):
+            client.session(kernel_name="cobol")
+    assert (session.kernel_name, session.language) == ("python3", "python")
+    assert session.run_code("const answer: number = 6 * 7;").status == "error"
+
+
 def test_the_async_client_does_the_same():
     async def main():
         chunks = []
@@ -233,6 +255,12 @@ def test_the_async_client_does_the_same():
             session_id = s.id
         async with cellgate.AsyncClient(URL, TOKEN) as client:
             assert session_id not in {s.id for s in await client.sessions()}
+            specs = await client.kernelspecs()
+            assert specs.get("deno").language == "typescript", specs
+            async with AsyncSession(client=client, kernel_name="deno") as deno:
+                assert (deno.kernel_name, deno.language) == ("deno", "typescript")
+                assert (await deno.info()).language == "typescript"
+                assert (await deno.run_code("const answer: number = 6 * 7;")).ok
 
     asyncio.run(main())
 

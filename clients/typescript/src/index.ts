@@ -21,6 +21,22 @@ export interface SessionInfo {
   executions: number;
   tenant?: string;
   reason?: string;
+  /** The kernel's language (`python`, `typescript`, `bash`, `R`…); absent from a gateway
+   * too old to say. */
+  language?: string;
+}
+
+/** A kernel a session may run: `name` is what `kernelName` takes. */
+export interface Kernelspec {
+  name: string;
+  display_name: string;
+  language: string;
+}
+
+/** The kernels a session may run, by name, and the one a session gets when it names none. */
+export interface Kernelspecs {
+  default: string;
+  kernelspecs: Kernelspec[];
 }
 
 /** A rich output, or a file the code wrote under `outputs/`, stored once on the gateway. */
@@ -359,6 +375,12 @@ export class Client {
     return this.json<SessionInfo[]>("GET", "/v1/sessions");
   }
 
+  /** The kernels a session may run (each one's `name`, `display_name`, `language`) and the
+   * `default`. */
+  kernelspecs(): Promise<Kernelspecs> {
+    return this.json<Kernelspecs>("GET", "/v1/kernelspecs");
+  }
+
   /** Runs `code` once in a fresh session (`policy`, `kernelName`, `env`, `files` as for
    * `session()`), deleted afterwards. */
   async runCode(code: string, options: RunOptions & NewSessionOptions = {}): Promise<Execution> {
@@ -426,6 +448,17 @@ export class Session {
 
   private get path(): string {
     return `/v1/sessions/${enc(this.id)}`;
+  }
+
+  /** The kernelspec this session runs (it never changes). */
+  get kernelName(): string {
+    return this.infoAtStart.kernel_name;
+  }
+
+  /** The language of its kernel: `python`, `typescript`, `bash`, `R`… (`""` from a gateway
+   * too old to say). */
+  get language(): string {
+    return this.infoAtStart.language ?? "";
   }
 
   /** The session now. */

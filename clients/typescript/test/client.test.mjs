@@ -134,6 +134,36 @@ test("interrupt stops a running cell; the notebook exports", () =>
     assert.equal(notebook.nbformat, 4);
   }));
 
+test("kernelspecs name their language; a session runs the kernel it names", async () => {
+  const client = new Client(URL, TOKEN);
+  const specs = await client.kernelspecs();
+  assert.equal(specs.default, "python3");
+  const language = (name) => specs.kernelspecs.find((k) => k.name === name)?.language;
+  assert.equal(language("python3"), "python");
+  assert.equal(language("deno"), "typescript");
+  assert.ok(specs.kernelspecs.every((k) => k.display_name), JSON.stringify(specs));
+  const deno = await client.session({ kernelName: "deno" });
+  try {
+    assert.deepEqual([deno.kernelName, deno.language], ["deno", "typescript"]);
+    assert.equal((await deno.info()).language, "typescript");
+    const listed = (await client.sessions()).find((s) => s.id === deno.id);
+    assert.equal(listed?.language, "typescript");
+    // TypeScript that Python refuses: the session runs the kernel it named (the status is
+    // the kernel's reply; Deno's outputs are not asserted, see tests/it/api_v1.rs).
+    assert.equal((await deno.runCode("const answer: number = 6 * 7;")).status, "ok");
+  } finally {
+    await deno.close();
+  }
+  const python = await client.session();
+  try {
+    assert.deepEqual([python.kernelName, python.language], ["python3", "python"]);
+    assert.equal((await python.runCode("const answer: number = 6 * 7;")).status, "error");
+  } finally {
+    await python.close();
+  }
+  await assert.rejects(client.session({ kernelName: "cobol" }), (e) => e instanceof CellgateError && e.status === 404);
+});
+
 test("errors are CellgateErrors with the server's code", async () => {
   await assert.rejects(Session.create(URL, "wrong"), (e) => e instanceof CellgateError && e.status === 401 && e.code === "invalid_token");
   await assert.rejects(Session.create(URL, TOKEN, { policy: "no-such-policy" }), (e) => e.code === "unknown_policy");

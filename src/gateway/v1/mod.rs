@@ -27,6 +27,7 @@ mod body;
 mod commands;
 mod docs;
 pub(super) mod files;
+mod kernelspecs;
 mod notebooks;
 pub mod openapi;
 mod sessions;
@@ -67,6 +68,7 @@ pub fn routes() -> Router<AppState> {
             "/v1/sessions",
             json_only(get(sessions::list).post(sessions::create)),
         )
+        .route("/v1/kernelspecs", get(kernelspecs::list))
         .route(
             "/v1/sessions/{id}",
             get(sessions::get).delete(sessions::delete),

@@ -7,10 +7,11 @@ use serde_json::{json, Value};
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{artifacts, commands, files, notebooks, sessions, ws};
+use super::{artifacts, commands, files, kernelspecs, notebooks, sessions, ws};
 use crate::sessions::commands::{CommandEvent, CommandResult};
 use crate::sessions::{
-    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel, Status,
+    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel,
+    SessionView, Status,
 };
 
 struct Security;
@@ -44,7 +45,7 @@ impl Modify for Security {
         description = "Sessions with sandboxed Jupyter kernels for chat apps and agents: typed execution results, streamed events (SSE, WebSocket), artifacts by reference, workspace files. Every error is `ErrorBody` (`reason`, `message`, and a stable machine `code`) with the HTTP status; a tenant's request for anything it does not own answers 404.",
     ),
     paths(
-        sessions::create, sessions::list, sessions::get, sessions::delete,
+        kernelspecs::list, sessions::create, sessions::list, sessions::get, sessions::delete,
         sessions::execute, sessions::execute_once, sessions::interrupt, sessions::restart,
         sessions::input, commands::run, files::list, files::upload, files::download, files::head, files::remove, files::operate,
         artifacts::list, artifacts::fetch, artifacts::fetch_signed, artifacts::sign_link, ws::socket, notebooks::export, notebooks::replay,
@@ -53,7 +54,7 @@ impl Modify for Security {
     components(schemas(
         crate::gateway::api_error::ErrorBody, crate::gateway::ErrorCode, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded, files::Removed, files::FileOperation, commands::RunCommand, CommandResult, CommandEvent,
-        ws::ClientMessage, SessionModel, ExecutionResult, ExecError, Resources, Status, Omitted,
+        ws::ClientMessage, SessionModel, SessionView, kernelspecs::Kernelspecs, kernelspecs::Kernelspec, ExecutionResult, ExecError, Resources, Status, Omitted,
         ArtifactRef, SessionEvent, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
     )),
     modifiers(&Security),

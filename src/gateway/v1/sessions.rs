@@ -21,7 +21,7 @@ use super::{body, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
-use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionModel, Sessions};
+use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionView, Sessions};
 
 /// A file to put in the workspace when the session starts.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -229,7 +229,7 @@ async fn create_session(
 /// Create a session: a kernel in its sandbox, ready when this answers.
 #[utoipa::path(post, path = "/v1/sessions", tag = "sessions", operation_id = "create_session",
     request_body = CreateSession,
-    responses((status = 201, body = SessionModel), (status = 400), (status = 403), (status = 404, description = "unknown kernelspec")))]
+    responses((status = 201, body = SessionView), (status = 400), (status = 403), (status = 404, description = "unknown kernelspec")))]
 pub async fn create(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
@@ -241,38 +241,38 @@ pub async fn create(
     Ok((
         StatusCode::CREATED,
         [(header::LOCATION, location)],
-        Json(session.model()),
+        Json(session.view()),
     )
         .into_response())
 }
 
 /// The caller's sessions.
 #[utoipa::path(get, path = "/v1/sessions", tag = "sessions", operation_id = "list_sessions",
-    responses((status = 200, body = Vec<SessionModel>)))]
+    responses((status = 200, body = Vec<SessionView>)))]
 pub async fn list(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-) -> Json<Vec<SessionModel>> {
+) -> Json<Vec<SessionView>> {
     Json(
         state
             .sessions
             .list()
             .iter()
             .filter(|s| principal.may_see(s.owner.as_deref()))
-            .map(|s| s.model())
+            .map(|s| s.view())
             .collect(),
     )
 }
 
 #[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "get_session",
     params(("id" = String, Path)),
-    responses((status = 200, body = SessionModel), (status = 404)))]
+    responses((status = 200, body = SessionView), (status = 404)))]
 pub async fn get(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-) -> Result<Json<SessionModel>, ApiError> {
-    Ok(Json(session_for(&state, &principal, &id)?.model()))
+) -> Result<Json<SessionView>, ApiError> {
+    Ok(Json(session_for(&state, &principal, &id)?.view()))
 }
 
 /// Shut the kernel down; artifacts stay fetchable for the retention period.
@@ -432,15 +432,15 @@ pub async fn interrupt(
 /// Restart the kernel: variables and workspace files are lost; `state_generation` changes.
 #[utoipa::path(post, path = "/v1/sessions/{id}/restart", tag = "execute", operation_id = "restart",
     params(("id" = String, Path)),
-    responses((status = 200, body = SessionModel), (status = 404)))]
+    responses((status = 200, body = SessionView), (status = 404)))]
 pub async fn restart(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-) -> Result<Json<SessionModel>, ApiError> {
+) -> Result<Json<SessionView>, ApiError> {
     let session = session_for(&state, &principal, &id)?;
     session.restart().await?;
-    Ok(Json(session.model()))
+    Ok(Json(session.view()))
 }
 
 /// Answer the `input()` an execution waits for (409 when none waits).

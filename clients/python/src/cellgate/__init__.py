@@ -26,14 +26,14 @@ from ._errors import (
     UnavailableError,
 )
 from ._events import InputRequest
-from ._models import (Artifact, CommandResult, Denial, ExecError, Execution, FileEntry, Link,
-                      SessionInfo)
+from ._models import (Artifact, CommandResult, Denial, ExecError, Execution, FileEntry,
+                      Kernelspec, Kernelspecs, Link, SessionInfo)
 
 __all__ = [
     "APIError", "Artifact", "AsyncClient", "AsyncSession", "AuthenticationError",
     "BadRequestError", "CellgateConnectionError", "CellgateError", "Client", "CommandFailed",
     "CommandResult", "ConflictError", "Denial", "ExecError", "Execution", "ExecutionFailed",
-    "FileEntry", "InputRequest", "Link", "NotFoundError", "RateLimitError", "Session",
-    "SessionInfo", "UnavailableError",
+    "FileEntry", "InputRequest", "Kernelspec", "Kernelspecs", "Link", "NotFoundError",
+    "RateLimitError", "Session", "SessionInfo", "UnavailableError",
 ]
 __version__ = "0.1.0"

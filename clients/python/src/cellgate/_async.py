@@ -19,7 +19,8 @@ from ._client import (CONNECTION_ERRORS, DEFAULT_MAX_RETRIES, DEFAULT_MAX_RETRY_
                       session_body, stream_timeout)
 from ._errors import CellgateError, NotFoundError, error_from
 from ._events import CommandCollector, Collector, InputRequest, SseDecoder
-from ._models import Artifact, CommandResult, Execution, FileEntry, Link, SessionInfo
+from ._models import (Artifact, CommandResult, Execution, FileEntry, Kernelspecs, Link,
+                      SessionInfo)
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -101,10 +102,16 @@ class AsyncClient:
         answer = await self.request("GET", "/v1/sessions")
         return [SessionInfo.from_json(s) for s in answer.json()]
 
+    async def kernelspecs(self) -> Kernelspecs:
+        """See :meth:`cellgate.Client.kernelspecs`."""
+        return Kernelspecs.from_json((await self.request("GET", "/v1/kernelspecs")).json())
+
     async def run_code(self, code: str, *, timeout: Optional[float] = None,
-                       policy: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+                       policy: Optional[str] = None, kernel_name: Optional[str] = None,
+                       env: Optional[Mapping[str, str]] = None,
                        **callbacks: Any) -> Execution:
-        async with await self.session(policy=policy, env=env) as session:
+        async with await self.session(policy=policy, kernel_name=kernel_name,
+                                      env=env) as session:
             return await session.run_code(code, timeout=timeout, **callbacks)
 
     async def fetch_artifact(self, artifact_id: str) -> bytes:
@@ -173,6 +180,17 @@ class AsyncSession:
     @property
     def _path(self) -> str:
         return f"/v1/sessions/{quote(self.id, safe='')}"
+
+    @property
+    def kernel_name(self) -> str:
+        """The kernelspec this session runs; ``""`` until it started."""
+        return self.info_at_start.kernel_name if self.info_at_start else ""
+
+    @property
+    def language(self) -> str:
+        """The language of its kernel (see :attr:`cellgate.Session.language`); ``""`` until
+        it started."""
+        return self.info_at_start.language if self.info_at_start else ""
 
     async def info(self) -> SessionInfo:
         return SessionInfo.from_json((await self.client.request("GET", self._path)).json())

@@ -16,7 +16,8 @@ from ._errors import (CellgateConnectionError, CellgateError, NotFoundError, err
                       parse_retry_after)
 from ._events import (ArtifactCallback, CommandCollector, Collector, EventCallback, InputRequest,
                       SseDecoder, StreamCallback)
-from ._models import Artifact, CommandResult, Execution, FileEntry, Link, SessionInfo
+from ._models import (Artifact, CommandResult, Execution, FileEntry, Kernelspecs, Link,
+                      SessionInfo)
 
 InputCallback = Callable[[str, bool], str]
 Content = Union[bytes, str, Path, IO[bytes]]
@@ -247,12 +248,17 @@ class Client:
         """The caller's sessions."""
         return [SessionInfo.from_json(s) for s in self.request("GET", "/v1/sessions").json()]
 
+    def kernelspecs(self) -> Kernelspecs:
+        """The kernels a session may run (each one's ``name``, ``display_name`` and
+        ``language``) and the ``default``."""
+        return Kernelspecs.from_json(self.request("GET", "/v1/kernelspecs").json())
+
     def run_code(self, code: str, *, timeout: Optional[float] = None,
-                 policy: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
-                 **callbacks: Any) -> Execution:
-        """Runs ``code`` once in a fresh session (with ``policy`` and ``env``) that is
-        deleted afterwards."""
-        with self.session(policy=policy, env=env) as session:
+                 policy: Optional[str] = None, kernel_name: Optional[str] = None,
+                 env: Optional[Mapping[str, str]] = None, **callbacks: Any) -> Execution:
+        """Runs ``code`` once in a fresh session (with ``policy``, ``kernel_name`` and
+        ``env``) that is deleted afterwards."""
+        with self.session(policy=policy, kernel_name=kernel_name, env=env) as session:
             return session.run_code(code, timeout=timeout, **callbacks)
 
     def fetch_artifact(self, artifact_id: str) -> bytes:
@@ -325,6 +331,16 @@ class Session:
     @property
     def _path(self) -> str:
         return f"/v1/sessions/{quote(self.id, safe='')}"
+
+    @property
+    def kernel_name(self) -> str:
+        """The kernelspec this session runs (it never changes)."""
+        return self.info_at_start.kernel_name
+
+    @property
+    def language(self) -> str:
+        """The language of its kernel: ``python``, ``typescript``, ``bash``, ``R``…"""
+        return self.info_at_start.language
 
     def info(self) -> SessionInfo:
         """The session now (its state, state_generation, executions…)."""

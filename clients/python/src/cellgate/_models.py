@@ -23,6 +23,9 @@ class SessionInfo:
     executions: int
     tenant: Optional[str] = None
     reason: Optional[str] = None
+    #: The kernel's language (``python``, ``typescript``, ``bash``, ``R``…); ``""`` from a
+    #: gateway too old to say.
+    language: str = ""
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "SessionInfo":
@@ -38,7 +41,44 @@ class SessionInfo:
             executions=int(data.get("executions", 0)),
             tenant=data.get("tenant"),
             reason=data.get("reason"),
+            language=data.get("language", ""),
         )
+
+
+@dataclass
+class Kernelspec:
+    """A kernel a session may run (``GET /v1/kernelspecs``): ``name`` is what
+    ``kernel_name=`` takes."""
+
+    name: str
+    display_name: str
+    language: str
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "Kernelspec":
+        return cls(name=data["name"], display_name=data.get("display_name", data["name"]),
+                   language=data.get("language", ""))
+
+
+@dataclass
+class Kernelspecs:
+    """The kernels a session may run, by name, and ``default``, the one a session gets when
+    it names none."""
+
+    default: str
+    kernelspecs: List[Kernelspec]
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "Kernelspecs":
+        return cls(default=data["default"],
+                   kernelspecs=[Kernelspec.from_json(k) for k in data.get("kernelspecs", [])])
+
+    def names(self) -> List[str]:
+        return [k.name for k in self.kernelspecs]
+
+    def get(self, name: str) -> Optional[Kernelspec]:
+        """The kernelspec ``name``, or ``None``."""
+        return next((k for k in self.kernelspecs if k.name == name), None)
 
 
 @dataclass
