@@ -471,12 +471,12 @@ async fn malformed_notebooks_get_clear_errors_and_the_gateway_keeps_serving() ->
         replay_http(&gateway, &with_spec("conda-env-x-py", "python"), "").await?;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(answer["matched"], true, "{answer}");
-    let (status, answer) = replay_http(&gateway, &with_spec("ir", "R"), "").await?;
+    let (status, answer) = replay_http(&gateway, &with_spec("julia-1.10", "julia"), "").await?;
     assert_eq!(status, 400, "{answer}");
     assert!(answer["message"]
         .as_str()
         .unwrap_or_default()
-        .contains("kernel ir is not available"));
+        .contains("kernel julia-1.10 is not available"));
 
     // Nothing else broke: the kernel answers and no replay kernel is left behind.
     let mut client = gateway.connect(&kernel, "after-bad-input", false).await?;
