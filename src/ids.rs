@@ -125,7 +125,7 @@ macro_rules! id_type {
 
         impl<'de> serde::Deserialize<'de> for $name {
             fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<$name, D::Error> {
-                let text = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+                let text = <String as serde::Deserialize>::deserialize(deserializer)?;
                 $name::parse(&text).map_err(serde::de::Error::custom)
             }
         }

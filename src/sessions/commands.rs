@@ -360,4 +360,51 @@ mod tests {
         );
         assert!(line.contains("\\u2028"), "{line}");
     }
+
+    fn round_trip<T: Serialize + serde::de::DeserializeOwned>(value: &T) -> T {
+        serde_json::from_slice(&serde_json::to_vec(value).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn results_and_events_read_back_as_they_were_sent() {
+        let command_id = CommandId::random();
+        let result = CommandResult {
+            command_id: command_id.clone(),
+            status: Status::Timeout,
+            exit_code: None,
+            signal: Some("SIGKILL".into()),
+            stdout: "o".into(),
+            stderr: "e".into(),
+            stdout_truncated: false,
+            stderr_truncated: true,
+            output_truncated: false,
+            error: Some("why".into()),
+            denials: vec![Denial {
+                kind: crate::policy::DenialKind::Egress,
+                target: "example.com:443".into(),
+                policy: "default".into(),
+                reason: "not allowed".into(),
+            }],
+            duration_ms: 3,
+            state_generation: 1,
+        };
+        assert_eq!(round_trip(&result), result);
+        for event in [
+            CommandEvent::Started {
+                command_id: command_id.clone(),
+                cmd: "ls".into(),
+            },
+            CommandEvent::Stream {
+                command_id: command_id.clone(),
+                name: "stderr".into(),
+                text: "x".into(),
+            },
+            CommandEvent::Done {
+                command_id,
+                result: Box::new(result),
+            },
+        ] {
+            assert_eq!(round_trip(&event), event);
+        }
+    }
 }

@@ -613,3 +613,30 @@ impl Sessions {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_model_reads_back_as_it_was_sent() {
+        let session = SessionModel {
+            id: SessionId::of(&crate::ids::KernelId::random()),
+            kernel_name: "python3".into(),
+            policy: "default".into(),
+            sandbox: "namespaces".into(),
+            state: SessionState::Busy,
+            state_generation: 6,
+            created: "2026-01-01T00:00:00.000000Z".into(),
+            last_activity: "2026-01-01T00:00:01.000000Z".into(),
+            executions: 2,
+            tenant: Some("acme".into()),
+            reason: None,
+        };
+        let wire = serde_json::to_vec(&session).unwrap();
+        assert_eq!(
+            serde_json::from_slice::<SessionModel>(&wire).unwrap(),
+            session
+        );
+    }
+}
