@@ -162,7 +162,7 @@ impl LinkSigner {
 
     fn sign_until(&self, artifact: &Artifact, base_url: &str, expires: u64) -> Link {
         let tag = self.owner_tag(artifact.owner.as_deref());
-        let signature = URL_SAFE_NO_PAD.encode(self.signature(&artifact.id, &tag, expires));
+        let signature = URL_SAFE_NO_PAD.encode(self.signature(artifact.id.as_str(), &tag, expires));
         let tag = URL_SAFE_NO_PAD.encode(tag);
         Link {
             url: format!(
@@ -305,9 +305,10 @@ mod tests {
     use super::*;
     use crate::artifacts::Origin;
 
-    fn artifact(id: &str, owner: Option<&str>) -> Artifact {
+    /// An artifact named by a short tag (`a1`, `a2`): its id is the tag padded with zeros.
+    fn artifact(tag: &str, owner: Option<&str>) -> Artifact {
         Artifact {
-            id: id.to_owned(),
+            id: crate::ids::ArtifactId::parse(&format!("{tag:0>32}")).unwrap(),
             mime: "image/png".to_owned(),
             bytes: 3,
             width: None,
@@ -353,7 +354,7 @@ mod tests {
     /// What the holder of `artifact` answers to `link`.
     fn check(signer: &LinkSigner, artifact: &Artifact, link: &Link) -> Result<(), LinkError> {
         let (_, expires, owner, signature) = query(link);
-        let checked = signer.check(&artifact.id, &expires, &owner, &signature)?;
+        let checked = signer.check(artifact.id.as_str(), &expires, &owner, &signature)?;
         if signer.owned_by(&checked, artifact) {
             Ok(())
         } else {
@@ -366,7 +367,9 @@ mod tests {
         let s = signer();
         let a = artifact("a1", Some("acme"));
         let link = s.sign(&a, "/gw/");
-        assert!(link.url.starts_with("/gw/v1/artifacts/a1/signed?expires="));
+        assert!(link
+            .url
+            .starts_with(&format!("/gw/v1/artifacts/{}/signed?expires=", a.id)));
         assert!(
             !link.url.contains("acme"),
             "the tenant's name stays out of the link"

@@ -48,6 +48,8 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
+use crate::ids::{ArtifactId, ExecutionId};
+
 pub use inspect::{dimensions, strip_ansi, summarize};
 
 /// MIME types kept as artifacts, in the order a frontend prefers them. Vega-Lite 6 has two
@@ -132,7 +134,7 @@ impl ArtifactError {
 }
 
 /// A limit on stored artifacts, named as in the policy or the gateway's configuration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Quota {
     /// The policy's `artifact_size`: one artifact.
@@ -187,7 +189,7 @@ pub enum Origin {
 /// One artifact, as listed and referenced.
 #[derive(Debug, Clone, Serialize)]
 pub struct Artifact {
-    pub id: String,
+    pub id: ArtifactId,
     pub mime: String,
     pub bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -198,14 +200,14 @@ pub struct Artifact {
     pub origin: Origin,
     /// The execution that produced it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub execution_id: Option<String>,
+    pub execution_id: Option<ExecutionId>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub display_id: Option<String>,
     /// 1 for a first display; each `update_display_data` of the same display id adds one.
     pub version: u32,
     /// The artifact this version replaces (same display id, same MIME type).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub previous: Option<String>,
+    pub previous: Option<ArtifactId>,
     /// For files from `outputs/`: the path below the workspace.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
@@ -223,7 +225,7 @@ pub struct NewArtifact<'a> {
     pub owner: Option<&'a str>,
     pub mime: &'a str,
     pub origin: Origin,
-    pub execution_id: Option<&'a str>,
+    pub execution_id: Option<&'a ExecutionId>,
     pub display_id: Option<&'a str>,
     /// The bundle's `text/plain`, for the summary.
     pub text: Option<&'a str>,
@@ -275,11 +277,11 @@ struct Record {
 
 #[derive(Default)]
 struct Index {
-    records: HashMap<String, Record>,
+    records: HashMap<ArtifactId, Record>,
     /// Artifact ids per blob, to remove a blob with its last record.
     blobs: HashMap<String, usize>,
     /// Latest artifact per (session, display id, MIME type), for update versions.
-    displays: HashMap<(String, String, String), String>,
+    displays: HashMap<(String, String, String), ArtifactId>,
     /// Bytes of the records of each session, and of each tenant (`""`: no tenant).
     session_bytes: HashMap<String, u64>,
     tenant_bytes: HashMap<String, u64>,
@@ -307,7 +309,7 @@ impl Index {
     }
 
     /// Removes a record and its bytes from the usage counts (not its blob reference).
-    fn remove(&mut self, id: &str) -> Option<Record> {
+    fn remove(&mut self, id: &ArtifactId) -> Option<Record> {
         let record = self.records.remove(id)?;
         let artifact = &record.artifact;
         for (map, key) in [
@@ -481,7 +483,7 @@ impl ArtifactStore {
         let mut removed = 0usize;
         {
             let mut index = self.index.write();
-            let mut retained: Vec<(String, String)> = index
+            let mut retained: Vec<(String, ArtifactId)> = index
                 .records
                 .iter()
                 .filter(|(_, r)| r.expires.is_some() && matches!(r.blob, Blob::Stored(_)))
@@ -735,14 +737,14 @@ impl ArtifactStore {
             None => (1, None),
         };
         let artifact = Arc::new(Artifact {
-            id: uuid::Uuid::new_v4().simple().to_string(),
+            id: ArtifactId::random(),
             mime: new.mime.to_owned(),
             bytes,
             width,
             height,
             summary,
             origin: new.origin,
-            execution_id: new.execution_id.map(str::to_owned),
+            execution_id: new.execution_id.cloned(),
             display_id: new.display_id.map(str::to_owned),
             version,
             previous,
@@ -780,7 +782,7 @@ impl ArtifactStore {
         index.unwritten = index.unwritten.saturating_sub(bytes);
     }
 
-    fn forget(&self, id: &str) {
+    fn forget(&self, id: &ArtifactId) {
         let mut index = self.index.write();
         if let Some(record) = index.remove(id) {
             if let Blob::Stored(sha) = &record.blob {
@@ -793,7 +795,7 @@ impl ArtifactStore {
 
     /// An artifact a signed link may open: any record, retained ones included, unless a
     /// client deleted its session ([`Self::revoke_links`]).
-    pub fn get_linkable(&self, id: &str) -> Option<Arc<Artifact>> {
+    pub fn get_linkable(&self, id: &ArtifactId) -> Option<Arc<Artifact>> {
         self.index
             .read()
             .records
@@ -813,7 +815,7 @@ impl ArtifactStore {
         }
     }
 
-    pub fn get(&self, id: &str) -> Option<Arc<Artifact>> {
+    pub fn get(&self, id: &ArtifactId) -> Option<Arc<Artifact>> {
         self.index
             .read()
             .records
@@ -826,7 +828,7 @@ impl ArtifactStore {
     /// bytes could not be stored).
     pub async fn open(
         &self,
-        id: &str,
+        id: &ArtifactId,
         wait: Duration,
     ) -> Result<Option<(Arc<Artifact>, PathBuf)>, ArtifactError> {
         let deadline = tokio::time::Instant::now() + wait;
@@ -846,13 +848,13 @@ impl ArtifactStore {
             // A closed channel means the reservation settled: look again either way.
             let settled = tokio::time::timeout_at(deadline, pending.wait_for(|done| *done));
             if settled.await.is_err() {
-                return Err(ArtifactError::NotReady(id.to_owned()));
+                return Err(ArtifactError::NotReady(id.to_string()));
             }
         }
     }
 
     /// The file holding a stored artifact's bytes (`None` while pending or unknown).
-    pub fn path_of(&self, id: &str) -> Option<PathBuf> {
+    pub fn path_of(&self, id: &ArtifactId) -> Option<PathBuf> {
         match &self.index.read().records.get(id)?.blob {
             Blob::Stored(sha) => Some(self.blob_path(sha)),
             Blob::Pending(_) => None,
@@ -862,7 +864,7 @@ impl ArtifactStore {
     /// Stores a reservation's bytes: hashes them, counts the blob reference before writing
     /// (so a concurrent reap of identical bytes keeps the file), writes, and only then marks
     /// the record stored. A record that went meanwhile (its session expired) leaves no blob.
-    fn fill(&self, id: &str, promised: u64, content: &[u8]) -> Result<(), ArtifactError> {
+    fn fill(&self, id: &ArtifactId, promised: u64, content: &[u8]) -> Result<(), ArtifactError> {
         if content.len() as u64 != promised {
             self.forget(id);
             return Err(ArtifactError::SizeMismatch {
@@ -934,7 +936,7 @@ impl ArtifactStore {
         // counted its reference before (the blob stays) or writes the blob again after.
         let mut index = self.index.write();
         {
-            let expired: Vec<String> = index
+            let expired: Vec<ArtifactId> = index
                 .records
                 .iter()
                 .filter(|(_, r)| r.expires.is_some_and(|e| e <= now))
@@ -981,7 +983,7 @@ impl ArtifactStore {
 /// Dropped without [`Reservation::fill`], the artifact is removed.
 pub struct Reservation {
     store: Arc<ArtifactStore>,
-    id: String,
+    id: ArtifactId,
     bytes: u64,
     done: watch::Sender<bool>,
     settled: bool,
@@ -989,7 +991,7 @@ pub struct Reservation {
 
 impl Reservation {
     /// The artifact's id.
-    pub fn id(&self) -> &str {
+    pub fn id(&self) -> &ArtifactId {
         &self.id
     }
 

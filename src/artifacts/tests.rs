@@ -58,7 +58,7 @@ fn display_updates_are_versions() {
         .put(&new("s", "text/html", Some("d")), b"<b>2</b>")
         .unwrap();
     assert_eq!((v1.version, v2.version), (1, 2));
-    assert_eq!(v2.previous.as_deref(), Some(v1.id.as_str()));
+    assert_eq!(v2.previous.as_ref(), Some(&v1.id));
     store.expire_session("s");
     store.reap();
     assert!(store.get(&v1.id).is_some(), "kept for the retention period");

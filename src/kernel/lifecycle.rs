@@ -133,7 +133,7 @@ impl Drop for Instance {
 
 /// A running (or dead) kernel and everything the gateway knows about it.
 pub struct Kernel {
-    pub id: String,
+    pub id: crate::ids::KernelId,
     pub spec: Arc<KernelSpec>,
     /// The name of the policy the kernel runs under.
     pub policy: String,
@@ -177,7 +177,7 @@ impl Kernel {
     /// Launches the first generation and returns once the process exists; readiness follows
     /// in the background.
     pub async fn start(
-        id: String,
+        id: crate::ids::KernelId,
         spec: Arc<KernelSpec>,
         policy: String,
         sandbox: Arc<dyn Sandbox>,
@@ -185,7 +185,7 @@ impl Kernel {
         client_env: BTreeMap<String, String>,
         options: KernelOptions,
     ) -> Result<Arc<Kernel>, KernelError> {
-        let mut env = kernel_env(&spec, &id, &dirs.work, &client_env);
+        let mut env = kernel_env(&spec, id.as_str(), &dirs.work, &client_env);
         if options.egress.is_some() && sandbox.backend().bridges_egress() {
             for (k, v) in crate::egress::kernel_env(&spec.dir, &dirs.work) {
                 // A client's own choice (PIP_INDEX_URL, say) cannot open anything: the proxy
@@ -213,7 +213,7 @@ impl Kernel {
         let (readiness, _) = watch::channel(Readiness::Starting);
         let kernel = Arc::new(Kernel {
             router: Arc::new(
-                Router::new(&id)
+                Router::new(id.as_str())
                     .with_output_limit(options.output_limit)
                     .with_metrics(crate::telemetry::metrics::metrics().executions_of(&policy)),
             ),
@@ -261,7 +261,12 @@ impl Kernel {
             .filter(|_| self.sandbox.backend().bridges_egress());
         if let Some((egress, policy)) = proxy {
             let listener = egress
-                .listen(&runtime_dir, &self.id, policy.clone(), self.router.clone())
+                .listen(
+                    &runtime_dir,
+                    self.id.as_str(),
+                    policy.clone(),
+                    self.router.clone(),
+                )
                 .map_err(|err| KernelError::Io {
                     what: "open the egress proxy socket".to_owned(),
                     source: std::io::Error::other(err),
@@ -270,7 +275,7 @@ impl Kernel {
             *self.egress.lock() = Some(listener);
         }
         let spec = LaunchSpec {
-            kernel_id: self.id.clone(),
+            kernel_id: self.id.to_string(),
             argv: self.spec.command(&connection_file)?,
             env: self.env.clone(),
             runtime_dir,
@@ -320,7 +325,7 @@ impl Kernel {
                 channels = Channels::connect(&launched.connection, &identity, self.router.clone()) => channels?,
                 _ = exit.wait_for(Option::is_some) => return Err(KernelError::DiedDuringStart),
             };
-            let heartbeat = spawn_heartbeat(channels.hb_endpoint.clone(), self.id.clone());
+            let heartbeat = spawn_heartbeat(channels.hb_endpoint.clone(), self.id.to_string());
             let instance = Arc::new(Instance {
                 generation,
                 handle: launched.handle.clone(),
@@ -898,7 +903,7 @@ impl Kernel {
         let activity = self.router.activity();
         let readiness = self.readiness();
         KernelModel {
-            id: self.id.clone(),
+            id: self.id.to_string(),
             name: self.spec.name.clone(),
             last_activity: format_timestamp(activity.last_activity),
             execution_state: Self::execution_state_of(&readiness, &activity),

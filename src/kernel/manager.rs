@@ -56,7 +56,7 @@ pub struct Owner {
 
 /// All kernels of this gateway.
 pub struct KernelManager {
-    kernels: RwLock<HashMap<String, Arc<Kernel>>>,
+    kernels: RwLock<HashMap<crate::ids::KernelId, Arc<Kernel>>>,
     specs: KernelSpecs,
     backends: Backends,
     options: ManagerOptions,
@@ -357,7 +357,9 @@ impl KernelManager {
                     kernel.set_owner(&owner.tenant);
                     // Started for nobody: its record learns its tenant (caps, take-overs).
                     if kernel.shares_ownership() {
-                        let recorded = self.ownership().set_tenant(&kernel.id, &owner.tenant);
+                        let recorded = self
+                            .ownership()
+                            .set_tenant(kernel.id.as_str(), &owner.tenant);
                         if let Err(error) = recorded.await {
                             tracing::warn!(%error, kernel_id = %kernel.id, "recording a pooled kernel's tenant failed");
                         }
@@ -416,10 +418,13 @@ impl KernelManager {
     ) -> Result<Arc<Kernel>, KernelError> {
         let mut options = self.options.kernel.clone();
         options.tenant = tenant;
-        let id = adopt.as_ref().map_or_else(
-            || crate::ids::KernelId::random().into(),
-            |(record, _)| record.kernel_id.clone(),
-        );
+        let id = match &adopt {
+            None => crate::ids::KernelId::random(),
+            // Only gateways name kernels, so a record names one of their ids; a record that
+            // does not is no kernel this gateway can take over.
+            Some((record, _)) => crate::ids::KernelId::parse(&record.kernel_id)
+                .map_err(|_| KernelError::NoSuchKernel)?,
+        };
         options.adopt = adopt;
         options.execution_timeout = Some(policy.limits.execution_timeout);
         options.interrupt_grace = policy.limits.interrupt_grace;
@@ -440,7 +445,7 @@ impl KernelManager {
             reason: err.to_string(),
         };
         let sandbox = self.backends.get(policy.backend).map_err(unavailable)?;
-        let dirs = KernelDirs::create(&self.options.runtime_root, &id)?;
+        let dirs = KernelDirs::create(&self.options.runtime_root, id.as_str())?;
         let started = Kernel::start(
             id,
             Arc::new(spec.clone()),
@@ -774,7 +779,7 @@ impl KernelManager {
     pub fn hand_over_shared(&self) -> usize {
         let pods: Vec<Arc<Kernel>> = {
             let mut kernels = self.kernels.write();
-            let ids: Vec<String> = kernels
+            let ids: Vec<crate::ids::KernelId> = kernels
                 .values()
                 .filter(|k| k.shares_ownership())
                 .map(|k| k.id.clone())
@@ -876,7 +881,7 @@ impl KernelManager {
         }
         for (kernel, reason) in doomed {
             tracing::info!(kernel_id = %kernel.id, connections = kernel.connections(), reason, "culling kernel");
-            let _ = self.shutdown(&kernel.id).await;
+            let _ = self.shutdown(kernel.id.as_str()).await;
         }
     }
 }

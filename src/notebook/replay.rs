@@ -554,7 +554,7 @@ pub async fn replay_in(
         replay_with(&mut runner, parsed, options, progress).await
     }
     .await;
-    if let Err(err) = manager.shutdown(&kernel.id).await {
+    if let Err(err) = manager.shutdown(kernel.id.as_str()).await {
         tracing::warn!(kernel_id = %kernel.id, %err, "could not shut the replay kernel down");
     }
     result

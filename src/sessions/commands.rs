@@ -18,14 +18,16 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::events::Status;
 use super::plain::Streams;
 use super::{Session, SessionError};
+use crate::ids::CommandId;
 use crate::kernel::{ExecEvent, ExecuteOptions, ExecuteReply, Outcome};
+use crate::policy::Denial;
 
 /// The user expression whose value (its `application/json`) says how the command ended.
 const EXIT_EXPR: &str = "__import__(\"cellgate_command\").last";
@@ -46,9 +48,10 @@ pub struct CommandRequest {
 }
 
 /// How a command ended.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CommandResult {
-    pub command_id: String,
+    #[schema(value_type = String)]
+    pub command_id: CommandId,
     /// `ok`: it exited with 0; `error`: another exit code, a signal, or it could not start
     /// (`error` says why); `timeout`: its timeout killed it; `oom`, `sandbox_lost`, `denied`
     /// as for executions.
@@ -67,27 +70,31 @@ pub struct CommandResult {
     /// Why it could not run, or what ended the kernel's side of it.
     pub error: Option<String>,
     /// Policy denials (egress, packages) it caused.
-    pub denials: Vec<Value>,
+    #[schema(value_type = Vec<serde_json::Value>)]
+    pub denials: Vec<Denial>,
     pub duration_ms: u64,
     pub state_generation: u64,
 }
 
 /// One event of a running command.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum CommandEvent {
     Started {
-        command_id: String,
+        #[schema(value_type = String)]
+        command_id: CommandId,
         cmd: String,
     },
     Stream {
-        command_id: String,
+        #[schema(value_type = String)]
+        command_id: CommandId,
         /// `stdout` or `stderr`.
         name: String,
         text: String,
     },
     Done {
-        command_id: String,
+        #[schema(value_type = String)]
+        command_id: CommandId,
         result: Box<CommandResult>,
     },
 }
@@ -165,7 +172,7 @@ impl Session {
         let mut execution = match self.client.execute(&line, command_options(&request)).await {
             Ok(execution) => execution,
             Err(err) => {
-                let command_id = uuid::Uuid::new_v4().simple().to_string();
+                let command_id = CommandId::random();
                 let mut result = CommandResult::new(command_id.clone(), generation);
                 result.status = Status::SandboxLost;
                 result.error = Some(format!("the kernel cannot run it: {err}"));
@@ -180,7 +187,7 @@ impl Session {
                 return;
             }
         };
-        let id = execution.msg_id.clone();
+        let id = super::request_id(&execution.msg_id, CommandId::parse, CommandId::random);
         let _ = tx.send(CommandEvent::Started {
             command_id: id.clone(),
             cmd: request.cmd,
@@ -214,7 +221,7 @@ fn command_options(request: &CommandRequest) -> ExecuteOptions {
 
 impl CommandResult {
     /// A result with nothing known yet (`error` until told otherwise).
-    fn new(command_id: String, state_generation: u64) -> CommandResult {
+    fn new(command_id: CommandId, state_generation: u64) -> CommandResult {
         CommandResult {
             command_id,
             status: Status::Error,
@@ -242,7 +249,7 @@ struct Relayed {
 
 /// Sends the command's streams to its caller as they come, until the execution's reply.
 async fn relay(
-    id: &str,
+    id: &CommandId,
     events: &mut mpsc::UnboundedReceiver<ExecEvent>,
     cap: usize,
     tx: &mpsc::UnboundedSender<CommandEvent>,
@@ -256,7 +263,7 @@ async fn relay(
                     continue;
                 };
                 let _ = tx.send(CommandEvent::Stream {
-                    command_id: id.to_owned(),
+                    command_id: id.clone(),
                     name,
                     text,
                 });
@@ -305,11 +312,7 @@ impl Relayed {
         result.stdout_truncated = self.streams.stdout_truncated;
         result.stderr_truncated = self.streams.stderr_truncated;
         result.output_truncated = reply.outcome == Some(Outcome::OutputTruncated);
-        result.denials = reply
-            .denials
-            .iter()
-            .filter_map(|d| serde_json::to_value(d).ok())
-            .collect();
+        result.denials = reply.denials.clone();
         result.exit_code = exit.exit_code;
         result.signal = exit.signal;
         result.error = exit.error.or(self.raised).or_else(|| {
@@ -356,5 +359,52 @@ mod tests {
             "{line}"
         );
         assert!(line.contains("\\u2028"), "{line}");
+    }
+
+    fn round_trip<T: Serialize + serde::de::DeserializeOwned>(value: &T) -> T {
+        serde_json::from_slice(&serde_json::to_vec(value).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn results_and_events_read_back_as_they_were_sent() {
+        let command_id = CommandId::random();
+        let result = CommandResult {
+            command_id: command_id.clone(),
+            status: Status::Timeout,
+            exit_code: None,
+            signal: Some("SIGKILL".into()),
+            stdout: "o".into(),
+            stderr: "e".into(),
+            stdout_truncated: false,
+            stderr_truncated: true,
+            output_truncated: false,
+            error: Some("why".into()),
+            denials: vec![Denial {
+                kind: crate::policy::DenialKind::Egress,
+                target: "example.com:443".into(),
+                policy: "default".into(),
+                reason: "not allowed".into(),
+            }],
+            duration_ms: 3,
+            state_generation: 1,
+        };
+        assert_eq!(round_trip(&result), result);
+        for event in [
+            CommandEvent::Started {
+                command_id: command_id.clone(),
+                cmd: "ls".into(),
+            },
+            CommandEvent::Stream {
+                command_id: command_id.clone(),
+                name: "stderr".into(),
+                text: "x".into(),
+            },
+            CommandEvent::Done {
+                command_id,
+                result: Box::new(result),
+            },
+        ] {
+            assert_eq!(round_trip(&event), event);
+        }
     }
 }

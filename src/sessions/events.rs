@@ -2,17 +2,19 @@
 //! the blocking execute. Serialised with `type` as the tag; the JSON schema is documented in
 //! the OpenAPI document (`/v1/openapi.json`) and in docs/api-v1.md.
 
-use serde::Serialize;
-use serde_json::Value;
+use serde::{Deserialize, Serialize};
 
 use crate::artifacts::links::LinkSigner;
 use crate::artifacts::{Artifact, Quota};
+use crate::ids::{ArtifactId, ExecutionId};
+use crate::policy::Denial;
 
 /// A reference to an artifact: what a client (or a language model) needs instead of the
 /// bytes.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ArtifactRef {
-    pub id: String,
+    #[schema(value_type = String)]
+    pub id: ArtifactId,
     /// Relative to the gateway's base URL.
     pub url: String,
     pub mime: String,
@@ -26,7 +28,8 @@ pub struct ArtifactRef {
     pub display_id: Option<String>,
     pub version: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub previous: Option<String>,
+    #[schema(value_type = Option<String>)]
+    pub previous: Option<ArtifactId>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     /// The same bytes with no credential, for a page's `<img src>` (relative to the gateway's
@@ -71,7 +74,7 @@ pub fn expiry_timestamp(unix: u64) -> String {
 }
 
 /// The error of a failed execution; the traceback has no ANSI colour codes.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ExecError {
     pub ename: String,
     pub evalue: String,
@@ -80,7 +83,7 @@ pub struct ExecError {
 
 /// An output that is not in `artifacts`, and why: past a quota (named in `quota`), or not
 /// decodable.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Omitted {
     pub mime: String,
     pub bytes: u64,
@@ -94,7 +97,7 @@ pub struct Omitted {
 }
 
 /// Resource use of the sandbox during one execution, where measurable.
-#[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Resources {
     /// CPU time of the whole sandbox during the execution.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -108,7 +111,7 @@ pub struct Resources {
 }
 
 /// How an execution ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
     Ok,
@@ -121,9 +124,10 @@ pub enum Status {
 }
 
 /// The result of one execution.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ExecutionResult {
-    pub execution_id: String,
+    #[schema(value_type = String)]
+    pub execution_id: ExecutionId,
     pub status: Status,
     pub execution_count: Option<i64>,
     /// Capped (see `stdout_truncated`); the complete stream went out as events.
@@ -140,7 +144,8 @@ pub struct ExecutionResult {
     /// Outputs left out of `artifacts` (never silently).
     pub omitted: Vec<Omitted>,
     /// Policy denials (egress, packages) caused by this execution.
-    pub denials: Vec<Value>,
+    #[schema(value_type = Vec<serde_json::Value>)]
+    pub denials: Vec<Denial>,
     pub duration_ms: u64,
     /// Changes whenever the kernel's variables were lost (restart, crash, OOM).
     pub state_generation: u64,
@@ -148,21 +153,24 @@ pub struct ExecutionResult {
 }
 
 /// One event of a session: the stream of an execution, or the kernel's state.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum SessionEvent {
     /// The execution was sent to the kernel.
     Started {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         code: String,
     },
     Stream {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         name: String,
         text: String,
     },
     Display {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         #[serde(skip_serializing_if = "Option::is_none")]
         display_id: Option<String>,
         /// The bundle's `text/plain`.
@@ -171,36 +179,42 @@ pub enum SessionEvent {
         artifacts: Vec<ArtifactRef>,
     },
     UpdateDisplay {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         display_id: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
         text: Option<String>,
         artifacts: Vec<ArtifactRef>,
     },
     ClearOutput {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         wait: bool,
     },
     Result {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         execution_count: Option<i64>,
         #[serde(skip_serializing_if = "Option::is_none")]
         text: Option<String>,
         artifacts: Vec<ArtifactRef>,
     },
     Error {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         ename: String,
         evalue: String,
         traceback: Vec<String>,
     },
     InputRequest {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         prompt: String,
         password: bool,
     },
     Done {
-        execution_id: String,
+        #[schema(value_type = String)]
+        execution_id: ExecutionId,
         result: Box<ExecutionResult>,
     },
     /// The kernel's state changed outside an execution (restart, death).
@@ -213,7 +227,7 @@ pub enum SessionEvent {
 }
 
 /// A session's kernel's life, as its subscribers are told of it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum KernelPhase {
     Starting,
@@ -238,5 +252,168 @@ impl SessionEvent {
             SessionEvent::Done { .. } => "done",
             SessionEvent::Kernel { .. } => "kernel",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::DenialKind;
+
+    /// `value` as API v1 sends it, read back as a client of the crate reads it.
+    fn round_trip<T>(value: &T) -> T
+    where
+        T: Serialize + serde::de::DeserializeOwned,
+    {
+        serde_json::from_slice(&serde_json::to_vec(value).unwrap()).unwrap()
+    }
+
+    fn execution_id() -> ExecutionId {
+        ExecutionId::parse("0123456789abcdef0123456789abcdef").unwrap()
+    }
+
+    fn artifact(previous: Option<ArtifactId>) -> ArtifactRef {
+        ArtifactRef {
+            id: ArtifactId::random(),
+            url: "v1/artifacts/x".into(),
+            mime: "image/png".into(),
+            bytes: 7,
+            width: Some(2),
+            height: None,
+            summary: "a chart".into(),
+            display_id: Some("d".into()),
+            version: 2,
+            previous,
+            path: None,
+            signed_url: Some("v1/artifacts/x/signed?e=1".into()),
+            signed_url_expires: Some("2026-01-01T00:00:00.000000Z".into()),
+        }
+    }
+
+    fn result() -> ExecutionResult {
+        ExecutionResult {
+            execution_id: execution_id(),
+            status: Status::Denied,
+            execution_count: Some(3),
+            stdout: "out".into(),
+            stderr: String::new(),
+            stdout_truncated: true,
+            stderr_truncated: false,
+            output_truncated: true,
+            result: None,
+            error: Some(ExecError {
+                ename: "E".into(),
+                evalue: "v".into(),
+                traceback: vec!["t".into()],
+            }),
+            artifacts: vec![artifact(None), artifact(Some(ArtifactId::random()))],
+            omitted: vec![Omitted {
+                mime: "text/html".into(),
+                bytes: 9,
+                path: Some("outputs/a.html".into()),
+                reason: "quota".into(),
+                quota: Some(Quota::ArtifactsPerSession),
+            }],
+            denials: vec![Denial {
+                kind: DenialKind::Package,
+                target: "numpy".into(),
+                policy: "default".into(),
+                reason: "not allowed".into(),
+            }],
+            duration_ms: 12,
+            state_generation: 4,
+            resources: Resources {
+                cpu_time_ms: Some(1),
+                memory_peak_bytes: None,
+                memory_bytes: Some(2),
+            },
+        }
+    }
+
+    #[test]
+    fn results_and_events_read_back_as_they_were_sent() {
+        let result = result();
+        assert_eq!(round_trip(&result), result);
+        let events = [
+            SessionEvent::Started {
+                execution_id: execution_id(),
+                code: "1".into(),
+            },
+            SessionEvent::Stream {
+                execution_id: execution_id(),
+                name: "stdout".into(),
+                text: "x".into(),
+            },
+            SessionEvent::Display {
+                execution_id: execution_id(),
+                display_id: None,
+                text: Some("t".into()),
+                artifacts: vec![artifact(None)],
+            },
+            SessionEvent::UpdateDisplay {
+                execution_id: execution_id(),
+                display_id: Some("d".into()),
+                text: None,
+                artifacts: vec![],
+            },
+            SessionEvent::ClearOutput {
+                execution_id: execution_id(),
+                wait: true,
+            },
+            SessionEvent::Result {
+                execution_id: execution_id(),
+                execution_count: None,
+                text: Some("2".into()),
+                artifacts: vec![],
+            },
+            SessionEvent::Error {
+                execution_id: execution_id(),
+                ename: "E".into(),
+                evalue: "v".into(),
+                traceback: vec![],
+            },
+            SessionEvent::InputRequest {
+                execution_id: execution_id(),
+                prompt: "?".into(),
+                password: false,
+            },
+            SessionEvent::Done {
+                execution_id: execution_id(),
+                result: Box::new(result),
+            },
+            SessionEvent::Kernel {
+                state: KernelPhase::Restarting,
+                state_generation: 5,
+                reason: Some("oom".into()),
+            },
+        ];
+        for event in events {
+            assert_eq!(round_trip(&event), event, "{}", event.kind());
+        }
+    }
+
+    #[test]
+    fn a_result_naming_an_id_of_another_shape_is_refused() {
+        let mut wire = serde_json::to_value(result()).unwrap();
+        wire["execution_id"] = "e1".into();
+        let refused = serde_json::from_value::<ExecutionResult>(wire).unwrap_err();
+        assert!(
+            refused.to_string().contains("not an execution id"),
+            "{refused}"
+        );
+    }
+
+    #[test]
+    fn the_gateways_request_ids_are_execution_ids() {
+        // An execution's id is its execute_request's msg_id (sessions::request_id).
+        let message = crate::protocol::Message::new(
+            crate::protocol::Channel::Shell,
+            "execute_request",
+            "session",
+            None,
+            &serde_json::json!({}),
+        );
+        assert!(ExecutionId::parse(message.msg_id()).is_ok());
+        assert!(crate::ids::CommandId::parse(message.msg_id()).is_ok());
     }
 }

@@ -16,6 +16,7 @@ use super::outputs::plain_text;
 use super::plain::Streams;
 use super::{HistoryEntry, Session, MAX_HISTORY};
 use crate::artifacts::{strip_ansi, Origin};
+use crate::ids::ExecutionId;
 use crate::kernel::{
     CellEnd, ExecEvent, ExecuteOptions, ExecuteReply, KernelError, Outcome, Readiness,
     ResourceUsage,
@@ -86,7 +87,7 @@ fn resources_between(before: Option<ResourceUsage>, after: Option<ResourceUsage>
 struct Turn<'a> {
     session: &'a Session,
     tx: &'a mpsc::UnboundedSender<Arc<SessionEvent>>,
-    execution_id: String,
+    execution_id: ExecutionId,
     code: String,
     started_at: String,
     events: Vec<Arc<SessionEvent>>,
@@ -98,7 +99,7 @@ impl<'a> Turn<'a> {
     fn start(
         session: &'a Session,
         tx: &'a mpsc::UnboundedSender<Arc<SessionEvent>>,
-        execution_id: String,
+        execution_id: ExecutionId,
         code: String,
         started_at: String,
     ) -> Turn<'a> {
@@ -328,14 +329,15 @@ impl Session {
             Ok(execution) => execution,
             Err(err) => {
                 // The kernel is dead or gone: a typed result, not an HTTP error.
-                let execution_id = uuid::Uuid::new_v4().simple().to_string();
+                let execution_id = ExecutionId::random();
                 let turn = Turn::start(&self, &tx, execution_id, code, started_at);
                 let result = self.lost_result(turn.execution_id.clone(), &err);
                 turn.finish(result);
                 return;
             }
         };
-        let execution_id = execution.msg_id.clone();
+        let execution_id =
+            super::request_id(&execution.msg_id, ExecutionId::parse, ExecutionId::random);
         let mut turn = Turn::start(&self, &tx, execution_id, code, started_at);
         let reply = turn.translate(&mut execution.events).await;
         // Files the code wrote under outputs/ become artifacts.
@@ -350,7 +352,7 @@ impl Session {
     }
 
     /// The result of an execution the kernel could not take.
-    fn lost_result(&self, execution_id: String, err: &KernelError) -> ExecutionResult {
+    fn lost_result(&self, execution_id: ExecutionId, err: &KernelError) -> ExecutionResult {
         ExecutionResult {
             execution_id,
             status: Status::SandboxLost,
@@ -381,7 +383,7 @@ impl Session {
     /// The result of an execution the kernel replied to.
     fn result(
         &self,
-        execution_id: String,
+        execution_id: ExecutionId,
         collected: Collected,
         reply: &ExecuteReply,
         resources: Resources,
@@ -408,12 +410,8 @@ impl Session {
             error,
             artifacts: collected.artifacts,
             omitted: collected.omitted,
-            // The API's wire form of each denial (docs/api-v1.md: the reply's, verbatim).
-            denials: reply
-                .denials
-                .iter()
-                .filter_map(|d| serde_json::to_value(d).ok())
-                .collect(),
+            // The reply's denials, verbatim (docs/api-v1.md).
+            denials: reply.denials.clone(),
             duration_ms,
             state_generation: self.kernel.generation(),
             resources,

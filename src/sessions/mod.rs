@@ -43,6 +43,7 @@ use tokio::sync::{broadcast, mpsc};
 
 use crate::artifacts::links::LinkSigner;
 use crate::artifacts::{Artifact, ArtifactError, ArtifactStore};
+use crate::ids::{ExecutionId, IdError, SessionId};
 use crate::kernel::{
     ExecutionState, Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV,
 };
@@ -137,7 +138,7 @@ pub struct NewSession {
 /// One execution in the history.
 #[derive(Debug, Clone)]
 pub struct HistoryEntry {
-    pub execution_id: String,
+    pub execution_id: ExecutionId,
     pub code: String,
     pub started: String,
     /// Every event of the execution, in order (the notebook export's outputs).
@@ -170,9 +171,10 @@ impl From<ExecutionState> for SessionState {
 }
 
 /// A session as listed.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct SessionModel {
-    pub id: String,
+    #[schema(value_type = String)]
+    pub id: SessionId,
     pub kernel_name: String,
     pub policy: String,
     pub sandbox: String,
@@ -202,7 +204,7 @@ pub struct SessionView {
 
 /// One session.
 pub struct Session {
-    pub id: String,
+    pub id: SessionId,
     pub owner: Option<String>,
     pub kernel: Arc<Kernel>,
     client: KernelClient,
@@ -375,9 +377,10 @@ impl Session {
     /// Answers the `input()` the running execution waits for.
     pub async fn input_reply(
         &self,
-        execution_id: Option<&str>,
+        execution_id: Option<&ExecutionId>,
         value: &str,
     ) -> Result<(), SessionError> {
+        let execution_id = execution_id.map(ExecutionId::as_str);
         if self.client.input_reply(execution_id, value).await? {
             Ok(())
         } else {
@@ -396,6 +399,17 @@ impl Session {
         tokio::spawn(async move { session.run(code, timeout, tx).await });
         rx
     }
+}
+
+/// The id API v1 gives an execution or a command the kernel took: its request's `msg_id`,
+/// which the gateway made as a simple UUID (`protocol::new_header`), so it parses (a test
+/// holds that). Were that ever to change, the execution gets a random id rather than none:
+/// its `input()` is then answered without naming it.
+fn request_id<T>(msg_id: &str, parse: fn(&str) -> Result<T, IdError>, random: fn() -> T) -> T {
+    parse(msg_id).unwrap_or_else(|err| {
+        tracing::warn!(%err, "a request's msg_id is not an API id: a random one stands for it");
+        random()
+    })
 }
 
 /// Tells the session's subscribers when its kernel's life changes (a restart after a
@@ -438,7 +452,7 @@ const KERNEL_NEWS_WAIT: Duration = Duration::from_secs(2);
 pub struct Sessions {
     kernels: Arc<KernelManager>,
     artifacts: Arc<ArtifactStore>,
-    sessions: RwLock<HashMap<String, Arc<Session>>>,
+    sessions: RwLock<HashMap<SessionId, Arc<Session>>>,
     options: SessionOptions,
 }
 
@@ -495,7 +509,7 @@ impl Sessions {
             .start_for(new.kernel_name.as_deref(), &env, owner.as_ref())
             .await?;
         if let Err(err) = kernel.wait_ready().await {
-            let _ = self.kernels.shutdown(&kernel.id).await;
+            let _ = self.kernels.shutdown(kernel.id.as_str()).await;
             return Err(err.into());
         }
         let session = self.register(kernel, new.owner);
@@ -507,7 +521,7 @@ impl Sessions {
     /// kernel and its variables carried on; what the old replica held in memory (the
     /// history, unsaved artifact records) did not.
     pub fn adopt(&self, kernel: Arc<Kernel>, owner: Option<String>) -> Arc<Session> {
-        if let Some(session) = self.get(&kernel.id) {
+        if let Some(session) = self.get(&SessionId::of(&kernel.id)) {
             return session;
         }
         let session = self.register(kernel, owner);
@@ -526,7 +540,7 @@ impl Sessions {
         }
         let (events, _) = broadcast::channel(EVENT_BACKLOG);
         let session = Arc::new(Session {
-            id: kernel.id.clone(),
+            id: SessionId::of(&kernel.id),
             owner,
             client: KernelClient::attach(kernel.clone()),
             kernel,
@@ -548,7 +562,7 @@ impl Sessions {
         session
     }
 
-    pub fn get(&self, id: &str) -> Option<Arc<Session>> {
+    pub fn get(&self, id: &SessionId) -> Option<Arc<Session>> {
         self.sessions.read().get(id).cloned()
     }
 
@@ -560,16 +574,16 @@ impl Sessions {
 
     /// A client deletes the session: its kernel is shut down, its artifacts stay for the
     /// retention period, and the signed links to them stop working.
-    pub async fn delete(&self, id: &str) -> Result<(), SessionError> {
+    pub async fn delete(&self, id: &SessionId) -> Result<(), SessionError> {
         self.end(id).await?;
-        self.artifacts.revoke_links(id);
+        self.artifacts.revoke_links(id.as_str());
         Ok(())
     }
 
     /// Ends the session as [`Self::delete`] does, but its artifacts' signed links keep
     /// working until they expire or the artifacts go: a one-shot execute's session ends with
     /// its result, whose links are what the caller shows.
-    pub async fn end(&self, id: &str) -> Result<(), SessionError> {
+    pub async fn end(&self, id: &SessionId) -> Result<(), SessionError> {
         let session = self
             .sessions
             .write()
@@ -578,12 +592,12 @@ impl Sessions {
         session
             .client
             .abandon("SessionDeletedError", "the session was deleted");
-        match self.kernels.shutdown(id).await {
+        match self.kernels.shutdown(id.as_str()).await {
             Ok(()) | Err(KernelError::NoSuchKernel) => {}
             Err(err) => return Err(err.into()),
         }
         session.publish_kernel_state();
-        self.artifacts.expire_session(id);
+        self.artifacts.expire_session(id.as_str());
         tracing::info!(session_id = %id, "session deleted");
         Ok(())
     }
@@ -598,11 +612,11 @@ impl Sessions {
                 let Some(sessions) = sessions.upgrade() else {
                     return;
                 };
-                let gone: Vec<String> = sessions
+                let gone: Vec<SessionId> = sessions
                     .sessions
                     .read()
                     .keys()
-                    .filter(|id| sessions.kernels.get(id).is_none())
+                    .filter(|id| sessions.kernels.get(id.as_str()).is_none())
                     .cloned()
                     .collect();
                 for id in gone {
@@ -611,12 +625,39 @@ impl Sessions {
                             .client
                             .abandon("KernelDiedError", "the session's kernel was shut down");
                     }
-                    sessions.artifacts.expire_session(&id);
+                    sessions.artifacts.expire_session(id.as_str());
                     tracing::info!(session_id = %id, "session ended with its kernel");
                 }
                 let artifacts = sessions.artifacts.clone();
                 let _ = tokio::task::spawn_blocking(move || artifacts.reap()).await;
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_model_reads_back_as_it_was_sent() {
+        let session = SessionModel {
+            id: SessionId::of(&crate::ids::KernelId::random()),
+            kernel_name: "python3".into(),
+            policy: "default".into(),
+            sandbox: "namespaces".into(),
+            state: SessionState::Busy,
+            state_generation: 6,
+            created: "2026-01-01T00:00:00.000000Z".into(),
+            last_activity: "2026-01-01T00:00:01.000000Z".into(),
+            executions: 2,
+            tenant: Some("acme".into()),
+            reason: None,
+        };
+        let wire = serde_json::to_vec(&session).unwrap();
+        assert_eq!(
+            serde_json::from_slice::<SessionModel>(&wire).unwrap(),
+            session
+        );
     }
 }

@@ -14,6 +14,7 @@ use crate::artifacts::{
     is_base64_mime, Artifact, ArtifactError, ArtifactStore, Description, NewArtifact, Origin,
     Quota, Quotas, RICH_MIME_TYPES,
 };
+use crate::ids::ExecutionId;
 use crate::workspace::{FileEntry, Files};
 
 /// Base64 outputs from this length on are stored in the background (~48 KiB decoded: below
@@ -165,7 +166,7 @@ impl Session {
         &self,
         mut data: Map<String, Value>,
         origin: Origin,
-        execution_id: &str,
+        execution_id: &ExecutionId,
         display_id: Option<&str>,
         omitted: &mut Vec<Omitted>,
     ) -> Vec<ArtifactRef> {
@@ -176,7 +177,7 @@ impl Session {
                 continue;
             };
             let new = NewArtifact {
-                session: &self.id,
+                session: self.id.as_str(),
                 owner: self.owner.as_deref(),
                 mime,
                 origin,
@@ -190,7 +191,7 @@ impl Session {
                 refs.extend(stored);
                 continue;
             }
-            let content = match bundle_content(&self.id, mime, value) {
+            let content = match bundle_content(self.id.as_str(), mime, value) {
                 Ok(content) => content,
                 Err(entry) => {
                     omitted.push(entry);
@@ -220,7 +221,7 @@ impl Session {
         let head = base64_head(encoded)?;
         let (bytes, limit) = (head.total, self.options.artifact_max_bytes);
         if bytes > limit {
-            omitted.push(too_large(&self.id, new.mime, bytes, limit, None));
+            omitted.push(too_large(self.id.as_str(), new.mime, bytes, limit, None));
             return Some(None);
         }
         let description = Description::from_head(new, &head.bytes, bytes);
@@ -228,7 +229,7 @@ impl Session {
         match self.store_in_background(new, description, encoded).await {
             Ok(artifact) => Some(Some(self.options.reference(&artifact))),
             Err(err) => {
-                report_refusal(&self.id, new.mime, bytes, None, &err, omitted);
+                report_refusal(self.id.as_str(), new.mime, bytes, None, &err, omitted);
                 Some(None)
             }
         }
@@ -243,7 +244,13 @@ impl Session {
     ) -> Option<ArtifactRef> {
         let (mime, limit) = (new.mime, self.options.artifact_max_bytes);
         if content.len() as u64 > limit {
-            omitted.push(too_large(&self.id, mime, content.len() as u64, limit, None));
+            omitted.push(too_large(
+                self.id.as_str(),
+                mime,
+                content.len() as u64,
+                limit,
+                None,
+            ));
             return None;
         }
         let store = self.artifacts.clone();
@@ -252,7 +259,7 @@ impl Session {
         let (session, owner, exec, display, text, mime_owned) = (
             new.session.to_owned(),
             new.owner.map(str::to_owned),
-            new.execution_id.map(str::to_owned),
+            new.execution_id.cloned(),
             new.display_id.map(str::to_owned),
             new.text.map(str::to_owned),
             mime.to_owned(),
@@ -264,7 +271,7 @@ impl Session {
                     owner: owner.as_deref(),
                     mime: &mime_owned,
                     origin,
-                    execution_id: exec.as_deref(),
+                    execution_id: exec.as_ref(),
                     display_id: display.as_deref(),
                     text: text.as_deref(),
                     path: None,
@@ -276,7 +283,7 @@ impl Session {
         .await;
         match stored {
             Ok(Ok(artifact)) => return Some(self.options.reference(&artifact)),
-            Ok(Err(err)) => report_refusal(&self.id, mime, bytes, None, &err, omitted),
+            Ok(Err(err)) => report_refusal(self.id.as_str(), mime, bytes, None, &err, omitted),
             Err(err) => tracing::error!(session_id = %self.id, %err, "artifact task failed"),
         }
         None
@@ -311,7 +318,7 @@ impl Session {
                 }
             };
             if let Err(err) = stored {
-                log_store_error(&session, &err);
+                log_store_error(session.as_str(), &err);
             }
         });
         Ok(artifact)
@@ -320,16 +327,16 @@ impl Session {
     /// Turns new or changed files under the workspace's `outputs/` into artifacts.
     pub(super) async fn collect_outputs(
         &self,
-        execution_id: &str,
+        execution_id: &ExecutionId,
     ) -> (Vec<ArtifactRef>, Vec<Omitted>) {
         let Some(workspace) = self.workspace() else {
             return (Vec::new(), Vec::new());
         };
         let scan = OutputScan {
             store: self.artifacts.clone(),
-            session: self.id.clone(),
+            session: self.id.to_string(),
             owner: self.owner.clone(),
-            execution_id: execution_id.to_owned(),
+            execution_id: execution_id.clone(),
             limit: self.options.artifact_max_bytes,
             quotas: self.options.artifact_quotas,
             seen: self.outputs_seen.lock().clone(),
@@ -358,7 +365,7 @@ struct OutputScan {
     store: Arc<ArtifactStore>,
     session: String,
     owner: Option<String>,
-    execution_id: String,
+    execution_id: ExecutionId,
     limit: u64,
     quotas: Quotas,
     seen: HashMap<String, (u64, i64, i64)>,

@@ -20,7 +20,13 @@ async fn create_session(v1: &V1Client<'_>, body: Value) -> Result<String> {
         created.location.as_deref(),
         Some(format!("/v1/sessions/{id}").as_str())
     );
-    assert_eq!(created.model["state"], "idle", "{}", created.model);
+    assert_eq!(
+        created.model.state,
+        cellgate::sessions::SessionState::Idle,
+        "{:?}",
+        created.model
+    );
+    assert_eq!(created.model.id.as_str(), id);
     Ok(id)
 }
 
@@ -49,9 +55,14 @@ async fn sessions_execute_and_keep_state() -> Result<()> {
     assert_eq!(result["artifacts"], json!([]));
     assert_eq!(result["denials"], json!([]));
 
-    let result = v1.execute(&id, "x * 2").await?;
-    assert_eq!(result["result"], "84", "state survives between executes");
-    assert_eq!(result["execution_count"], 2);
+    let result = v1.run(&id, "x * 2").await?;
+    assert_eq!(
+        result.result.as_deref(),
+        Some("84"),
+        "state survives between executes"
+    );
+    assert_eq!(result.execution_count, Some(2));
+    assert_eq!(result.status, cellgate::sessions::Status::Ok);
 
     let result = v1.execute(&id, "def f():\n    return 1 / 0\nf()").await?;
     assert_eq!(result["status"], "error");

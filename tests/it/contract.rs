@@ -286,6 +286,25 @@ async fn errors_are_one_body_with_a_code_and_the_headers_to_act_on() -> Result<(
         .send()
         .await?;
     error_of(response, 409, "no_input_awaited").await?;
+    // Ids are parsed (crate::ids), but a malformed one answers as an unknown one does.
+    for execution in ["nope", "0123456789abcdef0123456789abcdef"] {
+        let response = v1
+            .request(Method::POST, &format!("/v1/sessions/{id}/input"))
+            .json(&json!({"value": "x", "execution_id": execution}))
+            .send()
+            .await?;
+        error_of(response, 409, "no_input_awaited").await?;
+    }
+    for session in [
+        "bc240c7a-232d-46b9-87f3-1a30b514780b".to_owned(),
+        id.to_uppercase(),
+    ] {
+        let response = v1
+            .request(Method::GET, &format!("/v1/sessions/{session}"))
+            .send()
+            .await?;
+        error_of(response, 404, "no_such_session").await?;
+    }
 
     // An artifact a client holds (its ETag) is not sent again.
     let r = v1
@@ -325,8 +344,17 @@ async fn errors_are_one_body_with_a_code_and_the_headers_to_act_on() -> Result<(
         .send()
         .await?;
     ensure!(response.status() == 200, "{}", response.status());
-    let response = v1.request(Method::GET, "/v1/artifacts/nope").send().await?;
-    error_of(response, 404, "no_such_artifact").await?;
+    for unknown in [
+        "nope".to_owned(),
+        "0123456789abcdef0123456789abcdef".to_owned(),
+        artifact.to_uppercase(),
+    ] {
+        let response = v1
+            .request(Method::GET, &format!("/v1/artifacts/{unknown}"))
+            .send()
+            .await?;
+        error_of(response, 404, "no_such_artifact").await?;
+    }
     // Its log went to a pipe: plain text, no colour codes for a file or a log shipper.
     let log = gateway.log();
     ensure!(

@@ -323,6 +323,10 @@ async def main():
         check(artifact, text)
         html = text_of(await mcp.call_tool("get_artifact", {"artifact_id": artifact.group(1)}))
         check(html == "<table><tr><td>7</td></tr></table>", html)
+        for bad in ["nope", artifact.group(1).upper()]:
+            missing = await mcp.call_tool("get_artifact", {"artifact_id": bad})
+            check(missing.is_error and f"no artifact {bad} (404 no_such_artifact)" in text_of(missing),
+                  text_of(missing))
         print("ok: an artifact is read by its id")
 
         big = await run(mcp, "open('big.txt', 'w').write('x' * (2 << 20))")
@@ -367,6 +371,10 @@ async def main():
         check(session_of(text) == second, text)
         _, text = await run(mcp, "x", session_id=first)
         check("failed" in text and "no_such_session" in text, f"the old session survived: {text}")
+        # An id of another shape is answered as API v1 answers it: an unknown session.
+        for bad in ["not-a-session", first.upper()]:
+            _, text = await run(mcp, "1", session_id=bad)
+            check(f"running the code failed: no session {bad} (404 no_such_session)" in text, text)
         print("ok: new_session starts over and shuts the old one down")
 
         async with connect(TOKEN) as other:

@@ -3,11 +3,14 @@
 //! sessions and executes, files, artifacts, Server-Sent Events and the session WebSocket.
 //!
 //! It checks only what a helper's name promises (a created session is 201, an execute is
-//! 200); everything a test is about stays in the test.
+//! 200), and that API v1's answers read as the crate's own types (`SessionModel`,
+//! `ExecutionResult`): a field renamed on one side fails every test that creates a session
+//! or executes. Everything a test is about stays in the test.
 
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
+use cellgate::sessions::{ExecutionResult, SessionModel};
 use futures_util::{SinkExt, StreamExt};
 use reqwest::Method;
 use serde_json::{json, Value};
@@ -31,7 +34,7 @@ pub struct V1Client<'g> {
 pub struct Created {
     pub id: String,
     pub location: Option<String>,
-    pub model: Value,
+    pub model: SessionModel,
 }
 
 impl<'g> V1Client<'g> {
@@ -103,7 +106,9 @@ impl<'g> V1Client<'g> {
         if status != 201 {
             bail!("create session: {status} {model}");
         }
-        let id = model["id"].as_str().context("session id")?.to_owned();
+        let model: SessionModel = serde_json::from_value(model.clone())
+            .with_context(|| format!("a session model: {model}"))?;
+        let id = model.id.to_string();
         Ok(Created {
             id,
             location,
@@ -130,7 +135,15 @@ impl<'g> V1Client<'g> {
         if status != 200 {
             bail!("execute: {status} {result}");
         }
+        serde_json::from_value::<ExecutionResult>(result.clone())
+            .with_context(|| format!("an execution result: {result}"))?;
         Ok(result)
+    }
+
+    /// Blocking execute of `code`; the result as the crate's own type.
+    pub async fn run(&self, session: &str, code: &str) -> Result<ExecutionResult> {
+        let result = self.execute(session, code).await?;
+        Ok(serde_json::from_value(result)?)
     }
 
     /// Uploads a workspace file; its status (a 5xx is an error).

@@ -32,6 +32,7 @@ use moka::notification::RemovalCause;
 use parking_lot::Mutex;
 
 use crate::gateway::auth::Principal;
+use crate::ids::SessionId;
 
 /// Who calls: the admin, or one subject of one tenant.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -68,7 +69,7 @@ pub type Conversation = (Caller, String);
 #[derive(Debug, Default)]
 pub struct DefaultSession {
     /// `None` until a tool makes one.
-    pub id: Option<String>,
+    pub id: Option<SessionId>,
     /// The conversation has ended: no tool may make a session for it any more (one made
     /// after its end would never be deleted).
     pub ended: bool,
@@ -83,7 +84,7 @@ pub struct Hooks {
     /// Closes MCP session `id` in rmcp (a no-op for one rmcp no longer has).
     pub close_mcp_session: Arc<dyn Fn(String) + Send + Sync>,
     /// Deletes cellgate session `id` as `principal`.
-    pub delete_session: Arc<dyn Fn(Principal, String) + Send + Sync>,
+    pub delete_session: Arc<dyn Fn(Principal, SessionId) + Send + Sync>,
 }
 
 /// Why an MCP session cannot be opened.
@@ -279,7 +280,9 @@ mod tests {
         let (closed, deleted) = (seen.clone(), seen.clone());
         let hooks = Hooks {
             close_mcp_session: Arc::new(move |id| closed.closed.lock().push(id)),
-            delete_session: Arc::new(move |_, session| deleted.deleted.lock().push(session)),
+            delete_session: Arc::new(move |_, session: SessionId| {
+                deleted.deleted.lock().push(session.to_string())
+            }),
         };
         (
             Conversations::new(idle, capacity, defaults.clone(), hooks),
@@ -289,12 +292,15 @@ mod tests {
     }
 
     const HOUR: Duration = Duration::from_secs(3600);
+    /// Two cellgate sessions' ids.
+    const KERNEL_1: &str = "00000000-0000-4000-8000-000000000001";
+    const KERNEL_2: &str = "00000000-0000-4000-8000-000000000002";
 
     fn with_default(defaults: &Defaults, principal: &Principal, id: &str, session: &str) {
         defaults.insert(
             (Caller::of(principal), id.to_owned()),
             Arc::new(tokio::sync::Mutex::new(DefaultSession {
-                id: Some(session.to_owned()),
+                id: Some(SessionId::parse(session).unwrap()),
                 ended: false,
             })),
         );
@@ -382,14 +388,14 @@ mod tests {
         let alice = tenant("acme", "alice");
         conversations.open("s1", &alice, 5).expect("open");
         conversations.open("s2", &alice, 5).expect("open");
-        with_default(&defaults, &alice, "s1", "kernel-1");
-        with_default(&defaults, &alice, "s2", "kernel-2");
+        with_default(&defaults, &alice, "s1", KERNEL_1);
+        with_default(&defaults, &alice, "s2", KERNEL_2);
         let s1 = defaults
             .get(&(Caller::of(&alice), "s1".to_owned()))
             .expect("s1's");
         conversations.ended("s1");
         assert!(eventually(|| !seen.deleted.lock().is_empty()).await);
-        assert_eq!(*seen.deleted.lock(), ["kernel-1"], "only the ended one's");
+        assert_eq!(*seen.deleted.lock(), [KERNEL_1], "only the ended one's");
         assert_eq!(*seen.closed.lock(), ["s1"]);
         assert!(
             s1.lock().await.ended,
@@ -405,13 +411,13 @@ mod tests {
         let (conversations, defaults, seen) = conversations(Duration::from_millis(50), 100);
         let alice = tenant("acme", "alice");
         conversations.open("s1", &alice, 1).expect("open");
-        with_default(&defaults, &alice, "s1", "kernel-1");
+        with_default(&defaults, &alice, "s1", KERNEL_1);
         assert_eq!(conversations.open_of("acme"), (1, 1));
         tokio::time::sleep(Duration::from_millis(120)).await;
         assert_eq!(conversations.open_of("acme"), (0, 0), "its slot is back");
         assert!(!conversations.is_openers("s1", &Caller::of(&alice)));
         assert!(eventually(|| !seen.deleted.lock().is_empty()).await);
-        assert_eq!(*seen.deleted.lock(), ["kernel-1"]);
+        assert_eq!(*seen.deleted.lock(), [KERNEL_1]);
         assert_eq!(*seen.closed.lock(), ["s1"], "and rmcp forgets it too");
         assert!(conversations.open("s2", &alice, 1).is_ok());
     }

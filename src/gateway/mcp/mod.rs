@@ -54,6 +54,9 @@ use super::api_error::ErrorBody;
 use super::auth::Principal;
 use super::error_code::ErrorCode;
 use super::state::AppState;
+use crate::ids::{ArtifactId, SessionId};
+use crate::sessions::commands::CommandResult;
+use crate::sessions::ExecutionResult;
 use conversations::{Caller, Conversation, Conversations, Defaults};
 use output::capped;
 
@@ -503,9 +506,18 @@ impl Tools {
         principal: &Principal,
         caller: &Conversation,
         requested: Option<String>,
-    ) -> Result<(String, bool), CallToolResult> {
-        if let Some(id) = requested {
-            return Ok((id, false));
+        what: &str,
+    ) -> Result<(SessionId, bool), CallToolResult> {
+        if let Some(text) = requested {
+            return match SessionId::parse(&text) {
+                Ok(id) => Ok((id, false)),
+                // API v1 answers a malformed id as an unknown one (404): asked, it words the
+                // tool's error exactly as it did when the id went to it unchecked.
+                Err(_) => Err(self
+                    .call(principal, Method::GET, &session_path(&text), None)
+                    .await
+                    .failure(what)),
+            };
         }
         let slot = self.defaults.get_with(caller.clone(), Default::default);
         let mut known = slot.lock().await;
@@ -530,14 +542,16 @@ impl Tools {
     }
 
     /// Who calls (from the request's `parts`) and the session the tool works in (see
-    /// [`Self::session`]): the principal, the session's id, and whether it is new.
+    /// [`Self::session`]; `what` the tool does, for its error): the principal, the session's
+    /// id, and whether it is new.
     async fn target(
         &self,
         parts: &axum::http::request::Parts,
         requested: Option<String>,
-    ) -> Result<(Principal, String, bool), CallToolResult> {
+        what: &str,
+    ) -> Result<(Principal, SessionId, bool), CallToolResult> {
         let (principal, caller) = caller_of(parts)?;
-        let (id, new) = self.session(&principal, &caller, requested).await?;
+        let (id, new) = self.session(&principal, &caller, requested, what).await?;
         Ok((principal, id, new))
     }
 
@@ -546,7 +560,7 @@ impl Tools {
         &self,
         principal: &Principal,
         policy: Option<String>,
-    ) -> Result<String, CallToolResult> {
+    ) -> Result<SessionId, CallToolResult> {
         let body = match policy {
             Some(policy) => json!({"policy": policy}),
             None => json!({}),
@@ -578,7 +592,10 @@ impl Tools {
         Parameters(request): Parameters<RunPython>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, id, new) = match self.target(&parts, request.session_id).await {
+        let (principal, id, new) = match self
+            .target(&parts, request.session_id, "running the code")
+            .await
+        {
             Ok(target) => target,
             Err(error) => return error,
         };
@@ -602,7 +619,7 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("running the code");
         }
-        let execution = match answer.parse::<output::ApiExecution>("the result") {
+        let execution = match answer.parse::<ExecutionResult>("the result") {
             Ok(read) => output::Execution::new(id, new, read),
             Err(error) => return error,
         };
@@ -618,7 +635,7 @@ impl Tools {
                 .call(
                     &principal,
                     Method::GET,
-                    &format!("/v1/artifacts/{}", percent(&artifact.id)),
+                    &format!("/v1/artifacts/{}", artifact.id),
                     None,
                 )
                 .await;
@@ -648,7 +665,10 @@ impl Tools {
         Parameters(request): Parameters<RunCommand>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, id, new) = match self.target(&parts, request.session_id).await {
+        let (principal, id, new) = match self
+            .target(&parts, request.session_id, "running the command")
+            .await
+        {
             Ok(target) => target,
             Err(error) => return error,
         };
@@ -677,7 +697,7 @@ impl Tools {
         if !answer.ok() {
             return answer.failure("running the command");
         }
-        match answer.parse::<output::ApiCommand>("the result") {
+        match answer.parse::<CommandResult>("the result") {
             Ok(read) => structured(&output::Command::new(id, new, read), vec![]),
             Err(error) => error,
         }
@@ -756,7 +776,10 @@ impl Tools {
         Parameters(request): Parameters<ListFiles>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+        let (principal, id, _) = match self
+            .target(&parts, request.session_id, "listing the files")
+            .await
+        {
             Ok(target) => target,
             Err(error) => return error,
         };
@@ -797,7 +820,14 @@ impl Tools {
         Parameters(request): Parameters<ReadFile>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+        let (principal, id, _) = match self
+            .target(
+                &parts,
+                request.session_id,
+                &format!("reading {}", request.path),
+            )
+            .await
+        {
             Ok(target) => target,
             Err(error) => return error,
         };
@@ -840,7 +870,14 @@ impl Tools {
         Parameters(request): Parameters<WriteFile>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+        let (principal, id, _) = match self
+            .target(
+                &parts,
+                request.session_id,
+                &format!("writing {}", request.path),
+            )
+            .await
+        {
             Ok(target) => target,
             Err(error) => return error,
         };
@@ -903,14 +940,12 @@ impl Tools {
             Ok(found) => found,
             Err(error) => return error,
         };
-        let answer = self
-            .call(
-                &principal,
-                Method::GET,
-                &format!("/v1/artifacts/{}", percent(&request.artifact_id)),
-                None,
-            )
-            .await;
+        let path = match ArtifactId::parse(&request.artifact_id) {
+            Ok(id) => format!("/v1/artifacts/{id}"),
+            // API v1 answers a malformed id as an unknown one (404), in its own words.
+            Err(_) => format!("/v1/artifacts/{}", percent(&request.artifact_id)),
+        };
+        let answer = self.call(&principal, Method::GET, &path, None).await;
         if !answer.ok() {
             return answer.failure("reading the artifact");
         }
@@ -939,7 +974,10 @@ impl Tools {
         Parameters(request): Parameters<SessionOnly>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+        let (principal, id, _) = match self
+            .target(&parts, request.session_id, "interrupting")
+            .await
+        {
             Ok(target) => target,
             Err(error) => return error,
         };
@@ -981,7 +1019,7 @@ impl Tools {
         Parameters(request): Parameters<SessionOnly>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+        let (principal, id, _) = match self.target(&parts, request.session_id, "restarting").await {
             Ok(target) => target,
             Err(error) => return error,
         };
@@ -1024,7 +1062,10 @@ impl Tools {
         Parameters(request): Parameters<SessionOnly>,
         Extension(parts): Extension<axum::http::request::Parts>,
     ) -> CallToolResult {
-        let (principal, id, _) = match self.target(&parts, request.session_id).await {
+        let (principal, id, _) = match self
+            .target(&parts, request.session_id, "exporting the notebook")
+            .await
+        {
             Ok(target) => target,
             Err(error) => return error,
         };
@@ -1167,9 +1208,10 @@ fn content_of(answer: &Answer, name: &str) -> CallToolResult {
     }
 }
 
-/// API v1's path of session `id` (encoded: an id is the caller's input).
-fn session_path(id: &str) -> String {
-    format!("/v1/sessions/{}", percent(id))
+/// API v1's path of session `id` (encoded: a malformed id is the caller's input, sent on
+/// as it came).
+fn session_path(id: &(impl AsRef<str> + ?Sized)) -> String {
+    format!("/v1/sessions/{}", percent(id.as_ref()))
 }
 
 /// A path's segments percent-encoded (its `/` kept), for an API v1 file route.

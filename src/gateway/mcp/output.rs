@@ -6,12 +6,17 @@
 //! answer beside it, so a structured field cannot disagree with the text: whatever a cap cut
 //! from one is cut from the other, and says so in both. Values are read from API v1's JSON
 //! answers into these types first; an answer that does not fit is a tool error, never a
-//! half-filled result.
+//! half-filled result. They are read as API v1's own types (`ExecutionResult`,
+//! `CommandResult`, `SessionModel`), so a field renamed there fails to compile here.
 
 use std::fmt;
 
 use rmcp::schemars;
 use serde::{Deserialize, Serialize};
+
+use crate::ids::{ArtifactId, SessionId};
+use crate::sessions::commands::CommandResult;
+use crate::sessions::{ArtifactRef, ExecutionResult, Status};
 
 /// The most characters of one stream, value or traceback a result quotes.
 pub const MAX_STREAM_CHARS: usize = 20_000;
@@ -27,6 +32,21 @@ pub enum ExecutionStatus {
     Denied,
     OutputTruncated,
     SandboxLost,
+}
+
+// Exhaustive both ways: a status API v1 adds fails to compile until it has a name here.
+impl From<Status> for ExecutionStatus {
+    fn from(status: Status) -> ExecutionStatus {
+        match status {
+            Status::Ok => ExecutionStatus::Ok,
+            Status::Error => ExecutionStatus::Error,
+            Status::Timeout => ExecutionStatus::Timeout,
+            Status::Oom => ExecutionStatus::Oom,
+            Status::Denied => ExecutionStatus::Denied,
+            Status::OutputTruncated => ExecutionStatus::OutputTruncated,
+            Status::SandboxLost => ExecutionStatus::SandboxLost,
+        }
+    }
 }
 
 impl ExecutionStatus {
@@ -48,7 +68,8 @@ impl ExecutionStatus {
 pub struct Execution {
     pub status: ExecutionStatus,
     /// The session the code ran in; any tool takes it as `session_id`.
-    pub session_id: String,
+    #[schemars(with = "String")]
+    pub session_id: SessionId,
     /// The session was made for this call: variables from earlier calls are not in it.
     pub new_session: bool,
     /// Changes whenever the kernel's variables were lost (restart, crash, out of memory).
@@ -85,7 +106,8 @@ pub struct ExecutionError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ArtifactSummary {
     /// What `get_artifact` takes.
-    pub id: String,
+    #[schemars(with = "String")]
+    pub id: ArtifactId,
     pub mime: String,
     pub bytes: u64,
     /// One line saying what it is (`PNG image 640×480`, `HTML table 3×2`…).
@@ -106,39 +128,37 @@ pub struct Denial {
     pub reason: String,
 }
 
-/// API v1's execution result: the part of it a tool reads.
-#[derive(Debug, Deserialize)]
-pub struct ApiExecution {
-    status: ExecutionStatus,
-    #[serde(default)]
-    stdout: String,
-    #[serde(default)]
-    stderr: String,
-    #[serde(default)]
-    stdout_truncated: bool,
-    #[serde(default)]
-    stderr_truncated: bool,
-    #[serde(default)]
-    result: Option<String>,
-    #[serde(default)]
-    error: Option<ExecutionError>,
-    #[serde(default)]
-    artifacts: Vec<ArtifactSummary>,
-    #[serde(default)]
-    denials: Vec<Denial>,
-    #[serde(default)]
-    omitted: Vec<serde::de::IgnoredAny>,
-    state_generation: u64,
+impl From<ArtifactRef> for ArtifactSummary {
+    fn from(artifact: ArtifactRef) -> ArtifactSummary {
+        ArtifactSummary {
+            id: artifact.id,
+            mime: artifact.mime,
+            bytes: artifact.bytes,
+            summary: artifact.summary,
+            path: artifact.path,
+        }
+    }
+}
+
+impl From<crate::policy::Denial> for Denial {
+    fn from(denial: crate::policy::Denial) -> Denial {
+        Denial {
+            kind: denial.kind.as_str().to_owned(),
+            target: denial.target,
+            policy: denial.policy,
+            reason: denial.reason,
+        }
+    }
 }
 
 impl Execution {
     /// The result of `answer`, run in session `session_id` (`new_session`: made for this call),
     /// with every text capped as the model will read it.
-    pub fn new(session_id: String, new_session: bool, answer: ApiExecution) -> Execution {
+    pub fn new(session_id: SessionId, new_session: bool, answer: ExecutionResult) -> Execution {
         let (stdout, stdout_cut) = cut(&answer.stdout, MAX_STREAM_CHARS);
         let (stderr, stderr_cut) = cut(&answer.stderr, MAX_STREAM_CHARS);
         Execution {
-            status: answer.status,
+            status: answer.status.into(),
             session_id,
             new_session,
             state_generation: answer.state_generation,
@@ -149,10 +169,11 @@ impl Execution {
             result: answer.result.map(|value| capped(&value, MAX_STREAM_CHARS)),
             error: answer.error.map(|error| ExecutionError {
                 traceback: capped_lines(&error.traceback, MAX_STREAM_CHARS),
-                ..error
+                ename: error.ename,
+                evalue: error.evalue,
             }),
-            artifacts: answer.artifacts,
-            denials: answer.denials,
+            artifacts: answer.artifacts.into_iter().map(Into::into).collect(),
+            denials: answer.denials.into_iter().map(Into::into).collect(),
             omitted: answer.omitted.len(),
         }
     }
@@ -224,7 +245,8 @@ pub struct Command {
     /// `ok` (exit 0), `error` (another exit code, a signal, or it could not start),
     /// `timeout`, `oom`, `denied`, `sandbox_lost`.
     pub status: ExecutionStatus,
-    pub session_id: String,
+    #[schemars(with = "String")]
+    pub session_id: SessionId,
     /// The session was made for this call.
     pub new_session: bool,
     pub exit_code: Option<i32>,
@@ -240,32 +262,13 @@ pub struct Command {
     pub denials: Vec<Denial>,
 }
 
-/// API v1's command result: the part of it a tool reads.
-#[derive(Debug, Deserialize)]
-pub struct ApiCommand {
-    status: ExecutionStatus,
-    exit_code: Option<i32>,
-    signal: Option<String>,
-    #[serde(default)]
-    stdout: String,
-    #[serde(default)]
-    stderr: String,
-    #[serde(default)]
-    stdout_truncated: bool,
-    #[serde(default)]
-    stderr_truncated: bool,
-    error: Option<String>,
-    #[serde(default)]
-    denials: Vec<Denial>,
-}
-
 impl Command {
     /// The result of `answer`, with every text capped as the model will read it.
-    pub fn new(session_id: String, new_session: bool, answer: ApiCommand) -> Command {
+    pub fn new(session_id: SessionId, new_session: bool, answer: CommandResult) -> Command {
         let (stdout, stdout_cut) = cut(&answer.stdout, MAX_STREAM_CHARS);
         let (stderr, stderr_cut) = cut(&answer.stderr, MAX_STREAM_CHARS);
         Command {
-            status: answer.status,
+            status: answer.status.into(),
             session_id,
             new_session,
             exit_code: answer.exit_code,
@@ -275,7 +278,7 @@ impl Command {
             stderr,
             stderr_truncated: answer.stderr_truncated || stderr_cut,
             error: answer.error.map(|e| capped(&e, MAX_STREAM_CHARS)),
-            denials: answer.denials,
+            denials: answer.denials.into_iter().map(Into::into).collect(),
         }
     }
 }
@@ -329,7 +332,8 @@ fn write_streams(
 /// `list_files`' result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct FileList {
-    pub session_id: String,
+    #[schemars(with = "String")]
+    pub session_id: SessionId,
     /// The directory listed, relative to the workspace (empty: its top).
     pub dir: String,
     pub files: Vec<ListedFile>,
@@ -380,13 +384,15 @@ pub type ApiSession = crate::sessions::SessionModel;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct NewSession {
     /// The caller's session from now on.
-    pub session_id: String,
+    #[schemars(with = "String")]
+    pub session_id: SessionId,
     pub policy: String,
     /// The sandbox backend its kernel runs in.
     pub sandbox: String,
     pub state_generation: u64,
     /// The session it replaced, now shut down.
-    pub replaced: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub replaced: Option<SessionId>,
 }
 
 impl fmt::Display for NewSession {
@@ -406,7 +412,8 @@ impl fmt::Display for NewSession {
 /// `interrupt`'s and `restart`'s result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct SessionAction {
-    pub session_id: String,
+    #[schemars(with = "String")]
+    pub session_id: SessionId,
     /// `interrupted` (variables kept) or `restarted` (variables and files gone).
     pub action: Action,
     /// After a restart: the session's new state generation.
@@ -442,7 +449,8 @@ impl fmt::Display for SessionAction {
 /// `write_file`'s result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Written {
-    pub session_id: String,
+    #[schemars(with = "String")]
+    pub session_id: SessionId,
     /// The file's path in the workspace, as the gateway stored it.
     pub path: String,
     pub bytes: u64,
@@ -494,23 +502,23 @@ fn capped_lines(lines: &[String], max: usize) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sessions::Status;
+    use crate::ids::ExecutionId;
+    use crate::sessions::{ExecError, Omitted, Resources};
+
+    const SESSION: &str = "bc240c7a-232d-46b9-87f3-1a30b514780b";
+    const ARTIFACT: &str = "0123456789abcdef0123456789abcdef";
+    const EXECUTION: &str = "fedcba9876543210fedcba9876543210";
+
+    fn session() -> SessionId {
+        SessionId::parse(SESSION).unwrap()
+    }
 
     fn check_status(status: Status) {
-        // Every status API v1 can answer reads as one of the schema's, by the same name: a
-        // new one fails here, not in a tool call.
+        // Every status API v1 can answer reads as one of the schema's, by the same name.
         let wire = serde_json::to_value(status).unwrap();
-        let read: ExecutionStatus = serde_json::from_value(wire.clone()).unwrap();
+        let read = ExecutionStatus::from(status);
         assert_eq!(read.as_str(), wire.as_str().unwrap());
-        match status {
-            Status::Ok
-            | Status::Error
-            | Status::Timeout
-            | Status::Oom
-            | Status::Denied
-            | Status::OutputTruncated
-            | Status::SandboxLost => {}
-        }
+        assert_eq!(serde_json::to_value(read).unwrap(), wire);
     }
 
     #[test]
@@ -528,35 +536,88 @@ mod tests {
         }
     }
 
-    fn answer(value: serde_json::Value) -> ApiExecution {
-        serde_json::from_value(value).unwrap()
+    /// An API v1 result with nothing in it.
+    fn answer(status: Status) -> ExecutionResult {
+        ExecutionResult {
+            execution_id: ExecutionId::parse(EXECUTION).unwrap(),
+            status,
+            execution_count: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            output_truncated: false,
+            result: None,
+            error: None,
+            artifacts: vec![],
+            omitted: vec![],
+            denials: vec![],
+            duration_ms: 3,
+            state_generation: 1,
+            resources: Resources::default(),
+        }
+    }
+
+    fn artifact_ref() -> ArtifactRef {
+        ArtifactRef {
+            id: ArtifactId::parse(ARTIFACT).unwrap(),
+            url: format!("v1/artifacts/{ARTIFACT}"),
+            mime: "image/png".into(),
+            bytes: 10,
+            width: None,
+            height: None,
+            summary: "PNG image 1×1".into(),
+            display_id: None,
+            version: 1,
+            previous: None,
+            path: None,
+            signed_url: None,
+            signed_url_expires: None,
+        }
+    }
+
+    fn denial() -> crate::policy::Denial {
+        crate::policy::Denial {
+            kind: crate::policy::DenialKind::Egress,
+            target: "x.example:443".into(),
+            policy: "default".into(),
+            reason: "not allowed".into(),
+        }
     }
 
     #[test]
     fn results_read_as_text_with_every_part() {
         let result = Execution::new(
-            "s1".into(),
+            session(),
             true,
-            answer(serde_json::json!({
-                "status": "error", "state_generation": 2, "stdout": "hi\n", "stderr": "",
-                "result": null, "execution_id": "e", "duration_ms": 3,
-                "error": {"ename": "ZeroDivisionError", "evalue": "division by zero",
-                          "traceback": ["Traceback", "  1 / 0"]},
-                "artifacts": [{"id": "a1", "url": "/v1/artifacts/a1", "mime": "image/png",
-                               "bytes": 10, "summary": "PNG image 1×1", "version": 1}],
-                "denials": [{"kind": "egress", "target": "x.example:443", "policy": "default",
-                             "reason": "not allowed"}],
-                "omitted": [{"mime": "image/png", "bytes": 1, "reason": "quota"}],
-            })),
+            ExecutionResult {
+                state_generation: 2,
+                stdout: "hi\n".into(),
+                error: Some(ExecError {
+                    ename: "ZeroDivisionError".into(),
+                    evalue: "division by zero".into(),
+                    traceback: vec!["Traceback".into(), "  1 / 0".into()],
+                }),
+                artifacts: vec![artifact_ref()],
+                denials: vec![denial()],
+                omitted: vec![Omitted {
+                    mime: "image/png".into(),
+                    bytes: 1,
+                    path: None,
+                    reason: "quota".into(),
+                    quota: None,
+                }],
+                ..answer(Status::Error)
+            },
         );
         let text = result.to_string();
         for part in [
             "status: error",
-            "session: s1 (state_generation 2; a new session",
+            &format!("session: {SESSION} (state_generation 2; a new session"),
             "stdout:\nhi\n",
             "error: ZeroDivisionError: division by zero",
             "traceback:\nTraceback\n  1 / 0",
-            "- a1 (image/png, 10 bytes): PNG image 1×1",
+            &format!("- {ARTIFACT} (image/png, 10 bytes): PNG image 1×1"),
             "- egress x.example:443 (policy default): not allowed",
             "1 outputs were not stored",
         ] {
@@ -571,12 +632,15 @@ mod tests {
     fn a_stream_cut_here_is_cut_in_both_and_flagged() {
         let long = "x".repeat(MAX_STREAM_CHARS + 5);
         let result = Execution::new(
-            "s".into(),
+            session(),
             false,
-            answer(serde_json::json!({
-                "status": "ok", "state_generation": 1, "stdout": long, "stderr": "e",
-                "stderr_truncated": true, "result": long,
-            })),
+            ExecutionResult {
+                stdout: long.clone(),
+                stderr: "e".into(),
+                stderr_truncated: true,
+                result: Some(long),
+                ..answer(Status::Ok)
+            },
         );
         assert_eq!(result.stdout.chars().count(), MAX_STREAM_CHARS);
         assert!(result.stdout_truncated && result.stderr_truncated);
@@ -610,7 +674,7 @@ mod tests {
     #[test]
     fn the_other_results_read_as_before() {
         let files = FileList {
-            session_id: "s".into(),
+            session_id: session(),
             dir: String::new(),
             files: vec![ListedFile {
                 path: "a.csv".into(),
@@ -618,46 +682,38 @@ mod tests {
                 size: 8,
             }],
         };
-        assert_eq!(files.to_string(), "session s:\na.csv (file, 8 bytes)");
+        assert_eq!(
+            files.to_string(),
+            format!("session {SESSION}:\na.csv (file, 8 bytes)")
+        );
         let none = FileList {
             files: vec![],
             ..files
         };
-        assert_eq!(none.to_string(), "session s: no files");
+        assert_eq!(none.to_string(), format!("session {SESSION}: no files"));
         let restarted = SessionAction {
-            session_id: "s".into(),
+            session_id: session(),
             action: Action::Restarted,
             state_generation: Some(3),
         };
         assert_eq!(
             restarted.to_string(),
-            "restarted session s: variables and files are gone (state_generation 3)"
+            format!(
+                "restarted session {SESSION}: variables and files are gone (state_generation 3)"
+            )
         );
     }
 
-    // API v1's own results, serialised as the API sends them, read back as a tool reads
-    // them: a field renamed on either side fails here (a missing field would otherwise
-    // read as its default).
+    // API v1's own results, as the API sends them (serialised) and as a tool reads them
+    // (deserialised into the same types): what the tool makes of them, field by field.
     #[test]
     fn api_v1_results_read_back_field_by_field() {
-        use crate::sessions::commands::CommandResult;
-        use crate::sessions::{ArtifactRef, ExecError, ExecutionResult, Omitted, Resources};
-
-        let denial = crate::policy::Denial {
-            kind: crate::policy::DenialKind::Egress,
-            target: "example.com:443".into(),
-            policy: "default".into(),
-            reason: "not in the allowlist".into(),
-        };
         let execution = ExecutionResult {
-            execution_id: "e1".into(),
-            status: Status::Error,
             execution_count: Some(4),
             stdout: "out".into(),
             stderr: "err".into(),
             stdout_truncated: true,
             stderr_truncated: true,
-            output_truncated: false,
             result: Some("42".into()),
             error: Some(ExecError {
                 ename: "ValueError".into(),
@@ -665,19 +721,10 @@ mod tests {
                 traceback: vec!["line".into()],
             }),
             artifacts: vec![ArtifactRef {
-                id: "a1".into(),
-                url: "v1/artifacts/a1".into(),
-                mime: "image/png".into(),
-                bytes: 7,
-                width: None,
-                height: None,
-                summary: "a chart".into(),
-                display_id: None,
-                version: 1,
-                previous: None,
                 path: Some("outputs/chart.png".into()),
-                signed_url: None,
-                signed_url_expires: None,
+                summary: "a chart".into(),
+                bytes: 7,
+                ..artifact_ref()
             }],
             omitted: vec![Omitted {
                 mime: "image/png".into(),
@@ -686,27 +733,24 @@ mod tests {
                 reason: "quota".into(),
                 quota: None,
             }],
-            denials: vec![serde_json::to_value(&denial).unwrap()],
-            duration_ms: 5,
+            denials: vec![denial()],
             state_generation: 3,
-            resources: Resources::default(),
+            ..answer(Status::Error)
         };
-        let read = Execution::new(
-            "s".into(),
-            false,
-            serde_json::from_value(serde_json::to_value(&execution).unwrap()).unwrap(),
-        );
+        let wire = serde_json::to_vec(&execution).unwrap();
+        let read: ExecutionResult = serde_json::from_slice(&wire).unwrap();
+        assert_eq!(read, execution);
         let expected_denial = Denial {
             kind: "egress".into(),
-            target: denial.target.clone(),
-            policy: denial.policy.clone(),
-            reason: denial.reason.clone(),
+            target: "x.example:443".into(),
+            policy: "default".into(),
+            reason: "not allowed".into(),
         };
         assert_eq!(
-            read,
+            Execution::new(session(), false, read),
             Execution {
                 status: ExecutionStatus::Error,
-                session_id: "s".into(),
+                session_id: session(),
                 new_session: false,
                 state_generation: 3,
                 stdout: "out".into(),
@@ -720,7 +764,7 @@ mod tests {
                     traceback: vec!["line".into()],
                 }),
                 artifacts: vec![ArtifactSummary {
-                    id: "a1".into(),
+                    id: ArtifactId::parse(ARTIFACT).unwrap(),
                     mime: "image/png".into(),
                     bytes: 7,
                     summary: "a chart".into(),
@@ -731,33 +775,8 @@ mod tests {
             }
         );
 
-        let session = crate::sessions::SessionModel {
-            id: "s1".into(),
-            kernel_name: "python3".into(),
-            policy: "default".into(),
-            sandbox: "namespaces".into(),
-            state: crate::sessions::SessionState::Idle,
-            state_generation: 6,
-            created: "2026-01-01T00:00:00.000000Z".into(),
-            last_activity: "2026-01-01T00:00:00.000000Z".into(),
-            executions: 0,
-            tenant: None,
-            reason: None,
-        };
-        let read: ApiSession =
-            serde_json::from_value(serde_json::to_value(&session).unwrap()).unwrap();
-        assert_eq!(
-            (
-                read.id.as_str(),
-                read.policy.as_str(),
-                read.sandbox.as_str()
-            ),
-            ("s1", "default", "namespaces")
-        );
-        assert_eq!(read.state_generation, 6);
-
         let command = CommandResult {
-            command_id: "c1".into(),
+            command_id: crate::ids::CommandId::parse(EXECUTION).unwrap(),
             status: Status::Error,
             exit_code: Some(2),
             signal: Some("SIGTERM".into()),
@@ -767,20 +786,18 @@ mod tests {
             stderr_truncated: true,
             output_truncated: false,
             error: Some("why".into()),
-            denials: vec![serde_json::to_value(&denial).unwrap()],
+            denials: vec![denial()],
             duration_ms: 5,
             state_generation: 3,
         };
-        let read = Command::new(
-            "s".into(),
-            true,
-            serde_json::from_value(serde_json::to_value(&command).unwrap()).unwrap(),
-        );
+        let read: CommandResult =
+            serde_json::from_slice(&serde_json::to_vec(&command).unwrap()).unwrap();
+        assert_eq!(read, command);
         assert_eq!(
-            read,
+            Command::new(session(), true, read),
             Command {
                 status: ExecutionStatus::Error,
-                session_id: "s".into(),
+                session_id: session(),
                 new_session: true,
                 exit_code: Some(2),
                 signal: Some("SIGTERM".into()),
@@ -792,5 +809,30 @@ mod tests {
                 denials: vec![expected_denial],
             }
         );
+    }
+
+    // What a tool answers goes out as structuredContent and comes back the same.
+    #[test]
+    fn tool_results_round_trip() {
+        let execution = Execution::new(
+            session(),
+            true,
+            ExecutionResult {
+                artifacts: vec![artifact_ref()],
+                ..answer(Status::Ok)
+            },
+        );
+        let back: Execution =
+            serde_json::from_value(serde_json::to_value(&execution).unwrap()).unwrap();
+        assert_eq!(back, execution);
+        let new = NewSession {
+            session_id: session(),
+            policy: "default".into(),
+            sandbox: "namespaces".into(),
+            state_generation: 1,
+            replaced: Some(session()),
+        };
+        let back: NewSession = serde_json::from_value(serde_json::to_value(&new).unwrap()).unwrap();
+        assert_eq!(back, new);
     }
 }

@@ -14,6 +14,7 @@ use crate::artifacts::{is_active_content, Artifact};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
+use crate::ids::ArtifactId;
 use crate::sessions::{expiry_timestamp, ArtifactRef};
 
 /// How long a fetch waits for a large output's bytes still being stored (seconds of work at
@@ -35,7 +36,7 @@ pub async fn list(
         state
             .sessions
             .artifacts()
-            .list(&session.id)
+            .list(session.id.as_str())
             .iter()
             .map(|a| options.reference(a))
             .collect(),
@@ -86,10 +87,9 @@ pub async fn fetch(
     Path(id): Path<String>,
     request_headers: axum::http::HeaderMap,
 ) -> Result<Response, ApiError> {
-    let known = state
-        .sessions
-        .artifacts()
-        .get(&id)
+    let known = ArtifactId::parse(&id)
+        .ok()
+        .and_then(|parsed| state.sessions.artifacts().get(&parsed))
         .filter(|a| principal.may_see(a.owner.as_deref()))
         .ok_or_else(|| not_found(&id))?;
     // An id always names the same bytes.
@@ -175,8 +175,12 @@ pub async fn fetch_signed(
             }
             other => malformed(other.to_string()),
         })?;
-    // Not once a client deleted the session: that revokes its links.
-    let Some(known) = state.sessions.artifacts().get_linkable(&id) else {
+    // Not once a client deleted the session: that revokes its links. The id is parsed only
+    // now, so that a malformed one is answered as an unknown one, after the same checks.
+    let linkable = ArtifactId::parse(&id)
+        .ok()
+        .and_then(|parsed| state.sessions.artifacts().get_linkable(&parsed));
+    let Some(known) = linkable else {
         let mut response = not_found(&id).into_response();
         response.extensions_mut().insert(VerifiedLink);
         return Ok(response);
@@ -245,10 +249,9 @@ pub async fn sign_link(
     let Some(signer) = options.links.as_deref() else {
         return Err(links_off());
     };
-    let known = state
-        .sessions
-        .artifacts()
-        .get_linkable(&id)
+    let known = ArtifactId::parse(&id)
+        .ok()
+        .and_then(|parsed| state.sessions.artifacts().get_linkable(&parsed))
         .filter(|a| principal.may_see(a.owner.as_deref()))
         .ok_or_else(|| not_found(&id))?;
     let ttl = request
@@ -279,7 +282,7 @@ async fn serve(
     let id = &known.id;
     // An id always names the same bytes, so a client holding them (it sends their ETag,
     // the id) needs nothing more.
-    if etag_matches(request_headers, id) {
+    if etag_matches(request_headers, id.as_str()) {
         let mut response = StatusCode::NOT_MODIFIED.into_response();
         if let Ok(etag) = HeaderValue::from_str(&format!("\"{id}\"")) {
             response.headers_mut().insert(header::ETAG, etag);
@@ -293,10 +296,10 @@ async fn serve(
         .open(id, STORE_WAIT)
         .await
         .map_err(|err| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string()))?
-        .ok_or_else(|| not_found(id))?;
+        .ok_or_else(|| not_found(id.as_str()))?;
     let file = tokio::fs::File::open(path).await.map_err(|err| {
         tracing::error!(artifact = %artifact.id, %err, "artifact file missing");
-        not_found(id)
+        not_found(id.as_str())
     })?;
     let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
         file,

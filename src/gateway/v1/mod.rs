@@ -48,6 +48,7 @@ use super::auth::Principal;
 use super::json_only;
 use super::state::AppState;
 use crate::gateway::ErrorCode;
+use crate::ids::{ExecutionId, SessionId};
 use crate::sessions::{Session, SessionError};
 use crate::workspace::WorkspaceError;
 
@@ -116,19 +117,30 @@ pub fn routes() -> Router<AppState> {
         )
 }
 
-/// The session `id` if `principal` may see it; 404 otherwise, the same for both cases.
+/// The session a path names (`id`, as it came) if `principal` may see it; 404 otherwise,
+/// the same for a malformed id, an unknown one and another tenant's.
 fn session_for(
     state: &AppState,
     principal: &Principal,
     id: &str,
 ) -> Result<Arc<Session>, ApiError> {
-    state
-        .sessions
-        .get(id)
+    SessionId::parse(id)
+        .ok()
+        .and_then(|parsed| state.sessions.get(&parsed))
         .filter(|s| principal.may_see(s.owner.as_deref()))
         .ok_or_else(|| {
             ApiError::not_found(format!("no session {id}")).code(ErrorCode::NoSuchSession)
         })
+}
+
+/// The execution an `input` reply names (`None`: whichever waits). Body fields stay text
+/// so that a malformed id is answered as before: no execution has it, so none waits for
+/// input under it (409), where a typed field would have refused the body (400).
+fn input_for(execution_id: Option<&str>) -> Result<Option<ExecutionId>, SessionError> {
+    execution_id
+        .map(ExecutionId::parse)
+        .transpose()
+        .map_err(|_| SessionError::NoInputAwaited)
 }
 
 impl From<SessionError> for ApiError {

@@ -21,6 +21,7 @@ use super::{body, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
+use crate::ids::SessionId;
 use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionView, Sessions};
 
 /// A file to put in the workspace when the session starts.
@@ -301,7 +302,7 @@ pub(super) fn wants_sse(headers: &HeaderMap) -> bool {
 /// client that saw `done` never sees the session again.
 fn sse(
     events: mpsc::UnboundedReceiver<Arc<SessionEvent>>,
-    delete_after: Option<(Arc<Sessions>, String)>,
+    delete_after: Option<(Arc<Sessions>, SessionId)>,
 ) -> Response {
     let stream = futures_util::stream::unfold(
         (events, delete_after, false),
@@ -456,8 +457,9 @@ pub async fn input(
 ) -> Result<StatusCode, ApiError> {
     let session = session_for(&state, &principal, &id)?;
     let request: InputRequest = body::parse(&body)?;
+    let execution_id = super::input_for(request.execution_id.as_deref())?;
     session
-        .input_reply(request.execution_id.as_deref(), &request.value)
+        .input_reply(execution_id.as_ref(), &request.value)
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }

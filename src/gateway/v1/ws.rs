@@ -194,10 +194,13 @@ async fn handle(session: &Arc<Session>, message: ClientMessage) -> Result<(), St
         ClientMessage::InputReply {
             value,
             execution_id,
-        } => session
-            .input_reply(execution_id.as_deref(), &value)
-            .await
-            .map_err(|e| e.to_string()),
+        } => match super::input_for(execution_id.as_deref()) {
+            Ok(execution_id) => session
+                .input_reply(execution_id.as_ref(), &value)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(err) => Err(err.to_string()),
+        },
         ClientMessage::Restart => session.restart().await.map_err(|e| e.to_string()),
     }
 }
