@@ -176,6 +176,9 @@ pub struct SessionModel {
     #[schema(value_type = String)]
     pub id: SessionId,
     pub kernel_name: String,
+    /// The kernelspec's language (`python`, `typescript`, `bash`, `R`…), as
+    /// `GET /v1/kernelspecs` lists it, so a client can label and highlight code.
+    pub language: String,
     pub policy: String,
     pub sandbox: String,
     pub state: SessionState,
@@ -187,19 +190,6 @@ pub struct SessionModel {
     pub tenant: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
-}
-
-// A wrapper rather than a field of SessionModel: that model is also built field by field
-// elsewhere (the MCP surface's tests), and the JSON is the same flat object either way.
-/// A session as API v1 answers it: its model and the language its kernel runs, so a client
-/// can label and highlight code without looking the kernelspec up.
-#[derive(Debug, Clone, Serialize, serde::Deserialize, utoipa::ToSchema)]
-pub struct SessionView {
-    #[serde(flatten)]
-    pub session: SessionModel,
-    /// The kernelspec's language (`python`, `typescript`, `bash`, `R`…), as
-    /// `GET /v1/kernelspecs` lists it.
-    pub language: String,
 }
 
 /// One session.
@@ -245,6 +235,7 @@ impl Session {
         SessionModel {
             id: self.id.clone(),
             kernel_name: self.kernel.spec.name.clone(),
+            language: self.kernel.spec.language.clone(),
             policy: self.kernel.policy.clone(),
             sandbox: model.cellgate.sandbox.as_str().to_owned(),
             state,
@@ -257,14 +248,6 @@ impl Session {
                 Readiness::Dead(reason) => Some(reason),
                 _ => None,
             },
-        }
-    }
-
-    /// [`Session::model`] with the kernel's language: what API v1 answers.
-    pub fn view(&self) -> SessionView {
-        SessionView {
-            session: self.model(),
-            language: self.kernel.spec.language.clone(),
         }
     }
 
@@ -644,6 +627,7 @@ mod tests {
         let session = SessionModel {
             id: SessionId::of(&crate::ids::KernelId::random()),
             kernel_name: "python3".into(),
+            language: "python".into(),
             policy: "default".into(),
             sandbox: "namespaces".into(),
             state: SessionState::Busy,

@@ -1145,8 +1145,8 @@ async fn kernelspecs_are_listed_and_sessions_carry_their_language() -> Result<()
     }
 
     let deno = v1.new_session(json!({"kernel_name": "deno"})).await?;
-    assert_eq!(deno.model["kernel_name"], "deno", "{}", deno.model);
-    assert_eq!(deno.model["language"], "typescript", "{}", deno.model);
+    assert_eq!(deno.model.kernel_name, "deno", "{:?}", deno.model);
+    assert_eq!(deno.model.language, "typescript", "{:?}", deno.model);
     // TypeScript that Python refuses: the session runs the kernel it names.
     const TYPED: &str = "const answer: number = 6 * 7;";
     let ran = v1.execute(&deno.id, TYPED).await?;
@@ -1178,8 +1178,8 @@ async fn kernelspecs_are_listed_and_sessions_carry_their_language() -> Result<()
     assert_eq!(hello["session"]["language"], "typescript", "{hello}");
 
     let python = v1.new_session(json!({})).await?;
-    assert_eq!(python.model["kernel_name"], "python3", "{}", python.model);
-    assert_eq!(python.model["language"], "python", "{}", python.model);
+    assert_eq!(python.model.kernel_name, "python3", "{:?}", python.model);
+    assert_eq!(python.model.language, "python", "{:?}", python.model);
     let refused = v1.execute(&python.id, TYPED).await?;
     assert_eq!(
         refused["status"], "error",
@@ -1270,7 +1270,7 @@ async fn openapi_document_lists_every_route() -> Result<()> {
         "CommandEvent",
         "FileOperation",
         "Kernelspecs",
-        "SessionView",
+        "SessionModel",
     ] {
         assert!(schemas.contains_key(schema), "{schema} missing");
     }
@@ -1278,14 +1278,14 @@ async fn openapi_document_lists_every_route() -> Result<()> {
     assert!(
         doc["paths"]["/v1/sessions"]["post"]["responses"]["201"]
             .to_string()
-            .contains("#/components/schemas/SessionView"),
+            .contains("#/components/schemas/SessionModel"),
         "{}",
         doc["paths"]["/v1/sessions"]["post"]
     );
     assert!(
-        schemas["SessionView"].to_string().contains("\"language\""),
+        schemas["SessionModel"].to_string().contains("\"language\""),
         "{}",
-        schemas["SessionView"]
+        schemas["SessionModel"]
     );
     // The MCP tool the document names is one the gateway has (`/v1/docs` renders it).
     let text = doc.to_string();

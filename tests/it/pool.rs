@@ -121,7 +121,7 @@ async fn other_kernelspecs_come_from_their_own_pools() -> anyhow::Result<()> {
     // the idle, which Deno may send before the value).
     let v1 = crate::support::v1::V1Client::new(&gateway);
     let created = v1.new_session(json!({"kernel_name": "deno"})).await?;
-    assert_eq!(created.model["kernel_name"], "deno", "{}", created.model);
+    assert_eq!(created.model.kernel_name, "deno", "{:?}", created.model);
     assert!(
         eventually(PATIENCE, || gateway
             .log()

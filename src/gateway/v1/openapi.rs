@@ -10,8 +10,7 @@ use utoipa::{Modify, OpenApi};
 use super::{artifacts, commands, files, kernelspecs, notebooks, sessions, ws};
 use crate::sessions::commands::{CommandEvent, CommandResult};
 use crate::sessions::{
-    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel,
-    SessionView, Status,
+    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel, Status,
 };
 
 struct Security;
@@ -54,7 +53,7 @@ impl Modify for Security {
     components(schemas(
         crate::gateway::api_error::ErrorBody, crate::gateway::ErrorCode, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded, files::Removed, files::FileOperation, commands::RunCommand, CommandResult, CommandEvent,
-        ws::ClientMessage, SessionModel, SessionView, kernelspecs::Kernelspecs, kernelspecs::Kernelspec, ExecutionResult, ExecError, Resources, Status, Omitted,
+        ws::ClientMessage, SessionModel, kernelspecs::Kernelspecs, kernelspecs::Kernelspec, ExecutionResult, ExecError, Resources, Status, Omitted,
         ArtifactRef, SessionEvent, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
     )),
     modifiers(&Security),

@@ -22,7 +22,7 @@ use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
 use crate::ids::SessionId;
-use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionView, Sessions};
+use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionModel, Sessions};
 
 /// A file to put in the workspace when the session starts.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -230,7 +230,7 @@ async fn create_session(
 /// Create a session: a kernel in its sandbox, ready when this answers.
 #[utoipa::path(post, path = "/v1/sessions", tag = "sessions", operation_id = "create_session",
     request_body = CreateSession,
-    responses((status = 201, body = SessionView), (status = 400), (status = 403), (status = 404, description = "unknown kernelspec")))]
+    responses((status = 201, body = SessionModel), (status = 400), (status = 403), (status = 404, description = "unknown kernelspec")))]
 pub async fn create(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
@@ -242,38 +242,38 @@ pub async fn create(
     Ok((
         StatusCode::CREATED,
         [(header::LOCATION, location)],
-        Json(session.view()),
+        Json(session.model()),
     )
         .into_response())
 }
 
 /// The caller's sessions.
 #[utoipa::path(get, path = "/v1/sessions", tag = "sessions", operation_id = "list_sessions",
-    responses((status = 200, body = Vec<SessionView>)))]
+    responses((status = 200, body = Vec<SessionModel>)))]
 pub async fn list(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
-) -> Json<Vec<SessionView>> {
+) -> Json<Vec<SessionModel>> {
     Json(
         state
             .sessions
             .list()
             .iter()
             .filter(|s| principal.may_see(s.owner.as_deref()))
-            .map(|s| s.view())
+            .map(|s| s.model())
             .collect(),
     )
 }
 
 #[utoipa::path(get, path = "/v1/sessions/{id}", tag = "sessions", operation_id = "get_session",
     params(("id" = String, Path)),
-    responses((status = 200, body = SessionView), (status = 404)))]
+    responses((status = 200, body = SessionModel), (status = 404)))]
 pub async fn get(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-) -> Result<Json<SessionView>, ApiError> {
-    Ok(Json(session_for(&state, &principal, &id)?.view()))
+) -> Result<Json<SessionModel>, ApiError> {
+    Ok(Json(session_for(&state, &principal, &id)?.model()))
 }
 
 /// Shut the kernel down; artifacts stay fetchable for the retention period.
@@ -433,15 +433,15 @@ pub async fn interrupt(
 /// Restart the kernel: variables and workspace files are lost; `state_generation` changes.
 #[utoipa::path(post, path = "/v1/sessions/{id}/restart", tag = "execute", operation_id = "restart",
     params(("id" = String, Path)),
-    responses((status = 200, body = SessionView), (status = 404)))]
+    responses((status = 200, body = SessionModel), (status = 404)))]
 pub async fn restart(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-) -> Result<Json<SessionView>, ApiError> {
+) -> Result<Json<SessionModel>, ApiError> {
     let session = session_for(&state, &principal, &id)?;
     session.restart().await?;
-    Ok(Json(session.view()))
+    Ok(Json(session.model()))
 }
 
 /// Answer the `input()` an execution waits for (409 when none waits).

@@ -7,7 +7,7 @@
 //! - `{"type": "input_reply", "value": "…", "execution_id"?: "…"}`
 //! - `{"type": "restart"}`
 //!
-//! On connect the server sends `{"type": "session", "session": <SessionView>}`. When the
+//! On connect the server sends `{"type": "session", "session": <SessionModel>}`. When the
 //! session ends (deleted, or its kernel shut down) the last event is
 //! `{"type": "kernel", "state": "terminated"}` and the server closes the socket. A client
 //! message that cannot be understood or fails answers `{"type": "client_error", "message"}`
@@ -100,7 +100,7 @@ pub async fn socket(
 async fn serve(socket: WebSocket, session: Arc<Session>) {
     let mut events = session.subscribe();
     let (mut sink, mut stream) = socket.split();
-    let hello = json!({"type": "session", "session": session.view()}).to_string();
+    let hello = json!({"type": "session", "session": session.model()}).to_string();
     if sink.send(WsMessage::Text(hello.into())).await.is_err() {
         return;
     }
