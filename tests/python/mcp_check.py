@@ -35,7 +35,7 @@ INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
     "clientInfo": {"name": "check", "version": "1"}}}
 LISTING = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
 
-TOOLS = {"run_python", "run_command", "new_session", "list_files", "read_file", "write_file",
+TOOLS = {"run_python", "run_code", "run_command", "new_session", "list_files", "read_file", "write_file",
          "get_artifact", "interrupt", "restart", "export_notebook"}
 # Each tool's hints as the host reads them (None: not said). The test gateway's policies
 # allow no egress and no packages, so nothing reaches an open world.
@@ -46,6 +46,8 @@ HINTS = {
                    "openWorldHint": False},
     "run_command": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
                     "openWorldHint": False},
+    "run_code": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
+                 "openWorldHint": False},
     "new_session": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
                     "openWorldHint": False},
     "restart": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False,
@@ -59,7 +61,7 @@ HINTS = {
 }
 # The tools whose results carry structuredContent (the others return a file, an artifact or
 # a notebook as it is).
-STRUCTURED = {"run_python", "run_command", "new_session", "list_files", "write_file", "interrupt", "restart"}
+STRUCTURED = {"run_python", "run_code", "run_command", "new_session", "list_files", "write_file", "interrupt", "restart"}
 # Each tool's outputSchema, from the listing.
 SCHEMAS = {}
 
@@ -86,7 +88,7 @@ def structured(name, result):
     texts = [c for c in result.content if c.type == "text"]
     check(len(texts) == 1, f"{name}: one text block expected: {result.content}")
     text = texts[0].text
-    if name == "run_python":
+    if name in ("run_python", "run_code"):
         check(text == execution_text(data),
               f"run_python's text and structuredContent differ:\n{text}\n---\n{execution_text(data)}")
         expected = []
@@ -272,6 +274,27 @@ async def main():
         check("result: 22" in text and session_of(text) == first, text)
         check("a new session" not in text, text)
         print("ok: state lasts across calls in the caller's session")
+
+        # run_code: one session per language for the caller, each keeping its state; the
+        # Python one is run_python's.
+        result = await tool_call(mcp, "run_code", {"code": "const y: number = 41; y + 1", "language": "TypeScript"})
+        text = text_of(result)
+        check("result: 42" in text and session_of(text) != first, text)
+        deno = session_of(text)
+        text = text_of(await tool_call(mcp, "run_code", {"code": "y * 2", "language": "javascript"}))
+        check("result: 82" in text and session_of(text) == deno, text)
+        text = text_of(await tool_call(mcp, "run_code", {"code": "z <- 6 * 7; z", "language": "r"}))
+        check("[1] 42" in text and session_of(text) not in (first, deno), text)
+        text = text_of(await tool_call(mcp, "run_code", {"code": "echo $((x + 1))", "language": "bash"}))
+        check("status: ok" in text and session_of(text) not in (first, deno), text)
+        text = text_of(await tool_call(mcp, "run_code", {"code": "x", "language": "python"}))
+        check("result: 21" in text and session_of(text) == first, text)
+        result = await tool_call(mcp, "run_code", {"code": "x", "language": "cobol"})
+        check(result.is_error and "this gateway runs:" in text_of(result)
+              and "typescript" in text_of(result), text_of(result))
+        result = await tool_call(mcp, "run_code", {"code": "1", "language": "r", "session_id": first})
+        check(result.is_error and "runs python" in text_of(result), text_of(result))
+        print("ok: run_code runs each language in the caller's session for it")
 
         result, text = await run(mcp, "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()")
         images = [c for c in result.content if c.type == "image"]

@@ -70,6 +70,9 @@ pub type Conversation = (Caller, String);
 pub struct DefaultSession {
     /// `None` until a tool makes one.
     pub id: Option<SessionId>,
+    /// The conversation's sessions of other kernelspecs (`run_code` in another language),
+    /// by kernelspec name.
+    pub others: std::collections::BTreeMap<String, SessionId>,
     /// The conversation has ended: no tool may make a session for it any more (one made
     /// after its end would never be deleted).
     pub ended: bool,
@@ -173,8 +176,9 @@ impl Conversations {
                     // makes one after this.
                     let mut state = slot.lock().await;
                     state.ended = true;
-                    if let Some(session) = state.id.take() {
-                        delete(principal, session);
+                    let others = std::mem::take(&mut state.others).into_values();
+                    for session in state.id.take().into_iter().chain(others) {
+                        delete(principal.clone(), session);
                     }
                 });
             })

@@ -8,6 +8,11 @@
 //! limits and errors are API v1's exactly, and a tool cannot do what the caller could not do
 //! over HTTP.
 //!
+//! **Languages.** `run_code` takes a language (python, typescript/javascript, r, bash: any a
+//! kernelspec has) and runs in the caller's session of that language's kernelspec (the
+//! default kernelspec's session is `run_python`'s), so one conversation may keep a Python,
+//! a Deno and an R session side by side; all end with the conversation.
+//!
 //! **The caller's session.** `run_python` without a `session_id` runs in the caller's
 //! session, created on first use and kept across calls, so an agent's variables and files
 //! last through a conversation. "The caller" is the principal and, where the client keeps an
@@ -54,6 +59,7 @@ use super::api_error::ErrorBody;
 use super::auth::Principal;
 use super::error_code::ErrorCode;
 use super::state::AppState;
+use super::v1::kernelspecs::{Kernelspec, Kernelspecs};
 use crate::ids::{ArtifactId, SessionId};
 use crate::sessions::commands::CommandResult;
 use crate::sessions::ExecutionResult;
@@ -296,6 +302,22 @@ pub struct RunPython {
 }
 
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct RunCode {
+    /// The code (a notebook cell: the value of its last expression is returned).
+    pub code: String,
+    /// Its language: `python`, `typescript` or `javascript` (Deno), `r`, `bash`; any
+    /// language a kernelspec of the gateway has (case does not matter).
+    pub language: String,
+    /// Interrupt it after this many seconds (the policy's limit applies as well).
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+    /// A session to run in (its kernel must be of that language); default: the caller's own
+    /// session for that language, created on first use.
+    #[serde(default)]
+    pub session_id: Option<String>,
+}
+
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct RunCommand {
     /// The shell command line (run by `bash -c` in the workspace).
     pub cmd: String,
@@ -411,7 +433,7 @@ impl Tools {
     /// `open_world`: some policy lets code reach beyond the gateway (see [`open_world`]).
     fn new(api: axum::Router, defaults: Defaults, open_world: bool) -> Tools {
         let mut tool_router = Self::tool_router();
-        for tool in ["run_python", "run_command"] {
+        for tool in ["run_python", "run_code", "run_command"] {
             if let Some(route) = tool_router.map.get_mut(tool) {
                 let annotations = route.attr.annotations.get_or_insert_with(Default::default);
                 annotations.open_world_hint = Some(open_world);
@@ -508,6 +530,20 @@ impl Tools {
         requested: Option<String>,
         what: &str,
     ) -> Result<(SessionId, bool), CallToolResult> {
+        self.session_of(principal, caller, requested, None, what)
+            .await
+    }
+
+    /// [`Self::session`] for kernelspec `kernel` (`None`: the gateway's default one): the
+    /// caller keeps one default session per kernelspec.
+    async fn session_of(
+        &self,
+        principal: &Principal,
+        caller: &Conversation,
+        requested: Option<String>,
+        kernel: Option<&str>,
+        what: &str,
+    ) -> Result<(SessionId, bool), CallToolResult> {
         if let Some(text) = requested {
             return match SessionId::parse(&text) {
                 Ok(id) => Ok((id, false)),
@@ -524,7 +560,11 @@ impl Tools {
         if known.ended {
             return Err(ended_conversation());
         }
-        if let Some(id) = known.id.clone() {
+        let existing = match kernel {
+            None => known.id.clone(),
+            Some(kernel) => known.others.get(kernel).cloned(),
+        };
+        if let Some(id) = existing {
             let answer = self
                 .call(principal, Method::GET, &session_path(&id), None)
                 .await;
@@ -536,8 +576,13 @@ impl Tools {
                 return Err(answer.failure("finding the session"));
             }
         }
-        let id = self.create(principal, None).await?;
-        known.id = Some(id.clone());
+        let id = self.create_of(principal, None, kernel).await?;
+        match kernel {
+            None => known.id = Some(id.clone()),
+            Some(kernel) => {
+                known.others.insert(kernel.to_owned(), id.clone());
+            }
+        }
         Ok((id, true))
     }
 
@@ -561,10 +606,23 @@ impl Tools {
         principal: &Principal,
         policy: Option<String>,
     ) -> Result<SessionId, CallToolResult> {
-        let body = match policy {
-            Some(policy) => json!({"policy": policy}),
-            None => json!({}),
-        };
+        self.create_of(principal, policy, None).await
+    }
+
+    /// A new session for `principal` of kernelspec `kernel` (`None`: the default one).
+    async fn create_of(
+        &self,
+        principal: &Principal,
+        policy: Option<String>,
+        kernel: Option<&str>,
+    ) -> Result<SessionId, CallToolResult> {
+        let mut body = json!({});
+        if let Some(policy) = policy {
+            body["policy"] = json!(policy);
+        }
+        if let Some(kernel) = kernel {
+            body["kernel_name"] = json!(kernel);
+        }
         let answer = self
             .call_json(principal, Method::POST, "/v1/sessions", body)
             .await;
@@ -599,8 +657,132 @@ impl Tools {
             Ok(target) => target,
             Err(error) => return error,
         };
-        let mut body = json!({"code": request.code});
-        if let Some(timeout) = request.timeout_s {
+        self.execute(&principal, id, new, request.code, request.timeout_s)
+            .await
+    }
+
+    #[tool(
+        title = "Run code",
+        description = "Run code in a sandboxed Jupyter kernel of the given language: python, typescript or javascript (Deno; npm: imports as the policy allows), r (with ggplot2, dplyr, readr, tidyr), bash. Each language has its own session per caller (variables, imports and files persist across calls), unless session_id names one of that language. Returns the same result as run_python: status (ok, error, timeout, oom, denied, output_truncated, sandbox_lost), stdout, stderr, the value, the error with its traceback, images inline and other rich outputs as artifacts (get_artifact reads one), denials, state_generation. An unknown language is answered with the languages this gateway has.",
+        annotations(
+            title = "Run code",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = false
+        ),
+        output_schema = rmcp::handler::server::tool::schema_for_output::<output::Execution>()
+    )]
+    async fn run_code(
+        &self,
+        Parameters(request): Parameters<RunCode>,
+        Extension(parts): Extension<axum::http::request::Parts>,
+    ) -> CallToolResult {
+        let (principal, caller) = match caller_of(&parts) {
+            Ok(found) => found,
+            Err(error) => return error,
+        };
+        let (kernel, is_default) = match self.kernel_for(&principal, &request.language).await {
+            Ok(found) => found,
+            Err(error) => return error,
+        };
+        // The default kernelspec's session is the one run_python uses.
+        let slot = (!is_default).then_some(kernel.name.as_str());
+        let requested = request.session_id.clone();
+        let (id, new) = match self
+            .session_of(
+                &principal,
+                &caller,
+                request.session_id,
+                slot,
+                "running the code",
+            )
+            .await
+        {
+            Ok(found) => found,
+            Err(error) => return error,
+        };
+        if requested.is_some() {
+            // A named session must run the language asked for: code of one language run by
+            // another's kernel fails in confusing ways.
+            let answer = self
+                .call(&principal, Method::GET, &session_path(&id), None)
+                .await;
+            if !answer.ok() {
+                return answer.failure("finding the session");
+            }
+            match answer.parse::<output::ApiSession>("the session") {
+                Ok(model) if model.language.eq_ignore_ascii_case(&kernel.language) => {}
+                Ok(model) => {
+                    return tool_error(format!(
+                        "session {id} runs {} ({}), not {}: leave session_id out to use your {} session",
+                        model.language, model.kernel_name, request.language, request.language
+                    ))
+                }
+                Err(error) => return error,
+            }
+        }
+        self.execute(&principal, id, new, request.code, request.timeout_s)
+            .await
+    }
+
+    /// The kernelspec of `language` (`js`/`javascript`/`ts` name Deno's TypeScript, `sh` and
+    /// `shell` bash; a kernelspec's own name works too): the gateway's default kernelspec
+    /// when it is of that language, else the first by name; and whether it is the default.
+    async fn kernel_for(
+        &self,
+        principal: &Principal,
+        language: &str,
+    ) -> Result<(Kernelspec, bool), CallToolResult> {
+        let answer = self
+            .call(principal, Method::GET, "/v1/kernelspecs", None)
+            .await;
+        if !answer.ok() {
+            return Err(answer.failure("listing the languages"));
+        }
+        let listed = answer.parse::<Kernelspecs>("the kernelspecs")?;
+        let wanted = match language.trim().to_ascii_lowercase().as_str() {
+            "js" | "javascript" | "ts" | "typescript" | "deno" => "typescript".to_owned(),
+            "sh" | "shell" => "bash".to_owned(),
+            "py" | "python3" => "python".to_owned(),
+            other => other.to_owned(),
+        };
+        let matches = |spec: &&Kernelspec| {
+            spec.language.eq_ignore_ascii_case(&wanted) || spec.name.eq_ignore_ascii_case(&wanted)
+        };
+        listed
+            .kernelspecs
+            .iter()
+            .filter(matches)
+            .find(|spec| spec.name == listed.default)
+            .or_else(|| listed.kernelspecs.iter().find(matches))
+            .map(|spec| (spec.clone(), spec.name == listed.default))
+            .ok_or_else(|| {
+                let mut known: Vec<String> = listed
+                    .kernelspecs
+                    .iter()
+                    .map(|spec| spec.language.to_ascii_lowercase())
+                    .collect();
+                known.sort();
+                known.dedup();
+                tool_error(format!(
+                    "no kernel for language {language:?} here; this gateway runs: {}",
+                    known.join(", ")
+                ))
+            })
+    }
+
+    /// Runs `code` in session `id` through API v1 and renders its result, images inline.
+    async fn execute(
+        &self,
+        principal: &Principal,
+        id: SessionId,
+        new: bool,
+        code: String,
+        timeout_s: Option<f64>,
+    ) -> CallToolResult {
+        let principal = principal.clone();
+        let mut body = json!({"code": code});
+        if let Some(timeout) = timeout_s {
             body["timeout_s"] = json!(timeout);
         }
         let code = serde_json::to_vec(&body).unwrap_or_default();

@@ -14,7 +14,7 @@ use utoipa::ToSchema;
 use crate::gateway::state::AppState;
 
 /// One kernelspec as API v1 lists it.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, ToSchema)]
 pub struct Kernelspec {
     /// What `kernel_name` takes at `POST /v1/sessions`.
     pub name: String,
@@ -24,7 +24,7 @@ pub struct Kernelspec {
 }
 
 /// `GET /v1/kernelspecs`.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, ToSchema)]
 pub struct Kernelspecs {
     /// The kernelspec a session gets when it names none.
     pub default: String,

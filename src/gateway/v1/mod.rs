@@ -27,7 +27,7 @@ mod body;
 mod commands;
 mod docs;
 pub(super) mod files;
-mod kernelspecs;
+pub mod kernelspecs;
 mod notebooks;
 pub mod openapi;
 mod sessions;
