@@ -16,7 +16,7 @@
 //!
 //! Every tarball request asks the policy again (name and version, from the path) and takes
 //! its upstream URL and sha512 from the packument, never from the client. Tarballs go
-//! through the PyPI index's download machinery (`download.rs`, [`super::follow`]): one
+//! through the PyPI index's download machinery (`download.rs`, `follow` in `mod.rs`): one
 //! download however many sessions ask, streamed as it arrives, its last byte held back
 //! until the sha512 matched, kept in the shared cache (as `sha512-<hex>`) only then, and
 //! bounded as there (download slots, per-session flights, size cap, disk margin).
@@ -98,9 +98,11 @@ pub struct NpmRegistry {
     config: NpmConfig,
     client: reqwest::Client,
     downloads: Arc<Downloads>,
-    /// Upstream packuments by (name, abbreviated), with when they were fetched.
-    packuments: Mutex<HashMap<(String, bool), (Instant, Arc<Packument>)>>,
+    packuments: Mutex<PackumentCache>,
 }
+
+/// Upstream packuments by (name, abbreviated), with when they were fetched.
+type PackumentCache = HashMap<(String, bool), (Instant, Arc<Packument>)>;
 
 impl std::fmt::Debug for NpmRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
