@@ -64,6 +64,8 @@ struct Release {
     version: String,
     served: Vec<u8>,
     integrity: String,
+    /// The packument's `dependencies` of this version.
+    dependencies: Value,
 }
 
 /// A local npm registry: packuments at `/<name>` (`/@scope%2fname` for scoped ones) whose
@@ -96,6 +98,7 @@ impl Registry {
                     json!({
                         "name": name,
                         "version": release.version,
+                        "dependencies": release.dependencies,
                         "dist": {
                             "tarball": format!("http://127.0.0.1:{port}/tarballs/{file}"),
                             "integrity": release.integrity,
@@ -155,6 +158,7 @@ fn release(dir: &Path, name: &str, version: &str) -> Result<Release> {
         version: version.to_owned(),
         integrity: integrity(&bytes),
         served: bytes,
+        dependencies: json!({}),
     })
 }
 
@@ -170,6 +174,8 @@ async fn deno_imports_only_the_npm_packages_and_versions_the_policy_lists() -> R
     // The packument lists the real tarball's sha512; upstream serves another.
     tampered.served = std::fs::read(evil)?;
     let tampered_integrity = tampered.integrity.clone();
+    let mut parent = release(dir.path(), "cg-npm-parent", "1.0.0")?;
+    parent.dependencies = json!({"cg-npm-child": "^1"});
     let registry = Registry::start(vec![
         (
             "cg-npm-allowed".into(),
@@ -187,12 +193,17 @@ async fn deno_imports_only_the_npm_packages_and_versions_the_policy_lists() -> R
             vec![release(dir.path(), "cg-npm-denied", "1.0.0")?],
         ),
         ("cg-npm-tampered".into(), vec![tampered]),
+        ("cg-npm-parent".into(), vec![parent]),
+        (
+            "cg-npm-child".into(),
+            vec![release(dir.path(), "cg-npm-child", "1.0.0")?],
+        ),
     ])
     .await?;
     let cache = dir.path().join("cache");
     let upstream = format!("http://127.0.0.1:{}", registry.port);
     let (gateway, _policies) = Gateway::with_default_policy(
-        "[packages]\nnpm = [\"cg-npm-allowed@^1\", \"@CGScope/Scoped\", \"cg-npm-tampered\"]\n",
+        "[packages]\nnpm = [\"cg-npm-allowed@^1\", \"@CGScope/Scoped\", \"cg-npm-tampered\", \"cg-npm-parent\"]\n",
         &[
             "--npm-registry",
             &upstream,
@@ -294,6 +305,23 @@ console.log(JSON.stringify([Object.keys(p.versions), p['dist-tags'], p.versions[
         registry.hits("/cg-npm-denied") == 0,
         "a refused package went upstream"
     );
+
+    // A dependency the policy does not list: refused, and the denial says whose.
+    let r = v1
+        .execute(
+            &session,
+            "import parent from 'npm:cg-npm-parent'; parent.hello()",
+        )
+        .await?;
+    ensure!(r["status"] == "denied", "{r}");
+    ensure!(
+        denials(&r).iter().any(|d| d["target"] == "npm:cg-npm-child"
+            && d["reason"]
+                .as_str()
+                .is_some_and(|s| s.contains("a dependency of 'cg-npm-parent'"))),
+        "{r}"
+    );
+    ensure!(registry.hits("/cg-npm-child") == 0);
 
     // Tampered upstream: its sha512 does not match the packument's; nothing reaches Deno
     // whole, nothing is cached.

@@ -42,7 +42,7 @@ use super::download::{Downloads, FileDigest, Wanted};
 use super::{follow, respond, IndexError, PackageIndex};
 use crate::egress::proxy::Body;
 use crate::egress::{Session, NPM_HOST};
-use crate::policy::npm::normalize_npm_name;
+use crate::policy::npm::{normalize_npm_name, NpmRules};
 use crate::policy::DenialKind;
 
 /// How long an upstream packument is reused.
@@ -270,46 +270,7 @@ impl NpmRegistry {
                 );
             }
         };
-        let mut versions = Map::new();
-        let mut dependencies = vec![];
-        for (version, info) in &packument.versions {
-            if !rules.allows(name, version) {
-                continue;
-            }
-            let Some((_, _, integrity)) = dist_of(info) else {
-                continue;
-            };
-            let mut info = info.clone();
-            if let Some(object) = info.as_object_mut() {
-                for field in ["dependencies", "optionalDependencies", "peerDependencies"] {
-                    if let Some(deps) = object.get(field).and_then(Value::as_object) {
-                        dependencies.extend(deps.keys().cloned());
-                    }
-                }
-                object.insert(
-                    "dist".to_owned(),
-                    serde_json::json!({
-                        "tarball": format!("http://{NPM_HOST}/{name}/-/{}", tarball_file(name, version)),
-                        "integrity": integrity,
-                    }),
-                );
-            }
-            versions.insert(version.clone(), info);
-        }
-        let mut dist_tags: Map<String, Value> = packument
-            .dist_tags
-            .iter()
-            .filter(|(_, v)| v.as_str().is_some_and(|v| versions.contains_key(v)))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        if !dist_tags.contains_key("latest") {
-            let releases = versions
-                .keys()
-                .filter(|v| semver::Version::parse(v).is_ok_and(|v| v.pre.is_empty()));
-            if let Some(latest) = highest(releases).or_else(|| highest(versions.keys())) {
-                dist_tags.insert("latest".to_owned(), latest.clone().into());
-            }
-        }
+        let (body, dependencies) = served(name, rules, &packument);
         {
             let mut state = session.packages.lock();
             for dependency in dependencies {
@@ -324,22 +285,11 @@ impl NpmRegistry {
                 }
             }
         }
-        session.allow("npm", name, &format!("{} versions listed", versions.len()));
-        let mut body = Map::new();
-        body.insert("name".to_owned(), name.into());
-        body.insert("dist-tags".to_owned(), dist_tags.into());
-        if let Some(time) = &packument.time {
-            let time: Map<String, Value> = time
-                .iter()
-                .filter(|(k, _)| versions.contains_key(*k) || *k == "created" || *k == "modified")
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            body.insert("time".to_owned(), time.into());
-        }
-        if let Some(modified) = &packument.modified {
-            body.insert("modified".to_owned(), modified.clone());
-        }
-        body.insert("versions".to_owned(), versions.into());
+        let listed = body
+            .get("versions")
+            .and_then(Value::as_object)
+            .map_or(0, Map::len);
+        session.allow("npm", name, &format!("{listed} versions listed"));
         let content_type = if corgi { CORGI } else { "application/json" };
         json_response(StatusCode::OK, content_type, &Value::Object(body))
     }
@@ -548,6 +498,73 @@ impl NpmRegistry {
     }
 }
 
+/// What a session whose policy has `rules` is served of `name`'s upstream packument: the
+/// allowed versions that have a sha512 integrity, their tarballs on this registry, the
+/// dist-tags that point at them (`latest` the highest allowed release if upstream's is not
+/// allowed), their `time` entries. With the names the served versions depend on.
+fn served(
+    name: &str,
+    rules: &NpmRules,
+    packument: &Packument,
+) -> (Map<String, Value>, Vec<String>) {
+    let mut versions = Map::new();
+    let mut dependencies = vec![];
+    for (version, info) in &packument.versions {
+        if !rules.allows(name, version) {
+            continue;
+        }
+        let (Some((_, _, integrity)), Some(object)) = (dist_of(info), info.as_object()) else {
+            continue;
+        };
+        let mut object = object.clone();
+        for field in ["dependencies", "optionalDependencies", "peerDependencies"] {
+            if let Some(deps) = object.get(field).and_then(Value::as_object) {
+                dependencies.extend(deps.keys().cloned());
+            }
+        }
+        // The key is what the policy allowed: the document must not say another version.
+        object.insert("version".to_owned(), version.clone().into());
+        object.insert(
+            "dist".to_owned(),
+            serde_json::json!({
+                "tarball": format!("http://{NPM_HOST}/{name}/-/{}", tarball_file(name, version)),
+                "integrity": integrity,
+            }),
+        );
+        versions.insert(version.clone(), object.into());
+    }
+    let mut dist_tags: Map<String, Value> = packument
+        .dist_tags
+        .iter()
+        .filter(|(_, v)| v.as_str().is_some_and(|v| versions.contains_key(v)))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if !dist_tags.contains_key("latest") {
+        let releases = versions
+            .keys()
+            .filter(|v| semver::Version::parse(v).is_ok_and(|v| v.pre.is_empty()));
+        if let Some(latest) = highest(releases).or_else(|| highest(versions.keys())) {
+            dist_tags.insert("latest".to_owned(), latest.clone().into());
+        }
+    }
+    let mut body = Map::new();
+    body.insert("name".to_owned(), name.into());
+    body.insert("dist-tags".to_owned(), dist_tags.into());
+    if let Some(time) = &packument.time {
+        let time: Map<String, Value> = time
+            .iter()
+            .filter(|(k, _)| versions.contains_key(*k) || *k == "created" || *k == "modified")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        body.insert("time".to_owned(), time.into());
+    }
+    if let Some(modified) = &packument.modified {
+        body.insert("modified".to_owned(), modified.clone());
+    }
+    body.insert("versions".to_owned(), versions.into());
+    (body, dependencies)
+}
+
 /// An npm-style error: `{"error": message}` (npm prints it; Deno names the status).
 fn npm_error(status: StatusCode, message: &str) -> Response<Body> {
     json_response(
@@ -617,5 +634,83 @@ mod tests {
         assert_eq!(sha512_of("sha512-short"), None);
         let version = serde_json::json!({"dist": {"tarball": "file:///etc/passwd", "integrity": format!("sha512-{b64}")}});
         assert!(dist_of(&version).is_none(), "http(s) tarballs only");
+    }
+
+    #[test]
+    fn packuments_show_only_allowed_verified_versions() {
+        use sha2::{Digest, Sha512};
+        let sri = format!(
+            "sha512-{}",
+            base64::engine::general_purpose::STANDARD.encode(Sha512::digest(b"t"))
+        );
+        let version = |v: &str, integrity: Option<&str>| {
+            let mut dist = serde_json::json!({"tarball": format!("https://up.example/x/-/x-{v}.tgz"), "shasum": "00"});
+            if let Some(i) = integrity {
+                dist["integrity"] = i.into();
+            }
+            serde_json::json!({"name": "x", "version": v, "dist": dist, "dependencies": {format!("dep-{v}"): "*"}})
+        };
+        let mut versions = Map::new();
+        versions.insert("1.0.0".into(), version("1.0.0", Some(&sri)));
+        versions.insert("1.1.0".into(), version("1.1.0", None));
+        versions.insert("2.0.0".into(), version("2.0.0", Some(&sri)));
+        versions.insert("3.0.0-beta.1".into(), version("3.0.0-beta.1", Some(&sri)));
+        // A document that names another version than its key.
+        versions.insert("1.2.0".into(), {
+            let mut v = version("1.2.0", Some(&sri));
+            v["version"] = "2.0.0".into();
+            v
+        });
+        let packument = Packument {
+            modified: None,
+            dist_tags: serde_json::json!({"latest": "2.0.0", "next": "3.0.0-beta.1"})
+                .as_object()
+                .cloned()
+                .unwrap(),
+            versions,
+            time: serde_json::json!({"created": "c", "1.0.0": "t1", "2.0.0": "t2"})
+                .as_object()
+                .cloned(),
+            size: 0,
+        };
+        let rules = NpmRules::parse(&["X@^1 || 3.0.0-beta.1".into()]).unwrap();
+        let (body, deps) = served("x", &rules, &packument);
+        let versions = body["versions"].as_object().unwrap();
+        let mut listed: Vec<&String> = versions.keys().collect();
+        listed.sort();
+        assert_eq!(
+            listed,
+            ["1.0.0", "1.2.0", "3.0.0-beta.1"],
+            "no 2.0.0; no 1.1.0 (SHA-1 only)"
+        );
+        assert_eq!(versions["1.2.0"]["version"], "1.2.0");
+        assert_eq!(
+            versions["1.0.0"]["dist"],
+            serde_json::json!({"tarball": "http://npm.cellgate.internal/x/-/x-1.0.0.tgz", "integrity": sri})
+        );
+        assert_eq!(
+            body["dist-tags"],
+            serde_json::json!({"latest": "1.2.0", "next": "3.0.0-beta.1"}),
+            "latest: the highest allowed release"
+        );
+        assert_eq!(
+            body["time"],
+            serde_json::json!({"created": "c", "1.0.0": "t1"})
+        );
+        let mut deps = deps;
+        deps.sort();
+        assert_eq!(deps, ["dep-1.0.0", "dep-1.2.0", "dep-3.0.0-beta.1"]);
+        // A package none of whose versions is allowed: an empty document, no latest.
+        let rules = NpmRules::parse(&["x@^9".into()]).unwrap();
+        let (body, _) = served("x", &rules, &packument);
+        assert_eq!(body["versions"], serde_json::json!({}));
+        assert_eq!(body["dist-tags"], serde_json::json!({}));
+        // Scoped: the tarball's path keeps the scope, its file name does not.
+        let rules = NpmRules::parse(&["@s/x".into()]).unwrap();
+        let (body, _) = served("@s/x", &rules, &packument);
+        assert_eq!(
+            body["versions"]["2.0.0"]["dist"]["tarball"],
+            "http://npm.cellgate.internal/@s/x/-/x-2.0.0.tgz"
+        );
     }
 }
