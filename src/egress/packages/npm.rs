@@ -55,6 +55,10 @@ const MAX_PACKUMENT_BYTES: usize = 64 << 20;
 const MAX_CACHED_BYTES: usize = 256 << 20;
 /// The most a packument fetch may take in all.
 const PACKUMENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Upstream packument fetches at once, all sessions together: each may hold up to
+/// [`MAX_PACKUMENT_BYTES`] in memory while it reads. Requests for one package wait for the
+/// fetch under way and then find it cached.
+const MAX_FETCHES: usize = 4;
 /// Dependencies remembered per session for denial messages, at most.
 const MAX_DEPENDENTS: usize = 10_000;
 /// npm's abbreviated packument ("corgi"): what installers ask for.
@@ -99,6 +103,8 @@ pub struct NpmRegistry {
     client: reqwest::Client,
     downloads: Arc<Downloads>,
     packuments: Mutex<PackumentCache>,
+    /// [`MAX_FETCHES`] permits, one held by each upstream packument fetch.
+    fetches: tokio::sync::Semaphore,
 }
 
 /// Upstream packuments by (name, abbreviated), with when they were fetched.
@@ -201,6 +207,7 @@ impl NpmRegistry {
             client: index.client.clone(),
             downloads: index.downloads.clone(),
             packuments: Mutex::new(HashMap::new()),
+            fetches: tokio::sync::Semaphore::new(MAX_FETCHES),
         })
     }
 
@@ -264,10 +271,7 @@ impl NpmRegistry {
             }
             Err(err) => {
                 tracing::warn!(kernel_id = %session.kernel_id, name, %err, "npm registry: upstream failed");
-                return npm_error(
-                    StatusCode::BAD_GATEWAY,
-                    &format!("cellgate npm registry: {err}"),
-                );
+                return error_response(&err);
             }
         };
         let (body, dependencies) = served(name, rules, &packument);
@@ -319,10 +323,7 @@ impl NpmRegistry {
             Ok(wanted) => wanted,
             Err(err) => {
                 tracing::warn!(kernel_id = %session.kernel_id, name, version, %err, "npm registry: tarball refused");
-                return npm_error(
-                    StatusCode::NOT_FOUND,
-                    &format!("cellgate npm registry: {err}"),
-                );
+                return error_response(&err);
             }
         };
         if head {
@@ -401,6 +402,20 @@ impl NpmRegistry {
     /// The upstream packument of `name` (cached for [`PACKUMENT_TTL`]); `None` if upstream
     /// has no such package.
     async fn fetch(&self, name: &str, corgi: bool) -> Result<Option<Arc<Packument>>, NpmError> {
+        if let Some(packument) = self.cached(name, corgi) {
+            return Ok(Some(packument));
+        }
+        let _slot = tokio::time::timeout(PACKUMENT_TIMEOUT, self.fetches.acquire())
+            .await
+            .map_err(|_| {
+                NpmError::Index(IndexError::Busy(format!(
+                    "all {MAX_FETCHES} packument fetches stayed busy for {} s",
+                    PACKUMENT_TIMEOUT.as_secs()
+                )))
+            })?
+            // Never closed.
+            .map_err(|_| NpmError::Index(IndexError::Busy("shutting down".to_owned())))?;
+        // Whoever held the slot before may have fetched this very packument.
         if let Some(packument) = self.cached(name, corgi) {
             return Ok(Some(packument));
         }
@@ -563,6 +578,22 @@ fn served(
     }
     body.insert("versions".to_owned(), versions.into());
     (body, dependencies)
+}
+
+/// The answer to a failure: 404 for a version upstream lacks (or gives no sha512 for), 503
+/// with `Retry-After` while busy, else as a failed file is answered (502, 507).
+fn error_response(err: &NpmError) -> Response<Body> {
+    match err {
+        NpmError::Index(err) => super::file_error("cellgate npm registry", err),
+        NpmError::Version { .. } => npm_error(
+            StatusCode::NOT_FOUND,
+            &format!("cellgate npm registry: {err}"),
+        ),
+        NpmError::Upstream { .. } => npm_error(
+            StatusCode::BAD_GATEWAY,
+            &format!("cellgate npm registry: {err}"),
+        ),
+    }
 }
 
 /// An npm-style error: `{"error": message}` (npm prints it; Deno names the status).
