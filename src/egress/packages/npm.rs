@@ -1,7 +1,7 @@
 //! The npm registry cellgate serves to sandboxes: packuments and tarballs of the packages
 //! the session's policy lists in `[packages] npm` ([`crate::policy::npm`]), and nothing else.
 //!
-//! Reached by Deno's `npm:` imports (and npm itself) inside the sandbox as
+//! Reached by Deno's `npm:` imports (and any npm client) inside the sandbox as
 //! `http://npm.cellgate.internal/` through the egress proxy (`NPM_CONFIG_REGISTRY`, set by
 //! [`crate::egress::kernel_env`]); the proxy hands those requests here, whatever the egress
 //! rules say. Packuments come from an upstream registry (`--npm-registry`, default
@@ -48,10 +48,11 @@ use crate::policy::DenialKind;
 /// How long an upstream packument is reused.
 pub const PACKUMENT_TTL: Duration = Duration::from_secs(300);
 /// The largest packument read from upstream. The largest on npmjs.org (full documents of
-/// packages with thousands of versions) are some tens of MiB; the abbreviated ones that
-/// installers ask for are far smaller.
+/// packages with thousands of versions, which is what Deno asks for) are some tens of MiB;
+/// the abbreviated ones npm asks for are far smaller.
 const MAX_PACKUMENT_BYTES: usize = 64 << 20;
-/// Upstream packument bytes kept in memory at most, all packages together (the oldest go).
+/// Upstream packument bytes kept at most, all packages together (the oldest go), counted
+/// as upstream sent them (parsed, they take a few times that).
 const MAX_CACHED_BYTES: usize = 256 << 20;
 /// The most a packument fetch may take in all.
 const PACKUMENT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -88,7 +89,8 @@ pub struct NpmConfig {
 
 /// One upstream packument, as fetched (abbreviated or full).
 struct Packument {
-    /// Top-level fields other than `versions`, `dist-tags` and `time`, which are filtered.
+    /// The document's `modified`; its other top-level fields (readme, maintainers...) are
+    /// not served.
     modified: Option<Value>,
     dist_tags: Map<String, Value>,
     versions: Map<String, Value>,
