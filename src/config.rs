@@ -138,6 +138,11 @@ pub struct ServeArgs {
     #[allow(rustdoc::bare_urls)]
     #[arg(long, env = "CELLGATE_PACKAGE_INDEX")]
     pub package_index: Option<String>,
+    /// Upstream npm registry the npm registry (Deno's `npm:` imports) serves from
+    /// [default: https://registry.npmjs.org].
+    #[allow(rustdoc::bare_urls)]
+    #[arg(long, env = "CELLGATE_NPM_REGISTRY")]
+    pub npm_registry: Option<String>,
     /// Serve packages from this directory of wheels and sdists instead (offline mode).
     #[arg(long, env = "CELLGATE_WHEELHOUSE")]
     pub wheelhouse: Option<PathBuf>,
@@ -368,6 +373,7 @@ struct FileConfig {
     #[serde(default)]
     tenants: TenantSettings,
     package_index: Option<String>,
+    npm_registry: Option<String>,
     wheelhouse: Option<PathBuf>,
     package_cache_dir: Option<PathBuf>,
     /// Names the egress proxy resolves without DNS (tests map names to loopback servers).
@@ -442,6 +448,8 @@ pub struct GatewayConfig {
     pub tenants: TenantSettings,
     /// Upstream simple index; ignored when `wheelhouse` is set.
     pub package_index: String,
+    /// Upstream npm registry (always upstream: there is no offline npm source).
+    pub npm_registry: String,
     pub wheelhouse: Option<PathBuf>,
     pub package_cache_dir: PathBuf,
     /// Static host map of the egress proxy's resolver (file only).
@@ -1042,6 +1050,7 @@ fn artifacts(args: &ServeArgs, file: &mut FileConfig) -> Artifacts {
 /// Where packages come from, and how the egress proxy resolves and limits connections.
 struct Egress {
     package_index: String,
+    npm_registry: String,
     wheelhouse: Option<PathBuf>,
     package_cache_dir: PathBuf,
     hosts: std::collections::BTreeMap<String, IpAddr>,
@@ -1055,6 +1064,11 @@ fn egress(args: &ServeArgs, file: &mut FileConfig) -> Egress {
             .clone()
             .or(file.package_index.take())
             .unwrap_or_else(|| "https://pypi.org/simple".to_owned()),
+        npm_registry: args
+            .npm_registry
+            .clone()
+            .or(file.npm_registry.take())
+            .unwrap_or_else(|| "https://registry.npmjs.org".to_owned()),
         wheelhouse: args.wheelhouse.clone().or(file.wheelhouse.take()),
         package_cache_dir: args
             .package_cache_dir
@@ -1147,6 +1161,7 @@ impl GatewayConfig {
             jwt: auth.jwt,
             tenants: auth.tenants,
             package_index: egress.package_index,
+            npm_registry: egress.npm_registry,
             wheelhouse: egress.wheelhouse,
             package_cache_dir: egress.package_cache_dir,
             egress_hosts: egress.hosts,
@@ -1233,6 +1248,7 @@ mod tests {
                 "package_index",
                 "package_index = \"http://127.0.0.1:1/simple\"",
             ),
+            ("npm_registry", "npm_registry = \"http://127.0.0.1:1/npm\""),
             ("wheelhouse", "wheelhouse = \"w\""),
             ("package_cache_dir", "package_cache_dir = \"c\""),
             ("egress_max_connections", "egress_max_connections = 8"),

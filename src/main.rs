@@ -251,6 +251,12 @@ fn egress_proxy(
         source,
         cache_dir: config.package_cache_dir.clone(),
     })?;
+    let npm = cellgate::egress::packages::npm::NpmRegistry::new(
+        cellgate::egress::packages::npm::NpmConfig {
+            upstream: config.npm_registry.clone(),
+        },
+        &index,
+    );
     Ok(cellgate::egress::Egress::new(
         cellgate::egress::EgressConfig {
             resolver: cellgate::egress::Resolver {
@@ -260,6 +266,7 @@ fn egress_proxy(
             max_connections_per_session: config.egress_max_connections,
         },
         index,
+        npm,
     ))
 }
 

@@ -17,13 +17,15 @@
 //! at that port, `NO_PROXY` for loopback, `PIP_INDEX_URL` naming the package index (with
 //! its trusted host, no input, no retries, no cache) and `PIP_PREFIX=<workspace>/.cellgate`,
 //! whose site-packages is on `PYTHONPATH` (made by the init before Python starts: Python
-//! caches a missing path entry for good).
+//! caches a missing path entry for good), and `NPM_CONFIG_REGISTRY` naming the npm registry
+//! (Deno's `npm:` imports, over plain HTTP through the proxy).
 //!
 //! The proxy ([`proxy`]) speaks HTTP/1.1: `CONNECT host:port` (TLS stays end to end) and
 //! absolute-form requests (`GET http://host/…`). Every destination is checked against the
 //! session policy's `[egress]` rules, resolved by the proxy itself and vetted
 //! ([`resolve`]); requests for `packages.cellgate.internal` are answered by the package
-//! index ([`packages`]) whatever the egress rules say.
+//! index ([`packages`]) and those for `npm.cellgate.internal` by the npm registry
+//! ([`packages::npm`]), whatever the egress rules say.
 //!
 //! *Invariants:*
 //! - the session is known from the socket, never from what the sandbox says;
@@ -54,6 +56,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 use crate::policy::{Denial, DenialKind, Policy};
+use packages::npm::NpmRegistry;
 use packages::PackageIndex;
 pub use resolve::Resolver;
 
@@ -61,6 +64,8 @@ pub use resolve::Resolver;
 pub const BRIDGE_ADDR: &str = "127.0.0.1:3128";
 /// The host name under which the proxy serves the package index.
 pub const INDEX_HOST: &str = "packages.cellgate.internal";
+/// The host name under which the proxy serves the npm registry ([`packages::npm`]).
+pub const NPM_HOST: &str = "npm.cellgate.internal";
 /// The socket's name in a kernel generation's runtime directory.
 pub const SOCKET_NAME: &str = "egress.sock";
 
@@ -93,10 +98,11 @@ impl Default for EgressConfig {
     }
 }
 
-/// The proxy of a gateway: configuration and the package index it serves.
+/// The proxy of a gateway: configuration and the package index and npm registry it serves.
 pub struct Egress {
     pub config: EgressConfig,
     pub index: Arc<PackageIndex>,
+    pub npm: Arc<NpmRegistry>,
 }
 
 /// Where the proxy reports what it refused: the kernel's executions (the kernel core
@@ -179,8 +185,12 @@ impl Drop for Listener {
 }
 
 impl Egress {
-    pub fn new(config: EgressConfig, index: Arc<PackageIndex>) -> Arc<Egress> {
-        Arc::new(Egress { config, index })
+    pub fn new(
+        config: EgressConfig,
+        index: Arc<PackageIndex>,
+        npm: Arc<NpmRegistry>,
+    ) -> Arc<Egress> {
+        Arc::new(Egress { config, index, npm })
     }
 
     /// Opens the proxy socket of one kernel generation in `dir`.
@@ -229,7 +239,8 @@ impl Egress {
     }
 }
 
-/// The environment that points a kernel's HTTP clients and pip at the proxy and index.
+/// The environment that points a kernel's HTTP clients, pip and Deno (npm) at the proxy,
+/// the index and the npm registry.
 /// pip installs with `--prefix <workspace>/.cellgate` (a venv has no user site, and
 /// `--target` would ignore, and re-fetch, everything the kernel's environment already has);
 /// that prefix's site-packages is on `PYTHONPATH` from the start, so `%pip install x` then
@@ -268,6 +279,13 @@ pub fn kernel_env(kernel_dir: &Path, workspace: &Path) -> Vec<(String, String)> 
     env.push(("PIP_DISABLE_PIP_VERSION_CHECK".to_owned(), "1".to_owned()));
     env.push(("PIP_NO_CACHE_DIR".to_owned(), "1".to_owned()));
     env.push(("PIP_PREFIX".to_owned(), prefix.display().to_string()));
+    // Deno's `npm:` imports (and npm's installs) from the npm registry ([`NPM_HOST`]). Every
+    // kernel gets it, as every kernel gets pip's: a Python or bash kernel may run deno or
+    // npm too, and the variable opens nothing the policy does not list.
+    env.push((
+        "NPM_CONFIG_REGISTRY".to_owned(),
+        format!("http://{NPM_HOST}/"),
+    ));
     env.push(("PYTHONPATH".to_owned(), site.display().to_string()));
     env
 }

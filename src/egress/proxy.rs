@@ -20,7 +20,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::client_hello::{self, ClientHello};
-use super::{Egress, Session, INDEX_HOST};
+use super::{Egress, Session, INDEX_HOST, NPM_HOST};
 use crate::policy::DenialKind;
 
 /// Errors of a response body while it streams.
@@ -124,12 +124,21 @@ async fn handle(
     if !is_connect && host.eq_ignore_ascii_case(INDEX_HOST) {
         return egress.index.handle(&session, req).await;
     }
+    if !is_connect && host.eq_ignore_ascii_case(NPM_HOST) {
+        return egress.npm.handle(&session, req).await;
+    }
     let target = format!("{host}:{port}");
     let Some(rule) = session.policy.egress.allowing(&host, port) else {
-        let reason = format!(
+        let mut reason = format!(
             "egress to {target} is not allowed by policy '{}'",
             session.policy.name
         );
+        if same_host(&host, "jsr.io") {
+            // Deno's `jsr:` imports: cellgate's registry does not serve JSR.
+            reason.push_str(
+                " (a jsr: import: cellgate serves npm: packages only, those [packages] npm lists)",
+            );
+        }
         session.deny(DenialKind::Egress, &target, reason.clone());
         return text(StatusCode::FORBIDDEN, format!("cellgate: {reason}"));
     };

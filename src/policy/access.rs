@@ -1,5 +1,6 @@
 //! The `[egress]` and `[packages]` sections of a policy: which hosts a kernel may reach
-//! through cellgate's proxy, and which Python projects its index lists.
+//! through cellgate's proxy, and which Python projects its index lists (the npm packages of
+//! `[packages] npm` are [`super::npm`]'s).
 //!
 //! Plain values and pure matching functions; the proxy (`crate::egress`) and the index
 //! (`crate::egress::packages`) apply them.
@@ -23,6 +24,9 @@ pub(super) struct PackagesSection {
     #[serde(default)]
     allow: Vec<String>,
     dependencies: Option<Dependencies>,
+    /// npm packages (`name` or `name@range`), served by cellgate's npm registry.
+    #[serde(default)]
+    npm: Vec<String>,
 }
 
 /// Whether dependencies of allowed projects must be listed themselves.
@@ -260,6 +264,8 @@ impl PackageRule {
 pub struct PackageRules {
     pub allow: Vec<PackageRule>,
     pub dependencies: Dependencies,
+    /// npm packages the npm registry serves (none by default); see [`super::npm`].
+    pub npm: super::npm::NpmRules,
 }
 
 impl PackageRules {
@@ -298,9 +304,11 @@ pub(super) fn package_rules(
         .map(|e| PackageRule::parse(e))
         .collect::<Result<_, _>>()
         .map_err(|e| ("packages.allow", e))?;
+    let npm = super::npm::NpmRules::parse(&section.npm).map_err(|e| ("packages.npm", e))?;
     Ok(PackageRules {
         allow,
         dependencies: section.dependencies.unwrap_or_default(),
+        npm,
     })
 }
 

@@ -86,6 +86,8 @@ pub fn reserved(name: &str) -> bool {
             "JPY_",
             "PIP_",
             "UV_",
+            // npm's settings, Deno's registry among them (`NPM_CONFIG_REGISTRY`).
+            "NPM_CONFIG_",
             "JUPYTER_",
             "IPYTHON",
         ]
@@ -147,6 +149,8 @@ mod tests {
             "no_proxy",
             "PIP_INDEX_URL",
             "pip_index_url",
+            "NPM_CONFIG_REGISTRY",
+            "npm_config_registry",
             "KERNEL_ID",
             "JPY_SESSION_NAME",
         ] {

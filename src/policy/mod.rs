@@ -12,6 +12,7 @@
 pub mod access;
 pub mod denial;
 pub mod environment;
+pub mod npm;
 pub mod units;
 
 use std::collections::BTreeMap;
@@ -24,6 +25,7 @@ use crate::sandbox::Backend;
 pub use access::{Dependencies, EgressRules, PackageRules};
 pub use denial::{Denial, DenialKind};
 pub use environment::EnvironmentRules;
+pub use npm::{NpmRule, NpmRules};
 pub use units::{parse_duration, parse_size};
 
 /// Errors in policy files.
@@ -568,6 +570,20 @@ mod tests {
         assert!(p.egress.allowing("x.a.org", 443).is_some());
         assert_eq!(p.packages.dependencies, Dependencies::Implicit);
         assert!(p.packages.rule("numpy").is_some());
+        assert!(p.packages.npm.allow.is_empty(), "no npm list: nothing");
+        let p = parse("[packages]\nnpm = [\"lodash@4\", \"@std/path\"]\n").unwrap();
+        assert!(p.packages.npm.allows("lodash", "4.17.21") && p.packages.npm.lists("@std/path"));
+        assert!(
+            p.packages.rule("lodash").is_none(),
+            "npm names are not Python projects"
+        );
+        let err = parse("[packages]\nnpm = [\"Lodash@banana\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("packages.npm") && err.contains("package 'lodash'"),
+            "{err}"
+        );
         let err = parse("[sandbox]\nbackend = \"docker\"\n")
             .unwrap_err()
             .to_string();

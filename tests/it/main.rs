@@ -26,6 +26,7 @@ mod mcp;
 mod messaging;
 mod microvm;
 mod notebook;
+mod npm_policy;
 mod operations;
 mod pool;
 mod release;

@@ -3,10 +3,11 @@
 //! A download runs in a task of its own, so a client that hangs up stops nothing for the
 //! others: it writes to a temporary file in the cache directory, hashing as it goes, and
 //! publishes its progress (queued, bytes written, upstream's length, finished or failed)
-//! through a `watch` channel. Every client asking for the same sha256 meanwhile joins it
+//! through a `watch` channel. Every client asking for the same file (the same digest:
+//! PyPI's sha256, npm's sha512) meanwhile joins it
 //! (single flight) and streams the temporary file as it grows ([`FileBody`]), with
 //! upstream's `Content-Length`, so pip shows real progress and gateway memory does not grow
-//! with the file. The file is renamed into the cache (named by its sha256, and hashed again
+//! with the file. The file is renamed into the cache (named by its digest, and hashed again
 //! once per process when it is next served from there) only when the hash matched; on a
 //! mismatch or a broken transfer it is deleted and every client's body ends in an error. A
 //! client never receives a file's last byte before its hash matched, so pip never holds a
@@ -41,7 +42,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use parking_lot::Mutex;
-use sha2::{Digest, Sha256};
+use sha2::{Digest, Sha256, Sha512};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 
@@ -79,9 +80,10 @@ pub enum DownloadError {
     Upstream { url: String, reason: String },
     #[error("{what}: {reason}")]
     Io { what: String, reason: String },
-    #[error("{filename}: sha256 {got} does not match the index's {want}")]
+    #[error("{filename}: {algorithm} {got} does not match the index's {want}")]
     HashMismatch {
         filename: String,
+        algorithm: &'static str,
         got: String,
         want: String,
     },
@@ -149,10 +151,89 @@ pub enum Joined {
 /// What a download needs to know of its file.
 pub struct Wanted {
     pub url: String,
-    pub sha256: String,
+    pub digest: FileDigest,
     pub filename: String,
     /// The listing's size (PEP 700), when upstream gave one.
     pub size: Option<u64>,
+}
+
+/// What a file must hash to, as its index says: PyPI's sha256 or npm's sha512 (a
+/// packument's `integrity`). Also the file's name in the cache.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FileDigest {
+    /// Hex, lower case.
+    Sha256(String),
+    /// Hex, lower case.
+    Sha512(String),
+}
+
+impl FileDigest {
+    /// The file's name in the cache: a sha256 alone (as it was before npm came), a sha512
+    /// as `sha512-<hex>`.
+    pub fn key(&self) -> String {
+        match self {
+            FileDigest::Sha256(hex) => hex.clone(),
+            FileDigest::Sha512(hex) => format!("sha512-{hex}"),
+        }
+    }
+
+    fn hex(&self) -> &str {
+        match self {
+            FileDigest::Sha256(hex) | FileDigest::Sha512(hex) => hex,
+        }
+    }
+
+    fn algorithm(&self) -> &'static str {
+        match self {
+            FileDigest::Sha256(_) => "sha256",
+            FileDigest::Sha512(_) => "sha512",
+        }
+    }
+
+    fn hasher(&self) -> FileHasher {
+        match self {
+            FileDigest::Sha256(_) => FileHasher::Sha256(Sha256::new()),
+            FileDigest::Sha512(_) => FileHasher::Sha512(Sha512::new()),
+        }
+    }
+
+    /// Whether `name` is a cache key (`.<key>.<id>` is a download's temporary file).
+    fn is_key(name: &str) -> bool {
+        let hex = |s: &str, len: usize| s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit());
+        hex(name, 64) || name.strip_prefix("sha512-").is_some_and(|h| hex(h, 128))
+    }
+}
+
+enum FileHasher {
+    Sha256(Sha256),
+    Sha512(Sha512),
+}
+
+impl FileHasher {
+    fn update(&mut self, bytes: &[u8]) {
+        match self {
+            FileHasher::Sha256(h) => h.update(bytes),
+            FileHasher::Sha512(h) => h.update(bytes),
+        }
+    }
+
+    fn hex(self) -> String {
+        match self {
+            FileHasher::Sha256(h) => hex::encode(h.finalize()),
+            FileHasher::Sha512(h) => hex::encode(h.finalize()),
+        }
+    }
+}
+
+impl std::io::Write for FileHasher {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// How the free space of the cache's disk is read (statvfs; unit tests give their own).
@@ -167,7 +248,7 @@ fn statvfs_free(dir: &Path) -> std::io::Result<u64> {
 pub struct Downloads {
     client: reqwest::Client,
     cache_dir: PathBuf,
-    /// Flights by sha256, with their id (a flight's task removes its own entry only). The
+    /// Flights by cache key, with their id (a flight's task removes its own entry only). The
     /// map does not keep a flight alive: its clients do.
     running: Mutex<HashMap<String, (u64, Weak<Flight>)>>,
     next_id: AtomicU64,
@@ -224,27 +305,29 @@ impl Downloads {
         })
     }
 
-    fn cached(&self, sha256: &str) -> PathBuf {
-        self.cache_dir.join(sha256)
+    /// Where the file is (or would be) in the cache.
+    pub fn path_of(&self, digest: &FileDigest) -> PathBuf {
+        self.cache_dir.join(digest.key())
     }
 
     /// The cached file if it is there and whole (hashed once per process; a corrupt one
     /// is deleted so that it is fetched again).
-    pub async fn cached_file(&self, sha256: &str) -> Option<std::fs::File> {
-        let path = self.cached(sha256);
+    pub async fn cached_file(&self, digest: &FileDigest) -> Option<std::fs::File> {
+        let path = self.path_of(digest);
         let file = std::fs::File::open(&path).ok()?;
-        if self.verified.lock().contains(sha256) {
+        let key = digest.key();
+        if self.verified.lock().contains(&key) {
             return Some(file);
         }
+        let mut hasher = digest.hasher();
         let (file, got) = tokio::task::spawn_blocking(move || {
-            let mut hasher = Sha256::new();
             std::io::copy(&mut &file, &mut hasher).ok()?;
-            Some((file, hex::encode(hasher.finalize())))
+            Some((file, hasher.hex()))
         })
         .await
         .ok()??;
-        if got == sha256 {
-            self.verified.lock().insert(got);
+        if got == digest.hex() {
+            self.verified.lock().insert(key);
             return Some(file);
         }
         tracing::warn!(file = %path.display(), "cached package file is corrupt; fetching it again");
@@ -254,8 +337,8 @@ impl Downloads {
 
     /// The length of the cached file, if there is one (not hashed: for `HEAD`, which
     /// serves no bytes).
-    pub fn cached_length(&self, sha256: &str) -> Option<u64> {
-        std::fs::metadata(self.cached(sha256))
+    pub fn cached_length(&self, digest: &FileDigest) -> Option<u64> {
+        std::fs::metadata(self.path_of(digest))
             .ok()
             .filter(|m| m.is_file())
             .map(|m| m.len())
@@ -277,15 +360,15 @@ impl Downloads {
         // A flight whose last client left is on its way out (its entry stays until its task
         // ends): it cannot be joined, a new one starts.
         if let Some(flight) = running
-            .get(&wanted.sha256)
+            .get(&wanted.digest.key())
             .and_then(|(_, flight)| flight.upgrade())
         {
             return Ok(Joined::Flight(flight));
         }
         // A download removes itself from the map only after its rename: not running and
         // not cached means nobody has it.
-        if self.verified.lock().contains(&wanted.sha256) {
-            if let Ok(file) = std::fs::File::open(self.cached(&wanted.sha256)) {
+        if self.verified.lock().contains(&wanted.digest.key()) {
+            if let Ok(file) = std::fs::File::open(self.path_of(&wanted.digest)) {
                 return Ok(Joined::Cached(file));
             }
         }
@@ -301,7 +384,7 @@ impl Downloads {
             progress: rx,
             _wanted: wanted_tx,
         });
-        running.insert(wanted.sha256.clone(), (id, Arc::downgrade(&flight)));
+        running.insert(wanted.digest.key(), (id, Arc::downgrade(&flight)));
         drop(running);
         tokio::spawn(self.clone().run(wanted, id, wanted_rx, tx));
         Ok(Joined::Flight(flight))
@@ -316,7 +399,7 @@ impl Downloads {
     ) {
         let tmp = self.cache_dir.join(format!(
             ".{}.{}",
-            wanted.sha256,
+            wanted.digest.key(),
             uuid::Uuid::new_v4().simple()
         ));
         // Dropping `fetch` (its last client left) drops its slot, its upstream response and
@@ -329,7 +412,7 @@ impl Downloads {
         };
         match &result {
             Ok(()) => {
-                self.verified.lock().insert(wanted.sha256.clone());
+                self.verified.lock().insert(wanted.digest.key());
             }
             Err(err) => {
                 if matches!(err, DownloadError::Cancelled) {
@@ -346,8 +429,9 @@ impl Downloads {
         // flight's entry: a new flight may have replaced a cancelled one.
         {
             let mut running = self.running.lock();
-            if running.get(&wanted.sha256).is_some_and(|(i, _)| *i == id) {
-                running.remove(&wanted.sha256);
+            let key = wanted.digest.key();
+            if running.get(&key).is_some_and(|(i, _)| *i == id) {
+                running.remove(&key);
             }
         }
         tx.send_modify(|p| {
@@ -373,7 +457,7 @@ impl Downloads {
             .map_err(|_| DownloadError::Abandoned)?;
         tx.send_modify(|p| p.state = State::Starting);
         self.download(wanted, tmp, tx).await?;
-        tokio::fs::rename(tmp, self.cached(&wanted.sha256))
+        tokio::fs::rename(tmp, self.path_of(&wanted.digest))
             .await
             .map_err(|e| DownloadError::Io {
                 what: format!("rename {}", tmp.display()),
@@ -432,11 +516,12 @@ impl Downloads {
                 "upstream sent {written} bytes, the index lists {size}"
             )));
         }
-        if got != wanted.sha256 {
+        if got != wanted.digest.hex() {
             return Err(DownloadError::HashMismatch {
                 filename: wanted.filename.clone(),
+                algorithm: wanted.digest.algorithm(),
                 got,
-                want: wanted.sha256.clone(),
+                want: wanted.digest.hex().to_owned(),
             });
         }
         Ok(())
@@ -480,7 +565,7 @@ impl Downloads {
     }
 
     /// Writes the body to `writer` as it comes, telling clients what is written; the bytes
-    /// written and their SHA-256 (hex).
+    /// written and their digest (hex, of the algorithm `wanted` names).
     async fn receive(
         &self,
         wanted: &Wanted,
@@ -495,7 +580,7 @@ impl Downloads {
             reason: e.to_string(),
         };
         let recheck = wanted.size.or(length).is_none();
-        let mut hasher = Sha256::new();
+        let mut hasher = wanted.digest.hasher();
         let mut buffer = Vec::with_capacity(WRITE_BUFFER);
         let (mut received, mut written, mut checked) = (0u64, 0u64, 0u64);
         loop {
@@ -534,7 +619,7 @@ impl Downloads {
                 tx.send_modify(|p| p.written = written);
             }
             if last {
-                return Ok((written, hex::encode(hasher.finalize())));
+                return Ok((written, hasher.hex()));
             }
         }
     }
@@ -680,7 +765,7 @@ impl FileBody {
     }
 }
 
-/// Temporary files of downloads no process is writing any more (`.<sha256>.<id>`, not
+/// Temporary files of downloads no process is writing any more (`.<key>.<id>`, not
 /// written to for an hour, far beyond [`STALL`]): left by a gateway that stopped
 /// mid-download, removed when one starts. Another gateway's download under way in a
 /// shared cache directory is younger than that.
@@ -703,7 +788,7 @@ pub fn stale_temporaries(cache_dir: &Path) -> Vec<PathBuf> {
                 .and_then(|n| n.to_str())
                 .and_then(|n| n.strip_prefix('.'))
                 .and_then(|n| n.split_once('.'))
-                .is_some_and(|(sha, _)| sha.len() == 64)
+                .is_some_and(|(key, _)| FileDigest::is_key(key))
                 && old(p)
         })
         .collect()
@@ -749,6 +834,7 @@ mod tests {
         tx.send_modify(|p| {
             p.state = State::Failed(Arc::new(DownloadError::HashMismatch {
                 filename: "x.whl".into(),
+                algorithm: "sha256",
                 got: "a".into(),
                 want: "b".into(),
             }))
@@ -851,7 +937,7 @@ mod tests {
     fn wanted(url: &str, body: &[u8], size: Option<u64>) -> Wanted {
         Wanted {
             url: url.to_owned(),
-            sha256: hex::encode(Sha256::digest(body)),
+            digest: FileDigest::Sha256(hex::encode(Sha256::digest(body))),
             filename: "f-1.0-py3-none-any.whl".into(),
             size,
         }

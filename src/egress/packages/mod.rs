@@ -31,6 +31,7 @@
 //! [`super::INDEX_HOST`]). Must not depend on: kernels (it reports through [`super::Session`]).
 
 mod download;
+pub mod npm;
 mod wheel;
 
 use std::collections::{HashMap, HashSet};
@@ -45,7 +46,7 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use download::{DownloadError, Downloads, FileBody, Joined, State, Wanted};
+use download::{DownloadError, Downloads, FileBody, FileDigest, Joined, State, Wanted};
 
 use super::proxy::{text, Body};
 use super::Session;
@@ -103,6 +104,9 @@ pub struct SessionPackages {
     pub implied: HashSet<String>,
     /// The last allowed project whose file this session fetched, with the execution.
     pub last_allowed: Option<(String, Option<String>)>,
+    /// npm packages declared as dependencies by the allowed versions of packuments this
+    /// session was served, with the package that declared each (for denial messages).
+    pub npm_dependents: HashMap<String, String>,
     /// [`MAX_SESSION_FLIGHTS`] permits, one held by each body of this session following a
     /// download that is not over.
     flights: Arc<tokio::sync::Semaphore>,
@@ -113,6 +117,7 @@ impl Default for SessionPackages {
         SessionPackages {
             implied: HashSet::new(),
             last_allowed: None,
+            npm_dependents: HashMap::new(),
             flights: Arc::new(tokio::sync::Semaphore::new(MAX_SESSION_FLIGHTS)),
         }
     }
@@ -618,20 +623,7 @@ impl PackageIndex {
             Ok(body) => body,
             Err(err) => {
                 tracing::warn!(kernel_id = %session.kernel_id, file = %entry.filename, %err, "package index: file failed");
-                let status = match &err {
-                    IndexError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
-                    IndexError::Download(DownloadError::DiskFull { .. }) => {
-                        StatusCode::INSUFFICIENT_STORAGE
-                    }
-                    _ => StatusCode::BAD_GATEWAY,
-                };
-                let mut response = text(status, format!("cellgate index: {err}"));
-                if status == StatusCode::SERVICE_UNAVAILABLE {
-                    response
-                        .headers_mut()
-                        .insert(hyper::header::RETRY_AFTER, RETRY_AFTER_SECS.into());
-                }
-                return response;
+                return file_error("cellgate index", &err);
             }
         };
         if session.policy.packages.dependencies == Dependencies::Implicit
@@ -671,7 +663,10 @@ impl PackageIndex {
     fn head(&self, entry: &FileEntry) -> Response<Body> {
         let length = match &entry.origin {
             Origin::Path(path) => std::fs::metadata(path).ok().map(|m| m.len()),
-            Origin::Url(_) => self.downloads.cached_length(&entry.sha256).or(entry.size),
+            Origin::Url(_) => self
+                .downloads
+                .cached_length(&FileDigest::Sha256(entry.sha256.clone()))
+                .or(entry.size),
         };
         let mut response = respond(StatusCode::OK, "application/octet-stream", Bytes::new());
         if let Some(length) = length {
@@ -682,28 +677,8 @@ impl PackageIndex {
         response
     }
 
-    /// The file's bytes: the wheelhouse's or the cache's whole, or a download's as they
-    /// arrive (once upstream answered, so that its length is known). A download counts
-    /// against the session's [`MAX_SESSION_FLIGHTS`] and waits at most
-    /// [`download::SLOT_WAIT`] for a slot ([`IndexError::Busy`] past either).
+    /// The file's bytes: the wheelhouse's whole, or the upstream file's ([`follow`]).
     async fn open(&self, session: &Session, entry: &FileEntry) -> Result<FileBody, IndexError> {
-        let whole = |file: std::fs::File, what: &Path| {
-            let length = file
-                .metadata()
-                .map_err(|source| IndexError::Io {
-                    what: format!("read {}", what.display()),
-                    source,
-                })?
-                .len();
-            Ok(FileBody {
-                file: Arc::new(file),
-                length,
-                progress: None,
-                on_complete: None,
-                flight: None,
-                session_slot: None,
-            })
-        };
         let url = match &entry.origin {
             Origin::Path(path) => {
                 let file = std::fs::File::open(path).map_err(|source| IndexError::Io {
@@ -714,67 +689,117 @@ impl PackageIndex {
             }
             Origin::Url(url) => url,
         };
-        let cached = self.config.cache_dir.join(&entry.sha256);
-        if let Some(file) = self.downloads.cached_file(&entry.sha256).await {
-            return whole(file, &cached);
-        }
-        let session_slot = session
-            .packages
-            .lock()
-            .flights
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| {
-                IndexError::Busy(format!(
-                    "this session already waits for or runs {MAX_SESSION_FLIGHTS} package downloads"
-                ))
-            })?;
-        let flight = match self.downloads.join(Wanted {
+        let wanted = Wanted {
             url: url.clone(),
-            sha256: entry.sha256.clone(),
+            digest: FileDigest::Sha256(entry.sha256.clone()),
             filename: entry.filename.clone(),
             size: entry.size,
-        })? {
-            Joined::Flight(flight) => flight,
-            Joined::Cached(file) => return whole(file, &cached),
         };
-        // From here, returning early drops `flight`: if no other client holds it, the
-        // download is dropped (queued) or stopped (running).
-        let mut progress = flight.progress.clone();
-        let abandoned = || IndexError::Download(DownloadError::Abandoned);
-        tokio::time::timeout(
-            download::SLOT_WAIT,
-            progress.wait_for(|p| !matches!(p.state, State::Queued)),
-        )
-        .await
+        follow(&self.downloads, session, wanted).await
+    }
+}
+
+/// The response to a file that cannot be served: 503 with `Retry-After` when busy (pip and
+/// Deno retry), 507 when the cache's disk is full, else 502.
+fn file_error(who: &str, err: &IndexError) -> Response<Body> {
+    let status = match err {
+        IndexError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
+        IndexError::Download(DownloadError::DiskFull { .. }) => StatusCode::INSUFFICIENT_STORAGE,
+        _ => StatusCode::BAD_GATEWAY,
+    };
+    let mut response = text(status, format!("{who}: {err}"));
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        response
+            .headers_mut()
+            .insert(hyper::header::RETRY_AFTER, RETRY_AFTER_SECS.into());
+    }
+    response
+}
+
+/// A file served whole from an open file.
+fn whole(file: std::fs::File, what: &Path) -> Result<FileBody, IndexError> {
+    let length = file
+        .metadata()
+        .map_err(|source| IndexError::Io {
+            what: format!("read {}", what.display()),
+            source,
+        })?
+        .len();
+    Ok(FileBody {
+        file: Arc::new(file),
+        length,
+        progress: None,
+        on_complete: None,
+        flight: None,
+        session_slot: None,
+    })
+}
+
+/// An upstream file's bytes for `session`: the cache's whole, or a download's as they
+/// arrive (once upstream answered, so that its length is known). A download counts against
+/// the session's [`MAX_SESSION_FLIGHTS`] and waits at most [`download::SLOT_WAIT`] for a
+/// slot ([`IndexError::Busy`] past either). Shared by the PyPI index and the npm registry,
+/// so that both draw on the same slots, cache and limits.
+async fn follow(
+    downloads: &Arc<Downloads>,
+    session: &Session,
+    wanted: Wanted,
+) -> Result<FileBody, IndexError> {
+    let cached = downloads.path_of(&wanted.digest);
+    if let Some(file) = downloads.cached_file(&wanted.digest).await {
+        return whole(file, &cached);
+    }
+    let session_slot = session
+        .packages
+        .lock()
+        .flights
+        .clone()
+        .try_acquire_owned()
         .map_err(|_| {
             IndexError::Busy(format!(
-                "all {} package download slots stayed busy for {} s",
-                download::MAX_DOWNLOADS,
-                download::SLOT_WAIT.as_secs()
+                "this session already waits for or runs {MAX_SESSION_FLIGHTS} package downloads"
             ))
-        })?
+        })?;
+    let flight = match downloads.join(wanted)? {
+        Joined::Flight(flight) => flight,
+        Joined::Cached(file) => return whole(file, &cached),
+    };
+    // From here, returning early drops `flight`: if no other client holds it, the
+    // download is dropped (queued) or stopped (running).
+    let mut progress = flight.progress.clone();
+    let abandoned = || IndexError::Download(DownloadError::Abandoned);
+    tokio::time::timeout(
+        download::SLOT_WAIT,
+        progress.wait_for(|p| !matches!(p.state, State::Queued)),
+    )
+    .await
+    .map_err(|_| {
+        IndexError::Busy(format!(
+            "all {} package download slots stayed busy for {} s",
+            download::MAX_DOWNLOADS,
+            download::SLOT_WAIT.as_secs()
+        ))
+    })?
+    .map_err(|_| abandoned())?;
+    // Upstream's headers: bounded by the client's connect and read timeouts.
+    let state = progress
+        .wait_for(|p| !matches!(p.state, State::Queued | State::Starting))
+        .await
+        .map(|p| p.state.clone())
         .map_err(|_| abandoned())?;
-        // Upstream's headers: bounded by the client's connect and read timeouts.
-        let state = progress
-            .wait_for(|p| !matches!(p.state, State::Queued | State::Starting))
-            .await
-            .map(|p| p.state.clone())
-            .map_err(|_| abandoned())?;
-        if let State::Failed(err) = state {
-            return Err(IndexError::Download((*err).clone()));
-        }
-        // Set before the state left `Starting`.
-        let file = progress.borrow().file.clone().ok_or_else(abandoned)?;
-        Ok(FileBody {
-            file,
-            length: 0,
-            progress: Some(progress),
-            on_complete: None,
-            flight: Some(flight),
-            session_slot: Some(session_slot),
-        })
+    if let State::Failed(err) = state {
+        return Err(IndexError::Download((*err).clone()));
     }
+    // Set before the state left `Starting`.
+    let file = progress.borrow().file.clone().ok_or_else(abandoned)?;
+    Ok(FileBody {
+        file,
+        length: 0,
+        progress: Some(progress),
+        on_complete: None,
+        flight: Some(flight),
+        session_slot: Some(session_slot),
+    })
 }
 
 #[cfg(test)]
