@@ -238,7 +238,6 @@ pub struct RecordedCell {
     pub timing: Map<String, Value>,
     /// Outputs were dropped for the memory bound.
     pub outputs_dropped: bool,
-    msg_id: String,
     replied: bool,
     idle: bool,
     aborted: bool,
@@ -342,7 +341,6 @@ impl History {
             outputs: OutputLog::default(),
             timing,
             outputs_dropped: false,
-            msg_id: message.msg_id().to_owned(),
             replied: false,
             idle: false,
             aborted: false,
@@ -390,7 +388,9 @@ impl History {
             cell.timing.insert(key.to_owned(), now());
             if idle {
                 cell.idle = true;
-                Self::maybe_close(&mut inner, index);
+            } else {
+                // The kernel started another execution: the finished ones get nothing more.
+                Self::close_finished(&mut inner, index);
             }
             return;
         }
@@ -489,22 +489,24 @@ impl History {
                 cell.aborted = content.get("status").and_then(Value::as_str) == Some("aborted");
                 cell.timing.insert("shell.execute_reply".to_owned(), now());
                 cell.replied = true;
-                Self::maybe_close(&mut inner, index);
             }
             _ => {}
         }
     }
 
-    fn maybe_close(inner: &mut Inner, index: usize) {
-        let cell = &inner.cells[index];
-        if !(cell.replied && cell.idle) {
-            return;
-        }
-        let msg_id = cell.msg_id.clone();
-        inner.open.remove(&msg_id);
-        if let Some(at) = inner.open_order.iter().position(|m| *m == msg_id) {
-            inner.open_order.remove(at);
-        }
+    /// Closes every cell but `running` that has its reply and its `idle`. A finished cell
+    /// stays open until the kernel starts another one, not only until its `idle`: Deno's
+    /// kernel publishes a cell's value and `console.log` lines after the cell's `idle`
+    /// (kernels/deno/README.md), always before it starts the next execution.
+    fn close_finished(inner: &mut Inner, running: usize) {
+        let Inner {
+            cells,
+            open,
+            open_order,
+            ..
+        } = inner;
+        open.retain(|_, index| *index == running || !(cells[*index].replied && cells[*index].idle));
+        open_order.retain(|msg_id| open.contains_key(msg_id));
     }
 
     /// A copy for export. Cells the kernel aborted (never ran) are left out.
@@ -547,6 +549,38 @@ mod tests {
             &json!({"status": "ok", "execution_count": count}),
         ));
         history.on_iopub(&iopub(req, "status", json!({"execution_state": "idle"})));
+    }
+
+    #[test]
+    fn a_finished_cell_takes_outputs_until_the_next_one_starts() {
+        let history = History::new();
+        let first = request("6 * 7");
+        history.on_request(&first);
+        finish(&history, &first, 1);
+        // Deno's value, after the cell's idle: still the first cell's.
+        let value = |req: &Message, text: &str| {
+            iopub(
+                req,
+                "execute_result",
+                json!({"data": {"text/plain": text}, "metadata": {}, "execution_count": 1}),
+            )
+        };
+        history.on_iopub(&value(&first, "42"));
+        let second = request("1");
+        history.on_request(&second);
+        history.on_iopub(&iopub(
+            &second,
+            "status",
+            json!({"execution_state": "busy"}),
+        ));
+        // Once another cell runs, the first gets nothing more.
+        history.on_iopub(&value(&first, "stray"));
+        finish(&history, &second, 2);
+        let cells = history.snapshot().cells;
+        let first_outputs = cells[0].outputs.to_json();
+        assert_eq!(first_outputs.len(), 1, "{first_outputs:?}");
+        assert_eq!(first_outputs[0]["data"]["text/plain"], "42");
+        assert!(cells[1].outputs.to_json().is_empty());
     }
 
     #[test]

@@ -299,12 +299,14 @@ mod tests {
     /// Two cellgate sessions' ids.
     const KERNEL_1: &str = "00000000-0000-4000-8000-000000000001";
     const KERNEL_2: &str = "00000000-0000-4000-8000-000000000002";
+    const KERNEL_3: &str = "00000000-0000-4000-8000-000000000003";
 
     fn with_default(defaults: &Defaults, principal: &Principal, id: &str, session: &str) {
         defaults.insert(
             (Caller::of(principal), id.to_owned()),
             Arc::new(tokio::sync::Mutex::new(DefaultSession {
                 id: Some(SessionId::parse(session).unwrap()),
+                others: Default::default(),
                 ended: false,
             })),
         );
@@ -397,9 +399,18 @@ mod tests {
         let s1 = defaults
             .get(&(Caller::of(&alice), "s1".to_owned()))
             .expect("s1's");
+        // Its session of another language (run_code) ends with it too.
+        s1.lock()
+            .await
+            .others
+            .insert("deno".to_owned(), SessionId::parse(KERNEL_3).unwrap());
         conversations.ended("s1");
-        assert!(eventually(|| !seen.deleted.lock().is_empty()).await);
-        assert_eq!(*seen.deleted.lock(), [KERNEL_1], "only the ended one's");
+        assert!(eventually(|| seen.deleted.lock().len() >= 2).await);
+        assert_eq!(
+            *seen.deleted.lock(),
+            [KERNEL_1, KERNEL_3],
+            "only the ended one's"
+        );
         assert_eq!(*seen.closed.lock(), ["s1"]);
         assert!(
             s1.lock().await.ended,
