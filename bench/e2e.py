@@ -537,7 +537,7 @@ class BareTarget:
         pass
 
     async def new_kernel(self):
-        km = AsyncKernelManager(kernel_name="python3")
+        km = AsyncKernelManager(kernel_name=self.args.kernel)
         if self.logf is None:
             os.makedirs(os.path.join(RESULTS_DIR, "logs"), exist_ok=True)
             self.logf = open(os.path.join(RESULTS_DIR, "logs", f"bare-kernels-{os.getpid()}.log"), "ab")
@@ -674,7 +674,7 @@ class GatewayTarget:
         return await AsyncHTTPClient().fetch(req, raise_error=raise_error)
 
     async def new_kernel(self):
-        r = await self.http("POST", "/api/kernels", {"name": "python3"})
+        r = await self.http("POST", "/api/kernels", {"name": self.args.kernel})
         if r.code != 201:
             raise ScenarioError(f"{self.name}: POST /api/kernels -> {r.code} {r.body[:300]!r}")
         kid = json.loads(r.body)["id"]
@@ -799,7 +799,7 @@ async def sc_roundtrip(t, a):
     """Scenarios 1+2: `1+1` round trips; gateway CPU during the measured ones."""
     async def run(conn):
         for _ in range(a.warmup):
-            await execute(conn, "1+1")
+            await execute(conn, a.one_plus_one)
         pid = t.gateway_pid
         my0 = time.process_time()
         if pid:
@@ -807,7 +807,7 @@ async def sc_roundtrip(t, a):
         lat = []
         for _ in range(a.n):
             t0 = time.perf_counter()
-            await execute(conn, "1+1")
+            await execute(conn, a.one_plus_one)
             lat.append((time.perf_counter() - t0) * 1e3)
         res = {
             "rt_p50_ms": pct(lat, 50), "rt_p90_ms": pct(lat, 90), "rt_p99_ms": pct(lat, 99),
@@ -1048,7 +1048,7 @@ async def sc_many(t, a):
 
         async def ex(c):
             s = time.perf_counter()
-            await execute(c, "1+1")
+            await execute(c, a.one_plus_one)
             return (time.perf_counter() - s) * 1e3
         s = time.perf_counter()
         lat = await asyncio.gather(*(asyncio.wait_for(ex(c), a.many_timeout) for c in ok),
@@ -1606,6 +1606,10 @@ def parse_args(argv=None):
     p.add_argument("--cellgate-bin", default=os.path.join(REPO, "target", "release", "cellgate"))
     p.add_argument("--cellgate-arg", action="append", default=[], help="extra argument for cellgate serve")
     p.add_argument("--kernels-dir", default=os.path.join(REPO, "kernels"))
+    p.add_argument("--kernel", default="python3",
+                   help="the kernelspec every target runs (deno, ir, bash…: scenarios 1, 2, 5-8 "
+                        "apply; `1+1` is `echo 2` for bash). bare runs the same kernel without "
+                        "cellgate's parts (Deno without its TCP relay)")
     p.add_argument("--kernelspec", choices=("cellgate", "stock"), default="cellgate",
                    help="the python3 kernel bare and kg run: cellgate's own (kernels/python3: "
                         "its venv, launcher and flags, as cellgate runs it; default, so that "
@@ -1636,6 +1640,7 @@ def parse_args(argv=None):
     for k, (qv, fv) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, qv if q else fv)
+    a.one_plus_one = "echo 2" if a.kernel == "bash" else "1+1"
     return a
 
 
@@ -1644,6 +1649,8 @@ def use_kernelspec(a):
     python3 kernelspec made from cellgate's kernels/python3/kernel.json, with `python`
     resolved to that spec's venv: the same kernel process cellgate starts (in its sandbox).
     Returns a description for the report."""
+    if a.kernel != "python3":
+        return use_other_kernelspec(a)
     if a.kernelspec == "stock":
         return "bare and kg: the tools venv's stock python3 kernelspec"
     src = os.path.join(a.kernels_dir, "python3")
@@ -1658,6 +1665,29 @@ def use_kernelspec(a):
         json.dump(spec, f)
     os.environ["JUPYTER_PATH"] = root
     return f"bare and kg: cellgate's python3 kernelspec ({' '.join(spec['argv'][1:3])} …, {python})"
+
+
+def use_other_kernelspec(a):
+    """bare and kg run kernelspec `a.kernel` from kernels/: its environment's programs, with
+    Deno started directly (bare Deno binds TCP itself; cellgate's relay exists only to give
+    it a sandbox's ipc endpoints)."""
+    src = os.path.join(a.kernels_dir, a.kernel)
+    with open(os.path.join(src, "kernel.json")) as f:
+        spec = json.load(f)
+    env_dir = os.path.join(src, ".venv")
+    argv = [x.replace("{prefix}", env_dir) for x in spec["argv"]]
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = os.path.join(env_dir, "bin", "python")
+    if "--" in argv and "{tcp_connection_file}" in argv:
+        argv = [x.replace("{tcp_connection_file}", "{connection_file}") for x in argv[argv.index("--") + 1:]]
+    spec["argv"] = argv
+    spec.pop("metadata", None)
+    root = os.path.join(_RUNTIME_DIR, "jupyter")
+    os.makedirs(os.path.join(root, "kernels", a.kernel), exist_ok=True)
+    with open(os.path.join(root, "kernels", a.kernel, "kernel.json"), "w") as f:
+        json.dump(spec, f)
+    os.environ["JUPYTER_PATH"] = root
+    return f"bare and kg: kernelspec {a.kernel} ({' '.join(argv)})"
 
 
 async def amain(a):
