@@ -16,8 +16,9 @@ pub const USR_LINKS: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32
 
 /// Host `/etc` entries the kernel may read, each shown read-only on its own: the dynamic
 /// linker's cache, TLS certificates, fonts, time zone, MIME types, resolver and locale
-/// settings that name no host, Debian's alternatives links and R's settings (`/usr/lib/R/etc`
-/// links into `/etc/R`: without them R cannot start). Never `shadow`,
+/// settings that name no host, Debian's alternatives links and the two R settings R cannot
+/// start without (`/usr/lib/R/etc` links into `/etc/R`; not its `*.site` files, where hosts
+/// keep tokens). Never `shadow`,
 /// `ssl/private`, `resolv.conf`, `hosts`, `hostname` or the gateway's configuration.
 pub const ETC_ENTRIES: &[&str] = &[
     "/etc/ld.so.cache",
@@ -42,7 +43,8 @@ pub const ETC_ENTRIES: &[&str] = &[
     "/etc/host.conf",
     "/etc/inputrc",
     "/etc/locale.alias",
-    "/etc/R",
+    "/etc/R/Renviron",
+    "/etc/R/ldpaths",
 ];
 
 /// The generated `/etc` files, by name: `passwd` and `group` with root, the kernel's user

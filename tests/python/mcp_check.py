@@ -394,6 +394,9 @@ async def main():
         check(session_of(text) == second, text)
         _, text = await run(mcp, "x", session_id=first)
         check("failed" in text and "no_such_session" in text, f"the old session survived: {text}")
+        # The conversation's Deno session started over with it.
+        text = text_of(await tool_call(mcp, "run_code", {"code": "typeof y", "language": "typescript"}))
+        check("undefined" in text and session_of(text) != deno, f"the old Deno session survived: {text}")
         # An id of another shape is answered as API v1 answers it: an unknown session.
         for bad in ["not-a-session", first.upper()]:
             _, text = await run(mcp, "1", session_id=bad)

@@ -73,6 +73,8 @@ pub struct DefaultSession {
     /// The conversation's sessions of other kernelspecs (`run_code` in another language),
     /// by kernelspec name.
     pub others: std::collections::BTreeMap<String, SessionId>,
+    /// The policy `new_session` asked for: the conversation's later sessions get it too.
+    pub policy: Option<String>,
     /// The conversation has ended: no tool may make a session for it any more (one made
     /// after its end would never be deleted).
     pub ended: bool,
@@ -307,6 +309,7 @@ mod tests {
             Arc::new(tokio::sync::Mutex::new(DefaultSession {
                 id: Some(SessionId::parse(session).unwrap()),
                 others: Default::default(),
+                policy: None,
                 ended: false,
             })),
         );

@@ -576,7 +576,9 @@ impl Tools {
                 return Err(answer.failure("finding the session"));
             }
         }
-        let id = self.create_of(principal, None, kernel).await?;
+        let id = self
+            .create_of(principal, known.policy.clone(), kernel)
+            .await?;
         match kernel {
             None => known.id = Some(id.clone()),
             Some(kernel) => {
@@ -911,14 +913,22 @@ impl Tools {
         if known.ended {
             return ended_conversation();
         }
-        let id = match self.create(&principal, request.policy).await {
+        let id = match self.create(&principal, request.policy.clone()).await {
             Ok(id) => id,
             Err(error) => return error,
         };
         let old = known.id.replace(id.clone());
+        // The conversation's sessions of other languages start afresh too, under the new
+        // policy when run_code next needs them.
+        let others = std::mem::take(&mut known.others);
+        known.policy = request.policy;
         drop(known);
         if let Some(old) = &old {
             self.call(&principal, Method::DELETE, &session_path(old), None)
+                .await;
+        }
+        for other in others.values() {
+            self.call(&principal, Method::DELETE, &session_path(other), None)
                 .await;
         }
         let answer = self

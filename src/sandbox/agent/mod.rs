@@ -129,10 +129,17 @@ pub fn check_image_runs(spec: &LaunchSpec, backend: &str) -> Result<(), AgentErr
         .parent()
         .and_then(Path::parent)
         .is_some_and(|venv| venv.join("pyvenv.cfg").is_file());
-    let module = match spec.argv.get(1..3) {
-        Some([flag, module]) if flag == "-m" => Some(module.as_str()),
-        _ => None,
-    };
+    // `python [-X… -u -E…] -m module`: interpreter flags may come first.
+    let flags = spec
+        .argv
+        .iter()
+        .skip(1)
+        .take_while(|arg| arg.starts_with('-'));
+    let module = flags
+        .clone()
+        .position(|arg| arg == "-m")
+        .and_then(|at| spec.argv.get(at + 2))
+        .map(String::as_str);
     if in_venv && module.is_some_and(|m| IMAGE_KERNEL_MODULES.contains(&m)) {
         return Ok(());
     }
@@ -202,5 +209,73 @@ pub fn keep_log_tail(log_file: &Path, tail: &str) {
         .open(log_file)
     {
         let _ = file.write_all(&tail.as_bytes()[..end]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// A kernel's launch spec: `argv`, with a connection file (so it counts as a kernel)
+    /// and, when `venv`, the program in a venv.
+    fn spec(dir: &Path, argv: &[&str], venv: bool) -> LaunchSpec {
+        let run = dir.join("run");
+        std::fs::create_dir_all(&run).unwrap();
+        std::fs::write(run.join("connection.json"), "{}").unwrap();
+        let env_dir = dir.join("env");
+        std::fs::create_dir_all(env_dir.join("bin")).unwrap();
+        if venv {
+            std::fs::write(env_dir.join("pyvenv.cfg"), "home = /usr/bin\n").unwrap();
+        }
+        let mut argv: Vec<String> = argv.iter().map(|a| a.to_string()).collect();
+        argv[0] = env_dir.join("bin").join(&argv[0]).display().to_string();
+        LaunchSpec {
+            kernel_id: "k".to_owned(),
+            argv,
+            env: BTreeMap::new(),
+            connection_file: run.join("connection.json"),
+            connection: crate::protocol::ConnectionInfo::ipc(&run.join("k"), String::new(), ""),
+            runtime_dir: run,
+            workspace: dir.join("work"),
+            log_file: dir.join("kernel.log"),
+            limits: Default::default(),
+            egress_socket: None,
+            allow_emulation: false,
+            zygote: false,
+            labels: Default::default(),
+            adopt: None,
+            backend_settings: Default::default(),
+        }
+    }
+
+    #[test]
+    fn the_image_runs_python_kernels_only() {
+        // A directory of its own each: a venv's pyvenv.cfg must not linger into the next.
+        let runs = |argv: &[&str], venv: bool| {
+            let dir = tempfile::tempdir().unwrap();
+            check_image_runs(&spec(dir.path(), argv, venv), "microvm").is_ok()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        assert!(runs(
+            &["python", "-m", "cellgate_kernel_launcher", "-f", "c"],
+            true
+        ));
+        assert!(runs(
+            &["python", "-Xfrozen_modules=off", "-m", "ipykernel_launcher"],
+            true
+        ));
+        assert!(!runs(
+            &["python", "-m", "cellgate_bash_kernel", "-f", "c"],
+            true
+        ));
+        assert!(!runs(&["cellgate-tcp-kernel", "c", "--", "deno"], false));
+        assert!(!runs(&["python", "-m", "ipykernel_launcher"], false));
+        assert!(!runs(&["python", "script.py", "-m", "ipykernel"], true));
+        let error = check_image_runs(&spec(dir.path(), &["r-kernel", "c"], false), "microvm");
+        assert!(
+            format!("{error:?}").contains("microvm sandbox"),
+            "{error:?}"
+        );
     }
 }
