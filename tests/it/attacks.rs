@@ -384,6 +384,19 @@ fn all_refused(results: &Value) -> Result<()> {
 }
 
 /// The gateway's runtime root (`$TMPDIR/cellgate-*`) holding `kernel`'s directory.
+/// A kernel's first generation's directory under its root: each generation has its own,
+/// `run/g1-<random>/`.
+fn first_generation_dir(kernel_root: &Path) -> Result<PathBuf> {
+    std::fs::read_dir(kernel_root.join("run"))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("g1-"))
+        })
+        .ok_or_else(|| anyhow!("no first generation directory under {kernel_root:?}"))
+}
+
 fn runtime_root_of(kernel: &str) -> Result<PathBuf> {
     for entry in std::fs::read_dir(std::env::temp_dir())? {
         let path = entry?.path();
@@ -812,15 +825,7 @@ async fn another_sessions_connection_file_and_workspace() -> Result<()> {
     let (a_id, mut attacker) = arena.attacker("default").await?;
     let root = runtime_root_of(&arena.bystander_id)?;
     let b_root = root.join(&arena.bystander_id);
-    // Each generation has its own directory, `run/g1-<random>/`.
-    let b_gen = std::fs::read_dir(b_root.join("run"))?
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("g1-"))
-        })
-        .ok_or_else(|| anyhow::anyhow!("B's generation directory"))?;
+    let b_gen = first_generation_dir(&b_root)?;
     let b_conn = b_gen.join("connection.json");
     let b_sock = b_gen.join("k-1");
     let b_work = b_root.join("work");

@@ -11,7 +11,7 @@ use std::os::unix::net::UnixListener;
 use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
 
-use super::{arena, runtime_root_of};
+use super::{arena, first_generation_dir, runtime_root_of};
 use crate::support::v1::V1Client;
 use crate::support::*;
 
@@ -30,14 +30,7 @@ async fn a_deno_attacker_reaches_nothing_outside_its_sandbox() -> Result<()> {
     ensure!(reply(&msgs).content["status"] == "ok", "{msgs:?}");
     let root = runtime_root_of(&arena.bystander_id)?;
     let b_root = root.join(&arena.bystander_id);
-    let b_gen = std::fs::read_dir(b_root.join("run"))?
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("g1-"))
-        })
-        .context("the bystander's generation directory")?;
+    let b_gen = first_generation_dir(&b_root)?;
     ensure!(b_gen.join("connection.json").is_file());
 
     let host_tcp = std::net::TcpListener::bind("127.0.0.1:0")?;
