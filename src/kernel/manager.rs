@@ -130,6 +130,43 @@ pub struct PoolStatus {
     pub last_error: Option<String>,
 }
 
+/// Refuses at start a pooled kernelspec the default policy's sandbox cannot run (a Deno
+/// kernel with microVMs, whose image holds the python3 environment only): its pool would
+/// never fill and `/readyz` would answer 503 for good, with nothing saying why.
+fn check_pool_runs(
+    specs: &KernelSpecs,
+    backends: &Backends,
+    options: &ManagerOptions,
+) -> Result<(), KernelError> {
+    if options.pool_size == 0 {
+        return Ok(());
+    }
+    let backend = backends
+        .forced()
+        .unwrap_or(options.policies.default_policy().backend);
+    if !backend.has_agent() {
+        return Ok(());
+    }
+    let pooled = if options.pool_kernels.is_empty() {
+        vec![specs.default_name().to_owned()]
+    } else {
+        options.pool_kernels.clone()
+    };
+    for name in pooled {
+        let Some(spec) = specs.get(&name) else {
+            continue;
+        };
+        let argv = spec.command(std::path::Path::new("connection.json"))?;
+        if !crate::sandbox::agent::runs_in_image(&argv) {
+            return Err(KernelError::PoolCannotRun {
+                name,
+                backend: backend.as_str(),
+            });
+        }
+    }
+    Ok(())
+}
+
 impl KernelManager {
     pub fn new(
         specs: KernelSpecs,
@@ -149,6 +186,7 @@ impl KernelManager {
                 known: specs.names(),
             });
         }
+        check_pool_runs(&specs, &backends, &options)?;
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)

@@ -157,5 +157,29 @@ async fn other_kernelspecs_come_from_their_own_pools() -> anyhow::Result<()> {
         refused.err().expect("an unknown kernelspec is refused")
     );
     assert!(err.contains("no-such-kernel"), "{err}");
+
+    // A pooled kernelspec the default sandbox cannot run is refused at start, not left as a
+    // pool that never fills (and a /readyz that answers 503 for good).
+    let refused = Gateway::builder()
+        .args(&[
+            "--sandbox",
+            "microvm",
+            "--pool-size",
+            "1",
+            "--pool-kernels",
+            "python3,deno",
+        ])
+        .start()
+        .await;
+    let err = format!(
+        "{:#}",
+        refused
+            .err()
+            .expect("a pooled kernelspec microVMs cannot run is refused")
+    );
+    assert!(
+        err.contains("kernelspec deno is in the warm pool") && err.contains("microvm"),
+        "{err}"
+    );
     Ok(())
 }

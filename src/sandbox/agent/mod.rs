@@ -124,29 +124,31 @@ pub fn check_image_runs(spec: &LaunchSpec, backend: &str) -> Result<(), AgentErr
     if !spec.connection_file.is_file() {
         return Ok(());
     }
-    let program = Path::new(spec.argv.first().map(String::as_str).unwrap_or_default());
-    let in_venv = program
-        .parent()
-        .and_then(Path::parent)
-        .is_some_and(|venv| venv.join("pyvenv.cfg").is_file());
-    // `python [-X… -u -E…] -m module`: interpreter flags may come first.
-    let flags = spec
-        .argv
-        .iter()
-        .skip(1)
-        .take_while(|arg| arg.starts_with('-'));
-    let module = flags
-        .clone()
-        .position(|arg| arg == "-m")
-        .and_then(|at| spec.argv.get(at + 2))
-        .map(String::as_str);
-    if in_venv && module.is_some_and(|m| IMAGE_KERNEL_MODULES.contains(&m)) {
+    if runs_in_image(&spec.argv) {
         return Ok(());
     }
     Err(AgentError(format!(
         "this kernel cannot run in a {backend} sandbox: its image holds the python3 kernel's \
          environment only (run other kernelspecs under a namespaces or gvisor policy)"
     )))
+}
+
+/// Whether a kernel command is one the guest's image can run: a Python venv's interpreter
+/// starting one of [`IMAGE_KERNEL_MODULES`] (`python [-X… -u -E…] -m module`).
+pub fn runs_in_image(argv: &[String]) -> bool {
+    let program = Path::new(argv.first().map(String::as_str).unwrap_or_default());
+    let in_venv = program
+        .parent()
+        .and_then(Path::parent)
+        .is_some_and(|venv| venv.join("pyvenv.cfg").is_file());
+    // Interpreter flags may come before `-m`.
+    let flags = argv.iter().skip(1).take_while(|arg| arg.starts_with('-'));
+    let module = flags
+        .clone()
+        .position(|arg| arg == "-m")
+        .and_then(|at| argv.get(at + 2))
+        .map(String::as_str);
+    in_venv && module.is_some_and(|m| IMAGE_KERNEL_MODULES.contains(&m))
 }
 
 /// The kernel's paths in the guest: the same fixed paths as in every sandbox, with the
