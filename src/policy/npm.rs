@@ -154,6 +154,25 @@ fn parse_range(range: &str) -> Result<Vec<VersionReq>, String> {
         .collect()
 }
 
+/// The tokens of a comparator set with a lone operator joined to the version after it: npm
+/// allows a space there (`>= 1.2`, `~ 1.2`).
+fn operators_joined(tokens: &[&str]) -> Result<Vec<String>, String> {
+    let is_operator = |t: &str| !t.is_empty() && t.chars().all(|c| "<>=^~".contains(c));
+    let mut out = Vec::with_capacity(tokens.len());
+    let mut tokens = tokens.iter();
+    while let Some(&token) = tokens.next() {
+        if is_operator(token) {
+            match tokens.next() {
+                Some(&version) if !is_operator(version) => out.push(format!("{token}{version}")),
+                _ => return Err(format!("operator {token:?} without a version after it")),
+            }
+        } else {
+            out.push(token.to_owned());
+        }
+    }
+    Ok(out)
+}
+
 /// One space-separated set of npm comparators, in `semver`'s syntax.
 fn comparator_set(set: &str) -> Result<Vec<String>, String> {
     let tokens: Vec<&str> = set.split_whitespace().collect();
@@ -175,8 +194,8 @@ fn comparator_set(set: &str) -> Result<Vec<String>, String> {
         return Err("a hyphen range is `low - high`, alone in its set".to_owned());
     }
     let mut out = vec![];
-    for token in tokens {
-        // npm allows a space between an operator and its version (`>= 1.2`); this does not.
+    for token in operators_joined(&tokens)? {
+        let token = token.as_str();
         let op_len = token
             .find(|c: char| !matches!(c, '<' | '>' | '=' | '^' | '~'))
             .unwrap_or(token.len());
@@ -351,6 +370,9 @@ mod tests {
         assert!(m("x@1.2.3 - 1.4.0", "1.4.0") && !m("x@1.2.3 - 1.4.0", "1.4.1"));
         assert!(m("x@*", "9.9.9") && m("x@>1.2", "1.3.0") && !m("x@>1.2", "1.2.5"));
         assert!(m("x@<=1.2", "1.2.9") && !m("x@<=1.2", "1.3.0"));
+        // npm allows a space after an operator.
+        assert!(m("x@>= 1.2 < 2", "1.5.0") && !m("x@>= 1.2 < 2", "2.0.0"));
+        assert!(m("x@~ 1.2.3", "1.2.9") && !m("x@~ 1.2.3", "1.3.0"));
         // Pre-releases: only a comparator naming one on the same release.
         assert!(!m("x@^1", "1.5.0-beta.1") && !m("x@*", "2.0.0-rc.1"));
         assert!(m("x@>=2.0.0-rc.1", "2.0.0-rc.2") && !m("x@>=2.0.0-rc.1", "2.1.0-rc.1"));
@@ -374,6 +396,8 @@ mod tests {
             "x@1.x.3",
             "x@1 - 2 - 3",
             "x@1.2-beta",
+            "x@>=",
+            "x@>= <2",
         ] {
             let err = NpmRule::parse(entry).expect_err(entry);
             assert!(err.contains("package 'x'"), "{entry}: {err}");

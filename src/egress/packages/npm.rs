@@ -8,11 +8,15 @@
 //! registry.npmjs.org), are cached for [`PACKUMENT_TTL`] and served filtered:
 //! - only the versions the policy's ranges allow, and only those whose `dist.integrity`
 //!   is a sha512 (older ones with a SHA-1 `shasum` alone are left out: SHA-1 is not a
-//!   hash a cache should trust);
+//!   hash a cache should trust) and whose tarball is on the upstream registry's origin;
 //! - `dist.tarball` rewritten to this registry (`/<name>/-/<file>-<version>.tgz`), so the
 //!   tarball comes through here too;
 //! - dist-tags pointing at a left-out version dropped, and `latest` set to the highest
 //!   allowed release when upstream's is not allowed (Deno resolves a bare `npm:x` by it).
+//!
+//! The policy compares names case-insensitively; upstream is asked for a name as the client
+//! spelt it. Packuments are served by serialising the cached upstream document's allowed
+//! parts in place, never copied per request.
 //!
 //! Every tarball request asks the policy again (name and version, from the path) and takes
 //! its upstream URL and sha512 from the packument, never from the client. Tarballs go
@@ -36,6 +40,7 @@ use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use parking_lot::Mutex;
+use serde::ser::{Serialize, SerializeMap};
 use serde_json::{Map, Value};
 
 use super::download::{Downloads, FileDigest, Wanted};
@@ -141,7 +146,11 @@ fn parse_path(path: &str) -> Option<Asked> {
         Some((name, file)) => (name, Some(file)),
         None => (path, None),
     };
-    let name = normalize_npm_name(name)?;
+    // The policy compares names case-insensitively, but upstream is asked for the name as
+    // spelt: a few old packages have capitals (`JSONStream`), and their lower-case
+    // spelling is another package or none.
+    normalize_npm_name(name)?;
+    let name = name.to_owned();
     match file {
         None => Some(Asked::Packument(name)),
         Some(file) if !file.contains('/') && file.ends_with(".tgz") => {
@@ -172,15 +181,32 @@ fn sha512_of(integrity: &str) -> Option<FileDigest> {
     })
 }
 
-/// The upstream URL, the sha512 and the integrity string of one version's tarball.
-fn dist_of(version: &Value) -> Option<(String, FileDigest, String)> {
+/// The upstream URL, the sha512 and the integrity string of one version's tarball. The
+/// tarball must be on the upstream registry's own origin: a packument is upstream's word,
+/// and a link elsewhere (an address inside the gateway's network) would have the gateway
+/// fetch what no policy named.
+fn dist_of(version: &Value, upstream: &str) -> Option<(String, FileDigest, String)> {
     let dist = version.get("dist")?;
     let url = dist.get("tarball")?.as_str()?;
-    if !(url.starts_with("https://") || url.starts_with("http://")) {
+    if !same_origin(url, upstream) {
         return None;
     }
     let integrity = dist.get("integrity")?.as_str()?;
     Some((url.to_owned(), sha512_of(integrity)?, integrity.to_owned()))
+}
+
+/// Whether `url` is an http(s) URL on `upstream`'s scheme, host and port.
+fn same_origin(url: &str, upstream: &str) -> bool {
+    let (Ok(url), Ok(upstream)) = (reqwest::Url::parse(url), reqwest::Url::parse(upstream)) else {
+        return false;
+    };
+    matches!(url.scheme(), "http" | "https")
+        && url.scheme() == upstream.scheme()
+        && url.host_str().is_some()
+        && url.host_str() == upstream.host_str()
+        && url.port_or_known_default() == upstream.port_or_known_default()
+        && url.username().is_empty()
+        && url.password().is_none()
 }
 
 /// The file name of a version's tarball on this registry.
@@ -248,7 +274,9 @@ impl NpmRegistry {
             }
         };
         if version.is_none() {
-            if let Some(parent) = session.packages.lock().npm_dependents.get(name) {
+            let parent = normalize_npm_name(name)
+                .and_then(|key| session.packages.lock().npm_dependents.get(&key).cloned());
+            if let Some(parent) = parent {
                 reason.push_str(&format!(
                     " (a dependency of '{parent}'; list it in [packages] npm)"
                 ));
@@ -276,14 +304,25 @@ impl NpmRegistry {
                 return error_response(&err);
             }
         };
-        let (body, dependencies) = served(name, rules, &packument);
+        let served = served(name, rules, &packument, &self.config.upstream);
+        let body = match serde_json::to_vec(&served) {
+            Ok(body) => body,
+            // Values parsed from JSON always serialise; said rather than assumed.
+            Err(err) => {
+                tracing::warn!(kernel_id = %session.kernel_id, name, %err, "npm registry: a packument did not serialise");
+                return npm_error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "cellgate npm registry: a packument did not serialise",
+                );
+            }
+        };
         {
             let mut state = session.packages.lock();
-            for dependency in dependencies {
+            for dependency in &served.dependencies {
                 if state.npm_dependents.len() >= MAX_DEPENDENTS {
                     break;
                 }
-                if let Some(dependency) = normalize_npm_name(&dependency) {
+                if let Some(dependency) = normalize_npm_name(dependency) {
                     state
                         .npm_dependents
                         .entry(dependency)
@@ -291,13 +330,10 @@ impl NpmRegistry {
                 }
             }
         }
-        let listed = body
-            .get("versions")
-            .and_then(Value::as_object)
-            .map_or(0, Map::len);
+        let listed = served.versions.len();
         session.allow("npm", name, &format!("{listed} versions listed"));
         let content_type = if corgi { CORGI } else { "application/json" };
-        json_response(StatusCode::OK, content_type, &Value::Object(body))
+        respond(StatusCode::OK, content_type, body)
     }
 
     async fn tarball(
@@ -384,7 +420,7 @@ impl NpmRegistry {
             .versions
             .get(version)
             .ok_or_else(|| error("no such version upstream"))?;
-        let (url, digest, _) = dist_of(info)
+        let (url, digest, _) = dist_of(info, &self.config.upstream)
             .ok_or_else(|| error("upstream gives no sha512 integrity for its tarball"))?;
         Ok(Wanted {
             url,
@@ -516,70 +552,140 @@ impl NpmRegistry {
 }
 
 /// What a session whose policy has `rules` is served of `name`'s upstream packument: the
-/// allowed versions that have a sha512 integrity, their tarballs on this registry, the
-/// dist-tags that point at them (`latest` the highest allowed release if upstream's is not
-/// allowed), their `time` entries. With the names the served versions depend on.
-fn served(
-    name: &str,
+/// allowed versions that have a sha512 integrity on upstream's origin, their tarballs on this
+/// registry, the dist-tags that point at them (`latest` the highest allowed release if
+/// upstream's is not allowed), their `time` entries. Borrowed from the cached packument and
+/// serialised straight from it: a full packument's version documents run to tens of MB,
+/// and copying them for every request would cost that much memory per request.
+struct Served<'a> {
+    name: &'a str,
+    packument: &'a Packument,
+    /// Version, its upstream document, its integrity; in upstream's order.
+    versions: Vec<(&'a String, &'a Map<String, Value>, String)>,
+    dist_tags: Map<String, Value>,
+    /// The names the served versions depend on (for denial messages).
+    dependencies: Vec<String>,
+}
+
+fn served<'a>(
+    name: &'a str,
     rules: &NpmRules,
-    packument: &Packument,
-) -> (Map<String, Value>, Vec<String>) {
-    let mut versions = Map::new();
+    packument: &'a Packument,
+    upstream: &str,
+) -> Served<'a> {
+    let mut versions = vec![];
     let mut dependencies = vec![];
     for (version, info) in &packument.versions {
         if !rules.allows(name, version) {
             continue;
         }
-        let (Some((_, _, integrity)), Some(object)) = (dist_of(info), info.as_object()) else {
+        let (Some((_, _, integrity)), Some(object)) = (dist_of(info, upstream), info.as_object())
+        else {
             continue;
         };
-        let mut object = object.clone();
         for field in ["dependencies", "optionalDependencies", "peerDependencies"] {
             if let Some(deps) = object.get(field).and_then(Value::as_object) {
                 dependencies.extend(deps.keys().cloned());
             }
         }
-        // The key is what the policy allowed: the document must not say another version.
-        object.insert("version".to_owned(), version.clone().into());
-        object.insert(
-            "dist".to_owned(),
-            serde_json::json!({
-                "tarball": format!("http://{NPM_HOST}/{name}/-/{}", tarball_file(name, version)),
-                "integrity": integrity,
-            }),
-        );
-        versions.insert(version.clone(), object.into());
+        versions.push((version, object, integrity));
     }
+    let listed = |v: &str| versions.iter().any(|(version, _, _)| version.as_str() == v);
     let mut dist_tags: Map<String, Value> = packument
         .dist_tags
         .iter()
-        .filter(|(_, v)| v.as_str().is_some_and(|v| versions.contains_key(v)))
+        .filter(|(_, v)| v.as_str().is_some_and(listed))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     if !dist_tags.contains_key("latest") {
-        let releases = versions
-            .keys()
-            .filter(|v| semver::Version::parse(v).is_ok_and(|v| v.pre.is_empty()));
-        if let Some(latest) = highest(releases).or_else(|| highest(versions.keys())) {
+        let all = || versions.iter().map(|(v, _, _)| *v);
+        let releases = all().filter(|v| semver::Version::parse(v).is_ok_and(|v| v.pre.is_empty()));
+        if let Some(latest) = highest(releases).or_else(|| highest(all())) {
             dist_tags.insert("latest".to_owned(), latest.clone().into());
         }
     }
-    let mut body = Map::new();
-    body.insert("name".to_owned(), name.into());
-    body.insert("dist-tags".to_owned(), dist_tags.into());
-    if let Some(time) = &packument.time {
-        let time: Map<String, Value> = time
-            .iter()
-            .filter(|(k, _)| versions.contains_key(*k) || *k == "created" || *k == "modified")
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        body.insert("time".to_owned(), time.into());
+    Served {
+        name,
+        packument,
+        versions,
+        dist_tags,
+        dependencies,
     }
-    if let Some(modified) = &packument.modified {
-        body.insert("modified".to_owned(), modified.clone());
+}
+
+impl Serialize for Served<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("name", self.name)?;
+        map.serialize_entry("dist-tags", &self.dist_tags)?;
+        if let Some(time) = &self.packument.time {
+            let served_time: BTreeMap<&String, &Value> = time
+                .iter()
+                .filter(|(k, _)| {
+                    *k == "created"
+                        || *k == "modified"
+                        || self.versions.iter().any(|(v, _, _)| v == k)
+                })
+                .collect();
+            map.serialize_entry("time", &served_time)?;
+        }
+        if let Some(modified) = &self.packument.modified {
+            map.serialize_entry("modified", modified)?;
+        }
+        map.serialize_entry("versions", &ServedVersions(self))?;
+        map.end()
     }
-    body.insert("versions".to_owned(), versions.into());
-    (body, dependencies)
+}
+
+/// The `versions` object of a [`Served`] packument.
+struct ServedVersions<'a>(&'a Served<'a>);
+
+impl Serialize for ServedVersions<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let served = self.0;
+        let mut map = serializer.serialize_map(Some(served.versions.len()))?;
+        for (version, document, integrity) in &served.versions {
+            map.serialize_entry(
+                version,
+                &ServedVersion {
+                    name: served.name,
+                    version,
+                    document,
+                    integrity,
+                },
+            )?;
+        }
+        map.end()
+    }
+}
+
+/// One version's document as served: upstream's, with the key's `version` (the document
+/// must not say another) and a `dist` naming this registry's tarball and the integrity.
+struct ServedVersion<'a> {
+    name: &'a str,
+    version: &'a str,
+    document: &'a Map<String, Value>,
+    integrity: &'a str,
+}
+
+impl Serialize for ServedVersion<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(None)?;
+        for (key, value) in self.document {
+            if key != "version" && key != "dist" {
+                map.serialize_entry(key, value)?;
+            }
+        }
+        map.serialize_entry("version", self.version)?;
+        map.serialize_entry(
+            "dist",
+            &serde_json::json!({
+                "tarball": format!("http://{NPM_HOST}/{}/-/{}", self.name, tarball_file(self.name, self.version)),
+                "integrity": self.integrity,
+            }),
+        )?;
+        map.end()
+    }
 }
 
 /// The answer to a failure: 404 for a version upstream lacks (or gives no sha512 for), 503
@@ -619,7 +725,15 @@ mod tests {
         );
         assert_eq!(
             parse_path("/@Std%2FPath"),
-            Some(Asked::Packument("@std/path".into()))
+            Some(Asked::Packument("@Std/Path".into())),
+            "spelt as asked (the policy ignores case, upstream does not)"
+        );
+        assert_eq!(
+            parse_path("/JSONStream/-/JSONStream-1.3.5.tgz"),
+            Some(Asked::Tarball(
+                "JSONStream".into(),
+                "JSONStream-1.3.5.tgz".into()
+            ))
         );
         assert_eq!(
             parse_path("/@std/path"),
@@ -666,7 +780,23 @@ mod tests {
         assert_eq!(sha512_of("sha1-2jmj7l5rSw0yVb/vlWAYkK/YBwk="), None);
         assert_eq!(sha512_of("sha512-short"), None);
         let version = serde_json::json!({"dist": {"tarball": "file:///etc/passwd", "integrity": format!("sha512-{b64}")}});
-        assert!(dist_of(&version).is_none(), "http(s) tarballs only");
+        let upstream = "https://registry.example";
+        assert!(
+            dist_of(&version, upstream).is_none(),
+            "http(s) tarballs only"
+        );
+        let at = |url: &str| serde_json::json!({"dist": {"tarball": url, "integrity": format!("sha512-{b64}")}});
+        assert!(dist_of(&at("https://registry.example/x/-/x-1.tgz"), upstream).is_some());
+        assert!(dist_of(&at("https://REGISTRY.example:443/x/-/x-1.tgz"), upstream).is_some());
+        for elsewhere in [
+            "https://169.254.169.254/latest/meta-data",
+            "http://registry.example/x/-/x-1.tgz",
+            "https://registry.example:8443/x/-/x-1.tgz",
+            "https://registry.example.evil/x/-/x-1.tgz",
+            "https://user@registry.example/x/-/x-1.tgz",
+        ] {
+            assert!(dist_of(&at(elsewhere), upstream).is_none(), "{elsewhere}");
+        }
     }
 
     #[test]
@@ -694,6 +824,12 @@ mod tests {
             v["version"] = "2.0.0".into();
             v
         });
+        // A tarball off upstream's origin.
+        versions.insert("1.3.0".into(), {
+            let mut v = version("1.3.0", Some(&sri));
+            v["dist"]["tarball"] = "http://10.0.0.1/x-1.3.0.tgz".into();
+            v
+        });
         let packument = Packument {
             modified: None,
             dist_tags: serde_json::json!({"latest": "2.0.0", "next": "3.0.0-beta.1"})
@@ -707,14 +843,18 @@ mod tests {
             size: 0,
         };
         let rules = NpmRules::parse(&["X@^1 || 3.0.0-beta.1".into()]).unwrap();
-        let (body, deps) = served("x", &rules, &packument);
+        let serve = |name: &str, rules: &NpmRules| {
+            let served = served(name, rules, &packument, "https://up.example");
+            (serde_json::to_value(&served).unwrap(), served.dependencies)
+        };
+        let (body, deps) = serve("x", &rules);
         let versions = body["versions"].as_object().unwrap();
         let mut listed: Vec<&String> = versions.keys().collect();
         listed.sort();
         assert_eq!(
             listed,
             ["1.0.0", "1.2.0", "3.0.0-beta.1"],
-            "no 2.0.0; no 1.1.0 (SHA-1 only)"
+            "no 2.0.0; no 1.1.0 (SHA-1 only); no 1.3.0 (tarball elsewhere)"
         );
         assert_eq!(versions["1.2.0"]["version"], "1.2.0");
         assert_eq!(
@@ -735,12 +875,12 @@ mod tests {
         assert_eq!(deps, ["dep-1.0.0", "dep-1.2.0", "dep-3.0.0-beta.1"]);
         // A package none of whose versions is allowed: an empty document, no latest.
         let rules = NpmRules::parse(&["x@^9".into()]).unwrap();
-        let (body, _) = served("x", &rules, &packument);
+        let (body, _) = serve("x", &rules);
         assert_eq!(body["versions"], serde_json::json!({}));
         assert_eq!(body["dist-tags"], serde_json::json!({}));
         // Scoped: the tarball's path keeps the scope, its file name does not.
         let rules = NpmRules::parse(&["@s/x".into()]).unwrap();
-        let (body, _) = served("@s/x", &rules, &packument);
+        let (body, _) = serve("@s/x", &rules);
         assert_eq!(
             body["versions"]["2.0.0"]["dist"]["tarball"],
             "http://npm.cellgate.internal/@s/x/-/x-2.0.0.tgz"
