@@ -1797,7 +1797,7 @@ os.kill(-1, signal.SIGKILL)
 time.sleep(0.5)
 rc = child.poll()
 if os.getpid() == 1:
-    # gVisor: the kernel is the container's init, and kill(1) would be suicide.
+    # gVisor without tini: the kernel is the container's init, and kill(1) would be suicide.
     init = 'self'
 else:
     try:

@@ -118,8 +118,9 @@ async fn commands_run_in_the_sessions_sandbox() -> Result<()> {
     let r = run(
         &v1,
         &id,
-        // Live ones only: under gVisor the kernel is PID 1 and reaps no orphan, so a killed
-        // process may linger as a zombie (which holds nothing but its pid).
+        // Live ones only: a killed process is a zombie until its new parent (the sandbox's
+        // init) reaps it, which the test does not wait for (reaping is proven by
+        // `lifecycle::orphans_are_reaped_in_every_sandbox`).
         json!({"cmd": "for p in /proc/[0-9]*; do [ \"$(cat $p/comm 2>/dev/null)\" = sleep ] && ! grep -q '^State:[[:space:]]*Z' $p/status 2>/dev/null && echo x; done | wc -l"}),
     )
     .await?;

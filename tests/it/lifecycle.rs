@@ -891,3 +891,97 @@ fn a_broken_preload_is_left_out_and_said() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Orphans a cell leaves (a double fork, a killed command's background processes) are
+/// reaped in every sandbox: the namespaces init does it, and under gVisor, where the
+/// container's first process is its PID 1, Debian's tini is that process and the kernel its
+/// child. Without it they stay zombies, each holding a pid of the policy's limit. Interrupts
+/// still reach the kernel's main thread through the init.
+#[tokio::test]
+async fn orphans_are_reaped_in_every_sandbox() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("default.toml"), "")?;
+    std::fs::write(
+        dir.path().join("gv.toml"),
+        "[sandbox]\nbackend = \"gvisor\"\n",
+    )?;
+    let gateway = Gateway::builder()
+        .policies_dir(dir.path().to_owned())
+        .start()
+        .await?;
+    // Five orphans that exit at once; then the cell waits (up to 20 s, never for a clock's
+    // sake: it ends as soon as they are gone) until no `sleep` process is left, alive or
+    // zombie, and prints what is left.
+    let cell = r#"
+import os, subprocess, time
+subprocess.run(['bash', '-c', 'for i in 1 2 3 4 5; do (sleep 0.05 &); done'])
+def left():
+    out = []
+    for p in os.listdir('/proc'):
+        if not p.isdigit():
+            continue
+        try:
+            stat = open(f'/proc/{p}/stat').read()
+        except OSError:
+            continue
+        comm, rest = stat.split('(', 1)[1].rsplit(')', 1)
+        if comm == 'sleep':
+            out.append(rest.split()[0])
+    return out
+for _ in range(200):
+    if not left():
+        break
+    time.sleep(0.1)
+print('left:', sorted(left()), 'pid:', os.getpid())
+"#;
+    for policy in ["default", "gv"] {
+        let response = gateway
+            .request(reqwest::Method::POST, "/api/kernels")
+            .json(&serde_json::json!({"env": {"KERNEL_POLICY": policy}}))
+            .send()
+            .await?;
+        let body: serde_json::Value = response.json().await?;
+        let kernel = body["id"].as_str().context("a kernel id")?.to_owned();
+        let sandbox = body["cellgate"]["sandbox"].clone();
+        let mut client = gateway.connect(&kernel, "s-orphans", false).await?;
+        let msgs = client.run(cell).await?;
+        let out = stdout(&msgs);
+        println!("{policy} ({sandbox}): {}", out.trim());
+        assert!(
+            out.starts_with("left: [] "),
+            "{policy} ({sandbox}): orphans not reaped: {out} {msgs:?}"
+        );
+
+        // An interrupt still ends a busy cell, and only it (the init does not pass it on
+        // a second time: the kernel carries on).
+        let id = client.execute("import time; time.sleep(600)").await?;
+        loop {
+            let msg = client.recv(Duration::from_secs(30)).await?;
+            if msg.msg_type() == "execute_input" {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let status = gateway
+            .request(
+                reqwest::Method::POST,
+                &format!("/api/kernels/{kernel}/interrupt"),
+            )
+            .header("Content-Type", "application/json")
+            .body("{}")
+            .send()
+            .await?
+            .status();
+        assert_eq!(status.as_u16(), 204);
+        let msgs = client.collect(&id, 2 * PATIENCE).await?;
+        assert_eq!(
+            of_type(&msgs, "error")[0].content["ename"],
+            "KeyboardInterrupt",
+            "{policy}"
+        );
+        let msgs = client.run("1 + 1").await?;
+        assert_eq!(reply(&msgs).content["status"], "ok", "{policy}: {msgs:?}");
+        gateway.delete_kernel(&kernel).await?;
+    }
+    Ok(())
+}

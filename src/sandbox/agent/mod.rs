@@ -134,7 +134,7 @@ pub fn check_image_runs(spec: &LaunchSpec, backend: &str) -> Result<(), AgentErr
 }
 
 /// Whether a kernel command is one the guest's image can run: a Python venv's interpreter
-/// starting one of [`IMAGE_KERNEL_MODULES`] (`python [-X… -u -E…] -m module`).
+/// starting one of the image's kernel modules (`python [-X… -u -E…] -m module`).
 pub fn runs_in_image(argv: &[String]) -> bool {
     let program = Path::new(argv.first().map(String::as_str).unwrap_or_default());
     let in_venv = program

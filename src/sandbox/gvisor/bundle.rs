@@ -198,10 +198,14 @@ fn oci_config(
 ) -> Value {
     let env: Vec<String> = view.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let no_caps = json!([]);
+    let args = with_init(&view.argv, Path::new(INIT).exists());
     let mut linux = json!({
         "namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"},
                        {"type": "uts"}, {"type": "mount"}],
     });
+    if args.first().map(String::as_str) == Some(INIT) {
+        linux["seccomp"] = init_guard();
+    }
     if config.cgroups {
         linux["cgroupsPath"] = json!(cgroup);
         linux["resources"] = resources(&spec.limits);
@@ -212,7 +216,7 @@ fn oci_config(
         "process": {
             "terminal": false,
             "user": {"uid": config.uid, "gid": config.gid},
-            "args": view.argv,
+            "args": args,
             "env": env,
             "cwd": relocate::WORKSPACE,
             "capabilities": {"bounding": no_caps, "effective": no_caps, "inheritable": no_caps,
@@ -223,6 +227,46 @@ fn oci_config(
         "root": {"path": "rootfs", "readonly": true},
         "mounts": mounts,
         "linux": linux,
+    })
+}
+
+/// The container's init, from Debian's `tini` (under `/usr`, which every sandbox shows).
+/// The container's first process is its PID 1, and a kernel there never reaps the orphans
+/// its cells leave (a killed command's background processes, a double fork): they would
+/// stay zombies, each holding a pid of the policy's limit, until the session ends. tini
+/// reaps them and passes signals on; the kernel is its only child, PID 2.
+pub(super) const INIT: &str = "/usr/bin/tini";
+
+/// The container's argv: the kernel's, under [`INIT`] when the host has it (without it, the
+/// kernel is PID 1 and orphans stay zombies, as `cellgate doctor` says).
+fn with_init(argv: &[String], have_init: bool) -> Vec<String> {
+    if !have_init {
+        return argv.to_vec();
+    }
+    // `-s` is not needed (it is PID 1); `-g` would signal the kernel's process group, but
+    // signals go to the kernel's main thread from inside (`handle::signal_script`).
+    let mut args = vec![INIT.to_owned(), "--".to_owned()];
+    args.extend_from_slice(argv);
+    args
+}
+
+/// An OCI seccomp profile that refuses (EPERM) every way to signal or trace PID 1, the
+/// container's init, and allows everything else (the Sentry is the boundary; this is not
+/// one). A Linux init is unkillable from inside its pid namespace, gVisor's is not: without
+/// this, a cell's `os.kill(1, SIGKILL)` (or a `kill -9 1` in a command) would end its own
+/// sandbox, where in the other backends it does nothing. `kill(-1)` already spares the init.
+fn init_guard() -> Value {
+    let pid_is_init = |index: u32| json!([{"index": index, "value": 1, "op": "SCMP_CMP_EQ"}]);
+    let eperm = |names: &[&str], index: u32| {
+        json!({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
+               "args": pid_is_init(index)})
+    };
+    json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "syscalls": [
+            eperm(&["kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open"], 0),
+            eperm(&["ptrace"], 1),
+        ],
     })
 }
 

@@ -45,6 +45,15 @@ pub async fn diagnose(probe: bool) -> Diagnosis {
             "run the gateway as root",
         );
     }
+    if std::path::Path::new(super::bundle::INIT).exists() {
+        s.fact("init", super::bundle::INIT);
+    } else {
+        s.fact("init", Value::Null);
+        s.warn(
+            format!("no {} on this host: each kernel is its container's PID 1 and never reaps the orphans its cells leave (zombies, each holding a pid of the policy's limit, until the session ends)", super::bundle::INIT),
+            "install Debian's tini (apt-get install tini; ./dev setup does)",
+        );
+    }
     s.warn(
         "runsc applies memory and pids limits to the whole sandbox (the host cgroup kills every process of the kernel, not only the one that exceeded it)",
         "none needed for one kernel per sandbox; a newer runsc enforces limits inside the Sentry",

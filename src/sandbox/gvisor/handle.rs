@@ -80,9 +80,10 @@ impl SandboxHandle for GvisorHandle {
     /// it, and CPython only notices a signal when its *main* thread wakes: a SIGINT that
     /// lands on one of ipykernel's helper threads never interrupts `time.sleep(60)`. So a
     /// small program run inside the sandbox (`runsc exec`) sends the signal to the kernel's
-    /// main thread (`tgkill(1, 1, sig)`: the kernel is the container's PID 1) and to every
-    /// other process of the container, like a process-group signal. Without a Python in
-    /// `/usr` to run it, `runsc kill --all` is the fallback.
+    /// main thread (`tgkill`: the kernel is the only child of the container's init, or PID 1
+    /// itself without one) and to every other process of the container but the init, like a
+    /// process-group signal. Without a Python in `/usr` to run it, `runsc kill --all` is the
+    /// fallback.
     fn signal(&self, signal: i32) -> Result<(), SandboxError> {
         if self.exited.load(Ordering::SeqCst) {
             return Ok(());
@@ -134,15 +135,28 @@ impl SandboxHandle for GvisorHandle {
 /// The interpreter that runs [`signal_script`] inside the sandbox (`/usr` is always shown).
 const SIGNAL_PYTHON: &str = "/usr/bin/python3";
 
-/// Sends signal `argv[1]` to the main thread of PID 1 and to every other process.
+/// Sends signal `argv[1]` to the kernel's main thread and to every other process but the
+/// container's init.
 fn signal_script() -> String {
+    // The kernel is PID 1, or PID 1's only child when the container runs under
+    // `bundle::INIT` (orphans re-parented to the init come later: the lowest pid wins).
+    // Everything else but the init gets the signal too, like a process-group signal; the
+    // init itself would pass it on to the kernel a second time.
     format!(
         "import os, sys, ctypes\n\
          sig = int(sys.argv[1])\n\
-         ctypes.CDLL(None, use_errno=True).syscall({tgkill}, 1, 1, sig)\n\
-         for p in os.listdir('/proc'):\n    \
-             if p.isdigit() and int(p) not in (1, os.getpid()):\n        \
-                 try: os.kill(int(p), sig)\n        \
+         def ppid(p):\n    \
+             try:\n        \
+                 return int(open(f'/proc/{{p}}/stat').read().rsplit(')', 1)[1].split()[1])\n    \
+             except (OSError, ValueError, IndexError):\n        \
+                 return None\n\
+         pids = [int(p) for p in os.listdir('/proc') if p.isdigit()]\n\
+         under_init = open('/proc/1/comm').read().strip() == 'tini'\n\
+         kernel = min((p for p in pids if p != os.getpid() and ppid(p) == 1), default=1) if under_init else 1\n\
+         ctypes.CDLL(None, use_errno=True).syscall({tgkill}, kernel, kernel, sig)\n\
+         for p in pids:\n    \
+             if p not in (1, kernel, os.getpid()):\n        \
+                 try: os.kill(p, sig)\n        \
                  except OSError: pass\n",
         tgkill = libc::SYS_tgkill
     )

@@ -75,6 +75,14 @@
 //! an arbitrary thread, and CPython only notices it when its main thread wakes (see
 //! [`GvisorHandle::signal`](GvisorHandle#method.signal)). `signal` and `kill` wait for runsc.
 //!
+//! **The container's init.** The container's first process is its PID 1; the kernel is
+//! started under Debian's `tini` (`bundle::INIT`, from `/usr`), which reaps the orphans cells
+//! leave (a kernel as PID 1 never would: zombies holding pids until the session ended) and
+//! has the kernel as its only child. A Linux init cannot be killed from inside its pid
+//! namespace, gVisor's can: the bundle's OCI seccomp profile (`--oci-seccomp`) refuses
+//! signals and ptrace aimed at PID 1, so a cell's `kill -9 1` does nothing, as elsewhere.
+//! Without tini on the host the kernel is PID 1 as before, and `cellgate doctor` warns.
+//!
 //! **Platform.** `ptrace` (this build has `ptrace` and `kvm`; `kvm` stalls on PVM hosts and
 //! `systrap` came in 2023). Syscall-heavy work is slower than in the namespaces backend, and
 //! a kernel takes longer to be ready (BENCHMARKS.md, "Measurements behind the code").
@@ -349,6 +357,9 @@ impl GvisorSandbox {
                 "--network=none",
                 "--host-uds=all",
                 "--file-access-mounts=shared",
+                // The bundle's seccomp profile keeps the container's init out of the
+                // kernel's reach (`bundle::init_guard`); runsc ignores OCI profiles without it.
+                "--oci-seccomp",
             ])
             .args(if self.config.cgroups {
                 &[][..]
