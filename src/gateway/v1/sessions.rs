@@ -384,6 +384,7 @@ pub async fn execute(
 /// `EventSource` sends `Last-Event-ID` by itself when it reconnects; this is for the first
 /// request, or a client that cannot set headers).
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ExecutionQuery {
     /// Send only the events after this id (the `Last-Event-ID` header wins).
     #[serde(default)]

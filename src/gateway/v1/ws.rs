@@ -67,6 +67,7 @@ pub enum ClientMessage {
 
 /// The WebSocket's query (besides a browser's `token`).
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct SocketQuery {
     /// Resume: first send the events after this id that the gateway still holds (a `gap`
     /// event names those it does not), then the live ones.
