@@ -242,7 +242,7 @@ class AsyncSession:
                 await response.aclose()
             # The stream broke (or ended early): resume it where it was.
             while True:
-                if where.execution_id is None or failures >= self.client.max_resumes:
+                if not where.resumable or failures >= self.client.max_resumes:
                     raise where.give_up(self.client.url, failures) from cause
                 failures += 1
                 await asyncio.sleep(resume_wait(failures))

@@ -399,7 +399,7 @@ class Session:
                 response.close()
             # The stream broke (or ended early): resume it where it was.
             while True:
-                if where.execution_id is None or failures >= self.client.max_resumes:
+                if not where.resumable or failures >= self.client.max_resumes:
                     raise where.give_up(self.client.url, failures) from cause
                 failures += 1
                 time.sleep(resume_wait(failures))

@@ -51,9 +51,9 @@ class CellgateConnectionError(CellgateError, ConnectionError):
 
 
 class StreamInterrupted(CellgateConnectionError):
-    """An execution's event stream broke and could not be resumed: the connection dropped
-    before the execution's first event (so there was no execution to resume), or every one
-    of the client's ``max_resumes`` attempts failed. The code may have run, and may still be
+    """An execution's event stream broke and could not be resumed: it broke before anything
+    to resume it from (the execution's id and an event id; a gateway older than resumable
+    delivery sends no ids), or every one of the client's ``max_resumes`` attempts failed. The code may have run, and may still be
     running: ``execution_id`` (``None`` when unknown) fetches its result later with
     ``Session.execution(execution_id)``; ``last_event_id`` is the last event received."""
 

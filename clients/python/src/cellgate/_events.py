@@ -70,6 +70,12 @@ class Resumption:
             self.execution_id = str(event["execution_id"])
         return True
 
+    @property
+    def resumable(self) -> bool:
+        """Whether the stream can be resumed: its execution is known and its events carry
+        ids (a gateway older than resumable delivery sends none)."""
+        return self.execution_id is not None and self.last_event_id > 0
+
     def path(self, session_path: str) -> str:
         """The execution's URL below ``session_path``."""
         return f"{session_path}/executions/{quote(self.execution_id or '', safe='')}"
@@ -79,10 +85,11 @@ class Resumption:
 
     def give_up(self, url: str, attempts: int) -> "StreamInterrupted":
         """The error once the stream cannot be resumed (after ``attempts`` tries)."""
-        if self.execution_id is None:
+        if not self.resumable:
             return StreamInterrupted(
-                "the event stream broke before the execution's first event, without the "
-                "execution's result (no `done` event); the code may have run", url)
+                "the event stream ended without the execution's result (no `done` event), "
+                "before anything to resume it from (the execution's id and an event id); the "
+                "code may have run", url)
         return StreamInterrupted(
             f"the event stream of execution {self.execution_id} broke without the execution's "
             f"result (no `done` event) and {attempts} attempts to resume it after event "
