@@ -257,8 +257,10 @@ function connect() {
       // Already handled (before a reconnect): each event is rendered once.
       if (state.lastEventId !== null && event.id <= state.lastEventId) return;
       state.lastEventId = event.id;
-    } else if (event.type === "session" && state.lastEventId === null) {
-      state.lastEventId = event.last_event_id ?? null;
+    } else if (event.type === "session" && typeof event.last_event_id === "number") {
+      // Behind the page's own (ids began again, in a session another replica took over):
+      // go by the gateway's.
+      if (state.lastEventId === null || event.last_event_id < state.lastEventId) state.lastEventId = event.last_event_id;
     }
     handle(event);
   };

@@ -14,6 +14,12 @@
 //! memory from the sandbox's cgroup). A caller that goes away does not stop the execution;
 //! its result stays in the history.
 //!
+//! Every event is numbered in its session when it is published (`replay.rs`), and the
+//! session's journal (`journal.rs`: the newest events, the running execution, the history)
+//! lets a client that lost its connection catch up: an execution's events after an id
+//! ([`Session::follow`], [`Session::execution`]), or the session's ([`Session::catch_up`],
+//! with a [`Gap`] for what is no longer held).
+//!
 //! A session publishes its kernel's phase (`KernelPhase`) from the kernel's readiness watch
 //! channel, without polling; sessions whose kernel disappears (culled, deleted through the
 //! Kernel Gateway API) are reaped. Shell commands run through the session's kernel
@@ -268,9 +274,12 @@ impl Session {
         self.journal.lock().since(after)
     }
 
-    /// The id of the session's newest event (0: none yet).
-    pub fn last_event_id(&self) -> u64 {
-        self.journal.lock().newest()
+    /// Every event of this session from now on, and the id of the newest one before them:
+    /// subscribed under the lock events are published under, so the receiver gets exactly
+    /// the events after that id.
+    pub fn subscribe_after_newest(&self) -> (broadcast::Receiver<Numbered>, u64) {
+        let journal = self.journal.lock();
+        (self.events.subscribe(), journal.newest())
     }
 
     /// The execution `execution_id` of this session, running or finished (while the

@@ -241,6 +241,26 @@ async fn resume_the_session_websocket_with_last_event_id() -> Result<()> {
     ensure!(stdout_of(&seen) == all_lines(), "{}", stdout_of(&seen));
     ensure!(done["result"]["stdout"] == all_lines(), "{done}");
 
+    // An id ahead of the session's (as after a take-over, where ids begin again) hides
+    // nothing to come: the hello says where the session is, and new events arrive.
+    let newest = id_of(seen.last().context("events")?)?;
+    let (mut ahead, _) = tokio_tungstenite::connect_async(
+        v1.ws_request_query(&session, &format!("?last_event_id={}", newest + 1000))?,
+    )
+    .await?;
+    let hello = ws_next(&mut ahead).await?;
+    ensure!(hello["last_event_id"] == newest, "{hello}");
+    ws_send(
+        &mut ahead,
+        json!({"type": "execute", "code": "print('after')"}),
+    )
+    .await?;
+    let mut after = Vec::new();
+    read_ws_until(&mut ahead, &mut after, is_done).await?;
+    ensure!(after[0]["type"] == "started", "{after:?}");
+    ensure!(id_of(&after[0])? == newest + 1, "{after:?}");
+    ensure!(stdout_of(&after) == "after\n", "{after:?}");
+
     // A malformed resume id is refused before the upgrade.
     let refused =
         tokio_tungstenite::connect_async(v1.ws_request_query(&session, "?last_event_id=seven")?)

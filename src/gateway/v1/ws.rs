@@ -79,7 +79,7 @@ pub struct SocketQuery {
 #[utoipa::path(get, path = "/v1/sessions/{id}/ws", tag = "sessions", operation_id = "open_websocket",
     params(("id" = String, Path), SocketQuery),
     responses(
-        (status = 101, description = "WebSocket: server frames are SessionEvent JSON; client frames are ClientMessage JSON"),
+        (status = 101, description = "WebSocket: server frames are NumberedEvent JSON (a SessionEvent with its `id`), and a Gap before events resumed past what the gateway still holds; client frames are ClientMessage JSON"),
         (status = 400, description = "not a WebSocket handshake, or a `last_event_id` that is not a number"),
         (status = 403, description = "a page from an origin the gateway does not allow"),
         (status = 404, description = "no such session"),
@@ -183,12 +183,8 @@ async fn send_catchup(sink: &mut Sink, catchup: Catchup, last: &mut u64, lagged:
 async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>) {
     // Subscribed before the catch-up is read: the two meet with nothing lost, and what both
     // hold is sent once (by id).
-    let mut events = session.subscribe();
+    let (mut events, newest) = session.subscribe_after_newest();
     let catchup = resume.map(|after| (after, session.catch_up(after)));
-    let newest = match &catchup {
-        Some((_, catchup)) => catchup.newest,
-        None => session.last_event_id(),
-    };
     let weak = Arc::downgrade(&session);
     let (mut sink, mut stream) = socket.split();
     let hello =
@@ -202,7 +198,9 @@ async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>) {
         // `last_event_id` (those before it are a resume's).
         let mut last = newest;
         if let Some((after, catchup)) = catchup {
-            last = after;
+            // An id ahead of the session's (ids began again in a session another replica
+            // took over) must not hide the events to come: the hello says where it is.
+            last = after.min(catchup.newest);
             if send_catchup(&mut sink, catchup, &mut last, false).await == Flow::Closed {
                 return;
             }
