@@ -74,7 +74,7 @@ pub struct Gap {
 impl Gap {
     /// How many events the gap stands for.
     pub fn missed(&self) -> u64 {
-        self.last_id - self.first_id + 1
+        self.last_id.saturating_sub(self.first_id) + 1
     }
 }
 
