@@ -57,6 +57,35 @@ pub struct ExecutionRecord {
     pub result: Option<ExecutionResult>,
 }
 
+/// An execution as `GET /v1/sessions/{id}/executions` lists it: enough to find the one whose
+/// result a client never saw, without its events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ExecutionSummary {
+    #[schema(value_type = String)]
+    pub execution_id: ExecutionId,
+    pub state: ExecutionProgress,
+    pub code: String,
+    /// When it started (RFC 3339, UTC).
+    pub started: String,
+    /// The result's status once done.
+    pub status: Option<super::events::Status>,
+}
+
+impl From<&HistoryEntry> for ExecutionSummary {
+    fn from(entry: &HistoryEntry) -> ExecutionSummary {
+        ExecutionSummary {
+            execution_id: entry.execution_id.clone(),
+            state: match entry.result {
+                Some(_) => ExecutionProgress::Done,
+                None => ExecutionProgress::Running,
+            },
+            code: entry.code.clone(),
+            started: entry.started.clone(),
+            status: entry.result.as_ref().map(|r| r.status),
+        }
+    }
+}
+
 impl From<&HistoryEntry> for ExecutionRecord {
     fn from(entry: &HistoryEntry) -> ExecutionRecord {
         ExecutionRecord {
@@ -158,6 +187,19 @@ impl Journal {
         self.history.iter().cloned().collect()
     }
 
+    /// The newest `limit` executions, oldest first: finished ones, then the running one.
+    pub fn recent(&self, limit: usize) -> Vec<ExecutionSummary> {
+        let running = usize::from(self.running.is_some());
+        let finished = limit.saturating_sub(running).min(self.history.len());
+        self.history
+            .iter()
+            .skip(self.history.len() - finished)
+            .chain(self.running.iter())
+            .take(limit)
+            .map(ExecutionSummary::from)
+            .collect()
+    }
+
     /// How many finished executions the history holds.
     pub fn finished(&self) -> usize {
         self.history.len()
@@ -236,6 +278,20 @@ mod tests {
         // Ids go on across executions.
         journal.begin(id(2), "2".into(), "t".into());
         assert_eq!(journal.record(stream(id(2))).id, 4);
+        // Listed oldest first, the running one last; a limit keeps the newest.
+        let listed = journal.recent(10);
+        assert_eq!(
+            listed
+                .iter()
+                .map(|s| (s.execution_id.clone(), s.state, s.status))
+                .collect::<Vec<_>>(),
+            [
+                (id(1), ExecutionProgress::Done, Some(Status::Ok)),
+                (id(2), ExecutionProgress::Running, None)
+            ]
+        );
+        assert_eq!(journal.recent(1)[0].execution_id, id(2));
+        assert!(journal.recent(0).is_empty());
         let wire = serde_json::to_value(&record).unwrap();
         assert_eq!(wire["state"], "done");
         assert_eq!(wire["events"][1]["id"], 3);

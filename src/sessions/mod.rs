@@ -62,7 +62,9 @@ pub use events::{
     SessionEvent, Status,
 };
 use journal::Journal;
-pub use journal::{ExecutionProgress, ExecutionRecord, HistoryEntry, MAX_HISTORY};
+pub use journal::{
+    ExecutionProgress, ExecutionRecord, ExecutionSummary, HistoryEntry, MAX_HISTORY,
+};
 pub use replay::{Catchup, Gap, Numbered, NumberedEvent};
 
 /// Events kept for WebSocket subscribers that fall behind (past it, they catch up from the
@@ -280,6 +282,11 @@ impl Session {
     pub fn subscribe_after_newest(&self) -> (broadcast::Receiver<Numbered>, u64) {
         let journal = self.journal.lock();
         (self.events.subscribe(), journal.newest())
+    }
+
+    /// The session's newest `limit` executions, oldest first (the running one last).
+    pub fn executions(&self, limit: usize) -> Vec<ExecutionSummary> {
+        self.journal.lock().recent(limit)
     }
 
     /// The execution `execution_id` of this session, running or finished (while the

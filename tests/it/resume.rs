@@ -353,6 +353,27 @@ async fn resume_reads_only_the_callers_executions() -> Result<()> {
     ensure!(mine["result"] == result, "{mine}");
     ensure!(mine["code"] == "1 + 1", "{mine}");
 
+    // Listed, for a client that lost the id; a limit out of range is refused.
+    let (status, listed) = a.get(&format!("/v1/sessions/{session}/executions")).await?;
+    ensure!(status == 200, "{status} {listed}");
+    ensure!(
+        listed
+            == json!([{"execution_id": execution, "state": "done", "code": "1 + 1",
+            "started": mine["started"], "status": "ok"}]),
+        "{listed}"
+    );
+    for limit in ["0", "10001", "many"] {
+        let (status, body) = a
+            .get(&format!("/v1/sessions/{session}/executions?limit={limit}"))
+            .await?;
+        ensure!(status == 400, "limit {limit}: {status} {body}");
+    }
+    let (status, body) = b.get(&format!("/v1/sessions/{session}/executions")).await?;
+    ensure!(
+        status == 404 && body["code"] == "no_such_session",
+        "{status} {body}"
+    );
+
     // Another tenant's execution is missing, in JSON and as a stream.
     let (status, body) = b.get(&path).await?;
     ensure!(

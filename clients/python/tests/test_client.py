@@ -546,6 +546,9 @@ def test_a_stream_dropped_mid_cell_is_resumed_by_the_client_itself():
         record = session.execution(execution.execution_id)
         assert record.done and record.events == events
         assert record.result == execution
+        listed = session.executions()
+        assert [e["execution_id"] for e in listed][-1] == execution.execution_id
+        assert listed[-1]["state"] == "done" and listed[-1]["status"] == "ok"
 
 
 def test_the_async_client_resumes_a_dropped_stream_too():

@@ -179,6 +179,16 @@ export interface CommandOptions {
  * session (absent from gateways older than resumable delivery). */
 export type ExecutionEvent = { type: string; id?: number; execution_id?: string; [field: string]: unknown };
 
+/** An execution as `Session.executions()` lists it (`status`: the result's, `null` while
+ * running). */
+export interface ExecutionSummary {
+  execution_id: string;
+  state: "running" | "done";
+  code: string;
+  started: string;
+  status: Status | null;
+}
+
 /** An execution as the gateway keeps it (`Session.execution(id)`): its events so far (each
  * with its `id`) and, once `state` is `done`, its result. */
 export interface ExecutionRecord {
@@ -576,6 +586,13 @@ export class Session {
         }
       }
     }
+  }
+
+  /** The session's newest executions (`limit`: the gateway's default is 100), oldest first,
+   * the running one last: for an id that was lost. */
+  executions(limit?: number): Promise<ExecutionSummary[]> {
+    const query = limit === undefined ? "" : `?limit=${Math.floor(limit)}`;
+    return this.client.json<ExecutionSummary[]>("GET", `${this.path}/executions${query}`);
   }
 
   /** An execution of this session, running or done: its events so far and, once done, its

@@ -775,6 +775,9 @@ test("a stream dropped mid-cell is resumed by the client itself", async () => {
     assert.equal(record.state, "done");
     assert.deepEqual(record.events, events);
     assert.equal(record.result?.stdout, CUT_LINES);
+    const listed = await session.executions();
+    assert.equal(listed.at(-1)?.execution_id, execution.execution_id);
+    assert.equal(listed.at(-1)?.status, "ok");
   } finally {
     await session.close();
     await proxy.close();

@@ -78,6 +78,7 @@ pub fn routes() -> Router<AppState> {
             "/v1/sessions/{id}/execute",
             json_only(post(sessions::execute)),
         )
+        .route("/v1/sessions/{id}/executions", get(sessions::executions))
         .route(
             "/v1/sessions/{id}/executions/{execution_id}",
             get(sessions::execution),

@@ -10,8 +10,8 @@ use utoipa::{Modify, OpenApi};
 use super::{artifacts, commands, files, kernelspecs, notebooks, sessions, ws};
 use crate::sessions::commands::{CommandEvent, CommandResult};
 use crate::sessions::{
-    ArtifactRef, ExecError, ExecutionProgress, ExecutionRecord, ExecutionResult, Gap,
-    NumberedEvent, Omitted, Resources, SessionEvent, SessionModel, Status,
+    ArtifactRef, ExecError, ExecutionProgress, ExecutionRecord, ExecutionResult, ExecutionSummary,
+    Gap, NumberedEvent, Omitted, Resources, SessionEvent, SessionModel, Status,
 };
 
 struct Security;
@@ -46,7 +46,7 @@ impl Modify for Security {
     ),
     paths(
         kernelspecs::list, sessions::create, sessions::list, sessions::get, sessions::delete,
-        sessions::execute, sessions::execution, sessions::execute_once, sessions::interrupt, sessions::restart,
+        sessions::execute, sessions::executions, sessions::execution, sessions::execute_once, sessions::interrupt, sessions::restart,
         sessions::input, commands::run, files::list, files::upload, files::download, files::head, files::remove, files::operate,
         artifacts::list, artifacts::fetch, artifacts::fetch_signed, artifacts::sign_link, ws::socket, notebooks::export, notebooks::replay,
         document,
@@ -55,7 +55,7 @@ impl Modify for Security {
         crate::gateway::api_error::ErrorBody, crate::gateway::ErrorCode, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded, files::Removed, files::FileOperation, commands::RunCommand, CommandResult, CommandEvent,
         ws::ClientMessage, SessionModel, kernelspecs::Kernelspecs, kernelspecs::Kernelspec, ExecutionResult, ExecError, Resources, Status, Omitted,
-        ArtifactRef, SessionEvent, NumberedEvent, Gap, ExecutionRecord, ExecutionProgress, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
+        ArtifactRef, SessionEvent, NumberedEvent, Gap, ExecutionRecord, ExecutionSummary, ExecutionProgress, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
     )),
     modifiers(&Security),
     security(("bearer" = []), ("token" = [])),

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -28,8 +29,8 @@ use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
 use crate::ids::{ExecutionId, SessionId};
 use crate::sessions::{
-    ExecutionRecord, ExecutionResult, NewSession, Numbered, Session, SessionEvent, SessionModel,
-    Sessions,
+    ExecutionRecord, ExecutionResult, ExecutionSummary, NewSession, Numbered, Session,
+    SessionEvent, SessionModel, Sessions, MAX_HISTORY,
 };
 
 /// A file to put in the workspace when the session starts.
@@ -380,6 +381,46 @@ pub async fn execute(
     Ok(Json(wait_for_result(events).await?).into_response())
 }
 
+/// `GET /v1/sessions/{id}/executions`'s query.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ExecutionsQuery {
+    /// How many of the newest executions (default 100, at most 10000).
+    #[serde(default)]
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 10000)]
+    pub limit: Option<String>,
+}
+
+/// Executions listed when no `limit` is given.
+const DEFAULT_EXECUTIONS_LISTED: usize = 100;
+
+/// The session's newest executions, oldest first (the running one last): for a client that
+/// lost an execution's id (a blocking execute whose connection dropped, a reloaded page).
+#[utoipa::path(get, path = "/v1/sessions/{id}/executions", tag = "execute", operation_id = "list_executions",
+    params(("id" = String, Path), ExecutionsQuery),
+    responses((status = 200, body = Vec<ExecutionSummary>), (status = 400, description = "a limit that is not 1 to 10000"), (status = 404)))]
+pub async fn executions(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<Query<ExecutionsQuery>, QueryRejection>,
+) -> Result<Json<Vec<ExecutionSummary>>, ApiError> {
+    let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
+    let session = session_for(&state, &principal, &id)?;
+    // Text in the query, so a bad value is this route's 400 rather than the extractor's.
+    let limit = match query.limit.as_deref() {
+        None => DEFAULT_EXECUTIONS_LISTED,
+        Some(text) => text
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_HISTORY).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("limit must be a number from 1 to {MAX_HISTORY}"))
+            })?,
+    };
+    Ok(Json(session.executions(limit)))
+}
+
 /// `GET /v1/sessions/{id}/executions/{execution_id}`'s query: where to resume from (an
 /// `EventSource` sends `Last-Event-ID` by itself when it reconnects; this is for the first
 /// request, or a client that cannot set headers).
@@ -427,9 +468,10 @@ pub async fn execution(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path((id, execution_id)): Path<(String, String)>,
-    Query(query): Query<ExecutionQuery>,
+    query: Result<Query<ExecutionQuery>, QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
     let session = session_for(&state, &principal, &id)?;
     let unknown = || {
         ApiError::not_found(format!("no execution {execution_id} in session {id}"))

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use super::ApiError;
 use crate::gateway::ErrorCode;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, Query, State};
@@ -88,7 +89,7 @@ pub async fn socket(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
-    Query(query): Query<SocketQuery>,
+    query: Result<Query<SocketQuery>, QueryRejection>,
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
@@ -105,6 +106,10 @@ pub async fn socket(
             .code(ErrorCode::CrossOrigin)
             .into_response();
     }
+    let query = match query {
+        Ok(Query(query)) => query,
+        Err(err) => return ApiError::bad_request(err.body_text()).into_response(),
+    };
     let resume = match query.last_event_id.as_deref().map(str::parse::<u64>) {
         None => None,
         Some(Ok(after)) => Some(after),

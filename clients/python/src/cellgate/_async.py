@@ -254,6 +254,12 @@ class AsyncSession:
                 except CellgateConnectionError as error:
                     cause = error
 
+    async def executions(self, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """See :meth:`cellgate.Session.executions`."""
+        params = {} if limit is None else {"limit": str(limit)}
+        answer = await self.client.request("GET", self._path + "/executions", params=params)
+        return list(answer.json())
+
     async def execution(self, execution_id: str) -> ExecutionRecord:
         """See :meth:`cellgate.Session.execution`."""
         answer = await self.client.request(

@@ -411,6 +411,13 @@ class Session:
                 except CellgateConnectionError as error:
                     cause = error
 
+    def executions(self, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """The session's newest executions (``limit``: the gateway's default is 100), oldest
+        first, the running one last: each ``execution_id``, ``state``, ``code``, ``started``
+        and ``status`` (``None`` while running). For an id that was lost."""
+        params = {} if limit is None else {"limit": str(limit)}
+        return list(self.client.request("GET", self._path + "/executions", params=params).json())
+
     def execution(self, execution_id: str) -> ExecutionRecord:
         """An execution of this session, running or done: its events so far and, once done,
         its result (for a result whose stream was lost, or that a page never saw).
