@@ -209,6 +209,12 @@ pub struct ServeArgs {
     /// [default: 1GiB].
     #[arg(long, env = "CELLGATE_ARTIFACT_MIN_FREE_DISK", value_parser = crate::policy::units::parse_size)]
     pub artifact_min_free_disk: Option<u64>,
+    /// Bytes of each API v1 session's newest events kept for clients that resume a dropped
+    /// stream (`Last-Event-ID`, the WebSocket's `last_event_id`), such as 4MiB; past it the
+    /// oldest go, and a client resuming from before them is told which it missed
+    /// [default: 4MiB].
+    #[arg(long, env = "CELLGATE_EVENT_REPLAY_BYTES", value_parser = crate::policy::units::parse_size)]
+    pub event_replay_bytes: Option<u64>,
     #[command(flatten)]
     pub auth: AuthArgs,
     #[command(flatten)]
@@ -407,6 +413,8 @@ struct FileConfig {
     trusted_proxies: Option<OneOrMany>,
     #[serde(default, with = "crate::policy::units::serde_size")]
     artifact_min_free_disk: Option<u64>,
+    #[serde(default, with = "crate::policy::units::serde_size")]
+    event_replay_bytes: Option<u64>,
 }
 
 /// Resolved settings of a running gateway.
@@ -483,6 +491,8 @@ pub struct GatewayConfig {
     pub trusted_proxies: Vec<IpNet>,
     /// Free bytes the artifact store keeps on its disk (0: no minimum).
     pub artifact_min_free_disk: u64,
+    /// Bytes of each API v1 session's newest events kept for clients that resume.
+    pub event_replay_bytes: usize,
     /// The microvm backend's settings.
     pub microvm: crate::sandbox::MicrovmConfig,
 }
@@ -1141,6 +1151,12 @@ impl GatewayConfig {
             artifact_link_max_ttl: artifacts.link_max_ttl,
             artifact_link_key_file: artifacts.link_key_file,
             artifact_min_free_disk: artifacts.min_free_disk,
+            event_replay_bytes: args
+                .event_replay_bytes
+                .or(file.event_replay_bytes)
+                .map_or(crate::sessions::DEFAULT_REPLAY_BYTES, |bytes| {
+                    usize::try_from(bytes).unwrap_or(usize::MAX)
+                }),
             microvm: microvm(args, file),
             allow_origin,
             env_allowlist,
@@ -1275,6 +1291,7 @@ mod tests {
                 "artifact_min_free_disk",
                 "artifact_min_free_disk = \"1GiB\"",
             ),
+            ("event_replay_bytes", "event_replay_bytes = \"64KiB\""),
             ("jwt_secret_file", "jwt_secret_file = \"/etc/cellgate/jwt\""),
             (
                 "jwt_public_keys",
@@ -1343,6 +1360,7 @@ mod tests {
             Some("127.0.0.1:9464".parse().unwrap())
         );
         assert_eq!(config.egress_max_connections, 8);
+        assert_eq!(config.event_replay_bytes, 64 << 10);
         assert_eq!(config.jwt.leeway, Duration::from_secs(5));
         assert_eq!(config.tenants.burst, Some(5));
         assert_eq!(

@@ -1,7 +1,9 @@
 // cellgate's web client: a chat-style page over API v1 (docs/api-v1.md).
 //
 // One session per browser tab: created on sign-in (or resumed after a reload), driven over
-// its WebSocket; every event of every execution is rendered as it arrives. The kernel of a
+// its WebSocket; every event of every execution is rendered as it arrives, once: a socket
+// that dropped reconnects with `?last_event_id=` and the gateway sends what it missed (a
+// `gap` it no longer holds is said, and the results of cells it ended are fetched). The kernel of a
 // new conversation is picked from `GET /v1/kernelspecs` (the choice kept in localStorage);
 // the header names the session's language, and code is highlighted in it (highlight.js). Rich outputs are
 // artifacts fetched with the token in the Authorization header (never in a page or
@@ -25,6 +27,8 @@ const state = {
   cells: new Map(), // execution_id -> {root, outputs, clearOnNext}
   displays: new Map(), // display_id -> [element]
   running: 0,
+  // The id of the newest event handled (null: none yet on this session's socket).
+  lastEventId: null,
 };
 
 // --- HTTP ---------------------------------------------------------------------------------
@@ -199,6 +203,7 @@ async function newConversation() {
     await endSession();
     sessionStorage.removeItem(SESSION_KEY);
     state.cells.clear();
+    state.lastEventId = null;
     state.displays.clear();
     state.running = 0;
     $("#transcript").replaceChildren();
@@ -235,6 +240,8 @@ function connect() {
   url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
   // Browsers cannot set headers on a WebSocket; the query is the only way to authenticate it.
   url.searchParams.set("token", state.token);
+  // A reconnect resumes: the events after the last one handled come first.
+  if (state.lastEventId !== null) url.searchParams.set("last_event_id", String(state.lastEventId));
   const socket = new WebSocket(url);
   state.socket = socket;
   socket.onopen = () => setControls(true);
@@ -245,6 +252,15 @@ function connect() {
       event = JSON.parse(message.data);
     } catch {
       return;
+    }
+    if (typeof event.id === "number") {
+      // Already handled (before a reconnect): each event is rendered once.
+      if (state.lastEventId !== null && event.id <= state.lastEventId) return;
+      state.lastEventId = event.id;
+    } else if (event.type === "session" && typeof event.last_event_id === "number") {
+      // Behind the page's own (ids began again, in a session another replica took over):
+      // go by the gateway's.
+      if (state.lastEventId === null || event.last_event_id < state.lastEventId) state.lastEventId = event.last_event_id;
     }
     handle(event);
   };
@@ -325,8 +341,13 @@ function handle(event) {
     case "done":
       finishCell(cellFor(event), event.result);
       break;
+    case "gap":
+      notice(`This page missed events ${event.first_id}–${event.last_id} (no longer held); results of cells that ended meanwhile are fetched.`);
+      refetchUnfinished();
+      break;
     case "lagged":
-      notice(`This page fell behind and missed ${event.missed} events.`);
+      // A gateway that numbers events tells the same as a `gap` first; this is an older one.
+      if (event.missed && state.lastEventId === null) notice(`This page fell behind and missed ${event.missed} events.`);
       break;
     case "client_error":
       notice(`The gateway did not accept a request: ${event.message}`);
@@ -403,7 +424,24 @@ function updateDisplay(event) {
   }
 }
 
+/** Cells still running here whose `done` may be among missed events: their results, if they
+ * have ended, from `GET …/executions/{id}`. */
+async function refetchUnfinished() {
+  for (const [executionId, cell] of state.cells) {
+    if (cell.finished) continue;
+    try {
+      const record = await api("GET", apiPath(`v1/sessions/${state.session.id}/executions/${executionId}`));
+      if (record.state === "done" && record.result) finishCell(cell, record.result);
+    } catch (err) {
+      if (err.status !== 401) notice(`Could not fetch the result of a cell: ${err.message}`);
+    }
+  }
+}
+
 function finishCell(cell, result) {
+  // Once: a result fetched after a gap and its `done` may both arrive.
+  if (cell.finished) return;
+  cell.finished = true;
   cell.root.classList.remove("running");
   for (const input of cell.outputs.querySelectorAll(".input-request input")) input.disabled = true;
   const badge = cell.root.querySelector(".status");

@@ -79,6 +79,7 @@ error_codes! {
     ReplicaUnreachable = "replica_unreachable",
     // Sessions and executions.
     NoSuchSession = "no_such_session",
+    NoSuchExecution = "no_such_execution",
     PolicyNotAllowed = "policy_not_allowed",
     EnvNotAllowed = "env_not_allowed",
     InvalidEnv = "invalid_env",

@@ -233,6 +233,7 @@ fn v1_sessions(
         crate::sessions::SessionOptions {
             base_url: config.base_url.clone(),
             links: links.map(Arc::new),
+            replay_bytes: config.event_replay_bytes,
             ..Default::default()
         },
     ))

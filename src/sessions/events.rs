@@ -238,6 +238,22 @@ pub enum KernelPhase {
 }
 
 impl SessionEvent {
+    /// The execution the event is of (`None`: the kernel's news).
+    pub fn execution_id(&self) -> Option<&ExecutionId> {
+        match self {
+            SessionEvent::Started { execution_id, .. }
+            | SessionEvent::Stream { execution_id, .. }
+            | SessionEvent::Display { execution_id, .. }
+            | SessionEvent::UpdateDisplay { execution_id, .. }
+            | SessionEvent::ClearOutput { execution_id, .. }
+            | SessionEvent::Result { execution_id, .. }
+            | SessionEvent::Error { execution_id, .. }
+            | SessionEvent::InputRequest { execution_id, .. }
+            | SessionEvent::Done { execution_id, .. } => Some(execution_id),
+            SessionEvent::Kernel { .. } => None,
+        }
+    }
+
     /// The name used as the SSE `event:` field.
     pub fn kind(&self) -> &'static str {
         match self {

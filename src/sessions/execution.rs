@@ -14,7 +14,8 @@ use super::events::{
 };
 use super::outputs::plain_text;
 use super::plain::Streams;
-use super::{HistoryEntry, Session, MAX_HISTORY};
+use super::replay::Numbered;
+use super::Session;
 use crate::artifacts::{strip_ansi, Origin};
 use crate::ids::ExecutionId;
 use crate::kernel::{
@@ -82,15 +83,12 @@ fn resources_between(before: Option<ResourceUsage>, after: Option<ResourceUsage>
     }
 }
 
-/// One execution's session side while it runs: the events sent so far (for its history) and
-/// what its result will report.
+/// One execution's session side while it runs: what its result will report (its events are
+/// recorded in the session's journal as they go out).
 struct Turn<'a> {
     session: &'a Session,
-    tx: &'a mpsc::UnboundedSender<Arc<SessionEvent>>,
+    tx: &'a mpsc::UnboundedSender<Numbered>,
     execution_id: ExecutionId,
-    code: String,
-    started_at: String,
-    events: Vec<Arc<SessionEvent>>,
     collected: Collected,
 }
 
@@ -98,33 +96,33 @@ impl<'a> Turn<'a> {
     /// The turn of `execution_id`, announced with its `Started` event.
     fn start(
         session: &'a Session,
-        tx: &'a mpsc::UnboundedSender<Arc<SessionEvent>>,
+        tx: &'a mpsc::UnboundedSender<Numbered>,
         execution_id: ExecutionId,
         code: String,
         started_at: String,
     ) -> Turn<'a> {
+        session
+            .journal
+            .lock()
+            .begin(execution_id.clone(), code.clone(), started_at);
         let mut turn = Turn {
             session,
             tx,
             execution_id,
-            code,
-            started_at,
-            events: Vec::new(),
             collected: Collected::default(),
         };
         turn.emit(SessionEvent::Started {
             execution_id: turn.execution_id.clone(),
-            code: turn.code.clone(),
+            code,
         });
         turn
     }
 
-    /// Sends an event to the caller and the session's subscribers, and keeps it for history.
+    /// Sends an event to the caller and the session's subscribers; the session's journal
+    /// keeps it.
     fn emit(&mut self, event: SessionEvent) {
-        let event = Arc::new(event);
-        self.events.push(event.clone());
-        let _ = self.tx.send(event.clone());
-        self.session.publish(event);
+        let numbered = self.session.publish(event);
+        let _ = self.tx.send(numbered);
     }
 
     /// Translates the kernel's events into session events until its reply (a default one if
@@ -275,24 +273,20 @@ impl<'a> Turn<'a> {
         });
     }
 
-    /// Sends the `Done` event with `result` and records the execution in the history.
-    fn finish(mut self, result: ExecutionResult) {
-        let result = Arc::new(result);
-        self.emit(SessionEvent::Done {
+    /// Sends the `Done` event with `result`, and moves the execution to the history in the
+    /// same step.
+    fn finish(self, result: ExecutionResult) {
+        let done = Arc::new(SessionEvent::Done {
             execution_id: self.execution_id.clone(),
-            result: Box::new((*result).clone()),
+            result: Box::new(result.clone()),
         });
-        let mut history = self.session.history.lock();
-        if history.len() >= MAX_HISTORY {
-            history.remove(0);
-        }
-        history.push(HistoryEntry {
-            execution_id: self.execution_id,
-            code: self.code,
-            started: self.started_at,
-            events: self.events,
-            result: Some(result),
-        });
+        let numbered = {
+            let mut journal = self.session.journal.lock();
+            let numbered = journal.finish(done, Arc::new(result));
+            let _ = self.session.events.send(numbered.clone());
+            numbered
+        };
+        let _ = self.tx.send(numbered);
     }
 }
 
@@ -318,7 +312,7 @@ impl Session {
         self: Arc<Self>,
         code: String,
         timeout: Option<Duration>,
-        tx: mpsc::UnboundedSender<Arc<SessionEvent>>,
+        tx: mpsc::UnboundedSender<Numbered>,
     ) {
         let _one_at_a_time = self.run_lock.lock().await;
         let _in_turn = InTurn::enter(&self);

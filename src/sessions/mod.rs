@@ -14,6 +14,12 @@
 //! memory from the sandbox's cgroup). A caller that goes away does not stop the execution;
 //! its result stays in the history.
 //!
+//! Every event is numbered in its session when it is published (`replay.rs`), and the
+//! session's journal (`journal.rs`: the newest events, the running execution, the history)
+//! lets a client that lost its connection catch up: an execution's events after an id
+//! ([`Session::follow`], [`Session::execution`]), or the session's ([`Session::catch_up`],
+//! with a [`Gap`] for what is no longer held).
+//!
 //! A session publishes its kernel's phase (`KernelPhase`) from the kernel's readiness watch
 //! channel, without polling; sessions whose kernel disappears (culled, deleted through the
 //! Kernel Gateway API) are reaped. Shell commands run through the session's kernel
@@ -30,8 +36,10 @@ mod adoption;
 pub mod commands;
 pub mod events;
 mod execution;
+mod journal;
 mod outputs;
 mod plain;
+pub mod replay;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -53,11 +61,17 @@ pub use events::{
     expiry_timestamp, ArtifactRef, ExecError, ExecutionResult, KernelPhase, Omitted, Resources,
     SessionEvent, Status,
 };
+use journal::Journal;
+pub use journal::{
+    ExecutionProgress, ExecutionRecord, ExecutionSummary, HistoryEntry, MAX_HISTORY,
+};
+pub use replay::{Catchup, Gap, Numbered, NumberedEvent};
 
-/// Events kept for WebSocket subscribers that fall behind.
+/// Events kept for WebSocket subscribers that fall behind (past it, they catch up from the
+/// replay buffer).
 const EVENT_BACKLOG: usize = 4096;
-/// Executions kept in a session's history.
-const MAX_HISTORY: usize = 10_000;
+/// Bytes of events a session keeps for clients that resume, unless configured.
+pub const DEFAULT_REPLAY_BYTES: usize = 4 << 20;
 
 /// Settings of the session layer.
 #[derive(Debug, Clone)]
@@ -76,6 +90,8 @@ pub struct SessionOptions {
     pub base_url: String,
     /// Signs the links in artifact references (`None`: references carry none).
     pub links: Option<Arc<LinkSigner>>,
+    /// Bytes of a session's newest events kept for clients that resume (`replay.rs`).
+    pub replay_bytes: usize,
 }
 
 impl SessionOptions {
@@ -94,6 +110,7 @@ impl Default for SessionOptions {
             artifact_retention: Duration::from_secs(3600),
             base_url: "/".to_owned(),
             links: None,
+            replay_bytes: DEFAULT_REPLAY_BYTES,
         }
     }
 }
@@ -133,17 +150,6 @@ pub struct NewSession {
     pub policy_ceiling: Option<String>,
     /// Live kernels the owner may keep (`None`: no cap); sessions count as kernels.
     pub max_kernels: Option<usize>,
-}
-
-/// One execution in the history.
-#[derive(Debug, Clone)]
-pub struct HistoryEntry {
-    pub execution_id: ExecutionId,
-    pub code: String,
-    pub started: String,
-    /// Every event of the execution, in order (the notebook export's outputs).
-    pub events: Vec<Arc<SessionEvent>>,
-    pub result: Option<Arc<ExecutionResult>>,
 }
 
 /// A session's state as listed: its kernel's execution state while it has a process.
@@ -199,7 +205,7 @@ pub struct Session {
     pub kernel: Arc<Kernel>,
     client: KernelClient,
     created: String,
-    events: broadcast::Sender<Arc<SessionEvent>>,
+    events: broadcast::Sender<Numbered>,
     /// One execution at a time through the API: the kernel would queue them anyway, and
     /// this keeps the history in order and `input()` unambiguous.
     run_lock: tokio::sync::Mutex<()>,
@@ -208,7 +214,9 @@ pub struct Session {
     in_turn: tokio::sync::watch::Sender<bool>,
     /// Whether `terminated` went out: it is the last event, told once.
     terminated_told: std::sync::atomic::AtomicBool,
-    history: Mutex<Vec<HistoryEntry>>,
+    /// The replay buffer, the running execution and the history; events are published
+    /// while it is held (`journal.rs` says why).
+    journal: Mutex<Journal>,
     /// Files under `outputs/` already turned into artifacts: path → (size, mtime).
     outputs_seen: Mutex<HashMap<String, (u64, i64, i64)>>,
     artifacts: Arc<ArtifactStore>,
@@ -242,7 +250,7 @@ impl Session {
             state_generation: self.kernel.generation(),
             created: self.created.clone(),
             last_activity: model.last_activity,
-            executions: self.history.lock().len(),
+            executions: self.journal.lock().finished(),
             tenant: self.owner.clone(),
             reason: match readiness {
                 Readiness::Dead(reason) => Some(reason),
@@ -252,13 +260,112 @@ impl Session {
     }
 
     /// Every event of this session from now on (all executions, kernel state changes).
-    pub fn subscribe(&self) -> broadcast::Receiver<Arc<SessionEvent>> {
+    pub fn subscribe(&self) -> broadcast::Receiver<Numbered> {
         self.events.subscribe()
     }
 
-    /// The executions so far, oldest first.
+    /// The finished executions, oldest first.
     pub fn history(&self) -> Vec<HistoryEntry> {
-        self.history.lock().clone()
+        self.journal.lock().history()
+    }
+
+    /// What a client that saw every event of the session up to `after` missed (events
+    /// still held, and a gap where some are not). Subscribe first, then catch up: the two
+    /// meet with no event lost, and the ones seen twice carry ids already seen.
+    pub fn catch_up(&self, after: u64) -> Catchup {
+        self.journal.lock().since(after)
+    }
+
+    /// Every event of this session from now on, and the id of the newest one before them:
+    /// subscribed under the lock events are published under, so the receiver gets exactly
+    /// the events after that id.
+    pub fn subscribe_after_newest(&self) -> (broadcast::Receiver<Numbered>, u64) {
+        let journal = self.journal.lock();
+        (self.events.subscribe(), journal.newest())
+    }
+
+    /// The session's newest `limit` executions, oldest first (the running one last).
+    pub fn executions(&self, limit: usize) -> Vec<ExecutionSummary> {
+        self.journal.lock().recent(limit)
+    }
+
+    /// The execution `execution_id` of this session, running or finished (while the
+    /// history keeps it).
+    pub fn execution(&self, execution_id: &ExecutionId) -> Option<ExecutionRecord> {
+        self.journal
+            .lock()
+            .execution(execution_id)
+            .map(ExecutionRecord::from)
+    }
+
+    /// The events of execution `execution_id` after the id `after` (0: all of them), those
+    /// recorded so far and then the rest as they come, ending with its `done`; `None` when
+    /// the session has no such execution. Following does not hold the session alive: the
+    /// stream ends when the session does.
+    pub fn follow(
+        self: &Arc<Self>,
+        execution_id: &ExecutionId,
+        after: u64,
+    ) -> Option<mpsc::UnboundedReceiver<Numbered>> {
+        // Subscribed before the snapshot is read: nothing published between is missed.
+        let mut live = self.subscribe();
+        let snapshot = self.journal.lock().execution(execution_id)?.clone();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let weak = Arc::downgrade(self);
+        let execution_id = execution_id.clone();
+        tokio::spawn(async move {
+            let mut last = after;
+            // Sends what `entry` holds past `last`; true once its `done` went.
+            let send_recorded = |entry: &HistoryEntry, last: &mut u64| {
+                for event in &entry.events {
+                    if event.id <= *last {
+                        continue;
+                    }
+                    *last = event.id;
+                    if tx.send(event.clone()).is_err() {
+                        return true;
+                    }
+                }
+                entry.result.is_some()
+            };
+            if send_recorded(&snapshot, &mut last) {
+                return;
+            }
+            drop(snapshot);
+            loop {
+                let event = tokio::select! {
+                    event = live.recv() => event,
+                    _ = tx.closed() => return,
+                };
+                match event {
+                    Ok(event) => {
+                        if event.id <= last || event.event.execution_id() != Some(&execution_id) {
+                            continue;
+                        }
+                        last = event.id;
+                        let done = matches!(*event.event, SessionEvent::Done { .. });
+                        if tx.send(event).is_err() || done {
+                            return;
+                        }
+                    }
+                    // Too slow for the broadcast: what it dropped is in the record.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        let Some(session) = weak.upgrade() else {
+                            return;
+                        };
+                        let journal = session.journal.lock();
+                        let Some(entry) = journal.execution(&execution_id) else {
+                            return;
+                        };
+                        if send_recorded(entry, &mut last) {
+                            return;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Some(rx)
     }
 
     pub fn artifacts(&self) -> &Arc<ArtifactStore> {
@@ -303,9 +410,14 @@ impl Session {
         &self.client
     }
 
-    fn publish(&self, event: Arc<SessionEvent>) {
-        // No subscriber is fine: the event is also in the caller's stream and the history.
-        let _ = self.events.send(event);
+    /// Numbers `event`, records it and sends it to the session's subscribers, in one step
+    /// under the journal's lock (so subscribers get ids in order).
+    fn publish(&self, event: SessionEvent) -> Numbered {
+        let mut journal = self.journal.lock();
+        let numbered = journal.record(Arc::new(event));
+        // No subscriber is fine: the event is also in the caller's stream and the journal.
+        let _ = self.events.send(numbered.clone());
+        numbered
     }
 
     /// The kernel's life as the session's subscribers see it: starting, restarting, ready,
@@ -338,11 +450,11 @@ impl Session {
         {
             return;
         }
-        self.publish(Arc::new(SessionEvent::Kernel {
+        self.publish(SessionEvent::Kernel {
             state,
             state_generation,
             reason,
-        }));
+        });
     }
 
     pub async fn interrupt(&self) -> Result<(), SessionError> {
@@ -376,7 +488,7 @@ impl Session {
         self: &Arc<Self>,
         code: String,
         timeout: Option<Duration>,
-    ) -> mpsc::UnboundedReceiver<Arc<SessionEvent>> {
+    ) -> mpsc::UnboundedReceiver<Numbered> {
         let (tx, rx) = mpsc::unbounded_channel();
         let session = self.clone();
         tokio::spawn(async move { session.run(code, timeout, tx).await });
@@ -532,7 +644,7 @@ impl Sessions {
             run_lock: tokio::sync::Mutex::new(()),
             in_turn: tokio::sync::watch::Sender::new(false),
             terminated_told: std::sync::atomic::AtomicBool::new(false),
-            history: Mutex::new(Vec::new()),
+            journal: Mutex::new(Journal::new(options.replay_bytes)),
             outputs_seen: Mutex::new(HashMap::new()),
             artifacts: self.artifacts.clone(),
             background_stores: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_STORES)),

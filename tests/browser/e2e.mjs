@@ -5,6 +5,7 @@
 // CELLGATE_E2E=short stops after a printed result and a chart (used for a gateway under a
 // base URL, where only the paths differ); CELLGATE_E2E=kernels instead picks the Deno
 // kernel for a new conversation and checks the language shown and the code's highlighting.
+// The main run also drops the session's WebSocket mid-cell and checks it resumes.
 // Prints one line per step; exits non-zero (with the page's console and a screenshot) on the
 // first failure.
 
@@ -32,6 +33,17 @@ const browser = await chromium.launch({
 const context = await browser.newContext({ acceptDownloads: true, viewport: { width: 1280, height: 900 } });
 const page = await context.newPage();
 page.setDefaultTimeout(STEP_TIMEOUT);
+// Every WebSocket the page opens, so a step can drop the session's socket as a network would.
+await context.addInitScript(() => {
+  const Native = window.WebSocket;
+  window.__sockets = [];
+  window.WebSocket = class extends Native {
+    constructor(...args) {
+      super(...args);
+      window.__sockets.push(this);
+    }
+  };
+});
 const consoleLines = [];
 page.on("console", (m) => consoleLines.push(`[${m.type()}] ${m.text()}`));
 page.on("pageerror", (e) => consoleLines.push(`[pageerror] ${e.message}`));
@@ -274,6 +286,36 @@ try {
   await cell.locator("pre.error", { hasText: "KeyboardInterrupt" }).waitFor();
   await screenshot("interrupt");
   console.log("ok interrupt");
+
+  step = "a dropped socket resumes";
+  // The cell prints, then waits for `go`; the socket drops, `go` is uploaded while the page
+  // is disconnected, and what the cell printed and its result meanwhile arrive, once, after
+  // the page reconnects with `last_event_id`.
+  cell = await run(
+    "import os, time\nprint('line 1', flush=True)\n" +
+      "while not os.path.exists('go'): time.sleep(0.02)\nprint('line 2', flush=True)",
+  );
+  await cell.locator("pre.stream.stdout", { hasText: "line 1" }).waitFor();
+  const socketsBefore = await page.evaluate(() => window.__sockets.length);
+  await page.evaluate(
+    () =>
+      new Promise((resolve) => {
+        const socket = window.__sockets.at(-1);
+        socket.addEventListener("close", resolve);
+        // Not 1000: the page reconnects after anything but a normal close.
+        socket.close(4000, "the test drops it");
+      }),
+  );
+  const id = await page.evaluate(() => sessionStorage.getItem("cellgate.session"));
+  const go = await fetch(`${url}/v1/sessions/${id}/files/go`, { method: "PUT", headers: { Authorization: `Bearer ${token}` }, body: "" });
+  check(go.status === 201, `uploaded go: ${go.status}`);
+  check((await finished(cell)) === "ok", "the cell's result arrives after the reconnect");
+  const printed = (await cell.locator("pre.stream.stdout").allTextContents()).join("");
+  check(printed === "line 1\nline 2\n", `every line once: ${JSON.stringify(printed)}`);
+  const resumed = await page.evaluate((n) => window.__sockets.slice(n).map((s) => s.url), socketsBefore);
+  check(resumed.length === 1 && /[?&]last_event_id=\d+/.test(resumed[0]), `reconnected with last_event_id: ${resumed}`);
+  await screenshot("resumed");
+  console.log("ok a dropped socket resumes");
 
   step = "upload";
   await page.setInputFiles("#upload", {

@@ -25,7 +25,7 @@ use crate::support::{sandbox_backend, Gateway, PATIENCE};
 
 /// Python that waits (at most 60 s) for the workspace file `name`, then goes on; failing
 /// loudly if it never comes.
-fn wait_for_file(name: &str) -> String {
+pub(crate) fn wait_for_file(name: &str) -> String {
     format!(
         "import os as _os, time as _time\n\
          _t0 = _time.monotonic()\n\

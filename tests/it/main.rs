@@ -30,6 +30,7 @@ mod npm_policy;
 mod operations;
 mod pool;
 mod release;
+mod resume;
 mod sdk;
 mod stack;
 mod tenants;

@@ -1,7 +1,9 @@
 //! The web client in headless Chromium: a real `cellgate serve`, Debian's `/usr/bin/chromium`
 //! driven by playwright-core (`tests/browser/e2e.mjs`): sign in, output arriving while the
 //! cell still runs, `input()`, a matplotlib chart, a DataFrame table, Plotly and Vega-Lite
-//! charts, an error with its traceback, an interrupt, upload → analyse → download, a reload
+//! charts, an error with its traceback, an interrupt, a dropped session socket that resumes
+//! with `last_event_id` (what the cell printed meanwhile and its result arrive once),
+//! upload → analyse → download, a reload
 //! that keeps the session, Sign out ending the session; a conversation in the kernel the
 //! user picks (Deno), its language shown and its code highlighted; and the page and API
 //! under a base URL. Screenshots go to

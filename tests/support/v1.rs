@@ -176,6 +176,25 @@ impl<'g> V1Client<'g> {
             .json(&body)
             .send()
             .await?;
+        Sse::of(response).await
+    }
+
+    /// `GET path` asking for Server-Sent Events, with `Last-Event-ID` when given (anything
+    /// but 200 is an error).
+    pub async fn sse_get(&self, path: &str, last_event_id: Option<u64>) -> Result<Sse> {
+        let mut request = self
+            .request(Method::GET, path)
+            .header("Accept", "text/event-stream");
+        if let Some(id) = last_event_id {
+            request = request.header("Last-Event-ID", id.to_string());
+        }
+        Sse::of(request.send().await?).await
+    }
+}
+
+impl Sse {
+    /// The stream of `response`, which must be a 200 of `text/event-stream`.
+    async fn of(response: reqwest::Response) -> Result<Sse> {
         if response.status().as_u16() != 200 {
             bail!("SSE: {} {}", response.status(), response.text().await?);
         }
@@ -194,14 +213,25 @@ impl<'g> V1Client<'g> {
             buffer: String::new(),
         })
     }
+}
 
+impl<'g> V1Client<'g> {
     /// The upgrade request of the session WebSocket, with this caller's credential.
     pub fn ws_request(
         &self,
         session: &str,
     ) -> Result<tokio_tungstenite::tungstenite::handshake::client::Request> {
+        self.ws_request_query(session, "")
+    }
+
+    /// The upgrade request of the session WebSocket with a query (`?…`, or empty).
+    pub fn ws_request_query(
+        &self,
+        session: &str,
+        query: &str,
+    ) -> Result<tokio_tungstenite::tungstenite::handshake::client::Request> {
         let url = format!(
-            "{}/v1/sessions/{session}/ws",
+            "{}/v1/sessions/{session}/ws{query}",
             self.gateway.base.replace("http://", "ws://")
         );
         let mut request = url.into_client_request()?;
@@ -239,9 +269,16 @@ pub struct Sse {
 impl Sse {
     /// The next event: its `event:` name and its `data:` JSON (keep-alive comments skipped).
     pub async fn next(&mut self) -> Result<(String, Value)> {
+        let (_, name, data) = self.next_with_id().await?;
+        Ok((name, data))
+    }
+
+    /// The next event with its `id:` field, if it has one.
+    pub async fn next_with_id(&mut self) -> Result<(Option<String>, String, Value)> {
         loop {
             if let Some(end) = self.buffer.find("\n\n") {
                 let block: String = self.buffer.drain(..end + 2).collect();
+                let mut id = None;
                 let mut name = String::new();
                 let mut data = String::new();
                 for line in block.lines() {
@@ -249,12 +286,14 @@ impl Sse {
                         name = v.trim().to_owned();
                     } else if let Some(v) = line.strip_prefix("data:") {
                         data.push_str(v.strip_prefix(' ').unwrap_or(v));
+                    } else if let Some(v) = line.strip_prefix("id:") {
+                        id = Some(v.trim().to_owned());
                     }
                 }
                 if data.is_empty() {
                     continue;
                 }
-                return Ok((name, serde_json::from_str(&data)?));
+                return Ok((id, name, serde_json::from_str(&data)?));
             }
             let chunk = tokio::time::timeout(WAIT, self.response.chunk())
                 .await

@@ -4,6 +4,7 @@ CELLGATE_URL and CELLGATE_TOKEN): real kernels in the gateway's default sandbox.
 import asyncio
 import json
 import os
+import socket
 import threading
 import time
 
@@ -444,3 +445,135 @@ def test_the_async_client_runs_commands_and_file_operations():
             assert one_shot.result == "'async'", one_shot
 
     asyncio.run(main())
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 in front of the gateway that, once, ends the connection
+    whose answer carries ``marker`` right after passing that bytes on (a FIN mid-answer, as
+    a load balancer that drops a connection sends). ``requests`` keeps the first line of
+    every request that went through it."""
+
+    def __init__(self, target: str, marker: bytes) -> None:
+        host, port = target.split("://", 1)[1].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.marker = marker
+        self.cuts = 0
+        self.requests: list = []
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._answers, args=(upstream, client), daemon=True).start()
+
+    def _requests(self, client, upstream) -> None:
+        try:
+            while chunk := client.recv(65536):
+                for line in chunk.split(b"\r\n"):
+                    if line.startswith((b"GET ", b"POST ", b"PUT ", b"DELETE ")):
+                        self.requests.append(line.decode())
+                upstream.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            upstream.close()
+
+    def _answers(self, upstream, client) -> None:
+        seen = b""
+        try:
+            while chunk := upstream.recv(65536):
+                client.sendall(chunk)
+                seen = (seen + chunk)[-4096:]
+                with self.lock:
+                    cut = self.cuts == 0 and self.marker in seen
+                    if cut:
+                        self.cuts += 1
+                if cut:
+                    client.shutdown(socket.SHUT_WR)
+                    break
+        except OSError:
+            pass
+        finally:
+            client.close()
+            upstream.close()
+
+    def __enter__(self) -> "CuttingProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.listener.close()
+
+
+#: Lines 1–3, then (once the test has seen line 3) lines 4–6.
+CUT_CELL = ("import os, time\n"
+            "for i in range(1, 4):\n    print(f'line {i}', flush=True)\n"
+            "t0 = time.monotonic()\n"
+            "while not os.path.exists('go'):\n"
+            "    if time.monotonic() - t0 > 60: raise RuntimeError('never went on')\n"
+            "    time.sleep(0.02)\n"
+            "for i in range(4, 7):\n    print(f'line {i}', flush=True)\n")
+CUT_LINES = "".join(f"line {i}\n" for i in range(1, 7))
+
+
+def test_a_stream_dropped_mid_cell_is_resumed_by_the_client_itself():
+    # The cut comes as line 3 passes the proxy, while the cell waits for `go`, which the
+    # test uploads only once it has line 3 (from the first stream or the resumed one).
+    with CuttingProxy(URL, b"line 3") as proxy, Session(proxy.url, TOKEN) as session:
+        out, events = [], []
+
+        def on_stdout(text):
+            out.append(text)
+            if "line 3" in text:
+                session.upload("go", "")
+
+        execution = session.run_code(CUT_CELL, on_stdout=on_stdout, on_event=events.append)
+        assert proxy.cuts == 1
+        resumed = [r for r in proxy.requests if "/executions/" in r]
+        assert resumed and resumed[0].startswith("GET "), proxy.requests
+        assert execution.ok and execution.stdout == CUT_LINES, execution
+        assert "".join(out) == CUT_LINES
+        ids = [e["id"] for e in events]
+        assert ids == sorted(set(ids)), ids
+        # What reached the callbacks is what the gateway recorded: every event, once.
+        record = session.execution(execution.execution_id)
+        assert record.done and record.events == events
+        assert record.result == execution
+        listed = session.executions()
+        assert [e["execution_id"] for e in listed][-1] == execution.execution_id
+        assert listed[-1]["state"] == "done" and listed[-1]["status"] == "ok"
+
+
+def test_the_async_client_resumes_a_dropped_stream_too():
+    async def main(proxy_url):
+        async with AsyncSession(proxy_url, TOKEN) as session:
+            out, events = [], []
+
+            async def on_stdout(text):
+                out.append(text)
+                if "line 3" in text:
+                    await session.upload("go", "")
+
+            execution = await session.run_code(CUT_CELL, on_stdout=on_stdout,
+                                               on_event=events.append)
+            record = await session.execution(execution.execution_id)
+            return execution, out, events, record
+
+    with CuttingProxy(URL, b"line 3") as proxy:
+        execution, out, events, record = asyncio.run(main(proxy.url))
+        assert proxy.cuts == 1 and any("/executions/" in r for r in proxy.requests)
+    assert execution.ok and "".join(out) == CUT_LINES
+    assert record.done and record.events == events
+
+
+def test_an_unknown_execution_is_not_found(session):
+    with pytest.raises(NotFoundError) as missing:
+        session.execution("0123456789abcdef0123456789abcdef")
+    assert missing.value.code == "no_such_execution"

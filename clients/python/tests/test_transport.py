@@ -367,3 +367,86 @@ def test_exists_is_one_head_whose_error_code_says_what_is_missing():
     with FakeGateway(answer(200, SESSION), *script()) as fake:
         check(asyncio.run(main()))
     assert [method for method, _ in fake.paths[1:]] == ["HEAD"] * 4
+
+
+EXECUTION = "e1"
+RESULT = {"execution_id": EXECUTION, "status": "ok", "execution_count": 1, "stdout": "a\nb\n",
+          "stderr": "", "result": None, "error": None, "artifacts": [], "denials": [],
+          "omitted": [], "duration_ms": 1, "state_generation": 1, "resources": {}}
+
+
+def numbered(id, kind, **fields):
+    return {"id": id, "type": kind, "execution_id": EXECUTION, **fields}
+
+
+def test_a_broken_execution_stream_is_resumed_from_its_last_event_each_event_once():
+    cut = Cut(answer(200, sse(numbered(1, "started", code="…"),
+                              numbered(2, "stream", name="stdout", text="a\n")),
+                     content_type="text/event-stream"))
+    # The resumed stream starts with an event already seen: it is dropped.
+    rest = answer(200, sse(numbered(2, "stream", name="stdout", text="a\n"),
+                           numbered(3, "stream", name="stdout", text="b\n"),
+                           numbered(4, "done", result=RESULT)),
+                  content_type="text/event-stream")
+    resumed_path = f"/v1/sessions/s1/executions/{EXECUTION}"
+    with FakeGateway(answer(200, SESSION), cut, rest) as fake:
+        with Client(fake.url, "t") as client:
+            out, ids = [], []
+            execution = client.attach("s1").run_code(
+                "print('a'); print('b')", on_stdout=out.append,
+                on_event=lambda e: ids.append(e["id"]))
+        assert execution.ok and execution.stdout == "a\nb\n"
+        assert out == ["a\n", "b\n"] and ids == [1, 2, 3, 4]
+        assert fake.paths[-1] == ("GET", resumed_path)
+        headers = fake.requests[-1][3]
+        assert headers["Last-Event-ID"] == "2" and headers["Accept"] == "text/event-stream"
+
+    async def main(url):
+        out = []
+        async with AsyncClient(url, "t") as client:
+            session = await client.attach("s1")
+            execution = await session.run_code("…", on_stdout=out.append)
+        return execution, out
+
+    with FakeGateway(answer(200, SESSION), cut, rest) as fake:
+        execution, out = asyncio.run(main(fake.url))
+        assert execution.ok and out == ["a\n", "b\n"]
+        assert fake.paths[-1] == ("GET", resumed_path)
+        assert fake.requests[-1][3]["Last-Event-ID"] == "2"
+
+
+def test_resuming_stops_after_max_resumes_with_a_typed_error_naming_the_execution():
+    first = Cut(answer(200, sse(numbered(1, "started", code="…"),
+                                numbered(2, "stream", name="stdout", text="a\n")),
+                       content_type="text/event-stream"))
+    # Each resume breaks again: no new event, so the attempts count on.
+    again = Cut(answer(200, sse(numbered(2, "stream", name="stdout", text="a\n")),
+                       content_type="text/event-stream"))
+    with FakeGateway(answer(200, SESSION), first, again, again) as fake:
+        with Client(fake.url, "t", max_resumes=2) as client:
+            out = []
+            with pytest.raises(cellgate.StreamInterrupted) as error:
+                client.attach("s1").run_code("…", on_stdout=out.append)
+        assert out == ["a\n"]
+        assert error.value.execution_id == EXECUTION and error.value.last_event_id == 2
+        assert error.value.request_may_have_run is True
+        assert isinstance(error.value, cellgate.CellgateConnectionError)
+        assert "Session.execution" in str(error.value)
+        assert [p for p in fake.paths if p[0] == "GET"][1:] == \
+            [("GET", f"/v1/sessions/s1/executions/{EXECUTION}")] * 2
+
+
+def test_an_execution_is_fetched_by_id():
+    record = {"execution_id": EXECUTION, "state": "done", "code": "1", "started": "t",
+              "events": [numbered(1, "started", code="1"), numbered(2, "done", result=RESULT)],
+              "result": RESULT}
+    with FakeGateway(answer(200, SESSION), answer(200, record),
+                     answer(404, code="no_such_execution")) as fake:
+        with Client(fake.url, "t") as client:
+            session = client.attach("s1")
+            fetched = session.execution(EXECUTION)
+            assert fetched.done and fetched.result.ok and fetched.result.stdout == "a\nb\n"
+            assert [e["id"] for e in fetched.events] == [1, 2]
+            with pytest.raises(cellgate.NotFoundError):
+                session.execution("unknown")
+        assert fake.paths[1] == ("GET", f"/v1/sessions/s1/executions/{EXECUTION}")

@@ -175,8 +175,30 @@ export interface CommandOptions {
   signal?: AbortSignal;
 }
 
-/** One event of an execution, as `docs/api-v1.md` lists them. */
-export type ExecutionEvent = { type: string; execution_id?: string; [field: string]: unknown };
+/** One event of an execution, as `docs/api-v1.md` lists them; `id` is its number in the
+ * session (absent from gateways older than resumable delivery). */
+export type ExecutionEvent = { type: string; id?: number; execution_id?: string; [field: string]: unknown };
+
+/** An execution as `Session.executions()` lists it (`status`: the result's, `null` while
+ * running). */
+export interface ExecutionSummary {
+  execution_id: string;
+  state: "running" | "done";
+  code: string;
+  started: string;
+  status: Status | null;
+}
+
+/** An execution as the gateway keeps it (`Session.execution(id)`): its events so far (each
+ * with its `id`) and, once `state` is `done`, its result. */
+export interface ExecutionRecord {
+  execution_id: string;
+  state: "running" | "done";
+  code: string;
+  started: string;
+  events: ExecutionEvent[];
+  result: Execution | null;
+}
 
 export interface RunOptions {
   /** Interrupt the cell after this many seconds and report `timeout`. */
@@ -274,6 +296,34 @@ export class CellgateConnectionError extends CellgateError {
   }
 }
 
+/**
+ * An execution's event stream broke and could not be resumed after `maxResumes` attempts in
+ * a row. The code may have run, and may still be running: `executionId` fetches its result
+ * later (`Session.execution`); `lastEventId` is the last event received.
+ */
+export class StreamInterrupted extends CellgateConnectionError {
+  constructor(
+    url: string,
+    cause: unknown,
+    readonly executionId: string,
+    readonly lastEventId: number,
+    attempts: number,
+  ) {
+    super(url, cause, "answer");
+    this.name = "StreamInterrupted";
+    this.message =
+      `the event stream of execution ${executionId} broke without the execution's result (no ` +
+      `\`done\` event) and ${attempts} attempts to resume it after event ${lastEventId} failed; ` +
+      `the code may have run or still be running: Session.execution("${executionId}") fetches its result`;
+  }
+}
+
+/** Milliseconds before resume attempt `attempt` (1, 2, …): a dropped connection is often
+ * over at once, a restarting proxy takes longer. */
+function resumeWait(attempt: number): number {
+  return Math.min(250 * 2 ** (attempt - 1), 4000);
+}
+
 type FetchLike = typeof fetch;
 
 export interface ClientOptions {
@@ -286,6 +336,9 @@ export interface ClientOptions {
   /** The longest `Retry-After` to wait for, in seconds (default 30): a longer one is thrown
    * at once, as a CellgateError with `retryAfter`. */
   maxRetryWaitSeconds?: number;
+  /** How many times in a row an execution's event stream that broke is resumed from the
+   * last event received before `StreamInterrupted` is thrown. Default 5; 0 never resumes. */
+  maxResumes?: number;
 }
 
 /** A cellgate gateway. `token` is its static token or a tenant's JWT. Under Node, a `url`
@@ -295,6 +348,7 @@ export class Client {
   readonly url: string;
   readonly maxRetries: number;
   readonly maxRetryWaitSeconds: number;
+  readonly maxResumes: number;
   private readonly headers: Record<string, string>;
   private readonly fetchImpl: FetchLike;
 
@@ -312,6 +366,7 @@ export class Client {
     this.fetchImpl = options.fetch ?? globalThis.fetch.bind(globalThis);
     this.maxRetries = Math.max(0, Math.floor(options.maxRetries ?? 3));
     this.maxRetryWaitSeconds = Math.max(0, options.maxRetryWaitSeconds ?? 30);
+    this.maxResumes = Math.max(0, Math.floor(options.maxResumes ?? 5));
   }
 
   /** One request; throws a CellgateError for an error answer, a CellgateConnectionError when
@@ -467,51 +522,121 @@ export class Session {
   }
 
   /** Runs `code`, streaming its output to the callbacks, and resolves to its Execution
-   * (whatever its status). */
+   * (whatever its status). If the connection drops mid-stream, the stream is resumed from
+   * the last event received (`GET …/executions/{id}` with `Last-Event-ID`), so each event
+   * reaches the callbacks once; after the client's `maxResumes` failed attempts in a row,
+   * `StreamInterrupted` says which execution to fetch later. */
   async runCode(code: string, options: RunOptions = {}): Promise<Execution> {
     const body: Record<string, unknown> = { code };
     const timeout = options.timeoutSeconds ?? options.timeoutS;
     if (timeout !== undefined) body.timeout_s = timeout;
-    const response = await this.client.request("POST", `${this.path}/execute`, {
+    let response = await this.client.request("POST", `${this.path}/execute`, {
       body: JSON.stringify(body),
       headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
       signal: options.signal,
     });
-    if (!response.body) throw new CellgateError(0, "no_stream", "the answer has no body");
-    for await (const event of sseEvents(response.body)) {
-      options.onEvent?.(event);
-      switch (event.type) {
-        case "stream": {
-          const text = String(event.text ?? "");
-          (event.name === "stderr" ? options.onStderr : options.onStdout)?.(text);
-          break;
+    let executionId: string | undefined;
+    let lastEventId = 0;
+    let failures = 0;
+    for (;;) {
+      let cause: unknown;
+      try {
+        if (!response.body) throw new CellgateError(0, "no_stream", "the answer has no body");
+        for await (const event of sseEvents(response.body)) {
+          if (typeof event.id === "number") {
+            // A repeat of what a resumed stream already gave.
+            if (event.id <= lastEventId) continue;
+            lastEventId = event.id;
+            failures = 0;
+          }
+          executionId ??= event.execution_id;
+          const result = await this.handle(event, options);
+          if (result) return result;
         }
-        case "display":
-        case "update_display":
-        case "result":
-          for (const ref of (event.artifacts as ArtifactRef[] | undefined) ?? []) {
-            options.onArtifact?.(this.client.artifact(ref));
-          }
+      } catch (error) {
+        if (!(error instanceof CellgateConnectionError)) throw error;
+        cause = error;
+      }
+      // Without an execution and event ids (an older gateway) there is nothing to resume.
+      if (executionId === undefined || lastEventId === 0) {
+        if (cause) throw cause;
+        throw new CellgateError(
+          0,
+          "stream_ended",
+          "the event stream ended without the execution's result (no `done` event); the code may have run",
+        );
+      }
+      // Resume where it broke: every failed attempt in a row counts, until one brings an
+      // event it had not.
+      for (;;) {
+        if (failures >= this.client.maxResumes) {
+          throw new StreamInterrupted(this.client.url + this.path, cause, executionId, lastEventId, failures);
+        }
+        failures++;
+        await sleep(resumeWait(failures), options.signal);
+        try {
+          response = await this.client.request("GET", `${this.path}/executions/${enc(executionId)}`, {
+            headers: { Accept: "text/event-stream", "Last-Event-ID": String(lastEventId) },
+            signal: options.signal,
+          });
           break;
-        case "input_request":
-          if (options.onInput) {
-            const value = await options.onInput(String(event.prompt ?? ""), Boolean(event.password));
-            await this.sendInput(value, event.execution_id);
-          } else {
-            await this.interrupt();
-          }
-          break;
-        case "done": {
-          const result = event.result as Omit<Execution, "artifacts"> & { artifacts: ArtifactRef[] };
-          return { ...result, artifacts: result.artifacts.map((a) => this.client.artifact(a)) };
+        } catch (error) {
+          if (!(error instanceof CellgateConnectionError)) throw error;
+          cause = error;
         }
       }
     }
-    throw new CellgateError(
-      0,
-      "stream_ended",
-      "the event stream ended without the execution's result (no `done` event); the code may have run",
-    );
+  }
+
+  /** The session's newest executions (`limit`: the gateway's default is 100), oldest first,
+   * the running one last: for an id that was lost. */
+  executions(limit?: number): Promise<ExecutionSummary[]> {
+    const query = limit === undefined ? "" : `?limit=${Math.floor(limit)}`;
+    return this.client.json<ExecutionSummary[]>("GET", `${this.path}/executions${query}`);
+  }
+
+  /** An execution of this session, running or done: its events so far and, once done, its
+   * result (for a result whose stream was lost, or that a page never saw). A 404
+   * `no_such_execution` for one the session does not have (or no longer keeps). */
+  async execution(executionId: string): Promise<ExecutionRecord> {
+    const record = await this.client.json<
+      Omit<ExecutionRecord, "result"> & { result: (Omit<Execution, "artifacts"> & { artifacts: ArtifactRef[] }) | null }
+    >("GET", `${this.path}/executions/${enc(executionId)}`);
+    return { ...record, result: record.result ? this.executionResult(record.result) : null };
+  }
+
+  private executionResult(result: Omit<Execution, "artifacts"> & { artifacts: ArtifactRef[] }): Execution {
+    return { ...result, artifacts: result.artifacts.map((a) => this.client.artifact(a)) };
+  }
+
+  /** Passes one event to the callbacks; the Execution once it is `done`. */
+  private async handle(event: ExecutionEvent, options: RunOptions): Promise<Execution | undefined> {
+    options.onEvent?.(event);
+    switch (event.type) {
+      case "stream": {
+        const text = String(event.text ?? "");
+        (event.name === "stderr" ? options.onStderr : options.onStdout)?.(text);
+        break;
+      }
+      case "display":
+      case "update_display":
+      case "result":
+        for (const ref of (event.artifacts as ArtifactRef[] | undefined) ?? []) {
+          options.onArtifact?.(this.client.artifact(ref));
+        }
+        break;
+      case "input_request":
+        if (options.onInput) {
+          const value = await options.onInput(String(event.prompt ?? ""), Boolean(event.password));
+          await this.sendInput(value, event.execution_id);
+        } else {
+          await this.interrupt();
+        }
+        break;
+      case "done":
+        return this.executionResult(event.result as Omit<Execution, "artifacts"> & { artifacts: ArtifactRef[] });
+    }
+    return undefined;
   }
 
   /** Runs the shell command `cmd` (`bash -c`) in the session's sandbox, as the kernel's user

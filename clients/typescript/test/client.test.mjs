@@ -2,9 +2,10 @@
 // CELLGATE_URL and CELLGATE_TOKEN and builds dist/ first): real kernels in the default sandbox.
 import assert from "node:assert/strict";
 import { createServer } from "node:http";
+import { connect, createServer as createTcpServer } from "node:net";
 import { test } from "node:test";
 
-import { CellgateConnectionError, CellgateError, Client, Session } from "../dist/index.js";
+import { CellgateConnectionError, CellgateError, Client, Session, StreamInterrupted } from "../dist/index.js";
 
 const URL = process.env.CELLGATE_URL;
 const TOKEN = process.env.CELLGATE_TOKEN;
@@ -627,3 +628,163 @@ test("429 and 503 with Retry-After are retried after the wait, within bounds", a
     await streamed.close();
   }
 });
+
+const EXECUTION = "e1";
+const RESULT = {
+  execution_id: EXECUTION, status: "ok", execution_count: 1, stdout: "a\nb\n", stderr: "",
+  result: null, error: null, artifacts: [], denials: [], omitted: [], duration_ms: 1,
+  state_generation: 1, resources: {},
+};
+const numbered = (id, type, fields = {}) => ({ id, type, execution_id: EXECUTION, ...fields });
+
+test("a broken execution stream is resumed from its last event, each event once", async () => {
+  const fake = await fakeGateway((request, response) => {
+    response.writeHead(200, { "Content-Type": "text/event-stream" });
+    if (request.method === "POST") {
+      response.write(sse(numbered(1, "started", { code: "…" }), numbered(2, "stream", { name: "stdout", text: "a\n" })));
+      setTimeout(() => response.socket.destroy(), 50);
+    } else {
+      // The resumed stream starts with an event already seen: it is dropped.
+      response.end(sse(
+        numbered(2, "stream", { name: "stdout", text: "a\n" }),
+        numbered(3, "stream", { name: "stdout", text: "b\n" }),
+        numbered(4, "done", { result: RESULT }),
+      ));
+    }
+  });
+  try {
+    const session = new Session(new Client(fake.url, "t"), SESSION);
+    const out = [];
+    const ids = [];
+    const execution = await session.runCode("…", { onStdout: (t) => out.push(t), onEvent: (e) => ids.push(e.id) });
+    assert.equal(execution.status, "ok");
+    assert.deepEqual(out, ["a\n", "b\n"]);
+    assert.deepEqual(ids, [1, 2, 3, 4]);
+    const [method, url, , headers] = fake.requests.at(-1);
+    assert.equal(method, "GET");
+    assert.equal(url, `/v1/sessions/s1/executions/${EXECUTION}`);
+    assert.equal(headers["last-event-id"], "2");
+    assert.equal(headers.accept, "text/event-stream");
+  } finally {
+    await fake.close();
+  }
+});
+
+test("resuming stops after maxResumes with StreamInterrupted naming the execution", async () => {
+  const fake = await fakeGateway((request, response) => {
+    response.writeHead(200, { "Content-Type": "text/event-stream" });
+    // Every answer breaks again, with nothing new after the first.
+    response.write(sse(numbered(1, "started", { code: "…" }), numbered(2, "stream", { name: "stdout", text: "a\n" })));
+    setTimeout(() => response.socket.destroy(), 50);
+  });
+  try {
+    const session = new Session(new Client(fake.url, "t", { maxResumes: 2 }), SESSION);
+    const out = [];
+    await assert.rejects(session.runCode("…", { onStdout: (t) => out.push(t) }), (e) => {
+      assert.ok(e instanceof StreamInterrupted && e instanceof CellgateConnectionError, String(e));
+      assert.equal(e.executionId, EXECUTION);
+      assert.equal(e.lastEventId, 2);
+      assert.equal(e.requestMayHaveRun, true);
+      assert.match(e.message, /Session\.execution/);
+      return true;
+    });
+    assert.deepEqual(out, ["a\n"]);
+    assert.deepEqual(fake.requests.map(([method]) => method), ["POST", "GET", "GET"]);
+  } finally {
+    await fake.close();
+  }
+});
+
+/** A TCP proxy on 127.0.0.1 in front of the gateway that, once, ends the connection whose
+ * answer carries `marker` right after passing it on (a FIN mid-answer). */
+async function cuttingProxy(target, marker) {
+  const { hostname, port } = new globalThis.URL(target);
+  const proxy = { cuts: 0, requests: [] };
+  const sockets = new Set();
+  const server = createTcpServer((client) => {
+    const upstream = connect(Number(port), hostname);
+    sockets.add(client).add(upstream);
+    let seen = "";
+    client.on("data", (chunk) => {
+      for (const line of chunk.toString("latin1").split("\r\n")) {
+        if (/^(GET|POST|PUT|DELETE) /.test(line)) proxy.requests.push(line);
+      }
+      upstream.write(chunk);
+    });
+    upstream.on("data", (chunk) => {
+      client.write(chunk);
+      seen = (seen + chunk.toString("latin1")).slice(-4096);
+      if (proxy.cuts === 0 && seen.includes(marker)) {
+        proxy.cuts++;
+        client.end();
+        upstream.destroy();
+      }
+    });
+    const close = () => {
+      client.destroy();
+      upstream.destroy();
+    };
+    client.on("close", close).on("error", close);
+    upstream.on("close", close).on("error", close);
+  });
+  await new Promise((resolve) => server.listen(0, "127.0.0.1", resolve));
+  proxy.url = `http://127.0.0.1:${server.address().port}`;
+  proxy.close = () => {
+    for (const socket of sockets) socket.destroy();
+    return new Promise((resolve) => server.close(resolve));
+  };
+  return proxy;
+}
+
+const CUT_CELL =
+  "import os, time\n" +
+  "for i in range(1, 4):\n    print(f'line {i}', flush=True)\n" +
+  "t0 = time.monotonic()\n" +
+  "while not os.path.exists('go'):\n" +
+  "    if time.monotonic() - t0 > 60: raise RuntimeError('never went on')\n" +
+  "    time.sleep(0.02)\n" +
+  "for i in range(4, 7):\n    print(f'line {i}', flush=True)\n";
+const CUT_LINES = [1, 2, 3, 4, 5, 6].map((i) => `line ${i}\n`).join("");
+
+test("a stream dropped mid-cell is resumed by the client itself", async () => {
+  // The cut comes as line 3 passes the proxy, while the cell waits for `go`, which the test
+  // uploads only once it has line 3 (from the first stream or the resumed one).
+  const proxy = await cuttingProxy(URL, "line 3");
+  const session = await Session.create(proxy.url, TOKEN);
+  try {
+    const out = [];
+    const events = [];
+    let uploaded;
+    const execution = await session.runCode(CUT_CELL, {
+      onStdout: (text) => {
+        out.push(text);
+        if (text.includes("line 3")) uploaded = session.upload("go", "");
+      },
+      onEvent: (event) => events.push(event),
+    });
+    await uploaded;
+    assert.equal(proxy.cuts, 1);
+    assert.ok(proxy.requests.some((r) => r.startsWith("GET ") && r.includes("/executions/")), String(proxy.requests));
+    assert.equal(execution.status, "ok");
+    assert.equal(execution.stdout, CUT_LINES);
+    assert.equal(out.join(""), CUT_LINES);
+    const ids = events.map((e) => e.id);
+    assert.deepEqual(ids, [...new Set(ids)].sort((a, b) => a - b));
+    // What reached the callbacks is what the gateway recorded: every event, once.
+    const record = await session.execution(execution.execution_id);
+    assert.equal(record.state, "done");
+    assert.deepEqual(record.events, events);
+    assert.equal(record.result?.stdout, CUT_LINES);
+    const listed = await session.executions();
+    assert.equal(listed.at(-1)?.execution_id, execution.execution_id);
+    assert.equal(listed.at(-1)?.status, "ok");
+  } finally {
+    await session.close();
+    await proxy.close();
+  }
+});
+
+test("an unknown execution is a 404 no_such_execution", () =>
+  withSession(async (session) => {
+    await assert.rejects(session.execution("0123456789abcdef0123456789abcdef"), (e) => e.status === 404 && e.code === "no_such_execution");
+  }));

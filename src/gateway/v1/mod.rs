@@ -78,6 +78,11 @@ pub fn routes() -> Router<AppState> {
             "/v1/sessions/{id}/execute",
             json_only(post(sessions::execute)),
         )
+        .route("/v1/sessions/{id}/executions", get(sessions::executions))
+        .route(
+            "/v1/sessions/{id}/executions/{execution_id}",
+            get(sessions::execution),
+        )
         .route("/v1/execute", json_only(post(sessions::execute_once)))
         .route(
             "/v1/sessions/{id}/interrupt",

@@ -10,7 +10,8 @@ use utoipa::{Modify, OpenApi};
 use super::{artifacts, commands, files, kernelspecs, notebooks, sessions, ws};
 use crate::sessions::commands::{CommandEvent, CommandResult};
 use crate::sessions::{
-    ArtifactRef, ExecError, ExecutionResult, Omitted, Resources, SessionEvent, SessionModel, Status,
+    ArtifactRef, ExecError, ExecutionProgress, ExecutionRecord, ExecutionResult, ExecutionSummary,
+    Gap, NumberedEvent, Omitted, Resources, SessionEvent, SessionModel, Status,
 };
 
 struct Security;
@@ -45,7 +46,7 @@ impl Modify for Security {
     ),
     paths(
         kernelspecs::list, sessions::create, sessions::list, sessions::get, sessions::delete,
-        sessions::execute, sessions::execute_once, sessions::interrupt, sessions::restart,
+        sessions::execute, sessions::executions, sessions::execution, sessions::execute_once, sessions::interrupt, sessions::restart,
         sessions::input, commands::run, files::list, files::upload, files::download, files::head, files::remove, files::operate,
         artifacts::list, artifacts::fetch, artifacts::fetch_signed, artifacts::sign_link, ws::socket, notebooks::export, notebooks::replay,
         document,
@@ -54,7 +55,7 @@ impl Modify for Security {
         crate::gateway::api_error::ErrorBody, crate::gateway::ErrorCode, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded, files::Removed, files::FileOperation, commands::RunCommand, CommandResult, CommandEvent,
         ws::ClientMessage, SessionModel, kernelspecs::Kernelspecs, kernelspecs::Kernelspec, ExecutionResult, ExecError, Resources, Status, Omitted,
-        ArtifactRef, SessionEvent, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
+        ArtifactRef, SessionEvent, NumberedEvent, Gap, ExecutionRecord, ExecutionSummary, ExecutionProgress, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
     )),
     modifiers(&Security),
     security(("bearer" = []), ("token" = [])),
@@ -221,10 +222,11 @@ fn fix_response_types(document: &mut Value) {
     for path in [
         "/paths/~1v1~1sessions~1{id}~1execute/post",
         "/paths/~1v1~1execute/post",
+        "/paths/~1v1~1sessions~1{id}~1executions~1{execution_id}/get",
     ] {
         if let Some(content) = document.pointer_mut(&format!("{path}/responses/200/content")) {
             content["text/event-stream"] = json!({
-                "schema": {"type": "string", "description": "with `Accept: text/event-stream`: one `SessionEvent` JSON per event, ending with `done`"}
+                "schema": {"type": "string", "description": "with `Accept: text/event-stream`: one `NumberedEvent` JSON per event (a `SessionEvent` with its `id`, also the SSE `id:` field), ending with `done`"}
             });
         }
     }

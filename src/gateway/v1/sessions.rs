@@ -1,5 +1,10 @@
 //! Sessions and executions: create, list, get, delete; execute (blocking JSON or SSE);
-//! one-shot execute; interrupt, restart, input.
+//! one-shot execute; an execution's record, or its events resumed after `Last-Event-ID`;
+//! interrupt, restart, input.
+//!
+//! Every SSE event carries its id in the session (the `id:` field, and `id` in its JSON), so
+//! a client whose `POST …/execute` stream dropped resumes with a `GET` of the execution
+//! (which an `EventSource` can also repeat by itself) from the last id it saw.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -7,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -21,8 +27,11 @@ use super::{body, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
-use crate::ids::SessionId;
-use crate::sessions::{ExecutionResult, NewSession, Session, SessionEvent, SessionModel, Sessions};
+use crate::ids::{ExecutionId, SessionId};
+use crate::sessions::{
+    ExecutionRecord, ExecutionResult, ExecutionSummary, NewSession, Numbered, Session,
+    SessionEvent, SessionModel, Sessions, MAX_HISTORY,
+};
 
 /// A file to put in the workspace when the session starts.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -297,11 +306,12 @@ pub(super) fn wants_sse(headers: &HeaderMap) -> bool {
         .is_some_and(|a| a.contains("text/event-stream"))
 }
 
-/// The events as SSE: `event: <type>`, `data: <event JSON>`, ending with `done`. With
-/// `delete_after`, that session is deleted before `done` goes out (one-shot executes), so a
-/// client that saw `done` never sees the session again.
+/// The events as SSE: `id: <id in the session>`, `event: <type>`, `data: <event JSON>`
+/// (with `id` too), ending with `done`. With `delete_after`, that session is deleted before
+/// `done` goes out (one-shot executes), so a client that saw `done` never sees the session
+/// again.
 fn sse(
-    events: mpsc::UnboundedReceiver<Arc<SessionEvent>>,
+    events: mpsc::UnboundedReceiver<Numbered>,
     delete_after: Option<(Arc<Sessions>, SessionId)>,
 ) -> Response {
     let stream = futures_util::stream::unfold(
@@ -311,7 +321,7 @@ fn sse(
                 return None;
             }
             let event = events.recv().await?;
-            let done = matches!(*event, SessionEvent::Done { .. });
+            let done = matches!(*event.event, SessionEvent::Done { .. });
             let delete_after = match (done, delete_after) {
                 (true, Some((sessions, id))) => {
                     let _ = sessions.end(&id).await;
@@ -320,8 +330,9 @@ fn sse(
                 (_, pending) => pending,
             };
             let sse_event = Event::default()
-                .event(event.kind())
-                .json_data(&*event)
+                .id(event.id.to_string())
+                .event(event.event.kind())
+                .json_data(&event)
                 .unwrap_or_else(|_| Event::default().event("error").data("unserialisable event"));
             Some((Ok::<_, Infallible>(sse_event), (events, delete_after, done)))
         },
@@ -332,10 +343,10 @@ fn sse(
 }
 
 async fn wait_for_result(
-    mut events: mpsc::UnboundedReceiver<Arc<SessionEvent>>,
+    mut events: mpsc::UnboundedReceiver<Numbered>,
 ) -> Result<ExecutionResult, ApiError> {
     while let Some(event) = events.recv().await {
-        if let SessionEvent::Done { result, .. } = &*event {
+        if let SessionEvent::Done { result, .. } = &*event.event {
             return Ok((**result).clone());
         }
     }
@@ -368,6 +379,113 @@ pub async fn execute(
         return Ok(sse(events, None));
     }
     Ok(Json(wait_for_result(events).await?).into_response())
+}
+
+/// `GET /v1/sessions/{id}/executions`'s query.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ExecutionsQuery {
+    /// How many of the newest executions (default 100, at most 10000).
+    #[serde(default)]
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 10000)]
+    pub limit: Option<String>,
+}
+
+/// Executions listed when no `limit` is given.
+const DEFAULT_EXECUTIONS_LISTED: usize = 100;
+
+/// The session's newest executions, oldest first (the running one last): for a client that
+/// lost an execution's id (a blocking execute whose connection dropped, a reloaded page).
+#[utoipa::path(get, path = "/v1/sessions/{id}/executions", tag = "execute", operation_id = "list_executions",
+    params(("id" = String, Path), ExecutionsQuery),
+    responses((status = 200, body = Vec<ExecutionSummary>), (status = 400, description = "a limit that is not 1 to 10000"), (status = 404)))]
+pub async fn executions(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    query: Result<Query<ExecutionsQuery>, QueryRejection>,
+) -> Result<Json<Vec<ExecutionSummary>>, ApiError> {
+    let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
+    let session = session_for(&state, &principal, &id)?;
+    // Text in the query, so a bad value is this route's 400 rather than the extractor's.
+    let limit = match query.limit.as_deref() {
+        None => DEFAULT_EXECUTIONS_LISTED,
+        Some(text) => text
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_HISTORY).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("limit must be a number from 1 to {MAX_HISTORY}"))
+            })?,
+    };
+    Ok(Json(session.executions(limit)))
+}
+
+/// `GET /v1/sessions/{id}/executions/{execution_id}`'s query: where to resume from (an
+/// `EventSource` sends `Last-Event-ID` by itself when it reconnects; this is for the first
+/// request, or a client that cannot set headers).
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ExecutionQuery {
+    /// Send only the events after this id (the `Last-Event-ID` header wins).
+    #[serde(default)]
+    pub last_event_id: Option<String>,
+}
+
+/// The id a resuming client saw last: `Last-Event-ID`, else the query's `last_event_id`,
+/// else 0 (from the start). An id that is not a number is a 400: resuming from a guess
+/// could skip events.
+fn last_event_id(headers: &HeaderMap, query: Option<&str>) -> Result<u64, ApiError> {
+    let header = headers.get("last-event-id").map(|value| value.to_str());
+    let text = match (header, query) {
+        (Some(Ok(text)), _) | (None, Some(text)) => text.trim(),
+        (Some(Err(_)), _) => return Err(ApiError::bad_request("Last-Event-ID is not text")),
+        (None, None) => return Ok(0),
+    };
+    if text.is_empty() {
+        return Ok(0);
+    }
+    text.parse().map_err(|_| {
+        ApiError::bad_request(format!(
+            "last event id {text:?} is not an event id (a whole number)"
+        ))
+    })
+}
+
+/// An execution of the session, running or done: as JSON its record (every event so far
+/// with its id, the result once done); with `Accept: text/event-stream` its events after
+/// `Last-Event-ID` (or from the start), those recorded and then the rest as they come,
+/// ending with `done`.
+#[utoipa::path(get, path = "/v1/sessions/{id}/executions/{execution_id}", tag = "execute", operation_id = "get_execution",
+    params(("id" = String, Path), ("execution_id" = String, Path),
+        ("Last-Event-ID" = Option<String>, Header, description = "with `text/event-stream`: resume after this event id"),
+        ExecutionQuery),
+    responses(
+        (status = 200, body = ExecutionRecord, description = "JSON record; or `text/event-stream` of NumberedEvent when asked"),
+        (status = 400, description = "a last event id that is not a number"),
+        (status = 404, description = "no such session or execution (or not the caller's)")))]
+pub async fn execution(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    Path((id, execution_id)): Path<(String, String)>,
+    query: Result<Query<ExecutionQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
+    let session = session_for(&state, &principal, &id)?;
+    let unknown = || {
+        ApiError::not_found(format!("no execution {execution_id} in session {id}"))
+            .code(ErrorCode::NoSuchExecution)
+    };
+    // A malformed id is answered as an unknown one, as every id is.
+    let parsed = ExecutionId::parse(&execution_id).map_err(|_| unknown())?;
+    if wants_sse(&headers) {
+        let after = last_event_id(&headers, query.last_event_id.as_deref())?;
+        let events = session.follow(&parsed, after).ok_or_else(unknown)?;
+        return Ok(sse(events, None));
+    }
+    let record = session.execution(&parsed).ok_or_else(unknown)?;
+    Ok(Json(record).into_response())
 }
 
 /// One-shot execute (for an agent's stateless code tool; MCP's `run_python` keeps a session): a fresh session, one execution,

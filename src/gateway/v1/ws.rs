@@ -7,24 +7,31 @@
 //! - `{"type": "input_reply", "value": "…", "execution_id"?: "…"}`
 //! - `{"type": "restart"}`
 //!
-//! On connect the server sends `{"type": "session", "session": <SessionModel>}`. When the
-//! session ends (deleted, or its kernel shut down) the last event is
+//! On connect the server sends `{"type": "session", "session": <SessionModel>,
+//! "last_event_id": n}` (the newest event id of the session so far). Every event carries its
+//! `id` in the session; a client that reconnects with `?last_event_id=N` is first sent the
+//! events after `N` that the session's replay buffer still holds, preceded by
+//! `{"type": "gap", "first_id", "last_id"}` when some are no longer held, then the live ones,
+//! each once. When the session ends (deleted, or its kernel shut down) the last event is
 //! `{"type": "kernel", "state": "terminated"}` and the server closes the socket. A client
 //! message that cannot be understood or fails answers `{"type": "client_error", "message"}`
-//! and the socket stays open. A client too slow for the event rate gets
-//! `{"type": "lagged", "missed": n}` and then the events after the gap.
+//! and the socket stays open. A client too slow for the event rate catches up from the
+//! replay buffer; what that no longer holds is told as a `gap` and, for clients older than
+//! ids, `{"type": "lagged", "missed": n}`, then the events after it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::ApiError;
 use crate::gateway::ErrorCode;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message as WsMessage, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
+use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
 use serde::Deserialize;
 use serde_json::json;
@@ -35,7 +42,7 @@ use super::session_for;
 use crate::gateway::auth::Principal;
 use crate::gateway::kernel_ws::origin_allowed;
 use crate::gateway::state::AppState;
-use crate::sessions::{KernelPhase, Session, SessionEvent};
+use crate::sessions::{Catchup, KernelPhase, Numbered, Session, SessionEvent};
 
 const PING_INTERVAL: Duration = Duration::from_secs(30);
 /// Largest client message (code included).
@@ -59,12 +66,22 @@ pub enum ClientMessage {
     Restart,
 }
 
+/// The WebSocket's query (besides a browser's `token`).
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct SocketQuery {
+    /// Resume: first send the events after this id that the gateway still holds (a `gap`
+    /// event names those it does not), then the live ones.
+    #[serde(default)]
+    pub last_event_id: Option<String>,
+}
+
 /// The session's event stream and controls (WebSocket upgrade).
 #[utoipa::path(get, path = "/v1/sessions/{id}/ws", tag = "sessions", operation_id = "open_websocket",
-    params(("id" = String, Path)),
+    params(("id" = String, Path), SocketQuery),
     responses(
-        (status = 101, description = "WebSocket: server frames are SessionEvent JSON; client frames are ClientMessage JSON"),
-        (status = 400, description = "not a WebSocket handshake"),
+        (status = 101, description = "WebSocket: server frames are NumberedEvent JSON (a SessionEvent with its `id`), and a Gap before events resumed past what the gateway still holds; client frames are ClientMessage JSON"),
+        (status = 400, description = "not a WebSocket handshake, or a `last_event_id` that is not a number"),
         (status = 403, description = "a page from an origin the gateway does not allow"),
         (status = 404, description = "no such session"),
         (status = 426, description = "the connection cannot be upgraded")))]
@@ -72,6 +89,7 @@ pub async fn socket(
     State(state): State<AppState>,
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
+    query: Result<Query<SocketQuery>, QueryRejection>,
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
@@ -88,44 +106,136 @@ pub async fn socket(
             .code(ErrorCode::CrossOrigin)
             .into_response();
     }
+    let query = match query {
+        Ok(Query(query)) => query,
+        Err(err) => return ApiError::bad_request(err.body_text()).into_response(),
+    };
+    let resume = match query.last_event_id.as_deref().map(str::parse::<u64>) {
+        None => None,
+        Some(Ok(after)) => Some(after),
+        Some(Err(_)) => {
+            return ApiError::bad_request("last_event_id must be an event id (a whole number)")
+                .into_response()
+        }
+    };
     let session = match session_for(&state, &principal, &id) {
         Ok(session) => session,
         Err(err) => return err.into_response(),
     };
     upgrade
         .max_message_size(MAX_CLIENT_MESSAGE)
-        .on_upgrade(move |socket| serve(socket, session))
+        .on_upgrade(move |socket| serve(socket, session, resume))
 }
 
-async fn serve(socket: WebSocket, session: Arc<Session>) {
-    let mut events = session.subscribe();
+type Sink = SplitSink<WebSocket, WsMessage>;
+
+/// Whether the socket goes on after a frame.
+#[derive(PartialEq)]
+enum Flow {
+    Open,
+    Closed,
+}
+
+/// Sends one event; after `terminated` (the session is gone) closes the socket.
+async fn send_event(sink: &mut Sink, event: &Numbered) -> Flow {
+    let Ok(text) = serde_json::to_string(event) else {
+        return Flow::Open;
+    };
+    let terminated = matches!(
+        &*event.event,
+        SessionEvent::Kernel {
+            state: KernelPhase::Terminated,
+            ..
+        }
+    );
+    if sink.send(WsMessage::Text(text.into())).await.is_err() {
+        return Flow::Closed;
+    }
+    if terminated {
+        let _ = sink.send(WsMessage::Close(None)).await;
+        return Flow::Closed;
+    }
+    Flow::Open
+}
+
+/// Sends what a catch-up holds: its gap first (with the older `lagged` frame when `lagged`),
+/// then its events after `last`, which moves on to the newest sent.
+async fn send_catchup(sink: &mut Sink, catchup: Catchup, last: &mut u64, lagged: bool) -> Flow {
+    if let Some(gap) = catchup.gap {
+        let mut frames = vec![serde_json::to_string(&gap).unwrap_or_default()];
+        if lagged {
+            frames.push(json!({"type": "lagged", "missed": gap.missed()}).to_string());
+        }
+        for frame in frames {
+            if sink.send(WsMessage::Text(frame.into())).await.is_err() {
+                return Flow::Closed;
+            }
+        }
+        *last = (*last).max(gap.last_id);
+    }
+    for event in &catchup.events {
+        if event.id <= *last {
+            continue;
+        }
+        *last = event.id;
+        if send_event(sink, event).await == Flow::Closed {
+            return Flow::Closed;
+        }
+    }
+    Flow::Open
+}
+
+async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>) {
+    // Subscribed before the catch-up is read: the two meet with nothing lost, and what both
+    // hold is sent once (by id).
+    let (mut events, newest) = session.subscribe_after_newest();
+    let catchup = resume.map(|after| (after, session.catch_up(after)));
+    let weak = Arc::downgrade(&session);
     let (mut sink, mut stream) = socket.split();
-    let hello = json!({"type": "session", "session": session.model()}).to_string();
+    let hello =
+        json!({"type": "session", "session": session.model(), "last_event_id": newest}).to_string();
     if sink.send(WsMessage::Text(hello.into())).await.is_err() {
         return;
     }
     let (reply_tx, mut reply_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let writer = tokio::spawn(async move {
+        // The newest id sent: a fresh client is sent the events after the hello's
+        // `last_event_id` (those before it are a resume's).
+        let mut last = newest;
+        if let Some((after, catchup)) = catchup {
+            // An id ahead of the session's (ids began again in a session another replica
+            // took over) must not hide the events to come: the hello says where it is.
+            last = after.min(catchup.newest);
+            if send_catchup(&mut sink, catchup, &mut last, false).await == Flow::Closed {
+                return;
+            }
+        }
         let mut ping = tokio::time::interval(PING_INTERVAL);
         ping.tick().await;
         loop {
             let frame = tokio::select! {
                 event = events.recv() => match event {
                     Ok(event) => {
-                        let last = matches!(&*event, SessionEvent::Kernel { state: KernelPhase::Terminated, .. });
-                        let Ok(text) = serde_json::to_string(&*event) else {
+                        if event.id <= last {
                             continue;
-                        };
-                        if last {
-                            // The session is gone: say so, then close.
-                            let _ = sink.send(WsMessage::Text(text.into())).await;
-                            let _ = sink.send(WsMessage::Close(None)).await;
+                        }
+                        last = event.id;
+                        if send_event(&mut sink, &event).await == Flow::Closed {
                             return;
                         }
-                        text
+                        continue;
                     }
-                    Err(RecvError::Lagged(missed)) => {
-                        json!({"type": "lagged", "missed": missed}).to_string()
+                    Err(RecvError::Lagged(_)) => {
+                        // The broadcast dropped some: the replay buffer may still hold them.
+                        let Some(session) = weak.upgrade() else {
+                            return;
+                        };
+                        let catchup = session.catch_up(last);
+                        drop(session);
+                        if send_catchup(&mut sink, catchup, &mut last, true).await == Flow::Closed {
+                            return;
+                        }
+                        continue;
                     }
                     Err(RecvError::Closed) => return,
                 },

@@ -23,17 +23,19 @@ from ._errors import (
     ExecutionFailed,
     NotFoundError,
     RateLimitError,
+    StreamInterrupted,
     UnavailableError,
 )
 from ._events import InputRequest
-from ._models import (Artifact, CommandResult, Denial, ExecError, Execution, FileEntry,
-                      Kernelspec, Kernelspecs, Link, SessionInfo)
+from ._models import (Artifact, CommandResult, Denial, ExecError, Execution, ExecutionRecord,
+                      FileEntry, Kernelspec, Kernelspecs, Link, SessionInfo)
 
 __all__ = [
     "APIError", "Artifact", "AsyncClient", "AsyncSession", "AuthenticationError",
     "BadRequestError", "CellgateConnectionError", "CellgateError", "Client", "CommandFailed",
     "CommandResult", "ConflictError", "Denial", "ExecError", "Execution", "ExecutionFailed",
-    "FileEntry", "InputRequest", "Kernelspec", "Kernelspecs", "Link", "NotFoundError",
-    "RateLimitError", "Session", "SessionInfo", "UnavailableError",
+    "ExecutionRecord", "FileEntry", "InputRequest", "Kernelspec", "Kernelspecs", "Link",
+    "NotFoundError", "RateLimitError", "Session", "SessionInfo", "StreamInterrupted",
+    "UnavailableError",
 ]
 __version__ = "0.1.0"

@@ -12,15 +12,16 @@ from urllib.parse import quote
 
 import httpx
 
-from ._client import (CONNECTION_ERRORS, DEFAULT_MAX_RETRIES, DEFAULT_MAX_RETRY_WAIT,
-                      DEFAULT_TIMEOUT, SSE_HEADERS, Content, _auth_headers, absolute_url,
+from ._client import (CONNECTION_ERRORS, DEFAULT_MAX_RESUMES, DEFAULT_MAX_RETRIES,
+                      DEFAULT_MAX_RETRY_WAIT, DEFAULT_TIMEOUT, SSE_HEADERS, Content, _auth_headers, absolute_url,
                       command_body, connection_error, file_url, gateway_token, gateway_url,
                       list_params, move_body, remove_params, replayable, retry_wait,
                       session_body, stream_timeout)
-from ._errors import CellgateError, NotFoundError, error_from
-from ._events import CommandCollector, Collector, InputRequest, SseDecoder
-from ._models import (Artifact, CommandResult, Execution, FileEntry, Kernelspecs, Link,
-                      SessionInfo)
+from ._errors import CellgateConnectionError, CellgateError, NotFoundError, error_from
+from ._events import (CommandCollector, Collector, InputRequest, Resumption, SseDecoder,
+                      resume_wait)
+from ._models import (Artifact, CommandResult, Execution, ExecutionRecord, FileEntry,
+                      Kernelspecs, Link, SessionInfo)
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -34,11 +35,13 @@ class AsyncClient:
     def __init__(self, url: Optional[str] = None, token: Optional[str] = None, *,
                  timeout: float = DEFAULT_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES,
                  max_retry_wait: float = DEFAULT_MAX_RETRY_WAIT,
+                 max_resumes: int = DEFAULT_MAX_RESUMES,
                  http: Optional[httpx.AsyncClient] = None) -> None:
         self.url = gateway_url(url)
         self.timeout = timeout
         self.max_retries = max_retries
         self.max_retry_wait = max_retry_wait
+        self.max_resumes = max_resumes
         self._own_http = http is None
         self._http = http or httpx.AsyncClient(timeout=timeout)
         self._headers = _auth_headers(gateway_token(token))
@@ -214,22 +217,54 @@ class AsyncSession:
         response = await self.client._send("POST", self._path + "/execute", stream=True,
                                            json=body, headers=SSE_HEADERS,
                                            timeout=stream_timeout(self.client.timeout))
-        events = self.client._events(response)
-        try:
-            async for event in events:
-                request = collector.handle(event)
-                while pending:
-                    await _maybe_await(pending.pop(0))
-                if request is not None:
-                    await self._answer(request, on_input)
-                if collector.result is not None:
-                    return collector.result
-        finally:
-            # Closed here, not whenever the garbage collector gets to it.
-            await events.aclose()
-            await response.aclose()
-        raise CellgateError("the event stream ended without the execution's result (no "
-                            "`done` event); the code may have run")
+        where = Resumption()
+        failures = 0
+        while True:
+            cause: Optional[Exception] = None
+            events = self.client._events(response)
+            try:
+                async for event in events:
+                    if not where.accept(event):
+                        continue
+                    failures = 0
+                    request = collector.handle(event)
+                    while pending:
+                        await _maybe_await(pending.pop(0))
+                    if request is not None:
+                        await self._answer(request, on_input)
+                    if collector.result is not None:
+                        return collector.result
+            except CellgateConnectionError as error:
+                cause = error
+            finally:
+                # Closed here, not whenever the garbage collector gets to it.
+                await events.aclose()
+                await response.aclose()
+            # The stream broke (or ended early): resume it where it was.
+            while True:
+                if not where.resumable or failures >= self.client.max_resumes:
+                    raise where.give_up(self.client.url, failures) from cause
+                failures += 1
+                await asyncio.sleep(resume_wait(failures))
+                try:
+                    response = await self.client._send(
+                        "GET", where.path(self._path), stream=True, headers=where.headers(),
+                        timeout=stream_timeout(self.client.timeout))
+                    break
+                except CellgateConnectionError as error:
+                    cause = error
+
+    async def executions(self, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """See :meth:`cellgate.Session.executions`."""
+        params = {} if limit is None else {"limit": str(limit)}
+        answer = await self.client.request("GET", self._path + "/executions", params=params)
+        return list(answer.json())
+
+    async def execution(self, execution_id: str) -> ExecutionRecord:
+        """See :meth:`cellgate.Session.execution`."""
+        answer = await self.client.request(
+            "GET", f"{self._path}/executions/{quote(execution_id, safe='')}")
+        return ExecutionRecord.from_json(answer.json(), self.client)
 
     async def run_command(self, cmd: str, *, cwd: Optional[str] = None,
                           env: Optional[Mapping[str, str]] = None,

@@ -15,9 +15,9 @@ import httpx
 from ._errors import (CellgateConnectionError, CellgateError, NotFoundError, error_from,
                       parse_retry_after)
 from ._events import (ArtifactCallback, CommandCollector, Collector, EventCallback, InputRequest,
-                      SseDecoder, StreamCallback)
-from ._models import (Artifact, CommandResult, Execution, FileEntry, Kernelspecs, Link,
-                      SessionInfo)
+                      Resumption, SseDecoder, StreamCallback, resume_wait)
+from ._models import (Artifact, CommandResult, Execution, ExecutionRecord, FileEntry,
+                      Kernelspecs, Link, SessionInfo)
 
 InputCallback = Callable[[str, bool], str]
 Content = Union[bytes, str, Path, IO[bytes]]
@@ -30,6 +30,9 @@ DEFAULT_TIMEOUT = 60.0
 #: a caller would rather know than block that long.
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_MAX_RETRY_WAIT = 30.0
+#: How many times in a row an execution's event stream that broke is resumed (from the last
+#: event received) before :class:`~cellgate.StreamInterrupted` is raised.
+DEFAULT_MAX_RESUMES = 5
 
 #: What httpx raises when the gateway cannot be reached, or drops the connection without a
 #: complete answer: raised as :class:`~cellgate.CellgateConnectionError` instead. Timeouts
@@ -170,17 +173,21 @@ class Client:
     ``token`` is the gateway's static token or a tenant's JWT. Use :meth:`session` for a
     kernel that keeps its state across calls, :meth:`run_code` for a one-shot execution.
     A request the gateway refuses with ``Retry-After`` (429, 503) is sent again after that
-    wait, up to ``max_retries`` times and for waits up to ``max_retry_wait`` seconds.
+    wait, up to ``max_retries`` times and for waits up to ``max_retry_wait`` seconds. An
+    execution's event stream that breaks is resumed where it broke, up to ``max_resumes``
+    times in a row (see :meth:`Session.run_code`).
     """
 
     def __init__(self, url: Optional[str] = None, token: Optional[str] = None, *,
                  timeout: float = DEFAULT_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES,
                  max_retry_wait: float = DEFAULT_MAX_RETRY_WAIT,
+                 max_resumes: int = DEFAULT_MAX_RESUMES,
                  http: Optional[httpx.Client] = None) -> None:
         self.url = gateway_url(url)
         self.timeout = timeout
         self.max_retries = max_retries
         self.max_retry_wait = max_retry_wait
+        self.max_resumes = max_resumes
         self._own_http = http is None
         self._http = http or httpx.Client(base_url=self.url, timeout=timeout)
         self._headers = _auth_headers(gateway_token(token))
@@ -359,6 +366,11 @@ class Session:
         ``timeout`` (seconds) interrupts the cell and reports ``timeout``. ``on_input(prompt,
         password)`` answers the code's ``input()``; without it, a cell that asks for input
         is interrupted, since nobody could answer.
+
+        If the connection drops mid-stream, the stream is resumed from the last event
+        received (``GET …/executions/{id}`` with ``Last-Event-ID``), so each event reaches
+        the callbacks once; after the client's ``max_resumes`` failed attempts in a row,
+        :class:`~cellgate.StreamInterrupted` says which execution to fetch later.
         """
         body: Dict[str, Any] = {"code": code}
         if timeout is not None:
@@ -367,17 +379,53 @@ class Session:
         response = self.client._send("POST", self._path + "/execute", stream=True, json=body,
                                      headers=SSE_HEADERS,
                                      timeout=stream_timeout(self.client.timeout))
-        try:
-            for event in self.client._events(response):
-                request = collector.handle(event)
-                if request is not None:
-                    self._answer(request, on_input)
-                if collector.result is not None:
-                    return collector.result
-        finally:
-            response.close()
-        raise CellgateError("the event stream ended without the execution's result (no "
-                            "`done` event); the code may have run")
+        where = Resumption()
+        failures = 0
+        while True:
+            cause: Optional[Exception] = None
+            try:
+                for event in self.client._events(response):
+                    if not where.accept(event):
+                        continue
+                    failures = 0
+                    request = collector.handle(event)
+                    if request is not None:
+                        self._answer(request, on_input)
+                    if collector.result is not None:
+                        return collector.result
+            except CellgateConnectionError as error:
+                cause = error
+            finally:
+                response.close()
+            # The stream broke (or ended early): resume it where it was.
+            while True:
+                if not where.resumable or failures >= self.client.max_resumes:
+                    raise where.give_up(self.client.url, failures) from cause
+                failures += 1
+                time.sleep(resume_wait(failures))
+                try:
+                    response = self.client._send("GET", where.path(self._path), stream=True,
+                                                 headers=where.headers(),
+                                                 timeout=stream_timeout(self.client.timeout))
+                    break
+                except CellgateConnectionError as error:
+                    cause = error
+
+    def executions(self, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """The session's newest executions (``limit``: the gateway's default is 100), oldest
+        first, the running one last: each ``execution_id``, ``state``, ``code``, ``started``
+        and ``status`` (``None`` while running). For an id that was lost."""
+        params = {} if limit is None else {"limit": str(limit)}
+        return list(self.client.request("GET", self._path + "/executions", params=params).json())
+
+    def execution(self, execution_id: str) -> ExecutionRecord:
+        """An execution of this session, running or done: its events so far and, once done,
+        its result (for a result whose stream was lost, or that a page never saw).
+        :class:`~cellgate.NotFoundError` (``no_such_execution``) for one the session does
+        not have (or no longer keeps)."""
+        answer = self.client.request(
+            "GET", f"{self._path}/executions/{quote(execution_id, safe='')}")
+        return ExecutionRecord.from_json(answer.json(), self.client)
 
     def run_command(self, cmd: str, *, cwd: Optional[str] = None,
                     env: Optional[Mapping[str, str]] = None, timeout: Optional[float] = None,

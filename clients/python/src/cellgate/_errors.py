@@ -50,6 +50,20 @@ class CellgateConnectionError(CellgateError, ConnectionError):
         self.request_may_have_run = request_may_have_run
 
 
+class StreamInterrupted(CellgateConnectionError):
+    """An execution's event stream broke and could not be resumed: it broke before anything
+    to resume it from (the execution's id and an event id; a gateway older than resumable
+    delivery sends no ids), or every one of the client's ``max_resumes`` attempts failed. The code may have run, and may still be
+    running: ``execution_id`` (``None`` when unknown) fetches its result later with
+    ``Session.execution(execution_id)``; ``last_event_id`` is the last event received."""
+
+    def __init__(self, message: str, url: str = "", execution_id: Optional[str] = None,
+                 last_event_id: int = 0):
+        super().__init__(message, url, request_may_have_run=True)
+        self.execution_id = execution_id
+        self.last_event_id = last_event_id
+
+
 class BadRequestError(APIError):
     """400: the request itself is wrong (``invalid_json``, ``unknown_policy``,
     ``env_not_allowed``…): sending it again will not help."""

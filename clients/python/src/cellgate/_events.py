@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional
+from urllib.parse import quote
 
+from ._errors import StreamInterrupted
 from ._models import Artifact, CommandResult, Execution
 
 StreamCallback = Callable[[str], Any]
@@ -45,6 +47,61 @@ def decode_all(lines: Iterable[str]) -> Iterable[Dict[str, Any]]:
         event = decoder.feed(line)
         if event is not None:
             yield event
+
+
+class Resumption:
+    """Where an execution's event stream is, to resume it after a dropped connection: the
+    execution's id (from its ``started`` event) and the id of the last event received.
+    Events come with their id in the session; one at or below the last is a repeat and is
+    dropped, so each reaches the callbacks once."""
+
+    def __init__(self) -> None:
+        self.execution_id: Optional[str] = None
+        self.last_event_id = 0
+
+    def accept(self, event: Dict[str, Any]) -> bool:
+        """Whether ``event`` is new (and to be handled); remembers where the stream is."""
+        event_id = event.get("id")
+        if isinstance(event_id, int):
+            if event_id <= self.last_event_id:
+                return False
+            self.last_event_id = event_id
+        if self.execution_id is None and event.get("execution_id"):
+            self.execution_id = str(event["execution_id"])
+        return True
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the stream can be resumed: its execution is known and its events carry
+        ids (a gateway older than resumable delivery sends none)."""
+        return self.execution_id is not None and self.last_event_id > 0
+
+    def path(self, session_path: str) -> str:
+        """The execution's URL below ``session_path``."""
+        return f"{session_path}/executions/{quote(self.execution_id or '', safe='')}"
+
+    def headers(self) -> Dict[str, str]:
+        return {"Accept": "text/event-stream", "Last-Event-ID": str(self.last_event_id)}
+
+    def give_up(self, url: str, attempts: int) -> "StreamInterrupted":
+        """The error once the stream cannot be resumed (after ``attempts`` tries)."""
+        if not self.resumable:
+            return StreamInterrupted(
+                "the event stream ended without the execution's result (no `done` event), "
+                "before anything to resume it from (the execution's id and an event id); the "
+                "code may have run", url)
+        return StreamInterrupted(
+            f"the event stream of execution {self.execution_id} broke without the execution's "
+            f"result (no `done` event) and {attempts} attempts to resume it after event "
+            f"{self.last_event_id} failed; the code may have run or still be running: "
+            f"Session.execution({self.execution_id!r}) fetches its result", url,
+            execution_id=self.execution_id, last_event_id=self.last_event_id)
+
+
+def resume_wait(attempt: int) -> float:
+    """Seconds before resume attempt ``attempt`` (1, 2, …): a dropped connection is often
+    over at once, a restarting proxy takes longer."""
+    return min(0.25 * 2 ** (attempt - 1), 4.0)
 
 
 @dataclass

@@ -274,6 +274,36 @@ class Execution:
 
 
 @dataclass
+class ExecutionRecord:
+    """An execution as the gateway keeps it (``Session.execution(id)``): ``state`` is
+    ``running`` or ``done``; ``events`` are every event so far (dicts, each with its ``id``
+    in the session), the last one ``done`` once it is done; ``result`` is set once done."""
+
+    execution_id: str
+    state: str
+    code: str
+    started: str
+    events: List[Dict[str, Any]]
+    result: Optional[Execution]
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any], client: Any = None) -> "ExecutionRecord":
+        result = data.get("result")
+        return cls(
+            execution_id=data.get("execution_id", ""),
+            state=data.get("state", ""),
+            code=data.get("code", ""),
+            started=data.get("started", ""),
+            events=list(data.get("events", [])),
+            result=Execution.from_json(result, client) if result else None,
+        )
+
+
+@dataclass
 class FileEntry:
     """A file or directory of the session's workspace: ``path`` relative to the workspace
     (``/``-separated), ``kind`` (``file``, ``dir``, ``symlink`` (never followed) or
