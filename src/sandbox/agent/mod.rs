@@ -131,9 +131,10 @@ pub fn check_image_runs(
     held: &[String],
 ) -> Result<Option<String>, AgentError> {
     // A plain program (a probe, a tool, a test's command) is no kernel: the image's own
-    // files are what it runs.
+    // files are what it runs, and a kernelspec's environment when it is in one the image
+    // holds (its path maps to the fixed path, where nothing else is).
     if !spec.connection_file.is_file() {
-        return Ok(None);
+        return Ok(environment_name(&spec.argv).filter(|name| held.contains(name)));
     }
     if held.is_empty() {
         if runs_in_image(&spec.argv, held) {
@@ -186,7 +187,7 @@ pub fn environment_name(argv: &[String]) -> Option<String> {
 
 /// Whether a kernel command is one an image holding the environments `held` can run: its
 /// kernelspec's environment is among them, or (an image that names none) it is a Python
-/// venv's interpreter starting one of [`IMAGE_KERNEL_MODULES`]
+/// venv's interpreter starting one of the `IMAGE_KERNEL_MODULES`
 /// (`python [-X… -u -E…] -m module`).
 pub fn runs_in_image(argv: &[String], held: &[String]) -> bool {
     if !held.is_empty() {
@@ -405,5 +406,17 @@ mod tests {
         let mut plain = spec(dir.path(), "x", &["tool"], Env::Plain);
         plain.connection_file = dir.path().join("none.json");
         assert_eq!(check_image_runs(&plain, "microvm", &[]).unwrap(), None);
+        let held = ["x".to_owned()];
+        assert_eq!(
+            check_image_runs(&plain, "microvm", &held).unwrap(),
+            None,
+            "no environment: the program is not in one"
+        );
+        let mut in_env = spec(dir.path(), "x", &["python"], Env::Venv);
+        in_env.connection_file = dir.path().join("none.json");
+        assert_eq!(
+            check_image_runs(&in_env, "microvm", &held).unwrap(),
+            Some("x".to_owned())
+        );
     }
 }
