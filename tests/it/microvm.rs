@@ -920,3 +920,28 @@ fn uname_release() -> Result<String> {
         .trim()
         .to_owned())
 }
+
+/// python3-lean starts the same command as python3, but in its own venv: the VM shows it
+/// that one (it has no seaborn, which python3's has), not the image's python3 venv.
+#[tokio::test]
+async fn microvm_runs_python3_lean_in_its_own_venv() -> Result<()> {
+    let port = test_server("unused").await?;
+    // No snapshot: one boot is the whole test.
+    let (gateway, _dir) =
+        vm_gateway_with(port, "", true, &["--microvm-snapshots", "false"]).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1
+        .create_session(json!({"kernel_name": "python3-lean", "policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let r = vm_run_ok(
+        &v1,
+        &id,
+        "import sys, importlib.util\n\
+         print(sys.prefix, importlib.util.find_spec('seaborn') is None, \
+         importlib.util.find_spec('numpy') is not None)",
+    )
+    .await?;
+    assert_eq!(r["stdout"], "/opt/cellgate/venv True True\n", "{r}");
+    Ok(())
+}
