@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
 """Builds the microVM guest's two images from this host's files.
 
-    guest/build-image.py OUT_DIR --kernel VMLINUX --agent BIN --venv DIR [--venv-at PATH]
+    guest/build-image.py OUT_DIR --kernel VMLINUX --agent BIN --env NAME=DIR [--env NAME=DIR…]
 
 - OUT_DIR/initramfs-<hash>.cpio.gz: the agent (as /init) and the shared libraries it links,
   with /dev/console. The agent mounts the root image and moves into it (guest/agent).
 - OUT_DIR/root-<hash>.ext4: the read-only root every VM shares: Debian's Python 3.11 and a
   shell with its tools (the files of the Debian packages in PACKAGES, as installed here),
-  the kernel's venv at the path it was built for, every shared library any of their programs
-  links (the closure, found with ldd), the harmless /etc entries every backend shows
-  (src/sandbox/rootfs.rs), and a linker cache made for the image itself.
+  each kernelspec's environment (`--env NAME=DIR`, DIR being kernels/NAME/.venv) at
+  /opt/cellgate/envs/NAME (the agent binds the one a kernel uses at /opt/cellgate/venv, the
+  path the venvs were built for), the Debian packages a kernelspec's `guest-packages` file
+  beside its environment names (R for `ir`, with every r-cran-* package they depend on),
+  every shared library any of their programs links (the closure, found with ldd), the
+  harmless /etc entries every backend shows (src/sandbox/rootfs.rs), and a linker cache made
+  for the image itself. Files the environments share byte for byte (python3 and
+  python3-lean's numpy, say) are one file, hard-linked.
 
 Each file's <hash> covers everything that goes into it, so a second run with the same inputs
 only prints the paths. Writes OUT_DIR/guest.json, the manifest the gateway's microvm backend
-reads (kernel, initramfs and root image, by name), removes the images it no longer names,
-and prints the manifest.
+reads (kernel, initramfs and root image, by name, and the environments the root holds),
+removes the images it no longer names, and prints the manifest. `--venv DIR` is the older
+spelling of `--env python3=DIR`.
 
 Why this and not debootstrap: the image must hold exactly the interpreter the kernel venv was
 built with (its compiled files name its paths), and this host has it; the whole build needs
@@ -48,6 +54,14 @@ PACKAGES = [
     "ca-certificates",
 ]
 
+# Where the root image holds the kernelspecs' environments, and where the agent shows the
+# one a kernel uses (guest/agent/src/protocol.rs, ENVIRONMENTS_DIR and ENVIRONMENT_AT).
+ENVIRONMENTS_DIR = "/opt/cellgate/envs"
+ENVIRONMENT_AT = "/opt/cellgate/venv"
+
+# A kernelspec's Debian packages for the guest, beside its environment (kernels/NAME/).
+GUEST_PACKAGES = "guest-packages"
+
 # Debian's package contents that no program reads.
 SKIP_PREFIXES = ("/usr/share/doc/", "/usr/share/man/", "/usr/share/info/", "/usr/share/lintian/")
 
@@ -67,7 +81,15 @@ ETC_ENTRIES = [
     "/etc/host.conf",
     "/etc/inputrc",
     "/etc/locale.alias",
+    "/etc/fonts",
+    "/etc/R/Renviron",
+    "/etc/R/ldpaths",
 ]
+
+# /etc files of a kernelspec's packages that the image leaves out: R's site files are where
+# hosts keep tokens (only Renviron and ldpaths, in ETC_ENTRIES, are shown, as in every
+# backend).
+SKIP_ETC_PREFIXES = ("/etc/R/",)
 
 # Top-level merged-/usr links, as Debian bookworm has them.
 USR_LINKS = {"bin": "usr/bin", "sbin": "usr/sbin", "lib": "usr/lib", "lib64": "usr/lib64"}
@@ -138,27 +160,125 @@ def copy_into(root, host_path, at=None):
         shutil.copy2(host_path, target)
 
 
-def build_root(out_dir, venv, venv_at):
+def installed(packages):
+    """`packages` with their versions, as installed here; stops when one is not."""
+    out = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Package} ${Version} ${Status}\n", *packages],
+        capture_output=True, text=True,
+    )
+    lines = out.stdout.splitlines()
+    missing = [p for p in packages if not any(
+        l.split(" ")[0].split(":")[0] == p and l.endswith(" installed") for l in lines)]
+    if out.returncode != 0 or missing:
+        raise SystemExit(f"build-image.py: not installed here: {' '.join(missing) or out.stderr.strip()} "
+                         "(./dev setup installs them)")
+    return "".join(" ".join(l.split(" ")[:2]) + "\n" for l in lines)
+
+
+def with_r_dependencies(packages):
+    """`packages` and every r-cran-*/r-base-* package they depend on, recursively. Other
+    dependencies are libraries (found by ldd) or what PACKAGES holds: a kernelspec names the
+    data packages it needs (fonts) itself."""
+    closure, pending = [], list(packages)
+    while pending:
+        name = pending.pop(0)
+        if name in closure:
+            continue
+        closure.append(name)
+        depends = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Pre-Depends}, ${Depends}", name],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        for alternatives in depends.split(","):
+            # The first alternative that is an R package (r-api-* are virtual: r-base-core).
+            for choice in alternatives.split("|"):
+                dep = choice.strip().split(" ")[0].split(":")[0]
+                if re.match(r"r-(cran|base)-", dep) and dep not in closure:
+                    pending.append(dep)
+                    break
+    return closure
+
+
+def kernel_packages(environments):
+    """The Debian packages the environments' kernelspecs name in `guest-packages`."""
+    wanted = []
+    for _, path in environments:
+        listing = os.path.join(os.path.dirname(path), GUEST_PACKAGES)
+        if os.path.exists(listing):
+            with open(listing) as f:
+                for line in f:
+                    name = line.split("#")[0].strip()
+                    if name and name not in wanted and name not in PACKAGES:
+                        wanted.append(name)
+    return with_r_dependencies(wanted) if wanted else []
+
+
+def environment_digest(name, path, digest):
+    """Adds what makes environment `name` at `path` what it is to `digest`."""
+    digest.update(f"environment {name}\0".encode())
+    if os.path.exists(os.path.join(path, "pyvenv.cfg")):
+        stamp = os.path.join(path, ".cellgate-stamp")
+        if not os.path.exists(stamp):
+            raise SystemExit(f"build-image.py: {stamp} missing: run ./dev setup first")
+        sha256_file(stamp, digest)
+        sha256_file(os.path.join(path, "pyvenv.cfg"), digest)
+        # The stamp covers what pip installed; ./dev setup also copies the project's kernel
+        # files (cellgate_*.py) into the venv, and a changed one must make a new image too.
+        site = os.path.join(path, "lib", "python3*", "site-packages")
+        if name == "python3" and not glob.glob(os.path.join(site, "cellgate_kernel_launcher.py")):
+            raise SystemExit(f"build-image.py: no cellgate_kernel_launcher.py in {path}: run ./dev setup")
+        for own in sorted(glob.glob(os.path.join(site, "cellgate_*.py"))):
+            sha256_file(own, digest)
+        return
+    # Not a venv (Deno's binary and relay, R's start script): small enough to hash whole.
+    for dirpath, dirs, files in os.walk(path):
+        dirs.sort()
+        for f in sorted(files):
+            file = os.path.join(dirpath, f)
+            digest.update(os.path.relpath(file, path).encode() + b"\0")
+            if os.path.islink(file):
+                digest.update(os.readlink(file).encode())
+            else:
+                digest.update(b"%o\0" % os.stat(file).st_mode)
+                sha256_file(file, digest)
+
+
+def link_duplicates(tree):
+    """Makes the regular files under `tree` that are byte for byte the same one file (hard
+    links; mke2fs -d keeps them), so environments that share packages cost their size once.
+    Modes must match too: a link shares them."""
+    by_size = {}
+    for dirpath, _, files in os.walk(tree):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_size >= 1024:
+                by_size.setdefault((st.st_size, st.st_mode), []).append(path)
+    saved = 0
+    for (size, _), paths in by_size.items():
+        if len(paths) < 2:
+            continue
+        first = {}
+        for path in paths:
+            digest = hashlib.sha256()
+            sha256_file(path, digest)
+            key = digest.digest()
+            if key in first:
+                os.unlink(path)
+                os.link(first[key], path)
+                saved += size
+            else:
+                first[key] = path
+    return saved
+
+
+def build_root(out_dir, environments):
     digest = script_digest()
-    versions = subprocess.run(
-        ["dpkg-query", "-W", "-f=${Package} ${Version}\n", *PACKAGES],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    digest.update(versions.encode())
-    digest.update(venv_at.encode())
-    stamp = os.path.join(venv, ".cellgate-stamp")
-    if not os.path.exists(stamp):
-        raise SystemExit(f"build-image.py: {stamp} missing: run ./dev setup first")
-    sha256_file(stamp, digest)
-    sha256_file(os.path.join(venv, "pyvenv.cfg"), digest)
-    # The stamp covers what pip installed; ./dev setup also copies the project's kernel
-    # launcher and display extension (cellgate_*.py) into the venv, and a changed one must
-    # make a new image too.
-    site = os.path.join(venv, "lib", "python3*", "site-packages")
-    if not glob.glob(os.path.join(site, "cellgate_kernel_launcher.py")):
-        raise SystemExit(f"build-image.py: no cellgate_kernel_launcher.py in {venv}: run ./dev setup")
-    for own in sorted(glob.glob(os.path.join(site, "cellgate_*.py"))):
-        sha256_file(own, digest)
+    extra = kernel_packages(environments)
+    digest.update(installed(PACKAGES).encode())
+    digest.update(installed(extra).encode())
+    for name, path in environments:
+        environment_digest(name, path, digest)
     result = os.path.join(out_dir, f"root-{digest.hexdigest()[:16]}.ext4")
     if os.path.exists(result):
         return result
@@ -175,6 +295,14 @@ def build_root(out_dir, venv, venv_at):
         listing = subprocess.run(
             ["dpkg", "-L", *PACKAGES], capture_output=True, text=True, check=True
         ).stdout.splitlines()
+        if extra:
+            log(f"the kernelspecs' Debian packages: {' '.join(extra)}")
+            listing += [
+                path for path in subprocess.run(
+                    ["dpkg", "-L", *extra], capture_output=True, text=True, check=True
+                ).stdout.splitlines()
+                if not path.startswith(SKIP_ETC_PREFIXES)
+            ]
         for path in listing:
             if not path.startswith("/") or path.startswith(SKIP_PREFIXES) or path == "/.":
                 continue
@@ -193,9 +321,23 @@ def build_root(out_dir, venv, venv_at):
         for link, to in [("usr/bin/sh", "dash"), ("usr/bin/python3", "python3.11")]:
             if not os.path.lexists(os.path.join(staging, link)):
                 os.symlink(to, os.path.join(staging, link))
-        venv_target = os.path.join(staging, venv_at.lstrip("/"))
-        os.makedirs(os.path.dirname(venv_target), exist_ok=True)
-        shutil.copytree(venv, venv_target, symlinks=True)
+        # Commands Debian names through /etc/alternatives (`which`, which R runs), made by
+        # maintainer scripts and so in no package's file list: a direct link to this host's
+        # choice, where the image holds it.
+        for name in sorted(os.listdir("/usr/bin")):
+            host = os.path.join("/usr/bin", name)
+            if not os.path.islink(host) or not os.readlink(host).startswith("/etc/alternatives/"):
+                continue
+            chosen = os.path.realpath(host)
+            link = os.path.join(staging, "usr/bin", name)
+            if os.path.isfile(os.path.join(staging, chosen.lstrip("/"))) and not os.path.lexists(link):
+                os.symlink(chosen, link)
+        envs = os.path.join(staging, ENVIRONMENTS_DIR.lstrip("/"))
+        for name, path in environments:
+            shutil.copytree(path, os.path.join(envs, name), symlinks=True)
+        os.makedirs(os.path.join(staging, ENVIRONMENT_AT.lstrip("/")), exist_ok=True)
+        saved = link_duplicates(envs)
+        log(f"the environments' shared files: {saved >> 20} MiB kept once")
 
         log("finding the shared libraries the programs link")
         seen = set()
@@ -225,9 +367,12 @@ def build_root(out_dir, venv, venv_at):
             f.write("/usr/local/lib\n/usr/lib/x86_64-linux-gnu\n")
         subprocess.run(["ldconfig", "-r", staging], check=True)
 
-        size = sum(
-            os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(staging) for f in fs
-        )
+        inode_sizes = {}
+        for d, _, fs in os.walk(staging):
+            for f in fs:
+                st = os.lstat(os.path.join(d, f))
+                inode_sizes[st.st_ino] = st.st_size
+        size = sum(inode_sizes.values())
         inodes = sum(len(fs) + len(ds) for _, ds, fs in os.walk(staging))
         size_mb = size * 13 // 10 // (1 << 20) + 64
         log(f"writing the ext4 image ({size >> 20} MiB of files, {inodes} inodes)")
@@ -296,19 +441,33 @@ def main():
     parser.add_argument("out_dir")
     parser.add_argument("--kernel", required=True, help="the guest kernel (vmlinux)")
     parser.add_argument("--agent", required=True, help="the cellgate-agent binary")
-    parser.add_argument("--venv", required=True, help="the kernel venv on this host")
-    parser.add_argument("--venv-at", default="/opt/cellgate/venv",
-                        help="where the venv was built, and so where the guest has it")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=DIR",
+                        help="a kernelspec's environment on this host (kernels/NAME/.venv), "
+                             f"built for {ENVIRONMENT_AT}; repeatable")
+    parser.add_argument("--venv", help="the python3 kernel's venv (--env python3=DIR)")
     args = parser.parse_args()
+    environments = {}
+    for spec in args.env + ([f"python3={args.venv}"] if args.venv else []):
+        name, _, path = spec.partition("=")
+        # The agent's is_environment_name: a kernelspec's directory name.
+        if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}", name) or not path:
+            raise SystemExit(f"build-image.py: --env {spec}: want NAME=DIR")
+        if not os.path.isdir(path):
+            raise SystemExit(f"build-image.py: --env {spec}: no such directory")
+        environments[name] = os.path.abspath(path)
+    if not environments:
+        raise SystemExit("build-image.py: no --env (the image would run no kernel)")
+    environments = sorted(environments.items())
     os.makedirs(args.out_dir, exist_ok=True)
     out_dir = os.path.realpath(args.out_dir)
     initramfs = build_initramfs(out_dir, os.path.realpath(args.agent))
-    root = build_root(out_dir, os.path.realpath(args.venv), args.venv_at)
+    root = build_root(out_dir, environments)
     kernel = os.path.realpath(args.kernel)
     manifest = {
         "kernel": os.path.relpath(kernel, out_dir) if kernel.startswith(out_dir + "/") else kernel,
         "initramfs": os.path.basename(initramfs),
         "root": os.path.basename(root),
+        "environments": [name for name, _ in environments],
     }
     tmp = os.path.join(out_dir, "guest.json.tmp")
     with open(tmp, "w") as f:

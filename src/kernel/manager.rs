@@ -131,8 +131,8 @@ pub struct PoolStatus {
 }
 
 /// Refuses at start a pooled kernelspec the default policy's sandbox cannot run (a Deno
-/// kernel with microVMs, whose image holds the python3 environment only): its pool would
-/// never fill and `/readyz` would answer 503 for good, with nothing saying why.
+/// kernel in Kubernetes pods, or in microVMs whose image holds no environment of its): its
+/// pool would never fill and `/readyz` would answer 503 for good, with nothing saying why.
 fn check_pool_runs(
     specs: &KernelSpecs,
     backends: &Backends,
@@ -147,6 +147,7 @@ fn check_pool_runs(
     if !backend.has_agent() {
         return Ok(());
     }
+    let held = backends.image_environments(backend);
     let pooled = if options.pool_kernels.is_empty() {
         vec![specs.default_name().to_owned()]
     } else {
@@ -157,7 +158,7 @@ fn check_pool_runs(
             continue;
         };
         let argv = spec.command(std::path::Path::new("connection.json"))?;
-        if !crate::sandbox::agent::runs_in_image(&argv) {
+        if !crate::sandbox::agent::runs_in_image(&argv, &held) {
             return Err(KernelError::PoolCannotRun {
                 name,
                 backend: backend.as_str(),

@@ -78,7 +78,7 @@ pub enum KernelError {
     NoSpecs { dir: PathBuf },
     #[error("Kernel spec {name} not found")]
     NoSuchSpec { name: String, known: Vec<String> },
-    #[error("kernelspec {name} is in the warm pool (--pool-kernels) but the default policy's {backend} sandbox cannot run it (its image holds the python3 kernel's environment only): pool it under a namespaces or gvisor default policy, or leave it out of the pool")]
+    #[error("kernelspec {name} is in the warm pool (--pool-kernels) but the default policy's {backend} sandbox cannot run it (its image holds no environment of this kernelspec; a microVM guest built by ./dev setup holds every kernelspec's): pool it under a namespaces or gvisor default policy, or leave it out of the pool")]
     PoolCannotRun { name: String, backend: &'static str },
     #[error("the environment of kernel {name} is missing ({expected} does not exist); run `./dev setup`")]
     EnvironmentMissing { name: String, expected: PathBuf },

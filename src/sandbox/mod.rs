@@ -270,6 +270,16 @@ impl Backends {
         self.forced
     }
 
+    /// The kernelspecs whose environments `backend`'s image holds, for a backend whose
+    /// kernels run from an image: the microVM root image's manifest lists them; the
+    /// kernel pod image lists none (it holds the python3 venv alone).
+    pub fn image_environments(&self, backend: Backend) -> Vec<String> {
+        match backend {
+            Backend::Microvm => microvm::image::environments(&self.microvm.guest_dir),
+            _ => Vec::new(),
+        }
+    }
+
     /// The sandbox for a policy that names `wanted` (or the forced one). A backend this host
     /// cannot run is an error each time it is asked for, so a fixed host needs no restart.
     pub fn get(&self, wanted: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {

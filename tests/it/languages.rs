@@ -31,7 +31,11 @@ async fn run_ok(v1: &V1Client<'_>, session: &str, code: &str) -> Result<Value> {
 }
 
 /// The one artifact of `mime` in a result, fetched: its reference and bytes.
-async fn artifact_of(v1: &V1Client<'_>, r: &Value, mime: &str) -> Result<(Value, Vec<u8>)> {
+pub(crate) async fn artifact_of(
+    v1: &V1Client<'_>,
+    r: &Value,
+    mime: &str,
+) -> Result<(Value, Vec<u8>)> {
     let found = r["artifacts"]
         .as_array()
         .context("artifacts")?
@@ -78,6 +82,12 @@ fn assert_denied(r: &Value, host: &str) -> Result<()> {
         ensure!(r["denials"] == json!([]), "{r}");
         return Ok(());
     }
+    assert_denied_by(r, host, "default")
+}
+
+/// An egress request that `policy` denied through cellgate's proxy: status `denied`, and
+/// the denial names the host and the policy.
+pub(crate) fn assert_denied_by(r: &Value, host: &str, policy: &str) -> Result<()> {
     ensure!(r["status"] == "denied", "egress: {r}");
     let denial = &r["denials"][0];
     ensure!(denial["kind"] == "egress", "{r}");
@@ -87,7 +97,7 @@ fn assert_denied(r: &Value, host: &str) -> Result<()> {
             .is_some_and(|t| t.starts_with(host)),
         "{r}"
     );
-    ensure!(denial["policy"] == "default", "{r}");
+    ensure!(denial["policy"] == policy, "{r}");
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 //! (emulation allowed for the test gateway), with the guest `./dev setup` builds.
 
 use anyhow::{Context, Result};
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::v1::V1Client;
@@ -738,5 +738,210 @@ async fn everyday_analysis_replays_the_same_in_a_microvm() -> Result<()> {
         answer["report"]
     );
     assert!(statuses(&answer).iter().all(|s| s == "same"), "{answer}");
+    Ok(())
+}
+
+/// Runs `code` in a microVM session with a cell timeout: the result JSON. Generous, as a
+/// first `library(ggplot2)` or a first Deno cell under emulation can take tens of seconds.
+async fn vm_run(v1: &V1Client<'_>, session: &str, code: &str, timeout_s: f64) -> Result<Value> {
+    v1.execute_with(session, json!({"code": code, "timeout_s": timeout_s}))
+        .await
+}
+
+async fn vm_run_ok(v1: &V1Client<'_>, session: &str, code: &str) -> Result<Value> {
+    let r = vm_run(v1, session, code, 240.0).await?;
+    anyhow::ensure!(r["status"] == "ok", "{code}: {r}");
+    Ok(r)
+}
+
+/// A busy cell stopped by its timeout (an interrupt inside the VM, not a restart): the next
+/// cell still sees `check`'s state.
+async fn vm_interrupts(
+    v1: &V1Client<'_>,
+    session: &str,
+    busy: &str,
+    check: &str,
+    expect: impl Fn(&Value) -> bool,
+) -> Result<()> {
+    let before = vm_run_ok(v1, session, check).await?;
+    let r = vm_run(v1, session, busy, 5.0).await?;
+    anyhow::ensure!(r["status"] == "timeout", "busy cell: {r}");
+    let after = vm_run_ok(v1, session, check).await?;
+    anyhow::ensure!(expect(&after), "state after the interrupt: {after}");
+    anyhow::ensure!(
+        after["state_generation"] == before["state_generation"],
+        "the kernel was restarted, not interrupted: {before} then {after}"
+    );
+    Ok(())
+}
+
+/// A microVM gateway for the other languages' tests and a session of `kernel` under its
+/// `vm` policy (egress to `allowed.test` only). One VM per language: each boot is tens of
+/// CPU-seconds under emulation.
+async fn language_vm(kernel: &str) -> Result<(Gateway, tempfile::TempDir, String)> {
+    let port = test_server("unused").await?;
+    let (gateway, dir) = vm_gateway(port, "memory = \"768MiB\"", true).await?;
+    let id = V1Client::new(&gateway)
+        .create_session(json!({"kernel_name": kernel, "policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    Ok((gateway, dir, id))
+}
+
+#[tokio::test]
+async fn microvm_runs_deno_from_its_own_environment() -> Result<()> {
+    let (gateway, _dir, id) = language_vm("deno").await?;
+    let v1 = V1Client::new(&gateway);
+    let r = vm_run_ok(&v1, &id, "const answer: number = 6 * 7; answer").await?;
+    assert_eq!(r["result"], "42", "{r}");
+    // The agent showed Deno's environment at the fixed path, and the kernel is in a VM.
+    let r = vm_run_ok(
+        &v1,
+        &id,
+        "console.log(JSON.stringify([Deno.execPath(), Deno.cwd(), Deno.osRelease()]))",
+    )
+    .await?;
+    let seen: Vec<String> = serde_json::from_str(r["stdout"].as_str().context("stdout")?)
+        .with_context(|| format!("{r}"))?;
+    assert_eq!(
+        seen[..2],
+        ["/opt/cellgate/venv/bin/deno", "/home/user"],
+        "{r}"
+    );
+    assert_ne!(
+        seen[2],
+        uname_release()?,
+        "the kernel runs on the host's Linux: {r}"
+    );
+
+    let r = vm_run_ok(
+        &v1,
+        &id,
+        "Deno.jupyter.html`<table><tr><td>cellgate-deno-vm</td></tr></table>`",
+    )
+    .await?;
+    let (_, html) = crate::languages::artifact_of(&v1, &r, "text/html").await?;
+    assert!(String::from_utf8_lossy(&html).contains("<td>cellgate-deno-vm</td>"));
+
+    let r = vm_run(&v1, &id, "throw new TypeError('boom')", 240.0).await?;
+    assert_eq!(r["status"], "error", "{r}");
+    assert_eq!(r["error"]["ename"], "TypeError", "{r}");
+
+    vm_interrupts(&v1, &id, "while (true) {}", "answer + 1", |r| {
+        r["result"] == "43"
+    })
+    .await?;
+
+    let r = vm_run(
+        &v1,
+        &id,
+        "await fetch('https://denied.test/').then(r => r.status)",
+        240.0,
+    )
+    .await?;
+    crate::languages::assert_denied_by(&r, "denied.test", "vm")
+}
+
+#[tokio::test]
+async fn microvm_runs_r_with_ggplot() -> Result<()> {
+    let (gateway, _dir, id) = language_vm("ir").await?;
+    let v1 = V1Client::new(&gateway);
+    let r = vm_run_ok(&v1, &id, "answer <- 6 * 7; answer").await?;
+    assert_eq!(r["stdout"], "[1] 42\n", "{r}");
+
+    let r = vm_run_ok(
+        &v1,
+        &id,
+        "library(ggplot2); ggplot(data.frame(x = 1:10, y = (1:10)^2), aes(x, y)) + geom_line()",
+    )
+    .await?;
+    let (png, bytes) = crate::languages::artifact_of(&v1, &r, "image/png").await?;
+    assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
+    assert!(png["width"].as_u64().is_some_and(|w| w > 100), "{png}");
+
+    let r = vm_run(&v1, &id, "stop('boom')", 240.0).await?;
+    assert_eq!(r["status"], "error", "{r}");
+    assert!(
+        r["error"]["evalue"]
+            .as_str()
+            .is_some_and(|e| e.contains("boom")),
+        "{r}"
+    );
+
+    vm_interrupts(&v1, &id, "while (TRUE) {}", "answer + 1", |r| {
+        r["stdout"] == "[1] 43\n"
+    })
+    .await?;
+
+    let r = vm_run(&v1, &id, "readLines(url('http://denied.test/'))", 240.0).await?;
+    crate::languages::assert_denied_by(&r, "denied.test", "vm")
+}
+
+#[tokio::test]
+async fn microvm_runs_bash_with_exit_statuses() -> Result<()> {
+    let (gateway, _dir, id) = language_vm("bash").await?;
+    let v1 = V1Client::new(&gateway);
+    let r = vm_run_ok(&v1, &id, "ANSWER=$((6 * 7)); echo $ANSWER; pwd").await?;
+    assert_eq!(r["stdout"], "42\n/home/user\n", "{r}");
+    // bash_kernel's own venv, shown at the fixed path, and a Linux of the VM's own.
+    let r = vm_run_ok(
+        &v1,
+        &id,
+        "python3 -c 'import sys; print(sys.prefix)'; uname -r",
+    )
+    .await?;
+    let stdout = r["stdout"].as_str().context("stdout")?;
+    assert!(stdout.starts_with("/opt/cellgate/venv\n"), "{r}");
+    assert!(!stdout.contains(&uname_release()?), "the host's Linux: {r}");
+
+    let r = vm_run(&v1, &id, "ls /no/such/dir", 240.0).await?;
+    assert_eq!(r["status"], "error", "{r}");
+    assert_eq!(r["error"]["ename"], "ExitStatus", "{r}");
+    assert_eq!(r["error"]["evalue"], "2", "{r}");
+
+    vm_interrupts(&v1, &id, "sleep 600", "echo $ANSWER", |r| {
+        r["stdout"] == "42\n"
+    })
+    .await?;
+
+    let r = vm_run(
+        &v1,
+        &id,
+        "curl -fsS --max-time 60 -o /dev/null http://denied.test/",
+        240.0,
+    )
+    .await?;
+    crate::languages::assert_denied_by(&r, "denied.test", "vm")
+}
+
+/// The host's Linux release (`uname -r`).
+fn uname_release() -> Result<String> {
+    Ok(std::fs::read_to_string("/proc/sys/kernel/osrelease")?
+        .trim()
+        .to_owned())
+}
+
+/// python3-lean starts the same command as python3, but in its own venv: the VM shows it
+/// that one (it has no seaborn, which python3's has), not the image's python3 venv.
+#[tokio::test]
+async fn microvm_runs_python3_lean_in_its_own_venv() -> Result<()> {
+    let port = test_server("unused").await?;
+    // No snapshot: one boot is the whole test.
+    let (gateway, _dir) =
+        vm_gateway_with(port, "", true, &["--microvm-snapshots", "false"]).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1
+        .create_session(json!({"kernel_name": "python3-lean", "policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let r = vm_run_ok(
+        &v1,
+        &id,
+        "import sys, importlib.util\n\
+         print(sys.prefix, importlib.util.find_spec('seaborn') is None, \
+         importlib.util.find_spec('numpy') is not None)",
+    )
+    .await?;
+    assert_eq!(r["stdout"], "/opt/cellgate/venv True True\n", "{r}");
     Ok(())
 }

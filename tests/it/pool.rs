@@ -159,11 +159,22 @@ async fn other_kernelspecs_come_from_their_own_pools() -> anyhow::Result<()> {
     assert!(err.contains("no-such-kernel"), "{err}");
 
     // A pooled kernelspec the default sandbox cannot run is refused at start, not left as a
-    // pool that never fills (and a /readyz that answers 503 for good).
+    // pool that never fills (and a /readyz that answers 503 for good): here a microVM guest
+    // whose manifest lists no environments (one built before them holds python3's alone).
+    let old_guest = tempfile::tempdir()?;
+    std::fs::write(
+        old_guest.path().join("guest.json"),
+        r#"{"kernel": "vmlinux", "initramfs": "initramfs.cpio.gz", "root": "root.ext4"}"#,
+    )?;
+    for file in ["vmlinux", "initramfs.cpio.gz", "root.ext4"] {
+        std::fs::write(old_guest.path().join(file), "")?;
+    }
     let refused = Gateway::builder()
         .args(&[
             "--sandbox",
             "microvm",
+            "--guest-dir",
+            old_guest.path().to_str().expect("a UTF-8 temporary path"),
             "--pool-size",
             "1",
             "--pool-kernels",

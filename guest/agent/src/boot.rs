@@ -93,6 +93,14 @@ pub fn boot() -> io::Result<()> {
         MountFlags::NOSUID,
         "mode=0755",
     )?;
+    // Pseudo-terminals: bash_kernel drives its shell through one (pexpect).
+    mount_at(
+        "devpts",
+        root.join("dev/pts"),
+        "devpts",
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        "mode=0620,ptmxmode=0666",
+    )?;
     mount_at(
         "shm",
         root.join("dev/shm"),

@@ -7,6 +7,11 @@
 //! (`memory.events`), and counts refused forks (`pids.events`). The VM's RAM is a little
 //! larger than the cgroup's limit, so the guest's OOM killer picks inside the kernel's
 //! cgroup and the agent survives to report it.
+//!
+//! The root image holds every kernelspec's environment under `/opt/cellgate/envs/<name>`;
+//! before the kernel (or a zygote) starts, pid 1 binds the one its start names, read-only,
+//! at `/opt/cellgate/venv`, where every sandbox shows a kernel its environment. One kernel
+//! per VM, so one bind per VM.
 
 #![expect(
     clippy::disallowed_types,
@@ -21,8 +26,8 @@ use std::sync::{Arc, Mutex};
 
 use cellgate_agent::fault::{is_fault_signal, last_fault, Kmsg};
 use cellgate_agent::protocol::{
-    fixed_at_zygote_start, Channel, ConnectionFile, Exit, Start, Usage, Zygote, LOG_TAIL_BYTES,
-    ZYGOTE_FLAG,
+    fixed_at_zygote_start, is_environment_name, Channel, ConnectionFile, Exit, Start, Usage,
+    Zygote, ENVIRONMENTS_DIR, ENVIRONMENT_AT, LOG_TAIL_BYTES, ZYGOTE_FLAG,
 };
 use rustix::process::{Pid, Signal, WaitOptions};
 use tokio::sync::watch;
@@ -56,6 +61,8 @@ struct State {
     /// The guest kernel's log from the kernel's start on: where a fault that killed it is
     /// recorded. None where the agent may not read the log (a pod's agent).
     kmsg: Option<Kmsg>,
+    /// The environment shown at [`ENVIRONMENT_AT`], once bound.
+    environment: Option<String>,
 }
 
 /// A prepared zygote: its process, the agent's end of its socket, and what it was started
@@ -106,6 +113,8 @@ pub enum KernelError {
     Zygote(String),
     #[error("{0}")]
     Restore(String),
+    #[error("the environment {0:?}: {1}")]
+    Environment(String, String),
 }
 
 fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> KernelError {
@@ -166,6 +175,11 @@ impl Kernel {
         let mut state = self.state();
         if state.pid.is_some() {
             return Err(KernelError::AlreadyStarted);
+        }
+        if self.init {
+            if let Some(name) = &start.environment {
+                show_environment(&mut state, name)?;
+            }
         }
         let cwd = Path::new(&start.cwd);
         if self.init {
@@ -250,6 +264,11 @@ impl Kernel {
             }
             if state.zygote.is_some() {
                 return Err(KernelError::ZygoteExists);
+            }
+            if self.init {
+                if let Some(name) = &zygote.environment {
+                    show_environment(&mut state, name)?;
+                }
             }
             let cwd = Path::new(&zygote.cwd);
             std::fs::create_dir_all(cwd).map_err(io_error(cwd.display().to_string()))?;
@@ -473,6 +492,9 @@ impl ZygoteProcess {
                 start.argv, self.spec.argv
             ));
         }
+        if start.environment != self.spec.environment {
+            return Some("another environment than the zygote's".to_owned());
+        }
         if (start.uid, start.gid) != (self.spec.uid, self.spec.gid) || start.cwd != self.spec.cwd {
             return Some("another user or working directory than the zygote's".to_owned());
         }
@@ -492,6 +514,42 @@ impl ZygoteProcess {
     fn end(self) {
         let _ = rustix::process::kill_process_group(self.pid, Signal::KILL);
     }
+}
+
+/// Binds the root image's environment `name` at [`ENVIRONMENT_AT`], read-only, unless it is
+/// there already (a zygote's start bound it). A second, different environment is refused:
+/// the kernel's files would change under a process already running from them.
+fn show_environment(state: &mut State, name: &str) -> Result<(), KernelError> {
+    use rustix::mount::{mount_bind, mount_remount, MountFlags};
+    let refused = |why: &str| KernelError::Environment(name.to_owned(), why.to_owned());
+    match &state.environment {
+        Some(bound) if bound == name => return Ok(()),
+        Some(bound) => return Err(refused(&format!("{bound:?} is shown already"))),
+        None => {}
+    }
+    if !is_environment_name(name) {
+        return Err(refused("not an environment's name"));
+    }
+    let source = Path::new(ENVIRONMENTS_DIR).join(name);
+    if !source.is_dir() {
+        return Err(refused(&format!(
+            "the root image has no {} (an image built before it, or without it)",
+            source.display()
+        )));
+    }
+    std::fs::create_dir_all(ENVIRONMENT_AT).map_err(io_error(ENVIRONMENT_AT))?;
+    mount_bind(&source, ENVIRONMENT_AT)
+        .map_err(|e| io_error(format!("binding {}", source.display()))(e.into()))?;
+    // The lower image is read-only, but the overlay above it is not: the kernel must not
+    // change its own environment (nor leave files for a snapshot's clones).
+    mount_remount(
+        ENVIRONMENT_AT,
+        MountFlags::BIND | MountFlags::RDONLY | MountFlags::NOSUID | MountFlags::NODEV,
+        "",
+    )
+    .map_err(|e| io_error(format!("{ENVIRONMENT_AT} read-only"))(e.into()))?;
+    state.environment = Some(name.to_owned());
+    Ok(())
 }
 
 /// The kernel's command: `argv` with exactly `env`, in `cwd`, output to the kernel's log, in

@@ -449,6 +449,12 @@ pub struct Start {
     /// The memory limit of the kernel's cgroup in the guest (the VM has some more RAM, so an
     /// out-of-memory kill is the kernel's and is seen as such).
     pub memory_bytes: Option<u64>,
+    /// The kernel's environment among the root image's (see [`ENVIRONMENTS_DIR`]): the agent
+    /// shows it at [`ENVIRONMENT_AT`] before the kernel starts. `None` (and absent from the
+    /// JSON, as a gateway before environments sent it): the image's own layout is used as
+    /// is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<String>,
 }
 
 /// A zygote to prepare (see [`Op::Zygote`]).
@@ -466,6 +472,29 @@ pub struct Zygote {
     pub cwd: String,
     pub uid: u32,
     pub gid: u32,
+    /// The environment the zygote runs in, as [`Start::environment`]: a later start must
+    /// name the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<String>,
+}
+
+/// Where the root image holds each kernelspec's environment, one directory per kernelspec
+/// name (`guest/build-image.py`).
+pub const ENVIRONMENTS_DIR: &str = "/opt/cellgate/envs";
+
+/// Where a kernel sees its environment, in the guest as in every sandbox
+/// (`src/sandbox/relocate.rs`): its venv's scripts and compiled files name this path.
+pub const ENVIRONMENT_AT: &str = "/opt/cellgate/venv";
+
+/// Whether `name` can name an environment: a kernelspec's directory name, nothing that
+/// could reach outside [`ENVIRONMENTS_DIR`].
+pub fn is_environment_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// The argument that makes the kernel launcher a zygote (`kernels/python3`).
@@ -661,6 +690,26 @@ mod tests {
         assert_eq!(parse_begin(&go("abcdef123456")), None);
         assert_eq!(parse_hello(&hello("short")), None);
         assert_eq!(parse_hello(&hello("abc def 123456")), None);
+    }
+
+    #[test]
+    fn a_start_without_an_environment_reads_as_before() {
+        let before = r#"{"id":1,"op":"start","argv":["p"],"env":{},"cwd":"/home/user","connection":null,"uid":1000,"gid":1000,"pids":null,"memory_bytes":null}"#;
+        let request: Request = serde_json::from_str(before).unwrap();
+        let Op::Start(start) = &request.op else {
+            panic!("{request:?}")
+        };
+        assert_eq!(start.environment, None);
+        // Without an environment the request is the same bytes an older agent reads.
+        assert!(!serde_json::to_string(&request)
+            .unwrap()
+            .contains("environment"));
+        for good in ["python3", "python3-lean", "ir", "deno_2.x"] {
+            assert!(is_environment_name(good), "{good}");
+        }
+        for bad in ["", ".", "..", "../x", "a/b", ".hidden", "a b", "a\0"] {
+            assert!(!is_environment_name(bad), "{bad}");
+        }
     }
 
     #[test]

@@ -82,13 +82,15 @@ where
 }
 
 /// Asks the agent to start the kernel (as `uid`, where the agent may change ids), at the
-/// fixed paths of [`relocation`].
+/// fixed paths of [`relocation`], in the image's `environment` (what [`check_image_runs`]
+/// found; `None`: the image's own layout).
 pub async fn start_kernel(
     agent: &Agent,
     spec: &LaunchSpec,
     map: &Relocation,
     connection: Option<ConnectionFile>,
     uid: u32,
+    environment: Option<String>,
 ) -> Result<(), AgentError> {
     let start = Start {
         argv: map.argv(&spec.argv),
@@ -99,6 +101,7 @@ pub async fn start_kernel(
         gid: uid,
         pids: spec.limits.pids,
         memory_bytes: spec.limits.memory_bytes,
+        environment,
     };
     match agent.request(Op::Start(start)).await? {
         Reply::Started { .. } => Ok(()),
@@ -106,36 +109,90 @@ pub async fn start_kernel(
     }
 }
 
-/// Python modules the guest image's environment starts kernels with: its own (a VM's root
-/// image and the kernel pod's image hold the python3 kernel's venv, nothing else).
+/// Python modules an image without environments starts kernels with: its own (the kernel
+/// pod's image, and a VM root image built before environments, hold the python3 kernel's
+/// venv only, at the fixed path).
 const IMAGE_KERNEL_MODULES: &[&str] = &[
     "cellgate_kernel_launcher",
     "ipykernel_launcher",
     "ipykernel",
 ];
 
-/// Refuses, before any VM or pod is made, a kernel the guest's image cannot run: one whose
-/// environment is not a Python venv starting ipykernel (Deno's, R's, bash_kernel's). The
-/// image holds the python3 kernel's environment only; without this the start would fail
-/// inside the guest with a missing file or module.
-pub fn check_image_runs(spec: &LaunchSpec, backend: &str) -> Result<(), AgentError> {
+/// Refuses, before any VM or pod is made, a kernel the guest's image cannot run; the
+/// environment the agent is to show it, when the image holds several. `held` names the
+/// image's environments (the VM root image's manifest, `guest.json`): a kernel runs when its
+/// kernelspec's is among them. An image that names none (the kernel pod's, a VM image built
+/// before environments) holds the python3 venv alone, and runs only a Python venv starting
+/// ipykernel ([`runs_in_image`]). Without this the start would fail inside the guest with a
+/// missing file or module.
+pub fn check_image_runs(
+    spec: &LaunchSpec,
+    backend: &str,
+    held: &[String],
+) -> Result<Option<String>, AgentError> {
     // A plain program (a probe, a tool, a test's command) is no kernel: the image's own
-    // files are what it runs.
+    // files are what it runs, and a kernelspec's environment when it is in one the image
+    // holds (its path maps to the fixed path, where nothing else is).
     if !spec.connection_file.is_file() {
-        return Ok(());
+        return Ok(environment_name(&spec.argv).filter(|name| held.contains(name)));
     }
-    if runs_in_image(&spec.argv) {
-        return Ok(());
+    if held.is_empty() {
+        if runs_in_image(&spec.argv, held) {
+            return Ok(None);
+        }
+        return Err(AgentError(format!(
+            "this kernel cannot run in a {backend} sandbox: its image holds the python3 \
+             kernel's environment only (run other kernelspecs under a namespaces or gvisor \
+             policy{})",
+            if backend == "microvm" {
+                ", or rebuild the guest with ./dev setup: its images hold every kernelspec's"
+            } else {
+                ""
+            }
+        )));
     }
-    Err(AgentError(format!(
-        "this kernel cannot run in a {backend} sandbox: its image holds the python3 kernel's \
-         environment only (run other kernelspecs under a namespaces or gvisor policy)"
-    )))
+    match environment_name(&spec.argv) {
+        Some(name) if held.contains(&name) => Ok(Some(name)),
+        name => Err(AgentError(format!(
+            "this kernel cannot run in a {backend} sandbox: its image holds no environment \
+             for {} (it holds {}; rebuild the guest with ./dev setup)",
+            name.map_or_else(
+                || "a command outside a kernelspec's environment".to_owned(),
+                |name| format!("the kernelspec {name:?}")
+            ),
+            held.join(", ")
+        ))),
+    }
 }
 
-/// Whether a kernel command is one the guest's image can run: a Python venv's interpreter
-/// starting one of the image's kernel modules (`python [-X… -u -E…] -m module`).
-pub fn runs_in_image(argv: &[String]) -> bool {
+/// The kernel's environment on the host: the directory above its program's (`bin/`) when
+/// that is a Python venv or carries [`relocate::ENVIRONMENT_MARKER`].
+fn environment_dir(argv: &[String]) -> Option<&Path> {
+    let program = Path::new(argv.first().map(String::as_str).unwrap_or_default());
+    program.parent().and_then(Path::parent).filter(|env| {
+        env.join("pyvenv.cfg").is_file() || env.join(relocate::ENVIRONMENT_MARKER).is_file()
+    })
+}
+
+/// The name of the kernel's environment in a guest image: its kernelspec's (the
+/// environment is `kernels/<name>/.venv`, see `KernelSpec::command`).
+pub fn environment_name(argv: &[String]) -> Option<String> {
+    let env = environment_dir(argv)?;
+    if env.file_name()? != ".venv" {
+        return None;
+    }
+    let name = env.parent()?.file_name()?.to_str()?;
+    cellgate_agent::protocol::is_environment_name(name).then(|| name.to_owned())
+}
+
+/// Whether a kernel command is one an image holding the environments `held` can run: its
+/// kernelspec's environment is among them, or (an image that names none) it is a Python
+/// venv's interpreter starting one of the `IMAGE_KERNEL_MODULES`
+/// (`python [-X… -u -E…] -m module`).
+pub fn runs_in_image(argv: &[String], held: &[String]) -> bool {
+    if !held.is_empty() {
+        return environment_name(argv).is_some_and(|name| held.contains(&name));
+    }
     let program = Path::new(argv.first().map(String::as_str).unwrap_or_default());
     let in_venv = program
         .parent()
@@ -152,18 +209,14 @@ pub fn runs_in_image(argv: &[String]) -> bool {
 }
 
 /// The kernel's paths in the guest: the same fixed paths as in every sandbox, with the
-/// venv where the guest's image has it (a VM's root image, a pod's container image).
+/// environment (a venv, or one with [`relocate::ENVIRONMENT_MARKER`]) where the guest shows
+/// it (a VM's agent binds it there, a pod's container image has it there).
 pub fn relocation(spec: &LaunchSpec) -> Relocation {
     let mut map = Relocation::new();
     map.add(&spec.workspace, relocate::WORKSPACE);
     map.add(&spec.runtime_dir, relocate::RUN_DIR);
-    let program = Path::new(spec.argv.first().map(String::as_str).unwrap_or_default());
-    if let Some(venv) = program
-        .parent()
-        .and_then(Path::parent)
-        .filter(|venv| venv.join("pyvenv.cfg").is_file())
-    {
-        map.add(venv, relocate::VENV);
+    if let Some(env) = environment_dir(&spec.argv) {
+        map.add(env, relocate::VENV);
     }
     map
 }
@@ -219,16 +272,26 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
-    /// A kernel's launch spec: `argv`, with a connection file (so it counts as a kernel)
-    /// and, when `venv`, the program in a venv.
-    fn spec(dir: &Path, argv: &[&str], venv: bool) -> LaunchSpec {
+    /// What the kernel's program sits in.
+    #[derive(Clone, Copy)]
+    enum Env {
+        Venv,
+        Marked,
+        Plain,
+    }
+
+    /// A kernel's launch spec: `argv`, with a connection file (so it counts as a kernel),
+    /// the program in `kernels/<kernelspec>/.venv/bin`, which is an environment of `kind`.
+    fn spec(dir: &Path, kernelspec: &str, argv: &[&str], kind: Env) -> LaunchSpec {
         let run = dir.join("run");
         std::fs::create_dir_all(&run).unwrap();
         std::fs::write(run.join("connection.json"), "{}").unwrap();
-        let env_dir = dir.join("env");
+        let env_dir = dir.join("kernels").join(kernelspec).join(".venv");
         std::fs::create_dir_all(env_dir.join("bin")).unwrap();
-        if venv {
-            std::fs::write(env_dir.join("pyvenv.cfg"), "home = /usr/bin\n").unwrap();
+        match kind {
+            Env::Venv => std::fs::write(env_dir.join("pyvenv.cfg"), "home = /usr/bin\n").unwrap(),
+            Env::Marked => std::fs::write(env_dir.join(relocate::ENVIRONMENT_MARKER), "").unwrap(),
+            Env::Plain => {}
         }
         let mut argv: Vec<String> = argv.iter().map(|a| a.to_string()).collect();
         argv[0] = env_dir.join("bin").join(&argv[0]).display().to_string();
@@ -251,33 +314,109 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_image_runs_python_kernels_only() {
-        // A directory of its own each: a venv's pyvenv.cfg must not linger into the next.
-        let runs = |argv: &[&str], venv: bool| {
-            let dir = tempfile::tempdir().unwrap();
-            check_image_runs(&spec(dir.path(), argv, venv), "microvm").is_ok()
-        };
+    /// `check_image_runs` of a fresh spec (a directory of its own each: a venv's pyvenv.cfg
+    /// must not linger into the next).
+    fn check(
+        held: &[&str],
+        kernelspec: &str,
+        argv: &[&str],
+        kind: Env,
+    ) -> Result<Option<String>, AgentError> {
         let dir = tempfile::tempdir().unwrap();
+        let held: Vec<String> = held.iter().map(|h| h.to_string()).collect();
+        check_image_runs(&spec(dir.path(), kernelspec, argv, kind), "microvm", &held)
+    }
+
+    #[test]
+    fn an_image_without_environments_runs_python_kernels_only() {
+        let runs = |argv: &[&str], kind| check(&[], "python3", argv, kind).is_ok();
         assert!(runs(
             &["python", "-m", "cellgate_kernel_launcher", "-f", "c"],
-            true
+            Env::Venv
         ));
         assert!(runs(
             &["python", "-Xfrozen_modules=off", "-m", "ipykernel_launcher"],
-            true
+            Env::Venv
         ));
         assert!(!runs(
             &["python", "-m", "cellgate_bash_kernel", "-f", "c"],
-            true
+            Env::Venv
         ));
-        assert!(!runs(&["cellgate-tcp-kernel", "c", "--", "deno"], false));
-        assert!(!runs(&["python", "-m", "ipykernel_launcher"], false));
-        assert!(!runs(&["python", "script.py", "-m", "ipykernel"], true));
-        let error = check_image_runs(&spec(dir.path(), &["r-kernel", "c"], false), "microvm");
+        assert!(!runs(
+            &["cellgate-tcp-kernel", "c", "--", "deno"],
+            Env::Marked
+        ));
+        assert!(!runs(&["python", "-m", "ipykernel_launcher"], Env::Plain));
+        assert!(!runs(
+            &["python", "script.py", "-m", "ipykernel"],
+            Env::Venv
+        ));
+        let error = check(&[], "ir", &["r-kernel", "c"], Env::Marked);
         assert!(
             format!("{error:?}").contains("microvm sandbox"),
             "{error:?}"
+        );
+    }
+
+    #[test]
+    fn an_image_with_environments_runs_the_kernelspecs_it_holds() {
+        let held = ["bash", "deno", "ir", "python3"];
+        let launcher = ["python", "-m", "cellgate_kernel_launcher", "-f", "c"];
+        assert_eq!(
+            check(&held, "python3", &launcher, Env::Venv).unwrap(),
+            Some("python3".to_owned())
+        );
+        assert_eq!(
+            check(
+                &held,
+                "deno",
+                &["cellgate-tcp-kernel", "c", "--", "deno"],
+                Env::Marked
+            )
+            .unwrap(),
+            Some("deno".to_owned())
+        );
+        assert_eq!(
+            check(&held, "ir", &["r-kernel", "c"], Env::Marked).unwrap(),
+            Some("ir".to_owned())
+        );
+        assert_eq!(
+            check(
+                &held,
+                "bash",
+                &["python", "-m", "cellgate_bash_kernel"],
+                Env::Venv
+            )
+            .unwrap(),
+            Some("bash".to_owned())
+        );
+        // A kernelspec the image has no environment for, even a Python one: another venv
+        // would run it with the wrong packages.
+        let error = check(&held, "python3-lean", &launcher, Env::Venv).unwrap_err();
+        assert!(error.0.contains("\"python3-lean\""), "{error}");
+        assert!(error.0.contains("bash, deno, ir, python3"), "{error}");
+        // A program in no environment at all.
+        let error = check(&held, "odd", &["tool"], Env::Plain).unwrap_err();
+        assert!(error.0.contains("outside a kernelspec"), "{error}");
+    }
+
+    #[test]
+    fn a_plain_program_runs_from_the_image() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut plain = spec(dir.path(), "x", &["tool"], Env::Plain);
+        plain.connection_file = dir.path().join("none.json");
+        assert_eq!(check_image_runs(&plain, "microvm", &[]).unwrap(), None);
+        let held = ["x".to_owned()];
+        assert_eq!(
+            check_image_runs(&plain, "microvm", &held).unwrap(),
+            None,
+            "no environment: the program is not in one"
+        );
+        let mut in_env = spec(dir.path(), "x", &["python"], Env::Venv);
+        in_env.connection_file = dir.path().join("none.json");
+        assert_eq!(
+            check_image_runs(&in_env, "microvm", &held).unwrap(),
+            Some("x".to_owned())
         );
     }
 }

@@ -288,7 +288,8 @@ impl KubernetesSandbox {
             rand::random::<u128>(),
             rand::random::<u128>()
         );
-        agent::check_image_runs(spec, "kubernetes")?;
+        // The kernel pod's image holds the python3 venv alone (deploy/kubernetes/images).
+        agent::check_image_runs(spec, "kubernetes", &[])?;
         let map = agent::relocation(spec);
         let connection = agent::guest_connection(spec, &map)?;
         let pod = objects::pod(&name, namespace, &owner, settings, &spec.limits);
@@ -318,7 +319,8 @@ impl KubernetesSandbox {
                 .map_err(api_error(format!("create the secret {name}")))?;
             let (ip, version) = wait_running(pods, &name, settings.pending_timeout).await?;
             let agent = dial(&ip, key.as_bytes(), spec).await?;
-            agent::start_kernel(&agent, spec, &map, connection, objects::KERNEL_UID as u32).await?;
+            let uid = objects::KERNEL_UID as u32;
+            agent::start_kernel(&agent, spec, &map, connection, uid, None).await?;
             Ok::<_, KubernetesError>((agent, version))
         };
         match started.await {

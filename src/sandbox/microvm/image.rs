@@ -17,6 +17,9 @@ pub struct GuestImages {
     pub root: PathBuf,
     /// The kernel is a PVM guest (an operator's, e.g. for hosts whose KVM is PVM-only).
     pub pvm_guest: bool,
+    /// The kernelspecs whose environments the root image holds (the agent shows a kernel
+    /// its own); none in an image built before environments, which holds python3's alone.
+    pub environments: Vec<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -26,6 +29,8 @@ struct Manifest {
     root: PathBuf,
     #[serde(default)]
     pvm_guest: bool,
+    #[serde(default)]
+    environments: Vec<String>,
 }
 
 /// Where the images are by default: `CELLGATE_GUEST_DIR`, else `guest/` beside the
@@ -38,6 +43,17 @@ pub fn default_dir() -> PathBuf {
         .ok()
         .and_then(|exe| Some(exe.parent()?.parent()?.join("guest")))
         .unwrap_or_else(|| PathBuf::from("target/guest"))
+}
+
+/// The environments the root image in `dir` holds, as its manifest lists them; none when
+/// it lists none (an image built before environments) or cannot be read (the backend then
+/// says why when it starts).
+pub fn environments(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join(MANIFEST))
+        .ok()
+        .and_then(|text| serde_json::from_str::<Manifest>(&text).ok())
+        .map(|manifest| manifest.environments)
+        .unwrap_or_default()
 }
 
 impl GuestImages {
@@ -69,6 +85,7 @@ impl GuestImages {
             initramfs: relative(manifest.initramfs),
             root: relative(manifest.root),
             pvm_guest: manifest.pvm_guest,
+            environments: manifest.environments,
         };
         if let Some((kernel, pvm)) = own_kernel {
             images.kernel = kernel.to_owned();

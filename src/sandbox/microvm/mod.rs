@@ -456,16 +456,24 @@ impl Core {
         } else {
             spec
         };
-        agent::check_image_runs(spec, "microvm")?;
+        let environment = agent::check_image_runs(spec, "microvm", &self.images.environments)?;
+        let environment = environment.as_deref();
         let map = agent::relocation(spec);
         let connection = agent::guest_connection(spec, &map)?;
         let size = VmSize::of(&spec.limits);
-        let plan = self.zygote_plan(spec, &map, size, connection.is_some());
+        let plan = self.zygote_plan(spec, &map, environment, size, connection.is_some());
         let snapshots = self.snapshots.as_ref();
         if let Some((plan, snapshots)) = plan.as_ref().zip(snapshots) {
             if let Some(file) = snapshots.open_ready(&plan.kind) {
                 match self
-                    .attempt(spec, &map, connection.clone(), size, Some(file))
+                    .attempt(
+                        spec,
+                        &map,
+                        environment,
+                        connection.clone(),
+                        size,
+                        Some(file),
+                    )
                     .await
                 {
                     Ok(launched) => return Ok(launched),
@@ -476,7 +484,9 @@ impl Core {
                 }
             }
         }
-        let launched = self.attempt(spec, &map, connection, size, None).await?;
+        let launched = self
+            .attempt(spec, &map, environment, connection, size, None)
+            .await?;
         if let Some((plan, snapshots)) = plan.zip(snapshots) {
             if snapshots.claim(&plan.kind) {
                 let core = self.clone();
@@ -492,12 +502,15 @@ impl Core {
     }
 
     /// The zygote that a VM for `spec` could be restored from, when it is a kernel the
-    /// launcher starts (`python -m cellgate_kernel_launcher …`) and its workspace fits the
-    /// snapshot's disk.
+    /// launcher starts (`python -m cellgate_kernel_launcher …`: Python kernelspecs; Deno, R
+    /// and bash VMs always boot) and its workspace fits the snapshot's disk. Its kind names
+    /// the kernel's `environment`: python3 and python3-lean start the same command, each in
+    /// its own venv.
     fn zygote_plan(
         &self,
         spec: &LaunchSpec,
         map: &Relocation,
+        environment: Option<&str>,
         size: VmSize,
         has_connection: bool,
     ) -> Option<ZygotePlan> {
@@ -526,6 +539,7 @@ impl Core {
                 vcpus: size.vcpus,
                 argv: argv[..3].to_vec(),
                 env: at_start,
+                environment: environment.map(str::to_owned),
             },
             zygote: Zygote {
                 argv: argv[..3].to_vec(),
@@ -533,6 +547,7 @@ impl Core {
                 cwd: relocate::WORKSPACE.to_owned(),
                 uid: KERNEL_UID,
                 gid: KERNEL_UID,
+                environment: environment.map(str::to_owned),
             },
         })
     }
@@ -542,6 +557,7 @@ impl Core {
         &self,
         spec: &LaunchSpec,
         map: &Relocation,
+        environment: Option<&str>,
         connection: Option<ConnectionFile>,
         size: VmSize,
         snapshot: Option<std::fs::File>,
@@ -565,7 +581,15 @@ impl Core {
             confine::fsize(disk_bytes, size.memory_mib),
         )?);
         let booted = self
-            .boot(spec, map, connection, size, jail.clone(), snapshot)
+            .boot(
+                spec,
+                map,
+                environment,
+                connection,
+                size,
+                jail.clone(),
+                snapshot,
+            )
             .await;
         if booted.is_err() {
             // Whatever of the VM is left goes with its cgroup.
@@ -610,10 +634,15 @@ impl Core {
     /// agent and starts the kernel. With `snapshot`, the VM is restored from it instead of
     /// booted (over virtio-serial: QEMU cannot save a VM with a vhost-user device). On
     /// failure, the processes it started are reaped.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one VM's inputs, each from a different step of launch_vm"
+    )]
     async fn boot(
         &self,
         spec: &LaunchSpec,
         map: &Relocation,
+        environment: Option<&str>,
         connection: Option<ConnectionFile>,
         size: VmSize,
         jail: Arc<confine::Jail>,
@@ -674,7 +703,8 @@ impl Core {
             if restore {
                 agent.request(restored_op()).await?;
             }
-            agent::start_kernel(&agent, spec, map, connection, KERNEL_UID).await?;
+            let environment = environment.map(str::to_owned);
+            agent::start_kernel(&agent, spec, map, connection, KERNEL_UID, environment).await?;
             Ok(Arc::new(agent))
         };
         let agent = tokio::select! {

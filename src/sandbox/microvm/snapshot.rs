@@ -79,6 +79,9 @@ pub(super) struct Kind {
     pub argv: Vec<String>,
     /// The zygote's environment (`fixed_at_zygote_start`), sorted.
     pub env: Vec<(String, String)>,
+    /// The root image's environment the agent shows the kernel (python3's, python3-lean's:
+    /// the same command in another venv).
+    pub environment: Option<String>,
 }
 
 /// The state of one kind's snapshot.
@@ -205,6 +208,9 @@ impl Snapshots {
         }
         for (key, value) in &kind.env {
             hash.update(format!("{key}={value}\0").as_bytes());
+        }
+        if let Some(environment) = &kind.environment {
+            hash.update(format!("environment {environment}\0").as_bytes());
         }
         hex::encode(hash.finalize())[..32].to_owned()
     }
@@ -342,6 +348,7 @@ mod tests {
                 "l".into(),
             ],
             env: vec![("LANG".into(), "C.UTF-8".into())],
+            environment: Some("python3".into()),
         }
     }
 
@@ -355,6 +362,12 @@ mod tests {
         let mut other_env = kind(672);
         other_env.env.push(("PYTHONHASHSEED".into(), "0".into()));
         assert_ne!(a.path(&kind(672)), a.path(&other_env));
+        // python3-lean starts the same command as python3, in another venv.
+        let other_venv = Kind {
+            environment: Some("python3-lean".into()),
+            ..kind(672)
+        };
+        assert_ne!(a.path(&kind(672)), a.path(&other_venv));
 
         assert!(a.open_ready(&kind(672)).is_none());
         assert!(a.claim(&kind(672)));
