@@ -107,6 +107,13 @@ pub struct ServeArgs {
     /// Directory for kernels' private runtime directories [default: a fresh one under $TMPDIR].
     #[arg(long, env = "CELLGATE_RUNTIME_DIR")]
     pub runtime_dir: Option<PathBuf>,
+    /// Directory of the gateway's state, kept across restarts: its sessions, their history
+    /// and artifacts, the usage ledger (an SQLite database, and the artifacts' files). One
+    /// gateway per directory; `none` keeps everything in memory and under the runtime
+    /// directory, gone when the gateway stops [default: $XDG_STATE_HOME/cellgate, else
+    /// ~/.local/state/cellgate].
+    #[arg(long, env = "CELLGATE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
     /// Path prefix of every route (also KG_BASE_URL) [default: /].
     #[arg(long, env = "CELLGATE_BASE_URL")]
     pub base_url: Option<String>,
@@ -361,6 +368,7 @@ struct FileConfig {
     env_allowlist: Option<Vec<String>>,
     max_message_mib: Option<usize>,
     runtime_dir: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
     base_url: Option<String>,
     public_url: Option<String>,
     jwt_secret_file: Option<PathBuf>,
@@ -438,6 +446,8 @@ pub struct GatewayConfig {
     pub env_allowlist: Vec<String>,
     pub max_message_bytes: usize,
     pub runtime_dir: Option<PathBuf>,
+    /// The state directory (`crate::store`); `None`: nothing outlives the process.
+    pub state_dir: Option<PathBuf>,
     /// Always starts and ends with `/`.
     pub base_url: String,
     /// `scheme://host[:port]`, lower case, no trailing slash; `None`: taken from each
@@ -666,6 +676,26 @@ fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
         path: path.to_owned(),
         message: err.to_string(),
     })
+}
+
+/// The value of `--state-dir` that turns persistence off.
+pub const NO_STATE_DIR: &str = "none";
+
+/// The state directory: as given (`none`: no persistence), else the XDG state directory.
+fn state_dir(given: Option<PathBuf>) -> Option<PathBuf> {
+    match given {
+        Some(dir) if dir.as_os_str() == NO_STATE_DIR => None,
+        Some(dir) => Some(dir),
+        None => Some(
+            env_var("XDG_STATE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| env_var("HOME").map(|h| PathBuf::from(h).join(".local").join("state")))
+                // No home at all (a bare service): beside the working directory, as the
+                // kernels and policies are by default.
+                .unwrap_or_else(|| PathBuf::from("."))
+                .join("cellgate"),
+        ),
+    }
 }
 
 fn default_package_cache() -> PathBuf {
@@ -1151,6 +1181,7 @@ impl GatewayConfig {
                 .max(1)
                 << 20,
             runtime_dir: args.runtime_dir.clone().or(file.runtime_dir.take()),
+            state_dir: state_dir(args.state_dir.clone().or(file.state_dir.take())),
             base_url,
             public_url: args
                 .public_url
@@ -1239,6 +1270,7 @@ mod tests {
             ("env_allowlist", "env_allowlist = [\"MY_SETTING\"]"),
             ("max_message_mib", "max_message_mib = 8"),
             ("runtime_dir", "runtime_dir = \"/run/cellgate\""),
+            ("state_dir", "state_dir = \"/var/lib/cellgate/state\""),
             ("base_url", "base_url = \"/gw\""),
             ("public_url", "public_url = \"https://gw.example\""),
             ("metrics_listen", "metrics_listen = \"127.0.0.1:9464\""),

@@ -282,18 +282,37 @@ impl<'a> Turn<'a> {
             execution_id: self.execution_id.clone(),
             result: Box::new((*result).clone()),
         });
-        let mut history = self.session.history.lock();
-        if history.len() >= MAX_HISTORY {
-            history.remove(0);
-        }
-        history.push(HistoryEntry {
+        let entry = HistoryEntry {
             execution_id: self.execution_id,
             code: self.code,
             started: self.started_at,
             events: self.events,
             result: Some(result),
-        });
+        };
+        // After `done` went out: the store's writes are queued, never waited for.
+        if let Some(store) = &self.session.store {
+            let output_bytes = entry.events.iter().map(|e| output_bytes(e)).sum();
+            super::persistence::execution_finished(store, &self.session, &entry, output_bytes);
+        }
+        let mut history = self.session.history.lock();
+        if history.len() >= MAX_HISTORY {
+            history.remove(0);
+        }
+        history.push(entry);
     }
+}
+
+/// Bytes of text output an event carries, for the usage ledger (artifacts are counted
+/// apart).
+fn output_bytes(event: &SessionEvent) -> u64 {
+    let text = match event {
+        SessionEvent::Stream { text, .. } => Some(text),
+        SessionEvent::Display { text, .. }
+        | SessionEvent::UpdateDisplay { text, .. }
+        | SessionEvent::Result { text, .. } => text.as_ref(),
+        _ => None,
+    };
+    text.map_or(0, |t| t.len() as u64)
 }
 
 /// An execution between its start and its `done`, as the session's monitor sees it; over

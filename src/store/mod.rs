@@ -232,6 +232,21 @@ impl Store {
         });
     }
 
+    /// As [`Self::put_cells`], with cells `make` returns on the writer thread: turning a
+    /// history's outputs into JSON costs nothing on the caller's.
+    pub fn put_cells_with(
+        &self,
+        session: &str,
+        make: impl FnOnce() -> (Option<serde_json::Value>, Vec<(u64, serde_json::Value)>)
+            + Send
+            + 'static,
+    ) {
+        self.write(Op::PutCellsWith {
+            session: session.to_owned(),
+            make: Box::new(make),
+        });
+    }
+
     /// Records a finished execution of a session.
     pub fn put_execution(&self, session: &str, execution: ExecutionRow) {
         self.write(Op::PutExecution {

@@ -4,7 +4,7 @@
 
 use std::sync::mpsc;
 
-use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use rusqlite::{params, Connection, Transaction};
 use serde_json::Value;
 
 /// A session as stored.
@@ -94,6 +94,9 @@ pub struct UsageQuery {
     pub limit: usize,
 }
 
+/// Makes cells to write (`language_info`, and cells by index) on the writer thread.
+pub type MakeCells = Box<dyn FnOnce() -> (Option<Value>, Vec<(u64, Value)>) + Send>;
+
 /// A write for the writer thread.
 pub(super) enum Op {
     PutSession(SessionRow),
@@ -106,6 +109,11 @@ pub(super) enum Op {
         session: String,
         language_info: Option<Value>,
         cells: Vec<(u64, Value)>,
+    },
+    /// As `PutCells`, the cells made on the writer thread.
+    PutCellsWith {
+        session: String,
+        make: MakeCells,
     },
     PutExecution {
         session: String,
@@ -131,7 +139,7 @@ impl Op {
             Op::PutSession(_) => "put_session",
             Op::SetGeneration { .. } => "set_generation",
             Op::DeleteSession(_) => "delete_session",
-            Op::PutCells { .. } => "put_cells",
+            Op::PutCells { .. } | Op::PutCellsWith { .. } => "put_cells",
             Op::PutExecution { .. } => "put_execution",
             Op::PutArtifact(_) => "put_artifact",
             Op::ExpireArtifacts { .. } => "expire_artifacts",
@@ -183,6 +191,17 @@ pub(super) fn apply(tx: &Transaction<'_>, op: Op) -> rusqlite::Result<()> {
         }
         Op::DeleteSession(session) => {
             tx.execute("DELETE FROM sessions WHERE id = ?1", params![session])?;
+        }
+        Op::PutCellsWith { session, make } => {
+            let (language_info, cells) = make();
+            return apply(
+                tx,
+                Op::PutCells {
+                    session,
+                    language_info,
+                    cells,
+                },
+            );
         }
         Op::PutCells {
             session,

@@ -32,6 +32,7 @@ mod pool;
 mod release;
 mod sdk;
 mod stack;
+mod store;
 mod tenants;
 mod web_client;
 mod workspace_ops;

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use utoipa::ToSchema;
 
-use super::{body, session_for, ApiError};
+use super::{body, live_session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
@@ -115,8 +115,8 @@ pub async fn run(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let session = session_for(&state, &principal, &id)?;
     let request = check(body::parse(&body)?)?;
+    let session = live_session_for(&state, &principal, &id).await?;
     let events = session.run_command(request)?;
     if super::sessions::wants_sse(&headers) {
         return Ok(sse(events));

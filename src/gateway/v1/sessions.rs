@@ -17,7 +17,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use utoipa::ToSchema;
 
-use super::{body, session_for, ApiError};
+use super::{body, dormant_for, live_session_for, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
@@ -257,10 +257,10 @@ pub async fn list(
     Json(
         state
             .sessions
-            .list()
-            .iter()
-            .filter(|s| principal.may_see(s.owner.as_deref()))
-            .map(|s| s.model())
+            .models()
+            .into_iter()
+            .filter(|(owner, _)| principal.may_see(owner.as_deref()))
+            .map(|(_, model)| model)
             .collect(),
     )
 }
@@ -273,6 +273,9 @@ pub async fn get(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<SessionModel>, ApiError> {
+    if let Some(dormant) = dormant_for(&state, &principal, &id) {
+        return Ok(Json(dormant.model()));
+    }
     Ok(Json(session_for(&state, &principal, &id)?.model()))
 }
 
@@ -285,6 +288,10 @@ pub async fn delete(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    if let Some(dormant) = dormant_for(&state, &principal, &id) {
+        state.sessions.delete(&dormant.id).await?;
+        return Ok(StatusCode::NO_CONTENT);
+    }
     let session = session_for(&state, &principal, &id)?;
     state.sessions.delete(&session.id).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -360,8 +367,8 @@ pub async fn execute(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let session = session_for(&state, &principal, &id)?;
     let request: ExecuteRequest = body::parse(&body)?;
+    let session = live_session_for(&state, &principal, &id).await?;
     let timeout = timeout_of(request.timeout_s)?;
     let events = session.execute(request.code, timeout);
     if wants_sse(&headers) {
@@ -439,6 +446,12 @@ pub async fn restart(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<SessionModel>, ApiError> {
+    if dormant_for(&state, &principal, &id).is_some() {
+        // A new kernel is what a restart gives.
+        return Ok(Json(
+            live_session_for(&state, &principal, &id).await?.model(),
+        ));
+    }
     let session = session_for(&state, &principal, &id)?;
     session.restart().await?;
     Ok(Json(session.model()))

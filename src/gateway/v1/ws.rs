@@ -31,7 +31,7 @@ use serde_json::json;
 use tokio::sync::broadcast::error::RecvError;
 use utoipa::ToSchema;
 
-use super::session_for;
+use super::live_session_for;
 use crate::gateway::auth::Principal;
 use crate::gateway::kernel_ws::origin_allowed;
 use crate::gateway::state::AppState;
@@ -88,7 +88,7 @@ pub async fn socket(
             .code(ErrorCode::CrossOrigin)
             .into_response();
     }
-    let session = match session_for(&state, &principal, &id) {
+    let session = match live_session_for(&state, &principal, &id).await {
         Ok(session) => session,
         Err(err) => return err.into_response(),
     };
