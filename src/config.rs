@@ -1245,6 +1245,23 @@ mod tests {
     }
 
     #[test]
+    fn a_state_dir_is_kept_unless_it_is_none() {
+        let resolve = |dir: &str| {
+            GatewayConfig::resolve(&ServeArgs {
+                state_dir: Some(PathBuf::from(dir)),
+                ..Default::default()
+            })
+            .unwrap()
+            .state_dir
+        };
+        assert_eq!(resolve("none"), None);
+        assert_eq!(resolve("/srv/state"), Some(PathBuf::from("/srv/state")));
+        // The default persists somewhere.
+        let default = GatewayConfig::resolve(&ServeArgs::default()).unwrap();
+        assert!(default.state_dir.is_some_and(|d| d.ends_with("cellgate")));
+    }
+
+    #[test]
     fn every_serve_option_has_a_variable_and_a_file_key() {
         use clap::Args;
         // Each option's key in the config file, with a value the file accepts.

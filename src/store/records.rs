@@ -427,11 +427,10 @@ pub(super) fn usage(
 #[cfg(test)]
 pub(super) fn has_session(connection: &Connection, id: &str) -> bool {
     connection
-        .query_row("SELECT 1 FROM sessions WHERE id = ?1", params![id], |_| {
-            Ok(())
-        })
-        .optional()
-        .ok()
-        .flatten()
-        .is_some()
+        .query_row(
+            "SELECT count(*) FROM sessions WHERE id = ?1",
+            params![id],
+            |row| row.get::<_, i64>(0),
+        )
+        .is_ok_and(|n| n > 0)
 }
