@@ -292,7 +292,7 @@ impl<'a> Turn<'a> {
         // After `done` went out: the store's writes are queued, never waited for.
         if let Some(store) = &self.session.store {
             let output_bytes = entry.events.iter().map(|e| output_bytes(e)).sum();
-            super::persistence::execution_finished(store, &self.session, &entry, output_bytes);
+            super::persistence::execution_finished(store, self.session, &entry, output_bytes);
         }
         let mut history = self.session.history.lock();
         if history.len() >= MAX_HISTORY {

@@ -23,7 +23,7 @@
 //!   usage queries) take their own connection from a blocking context.
 //!
 //! Rows are plain values ([`records`]); what is inside the JSON columns (a cell, an API v1
-//! result, an artifact record) belongs to the layers that write them. Migrations: [`schema`].
+//! result, an artifact record) belongs to the layers that write them. Migrations: `schema.rs`.
 //!
 //! Must not depend on: sessions, kernels, artifacts, HTTP (it stores their rows, as JSON
 //! where they have their own shape).
