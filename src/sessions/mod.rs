@@ -517,6 +517,11 @@ impl Sessions {
         }
     }
 
+    /// The state directory's store, if the gateway has one.
+    pub fn store(&self) -> Option<&Arc<Store>> {
+        self.store.as_ref()
+    }
+
     /// A dormant session (known from the store, its kernel lost in a restart).
     pub fn dormant(&self, id: &SessionId) -> Option<Arc<Dormant>> {
         self.dormant.read().get(id).cloned()

@@ -36,8 +36,8 @@ fn count(state: &Path, sql: &str, session: &str) -> i64 {
         .unwrap_or(-1)
 }
 
-/// Waits until the store holds `n` executions and cells of `session` (the gateway writes
-/// them after each answer, from its writer thread).
+/// Waits until the store holds `n` executions, cells and usage rows of `session` (the
+/// gateway writes them after each answer, from its writer thread).
 async fn stored(state: &Path, session: &str, n: i64) -> Result<()> {
     let done = eventually(PATIENCE, || {
         count(
@@ -48,6 +48,11 @@ async fn stored(state: &Path, session: &str, n: i64) -> Result<()> {
             && count(
                 state,
                 "SELECT count(*) FROM cells WHERE session_id = ?1",
+                session,
+            ) == n
+            && count(
+                state,
+                "SELECT count(*) FROM usage WHERE session_id = ?1",
                 session,
             ) == n
     })
@@ -174,6 +179,15 @@ async fn a_gateway_restarted_after_sigkill_knows_its_sessions() -> Result<()> {
         artifacts.to_string().contains(&png),
         "{artifacts} has no {png}"
     );
+    // The usage ledger outlived the process too.
+    let (status, usage) = client.get("/v1/usage").await?;
+    assert_eq!(status, 200, "{usage}");
+    assert_eq!(
+        usage["records"].as_array().map(Vec::len),
+        Some(2),
+        "{usage}"
+    );
+    assert_eq!(usage["records"][0]["outcome"], "ok");
     // Routes that need the kernel's process say it is gone.
     let (status, files) = client.get(&format!("/v1/sessions/{id}/files")).await?;
     assert_eq!(status, 409, "{files}");
@@ -338,5 +352,65 @@ async fn a_store_held_by_a_running_gateway_refuses_a_second_one() -> Result<()> 
     );
     // The first is unharmed.
     assert_eq!(V1Client::new(&first).get("/v1/sessions").await?.0, 200);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_store_keeps_a_usage_ledger_each_tenant_reads_its_own_of() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let gateway = gateway_on(&state, &secret).await?;
+    let acme = V1Client::bearer(&gateway, &hs256(&claims("acme", "default")));
+    let umbrella = V1Client::bearer(&gateway, &hs256(&claims("umbrella", "default")));
+    let mut sessions = Vec::new();
+    for (client, code) in [(&acme, "print('x' * 1000)"), (&umbrella, "1 / 0")] {
+        let id = client.create_session(json!({})).await?;
+        client.run(&id, code).await?;
+        sessions.push(id);
+    }
+    for id in &sessions {
+        let written = eventually(PATIENCE, || {
+            count(
+                &state,
+                "SELECT count(*) FROM usage WHERE session_id = ?1",
+                id,
+            ) == 1
+        })
+        .await;
+        assert!(written, "no usage row for {id}");
+    }
+
+    let (status, own) = acme.get("/v1/usage").await?;
+    assert_eq!(status, 200, "{own}");
+    let records = own["records"].as_array().context("records")?;
+    assert_eq!(records.len(), 1, "{own}");
+    let record = &records[0];
+    assert_eq!(record["tenant"], "acme");
+    assert_eq!(record["session_id"], sessions[0].as_str());
+    assert_eq!(record["policy"], "default");
+    assert_eq!(record["outcome"], "ok");
+    assert!(record["output_bytes"].as_u64() >= Some(1000), "{record}");
+    assert_eq!(own["totals"]["executions"], 1);
+    assert_eq!(
+        umbrella.get("/v1/usage").await?.1["records"][0]["outcome"],
+        "error"
+    );
+    // Never another tenant's.
+    assert_eq!(acme.get("/v1/usage?tenant=umbrella").await?.0, 403);
+
+    // The admin reads everyone's, or one tenant's, in a period.
+    let admin = V1Client::new(&gateway);
+    let (_, all) = admin.get("/v1/usage").await?;
+    assert_eq!(all["totals"]["executions"], 2, "{all}");
+    let (_, one) = admin.get("/v1/usage?tenant=umbrella").await?;
+    assert_eq!(one["records"].as_array().map(Vec::len), Some(1), "{one}");
+    let (_, later) = admin.get("/v1/usage?since=2999-01-01T00:00:00Z").await?;
+    assert_eq!(later["records"], json!([]));
+    let (_, earlier) = admin
+        .get("/v1/usage?since=2000-01-01T00:00:00Z&until=2999-01-01T00:00:00%2B01:00")
+        .await?;
+    assert_eq!(earlier["totals"]["executions"], 2, "{earlier}");
+    assert_eq!(admin.get("/v1/usage?since=yesterday").await?.0, 400);
     Ok(())
 }

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use utoipa::ToSchema;
 
-use super::{body, live_session_for, ApiError};
+use super::{body, dormant_for, live_session_for, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
@@ -115,6 +115,10 @@ pub async fn run(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    // An unknown session is 404 before its body is looked at.
+    if dormant_for(&state, &principal, &id).is_none() {
+        session_for(&state, &principal, &id)?;
+    }
     let request = check(body::parse(&body)?)?;
     let session = live_session_for(&state, &principal, &id).await?;
     let events = session.run_command(request)?;

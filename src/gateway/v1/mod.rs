@@ -31,6 +31,7 @@ pub mod kernelspecs;
 mod notebooks;
 pub mod openapi;
 mod sessions;
+mod usage;
 mod ws;
 
 /// Read size when streaming a file or artifact to a client: tokio's default of 4 KiB costs a
@@ -109,6 +110,7 @@ pub fn routes() -> Router<AppState> {
         )
         .route("/v1/sessions/{id}/ws", get(ws::socket))
         .route("/v1/sessions/{id}/notebook", get(notebooks::export))
+        .route("/v1/usage", get(usage::usage))
         .route(
             "/v1/notebooks/replay",
             json_only(post(notebooks::replay)).layer(axum::extract::DefaultBodyLimit::max(

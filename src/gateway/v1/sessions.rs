@@ -367,6 +367,10 @@ pub async fn execute(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    // An unknown session is 404 before its body is looked at.
+    if dormant_for(&state, &principal, &id).is_none() {
+        session_for(&state, &principal, &id)?;
+    }
     let request: ExecuteRequest = body::parse(&body)?;
     let session = live_session_for(&state, &principal, &id).await?;
     let timeout = timeout_of(request.timeout_s)?;
