@@ -337,6 +337,10 @@ pub struct AuthArgs {
     /// `[tenants] burst`) [default: the rate].
     #[arg(long, env = "CELLGATE_TENANT_BURST")]
     pub tenant_burst: Option<u32>,
+    /// CPU seconds of executions per tenant per UTC day, counted in the usage ledger (needs a
+    /// state directory; config file: `[tenants] cpu_seconds_per_day`) [default: unlimited].
+    #[arg(long, env = "CELLGATE_TENANT_CPU_SECONDS_PER_DAY")]
+    pub tenant_cpu_seconds_per_day: Option<u64>,
     /// Policies from least to most permissive, comma separated: a tenant capped at P may
     /// use P and those before it (config file: `[tenants] policy_order`) [default: only P].
     #[arg(long, env = "CELLGATE_POLICY_ORDER", value_delimiter = ',')]
@@ -812,6 +816,9 @@ fn tenants(args: &ServeArgs, file: &mut FileConfig) -> Result<TenantSettings, Co
     }
     if let Some(burst) = args.auth.tenant_burst {
         tenants.burst = Some(burst);
+    }
+    if let Some(seconds) = args.auth.tenant_cpu_seconds_per_day {
+        tenants.cpu_seconds_per_day = Some(seconds);
     }
     if let Some(order) = &args.auth.policy_order {
         // `a, b` in a variable means `a` and `b`.
@@ -1350,6 +1357,7 @@ mod tests {
             ("tenant_max_mcp_sessions", "max_mcp_sessions = 20"),
             ("tenant_rate", "rate = 2.5"),
             ("tenant_burst", "burst = 5"),
+            ("tenant_cpu_seconds_per_day", "cpu_seconds_per_day = 3600"),
             ("policy_order", "policy_order = [\"strict\", \"default\"]"),
         ];
         let command = ServeArgs::augment_args(clap::Command::new("serve"));

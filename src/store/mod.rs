@@ -285,6 +285,11 @@ impl Store {
         records::load(&self.reader.lock()).map_err(|err| classify(&self.db, err))
     }
 
+    /// The CPU milliseconds of the ledger's rows `query` selects (its `limit` aside). Blocking.
+    pub fn cpu_ms(&self, query: &UsageQuery) -> Result<u64, StoreError> {
+        records::cpu_ms(&self.reader.lock(), query).map_err(|err| classify(&self.db, err))
+    }
+
     /// The ledger's rows `query` selects, oldest first. Blocking.
     pub fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
         records::usage(&self.reader.lock(), query).map_err(|err| classify(&self.db, err))

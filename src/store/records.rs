@@ -381,6 +381,20 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
     })
 }
 
+pub(super) fn cpu_ms(connection: &Connection, query: &UsageQuery) -> rusqlite::Result<u64> {
+    let (any_tenant, tenant) = match &query.tenant {
+        None => (true, None),
+        Some(tenant) => (false, tenant.clone()),
+    };
+    let total: i64 = connection.query_row(
+        "SELECT coalesce(sum(cpu_ms), 0) FROM usage
+         WHERE (?1 OR tenant IS ?2) AND (?3 IS NULL OR at >= ?3) AND (?4 IS NULL OR at < ?4)",
+        params![any_tenant, tenant, query.since, query.until],
+        |row| row.get(0),
+    )?;
+    Ok(uint(total))
+}
+
 pub(super) fn usage(
     connection: &Connection,
     query: &UsageQuery,

@@ -139,6 +139,13 @@ fn the_ledger_answers_by_tenant_and_period() {
         ..Default::default()
     });
     assert_eq!(second_day.len(), 3);
+    let acme_cpu = store
+        .cpu_ms(&UsageQuery {
+            tenant: Some(Some("acme".to_owned())),
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(acme_cpu, 6);
 }
 
 #[test]

@@ -414,3 +414,68 @@ async fn the_store_keeps_a_usage_ledger_each_tenant_reads_its_own_of() -> Result
     assert_eq!(admin.get("/v1/usage?since=yesterday").await?.0, 400);
     Ok(())
 }
+
+#[tokio::test]
+async fn a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(&config, "[tenants.limits.acme]\ncpu_seconds_per_day = 1\n")?;
+    let gateway = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .arg("--jwt-secret-file")
+        .arg(secret.to_str().context("path")?)
+        .arg("--config")
+        .arg(config.to_str().context("path")?)
+        .start()
+        .await?;
+    let acme = V1Client::bearer(&gateway, &hs256(&claims("acme", "default")));
+    let umbrella = V1Client::bearer(&gateway, &hs256(&claims("umbrella", "default")));
+    let id = acme.create_session(json!({})).await?;
+    let burn = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 1.5:\n    pass";
+    let burnt = acme.run(&id, burn).await?;
+    assert!(
+        burnt.resources.cpu_time_ms >= Some(1000),
+        "{:?}",
+        burnt.resources
+    );
+    let written = eventually(PATIENCE, || {
+        count(
+            &state,
+            "SELECT count(*) FROM usage WHERE session_id = ?1",
+            &id,
+        ) == 1
+    })
+    .await;
+    assert!(written, "no usage row");
+
+    let (status, refused) = acme
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
+        .await?;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(refused["code"], "quota_exceeded");
+    let message = refused["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("cpu_seconds_per_day") && message.contains("resets at"),
+        "{message}"
+    );
+    let (status, _) = acme.post("/v1/execute", json!({"code": "1"})).await?;
+    assert_eq!(status, 429);
+    // Another tenant, and the admin, have no such quota.
+    let other = umbrella.create_session(json!({})).await?;
+    assert_eq!(
+        umbrella.run(&other, "1 + 1").await?.result.as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        V1Client::new(&gateway)
+            .run(&id, "1 + 1")
+            .await?
+            .result
+            .as_deref(),
+        Some("2")
+    );
+    Ok(())
+}

@@ -120,6 +120,7 @@ pub async fn run(
         session_for(&state, &principal, &id)?;
     }
     let request = check(body::parse(&body)?)?;
+    super::usage::check_quota(&state, &principal).await?;
     let session = live_session_for(&state, &principal, &id).await?;
     let events = session.run_command(request)?;
     if super::sessions::wants_sse(&headers) {

@@ -372,6 +372,7 @@ pub async fn execute(
         session_for(&state, &principal, &id)?;
     }
     let request: ExecuteRequest = body::parse(&body)?;
+    super::usage::check_quota(&state, &principal).await?;
     let session = live_session_for(&state, &principal, &id).await?;
     let timeout = timeout_of(request.timeout_s)?;
     let events = session.execute(request.code, timeout);
@@ -395,6 +396,7 @@ pub async fn execute_once(
 ) -> Result<Response, ApiError> {
     let request: ExecuteOnceRequest = body::parse(&body)?;
     let timeout = timeout_of(request.timeout_s)?;
+    super::usage::check_quota(&state, &principal).await?;
     let session = create_session(
         &state,
         &principal,

@@ -1,6 +1,9 @@
 //! `GET /v1/usage`: the usage ledger (`crate::store`), one row per finished API v1
 //! execution, and its totals. A tenant reads its own rows; the admin any tenant's
 //! (`tenant=`), or everyone's. `since` and `until` bound the period (RFC 3339).
+//!
+//! [`check_quota`]: the tenant's CPU seconds of the UTC day so far against its
+//! `cpu_seconds_per_day`, before an execution starts (`crate::tenants`).
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
@@ -167,4 +170,51 @@ pub async fn usage(
         totals,
         truncated,
     }))
+}
+
+/// Refuses a tenant's new execution once its executions of this UTC day have used its
+/// `cpu_seconds_per_day`: 429 `quota_exceeded`, naming the quota, the use and the reset.
+/// The admin has no quota; without a state directory there is no ledger to count in (the
+/// start-up log says so when a quota is set).
+pub(super) async fn check_quota(state: &AppState, principal: &Principal) -> Result<(), ApiError> {
+    let Principal::Tenant { tenant, .. } = principal else {
+        return Ok(());
+    };
+    let Some(limit) = state.tenants.cpu_seconds_per_day(tenant) else {
+        return Ok(());
+    };
+    let Some(store) = state.sessions.store().cloned() else {
+        return Ok(());
+    };
+    let now = OffsetDateTime::now_utc();
+    let midnight = now.replace_time(time::Time::MIDNIGHT);
+    let reset = midnight + time::Duration::days(1);
+    let query = UsageQuery {
+        tenant: Some(Some(tenant.clone())),
+        since: Some(crate::timestamp::format_timestamp(midnight)),
+        until: None,
+        limit: usize::MAX >> 1,
+    };
+    let used_ms = tokio::task::spawn_blocking(move || store.cpu_ms(&query))
+        .await
+        .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "quota task failed"))?
+        .map_err(|err| {
+            tracing::error!(%err, "the usage ledger could not be read for a quota");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Internal error; see the gateway's log",
+            )
+        })?;
+    if used_ms < limit.saturating_mul(1000) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!(
+            "tenant {tenant} has used its quota cpu_seconds_per_day of {limit} s (used {:.1} s today); it resets at {}",
+            used_ms as f64 / 1000.0,
+            crate::timestamp::format_timestamp(reset),
+        ),
+    )
+    .code(ErrorCode::QuotaExceeded))
 }

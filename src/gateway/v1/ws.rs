@@ -88,6 +88,10 @@ pub async fn socket(
             .code(ErrorCode::CrossOrigin)
             .into_response();
     }
+    // Checked when the socket opens: executions sent over an open socket are not.
+    if let Err(err) = super::usage::check_quota(&state, &principal).await {
+        return err.into_response();
+    }
     let session = match live_session_for(&state, &principal, &id).await {
         Ok(session) => session,
         Err(err) => return err.into_response(),
