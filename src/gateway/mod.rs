@@ -315,6 +315,15 @@ pub async fn serve(
     persistence: Option<Persistence>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let quota_set = config.tenants.cpu_seconds_per_day.is_some()
+        || config
+            .tenants
+            .limits
+            .values()
+            .any(|l| l.cpu_seconds_per_day.is_some());
+    if quota_set && persistence.is_none() {
+        tracing::warn!("cpu_seconds_per_day is set, but without a state directory (--state-dir none) there is no usage ledger to count it in: it is not enforced");
+    }
     let sessions = v1_sessions(&config, &kernels, links, persistence)?;
     // Often enough for short retention periods, cheap at any size.
     let reap_every = (config.artifact_retention / 2).clamp(

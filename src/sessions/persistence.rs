@@ -4,7 +4,9 @@
 //! What is written, and when: a session's row when it starts (and when its kernel's state
 //! generation moves), each finished execution (its API v1 result, the kernel history's new
 //! cells for export, a usage ledger row) after its `done` went out, and its removal when a
-//! client deletes it. Writes are queued to the store's writer thread; the cells are even
+//! client deletes it (or its kernel is shut down through the Kernel Gateway API, or culled:
+//! the session ends with it, as without a store). Cells a JupyterLab client ran on a
+//! session's kernel are written with the session's next API v1 execution. Writes are queued to the store's writer thread; the cells are even
 //! turned into JSON there, so an execution's answer never waits for the store.
 //!
 //! After a restart the kernels are gone (adopting them is not done yet): each stored session
