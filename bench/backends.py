@@ -140,7 +140,9 @@ def main():
             procs.append(subprocess.Popen(
                 [args.cellgate_bin, "serve", "--ip", "127.0.0.1", "--port", str(port),
                  "--policies-dir", policies, "--kernels-dir", args.kernels_dir,
-                 "--pool-size", "0", "--microvm-allow-emulation", *extra],
+                 "--pool-size", "0", "--microvm-allow-emulation",
+                 # A state directory per gateway: two never share one.
+                 "--state-dir", os.path.join(tmp, f"state-{len(procs)}"), *extra],
                 stdout=log, stderr=subprocess.STDOUT, env=env))
             api = Api(port, args.timeout)
             wait_ready(api, procs[-1], time.monotonic() + 60)

@@ -742,9 +742,12 @@ def kg_cmd(args):
 
 def cellgate_cmd(args):
     def fn(port, token):
+        # A fresh state directory per gateway (the store on, as in production; nothing
+        # carried from one run to the next, never two gateways on one directory).
+        state = tempfile.mkdtemp(prefix="cg-bench-state-")
         return [args.cellgate_bin, "serve", "--ip", HOST, "--port", str(port),
                 "--token", token, "--kernels-dir", args.kernels_dir,
-                "--policies-dir", args.policies_dir, *args.cellgate_arg]
+                "--policies-dir", args.policies_dir, "--state-dir", state, *args.cellgate_arg]
     return fn
 
 

@@ -107,6 +107,13 @@ pub struct ServeArgs {
     /// Directory for kernels' private runtime directories [default: a fresh one under $TMPDIR].
     #[arg(long, env = "CELLGATE_RUNTIME_DIR")]
     pub runtime_dir: Option<PathBuf>,
+    /// Directory of the gateway's state, kept across restarts: its sessions, their history
+    /// and artifacts, the usage ledger (an SQLite database, and the artifacts' files). One
+    /// gateway per directory; `none` keeps everything in memory and under the runtime
+    /// directory, gone when the gateway stops [default: $XDG_STATE_HOME/cellgate, else
+    /// ~/.local/state/cellgate].
+    #[arg(long, env = "CELLGATE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
     /// Path prefix of every route (also KG_BASE_URL) [default: /].
     #[arg(long, env = "CELLGATE_BASE_URL")]
     pub base_url: Option<String>,
@@ -336,6 +343,10 @@ pub struct AuthArgs {
     /// `[tenants] burst`) [default: the rate].
     #[arg(long, env = "CELLGATE_TENANT_BURST")]
     pub tenant_burst: Option<u32>,
+    /// CPU seconds of executions per tenant per UTC day, counted in the usage ledger (needs a
+    /// state directory; config file: `[tenants] cpu_seconds_per_day`) [default: unlimited].
+    #[arg(long, env = "CELLGATE_TENANT_CPU_SECONDS_PER_DAY")]
+    pub tenant_cpu_seconds_per_day: Option<u64>,
     /// Policies from least to most permissive, comma separated: a tenant capped at P may
     /// use P and those before it (config file: `[tenants] policy_order`) [default: only P].
     #[arg(long, env = "CELLGATE_POLICY_ORDER", value_delimiter = ',')]
@@ -367,6 +378,7 @@ struct FileConfig {
     env_allowlist: Option<Vec<String>>,
     max_message_mib: Option<usize>,
     runtime_dir: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
     base_url: Option<String>,
     public_url: Option<String>,
     jwt_secret_file: Option<PathBuf>,
@@ -446,6 +458,8 @@ pub struct GatewayConfig {
     pub env_allowlist: Vec<String>,
     pub max_message_bytes: usize,
     pub runtime_dir: Option<PathBuf>,
+    /// The state directory (`crate::store`); `None`: nothing outlives the process.
+    pub state_dir: Option<PathBuf>,
     /// Always starts and ends with `/`.
     pub base_url: String,
     /// `scheme://host[:port]`, lower case, no trailing slash; `None`: taken from each
@@ -678,6 +692,26 @@ fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
     })
 }
 
+/// The value of `--state-dir` that turns persistence off.
+pub const NO_STATE_DIR: &str = "none";
+
+/// The state directory: as given (`none`: no persistence), else the XDG state directory.
+fn state_dir(given: Option<PathBuf>) -> Option<PathBuf> {
+    match given {
+        Some(dir) if dir.as_os_str() == NO_STATE_DIR => None,
+        Some(dir) => Some(dir),
+        None => Some(
+            env_var("XDG_STATE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| env_var("HOME").map(|h| PathBuf::from(h).join(".local").join("state")))
+                // No home at all (a bare service): beside the working directory, as the
+                // kernels and policies are by default.
+                .unwrap_or_else(|| PathBuf::from("."))
+                .join("cellgate"),
+        ),
+    }
+}
+
 fn default_package_cache() -> PathBuf {
     env_var("XDG_CACHE_HOME")
         .map(PathBuf::from)
@@ -792,6 +826,9 @@ fn tenants(args: &ServeArgs, file: &mut FileConfig) -> Result<TenantSettings, Co
     }
     if let Some(burst) = args.auth.tenant_burst {
         tenants.burst = Some(burst);
+    }
+    if let Some(seconds) = args.auth.tenant_cpu_seconds_per_day {
+        tenants.cpu_seconds_per_day = Some(seconds);
     }
     if let Some(order) = &args.auth.policy_order {
         // `a, b` in a variable means `a` and `b`.
@@ -1167,6 +1204,7 @@ impl GatewayConfig {
                 .max(1)
                 << 20,
             runtime_dir: args.runtime_dir.clone().or(file.runtime_dir.take()),
+            state_dir: state_dir(args.state_dir.clone().or(file.state_dir.take())),
             base_url,
             public_url: args
                 .public_url
@@ -1230,6 +1268,23 @@ mod tests {
     }
 
     #[test]
+    fn a_state_dir_is_kept_unless_it_is_none() {
+        let resolve = |dir: &str| {
+            GatewayConfig::resolve(&ServeArgs {
+                state_dir: Some(PathBuf::from(dir)),
+                ..Default::default()
+            })
+            .unwrap()
+            .state_dir
+        };
+        assert_eq!(resolve("none"), None);
+        assert_eq!(resolve("/srv/state"), Some(PathBuf::from("/srv/state")));
+        // The default persists somewhere.
+        let default = GatewayConfig::resolve(&ServeArgs::default()).unwrap();
+        assert!(default.state_dir.is_some_and(|d| d.ends_with("cellgate")));
+    }
+
+    #[test]
     fn every_serve_option_has_a_variable_and_a_file_key() {
         use clap::Args;
         // Each option's key in the config file, with a value the file accepts.
@@ -1255,6 +1310,7 @@ mod tests {
             ("env_allowlist", "env_allowlist = [\"MY_SETTING\"]"),
             ("max_message_mib", "max_message_mib = 8"),
             ("runtime_dir", "runtime_dir = \"/run/cellgate\""),
+            ("state_dir", "state_dir = \"/var/lib/cellgate/state\""),
             ("base_url", "base_url = \"/gw\""),
             ("public_url", "public_url = \"https://gw.example\""),
             ("metrics_listen", "metrics_listen = \"127.0.0.1:9464\""),
@@ -1318,6 +1374,7 @@ mod tests {
             ("tenant_max_mcp_sessions", "max_mcp_sessions = 20"),
             ("tenant_rate", "rate = 2.5"),
             ("tenant_burst", "burst = 5"),
+            ("tenant_cpu_seconds_per_day", "cpu_seconds_per_day = 3600"),
             ("policy_order", "policy_order = [\"strict\", \"default\"]"),
         ];
         let command = ServeArgs::augment_args(clap::Command::new("serve"));

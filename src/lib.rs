@@ -35,6 +35,7 @@ pub mod policy;
 pub mod protocol;
 pub mod sandbox;
 pub mod sessions;
+pub mod store;
 pub mod telemetry;
 pub mod tenants;
 pub mod timestamp;

@@ -306,6 +306,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     check_backends(&backends, &policies, &config)?;
+    // Before the listener: a held, damaged or missing store stops the start with nothing
+    // to clean up.
+    let persistence = open_state(&config).await?;
     let runtime_root = runtime_root(&config);
     raise_open_file_limit();
     let listener = tokio::net::TcpListener::bind((config.ip, config.port))
@@ -353,6 +356,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         listener,
         metrics_listener,
         links,
+        persistence,
         shutdown_signal(),
     )
     .await;
@@ -402,6 +406,28 @@ fn check_backends(
         }
     }
     Ok(())
+}
+
+/// Opens the state directory's store and reads what it kept (`None`: `--state-dir none`).
+async fn open_state(
+    config: &GatewayConfig,
+) -> anyhow::Result<Option<cellgate::gateway::Persistence>> {
+    let Some(dir) = config.state_dir.clone() else {
+        tracing::warn!("no state directory (--state-dir none): sessions, their history and artifacts end with this process");
+        return Ok(None);
+    };
+    let opened = tokio::task::spawn_blocking(move || {
+        let store = cellgate::store::Store::open(&dir)?;
+        let loaded = store.load()?;
+        Ok::<_, cellgate::store::StoreError>((store, loaded))
+    })
+    .await
+    .context("the state directory's store could not be opened")?;
+    let (store, loaded) = opened.context("the gateway's state (--state-dir)")?;
+    Ok(Some(cellgate::gateway::Persistence {
+        store: Arc::new(store),
+        loaded,
+    }))
 }
 
 /// The directory of this gateway's kernels' run directories.

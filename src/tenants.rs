@@ -18,6 +18,11 @@
 //! **Rate.** A token bucket per tenant (governor's GCRA): `rate` requests per second
 //! sustained, `burst` at once; a request past it answers 429 with `Retry-After`.
 //!
+//! **CPU quota.** CPU seconds per UTC day (`cpu_seconds_per_day`), summed from the usage
+//! ledger of the gateway's state directory: past it, a tenant's new executions are refused
+//! with 429 `quota_exceeded`, naming the quota and when it resets (the next UTC midnight). An
+//! execution that started under the quota runs to its end.
+//!
 //! Defaults apply to every tenant; `[tenants.limits.<name>]` overrides them for one.
 //!
 //! Must not depend on: HTTP, kernels.
@@ -46,6 +51,8 @@ pub struct TenantSettings {
     pub rate: Option<f64>,
     /// Requests a tenant may make at once before the rate applies [default: rate, at least 1].
     pub burst: Option<u32>,
+    /// CPU seconds of executions per tenant per UTC day; unlimited when unset.
+    pub cpu_seconds_per_day: Option<u64>,
     /// Per-tenant overrides of the limits above.
     #[serde(default)]
     pub limits: BTreeMap<String, TenantLimits>,
@@ -59,6 +66,7 @@ pub struct TenantLimits {
     pub max_mcp_sessions: Option<usize>,
     pub rate: Option<f64>,
     pub burst: Option<u32>,
+    pub cpu_seconds_per_day: Option<u64>,
 }
 
 /// Open MCP sessions a tenant may keep when no setting says otherwise.
@@ -170,6 +178,15 @@ impl Tenants {
             .or(self.settings.max_kernels)
     }
 
+    /// CPU seconds `tenant`'s executions may use per UTC day.
+    pub fn cpu_seconds_per_day(&self, tenant: &str) -> Option<u64> {
+        self.settings
+            .limits
+            .get(tenant)
+            .and_then(|l| l.cpu_seconds_per_day)
+            .or(self.settings.cpu_seconds_per_day)
+    }
+
     /// Open MCP sessions `tenant` may keep.
     pub fn max_mcp_sessions(&self, tenant: &str) -> usize {
         self.settings
@@ -256,6 +273,7 @@ mod tests {
             "max_kernels = 2\nmax_mcp_sessions = 7\nrate = 1000\nburst = 3\n[limits.big]\nmax_kernels = 10\nmax_mcp_sessions = 70\n[limits.slow]\nrate = 0.001\nburst = 1\n",
         );
         assert_eq!(t.max_kernels("anyone"), Some(2));
+        assert_eq!(t.cpu_seconds_per_day("anyone"), None);
         assert_eq!(t.max_kernels("big"), Some(10));
         assert_eq!(t.max_mcp_sessions("anyone"), 7);
         assert_eq!(t.max_mcp_sessions("big"), 70);

@@ -20,8 +20,9 @@ const LAYERS: &[&[&str]] = &[
         "telemetry",
         "notebook_cli",
     ],
-    // Who owns which kernel (the trait the backends' registries implement).
-    &["ownership"],
+    // Who owns which kernel (the trait the backends' registries implement); what outlives
+    // the process (the state directory's store).
+    &["ownership", "store"],
     // Where kernels run, and where their outputs are kept.
     &["sandbox", "artifacts"],
     // What a tenant may do (names a sandbox backend and its limits).

@@ -32,6 +32,11 @@
 //! a reservation that fails (or is dropped unfilled) removes its record, and a fetch then
 //! answers "not found" and the log says why.
 //!
+//! With a state directory, the index is also a table of its store (`crate::store`): a record
+//! is written there once its bytes are stored, its expiry and revocation follow it, and it
+//! goes with the record; a gateway started on the same directory takes the records back
+//! ([`ArtifactStore::restore`]), so an artifact id keeps naming its bytes across restarts.
+//!
 //! Must not depend on: HTTP, kernels.
 
 mod inspect;
@@ -49,6 +54,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
 use crate::ids::{ArtifactId, ExecutionId};
+use crate::store::{ArtifactRow, Store};
 
 pub use inspect::{dimensions, strip_ansi, summarize};
 
@@ -176,7 +182,7 @@ impl Default for Quotas {
 }
 
 /// Where an artifact came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Origin {
     DisplayData,
@@ -186,8 +192,9 @@ pub enum Origin {
     File,
 }
 
-/// One artifact, as listed and referenced.
-#[derive(Debug, Clone, Serialize)]
+/// One artifact, as listed and referenced (and, with the fields skipped here in columns of
+/// their own, as the store keeps it).
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Artifact {
     pub id: ArtifactId,
     pub mime: String,
@@ -349,6 +356,14 @@ pub struct ArtifactStore {
     min_free_disk: u64,
     /// Reads the free bytes of the store's disk (statvfs; tests give a disk of their own).
     free_space: FreeSpace,
+    /// The state directory's store, which keeps the index across restarts.
+    persisted: Option<Arc<Store>>,
+}
+
+/// Unix seconds of an instant ahead of now (for the store, which outlives `Instant`s).
+fn unix_after(after: Duration) -> i64 {
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    now.saturating_add(i64::try_from(after.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// How the store reads its disk's free space.
@@ -377,7 +392,89 @@ impl ArtifactStore {
             retention,
             min_free_disk: 0,
             free_space: Box::new(statvfs_free),
+            persisted: None,
         })
+    }
+
+    /// Keeps the index in `store` too (see the module's doc).
+    pub fn with_store(mut self, store: Arc<Store>) -> ArtifactStore {
+        self.persisted = Some(store);
+        self
+    }
+
+    /// Takes back the records a store kept. A record whose blob is gone is dropped from the
+    /// store, and the log says so.
+    pub fn restore(&self, rows: Vec<ArtifactRow>) {
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        let mut gone = Vec::new();
+        let mut index = self.index.write();
+        for row in rows {
+            let artifact = match serde_json::from_value::<Artifact>(row.record) {
+                Ok(artifact) => artifact,
+                Err(err) => {
+                    tracing::error!(artifact = %row.id, %err, "a stored artifact record does not parse: dropped");
+                    gone.push(row.id);
+                    continue;
+                }
+            };
+            let valid_sha =
+                row.sha256.len() == 64 && row.sha256.bytes().all(|b| b.is_ascii_hexdigit());
+            if !valid_sha || !self.blob_path(&row.sha256).is_file() {
+                tracing::error!(artifact = %row.id, sha256 = %row.sha256, "a stored artifact's file is missing: its record is dropped");
+                gone.push(row.id);
+                continue;
+            }
+            let artifact = Arc::new(Artifact {
+                session: row.session,
+                owner: row.tenant,
+                ..artifact
+            });
+            let expires = row.expires_at.map(|at| {
+                let left = u64::try_from(at.saturating_sub(now)).unwrap_or(0);
+                Instant::now() + Duration::from_secs(left)
+            });
+            *index.blobs.entry(row.sha256.clone()).or_default() += 1;
+            index.insert(Record {
+                artifact,
+                blob: Blob::Stored(row.sha256),
+                expires,
+                linkable: row.linkable,
+            });
+        }
+        drop(index);
+        if let Some(store) = &self.persisted {
+            store.delete_artifacts(gone);
+        }
+    }
+
+    /// Writes a record whose bytes are stored to the store.
+    fn persist(&self, artifact: &Artifact, sha: &str) {
+        let Some(store) = &self.persisted else {
+            return;
+        };
+        let record = match serde_json::to_value(artifact) {
+            Ok(record) => record,
+            Err(err) => {
+                tracing::error!(artifact = %artifact.id, %err, "an artifact record could not be written to the store");
+                return;
+            }
+        };
+        store.put_artifact(ArtifactRow {
+            id: artifact.id.to_string(),
+            session: artifact.session.clone(),
+            tenant: artifact.owner.clone(),
+            sha256: sha.to_owned(),
+            record,
+            expires_at: None,
+            linkable: true,
+        });
+    }
+
+    /// Removes records from the store.
+    fn unpersist(&self, ids: Vec<String>) {
+        if let Some(store) = &self.persisted {
+            store.delete_artifacts(ids);
+        }
     }
 
     /// Keeps at least `bytes` free on the store's disk (see [`Quota::ArtifactMinFreeDisk`]).
@@ -499,6 +596,7 @@ impl ArtifactStore {
                 let Some(record) = index.remove(&id) else {
                     continue;
                 };
+                self.unpersist(vec![id.to_string()]);
                 removed += 1;
                 if let Blob::Stored(sha) = &record.blob {
                     if index.release_blob(sha) {
@@ -566,6 +664,7 @@ impl ArtifactStore {
             self.forget(&artifact.id);
             return Err(err);
         }
+        self.persist(&artifact, &sha);
         Ok(artifact)
     }
 
@@ -632,6 +731,7 @@ impl ArtifactStore {
                 source,
             });
         }
+        self.persist(&artifact, &sha);
         Ok(artifact)
     }
 
@@ -791,6 +891,8 @@ impl ArtifactStore {
                 }
             }
         }
+        drop(index);
+        self.unpersist(vec![id.to_string()]);
     }
 
     /// An artifact a signed link may open: any record, retained ones included, unless a
@@ -812,6 +914,10 @@ impl ArtifactStore {
             if record.artifact.session == session {
                 record.linkable = false;
             }
+        }
+        drop(index);
+        if let Some(store) = &self.persisted {
+            store.expire_artifacts(session, unix_after(self.retention), true);
         }
     }
 
@@ -884,12 +990,18 @@ impl ArtifactStore {
         let mut index = self.index.write();
         let kept = written.is_ok() && index.records.contains_key(id);
         if kept {
-            if let Some(record) = index.records.get_mut(id) {
-                record.blob = Blob::Stored(sha);
+            let stored = index.records.get_mut(id).map(|record| {
+                record.blob = Blob::Stored(sha.clone());
+                record.artifact.clone()
+            });
+            drop(index);
+            if let Some(artifact) = stored {
+                self.persist(&artifact, &sha);
             }
             return Ok(());
         }
         index.remove(id);
+        self.unpersist(vec![id.to_string()]);
         if index.release_blob(&sha) {
             let _ = std::fs::remove_file(self.blob_path(&sha));
         }
@@ -926,6 +1038,10 @@ impl ArtifactStore {
             }
         }
         index.displays.retain(|(s, _, _), _| s != session);
+        drop(index);
+        if let Some(store) = &self.persisted {
+            store.expire_artifacts(session, unix_after(self.retention), false);
+        }
     }
 
     /// Removes expired artifacts, and blobs no artifact uses any more.
@@ -942,6 +1058,7 @@ impl ArtifactStore {
                 .filter(|(_, r)| r.expires.is_some_and(|e| e <= now))
                 .map(|(id, _)| id.clone())
                 .collect();
+            self.unpersist(expired.iter().map(ToString::to_string).collect());
             for id in expired {
                 if let Some(record) = index.remove(&id) {
                     // A pending record counts no blob yet; its reservation cleans up.

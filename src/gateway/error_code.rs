@@ -44,6 +44,7 @@ error_codes! {
     UnsupportedMediaType = "unsupported_media_type",
     Invalid = "invalid",
     RateLimited = "rate_limited",
+    QuotaExceeded = "quota_exceeded",
     Unavailable = "unavailable",
     Timeout = "timeout",
     Internal = "internal",

@@ -215,19 +215,37 @@ fn cors_layer(config: &GatewayConfig) -> Option<CorsLayer> {
     )
 }
 
-/// The session layer of API v1; artifacts live beside the kernels' runtime directories.
+/// The state a gateway keeps across restarts: its open store and what it held at start.
+pub struct Persistence {
+    pub store: Arc<crate::store::Store>,
+    pub loaded: crate::store::Loaded,
+}
+
+/// The session layer of API v1. Artifacts live in the state directory when there is one (and
+/// with the sessions it held, are taken back from its store), else beside the kernels'
+/// runtime directories.
 fn v1_sessions(
     config: &GatewayConfig,
     kernels: &Arc<KernelManager>,
     links: Option<LinkSigner>,
+    persistence: Option<Persistence>,
 ) -> std::io::Result<Arc<crate::sessions::Sessions>> {
-    let artifacts = crate::artifacts::ArtifactStore::new(
-        kernels.runtime_root().join("artifacts"),
-        config.artifact_retention,
-    )
-    .map_err(std::io::Error::other)?
-    .with_min_free_disk(config.artifact_min_free_disk);
-    Ok(crate::sessions::Sessions::new(
+    let dir = match &persistence {
+        Some(p) => p.store.dir().join("artifacts"),
+        None => kernels.runtime_root().join("artifacts"),
+    };
+    let mut artifacts = crate::artifacts::ArtifactStore::new(dir, config.artifact_retention)
+        .map_err(std::io::Error::other)?
+        .with_min_free_disk(config.artifact_min_free_disk);
+    let (store, loaded) = match persistence {
+        Some(Persistence { store, loaded }) => {
+            artifacts = artifacts.with_store(store.clone());
+            (Some(store), loaded)
+        }
+        None => (None, crate::store::Loaded::default()),
+    };
+    artifacts.restore(loaded.artifacts);
+    let sessions = crate::sessions::Sessions::with_store(
         kernels.clone(),
         Arc::new(artifacts),
         crate::sessions::SessionOptions {
@@ -236,7 +254,10 @@ fn v1_sessions(
             replay_bytes: config.event_replay_bytes,
             ..Default::default()
         },
-    ))
+        store,
+    );
+    sessions.restore(loaded.sessions);
+    Ok(sessions)
 }
 
 /// The signer of artifact links (`crate::artifacts::links`), with the key from
@@ -292,9 +313,19 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics_listener: Option<tokio::net::TcpListener>,
     links: Option<LinkSigner>,
+    persistence: Option<Persistence>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let sessions = v1_sessions(&config, &kernels, links)?;
+    let quota_set = config.tenants.cpu_seconds_per_day.is_some()
+        || config
+            .tenants
+            .limits
+            .values()
+            .any(|l| l.cpu_seconds_per_day.is_some());
+    if quota_set && persistence.is_none() {
+        tracing::warn!("cpu_seconds_per_day is set, but without a state directory (--state-dir none) there is no usage ledger to count it in: it is not enforced");
+    }
+    let sessions = v1_sessions(&config, &kernels, links, persistence)?;
     // Often enough for short retention periods, cheap at any size.
     let reap_every = (config.artifact_retention / 2).clamp(
         std::time::Duration::from_millis(250),
@@ -347,6 +378,9 @@ pub async fn serve(
         shutdown.await;
         stopping.send_replace(true);
     };
+    let kept = state.sessions.clone();
     listener::serve(listener, router(state), limits, trusted, shutdown).await;
+    // Before the kernels are shut down: their sessions stay in the store.
+    kept.close().await;
     Ok(())
 }

@@ -65,7 +65,16 @@ pub async fn export_kernel_notebook(
 /// The kernel's history as an .ipynb download (nbformat 4.5).
 pub(super) fn notebook_response(kernel: &Kernel, id: &str) -> Result<Response, ApiError> {
     let history = kernel.router().history().snapshot();
-    let text = export_notebook(&history, &KernelspecInfo::from(kernel.spec.as_ref()))?;
+    history_response(&history, &KernelspecInfo::from(kernel.spec.as_ref()), id)
+}
+
+/// A history as an .ipynb download (nbformat 4.5).
+pub(super) fn history_response(
+    history: &crate::kernel::HistorySnapshot,
+    info: &KernelspecInfo,
+    id: &str,
+) -> Result<Response, ApiError> {
+    let text = export_notebook(history, info)?;
     let mut response = text.into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

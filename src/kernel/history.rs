@@ -18,12 +18,16 @@
 //! Memory is bounded: outputs and sources count against [`MAX_HISTORY_BYTES`] (64 MiB) per
 //! kernel; past it outputs are replaced by one note per cell and the history says it was
 //! truncated.
+//!
+//! A history outlives its kernel through the state directory's store: cells are written out
+//! as JSON ([`RecordedCell::to_stored`], read back by [`RecordedCell::from_stored`]) and a
+//! session's new kernel after a gateway restart starts from them ([`History::restore`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use time::OffsetDateTime;
 
@@ -241,6 +245,69 @@ pub struct RecordedCell {
     replied: bool,
     idle: bool,
     aborted: bool,
+}
+
+/// A cell as the store keeps it (what export needs; display ids do not outlive the kernel
+/// that could update them).
+#[derive(Serialize, Deserialize)]
+struct StoredCell {
+    id: String,
+    source: String,
+    execution_count: Option<i64>,
+    outputs: Vec<Value>,
+    #[serde(default)]
+    timing: Map<String, Value>,
+    #[serde(default)]
+    outputs_dropped: bool,
+    #[serde(default)]
+    aborted: bool,
+}
+
+impl RecordedCell {
+    /// Whether the kernel aborted it (it never ran; export leaves it out).
+    pub fn aborted(&self) -> bool {
+        self.aborted
+    }
+
+    /// The cell as the store keeps it.
+    pub fn to_stored(&self) -> Value {
+        let stored = StoredCell {
+            id: self.id.clone(),
+            source: self.source.clone(),
+            execution_count: self.execution_count,
+            outputs: self.outputs.to_json(),
+            timing: self.timing.clone(),
+            outputs_dropped: self.outputs_dropped,
+            aborted: self.aborted,
+        };
+        serde_json::to_value(stored).unwrap_or(Value::Null)
+    }
+
+    /// A cell the store kept, finished; `None` if it is not one.
+    pub fn from_stored(value: Value) -> Option<RecordedCell> {
+        let stored: StoredCell = serde_json::from_value(value).ok()?;
+        Some(RecordedCell {
+            id: stored.id,
+            source: stored.source,
+            execution_count: stored.execution_count,
+            outputs: OutputLog {
+                outputs: stored
+                    .outputs
+                    .into_iter()
+                    .map(|output| RecordedOutput {
+                        output: Arc::new(output),
+                        display_id: None,
+                    })
+                    .collect(),
+                clear_pending: false,
+            },
+            timing: stored.timing,
+            outputs_dropped: stored.outputs_dropped,
+            replied: true,
+            idle: true,
+            aborted: stored.aborted,
+        })
+    }
 }
 
 /// A copy of a history, taken for export.
@@ -509,6 +576,43 @@ impl History {
         open_order.retain(|msg_id| open.contains_key(msg_id));
     }
 
+    /// Starts a fresh kernel's history from the cells an earlier kernel of the same session
+    /// recorded (they are finished: nothing more reaches them).
+    pub fn restore(&self, cells: Vec<RecordedCell>, language_info: Option<Value>) {
+        let mut inner = self.inner.lock();
+        let bytes: usize = cells
+            .iter()
+            .map(|c| {
+                c.source.len()
+                    + c.outputs
+                        .outputs
+                        .iter()
+                        .map(|o| approx_size(&o.output))
+                        .sum::<usize>()
+            })
+            .sum();
+        inner.bytes += bytes;
+        let mut restored = cells;
+        restored.append(&mut inner.cells);
+        inner.cells = restored;
+        // Indices of cells recorded before the restore moved up (there are none in a fresh
+        // kernel but its readiness probe's, which records no cell).
+        inner.open.clear();
+        inner.open_order.clear();
+        inner.displays.clear();
+        if inner.language_info.is_none() {
+            inner.language_info = language_info;
+        }
+    }
+
+    /// The cells from index `from` on (aborted ones included, as recorded), the index after
+    /// the last, and `language_info`: what the store writes after each execution.
+    pub fn tail(&self, from: usize) -> (Vec<RecordedCell>, usize, Option<Value>) {
+        let inner = self.inner.lock();
+        let cells = inner.cells.get(from..).unwrap_or_default().to_vec();
+        (cells, inner.cells.len(), inner.language_info.clone())
+    }
+
     /// A copy for export. Cells the kernel aborted (never ran) are left out.
     pub fn snapshot(&self) -> HistorySnapshot {
         let inner = self.inner.lock();
@@ -525,6 +629,41 @@ impl History {
 mod tests {
     use super::*;
     use crate::protocol::Channel;
+
+    #[test]
+    fn a_stored_history_comes_back_before_the_new_kernels_cells() {
+        let history = History::new();
+        let first = request("print('a')");
+        history.on_request(&first);
+        history.on_iopub(&iopub(
+            &first,
+            "stream",
+            json!({"name": "stdout", "text": "a\n"}),
+        ));
+        finish(&history, &first, 1);
+        let (cells, next, _) = history.tail(0);
+        assert_eq!(next, 1);
+        let stored: Vec<Value> = cells.iter().map(RecordedCell::to_stored).collect();
+        let later = History::new();
+        later.restore(
+            stored
+                .into_iter()
+                .filter_map(RecordedCell::from_stored)
+                .collect(),
+            Some(json!({"name": "python"})),
+        );
+        let second = request("1");
+        later.on_request(&second);
+        finish(&later, &second, 1);
+        let snapshot = later.snapshot();
+        assert_eq!(snapshot.cells.len(), 2);
+        assert_eq!(snapshot.cells[0].source, "print('a')");
+        assert_eq!(snapshot.cells[0].outputs.to_json()[0]["text"], "a\n");
+        assert_eq!(snapshot.cells[0].execution_count, Some(1));
+        assert_eq!(snapshot.cells[1].source, "1");
+        assert_eq!(snapshot.language_info.unwrap()["name"], "python");
+        assert_eq!(later.tail(1).0.len(), 1);
+    }
 
     fn request(code: &str) -> Message {
         Message::new(

@@ -83,6 +83,9 @@ pub struct KernelOptions {
     /// An orphan's sandbox to take over from a gateway that is gone, and the key its kernel
     /// signs with: the first generation attaches to it instead of launching.
     pub adopt: Option<(KernelRecord, String)>,
+    /// The state generation before the first launch (0 for a new kernel): a session's kernel
+    /// started again after a gateway restart goes on from its last generation.
+    pub first_generation: u64,
 }
 
 impl Default for KernelOptions {
@@ -100,6 +103,7 @@ impl Default for KernelOptions {
             policy: None,
             tenant: None,
             adopt: None,
+            first_generation: 0,
         }
     }
 }
@@ -211,6 +215,7 @@ impl Kernel {
         // names it, as the gateway's denials do). Set after the client's variables.
         env.insert(POLICY_ENV.to_owned(), policy.clone());
         let (readiness, _) = watch::channel(Readiness::Starting);
+        let first_generation = options.first_generation;
         let kernel = Arc::new(Kernel {
             router: Arc::new(
                 Router::new(id.as_str())
@@ -228,7 +233,7 @@ impl Kernel {
             options,
             readiness,
             instance: parking_lot::Mutex::new(None),
-            generation: AtomicU64::new(0),
+            generation: AtomicU64::new(first_generation),
             ops: tokio::sync::Mutex::new(()),
             last_restart_reason: parking_lot::Mutex::new(None),
             started: std::time::Instant::now(),

@@ -332,6 +332,33 @@ impl KernelManager {
         requested_env: &BTreeMap<String, String>,
         owner: Option<&Owner>,
     ) -> Result<Arc<Kernel>, KernelError> {
+        self.start_with(name, requested_env, owner, None).await
+    }
+
+    /// Starts a kernel under the id `id` it had before (a session's, after a gateway
+    /// restart), its state generation going on after `generation`; never from the pool.
+    pub async fn start_again(
+        self: &Arc<Self>,
+        id: crate::ids::KernelId,
+        generation: u64,
+        name: Option<&str>,
+        requested_env: &BTreeMap<String, String>,
+        owner: Option<&Owner>,
+    ) -> Result<Arc<Kernel>, KernelError> {
+        if let Some(kernel) = self.get(id.as_str()) {
+            return Ok(kernel);
+        }
+        self.start_with(name, requested_env, owner, Some((id, generation)))
+            .await
+    }
+
+    async fn start_with(
+        self: &Arc<Self>,
+        name: Option<&str>,
+        requested_env: &BTreeMap<String, String>,
+        owner: Option<&Owner>,
+        again: Option<(crate::ids::KernelId, u64)>,
+    ) -> Result<Arc<Kernel>, KernelError> {
         let _reservation = owner.map(|o| self.reserve(o)).transpose()?;
         let spec = self.spec(name)?;
         if let Some(max) = self.options.max_kernels {
@@ -368,7 +395,7 @@ impl KernelManager {
         let asked = std::time::Instant::now();
         let backend = self.backend_of(&policy).as_str();
         let metrics = crate::telemetry::metrics::metrics();
-        if poolable && self.options.pool_size > 0 {
+        if poolable && self.options.pool_size > 0 && again.is_none() {
             let pooled = self.take_from_pool(&spec.name);
             metrics.pool_lookup(pooled.is_some());
             let extra: BTreeMap<String, String> = client_env
@@ -415,7 +442,10 @@ impl KernelManager {
             self.refill_pool();
         }
         let tenant = owner.map(|owner| owner.tenant.clone());
-        let kernel = match self.launch(spec, &policy, client_env, tenant, None).await {
+        let kernel = match self
+            .launch(spec, &policy, client_env, tenant, None, again)
+            .await
+        {
             Ok(kernel) => kernel,
             Err(err) => {
                 metrics.kernel_start_failed(&policy.name, backend, StartSource::cold);
@@ -454,14 +484,19 @@ impl KernelManager {
         client_env: BTreeMap<String, String>,
         tenant: Option<String>,
         adopt: Option<(KernelRecord, String)>,
+        again: Option<(crate::ids::KernelId, u64)>,
     ) -> Result<Arc<Kernel>, KernelError> {
         let mut options = self.options.kernel.clone();
         options.tenant = tenant;
-        let id = match &adopt {
-            None => crate::ids::KernelId::random(),
+        let id = match (&adopt, again) {
+            (None, None) => crate::ids::KernelId::random(),
+            (None, Some((id, generation))) => {
+                options.first_generation = generation;
+                id
+            }
             // Only gateways name kernels, so a record names one of their ids; a record that
             // does not is no kernel this gateway can take over.
-            Some((record, _)) => crate::ids::KernelId::parse(&record.kernel_id)
+            (Some((record, _)), _) => crate::ids::KernelId::parse(&record.kernel_id)
                 .map_err(|_| KernelError::NoSuchKernel)?,
         };
         options.adopt = adopt;
@@ -588,7 +623,7 @@ impl KernelManager {
                         let backend = manager.backend_of(&policy);
                         (
                             manager
-                                .launch(&spec, &policy, BTreeMap::new(), None, None)
+                                .launch(&spec, &policy, BTreeMap::new(), None, None, None)
                                 .await,
                             Some((policy.name, backend.as_str())),
                         )
@@ -782,6 +817,7 @@ impl KernelManager {
                 BTreeMap::new(),
                 tenant.clone(),
                 Some((record, key)),
+                None,
             )
             .await?;
         if let Some(tenant) = &tenant {

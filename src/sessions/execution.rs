@@ -280,14 +280,41 @@ impl<'a> Turn<'a> {
             execution_id: self.execution_id.clone(),
             result: Box::new(result.clone()),
         });
-        let numbered = {
+        let (numbered, finished) = {
             let mut journal = self.session.journal.lock();
             let numbered = journal.finish(done, Arc::new(result));
             let _ = self.session.events.send(numbered.clone());
-            numbered
+            // What the store keeps of it (its events stay here: only their output bytes
+            // are counted), taken under the same lock.
+            let finished =
+                self.session
+                    .store
+                    .as_ref()
+                    .and(journal.execution(&self.execution_id).map(|entry| {
+                        let bytes = entry.events.iter().map(|e| output_bytes(&e.event)).sum();
+                        (entry.clone_without_events(), bytes)
+                    }));
+            (numbered, finished)
         };
         let _ = self.tx.send(numbered);
+        // After `done` went out: the store's writes are queued, never waited for.
+        if let (Some(store), Some((entry, output_bytes))) = (&self.session.store, finished) {
+            super::persistence::execution_finished(store, self.session, &entry, output_bytes);
+        }
     }
+}
+
+/// Bytes of text output an event carries, for the usage ledger (artifacts are counted
+/// apart).
+fn output_bytes(event: &SessionEvent) -> u64 {
+    let text = match event {
+        SessionEvent::Stream { text, .. } => Some(text),
+        SessionEvent::Display { text, .. }
+        | SessionEvent::UpdateDisplay { text, .. }
+        | SessionEvent::Result { text, .. } => text.as_ref(),
+        _ => None,
+    };
+    text.map_or(0, |t| t.len() as u64)
 }
 
 /// An execution between its start and its `done`, as the session's monitor sees it; over

@@ -109,6 +109,40 @@ impl From<&HistoryEntry> for ExecutionRecord {
     }
 }
 
+impl HistoryEntry {
+    /// The `done` event of a finished execution whose events were not kept (one restored
+    /// from the store after a gateway restart), numbered after `last`: all a resuming
+    /// client can still be told. `None` when the entry is running or holds its `done`.
+    pub fn restored_done(&self, last: u64) -> Option<Numbered> {
+        let result = self.result.as_ref()?;
+        if self
+            .events
+            .iter()
+            .any(|e| matches!(*e.event, SessionEvent::Done { .. }))
+        {
+            return None;
+        }
+        Some(Numbered {
+            id: last + 1,
+            event: Arc::new(SessionEvent::Done {
+                execution_id: self.execution_id.clone(),
+                result: Box::new((**result).clone()),
+            }),
+        })
+    }
+
+    /// The entry without its events (what the store keeps of a finished execution).
+    pub fn clone_without_events(&self) -> HistoryEntry {
+        HistoryEntry {
+            execution_id: self.execution_id.clone(),
+            code: self.code.clone(),
+            started: self.started.clone(),
+            events: Vec::new(),
+            result: self.result.clone(),
+        }
+    }
+}
+
 /// A session's events as it remembers them.
 #[derive(Debug)]
 pub struct Journal {
@@ -124,6 +158,19 @@ impl Journal {
             replay: Replay::new(replay_bytes),
             running: None,
             history: VecDeque::new(),
+        }
+    }
+
+    /// A journal whose history starts with `history` (a session revived from the store: its
+    /// executions' results, without their events) and whose replay buffer is empty.
+    pub fn restored(replay_bytes: usize, history: Vec<HistoryEntry>) -> Journal {
+        let mut history: VecDeque<HistoryEntry> = history.into();
+        while history.len() > MAX_HISTORY {
+            history.pop_front();
+        }
+        Journal {
+            history,
+            ..Journal::new(replay_bytes)
         }
     }
 

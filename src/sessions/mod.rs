@@ -25,6 +25,9 @@
 //! Kernel Gateway API) are reaped. Shell commands run through the session's kernel
 //! ([`commands`]); streams become plain text for machines (`plain.rs`).
 //!
+//! With a state directory, sessions are kept in its store and come back after a gateway
+//! restart, dormant until their next execute starts a new kernel (`persistence.rs`).
+//!
 //! Across gateway replicas, `adoption.rs` answers where a kernel's requests go
 //! (`Sessions::route`: here, forwarded to its owner, moving, or unavailable), takes over
 //! kernels whose owner is gone (at once when a request names one, and by a periodic sweep
@@ -38,6 +41,7 @@ pub mod events;
 mod execution;
 mod journal;
 mod outputs;
+mod persistence;
 mod plain;
 pub mod replay;
 
@@ -55,6 +59,7 @@ use crate::ids::{ExecutionId, IdError, SessionId};
 use crate::kernel::{
     ExecutionState, Kernel, KernelClient, KernelError, KernelManager, Readiness, POLICY_ENV,
 };
+use crate::store::Store;
 use crate::workspace::{Files, Workspace, WorkspaceError};
 pub use adoption::{AdoptionError, Route};
 pub use events::{
@@ -65,6 +70,7 @@ use journal::Journal;
 pub use journal::{
     ExecutionProgress, ExecutionRecord, ExecutionSummary, HistoryEntry, MAX_HISTORY,
 };
+pub use persistence::{Dormant, KERNEL_LOST};
 pub use replay::{Catchup, Gap, Numbered, NumberedEvent};
 
 /// Events kept for WebSocket subscribers that fall behind (past it, they catch up from the
@@ -224,6 +230,10 @@ pub struct Session {
     /// images waits for the disk instead of piling decoded copies up in memory.
     background_stores: Arc<tokio::sync::Semaphore>,
     options: SessionOptions,
+    /// The state directory's store, if the gateway has one.
+    store: Option<Arc<Store>>,
+    /// Cells of the kernel's history written to the store so far.
+    persisted_cells: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Large outputs of one session stored at once in the background.
@@ -325,6 +335,10 @@ impl Session {
                     if tx.send(event.clone()).is_err() {
                         return true;
                     }
+                }
+                if let Some(done) = entry.restored_done(*last) {
+                    *last = done.id;
+                    let _ = tx.send(done);
                 }
                 entry.result.is_some()
             };
@@ -531,6 +545,9 @@ fn spawn_monitor(session: &Arc<Session>) {
             let _ =
                 tokio::time::timeout(KERNEL_NEWS_WAIT, in_turn.wait_for(|running| !running)).await;
             let terminated = now.0 == KernelPhase::Terminated;
+            if let Some(store) = &session.store {
+                store.set_generation(session.id.as_str(), now.1);
+            }
             session.publish_kernel_phase(now.clone());
             if terminated {
                 return;
@@ -543,12 +560,28 @@ fn spawn_monitor(session: &Arc<Session>) {
 /// How long news of the kernel's life waits for the running cell's `done`.
 const KERNEL_NEWS_WAIT: Duration = Duration::from_secs(2);
 
+/// What a session registered again after a restart starts from.
+#[derive(Default)]
+struct Restored {
+    created: Option<String>,
+    history: Vec<HistoryEntry>,
+    persisted_cells: usize,
+}
+
 /// Every session of the gateway.
 pub struct Sessions {
     kernels: Arc<KernelManager>,
     artifacts: Arc<ArtifactStore>,
     sessions: RwLock<HashMap<SessionId, Arc<Session>>>,
     options: SessionOptions,
+    /// The state directory's store, if the gateway has one.
+    store: Option<Arc<Store>>,
+    /// Sessions from the store whose kernel did not survive the restart.
+    dormant: RwLock<HashMap<SessionId, Arc<Dormant>>>,
+    /// One revival at a time: two requests for the same dormant session start one kernel.
+    reviving: tokio::sync::Mutex<()>,
+    /// The gateway is stopping: kernels ending now keep their sessions in the store.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 impl Sessions {
@@ -557,12 +590,147 @@ impl Sessions {
         artifacts: Arc<ArtifactStore>,
         options: SessionOptions,
     ) -> Arc<Sessions> {
+        Sessions::with_store(kernels, artifacts, options, None)
+    }
+
+    /// Sessions kept in `store` too (`None`: in memory only).
+    pub fn with_store(
+        kernels: Arc<KernelManager>,
+        artifacts: Arc<ArtifactStore>,
+        options: SessionOptions,
+        store: Option<Arc<Store>>,
+    ) -> Arc<Sessions> {
         Arc::new(Sessions {
             kernels,
             artifacts,
             sessions: RwLock::new(HashMap::new()),
             options,
+            store,
+            dormant: RwLock::new(HashMap::new()),
+            reviving: tokio::sync::Mutex::new(()),
+            closing: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Takes back the sessions the store kept, dormant; their state generation moves on
+    /// (in the store too, so the next restart moves it again).
+    pub fn restore(&self, stored: Vec<crate::store::StoredSession>) {
+        let mut dormant = self.dormant.write();
+        for session in stored {
+            let Some(session) = Dormant::from_stored(session) else {
+                continue;
+            };
+            if let Some(store) = &self.store {
+                store.set_generation(session.id.as_str(), session.row.generation);
+            }
+            dormant.insert(session.id.clone(), Arc::new(session));
+        }
+        if !dormant.is_empty() {
+            tracing::info!(
+                sessions = dormant.len(),
+                "sessions taken back from the state directory; their kernels start again at their next execute"
+            );
+        }
+    }
+
+    /// The state directory's store, if the gateway has one.
+    pub fn store(&self) -> Option<&Arc<Store>> {
+        self.store.as_ref()
+    }
+
+    /// A dormant session (known from the store, its kernel lost in a restart).
+    pub fn dormant(&self, id: &SessionId) -> Option<Arc<Dormant>> {
+        self.dormant.read().get(id).cloned()
+    }
+
+    /// Every session as listed, live and dormant, with its owner, oldest first.
+    pub fn models(&self) -> Vec<(Option<String>, SessionModel)> {
+        let mut out: Vec<(Option<String>, SessionModel)> = self
+            .list()
+            .iter()
+            .map(|s| (s.owner.clone(), s.model()))
+            .collect();
+        out.extend(
+            self.dormant
+                .read()
+                .values()
+                .map(|d| (d.row.tenant.clone(), d.model())),
+        );
+        out.sort_by(|a, b| a.1.created.cmp(&b.1.created).then(a.1.id.cmp(&b.1.id)));
+        out
+    }
+
+    /// Starts a new kernel for a dormant session, under its id and policy, its history
+    /// going on from the stored one; `max_kernels` is its owner's cap. A session that is
+    /// live already is returned as it is.
+    pub async fn revive(
+        &self,
+        id: &SessionId,
+        max_kernels: Option<usize>,
+    ) -> Result<Arc<Session>, SessionError> {
+        let _one_at_a_time = self.reviving.lock().await;
+        if let Some(session) = self.get(id) {
+            return Ok(session);
+        }
+        let dormant = self.dormant(id).ok_or(SessionError::NotFound)?;
+        let row = &dormant.row;
+        let owner = row.tenant.as_ref().map(|tenant| crate::kernel::Owner {
+            tenant: tenant.clone(),
+            max_kernels,
+        });
+        let env = BTreeMap::from([(POLICY_ENV.to_owned(), row.policy.clone())]);
+        // The first launch takes the generation the dormant session reported.
+        let kernel = self
+            .kernels
+            .start_again(
+                id.kernel(),
+                row.generation.saturating_sub(1),
+                Some(&row.kernel_name),
+                &env,
+                owner.as_ref(),
+            )
+            .await?;
+        if let Err(err) = kernel.wait_ready().await {
+            let _ = self.kernels.shutdown(kernel.id.as_str()).await;
+            return Err(err.into());
+        }
+        let Some(dormant) = self.dormant.write().remove(id) else {
+            // Deleted meanwhile.
+            let _ = self.kernels.shutdown(kernel.id.as_str()).await;
+            return Err(SessionError::NotFound);
+        };
+        let (owner, created) = (dormant.row.tenant.clone(), dormant.row.created.clone());
+        let (cells, language_info, entries) = Arc::unwrap_or_clone(dormant).into_history();
+        let persisted = cells.len();
+        kernel.router().history().restore(cells, language_info);
+        let session = self.register(
+            kernel,
+            owner,
+            Restored {
+                created: Some(created),
+                history: entries,
+                persisted_cells: persisted,
+            },
+        );
+        if let Some(store) = &self.store {
+            store.put_session(persistence::row_of(&session));
+        }
+        tracing::info!(session_id = %session.id, generation = session.kernel.generation(), "a dormant session's kernel started again");
+        Ok(session)
+    }
+
+    /// The gateway is stopping: from now on a session whose kernel ends stays in the store;
+    /// waits until the store has every write queued so far.
+    pub async fn close(&self) {
+        self.closing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(store) = self.store.clone() {
+            match tokio::task::spawn_blocking(move || store.flush()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => tracing::error!(%err, "the store could not be flushed"),
+                Err(err) => tracing::error!(%err, "the store could not be flushed"),
+            }
+        }
     }
 
     pub fn artifacts(&self) -> &Arc<ArtifactStore> {
@@ -607,7 +775,10 @@ impl Sessions {
             let _ = self.kernels.shutdown(kernel.id.as_str()).await;
             return Err(err.into());
         }
-        let session = self.register(kernel, new.owner);
+        let session = self.register(kernel, new.owner, Restored::default());
+        if let Some(store) = &self.store {
+            store.put_session(persistence::row_of(&session));
+        }
         tracing::info!(session_id = %session.id, tenant = ?session.owner, policy = %session.kernel.policy, "session created");
         Ok(session)
     }
@@ -619,12 +790,20 @@ impl Sessions {
         if let Some(session) = self.get(&SessionId::of(&kernel.id)) {
             return session;
         }
-        let session = self.register(kernel, owner);
+        let session = self.register(kernel, owner, Restored::default());
+        if let Some(store) = &self.store {
+            store.put_session(persistence::row_of(&session));
+        }
         tracing::info!(session_id = %session.id, tenant = ?session.owner, "session taken over");
         session
     }
 
-    fn register(&self, kernel: Arc<Kernel>, owner: Option<String>) -> Arc<Session> {
+    fn register(
+        &self,
+        kernel: Arc<Kernel>,
+        owner: Option<String>,
+        restored: Restored,
+    ) -> Arc<Session> {
         let mut options = self.options.clone();
         if let Ok(policy) = self.kernels.policies().get(&kernel.policy) {
             options.artifact_max_bytes = policy.limits.artifact_bytes;
@@ -639,16 +818,22 @@ impl Sessions {
             owner,
             client: KernelClient::attach(kernel.clone()),
             kernel,
-            created: crate::kernel::format_timestamp(time::OffsetDateTime::now_utc()),
+            created: restored.created.unwrap_or_else(|| {
+                crate::kernel::format_timestamp(time::OffsetDateTime::now_utc())
+            }),
             events,
             run_lock: tokio::sync::Mutex::new(()),
             in_turn: tokio::sync::watch::Sender::new(false),
             terminated_told: std::sync::atomic::AtomicBool::new(false),
-            journal: Mutex::new(Journal::new(options.replay_bytes)),
+            journal: Mutex::new(Journal::restored(options.replay_bytes, restored.history)),
             outputs_seen: Mutex::new(HashMap::new()),
             artifacts: self.artifacts.clone(),
             background_stores: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_STORES)),
             options,
+            store: self.store.clone(),
+            persisted_cells: Arc::new(std::sync::atomic::AtomicUsize::new(
+                restored.persisted_cells,
+            )),
         });
         self.sessions
             .write()
@@ -679,11 +864,22 @@ impl Sessions {
     /// working until they expire or the artifacts go: a one-shot execute's session ends with
     /// its result, whose links are what the caller shows.
     pub async fn end(&self, id: &SessionId) -> Result<(), SessionError> {
+        if self.dormant.write().remove(id).is_some() {
+            if let Some(store) = &self.store {
+                store.delete_session(id.as_str());
+            }
+            self.artifacts.expire_session(id.as_str());
+            tracing::info!(session_id = %id, "dormant session deleted");
+            return Ok(());
+        }
         let session = self
             .sessions
             .write()
             .remove(id)
             .ok_or(SessionError::NotFound)?;
+        if let Some(store) = &self.store {
+            store.delete_session(id.as_str());
+        }
         session
             .client
             .abandon("SessionDeletedError", "the session was deleted");
@@ -714,11 +910,20 @@ impl Sessions {
                     .filter(|id| sessions.kernels.get(id.as_str()).is_none())
                     .cloned()
                     .collect();
+                let closing = sessions.closing.load(std::sync::atomic::Ordering::SeqCst);
                 for id in gone {
                     if let Some(session) = sessions.sessions.write().remove(&id) {
                         session
                             .client
                             .abandon("KernelDiedError", "the session's kernel was shut down");
+                    }
+                    if closing {
+                        // Ended by the gateway's own stop: the session is kept for the next
+                        // start (its artifacts too).
+                        continue;
+                    }
+                    if let Some(store) = &sessions.store {
+                        store.delete_session(id.as_str());
                     }
                     sessions.artifacts.expire_session(id.as_str());
                     tracing::info!(session_id = %id, "session ended with its kernel");

@@ -282,6 +282,10 @@ async fn the_gateway_serves_with_the_units_exact_command_line_and_stops_on_sigte
                 .to_string_lossy()
                 .into_owned(),
         ),
+        (
+            "CELLGATE_STATE_DIR",
+            state.path().join("state").to_string_lossy().into_owned(),
+        ),
     ];
     for (name, _) in &overrides {
         ensure!(

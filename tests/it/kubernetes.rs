@@ -136,6 +136,8 @@ pub(crate) async fn gateway(
         .arg("--config")
         .arg(config)
         .args(["--token", TOKEN, "--pool-size", "0"])
+        // Replicas share this host here: each would need a state directory of its own.
+        .args(["--state-dir", "none"])
         .args(extra)
         .env("KUBECONFIG", api.kubeconfig_for(GATEWAY_TOKEN, NAMESPACE))
         // kube-client would send the double's requests to a proxy the shell names.

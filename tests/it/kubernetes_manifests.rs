@@ -1068,7 +1068,7 @@ fn the_gateway_config_parses_and_names_the_pods_volumes() -> Result<()> {
         "policies_dir is not where ConfigMap cellgate-policies is mounted"
     );
     // The root is read-only: what the gateway writes is on its emptyDirs.
-    for key in ["runtime_dir", "package_cache_dir"] {
+    for key in ["runtime_dir", "state_dir", "package_cache_dir"] {
         let dir = setting(key)?;
         ensure!(
             writable

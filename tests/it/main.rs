@@ -33,6 +33,7 @@ mod release;
 mod resume;
 mod sdk;
 mod stack;
+mod store;
 mod tenants;
 mod web_client;
 mod workspace_ops;

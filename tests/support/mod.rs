@@ -83,6 +83,8 @@ pub struct Gateway {
     pub http: reqwest::Client,
     log: std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
     stdout: std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
+    /// The state directory the builder made for this gateway alone (removed with it).
+    _state_dir: Option<tempfile::TempDir>,
 }
 
 pub struct GatewayBuilder {
@@ -161,8 +163,19 @@ impl GatewayBuilder {
                 command.env_remove(name);
             }
         }
+        // A state directory of its own unless the test names one: gateways running at once
+        // must not share one (the second would be refused), nor leave state behind.
+        let state_dir = if self.args.iter().any(|a| a == "--state-dir") {
+            None
+        } else {
+            let dir = tempfile::Builder::new().prefix("cg-state").tempdir()?;
+            command.arg("--state-dir").arg(dir.path());
+            Some(dir)
+        };
         let child = command.spawn().context("spawn cellgate")?;
-        Gateway::attach(child, self.token).await
+        let mut gateway = Gateway::attach(child, self.token).await?;
+        gateway._state_dir = state_dir;
+        Ok(gateway)
     }
 }
 
@@ -212,6 +225,7 @@ impl Gateway {
             http: reqwest::Client::new(),
             log,
             stdout: printed,
+            _state_dir: None,
         })
     }
 }

@@ -8,7 +8,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
-use super::{session_for, ApiError, STREAM_CHUNK};
+use super::{dormant_for, session_for, ApiError, STREAM_CHUNK};
 use crate::artifacts::links::LinkError;
 use crate::artifacts::{is_active_content, Artifact};
 use crate::gateway::auth::Principal;
@@ -30,13 +30,16 @@ pub async fn list(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<Vec<ArtifactRef>>, ApiError> {
-    let session = session_for(&state, &principal, &id)?;
+    let session_id = match dormant_for(&state, &principal, &id) {
+        Some(dormant) => dormant.id.clone(),
+        None => session_for(&state, &principal, &id)?.id.clone(),
+    };
     let options = state.sessions.options();
     Ok(Json(
         state
             .sessions
             .artifacts()
-            .list(session.id.as_str())
+            .list(session_id.as_str())
             .iter()
             .map(|a| options.reference(a))
             .collect(),

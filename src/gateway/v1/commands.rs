@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use utoipa::ToSchema;
 
-use super::{body, session_for, ApiError};
+use super::{body, dormant_for, live_session_for, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
@@ -115,8 +115,13 @@ pub async fn run(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let session = session_for(&state, &principal, &id)?;
+    // An unknown session is 404 before its body is looked at.
+    if dormant_for(&state, &principal, &id).is_none() {
+        session_for(&state, &principal, &id)?;
+    }
     let request = check(body::parse(&body)?)?;
+    super::usage::check_quota(&state, &principal).await?;
+    let session = live_session_for(&state, &principal, &id).await?;
     let events = session.run_command(request)?;
     if super::sessions::wants_sse(&headers) {
         return Ok(sse(events));

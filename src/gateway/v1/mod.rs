@@ -31,6 +31,7 @@ pub mod kernelspecs;
 mod notebooks;
 pub mod openapi;
 mod sessions;
+mod usage;
 mod ws;
 
 /// Read size when streaming a file or artifact to a client: tokio's default of 4 KiB costs a
@@ -114,6 +115,7 @@ pub fn routes() -> Router<AppState> {
         )
         .route("/v1/sessions/{id}/ws", get(ws::socket))
         .route("/v1/sessions/{id}/notebook", get(notebooks::export))
+        .route("/v1/usage", get(usage::usage))
         .route(
             "/v1/notebooks/replay",
             json_only(post(notebooks::replay)).layer(axum::extract::DefaultBodyLimit::max(
@@ -124,6 +126,9 @@ pub fn routes() -> Router<AppState> {
 
 /// The session a path names (`id`, as it came) if `principal` may see it; 404 otherwise,
 /// the same for a malformed id, an unknown one and another tenant's.
+///
+/// A dormant session (its kernel lost in a gateway restart) answers 409 `kernel_dead` here:
+/// the routes that need its kernel's process; [`live_session_for`] starts one instead.
 fn session_for(
     state: &AppState,
     principal: &Principal,
@@ -133,9 +138,40 @@ fn session_for(
         .ok()
         .and_then(|parsed| state.sessions.get(&parsed))
         .filter(|s| principal.may_see(s.owner.as_deref()))
-        .ok_or_else(|| {
-            ApiError::not_found(format!("no session {id}")).code(ErrorCode::NoSuchSession)
+        .ok_or_else(|| match dormant_for(state, principal, id) {
+            Some(_) => ApiError::new(StatusCode::CONFLICT, crate::sessions::KERNEL_LOST)
+                .code(ErrorCode::KernelDead),
+            None => ApiError::not_found(format!("no session {id}")).code(ErrorCode::NoSuchSession),
         })
+}
+
+/// The dormant session a path names (known from the state directory, its kernel lost in a
+/// gateway restart) if `principal` may see it.
+fn dormant_for(
+    state: &AppState,
+    principal: &Principal,
+    id: &str,
+) -> Option<Arc<crate::sessions::Dormant>> {
+    SessionId::parse(id)
+        .ok()
+        .and_then(|parsed| state.sessions.dormant(&parsed))
+        .filter(|d| principal.may_see(d.owner()))
+}
+
+/// The session a path names, as [`session_for`], but a dormant one gets a new kernel first
+/// (its owner's kernel cap applies): the routes that run code.
+async fn live_session_for(
+    state: &AppState,
+    principal: &Principal,
+    id: &str,
+) -> Result<Arc<Session>, ApiError> {
+    match dormant_for(state, principal, id) {
+        Some(dormant) => {
+            let max_kernels = dormant.owner().and_then(|t| state.tenants.max_kernels(t));
+            Ok(state.sessions.revive(&dormant.id, max_kernels).await?)
+        }
+        None => session_for(state, principal, id),
+    }
 }
 
 /// The execution an `input` reply names (`None`: whichever waits). Body fields stay text

@@ -9,11 +9,14 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::Extension;
 
-use super::session_for;
+use super::{dormant_for, session_for};
 use crate::gateway::api_error::ApiError;
 use crate::gateway::auth::Principal;
-use crate::gateway::notebooks::{notebook_response, replay_notebook, ReplayQuery};
+use crate::gateway::notebooks::{
+    history_response, notebook_response, replay_notebook, ReplayQuery,
+};
 use crate::gateway::state::AppState;
+use crate::notebook::KernelspecInfo;
 
 /// The session's history as a notebook (nbformat 4.5): every executed cell in order with its
 /// outputs, display updates applied.
@@ -26,6 +29,20 @@ pub async fn export(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    if let Some(dormant) = dormant_for(&state, &principal, &id) {
+        // Its kernel is gone: the stored history, under its kernelspec as installed now (or
+        // as stored, if it is not any more).
+        let row = &dormant.row;
+        let info = match state.kernels.specs().get(&row.kernel_name) {
+            Some(spec) => KernelspecInfo::from(spec),
+            None => KernelspecInfo {
+                name: row.kernel_name.clone(),
+                display_name: row.kernel_name.clone(),
+                language: row.language.clone(),
+            },
+        };
+        return history_response(&dormant.history(), &info, &id);
+    }
     let session = session_for(&state, &principal, &id)?;
     notebook_response(&session.kernel, &id)
 }

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{artifacts, commands, files, kernelspecs, notebooks, sessions, ws};
+use super::{artifacts, commands, files, kernelspecs, notebooks, sessions, usage, ws};
 use crate::sessions::commands::{CommandEvent, CommandResult};
 use crate::sessions::{
     ArtifactRef, ExecError, ExecutionProgress, ExecutionRecord, ExecutionResult, ExecutionSummary,
@@ -49,13 +49,14 @@ impl Modify for Security {
         sessions::execute, sessions::executions, sessions::execution, sessions::execute_once, sessions::interrupt, sessions::restart,
         sessions::input, commands::run, files::list, files::upload, files::download, files::head, files::remove, files::operate,
         artifacts::list, artifacts::fetch, artifacts::fetch_signed, artifacts::sign_link, ws::socket, notebooks::export, notebooks::replay,
-        document,
+        usage::usage, document,
     ),
     components(schemas(
         crate::gateway::api_error::ErrorBody, crate::gateway::ErrorCode, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded, files::Removed, files::FileOperation, commands::RunCommand, CommandResult, CommandEvent,
         ws::ClientMessage, SessionModel, kernelspecs::Kernelspecs, kernelspecs::Kernelspec, ExecutionResult, ExecError, Resources, Status, Omitted,
         ArtifactRef, SessionEvent, NumberedEvent, Gap, ExecutionRecord, ExecutionSummary, ExecutionProgress, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
+        usage::Usage, usage::UsageRecord, usage::UsageTotals,
     )),
     modifiers(&Security),
     security(("bearer" = []), ("token" = [])),

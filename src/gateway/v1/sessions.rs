@@ -23,14 +23,14 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use utoipa::ToSchema;
 
-use super::{body, session_for, ApiError};
+use super::{body, dormant_for, live_session_for, session_for, ApiError};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
 use crate::ids::{ExecutionId, SessionId};
 use crate::sessions::{
-    ExecutionRecord, ExecutionResult, ExecutionSummary, NewSession, Numbered, Session,
-    SessionEvent, SessionModel, Sessions, MAX_HISTORY,
+    ExecutionRecord, ExecutionResult, ExecutionSummary, HistoryEntry, NewSession, Numbered,
+    Session, SessionEvent, SessionModel, Sessions, MAX_HISTORY,
 };
 
 /// A file to put in the workspace when the session starts.
@@ -266,10 +266,10 @@ pub async fn list(
     Json(
         state
             .sessions
-            .list()
-            .iter()
-            .filter(|s| principal.may_see(s.owner.as_deref()))
-            .map(|s| s.model())
+            .models()
+            .into_iter()
+            .filter(|(owner, _)| principal.may_see(owner.as_deref()))
+            .map(|(_, model)| model)
             .collect(),
     )
 }
@@ -282,6 +282,9 @@ pub async fn get(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<SessionModel>, ApiError> {
+    if let Some(dormant) = dormant_for(&state, &principal, &id) {
+        return Ok(Json(dormant.model()));
+    }
     Ok(Json(session_for(&state, &principal, &id)?.model()))
 }
 
@@ -294,6 +297,10 @@ pub async fn delete(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    if let Some(dormant) = dormant_for(&state, &principal, &id) {
+        state.sessions.delete(&dormant.id).await?;
+        return Ok(StatusCode::NO_CONTENT);
+    }
     let session = session_for(&state, &principal, &id)?;
     state.sessions.delete(&session.id).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -371,8 +378,13 @@ pub async fn execute(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let session = session_for(&state, &principal, &id)?;
+    // An unknown session is 404 before its body is looked at.
+    if dormant_for(&state, &principal, &id).is_none() {
+        session_for(&state, &principal, &id)?;
+    }
     let request: ExecuteRequest = body::parse(&body)?;
+    super::usage::check_quota(&state, &principal).await?;
+    let session = live_session_for(&state, &principal, &id).await?;
     let timeout = timeout_of(request.timeout_s)?;
     let events = session.execute(request.code, timeout);
     if wants_sse(&headers) {
@@ -406,7 +418,7 @@ pub async fn executions(
     query: Result<Query<ExecutionsQuery>, QueryRejection>,
 ) -> Result<Json<Vec<ExecutionSummary>>, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
-    let session = session_for(&state, &principal, &id)?;
+    let session = session_or_dormant(&state, &principal, &id)?;
     // Text in the query, so a bad value is this route's 400 rather than the extractor's.
     let limit = match query.limit.as_deref() {
         None => DEFAULT_EXECUTIONS_LISTED,
@@ -418,7 +430,32 @@ pub async fn executions(
                 ApiError::bad_request(format!("limit must be a number from 1 to {MAX_HISTORY}"))
             })?,
     };
-    Ok(Json(session.executions(limit)))
+    Ok(Json(match session {
+        Held::Live(session) => session.executions(limit),
+        Held::Dormant(entries) => entries
+            .iter()
+            .skip(entries.len().saturating_sub(limit))
+            .map(ExecutionSummary::from)
+            .collect(),
+    }))
+}
+
+/// A session's executions as a path names it: a live session, or the executions the store
+/// kept of a dormant one (after a gateway restart, before its next execute revives it), so
+/// that a client can still fetch a result it never saw.
+enum Held {
+    Live(Arc<Session>),
+    Dormant(Vec<HistoryEntry>),
+}
+
+fn session_or_dormant(state: &AppState, principal: &Principal, id: &str) -> Result<Held, ApiError> {
+    match session_for(state, principal, id) {
+        Ok(session) => Ok(Held::Live(session)),
+        Err(err) => match dormant_for(state, principal, id) {
+            Some(dormant) => Ok(Held::Dormant(dormant.executions())),
+            None => Err(err),
+        },
+    }
 }
 
 /// `GET /v1/sessions/{id}/executions/{execution_id}`'s query: where to resume from (an
@@ -472,13 +509,31 @@ pub async fn execution(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
-    let session = session_for(&state, &principal, &id)?;
+    let held = session_or_dormant(&state, &principal, &id)?;
     let unknown = || {
         ApiError::not_found(format!("no execution {execution_id} in session {id}"))
             .code(ErrorCode::NoSuchExecution)
     };
     // A malformed id is answered as an unknown one, as every id is.
     let parsed = ExecutionId::parse(&execution_id).map_err(|_| unknown())?;
+    let session = match held {
+        Held::Live(session) => session,
+        Held::Dormant(entries) => {
+            let entry = entries
+                .iter()
+                .find(|e| e.execution_id == parsed)
+                .ok_or_else(unknown)?;
+            if wants_sse(&headers) {
+                let after = last_event_id(&headers, query.last_event_id.as_deref())?;
+                let (tx, rx) = mpsc::unbounded_channel();
+                if let Some(done) = entry.restored_done(after) {
+                    let _ = tx.send(done);
+                }
+                return Ok(sse(rx, None));
+            }
+            return Ok(Json(ExecutionRecord::from(entry)).into_response());
+        }
+    };
     if wants_sse(&headers) {
         let after = last_event_id(&headers, query.last_event_id.as_deref())?;
         let events = session.follow(&parsed, after).ok_or_else(unknown)?;
@@ -502,6 +557,7 @@ pub async fn execute_once(
 ) -> Result<Response, ApiError> {
     let request: ExecuteOnceRequest = body::parse(&body)?;
     let timeout = timeout_of(request.timeout_s)?;
+    super::usage::check_quota(&state, &principal).await?;
     let session = create_session(
         &state,
         &principal,
@@ -557,6 +613,12 @@ pub async fn restart(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<SessionModel>, ApiError> {
+    if dormant_for(&state, &principal, &id).is_some() {
+        // A new kernel is what a restart gives.
+        return Ok(Json(
+            live_session_for(&state, &principal, &id).await?.model(),
+        ));
+    }
     let session = session_for(&state, &principal, &id)?;
     session.restart().await?;
     Ok(Json(session.model()))

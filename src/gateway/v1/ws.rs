@@ -38,7 +38,7 @@ use serde_json::json;
 use tokio::sync::broadcast::error::RecvError;
 use utoipa::ToSchema;
 
-use super::session_for;
+use super::live_session_for;
 use crate::gateway::auth::Principal;
 use crate::gateway::kernel_ws::origin_allowed;
 use crate::gateway::state::AppState;
@@ -118,7 +118,11 @@ pub async fn socket(
                 .into_response()
         }
     };
-    let session = match session_for(&state, &principal, &id) {
+    // Checked when the socket opens: executions sent over an open socket are not.
+    if let Err(err) = super::usage::check_quota(&state, &principal).await {
+        return err.into_response();
+    }
+    let session = match live_session_for(&state, &principal, &id).await {
         Ok(session) => session,
         Err(err) => return err.into_response(),
     };

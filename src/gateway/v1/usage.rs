@@ -1,0 +1,220 @@
+//! `GET /v1/usage`: the usage ledger (`crate::store`), one row per finished API v1
+//! execution, and its totals. A tenant reads its own rows; the admin any tenant's
+//! (`tenant=`), or everyone's. `since` and `until` bound the period (RFC 3339).
+//!
+//! [`check_quota`]: the tenant's CPU seconds of the UTC day so far against its
+//! `cpu_seconds_per_day`, before an execution starts (`crate::tenants`).
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::{Extension, Json};
+use serde::{Deserialize, Serialize};
+use time::format_description::well_known::Rfc3339;
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+use super::ApiError;
+use crate::gateway::auth::Principal;
+use crate::gateway::state::AppState;
+use crate::gateway::ErrorCode;
+use crate::store::{UsageQuery, UsageRow};
+
+/// Rows one answer holds at most (and by default).
+const MAX_ROWS: usize = 10_000;
+
+/// The query of `GET /v1/usage`.
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct UsageParams {
+    /// The tenant whose rows to read (the admin only; a tenant always reads its own).
+    #[serde(default)]
+    tenant: Option<String>,
+    /// From this instant on (RFC 3339, inclusive).
+    #[serde(default)]
+    since: Option<String>,
+    /// Before this instant (RFC 3339).
+    #[serde(default)]
+    until: Option<String>,
+    /// At most this many rows, oldest first (default and maximum 10000).
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+/// One execution in the ledger.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UsageRecord {
+    /// When it ended.
+    pub at: String,
+    pub tenant: Option<String>,
+    pub session_id: String,
+    pub policy: String,
+    pub execution_id: String,
+    pub wall_ms: u64,
+    pub cpu_ms: Option<u64>,
+    pub peak_memory_bytes: Option<u64>,
+    /// Bytes of text output (streams, displayed and returned values).
+    pub output_bytes: u64,
+    pub artifact_bytes: u64,
+    /// The execution's `status`.
+    pub outcome: String,
+}
+
+/// The rows' sums.
+#[derive(Debug, Default, Serialize, ToSchema)]
+pub struct UsageTotals {
+    pub executions: u64,
+    pub wall_ms: u64,
+    pub cpu_ms: u64,
+    pub output_bytes: u64,
+    pub artifact_bytes: u64,
+}
+
+/// `GET /v1/usage`'s answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Usage {
+    pub records: Vec<UsageRecord>,
+    pub totals: UsageTotals,
+    /// More rows matched than `limit` let through.
+    pub truncated: bool,
+}
+
+impl From<UsageRow> for UsageRecord {
+    fn from(row: UsageRow) -> UsageRecord {
+        UsageRecord {
+            at: row.at,
+            tenant: row.tenant,
+            session_id: row.session,
+            policy: row.policy,
+            execution_id: row.execution_id,
+            wall_ms: row.wall_ms,
+            cpu_ms: row.cpu_ms,
+            peak_memory_bytes: row.peak_memory_bytes,
+            output_bytes: row.output_bytes,
+            artifact_bytes: row.artifact_bytes,
+            outcome: row.outcome,
+        }
+    }
+}
+
+/// An RFC 3339 instant in the ledger's own format (which sorts as text).
+fn instant(name: &str, text: Option<String>) -> Result<Option<String>, ApiError> {
+    text.map(|text| {
+        OffsetDateTime::parse(&text, &Rfc3339)
+            .map(crate::timestamp::format_timestamp)
+            .map_err(|err| ApiError::bad_request(format!("{name}: not an RFC 3339 instant: {err}")))
+    })
+    .transpose()
+}
+
+/// The usage ledger: one record per finished execution, oldest first, with totals.
+#[utoipa::path(get, path = "/v1/usage", tag = "usage", operation_id = "usage",
+    params(UsageParams),
+    responses((status = 200, body = Usage), (status = 400),
+        (status = 403, description = "a tenant asked for another tenant's usage"),
+        (status = 503, description = "the gateway keeps no ledger (`--state-dir none`)")))]
+pub async fn usage(
+    State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
+    query: Result<Query<UsageParams>, QueryRejection>,
+) -> Result<Json<Usage>, ApiError> {
+    let Query(params) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
+    let tenant = match (&principal, params.tenant) {
+        (Principal::Admin, tenant) => tenant.map(Some),
+        (Principal::Tenant { tenant, .. }, Some(asked)) if &asked != tenant => {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "a tenant reads its own usage only",
+            ))
+        }
+        (Principal::Tenant { tenant, .. }, _) => Some(Some(tenant.clone())),
+    };
+    let limit = params.limit.unwrap_or(MAX_ROWS).clamp(1, MAX_ROWS);
+    let query = UsageQuery {
+        tenant,
+        since: instant("since", params.since)?,
+        until: instant("until", params.until)?,
+        // One more than asked: whether there were more.
+        limit: limit + 1,
+    };
+    let store = state.sessions.store().cloned().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this gateway keeps no usage ledger: it runs without a state directory (--state-dir none)",
+        )
+        .code(ErrorCode::Unavailable)
+    })?;
+    let rows = tokio::task::spawn_blocking(move || store.usage(&query))
+        .await
+        .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "usage task failed"))?
+        .map_err(|err| {
+            tracing::error!(%err, "the usage ledger could not be read");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Internal error; see the gateway's log",
+            )
+        })?;
+    let truncated = rows.len() > limit;
+    let records: Vec<UsageRecord> = rows.into_iter().take(limit).map(Into::into).collect();
+    let mut totals = UsageTotals::default();
+    for record in &records {
+        totals.executions += 1;
+        totals.wall_ms += record.wall_ms;
+        totals.cpu_ms += record.cpu_ms.unwrap_or(0);
+        totals.output_bytes += record.output_bytes;
+        totals.artifact_bytes += record.artifact_bytes;
+    }
+    Ok(Json(Usage {
+        records,
+        totals,
+        truncated,
+    }))
+}
+
+/// Refuses a tenant's new execution once its executions of this UTC day have used its
+/// `cpu_seconds_per_day`: 429 `quota_exceeded`, naming the quota, the use and the reset.
+/// The admin has no quota; without a state directory there is no ledger to count in (the
+/// start-up log says so when a quota is set).
+pub(super) async fn check_quota(state: &AppState, principal: &Principal) -> Result<(), ApiError> {
+    let Principal::Tenant { tenant, .. } = principal else {
+        return Ok(());
+    };
+    let Some(limit) = state.tenants.cpu_seconds_per_day(tenant) else {
+        return Ok(());
+    };
+    let Some(store) = state.sessions.store().cloned() else {
+        return Ok(());
+    };
+    let now = OffsetDateTime::now_utc();
+    let midnight = now.replace_time(time::Time::MIDNIGHT);
+    let reset = midnight + time::Duration::days(1);
+    let query = UsageQuery {
+        tenant: Some(Some(tenant.clone())),
+        since: Some(crate::timestamp::format_timestamp(midnight)),
+        until: None,
+        limit: usize::MAX >> 1,
+    };
+    let used_ms = tokio::task::spawn_blocking(move || store.cpu_ms(&query))
+        .await
+        .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "quota task failed"))?
+        .map_err(|err| {
+            tracing::error!(%err, "the usage ledger could not be read for a quota");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Internal error; see the gateway's log",
+            )
+        })?;
+    if used_ms < limit.saturating_mul(1000) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!(
+            "tenant {tenant} has used its quota cpu_seconds_per_day of {limit} s (used {:.1} s today); it resets at {}",
+            used_ms as f64 / 1000.0,
+            crate::timestamp::format_timestamp(reset),
+        ),
+    )
+    .code(ErrorCode::QuotaExceeded))
+}

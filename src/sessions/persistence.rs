@@ -1,0 +1,206 @@
+//! Sessions in the state directory's store (`crate::store`), so that a gateway started
+//! again on the same directory knows every session it had.
+//!
+//! What is written, and when: a session's row when it starts (and when its kernel's state
+//! generation moves), each finished execution (its API v1 result, the kernel history's new
+//! cells for export, a usage ledger row) after its `done` went out, and its removal when a
+//! client deletes it (or its kernel is shut down through the Kernel Gateway API, or culled:
+//! the session ends with it, as without a store). Cells a JupyterLab client ran on a
+//! session's kernel are written with the session's next API v1 execution. Writes are queued to the store's writer thread; the cells are even
+//! turned into JSON there, so an execution's answer never waits for the store.
+//!
+//! After a restart the kernels are gone (adopting them is not done yet): each stored session
+//! comes back *dormant* ([`Dormant`]): listed with its id, tenant, policy, kernelspec and
+//! creation time, its state `dead` with [`KERNEL_LOST`] as the reason and its state
+//! generation moved on (its variables are gone); its notebook exports from the stored cells
+//! and its artifacts stay. Its next execute (or restart) starts a new kernel under the same
+//! id ([`super::Sessions::revive`]), whose history goes on from the stored cells.
+//!
+//! A gateway stopping (SIGTERM) ends its kernels but keeps its sessions: only a client's
+//! delete removes a session from the store.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::{ExecutionResult, HistoryEntry, Session, SessionModel, SessionState};
+use crate::ids::{ExecutionId, SessionId};
+use crate::kernel::history::RecordedCell;
+use crate::kernel::HistorySnapshot;
+use crate::store::{ExecutionRow, SessionRow, Store, StoredSession, UsageRow};
+
+/// The reason a dormant session gives for its kernel.
+pub const KERNEL_LOST: &str = "kernel_lost: the gateway restarted and this session's kernel (its variables and workspace files) is gone; its next execute starts a new kernel";
+
+/// A session known from the store whose kernel did not survive the gateway's restart.
+#[derive(Debug, Clone)]
+pub struct Dormant {
+    pub id: SessionId,
+    pub row: SessionRow,
+    language_info: Option<Value>,
+    cells: Vec<Value>,
+    executions: Vec<ExecutionRow>,
+}
+
+impl Dormant {
+    /// A stored session, its state generation moved on past its lost kernel's. `None` when
+    /// its id is not a session id (the log says so).
+    pub(super) fn from_stored(stored: StoredSession) -> Option<Dormant> {
+        let Ok(id) = SessionId::parse(&stored.session.id) else {
+            tracing::error!(session_id = %stored.session.id, "a stored session's id does not parse: it is left out");
+            return None;
+        };
+        let mut row = stored.session;
+        row.generation += 1;
+        Some(Dormant {
+            id,
+            row,
+            language_info: stored.language_info,
+            cells: stored.cells,
+            executions: stored.executions,
+        })
+    }
+
+    pub fn owner(&self) -> Option<&str> {
+        self.row.tenant.as_deref()
+    }
+
+    pub fn model(&self) -> SessionModel {
+        let last_activity = self
+            .executions
+            .last()
+            .map_or_else(|| self.row.created.clone(), |e| e.started.clone());
+        SessionModel {
+            id: self.id.clone(),
+            kernel_name: self.row.kernel_name.clone(),
+            language: self.row.language.clone(),
+            policy: self.row.policy.clone(),
+            sandbox: self.row.sandbox.clone(),
+            state: SessionState::Dead,
+            state_generation: self.row.generation,
+            created: self.row.created.clone(),
+            last_activity,
+            executions: self.executions.len(),
+            tenant: self.row.tenant.clone(),
+            reason: Some(KERNEL_LOST.to_owned()),
+        }
+    }
+
+    fn recorded_cells(&self) -> Vec<RecordedCell> {
+        self.cells
+            .iter()
+            .cloned()
+            .filter_map(RecordedCell::from_stored)
+            .collect()
+    }
+
+    /// The stored history, as notebook export reads a kernel's.
+    pub fn history(&self) -> HistorySnapshot {
+        HistorySnapshot {
+            cells: self
+                .recorded_cells()
+                .into_iter()
+                .filter(|c| !c.aborted())
+                .collect(),
+            language_info: self.language_info.clone(),
+            truncated: false,
+            cells_dropped: 0,
+        }
+    }
+
+    /// What the new kernel's history and the session's execution list start from.
+    pub(super) fn into_history(self) -> (Vec<RecordedCell>, Option<Value>, Vec<HistoryEntry>) {
+        let cells = self.recorded_cells();
+        let entries = self.executions();
+        (cells, self.language_info, entries)
+    }
+
+    /// The session's executions as the store kept them, oldest first: their results, not
+    /// their events (what `GET …/executions` answers before the session is revived).
+    pub fn executions(&self) -> Vec<HistoryEntry> {
+        self.executions
+            .iter()
+            .filter_map(|e| {
+                let execution_id = ExecutionId::parse(&e.execution_id).ok()?;
+                let result = e
+                    .result
+                    .clone()
+                    .and_then(|r| serde_json::from_value::<ExecutionResult>(r).ok())
+                    .map(Arc::new);
+                Some(HistoryEntry {
+                    execution_id,
+                    code: e.code.clone(),
+                    started: e.started.clone(),
+                    events: Vec::new(),
+                    result,
+                })
+            })
+            .collect()
+    }
+}
+
+/// A live session's row.
+pub(super) fn row_of(session: &Session) -> SessionRow {
+    let model = session.model();
+    SessionRow {
+        id: session.id.to_string(),
+        tenant: session.owner.clone(),
+        policy: model.policy,
+        kernel_name: model.kernel_name,
+        language: model.language,
+        sandbox: model.sandbox,
+        created: model.created,
+        generation: model.state_generation,
+    }
+}
+
+/// Writes what a finished execution adds: its result, the history's new cells (turned into
+/// JSON on the store's writer thread), and its usage.
+pub(super) fn execution_finished(
+    store: &Store,
+    session: &Session,
+    entry: &HistoryEntry,
+    output_bytes: u64,
+) {
+    let id = session.id.to_string();
+    let result = entry.result.as_deref();
+    store.put_execution(
+        &id,
+        ExecutionRow {
+            execution_id: entry.execution_id.to_string(),
+            code: entry.code.clone(),
+            started: entry.started.clone(),
+            result: result.and_then(|r| serde_json::to_value(r).ok()),
+        },
+    );
+    let history = session.kernel.router().history();
+    let persisted = session.persisted_cells.clone();
+    store.put_cells_with(&id, move || {
+        let from = persisted.load(std::sync::atomic::Ordering::SeqCst);
+        let (cells, next, language_info) = history.tail(from);
+        persisted.store(next, std::sync::atomic::Ordering::SeqCst);
+        let cells = (from..)
+            .zip(cells.iter().map(RecordedCell::to_stored))
+            .map(|(index, cell)| (index as u64, cell))
+            .collect();
+        (language_info, cells)
+    });
+    if let Some(result) = result {
+        store.record_usage(UsageRow {
+            at: crate::timestamp::format_timestamp(time::OffsetDateTime::now_utc()),
+            tenant: session.owner.clone(),
+            session: id,
+            policy: session.kernel.policy.clone(),
+            execution_id: result.execution_id.to_string(),
+            wall_ms: result.duration_ms,
+            cpu_ms: result.resources.cpu_time_ms,
+            peak_memory_bytes: result.resources.memory_peak_bytes,
+            output_bytes,
+            artifact_bytes: result.artifacts.iter().map(|a| a.bytes).sum(),
+            outcome: serde_json::to_value(result.status)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+        });
+    }
+}

@@ -1,0 +1,137 @@
+//! The store's schema and its migrations: numbered steps, the number reached kept in SQLite's
+//! own `PRAGMA user_version`.
+//!
+//! Hand-written rather than `rusqlite_migration` (which keeps the same number the same
+//! way): that crate pins an older rusqlite, and a crate that links SQLite (`links =
+//! "sqlite3"`) can be in the tree only once, so every rusqlite upgrade would wait for it,
+//! for a loop of a dozen lines. A step is appended, never edited once released; each runs in
+//! its own transaction with the version it reaches, so a crash between steps leaves a
+//! database at a known version.
+
+use rusqlite::Connection;
+
+/// The schema steps; step `n` (from 1) takes a database from version `n - 1` to `n`.
+const STEPS: &[&str] = &[
+    // 1: sessions, what export and replay need of their executions, the artifact index,
+    // the usage ledger.
+    "
+    CREATE TABLE sessions (
+        id TEXT PRIMARY KEY,
+        tenant TEXT,
+        policy TEXT NOT NULL,
+        kernel_name TEXT NOT NULL,
+        language TEXT NOT NULL,
+        sandbox TEXT NOT NULL,
+        created TEXT NOT NULL,
+        generation INTEGER NOT NULL,
+        language_info TEXT
+    ) STRICT;
+    CREATE TABLE cells (
+        session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+        idx INTEGER NOT NULL,
+        cell TEXT NOT NULL,
+        PRIMARY KEY (session_id, idx)
+    ) STRICT;
+    CREATE TABLE executions (
+        session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+        execution_id TEXT NOT NULL,
+        code TEXT NOT NULL,
+        started TEXT NOT NULL,
+        result TEXT,
+        PRIMARY KEY (session_id, execution_id)
+    ) STRICT;
+    CREATE TABLE artifacts (
+        id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        tenant TEXT,
+        sha256 TEXT NOT NULL,
+        record TEXT NOT NULL,
+        expires_at INTEGER,
+        linkable INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX artifacts_by_session ON artifacts(session_id);
+    CREATE TABLE usage (
+        id INTEGER PRIMARY KEY,
+        at TEXT NOT NULL,
+        tenant TEXT,
+        session_id TEXT NOT NULL,
+        policy TEXT NOT NULL,
+        execution_id TEXT NOT NULL,
+        wall_ms INTEGER NOT NULL,
+        cpu_ms INTEGER,
+        peak_memory_bytes INTEGER,
+        output_bytes INTEGER NOT NULL,
+        artifact_bytes INTEGER NOT NULL,
+        outcome TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX usage_by_tenant ON usage(tenant, at);
+    ",
+];
+
+/// The schema version this binary writes.
+pub const VERSION: u32 = STEPS.len() as u32;
+
+/// Why the schema could not be brought to [`VERSION`].
+#[derive(Debug)]
+pub enum MigrateError {
+    /// A later cellgate wrote this database: this one would misread it.
+    TooNew {
+        found: u32,
+    },
+    Sqlite(rusqlite::Error),
+}
+
+impl From<rusqlite::Error> for MigrateError {
+    fn from(err: rusqlite::Error) -> MigrateError {
+        MigrateError::Sqlite(err)
+    }
+}
+
+/// Runs the steps the database has not had yet.
+pub fn migrate(connection: &mut Connection) -> Result<(), MigrateError> {
+    let found: u32 = connection.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    if found > VERSION {
+        return Err(MigrateError::TooNew { found });
+    }
+    for (done, step) in STEPS.iter().enumerate().skip(found as usize) {
+        let transaction = connection.transaction()?;
+        transaction.execute_batch(step)?;
+        // The pragma takes no parameter; the number is ours.
+        transaction.execute_batch(&format!("PRAGMA user_version = {}", done + 1))?;
+        transaction.commit()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_database_reaches_the_latest_version_and_stays_there() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        migrate(&mut connection).unwrap();
+        let version: u32 = connection
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(version, VERSION);
+        // Again: nothing to do, nothing fails.
+        migrate(&mut connection).unwrap();
+        let count: i64 = connection
+            .query_row("SELECT count(*) FROM usage", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(count, 0);
+    }
+
+    #[test]
+    fn a_newer_schema_is_refused() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        connection
+            .execute_batch(&format!("PRAGMA user_version = {}", VERSION + 1))
+            .unwrap();
+        match migrate(&mut connection) {
+            Err(MigrateError::TooNew { found }) => assert_eq!(found, VERSION + 1),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,505 @@
+//! The gateway's state across restarts (`--state-dir`, src/store): a gateway killed with
+//! SIGKILL and started again on the same directory knows its sessions (tenant, policy,
+//! kernelspec, history, artifacts), reports their kernels lost with the state generation
+//! moved on, and starts a new kernel at the next execute; a damaged, missing or held store
+//! stops the start with a clear error, never a silent fresh start.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use reqwest::Method;
+use serde_json::{json, Value};
+
+use crate::support::v1::V1Client;
+use crate::support::{eventually, kernels_dir, repo, Gateway, PATIENCE};
+use crate::tenants::{claims, hs256, secret_file};
+
+/// A gateway on state directory `state` that accepts the tenants' test JWTs.
+async fn gateway_on(state: &Path, secret: &Path) -> Result<Gateway> {
+    Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .arg("--jwt-secret-file")
+        .arg(secret.to_str().context("path")?)
+        .start()
+        .await
+}
+
+/// A count from the gateway's database, read beside the running gateway (SQLite in WAL
+/// mode lets a reader in while the writer works).
+fn count(state: &Path, sql: &str, session: &str) -> i64 {
+    let open = rusqlite::Connection::open_with_flags(
+        state.join("cellgate.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE,
+    );
+    open.and_then(|db| db.query_row(sql, [session], |row| row.get(0)))
+        .unwrap_or(-1)
+}
+
+/// Waits until the store holds `n` executions, cells and usage rows of `session` (the
+/// gateway writes them after each answer, from its writer thread).
+async fn stored(state: &Path, session: &str, n: i64) -> Result<()> {
+    let done = eventually(PATIENCE, || {
+        count(
+            state,
+            "SELECT count(*) FROM executions WHERE session_id = ?1",
+            session,
+        ) == n
+            && count(
+                state,
+                "SELECT count(*) FROM cells WHERE session_id = ?1",
+                session,
+            ) == n
+            && count(
+                state,
+                "SELECT count(*) FROM usage WHERE session_id = ?1",
+                session,
+            ) == n
+    })
+    .await;
+    if !done {
+        bail!("the store never held {n} executions and cells of {session}");
+    }
+    Ok(())
+}
+
+/// The code cells' sources and the outputs' texts and MIME types of an exported notebook.
+fn cells_of(notebook: &Value) -> Vec<(String, String)> {
+    notebook["cells"]
+        .as_array()
+        .map(|cells| {
+            cells
+                .iter()
+                .map(|cell| {
+                    let source = match &cell["source"] {
+                        Value::Array(lines) => {
+                            lines.iter().filter_map(Value::as_str).collect::<String>()
+                        }
+                        other => other.as_str().unwrap_or_default().to_owned(),
+                    };
+                    (source, cell["outputs"].to_string())
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+const PLOT: &str = r#"
+import matplotlib
+matplotlib.use('agg')
+import matplotlib.pyplot as plt
+fig, ax = plt.subplots(figsize=(2, 2), dpi=40)
+ax.plot([1, 3, 2])
+plt.show()
+"#;
+
+#[tokio::test]
+async fn a_gateway_restarted_after_sigkill_knows_its_sessions() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let acme = hs256(&claims("acme", "default"));
+    let umbrella = hs256(&claims("umbrella", "default"));
+
+    let mut first = gateway_on(&state, &secret).await?;
+    let before = V1Client::bearer(&first, &acme)
+        .new_session(json!({"policy": "default"}))
+        .await?;
+    let id = before.id.clone();
+    let client = V1Client::bearer(&first, &acme);
+    let hello = client.run(&id, "x = 6 * 7\nprint('hello', x)").await?;
+    assert_eq!(hello.stdout, "hello 42\n");
+    let plot = client.run(&id, PLOT).await?;
+    let png = plot
+        .artifacts
+        .iter()
+        .find(|a| a.mime == "image/png")
+        .with_context(|| format!("no PNG artifact: {plot:?}"))?
+        .id
+        .to_string();
+    let bytes = client.artifact(&png).await?.bytes().await?;
+    assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
+    let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+    let generation = model["state_generation"].as_u64().context("generation")?;
+    stored(&state, &id, 2).await?;
+
+    // No chance to write anything more: the store has what it had.
+    first.child.kill()?;
+    first.child.wait()?;
+    drop(first);
+
+    let second = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&second, &acme);
+    let (status, listed) = client.get("/v1/sessions").await?;
+    assert_eq!(status, 200, "{listed}");
+    let listed = listed.as_array().context("a list")?;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let session = &listed[0];
+    assert_eq!(session["id"], id.as_str());
+    assert_eq!(session["tenant"], "acme");
+    assert_eq!(session["policy"], before.model.policy.as_str());
+    assert_eq!(session["kernel_name"], before.model.kernel_name.as_str());
+    assert_eq!(session["language"], "python");
+    assert_eq!(session["created"], before.model.created.as_str());
+    assert_eq!(session["executions"], 2);
+    assert_eq!(session["state"], "dead", "{session}");
+    assert!(
+        session["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("kernel_lost")),
+        "{session}"
+    );
+    let lost_generation = session["state_generation"].as_u64().context("generation")?;
+    assert!(
+        lost_generation > generation,
+        "{lost_generation} after {generation}"
+    );
+    // Another tenant sees nothing of it.
+    let other = V1Client::bearer(&second, &umbrella);
+    assert_eq!(other.get("/v1/sessions").await?.1, json!([]));
+    assert_eq!(other.get(&format!("/v1/sessions/{id}")).await?.0, 404);
+    assert_eq!(other.artifact(&png).await?.status().as_u16(), 404);
+
+    // Its history exports, its artifact downloads with the same bytes.
+    let response = client
+        .request(Method::GET, &format!("/v1/sessions/{id}/notebook"))
+        .send()
+        .await?;
+    assert_eq!(response.status().as_u16(), 200);
+    let notebook: Value = response.json().await?;
+    let cells = cells_of(&notebook);
+    assert_eq!(cells.len(), 2, "{notebook}");
+    assert!(cells[0].0.contains("print('hello', x)") && cells[0].1.contains("hello 42"));
+    assert!(cells[1].0.contains("ax.plot") && cells[1].1.contains("image/png"));
+    let again = client.artifact(&png).await?;
+    assert_eq!(again.status().as_u16(), 200);
+    assert_eq!(again.bytes().await?, bytes);
+    let (_, artifacts) = client.get(&format!("/v1/sessions/{id}/artifacts")).await?;
+    assert!(
+        artifacts.to_string().contains(&png),
+        "{artifacts} has no {png}"
+    );
+    // The usage ledger outlived the process too.
+    let (status, usage) = client.get("/v1/usage").await?;
+    assert_eq!(status, 200, "{usage}");
+    assert_eq!(
+        usage["records"].as_array().map(Vec::len),
+        Some(2),
+        "{usage}"
+    );
+    assert_eq!(usage["records"][0]["outcome"], "ok");
+    // Routes that need the kernel's process say it is gone.
+    let (status, files) = client.get(&format!("/v1/sessions/{id}/files")).await?;
+    assert_eq!(status, 409, "{files}");
+    // A result a client never saw can still be fetched, as JSON or as the `done` a resumed
+    // stream ends with; another tenant cannot.
+    let hello_id = hello.execution_id.to_string();
+    let (status, listed) = client.get(&format!("/v1/sessions/{id}/executions")).await?;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(listed[0]["execution_id"], hello_id.as_str(), "{listed}");
+    assert_eq!(listed[0]["status"], "ok", "{listed}");
+    let hello_path = format!("/v1/sessions/{id}/executions/{hello_id}");
+    let (status, record) = client.get(&hello_path).await?;
+    assert_eq!(status, 200, "{record}");
+    assert_eq!(record["state"], "done", "{record}");
+    assert_eq!(record["result"]["stdout"], "hello 42\n", "{record}");
+    let mut resumed = client.sse_get(&hello_path, Some(3)).await?;
+    let (event_id, name, done) = resumed.next_with_id().await?;
+    assert_eq!(name, "done", "{done}");
+    assert_eq!(event_id.as_deref(), Some("4"), "numbered after the client's last id");
+    assert_eq!(done["result"]["stdout"], "hello 42\n", "{done}");
+    assert_eq!(other.get(&hello_path).await?.0, 404);
+
+    // The next execute starts a new kernel: the variables are gone, the generation is the
+    // one the listing gave, and the history goes on.
+    let lost = client.run(&id, "x").await?;
+    assert_eq!(
+        lost.error.as_ref().map(|e| e.ename.as_str()),
+        Some("NameError")
+    );
+    assert_eq!(lost.state_generation, lost_generation);
+    let fresh = client.run(&id, "print(1 + 1)").await?;
+    assert_eq!(fresh.stdout, "2\n");
+    // Revived, the session still answers for the executions before the restart.
+    let mut resumed = client.sse_get(&hello_path, None).await?;
+    let (_, name, done) = resumed.next_with_id().await?;
+    assert_eq!(name, "done", "{done}");
+    assert_eq!(done["result"]["stdout"], "hello 42\n", "{done}");
+    let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(model["state"], "idle", "{model}");
+    assert_eq!(model["executions"], 4);
+    let notebook: Value = client
+        .request(Method::GET, &format!("/v1/sessions/{id}/notebook"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let cells = cells_of(&notebook);
+    assert_eq!(cells.len(), 4, "{notebook}");
+    assert!(cells[0].0.contains("print('hello', x)") && cells[3].0.contains("print(1 + 1)"));
+    stored(&state, &id, 4).await?;
+
+    // A deleted session leaves the store.
+    assert_eq!(
+        client
+            .request(Method::DELETE, &format!("/v1/sessions/{id}"))
+            .send()
+            .await?
+            .status()
+            .as_u16(),
+        204
+    );
+    let gone = eventually(PATIENCE, || {
+        count(&state, "SELECT count(*) FROM sessions WHERE id = ?1", &id) == 0
+    })
+    .await;
+    assert!(gone, "the deleted session is still in the store");
+    Ok(())
+}
+
+/// `cellgate serve` on state directory `state`, expected to stop at start: its exit status
+/// and stderr (a gateway that starts instead fails the test).
+async fn refused_start(state: &Path) -> Result<(std::process::ExitStatus, String)> {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_cellgate"));
+    command
+        .args([
+            "serve",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--pool-size",
+            "0",
+        ])
+        .args(["--kernel-zygote", "false"])
+        .arg("--kernels-dir")
+        .arg(kernels_dir())
+        .arg("--policies-dir")
+        .arg(repo().join("policies"))
+        .arg("--state-dir")
+        .arg(state)
+        .kill_on_drop(true);
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        if (name.starts_with("CELLGATE_") || name.starts_with("KG_"))
+            && !name.starts_with("CELLGATE_TEST_")
+            && name != "CELLGATE_GUEST_DIR"
+        {
+            command.env_remove(name);
+        }
+    }
+    let output = tokio::time::timeout(PATIENCE, command.output())
+        .await
+        .context("the gateway started instead of refusing")??;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    if stdout.contains("listening") {
+        bail!("the gateway started: {stdout}{stderr}");
+    }
+    Ok((output.status, stderr))
+}
+
+/// A state directory a gateway has used (it holds a store), and the database's path.
+async fn used_state_dir(dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    let state = dir.join("state");
+    let gateway = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .start()
+        .await?;
+    drop(gateway);
+    let db = state.join("cellgate.db");
+    assert!(db.is_file(), "no database in {}", state.display());
+    Ok((state, db))
+}
+
+#[tokio::test]
+async fn a_damaged_or_missing_store_stops_the_start() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (state, db) = used_state_dir(dir.path()).await?;
+
+    std::fs::write(&db, vec![0x42; 64 << 10])?;
+    let (status, stderr) = refused_start(&state).await?;
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&db.display().to_string())
+            && stderr.contains("not a usable cellgate store"),
+        "{stderr}"
+    );
+
+    for file in ["cellgate.db", "cellgate.db-wal", "cellgate.db-shm"] {
+        let _ = std::fs::remove_file(state.join(file));
+    }
+    let (status, stderr) = refused_start(&state).await?;
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&db.display().to_string())
+            && stderr.contains("is missing")
+            && stderr.contains("delete the state directory"),
+        "{stderr}"
+    );
+    assert!(
+        !db.exists(),
+        "a refused start must not make a fresh database"
+    );
+
+    // Deleting the directory is the way to start afresh.
+    std::fs::remove_dir_all(&state)?;
+    let gateway = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .start()
+        .await?;
+    assert_eq!(
+        V1Client::new(&gateway).get("/v1/sessions").await?.1,
+        json!([])
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_store_held_by_a_running_gateway_refuses_a_second_one() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .start()
+        .await?;
+    let (status, stderr) = refused_start(&state).await?;
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("in use by another cellgate")
+            && stderr.contains(&format!("pid {}", first.pid())),
+        "{stderr}"
+    );
+    // The first is unharmed.
+    assert_eq!(V1Client::new(&first).get("/v1/sessions").await?.0, 200);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_store_keeps_a_usage_ledger_each_tenant_reads_its_own_of() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let gateway = gateway_on(&state, &secret).await?;
+    let acme = V1Client::bearer(&gateway, &hs256(&claims("acme", "default")));
+    let umbrella = V1Client::bearer(&gateway, &hs256(&claims("umbrella", "default")));
+    let mut sessions = Vec::new();
+    for (client, code) in [(&acme, "print('x' * 1000)"), (&umbrella, "1 / 0")] {
+        let id = client.create_session(json!({})).await?;
+        client.run(&id, code).await?;
+        sessions.push(id);
+    }
+    for id in &sessions {
+        let written = eventually(PATIENCE, || {
+            count(
+                &state,
+                "SELECT count(*) FROM usage WHERE session_id = ?1",
+                id,
+            ) == 1
+        })
+        .await;
+        assert!(written, "no usage row for {id}");
+    }
+
+    let (status, own) = acme.get("/v1/usage").await?;
+    assert_eq!(status, 200, "{own}");
+    let records = own["records"].as_array().context("records")?;
+    assert_eq!(records.len(), 1, "{own}");
+    let record = &records[0];
+    assert_eq!(record["tenant"], "acme");
+    assert_eq!(record["session_id"], sessions[0].as_str());
+    assert_eq!(record["policy"], "default");
+    assert_eq!(record["outcome"], "ok");
+    assert!(record["output_bytes"].as_u64() >= Some(1000), "{record}");
+    assert_eq!(own["totals"]["executions"], 1);
+    assert_eq!(
+        umbrella.get("/v1/usage").await?.1["records"][0]["outcome"],
+        "error"
+    );
+    // Never another tenant's.
+    assert_eq!(acme.get("/v1/usage?tenant=umbrella").await?.0, 403);
+
+    // The admin reads everyone's, or one tenant's, in a period.
+    let admin = V1Client::new(&gateway);
+    let (_, all) = admin.get("/v1/usage").await?;
+    assert_eq!(all["totals"]["executions"], 2, "{all}");
+    let (_, one) = admin.get("/v1/usage?tenant=umbrella").await?;
+    assert_eq!(one["records"].as_array().map(Vec::len), Some(1), "{one}");
+    let (_, later) = admin.get("/v1/usage?since=2999-01-01T00:00:00Z").await?;
+    assert_eq!(later["records"], json!([]));
+    let (_, earlier) = admin
+        .get("/v1/usage?since=2000-01-01T00:00:00Z&until=2999-01-01T00:00:00%2B01:00")
+        .await?;
+    assert_eq!(earlier["totals"]["executions"], 2, "{earlier}");
+    assert_eq!(admin.get("/v1/usage?since=yesterday").await?.0, 400);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(&config, "[tenants.limits.acme]\ncpu_seconds_per_day = 1\n")?;
+    let gateway = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .arg("--jwt-secret-file")
+        .arg(secret.to_str().context("path")?)
+        .arg("--config")
+        .arg(config.to_str().context("path")?)
+        .start()
+        .await?;
+    let acme = V1Client::bearer(&gateway, &hs256(&claims("acme", "default")));
+    let umbrella = V1Client::bearer(&gateway, &hs256(&claims("umbrella", "default")));
+    let id = acme.create_session(json!({})).await?;
+    let burn = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 1.5:\n    pass";
+    let burnt = acme.run(&id, burn).await?;
+    assert!(
+        burnt.resources.cpu_time_ms >= Some(1000),
+        "{:?}",
+        burnt.resources
+    );
+    let written = eventually(PATIENCE, || {
+        count(
+            &state,
+            "SELECT count(*) FROM usage WHERE session_id = ?1",
+            &id,
+        ) == 1
+    })
+    .await;
+    assert!(written, "no usage row");
+
+    let (status, refused) = acme
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
+        .await?;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(refused["code"], "quota_exceeded");
+    let message = refused["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("cpu_seconds_per_day") && message.contains("resets at"),
+        "{message}"
+    );
+    let (status, _) = acme.post("/v1/execute", json!({"code": "1"})).await?;
+    assert_eq!(status, 429);
+    // Another tenant, and the admin, have no such quota.
+    let other = umbrella.create_session(json!({})).await?;
+    assert_eq!(
+        umbrella.run(&other, "1 + 1").await?.result.as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        V1Client::new(&gateway)
+            .run(&id, "1 + 1")
+            .await?
+            .result
+            .as_deref(),
+        Some("2")
+    );
+    Ok(())
+}
