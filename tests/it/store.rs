@@ -207,7 +207,11 @@ async fn a_gateway_restarted_after_sigkill_knows_its_sessions() -> Result<()> {
     let mut resumed = client.sse_get(&hello_path, Some(3)).await?;
     let (event_id, name, done) = resumed.next_with_id().await?;
     assert_eq!(name, "done", "{done}");
-    assert_eq!(event_id.as_deref(), Some("4"), "numbered after the client's last id");
+    assert_eq!(
+        event_id.as_deref(),
+        Some("4"),
+        "numbered after the client's last id"
+    );
     assert_eq!(done["result"]["stdout"], "hello 42\n", "{done}");
     assert_eq!(other.get(&hello_path).await?.0, 404);
 
