@@ -11,6 +11,9 @@ use time::OffsetDateTime;
 /// `YYYY-MM-DDTHH:MM:SS.ffffffZ`, always six digits: GatewayClient parses `last_activity` with
 /// `strptime("%Y-%m-%dT%H:%M:%S.%fZ")`.
 pub fn format_timestamp(at: OffsetDateTime) -> String {
+    // The fields are read in UTC whatever offset `at` carries (an RFC 3339 instant a
+    // client sent with `+02:00` names the same instant as its UTC spelling).
+    let at = at.to_offset(time::UtcOffset::UTC);
     format!(
         "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:06}Z",
         at.year(),
@@ -33,5 +36,8 @@ mod tests {
         assert_eq!(format_timestamp(at), "2023-11-14T22:13:20.000000Z");
         let at = at + time::Duration::microseconds(42);
         assert_eq!(format_timestamp(at), "2023-11-14T22:13:20.000042Z");
+        // Another offset: the same instant, written in UTC.
+        let east = at.to_offset(time::UtcOffset::from_hms(2, 0, 0).unwrap());
+        assert_eq!(format_timestamp(east), "2023-11-14T22:13:20.000042Z");
     }
 }

@@ -101,6 +101,11 @@ impl<'a> Turn<'a> {
         code: String,
         started_at: String,
     ) -> Turn<'a> {
+        // Recorded as begun (no result yet): if the gateway dies before `done`, the next one
+        // answers for it as lost rather than not knowing it (`persistence::lost_result`).
+        if let Some(store) = &session.store {
+            super::persistence::execution_begun(store, session, &execution_id, &code, &started_at);
+        }
         session
             .journal
             .lock()

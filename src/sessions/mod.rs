@@ -319,12 +319,17 @@ impl Session {
     ) -> Option<mpsc::UnboundedReceiver<Numbered>> {
         // Subscribed before the snapshot is read: nothing published between is missed.
         let mut live = self.subscribe();
-        let snapshot = self.journal.lock().execution(execution_id)?.clone();
+        let (snapshot, newest) = {
+            let journal = self.journal.lock();
+            (journal.execution(execution_id)?.clone(), journal.newest())
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let weak = Arc::downgrade(self);
         let execution_id = execution_id.clone();
         tokio::spawn(async move {
-            let mut last = after;
+            // An id ahead of the session's (ids began again after a take-over or a restart)
+            // must not hide the events to come.
+            let mut last = after.min(newest);
             // Sends what `entry` holds past `last`; true once its `done` went.
             let send_recorded = |entry: &HistoryEntry, last: &mut u64| {
                 for event in &entry.events {
@@ -336,7 +341,9 @@ impl Session {
                         return true;
                     }
                 }
-                if let Some(done) = entry.restored_done(*last) {
+                // Numbered after what the client saw, which may be ahead of this
+                // session's ids (it must not be taken for a repeat).
+                if let Some(done) = entry.restored_done((*last).max(after)) {
                     *last = done.id;
                     let _ = tx.send(done);
                 }
@@ -578,8 +585,6 @@ pub struct Sessions {
     store: Option<Arc<Store>>,
     /// Sessions from the store whose kernel did not survive the restart.
     dormant: RwLock<HashMap<SessionId, Arc<Dormant>>>,
-    /// One revival at a time: two requests for the same dormant session start one kernel.
-    reviving: tokio::sync::Mutex<()>,
     /// The gateway is stopping: kernels ending now keep their sessions in the store.
     closing: std::sync::atomic::AtomicBool,
 }
@@ -607,7 +612,6 @@ impl Sessions {
             options,
             store,
             dormant: RwLock::new(HashMap::new()),
-            reviving: tokio::sync::Mutex::new(()),
             closing: std::sync::atomic::AtomicBool::new(false),
         })
     }
@@ -668,11 +672,15 @@ impl Sessions {
         id: &SessionId,
         max_kernels: Option<usize>,
     ) -> Result<Arc<Session>, SessionError> {
-        let _one_at_a_time = self.reviving.lock().await;
+        let Some(dormant) = self.dormant(id) else {
+            return self.get(id).ok_or(SessionError::NotFound);
+        };
+        let reviving = dormant.reviving.clone();
+        let _one_at_a_time = reviving.lock().await;
+        // Revived by the request this one waited for.
         if let Some(session) = self.get(id) {
             return Ok(session);
         }
-        let dormant = self.dormant(id).ok_or(SessionError::NotFound)?;
         let row = &dormant.row;
         let owner = row.tenant.as_ref().map(|tenant| crate::kernel::Owner {
             tenant: tenant.clone(),

@@ -40,6 +40,9 @@ pub struct Dormant {
     language_info: Option<Value>,
     cells: Vec<Value>,
     executions: Vec<ExecutionRow>,
+    /// Held while its kernel starts again: concurrent requests for it wait for one revival,
+    /// and other sessions' revivals do not wait at all.
+    pub(super) reviving: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Dormant {
@@ -58,6 +61,7 @@ impl Dormant {
             language_info: stored.language_info,
             cells: stored.cells,
             executions: stored.executions,
+            reviving: Arc::default(),
         })
     }
 
@@ -122,11 +126,22 @@ impl Dormant {
             .iter()
             .filter_map(|e| {
                 let execution_id = ExecutionId::parse(&e.execution_id).ok()?;
-                let result = e
-                    .result
-                    .clone()
-                    .and_then(|r| serde_json::from_value::<ExecutionResult>(r).ok())
-                    .map(Arc::new);
+                let lost = |why: &str| {
+                    lost_result(&execution_id, self.row.generation.saturating_sub(1), why)
+                };
+                let result = match e.result.clone() {
+                    // Begun, never done: the gateway died while it ran.
+                    None => lost("the gateway stopped while this execution ran: its outputs were not kept"),
+                    Some(json) => match serde_json::from_value::<ExecutionResult>(json) {
+                        Ok(result) => result,
+                        Err(err) => {
+                            // Written by another version, or damaged: said, not guessed.
+                            tracing::warn!(session_id = %self.id, execution_id = %execution_id, %err, "a stored execution's result does not read");
+                            lost("its stored result could not be read")
+                        }
+                    },
+                };
+                let result = Some(Arc::new(result));
                 Some(HistoryEntry {
                     execution_id,
                     code: e.code.clone(),
@@ -137,6 +152,52 @@ impl Dormant {
             })
             .collect()
     }
+}
+
+/// The result of an execution the store cannot give one for (it was running when the gateway
+/// died, or its stored result does not read): `sandbox_lost`, saying why.
+fn lost_result(execution_id: &ExecutionId, generation: u64, why: &str) -> ExecutionResult {
+    ExecutionResult {
+        execution_id: execution_id.clone(),
+        status: super::Status::SandboxLost,
+        execution_count: None,
+        stdout: String::new(),
+        stderr: String::new(),
+        stdout_truncated: false,
+        stderr_truncated: false,
+        output_truncated: false,
+        result: None,
+        error: Some(super::ExecError {
+            ename: "KernelLost".to_owned(),
+            evalue: why.to_owned(),
+            traceback: Vec::new(),
+        }),
+        artifacts: Vec::new(),
+        omitted: Vec::new(),
+        denials: Vec::new(),
+        duration_ms: 0,
+        state_generation: generation,
+        resources: super::Resources::default(),
+    }
+}
+
+/// Records that an execution began (its result comes with `execution_finished`).
+pub(super) fn execution_begun(
+    store: &Store,
+    session: &Session,
+    execution_id: &ExecutionId,
+    code: &str,
+    started: &str,
+) {
+    store.put_execution(
+        &session.id.to_string(),
+        ExecutionRow {
+            execution_id: execution_id.to_string(),
+            code: code.to_owned(),
+            started: started.to_owned(),
+            result: None,
+        },
+    );
 }
 
 /// A live session's row.

@@ -133,6 +133,19 @@ impl Store {
             .mode(0o700)
             .create(dir)
             .map_err(io("create it"))?;
+        // An existing directory (an operator's, or a parent made by hand) is made private:
+        // it holds every session's code, outputs and tenants. The files in it inherit that.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(dir)
+                .map_err(io("read it"))?
+                .permissions()
+                .mode();
+            if mode & 0o077 != 0 {
+                std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode & 0o700))
+                    .map_err(io("make it private (mode 0700)"))?;
+            }
+        }
         let lock = lock_dir(dir)?;
         let db = dir.join(DB_FILE);
         let marker = dir.join(MARKER_FILE);

@@ -71,20 +71,15 @@ const STEPS: &[&str] = &[
 /// The schema version this binary writes.
 pub const VERSION: u32 = STEPS.len() as u32;
 
-/// Why the schema could not be brought to [`VERSION`].
-#[derive(Debug)]
+/// Why the schema could not be brought to [`VERSION`] (`StoreError` says it to the operator,
+/// naming the file; this is the step's own account).
+#[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
     /// A later cellgate wrote this database: this one would misread it.
-    TooNew {
-        found: u32,
-    },
-    Sqlite(rusqlite::Error),
-}
-
-impl From<rusqlite::Error> for MigrateError {
-    fn from(err: rusqlite::Error) -> MigrateError {
-        MigrateError::Sqlite(err)
-    }
+    #[error("schema version {found} is newer than this cellgate's")]
+    TooNew { found: u32 },
+    #[error(transparent)]
+    Sqlite(#[from] rusqlite::Error),
 }
 
 /// Runs the steps the database has not had yet.

@@ -42,7 +42,7 @@ async fn stored(state: &Path, session: &str, n: i64) -> Result<()> {
     let done = eventually(PATIENCE, || {
         count(
             state,
-            "SELECT count(*) FROM executions WHERE session_id = ?1",
+            "SELECT count(*) FROM executions WHERE session_id = ?1 AND result IS NOT NULL",
             session,
         ) == n
             && count(
@@ -122,6 +122,28 @@ async fn a_gateway_restarted_after_sigkill_knows_its_sessions() -> Result<()> {
     let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
     let generation = model["state_generation"].as_u64().context("generation")?;
     stored(&state, &id, 2).await?;
+    // A third execution is running when the gateway dies: it is known as begun.
+    let mut running = client
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "import time\ntime.sleep(600)"}),
+        )
+        .await?;
+    let (name, started) = running.next().await?;
+    assert_eq!(name, "started", "{started}");
+    let running_id = started["execution_id"]
+        .as_str()
+        .context("the started event's execution id")?
+        .to_owned();
+    let begun = eventually(PATIENCE, || {
+        count(
+            &state,
+            "SELECT count(*) FROM executions WHERE session_id = ?1 AND result IS NULL",
+            &id,
+        ) == 1
+    })
+    .await;
+    assert!(begun, "the running execution was never recorded as begun");
 
     // No chance to write anything more: the store has what it had.
     first.child.kill()?;
@@ -141,7 +163,7 @@ async fn a_gateway_restarted_after_sigkill_knows_its_sessions() -> Result<()> {
     assert_eq!(session["kernel_name"], before.model.kernel_name.as_str());
     assert_eq!(session["language"], "python");
     assert_eq!(session["created"], before.model.created.as_str());
-    assert_eq!(session["executions"], 2);
+    assert_eq!(session["executions"], 3);
     assert_eq!(session["state"], "dead", "{session}");
     assert!(
         session["reason"]
@@ -196,9 +218,17 @@ async fn a_gateway_restarted_after_sigkill_knows_its_sessions() -> Result<()> {
     let hello_id = hello.execution_id.to_string();
     let (status, listed) = client.get(&format!("/v1/sessions/{id}/executions")).await?;
     assert_eq!(status, 200, "{listed}");
-    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(listed.as_array().map(Vec::len), Some(3), "{listed}");
     assert_eq!(listed[0]["execution_id"], hello_id.as_str(), "{listed}");
     assert_eq!(listed[0]["status"], "ok", "{listed}");
+    // The one running at the crash is answered for as lost, never as running for good.
+    assert_eq!(listed[2]["execution_id"], running_id.as_str(), "{listed}");
+    assert_eq!(listed[2]["status"], "sandbox_lost", "{listed}");
+    let (_, lost) = client
+        .get(&format!("/v1/sessions/{id}/executions/{running_id}"))
+        .await?;
+    assert_eq!(lost["state"], "done", "{lost}");
+    assert_eq!(lost["result"]["error"]["ename"], "KernelLost", "{lost}");
     let hello_path = format!("/v1/sessions/{id}/executions/{hello_id}");
     let (status, record) = client.get(&hello_path).await?;
     assert_eq!(status, 200, "{record}");
@@ -214,6 +244,19 @@ async fn a_gateway_restarted_after_sigkill_knows_its_sessions() -> Result<()> {
     );
     assert_eq!(done["result"]["stdout"], "hello 42\n", "{done}");
     assert_eq!(other.get(&hello_path).await?.0, 404);
+
+    // A new kernel is a new sandbox under the caller's cap as it is now: the same tenant
+    // capped to a stricter policy than the session's cannot start it again.
+    let capped = hs256(&claims("acme", "strict"));
+    let (status, refused) = V1Client::bearer(&second, &capped)
+        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
+        .await?;
+    assert_eq!(status, 403, "{refused}");
+    assert_eq!(
+        client.get(&format!("/v1/sessions/{id}")).await?.1["state"],
+        "dead",
+        "still dormant"
+    );
 
     // The next execute starts a new kernel: the variables are gone, the generation is the
     // one the listing gave, and the history goes on.
@@ -232,7 +275,7 @@ async fn a_gateway_restarted_after_sigkill_knows_its_sessions() -> Result<()> {
     assert_eq!(done["result"]["stdout"], "hello 42\n", "{done}");
     let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(model["state"], "idle", "{model}");
-    assert_eq!(model["executions"], 4);
+    assert_eq!(model["executions"], 5);
     let notebook: Value = client
         .request(Method::GET, &format!("/v1/sessions/{id}/notebook"))
         .send()

@@ -167,6 +167,9 @@ async fn live_session_for(
 ) -> Result<Arc<Session>, ApiError> {
     match dormant_for(state, principal, id) {
         Some(dormant) => {
+            // The new kernel is a new sandbox: the caller's policy cap today applies, not
+            // the one the session was created under (it may have been lowered since).
+            crate::gateway::start_terms(state, principal, Some(&dormant.row.policy))?;
             let max_kernels = dormant.owner().and_then(|t| state.tenants.max_kernels(t));
             Ok(state.sessions.revive(&dormant.id, max_kernels).await?)
         }

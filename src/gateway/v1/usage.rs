@@ -61,7 +61,8 @@ pub struct UsageRecord {
     pub outcome: String,
 }
 
-/// The rows' sums.
+/// The returned rows' sums: with `truncated`, of those rows only (not of every row the
+/// period holds: ask for a shorter period).
 #[derive(Debug, Default, Serialize, ToSchema)]
 pub struct UsageTotals {
     pub executions: u64,
@@ -130,7 +131,12 @@ pub async fn usage(
         }
         (Principal::Tenant { tenant, .. }, _) => Some(Some(tenant.clone())),
     };
-    let limit = params.limit.unwrap_or(MAX_ROWS).clamp(1, MAX_ROWS);
+    let limit = params.limit.unwrap_or(MAX_ROWS);
+    if !(1..=MAX_ROWS).contains(&limit) {
+        return Err(ApiError::bad_request(format!(
+            "limit must be a number from 1 to {MAX_ROWS}"
+        )));
+    }
     let query = UsageQuery {
         tenant,
         since: instant("since", params.since)?,

@@ -256,7 +256,9 @@ fn with_init(argv: &[String], have_init: bool) -> Vec<String> {
 /// this, a cell's `os.kill(1, SIGKILL)` (or a `kill -9 1` in a command) would end its own
 /// sandbox, where in the other backends it does nothing. `kill(-1)` already spares the init.
 fn init_guard() -> Value {
-    let pid_is_init = |index: u32| json!([{"index": index, "value": 1, "op": "SCMP_CMP_EQ"}]);
+    // The pid arguments are C ints: compared on their low 32 bits, so that a 64-bit value
+    // whose low half is 1 (which the kernel reads as 1) is caught too.
+    let pid_is_init = |index: u32| json!([{"index": index, "value": 0xffff_ffff_u64, "valueTwo": 1, "op": "SCMP_CMP_MASKED_EQ"}]);
     let eperm = |names: &[&str], index: u32| {
         json!({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
                "args": pid_is_init(index)})
@@ -264,8 +266,15 @@ fn init_guard() -> Value {
     json!({
         "defaultAction": "SCMP_ACT_ALLOW",
         "syscalls": [
-            eperm(&["kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open"], 0),
+            eperm(&["kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
+                    "pidfd_open", "process_vm_writev"], 0),
             eperm(&["ptrace"], 1),
+            // Joining the init's process group would let `kill(0, …)` reach it.
+            eperm(&["setpgid"], 1),
+            // A pidfd of `/proc/1` (opened as a directory) names the init without its pid:
+            // no kernel needs to signal through pidfds (ENOSYS: callers fall back to kill).
+            json!({"names": ["pidfd_send_signal"], "action": "SCMP_ACT_ERRNO",
+                   "errnoRet": libc::ENOSYS}),
         ],
     })
 }
