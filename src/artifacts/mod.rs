@@ -447,11 +447,22 @@ impl ArtifactStore {
         }
     }
 
-    /// Writes a record whose bytes are stored to the store.
+    /// Writes a record whose bytes are stored to the store, as the index has it now (its
+    /// expiry and links: the session may have ended while the bytes were written), queued
+    /// under the index's lock as expiries and removals are, so the store sees them in the
+    /// index's order. A record gone meanwhile is not written.
     fn persist(&self, artifact: &Artifact, sha: &str) {
         let Some(store) = &self.persisted else {
             return;
         };
+        let index = self.index.read();
+        let Some(current) = index.records.get(&artifact.id) else {
+            return;
+        };
+        let expires_at = current
+            .expires
+            .map(|at| unix_after(at.saturating_duration_since(Instant::now())));
+        let linkable = current.linkable;
         let record = match serde_json::to_value(artifact) {
             Ok(record) => record,
             Err(err) => {
@@ -465,9 +476,10 @@ impl ArtifactStore {
             tenant: artifact.owner.clone(),
             sha256: sha.to_owned(),
             record,
-            expires_at: None,
-            linkable: true,
+            expires_at,
+            linkable,
         });
+        drop(index);
     }
 
     /// Removes records from the store.
@@ -891,8 +903,9 @@ impl ArtifactStore {
                 }
             }
         }
-        drop(index);
+        // Queued under the lock: see `persist`.
         self.unpersist(vec![id.to_string()]);
+        drop(index);
     }
 
     /// An artifact a signed link may open: any record, retained ones included, unless a
@@ -915,10 +928,11 @@ impl ArtifactStore {
                 record.linkable = false;
             }
         }
-        drop(index);
+        // Queued under the lock: see `persist`.
         if let Some(store) = &self.persisted {
             store.expire_artifacts(session, unix_after(self.retention), true);
         }
+        drop(index);
     }
 
     pub fn get(&self, id: &ArtifactId) -> Option<Arc<Artifact>> {
@@ -1038,10 +1052,11 @@ impl ArtifactStore {
             }
         }
         index.displays.retain(|(s, _, _), _| s != session);
-        drop(index);
+        // Queued under the lock: see `persist`.
         if let Some(store) = &self.persisted {
             store.expire_artifacts(session, unix_after(self.retention), false);
         }
+        drop(index);
     }
 
     /// Removes expired artifacts, and blobs no artifact uses any more.

@@ -167,6 +167,7 @@ impl Session {
     ) {
         let _one_at_a_time = self.run_lock.lock().await;
         let started = Instant::now();
+        let usage_before = self.kernel.usage();
         let generation = self.kernel.generation();
         let line = python_line(&request);
         let mut execution = match self.client.execute(&line, command_options(&request)).await {
@@ -197,6 +198,12 @@ impl Session {
         let mut result = relayed.result(CommandResult::new(id.clone(), generation));
         result.duration_ms = started.elapsed().as_millis() as u64;
         result.state_generation = self.kernel.generation();
+        // A command costs what a cell does: the usage ledger (and the tenant's CPU quota)
+        // counts it, under its command id.
+        if let Some(store) = &self.store {
+            let resources = super::execution::resources_between(usage_before, self.kernel.usage());
+            super::persistence::command_finished(store, &self, &result, &resources);
+        }
         let _ = tx.send(CommandEvent::Done {
             command_id: id,
             result: Box::new(result),

@@ -69,7 +69,10 @@ fn execute_options(timeout: Option<Duration>) -> ExecuteOptions {
 }
 
 /// The resources an execution used, from the sandbox's usage before and after it.
-fn resources_between(before: Option<ResourceUsage>, after: Option<ResourceUsage>) -> Resources {
+pub(super) fn resources_between(
+    before: Option<ResourceUsage>,
+    after: Option<ResourceUsage>,
+) -> Resources {
     match (before, after) {
         (Some(before), Some(after)) => Resources {
             cpu_time_ms: match (before.cpu_time, after.cpu_time) {

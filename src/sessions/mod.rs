@@ -720,9 +720,6 @@ impl Sessions {
                 persisted_cells: persisted,
             },
         );
-        if let Some(store) = &self.store {
-            store.put_session(persistence::row_of(&session));
-        }
         tracing::info!(session_id = %session.id, generation = session.kernel.generation(), "a dormant session's kernel started again");
         Ok(session)
     }
@@ -784,9 +781,6 @@ impl Sessions {
             return Err(err.into());
         }
         let session = self.register(kernel, new.owner, Restored::default());
-        if let Some(store) = &self.store {
-            store.put_session(persistence::row_of(&session));
-        }
         tracing::info!(session_id = %session.id, tenant = ?session.owner, policy = %session.kernel.policy, "session created");
         Ok(session)
     }
@@ -799,9 +793,6 @@ impl Sessions {
             return session;
         }
         let session = self.register(kernel, owner, Restored::default());
-        if let Some(store) = &self.store {
-            store.put_session(persistence::row_of(&session));
-        }
         tracing::info!(session_id = %session.id, tenant = ?session.owner, "session taken over");
         session
     }
@@ -843,9 +834,16 @@ impl Sessions {
                 restored.persisted_cells,
             )),
         });
-        self.sessions
-            .write()
-            .insert(session.id.clone(), session.clone());
+        {
+            let mut sessions = self.sessions.write();
+            sessions.insert(session.id.clone(), session.clone());
+            // Queued under the map's lock, as the deletes are: the store sees a session's
+            // row written and deleted in the order the map had it (a delete racing the
+            // creation must not leave the row behind).
+            if let Some(store) = &self.store {
+                store.put_session(persistence::row_of(&session));
+            }
+        }
         spawn_monitor(&session);
         session
     }
@@ -880,14 +878,15 @@ impl Sessions {
             tracing::info!(session_id = %id, "dormant session deleted");
             return Ok(());
         }
-        let session = self
-            .sessions
-            .write()
-            .remove(id)
-            .ok_or(SessionError::NotFound)?;
-        if let Some(store) = &self.store {
-            store.delete_session(id.as_str());
-        }
+        let session = {
+            let mut sessions = self.sessions.write();
+            let session = sessions.remove(id).ok_or(SessionError::NotFound)?;
+            // Under the map's lock: see `register`.
+            if let Some(store) = &self.store {
+                store.delete_session(id.as_str());
+            }
+            session
+        };
         session
             .client
             .abandon("SessionDeletedError", "the session was deleted");
@@ -920,7 +919,17 @@ impl Sessions {
                     .collect();
                 let closing = sessions.closing.load(std::sync::atomic::Ordering::SeqCst);
                 for id in gone {
-                    if let Some(session) = sessions.sessions.write().remove(&id) {
+                    let removed = {
+                        let mut map = sessions.sessions.write();
+                        let removed = map.remove(&id);
+                        // Under the map's lock: see `register`.
+                        if let (Some(_), false, Some(store)) = (&removed, closing, &sessions.store)
+                        {
+                            store.delete_session(id.as_str());
+                        }
+                        removed
+                    };
+                    if let Some(session) = removed {
                         session
                             .client
                             .abandon("KernelDiedError", "the session's kernel was shut down");
@@ -929,9 +938,6 @@ impl Sessions {
                         // Ended by the gateway's own stop: the session is kept for the next
                         // start (its artifacts too).
                         continue;
-                    }
-                    if let Some(store) = &sessions.store {
-                        store.delete_session(id.as_str());
                     }
                     sessions.artifacts.expire_session(id.as_str());
                     tracing::info!(session_id = %id, "session ended with its kernel");

@@ -200,6 +200,31 @@ pub(super) fn execution_begun(
     );
 }
 
+/// A finished shell command's row in the usage ledger (commands are not in the history).
+pub(super) fn command_finished(
+    store: &Store,
+    session: &Session,
+    result: &super::commands::CommandResult,
+    resources: &super::Resources,
+) {
+    store.record_usage(UsageRow {
+        at: crate::timestamp::format_timestamp(time::OffsetDateTime::now_utc()),
+        tenant: session.owner.clone(),
+        session: session.id.to_string(),
+        policy: session.kernel.policy.clone(),
+        execution_id: result.command_id.to_string(),
+        wall_ms: result.duration_ms,
+        cpu_ms: resources.cpu_time_ms,
+        peak_memory_bytes: resources.memory_peak_bytes,
+        output_bytes: (result.stdout.len() + result.stderr.len()) as u64,
+        artifact_bytes: 0,
+        outcome: serde_json::to_value(result.status)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default(),
+    });
+}
+
 /// A live session's row.
 pub(super) fn row_of(session: &Session) -> SessionRow {
     let model = session.model();

@@ -11,6 +11,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 
 use crate::support::v1::V1Client;
+use crate::support::v1::{ws_next, ws_send};
 use crate::support::{eventually, kernels_dir, repo, Gateway, PATIENCE};
 use crate::tenants::{claims, hs256, secret_file};
 
@@ -505,22 +506,32 @@ async fn a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it() -> Result
     let acme = V1Client::bearer(&gateway, &hs256(&claims("acme", "default")));
     let umbrella = V1Client::bearer(&gateway, &hs256(&claims("umbrella", "default")));
     let id = acme.create_session(json!({})).await?;
-    let burn = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 1.5:\n    pass";
-    let burnt = acme.run(&id, burn).await?;
-    assert!(
-        burnt.resources.cpu_time_ms >= Some(1000),
-        "{:?}",
-        burnt.resources
-    );
+    // A socket opened while under the quota.
+    let mut socket = acme.ws(&id).await?;
+    let hello = ws_next(&mut socket).await?;
+    assert_eq!(hello["type"], "session", "{hello}");
+    // A shell command is charged as a cell is.
+    let (status, command) = acme
+        .post(
+            &format!("/v1/sessions/{id}/commands"),
+            // CPU time, not wall time: a loaded machine gives the loop less than its wall.
+            json!({"cmd": "python3 -c 'import time\ns = time.process_time()\nwhile time.process_time() - s < 1.5:\n    pass' && echo burnt"}),
+        )
+        .await?;
+    assert_eq!(status, 200, "{command}");
+    assert_eq!(command["stdout"], "burnt\n", "{command}");
     let written = eventually(PATIENCE, || {
         count(
             &state,
-            "SELECT count(*) FROM usage WHERE session_id = ?1",
+            "SELECT count(*) FROM usage WHERE session_id = ?1 AND cpu_ms >= 1000",
             &id,
         ) == 1
     })
     .await;
-    assert!(written, "no usage row");
+    assert!(
+        written,
+        "no usage row of at least 1 s of CPU for the command"
+    );
 
     let (status, refused) = acme
         .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
@@ -534,6 +545,16 @@ async fn a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it() -> Result
     );
     let (status, _) = acme.post("/v1/execute", json!({"code": "1"})).await?;
     assert_eq!(status, 429);
+    // The socket opened before is refused each execution past the quota too.
+    ws_send(&mut socket, json!({"type": "execute", "code": "1"})).await?;
+    let refused = ws_next(&mut socket).await?;
+    assert_eq!(refused["type"], "client_error", "{refused}");
+    assert!(
+        refused["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("cpu_seconds_per_day")),
+        "{refused}"
+    );
     // Another tenant, and the admin, have no such quota.
     let other = umbrella.create_session(json!({})).await?;
     assert_eq!(

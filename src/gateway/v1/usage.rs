@@ -1,9 +1,13 @@
 //! `GET /v1/usage`: the usage ledger (`crate::store`), one row per finished API v1
-//! execution, and its totals. A tenant reads its own rows; the admin any tenant's
-//! (`tenant=`), or everyone's. `since` and `until` bound the period (RFC 3339).
+//! execution or shell command, and its totals. A tenant reads its own rows; the admin any
+//! tenant's (`tenant=`), or everyone's. `since` and `until` bound the period (RFC 3339).
 //!
 //! [`check_quota`]: the tenant's CPU seconds of the UTC day so far against its
-//! `cpu_seconds_per_day`, before an execution starts (`crate::tenants`).
+//! `cpu_seconds_per_day`, before an execution or command starts (also each execution sent
+//! over an open session WebSocket) (`crate::tenants`). What it does not count, said for
+//! operators: CPU a session's processes use between executions (a background process a cell
+//! left running), executions through the Kernel Gateway API (JupyterLab's), and requests that
+//! start at the same moment all pass a check that only the last one would fail.
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};

@@ -118,7 +118,7 @@ pub async fn socket(
                 .into_response()
         }
     };
-    // Checked when the socket opens: executions sent over an open socket are not.
+    // Checked when the socket opens, and again for each execution sent over it.
     if let Err(err) = super::usage::check_quota(&state, &principal).await {
         return err.into_response();
     }
@@ -128,7 +128,7 @@ pub async fn socket(
     };
     upgrade
         .max_message_size(MAX_CLIENT_MESSAGE)
-        .on_upgrade(move |socket| serve(socket, session, resume))
+        .on_upgrade(move |socket| serve(socket, session, resume, (state, principal)))
 }
 
 type Sink = SplitSink<WebSocket, WsMessage>;
@@ -189,7 +189,10 @@ async fn send_catchup(sink: &mut Sink, catchup: Catchup, last: &mut u64, lagged:
     Flow::Open
 }
 
-async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>) {
+/// Who is on the socket, for the quota check of each execution it sends.
+type Caller = (AppState, Principal);
+
+async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>, caller: Caller) {
     // Subscribed before the catch-up is read: the two meet with nothing lost, and what both
     // hold is sent once (by id).
     let (mut events, newest) = session.subscribe_after_newest();
@@ -281,6 +284,12 @@ async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>) {
                 continue;
             }
         };
+        if matches!(message, ClientMessage::Execute { .. }) {
+            if let Err(err) = super::usage::check_quota(&caller.0, &caller.1).await {
+                let _ = reply_tx.send(client_error(&err.message));
+                continue;
+            }
+        }
         if let Err(message) = handle(&session, message).await {
             let _ = reply_tx.send(client_error(&message));
         }
