@@ -190,7 +190,7 @@ pub(super) fn execution_begun(
     started: &str,
 ) {
     store.put_execution(
-        &session.id.to_string(),
+        session.id.as_str(),
         ExecutionRow {
             execution_id: execution_id.to_string(),
             code: code.to_owned(),
