@@ -111,7 +111,7 @@ pub struct ServeArgs {
     /// and artifacts, the usage ledger (an SQLite database, and the artifacts' files). One
     /// gateway per directory; `none` keeps everything in memory and under the runtime
     /// directory, gone when the gateway stops [default: $XDG_STATE_HOME/cellgate, else
-    /// ~/.local/state/cellgate].
+    /// ~/.local/state/cellgate, else ./cellgate-state].
     #[arg(long, env = "CELLGATE_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
     /// Path prefix of every route (also KG_BASE_URL) [default: /].
@@ -704,10 +704,11 @@ fn state_dir(given: Option<PathBuf>) -> Option<PathBuf> {
             env_var("XDG_STATE_HOME")
                 .map(PathBuf::from)
                 .or_else(|| env_var("HOME").map(|h| PathBuf::from(h).join(".local").join("state")))
+                .map(|base| base.join("cellgate"))
                 // No home at all (a bare service): beside the working directory, as the
-                // kernels and policies are by default.
-                .unwrap_or_else(|| PathBuf::from("."))
-                .join("cellgate"),
+                // kernels and policies are by default (not `./cellgate`, where the binary
+                // itself often is).
+                .unwrap_or_else(|| PathBuf::from("cellgate-state")),
         ),
     }
 }

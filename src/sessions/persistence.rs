@@ -13,8 +13,9 @@
 //! comes back *dormant* ([`Dormant`]): listed with its id, tenant, policy, kernelspec and
 //! creation time, its state `dead` with [`KERNEL_LOST`] as the reason and its state
 //! generation moved on (its variables are gone); its notebook exports from the stored cells
-//! and its artifacts stay. Its next execute (or restart) starts a new kernel under the same
-//! id ([`super::Sessions::revive`]), whose history goes on from the stored cells.
+//! and its artifacts stay. Its next execute (or restart, shell command, or session
+//! WebSocket) starts a new kernel under the same id ([`super::Sessions::revive`]), whose
+//! history goes on from the stored cells.
 //!
 //! A gateway stopping (SIGTERM) ends its kernels but keeps its sessions: only a client's
 //! delete removes a session from the store.
