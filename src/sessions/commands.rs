@@ -202,7 +202,14 @@ impl Session {
         // counts it, under its command id.
         if let Some(store) = &self.store {
             let resources = super::execution::resources_between(usage_before, self.kernel.usage());
-            super::persistence::command_finished(store, &self, &result, &resources);
+            let output_bytes = (result.stdout.len() + result.stderr.len()) as u64;
+            let what = (
+                result.command_id.to_string(),
+                result.duration_ms,
+                output_bytes,
+                result.status,
+            );
+            super::persistence::command_finished(store, &self, what, &resources);
         }
         let _ = tx.send(CommandEvent::Done {
             command_id: id,

@@ -202,10 +202,12 @@ pub(super) fn execution_begun(
 }
 
 /// A finished shell command's row in the usage ledger (commands are not in the history).
+/// (`command_id`, `wall_ms`, `output_bytes`, `status`: the command's result's, passed as
+/// values so that this module does not depend on `commands`.)
 pub(super) fn command_finished(
     store: &Store,
     session: &Session,
-    result: &super::commands::CommandResult,
+    (command_id, wall_ms, output_bytes, status): (String, u64, u64, super::Status),
     resources: &super::Resources,
 ) {
     store.record_usage(UsageRow {
@@ -213,13 +215,13 @@ pub(super) fn command_finished(
         tenant: session.owner.clone(),
         session: session.id.to_string(),
         policy: session.kernel.policy.clone(),
-        execution_id: result.command_id.to_string(),
-        wall_ms: result.duration_ms,
+        execution_id: command_id,
+        wall_ms,
         cpu_ms: resources.cpu_time_ms,
         peak_memory_bytes: resources.memory_peak_bytes,
-        output_bytes: (result.stdout.len() + result.stderr.len()) as u64,
+        output_bytes,
         artifact_bytes: 0,
-        outcome: serde_json::to_value(result.status)
+        outcome: serde_json::to_value(status)
             .ok()
             .and_then(|v| v.as_str().map(str::to_owned))
             .unwrap_or_default(),
