@@ -130,6 +130,15 @@ pub struct PoolStatus {
     pub last_error: Option<String>,
 }
 
+/// The kernelspecs the warm pool keeps kernels of: `--pool-kernels`, else the default.
+fn pooled_specs(specs: &KernelSpecs, options: &ManagerOptions) -> Vec<String> {
+    if options.pool_kernels.is_empty() {
+        vec![specs.default_name().to_owned()]
+    } else {
+        options.pool_kernels.clone()
+    }
+}
+
 /// Refuses at start a pooled kernelspec the default policy's sandbox cannot run (a Deno
 /// kernel in Kubernetes pods, or in microVMs whose image holds no environment of its): its
 /// pool would never fill and `/readyz` would answer 503 for good, with nothing saying why.
@@ -148,12 +157,7 @@ fn check_pool_runs(
         return Ok(());
     }
     let held = backends.image_environments(backend);
-    let pooled = if options.pool_kernels.is_empty() {
-        vec![specs.default_name().to_owned()]
-    } else {
-        options.pool_kernels.clone()
-    };
-    for name in pooled {
+    for name in pooled_specs(specs, options) {
         let Some(spec) = specs.get(&name) else {
             continue;
         };
@@ -566,11 +570,7 @@ impl KernelManager {
 
     /// The kernelspecs the warm pool keeps kernels of.
     fn pooled_specs(&self) -> Vec<String> {
-        if self.options.pool_kernels.is_empty() {
-            vec![self.specs.default_name().to_owned()]
-        } else {
-            self.options.pool_kernels.clone()
-        }
+        pooled_specs(&self.specs, &self.options)
     }
 
     /// Starts pool kernels in the background until each pooled kernelspec's pool holds

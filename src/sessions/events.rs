@@ -42,6 +42,40 @@ pub struct ArtifactRef {
     pub signed_url_expires: Option<String>,
 }
 
+impl ExecutionResult {
+    /// The result of an execution whose sandbox (or the gateway holding it) was lost: status
+    /// `sandbox_lost`, no output, the error saying why.
+    pub fn lost(
+        execution_id: ExecutionId,
+        state_generation: u64,
+        ename: &str,
+        evalue: String,
+    ) -> ExecutionResult {
+        ExecutionResult {
+            execution_id,
+            status: Status::SandboxLost,
+            execution_count: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            output_truncated: false,
+            result: None,
+            error: Some(ExecError {
+                ename: ename.to_owned(),
+                evalue,
+                traceback: Vec::new(),
+            }),
+            artifacts: Vec::new(),
+            omitted: Vec::new(),
+            denials: Vec::new(),
+            duration_ms: 0,
+            state_generation,
+            resources: Resources::default(),
+        }
+    }
+}
+
 impl ArtifactRef {
     /// The reference to `artifact`, with a signed link when `links` is given.
     pub fn new(artifact: &Artifact, base_url: &str, links: Option<&LinkSigner>) -> ArtifactRef {

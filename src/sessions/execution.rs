@@ -382,31 +382,16 @@ impl Session {
 
     /// The result of an execution the kernel could not take.
     fn lost_result(&self, execution_id: ExecutionId, err: &KernelError) -> ExecutionResult {
-        ExecutionResult {
+        let evalue = match self.kernel.readiness() {
+            Readiness::Dead(reason) => format!("the kernel is dead: {reason}"),
+            _ => err.to_string(),
+        };
+        ExecutionResult::lost(
             execution_id,
-            status: Status::SandboxLost,
-            execution_count: None,
-            stdout: String::new(),
-            stderr: String::new(),
-            stdout_truncated: false,
-            stderr_truncated: false,
-            output_truncated: false,
-            result: None,
-            error: Some(ExecError {
-                ename: "KernelDiedError".to_owned(),
-                evalue: match self.kernel.readiness() {
-                    Readiness::Dead(reason) => format!("the kernel is dead: {reason}"),
-                    _ => err.to_string(),
-                },
-                traceback: Vec::new(),
-            }),
-            artifacts: Vec::new(),
-            omitted: Vec::new(),
-            denials: Vec::new(),
-            duration_ms: 0,
-            state_generation: self.kernel.generation(),
-            resources: Resources::default(),
-        }
+            self.kernel.generation(),
+            "KernelDiedError",
+            evalue,
+        )
     }
 
     /// The result of an execution the kernel replied to.

@@ -158,28 +158,12 @@ impl Dormant {
 /// The result of an execution the store cannot give one for (it was running when the gateway
 /// died, or its stored result does not read): `sandbox_lost`, saying why.
 fn lost_result(execution_id: &ExecutionId, generation: u64, why: &str) -> ExecutionResult {
-    ExecutionResult {
-        execution_id: execution_id.clone(),
-        status: super::Status::SandboxLost,
-        execution_count: None,
-        stdout: String::new(),
-        stderr: String::new(),
-        stdout_truncated: false,
-        stderr_truncated: false,
-        output_truncated: false,
-        result: None,
-        error: Some(super::ExecError {
-            ename: "KernelLost".to_owned(),
-            evalue: why.to_owned(),
-            traceback: Vec::new(),
-        }),
-        artifacts: Vec::new(),
-        omitted: Vec::new(),
-        denials: Vec::new(),
-        duration_ms: 0,
-        state_generation: generation,
-        resources: super::Resources::default(),
-    }
+    ExecutionResult::lost(
+        execution_id.clone(),
+        generation,
+        "KernelLost",
+        why.to_owned(),
+    )
 }
 
 /// Records that an execution began (its result comes with `execution_finished`).
