@@ -327,7 +327,7 @@ impl Session {
         let weak = Arc::downgrade(self);
         let execution_id = execution_id.clone();
         tokio::spawn(async move {
-            // An id ahead of the session's (ids began again after a take-over or a restart)
+            // An id ahead of the session's (ids began again after a take-over)
             // must not hide the events to come.
             let mut last = after.min(newest);
             // Sends what `entry` holds past `last`; true once its `done` went.
@@ -436,6 +436,9 @@ impl Session {
     fn publish(&self, event: SessionEvent) -> Numbered {
         let mut journal = self.journal.lock();
         let numbered = journal.record(Arc::new(event));
+        if let Some(store) = &self.store {
+            persistence::event_published(store, &self.id, numbered.id);
+        }
         // No subscriber is fine: the event is also in the caller's stream and the journal.
         let _ = self.events.send(numbered.clone());
         numbered
@@ -573,6 +576,8 @@ struct Restored {
     created: Option<String>,
     history: Vec<HistoryEntry>,
     persisted_cells: usize,
+    /// The id its events number on from (0: a new session's start at 1).
+    events_after: u64,
 }
 
 /// Every session of the gateway.
@@ -708,6 +713,7 @@ impl Sessions {
             return Err(SessionError::NotFound);
         };
         let (owner, created) = (dormant.row.tenant.clone(), dormant.row.created.clone());
+        let events_after = dormant.events_after();
         let (cells, language_info, entries) = Arc::unwrap_or_clone(dormant).into_history();
         let persisted = cells.len();
         kernel.router().history().restore(cells, language_info);
@@ -718,6 +724,7 @@ impl Sessions {
                 created: Some(created),
                 history: entries,
                 persisted_cells: persisted,
+                events_after,
             },
         );
         tracing::info!(session_id = %session.id, generation = session.kernel.generation(), "a dormant session's kernel started again");
@@ -824,7 +831,11 @@ impl Sessions {
             run_lock: tokio::sync::Mutex::new(()),
             in_turn: tokio::sync::watch::Sender::new(false),
             terminated_told: std::sync::atomic::AtomicBool::new(false),
-            journal: Mutex::new(Journal::restored(options.replay_bytes, restored.history)),
+            journal: Mutex::new(Journal::restored(
+                options.replay_bytes,
+                restored.history,
+                restored.events_after,
+            )),
             outputs_seen: Mutex::new(HashMap::new()),
             artifacts: self.artifacts.clone(),
             background_stores: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_STORES)),
@@ -842,6 +853,10 @@ impl Sessions {
             // creation must not leave the row behind).
             if let Some(store) = &self.store {
                 store.put_session(persistence::row_of(&session));
+                // A crash before its next note must not number from before the leap again.
+                if restored.events_after > 0 {
+                    store.note_event_id(session.id.as_str(), restored.events_after);
+                }
             }
         }
         spawn_monitor(&session);

@@ -231,6 +231,14 @@ impl Store {
         self.write(Op::DeleteSession(session.to_owned()));
     }
 
+    /// The session has published events up to id `id` (the stored value only grows).
+    pub fn note_event_id(&self, session: &str, id: u64) {
+        self.write(Op::NoteEventId {
+            session: session.to_owned(),
+            id,
+        });
+    }
+
     /// Creates or replaces cells of a session's history (by index), and its `language_info`.
     pub fn put_cells(
         &self,

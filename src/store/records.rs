@@ -40,6 +40,8 @@ pub struct StoredSession {
     pub cells: Vec<Value>,
     /// Its API v1 executions, in order.
     pub executions: Vec<ExecutionRow>,
+    /// The newest event id the session noted (see [`super::Store::note_event_id`]).
+    pub last_event_id: u64,
 }
 
 /// One artifact record; its bytes are the blob named by `sha256`.
@@ -105,6 +107,10 @@ pub(super) enum Op {
         generation: u64,
     },
     DeleteSession(String),
+    NoteEventId {
+        session: String,
+        id: u64,
+    },
     PutCells {
         session: String,
         language_info: Option<Value>,
@@ -139,6 +145,7 @@ impl Op {
             Op::PutSession(_) => "put_session",
             Op::SetGeneration { .. } => "set_generation",
             Op::DeleteSession(_) => "delete_session",
+            Op::NoteEventId { .. } => "note_event_id",
             Op::PutCells { .. } | Op::PutCellsWith { .. } => "put_cells",
             Op::PutExecution { .. } => "put_execution",
             Op::PutArtifact(_) => "put_artifact",
@@ -191,6 +198,12 @@ pub(super) fn apply(tx: &Transaction<'_>, op: Op) -> rusqlite::Result<()> {
         }
         Op::DeleteSession(session) => {
             tx.execute("DELETE FROM sessions WHERE id = ?1", params![session])?;
+        }
+        Op::NoteEventId { session, id } => {
+            tx.execute(
+                "UPDATE sessions SET last_event_id = max(last_event_id, ?2) WHERE id = ?1",
+                params![session, int(id)],
+            )?;
         }
         Op::PutCellsWith { session, make } => {
             let (language_info, cells) = make();
@@ -310,7 +323,8 @@ fn uint(value: i64) -> u64 {
 pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
     let mut sessions = Vec::new();
     let mut select = connection.prepare(
-        "SELECT id, tenant, policy, kernel_name, language, sandbox, created, generation, language_info
+        "SELECT id, tenant, policy, kernel_name, language, sandbox, created, generation, language_info,
+           last_event_id
          FROM sessions ORDER BY created, id",
     )?;
     let rows = select.query_map([], |row| {
@@ -326,6 +340,7 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
                 generation: uint(row.get(7)?),
             },
             row.get::<_, Option<String>>(8)?,
+            uint(row.get(9)?),
         ))
     })?;
     let mut cells =
@@ -334,7 +349,7 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
         "SELECT execution_id, code, started, result FROM executions WHERE session_id = ?1 ORDER BY rowid",
     )?;
     for row in rows {
-        let (session, language_info) = row?;
+        let (session, language_info, last_event_id) = row?;
         let language_info = language_info.map(|t| parse_json(t, 8)).transpose()?;
         let cells = cells
             .query_map(params![session.id], |row| parse_json(row.get(0)?, 0))?
@@ -357,6 +372,7 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
             language_info,
             cells,
             executions,
+            last_event_id,
         });
     }
     let artifacts = connection

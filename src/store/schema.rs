@@ -66,6 +66,11 @@ const STEPS: &[&str] = &[
     ) STRICT;
     CREATE INDEX usage_by_tenant ON usage(tenant, at);
     ",
+    // 2: each session's newest event id, so that ids after a restart continue past the
+    // ones clients saw (`sessions::persistence`).
+    "
+    ALTER TABLE sessions ADD COLUMN last_event_id INTEGER NOT NULL DEFAULT 0;
+    ",
 ];
 
 /// The schema version this binary writes.

@@ -571,3 +571,108 @@ async fn a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it() -> Result
     );
     Ok(())
 }
+
+/// The ids of an SSE execution's events up to its `done` (or, with `until`, up to the first
+/// event that name), with the last event read.
+async fn sse_ids(sse: &mut crate::support::v1::Sse, until: &str) -> Result<(Vec<u64>, Value)> {
+    let mut ids = Vec::new();
+    loop {
+        let (id, name, data) = sse.next_with_id().await?;
+        let id: u64 = id.context("an event without an id")?.parse()?;
+        ids.push(id);
+        if name == until || name == "done" {
+            return Ok((ids, data));
+        }
+    }
+}
+
+#[tokio::test]
+async fn event_ids_go_on_after_a_restart_and_an_old_resume_is_told_the_gap() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let acme = hs256(&claims("acme", "default"));
+
+    let mut first = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&first, &acme);
+    let id = client.create_session(json!({})).await?;
+    let mut sse = client
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "x = 1"}),
+        )
+        .await?;
+    let (finished, _) = sse_ids(&mut sse, "done").await?;
+    let early = *finished.first().context("no events")?;
+    let noted = *finished.last().context("no events")?;
+    let written = eventually(PATIENCE, || {
+        count(
+            &state,
+            "SELECT last_event_id FROM sessions WHERE id = ?1",
+            &id,
+        ) >= i64::try_from(noted).unwrap_or(i64::MAX)
+    })
+    .await;
+    assert!(written, "the store never noted event id {noted}");
+    // A cell is running and printing when the gateway dies: its ids were never noted.
+    let mut running = client
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "print('before', flush=True)\nimport time\ntime.sleep(600)"}),
+        )
+        .await?;
+    let (seen, printed) = sse_ids(&mut running, "stream").await?;
+    assert_eq!(printed["text"], "before\n", "{printed}");
+    let last_seen = *seen.last().context("no events")?;
+    assert!(last_seen > noted, "{last_seen} after {noted}");
+    first.child.kill()?;
+    first.child.wait()?;
+    drop(first);
+
+    let second = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&second, &acme);
+    let mut sse = client
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "print('after')"}),
+        )
+        .await?;
+    let (after, done) = sse_ids(&mut sse, "done").await?;
+    assert_eq!(done["result"]["stdout"], "after\n", "{done}");
+    // Past every id a client had: new events are not taken for ones it saw.
+    let first_new = *after.first().context("no events")?;
+    assert!(
+        first_new > last_seen,
+        "ids began again at {first_new}, not past {last_seen}"
+    );
+
+    // A client resuming the session with an id from before the restart is told the gap,
+    // then sent what the new gateway holds.
+    for resumed_from in [last_seen, early] {
+        let (mut socket, _) = tokio_tungstenite::connect_async(
+            client.ws_request_query(&id, &format!("?last_event_id={resumed_from}"))?,
+        )
+        .await?;
+        let hello = ws_next(&mut socket).await?;
+        assert_eq!(hello["type"], "session", "{hello}");
+        let gap = ws_next(&mut socket).await?;
+        assert_eq!(gap["type"], "gap", "nothing said of the lost ids: {gap}");
+        assert_eq!(gap["first_id"], resumed_from + 1, "{gap}");
+        let gap_end = gap["last_id"].as_u64().context("last_id")?;
+        assert!(gap_end < first_new, "{gap} hides {first_new}");
+        let mut texts = String::new();
+        loop {
+            let event = ws_next(&mut socket).await?;
+            let event_id = event["id"].as_u64().context("an event without an id")?;
+            assert!(event_id > gap_end, "{event} inside {gap}");
+            if event["type"] == "stream" {
+                texts.push_str(event["text"].as_str().unwrap_or_default());
+            }
+            if event["type"] == "done" {
+                break;
+            }
+        }
+        assert_eq!(texts, "after\n");
+    }
+    Ok(())
+}
