@@ -347,6 +347,10 @@ pub struct AuthArgs {
     /// state directory; config file: `[tenants] cpu_seconds_per_day`) [default: unlimited].
     #[arg(long, env = "CELLGATE_TENANT_CPU_SECONDS_PER_DAY")]
     pub tenant_cpu_seconds_per_day: Option<u64>,
+    /// Sessions (kernels) a tenant may run at once, as a quota answered 429
+    /// `quota_exceeded` (config file: `[tenants] concurrent_sessions`) [default: unlimited].
+    #[arg(long, env = "CELLGATE_TENANT_CONCURRENT_SESSIONS")]
+    pub tenant_concurrent_sessions: Option<usize>,
     /// Policies from least to most permissive, comma separated: a tenant capped at P may
     /// use P and those before it (config file: `[tenants] policy_order`) [default: only P].
     #[arg(long, env = "CELLGATE_POLICY_ORDER", value_delimiter = ',')]
@@ -830,6 +834,9 @@ fn tenants(args: &ServeArgs, file: &mut FileConfig) -> Result<TenantSettings, Co
     }
     if let Some(seconds) = args.auth.tenant_cpu_seconds_per_day {
         tenants.cpu_seconds_per_day = Some(seconds);
+    }
+    if let Some(sessions) = args.auth.tenant_concurrent_sessions {
+        tenants.concurrent_sessions = Some(sessions);
     }
     if let Some(order) = &args.auth.policy_order {
         // `a, b` in a variable means `a` and `b`.
@@ -1376,6 +1383,7 @@ mod tests {
             ("tenant_rate", "rate = 2.5"),
             ("tenant_burst", "burst = 5"),
             ("tenant_cpu_seconds_per_day", "cpu_seconds_per_day = 3600"),
+            ("tenant_concurrent_sessions", "concurrent_sessions = 4"),
             ("policy_order", "policy_order = [\"strict\", \"default\"]"),
         ];
         let command = ServeArgs::augment_args(clap::Command::new("serve"));

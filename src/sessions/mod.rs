@@ -156,6 +156,8 @@ pub struct NewSession {
     pub policy_ceiling: Option<String>,
     /// Live kernels the owner may keep (`None`: no cap); sessions count as kernels.
     pub max_kernels: Option<usize>,
+    /// The same count as a quota (`concurrent_sessions`: 429 rather than 403).
+    pub concurrent_sessions: Option<usize>,
 }
 
 /// A session's state as listed: its kernel's execution state while it has a process.
@@ -670,12 +672,13 @@ impl Sessions {
     }
 
     /// Starts a new kernel for a dormant session, under its id and policy, its history
-    /// going on from the stored one; `max_kernels` is its owner's cap. A session that is
+    /// going on from the stored one; `caps` are its owner's kernel cap and concurrent-sessions
+    /// quota. A session that is
     /// live already is returned as it is.
     pub async fn revive(
         &self,
         id: &SessionId,
-        max_kernels: Option<usize>,
+        (max_kernels, concurrent_sessions): (Option<usize>, Option<usize>),
     ) -> Result<Arc<Session>, SessionError> {
         let Some(dormant) = self.dormant(id) else {
             return self.get(id).ok_or(SessionError::NotFound);
@@ -690,6 +693,7 @@ impl Sessions {
         let owner = row.tenant.as_ref().map(|tenant| crate::kernel::Owner {
             tenant: tenant.clone(),
             max_kernels,
+            concurrent_sessions,
         });
         let env = BTreeMap::from([(POLICY_ENV.to_owned(), row.policy.clone())]);
         // The first launch takes the generation the dormant session reported.
@@ -778,6 +782,7 @@ impl Sessions {
         let owner = new.owner.as_ref().map(|tenant| crate::kernel::Owner {
             tenant: tenant.clone(),
             max_kernels: new.max_kernels,
+            concurrent_sessions: new.concurrent_sessions,
         });
         let kernel = self
             .kernels

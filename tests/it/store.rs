@@ -533,15 +533,43 @@ async fn a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it() -> Result
         "no usage row of at least 1 s of CPU for the command"
     );
 
-    let (status, refused) = acme
-        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
+    let response = acme
+        .request(Method::POST, &format!("/v1/sessions/{id}/execute"))
+        .json(&json!({"code": "1"}))
+        .send()
         .await?;
+    let retry_after: Option<u64> = response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let (status, refused) = crate::support::v1::json_of(response).await?;
     assert_eq!(status, 429, "{refused}");
     assert_eq!(refused["code"], "quota_exceeded");
     let message = refused["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("cpu_seconds_per_day") && message.contains("resets at"),
         "{message}"
+    );
+    // When it resets, for a program: the next UTC midnight, and the seconds until then.
+    let quota = &refused["quota"];
+    assert_eq!(quota["name"], "cpu_seconds_per_day", "{refused}");
+    assert_eq!(quota["limit"], 1, "{refused}");
+    assert!(quota["used"].as_f64() >= Some(1.0), "{refused}");
+    let resets_at = quota["resets_at"].as_str().context("resets_at")?;
+    let reset =
+        time::OffsetDateTime::parse(resets_at, &time::format_description::well_known::Rfc3339)?;
+    let now = time::OffsetDateTime::now_utc();
+    assert_eq!(reset.time(), time::Time::MIDNIGHT, "{resets_at}");
+    assert_eq!(reset.offset(), time::UtcOffset::UTC, "{resets_at}");
+    assert!(
+        reset > now && reset - now <= time::Duration::days(1),
+        "{resets_at}"
+    );
+    let retry_after = retry_after.context("no Retry-After")?;
+    let until_reset = (reset - now).whole_seconds().unsigned_abs();
+    assert!(
+        retry_after >= until_reset.saturating_sub(60) && retry_after <= until_reset + 1,
+        "Retry-After {retry_after} s, {until_reset} s to {resets_at}"
     );
     let (status, _) = acme.post("/v1/execute", json!({"code": "1"})).await?;
     assert_eq!(status, 429);
