@@ -78,6 +78,8 @@ pub use replay::{Catchup, Gap, Numbered, NumberedEvent};
 const EVENT_BACKLOG: usize = 4096;
 /// Bytes of events a session keeps for clients that resume, unless configured.
 pub const DEFAULT_REPLAY_BYTES: usize = 4 << 20;
+/// The longest a dormant session is kept after its last activity, unless configured.
+pub const DEFAULT_DORMANT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Settings of the session layer.
 #[derive(Debug, Clone)]
@@ -98,6 +100,9 @@ pub struct SessionOptions {
     pub links: Option<Arc<LinkSigner>>,
     /// Bytes of a session's newest events kept for clients that resume (`replay.rs`).
     pub replay_bytes: usize,
+    /// The longest a dormant session is kept after its last activity (`None`: as its
+    /// policy's idle timeout and lifetime say).
+    pub dormant_retention: Option<Duration>,
 }
 
 impl SessionOptions {
@@ -117,6 +122,7 @@ impl Default for SessionOptions {
             base_url: "/".to_owned(),
             links: None,
             replay_bytes: DEFAULT_REPLAY_BYTES,
+            dormant_retention: Some(DEFAULT_DORMANT_RETENTION),
         }
     }
 }
@@ -636,12 +642,67 @@ impl Sessions {
             }
             dormant.insert(session.id.clone(), Arc::new(session));
         }
-        if !dormant.is_empty() {
+        let taken_back = dormant.len();
+        drop(dormant);
+        let expired = self.expire_dormant(time::OffsetDateTime::now_utc());
+        if taken_back > 0 {
             tracing::info!(
-                sessions = dormant.len(),
+                sessions = taken_back - expired.len(),
+                expired = expired.len(),
                 "sessions taken back from the state directory; their kernels start again at their next execute"
             );
         }
+    }
+
+    /// When dormant session `dormant` expires: when its policy's idle timeout or lifetime
+    /// would have ended its kernel had it lived (the idle timeout from its last activity, the
+    /// lifetime from its creation), or [`SessionOptions::dormant_retention`] after its last
+    /// activity, whichever comes first. A session whose policy is gone has the bound alone;
+    /// one whose times do not read expires now.
+    fn dormant_expiry(&self, dormant: &Dormant) -> Option<time::OffsetDateTime> {
+        use time::format_description::well_known::Rfc3339;
+        let Some(active) = dormant.last_active() else {
+            return Some(time::OffsetDateTime::UNIX_EPOCH);
+        };
+        let mut expiry = self.options.dormant_retention.map(|bound| active + bound);
+        if let Ok(policy) = self.kernels.policies().get(&dormant.row.policy) {
+            let idle = active + policy.limits.idle_timeout;
+            let life = time::OffsetDateTime::parse(&dormant.row.created, &Rfc3339)
+                .map_or(idle, |created| created + policy.limits.lifetime);
+            let policy_end = idle.min(life);
+            expiry = Some(expiry.map_or(policy_end, |bound| bound.min(policy_end)));
+        }
+        expiry
+    }
+
+    /// Removes the dormant sessions expired at `now` (see [`Self::dormant_expiry`]) as a
+    /// culled session is removed: from the store, its artifacts kept for their retention,
+    /// its signed links working until then. Returns their ids.
+    pub fn expire_dormant(&self, now: time::OffsetDateTime) -> Vec<SessionId> {
+        let expired: Vec<SessionId> = self
+            .dormant
+            .read()
+            .values()
+            .filter(|d| self.dormant_expiry(d).is_some_and(|at| at <= now))
+            .map(|d| d.id.clone())
+            .collect();
+        let mut removed = Vec::new();
+        for id in expired {
+            // Under the map's lock, as `end` does: a revival racing the expiry either took
+            // it first (then it is live, not expired) or finds it gone.
+            let mut dormant = self.dormant.write();
+            if dormant.remove(&id).is_none() {
+                continue;
+            }
+            if let Some(store) = &self.store {
+                store.delete_session(id.as_str());
+            }
+            drop(dormant);
+            self.artifacts.expire_session(id.as_str());
+            tracing::info!(session_id = %id, "dormant session expired: its policy's idle timeout or lifetime, or --dormant-retention, has passed");
+            removed.push(id);
+        }
+        removed
     }
 
     /// The state directory's store, if the gateway has one.
@@ -962,6 +1023,7 @@ impl Sessions {
                     sessions.artifacts.expire_session(id.as_str());
                     tracing::info!(session_id = %id, "session ended with its kernel");
                 }
+                sessions.expire_dormant(time::OffsetDateTime::now_utc());
                 let artifacts = sessions.artifacts.clone();
                 let _ = tokio::task::spawn_blocking(move || artifacts.reap()).await;
             }

@@ -133,6 +133,24 @@ impl Dormant {
         }
     }
 
+    /// When it was last active, as far as the store knows: the end of its last execution
+    /// (its start, plus its duration once done), else its creation. `None` when neither
+    /// reads as a timestamp.
+    pub(super) fn last_active(&self) -> Option<time::OffsetDateTime> {
+        use time::format_description::well_known::Rfc3339;
+        let parse = |text: &str| time::OffsetDateTime::parse(text, &Rfc3339).ok();
+        let created = parse(&self.row.created);
+        let ended = self.executions.last().and_then(|e| {
+            let duration_ms = e
+                .result
+                .as_ref()
+                .and_then(|r| r.get("duration_ms")?.as_u64())
+                .unwrap_or(0);
+            Some(parse(&e.started)? + std::time::Duration::from_millis(duration_ms))
+        });
+        created.max(ended)
+    }
+
     /// The id the revived session's events number on from (see the module's doc).
     pub(super) fn events_after(&self) -> u64 {
         self.last_event_id.saturating_add(RESTART_ID_LEAP)

@@ -4,7 +4,7 @@
 
 use std::sync::mpsc;
 
-use rusqlite::{params, Connection, Transaction};
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use serde_json::Value;
 
 /// A session as stored.
@@ -285,6 +285,14 @@ pub(super) fn apply(tx: &Transaction<'_>, op: Op) -> rusqlite::Result<()> {
             }
         }
         Op::Usage(u) => {
+            // The day is the ledger timestamp's date: UTC, as the quota's day is.
+            if let (Some(tenant), Some(cpu_ms)) = (&u.tenant, u.cpu_ms) {
+                tx.execute(
+                    "INSERT INTO usage_daily (tenant, day, cpu_ms) VALUES (?1, substr(?2, 1, 10), ?3)
+                     ON CONFLICT (tenant, day) DO UPDATE SET cpu_ms = cpu_ms + ?3",
+                    params![tenant, u.at, int(cpu_ms)],
+                )?;
+            }
             tx.execute(
                 "INSERT INTO usage (at, tenant, session_id, policy, execution_id, wall_ms, cpu_ms,
                    peak_memory_bytes, output_bytes, artifact_bytes, outcome)
@@ -397,59 +405,80 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
     })
 }
 
-pub(super) fn cpu_ms(connection: &Connection, query: &UsageQuery) -> rusqlite::Result<u64> {
-    let (any_tenant, tenant) = match &query.tenant {
-        None => (true, None),
-        Some(tenant) => (false, tenant.clone()),
+/// The CPU milliseconds `tenant`'s ledger rows of UTC day `day` (`YYYY-MM-DD`) hold, from
+/// the per-day sums (one row read, whatever the ledger's size).
+pub(super) fn cpu_ms_of_day(
+    connection: &Connection,
+    tenant: &str,
+    day: &str,
+) -> rusqlite::Result<u64> {
+    let total: Option<i64> = connection
+        .query_row(
+            "SELECT cpu_ms FROM usage_daily WHERE tenant = ?1 AND day = ?2",
+            params![tenant, day],
+            |row| row.get(0),
+        )
+        .optional()?;
+    Ok(total.map_or(0, uint))
+}
+
+/// The ledger query `query` asks for: only the conditions it has, so that SQLite picks an
+/// index for each shape (a `(?1 OR tenant IS ?2)` would have it scan the table), and its
+/// parameters.
+pub(super) fn usage_sql(query: &UsageQuery) -> (String, Vec<Option<String>>) {
+    let mut conditions = Vec::new();
+    let mut values = Vec::new();
+    match &query.tenant {
+        None => {}
+        Some(None) => conditions.push("tenant IS NULL".to_owned()),
+        Some(Some(tenant)) => {
+            values.push(Some(tenant.clone()));
+            conditions.push(format!("tenant = ?{}", values.len()));
+        }
+    }
+    if let Some(since) = &query.since {
+        values.push(Some(since.clone()));
+        conditions.push(format!("at >= ?{}", values.len()));
+    }
+    if let Some(until) = &query.until {
+        values.push(Some(until.clone()));
+        conditions.push(format!("at < ?{}", values.len()));
+    }
+    let filter = if conditions.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {}", conditions.join(" AND "))
     };
-    let total: i64 = connection.query_row(
-        "SELECT coalesce(sum(cpu_ms), 0) FROM usage
-         WHERE (?1 OR tenant IS ?2) AND (?3 IS NULL OR at >= ?3) AND (?4 IS NULL OR at < ?4)",
-        params![any_tenant, tenant, query.since, query.until],
-        |row| row.get(0),
-    )?;
-    Ok(uint(total))
+    let sql = format!(
+        "SELECT at, tenant, session_id, policy, execution_id, wall_ms, cpu_ms, peak_memory_bytes,
+           output_bytes, artifact_bytes, outcome
+         FROM usage {filter} ORDER BY at, id LIMIT {}",
+        query.limit.min(i64::MAX as usize)
+    );
+    (sql, values)
 }
 
 pub(super) fn usage(
     connection: &Connection,
     query: &UsageQuery,
 ) -> rusqlite::Result<Vec<UsageRow>> {
-    let (any_tenant, tenant) = match &query.tenant {
-        None => (true, None),
-        Some(tenant) => (false, tenant.clone()),
-    };
-    let mut select = connection.prepare(
-        "SELECT at, tenant, session_id, policy, execution_id, wall_ms, cpu_ms, peak_memory_bytes,
-           output_bytes, artifact_bytes, outcome
-         FROM usage
-         WHERE (?1 OR tenant IS ?2) AND (?3 IS NULL OR at >= ?3) AND (?4 IS NULL OR at < ?4)
-         ORDER BY at, id LIMIT ?5",
-    )?;
-    let rows = select.query_map(
-        params![
-            any_tenant,
-            tenant,
-            query.since,
-            query.until,
-            int(query.limit as u64)
-        ],
-        |row| {
-            Ok(UsageRow {
-                at: row.get(0)?,
-                tenant: row.get(1)?,
-                session: row.get(2)?,
-                policy: row.get(3)?,
-                execution_id: row.get(4)?,
-                wall_ms: uint(row.get(5)?),
-                cpu_ms: row.get::<_, Option<i64>>(6)?.map(uint),
-                peak_memory_bytes: row.get::<_, Option<i64>>(7)?.map(uint),
-                output_bytes: uint(row.get(8)?),
-                artifact_bytes: uint(row.get(9)?),
-                outcome: row.get(10)?,
-            })
-        },
-    )?;
+    let (sql, values) = usage_sql(query);
+    let mut select = connection.prepare(&sql)?;
+    let rows = select.query_map(rusqlite::params_from_iter(values.iter()), |row| {
+        Ok(UsageRow {
+            at: row.get(0)?,
+            tenant: row.get(1)?,
+            session: row.get(2)?,
+            policy: row.get(3)?,
+            execution_id: row.get(4)?,
+            wall_ms: uint(row.get(5)?),
+            cpu_ms: row.get::<_, Option<i64>>(6)?.map(uint),
+            peak_memory_bytes: row.get::<_, Option<i64>>(7)?.map(uint),
+            output_bytes: uint(row.get(8)?),
+            artifact_bytes: uint(row.get(9)?),
+            outcome: row.get(10)?,
+        })
+    })?;
     rows.collect()
 }
 
@@ -463,4 +492,31 @@ pub(super) fn has_session(connection: &Connection, id: &str) -> bool {
             |row| row.get::<_, i64>(0),
         )
         .is_ok_and(|n| n > 0)
+}
+
+/// Rows a retention sweep deletes per transaction: the writer's other work waits for one
+/// chunk at most, not for a whole first sweep of a large ledger.
+const SWEEP_CHUNK: i64 = 10_000;
+
+/// Deletes the ledger's rows (and per-day sums) from before `cutoff` (a ledger timestamp),
+/// a chunk per transaction; how many rows went.
+pub(super) fn sweep_usage(connection: &mut Connection, cutoff: &str) -> rusqlite::Result<u64> {
+    let mut deleted = 0;
+    loop {
+        let tx = connection.transaction()?;
+        let n = tx.execute(
+            "DELETE FROM usage WHERE id IN (SELECT id FROM usage WHERE at < ?1 LIMIT ?2)",
+            params![cutoff, SWEEP_CHUNK],
+        )?;
+        tx.commit()?;
+        deleted += n as u64;
+        if (n as i64) < SWEEP_CHUNK {
+            break;
+        }
+    }
+    connection.execute(
+        "DELETE FROM usage_daily WHERE day < substr(?1, 1, 10)",
+        params![cutoff],
+    )?;
+    Ok(deleted)
 }

@@ -67,9 +67,21 @@ const STEPS: &[&str] = &[
     CREATE INDEX usage_by_tenant ON usage(tenant, at);
     ",
     // 2: each session's newest event id, so that ids after a restart continue past the
-    // ones clients saw (`sessions::persistence`).
+    // ones clients saw (`sessions::persistence`); the ledger by time (the admin's queries
+    // of every tenant, the retention sweep); each tenant's CPU per UTC day (the daily
+    // quota), from the rows already there.
     "
     ALTER TABLE sessions ADD COLUMN last_event_id INTEGER NOT NULL DEFAULT 0;
+    CREATE INDEX usage_by_at ON usage(at);
+    CREATE TABLE usage_daily (
+        tenant TEXT NOT NULL,
+        day TEXT NOT NULL,
+        cpu_ms INTEGER NOT NULL,
+        PRIMARY KEY (tenant, day)
+    ) STRICT, WITHOUT ROWID;
+    INSERT INTO usage_daily (tenant, day, cpu_ms)
+        SELECT tenant, substr(at, 1, 10), sum(coalesce(cpu_ms, 0)) FROM usage
+        WHERE tenant IS NOT NULL GROUP BY tenant, substr(at, 1, 10);
     ",
 ];
 

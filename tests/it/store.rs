@@ -704,3 +704,128 @@ async fn event_ids_go_on_after_a_restart_and_an_old_resume_is_told_the_gap() -> 
     }
     Ok(())
 }
+
+/// Runs `sql` on the gateway's database (stopped) with `?1` = `session`.
+fn write(state: &Path, sql: &str, session: &str) -> Result<usize> {
+    let db = rusqlite::Connection::open(state.join("cellgate.db"))?;
+    Ok(db.execute(sql, [session])?)
+}
+
+#[tokio::test]
+async fn dormant_sessions_expire_when_their_policy_would_have_ended_their_kernel() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let acme = hs256(&claims("acme", "default"));
+
+    let mut first = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&first, &acme);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = client.create_session(json!({})).await?;
+        ids.push(id);
+    }
+    let plot = client.run(&ids[0], PLOT).await?;
+    let png = plot
+        .artifacts
+        .first()
+        .with_context(|| format!("no artifact: {plot:?}"))?
+        .id
+        .to_string();
+    client.run(&ids[1], "1").await?;
+    client.run(&ids[2], "1").await?;
+    for id in &ids {
+        stored(&state, id, 1).await?;
+    }
+    first.child.kill()?;
+    first.child.wait()?;
+    drop(first);
+
+    // The default policy ends a kernel idle for 30 minutes, and any after 12 hours. The
+    // first session was last active 2 hours ago; the second was created 13 hours ago but
+    // ran a cell a minute ago; the third is as it was.
+    let ago = |minutes: i64| {
+        let at = time::OffsetDateTime::now_utc() - time::Duration::minutes(minutes);
+        at.format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default()
+    };
+    let (idle, old, recent) = (&ids[0], &ids[1], &ids[2]);
+    write(
+        &state,
+        &format!("UPDATE sessions SET created = '{}' WHERE id = ?1", ago(180)),
+        idle,
+    )?;
+    write(
+        &state,
+        &format!(
+            "UPDATE executions SET started = '{}' WHERE session_id = ?1",
+            ago(120)
+        ),
+        idle,
+    )?;
+    write(
+        &state,
+        &format!(
+            "UPDATE sessions SET created = '{}' WHERE id = ?1",
+            ago(13 * 60)
+        ),
+        old,
+    )?;
+    write(
+        &state,
+        &format!(
+            "UPDATE executions SET started = '{}' WHERE session_id = ?1",
+            ago(1)
+        ),
+        old,
+    )?;
+
+    let second = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .arg("--jwt-secret-file")
+        .arg(secret.to_str().context("path")?)
+        .args(&["--artifact-retention", "0"])
+        .start()
+        .await?;
+    let client = V1Client::bearer(&second, &acme);
+    let (_, listed) = client.get("/v1/sessions").await?;
+    let listed: Vec<&str> = listed
+        .as_array()
+        .context("a list")?
+        .iter()
+        .filter_map(|s| s["id"].as_str())
+        .collect();
+    assert_eq!(listed, [recent.as_str()], "only the third is kept");
+    for expired in [idle, old] {
+        assert_eq!(client.get(&format!("/v1/sessions/{expired}")).await?.0, 404);
+        // Not started again either.
+        let (status, body) = client
+            .post(
+                &format!("/v1/sessions/{expired}/execute"),
+                json!({"code": "1"}),
+            )
+            .await?;
+        assert_eq!(status, 404, "{body}");
+    }
+    // Gone from the store, with their artifacts (after the artifact retention, 0 here).
+    let forgotten = eventually(PATIENCE, || {
+        [idle, old].iter().all(|id| {
+            count(&state, "SELECT count(*) FROM sessions WHERE id = ?1", id) == 0
+                && count(
+                    &state,
+                    "SELECT count(*) FROM artifacts WHERE session_id = ?1",
+                    id,
+                ) == 0
+        })
+    })
+    .await;
+    assert!(forgotten, "the expired sessions are still in the store");
+    assert_eq!(client.artifact(&png).await?.status().as_u16(), 404);
+    // The kept one starts again.
+    assert_eq!(
+        client.run(recent, "1 + 1").await?.result.as_deref(),
+        Some("2")
+    );
+    Ok(())
+}

@@ -198,14 +198,10 @@ pub(super) async fn check_quota(state: &AppState, principal: &Principal) -> Resu
         return Ok(());
     };
     let now = OffsetDateTime::now_utc();
-    let midnight = now.replace_time(time::Time::MIDNIGHT);
-    let query = UsageQuery {
-        tenant: Some(Some(tenant.clone())),
-        since: Some(crate::timestamp::format_timestamp(midnight)),
-        until: None,
-        limit: usize::MAX >> 1,
-    };
-    let used_ms = tokio::task::spawn_blocking(move || store.cpu_ms(&query))
+    // The ledger's day: its timestamps' date, in UTC.
+    let day = crate::timestamp::format_timestamp(now)[..10].to_owned();
+    let owner = tenant.clone();
+    let used_ms = tokio::task::spawn_blocking(move || store.cpu_ms_of_day(&owner, &day))
         .await
         .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "quota task failed"))?
         .map_err(|err| {
