@@ -829,3 +829,56 @@ async fn dormant_sessions_expire_when_their_policy_would_have_ended_their_kernel
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn artifact_files_no_record_names_are_swept_at_start() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let acme = hs256(&claims("acme", "default"));
+    let mut first = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&first, &acme);
+    let id = client.create_session(json!({})).await?;
+    let plot = client.run(&id, PLOT).await?;
+    let png = plot
+        .artifacts
+        .first()
+        .with_context(|| format!("no artifact: {plot:?}"))?
+        .id
+        .to_string();
+    let bytes = client.artifact(&png).await?.bytes().await?;
+    let kept = eventually(PATIENCE, || {
+        count(
+            &state,
+            "SELECT count(*) FROM artifacts WHERE session_id = ?1",
+            &id,
+        ) == 1
+    })
+    .await;
+    assert!(kept, "the artifact's record never reached the store");
+    first.child.kill()?;
+    first.child.wait()?;
+    drop(first);
+
+    // What a crash between a blob's write and its record's commit leaves, and a write cut
+    // short; and a file that is none of the store's, which is not its to remove.
+    let artifacts = state.join("artifacts");
+    let orphan_sha = format!("ab{}", "0".repeat(62));
+    std::fs::create_dir_all(artifacts.join("ab"))?;
+    let orphan = artifacts.join("ab").join(&orphan_sha);
+    std::fs::write(&orphan, b"bytes whose record never committed")?;
+    let partial = artifacts.join(".tmp-0123456789abcdef");
+    std::fs::write(&partial, b"half a blob")?;
+    let foreign = artifacts.join("ab").join("README");
+    std::fs::write(&foreign, b"an operator's note")?;
+
+    let second = gateway_on(&state, &secret).await?;
+    assert!(!orphan.exists(), "the orphan blob is still there");
+    assert!(!partial.exists(), "the temporary file is still there");
+    assert!(foreign.exists(), "a file the store never wrote was removed");
+    // The recorded one is untouched.
+    let again = V1Client::bearer(&second, &acme).artifact(&png).await?;
+    assert_eq!(again.status().as_u16(), 200);
+    assert_eq!(again.bytes().await?, bytes);
+    Ok(())
+}
