@@ -1,6 +1,6 @@
 //! The concurrent-sessions quota (`concurrent_sessions`) through every surface that starts a
-//! kernel: API v1 sessions, the one-shot execute, MCP's `new_session`, and the Kernel Gateway
-//! API (`POST /api/kernels`, what JupyterLab calls): 429 `quota_exceeded` with the quota, its
+//! kernel: API v1 sessions, the one-shot execute, MCP's `new_session`, the Kernel Gateway
+//! API (`POST /api/kernels`, what JupyterLab calls), and a dormant session started again: 429 `quota_exceeded` with the quota, its
 //! limit and when it frees in the body, no `Retry-After` (a session's end is no time the
 //! gateway knows), and a place again once a session ends. The CPU quota's test is
 //! `store::a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it` (it needs a ledger).
@@ -183,5 +183,66 @@ async fn a_tenant_past_its_concurrent_sessions_gets_429_on_every_surface() -> Re
     assert_eq!(status, 200, "{once}");
     let again = acme.create_session(json!({})).await?;
     assert_ne!(again, id);
+    Ok(())
+}
+
+#[tokio::test]
+async fn reviving_a_dormant_session_counts_against_concurrent_sessions() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(&config, "[tenants.limits.acme]\nconcurrent_sessions = 1\n")?;
+    let start = || {
+        Gateway::builder()
+            .arg("--state-dir")
+            .arg(state.to_str().unwrap_or_default())
+            .arg("--jwt-secret-file")
+            .arg(secret.to_str().unwrap_or_default())
+            .arg("--config")
+            .arg(config.to_str().unwrap_or_default())
+            .start()
+    };
+    let token = hs256(&claims("acme", "default"));
+    let mut first = start().await?;
+    let acme = V1Client::bearer(&first, &token);
+    let dormant = acme.create_session(json!({})).await?;
+    acme.run(&dormant, "x = 1").await?;
+    first.child.kill()?;
+    first.child.wait()?;
+    drop(first);
+
+    let second = start().await?;
+    let acme = V1Client::bearer(&second, &token);
+    // A dormant session holds no kernel: a new one fits.
+    let live = acme.create_session(json!({})).await?;
+    // Starting the dormant one again would make two.
+    let (status, body, retry) = call(
+        &acme,
+        Method::POST,
+        &format!("/v1/sessions/{dormant}/execute"),
+        json!({"code": "1"}),
+    )
+    .await?;
+    assert_session_quota(
+        "reviving a dormant session",
+        status,
+        &body,
+        retry.as_deref(),
+    );
+    assert_eq!(
+        acme.get(&format!("/v1/sessions/{dormant}")).await?.1["state"],
+        "dead",
+        "still dormant"
+    );
+    let deleted = acme
+        .request(Method::DELETE, &format!("/v1/sessions/{live}"))
+        .send()
+        .await?;
+    assert_eq!(deleted.status().as_u16(), 204);
+    assert_eq!(
+        acme.run(&dormant, "1 + 1").await?.result.as_deref(),
+        Some("2")
+    );
     Ok(())
 }
