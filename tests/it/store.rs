@@ -734,6 +734,11 @@ async fn dormant_sessions_expire_when_their_policy_would_have_ended_their_kernel
         .to_string();
     client.run(&ids[1], "1").await?;
     client.run(&ids[2], "1").await?;
+    // A policy that keeps an idle kernel 2 hours: the gateway's bound ends it sooner.
+    let analyst = V1Client::bearer(&first, &hs256(&claims("globex", "data-science")));
+    let bounded = analyst.create_session(json!({})).await?;
+    analyst.run(&bounded, "1").await?;
+    ids.push(bounded.clone());
     for id in &ids {
         stored(&state, id, 1).await?;
     }
@@ -743,13 +748,28 @@ async fn dormant_sessions_expire_when_their_policy_would_have_ended_their_kernel
 
     // The default policy ends a kernel idle for 30 minutes, and any after 12 hours. The
     // first session was last active 2 hours ago; the second was created 13 hours ago but
-    // ran a cell a minute ago; the third is as it was.
+    // ran a cell a minute ago; the third is as it was. The fourth's policy (data-science)
+    // would keep it idle 2 hours; it was last active 90 minutes ago, past the gateway's
+    // --dormant-retention of 1 hour.
     let ago = |minutes: i64| {
         let at = time::OffsetDateTime::now_utc() - time::Duration::minutes(minutes);
         at.format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default()
     };
     let (idle, old, recent) = (&ids[0], &ids[1], &ids[2]);
+    write(
+        &state,
+        &format!("UPDATE sessions SET created = '{}' WHERE id = ?1", ago(100)),
+        &bounded,
+    )?;
+    write(
+        &state,
+        &format!(
+            "UPDATE executions SET started = '{}' WHERE session_id = ?1",
+            ago(90)
+        ),
+        &bounded,
+    )?;
     write(
         &state,
         &format!("UPDATE sessions SET created = '{}' WHERE id = ?1", ago(180)),
@@ -786,9 +806,16 @@ async fn dormant_sessions_expire_when_their_policy_would_have_ended_their_kernel
         .arg("--jwt-secret-file")
         .arg(secret.to_str().context("path")?)
         .args(&["--artifact-retention", "0"])
+        .args(&["--dormant-retention", "1h"])
         .start()
         .await?;
     let client = V1Client::bearer(&second, &acme);
+    let analyst = V1Client::bearer(&second, &hs256(&claims("globex", "data-science")));
+    assert_eq!(
+        analyst.get("/v1/sessions").await?.1,
+        json!([]),
+        "past --dormant-retention, whatever its policy says"
+    );
     let (_, listed) = client.get("/v1/sessions").await?;
     let listed: Vec<&str> = listed
         .as_array()
