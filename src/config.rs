@@ -114,6 +114,16 @@ pub struct ServeArgs {
     /// ~/.local/state/cellgate, else ./cellgate-state].
     #[arg(long, env = "CELLGATE_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    /// Days the usage ledger (in the state directory) keeps a row; older rows are deleted at
+    /// start and daily; 0 keeps them for ever [default: 90].
+    #[arg(long, env = "CELLGATE_USAGE_RETENTION_DAYS")]
+    pub usage_retention_days: Option<u32>,
+    /// The longest a session the gateway took back after a restart (dormant: its kernel
+    /// lost) is kept after its last activity, e.g. 7d; its policy's idle timeout and lifetime
+    /// end it sooner, as they would have ended its kernel; 0s for no bound beyond the
+    /// policy's [default: 7d].
+    #[arg(long, env = "CELLGATE_DORMANT_RETENTION", value_parser = crate::policy::parse_duration)]
+    pub dormant_retention: Option<Duration>,
     /// Path prefix of every route (also KG_BASE_URL) [default: /].
     #[arg(long, env = "CELLGATE_BASE_URL")]
     pub base_url: Option<String>,
@@ -347,6 +357,10 @@ pub struct AuthArgs {
     /// state directory; config file: `[tenants] cpu_seconds_per_day`) [default: unlimited].
     #[arg(long, env = "CELLGATE_TENANT_CPU_SECONDS_PER_DAY")]
     pub tenant_cpu_seconds_per_day: Option<u64>,
+    /// Sessions (kernels) a tenant may run at once, as a quota answered 429
+    /// `quota_exceeded` (config file: `[tenants] concurrent_sessions`) [default: unlimited].
+    #[arg(long, env = "CELLGATE_TENANT_CONCURRENT_SESSIONS")]
+    pub tenant_concurrent_sessions: Option<usize>,
     /// Policies from least to most permissive, comma separated: a tenant capped at P may
     /// use P and those before it (config file: `[tenants] policy_order`) [default: only P].
     #[arg(long, env = "CELLGATE_POLICY_ORDER", value_delimiter = ',')]
@@ -379,6 +393,9 @@ struct FileConfig {
     max_message_mib: Option<usize>,
     runtime_dir: Option<PathBuf>,
     state_dir: Option<PathBuf>,
+    usage_retention_days: Option<u32>,
+    #[serde(default, with = "crate::policy::units::serde_duration")]
+    dormant_retention: Option<Duration>,
     base_url: Option<String>,
     public_url: Option<String>,
     jwt_secret_file: Option<PathBuf>,
@@ -460,6 +477,11 @@ pub struct GatewayConfig {
     pub runtime_dir: Option<PathBuf>,
     /// The state directory (`crate::store`); `None`: nothing outlives the process.
     pub state_dir: Option<PathBuf>,
+    /// Days the usage ledger keeps a row (0: for ever).
+    pub usage_retention_days: u32,
+    /// The longest a dormant session is kept after its last activity (`None`: its policy's
+    /// rules alone).
+    pub dormant_retention: Option<Duration>,
     /// Always starts and ends with `/`.
     pub base_url: String,
     /// `scheme://host[:port]`, lower case, no trailing slash; `None`: taken from each
@@ -830,6 +852,9 @@ fn tenants(args: &ServeArgs, file: &mut FileConfig) -> Result<TenantSettings, Co
     }
     if let Some(seconds) = args.auth.tenant_cpu_seconds_per_day {
         tenants.cpu_seconds_per_day = Some(seconds);
+    }
+    if let Some(sessions) = args.auth.tenant_concurrent_sessions {
+        tenants.concurrent_sessions = Some(sessions);
     }
     if let Some(order) = &args.auth.policy_order {
         // `a, b` in a variable means `a` and `b`.
@@ -1206,6 +1231,16 @@ impl GatewayConfig {
                 << 20,
             runtime_dir: args.runtime_dir.clone().or(file.runtime_dir.take()),
             state_dir: state_dir(args.state_dir.clone().or(file.state_dir.take())),
+            usage_retention_days: args
+                .usage_retention_days
+                .or(file.usage_retention_days)
+                .unwrap_or(crate::store::DEFAULT_USAGE_RETENTION_DAYS),
+            dormant_retention: Some(
+                args.dormant_retention
+                    .or(file.dormant_retention)
+                    .unwrap_or(crate::sessions::DEFAULT_DORMANT_RETENTION),
+            )
+            .filter(|bound| !bound.is_zero()),
             base_url,
             public_url: args
                 .public_url
@@ -1312,6 +1347,8 @@ mod tests {
             ("max_message_mib", "max_message_mib = 8"),
             ("runtime_dir", "runtime_dir = \"/run/cellgate\""),
             ("state_dir", "state_dir = \"/var/lib/cellgate/state\""),
+            ("usage_retention_days", "usage_retention_days = 30"),
+            ("dormant_retention", "dormant_retention = \"2d\""),
             ("base_url", "base_url = \"/gw\""),
             ("public_url", "public_url = \"https://gw.example\""),
             ("metrics_listen", "metrics_listen = \"127.0.0.1:9464\""),
@@ -1376,6 +1413,7 @@ mod tests {
             ("tenant_rate", "rate = 2.5"),
             ("tenant_burst", "burst = 5"),
             ("tenant_cpu_seconds_per_day", "cpu_seconds_per_day = 3600"),
+            ("tenant_concurrent_sessions", "concurrent_sessions = 4"),
             ("policy_order", "policy_order = [\"strict\", \"default\"]"),
         ];
         let command = ServeArgs::augment_args(clap::Command::new("serve"));

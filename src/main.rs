@@ -416,8 +416,11 @@ async fn open_state(
         tracing::warn!("no state directory (--state-dir none): sessions, their history and artifacts end with this process");
         return Ok(None);
     };
+    let options = cellgate::store::StoreOptions {
+        usage_retention_days: config.usage_retention_days,
+    };
     let opened = tokio::task::spawn_blocking(move || {
-        let store = cellgate::store::Store::open(&dir)?;
+        let store = cellgate::store::Store::open_with(&dir, options)?;
         let loaded = store.load()?;
         Ok::<_, cellgate::store::StoreError>((store, loaded))
     })

@@ -9,7 +9,16 @@
 //! under P.
 //!
 //! **Kernel cap.** Live kernels per tenant (API v1 sessions are kernels, so this caps them
-//! too); kernels being started count, so concurrent starts cannot overshoot.
+//! too); kernels being started count, so concurrent starts cannot overshoot. Past it, 403
+//! `tenant_kernel_limit` (the answer since before quotas; kept for the deployments and
+//! clients that read it).
+//!
+//! **Concurrent-sessions quota.** The same count (`concurrent_sessions`), answered as a
+//! quota: 429 `quota_exceeded` naming the quota and its limit, and saying that a place frees
+//! when one of the tenant's sessions ends; no `Retry-After`, since that is not a time the
+//! gateway knows. A 429 says "later", which is what is true of a concurrency limit; a 403
+//! says "never", which clients (and people) give up on. With both set, the lower applies,
+//! and at an equal limit the quota's answer.
 //!
 //! **MCP session cap.** Open MCP sessions (`/mcp` conversations) per tenant, 100 unless
 //! set: each holds server state and may start a kernel, and a client that reconnects in a
@@ -53,6 +62,8 @@ pub struct TenantSettings {
     pub burst: Option<u32>,
     /// CPU seconds of executions per tenant per UTC day; unlimited when unset.
     pub cpu_seconds_per_day: Option<u64>,
+    /// Sessions (kernels) per tenant at once, as a quota (429); unlimited when unset.
+    pub concurrent_sessions: Option<usize>,
     /// Per-tenant overrides of the limits above.
     #[serde(default)]
     pub limits: BTreeMap<String, TenantLimits>,
@@ -67,6 +78,7 @@ pub struct TenantLimits {
     pub rate: Option<f64>,
     pub burst: Option<u32>,
     pub cpu_seconds_per_day: Option<u64>,
+    pub concurrent_sessions: Option<usize>,
 }
 
 /// Open MCP sessions a tenant may keep when no setting says otherwise.
@@ -176,6 +188,15 @@ impl Tenants {
             .get(tenant)
             .and_then(|l| l.max_kernels)
             .or(self.settings.max_kernels)
+    }
+
+    /// Sessions (kernels) `tenant` may run at once, as a quota.
+    pub fn concurrent_sessions(&self, tenant: &str) -> Option<usize> {
+        self.settings
+            .limits
+            .get(tenant)
+            .and_then(|l| l.concurrent_sessions)
+            .or(self.settings.concurrent_sessions)
     }
 
     /// CPU seconds `tenant`'s executions may use per UTC day.

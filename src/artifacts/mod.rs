@@ -36,6 +36,9 @@
 //! is written there once its bytes are stored, its expiry and revocation follow it, and it
 //! goes with the record; a gateway started on the same directory takes the records back
 //! ([`ArtifactStore::restore`]), so an artifact id keeps naming its bytes across restarts.
+//! What a crash leaves behind is swept then: a blob written whose record never reached the
+//! store (the gateway died between the two), and temporary files of writes and removals
+//! cut short.
 //!
 //! Must not depend on: HTTP, kernels.
 
@@ -441,10 +444,67 @@ impl ArtifactStore {
                 linkable: row.linkable,
             });
         }
+        // Under the lock, as `reap` removes blobs: nothing can count a reference meanwhile.
+        let swept = self.sweep_orphans(&index);
         drop(index);
+        if swept > 0 {
+            tracing::warn!(files = swept, dir = %self.dir.display(), "removed artifact files no record names (written before a crash that lost their record, or temporary files of writes cut short)");
+        }
         if let Some(store) = &self.persisted {
             store.delete_artifacts(gone);
         }
+    }
+
+    /// Removes the files under the store's directory that no record uses: blobs
+    /// (`<sha[0..2]>/<sha>`) the index counts no reference to, and temporary files (names
+    /// starting with `.`, which only this module makes). Anything else is left alone and
+    /// logged. How many went.
+    fn sweep_orphans(&self, index: &Index) -> usize {
+        let mut removed = 0;
+        let remove = |path: &Path, removed: &mut usize| match std::fs::remove_file(path) {
+            Ok(()) => *removed += 1,
+            Err(err) => {
+                tracing::warn!(path = %path.display(), %err, "could not remove an orphan artifact file")
+            }
+        };
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            if name.starts_with('.') && kind.is_file() {
+                remove(&entry.path(), &mut removed);
+                continue;
+            }
+            let prefix = name.len() == 2 && name.bytes().all(|b| b.is_ascii_hexdigit());
+            if !(prefix && kind.is_dir()) {
+                tracing::warn!(path = %entry.path().display(), "an unexpected file in the artifact store: left alone");
+                continue;
+            }
+            let Ok(blobs) = std::fs::read_dir(entry.path()) else {
+                continue;
+            };
+            for blob in blobs.flatten() {
+                let sha = blob.file_name();
+                let sha = sha.to_string_lossy();
+                let is_blob = sha.len() == 64
+                    && sha.starts_with(name.as_ref())
+                    && sha.bytes().all(|b| b.is_ascii_hexdigit())
+                    && blob.file_type().is_ok_and(|t| t.is_file());
+                if !is_blob {
+                    tracing::warn!(path = %blob.path().display(), "an unexpected file in the artifact store: left alone");
+                    continue;
+                }
+                if !index.blobs.contains_key(sha.as_ref()) {
+                    remove(&blob.path(), &mut removed);
+                }
+            }
+        }
+        removed
     }
 
     /// Writes a record whose bytes are stored to the store, as the index has it now (its

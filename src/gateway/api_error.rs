@@ -25,6 +25,26 @@ pub struct ErrorBody {
     /// What went wrong, for a program: stable across releases (`no_such_session`,
     /// `invalid_json`, `rate_limited`…).
     pub code: ErrorCode,
+    /// With `quota_exceeded`: which quota, its limit, and when it frees.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota: Option<QuotaDetail>,
+}
+
+/// What a 429 `quota_exceeded` says of the quota a request ran into.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct QuotaDetail {
+    /// The quota as configured: `cpu_seconds_per_day` or `concurrent_sessions`.
+    pub name: String,
+    /// Its limit, in its unit (CPU seconds; sessions).
+    pub limit: u64,
+    /// How much of it is used now (CPU seconds today; sessions running or starting).
+    pub used: f64,
+    /// When it resets (RFC 3339, UTC: the next UTC midnight for `cpu_seconds_per_day`);
+    /// absent for a quota that frees when something ends rather than at a time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resets_at: Option<String>,
+    /// When it frees, for a person.
+    pub resets: String,
 }
 
 /// An error answered to an HTTP client.
@@ -36,6 +56,9 @@ pub struct ApiError {
     pub message: String,
     /// Seconds after which the same request may succeed.
     pub retry_after: Option<u64>,
+    /// The quota a 429 `quota_exceeded` ran into (boxed: every handler's `Err` carries
+    /// room for it).
+    pub quota: Option<Box<QuotaDetail>>,
 }
 
 /// The code of an error that has no more specific one.
@@ -66,6 +89,15 @@ impl ApiError {
             code: default_code(status),
             message: message.into(),
             retry_after: None,
+            quota: None,
+        }
+    }
+
+    /// 429 `quota_exceeded`: `message` for a person, `quota` for a program.
+    pub fn quota_exceeded(message: impl Into<String>, quota: QuotaDetail) -> ApiError {
+        ApiError {
+            quota: Some(Box::new(quota)),
+            ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, message).code(ErrorCode::QuotaExceeded)
         }
     }
 
@@ -122,6 +154,7 @@ impl IntoResponse for ApiError {
                 reason: reason.to_owned(),
                 message: self.message,
                 code: self.code,
+                quota: self.quota.map(|quota| *quota),
             }),
         )
             .into_response();
@@ -178,6 +211,17 @@ impl From<KernelError> for ApiError {
             }
             E::TenantKernelLimit { .. } => ApiError::new(StatusCode::FORBIDDEN, err.to_string())
                 .code(ErrorCode::TenantKernelLimit),
+            // No Retry-After: when a session ends is not a time the gateway knows.
+            E::SessionQuota { limit, used, .. } => ApiError::quota_exceeded(
+                err.to_string(),
+                QuotaDetail {
+                    name: "concurrent_sessions".to_owned(),
+                    limit: *limit as u64,
+                    used: *used as f64,
+                    resets_at: None,
+                    resets: "when one of the tenant's sessions ends (deleted, culled when idle, or shut down)".to_owned(),
+                },
+            ),
             // Starting or restarting: the same request works once the kernel is up.
             E::NotReady => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
                 .code(ErrorCode::KernelNotReady)

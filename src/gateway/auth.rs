@@ -92,6 +92,7 @@ pub fn start_terms(
                 owner: Some(Owner {
                     tenant: tenant.clone(),
                     max_kernels: state.tenants.max_kernels(tenant),
+                    concurrent_sessions: state.tenants.concurrent_sessions(tenant),
                 }),
                 policy: Some(chosen),
             })

@@ -252,6 +252,7 @@ fn v1_sessions(
             base_url: config.base_url.clone(),
             links: links.map(Arc::new),
             replay_bytes: config.event_replay_bytes,
+            dormant_retention: config.dormant_retention,
             ..Default::default()
         },
         store,

@@ -52,6 +52,27 @@ const POOL_DEFER_MAX: Duration = Duration::from_secs(30);
 pub struct Owner {
     pub tenant: String,
     pub max_kernels: Option<usize>,
+    /// The same count as a quota (`concurrent_sessions`): refused with
+    /// [`KernelError::SessionQuota`] rather than [`KernelError::TenantKernelLimit`].
+    pub concurrent_sessions: Option<usize>,
+}
+
+impl Owner {
+    /// Refuses one more kernel when the tenant has `counted` (live, being started, or
+    /// recorded by other gateways) and a cap or quota says no more.
+    fn check(&self, counted: usize) -> Result<(), KernelError> {
+        if let Some(limit) = self.concurrent_sessions.filter(|&limit| counted >= limit) {
+            return Err(KernelError::SessionQuota {
+                tenant: self.tenant.clone(),
+                limit,
+                used: counted,
+            });
+        }
+        match self.max_kernels {
+            Some(max) if counted >= max => Err(KernelError::TenantKernelLimit { max }),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// All kernels of this gateway.
@@ -254,16 +275,14 @@ impl KernelManager {
     fn reserve(&self, owner: &Owner) -> Result<Reservation<'_>, KernelError> {
         let mut starting = self.starting.lock();
         let pending = starting.get(&owner.tenant).copied().unwrap_or(0);
-        if let Some(max) = owner.max_kernels {
+        if owner.max_kernels.is_some() || owner.concurrent_sessions.is_some() {
             let live = self
                 .kernels
                 .read()
                 .values()
                 .filter(|k| k.owner() == Some(owner.tenant.as_str()))
                 .count();
-            if live + pending >= max {
-                return Err(KernelError::TenantKernelLimit { max });
-            }
+            owner.check(live + pending)?;
         }
         starting.insert(owner.tenant.clone(), pending + 1);
         Ok(Reservation {
@@ -285,7 +304,9 @@ impl KernelManager {
         if !ownership.shared() {
             return Ok(());
         }
-        if let Some((owner, max)) = owner.and_then(|o| Some((o, o.max_kernels?))) {
+        if let Some(owner) =
+            owner.filter(|o| o.max_kernels.is_some() || o.concurrent_sessions.is_some())
+        {
             let recorded = ownership.count(Count::Tenant(&owner.tenant)).await?;
             let unrecorded_here = self
                 .kernels
@@ -302,9 +323,7 @@ impl KernelManager {
                 .copied()
                 .unwrap_or(1)
                 .saturating_sub(1);
-            if recorded + unrecorded_here + pending >= max {
-                return Err(KernelError::TenantKernelLimit { max });
-            }
+            owner.check(recorded + unrecorded_here + pending)?;
         }
         // The backend says whether it records its kernels (a backend that cannot run here
         // records nothing: the launch fails on it anyway).

@@ -88,6 +88,14 @@ pub enum KernelError {
     TooManyKernels { max: usize },
     #[error("this tenant already runs its maximum of {max} kernels; shut one down first")]
     TenantKernelLimit { max: usize },
+    /// The tenant's `concurrent_sessions` quota (a quota, answered 429: it frees by itself
+    /// when one of the tenant's sessions ends).
+    #[error("tenant {tenant} runs {used} sessions, its quota concurrent_sessions of {limit}; a place frees when one of its sessions ends (deleted, culled when idle, or shut down)")]
+    SessionQuota {
+        tenant: String,
+        limit: usize,
+        used: usize,
+    },
     #[error("no such kernel")]
     NoSuchKernel,
     #[error("kernel is dead: {0}")]

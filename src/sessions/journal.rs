@@ -153,6 +153,7 @@ pub struct Journal {
 
 impl Journal {
     /// An empty journal whose replay buffer keeps `replay_bytes` of events.
+    #[cfg(test)]
     pub fn new(replay_bytes: usize) -> Journal {
         Journal {
             replay: Replay::new(replay_bytes),
@@ -162,15 +163,17 @@ impl Journal {
     }
 
     /// A journal whose history starts with `history` (a session revived from the store: its
-    /// executions' results, without their events) and whose replay buffer is empty.
-    pub fn restored(replay_bytes: usize, history: Vec<HistoryEntry>) -> Journal {
+    /// executions' results, without their events) and whose replay buffer is empty, its
+    /// next event numbered `after + 1`.
+    pub fn restored(replay_bytes: usize, history: Vec<HistoryEntry>, after: u64) -> Journal {
         let mut history: VecDeque<HistoryEntry> = history.into();
         while history.len() > MAX_HISTORY {
             history.pop_front();
         }
         Journal {
+            replay: Replay::after(replay_bytes, after),
+            running: None,
             history,
-            ..Journal::new(replay_bytes)
         }
     }
 

@@ -78,6 +78,8 @@ pub use replay::{Catchup, Gap, Numbered, NumberedEvent};
 const EVENT_BACKLOG: usize = 4096;
 /// Bytes of events a session keeps for clients that resume, unless configured.
 pub const DEFAULT_REPLAY_BYTES: usize = 4 << 20;
+/// The longest a dormant session is kept after its last activity, unless configured.
+pub const DEFAULT_DORMANT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Settings of the session layer.
 #[derive(Debug, Clone)]
@@ -98,6 +100,9 @@ pub struct SessionOptions {
     pub links: Option<Arc<LinkSigner>>,
     /// Bytes of a session's newest events kept for clients that resume (`replay.rs`).
     pub replay_bytes: usize,
+    /// The longest a dormant session is kept after its last activity (`None`: as its
+    /// policy's idle timeout and lifetime say).
+    pub dormant_retention: Option<Duration>,
 }
 
 impl SessionOptions {
@@ -117,6 +122,7 @@ impl Default for SessionOptions {
             base_url: "/".to_owned(),
             links: None,
             replay_bytes: DEFAULT_REPLAY_BYTES,
+            dormant_retention: Some(DEFAULT_DORMANT_RETENTION),
         }
     }
 }
@@ -156,6 +162,8 @@ pub struct NewSession {
     pub policy_ceiling: Option<String>,
     /// Live kernels the owner may keep (`None`: no cap); sessions count as kernels.
     pub max_kernels: Option<usize>,
+    /// The same count as a quota (`concurrent_sessions`: 429 rather than 403).
+    pub concurrent_sessions: Option<usize>,
 }
 
 /// A session's state as listed: its kernel's execution state while it has a process.
@@ -327,7 +335,7 @@ impl Session {
         let weak = Arc::downgrade(self);
         let execution_id = execution_id.clone();
         tokio::spawn(async move {
-            // An id ahead of the session's (ids began again after a take-over or a restart)
+            // An id ahead of the session's (ids began again after a take-over)
             // must not hide the events to come.
             let mut last = after.min(newest);
             // Sends what `entry` holds past `last`; true once its `done` went.
@@ -436,6 +444,9 @@ impl Session {
     fn publish(&self, event: SessionEvent) -> Numbered {
         let mut journal = self.journal.lock();
         let numbered = journal.record(Arc::new(event));
+        if let Some(store) = &self.store {
+            persistence::event_published(store, &self.id, numbered.id);
+        }
         // No subscriber is fine: the event is also in the caller's stream and the journal.
         let _ = self.events.send(numbered.clone());
         numbered
@@ -573,6 +584,8 @@ struct Restored {
     created: Option<String>,
     history: Vec<HistoryEntry>,
     persisted_cells: usize,
+    /// The id its events number on from (0: a new session's start at 1).
+    events_after: u64,
 }
 
 /// Every session of the gateway.
@@ -629,12 +642,67 @@ impl Sessions {
             }
             dormant.insert(session.id.clone(), Arc::new(session));
         }
-        if !dormant.is_empty() {
+        let taken_back = dormant.len();
+        drop(dormant);
+        let expired = self.expire_dormant(time::OffsetDateTime::now_utc());
+        if taken_back > 0 {
             tracing::info!(
-                sessions = dormant.len(),
+                sessions = taken_back - expired.len(),
+                expired = expired.len(),
                 "sessions taken back from the state directory; their kernels start again at their next execute"
             );
         }
+    }
+
+    /// When dormant session `dormant` expires: when its policy's idle timeout or lifetime
+    /// would have ended its kernel had it lived (the idle timeout from its last activity, the
+    /// lifetime from its creation), or [`SessionOptions::dormant_retention`] after its last
+    /// activity, whichever comes first. A session whose policy is gone has the bound alone;
+    /// one whose times do not read expires now.
+    fn dormant_expiry(&self, dormant: &Dormant) -> Option<time::OffsetDateTime> {
+        use time::format_description::well_known::Rfc3339;
+        let Some(active) = dormant.last_active() else {
+            return Some(time::OffsetDateTime::UNIX_EPOCH);
+        };
+        let mut expiry = self.options.dormant_retention.map(|bound| active + bound);
+        if let Ok(policy) = self.kernels.policies().get(&dormant.row.policy) {
+            let idle = active + policy.limits.idle_timeout;
+            let life = time::OffsetDateTime::parse(&dormant.row.created, &Rfc3339)
+                .map_or(idle, |created| created + policy.limits.lifetime);
+            let policy_end = idle.min(life);
+            expiry = Some(expiry.map_or(policy_end, |bound| bound.min(policy_end)));
+        }
+        expiry
+    }
+
+    /// Removes the dormant sessions expired at `now` (see [`Self::dormant_expiry`]) as a
+    /// culled session is removed: from the store, its artifacts kept for their retention,
+    /// its signed links working until then. Returns their ids.
+    pub fn expire_dormant(&self, now: time::OffsetDateTime) -> Vec<SessionId> {
+        let expired: Vec<SessionId> = self
+            .dormant
+            .read()
+            .values()
+            .filter(|d| self.dormant_expiry(d).is_some_and(|at| at <= now))
+            .map(|d| d.id.clone())
+            .collect();
+        let mut removed = Vec::new();
+        for id in expired {
+            // Under the map's lock, as `end` does: a revival racing the expiry either took
+            // it first (then it is live, not expired) or finds it gone.
+            let mut dormant = self.dormant.write();
+            if dormant.remove(&id).is_none() {
+                continue;
+            }
+            if let Some(store) = &self.store {
+                store.delete_session(id.as_str());
+            }
+            drop(dormant);
+            self.artifacts.expire_session(id.as_str());
+            tracing::info!(session_id = %id, "dormant session expired: its policy's idle timeout or lifetime, or --dormant-retention, has passed");
+            removed.push(id);
+        }
+        removed
     }
 
     /// The state directory's store, if the gateway has one.
@@ -665,12 +733,13 @@ impl Sessions {
     }
 
     /// Starts a new kernel for a dormant session, under its id and policy, its history
-    /// going on from the stored one; `max_kernels` is its owner's cap. A session that is
+    /// going on from the stored one; `caps` are its owner's kernel cap and concurrent-sessions
+    /// quota. A session that is
     /// live already is returned as it is.
     pub async fn revive(
         &self,
         id: &SessionId,
-        max_kernels: Option<usize>,
+        (max_kernels, concurrent_sessions): (Option<usize>, Option<usize>),
     ) -> Result<Arc<Session>, SessionError> {
         let Some(dormant) = self.dormant(id) else {
             return self.get(id).ok_or(SessionError::NotFound);
@@ -685,6 +754,7 @@ impl Sessions {
         let owner = row.tenant.as_ref().map(|tenant| crate::kernel::Owner {
             tenant: tenant.clone(),
             max_kernels,
+            concurrent_sessions,
         });
         let env = BTreeMap::from([(POLICY_ENV.to_owned(), row.policy.clone())]);
         // The first launch takes the generation the dormant session reported.
@@ -708,6 +778,7 @@ impl Sessions {
             return Err(SessionError::NotFound);
         };
         let (owner, created) = (dormant.row.tenant.clone(), dormant.row.created.clone());
+        let events_after = dormant.events_after();
         let (cells, language_info, entries) = Arc::unwrap_or_clone(dormant).into_history();
         let persisted = cells.len();
         kernel.router().history().restore(cells, language_info);
@@ -718,6 +789,7 @@ impl Sessions {
                 created: Some(created),
                 history: entries,
                 persisted_cells: persisted,
+                events_after,
             },
         );
         tracing::info!(session_id = %session.id, generation = session.kernel.generation(), "a dormant session's kernel started again");
@@ -771,6 +843,7 @@ impl Sessions {
         let owner = new.owner.as_ref().map(|tenant| crate::kernel::Owner {
             tenant: tenant.clone(),
             max_kernels: new.max_kernels,
+            concurrent_sessions: new.concurrent_sessions,
         });
         let kernel = self
             .kernels
@@ -824,7 +897,11 @@ impl Sessions {
             run_lock: tokio::sync::Mutex::new(()),
             in_turn: tokio::sync::watch::Sender::new(false),
             terminated_told: std::sync::atomic::AtomicBool::new(false),
-            journal: Mutex::new(Journal::restored(options.replay_bytes, restored.history)),
+            journal: Mutex::new(Journal::restored(
+                options.replay_bytes,
+                restored.history,
+                restored.events_after,
+            )),
             outputs_seen: Mutex::new(HashMap::new()),
             artifacts: self.artifacts.clone(),
             background_stores: Arc::new(tokio::sync::Semaphore::new(BACKGROUND_STORES)),
@@ -842,6 +919,10 @@ impl Sessions {
             // creation must not leave the row behind).
             if let Some(store) = &self.store {
                 store.put_session(persistence::row_of(&session));
+                // A crash before its next note must not number from before the leap again.
+                if restored.events_after > 0 {
+                    store.note_event_id(session.id.as_str(), restored.events_after);
+                }
             }
         }
         spawn_monitor(&session);
@@ -942,6 +1023,7 @@ impl Sessions {
                     sessions.artifacts.expire_session(id.as_str());
                     tracing::info!(session_id = %id, "session ended with its kernel");
                 }
+                sessions.expire_dormant(time::OffsetDateTime::now_utc());
                 let artifacts = sessions.artifacts.clone();
                 let _ = tokio::task::spawn_blocking(move || artifacts.reap()).await;
             }

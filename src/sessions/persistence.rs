@@ -19,6 +19,16 @@
 //!
 //! A gateway stopping (SIGTERM) ends its kernels but keeps its sessions: only a client's
 //! delete removes a session from the store.
+//!
+//! **Event ids continue after a restart.** A client resuming with the `Last-Event-ID` it
+//! had before the restart must be told what it missed, and must not take new events for
+//! ones it saw (clients drop ids they have). So each session notes its newest event id in
+//! the store with the rows it writes anyway (an execution begun, an execution finished) and
+//! every [`EVENT_IDS_NOTED_EVERY`] events between (a cell that prints in a loop). The id a
+//! crash can leave unnoted is bounded by that, plus what the writer had not committed; a
+//! revived session numbers on from the noted id plus [`RESTART_ID_LEAP`], well past both, and
+//! a client behind that is sent a `gap` up to it (some of those ids were never given: a
+//! gap says they cannot be had, which is true).
 
 use std::sync::Arc;
 
@@ -29,6 +39,13 @@ use crate::ids::{ExecutionId, SessionId};
 use crate::kernel::history::RecordedCell;
 use crate::kernel::HistorySnapshot;
 use crate::store::{ExecutionRow, SessionRow, Store, StoredSession, UsageRow};
+
+/// A session notes its newest event id in the store at least this often (in events).
+pub(super) const EVENT_IDS_NOTED_EVERY: u64 = 1024;
+/// How far past the noted id a revived session's ids start: room for the ids given after
+/// the last note (at most [`EVENT_IDS_NOTED_EVERY`]) and for notes the writer had queued but
+/// not committed when the gateway died.
+pub(super) const RESTART_ID_LEAP: u64 = 1 << 16;
 
 /// The reason a dormant session gives for its kernel.
 pub const KERNEL_LOST: &str = "kernel_lost: the gateway restarted and this session's kernel (its variables and workspace files) is gone; its next execute starts a new kernel";
@@ -41,6 +58,8 @@ pub struct Dormant {
     language_info: Option<Value>,
     cells: Vec<Value>,
     executions: Vec<ExecutionRow>,
+    /// The newest event id the session noted before the restart.
+    last_event_id: u64,
     /// Held while its kernel starts again: concurrent requests for it wait for one revival,
     /// and other sessions' revivals do not wait at all.
     pub(super) reviving: Arc<tokio::sync::Mutex<()>>,
@@ -62,6 +81,7 @@ impl Dormant {
             language_info: stored.language_info,
             cells: stored.cells,
             executions: stored.executions,
+            last_event_id: stored.last_event_id,
             reviving: Arc::default(),
         })
     }
@@ -111,6 +131,29 @@ impl Dormant {
             truncated: false,
             cells_dropped: 0,
         }
+    }
+
+    /// When it was last active, as far as the store knows: the end of its last execution
+    /// (its start, plus its duration once done), else its creation. `None` when neither
+    /// reads as a timestamp.
+    pub(super) fn last_active(&self) -> Option<time::OffsetDateTime> {
+        use time::format_description::well_known::Rfc3339;
+        let parse = |text: &str| time::OffsetDateTime::parse(text, &Rfc3339).ok();
+        let created = parse(&self.row.created);
+        let ended = self.executions.last().and_then(|e| {
+            let duration_ms = e
+                .result
+                .as_ref()
+                .and_then(|r| r.get("duration_ms")?.as_u64())
+                .unwrap_or(0);
+            Some(parse(&e.started)? + std::time::Duration::from_millis(duration_ms))
+        });
+        created.max(ended)
+    }
+
+    /// The id the revived session's events number on from (see the module's doc).
+    pub(super) fn events_after(&self) -> u64 {
+        self.last_event_id.saturating_add(RESTART_ID_LEAP)
     }
 
     /// What the new kernel's history and the session's execution list start from.
@@ -183,6 +226,7 @@ pub(super) fn execution_begun(
             result: None,
         },
     );
+    store.note_event_id(session.id.as_str(), session.journal.lock().newest());
 }
 
 /// A finished shell command's row in the usage ledger (commands are not in the history).
@@ -246,6 +290,7 @@ pub(super) fn execution_finished(
             result: result.and_then(|r| serde_json::to_value(r).ok()),
         },
     );
+    store.note_event_id(&id, session.journal.lock().newest());
     let history = session.kernel.router().history();
     let persisted = session.persisted_cells.clone();
     store.put_cells_with(&id, move || {
@@ -275,5 +320,12 @@ pub(super) fn execution_finished(
                 .and_then(|v| v.as_str().map(str::to_owned))
                 .unwrap_or_default(),
         });
+    }
+}
+
+/// Notes a published event's id now and then (see the module's doc).
+pub(super) fn event_published(store: &Store, session: &SessionId, id: u64) {
+    if id.is_multiple_of(EVENT_IDS_NOTED_EVERY) {
+        store.note_event_id(session.as_str(), id);
     }
 }

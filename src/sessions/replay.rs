@@ -101,11 +101,18 @@ pub struct Replay {
 impl Replay {
     /// An empty buffer keeping at most `limit` bytes of events.
     pub fn new(limit: usize) -> Replay {
+        Replay::after(limit, 0)
+    }
+
+    /// An empty buffer whose first event gets id `after + 1`: a session whose earlier ids
+    /// (up to `after`) were given by a gateway before a restart. A client that saw fewer
+    /// than `after` is told the rest are a gap, as if they had been dropped.
+    pub fn after(limit: usize, after: u64) -> Replay {
         Replay {
             kept: VecDeque::new(),
             bytes: 0,
             limit,
-            newest: 0,
+            newest: after,
         }
     }
 
@@ -261,6 +268,33 @@ mod tests {
                 last_id: 1
             })
         );
+    }
+
+    #[test]
+    fn a_buffer_after_a_restart_goes_on_past_the_old_ids_and_calls_them_a_gap() {
+        let mut replay = Replay::after(1 << 20, 100);
+        assert_eq!(replay.newest(), 100);
+        // Before any new event: what a client missed is a gap, never nothing.
+        assert_eq!(
+            replay.since(40).gap,
+            Some(Gap {
+                first_id: 41,
+                last_id: 100
+            })
+        );
+        assert_eq!(replay.since(100).gap, None);
+        assert_eq!(replay.push(stream("a")).id, 101);
+        let catchup = replay.since(40);
+        assert_eq!(
+            catchup.gap,
+            Some(Gap {
+                first_id: 41,
+                last_id: 100
+            })
+        );
+        assert_eq!(ids(&catchup), [101]);
+        let caught_up = replay.since(100);
+        assert_eq!((caught_up.gap, ids(&caught_up)), (None, vec![101]));
     }
 
     #[test]

@@ -19,8 +19,15 @@
 //!   kernels themselves do not survive a restart), not worth that.
 //! - **Off the async runtime:** writes are queued to one writer thread that owns its
 //!   connection and commits what has queued up as one transaction; queuing never blocks, so
-//!   recording a finished execution adds nothing to its answer. Reads (at start, and the
-//!   usage queries) take their own connection from a blocking context.
+//!   recording a finished execution adds nothing to its answer. Reads (at start, the usage
+//!   queries, the quota's sum) run in a blocking context on reader connections of a small
+//!   pool: WAL lets them read while the writer writes, and they never wait for each other
+//!   (a connection is opened when none is free; [`READERS_KEPT`] are kept).
+//! - **The ledger at scale:** each query shape of `GET /v1/usage` has its index (by tenant
+//!   and time, by time); the daily CPU quota reads one row of per-tenant-per-UTC-day sums
+//!   the writer keeps with each ledger row; rows older than `--usage-retention-days`
+//!   (default [`DEFAULT_USAGE_RETENTION_DAYS`]) are deleted by the writer thread when the
+//!   store opens and every day after, a chunk per transaction.
 //!
 //! Rows are plain values ([`records`]); what is inside the JSON columns (a cell, an API v1
 //! result, an artifact record) belongs to the layers that write them. Migrations: `schema.rs`.
@@ -54,6 +61,27 @@ pub const MARKER_FILE: &str = "store-created";
 const BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Writes committed as one transaction at most.
 const MAX_BATCH: usize = 1024;
+/// Reader connections kept open between reads (more are opened when that many are busy).
+pub const READERS_KEPT: usize = 4;
+/// Days the usage ledger keeps its rows unless configured.
+pub const DEFAULT_USAGE_RETENTION_DAYS: u32 = 90;
+/// How often the writer sweeps the ledger of rows past their retention.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// Settings of the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// Days the usage ledger keeps a row (0: for ever).
+    pub usage_retention_days: u32,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            usage_retention_days: DEFAULT_USAGE_RETENTION_DAYS,
+        }
+    }
+}
 
 /// Why the store could not be opened or used.
 #[derive(Debug, thiserror::Error)]
@@ -92,7 +120,8 @@ pub struct Store {
     dir: PathBuf,
     db: PathBuf,
     writes: mpsc::Sender<Op>,
-    reader: Mutex<Connection>,
+    /// Idle reader connections.
+    readers: Mutex<Vec<Connection>>,
     writer: Option<std::thread::JoinHandle<()>>,
     /// Held for the store's life: the directory's lock.
     _lock: File,
@@ -120,6 +149,11 @@ impl Store {
     /// migrated, and starts the writer thread. Blocking: call at start-up or from a
     /// blocking context.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        Store::open_with(dir, StoreOptions::default())
+    }
+
+    /// As [`Self::open`], with `options`.
+    pub fn open_with(dir: &Path, options: StoreOptions) -> Result<Store, StoreError> {
         use std::os::unix::fs::DirBuilderExt;
         let io = |what| {
             move |source| StoreError::Io {
@@ -179,14 +213,14 @@ impl Store {
         let path = db.clone();
         let writer = std::thread::Builder::new()
             .name("cellgate-store".to_owned())
-            .spawn(move || write_loop(writer, queue, &path))
+            .spawn(move || write_loop(writer, queue, &path, options))
             .map_err(io("start its writer thread"))?;
         tracing::info!(dir = %dir.display(), "state directory opened");
         Ok(Store {
             dir: dir.to_owned(),
             db,
             writes,
-            reader: Mutex::new(reader),
+            readers: Mutex::new(vec![reader]),
             writer: Some(writer),
             _lock: lock,
         })
@@ -229,6 +263,14 @@ impl Store {
     /// Forgets a session, its cells and executions (its artifacts have rows of their own).
     pub fn delete_session(&self, session: &str) {
         self.write(Op::DeleteSession(session.to_owned()));
+    }
+
+    /// The session has published events up to id `id` (the stored value only grows).
+    pub fn note_event_id(&self, session: &str, id: u64) {
+        self.write(Op::NoteEventId {
+            session: session.to_owned(),
+            id,
+        });
     }
 
     /// Creates or replaces cells of a session's history (by index), and its `language_info`.
@@ -293,19 +335,39 @@ impl Store {
         self.write(Op::Usage(usage));
     }
 
-    /// Everything a gateway starting on this directory takes back. Blocking.
-    pub fn load(&self) -> Result<Loaded, StoreError> {
-        records::load(&self.reader.lock()).map_err(|err| classify(&self.db, err))
+    /// Runs `read` on a reader connection of the pool (one opened if none is idle).
+    /// Blocking.
+    fn read<T>(
+        &self,
+        read: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, StoreError> {
+        let idle = self.readers.lock().pop();
+        let connection = match idle {
+            Some(connection) => connection,
+            None => connect(&self.db, false)?,
+        };
+        let result = read(&connection).map_err(|err| classify(&self.db, err));
+        let mut readers = self.readers.lock();
+        if readers.len() < READERS_KEPT {
+            readers.push(connection);
+        }
+        result
     }
 
-    /// The CPU milliseconds of the ledger's rows `query` selects (its `limit` aside). Blocking.
-    pub fn cpu_ms(&self, query: &UsageQuery) -> Result<u64, StoreError> {
-        records::cpu_ms(&self.reader.lock(), query).map_err(|err| classify(&self.db, err))
+    /// Everything a gateway starting on this directory takes back. Blocking.
+    pub fn load(&self) -> Result<Loaded, StoreError> {
+        self.read(records::load)
+    }
+
+    /// The CPU milliseconds `tenant`'s ledger rows of UTC day `day` (`YYYY-MM-DD`) hold.
+    /// Blocking.
+    pub fn cpu_ms_of_day(&self, tenant: &str, day: &str) -> Result<u64, StoreError> {
+        self.read(|connection| records::cpu_ms_of_day(connection, tenant, day))
     }
 
     /// The ledger's rows `query` selects, oldest first. Blocking.
     pub fn usage(&self, query: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
-        records::usage(&self.reader.lock(), query).map_err(|err| classify(&self.db, err))
+        self.read(|connection| records::usage(connection, query))
     }
 }
 
@@ -433,12 +495,49 @@ fn classify(db: &Path, err: rusqlite::Error) -> StoreError {
     }
 }
 
+/// Deletes the ledger's rows past their retention (none with a retention of 0 days).
+fn sweep(connection: &mut Connection, db: &Path, options: StoreOptions) {
+    if options.usage_retention_days == 0 {
+        return;
+    }
+    let cutoff = time::OffsetDateTime::now_utc()
+        - time::Duration::days(i64::from(options.usage_retention_days));
+    match records::sweep_usage(connection, &crate::timestamp::format_timestamp(cutoff)) {
+        Ok(0) => {}
+        Ok(deleted) => {
+            tracing::info!(db = %db.display(), deleted, days = options.usage_retention_days, "usage rows past their retention deleted")
+        }
+        Err(err) => {
+            tracing::error!(db = %db.display(), %err, "the usage ledger's retention sweep failed")
+        }
+    }
+}
+
 /// The writer thread: what has queued up is committed as one transaction; a write that
-/// fails is logged and the others go on.
-fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Op>, db: &Path) {
+/// fails is logged and the others go on. It sweeps the ledger at its start and every
+/// [`SWEEP_EVERY`].
+fn write_loop(
+    mut connection: Connection,
+    queue: mpsc::Receiver<Op>,
+    db: &Path,
+    options: StoreOptions,
+) {
+    sweep(&mut connection, db, options);
+    let mut next_sweep = std::time::Instant::now() + SWEEP_EVERY;
     let mut stopping = false;
     while !stopping {
-        let Ok(first) = queue.recv() else { break };
+        // Checked before waiting, not only when the wait times out: a queue that never
+        // stays empty for a day must not put the sweep off for good.
+        if std::time::Instant::now() >= next_sweep {
+            sweep(&mut connection, db, options);
+            next_sweep = std::time::Instant::now() + SWEEP_EVERY;
+        }
+        let wait = next_sweep.saturating_duration_since(std::time::Instant::now());
+        let first = match queue.recv_timeout(wait) {
+            Ok(op) => op,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
             match queue.try_recv() {

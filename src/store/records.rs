@@ -4,7 +4,7 @@
 
 use std::sync::mpsc;
 
-use rusqlite::{params, Connection, Transaction};
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use serde_json::Value;
 
 /// A session as stored.
@@ -40,6 +40,8 @@ pub struct StoredSession {
     pub cells: Vec<Value>,
     /// Its API v1 executions, in order.
     pub executions: Vec<ExecutionRow>,
+    /// The newest event id the session noted (see [`super::Store::note_event_id`]).
+    pub last_event_id: u64,
 }
 
 /// One artifact record; its bytes are the blob named by `sha256`.
@@ -105,6 +107,10 @@ pub(super) enum Op {
         generation: u64,
     },
     DeleteSession(String),
+    NoteEventId {
+        session: String,
+        id: u64,
+    },
     PutCells {
         session: String,
         language_info: Option<Value>,
@@ -139,6 +145,7 @@ impl Op {
             Op::PutSession(_) => "put_session",
             Op::SetGeneration { .. } => "set_generation",
             Op::DeleteSession(_) => "delete_session",
+            Op::NoteEventId { .. } => "note_event_id",
             Op::PutCells { .. } | Op::PutCellsWith { .. } => "put_cells",
             Op::PutExecution { .. } => "put_execution",
             Op::PutArtifact(_) => "put_artifact",
@@ -191,6 +198,12 @@ pub(super) fn apply(tx: &Transaction<'_>, op: Op) -> rusqlite::Result<()> {
         }
         Op::DeleteSession(session) => {
             tx.execute("DELETE FROM sessions WHERE id = ?1", params![session])?;
+        }
+        Op::NoteEventId { session, id } => {
+            tx.execute(
+                "UPDATE sessions SET last_event_id = max(last_event_id, ?2) WHERE id = ?1",
+                params![session, int(id)],
+            )?;
         }
         Op::PutCellsWith { session, make } => {
             let (language_info, cells) = make();
@@ -272,6 +285,14 @@ pub(super) fn apply(tx: &Transaction<'_>, op: Op) -> rusqlite::Result<()> {
             }
         }
         Op::Usage(u) => {
+            // The day is the ledger timestamp's date: UTC, as the quota's day is.
+            if let (Some(tenant), Some(cpu_ms)) = (&u.tenant, u.cpu_ms) {
+                tx.execute(
+                    "INSERT INTO usage_daily (tenant, day, cpu_ms) VALUES (?1, substr(?2, 1, 10), ?3)
+                     ON CONFLICT (tenant, day) DO UPDATE SET cpu_ms = cpu_ms + ?3",
+                    params![tenant, u.at, int(cpu_ms)],
+                )?;
+            }
             tx.execute(
                 "INSERT INTO usage (at, tenant, session_id, policy, execution_id, wall_ms, cpu_ms,
                    peak_memory_bytes, output_bytes, artifact_bytes, outcome)
@@ -310,7 +331,8 @@ fn uint(value: i64) -> u64 {
 pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
     let mut sessions = Vec::new();
     let mut select = connection.prepare(
-        "SELECT id, tenant, policy, kernel_name, language, sandbox, created, generation, language_info
+        "SELECT id, tenant, policy, kernel_name, language, sandbox, created, generation, language_info,
+           last_event_id
          FROM sessions ORDER BY created, id",
     )?;
     let rows = select.query_map([], |row| {
@@ -326,6 +348,7 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
                 generation: uint(row.get(7)?),
             },
             row.get::<_, Option<String>>(8)?,
+            uint(row.get(9)?),
         ))
     })?;
     let mut cells =
@@ -334,7 +357,7 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
         "SELECT execution_id, code, started, result FROM executions WHERE session_id = ?1 ORDER BY rowid",
     )?;
     for row in rows {
-        let (session, language_info) = row?;
+        let (session, language_info, last_event_id) = row?;
         let language_info = language_info.map(|t| parse_json(t, 8)).transpose()?;
         let cells = cells
             .query_map(params![session.id], |row| parse_json(row.get(0)?, 0))?
@@ -357,6 +380,7 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
             language_info,
             cells,
             executions,
+            last_event_id,
         });
     }
     let artifacts = connection
@@ -381,59 +405,80 @@ pub(super) fn load(connection: &Connection) -> rusqlite::Result<Loaded> {
     })
 }
 
-pub(super) fn cpu_ms(connection: &Connection, query: &UsageQuery) -> rusqlite::Result<u64> {
-    let (any_tenant, tenant) = match &query.tenant {
-        None => (true, None),
-        Some(tenant) => (false, tenant.clone()),
+/// The CPU milliseconds `tenant`'s ledger rows of UTC day `day` (`YYYY-MM-DD`) hold, from
+/// the per-day sums (one row read, whatever the ledger's size).
+pub(super) fn cpu_ms_of_day(
+    connection: &Connection,
+    tenant: &str,
+    day: &str,
+) -> rusqlite::Result<u64> {
+    let total: Option<i64> = connection
+        .query_row(
+            "SELECT cpu_ms FROM usage_daily WHERE tenant = ?1 AND day = ?2",
+            params![tenant, day],
+            |row| row.get(0),
+        )
+        .optional()?;
+    Ok(total.map_or(0, uint))
+}
+
+/// The ledger query `query` asks for: only the conditions it has, so that SQLite picks an
+/// index for each shape (a `(?1 OR tenant IS ?2)` would have it scan the table), and its
+/// parameters.
+pub(super) fn usage_sql(query: &UsageQuery) -> (String, Vec<Option<String>>) {
+    let mut conditions = Vec::new();
+    let mut values = Vec::new();
+    match &query.tenant {
+        None => {}
+        Some(None) => conditions.push("tenant IS NULL".to_owned()),
+        Some(Some(tenant)) => {
+            values.push(Some(tenant.clone()));
+            conditions.push(format!("tenant = ?{}", values.len()));
+        }
+    }
+    if let Some(since) = &query.since {
+        values.push(Some(since.clone()));
+        conditions.push(format!("at >= ?{}", values.len()));
+    }
+    if let Some(until) = &query.until {
+        values.push(Some(until.clone()));
+        conditions.push(format!("at < ?{}", values.len()));
+    }
+    let filter = if conditions.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {}", conditions.join(" AND "))
     };
-    let total: i64 = connection.query_row(
-        "SELECT coalesce(sum(cpu_ms), 0) FROM usage
-         WHERE (?1 OR tenant IS ?2) AND (?3 IS NULL OR at >= ?3) AND (?4 IS NULL OR at < ?4)",
-        params![any_tenant, tenant, query.since, query.until],
-        |row| row.get(0),
-    )?;
-    Ok(uint(total))
+    let sql = format!(
+        "SELECT at, tenant, session_id, policy, execution_id, wall_ms, cpu_ms, peak_memory_bytes,
+           output_bytes, artifact_bytes, outcome
+         FROM usage {filter} ORDER BY at, id LIMIT {}",
+        query.limit.min(i64::MAX as usize)
+    );
+    (sql, values)
 }
 
 pub(super) fn usage(
     connection: &Connection,
     query: &UsageQuery,
 ) -> rusqlite::Result<Vec<UsageRow>> {
-    let (any_tenant, tenant) = match &query.tenant {
-        None => (true, None),
-        Some(tenant) => (false, tenant.clone()),
-    };
-    let mut select = connection.prepare(
-        "SELECT at, tenant, session_id, policy, execution_id, wall_ms, cpu_ms, peak_memory_bytes,
-           output_bytes, artifact_bytes, outcome
-         FROM usage
-         WHERE (?1 OR tenant IS ?2) AND (?3 IS NULL OR at >= ?3) AND (?4 IS NULL OR at < ?4)
-         ORDER BY at, id LIMIT ?5",
-    )?;
-    let rows = select.query_map(
-        params![
-            any_tenant,
-            tenant,
-            query.since,
-            query.until,
-            int(query.limit as u64)
-        ],
-        |row| {
-            Ok(UsageRow {
-                at: row.get(0)?,
-                tenant: row.get(1)?,
-                session: row.get(2)?,
-                policy: row.get(3)?,
-                execution_id: row.get(4)?,
-                wall_ms: uint(row.get(5)?),
-                cpu_ms: row.get::<_, Option<i64>>(6)?.map(uint),
-                peak_memory_bytes: row.get::<_, Option<i64>>(7)?.map(uint),
-                output_bytes: uint(row.get(8)?),
-                artifact_bytes: uint(row.get(9)?),
-                outcome: row.get(10)?,
-            })
-        },
-    )?;
+    let (sql, values) = usage_sql(query);
+    let mut select = connection.prepare(&sql)?;
+    let rows = select.query_map(rusqlite::params_from_iter(values.iter()), |row| {
+        Ok(UsageRow {
+            at: row.get(0)?,
+            tenant: row.get(1)?,
+            session: row.get(2)?,
+            policy: row.get(3)?,
+            execution_id: row.get(4)?,
+            wall_ms: uint(row.get(5)?),
+            cpu_ms: row.get::<_, Option<i64>>(6)?.map(uint),
+            peak_memory_bytes: row.get::<_, Option<i64>>(7)?.map(uint),
+            output_bytes: uint(row.get(8)?),
+            artifact_bytes: uint(row.get(9)?),
+            outcome: row.get(10)?,
+        })
+    })?;
     rows.collect()
 }
 
@@ -447,4 +492,31 @@ pub(super) fn has_session(connection: &Connection, id: &str) -> bool {
             |row| row.get::<_, i64>(0),
         )
         .is_ok_and(|n| n > 0)
+}
+
+/// Rows a retention sweep deletes per transaction: the writer's other work waits for one
+/// chunk at most, not for a whole first sweep of a large ledger.
+const SWEEP_CHUNK: i64 = 10_000;
+
+/// Deletes the ledger's rows (and per-day sums) from before `cutoff` (a ledger timestamp),
+/// a chunk per transaction; how many rows went.
+pub(super) fn sweep_usage(connection: &mut Connection, cutoff: &str) -> rusqlite::Result<u64> {
+    let mut deleted = 0;
+    loop {
+        let tx = connection.transaction()?;
+        let n = tx.execute(
+            "DELETE FROM usage WHERE id IN (SELECT id FROM usage WHERE at < ?1 LIMIT ?2)",
+            params![cutoff, SWEEP_CHUNK],
+        )?;
+        tx.commit()?;
+        deleted += n as u64;
+        if (n as i64) < SWEEP_CHUNK {
+            break;
+        }
+    }
+    connection.execute(
+        "DELETE FROM usage_daily WHERE day < substr(?1, 1, 10)",
+        params![cutoff],
+    )?;
+    Ok(deleted)
 }

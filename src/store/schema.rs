@@ -66,6 +66,23 @@ const STEPS: &[&str] = &[
     ) STRICT;
     CREATE INDEX usage_by_tenant ON usage(tenant, at);
     ",
+    // 2: each session's newest event id, so that ids after a restart continue past the
+    // ones clients saw (`sessions::persistence`); the ledger by time (the admin's queries
+    // of every tenant, the retention sweep); each tenant's CPU per UTC day (the daily
+    // quota), from the rows already there.
+    "
+    ALTER TABLE sessions ADD COLUMN last_event_id INTEGER NOT NULL DEFAULT 0;
+    CREATE INDEX usage_by_at ON usage(at);
+    CREATE TABLE usage_daily (
+        tenant TEXT NOT NULL,
+        day TEXT NOT NULL,
+        cpu_ms INTEGER NOT NULL,
+        PRIMARY KEY (tenant, day)
+    ) STRICT, WITHOUT ROWID;
+    INSERT INTO usage_daily (tenant, day, cpu_ms)
+        SELECT tenant, substr(at, 1, 10), sum(coalesce(cpu_ms, 0)) FROM usage
+        WHERE tenant IS NOT NULL GROUP BY tenant, substr(at, 1, 10);
+    ",
 ];
 
 /// The schema version this binary writes.
@@ -116,6 +133,52 @@ mod tests {
             .query_row("SELECT count(*) FROM usage", [], |row| row.get(0))
             .unwrap();
         assert_eq!(count, 0);
+    }
+
+    #[test]
+    fn the_daily_sums_start_from_the_ledger_a_version_1_database_holds() {
+        let mut connection = Connection::open_in_memory().unwrap();
+        connection.execute_batch(STEPS[0]).unwrap();
+        connection.execute_batch("PRAGMA user_version = 1").unwrap();
+        let add = |tenant: Option<&str>, at: &str, cpu_ms: Option<i64>| {
+            connection
+                .execute(
+                    "INSERT INTO usage (at, tenant, session_id, policy, execution_id, wall_ms,
+                       cpu_ms, output_bytes, artifact_bytes, outcome)
+                     VALUES (?1, ?2, 's', 'default', 'e', 1, ?3, 0, 0, 'ok')",
+                    rusqlite::params![at, tenant, cpu_ms],
+                )
+                .unwrap();
+        };
+        add(Some("acme"), "2026-01-01T23:59:59.999999Z", Some(5));
+        add(Some("acme"), "2026-01-01T00:00:00.000000Z", Some(7));
+        add(Some("acme"), "2026-01-01T12:00:00.000000Z", None);
+        add(Some("acme"), "2026-01-02T00:00:00.000000Z", Some(11));
+        // The admin's rows have no quota.
+        add(None, "2026-01-01T00:00:00.000000Z", Some(13));
+        migrate(&mut connection).unwrap();
+        let sums: Vec<(String, String, i64)> = connection
+            .prepare("SELECT tenant, day, cpu_ms FROM usage_daily ORDER BY tenant, day")
+            .unwrap()
+            .query_map([], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(
+            sums,
+            [
+                ("acme".to_owned(), "2026-01-01".to_owned(), 12),
+                ("acme".to_owned(), "2026-01-02".to_owned(), 11)
+            ]
+        );
+        let last_event_id: i64 = connection
+            .query_row(
+                "SELECT count(*) FROM pragma_table_info('sessions') WHERE name = 'last_event_id'",
+                [],
+                |row| row.get(0),
+            )
+            .unwrap();
+        assert_eq!(last_event_id, 1);
     }
 
     #[test]

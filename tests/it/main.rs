@@ -29,6 +29,7 @@ mod notebook;
 mod npm_policy;
 mod operations;
 mod pool;
+mod quotas;
 mod release;
 mod resume;
 mod sdk;

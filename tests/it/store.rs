@@ -533,15 +533,43 @@ async fn a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it() -> Result
         "no usage row of at least 1 s of CPU for the command"
     );
 
-    let (status, refused) = acme
-        .post(&format!("/v1/sessions/{id}/execute"), json!({"code": "1"}))
+    let response = acme
+        .request(Method::POST, &format!("/v1/sessions/{id}/execute"))
+        .json(&json!({"code": "1"}))
+        .send()
         .await?;
+    let retry_after: Option<u64> = response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let (status, refused) = crate::support::v1::json_of(response).await?;
     assert_eq!(status, 429, "{refused}");
     assert_eq!(refused["code"], "quota_exceeded");
     let message = refused["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("cpu_seconds_per_day") && message.contains("resets at"),
         "{message}"
+    );
+    // When it resets, for a program: the next UTC midnight, and the seconds until then.
+    let quota = &refused["quota"];
+    assert_eq!(quota["name"], "cpu_seconds_per_day", "{refused}");
+    assert_eq!(quota["limit"], 1, "{refused}");
+    assert!(quota["used"].as_f64() >= Some(1.0), "{refused}");
+    let resets_at = quota["resets_at"].as_str().context("resets_at")?;
+    let reset =
+        time::OffsetDateTime::parse(resets_at, &time::format_description::well_known::Rfc3339)?;
+    let now = time::OffsetDateTime::now_utc();
+    assert_eq!(reset.time(), time::Time::MIDNIGHT, "{resets_at}");
+    assert_eq!(reset.offset(), time::UtcOffset::UTC, "{resets_at}");
+    assert!(
+        reset > now && reset - now <= time::Duration::days(1),
+        "{resets_at}"
+    );
+    let retry_after = retry_after.context("no Retry-After")?;
+    let until_reset = (reset - now).whole_seconds().unsigned_abs();
+    assert!(
+        retry_after >= until_reset.saturating_sub(60) && retry_after <= until_reset + 1,
+        "Retry-After {retry_after} s, {until_reset} s to {resets_at}"
     );
     let (status, _) = acme.post("/v1/execute", json!({"code": "1"})).await?;
     assert_eq!(status, 429);
@@ -569,5 +597,315 @@ async fn a_tenant_past_its_cpu_quota_in_the_store_gets_429_naming_it() -> Result
             .as_deref(),
         Some("2")
     );
+    Ok(())
+}
+
+/// The ids of an SSE execution's events up to its `done` (or, with `until`, up to the first
+/// event that name), with the last event read.
+async fn sse_ids(sse: &mut crate::support::v1::Sse, until: &str) -> Result<(Vec<u64>, Value)> {
+    let mut ids = Vec::new();
+    loop {
+        let (id, name, data) = sse.next_with_id().await?;
+        let id: u64 = id.context("an event without an id")?.parse()?;
+        ids.push(id);
+        if name == until || name == "done" {
+            return Ok((ids, data));
+        }
+    }
+}
+
+#[tokio::test]
+async fn event_ids_go_on_after_a_restart_and_an_old_resume_is_told_the_gap() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let acme = hs256(&claims("acme", "default"));
+
+    let mut first = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&first, &acme);
+    let id = client.create_session(json!({})).await?;
+    let mut sse = client
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "x = 1"}),
+        )
+        .await?;
+    let (finished, _) = sse_ids(&mut sse, "done").await?;
+    let early = *finished.first().context("no events")?;
+    let noted = *finished.last().context("no events")?;
+    let written = eventually(PATIENCE, || {
+        count(
+            &state,
+            "SELECT last_event_id FROM sessions WHERE id = ?1",
+            &id,
+        ) >= i64::try_from(noted).unwrap_or(i64::MAX)
+    })
+    .await;
+    assert!(written, "the store never noted event id {noted}");
+    // A cell is running and printing when the gateway dies: its ids were never noted.
+    let mut running = client
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "print('before', flush=True)\nimport time\ntime.sleep(600)"}),
+        )
+        .await?;
+    let (seen, printed) = sse_ids(&mut running, "stream").await?;
+    assert_eq!(printed["text"], "before\n", "{printed}");
+    let last_seen = *seen.last().context("no events")?;
+    assert!(last_seen > noted, "{last_seen} after {noted}");
+    first.child.kill()?;
+    first.child.wait()?;
+    drop(first);
+
+    let second = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&second, &acme);
+    let mut sse = client
+        .sse(
+            &format!("/v1/sessions/{id}/execute"),
+            json!({"code": "print('after')"}),
+        )
+        .await?;
+    let (after, done) = sse_ids(&mut sse, "done").await?;
+    assert_eq!(done["result"]["stdout"], "after\n", "{done}");
+    // Past every id a client had: new events are not taken for ones it saw.
+    let first_new = *after.first().context("no events")?;
+    assert!(
+        first_new > last_seen,
+        "ids began again at {first_new}, not past {last_seen}"
+    );
+
+    // A client resuming the session with an id from before the restart is told the gap,
+    // then sent what the new gateway holds.
+    for resumed_from in [last_seen, early] {
+        let (mut socket, _) = tokio_tungstenite::connect_async(
+            client.ws_request_query(&id, &format!("?last_event_id={resumed_from}"))?,
+        )
+        .await?;
+        let hello = ws_next(&mut socket).await?;
+        assert_eq!(hello["type"], "session", "{hello}");
+        let gap = ws_next(&mut socket).await?;
+        assert_eq!(gap["type"], "gap", "nothing said of the lost ids: {gap}");
+        assert_eq!(gap["first_id"], resumed_from + 1, "{gap}");
+        let gap_end = gap["last_id"].as_u64().context("last_id")?;
+        assert!(gap_end < first_new, "{gap} hides {first_new}");
+        let mut texts = String::new();
+        loop {
+            let event = ws_next(&mut socket).await?;
+            let event_id = event["id"].as_u64().context("an event without an id")?;
+            assert!(event_id > gap_end, "{event} inside {gap}");
+            if event["type"] == "stream" {
+                texts.push_str(event["text"].as_str().unwrap_or_default());
+            }
+            if event["type"] == "done" {
+                break;
+            }
+        }
+        assert_eq!(texts, "after\n");
+    }
+    Ok(())
+}
+
+/// Runs `sql` on the gateway's database (stopped) with `?1` = `session`.
+fn write(state: &Path, sql: &str, session: &str) -> Result<usize> {
+    let db = rusqlite::Connection::open(state.join("cellgate.db"))?;
+    Ok(db.execute(sql, [session])?)
+}
+
+#[tokio::test]
+async fn dormant_sessions_expire_when_their_policy_would_have_ended_their_kernel() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let acme = hs256(&claims("acme", "default"));
+
+    let mut first = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&first, &acme);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = client.create_session(json!({})).await?;
+        ids.push(id);
+    }
+    let plot = client.run(&ids[0], PLOT).await?;
+    let png = plot
+        .artifacts
+        .first()
+        .with_context(|| format!("no artifact: {plot:?}"))?
+        .id
+        .to_string();
+    client.run(&ids[1], "1").await?;
+    client.run(&ids[2], "1").await?;
+    // A policy that keeps an idle kernel 2 hours: the gateway's bound ends it sooner.
+    let analyst = V1Client::bearer(&first, &hs256(&claims("globex", "data-science")));
+    let bounded = analyst.create_session(json!({})).await?;
+    analyst.run(&bounded, "1").await?;
+    ids.push(bounded.clone());
+    for id in &ids {
+        stored(&state, id, 1).await?;
+    }
+    first.child.kill()?;
+    first.child.wait()?;
+    drop(first);
+
+    // The default policy ends a kernel idle for 30 minutes, and any after 12 hours. The
+    // first session was last active 2 hours ago; the second was created 13 hours ago but
+    // ran a cell a minute ago; the third is as it was. The fourth's policy (data-science)
+    // would keep it idle 2 hours; it was last active 90 minutes ago, past the gateway's
+    // --dormant-retention of 1 hour.
+    let ago = |minutes: i64| {
+        let at = time::OffsetDateTime::now_utc() - time::Duration::minutes(minutes);
+        at.format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default()
+    };
+    let (idle, old, recent) = (&ids[0], &ids[1], &ids[2]);
+    write(
+        &state,
+        &format!("UPDATE sessions SET created = '{}' WHERE id = ?1", ago(100)),
+        &bounded,
+    )?;
+    write(
+        &state,
+        &format!(
+            "UPDATE executions SET started = '{}' WHERE session_id = ?1",
+            ago(90)
+        ),
+        &bounded,
+    )?;
+    write(
+        &state,
+        &format!("UPDATE sessions SET created = '{}' WHERE id = ?1", ago(180)),
+        idle,
+    )?;
+    write(
+        &state,
+        &format!(
+            "UPDATE executions SET started = '{}' WHERE session_id = ?1",
+            ago(120)
+        ),
+        idle,
+    )?;
+    write(
+        &state,
+        &format!(
+            "UPDATE sessions SET created = '{}' WHERE id = ?1",
+            ago(13 * 60)
+        ),
+        old,
+    )?;
+    write(
+        &state,
+        &format!(
+            "UPDATE executions SET started = '{}' WHERE session_id = ?1",
+            ago(1)
+        ),
+        old,
+    )?;
+
+    let second = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .arg("--jwt-secret-file")
+        .arg(secret.to_str().context("path")?)
+        .args(&["--artifact-retention", "0"])
+        .args(&["--dormant-retention", "1h"])
+        .start()
+        .await?;
+    let client = V1Client::bearer(&second, &acme);
+    let analyst = V1Client::bearer(&second, &hs256(&claims("globex", "data-science")));
+    assert_eq!(
+        analyst.get("/v1/sessions").await?.1,
+        json!([]),
+        "past --dormant-retention, whatever its policy says"
+    );
+    let (_, listed) = client.get("/v1/sessions").await?;
+    let listed: Vec<&str> = listed
+        .as_array()
+        .context("a list")?
+        .iter()
+        .filter_map(|s| s["id"].as_str())
+        .collect();
+    assert_eq!(listed, [recent.as_str()], "only the third is kept");
+    for expired in [idle, old] {
+        assert_eq!(client.get(&format!("/v1/sessions/{expired}")).await?.0, 404);
+        // Not started again either.
+        let (status, body) = client
+            .post(
+                &format!("/v1/sessions/{expired}/execute"),
+                json!({"code": "1"}),
+            )
+            .await?;
+        assert_eq!(status, 404, "{body}");
+    }
+    // Gone from the store, with their artifacts (after the artifact retention, 0 here).
+    let forgotten = eventually(PATIENCE, || {
+        [idle, old].iter().all(|id| {
+            count(&state, "SELECT count(*) FROM sessions WHERE id = ?1", id) == 0
+                && count(
+                    &state,
+                    "SELECT count(*) FROM artifacts WHERE session_id = ?1",
+                    id,
+                ) == 0
+        })
+    })
+    .await;
+    assert!(forgotten, "the expired sessions are still in the store");
+    assert_eq!(client.artifact(&png).await?.status().as_u16(), 404);
+    // The kept one starts again.
+    assert_eq!(
+        client.run(recent, "1 + 1").await?.result.as_deref(),
+        Some("2")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn artifact_files_no_record_names_are_swept_at_start() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let secret = secret_file(dir.path());
+    let state = dir.path().join("state");
+    let acme = hs256(&claims("acme", "default"));
+    let mut first = gateway_on(&state, &secret).await?;
+    let client = V1Client::bearer(&first, &acme);
+    let id = client.create_session(json!({})).await?;
+    let plot = client.run(&id, PLOT).await?;
+    let png = plot
+        .artifacts
+        .first()
+        .with_context(|| format!("no artifact: {plot:?}"))?
+        .id
+        .to_string();
+    let bytes = client.artifact(&png).await?.bytes().await?;
+    let kept = eventually(PATIENCE, || {
+        count(
+            &state,
+            "SELECT count(*) FROM artifacts WHERE session_id = ?1",
+            &id,
+        ) == 1
+    })
+    .await;
+    assert!(kept, "the artifact's record never reached the store");
+    first.child.kill()?;
+    first.child.wait()?;
+    drop(first);
+
+    // What a crash between a blob's write and its record's commit leaves, and a write cut
+    // short; and a file that is none of the store's, which is not its to remove.
+    let artifacts = state.join("artifacts");
+    let orphan_sha = format!("ab{}", "0".repeat(62));
+    std::fs::create_dir_all(artifacts.join("ab"))?;
+    let orphan = artifacts.join("ab").join(&orphan_sha);
+    std::fs::write(&orphan, b"bytes whose record never committed")?;
+    let partial = artifacts.join(".tmp-0123456789abcdef");
+    std::fs::write(&partial, b"half a blob")?;
+    let foreign = artifacts.join("ab").join("README");
+    std::fs::write(&foreign, b"an operator's note")?;
+
+    let second = gateway_on(&state, &secret).await?;
+    assert!(!orphan.exists(), "the orphan blob is still there");
+    assert!(!partial.exists(), "the temporary file is still there");
+    assert!(foreign.exists(), "a file the store never wrote was removed");
+    // The recorded one is untouched.
+    let again = V1Client::bearer(&second, &acme).artifact(&png).await?;
+    assert_eq!(again.status().as_u16(), 200);
+    assert_eq!(again.bytes().await?, bytes);
     Ok(())
 }

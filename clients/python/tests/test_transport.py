@@ -4,6 +4,7 @@ on 127.0.0.1), and a gateway that cannot be reached (a closed port). No kernel i
 so these say exactly what went over the wire."""
 
 import asyncio
+import datetime
 import email.utils
 import io
 import json
@@ -135,6 +136,36 @@ def test_a_wait_beyond_max_retry_wait_raises_at_once():
             assert time.monotonic() - started < 5
     assert error.value.retry_after == 120 and error.value.code == "scripted_429"
     assert len(fake.requests) == 1
+
+
+def test_a_quota_refusal_is_a_typed_error_naming_the_quota_and_its_reset():
+    cpu = {"reason": "Too Many Requests", "code": "quota_exceeded",
+           "message": "tenant acme has used its quota cpu_seconds_per_day of 60 s",
+           "quota": {"name": "cpu_seconds_per_day", "limit": 60, "used": 61.5,
+                     "resets_at": "2026-03-05T00:00:00.000000Z",
+                     "resets": "at 2026-03-05T00:00:00.000000Z (UTC midnight)"}}
+    sessions = {"reason": "Too Many Requests", "code": "quota_exceeded",
+                "message": "tenant acme runs 2 sessions, its quota concurrent_sessions of 2",
+                "quota": {"name": "concurrent_sessions", "limit": 2, "used": 2.0,
+                          "resets": "when one of the tenant's sessions ends"}}
+    with FakeGateway(answer(429, cpu, retry_after="40000", code="quota_exceeded"),
+                     answer(429, sessions, code="quota_exceeded")) as fake:
+        with Client(fake.url, "t") as client:
+            with pytest.raises(cellgate.QuotaExceededError) as error:
+                client.sessions()
+            assert isinstance(error.value, cellgate.RateLimitError)
+            assert (error.value.quota, error.value.limit, error.value.used) == (
+                "cpu_seconds_per_day", 60, 61.5)
+            assert error.value.resets_at == datetime.datetime(2026, 3, 5,
+                                                               tzinfo=datetime.timezone.utc)
+            assert error.value.retry_after == 40000
+            assert "UTC midnight" in error.value.resets
+            with pytest.raises(cellgate.QuotaExceededError) as error:
+                client.session()
+            assert (error.value.quota, error.value.limit) == ("concurrent_sessions", 2)
+            assert error.value.resets_at is None and error.value.retry_after is None
+    # Neither was sent again: one waits past max_retry_wait, the other has no time to wait for.
+    assert len(fake.requests) == 2
 
 
 def test_without_retry_after_a_refusal_is_never_retried():

@@ -246,15 +246,52 @@ export class CellgateError extends Error {
     const header = response.headers.get(ERROR_CODE_HEADER)?.trim();
     let code = header || "error";
     let message = response.statusText;
+    let quota: unknown;
     const text = await response.text();
     try {
       const body = JSON.parse(text);
       if (!header && body.code) code = String(body.code);
       message = String(body.message ?? message);
+      quota = body.quota;
     } catch {
       if (text) message = text;
     }
+    if (response.status === 429 && code === "quota_exceeded") {
+      return new QuotaExceededError(response.status, code, message, retryAfter(response), quota);
+    }
     return new CellgateError(response.status, code, message, retryAfter(response));
+  }
+}
+
+/**
+ * 429 `quota_exceeded`: the tenant is over one of its quotas. `quota` names it
+ * (`cpu_seconds_per_day`, `concurrent_sessions`); `limit` and `used` are in its unit (CPU
+ * seconds; sessions); `resets` says when it frees, for a person; `resetsAt` is when it
+ * resets at a time: the next UTC midnight for `cpu_seconds_per_day` (`retryAfter` counts
+ * down to it), undefined for `concurrent_sessions`, which frees when one of the tenant's
+ * sessions ends. A CellgateError with status 429, so code that handles those handles this;
+ * the client repeats the request by itself only when `Retry-After` is within
+ * `maxRetryWaitSeconds`.
+ */
+export class QuotaExceededError extends CellgateError {
+  readonly quota?: string;
+  readonly limit?: number;
+  readonly used?: number;
+  readonly resets?: string;
+  readonly resetsAt?: Date;
+
+  constructor(status: number, code: string, message: string, retryAfter: number | undefined, detail: unknown) {
+    super(status, code, message, retryAfter);
+    this.name = "QuotaExceededError";
+    const quota = (detail !== null && typeof detail === "object" ? detail : {}) as Record<string, unknown>;
+    if (typeof quota.name === "string") this.quota = quota.name;
+    if (typeof quota.limit === "number") this.limit = quota.limit;
+    if (typeof quota.used === "number") this.used = quota.used;
+    if (typeof quota.resets === "string") this.resets = quota.resets;
+    if (typeof quota.resets_at === "string") {
+      const at = new Date(quota.resets_at);
+      if (!Number.isNaN(at.getTime())) this.resetsAt = at;
+    }
   }
 }
 

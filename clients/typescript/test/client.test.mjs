@@ -5,7 +5,7 @@ import { createServer } from "node:http";
 import { connect, createServer as createTcpServer } from "node:net";
 import { test } from "node:test";
 
-import { CellgateConnectionError, CellgateError, Client, Session, StreamInterrupted } from "../dist/index.js";
+import { CellgateConnectionError, CellgateError, Client, QuotaExceededError, Session, StreamInterrupted } from "../dist/index.js";
 
 const URL = process.env.CELLGATE_URL;
 const TOKEN = process.env.CELLGATE_TOKEN;
@@ -545,8 +545,13 @@ async function scriptedServer(script) {
     request.on("data", (chunk) => chunks.push(chunk));
     request.on("end", () => {
       served.bodies.push(Buffer.concat(chunks).toString());
-      const [status, headers] = script[served.requests++] ?? [200, {}];
-      const body = status === 200 ? "[]" : JSON.stringify({ reason: "x", message: "try later", code: status === 429 ? "rate_limited" : "unavailable" });
+      const [status, headers, answer] = script[served.requests++] ?? [200, {}];
+      const body =
+        answer !== undefined
+          ? JSON.stringify(answer)
+          : status === 200
+            ? "[]"
+            : JSON.stringify({ reason: "x", message: "try later", code: status === 429 ? "rate_limited" : "unavailable" });
       response.writeHead(status, { "Content-Type": "application/json", ...headers });
       response.end(body);
     });
@@ -556,6 +561,51 @@ async function scriptedServer(script) {
   served.close = () => new Promise((resolve) => server.close(resolve));
   return served;
 }
+
+test("a quota refusal is a typed error naming the quota and when it resets", async () => {
+  const cpu = {
+    reason: "Too Many Requests",
+    code: "quota_exceeded",
+    message: "tenant acme has used its quota cpu_seconds_per_day of 60 s",
+    quota: {
+      name: "cpu_seconds_per_day",
+      limit: 60,
+      used: 61.5,
+      resets_at: "2026-03-05T00:00:00.000000Z",
+      resets: "at 2026-03-05T00:00:00.000000Z (UTC midnight)",
+    },
+  };
+  const sessions = {
+    reason: "Too Many Requests",
+    code: "quota_exceeded",
+    message: "tenant acme runs 2 sessions, its quota concurrent_sessions of 2",
+    quota: { name: "concurrent_sessions", limit: 2, used: 2, resets: "when one of the tenant's sessions ends" },
+  };
+  const server = await scriptedServer([
+    [429, { "Retry-After": "40000", "X-Cellgate-Error-Code": "quota_exceeded" }, cpu],
+    [429, { "X-Cellgate-Error-Code": "quota_exceeded" }, sessions],
+  ]);
+  try {
+    const client = new Client(server.url, "t");
+    await assert.rejects(client.sessions(), (e) => {
+      assert.ok(e instanceof QuotaExceededError && e instanceof CellgateError, String(e));
+      assert.deepEqual([e.status, e.code, e.quota, e.limit, e.used], [429, "quota_exceeded", "cpu_seconds_per_day", 60, 61.5]);
+      assert.equal(e.resetsAt?.toISOString(), "2026-03-05T00:00:00.000Z");
+      assert.equal(e.retryAfter, 40000);
+      assert.match(e.resets, /UTC midnight/);
+      return true;
+    });
+    await assert.rejects(client.sessions(), (e) => {
+      assert.ok(e instanceof QuotaExceededError, String(e));
+      assert.deepEqual([e.quota, e.limit, e.resetsAt, e.retryAfter], ["concurrent_sessions", 2, undefined, undefined]);
+      return true;
+    });
+    // Neither was sent again: one waits past maxRetryWaitSeconds, the other has no time.
+    assert.equal(server.requests, 2);
+  } finally {
+    await server.close();
+  }
+});
 
 test("429 and 503 with Retry-After are retried after the wait, within bounds", async () => {
   const retried = await scriptedServer([

@@ -1307,6 +1307,7 @@ impl Answer {
                 reason: "Internal Server Error".to_owned(),
                 message: message.to_owned(),
                 code: ErrorCode::Internal,
+                quota: None,
             })
             .unwrap_or_default()
             .into(),

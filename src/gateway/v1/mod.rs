@@ -170,8 +170,13 @@ async fn live_session_for(
             // The new kernel is a new sandbox: the caller's policy cap today applies, not
             // the one the session was created under (it may have been lowered since).
             crate::gateway::start_terms(state, principal, Some(&dormant.row.policy))?;
-            let max_kernels = dormant.owner().and_then(|t| state.tenants.max_kernels(t));
-            Ok(state.sessions.revive(&dormant.id, max_kernels).await?)
+            let caps = dormant.owner().map_or((None, None), |t| {
+                (
+                    state.tenants.max_kernels(t),
+                    state.tenants.concurrent_sessions(t),
+                )
+            });
+            Ok(state.sessions.revive(&dormant.id, caps).await?)
         }
         None => session_for(state, principal, id),
     }

@@ -52,7 +52,7 @@ impl Modify for Security {
         usage::usage, document,
     ),
     components(schemas(
-        crate::gateway::api_error::ErrorBody, crate::gateway::ErrorCode, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
+        crate::gateway::api_error::ErrorBody, crate::gateway::api_error::QuotaDetail, crate::gateway::ErrorCode, sessions::CreateSession, sessions::InitialFile, sessions::ExecuteRequest,
         sessions::ExecuteOnceRequest, sessions::InputRequest, files::Uploaded, files::Removed, files::FileOperation, commands::RunCommand, CommandResult, CommandEvent,
         ws::ClientMessage, SessionModel, kernelspecs::Kernelspecs, kernelspecs::Kernelspec, ExecutionResult, ExecError, Resources, Status, Omitted,
         ArtifactRef, SessionEvent, NumberedEvent, Gap, ExecutionRecord, ExecutionSummary, ExecutionProgress, files::ListedFile, artifacts::LinkRequest, artifacts::LinkResponse,
@@ -143,7 +143,10 @@ fn complete_operation(path: &str, method: &str, operation: &mut Value) {
             "no credential, or a wrong one (`WWW-Authenticate` says how to authenticate)",
         );
     }
-    add("429", "the tenant is over its request rate");
+    add(
+        "429",
+        "the tenant is over its request rate (`rate_limited`), or over a quota (`quota_exceeded`: the body's `quota` names it, its limit and when it frees)",
+    );
     add("500", "the gateway failed; its log has the details");
     if has_json_body || method == "post" {
         add("400", "the request is malformed (`code` says how)");

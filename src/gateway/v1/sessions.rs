@@ -136,7 +136,8 @@ fn new_session(
         owner: terms.owner.as_ref().map(|o| o.tenant.clone()),
         // start_terms has already capped the policy.
         policy_ceiling: None,
-        max_kernels: terms.owner.and_then(|o| o.max_kernels),
+        max_kernels: terms.owner.as_ref().and_then(|o| o.max_kernels),
+        concurrent_sessions: terms.owner.and_then(|o| o.concurrent_sessions),
     })
 }
 

@@ -19,6 +19,7 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use super::ApiError;
+use crate::gateway::api_error::QuotaDetail;
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::gateway::ErrorCode;
@@ -197,15 +198,10 @@ pub(super) async fn check_quota(state: &AppState, principal: &Principal) -> Resu
         return Ok(());
     };
     let now = OffsetDateTime::now_utc();
-    let midnight = now.replace_time(time::Time::MIDNIGHT);
-    let reset = midnight + time::Duration::days(1);
-    let query = UsageQuery {
-        tenant: Some(Some(tenant.clone())),
-        since: Some(crate::timestamp::format_timestamp(midnight)),
-        until: None,
-        limit: usize::MAX >> 1,
-    };
-    let used_ms = tokio::task::spawn_blocking(move || store.cpu_ms(&query))
+    // The ledger's day: its timestamps' date, in UTC.
+    let day = crate::timestamp::format_timestamp(now)[..10].to_owned();
+    let owner = tenant.clone();
+    let used_ms = tokio::task::spawn_blocking(move || store.cpu_ms_of_day(&owner, &day))
         .await
         .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "quota task failed"))?
         .map_err(|err| {
@@ -218,13 +214,55 @@ pub(super) async fn check_quota(state: &AppState, principal: &Principal) -> Resu
     if used_ms < limit.saturating_mul(1000) {
         return Ok(());
     }
-    Err(ApiError::new(
-        StatusCode::TOO_MANY_REQUESTS,
+    Err(cpu_quota_exceeded(tenant, limit, used_ms, now))
+}
+
+/// The answer past `cpu_seconds_per_day` at `now`: the quota resets at the next UTC
+/// midnight, which the body says (`quota.resets_at`) and `Retry-After` counts down to.
+fn cpu_quota_exceeded(tenant: &str, limit: u64, used_ms: u64, now: OffsetDateTime) -> ApiError {
+    let reset = now.replace_time(time::Time::MIDNIGHT) + time::Duration::days(1);
+    let resets_at = crate::timestamp::format_timestamp(reset);
+    let used = used_ms as f64 / 1000.0;
+    ApiError::quota_exceeded(
         format!(
-            "tenant {tenant} has used its quota cpu_seconds_per_day of {limit} s (used {:.1} s today); it resets at {}",
-            used_ms as f64 / 1000.0,
-            crate::timestamp::format_timestamp(reset),
+            "tenant {tenant} has used its quota cpu_seconds_per_day of {limit} s (used {used:.1} s today); it resets at {resets_at} (UTC midnight)"
         ),
+        QuotaDetail {
+            name: "cpu_seconds_per_day".to_owned(),
+            limit,
+            used,
+            resets: format!("at {resets_at} (UTC midnight)"),
+            resets_at: Some(resets_at),
+        },
     )
-    .code(ErrorCode::QuotaExceeded))
+    // Whole seconds, rounded up: a client that waits this long finds the day over.
+    .retry_after(((reset - now).as_seconds_f64().ceil() as u64).max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_quota_resets_at_the_next_utc_midnight_and_says_so() {
+        let now = time::macros::datetime!(2026-03-04 23:59:30.25 UTC);
+        let err = cpu_quota_exceeded("acme", 60, 61_500, now);
+        assert_eq!(err.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(err.code, ErrorCode::QuotaExceeded);
+        assert_eq!(err.retry_after, Some(30));
+        let quota = err.quota.expect("a quota detail");
+        assert_eq!(quota.name, "cpu_seconds_per_day");
+        assert_eq!((quota.limit, quota.used), (60, 61.5));
+        let resets_at = quota.resets_at.expect("a reset time");
+        assert!(resets_at.starts_with("2026-03-05T00:00:00"), "{resets_at}");
+        assert!(err.message.contains(&resets_at), "{}", err.message);
+        // Any instant in a day resets at that day's end, never at its start.
+        let early = cpu_quota_exceeded(
+            "acme",
+            60,
+            61_500,
+            time::macros::datetime!(2026-03-05 0:00 UTC),
+        );
+        assert_eq!(early.retry_after, Some(86_400));
+    }
 }

@@ -211,9 +211,9 @@ async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>, ca
         let mut last = newest;
         if let Some((after, catchup)) = catchup {
             // An id ahead of the session's (ids began again in a session another replica
-            // took over, or after a gateway restart) must not hide the events to come: the
-            // hello says where it is. Its `newest`, not the catch-up's: events published
-            // between the two are in the subscription, not in the catch-up.
+            // took over; after a restart they go on instead) must not hide the events to
+            // come: the hello says where it is. Its `newest`, not the catch-up's: events
+            // published between the two are in the subscription, not in the catch-up.
             last = after.min(newest);
             if send_catchup(&mut sink, catchup, &mut last, false).await == Flow::Closed {
                 return;

@@ -22,6 +22,7 @@ from ._errors import (
     ConflictError,
     ExecutionFailed,
     NotFoundError,
+    QuotaExceededError,
     RateLimitError,
     StreamInterrupted,
     UnavailableError,
@@ -35,7 +36,7 @@ __all__ = [
     "BadRequestError", "CellgateConnectionError", "CellgateError", "Client", "CommandFailed",
     "CommandResult", "ConflictError", "Denial", "ExecError", "Execution", "ExecutionFailed",
     "ExecutionRecord", "FileEntry", "InputRequest", "Kernelspec", "Kernelspecs", "Link",
-    "NotFoundError", "RateLimitError", "Session", "SessionInfo", "StreamInterrupted",
+    "NotFoundError", "QuotaExceededError", "RateLimitError", "Session", "SessionInfo", "StreamInterrupted",
     "UnavailableError",
 ]
 __version__ = "0.1.0"

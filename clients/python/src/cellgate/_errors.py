@@ -3,6 +3,7 @@ and a gateway that cannot be reached a :class:`CellgateConnectionError`."""
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import math
 import time
@@ -86,6 +87,50 @@ class RateLimitError(APIError):
     The clients wait and retry by themselves first (``max_retries``, ``max_retry_wait``)."""
 
 
+class QuotaExceededError(RateLimitError):
+    """429 ``quota_exceeded``: the tenant is over one of its quotas. ``quota`` names it
+    (``cpu_seconds_per_day``, ``concurrent_sessions``), ``limit`` and ``used`` are in its
+    unit (CPU seconds; sessions), ``resets`` says when it frees for a person, and
+    ``resets_at`` (an aware UTC :class:`~datetime.datetime`) when it resets at a time: the
+    next UTC midnight for ``cpu_seconds_per_day`` (``retry_after`` counts down to it);
+    ``None`` for ``concurrent_sessions``, which frees when one of the tenant's sessions ends.
+    A :class:`RateLimitError`, so code that handles those handles this; the clients retry it
+    by themselves only when ``Retry-After`` is within ``max_retry_wait``."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: Optional[float] = None,
+                 quota: Optional[dict] = None):
+        super().__init__(status, code, message, retry_after)
+        quota = quota if isinstance(quota, dict) else {}
+        self.quota: Optional[str] = _text(quota.get("name"))
+        self.limit: Optional[float] = _number(quota.get("limit"))
+        self.used: Optional[float] = _number(quota.get("used"))
+        self.resets: Optional[str] = _text(quota.get("resets"))
+        self.resets_at: Optional[datetime.datetime] = _instant(quota.get("resets_at"))
+
+
+def _text(value: object) -> Optional[str]:
+    return value if isinstance(value, str) else None
+
+
+def _number(value: object) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value
+
+
+def _instant(value: object) -> Optional[datetime.datetime]:
+    """An RFC 3339 instant as an aware datetime (``Z`` read as UTC; Python before 3.11 does
+    not read it); ``None`` when absent or unreadable."""
+    if not isinstance(value, str):
+        return None
+    text = value[:-1] + "+00:00" if value.endswith("Z") else value
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
+
+
 class UnavailableError(APIError):
     """503: the kernel is starting, restarting, busy or dead; ``retry_after`` (seconds) when
     the gateway says waiting helps (the clients have already retried then, up to
@@ -153,5 +198,8 @@ def error_from(response: httpx.Response) -> APIError:
             code = str(body.get("code") or code)
         message = str(body.get("message") or message)
     retry_after = parse_retry_after(response.headers.get("retry-after"))
+    if response.status_code == 429 and code == "quota_exceeded":
+        quota = body.get("quota") if isinstance(body, dict) else None
+        return QuotaExceededError(response.status_code, code, message, retry_after, quota)
     kind = _BY_STATUS.get(response.status_code, APIError)
     return kind(response.status_code, code, message, retry_after)
