@@ -605,12 +605,35 @@ impl History {
         }
     }
 
-    /// The cells from index `from` on (aborted ones included, as recorded), the index after
-    /// the last, and `language_info`: what the store writes after each execution.
-    pub fn tail(&self, from: usize) -> (Vec<RecordedCell>, usize, Option<Value>) {
+    /// How many cells were recorded so far.
+    pub fn len(&self) -> usize {
+        self.inner.lock().cells.len()
+    }
+
+    /// Whether no cell was recorded yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The finished cells from index `from` on, below `upto` (aborted ones included, as
+    /// recorded), the index after the last, and `language_info`: what the store writes
+    /// after each execution. It stops at the first cell without its reply and its `idle`:
+    /// the store's writer runs this later than the execution it writes for ended, when the
+    /// kernel may be running the next cell, which must be written whole with its own
+    /// execution, not now without its outputs.
+    pub fn tail(&self, from: usize, upto: usize) -> (Vec<RecordedCell>, usize, Option<Value>) {
         let inner = self.inner.lock();
-        let cells = inner.cells.get(from..).unwrap_or_default().to_vec();
-        (cells, inner.cells.len(), inner.language_info.clone())
+        let upto = upto.min(inner.cells.len());
+        let cells: Vec<RecordedCell> = inner
+            .cells
+            .get(from..upto)
+            .unwrap_or_default()
+            .iter()
+            .take_while(|cell| cell.replied && cell.idle)
+            .cloned()
+            .collect();
+        let next = from + cells.len();
+        (cells, next, inner.language_info.clone())
     }
 
     /// A copy for export. Cells the kernel aborted (never ran) are left out.
@@ -641,7 +664,7 @@ mod tests {
             json!({"name": "stdout", "text": "a\n"}),
         ));
         finish(&history, &first, 1);
-        let (cells, next, _) = history.tail(0);
+        let (cells, next, _) = history.tail(0, usize::MAX);
         assert_eq!(next, 1);
         let stored: Vec<Value> = cells.iter().map(RecordedCell::to_stored).collect();
         let later = History::new();
@@ -662,7 +685,7 @@ mod tests {
         assert_eq!(snapshot.cells[0].execution_count, Some(1));
         assert_eq!(snapshot.cells[1].source, "1");
         assert_eq!(snapshot.language_info.unwrap()["name"], "python");
-        assert_eq!(later.tail(1).0.len(), 1);
+        assert_eq!(later.tail(1, usize::MAX).0.len(), 1);
     }
 
     fn request(code: &str) -> Message {
@@ -688,6 +711,36 @@ mod tests {
             &json!({"status": "ok", "execution_count": count}),
         ));
         history.on_iopub(&iopub(req, "status", json!({"execution_state": "idle"})));
+    }
+
+    #[test]
+    fn the_tail_stops_at_a_cell_still_running() {
+        let history = History::new();
+        let first = request("1");
+        history.on_request(&first);
+        finish(&history, &first, 1);
+        // The store's writer may run after the next cell started and before its display.
+        let second = request("display(plot)");
+        history.on_request(&second);
+        history.on_iopub(&iopub(
+            &second,
+            "status",
+            json!({"execution_state": "busy"}),
+        ));
+        let (cells, next, _) = history.tail(0, usize::MAX);
+        assert_eq!((cells.len(), next), (1, 1));
+        // Nor past the bound counted when the execution ended.
+        let (cells, next, _) = history.tail(0, 0);
+        assert_eq!((cells.len(), next), (0, 0));
+        history.on_iopub(&iopub(
+            &second,
+            "display_data",
+            json!({"data": {"image/png": "iVBOR"}, "metadata": {}}),
+        ));
+        finish(&history, &second, 2);
+        let (cells, next, _) = history.tail(1, 2);
+        assert_eq!((cells.len(), next), (1, 2));
+        assert_eq!(cells[0].outputs.to_json()[0]["data"]["image/png"], "iVBOR");
     }
 
     #[test]

@@ -292,10 +292,13 @@ pub(super) fn execution_finished(
     );
     store.note_event_id(&id, session.journal.lock().newest());
     let history = session.kernel.router().history();
+    // The cells up to this execution's, counted now: the writer runs the closure later,
+    // maybe while the kernel already runs the next cell (`History::tail`).
+    let upto = history.len();
     let persisted = session.persisted_cells.clone();
     store.put_cells_with(&id, move || {
         let from = persisted.load(std::sync::atomic::Ordering::SeqCst);
-        let (cells, next, language_info) = history.tail(from);
+        let (cells, next, language_info) = history.tail(from, upto);
         persisted.store(next, std::sync::atomic::Ordering::SeqCst);
         let cells = (from..)
             .zip(cells.iter().map(RecordedCell::to_stored))
