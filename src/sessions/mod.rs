@@ -808,25 +808,34 @@ impl Sessions {
         id: &SessionId,
         kernel: Arc<Kernel>,
     ) -> Result<Arc<Session>, SessionError> {
-        let Some(dormant) = self.dormant.write().remove(id) else {
-            // Deleted meanwhile.
-            let _ = self.kernels.shutdown(kernel.id.as_str()).await;
-            return Err(SessionError::NotFound);
+        // Registered under the dormant map's lock: a listing never sees the session in
+        // neither map while it changes from dormant to live.
+        let registered = {
+            let mut dormant = self.dormant.write();
+            dormant.remove(id).map(|dormant| {
+                let (owner, created) = (dormant.row.tenant.clone(), dormant.row.created.clone());
+                let (cells, language_info, entries) = Arc::unwrap_or_clone(dormant).into_history();
+                let persisted = cells.len();
+                kernel.router().history().restore(cells, language_info);
+                self.register(
+                    kernel.clone(),
+                    owner,
+                    Restored {
+                        created: Some(created),
+                        history: entries,
+                        persisted_cells: persisted,
+                    },
+                )
+            })
         };
-        let (owner, created) = (dormant.row.tenant.clone(), dormant.row.created.clone());
-        let (cells, language_info, entries) = Arc::unwrap_or_clone(dormant).into_history();
-        let persisted = cells.len();
-        kernel.router().history().restore(cells, language_info);
-        let session = self.register(
-            kernel,
-            owner,
-            Restored {
-                created: Some(created),
-                history: entries,
-                persisted_cells: persisted,
-            },
-        );
-        Ok(session)
+        match registered {
+            Some(session) => Ok(session),
+            None => {
+                // Deleted meanwhile.
+                let _ = self.kernels.shutdown(kernel.id.as_str()).await;
+                Err(SessionError::NotFound)
+            }
+        }
     }
 
     /// The gateway is stopping: from now on a session whose kernel ends stays in the store;

@@ -316,3 +316,94 @@ async fn with_the_option_off_kernels_end_with_their_gateway() -> Result<()> {
     );
     delete(&client, &id).await
 }
+
+/// What a process without the key gets from a running sandbox: the control socket shuts
+/// another uid out and closes on a wrong answer; the kernel's own sockets ignore messages
+/// not signed with the key. The sandbox stays adoptable by the gateway that has it.
+#[tokio::test]
+async fn only_a_gateway_with_the_key_can_take_a_sandbox_over() -> Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::unix::process::CommandExt;
+
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = gateway_on(&state, false, "120").await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    assert_eq!(client.run(&id, "x = 'kept'").await?.stdout, "");
+    let kept = record(&state, &id)?;
+    let generation = kept["generation"].as_u64().context("generation")?;
+    let control = state
+        .join("sandboxes")
+        .join(&id)
+        .join(format!("control-g{generation}.sock"));
+    assert!(control.exists(), "no {}", control.display());
+
+    // Another uid cannot even reach the control socket.
+    let foreign = std::process::Command::new("/usr/bin/python3")
+        .args([
+            "-c",
+            "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\nprint(s.recv(100))",
+        ])
+        .arg(&control)
+        .uid(65534)
+        .gid(65534)
+        .output()?;
+    assert!(!foreign.status.success(), "{foreign:?}");
+    assert!(
+        String::from_utf8_lossy(&foreign.stderr).contains("Permission denied"),
+        "{foreign:?}"
+    );
+
+    // The gateway's own uid without the key: a challenge, then the door closes.
+    let stream = std::os::unix::net::UnixStream::connect(&control)?;
+    stream.set_read_timeout(Some(PATIENCE))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    assert!(line.starts_with("challenge "), "{line:?}");
+    (&stream).write_all(format!("{}\n", "00".repeat(32)).as_bytes())?;
+    line.clear();
+    assert_eq!(reader.read_line(&mut line)?, 0, "answered {line:?}");
+
+    // The kernel's shell socket, reached as the gateway does, ignores an unsigned request.
+    let shell = format!(
+        "ipc:///proc/{}/root/run/cellgate/k-1",
+        pid_of(&kept, "helper")?
+    );
+    let forged = std::process::Command::new(crate::support::tools_python())
+        .args([
+            "-c",
+            r#"
+import hashlib, hmac, json, sys, uuid, zmq
+context = zmq.Context()
+s = context.socket(zmq.DEALER)
+s.connect(sys.argv[1])
+header = {"msg_id": uuid.uuid4().hex, "session": "x", "username": "x", "msg_type": "execute_request", "version": "5.3"}
+content = {"code": "x = 'taken'", "silent": False, "store_history": False}
+parts = [json.dumps(p).encode() for p in (header, {}, {}, content)]
+mac = hmac.new(sys.argv[2].encode(), digestmod=hashlib.sha256)
+for part in parts:
+    mac.update(part)
+s.send_multipart([b"<IDS|MSG>", mac.hexdigest().encode()] + parts)
+# Delivered before the process ends (the kernel then reads it before the gateway's next).
+s.close(linger=10000)
+context.term()
+"#,
+        ])
+        .arg(&shell)
+        // A key of the attacker's: the kernel's is in the state directory, 0600.
+        .arg(crate::support::TOKEN)
+        .output()?;
+    assert!(forged.status.success(), "{forged:?}");
+    assert_eq!(client.run(&id, "print(x)").await?.stdout, "kept\n");
+
+    // The gateway with the key still adopts it.
+    killed(first).await?;
+    let second = gateway_on(&state, false, "120").await?;
+    let client = V1Client::new(&second);
+    let model = adopted(&client, &id).await?;
+    assert_ne!(model["state"], "dead", "{model}");
+    assert_eq!(client.run(&id, "print(x)").await?.stdout, "kept\n");
+    delete(&client, &id).await
+}
