@@ -786,7 +786,13 @@ impl Sessions {
         let failure = match adopted {
             Ok(None) => return None,
             Ok(Some(kernel)) => match kernel.wait_ready().await {
-                Ok(()) => return Some(kernel),
+                Ok(()) => {
+                    // Idle culling goes on counting from before the restart.
+                    if let Some(at) = dormant.last_active() {
+                        kernel.router().set_last_activity(at);
+                    }
+                    return Some(kernel);
+                }
                 Err(err) => {
                     let _ = self.kernels.shutdown(kernel.id.as_str()).await;
                     err.to_string()

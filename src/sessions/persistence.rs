@@ -108,6 +108,16 @@ impl Dormant {
         }
     }
 
+    /// When the session was last active as the store knows it: its last execution's start
+    /// (or its creation).
+    pub(super) fn last_active(&self) -> Option<time::OffsetDateTime> {
+        let at = self
+            .executions
+            .last()
+            .map_or(&self.row.created, |e| &e.started);
+        time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339).ok()
+    }
+
     fn recorded_cells(&self) -> Vec<RecordedCell> {
         self.cells
             .iter()
