@@ -244,7 +244,15 @@ async fn an_orphan_ends_itself_after_its_grace() -> Result<()> {
     let client = V1Client::new(&first);
     let id = client.create_session(json!({})).await?;
     assert_eq!(client.run(&id, "print(3)").await?.stdout, "3\n");
-    let pids = processes(&record(&state, &id)?)?;
+    let kept = record(&state, &id)?;
+    let pids = processes(&kept)?;
+    let cgroups: Vec<PathBuf> = kept["cgroup"]["dirs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|dir| dir[1].as_str().map(PathBuf::from))
+        .collect();
+    assert!(!cgroups.is_empty(), "no cgroup in {kept}");
     killed(first).await?;
     let ended = eventually(PATIENCE, || pids.iter().all(|&pid| !alive(pid))).await;
     assert!(ended, "an orphan outlived its grace: {pids:?}");
@@ -252,7 +260,28 @@ async fn an_orphan_ends_itself_after_its_grace() -> Result<()> {
         pids_with(&id).is_empty(),
         "the kernel process is still there"
     );
-    Ok(())
+
+    // The next gateway removes what the orphan could not (its cgroup, its record) and says
+    // the session's sandbox was lost.
+    let second = gateway_on(&state, false, "2").await?;
+    let client = V1Client::new(&second);
+    let lost = eventually(PATIENCE, || !record_path(&state, &id).exists()).await;
+    assert!(lost, "the orphan's record outlived it");
+    for dir in &cgroups {
+        assert!(
+            !dir.exists(),
+            "the orphan's cgroup {} is left",
+            dir.display()
+        );
+    }
+    let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+    assert!(
+        model["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("sandbox_lost")),
+        "{model}"
+    );
+    delete(&client, &id).await
 }
 
 /// The gateway's children: with the option off, the helpers die with it.

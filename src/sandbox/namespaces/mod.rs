@@ -270,6 +270,9 @@ impl NamespacesSandbox {
         } else {
             Hierarchy::Unavailable("disabled in the configuration".to_owned())
         };
+        if let Some(survival) = &config.survival {
+            survival.sweep();
+        }
         hierarchy.sweep();
         let ids = IdMap::for_this_process(config.root_maps_to);
         let mut zygote = config.zygote.clone();
@@ -552,7 +555,17 @@ impl Core {
             Ok(found) => found,
             Err(err) => {
                 // A sandbox that is gone, or one this gateway cannot prove it may hold, is
-                // not tried again: its record goes (an orphan ends after its grace).
+                // not tried again: its record goes (an orphan ends after its grace), and
+                // the cgroup of one that is gone.
+                if let Ok(record) = survival.read(&spec.kernel_id) {
+                    if survival::start_time(record.helper.pid) != Some(record.helper.start) {
+                        if let Some(cgroup) =
+                            record.cgroup.as_ref().and_then(KernelCgroup::from_parts)
+                        {
+                            let _ = tokio::task::spawn_blocking(move || cgroup.remove()).await;
+                        }
+                    }
+                }
                 survival.remove(&spec.kernel_id);
                 return Err(NamespacesError::Adopt(err));
             }

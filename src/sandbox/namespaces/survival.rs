@@ -248,6 +248,40 @@ impl Survival {
         }
     }
 
+    /// At the backend's start: the sandboxes recorded here whose helper is gone (an orphan
+    /// that ended itself, or one killed meanwhile) lose their cgroup, which nothing else
+    /// would remove; their record stays for the session layer to report them lost (an
+    /// adoption that fails removes it). Directories with no record hold nothing to adopt.
+    pub fn sweep(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            match self.read(&id) {
+                Ok(record) => {
+                    if start_time(record.helper.pid) == Some(record.helper.start) {
+                        continue;
+                    }
+                    if let Some(cgroup) = record
+                        .cgroup
+                        .as_ref()
+                        .and_then(crate::sandbox::cgroups::KernelCgroup::from_parts)
+                    {
+                        cgroup.remove();
+                    }
+                    if let Some(dir) = self.kernel_dir(&id) {
+                        let _ = std::fs::remove_file(dir.join(control(record.generation)));
+                    }
+                }
+                Err(SurvivalError::NoRecord) => self.remove(&id),
+                Err(_) => {}
+            }
+        }
+    }
+
     /// Forgets `kernel_id`'s sandbox (it ended, or never will be adopted).
     pub fn remove(&self, kernel_id: &str) {
         if let Some(dir) = self.kernel_dir(kernel_id) {
