@@ -436,3 +436,87 @@ context.term()
     assert_eq!(client.run(&id, "print(x)").await?.stdout, "kept\n");
     delete(&client, &id).await
 }
+
+/// A local HTTP server answering every request with `hello`.
+async fn hello_server() -> Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut seen = vec![];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let response =
+                    "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello";
+                let _ = stream.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    Ok(port)
+}
+
+/// The egress bridge of a kernel forked before the restart reaches the new gateway's proxy,
+/// which applies the session's policy.
+#[tokio::test]
+async fn an_adopted_kernel_reaches_the_new_gateways_egress_proxy() -> Result<()> {
+    let port = hello_server().await?;
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let policies = dir.path().join("policies");
+    std::fs::create_dir(&policies)?;
+    std::fs::copy(
+        crate::support::repo().join("policies/default.toml"),
+        policies.join("default.toml"),
+    )?;
+    std::fs::write(
+        policies.join("net.toml"),
+        format!("description = \"net\"\n[egress]\nallow = [\"allowed.test:{port}\"]\n"),
+    )?;
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(
+        &config,
+        "[egress_hosts]\n\"allowed.test\" = \"127.0.0.1\"\n\"denied.test\" = \"127.0.0.1\"\n",
+    )?;
+    let start = || {
+        Gateway::builder()
+            .policies_dir(policies.clone())
+            .arg("--config")
+            .arg(config.to_str().unwrap_or_default())
+            .arg("--state-dir")
+            .arg(state.to_str().unwrap_or_default())
+            .args(&["--kernels-outlive-gateway", "true", "--orphan-grace", "120"])
+            .args(&["--kernel-zygote", "true"])
+            .start()
+    };
+    let fetch = format!(
+        "import urllib.request\nprint(urllib.request.urlopen('http://allowed.test:{port}/', timeout=60).read().decode())"
+    );
+    let first = start().await?;
+    let client = V1Client::new(&first);
+    let id = client.new_session(json!({"policy": "net"})).await?.id;
+    let before = client.run(&id, &fetch).await?;
+    assert_eq!(before.stdout, "hello\n", "{before:?}");
+    killed(first).await?;
+
+    let second = start().await?;
+    let client = V1Client::new(&second);
+    let model = adopted(&client, &id).await?;
+    assert_ne!(model["state"], "dead", "{model}");
+    let after = client.run(&id, &fetch).await?;
+    assert_eq!(after.stdout, "hello\n", "{after:?}");
+    let denied = client
+        .run(
+            &id,
+            &format!("import urllib.request\ntry:\n    urllib.request.urlopen('http://denied.test:{port}/', timeout=60)\nexcept Exception as e:\n    print('refused')"),
+        )
+        .await?;
+    assert_eq!(denied.stdout, "refused\n", "{denied:?}");
+    delete(&client, &id).await
+}
