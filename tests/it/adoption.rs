@@ -520,3 +520,33 @@ async fn an_adopted_kernel_reaches_the_new_gateways_egress_proxy() -> Result<()>
     assert_eq!(denied.stdout, "refused\n", "{denied:?}");
     delete(&client, &id).await
 }
+
+/// An adopted sandbox whose new gateway goes too is an orphan again: it ends after its
+/// grace (counted afresh from the second gateway's end).
+#[tokio::test]
+async fn an_adopted_sandbox_ends_when_its_second_gateway_is_gone_past_the_grace() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = gateway_on(&state, true, "20").await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    assert_eq!(client.run(&id, "y = 7").await?.stdout, "");
+    let pids = processes(&record(&state, &id)?)?;
+    killed(first).await?;
+
+    let second = gateway_on(&state, true, "20").await?;
+    let client = V1Client::new(&second);
+    let model = adopted(&client, &id).await?;
+    assert_ne!(model["state"], "dead", "{model}");
+    assert_eq!(client.run(&id, "print(y)").await?.stdout, "7\n");
+    killed(second).await?;
+    for pid in pids {
+        assert!(alive(pid), "process {pid} ended with the second gateway");
+    }
+    let ended = eventually(PATIENCE, || pids.iter().all(|&pid| !alive(pid))).await;
+    assert!(
+        ended,
+        "an orphan outlived its grace after its adoption: {pids:?}"
+    );
+    Ok(())
+}
