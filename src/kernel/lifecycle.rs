@@ -165,6 +165,8 @@ pub struct Kernel {
     started: std::time::Instant,
     /// The egress proxy's listener of the current generation.
     egress: parking_lot::Mutex<Option<crate::egress::Listener>>,
+    /// A stored session holds it (see [`Kernel::outlives_gateway`]).
+    adoptable: AtomicBool,
 }
 
 /// A duration as people write it: `300 s`, `10 min`, `2 h`.
@@ -246,6 +248,7 @@ impl Kernel {
             last_restart_reason: parking_lot::Mutex::new(None),
             started,
             egress: parking_lot::Mutex::new(None),
+            adoptable: AtomicBool::new(false),
         });
         kernel.spawn_watchdog();
         let launched = kernel.launch_generation().await?;
@@ -853,10 +856,16 @@ impl Kernel {
         self.sandbox.backend()
     }
 
-    /// Whether the kernel's sandbox outlives this gateway (see
-    /// `KernelManager::detach_survivors`).
+    /// Whether the kernel's sandbox outlives this gateway, for the next one to adopt (see
+    /// `KernelManager::detach_survivors`): a backend that keeps its sandboxes, and a kernel
+    /// a stored session will ask for again (a kernel no session holds is never adopted).
     pub fn outlives_gateway(&self) -> bool {
-        self.sandbox.kernels_outlive_gateway()
+        self.sandbox.kernels_outlive_gateway() && self.adoptable.load(Ordering::SeqCst)
+    }
+
+    /// A stored session holds this kernel: a later gateway may adopt it.
+    pub fn mark_adoptable(&self) {
+        self.adoptable.store(true, Ordering::SeqCst);
     }
 
     /// Whether the kernel's owner is recorded in the shared registry (`ownership`): other

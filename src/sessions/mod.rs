@@ -931,6 +931,10 @@ impl Sessions {
                 per_tenant: policy.limits.artifacts_per_tenant_bytes,
             };
         }
+        if self.store.is_some() {
+            // The store knows the session: a later gateway asks for its kernel again.
+            kernel.mark_adoptable();
+        }
         let (events, _) = broadcast::channel(EVENT_BACKLOG);
         let session = Arc::new(Session {
             id: SessionId::of(&kernel.id),
