@@ -142,7 +142,8 @@ def main():
                  "--policies-dir", policies, "--kernels-dir", args.kernels_dir,
                  "--pool-size", "0", "--microvm-allow-emulation",
                  # A state directory per gateway: two never share one.
-                 "--state-dir", os.path.join(tmp, f"state-{len(procs)}"), *extra],
+                 "--state-dir", os.path.join(tmp, f"state-{len(procs)}"),
+                 "--kernels-outlive-gateway", "false", *extra],
                 stdout=log, stderr=subprocess.STDOUT, env=env))
             api = Api(port, args.timeout)
             wait_ready(api, procs[-1], time.monotonic() + 60)

@@ -745,9 +745,12 @@ def cellgate_cmd(args):
         # A fresh state directory per gateway (the store on, as in production; nothing
         # carried from one run to the next, never two gateways on one directory).
         state = tempfile.mkdtemp(prefix="cg-bench-state-")
+        # Kernels end with the gateway: a killed run's kernels must not idle on, beside
+        # the next run's, for an orphan's grace.
         return [args.cellgate_bin, "serve", "--ip", HOST, "--port", str(port),
                 "--token", token, "--kernels-dir", args.kernels_dir,
-                "--policies-dir", args.policies_dir, "--state-dir", state, *args.cellgate_arg]
+                "--policies-dir", args.policies_dir, "--state-dir", state,
+                "--kernels-outlive-gateway", "false", *args.cellgate_arg]
     return fn
 
 

@@ -103,7 +103,8 @@ async def main():
     argv = [a.cellgate_bin, "serve", "--ip", e2e.HOST, "--port", str(port), "--token", token,
             "--kernels-dir", os.path.join(REPO, "kernels"), "--policies-dir", policies,
             "--wheelhouse", wheels, "--package-cache-dir", os.path.join(tmp, "cache"),
-            "--pool-size", "0", "--state-dir", os.path.join(tmp, "state")]
+            "--pool-size", "0", "--state-dir", os.path.join(tmp, "state"),
+            "--kernels-outlive-gateway", "false"]
     log = open(os.path.join(tmp, "cellgate.log"), "wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

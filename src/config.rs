@@ -87,6 +87,15 @@ pub struct ServeArgs {
     /// --kernel-zygote-max-forks) [default: 3600].
     #[arg(long, env = "CELLGATE_KERNEL_ZYGOTE_MAX_AGE", value_parser = clap::value_parser!(u64).range(1..))]
     pub kernel_zygote_max_age: Option<u64>,
+    /// Keep namespaces-sandboxed kernels running when the gateway stops or crashes, for the
+    /// next gateway on the same state directory to adopt with their variables and files
+    /// (needs a state directory; `false`: every kernel ends with the gateway) [default: true].
+    #[arg(long, env = "CELLGATE_KERNELS_OUTLIVE_GATEWAY", value_parser = clap::builder::BoolishValueParser::new())]
+    pub kernels_outlive_gateway: Option<bool>,
+    /// Seconds a kernel that outlived its gateway waits for a gateway to adopt it before it
+    /// ends itself [default: 300].
+    #[arg(long, env = "CELLGATE_ORPHAN_GRACE", value_parser = clap::value_parser!(u64).range(1..))]
+    pub orphan_grace: Option<u64>,
     /// Seconds a kernel may take to become ready (five times as long in a microVM under
     /// software emulation) [default: 60].
     #[arg(long, env = "CELLGATE_START_TIMEOUT")]
@@ -388,6 +397,8 @@ struct FileConfig {
     kernel_zygote: Option<bool>,
     kernel_zygote_max_forks: Option<u32>,
     kernel_zygote_max_age: Option<u64>,
+    kernels_outlive_gateway: Option<bool>,
+    orphan_grace: Option<u64>,
     allow_origin: Option<OneOrMany>,
     env_allowlist: Option<Vec<String>>,
     max_message_mib: Option<usize>,
@@ -470,6 +481,10 @@ pub struct GatewayConfig {
     /// Kernels one zygote forks, and how long it serves, before a fresh one replaces it.
     pub kernel_zygote_max_forks: u32,
     pub kernel_zygote_max_age: Duration,
+    /// Whether namespaces kernels outlive the gateway (only with a state directory).
+    pub kernels_outlive_gateway: bool,
+    /// How long a kernel that outlived its gateway waits to be adopted.
+    pub orphan_grace: Duration,
     /// Origins allowed to call the gateway from a browser (`*`: any), normalised.
     pub allow_origin: Vec<String>,
     pub env_allowlist: Vec<String>,
@@ -1025,6 +1040,8 @@ struct Kernels {
     kernel_zygote: bool,
     kernel_zygote_max_forks: u32,
     kernel_zygote_max_age: Duration,
+    kernels_outlive_gateway: bool,
+    orphan_grace: Duration,
 }
 
 fn kernels(args: &ServeArgs, file: &mut FileConfig) -> Result<Kernels, ConfigError> {
@@ -1082,6 +1099,12 @@ fn kernels(args: &ServeArgs, file: &mut FileConfig) -> Result<Kernels, ConfigErr
             args.kernel_zygote_max_age.or(file.kernel_zygote_max_age),
             3600,
         ),
+        kernels_outlive_gateway: args
+            .kernels_outlive_gateway
+            .or(file.kernels_outlive_gateway)
+            .unwrap_or(true),
+        orphan_grace: seconds(args.orphan_grace.or(file.orphan_grace), 300)
+            .max(Duration::from_secs(1)),
     })
 }
 
@@ -1209,6 +1232,8 @@ impl GatewayConfig {
             kernel_zygote: kernels.kernel_zygote,
             kernel_zygote_max_forks: kernels.kernel_zygote_max_forks,
             kernel_zygote_max_age: kernels.kernel_zygote_max_age,
+            kernels_outlive_gateway: kernels.kernels_outlive_gateway,
+            orphan_grace: kernels.orphan_grace,
             artifact_retention: artifacts.retention,
             artifact_link_ttl: artifacts.link_ttl,
             artifact_link_max_ttl: artifacts.link_max_ttl,
@@ -1341,6 +1366,8 @@ mod tests {
             ("kernel_zygote", "kernel_zygote = false"),
             ("kernel_zygote_max_forks", "kernel_zygote_max_forks = 50"),
             ("kernel_zygote_max_age", "kernel_zygote_max_age = 600"),
+            ("kernels_outlive_gateway", "kernels_outlive_gateway = false"),
+            ("orphan_grace", "orphan_grace = 60"),
             ("start_timeout", "start_timeout = 30"),
             ("allow_origin", "allow_origin = [\"https://app.example\"]"),
             ("env_allowlist", "env_allowlist = [\"MY_SETTING\"]"),

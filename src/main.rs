@@ -278,13 +278,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&config.policies_dir)
         .with_context(|| format!("loading policies from {}", config.policies_dir.display()))?;
-    let mut backends =
-        Backends::new(config.sandbox, config.microvm.clone()).with_zygote(ZygoteSettings {
+    let mut backends = Backends::new(config.sandbox, config.microvm.clone())
+        .with_zygote(ZygoteSettings {
             enabled: config.kernel_zygote,
             max_forks: config.kernel_zygote_max_forks,
             max_age: config.kernel_zygote_max_age,
             ..ZygoteSettings::default()
-        });
+        })
+        .with_survival(survival(&config));
     // A replica takes its Lease before any kernel starts: every kernel it makes has a live
     // owner from its first moment.
     let replicas = match &config.replica {
@@ -350,6 +351,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     kernels.spawn_culler();
     kernels.refill_pool();
     announce(&config, local, metrics_listener.as_ref())?;
+    // Read before `serve` takes the configuration: a stopping gateway lets these kernels go.
+    let config_outlive = survival(&config).is_some();
     let served = cellgate::gateway::serve(
         config,
         kernels.clone(),
@@ -370,6 +373,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             kernels = handed,
             "kernel pods handed over to the other replicas"
         );
+    }
+    if config_outlive {
+        let kept = kernels.detach_survivors();
+        if kept > 0 {
+            tracing::info!(
+                kernels = kept,
+                "kernels left running for the next gateway on this state directory"
+            );
+        }
     }
     kernels.shutdown_all().await;
     // The manager's own drop would remove it, but tasks still holding it (the culler, the
@@ -431,6 +443,21 @@ async fn open_state(
         store: Arc::new(store),
         loaded,
     }))
+}
+
+/// Where kernels that outlive the gateway are recorded (`None`: they end with it).
+fn survival(config: &GatewayConfig) -> Option<cellgate::sandbox::Survival> {
+    if !config.kernels_outlive_gateway {
+        return None;
+    }
+    let Some(state_dir) = &config.state_dir else {
+        tracing::warn!("--kernels-outlive-gateway needs a state directory: without one (--state-dir none) kernels end with the gateway");
+        return None;
+    };
+    Some(cellgate::sandbox::Survival {
+        dir: state_dir.join("sandboxes"),
+        grace: config.orphan_grace,
+    })
 }
 
 /// The directory of this gateway's kernels' run directories.

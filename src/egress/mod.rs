@@ -202,6 +202,9 @@ impl Egress {
         sink: Arc<dyn DenialSink>,
     ) -> Result<Listener, EgressError> {
         let path = dir.join(SOCKET_NAME);
+        // A directory that outlives the gateway (a surviving sandbox's, see
+        // `sandbox::namespaces::survival`) may hold an earlier gateway's socket.
+        let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path).map_err(|source| EgressError::Listen {
             path: path.clone(),
             source,

@@ -258,6 +258,7 @@ fn v1_sessions(
         store,
     );
     sessions.restore(loaded.sessions);
+    sessions.spawn_survivor_adoption();
     Ok(sessions)
 }
 

@@ -86,6 +86,9 @@ pub struct KernelOptions {
     /// The state generation before the first launch (0 for a new kernel): a session's kernel
     /// started again after a gateway restart goes on from its last generation.
     pub first_generation: u64,
+    /// How long ago the kernel started, when it started under an earlier gateway (an
+    /// adopted kernel's lifetime goes on counting from its start).
+    pub age: Option<Duration>,
 }
 
 impl Default for KernelOptions {
@@ -104,6 +107,7 @@ impl Default for KernelOptions {
             tenant: None,
             adopt: None,
             first_generation: 0,
+            age: None,
         }
     }
 }
@@ -161,6 +165,8 @@ pub struct Kernel {
     started: std::time::Instant,
     /// The egress proxy's listener of the current generation.
     egress: parking_lot::Mutex<Option<crate::egress::Listener>>,
+    /// A stored session holds it (see [`Kernel::outlives_gateway`]).
+    adoptable: AtomicBool,
 }
 
 /// A duration as people write it: `300 s`, `10 min`, `2 h`.
@@ -216,6 +222,10 @@ impl Kernel {
         env.insert(POLICY_ENV.to_owned(), policy.clone());
         let (readiness, _) = watch::channel(Readiness::Starting);
         let first_generation = options.first_generation;
+        let started = options
+            .age
+            .and_then(|age| std::time::Instant::now().checked_sub(age))
+            .unwrap_or_else(std::time::Instant::now);
         let kernel = Arc::new(Kernel {
             router: Arc::new(
                 Router::new(id.as_str())
@@ -236,8 +246,9 @@ impl Kernel {
             generation: AtomicU64::new(first_generation),
             ops: tokio::sync::Mutex::new(()),
             last_restart_reason: parking_lot::Mutex::new(None),
-            started: std::time::Instant::now(),
+            started,
             egress: parking_lot::Mutex::new(None),
+            adoptable: AtomicBool::new(false),
         });
         kernel.spawn_watchdog();
         let launched = kernel.launch_generation().await?;
@@ -252,8 +263,12 @@ impl Kernel {
 
     async fn launch_generation(&self) -> Result<(u64, Launched), KernelError> {
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
-        // Only the first generation takes a pod over; a restart launches a new one.
-        let adopt = self.options.adopt.clone().filter(|_| generation == 1);
+        // Only the first generation takes a sandbox over; a restart launches a new one.
+        let adopt = self
+            .options
+            .adopt
+            .clone()
+            .filter(|_| generation == self.options.first_generation + 1);
         let (runtime_dir, connection_file, connection) = write_connection_file(
             &self.dirs,
             generation,
@@ -265,13 +280,14 @@ impl Kernel {
             .zip(self.options.policy.as_ref())
             .filter(|_| self.sandbox.backend().bridges_egress());
         if let Some((egress, policy)) = proxy {
+            // A sandbox that may outlive this gateway reaches its proxy where the next
+            // gateway listens too.
+            let dir = self
+                .sandbox
+                .egress_dir(self.id.as_str())
+                .unwrap_or_else(|| runtime_dir.clone());
             let listener = egress
-                .listen(
-                    &runtime_dir,
-                    self.id.as_str(),
-                    policy.clone(),
-                    self.router.clone(),
-                )
+                .listen(&dir, self.id.as_str(), policy.clone(), self.router.clone())
                 .map_err(|err| KernelError::Io {
                     what: "open the egress proxy socket".to_owned(),
                     source: std::io::Error::other(err),
@@ -312,6 +328,7 @@ impl Kernel {
                 .as_ref()
                 .map(|policy| policy.backend_settings())
                 .unwrap_or_default(),
+            generation,
         };
         let launched = self.sandbox.launch(&spec).await?;
         tracing::info!(kernel_id = %self.id, generation, backend = self.sandbox.backend().as_str(), pid = ?launched.handle.pid(), "kernel process launched");
@@ -777,6 +794,7 @@ impl Kernel {
         self.readiness.send_replace(Readiness::Terminated);
         self.router.close_all();
         self.dirs.remove();
+        self.sandbox.forget(self.id.as_str());
         tracing::info!(kernel_id = %self.id, "kernel shut down");
     }
 
@@ -836,6 +854,18 @@ impl Kernel {
     /// The sandbox backend the kernel runs in.
     pub fn backend(&self) -> crate::sandbox::Backend {
         self.sandbox.backend()
+    }
+
+    /// Whether the kernel's sandbox outlives this gateway, for the next one to adopt (see
+    /// `KernelManager::detach_survivors`): a backend that keeps its sandboxes, and a kernel
+    /// a stored session will ask for again (a kernel no session holds is never adopted).
+    pub fn outlives_gateway(&self) -> bool {
+        self.sandbox.kernels_outlive_gateway() && self.adoptable.load(Ordering::SeqCst)
+    }
+
+    /// A stored session holds this kernel: a later gateway may adopt it.
+    pub fn mark_adoptable(&self) {
+        self.adoptable.store(true, Ordering::SeqCst);
     }
 
     /// Whether the kernel's owner is recorded in the shared registry (`ownership`): other

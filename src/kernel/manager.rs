@@ -509,17 +509,36 @@ impl KernelManager {
         adopt: Option<(KernelRecord, String)>,
         again: Option<(crate::ids::KernelId, u64)>,
     ) -> Result<Arc<Kernel>, KernelError> {
+        self.launch_with_age(spec, policy, client_env, tenant, adopt, again, None)
+            .await
+    }
+
+    /// [`KernelManager::launch`] of a kernel that started `age` ago (under an earlier
+    /// gateway).
+    // One more than `launch`'s list, each handed on once.
+    #[allow(clippy::too_many_arguments)]
+    async fn launch_with_age(
+        &self,
+        spec: &super::KernelSpec,
+        policy: &Policy,
+        client_env: BTreeMap<String, String>,
+        tenant: Option<String>,
+        adopt: Option<(KernelRecord, String)>,
+        again: Option<(crate::ids::KernelId, u64)>,
+        age: Option<Duration>,
+    ) -> Result<Arc<Kernel>, KernelError> {
         let mut options = self.options.kernel.clone();
         options.tenant = tenant;
+        options.age = age;
         let id = match (&adopt, again) {
             (None, None) => crate::ids::KernelId::random(),
-            (None, Some((id, generation))) => {
+            (_, Some((id, generation))) => {
                 options.first_generation = generation;
                 id
             }
             // Only gateways name kernels, so a record names one of their ids; a record that
             // does not is no kernel this gateway can take over.
-            (Some((record, _)), _) => crate::ids::KernelId::parse(&record.kernel_id)
+            (Some((record, _)), None) => crate::ids::KernelId::parse(&record.kernel_id)
                 .map_err(|_| KernelError::NoSuchKernel)?,
         };
         options.adopt = adopt;
@@ -847,6 +866,104 @@ impl KernelManager {
             .insert(kernel.id.clone(), kernel.clone());
         tracing::info!(kernel_id = %kernel.id, "kernel taken over from a gateway that is gone");
         Ok(kernel)
+    }
+
+    /// Whether `id`'s kernel (of `policy`) has a sandbox that outlived the gateway before
+    /// this one, which [`KernelManager::adopt_survivor`] may take back.
+    pub fn has_survivor(&self, id: &crate::ids::KernelId, policy: &str) -> bool {
+        let Ok(policy) = self.options.policies.get(policy) else {
+            return false;
+        };
+        self.backends
+            .get(policy.backend)
+            .is_ok_and(|sandbox| sandbox.survivor(id.as_str()).is_some())
+    }
+
+    /// Takes back the kernel of a session whose sandbox outlived the gateway before this one
+    /// (same state directory): attached to, not started, under its id, generation,
+    /// kernelspec, policy and tenant. `Ok(None)`: it has no such sandbox; an error: it had
+    /// one, which is gone or refused this gateway (see `sandbox::namespaces::survival`).
+    pub async fn adopt_survivor(
+        &self,
+        id: crate::ids::KernelId,
+        kernelspec: &str,
+        policy: &str,
+        tenant: Option<String>,
+    ) -> Result<Option<Arc<Kernel>>, KernelError> {
+        if let Some(kernel) = self.get(id.as_str()) {
+            return Ok(Some(kernel));
+        }
+        let spec = self
+            .specs
+            .get(kernelspec)
+            .ok_or_else(|| KernelError::NoSuchSpec {
+                name: kernelspec.to_owned(),
+                known: self.specs.names(),
+            })?
+            .clone();
+        let policy = self.options.policies.get(policy)?.clone();
+        let sandbox =
+            self.backends
+                .get(policy.backend)
+                .map_err(|err| KernelError::BackendUnavailable {
+                    policy: policy.name.clone(),
+                    backend: self.backend_of(&policy).as_str(),
+                    reason: err.to_string(),
+                })?;
+        let Some(survivor) = sandbox.survivor(id.as_str()) else {
+            return Ok(None);
+        };
+        let record = KernelRecord {
+            kernel_id: id.to_string(),
+            owner: String::new(),
+            incarnation: String::new(),
+            sandbox: self.backend_of(&policy).as_str().to_owned(),
+            namespace: String::new(),
+            kernelspec: spec.name.clone(),
+            policy: policy.name.clone(),
+            tenant: tenant.clone(),
+        };
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let age = Duration::from_millis(now_ms.saturating_sub(survivor.started_ms));
+        let kernel = self
+            .launch_with_age(
+                &spec,
+                &policy,
+                BTreeMap::new(),
+                tenant.clone(),
+                Some((record, survivor.key)),
+                Some((id, survivor.generation.saturating_sub(1))),
+                Some(age),
+            )
+            .await?;
+        if let Some(tenant) = &tenant {
+            kernel.set_owner(tenant);
+        }
+        self.kernels
+            .write()
+            .insert(kernel.id.clone(), kernel.clone());
+        tracing::info!(kernel_id = %kernel.id, generation = kernel.generation(), "kernel adopted from the gateway before this one");
+        Ok(Some(kernel))
+    }
+
+    /// Lets every kernel whose sandbox outlives the gateway go, running, for the next
+    /// gateway on this state directory (this one is stopping); how many.
+    pub fn detach_survivors(&self) -> usize {
+        let kept: Vec<Arc<Kernel>> = {
+            let mut kernels = self.kernels.write();
+            let ids: Vec<crate::ids::KernelId> = kernels
+                .values()
+                .filter(|k| k.outlives_gateway())
+                .map(|k| k.id.clone())
+                .collect();
+            ids.iter().filter_map(|id| kernels.remove(id)).collect()
+        };
+        for kernel in &kept {
+            kernel.detach();
+        }
+        kept.len()
     }
 
     /// Forgets a kernel another gateway holds now (this one lost it), without touching its

@@ -356,6 +356,12 @@ impl Router {
         self.state.lock().activity.last_activity = OffsetDateTime::now_utc();
     }
 
+    /// The kernel was last active at `at`, under an earlier gateway (an adopted kernel's
+    /// idle time goes on counting across the restart).
+    pub fn set_last_activity(&self, at: OffsetDateTime) {
+        self.state.lock().activity.last_activity = at;
+    }
+
     pub fn set_execution_state(&self, execution_state: ExecutionState) {
         let mut state = self.state.lock();
         self.set_state_locked(&mut state, execution_state);

@@ -368,7 +368,50 @@ pub struct KernelCgroup {
     memory_limited: bool,
 }
 
+/// A [`KernelCgroup`] written down, for the gateway that adopts its kernel.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct CgroupParts {
+    pub version: u8,
+    pub dirs: Vec<(String, PathBuf)>,
+    pub memory_limited: bool,
+}
+
+/// The controller names a cgroup directory is filed under.
+const CONTROLLERS: &[&str] = &["memory", "pids", "cpu", "cpuacct", "unified"];
+
 impl KernelCgroup {
+    pub fn parts(&self) -> CgroupParts {
+        CgroupParts {
+            version: self.version,
+            dirs: self
+                .dirs
+                .iter()
+                .map(|(name, dir)| ((*name).to_owned(), dir.clone()))
+                .collect(),
+            memory_limited: self.memory_limited,
+        }
+    }
+
+    /// The cgroup `parts` describe; `None` when they name a controller this gateway does
+    /// not know or a directory that is not a cgroup's.
+    pub fn from_parts(parts: &CgroupParts) -> Option<KernelCgroup> {
+        let dirs = parts
+            .dirs
+            .iter()
+            .map(|(name, dir)| {
+                let name = CONTROLLERS.iter().find(|known| **known == name)?;
+                dir.join("cgroup.procs")
+                    .exists()
+                    .then(|| (*name, dir.clone()))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(KernelCgroup {
+            version: parts.version,
+            dirs,
+            memory_limited: parts.memory_limited,
+        })
+    }
+
     /// Whether a memory limit is enforced by this cgroup.
     pub fn memory_limited(&self) -> bool {
         self.memory_limited

@@ -181,6 +181,7 @@ async fn probe_in(sandbox: &dyn Sandbox, dir: &Path, program: &str) -> Result<Du
         labels: Default::default(),
         adopt: None,
         backend_settings: Default::default(),
+        generation: 1,
     };
     let started = Instant::now();
     let launched = sandbox.launch(&spec).await.map_err(|e| e.to_string())?;

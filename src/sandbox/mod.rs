@@ -77,7 +77,7 @@ pub use kubernetes::{KubernetesError, KubernetesSandbox, PodSettings};
 pub use microvm::{MicrovmConfig, MicrovmError, MicrovmSandbox};
 pub use namespaces::{
     become_kernel, sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox,
-    ZygoteSettings, SANDBOX_INIT_ARG, ZYGOTE_ONE_THREAD,
+    Survival, ZygoteSettings, SANDBOX_INIT_ARG, ZYGOTE_ONE_THREAD,
 };
 pub use process::ProcessSandbox;
 
@@ -165,12 +165,14 @@ pub fn create(
     backend: Backend,
     microvm: &MicrovmConfig,
     zygote: &ZygoteSettings,
+    survival: Option<Survival>,
     replicas: Option<Arc<kubernetes::replicas::Replicas>>,
 ) -> Result<Arc<dyn Sandbox>, SandboxError> {
     Ok(match backend {
         Backend::Process => Arc::new(ProcessSandbox::new()?),
         Backend::Namespaces => Arc::new(NamespacesSandbox::new(NamespacesConfig {
             zygote: zygote.clone(),
+            survival,
             ..NamespacesConfig::default()
         })?),
         Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
@@ -219,6 +221,7 @@ pub struct Backends {
     forced: Option<Backend>,
     microvm: MicrovmConfig,
     zygote: ZygoteSettings,
+    survival: Option<Survival>,
     replicas: Option<Arc<kubernetes::replicas::Replicas>>,
     /// Who owns which kernel: this gateway alone, or the replicas' Leases.
     ownership: Arc<dyn Ownership>,
@@ -231,6 +234,7 @@ impl Backends {
             forced,
             microvm,
             zygote: ZygoteSettings::default(),
+            survival: None,
             replicas: None,
             ownership: Arc::new(SingleGateway),
             made: parking_lot::Mutex::new(std::collections::HashMap::new()),
@@ -240,6 +244,12 @@ impl Backends {
     /// The namespaces backend's zygotes (on by default).
     pub fn with_zygote(mut self, zygote: ZygoteSettings) -> Backends {
         self.zygote = zygote;
+        self
+    }
+
+    /// Namespaces kernels outlive the gateway (see `namespaces`, "Outliving the gateway").
+    pub fn with_survival(mut self, survival: Option<Survival>) -> Backends {
+        self.survival = survival;
         self
     }
 
@@ -292,7 +302,13 @@ impl Backends {
         if let Some(sandbox) = made.get(&backend) {
             return Ok(sandbox.clone());
         }
-        let sandbox = create(backend, &self.microvm, &self.zygote, self.replicas.clone())?;
+        let sandbox = create(
+            backend,
+            &self.microvm,
+            &self.zygote,
+            self.survival.clone(),
+            self.replicas.clone(),
+        )?;
         made.insert(backend, sandbox.clone());
         Ok(sandbox)
     }
@@ -364,6 +380,9 @@ pub struct LaunchSpec {
     pub adopt: Option<KernelRecord>,
     /// The policy's settings for its backend, opaque above the sandbox.
     pub backend_settings: BackendSettings,
+    /// The kernel's state generation this launch starts (a surviving sandbox's record
+    /// keeps it).
+    pub generation: u64,
 }
 
 /// Who a kernel is for.
@@ -590,6 +609,37 @@ pub trait Sandbox: Send + Sync {
     fn shares_ownership(&self) -> bool {
         false
     }
+    /// Whether this backend's kernels outlive the gateway's process, for the next gateway on
+    /// the same state directory to adopt (the namespaces backend with
+    /// `--kernels-outlive-gateway`).
+    fn kernels_outlive_gateway(&self) -> bool {
+        false
+    }
+    /// The sandbox of `kernel_id` that outlived the gateway before this one, as its record
+    /// says (a launch with [`LaunchSpec::adopt`] then attaches to it and checks it).
+    fn survivor(&self, _kernel_id: &str) -> Option<SurvivorInfo> {
+        None
+    }
+    /// Where `kernel_id`'s egress proxy listens when that must be the same place for every
+    /// gateway on this state directory (a surviving sandbox's bridge connects there);
+    /// `None`: in the kernel's runtime directory.
+    fn egress_dir(&self, _kernel_id: &str) -> Option<PathBuf> {
+        None
+    }
+    /// `kernel_id` is shut down for good: whatever this backend kept of it for a later
+    /// gateway goes.
+    fn forget(&self, _kernel_id: &str) {}
+}
+
+/// A sandbox that outlived its gateway, as far as the kernel's layer needs to know it.
+#[derive(Debug, Clone)]
+pub struct SurvivorInfo {
+    /// The key the kernel's messages are signed with.
+    pub key: String,
+    /// The kernel's state generation.
+    pub generation: u64,
+    /// When the kernel started (Unix time, milliseconds).
+    pub started_ms: u64,
 }
 
 /// Errors of sandbox backends.

@@ -501,6 +501,7 @@ mod tests {
                 labels: Default::default(),
                 adopt: None,
                 backend_settings: Default::default(),
+                generation: 1,
             };
             let view = KernelView::of(&spec, &["/usr"]).unwrap();
             assert_eq!(view.python_prefix, None, "home = {home}");

@@ -47,21 +47,52 @@ impl Spawner {
     }
 
     /// Spawns `command` on the spawner thread, with the parent-death signal set in the child.
-    pub(super) async fn spawn(&self, mut command: Command) -> io::Result<Child> {
+    pub(super) async fn spawn(&self, command: Command) -> io::Result<Child> {
+        self.spawn_with(command, true, None).await
+    }
+
+    /// Spawns `command` on the spawner thread; with the parent-death signal when
+    /// `pdeathsig` (a child that is to outlive the gateway has none); `fd_at`: a descriptor
+    /// of the caller's (kept open until this returns) the child gets at a fixed number.
+    pub(super) async fn spawn_with(
+        &self,
+        mut command: Command,
+        pdeathsig: bool,
+        fd_at: Option<(std::os::fd::RawFd, std::os::fd::RawFd)>,
+    ) -> io::Result<Child> {
+        if let Some((fd, at)) = fd_at {
+            // SAFETY: runs in the forked child before exec and calls only dup2 and fcntl,
+            // which are async-signal-safe.
+            unsafe {
+                command.pre_exec(move || {
+                    if fd == at {
+                        // Already in place: only close-on-exec must go.
+                        if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                            return Err(io::Error::last_os_error());
+                        }
+                    } else if libc::dup2(fd, at) < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         // SAFETY: the closure runs in the forked child before exec and only calls
         // async-signal-safe functions (prctl, getppid, _exit).
-        unsafe {
-            let parent = libc::getpid();
-            command.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // The gateway may have died between fork and prctl.
-                if libc::getppid() != parent {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
+        if pdeathsig {
+            unsafe {
+                let parent = libc::getpid();
+                command.pre_exec(move || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    // The gateway may have died between fork and prctl.
+                    if libc::getppid() != parent {
+                        libc::_exit(1);
+                    }
+                    Ok(())
+                });
+            }
         }
         let (reply, response) = oneshot::channel();
         self.tx

@@ -147,3 +147,16 @@ pub fn poll_now(fd: &OwnedFd) -> libc::c_short {
 pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
     poll_now(pidfd) != 0
 }
+
+/// Waits, on the tokio runtime, until the process behind `pidfd` has ended (for a process
+/// that is not the caller's child, which no `wait` reports). Returns at once when the pidfd
+/// cannot be registered with the runtime.
+pub async fn pidfd_wait(pidfd: OwnedFd) {
+    // SAFETY: the descriptor is owned by the AsyncFd from here on and closed only by it.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+    };
+    if let Ok(fd) = registered {
+        let _ = fd.readable().await;
+    }
+}

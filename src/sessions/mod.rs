@@ -70,7 +70,7 @@ use journal::Journal;
 pub use journal::{
     ExecutionProgress, ExecutionRecord, ExecutionSummary, HistoryEntry, MAX_HISTORY,
 };
-pub use persistence::{Dormant, KERNEL_LOST};
+pub use persistence::{Dormant, KERNEL_LOST, SANDBOX_LOST};
 pub use replay::{Catchup, Gap, Numbered, NumberedEvent};
 
 /// Events kept for WebSocket subscribers that fall behind (past it, they catch up from the
@@ -756,6 +756,13 @@ impl Sessions {
             max_kernels,
             concurrent_sessions,
         });
+        // A sandbox that outlived the gateway before this one is taken back (a request may
+        // come before the adoption at start got to it).
+        if let Some(kernel) = self.adopt_kernel(&dormant).await {
+            let session = self.bring_back(id, kernel).await?;
+            tracing::info!(session_id = %session.id, generation = session.kernel.generation(), "session adopted: its kernel outlived the gateway before this one");
+            return Ok(session);
+        }
         let env = BTreeMap::from([(POLICY_ENV.to_owned(), row.policy.clone())]);
         // The first launch takes the generation the dormant session reported.
         let kernel = self
@@ -772,28 +779,141 @@ impl Sessions {
             let _ = self.kernels.shutdown(kernel.id.as_str()).await;
             return Err(err.into());
         }
-        let Some(dormant) = self.dormant.write().remove(id) else {
-            // Deleted meanwhile.
-            let _ = self.kernels.shutdown(kernel.id.as_str()).await;
-            return Err(SessionError::NotFound);
-        };
-        let (owner, created) = (dormant.row.tenant.clone(), dormant.row.created.clone());
-        let events_after = dormant.events_after();
-        let (cells, language_info, entries) = Arc::unwrap_or_clone(dormant).into_history();
-        let persisted = cells.len();
-        kernel.router().history().restore(cells, language_info);
-        let session = self.register(
-            kernel,
-            owner,
-            Restored {
-                created: Some(created),
-                history: entries,
-                persisted_cells: persisted,
-                events_after,
-            },
-        );
+        let session = self.bring_back(id, kernel).await?;
         tracing::info!(session_id = %session.id, generation = session.kernel.generation(), "a dormant session's kernel started again");
         Ok(session)
+    }
+
+    /// Takes back, in the background, the kernels of dormant sessions whose sandboxes
+    /// outlived the gateway before this one (`--kernels-outlive-gateway`): each session
+    /// comes back live, its generation kept; one whose sandbox did not survive stays
+    /// dormant, `sandbox_lost`, until its next execute starts a new kernel.
+    pub fn spawn_survivor_adoption(self: &Arc<Self>) {
+        let found: Vec<SessionId> = self
+            .dormant
+            .read()
+            .values()
+            .filter(|d| self.kernels.has_survivor(&d.id.kernel(), &d.row.policy))
+            .map(|d| d.id.clone())
+            .collect();
+        if found.is_empty() {
+            return;
+        }
+        tracing::info!(
+            sessions = found.len(),
+            "adopting the kernels that outlived the gateway before this one"
+        );
+        let sessions = self.clone();
+        tokio::spawn(async move {
+            let all = found.iter().map(|id| sessions.adopt_survivor(id));
+            futures_util::future::join_all(all).await;
+        });
+    }
+
+    /// Adopts one dormant session's surviving kernel (see
+    /// [`Sessions::spawn_survivor_adoption`]).
+    async fn adopt_survivor(&self, id: &SessionId) {
+        let Some(dormant) = self.dormant(id) else {
+            return;
+        };
+        let reviving = dormant.reviving.clone();
+        let _one_at_a_time = reviving.lock().await;
+        if self.get(id).is_some() {
+            return;
+        }
+        let asked = std::time::Instant::now();
+        let Some(kernel) = self.adopt_kernel(&dormant).await else {
+            return;
+        };
+        match self.bring_back(id, kernel).await {
+            Ok(session) => tracing::info!(
+                session_id = %session.id,
+                generation = session.kernel.generation(),
+                adoption_ms = asked.elapsed().as_millis() as u64,
+                "session adopted: its kernel outlived the gateway before this one"
+            ),
+            Err(err) => {
+                tracing::warn!(session_id = %id, %err, "an adopted kernel's session could not be taken back")
+            }
+        }
+    }
+
+    /// The dormant session's kernel, adopted and ready, when its sandbox outlived the
+    /// gateway before this one; `None` otherwise (a sandbox that was kept but is gone or
+    /// cannot be adopted marks the session [`SANDBOX_LOST`]). Called under its `reviving`
+    /// lock.
+    async fn adopt_kernel(&self, dormant: &Dormant) -> Option<Arc<Kernel>> {
+        let row = &dormant.row;
+        let adopted = self
+            .kernels
+            .adopt_survivor(
+                dormant.id.kernel(),
+                &row.kernel_name,
+                &row.policy,
+                row.tenant.clone(),
+            )
+            .await;
+        let failure = match adopted {
+            Ok(None) => return None,
+            Ok(Some(kernel)) => match kernel.wait_ready().await {
+                Ok(()) => {
+                    // Idle culling goes on counting from before the restart.
+                    if let Some(at) = dormant.last_active() {
+                        kernel.router().set_last_activity(at);
+                    }
+                    return Some(kernel);
+                }
+                Err(err) => {
+                    let _ = self.kernels.shutdown(kernel.id.as_str()).await;
+                    err.to_string()
+                }
+            },
+            Err(err) => err.to_string(),
+        };
+        tracing::warn!(session_id = %dormant.id, error = %failure, "a session's sandbox did not survive the restart: it starts a new kernel at its next execute");
+        dormant
+            .lost
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        None
+    }
+
+    /// Makes a dormant session live again on `kernel` (ready), its history going on from
+    /// the stored one.
+    async fn bring_back(
+        &self,
+        id: &SessionId,
+        kernel: Arc<Kernel>,
+    ) -> Result<Arc<Session>, SessionError> {
+        // Registered under the dormant map's lock: a listing never sees the session in
+        // neither map while it changes from dormant to live.
+        let registered = {
+            let mut dormant = self.dormant.write();
+            dormant.remove(id).map(|dormant| {
+                let (owner, created) = (dormant.row.tenant.clone(), dormant.row.created.clone());
+                let events_after = dormant.events_after();
+                let (cells, language_info, entries) = Arc::unwrap_or_clone(dormant).into_history();
+                let persisted = cells.len();
+                kernel.router().history().restore(cells, language_info);
+                self.register(
+                    kernel.clone(),
+                    owner,
+                    Restored {
+                        created: Some(created),
+                        history: entries,
+                        persisted_cells: persisted,
+                        events_after,
+                    },
+                )
+            })
+        };
+        match registered {
+            Some(session) => Ok(session),
+            None => {
+                // Deleted meanwhile.
+                let _ = self.kernels.shutdown(kernel.id.as_str()).await;
+                Err(SessionError::NotFound)
+            }
+        }
     }
 
     /// The gateway is stopping: from now on a session whose kernel ends stays in the store;
@@ -883,6 +1003,10 @@ impl Sessions {
                 per_session: policy.limits.artifacts_per_session_bytes,
                 per_tenant: policy.limits.artifacts_per_tenant_bytes,
             };
+        }
+        if self.store.is_some() {
+            // The store knows the session: a later gateway asks for its kernel again.
+            kernel.mark_adoptable();
         }
         let (events, _) = broadcast::channel(EVENT_BACKLOG);
         let session = Arc::new(Session {

@@ -9,7 +9,9 @@
 //! session's kernel are written with the session's next API v1 execution. Writes are queued to the store's writer thread; the cells are even
 //! turned into JSON there, so an execution's answer never waits for the store.
 //!
-//! After a restart the kernels are gone (adopting them is not done yet): each stored session
+//! After a restart, a session whose kernel outlived the gateway (`--kernels-outlive-gateway`,
+//! namespaces kernels) is adopted: it comes back live with its variables, files and
+//! generation ([`super::Sessions::spawn_survivor_adoption`]). Any other stored session
 //! comes back *dormant* ([`Dormant`]): listed with its id, tenant, policy, kernelspec and
 //! creation time, its state `dead` with [`KERNEL_LOST`] as the reason and its state
 //! generation moved on (its variables are gone); its notebook exports from the stored cells
@@ -17,8 +19,9 @@
 //! WebSocket) starts a new kernel under the same id ([`super::Sessions::revive`]), whose
 //! history goes on from the stored cells.
 //!
-//! A gateway stopping (SIGTERM) ends its kernels but keeps its sessions: only a client's
-//! delete removes a session from the store.
+//! A gateway stopping (SIGTERM) keeps its sessions, and ends their kernels unless they
+//! outlive it: only a client's delete removes a session from the store. A kernel adopted
+//! but dormant until then reports [`SANDBOX_LOST`] when its sandbox did not survive.
 //!
 //! **Event ids continue after a restart.** A client resuming with the `Last-Event-ID` it
 //! had before the restart must be told what it missed, and must not take new events for
@@ -50,6 +53,10 @@ pub(super) const RESTART_ID_LEAP: u64 = 1 << 16;
 /// The reason a dormant session gives for its kernel.
 pub const KERNEL_LOST: &str = "kernel_lost: the gateway restarted and this session's kernel (its variables and workspace files) is gone; its next execute starts a new kernel";
 
+/// The reason a dormant session gives when its kernel's sandbox was to outlive the gateway
+/// (`--kernels-outlive-gateway`) but did not.
+pub const SANDBOX_LOST: &str = "sandbox_lost: this session's sandbox ended while the gateway was down (or could not be adopted); its variables and workspace files are gone, and its next execute starts a new kernel";
+
 /// A session known from the store whose kernel did not survive the gateway's restart.
 #[derive(Debug, Clone)]
 pub struct Dormant {
@@ -63,6 +70,8 @@ pub struct Dormant {
     /// Held while its kernel starts again: concurrent requests for it wait for one revival,
     /// and other sessions' revivals do not wait at all.
     pub(super) reviving: Arc<tokio::sync::Mutex<()>>,
+    /// Its sandbox was kept for adoption, which failed (see [`SANDBOX_LOST`]).
+    pub(super) lost: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Dormant {
@@ -83,6 +92,7 @@ impl Dormant {
             executions: stored.executions,
             last_event_id: stored.last_event_id,
             reviving: Arc::default(),
+            lost: Arc::default(),
         })
     }
 
@@ -107,7 +117,14 @@ impl Dormant {
             last_activity,
             executions: self.executions.len(),
             tenant: self.row.tenant.clone(),
-            reason: Some(KERNEL_LOST.to_owned()),
+            reason: Some(
+                if self.lost.load(std::sync::atomic::Ordering::SeqCst) {
+                    SANDBOX_LOST
+                } else {
+                    KERNEL_LOST
+                }
+                .to_owned(),
+            ),
         }
     }
 

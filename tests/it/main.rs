@@ -4,6 +4,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod adoption;
 mod api_v1;
 mod api_v1_flow;
 mod artifact_links;

@@ -145,6 +145,8 @@ async fn a_release_installs_and_serves() -> Result<()> {
             &format!("backend = \"{}\"", sandbox_backend()),
         ),
     )?;
+    // Not the state directory of the user running the tests (~/.local/state/cellgate).
+    let scratch_state = tempfile::tempdir()?;
     let mut command = std::process::Command::new(prefix.join("bin/cellgate"));
     command
         .args([
@@ -157,7 +159,13 @@ async fn a_release_installs_and_serves() -> Result<()> {
             TOKEN,
             "--pool-size",
             "0",
+            // Its kernels end with it: this test leaves nothing behind for an orphan's grace
+            // (tests/it/adoption.rs tests kernels that outlive their gateway).
+            "--kernels-outlive-gateway",
+            "false",
         ])
+        .arg("--state-dir")
+        .arg(scratch_state.path())
         .arg("--kernels-dir")
         .arg(prefix.join("share/cellgate/kernels"))
         .arg("--policies-dir")

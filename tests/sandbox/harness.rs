@@ -210,6 +210,7 @@ pub fn command_spec(dirs: &KernelDirs, argv: Vec<String>, limits: Limits) -> Lau
         labels: Default::default(),
         adopt: None,
         backend_settings: Default::default(),
+        generation: 1,
     }
 }
 
@@ -310,6 +311,7 @@ pub async fn start_kernel_in(sandbox: Box<dyn Sandbox>, python: PathBuf, limits:
         labels: Default::default(),
         adopt: None,
         backend_settings: Default::default(),
+        generation: 1,
     };
     let started = Instant::now();
     let launched = sandbox

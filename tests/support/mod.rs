@@ -150,6 +150,12 @@ impl GatewayBuilder {
         if !self.args.iter().any(|a| a == "--kernel-zygote") {
             command.args(["--kernel-zygote", "false"]);
         }
+        // Kernels end with their gateway unless a test asks otherwise: hundreds of test
+        // gateways are dropped or killed, and their kernels must not pile up on the machine
+        // for an orphan's grace (tests/it/adoption.rs asks, with a short grace).
+        if !self.args.iter().any(|a| a == "--kernels-outlive-gateway") {
+            command.args(["--kernels-outlive-gateway", "false"]);
+        }
         // Every serve option reads a CELLGATE_* (or KG_*) variable: one set in the shell that
         // runs the tests would change every gateway. Only the machine's own facts pass.
         for (name, _) in std::env::vars_os() {

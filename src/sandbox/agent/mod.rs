@@ -311,6 +311,7 @@ mod tests {
             labels: Default::default(),
             adopt: None,
             backend_settings: Default::default(),
+            generation: 1,
         }
     }
 

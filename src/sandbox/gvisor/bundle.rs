@@ -348,6 +348,7 @@ mod tests {
             labels: Default::default(),
             adopt: None,
             backend_settings: Default::default(),
+            generation: 1,
         };
         let bundle = dir.path().join("bundle");
         let view = KernelView::of(&spec, SYSTEM_PREFIXES).unwrap();

@@ -44,7 +44,14 @@ pub fn run(plan: &Plan, programs: &[BpfProgram], listener: TcpListener, proxy: O
         sys::exit_now(126);
     }
     // `proxy` stays open for the bridge's life: every connection goes through it.
-    let socket = PathBuf::from(format!("/proc/self/fd/{}", proxy.as_raw_fd()));
+    let mut socket = PathBuf::from(format!("/proc/self/fd/{}", proxy.as_raw_fd()));
+    // A kept sandbox's descriptor is the socket's directory (see `pid1.rs`).
+    if let (Some(_), Some(name)) = (
+        &plan.keep,
+        plan.egress_socket.as_deref().and_then(Path::file_name),
+    ) {
+        socket.push(name);
+    }
     let active = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };

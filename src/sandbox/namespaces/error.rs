@@ -35,4 +35,7 @@ pub enum NamespacesError {
     /// The zygote did not fork (the kernel then starts afresh, and the zygote is replaced).
     #[error(transparent)]
     Zygote(#[from] super::zygote::ZygoteError),
+    /// A sandbox that outlived the gateway before this one could not be adopted.
+    #[error("the kernel's sandbox could not be adopted: {0}")]
+    Adopt(#[source] super::survival::SurvivalError),
 }

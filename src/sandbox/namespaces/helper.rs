@@ -17,7 +17,9 @@
 //!    which becomes PID 1 of the new pid namespace (see [`super::pid1`]);
 //! 4. reports the init's host pid, waits for it and exits with its status.
 //!
-//! It stays outside the sandbox's pid namespace, with `PR_SET_PDEATHSIG(SIGKILL)` set by the
+//! A sandbox that outlives its gateway (`Plan::keep`) is kept by its helper instead, which
+//! then has no parent-death signal (see `keeper.rs`). Otherwise the helper
+//! stays outside the sandbox's pid namespace, with `PR_SET_PDEATHSIG(SIGKILL)` set by the
 //! gateway: if the gateway dies, the helper dies, the init (whose parent-death signal points
 //! at the helper) dies, and the kernel takes every process of the pid namespace with it.
 //! The helper's stdout is the event channel back to the gateway; its stderr is a pipe the
@@ -28,6 +30,7 @@
 use std::io::{self, BufRead};
 
 use super::idmap::IdMap;
+use super::keeper::Keeper;
 use super::pid1;
 use super::plan::{Event, Plan, Role, GO};
 use super::report::{at, report, Failure};
@@ -99,6 +102,12 @@ pub fn run(input: &mut impl BufRead) -> Result<Outcome, Failure> {
 
     sys::unshare(libc::CLONE_NEWCGROUP).map_err(at("unshare cgroup namespace"))?;
 
+    // A sandbox that outlives its gateway keeps itself (see `keeper.rs`).
+    let keeper = plan
+        .keep
+        .as_ref()
+        .map(|keep| Keeper::prepare(keep, &plan))
+        .transpose()?;
     // The init watches this pipe: when its write end (held only by us) closes, we are gone.
     let (alive_read, alive_write) = sys::pipe().map_err(at("pipe"))?;
     // SAFETY: this process is single-threaded: it was exec'd moments ago (or forked from a
@@ -107,6 +116,9 @@ pub fn run(input: &mut impl BufRead) -> Result<Outcome, Failure> {
     match unsafe { sys::fork() }.map_err(at("fork the init"))? {
         Forked::Child => {
             drop(alive_write);
+            if let Some(keeper) = keeper {
+                keeper.into_init()?;
+            }
             Ok(Outcome::Kernel(Box::new(pid1::run(plan, alive_read))))
         }
         Forked::Parent { child } => {
@@ -116,13 +128,16 @@ pub fn run(input: &mut impl BufRead) -> Result<Outcome, Failure> {
                 sys::stdin_from_null().map_err(at("close the control socket"))?;
             }
             report(&Event::Init { pid: child });
-            let ended = loop {
-                match sys::waitpid(child, 0) {
-                    Ok(Some((_, ended))) => break ended,
-                    Ok(None) => continue,
-                    Err(err) if err.raw_os_error() == Some(libc::EINTR) => continue,
-                    Err(err) => return Err(at("wait for the init")(err)),
-                }
+            let ended = match keeper {
+                Some(keeper) => keeper.run(child)?,
+                None => loop {
+                    match sys::waitpid(child, 0) {
+                        Ok(Some((_, ended))) => break ended,
+                        Ok(None) => continue,
+                        Err(err) if err.raw_os_error() == Some(libc::EINTR) => continue,
+                        Err(err) => return Err(at("wait for the init")(err)),
+                    }
+                },
             };
             drop(alive_write);
             let (code, signal) = match ended {

@@ -45,6 +45,40 @@
 //! recycled pid) and every task in the cgroup. `signal` goes to the kernel's process group
 //! by its host pid, so SIGINT interrupts the kernel and whatever it runs in the foreground.
 //!
+//! # Outliving the gateway (`--kernels-outlive-gateway`, on by default with a state directory)
+//!
+//! What outlives the gateway: a kernel's helper, init, kernel process and egress bridge,
+//! and its cgroup. The gateway spawns the helper without a parent-death signal (and the
+//! zygote's helper too, so that the zygote's init, the pid namespace every forked kernel
+//! lives in, stays while its kernels run; the zygote itself exits when its control socket
+//! closes, as it always did). The helper is then self-sufficient ([`keeper`]): the kernel's
+//! output reaches the log file through the helper (a pipe it copies, capped as before), the
+//! ipc sockets stay in the sandbox's own runtime tmpfs, and the egress bridge reaches the
+//! proxy through a directory that keeps its path across restarts
+//! (`<state dir>/sandboxes/<kernel id>/egress/`), so it connects to whichever gateway
+//! listens there now.
+//!
+//! What the next gateway re-finds, and how: at launch the gateway writes the sandbox's
+//! record ([`survival::Record`]: the helper's, init's and kernel's host pids with their
+//! start times, the cgroup, the generation, the kernel's signing key) to
+//! `<state dir>/sandboxes/<kernel id>/record.json` (directory 0700, file 0600, the state
+//! directory's owner only). A gateway started on the same state directory reads the records
+//! of its stored sessions, checks each process is still the one recorded (a pidfd opened
+//! first, then the start time in `/proc` compared: a reused pid fails the check), proves it
+//! holds the key to the helper's control socket (`control.sock` beside the record: an HMAC
+//! of the helper's random challenge under the kernel's key; the directory's mode keeps
+//! other uids from connecting at all), and connects to the kernel's ZMQ sockets with that
+//! key, as the Kubernetes adoption does. The session comes back live with its generation;
+//! a sandbox that did not survive is reported `sandbox_lost` with its generation moved on.
+//!
+//! What ends an orphan: the helper knows a gateway is there while the launching gateway's
+//! event pipe has a reader or an adopting gateway holds its control connection. With
+//! neither for `--orphan-grace` (300 s by default), it SIGKILLs the init (the pid namespace
+//! and everything in it end) and exits; the next gateway removes the empty cgroup (its
+//! sweep) and the record. With the option off, the parent-death chain of the section
+//! above ends every kernel with its gateway, as before, and a SIGTERM'd gateway shuts its
+//! kernels down; with it on, a SIGTERM'd gateway leaves its sessions' kernels running.
+//!
 //! The kernel sees its directories at fixed paths (`sandbox::relocate`): the runtime
 //! directory, where ZMQ's `ipc://` sockets live, at `/run/cellgate` (the connection file the
 //! kernel reads is rewritten to match; the gateway connects by host paths), the Python
@@ -79,12 +113,14 @@ pub mod diagnose;
 mod error;
 mod helper;
 mod idmap;
+mod keeper;
 mod landlock;
 mod mounts;
 mod pid1;
 mod plan;
 mod report;
 mod seccomp;
+pub mod survival;
 mod sys;
 pub mod zygote;
 
@@ -114,7 +150,9 @@ use children::{kernel_child, only_child};
 pub use error::NamespacesError;
 pub use helper::{sandbox_init_main, SANDBOX_INIT_ARG};
 use idmap::{IdMap, INSIDE_ID};
-use plan::{Event, Plan, Role, RuntimeFile, GO};
+use plan::{Event, Keep, Plan, Role, RuntimeFile, GO};
+pub use survival::Survival;
+use survival::{Proc, Record, SurvivalError};
 pub use zygote::{become_kernel, ZygoteSettings, ONE_THREAD as ZYGOTE_ONE_THREAD};
 use zygote::{Kind, Lookup, Zygote};
 
@@ -151,6 +189,9 @@ pub struct NamespacesConfig {
     pub hostname: String,
     /// Kernels forked from a warm zygote (see `namespaces/zygote.rs`).
     pub zygote: ZygoteSettings,
+    /// Kernels outlive the gateway, for the next one on the same state directory to adopt
+    /// (see "Outliving the gateway" above); `None`: they end with it.
+    pub survival: Option<Survival>,
 }
 
 impl Default for NamespacesConfig {
@@ -166,6 +207,7 @@ impl Default for NamespacesConfig {
             start_timeout: Duration::from_secs(30),
             hostname: "sandbox".to_owned(),
             zygote: ZygoteSettings::default(),
+            survival: None,
         }
     }
 }
@@ -228,6 +270,9 @@ impl NamespacesSandbox {
         } else {
             Hierarchy::Unavailable("disabled in the configuration".to_owned())
         };
+        if let Some(survival) = &config.survival {
+            survival.sweep();
+        }
         hierarchy.sweep();
         let ids = IdMap::for_this_process(config.root_maps_to);
         let mut zygote = config.zygote.clone();
@@ -339,6 +384,7 @@ impl Core {
             // bridge to it.
             egress_socket: spec.egress_socket.clone(),
             role: Role::Kernel,
+            keep: None,
         })
     }
 
@@ -411,6 +457,9 @@ impl Core {
     }
 
     async fn launch(self: &Arc<Self>, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
+        if spec.adopt.is_some() {
+            return self.adopt(spec).await;
+        }
         let plan = self.plan(spec)?;
         if let Some(kind) = Kind::of(&plan).filter(|_| spec.zygote) {
             // One wait at most, for a zygote that is starting; then fork, or start afresh.
@@ -485,6 +534,114 @@ impl Core {
             }
         }
         self.launch_with(spec, plan, How::Cold).await
+    }
+
+    /// Attaches to the sandbox of `spec`'s kernel that outlived the gateway before this one
+    /// (see "Outliving the gateway" above).
+    async fn adopt(&self, spec: &LaunchSpec) -> Result<Launched, NamespacesError> {
+        let survival = self
+            .config
+            .survival
+            .clone()
+            .ok_or(NamespacesError::Adopt(SurvivalError::NoRecord))?;
+        let (id, key) = (spec.kernel_id.clone(), spec.connection.key.clone());
+        let found = {
+            let survival = survival.clone();
+            tokio::task::spawn_blocking(move || find_survivor(&survival, &id, &key))
+                .await
+                .map_err(|err| NamespacesError::Handshake(err.to_string()))?
+        };
+        let found = match found {
+            Ok(found) => found,
+            Err(err) => {
+                // A sandbox that is gone, or one this gateway cannot prove it may hold, is
+                // not tried again: its record goes (an orphan ends after its grace), and
+                // the cgroup of one that is gone.
+                if let Ok(record) = survival.read(&spec.kernel_id) {
+                    if survival::start_time(record.helper.pid) != Some(record.helper.start) {
+                        if let Some(cgroup) =
+                            record.cgroup.as_ref().and_then(KernelCgroup::from_parts)
+                        {
+                            let _ = tokio::task::spawn_blocking(move || cgroup.remove()).await;
+                        }
+                    }
+                }
+                survival.remove(&spec.kernel_id);
+                return Err(NamespacesError::Adopt(err));
+            }
+        };
+        self.hand_over(spec)?;
+        let Survivor {
+            record,
+            init,
+            kernel,
+            control,
+        } = found;
+        let cgroup = record
+            .cgroup
+            .as_ref()
+            .and_then(KernelCgroup::from_parts)
+            .map(Arc::new);
+        let helper_pid = u32::try_from(record.helper.pid).unwrap_or(0);
+        let watched = init
+            .try_clone()
+            .map_err(|err| NamespacesError::Handshake(format!("pidfd: {err}")))?;
+        let exited = Arc::new(AtomicBool::new(false));
+        let detached = Arc::new(AtomicBool::new(false));
+        let handle = Arc::new(NamespacesHandle {
+            helper_pid,
+            // Not this gateway's child: never signalled by its pid.
+            helper_forked: true,
+            init_pid: record.init.pid,
+            init: Some(init),
+            kernel_pid: record.kernel.map(|k| k.pid),
+            kernel: Some(kernel),
+            exited: exited.clone(),
+            detached: detached.clone(),
+            cgroup: cgroup.clone(),
+            workspace: record.workspace.clone(),
+        });
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let (kernel_id, generation) = (spec.kernel_id.clone(), record.generation);
+        let memory_limit = record.memory_limit;
+        tokio::spawn(async move {
+            crate::sandbox::sys::pidfd_wait(watched).await;
+            exited.store(true, Ordering::SeqCst);
+            let oom_kills = cgroup.as_ref().and_then(|c| c.oom_kills()).unwrap_or(0);
+            remove_cgroup(cgroup).await;
+            if !detached.load(Ordering::SeqCst) {
+                survival.forget(&kernel_id, generation);
+            }
+            // Held until the end: the helper counts this gateway as there while it is open.
+            drop(control);
+            // The kernel's own status went to the gateway that started it; the cgroup
+            // still tells an out-of-memory kill.
+            let reason = (oom_kills > 0).then(|| {
+                ExitReason::new(
+                    ExitCause::OutOfMemory,
+                    match memory_limit {
+                        Some(bytes) => format!("kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, workspace files included)"),
+                        None => "kernel process killed by the out-of-memory killer".to_owned(),
+                    },
+                )
+            });
+            let _ = exit_tx.send(Some(ExitReport {
+                code: None,
+                signal: reason.as_ref().map(|_| libc::SIGKILL),
+                reason,
+            }));
+        });
+        tracing::info!(
+            kernel_id = %spec.kernel_id,
+            init_pid = record.init.pid,
+            forked = record.helper_forked,
+            "kernel adopted: its sandbox outlived the gateway before this one"
+        );
+        Ok(Launched {
+            handle,
+            exit: exit_rx,
+            connection: gateway_view(&spec.connection, &spec.runtime_dir, helper_pid),
+        })
     }
 
     /// Starts a zygote for kernels like `plan`'s (of `spec`) and waits until it is ready.
@@ -588,14 +745,52 @@ impl Core {
                 return Err(err);
             }
         };
+        // A kernel (not a zygote) that is to outlive the gateway: its helper holds the
+        // control socket and keeps the log itself.
+        let kept = match &self.config.survival {
+            Some(survival) if plan.role == Role::Kernel && plan.connection_file.is_some() => {
+                match survival.control_listener(&spec.kernel_id, spec.generation) {
+                    Ok(listener) => {
+                        plan.keep = Some(Keep {
+                            grace_ms: u64::try_from(survival.grace.as_millis()).unwrap_or(u64::MAX),
+                        });
+                        Some(Kept {
+                            survival: survival.clone(),
+                            control: OwnedFd::from(listener),
+                        })
+                    }
+                    Err(err) => {
+                        tracing::warn!(kernel_id = %spec.kernel_id, %err, "this kernel cannot outlive the gateway");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        // Outside of that mode, the gateway's death ends every helper (a zygote's too: its
+        // init holds the pid namespace of every kernel forked from it).
+        let pdeathsig = self.config.survival.is_none();
+        let survival = kept.as_ref().map(|k| k.survival.clone());
         let forked = matches!(how, How::Forked(_));
+        let (log, helper_log) = match &kept {
+            Some(_) => (None, Some(log)),
+            None => (Some(log), None),
+        };
+        let control = kept.map(|k| k.control);
+        let helper_io = HelperIo {
+            log: helper_log,
+            control,
+            pdeathsig,
+        };
         let started = match how {
             How::Forked(zygote) => {
                 plan = zygote::forked_plan(plan);
-                self.fork_helper(spec, &zygote).await
+                self.fork_helper(spec, &zygote, helper_io).await
             }
-            How::Cold => self.spawn_helper(None).await,
-            How::Zygote { stdin, writer } => self.spawn_helper(Some((stdin, writer))).await,
+            How::Cold => self.spawn_helper(None, helper_io).await,
+            How::Zygote { stdin, writer } => {
+                self.spawn_helper(Some((stdin, writer)), helper_io).await
+            }
         };
         let (mut helper, helper_pid, stdin, stdout, output) = match started {
             Ok(started) => started,
@@ -604,7 +799,10 @@ impl Core {
                 return Err(err);
             }
         };
-        let log_copy = tokio::spawn(copy_log(output, log));
+        let log_copy = match (output, log) {
+            (Some(output), Some(log)) => Some(tokio::spawn(copy_log(output, log))),
+            _ => None,
+        };
         let mut events = BufReader::new(stdout).lines();
         let handshake = self.handshake_in_time(
             stdin,
@@ -619,9 +817,40 @@ impl Core {
             Err(err) => {
                 kill_helper(&mut helper).await;
                 remove_cgroup(cgroup).await;
+                // The egress directory stays: a cold start may follow under this id.
+                if let Some(survival) = &survival {
+                    survival.forget(&spec.kernel_id, spec.generation);
+                }
                 return Err(err);
             }
         };
+        if let Some(survival) = &survival {
+            let record = Proc::of(i32::try_from(helper_pid).unwrap_or(0))
+                .zip(Proc::of(started.init_pid))
+                .map(|(helper, init)| Record {
+                    kernel_id: spec.kernel_id.clone(),
+                    generation: spec.generation,
+                    key: spec.connection.key.clone(),
+                    helper,
+                    helper_forked: forked,
+                    init,
+                    kernel: started.kernel_pid.and_then(Proc::of),
+                    cgroup: cgroup.as_ref().map(|c| c.parts()),
+                    memory_limit: self.memory_limit(spec, cgroup.as_deref()),
+                    workspace: plan_workspace.clone(),
+                    started_ms: survival::now_ms(),
+                });
+            // Without its record the kernel still runs; it ends with this gateway's grace.
+            match record.map(|record| survival.write(&record)) {
+                Some(Ok(())) => {}
+                Some(Err(err)) => {
+                    tracing::warn!(kernel_id = %spec.kernel_id, %err, "the kernel's record could not be written: no later gateway can adopt it")
+                }
+                None => {
+                    tracing::debug!(kernel_id = %spec.kernel_id, "the sandbox ended before its record was written")
+                }
+            }
+        }
         let running = Running {
             helper,
             helper_pid,
@@ -630,7 +859,7 @@ impl Core {
             log_copy,
             started,
         };
-        Ok(self.watch(spec, running, cgroup, plan_workspace))
+        Ok(self.watch(spec, running, cgroup, plan_workspace, survival))
     }
 
     /// The handshake with the helper (the plan out, the sandbox's pids back), bounded by the
@@ -656,12 +885,24 @@ impl Core {
 
     /// Makes the started sandbox's handle and hands the helper to its exit watcher, which
     /// reports the kernel's end (with the cgroup's and the host kernel's account of it).
+    /// What the cgroup holds at most: memory and the workspace's files (see `cgroup`).
+    fn memory_limit(&self, spec: &LaunchSpec, cgroup: Option<&KernelCgroup>) -> Option<u64> {
+        cgroup.filter(|c| c.memory_limited()).and(
+            spec.limits.memory_cgroup_bytes(Some(
+                spec.limits
+                    .workspace_bytes
+                    .unwrap_or(self.config.default_workspace_bytes),
+            )),
+        )
+    }
+
     fn watch(
         &self,
         spec: &LaunchSpec,
         running: Running,
         cgroup: Option<Arc<KernelCgroup>>,
         plan_workspace: PathBuf,
+        survival: Option<Survival>,
     ) -> Launched {
         let Running {
             helper,
@@ -676,6 +917,7 @@ impl Core {
             .zip(started.kernel_ns_pid)
             .and_then(|(pid, ns_pid)| FaultLog::open(pid, ns_pid));
         let exited = Arc::new(AtomicBool::new(false));
+        let detached = Arc::new(AtomicBool::new(false));
         let handle = Arc::new(NamespacesHandle {
             helper_pid,
             helper_forked: forked,
@@ -684,6 +926,7 @@ impl Core {
             kernel_pid: started.kernel_pid,
             kernel: started.kernel_pidfd,
             exited: exited.clone(),
+            detached: detached.clone(),
             cgroup: cgroup.clone(),
             workspace: plan_workspace,
         });
@@ -695,24 +938,28 @@ impl Core {
             "kernel started in a namespaces sandbox"
         );
         let (exit_tx, exit_rx) = watch::channel(None);
-        // What the cgroup holds: memory and the workspace's files (see `cgroup`).
-        let memory_limit = cgroup.as_ref().filter(|c| c.memory_limited()).and(
-            spec.limits.memory_cgroup_bytes(Some(
-                spec.limits
-                    .workspace_bytes
-                    .unwrap_or(self.config.default_workspace_bytes),
-            )),
-        );
-        tokio::spawn(watch_exit(
-            helper,
-            events,
-            exited,
-            cgroup,
-            memory_limit,
-            Some(log_copy),
-            fault_log,
-            exit_tx,
-        ));
+        let memory_limit = self.memory_limit(spec, cgroup.as_deref());
+        let (kernel_id, generation) = (spec.kernel_id.clone(), spec.generation);
+        tokio::spawn(async move {
+            watch_exit(
+                helper,
+                events,
+                exited,
+                cgroup,
+                memory_limit,
+                log_copy,
+                fault_log,
+                exit_tx,
+            )
+            .await;
+            // The sandbox is gone: nothing is left to adopt (unless this gateway let it go
+            // for the next one, and is going itself).
+            if let Some(survival) = survival {
+                if !detached.load(Ordering::SeqCst) {
+                    survival.forget(&kernel_id, generation);
+                }
+            }
+        });
         Launched {
             handle,
             exit: exit_rx,
@@ -725,34 +972,45 @@ impl Core {
     async fn spawn_helper(
         &self,
         zygote: Option<(OwnedFd, tokio::net::UnixStream)>,
-    ) -> Result<(Helper, u32, Writer, Reader, Reader), NamespacesError> {
+        io: HelperIo,
+    ) -> Result<(Helper, u32, Writer, Reader, Option<Reader>), NamespacesError> {
         let program = self.init_program();
         let mut command = Command::new(&program);
         let (stdin, writer) = match zygote {
             Some((stdin, writer)) => (std::process::Stdio::from(stdin), Some(writer)),
             None => (std::process::Stdio::piped(), None),
         };
+        let stderr = match io.log {
+            Some(log) => std::process::Stdio::from(log),
+            None => std::process::Stdio::piped(),
+        };
         command
             .arg(SANDBOX_INIT_ARG)
             .env_clear()
             .stdin(stdin)
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
+            .stderr(stderr)
             .process_group(0)
             .kill_on_drop(false);
-        let mut child = self
+        let control = io
+            .control
+            .as_ref()
+            .map(|control| (std::os::fd::AsRawFd::as_raw_fd(control), keeper::CONTROL_FD));
+        let spawned = self
             .spawner
-            .spawn(command)
-            .await
-            .map_err(|source| NamespacesError::SpawnHelper { program, source })?;
+            .spawn_with(command, io.pdeathsig, control)
+            .await;
+        // The helper has its own copy now.
+        drop(io.control);
+        let mut child =
+            spawned.map_err(|source| NamespacesError::SpawnHelper { program, source })?;
         let helper_pid = child.id().unwrap_or(0);
         let writer: Option<Writer> = match writer {
             Some(writer) => Some(Box::new(writer)),
             None => child.stdin.take().map(|w| Box::new(w) as Writer),
         };
-        let (Some(writer), Some(stdout), Some(stderr)) =
-            (writer, child.stdout.take(), child.stderr.take())
-        else {
+        let stderr = child.stderr.take();
+        let (Some(writer), Some(stdout)) = (writer, child.stdout.take()) else {
             let _ = child.start_kill();
             let _ = child.wait().await;
             return Err(NamespacesError::Handshake(
@@ -761,13 +1019,15 @@ impl Core {
         };
         // The kernel's stdout and stderr are this pipe: hand it to the sandbox user too, so
         // the kernel can reopen it as /dev/stdout or /dev/stderr.
-        self.hand_over_output(&stderr);
+        if let Some(stderr) = &stderr {
+            self.hand_over_output(stderr);
+        }
         Ok((
             Helper::Spawned(child),
             helper_pid,
             writer,
             Box::new(stdout),
-            Box::new(stderr),
+            stderr.map(|e| Box::new(e) as Reader),
         ))
     }
 
@@ -776,21 +1036,56 @@ impl Core {
         &self,
         spec: &LaunchSpec,
         zygote: &Arc<Zygote>,
-    ) -> Result<(Helper, u32, Writer, Reader, Reader), NamespacesError> {
+        helper_io: HelperIo,
+    ) -> Result<(Helper, u32, Writer, Reader, Option<Reader>), NamespacesError> {
         let io = |what: &'static str| {
             let path = spec.runtime_dir.clone();
             move |source| NamespacesError::Io { what, path, source }
         };
         let (plan_read, plan_write) = sys::pipe().map_err(io("pipe"))?;
         let (events_read, events_write) = sys::pipe().map_err(io("pipe"))?;
-        let (output_read, output_write) = sys::pipe().map_err(io("pipe"))?;
-        self.hand_over_output(&output_read);
+        // A kept sandbox's helper writes the log itself; else the gateway copies a pipe.
+        let (output_read, output_write) = match helper_io.log {
+            Some(log) => (None, OwnedFd::from(log)),
+            None => {
+                let (read, write) = sys::pipe().map_err(io("pipe"))?;
+                self.hand_over_output(&read);
+                (Some(read), write)
+            }
+        };
+        let kept = helper_io.control.is_some();
         let egress = spec
             .egress_socket
             .as_deref()
-            .map(sys::open_path)
+            .map(|socket| match socket.parent().filter(|_| kept) {
+                // A kept sandbox's bridge holds the socket's directory (see `pid1.rs`).
+                Some(dir) => sys::open_path(dir),
+                None => sys::open_path(socket),
+            })
             .transpose()
             .map_err(io("open the egress proxy socket"))?;
+        // A kept sandbox's helper gets its control socket and the egress directory through
+        // a socket in the egress descriptor's place (see `keeper.rs`): the zygote passes
+        // four descriptors at most.
+        let egress = match helper_io.control {
+            Some(control) => {
+                let (ours, theirs) =
+                    std::os::unix::net::UnixStream::pair().map_err(io("socketpair"))?;
+                let stand_in;
+                let egress = match &egress {
+                    Some(fd) => fd.as_fd(),
+                    None => {
+                        stand_in =
+                            std::fs::File::open("/dev/null").map_err(io("open /dev/null"))?;
+                        stand_in.as_fd()
+                    }
+                };
+                keeper::send_fds(&ours, [control.as_fd(), egress])
+                    .map_err(io("hand the control socket over"))?;
+                Some(OwnedFd::from(theirs))
+            }
+            None => egress,
+        };
         let zygote = zygote.clone();
         let forked = tokio::task::spawn_blocking(move || {
             zygote.fork(
@@ -812,12 +1107,16 @@ impl Core {
         };
         let writer =
             tokio::net::unix::pipe::Sender::from_owned_fd(plan_write).map_err(io("pipe"))?;
+        let output = match output_read {
+            Some(read) => Some(Box::new(pipe(read)?) as Reader),
+            None => None,
+        };
         Ok((
             Helper::Forked(pidfd),
             helper_pid,
             Box::new(writer),
             Box::new(pipe(events_read)?),
-            Box::new(pipe(output_read)?),
+            output,
         ))
     }
 
@@ -840,9 +1139,93 @@ impl Sandbox for NamespacesSandbox {
         Backend::Namespaces
     }
 
+    fn kernels_outlive_gateway(&self) -> bool {
+        self.core.config.survival.is_some()
+    }
+
+    fn survivor(&self, kernel_id: &str) -> Option<super::SurvivorInfo> {
+        let record = self.core.config.survival.as_ref()?.read(kernel_id).ok()?;
+        Some(super::SurvivorInfo {
+            key: record.key,
+            generation: record.generation,
+            started_ms: record.started_ms,
+        })
+    }
+
+    fn forget(&self, kernel_id: &str) {
+        if let Some(survival) = &self.core.config.survival {
+            survival.remove(kernel_id);
+        }
+    }
+
+    fn egress_dir(&self, kernel_id: &str) -> Option<PathBuf> {
+        let survival = self.core.config.survival.as_ref()?;
+        let ids = self.core.ids;
+        let owner = ids.privileged.then_some((ids.outside_uid, ids.outside_gid));
+        match survival.egress_dir(kernel_id, owner) {
+            Ok(dir) => Some(dir),
+            Err(err) => {
+                tracing::warn!(kernel_id, %err, "the kernel's egress proxy cannot listen where a later gateway would");
+                None
+            }
+        }
+    }
+
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
         Box::pin(async move { Ok(self.core.launch(spec).await?) })
     }
+}
+
+/// A sandbox found again: its record, its processes pinned, and this gateway's attachment.
+struct Survivor {
+    record: Record,
+    init: OwnedFd,
+    kernel: OwnedFd,
+    control: std::os::unix::net::UnixStream,
+}
+
+/// Reads `kernel_id`'s record, pins its processes (each pidfd opened before its start time is
+/// compared, so a pid that names another process now fails), and proves `key` to its
+/// helper. Blocking.
+fn find_survivor(
+    survival: &Survival,
+    kernel_id: &str,
+    key: &str,
+) -> Result<Survivor, SurvivalError> {
+    let record = survival.read(kernel_id)?;
+    if record.key != key {
+        return Err(SurvivalError::Refused(
+            "the record holds another key".to_owned(),
+        ));
+    }
+    let pin = |process: Proc, what: &'static str| -> Result<OwnedFd, SurvivalError> {
+        let pidfd = sys::pidfd_open(process.pid).map_err(|_| SurvivalError::Gone(what))?;
+        if survival::start_time(process.pid) != Some(process.start) || sys::pidfd_exited(&pidfd) {
+            return Err(SurvivalError::Gone(what));
+        }
+        Ok(pidfd)
+    };
+    let init = pin(record.init, "init")?;
+    let kernel = match record.kernel {
+        Some(kernel) => pin(kernel, "kernel process"),
+        None => Err(SurvivalError::Gone("kernel process")),
+    };
+    let kernel = match kernel {
+        Ok(kernel) => kernel,
+        Err(err) => {
+            // An init without its kernel is about to end; ended now.
+            let _ = sys::pidfd_send_signal(&init, libc::SIGKILL);
+            return Err(err);
+        }
+    };
+    pin(record.helper, "helper")?;
+    let control = survival.attach(kernel_id, record.generation, key)?;
+    Ok(Survivor {
+        record,
+        init,
+        kernel,
+        control,
+    })
 }
 
 /// Opens the kernel's log for appending: the helper's output is copied there, so a failed
@@ -879,8 +1262,25 @@ struct Running {
     helper_pid: u32,
     forked: bool,
     events: EventLines,
-    log_copy: tokio::task::JoinHandle<()>,
+    /// The gateway's copy of the kernel's output (a kept sandbox's helper copies it).
+    log_copy: Option<tokio::task::JoinHandle<()>>,
     started: Started,
+}
+
+/// A sandbox to be kept past the gateway: its settings and control socket.
+struct Kept {
+    survival: Survival,
+    control: OwnedFd,
+}
+
+/// What a helper is given besides its pipes.
+struct HelperIo {
+    /// A kept sandbox's log file, the helper's stderr (else the gateway copies a pipe).
+    log: Option<std::fs::File>,
+    /// A kept sandbox's control socket, at `keeper::CONTROL_FD`.
+    control: Option<OwnedFd>,
+    /// Whether the helper dies with the gateway.
+    pdeathsig: bool,
 }
 
 /// What the handshake learned.
@@ -1166,6 +1566,8 @@ struct NamespacesHandle {
     kernel_pid: Option<i32>,
     kernel: Option<OwnedFd>,
     exited: Arc<AtomicBool>,
+    /// Let go for the next gateway to adopt: its end is not this gateway's to clean up.
+    detached: Arc<AtomicBool>,
     cgroup: Option<Arc<KernelCgroup>>,
     /// The workspace's path inside the sandbox.
     workspace: PathBuf,
@@ -1265,6 +1667,10 @@ impl SandboxHandle for NamespacesHandle {
 
     fn pids_limit_hits(&self) -> Option<u64> {
         self.cgroup.as_ref()?.pids_limit_hits()
+    }
+
+    fn detach(&self) {
+        self.detached.store(true, Ordering::SeqCst);
     }
 }
 

@@ -79,10 +79,15 @@ fn init(plan: Plan, helper_alive: OwnedFd) -> Result<Option<Plan>, Failure> {
     let root = RootFs::prepare(&plan).map_err(at("open host paths"))?;
     // The proxy's socket is never shown inside: the bridge connects through this descriptor
     // (close-on-exec, so the kernel does not inherit it).
+    // A kept sandbox's bridge holds the socket's directory instead, so that it reaches
+    // whichever gateway listens there now (see `survival.rs`).
     let egress = plan
         .egress_socket
         .as_deref()
-        .map(sys::open_path)
+        .map(|socket| match (&plan.keep, socket.parent()) {
+            (Some(_), Some(dir)) => sys::open_path(dir),
+            _ => sys::open_path(socket),
+        })
         .transpose()
         .map_err(at("open the egress proxy socket"))?;
 

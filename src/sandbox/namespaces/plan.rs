@@ -17,6 +17,10 @@ use crate::sandbox::relocate::VenvEntry;
 /// uid/gid maps and the helper sits in the kernel's cgroups.
 pub const GO: &str = "go";
 
+/// The descriptor a helper forked from a zygote has the egress proxy's socket at (the
+/// zygote's child puts it there), and the path its init opens it by.
+pub const EGRESS_FD: i32 = 3;
+
 /// One sandbox, as the helper must build it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Plan {
@@ -71,6 +75,16 @@ pub struct Plan {
     /// What the sandbox's last process is (see [`Role`]).
     #[serde(default)]
     pub role: Role,
+    /// The sandbox outlives its gateway (see `super::keeper`): `None`, it dies with it.
+    #[serde(default)]
+    pub keep: Option<Keep>,
+}
+
+/// How a sandbox that outlives its gateway keeps itself.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Keep {
+    /// How long it waits for a gateway before it ends itself, in milliseconds.
+    pub grace_ms: u64,
 }
 
 /// What the process the init starts becomes.

@@ -84,9 +84,7 @@ pub const ZYGOTE_FLAG: &str = "--cellgate-ns-zygote";
 pub const LIBRARY_ENV: &str = "CELLGATE_ZYGOTE_LIB";
 /// The library's file name, looked for beside the gateway's binary.
 pub const LIBRARY_FILE: &str = "libcellgate_zygote.so";
-/// The descriptor a forked helper has the egress proxy's socket at (the zygote's child puts
-/// it there), and the path its init opens it by.
-pub const EGRESS_FD: i32 = 3;
+pub use super::plan::EGRESS_FD;
 /// The variable that gives a forked kernel room for its own environment block.
 pub const ROOM_ENV: &str = "CELLGATE_ZYGOTE_ROOM";
 /// Bytes of room for a forked kernel's environment (a kernel's is 1-2 KiB).
@@ -239,6 +237,8 @@ pub fn zygote_plan(plan: &Plan, library: &Path) -> Plan {
         // children build roots; each forked kernel gets its own ruleset.
         landlock: false,
         role: Role::Zygote,
+        // The zygote's own sandbox is kept by its init while kernels forked from it run.
+        keep: None,
         ..plan.clone()
     }
 }
@@ -263,9 +263,15 @@ pub fn forked_plan(plan: Plan) -> Plan {
     Plan {
         python_prefix: plan.python_prefix.map(|_| PathBuf::from(relocate::PYTHON)),
         venv,
-        egress_socket: plan
-            .egress_socket
-            .map(|_| PathBuf::from(format!("/proc/self/fd/{EGRESS_FD}"))),
+        // A kept sandbox's bridge holds the socket's directory (see `pid1.rs`), given as
+        // this descriptor; its path then names the socket in it.
+        egress_socket: plan.egress_socket.map(|socket| {
+            let fd = PathBuf::from(format!("/proc/self/fd/{EGRESS_FD}"));
+            match (&plan.keep, socket.file_name()) {
+                (Some(_), Some(name)) => fd.join(name),
+                _ => fd,
+            }
+        }),
         role: Role::Forked,
         ..plan
     }

@@ -1,0 +1,442 @@
+//! Kernels that outlive their gateway (see the module doc of `namespaces`, "Outliving the
+//! gateway"): where a surviving sandbox is described in the state directory, how a gateway
+//! proves to the sandbox's helper that it holds the kernel's key, and how it checks that
+//! the recorded processes are still the ones it started.
+//!
+//! Per kernel, `<state dir>/sandboxes/<kernel id>/` (0700, the gateway's uid):
+//! * `record.json` (0600): [`Record`], with the kernel's signing key;
+//! * `control-g<generation>.sock`: the helper's control socket (the helper holds the listening socket,
+//!   made by the gateway; the directory's mode keeps every other uid out);
+//! * `egress/`: the egress proxy's socket, at a path every gateway on this state directory
+//!   listens at (handed to the sandbox user, who connects to it through the bridge).
+//!
+//! The control socket's exchange: the helper writes `challenge <64 hex>`; the peer answers
+//! the hex HMAC-SHA256 of [`CHALLENGE_CONTEXT`] and the challenge under the kernel's key;
+//! the helper answers `ok` and counts the peer as its gateway while the connection stays
+//! open, or closes it.
+
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+
+use crate::sandbox::cgroups::CgroupParts;
+
+/// What every answer's MAC covers besides the challenge, so that no other message signed
+/// with the kernel's key (a Jupyter message's signature) can serve as an answer.
+pub const CHALLENGE_CONTEXT: &[u8] = b"cellgate-adopt-v1:";
+/// The record's file name.
+const RECORD: &str = "record.json";
+/// The control socket's file name, for the kernel's generation (a restart's sandbox has its
+/// own, so that the end of the one before removes nothing of the next).
+fn control(generation: u64) -> String {
+    format!("control-g{generation}.sock")
+}
+/// The egress directory's name.
+const EGRESS: &str = "egress";
+/// How long either side of the exchange waits for the other.
+pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The backend's settings for surviving kernels.
+#[derive(Debug, Clone)]
+pub struct Survival {
+    /// `<state dir>/sandboxes`.
+    pub dir: PathBuf,
+    /// How long an orphan waits for a gateway.
+    pub grace: Duration,
+}
+
+/// A process of the sandbox: its host pid and its start time (field 22 of
+/// `/proc/<pid>/stat`, in clock ticks since boot), which a reused pid does not share.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Proc {
+    pub pid: i32,
+    pub start: u64,
+}
+
+impl Proc {
+    /// `pid` as it is now; `None` when it is gone.
+    pub fn of(pid: i32) -> Option<Proc> {
+        Some(Proc {
+            pid,
+            start: start_time(pid)?,
+        })
+    }
+}
+
+/// A surviving sandbox, as the gateway that started it wrote it down.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub kernel_id: String,
+    /// The kernel's state generation when it started.
+    pub generation: u64,
+    /// The key its messages are signed with (the connection file's).
+    pub key: String,
+    pub helper: Proc,
+    /// The helper is a zygote's child (its parent is not the gateway).
+    pub helper_forked: bool,
+    pub init: Proc,
+    pub kernel: Option<Proc>,
+    pub cgroup: Option<CgroupParts>,
+    pub memory_limit: Option<u64>,
+    /// The workspace's path inside the sandbox.
+    pub workspace: PathBuf,
+    /// When the kernel started (Unix time, milliseconds).
+    pub started_ms: u64,
+}
+
+/// Why a sandbox could not be adopted.
+#[derive(Debug, thiserror::Error)]
+pub enum SurvivalError {
+    #[error("no record of a surviving sandbox")]
+    NoRecord,
+    #[error("the record does not read: {0}")]
+    BadRecord(String),
+    #[error("the sandbox's {0} is gone (or its pid names another process now)")]
+    Gone(&'static str),
+    #[error("the sandbox's helper refused this gateway: {0}")]
+    Refused(String),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl Survival {
+    /// The directory of one kernel's survival files; `None` for an id that is not a plain
+    /// name (ids are the gateway's own, but a path is never built from anything else).
+    pub fn kernel_dir(&self, kernel_id: &str) -> Option<PathBuf> {
+        let plain = !kernel_id.is_empty()
+            && kernel_id.len() <= 64
+            && kernel_id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        plain.then(|| self.dir.join(kernel_id))
+    }
+
+    fn make_dir(path: &Path) -> Result<(), SurvivalError> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)
+            .map_err(|source| SurvivalError::Io {
+                what: "create",
+                path: path.to_owned(),
+                source,
+            })
+    }
+
+    /// The egress proxy's directory for `kernel_id`, made when missing (0700, handed to
+    /// `owner` when the gateway is root, so that the bridge, running as the sandbox user,
+    /// may look the socket up in it).
+    pub fn egress_dir(
+        &self,
+        kernel_id: &str,
+        owner: Option<(u32, u32)>,
+    ) -> Result<PathBuf, SurvivalError> {
+        let dir = self
+            .kernel_dir(kernel_id)
+            .ok_or(SurvivalError::NoRecord)?
+            .join(EGRESS);
+        Self::make_dir(&dir)?;
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).map_err(|source| {
+                SurvivalError::Io {
+                    what: "hand over",
+                    path: dir.clone(),
+                    source,
+                }
+            })?;
+        }
+        Ok(dir)
+    }
+
+    /// Makes the control socket of the kernel's `generation` (a stale one is removed
+    /// first), for its helper to hold.
+    pub fn control_listener(
+        &self,
+        kernel_id: &str,
+        generation: u64,
+    ) -> Result<UnixListener, SurvivalError> {
+        let dir = self.kernel_dir(kernel_id).ok_or(SurvivalError::NoRecord)?;
+        Self::make_dir(&dir)?;
+        let path = dir.join(control(generation));
+        let _ = std::fs::remove_file(&path);
+        UnixListener::bind(&path).map_err(|source| SurvivalError::Io {
+            what: "listen at",
+            path,
+            source,
+        })
+    }
+
+    /// Writes `record` (0600), replacing the file atomically.
+    pub fn write(&self, record: &Record) -> Result<(), SurvivalError> {
+        let dir = self
+            .kernel_dir(&record.kernel_id)
+            .ok_or(SurvivalError::NoRecord)?;
+        let path = dir.join(RECORD);
+        let partial = dir.join(format!("{RECORD}.partial"));
+        let io = |what| {
+            let path = path.clone();
+            move |source| SurvivalError::Io { what, path, source }
+        };
+        let json =
+            serde_json::to_vec(record).map_err(|e| SurvivalError::BadRecord(e.to_string()))?;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&partial)
+            .map_err(io("write"))?;
+        file.write_all(&json).map_err(io("write"))?;
+        file.sync_all().map_err(io("write"))?;
+        std::fs::rename(&partial, &path).map_err(io("write"))
+    }
+
+    /// The record of `kernel_id`'s sandbox.
+    pub fn read(&self, kernel_id: &str) -> Result<Record, SurvivalError> {
+        let path = self
+            .kernel_dir(kernel_id)
+            .ok_or(SurvivalError::NoRecord)?
+            .join(RECORD);
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                return Err(SurvivalError::NoRecord)
+            }
+            Err(source) => {
+                return Err(SurvivalError::Io {
+                    what: "read",
+                    path,
+                    source,
+                })
+            }
+        };
+        let record: Record =
+            serde_json::from_slice(&bytes).map_err(|e| SurvivalError::BadRecord(e.to_string()))?;
+        if record.kernel_id != kernel_id {
+            return Err(SurvivalError::BadRecord(format!(
+                "it names kernel {}",
+                record.kernel_id
+            )));
+        }
+        Ok(record)
+    }
+
+    /// Forgets the sandbox of `kernel_id`'s `generation`, which ended or failed to start:
+    /// its control socket, and the record when it is that generation's. The egress
+    /// directory stays for the kernel's next generation ([`Survival::remove`] ends it).
+    pub fn forget(&self, kernel_id: &str, generation: u64) {
+        let Some(dir) = self.kernel_dir(kernel_id) else {
+            return;
+        };
+        let _ = std::fs::remove_file(dir.join(control(generation)));
+        if self
+            .read(kernel_id)
+            .is_ok_and(|record| record.generation == generation)
+        {
+            let _ = std::fs::remove_file(dir.join(RECORD));
+        }
+    }
+
+    /// At the backend's start: the sandboxes recorded here whose helper is gone (an orphan
+    /// that ended itself, or one killed meanwhile) lose their cgroup, which nothing else
+    /// would remove; their record stays for the session layer to report them lost (an
+    /// adoption that fails removes it). Directories with no record hold nothing to adopt.
+    pub fn sweep(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            match self.read(&id) {
+                Ok(record) => {
+                    if start_time(record.helper.pid) == Some(record.helper.start) {
+                        continue;
+                    }
+                    if let Some(cgroup) = record
+                        .cgroup
+                        .as_ref()
+                        .and_then(crate::sandbox::cgroups::KernelCgroup::from_parts)
+                    {
+                        cgroup.remove();
+                    }
+                    if let Some(dir) = self.kernel_dir(&id) {
+                        let _ = std::fs::remove_file(dir.join(control(record.generation)));
+                    }
+                }
+                Err(SurvivalError::NoRecord) => self.remove(&id),
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Forgets `kernel_id`'s sandbox (it ended, or never will be adopted).
+    pub fn remove(&self, kernel_id: &str) {
+        if let Some(dir) = self.kernel_dir(kernel_id) {
+            if let Err(err) = std::fs::remove_dir_all(&dir) {
+                if err.kind() != io::ErrorKind::NotFound {
+                    tracing::warn!(dir = %dir.display(), %err, "could not remove a sandbox's record");
+                }
+            }
+        }
+    }
+
+    /// Proves to the helper of `kernel_id` that this gateway holds `key`; the connection,
+    /// which the helper counts as its gateway while it stays open. Blocking.
+    pub fn attach(
+        &self,
+        kernel_id: &str,
+        generation: u64,
+        key: &str,
+    ) -> Result<UnixStream, SurvivalError> {
+        let path = self
+            .kernel_dir(kernel_id)
+            .ok_or(SurvivalError::NoRecord)?
+            .join(control(generation));
+        let refused = |e: io::Error| SurvivalError::Refused(e.to_string());
+        let stream = UnixStream::connect(&path).map_err(refused)?;
+        stream
+            .set_read_timeout(Some(EXCHANGE_TIMEOUT))
+            .map_err(refused)?;
+        let mut reader = BufReader::new(stream.try_clone().map_err(refused)?);
+        let mut line = String::new();
+        reader.read_line(&mut line).map_err(refused)?;
+        let challenge = line
+            .trim_end()
+            .strip_prefix("challenge ")
+            .ok_or_else(|| SurvivalError::Refused(format!("unexpected {line:?}")))?;
+        let challenge =
+            hex::decode(challenge).map_err(|e| SurvivalError::Refused(e.to_string()))?;
+        let answer = format!("{}\n", hex::encode(answer(key.as_bytes(), &challenge)));
+        (&stream).write_all(answer.as_bytes()).map_err(refused)?;
+        line.clear();
+        reader.read_line(&mut line).map_err(refused)?;
+        if line.trim_end() != "ok" {
+            return Err(SurvivalError::Refused(
+                "the key does not match (the connection was closed)".to_owned(),
+            ));
+        }
+        stream.set_read_timeout(None).map_err(refused)?;
+        Ok(stream)
+    }
+}
+
+/// The MAC that answers `challenge` under `key`.
+pub fn answer(key: &[u8], challenge: &[u8]) -> Vec<u8> {
+    // HMAC takes a key of any length.
+    let mut mac = match Hmac::<Sha256>::new_from_slice(key) {
+        Ok(mac) => mac,
+        Err(_) => return Vec::new(),
+    };
+    mac.update(CHALLENGE_CONTEXT);
+    mac.update(challenge);
+    mac.finalize().into_bytes().to_vec()
+}
+
+/// Whether `given` (hex) answers `challenge` under `key`, compared in constant time.
+pub fn verify(key: &[u8], challenge: &[u8], given: &str) -> bool {
+    let Ok(given) = hex::decode(given.trim()) else {
+        return false;
+    };
+    let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(key) else {
+        return false;
+    };
+    mac.update(CHALLENGE_CONTEXT);
+    mac.update(challenge);
+    mac.verify_slice(&given).is_ok()
+}
+
+/// The start time of `pid` (clock ticks since boot), `None` when it does not exist.
+pub fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: fields are counted after its end.
+    let rest = stat.rsplit_once(')')?.1;
+    // Field 22 of proc(5); `rest` starts at field 3.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_key_answers_the_challenge() {
+        let challenge = [7u8; 32];
+        let good = hex::encode(answer(b"k1", &challenge));
+        assert!(verify(b"k1", &challenge, &good));
+        assert!(!verify(b"k2", &challenge, &good));
+        assert!(!verify(b"k1", &[8u8; 32], &good));
+        assert!(!verify(b"k1", &challenge, "zz"));
+        assert!(!verify(b"k1", &challenge, ""));
+    }
+
+    #[test]
+    fn a_start_time_is_read_past_any_command_name() {
+        let own = i32::try_from(std::process::id()).unwrap();
+        assert!(start_time(own).is_some_and(|t| t > 0));
+        assert_eq!(start_time(i32::MAX), None);
+    }
+
+    #[test]
+    fn records_round_trip_and_paths_stay_inside() {
+        let dir = tempfile::tempdir().unwrap();
+        let survival = Survival {
+            dir: dir.path().to_owned(),
+            grace: Duration::from_secs(1),
+        };
+        assert!(survival.kernel_dir("../x").is_none());
+        assert!(survival.kernel_dir("").is_none());
+        let _listener = survival.control_listener("k1", 3).unwrap();
+        let record = Record {
+            kernel_id: "k1".into(),
+            generation: 3,
+            key: "secret".into(),
+            helper: Proc { pid: 1, start: 2 },
+            helper_forked: false,
+            init: Proc { pid: 3, start: 4 },
+            kernel: None,
+            cgroup: None,
+            memory_limit: None,
+            workspace: "/home/user".into(),
+            started_ms: 5,
+        };
+        survival.write(&record).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join("k1/record.json"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let back = survival.read("k1").unwrap();
+        assert_eq!(back.generation, 3);
+        // The end of another generation's sandbox leaves this one's record.
+        survival.forget("k1", 2);
+        assert!(survival.read("k1").is_ok());
+        survival.forget("k1", 3);
+        assert!(matches!(survival.read("k1"), Err(SurvivalError::NoRecord)));
+        assert!(!dir.path().join("k1/control-g3.sock").exists());
+        survival.write(&record).unwrap();
+        assert!(matches!(survival.read("k2"), Err(SurvivalError::NoRecord)));
+        survival.remove("k1");
+        assert!(!dir.path().join("k1").exists());
+    }
+}

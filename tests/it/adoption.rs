@@ -1,0 +1,552 @@
+//! Kernels that outlive their gateway (`--kernels-outlive-gateway`, the namespaces backend,
+//! src/sandbox/namespaces/survival.rs): a gateway killed (SIGKILL) or stopped (SIGTERM)
+//! mid-session leaves its sandboxes running, and the next gateway on the same state
+//! directory adopts them, their variables, workspace files and generation kept; a sandbox
+//! that died meanwhile is reported `sandbox_lost`; an orphan nobody adopts ends itself after
+//! its grace; nothing without the kernel's key can take a sandbox over; with the option off,
+//! kernels end with their gateway.
+//!
+//! Every test ends its sessions (or lets the grace end them) so that no sandbox outlives it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use reqwest::Method;
+use serde_json::{json, Value};
+
+use crate::support::v1::V1Client;
+use crate::support::{alive, eventually, pids_with, Gateway, PATIENCE};
+
+/// A gateway on `state` whose kernels outlive it, adopted within `grace` seconds.
+async fn gateway_on(state: &Path, zygote: bool, grace: &str) -> Result<Gateway> {
+    Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .args(&["--kernels-outlive-gateway", "true", "--orphan-grace", grace])
+        .args(&["--kernel-zygote", if zygote { "true" } else { "false" }])
+        .start()
+        .await
+}
+
+/// The record the gateway keeps of a surviving sandbox.
+fn record(state: &Path, id: &str) -> Result<Value> {
+    let path = record_path(state, id);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+fn record_path(state: &Path, id: &str) -> PathBuf {
+    state.join("sandboxes").join(id).join("record.json")
+}
+
+fn pid_of(record: &Value, process: &str) -> Result<u32> {
+    record[process]["pid"]
+        .as_u64()
+        .and_then(|pid| u32::try_from(pid).ok())
+        .with_context(|| format!("no {process} pid in {record}"))
+}
+
+/// The helper, init and kernel pids of a sandbox's record.
+fn processes(record: &Value) -> Result<[u32; 3]> {
+    Ok([
+        pid_of(record, "helper")?,
+        pid_of(record, "init")?,
+        pid_of(record, "kernel")?,
+    ])
+}
+
+async fn killed(mut gateway: Gateway) -> Result<()> {
+    gateway.child.kill()?;
+    gateway.child.wait()?;
+    Ok(())
+}
+
+/// Waits until session `id` is listed live again (adopted) and returns its model.
+async fn adopted(client: &V1Client<'_>, id: &str) -> Result<Value> {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+        if model["state"] != "dead" || std::time::Instant::now() > deadline {
+            return Ok(model);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn delete(client: &V1Client<'_>, id: &str) -> Result<()> {
+    let status = client
+        .request(Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?
+        .status()
+        .as_u16();
+    anyhow::ensure!(status == 204, "delete {id}: {status}");
+    Ok(())
+}
+
+const PLOT: &str = r#"
+import matplotlib
+matplotlib.use('agg')
+import matplotlib.pyplot as plt
+fig, ax = plt.subplots(figsize=(2, 2), dpi=40)
+ax.plot([1, 3, 2])
+plt.show()
+"#;
+
+/// A session used, its gateway ended by `stop`, and the next gateway on the same state
+/// directory: the session comes back live with its variable, file, artifact and generation.
+async fn survives(zygote: bool, sigterm: bool) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = gateway_on(&state, zygote, "120").await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    let set = client.run(&id, "x = 6 * 7\nprint(x)").await?;
+    assert_eq!(set.stdout, "42\n", "{set:?}");
+    assert_eq!(
+        client
+            .put_file(&id, "kept.txt", b"still here".to_vec())
+            .await?,
+        201
+    );
+    let plot = client.run(&id, PLOT).await?;
+    let png = plot
+        .artifacts
+        .iter()
+        .find(|a| a.mime == "image/png")
+        .with_context(|| format!("no PNG artifact: {plot:?}"))?
+        .id
+        .to_string();
+    let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+    let generation = model["state_generation"].as_u64().context("generation")?;
+    let kept = record(&state, &id)?;
+    assert_eq!(kept["helper_forked"], zygote, "{kept}");
+    let pids = processes(&kept)?;
+
+    if sigterm {
+        drop(first);
+    } else {
+        killed(first).await?;
+    }
+    for pid in pids {
+        assert!(
+            alive(pid),
+            "process {pid} of the sandbox ended with its gateway"
+        );
+    }
+
+    let second = gateway_on(&state, zygote, "120").await?;
+    let client = V1Client::new(&second);
+    let model = adopted(&client, &id).await?;
+    assert_ne!(model["state"], "dead", "{model}");
+    assert_eq!(
+        model["state_generation"].as_u64(),
+        Some(generation),
+        "{model}"
+    );
+    let x = client.run(&id, "print(x)").await?;
+    assert_eq!(x.stdout, "42\n", "{x:?}");
+    assert_eq!(x.state_generation, generation);
+    let file = client
+        .request(Method::GET, &format!("/v1/sessions/{id}/files/kept.txt"))
+        .send()
+        .await?;
+    assert_eq!(file.status().as_u16(), 200);
+    assert_eq!(file.bytes().await?.as_ref(), b"still here");
+    let image = client.artifact(&png).await?;
+    assert_eq!(image.status().as_u16(), 200);
+    assert!(image.bytes().await?.starts_with(b"\x89PNG"));
+    // The kernel is the one from before, not a new one that happens to know `x`.
+    assert_eq!(record(&state, &id)?["kernel"], kept["kernel"]);
+
+    delete(&client, &id).await?;
+    let ended = eventually(PATIENCE, || pids.iter().all(|&pid| !alive(pid))).await;
+    assert!(ended, "the adopted sandbox outlived its session's delete");
+    assert!(
+        eventually(PATIENCE, || !record_path(&state, &id).exists()).await,
+        "its record outlived it"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_forked_kernel_outlives_a_sigkilled_gateway_and_is_adopted() -> Result<()> {
+    survives(true, false).await
+}
+
+#[tokio::test]
+async fn a_cold_kernel_outlives_a_sigkilled_gateway_and_is_adopted() -> Result<()> {
+    survives(false, false).await
+}
+
+#[tokio::test]
+async fn a_kernel_outlives_a_stopped_gateway_and_is_adopted() -> Result<()> {
+    survives(true, true).await
+}
+
+#[tokio::test]
+async fn a_sandbox_that_died_meanwhile_is_reported_lost() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = gateway_on(&state, false, "120").await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    assert_eq!(client.run(&id, "x = 1").await?.stdout, "");
+    let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+    let generation = model["state_generation"].as_u64().context("generation")?;
+    let pids = processes(&record(&state, &id)?)?;
+    killed(first).await?;
+    // The sandbox dies while no gateway runs.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(i32::try_from(pids[1])?).context("pid")?,
+        rustix::process::Signal::KILL,
+    )?;
+    assert!(eventually(PATIENCE, || pids.iter().all(|&pid| !alive(pid))).await);
+
+    let second = gateway_on(&state, false, "120").await?;
+    let client = V1Client::new(&second);
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let model = loop {
+        let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+        let reason = model["reason"].as_str().unwrap_or_default();
+        if reason.starts_with("sandbox_lost") || std::time::Instant::now() > deadline {
+            break model;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(model["state"], "dead", "{model}");
+    assert!(
+        model["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("sandbox_lost")),
+        "{model}"
+    );
+    let lost_generation = model["state_generation"].as_u64().context("generation")?;
+    assert!(lost_generation > generation, "{model}");
+    // The next execute starts a new kernel.
+    let fresh = client.run(&id, "x").await?;
+    assert_eq!(
+        fresh.error.as_ref().map(|e| e.ename.as_str()),
+        Some("NameError"),
+        "{fresh:?}"
+    );
+    assert_eq!(fresh.state_generation, lost_generation);
+    assert_eq!(client.run(&id, "print(2)").await?.stdout, "2\n");
+    delete(&client, &id).await
+}
+
+#[tokio::test]
+async fn an_orphan_ends_itself_after_its_grace() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = gateway_on(&state, true, "2").await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    assert_eq!(client.run(&id, "print(3)").await?.stdout, "3\n");
+    let kept = record(&state, &id)?;
+    let pids = processes(&kept)?;
+    let cgroups: Vec<PathBuf> = kept["cgroup"]["dirs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|dir| dir[1].as_str().map(PathBuf::from))
+        .collect();
+    assert!(!cgroups.is_empty(), "no cgroup in {kept}");
+    killed(first).await?;
+    let ended = eventually(PATIENCE, || pids.iter().all(|&pid| !alive(pid))).await;
+    assert!(ended, "an orphan outlived its grace: {pids:?}");
+    assert!(
+        pids_with(&id).is_empty(),
+        "the kernel process is still there"
+    );
+
+    // The next gateway removes what the orphan could not (its cgroup, its record) and says
+    // the session's sandbox was lost.
+    let second = gateway_on(&state, false, "2").await?;
+    let client = V1Client::new(&second);
+    let lost = eventually(PATIENCE, || !record_path(&state, &id).exists()).await;
+    assert!(lost, "the orphan's record outlived it");
+    for dir in &cgroups {
+        assert!(
+            !dir.exists(),
+            "the orphan's cgroup {} is left",
+            dir.display()
+        );
+    }
+    let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+    assert!(
+        model["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("sandbox_lost")),
+        "{model}"
+    );
+    delete(&client, &id).await
+}
+
+/// The gateway's children: with the option off, the helpers die with it.
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn with_the_option_off_kernels_end_with_their_gateway() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .args(&["--kernels-outlive-gateway", "false"])
+        .start()
+        .await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    assert_eq!(client.run(&id, "x = 5").await?.stdout, "");
+    let kernel = pids_with(&id);
+    assert!(!kernel.is_empty(), "no kernel process found");
+    let helpers = children_of(first.pid());
+    assert!(!helpers.is_empty(), "the gateway has no children");
+    assert!(!state.join("sandboxes").join(&id).exists());
+    killed(first).await?;
+    let ended = eventually(PATIENCE, || {
+        kernel.iter().chain(&helpers).all(|&pid| !alive(pid))
+    })
+    .await;
+    assert!(ended, "a kernel outlived its gateway with the option off");
+
+    let second = Gateway::builder()
+        .arg("--state-dir")
+        .arg(state.to_str().context("path")?)
+        .args(&["--kernels-outlive-gateway", "false"])
+        .start()
+        .await?;
+    let client = V1Client::new(&second);
+    let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+    assert!(
+        model["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("kernel_lost")),
+        "{model}"
+    );
+    delete(&client, &id).await
+}
+
+/// What a process without the key gets from a running sandbox: the control socket shuts
+/// another uid out and closes on a wrong answer; the kernel's own sockets ignore messages
+/// not signed with the key. The sandbox stays adoptable by the gateway that has it.
+#[tokio::test]
+async fn only_a_gateway_with_the_key_can_take_a_sandbox_over() -> Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::unix::process::CommandExt;
+
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = gateway_on(&state, false, "120").await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    assert_eq!(client.run(&id, "x = 'kept'").await?.stdout, "");
+    let kept = record(&state, &id)?;
+    let generation = kept["generation"].as_u64().context("generation")?;
+    let control = state
+        .join("sandboxes")
+        .join(&id)
+        .join(format!("control-g{generation}.sock"));
+    assert!(control.exists(), "no {}", control.display());
+
+    // Another uid cannot even reach the control socket.
+    let foreign = std::process::Command::new("/usr/bin/python3")
+        .args([
+            "-c",
+            "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\nprint(s.recv(100))",
+        ])
+        .arg(&control)
+        .uid(65534)
+        .gid(65534)
+        .output()?;
+    assert!(!foreign.status.success(), "{foreign:?}");
+    assert!(
+        String::from_utf8_lossy(&foreign.stderr).contains("Permission denied"),
+        "{foreign:?}"
+    );
+
+    // The gateway's own uid without the key: a challenge, then the door closes.
+    let stream = std::os::unix::net::UnixStream::connect(&control)?;
+    stream.set_read_timeout(Some(PATIENCE))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    assert!(line.starts_with("challenge "), "{line:?}");
+    (&stream).write_all(format!("{}\n", "00".repeat(32)).as_bytes())?;
+    line.clear();
+    assert_eq!(reader.read_line(&mut line)?, 0, "answered {line:?}");
+
+    // The kernel's shell socket, reached as the gateway does, ignores an unsigned request.
+    let shell = format!(
+        "ipc:///proc/{}/root/run/cellgate/k-1",
+        pid_of(&kept, "helper")?
+    );
+    let forged = std::process::Command::new(crate::support::tools_python())
+        .args([
+            "-c",
+            r#"
+import hashlib, hmac, json, sys, uuid, zmq
+context = zmq.Context()
+s = context.socket(zmq.DEALER)
+s.connect(sys.argv[1])
+header = {"msg_id": uuid.uuid4().hex, "session": "x", "username": "x", "msg_type": "execute_request", "version": "5.3"}
+content = {"code": "x = 'taken'", "silent": False, "store_history": False}
+parts = [json.dumps(p).encode() for p in (header, {}, {}, content)]
+mac = hmac.new(sys.argv[2].encode(), digestmod=hashlib.sha256)
+for part in parts:
+    mac.update(part)
+s.send_multipart([b"<IDS|MSG>", mac.hexdigest().encode()] + parts)
+# Delivered before the process ends (the kernel then reads it before the gateway's next).
+s.close(linger=10000)
+context.term()
+"#,
+        ])
+        .arg(&shell)
+        // A key of the attacker's: the kernel's is in the state directory, 0600.
+        .arg(crate::support::TOKEN)
+        .output()?;
+    assert!(forged.status.success(), "{forged:?}");
+    assert_eq!(client.run(&id, "print(x)").await?.stdout, "kept\n");
+
+    // The gateway with the key still adopts it.
+    killed(first).await?;
+    let second = gateway_on(&state, false, "120").await?;
+    let client = V1Client::new(&second);
+    let model = adopted(&client, &id).await?;
+    assert_ne!(model["state"], "dead", "{model}");
+    assert_eq!(client.run(&id, "print(x)").await?.stdout, "kept\n");
+    delete(&client, &id).await
+}
+
+/// A local HTTP server answering every request with `hello`.
+async fn hello_server() -> Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut seen = vec![];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let response =
+                    "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello";
+                let _ = stream.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    Ok(port)
+}
+
+/// The egress bridge of a kernel forked before the restart reaches the new gateway's proxy,
+/// which applies the session's policy.
+#[tokio::test]
+async fn an_adopted_kernel_reaches_the_new_gateways_egress_proxy() -> Result<()> {
+    let port = hello_server().await?;
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let policies = dir.path().join("policies");
+    std::fs::create_dir(&policies)?;
+    std::fs::copy(
+        crate::support::repo().join("policies/default.toml"),
+        policies.join("default.toml"),
+    )?;
+    std::fs::write(
+        policies.join("net.toml"),
+        format!("description = \"net\"\n[egress]\nallow = [\"allowed.test:{port}\"]\n"),
+    )?;
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(
+        &config,
+        "[egress_hosts]\n\"allowed.test\" = \"127.0.0.1\"\n\"denied.test\" = \"127.0.0.1\"\n",
+    )?;
+    let start = || {
+        Gateway::builder()
+            .policies_dir(policies.clone())
+            .arg("--config")
+            .arg(config.to_str().unwrap_or_default())
+            .arg("--state-dir")
+            .arg(state.to_str().unwrap_or_default())
+            .args(&["--kernels-outlive-gateway", "true", "--orphan-grace", "120"])
+            .args(&["--kernel-zygote", "true"])
+            .start()
+    };
+    let fetch = format!(
+        "import urllib.request\nprint(urllib.request.urlopen('http://allowed.test:{port}/', timeout=60).read().decode())"
+    );
+    let first = start().await?;
+    let client = V1Client::new(&first);
+    let id = client.new_session(json!({"policy": "net"})).await?.id;
+    let before = client.run(&id, &fetch).await?;
+    assert_eq!(before.stdout, "hello\n", "{before:?}");
+    killed(first).await?;
+
+    let second = start().await?;
+    let client = V1Client::new(&second);
+    let model = adopted(&client, &id).await?;
+    assert_ne!(model["state"], "dead", "{model}");
+    let after = client.run(&id, &fetch).await?;
+    assert_eq!(after.stdout, "hello\n", "{after:?}");
+    let denied = client
+        .run(
+            &id,
+            &format!("import urllib.request\ntry:\n    urllib.request.urlopen('http://denied.test:{port}/', timeout=60)\nexcept Exception as e:\n    print('refused')"),
+        )
+        .await?;
+    assert_eq!(denied.stdout, "refused\n", "{denied:?}");
+    delete(&client, &id).await
+}
+
+/// An adopted sandbox whose new gateway goes too is an orphan again: it ends after its
+/// grace (counted afresh from the second gateway's end).
+#[tokio::test]
+async fn an_adopted_sandbox_ends_when_its_second_gateway_is_gone_past_the_grace() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let first = gateway_on(&state, true, "20").await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    assert_eq!(client.run(&id, "y = 7").await?.stdout, "");
+    let pids = processes(&record(&state, &id)?)?;
+    killed(first).await?;
+
+    let second = gateway_on(&state, true, "20").await?;
+    let client = V1Client::new(&second);
+    let model = adopted(&client, &id).await?;
+    assert_ne!(model["state"], "dead", "{model}");
+    assert_eq!(client.run(&id, "print(y)").await?.stdout, "7\n");
+    killed(second).await?;
+    for pid in pids {
+        assert!(alive(pid), "process {pid} ended with the second gateway");
+    }
+    let ended = eventually(PATIENCE, || pids.iter().all(|&pid| !alive(pid))).await;
+    assert!(
+        ended,
+        "an orphan outlived its grace after its adoption: {pids:?}"
+    );
+    Ok(())
+}
