@@ -675,7 +675,7 @@ impl Sessions {
         expiry
     }
 
-    /// Removes the dormant sessions expired at `now` (see [`Self::dormant_expiry`]) as a
+    /// Removes the dormant sessions expired at `now` (see `dormant_expiry`) as a
     /// culled session is removed: from the store, its artifacts kept for their retention,
     /// its signed links working until then. Returns their ids.
     pub fn expire_dormant(&self, now: time::OffsetDateTime) -> Vec<SessionId> {
