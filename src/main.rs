@@ -286,6 +286,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ..ZygoteSettings::default()
         })
         .with_survival(survival(&config));
+    if survival(&config).is_some() {
+        // Said once at start, so that an operator restarting a gateway knows which sessions
+        // keep their variables: only the namespaces backend keeps its sandboxes so far.
+        tracing::info!(
+            grace_s = config.orphan_grace.as_secs(),
+            "kernels outlive the gateway: namespaces kernels are kept for the next gateway on this state directory; gVisor and microVM kernels still end with the gateway (their sessions come back dormant)"
+        );
+    }
     // A replica takes its Lease before any kernel starts: every kernel it makes has a live
     // owner from its first moment.
     let replicas = match &config.replica {
