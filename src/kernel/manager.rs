@@ -951,14 +951,17 @@ impl KernelManager {
     /// Lets every kernel whose sandbox outlives the gateway go, running, for the next
     /// gateway on this state directory (this one is stopping); how many.
     pub fn detach_survivors(&self) -> usize {
+        self.detach_where(|k| k.outlives_gateway())
+    }
+
+    /// Removes the kernels `which` picks and detaches them (their sandboxes run on); how many.
+    fn detach_where(&self, which: impl Fn(&Kernel) -> bool) -> usize {
         let kept: Vec<Arc<Kernel>> = {
             let mut kernels = self.kernels.write();
-            let ids: Vec<crate::ids::KernelId> = kernels
-                .values()
-                .filter(|k| k.outlives_gateway())
-                .map(|k| k.id.clone())
-                .collect();
-            ids.iter().filter_map(|id| kernels.remove(id)).collect()
+            kernels
+                .extract_if(|_, k| which(k))
+                .map(|(_, kernel)| kernel)
+                .collect()
         };
         for kernel in &kept {
             kernel.detach();
@@ -988,19 +991,7 @@ impl KernelManager {
     /// Lets every kernel whose owner is recorded go, running, to the other gateways (this
     /// one is shutting down); the other kernels stay for [`KernelManager::shutdown_all`].
     pub fn hand_over_shared(&self) -> usize {
-        let pods: Vec<Arc<Kernel>> = {
-            let mut kernels = self.kernels.write();
-            let ids: Vec<crate::ids::KernelId> = kernels
-                .values()
-                .filter(|k| k.shares_ownership())
-                .map(|k| k.id.clone())
-                .collect();
-            ids.iter().filter_map(|id| kernels.remove(id)).collect()
-        };
-        for kernel in &pods {
-            kernel.detach();
-        }
-        pods.len()
+        self.detach_where(|k| k.shares_ownership())
     }
 
     /// Shuts one kernel down and forgets it.
