@@ -112,6 +112,12 @@ async fn a_release_installs_and_serves() -> Result<()> {
         "install.sh",
         "share/kernels/python3/kernel.json",
         "share/kernels/python3/cellgate_command.py",
+        "share/kernels/python3-lean/requirements.txt",
+        "share/kernels/bash/cellgate_bash_kernel.py",
+        "share/kernels/deno/environment.lock",
+        "share/kernels/deno/cellgate-tcp-kernel",
+        "share/kernels/ir/r-kernel",
+        "share/kernels/ir/debian-packages",
         "share/policies/default.toml",
         "etc/cellgate.toml",
     ] {
@@ -121,20 +127,36 @@ async fn a_release_installs_and_serves() -> Result<()> {
         );
     }
 
-    // install.sh into a scratch prefix, the kernel environment this checkout built (building
-    // one from the lock file is ./dev setup's work, tested by every run of it).
+    // install.sh into a scratch prefix, every language's kernel, on the environments this
+    // checkout built (building them from the lock files is ./dev setup's work, tested by
+    // every run of it; install.sh's own building of them is not run here: it would fetch).
     let prefix = scratch.path().join("usr");
     let etc = scratch.path().join("etc");
-    let venv = crate::support::kernels_dir()
-        .join("python3/.venv")
-        .canonicalize()?;
-    run(std::process::Command::new(release.join("install.sh"))
+    let mut install = std::process::Command::new(release.join("install.sh"));
+    install
         .arg("--prefix")
         .arg(&prefix)
         .arg("--etc")
         .arg(&etc)
-        .arg("--venv")
-        .arg(&venv))?;
+        .args(["--kernels", "python3,bash,deno,ir"]);
+    for kernel in ["python3", "bash", "deno", "ir"] {
+        let env = crate::support::kernels_dir()
+            .join(kernel)
+            .join(".venv")
+            .canonicalize()?;
+        install
+            .arg("--env")
+            .arg(format!("{kernel}={}", env.display()));
+    }
+    let out = run(&mut install)?;
+    for kernel in ["python3", "bash", "deno", "ir"] {
+        ensure!(
+            prefix
+                .join(format!("share/cellgate/kernels/{kernel}/.venv"))
+                .exists(),
+            "install.sh installed no {kernel} kernelspec with its environment: {out}"
+        );
+    }
     // The test sandbox (CELLGATE_TEST_SANDBOX) in the installed default policy.
     let policy = etc.join("policies/default.toml");
     let installed = std::fs::read_to_string(&policy)?;
@@ -199,6 +221,24 @@ async fn a_release_installs_and_serves() -> Result<()> {
     let id = v1.create_session(json!({})).await?;
     let r = v1.execute(&id, "6 * 7").await?;
     ensure!(r["result"] == "42", "{r}\n{}", gateway.log());
+    // The other languages, from the installed kernelspecs (in parallel: each is a start).
+    let others = [
+        ("deno", "6 * 7", "result", "42"),
+        ("ir", "6 * 7", "stdout", "[1] 42\n"),
+        ("bash", "echo $((6 * 7))", "stdout", "42\n"),
+    ]
+    .map(|(kernel, code, field, want)| {
+        let v1 = &v1;
+        async move {
+            let session = v1.create_session(json!({"kernel_name": kernel})).await?;
+            let r = v1.execute(&session, code).await?;
+            ensure!(r[field] == want, "{kernel}: {r}");
+            anyhow::Ok(())
+        }
+    });
+    for outcome in futures_util::future::join_all(others).await {
+        outcome.map_err(|e| anyhow::anyhow!("{e}\n{}", gateway.log()))?;
+    }
     if sandbox_backend() == "namespaces" {
         ensure!(
             gateway.log().contains("forked=true"),
