@@ -3,7 +3,8 @@
 # OCI archives and smoke-tests them: the second half of `./dev release --images`, which
 # passes every argument (run it through ./dev: it checks the inputs first).
 #
-#   deploy/release/images.sh --dist DIR --version V --agent PATH --venv DIR [--work DIR]
+#   deploy/release/images.sh --dist DIR --version V --agent PATH --venv DIR --bash-env DIR
+#                            --deno-env DIR [--work DIR]
 #
 #   --dist DIR     the release's directory: reads cellgate-V-linux-ARCH.tar.gz (its stripped
 #                  binary and zygote library), writes the three OCI archives beside it
@@ -12,6 +13,10 @@
 #   --venv DIR     the python3 kernel's environment, built at /opt/cellgate/venv from
 #                  kernels/python3/requirements.txt (what `./dev setup` makes in
 #                  kernels/python3/.venv)
+#   --bash-env DIR, --deno-env DIR
+#                  the bash and Deno kernels' environments for the all-in-one image (what
+#                  `./dev setup` makes in kernels/bash/.venv, at /opt/cellgate/venv, and
+#                  kernels/deno/.venv)
 #   --work DIR     caches and scratch space (default target/images): the image store, the
 #                  Debian base
 #
@@ -45,7 +50,7 @@ set -euo pipefail
 # The whole script is one block, read before any of it runs: editing this file while a
 # build runs cannot change what that build does.
 {
-dist="" version="" agent="" venv=""
+dist="" version="" agent="" venv="" bash_env="" deno_env=""
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
 repo="$(cd "$here/../.." && pwd -P)"
 work="$repo/target/images"
@@ -55,8 +60,10 @@ while [ $# -gt 0 ]; do
     --version) version=$2; shift 2 ;;
     --agent) agent=$2; shift 2 ;;
     --venv) venv=$2; shift 2 ;;
+    --bash-env) bash_env=$2; shift 2 ;;
+    --deno-env) deno_env=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
-    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "images.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -84,8 +91,8 @@ step_done() {
   step_name=""
 }
 
-[ -n "$dist" ] && [ -n "$version" ] && [ -n "$agent" ] && [ -n "$venv" ] ||
-  die "--dist, --version, --agent and --venv are required (see --help)"
+[ -n "$dist" ] && [ -n "$version" ] && [ -n "$agent" ] && [ -n "$venv" ] && [ -n "$bash_env" ] && [ -n "$deno_env" ] ||
+  die "--dist, --version, --agent, --venv, --bash-env and --deno-env are required (see --help)"
 [ "$(id -u)" -eq 0 ] || die "needs root: debootstrap, the image store and the smoke tests' privileged container"
 arch="$(uname -m)"
 tarball="$dist/cellgate-$version-linux-$arch.tar.gz"
@@ -94,6 +101,10 @@ tarball="$dist/cellgate-$version-linux-$arch.tar.gz"
 [ -x "$venv/bin/python" ] || die "no kernel environment at $venv"
 grep -qx "command = .* -m venv /opt/cellgate/venv" "$venv/pyvenv.cfg" ||
   die "$venv was not built at /opt/cellgate/venv (./dev setup builds it there)"
+grep -qx "command = .* -m venv /opt/cellgate/venv" "$bash_env/pyvenv.cfg" 2>/dev/null ||
+  die "$bash_env is no bash kernel environment built at /opt/cellgate/venv (./dev setup builds it there)"
+[ -x "$deno_env/bin/deno" ] && [ -x "$deno_env/bin/cellgate-tcp-kernel" ] ||
+  die "$deno_env has no bin/deno and bin/cellgate-tcp-kernel (./dev setup makes them)"
 mkdir -p "$work"
 work="$(cd "$work" && pwd -P)"
 # One build at a time per store: each starts by removing the store's leftover containers.
@@ -280,16 +291,32 @@ cp -al "$venv" "$prebuilt/opt/cellgate/venv" 2>/dev/null ||
   { rm -rf "$prebuilt/opt/cellgate/venv" && cp -a "$venv" "$prebuilt/opt/cellgate/venv"; } ||
   die "cannot copy $venv into the build context"
 rm -f "$prebuilt/opt/cellgate/venv/.cellgate-stamp" "$prebuilt/opt/cellgate/venv/.lock"
+# The other languages' environments, as the all-in-one image's `bash-env` and `deno-env`
+# stages leave them (./dev setup built them from the same lock files; the bash venv at
+# /opt/cellgate/venv, as its stage does).
+for pair in "bash-env:opt/cellgate/venv:$bash_env" "deno-env:opt/cellgate/envs/deno:$deno_env"; do
+  IFS=: read -r stage at from <<<"$pair"
+  mkdir -p "$(dirname "$scratch/$stage/$at")"
+  cp -al "$from" "$scratch/$stage/$at" 2>/dev/null ||
+    { rm -rf "${scratch:?}/$stage/$at" && cp -a "$from" "$scratch/$stage/$at"; } ||
+    die "cannot copy $from into the build context"
+  rm -f "$scratch/$stage/$at/.cellgate-stamp" "$scratch/$stage/$at/.lock"
+done
 
 BUD=(bud --layers --pull=never --network host --runtime runc --build-arg "BASE_IMAGE=$BASE"
   --label "org.opencontainers.image.version=$version")
-# build IMAGE DOCKERFILE STAGE...: the Dockerfile from the repository root (its own
-# .dockerignore), with each named build stage replaced by the prebuilt layout.
+# build IMAGE DOCKERFILE STAGE[=DIR]...: the Dockerfile from the repository root (its own
+# .dockerignore), with each named build stage replaced by DIR, the prebuilt layout by default.
 build() {
   local image=$1 dockerfile=$2 contexts=() s title
   shift 2
   title="${image#localhost/}"
-  for s in "$@"; do contexts+=(--build-context "$s=$prebuilt"); done
+  for s in "$@"; do
+    case "$s" in
+      *=*) contexts+=(--build-context "$s") ;;
+      *) contexts+=(--build-context "$s=$prebuilt") ;;
+    esac
+  done
   bah "${BUD[@]}" "${contexts[@]}" --label "org.opencontainers.image.title=${title%:*}" \
     --ignorefile "$repo/$dockerfile.dockerignore" -f "$repo/$dockerfile" -t "$image" "$repo" >"$scratch/build.log" 2>&1 ||
     { tail -40 "$scratch/build.log" >&2; die "buildah bud $dockerfile failed (above)"; }
@@ -299,7 +326,8 @@ ALL_IN_ONE="localhost/cellgate:$version"
 GATEWAY="localhost/cellgate-gateway:$version"
 KERNEL="localhost/cellgate-kernel:$version"
 step "build $ALL_IN_ONE (deploy/container/Dockerfile)"
-build "$ALL_IN_ONE" deploy/container/Dockerfile build kernel-env
+build "$ALL_IN_ONE" deploy/container/Dockerfile build kernel-env "bash-env=$scratch/bash-env" \
+  "deno-env=$scratch/deno-env"
 step "build $GATEWAY (deploy/kubernetes/images/gateway.Dockerfile)"
 build "$GATEWAY" deploy/kubernetes/images/gateway.Dockerfile build
 step "build $KERNEL (deploy/kubernetes/images/kernel.Dockerfile)"
@@ -339,7 +367,7 @@ ulimits() {
 mapfile -t LIMITS < <(ulimits)
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-step "smoke test: $ALL_IN_ONE serves /readyz and runs 6*7"
+step "smoke test: $ALL_IN_ONE serves /readyz and runs 6*7 in each language"
 token="$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 port="$(free_port)"
 # DEPLOY.md's flags (--privileged --cgroupns=private); the host's network namespace with the
@@ -364,6 +392,25 @@ curl -s --max-time 120 "${auth[@]}" -H 'Content-Type: application/json' -X POST 
 python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); sys.exit(r.get("result") != "42")' \
   "$scratch/execute.json" || { pod logs "$SMOKE" >&2; cat "$scratch/execute.json" >&2; die "POST /v1/execute 6*7 did not answer 42"; }
 note "POST /v1/execute {\"code\": \"6*7\"}: $(cat "$scratch/execute.json")"
+# The other languages' kernels, each started for its own execution, at once.
+langs=(deno ir bash)
+declare -A lang_code=([deno]='6 * 7' [ir]='6 * 7' [bash]='echo $((6 * 7))')
+declare -A lang_want=([deno]='result=42' [ir]='stdout=[1] 42' [bash]='stdout=42')
+pids=()
+for lang in "${langs[@]}"; do
+  body="$(python3 -c 'import json, sys; print(json.dumps({"code": sys.argv[1], "kernel_name": sys.argv[2]}))' "${lang_code[$lang]}" "$lang")"
+  curl -s --max-time 180 "${auth[@]}" -H 'Content-Type: application/json' -X POST "$url/v1/execute" \
+    -d "$body" >"$scratch/execute-$lang.json" &
+  pids+=($!)
+done
+for i in "${!langs[@]}"; do
+  lang=${langs[$i]}
+  wait "${pids[$i]}" || die "POST /v1/execute in $lang failed"
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); field, want = sys.argv[2].split("=", 1); sys.exit(str(r.get(field)).strip() != want)' \
+    "$scratch/execute-$lang.json" "${lang_want[$lang]}" ||
+    { pod logs "$SMOKE" >&2; cat "$scratch/execute-$lang.json" >&2; die "the $lang kernel did not answer ${lang_want[$lang]}"; }
+  note "$lang: ${lang_code[$lang]} -> ${lang_want[$lang]}"
+done
 # (Through a file: `grep -q` would stop reading at the first match, and podman fail on the
 # broken pipe.)
 pod logs "$SMOKE" >"$scratch/gateway.log" 2>&1

@@ -335,7 +335,7 @@ fn blob(digest: &str) -> String {
 /// release (the debug build's binaries, as above; the agent `./dev setup` built; the kernel
 /// environment the suite runs), saved as OCI archives listed in SHA256SUMS, and smoke-tested
 /// by the script itself (the gateway image on 127.0.0.1: /readyz, `6*7` through API v1 in a
-/// forked kernel, a clean stop; the kernel image's agent listening and its environment
+/// forked kernel, a cell in each of the Deno, R and bash kernels, a clean stop; the kernel image's agent listening and its environment
 /// importing the launcher). Here: each archive is a complete OCI layout whose image runs what
 /// its Dockerfile says. Cold (a fresh machine: Debian packages, debootstrap, every layer)
 /// 3 to 5 minutes of the two cores; with target/images kept, about 1.5.
@@ -371,6 +371,9 @@ async fn release_images_build_and_serve() -> Result<()> {
         "/readyz 200",
         "\"result\":\"42\"",
         "the kernel was forked from the zygote",
+        "deno: 6 * 7 -> result=42",
+        "ir: 6 * 7 -> stdout=[1] 42",
+        "bash: echo $((6 * 7)) -> stdout=42",
         "exit 0",
         "agent listening",
     ] {
