@@ -3,8 +3,8 @@
 # OCI archives and smoke-tests them: the second half of `./dev release --images`, which
 # passes every argument (run it through ./dev: it checks the inputs first).
 #
-#   deploy/release/images.sh --dist DIR --version V --agent PATH --venv DIR --bash-env DIR
-#                            --deno-env DIR [--work DIR]
+#   deploy/release/images.sh --dist DIR --version V --agent PATH --venv DIR --kernels DIR
+#                            [--work DIR]
 #
 #   --dist DIR     the release's directory: reads cellgate-V-linux-ARCH.tar.gz (its stripped
 #                  binary and zygote library), writes the three OCI archives beside it
@@ -13,10 +13,9 @@
 #   --venv DIR     the python3 kernel's environment, built at /opt/cellgate/venv from
 #                  kernels/python3/requirements.txt (what `./dev setup` makes in
 #                  kernels/python3/.venv)
-#   --bash-env DIR, --deno-env DIR
-#                  the bash and Deno kernels' environments for the all-in-one image (what
-#                  `./dev setup` makes in kernels/bash/.venv, at /opt/cellgate/venv, and
-#                  kernels/deno/.venv)
+#   --kernels DIR  the checkout's kernels/: the bash, Deno and R kernels' environments
+#                  `./dev setup` made in DIR/NAME/.venv (bash's at /opt/cellgate/venv), for
+#                  the all-in-one image and the languages' kernel images
 #   --work DIR     caches and scratch space (default target/images): the image store, the
 #                  Debian base
 #
@@ -50,7 +49,7 @@ set -euo pipefail
 # The whole script is one block, read before any of it runs: editing this file while a
 # build runs cannot change what that build does.
 {
-dist="" version="" agent="" venv="" bash_env="" deno_env=""
+dist="" version="" agent="" venv="" kernels=""
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)"
 repo="$(cd "$here/../.." && pwd -P)"
 work="$repo/target/images"
@@ -60,8 +59,7 @@ while [ $# -gt 0 ]; do
     --version) version=$2; shift 2 ;;
     --agent) agent=$2; shift 2 ;;
     --venv) venv=$2; shift 2 ;;
-    --bash-env) bash_env=$2; shift 2 ;;
-    --deno-env) deno_env=$2; shift 2 ;;
+    --kernels) kernels=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
     -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "images.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -91,8 +89,9 @@ step_done() {
   step_name=""
 }
 
-[ -n "$dist" ] && [ -n "$version" ] && [ -n "$agent" ] && [ -n "$venv" ] && [ -n "$bash_env" ] && [ -n "$deno_env" ] ||
-  die "--dist, --version, --agent, --venv, --bash-env and --deno-env are required (see --help)"
+[ -n "$dist" ] && [ -n "$version" ] && [ -n "$agent" ] && [ -n "$venv" ] && [ -n "$kernels" ] ||
+  die "--dist, --version, --agent, --venv and --kernels are required (see --help)"
+bash_env=$kernels/bash/.venv deno_env=$kernels/deno/.venv ir_env=$kernels/ir/.venv
 [ "$(id -u)" -eq 0 ] || die "needs root: debootstrap, the image store and the smoke tests' privileged container"
 arch="$(uname -m)"
 tarball="$dist/cellgate-$version-linux-$arch.tar.gz"
@@ -105,6 +104,7 @@ grep -qx "command = .* -m venv /opt/cellgate/venv" "$bash_env/pyvenv.cfg" 2>/dev
   die "$bash_env is no bash kernel environment built at /opt/cellgate/venv (./dev setup builds it there)"
 [ -x "$deno_env/bin/deno" ] && [ -x "$deno_env/bin/cellgate-tcp-kernel" ] ||
   die "$deno_env has no bin/deno and bin/cellgate-tcp-kernel (./dev setup makes them)"
+[ -x "$ir_env/bin/r-kernel" ] || die "$ir_env has no bin/r-kernel (./dev setup makes it)"
 mkdir -p "$work"
 work="$(cd "$work" && pwd -P)"
 # One build at a time per store: each starts by removing the store's leftover containers.
@@ -285,6 +285,7 @@ install -m 0755 "$scratch/cellgate-$version-linux-$arch/bin/cellgate" "$prebuilt
 install -m 0644 "$scratch/cellgate-$version-linux-$arch/bin/libcellgate_zygote.so" "$prebuilt/out/"
 objcopy --strip-debug --strip-unneeded "$agent" "$prebuilt/out/cellgate-agent" || die "objcopy $agent failed"
 chmod 0755 "$prebuilt/out/cellgate-agent"
+install -m 0755 "$deno_env/bin/cellgate-tcp-kernel" "$prebuilt/out/cellgate-tcp-kernel"
 # Hard links where they can be (the environment is 1.4 GB). ./dev's record of the lock and
 # uv's lock file (mode 0666) stay out.
 cp -al "$venv" "$prebuilt/opt/cellgate/venv" 2>/dev/null ||
@@ -294,7 +295,9 @@ rm -f "$prebuilt/opt/cellgate/venv/.cellgate-stamp" "$prebuilt/opt/cellgate/venv
 # The other languages' environments, as the all-in-one image's `bash-env` and `deno-env`
 # stages leave them (./dev setup built them from the same lock files; the bash venv at
 # /opt/cellgate/venv, as its stage does).
-for pair in "bash-env:opt/cellgate/venv:$bash_env" "deno-env:opt/cellgate/envs/deno:$deno_env"; do
+# The languages' kernel images' `venv` stage: each environment at /opt/cellgate/venv.
+for pair in "bash-env:opt/cellgate/venv:$bash_env" "deno-env:opt/cellgate/envs/deno:$deno_env" \
+  "venv-bash:opt/cellgate/venv:$bash_env" "venv-deno:opt/cellgate/venv:$deno_env" "venv-ir:opt/cellgate/venv:$ir_env"; do
   IFS=: read -r stage at from <<<"$pair"
   mkdir -p "$(dirname "$scratch/$stage/$at")"
   cp -al "$from" "$scratch/$stage/$at" 2>/dev/null ||
@@ -305,14 +308,16 @@ done
 
 BUD=(bud --layers --pull=never --network host --runtime runc --build-arg "BASE_IMAGE=$BASE"
   --label "org.opencontainers.image.version=$version")
-# build IMAGE DOCKERFILE STAGE[=DIR]...: the Dockerfile from the repository root (its own
-# .dockerignore), with each named build stage replaced by DIR, the prebuilt layout by default.
+# build IMAGE DOCKERFILE STAGE[=DIR]... [+ARG=VALUE]...: the Dockerfile from the repository
+# root (its own .dockerignore), with each named build stage replaced by DIR, the prebuilt
+# layout by default, and the build arguments given.
 build() {
   local image=$1 dockerfile=$2 contexts=() s title
   shift 2
   title="${image#localhost/}"
   for s in "$@"; do
     case "$s" in
+      +*) contexts+=(--build-arg "${s#+}") ;;
       *=*) contexts+=(--build-context "$s") ;;
       *) contexts+=(--build-context "$s=$prebuilt") ;;
     esac
@@ -332,13 +337,25 @@ step "build $GATEWAY (deploy/kubernetes/images/gateway.Dockerfile)"
 build "$GATEWAY" deploy/kubernetes/images/gateway.Dockerfile build
 step "build $KERNEL (deploy/kubernetes/images/kernel.Dockerfile)"
 build "$KERNEL" deploy/kubernetes/images/kernel.Dockerfile agent venv
+# The other languages' kernel pods (a policy's [kubernetes] kernel_images).
+LANGS=(bash deno ir)
+for lang in "${LANGS[@]}"; do
+  step "build localhost/cellgate-kernel-$lang:$version (kernel.Dockerfile, KERNEL=$lang)"
+  build "localhost/cellgate-kernel-$lang:$version" deploy/kubernetes/images/kernel.Dockerfile agent \
+    "venv=$scratch/venv-$lang" "+KERNEL=$lang"
+done
 
 # --- 3. the archives -------------------------------------------------------------------------
 
 step "OCI archives in $dist"
 ARCHIVES=("cellgate-$version-oci.tar" "cellgate-gateway-$version-oci.tar" "cellgate-kernel-$version-oci.tar")
+PAIRS=("$ALL_IN_ONE:${ARCHIVES[0]}" "$GATEWAY:${ARCHIVES[1]}" "$KERNEL:${ARCHIVES[2]}")
+for lang in "${LANGS[@]}"; do
+  ARCHIVES+=("cellgate-kernel-$lang-$version-oci.tar")
+  PAIRS+=("localhost/cellgate-kernel-$lang:$version:cellgate-kernel-$lang-$version-oci.tar")
+done
 pids=()
-for pair in "$ALL_IN_ONE:${ARCHIVES[0]}" "$GATEWAY:${ARCHIVES[1]}" "$KERNEL:${ARCHIVES[2]}"; do
+for pair in "${PAIRS[@]}"; do
   image="${pair%:*}" archive="${pair##*:}"
   rm -f "$dist/$archive"
   # Named inside the archive without localhost/: `podman load` and `docker load` give it
@@ -458,6 +475,40 @@ print("agent listening; launcher, display, command, ipykernel", ipykernel.__vers
 note "$out"
 pod rm --force --volumes "$SMOKE" >/dev/null
 SMOKE=""
+
+# The languages' kernel images: the agent listens as in a pod, and the kernel's own program
+# runs from /opt/cellgate/venv (with R's packages, for ir).
+AGENT_LISTENS='
+import os, socket, sys, time
+assert os.getuid() == 1000, os.getuid()
+for _ in range(100):
+    try:
+        socket.create_connection(("127.0.0.1", 7070), 1).close()
+        break
+    except OSError:
+        time.sleep(0.1)
+else:
+    sys.exit("the agent does not listen on 7070")
+print("agent listening")
+'
+declare -A lang_check=(
+  [bash]='/opt/cellgate/venv/bin/python -c "import cellgate_bash_kernel, bash_kernel; print(\"bash_kernel\", bash_kernel.__version__)"'
+  [deno]='/opt/cellgate/venv/bin/deno --version | head -n1'
+  [ir]='/usr/bin/Rscript -e "suppressMessages({library(IRkernel); library(ggplot2); library(dplyr)}); cat(R.version.string, fill = TRUE)"'
+)
+for lang in "${LANGS[@]}"; do
+  image="localhost/cellgate-kernel-$lang:$version"
+  step "smoke test: $image runs its agent and its kernel's program"
+  SMOKE="$(pod run -d --network none "${LIMITS[@]}" \
+    -v "$scratch/key:/var/run/secrets/cellgate/key:ro" "$image")" || die "podman run $image failed"
+  out="$(pod exec "$SMOKE" /usr/bin/python3.11 -c "$AGENT_LISTENS" 2>&1)" ||
+    { pod logs "$SMOKE" >&2; die "$image: $out"; }
+  out="$(pod exec "$SMOKE" /bin/sh -c "${lang_check[$lang]}" 2>&1)" ||
+    { pod logs "$SMOKE" >&2; die "$image: ${lang_check[$lang]}: $out"; }
+  note "$lang: agent listening; $(echo "$out" | tail -n1)"
+  pod rm --force --volumes "$SMOKE" >/dev/null
+  SMOKE=""
+done
 step_done
 
 log "images done in $((SECONDS - START)) s:"

@@ -230,6 +230,12 @@ impl From<KernelError> for ApiError {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
                     .code(ErrorCode::KernelDead)
             }
+            // Not the gateway's failure nor a passing one: this kernelspec needs another
+            // policy (or an image the operator adds).
+            E::Sandbox(sandbox) if sandbox.unsupported_kernel().is_some() => ApiError::bad_request(
+                sandbox.unsupported_kernel().unwrap_or_default(),
+            )
+            .code(ErrorCode::KernelUnsupported),
             E::Sandbox(sandbox) if sandbox.start_failure().is_some() => {
                 tracing::warn!(error = %err, "kernel start failed");
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())

@@ -72,6 +72,7 @@ error_codes! {
     KernelDead = "kernel_dead",
     KernelBusy = "kernel_busy",
     SandboxStartFailed = "sandbox_start_failed",
+    KernelUnsupported = "kernel_unsupported",
     PodPending = "pod_pending",
     PodFailed = "pod_failed",
     // Gateway replicas.

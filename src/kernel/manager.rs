@@ -178,7 +178,19 @@ fn check_pool_runs(
         return Ok(());
     }
     let held = backends.image_environments(backend);
+    // Kubernetes: the kernelspecs the default policy names an image of their own for.
+    let own_images = options
+        .policies
+        .default_policy()
+        .kubernetes
+        .as_ref()
+        .filter(|_| backend == crate::sandbox::Backend::Kubernetes)
+        .map(|pods| pods.kernel_images.clone())
+        .unwrap_or_default();
     for name in pooled_specs(specs, options) {
+        if own_images.contains_key(&name) {
+            continue;
+        }
         let Some(spec) = specs.get(&name) else {
             continue;
         };

@@ -73,6 +73,8 @@ struct PolicyFile {
 #[serde(deny_unknown_fields)]
 struct KubernetesSection {
     image: String,
+    #[serde(default)]
+    kernel_images: BTreeMap<String, String>,
     namespace: Option<String>,
     runtime_class: Option<String>,
     service_account: Option<String>,
@@ -311,8 +313,20 @@ fn pod_settings(
             "below 5s no pod starts".to_owned(),
         ));
     }
+    for (kernelspec, image) in &section.kernel_images {
+        if kernelspec.is_empty() || image.trim().is_empty() {
+            return Err((
+                "kubernetes.kernel_images",
+                format!("{kernelspec:?} = {image:?}: a kernelspec's name and an image reference"),
+            ));
+        }
+    }
+    if section.image.trim().is_empty() {
+        return Err(("kubernetes.image", "an image reference".to_owned()));
+    }
     Ok(crate::sandbox::PodSettings {
         image: section.image,
+        kernel_images: section.kernel_images,
         namespace: section.namespace,
         runtime_class: section.runtime_class,
         service_account: section.service_account,
@@ -612,6 +626,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("imagePullPolicy"), "{err}");
+        let pods = parse("[sandbox]\nbackend = \"kubernetes\"\n[kubernetes]\nimage = \"r/k:1\"\nkernel_images = { deno = \"r/k-deno:1\" }\n").unwrap();
+        let settings = pods.kubernetes.unwrap();
+        assert_eq!(
+            settings.kernel_images.get("deno").map(String::as_str),
+            Some("r/k-deno:1")
+        );
+        let err = parse("[sandbox]\nbackend = \"kubernetes\"\n[kubernetes]\nimage = \"x\"\nkernel_images = { deno = \" \" }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("kubernetes.kernel_images"), "{err}");
         // The zygote is the namespaces backend's: on unless a policy says otherwise.
         assert!(parse("").unwrap().zygote);
         assert!(!parse("[sandbox]\nzygote = false\n").unwrap().zygote);

@@ -680,6 +680,19 @@ impl SandboxError {
     /// The error code of a start that failed for what the cluster said (clients get the
     /// reason: a pod that did not schedule or pull, or that failed while it started), as
     /// opposed to an internal error.
+    /// The sandbox's image cannot run the kernel asked for (its message says which and
+    /// how to get one that can): the client's choice, told as it is.
+    pub fn unsupported_kernel(&self) -> Option<String> {
+        match self {
+            SandboxError::Microvm(MicrovmError::Unsupported(e)) => Some(e.to_string()),
+            SandboxError::Kubernetes(error) => match &**error {
+                KubernetesError::Unsupported(e) => Some(e.to_string()),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     pub fn start_failure(&self) -> Option<&'static str> {
         match self {
             SandboxError::Kubernetes(error) => match **error {

@@ -367,6 +367,86 @@ async fn a_pod_that_cannot_start_fails_with_kubernetes_reason_and_is_deleted() -
     Ok(())
 }
 
+/// Another language's kernel runs in the image its policy names for it (`[kubernetes]
+/// kernel_images`, issue 30): a Deno kernel in a pod of the Deno image, whose environment is
+/// at the fixed path as python3's is in the default image. A policy that names no image for
+/// it refuses the kernelspec, saying how to give it one.
+#[tokio::test]
+async fn another_languages_kernel_runs_in_the_image_its_policy_names() -> Result<()> {
+    const DENO_IMAGE: &str = "registry.test/cellgate-kernel-deno:dev";
+    let deno_image = Image::new()
+        .bind("/opt/cellgate/venv", kernels_dir().join("deno/.venv"))
+        .bind("/opt/cellgate/bin/cellgate-agent", agent_binary());
+    let api = KubeApi::start(
+        Options::default()
+            .namespace(NAMESPACE)
+            .image(IMAGE, kernel_image())
+            .image(DENO_IMAGE, deno_image),
+    )
+    .await;
+    api.add_user(
+        GATEWAY_TOKEN,
+        &format!("system:serviceaccount:{NAMESPACE}:cellgate"),
+        gateway_role(),
+    );
+    let dir = tempfile::tempdir()?;
+    let (policies, config) = setup(dir.path(), 9)?;
+    std::fs::write(
+        policies.join("languages.toml"),
+        format!(
+            "[sandbox]\nbackend = \"kubernetes\"\n[kubernetes]\nimage = \"{IMAGE}\"\n\
+             kernel_images = {{ deno = \"{DENO_IMAGE}\" }}\npending_timeout = \"60s\"\n"
+        ),
+    )?;
+    let gateway = gateway(&api, &policies, &config, None, &[]).await?;
+    let v1 = V1Client::new(&gateway);
+
+    let (status, body) = v1
+        .post(
+            "/v1/sessions",
+            json!({"kernel_name": "deno", "policy": "tight"}),
+        )
+        .await?;
+    assert_eq!(
+        (status, &body["code"]),
+        (400, &json!("kernel_unsupported")),
+        "{body}"
+    );
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("cannot run in a kubernetes sandbox") && message.contains("kernel_images"),
+        "{body}"
+    );
+
+    let id = v1
+        .create_session(json!({"kernel_name": "deno", "policy": "languages"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let pod = pod_of(&api, &id).await?;
+    assert_eq!(pod["spec"]["containers"][0]["image"], DENO_IMAGE, "{pod}");
+    let r = v1
+        .execute(&id, "const x: number = 6 * 7;\nx")
+        .await
+        .with_context(|| gateway.log())?;
+    assert_eq!(
+        (&r["status"], &r["result"]),
+        (&json!("ok"), &json!("42")),
+        "{r}"
+    );
+    // The same policy's Python kernel still runs in the default image.
+    let py = v1
+        .create_session(json!({"policy": "languages"}))
+        .await
+        .with_context(|| gateway.log())?;
+    assert_eq!(
+        pod_of(&api, &py).await?["spec"]["containers"][0]["image"],
+        IMAGE
+    );
+    let r = v1.execute(&py, "6 * 7").await?;
+    assert_eq!(r["result"], "42", "{r}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn an_evicted_pod_is_a_lost_sandbox_with_the_reason() -> Result<()> {
     let api = cluster().await;

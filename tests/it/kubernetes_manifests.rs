@@ -1159,7 +1159,14 @@ fn kernel_pod(policy: &cellgate::policy::Policy) -> Result<Pod> {
         tenant: Some("acme".to_owned()),
     };
     let name = objects::pod_name(&owner.kernel_id, "a1b2c");
-    Ok(objects::pod(&name, "cellgate", &owner, settings, &limits))
+    Ok(objects::pod(
+        &name,
+        "cellgate",
+        &owner,
+        settings,
+        &settings.image,
+        &limits,
+    ))
 }
 
 /// What Pod Security Admission's "restricted" profile (with "baseline" under it) refuses in

@@ -376,6 +376,9 @@ async fn release_images_build_and_serve() -> Result<()> {
         "bash: echo $((6 * 7)) -> stdout=42",
         "exit 0",
         "agent listening",
+        "bash: agent listening; bash_kernel",
+        "deno: agent listening; deno 2.",
+        "ir: agent listening; R version",
     ] {
         ensure!(log.contains(line), "no {line:?} in the log:\n{log}");
     }
@@ -398,6 +401,21 @@ async fn release_images_build_and_serve() -> Result<()> {
         ),
         (
             "cellgate-kernel",
+            vec!["/opt/cellgate/bin/cellgate-agent"],
+            Some("1000:1000"),
+        ),
+        (
+            "cellgate-kernel-bash",
+            vec!["/opt/cellgate/bin/cellgate-agent"],
+            Some("1000:1000"),
+        ),
+        (
+            "cellgate-kernel-deno",
+            vec!["/opt/cellgate/bin/cellgate-agent"],
+            Some("1000:1000"),
+        ),
+        (
+            "cellgate-kernel-ir",
             vec!["/opt/cellgate/bin/cellgate-agent"],
             Some("1000:1000"),
         ),

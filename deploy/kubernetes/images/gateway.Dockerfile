@@ -62,8 +62,21 @@ COPY kernels/python3/kernel.json kernels/python3/logo-32x32.png kernels/python3/
 # exists before any backend runs it. The kernel's real environment is in the kernel image
 # (/opt/cellgate/venv there); here an empty venv of the same interpreter, at the same path,
 # stands for it (~0 MB: python3.11 is installed above anyway).
+# The other languages' kernelspecs (their pods run the images a policy's [kubernetes]
+# kernel_images names): placeholders of the same kind, an empty venv for bash, a marked
+# directory for Deno and R (src/sandbox/relocate.rs, ENVIRONMENT_MARKER).
+COPY kernels/bash/kernel.json /usr/local/share/cellgate/kernels/bash/
+COPY kernels/deno/kernel.json /usr/local/share/cellgate/kernels/deno/
+COPY kernels/ir/kernel.json /usr/local/share/cellgate/kernels/ir/
 RUN python3.11 -m venv --without-pip /opt/cellgate/venv \
  && ln -s /opt/cellgate/venv /usr/local/share/cellgate/kernels/python3/.venv \
+ && python3.11 -m venv --without-pip /opt/cellgate/envs/bash \
+ && ln -s /opt/cellgate/envs/bash /usr/local/share/cellgate/kernels/bash/.venv \
+ && for kernel in deno ir; do \
+      mkdir -p "/opt/cellgate/envs/$kernel" \
+   && echo "placeholder: the kernel's environment is in its pod's image" > "/opt/cellgate/envs/$kernel/cellgate-environment" \
+   && ln -s "/opt/cellgate/envs/$kernel" "/usr/local/share/cellgate/kernels/$kernel/.venv"; \
+    done \
  && mkdir -p /etc/cellgate/config /etc/cellgate/policies /var/lib/cellgate /var/cache/cellgate
 # Settings and policies come from ConfigMaps mounted at /etc/cellgate/{config,policies};
 # /var/lib/cellgate, /var/cache/cellgate and /tmp are emptyDir volumes (read-only root).

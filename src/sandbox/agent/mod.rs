@@ -38,6 +38,13 @@ pub use session::{Agent, Duplex};
 #[error("{0}")]
 pub struct AgentError(pub String);
 
+/// A kernel the sandbox's image cannot run (another language's kernelspec where the image
+/// holds no environment for it): the client's choice of kernel and policy, not a failure,
+/// and safe to tell it (the sentence names kernelspecs and settings, no host path).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UnsupportedKernel(pub String);
+
 /// The host's side of the TCP proof (`cellgate_agent::protocol`'s module doc): sends its
 /// nonce, checks the guest's proof of `key`, answers with its own. Within `deadline`; the
 /// stream, with whatever the guest sent after its proof, is returned for [`Agent::connect`].
@@ -129,7 +136,7 @@ pub fn check_image_runs(
     spec: &LaunchSpec,
     backend: &str,
     held: &[String],
-) -> Result<Option<String>, AgentError> {
+) -> Result<Option<String>, UnsupportedKernel> {
     // A plain program (a probe, a tool, a test's command) is no kernel: the image's own
     // files are what it runs, and a kernelspec's environment when it is in one the image
     // holds (its path maps to the fixed path, where nothing else is).
@@ -140,20 +147,23 @@ pub fn check_image_runs(
         if runs_in_image(&spec.argv, held) {
             return Ok(None);
         }
-        return Err(AgentError(format!(
+        return Err(UnsupportedKernel(format!(
             "this kernel cannot run in a {backend} sandbox: its image holds the python3 \
              kernel's environment only (run other kernelspecs under a namespaces or gvisor \
              policy{})",
-            if backend == "microvm" {
-                ", or rebuild the guest with ./dev setup: its images hold every kernelspec's"
-            } else {
-                ""
+            match backend {
+                "microvm" =>
+                    ", or rebuild the guest with ./dev setup: its images hold every kernelspec's",
+                "kubernetes" =>
+                    ", or name an image holding its environment in the policy's [kubernetes] \
+                     kernel_images: kernel.Dockerfile --build-arg KERNEL=<name> builds one",
+                _ => "",
             }
         )));
     }
     match environment_name(&spec.argv) {
         Some(name) if held.contains(&name) => Ok(Some(name)),
-        name => Err(AgentError(format!(
+        name => Err(UnsupportedKernel(format!(
             "this kernel cannot run in a {backend} sandbox: its image holds no environment \
              for {} (it holds {}; rebuild the guest with ./dev setup)",
             name.map_or_else(
@@ -322,7 +332,7 @@ mod tests {
         kernelspec: &str,
         argv: &[&str],
         kind: Env,
-    ) -> Result<Option<String>, AgentError> {
+    ) -> Result<Option<String>, UnsupportedKernel> {
         let dir = tempfile::tempdir().unwrap();
         let held: Vec<String> = held.iter().map(|h| h.to_string()).collect();
         check_image_runs(&spec(dir.path(), kernelspec, argv, kind), "microvm", &held)

@@ -73,6 +73,11 @@ pub struct PodSettings {
     /// The kernel image: the kernel's Python environment at `/opt/cellgate/venv` and the
     /// agent at `/opt/cellgate/bin/cellgate-agent` (deploy/kubernetes/images).
     pub image: String,
+    /// The images of other kernelspecs, by name: each holds that kernel's environment at
+    /// `/opt/cellgate/venv` (kernel.Dockerfile `--build-arg KERNEL=NAME`). A pod's agent runs
+    /// unprivileged and cannot bind an environment there itself, as a VM's does: one
+    /// image per language instead.
+    pub kernel_images: BTreeMap<String, String>,
     /// `None`: the namespace of the gateway's own configuration (in a cluster, its own).
     pub namespace: Option<String>,
     /// The RuntimeClass that isolates the pod (`gvisor`, `kata`); `None`: the cluster's
@@ -91,6 +96,7 @@ impl Default for PodSettings {
     fn default() -> PodSettings {
         PodSettings {
             image: String::new(),
+            kernel_images: BTreeMap::new(),
             namespace: None,
             runtime_class: None,
             service_account: None,
@@ -129,6 +135,8 @@ pub enum KubernetesError {
     Ended(String),
     #[error("the kernel pod's agent: {0}")]
     Agent(#[from] AgentError),
+    #[error(transparent)]
+    Unsupported(#[from] agent::UnsupportedKernel),
 }
 
 fn api_error(action: impl Into<String>) -> impl FnOnce(kube::Error) -> KubernetesError {
@@ -288,11 +296,19 @@ impl KubernetesSandbox {
             rand::random::<u128>(),
             rand::random::<u128>()
         );
-        // The kernel pod's image holds the python3 venv alone (deploy/kubernetes/images).
-        agent::check_image_runs(spec, "kubernetes", &[])?;
+        // The default kernel image holds the python3 venv alone (deploy/kubernetes/images);
+        // another kernelspec runs in the image the policy names for it, whose environment is
+        // at the same fixed path.
+        let image = match settings.kernel_images.get(&launch.kernelspec) {
+            Some(image) => image,
+            None => {
+                agent::check_image_runs(spec, "kubernetes", &[])?;
+                &settings.image
+            }
+        };
         let map = agent::relocation(spec);
         let connection = agent::guest_connection(spec, &map)?;
-        let pod = objects::pod(&name, namespace, &owner, settings, &spec.limits);
+        let pod = objects::pod(&name, namespace, &owner, settings, image, &spec.limits);
         let created = pods
             .create(&PostParams::default(), &pod)
             .await

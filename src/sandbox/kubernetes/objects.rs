@@ -136,9 +136,10 @@ pub fn pod(
     namespace: &str,
     owner: &PodOwner,
     settings: &PodSettings,
+    image: &str,
     limits: &Limits,
 ) -> Pod {
-    let container = container(settings, resources(limits));
+    let container = container(settings, image, resources(limits));
     Pod {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
@@ -178,10 +179,14 @@ fn resources(limits: &Limits) -> BTreeMap<String, Quantity> {
 
 /// The one container: the agent with the kernel's key, non-root, no capabilities, a
 /// read-only root, writable only where its volumes are mounted.
-fn container(settings: &PodSettings, resources: BTreeMap<String, Quantity>) -> Container {
+fn container(
+    settings: &PodSettings,
+    image: &str,
+    resources: BTreeMap<String, Quantity>,
+) -> Container {
     Container {
         name: "kernel".to_owned(),
-        image: Some(settings.image.clone()),
+        image: Some(image.to_owned()),
         image_pull_policy: Some(settings.image_pull_policy.clone()),
         command: Some(vec![
             AGENT_PATH.to_owned(),
@@ -458,7 +463,15 @@ mod tests {
         };
         let name = pod_name(&owner().kernel_id, "ab12c");
         assert!(name.len() <= 63, "{name}");
-        let pod = pod(&name, "kernels", &owner(), &settings(), &limits);
+        let settings = settings();
+        let pod = pod(
+            &name,
+            "kernels",
+            &owner(),
+            &settings,
+            &settings.image,
+            &limits,
+        );
         let json = serde_json::to_value(&pod).unwrap();
         let spec = &json["spec"];
         assert_eq!(spec["automountServiceAccountToken"], false);
@@ -499,7 +512,14 @@ mod tests {
 
     #[test]
     fn the_secret_is_owned_by_its_pod() {
-        let mut pod = pod("p", "ns", &owner(), &settings(), &Limits::default());
+        let mut pod = pod(
+            "p",
+            "ns",
+            &owner(),
+            &settings(),
+            "r/k:1",
+            &Limits::default(),
+        );
         pod.metadata.uid = Some("uid-1".to_owned());
         let connection = serde_json::json!({"key": "jupyter-key"});
         let secret = secret(&pod, "k".repeat(64).as_str(), Some(&connection));

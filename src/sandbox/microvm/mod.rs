@@ -127,6 +127,8 @@ pub enum MicrovmError {
     Start(String),
     #[error("guest agent: {0}")]
     Agent(String),
+    #[error(transparent)]
+    Unsupported(#[from] agent::UnsupportedKernel),
     #[error("confining the VMM: {0}")]
     Confine(#[from] confine::ConfineError),
     #[error("{what}: {source}")]
