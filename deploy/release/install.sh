@@ -85,7 +85,7 @@ SHOWN_AT=/opt/cellgate/venv
 declare -A kernel_files=(
   [python3]="cellgate_kernel_launcher.py cellgate_display.py cellgate_command.py"
   [python3-lean]="cellgate_kernel_launcher.py cellgate_command.py"
-  [bash]="cellgate_bash_kernel.py"
+  [bash]="cellgate_bash_kernel.py cellgate_command.py"
 )
 
 # purelib VENV: its site-packages directory.

@@ -59,6 +59,17 @@ pub struct KernelSpec {
 }
 
 impl KernelSpec {
+    /// Whether the kernel runs API v1's commands though its language is not Python
+    /// (`metadata.cellgate.commands`: its process runs the runner line itself, as the bash
+    /// kernel's does).
+    pub fn takes_commands(&self) -> bool {
+        self.metadata
+            .get("cellgate")
+            .and_then(|c| c.get("commands"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    }
+
     fn load(name: &str, dir: &Path) -> Result<KernelSpec, KernelError> {
         let path = dir.join("kernel.json");
         let text = std::fs::read_to_string(&path).map_err(|source| KernelError::SpecRead {

@@ -11,8 +11,10 @@
 //! What follows from that, and is documented for clients: a command waits for a running
 //! cell (and a cell for a running command: they share the session's turn), it is not part of
 //! the notebook history (export and replay show cells only), its events go to its caller
-//! only (not to the session's WebSocket subscribers), and only kernels whose language has a
-//! runner can take commands (Python today).
+//! only (not to the session's WebSocket subscribers), and only kernels that can run the
+//! runner line take commands: Python's, and those whose kernelspec says it
+//! (`metadata.cellgate.commands`: the bash kernel, whose process is Python and runs that one
+//! line itself, kernels/bash/cellgate_bash_kernel.py).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -141,6 +143,7 @@ impl Session {
     /// Whether this session's kernel can run commands.
     pub fn runs_commands(&self) -> bool {
         self.kernel.spec.language.eq_ignore_ascii_case("python")
+            || self.kernel.spec.takes_commands()
     }
 
     /// Runs `request` in the session's sandbox: its events, ending with

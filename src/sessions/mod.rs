@@ -146,7 +146,7 @@ pub enum SessionError {
     },
     #[error("no input is awaited")]
     NoInputAwaited,
-    #[error("this session's kernel ({language}) cannot run commands: only Python kernels can")]
+    #[error("this session's kernel ({language}) cannot run commands: only Python and bash kernels can (run them in a python3 or bash session)")]
     CommandsUnsupported { language: String },
 }
 

@@ -322,6 +322,61 @@ async fn bash_kernel_runs_commands_with_exit_statuses() -> Result<()> {
     export_and_replay(&v1, &fresh, "bash", "bash").await
 }
 
+/// API v1's commands in other languages' sessions: the bash kernel runs them (its process
+/// is Python and takes the runner line itself), with exit codes, both streams and the
+/// timeout, and leaves its shell's state alone; a kernel with no runner (Deno) refuses them
+/// with `commands_unsupported`, saying which language.
+#[tokio::test]
+async fn a_bash_session_takes_commands_and_a_deno_one_says_it_cannot() -> Result<()> {
+    let (gateway, _policies) = start_gateway().await?;
+    let v1 = V1Client::new(&gateway);
+    let session = v1.create_session(json!({"kernel_name": "bash"})).await?;
+    run_ok(&v1, &session, "KEPT=41").await?;
+
+    let command = |body: Value| {
+        let v1 = &v1;
+        let session = &session;
+        async move {
+            v1.post(&format!("/v1/sessions/{session}/commands"), body)
+                .await
+        }
+    };
+    let (status, r) = command(json!({"cmd": "echo out; echo err >&2; pwd; exit 4"})).await?;
+    ensure!(status == 200, "{status} {r}");
+    ensure!(
+        (
+            r["status"].as_str(),
+            r["exit_code"].as_i64(),
+            r["stdout"].as_str(),
+            r["stderr"].as_str()
+        ) == (
+            Some("error"),
+            Some(4),
+            Some("out\n/home/user\n"),
+            Some("err\n")
+        ),
+        "{r}"
+    );
+    let (status, r) = command(json!({"cmd": "sleep 300", "timeout_s": 1})).await?;
+    ensure!(status == 200 && r["status"] == "timeout", "{status} {r}");
+    // The kernel's own shell is untouched, and a cell after the commands is a cell.
+    let r = run_ok(&v1, &session, "echo $((KEPT + 1))").await?;
+    ensure!(r["stdout"] == "42\n", "{r}");
+
+    let deno = v1.create_session(json!({"kernel_name": "deno"})).await?;
+    let (status, r) = v1
+        .post(
+            &format!("/v1/sessions/{deno}/commands"),
+            json!({"cmd": "echo hi"}),
+        )
+        .await?;
+    ensure!(
+        status == 409 && r["code"] == "commands_unsupported",
+        "{status} {r}"
+    );
+    Ok(())
+}
+
 /// Every kernel also starts and computes in gVisor, whatever backend the suite's other tests
 /// use (the full suite runs in namespaces sandboxes; this is its gVisor pass for them).
 #[tokio::test]

@@ -74,7 +74,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN case "$KERNEL" in \
       python3) modules="/tmp/python3/cellgate_kernel_launcher.py /tmp/python3/cellgate_display.py /tmp/python3/cellgate_command.py" ;; \
       python3-lean) modules="/tmp/python3/cellgate_kernel_launcher.py /tmp/python3/cellgate_command.py" ;; \
-      bash) modules="/tmp/kernel/cellgate_bash_kernel.py" ;; \
+      bash) modules="/tmp/kernel/cellgate_bash_kernel.py /tmp/python3/cellgate_command.py" ;; \
     esac \
  && if [ -f /tmp/kernel/requirements.txt ]; then \
       /usr/bin/python3.11 -m venv /opt/cellgate/venv \
