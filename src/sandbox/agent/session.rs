@@ -166,6 +166,43 @@ impl Agent {
         self.session.abort();
     }
 
+    /// Proves `key` (the running kernel's) to an agent whose kernel was started by an
+    /// earlier session, and checks the agent's own proof: a guest that cannot prove the key
+    /// is not this kernel's (see `cellgate_agent::protocol`'s module doc).
+    pub async fn attach(&self, key: &[u8]) -> Result<(), AgentError> {
+        let ours = format!("{:032x}", rand::random::<u128>());
+        let (theirs, proof) = match self
+            .request(Op::Challenge {
+                nonce: ours.clone(),
+            })
+            .await?
+        {
+            Reply::Challenge { nonce, proof } => (nonce, proof),
+            other => return Err(AgentError(format!("unexpected reply {other:?}"))),
+        };
+        if !protocol::check_attach_guest_mac(key, &ours, &theirs, &proof) {
+            return Err(AgentError(
+                "the guest did not prove the kernel's key: it is not this kernel's VM".into(),
+            ));
+        }
+        let proof = protocol::attach_host_mac(key, &ours, &theirs);
+        match self.request(Op::Attach { proof }).await? {
+            Reply::Done => Ok(()),
+            other => Err(AgentError(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// Ends the session, not the kernel: once the agent answered, the link is closed, and
+    /// the agent waits for the next host, which must [`Agent::attach`].
+    pub async fn detach(&self) -> Result<(), AgentError> {
+        let answered = self.request(Op::Detach).await;
+        self.close();
+        match answered? {
+            Reply::Done => Ok(()),
+            other => Err(AgentError(format!("unexpected reply {other:?}"))),
+        }
+    }
+
     /// Sends `op` and waits for its reply.
     pub async fn request(&self, op: Op) -> Result<Reply, AgentError> {
         self.request_within(op, REPLY_TIMEOUT).await
