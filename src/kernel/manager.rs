@@ -874,9 +874,24 @@ impl KernelManager {
         let Ok(policy) = self.options.policies.get(policy) else {
             return false;
         };
-        self.backends
+        self.backends.get(policy.backend).is_ok_and(|sandbox| {
+            sandbox
+                .survivor(id.as_str())
+                .is_some_and(|survivor| !survivor.hibernated)
+        })
+    }
+
+    /// Whether `id`'s kernel (of `policy`) is hibernated on disk from a gateway before this
+    /// one: its session is listed `hibernated`, and its next request restores it.
+    /// Its state generation when it is.
+    pub fn hibernated_generation(&self, id: &crate::ids::KernelId, policy: &str) -> Option<u64> {
+        let policy = self.options.policies.get(policy).ok()?;
+        let survivor = self
+            .backends
             .get(policy.backend)
-            .is_ok_and(|sandbox| sandbox.survivor(id.as_str()).is_some())
+            .ok()?
+            .survivor(id.as_str())?;
+        survivor.hibernated.then_some(survivor.generation)
     }
 
     /// Takes back the kernel of a session whose sandbox outlived the gateway before this one
@@ -933,13 +948,16 @@ impl KernelManager {
                 &policy,
                 BTreeMap::new(),
                 tenant.clone(),
-                Some((record, survivor.key)),
+                Some((record, survivor.key.clone())),
                 Some((id, survivor.generation.saturating_sub(1))),
                 Some(age),
             )
             .await?;
         if let Some(tenant) = &tenant {
             kernel.set_owner(tenant);
+        }
+        if survivor.hibernated {
+            kernel.mark_restored();
         }
         self.kernels
             .write()
@@ -952,6 +970,12 @@ impl KernelManager {
     /// gateway on this state directory (this one is stopping); how many.
     pub fn detach_survivors(&self) -> usize {
         self.detach_where(|k| k.outlives_gateway())
+    }
+
+    /// Lets every hibernated kernel a stored session holds go, its saved sandbox kept on
+    /// disk for the next gateway on this state directory (this one is stopping); how many.
+    pub fn detach_hibernated(&self) -> usize {
+        self.detach_where(|k| k.is_hibernated() && k.outlives_gateway())
     }
 
     /// Removes the kernels `which` picks and detaches them (their sandboxes run on); how many.
@@ -1084,6 +1108,31 @@ impl KernelManager {
         for (kernel, reason) in doomed {
             tracing::info!(kernel_id = %kernel.id, connections = kernel.connections(), reason, "culling kernel");
             let _ = self.shutdown(kernel.id.as_str()).await;
+        }
+        self.hibernate_idle(now);
+    }
+
+    /// Saves to disk, in the background, the ready kernels idle past their policy's
+    /// `hibernate_after` with no cell running (a connected client does not keep a kernel
+    /// awake: its next message restores it).
+    fn hibernate_idle(&self, now: OffsetDateTime) {
+        for kernel in self.list() {
+            let Some(after) = kernel.policy_hibernate_after() else {
+                continue;
+            };
+            let idle = kernel.readiness() == Readiness::Ready
+                && kernel.router().activity().execution_state == super::ExecutionState::Idle
+                && kernel.router().running().is_none()
+                && now - kernel.last_activity() > after;
+            if !idle {
+                continue;
+            }
+            tracing::info!(kernel_id = %kernel.id, "hibernating an idle kernel");
+            tokio::spawn(async move {
+                if let Err(err) = kernel.hibernate().await {
+                    tracing::warn!(kernel_id = %kernel.id, %err, "the kernel was not hibernated");
+                }
+            });
         }
     }
 }

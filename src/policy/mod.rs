@@ -110,6 +110,8 @@ struct LimitsSection {
     #[serde(default, with = "units::serde_duration")]
     idle_timeout: Option<Duration>,
     #[serde(default, with = "units::serde_duration")]
+    hibernate_after: Option<Duration>,
+    #[serde(default, with = "units::serde_duration")]
     lifetime: Option<Duration>,
     #[serde(default, with = "units::serde_size")]
     memory: Option<u64>,
@@ -139,6 +141,10 @@ pub struct PolicyLimits {
     pub interrupt_grace: Duration,
     /// A kernel with no activity this long is shut down.
     pub idle_timeout: Duration,
+    /// A kernel with no activity this long (and no client connected) is saved to disk and
+    /// its memory freed, to be restored at the next request (microvm only; shorter than
+    /// `idle_timeout`, which goes on counting while it is hibernated). `None`: never.
+    pub hibernate_after: Option<Duration>,
     /// A kernel is shut down this long after it started, whatever it does.
     pub lifetime: Duration,
     pub memory_bytes: u64,
@@ -167,6 +173,7 @@ impl Default for PolicyLimits {
             execution_timeout: Duration::from_secs(300),
             interrupt_grace: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(30 * 60),
+            hibernate_after: None,
             lifetime: Duration::from_secs(12 * 3600),
             memory_bytes: 1 << 30,
             cpu_millis: 1000,
@@ -209,10 +216,13 @@ impl Policy {
     /// The policy's settings for its sandbox backend, as the kernel core passes them on
     /// without looking inside.
     pub fn backend_settings(&self) -> crate::sandbox::BackendSettings {
-        self.kubernetes
+        let mut settings = self
+            .kubernetes
             .clone()
             .map(crate::sandbox::BackendSettings::kubernetes)
-            .unwrap_or_default()
+            .unwrap_or_default();
+        settings.hibernate = self.limits.hibernate_after.is_some();
+        settings
     }
 }
 
@@ -337,6 +347,7 @@ impl Policy {
             execution_timeout: l.execution_timeout.unwrap_or(d.execution_timeout),
             interrupt_grace: l.interrupt_grace.unwrap_or(d.interrupt_grace),
             idle_timeout: l.idle_timeout.unwrap_or(d.idle_timeout),
+            hibernate_after: l.hibernate_after,
             lifetime: l.lifetime.unwrap_or(d.lifetime),
             memory_bytes: l.memory.unwrap_or(d.memory_bytes),
             cpu_millis: match l.cpus {
@@ -404,6 +415,28 @@ impl Policy {
                 "sandbox.zygote",
                 "only the namespaces backend forks kernels from a zygote",
             ));
+        }
+        if let Some(after) = limits.hibernate_after {
+            if backend != Backend::Microvm {
+                return Err(invalid(
+                    path,
+                    "limits.hibernate_after",
+                    "only the microvm backend can hibernate a kernel so far (namespaces, \
+                     gvisor and kubernetes kernels cannot be saved to disk: their idle kernels \
+                     are culled at idle_timeout)",
+                ));
+            }
+            if after.is_zero() || after >= limits.idle_timeout {
+                return Err(invalid(
+                    path,
+                    "limits.hibernate_after",
+                    format!(
+                        "must be longer than zero and shorter than idle_timeout ({} s), which \
+                         ends a hibernated kernel too",
+                        limits.idle_timeout.as_secs()
+                    ),
+                ));
+            }
         }
         if file.sandbox.allow_emulation && backend != Backend::Microvm {
             return Err(invalid(
