@@ -666,6 +666,33 @@ mod tests {
     }
 
     #[test]
+    fn only_microvm_policies_hibernate_and_before_their_idle_timeout() {
+        let vm = "[sandbox]\nbackend = \"microvm\"\n[limits]\n";
+        let p = parse(&format!("{vm}hibernate_after = \"5m\"\n")).unwrap();
+        assert_eq!(p.limits.hibernate_after, Some(Duration::from_secs(300)));
+        assert!(p.backend_settings().hibernate);
+        assert_eq!(parse(vm).unwrap().limits.hibernate_after, None);
+        assert!(!parse(vm).unwrap().backend_settings().hibernate);
+        for backend in ["namespaces", "gvisor"] {
+            let err = parse(&format!(
+                "[sandbox]\nbackend = \"{backend}\"\n[limits]\nhibernate_after = \"5m\"\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("limits.hibernate_after"), "{err}");
+            assert!(err.contains("only the microvm backend"), "{err}");
+        }
+        for late in [
+            "hibernate_after = \"30m\"\n",
+            "hibernate_after = \"1h\"\nidle_timeout = \"10m\"\n",
+            "hibernate_after = \"0s\"\n",
+        ] {
+            let err = parse(&format!("{vm}{late}")).unwrap_err().to_string();
+            assert!(err.contains("shorter than idle_timeout"), "{late}: {err}");
+        }
+    }
+
+    #[test]
     fn the_shipped_policies_load() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies");
         let policies = Policies::load(&dir).unwrap();

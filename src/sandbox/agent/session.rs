@@ -47,6 +47,8 @@ pub struct Agent {
     closed: watch::Receiver<Option<String>>,
     /// The task that owns the session and its transport: aborting it closes the link.
     session: tokio::task::AbortHandle,
+    /// The host detached: the link's end is expected, not the guest breaking the protocol.
+    detaching: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How long the handshake waits for an answer before it says `HELLO` again. A VM restored
@@ -145,10 +147,12 @@ impl Agent {
         let (reader, writer) = tokio::io::split(control);
         let pending: Pending = Arc::default();
         let (exit_tx, exit) = watch::channel(None);
+        let detaching = Arc::new(std::sync::atomic::AtomicBool::new(false));
         tokio::spawn(read_control(
             BufReader::new(reader),
             pending.clone(),
             exit_tx,
+            detaching.clone(),
         ));
         Ok(Agent {
             streams: Mutex::new(streams),
@@ -158,6 +162,7 @@ impl Agent {
             exit,
             closed,
             session,
+            detaching,
         })
     }
 
@@ -195,6 +200,7 @@ impl Agent {
     /// Ends the session, not the kernel: once the agent answered, the link is closed, and
     /// the agent waits for the next host, which must [`Agent::attach`].
     pub async fn detach(&self) -> Result<(), AgentError> {
+        self.detaching.store(true, Ordering::SeqCst);
         let answered = self.request(Op::Detach).await;
         self.close();
         match answered? {
@@ -324,6 +330,7 @@ async fn read_control(
     mut reader: BufReader<tokio::io::ReadHalf<tokio_yamux::StreamHandle>>,
     pending: Pending,
     exit: watch::Sender<Option<Exit>>,
+    detaching: Arc<std::sync::atomic::AtomicBool>,
 ) {
     loop {
         match read_json::<GuestMessage, _>(&mut reader).await {
@@ -336,6 +343,7 @@ async fn read_control(
                 exit.send_replace(Some(ended));
             }
             Ok(None) => break,
+            Err(_) if detaching.load(Ordering::SeqCst) => break,
             Err(error) => {
                 tracing::warn!(%error, "agent: the guest agent broke the protocol");
                 break;
