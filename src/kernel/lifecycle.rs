@@ -188,6 +188,10 @@ pub struct Kernel {
     restored: AtomicBool,
     /// Its sandbox refused to hibernate (a backend or a VM that cannot): not asked again.
     cannot_hibernate: AtomicBool,
+    /// Bytes its saved sandbox takes on disk, while hibernated (0 otherwise).
+    hibernated_bytes: AtomicU64,
+    /// Its tenant's hibernated-storage quota refused its save (said once until it fits).
+    quota_refused: AtomicBool,
 }
 
 /// A duration as people write it: `300 s`, `10 min`, `2 h`.
@@ -252,6 +256,8 @@ impl Kernel {
             saved_key: parking_lot::Mutex::new(None),
             restored: AtomicBool::new(false),
             cannot_hibernate: AtomicBool::new(false),
+            hibernated_bytes: AtomicU64::new(0),
+            quota_refused: AtomicBool::new(false),
             router: Arc::new(
                 Router::new(id.as_str())
                     .with_output_limit(options.output_limit)
@@ -678,6 +684,21 @@ impl Kernel {
         self.ready_instance().await.map(|_| ())
     }
 
+    /// Bytes its saved sandbox takes on disk while it is hibernated; 0 otherwise.
+    pub fn hibernated_bytes(&self) -> u64 {
+        if self.is_hibernated() {
+            self.hibernated_bytes.load(Ordering::SeqCst)
+        } else {
+            0
+        }
+    }
+
+    /// Notes whether its tenant's quota refuses its hibernation now; true when that is
+    /// news (refused, and not refused at the last look).
+    pub fn quota_refuses_hibernation(&self, refused: bool) -> bool {
+        self.quota_refused.swap(refused, Ordering::SeqCst) != refused && refused
+    }
+
     /// Whether the kernel is saved to disk, without a process.
     pub fn is_hibernated(&self) -> bool {
         self.readiness() == Readiness::Hibernated
@@ -742,6 +763,7 @@ impl Kernel {
         match saved {
             Ok(saved) => {
                 *self.saved_key.lock() = Some(instance.key.clone());
+                self.hibernated_bytes.store(saved.bytes, Ordering::SeqCst);
                 self.instance.lock().take();
                 self.router.clear_internal();
                 tracing::info!(kernel_id = %self.id, generation = instance.generation, bytes = saved.bytes, "kernel hibernated");
@@ -801,6 +823,7 @@ impl Kernel {
             Err(err) => Some(err.to_string()),
         };
         let metrics = crate::telemetry::metrics::metrics();
+        self.hibernated_bytes.store(0, Ordering::SeqCst);
         let Some(failure) = failure else {
             self.saved_key.lock().take();
             self.restored.store(true, Ordering::SeqCst);

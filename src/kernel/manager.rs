@@ -86,6 +86,17 @@ pub struct KernelManager {
     pools: parking_lot::Mutex<HashMap<String, Pool>>,
     /// Kernels being started per tenant, so concurrent starts count toward its cap.
     starting: parking_lot::Mutex<HashMap<String, usize>>,
+    /// Each tenant's hibernated-storage quota in bytes (`None`: unlimited).
+    hibernation_quota: parking_lot::RwLock<Option<HibernationQuota>>,
+}
+
+/// A tenant's hibernated-storage quota, from the tenant settings (which this module does
+/// not read itself).
+pub type HibernationQuota = Arc<dyn Fn(&str) -> Option<u64> + Send + Sync>;
+
+/// Whether a save of about `estimate` bytes fits a quota of `limit` with `used` taken.
+fn hibernation_fits(used: u64, estimate: u64, limit: u64) -> bool {
+    used.saturating_add(estimate) <= limit
 }
 
 /// A tenant's place among kernels being started; released on drop.
@@ -228,6 +239,7 @@ impl KernelManager {
             options,
             pools: parking_lot::Mutex::new(HashMap::new()),
             starting: parking_lot::Mutex::new(HashMap::new()),
+            hibernation_quota: parking_lot::RwLock::new(None),
         });
         // Each policy's counters exist at zero before its first start, failure, execution
         // or denial, so that alerts on their increase see the first one (telemetry::metrics).
@@ -1112,6 +1124,43 @@ impl KernelManager {
         self.hibernate_idle(now);
     }
 
+    /// Sets each tenant's hibernated-storage quota (`[tenants] hibernated_storage`).
+    pub fn set_hibernation_quota(&self, quota: HibernationQuota) {
+        *self.hibernation_quota.write() = Some(quota);
+    }
+
+    /// Whether `kernel`'s tenant may keep it hibernated as well: what its hibernated kernels
+    /// take, plus this one's memory now (about what its save takes), within its quota.
+    fn hibernation_allowed(&self, kernel: &Kernel) -> bool {
+        let Some(tenant) = kernel.owner() else {
+            return true;
+        };
+        let Some(limit) = self
+            .hibernation_quota
+            .read()
+            .as_ref()
+            .and_then(|quota| quota(tenant))
+        else {
+            return true;
+        };
+        let used: u64 = self
+            .list()
+            .iter()
+            .filter(|k| k.owner() == Some(tenant))
+            .map(|k| k.hibernated_bytes())
+            .sum();
+        let estimate = kernel
+            .usage()
+            .and_then(|usage| usage.memory_bytes)
+            .unwrap_or(0);
+        let fits = hibernation_fits(used, estimate, limit);
+        if kernel.quota_refuses_hibernation(!fits) {
+            crate::telemetry::metrics::metrics().hibernation_refused();
+            tracing::warn!(kernel_id = %kernel.id, tenant, used, estimate, limit, "not hibernated: the tenant's hibernated_storage quota would be passed; the session stays running until its idle_timeout");
+        }
+        fits
+    }
+
     /// Saves to disk, in the background, the ready kernels idle past their policy's
     /// `hibernate_after` with no cell running (a connected client does not keep a kernel
     /// awake: its next message restores it).
@@ -1124,7 +1173,7 @@ impl KernelManager {
                 && kernel.router().activity().execution_state == super::ExecutionState::Idle
                 && kernel.router().running().is_none()
                 && now - kernel.last_activity() > after;
-            if !idle {
+            if !idle || !self.hibernation_allowed(&kernel) {
                 continue;
             }
             tracing::info!(kernel_id = %kernel.id, "hibernating an idle kernel");
@@ -1145,5 +1194,19 @@ impl Drop for KernelManager {
                 tracing::warn!(dir = %self.options.runtime_root.display(), %err, "could not remove the runtime directory");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hibernation_fits_its_tenants_quota_or_is_not_made() {
+        assert!(hibernation_fits(0, 100, 100));
+        assert!(hibernation_fits(40, 60, 100));
+        assert!(!hibernation_fits(40, 61, 100));
+        assert!(!hibernation_fits(100, 1, 100));
+        assert!(!hibernation_fits(u64::MAX, 1, u64::MAX - 1));
     }
 }

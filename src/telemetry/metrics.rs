@@ -199,6 +199,7 @@ pub struct Metrics {
     hibernated_bytes: Histogram,
     restores: Family<HibernationLabels, Counter>,
     restore_seconds: Histogram,
+    hibernations_refused: Counter,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -274,6 +275,7 @@ fn new_metrics() -> Metrics {
         hibernated_bytes: size_histogram(),
         restores: Family::default(),
         restore_seconds: hibernation_histogram(),
+        hibernations_refused: Counter::default(),
     }
 }
 
@@ -428,6 +430,11 @@ impl Metrics {
             .inc();
     }
 
+    /// A save was not made: its tenant's hibernated-storage quota would have been passed.
+    pub fn hibernation_refused(&self) {
+        self.hibernations_refused.inc();
+    }
+
     /// A hibernated kernel was restored (`ok`), or could not be and started afresh.
     pub fn hibernation_restored(&self, elapsed: Duration, ok: bool) {
         if ok {
@@ -577,6 +584,11 @@ fn register_hibernation(registry: &mut Registry, m: &Metrics) {
         "hibernated_bytes",
         "Bytes on disk of a hibernated sandbox (its saved state and workspace)",
         m.hibernated_bytes.clone(),
+    );
+    registry.register(
+        "hibernations_refused",
+        "Idle kernels not hibernated: their tenant's hibernated_storage quota would be passed",
+        m.hibernations_refused.clone(),
     );
     registry.register(
         "restores",
