@@ -1065,6 +1065,37 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     let r = v1.execute(&id, "x + 1").await?;
     assert!(r.get("restored").is_none(), "said once: {r}");
 
+    // Hibernated again, and the gateway stopped: the next one on the state directory lists
+    // the session hibernated and restores it at its next execute.
+    session_once(&v1, &id, "hibernated").await?;
+    assert!(eventually(PATIENCE, || saved.join("record.json").is_file()).await);
+    drop(v1);
+    drop(gateway);
+    assert!(saved.join("record.json").is_file(), "kept across the stop");
+    let (gateway, _dir2) = vm_gateway_with(
+        port,
+        "memory = \"384MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"4s\"",
+        true,
+        &[
+            "--cull-interval",
+            "1",
+            "--microvm-snapshots",
+            "false",
+            "--state-dir",
+            &state_dir,
+        ],
+    )
+    .await?;
+    let v1 = V1Client::new(&gateway);
+    let (status, listed) = v1.get(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed["state"], "hibernated", "{listed}");
+    assert_eq!(listed["state_generation"], generation, "{listed}");
+    let r = v1.execute(&id, "x").await?;
+    assert_eq!(r["result"], "42", "{r}\n{}", gateway.log());
+    assert_eq!(r["state_generation"], generation, "{r}");
+    assert_eq!(r["restored"], true, "{r}");
+
     // Hibernated again, then its saved state damaged: the restore fails, reported as a lost
     // sandbox, and the session goes on with a fresh kernel.
     session_once(&v1, &id, "hibernated").await?;
