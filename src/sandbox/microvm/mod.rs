@@ -58,6 +58,18 @@
 //! **The warm pool** (`snapshot.rs`, `qmp.rs`): later sessions of a kind of VM are restored
 //! from a snapshot of a zygote VM instead of booting.
 //!
+//! **Hibernation** (`hibernate.rs`): a session's VM, idle past its policy's
+//! `hibernate_after`, is saved whole to the state directory (its RAM and devices through QMP
+//! `migrate`, its workspace disk moved beside it; 0700/0600, the kernel's key in its record)
+//! and ended; the next request restores it (`-incoming` on the saved state, `cont`), the
+//! gateway and the agent proving the kernel's key to each other before the agent serves
+//! anything (the agent's kernel outlived its detached session). Such a VM runs on
+//! virtio-serial (a vhost-user device cannot be migrated) and keeps its VMM's QMP socket
+//! for its life. A save that fails ends the VM (reported as a lost sandbox); a restore that
+//! fails (files damaged or gone, other guest images, QEMU or VM shape, a guest that does
+//! not prove the key) removes what was saved and the kernel layer starts a fresh kernel,
+//! its generation moved on. Every step has a deadline.
+//!
 //! # Invariants
 //!
 //! - Everything from the guest is hostile input: lines are capped, requests and replies have
@@ -66,7 +78,8 @@
 //!   message ends the session and the VM (reported as a sandbox failure).
 //! - A VMM its guest took over holds nothing else (`confine.rs`, `hostview.rs`).
 //! - A snapshot holds nothing per session or secret, and every clone redraws what the zygote
-//!   drew (`snapshot.rs`).
+//!   drew (`snapshot.rs`). A hibernated VM is one session's, in the gateway's private
+//!   directory, restored once, into its own session only.
 //!
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
