@@ -192,6 +192,10 @@ pub struct Kernel {
     hibernated_bytes: AtomicU64,
     /// Its tenant's hibernated-storage quota refused its save (said once until it fits).
     quota_refused: AtomicBool,
+    /// Held while a client's request is checked against readiness and registered, and
+    /// while a save marks the kernel hibernated: a request is either seen by the save (which
+    /// then does not happen) or sees the kernel hibernated (and restores it).
+    send_gate: parking_lot::Mutex<()>,
 }
 
 /// A duration as people write it: `300 s`, `10 min`, `2 h`.
@@ -258,6 +262,7 @@ impl Kernel {
             cannot_hibernate: AtomicBool::new(false),
             hibernated_bytes: AtomicU64::new(0),
             quota_refused: AtomicBool::new(false),
+            send_gate: parking_lot::Mutex::new(()),
             router: Arc::new(
                 Router::new(id.as_str())
                     .with_output_limit(options.output_limit)
@@ -745,8 +750,12 @@ impl Kernel {
         // The process's end is the save's: not a death to report. Hibernated from now on:
         // whatever needs the kernel meanwhile waits for the save, then restores it.
         instance.expected_exit.store(true, Ordering::SeqCst);
-        self.readiness.send_replace(Readiness::Hibernated);
-        if self.router.running().is_some() {
+        let running = {
+            let _gate = self.send_gate.lock();
+            self.readiness.send_replace(Readiness::Hibernated);
+            self.router.running().is_some()
+        };
+        if running {
             // A cell came in just before: not now.
             instance.expected_exit.store(false, Ordering::SeqCst);
             self.readiness.send_replace(Readiness::Ready);
@@ -870,12 +879,19 @@ impl Kernel {
         session: &str,
         mut message: Message,
     ) -> Result<(), KernelError> {
-        let instance = self.ready_instance().await?;
         if message.msg_type() == "shutdown_request" && message.channel == Channel::Shell {
             // Protocol 5.4 moved shutdown to control; old clients still use shell.
             message.channel = Channel::Control;
         }
-        self.router.register_request(client, session, &message);
+        let instance = loop {
+            let instance = self.ready_instance().await?;
+            let _gate = self.send_gate.lock();
+            // A save may have begun since: then wait for it, and restore.
+            if self.readiness() == Readiness::Ready {
+                self.router.register_request(client, session, &message);
+                break instance;
+            }
+        };
         instance.channels.send(&message).await
     }
 
