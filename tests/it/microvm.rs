@@ -1118,3 +1118,51 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     assert_eq!(r["result"], "2", "{r}");
     Ok(())
 }
+
+/// The tenant quota `hibernated_storage`: a session whose save would pass it is not saved,
+/// and stays running with its variables (said in the log), rather than being hibernated.
+#[tokio::test]
+async fn a_tenant_past_its_hibernated_storage_keeps_its_session_running() -> Result<()> {
+    let port = test_server("allowed").await?;
+    let secrets = tempfile::tempdir()?;
+    let secret = crate::tenants::secret_file(secrets.path());
+    let (gateway, _dir) = vm_gateway_with(
+        port,
+        "memory = \"384MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"2s\"",
+        true,
+        &[
+            "--cull-interval",
+            "1",
+            "--microvm-snapshots",
+            "false",
+            "--jwt-secret-file",
+            secret.to_str().context("path")?,
+            "--tenant-hibernated-storage",
+            "1",
+        ],
+    )
+    .await?;
+    let acme = V1Client::bearer(
+        &gateway,
+        &crate::tenants::hs256(&crate::tenants::claims("acme", "vm")),
+    );
+    let id = acme
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let r = acme.execute(&id, "x = 7\nx").await?;
+    assert_eq!(r["result"], "7", "{r}");
+    let refused = "not hibernated: the tenant's hibernated_storage quota";
+    assert!(
+        eventually(PATIENCE, || gateway.log().contains(refused)).await,
+        "{}",
+        gateway.log()
+    );
+    let (_, session) = acme.get(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(session["state"], "idle", "{session}");
+    assert!(vmm_of(&id), "its VM runs on");
+    let r = acme.execute(&id, "x").await?;
+    assert_eq!(r["result"], "7", "{r}");
+    assert!(r.get("restored").is_none(), "{r}");
+    Ok(())
+}
