@@ -763,9 +763,14 @@ impl Kernel {
         }
         let saving = std::time::Instant::now();
         let saved = instance.handle.hibernate(&about).await;
-        if saved.is_err() && instance.handle.alive() {
+        match &saved {
+            // Not now (a full disk): tried again at a later pass.
+            Err(crate::sandbox::SandboxError::NotNow(_)) => {}
             // Refused, the sandbox untouched: this one never will.
-            self.cannot_hibernate.store(true, Ordering::SeqCst);
+            Err(_) if instance.handle.alive() => {
+                self.cannot_hibernate.store(true, Ordering::SeqCst);
+            }
+            _ => {}
         }
         crate::telemetry::metrics::metrics()
             .hibernation_saved(saving.elapsed(), saved.as_ref().ok().map(|s| s.bytes));

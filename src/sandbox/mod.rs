@@ -701,6 +701,10 @@ pub enum SandboxError {
     Signal(#[source] std::io::Error),
     #[error("sandbox set-up failed: {0}")]
     Setup(String),
+    /// A save to disk (hibernation) not made now, the sandbox untouched: it may be tried
+    /// again later (the disk is too full, say).
+    #[error("not saved now: {0}")]
+    NotNow(String),
     #[error(transparent)]
     Namespaces(#[from] NamespacesError),
     #[error(transparent)]

@@ -169,6 +169,10 @@ impl SandboxHandle for MicrovmHandle {
             let Some(agent) = self.agent.get().cloned() else {
                 return Err(refused("the VM's agent is not attached yet"));
             };
+            let disk = super::hibernate::allocated(&saver.runtime_dir.join(super::WORKSPACE_DISK));
+            if let Err(why) = super::hibernate::room_for(saver, disk) {
+                return Err(SandboxError::NotNow(why));
+            }
             if self.exited.load(Ordering::SeqCst) || self.hibernating.swap(true, Ordering::SeqCst) {
                 return Err(refused("the VM is gone, or being saved already"));
             }

@@ -23,8 +23,10 @@
 //! the kernel's channels are served again; the kernel itself never noticed. The saved files
 //! are removed once the VM runs from them.
 //!
-//! **What can fail, and how it is said.** A save that fails ends the VM (it is stopped by
-//! then) and the kernel is reported dead with the reason, as a lost sandbox. A restore that
+//! **What can fail, and how it is said.** A save is not begun without room for it on the
+//! state directory's disk (the VM's RAM, its workspace disk's used blocks and a margin): the
+//! VM runs on, and a later pass tries again. A save that fails once begun ends the VM (it
+//! is stopped by then) and the kernel is reported dead with the reason, as a lost sandbox. A restore that
 //! fails (the files are gone or damaged, the guest images or the VM's shape changed, the
 //! guest does not prove the key) removes what was saved and is reported to the kernel
 //! layer, which starts a fresh kernel (its state generation moves on, as for a lost
@@ -216,7 +218,7 @@ fn open_private(path: &Path) -> Result<std::fs::File, MicrovmError> {
 }
 
 /// Bytes a file takes on disk (a workspace disk is sparse: its size says little).
-fn allocated(path: &Path) -> u64 {
+pub(super) fn allocated(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::symlink_metadata(path).map_or(0, |m| m.blocks() * 512)
 }
@@ -235,6 +237,31 @@ fn move_file(from: &Path, to: &Path) -> Result<(), MicrovmError> {
             source: error,
         }),
     }
+}
+
+/// Room left on the state directory's disk beyond a save's estimate.
+const DISK_MARGIN: u64 = 256 << 20;
+
+/// Whether the disk of the hibernation directory has room for a save of a VM of `size`
+/// whose workspace disk takes `disk_bytes` (its RAM, at most, plus that, plus a margin);
+/// why not, when it has not. Checked before the VM is touched: a save that fails midway
+/// ends the VM.
+pub(super) fn room_for(saver: &Saver, disk_bytes: u64) -> Result<(), String> {
+    let needed = (saver.size.memory_mib << 20)
+        .saturating_add(disk_bytes)
+        .saturating_add(DISK_MARGIN);
+    let stat = rustix::fs::statvfs(saver.hibernations.dir())
+        .map_err(|e| format!("{}: {e}", saver.hibernations.dir().display()))?;
+    let free = stat.f_bavail.saturating_mul(stat.f_frsize);
+    if free < needed {
+        return Err(format!(
+            "{} has {} MiB free, a save of this VM may take {} MiB",
+            saver.hibernations.dir().display(),
+            free >> 20,
+            needed >> 20
+        ));
+    }
+    Ok(())
 }
 
 /// What a hibernation-capable VM's handle needs to save it.
@@ -369,6 +396,25 @@ pub(super) fn take_for_restore(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_save_is_not_begun_without_room_for_it() {
+        let root = tempfile::tempdir().unwrap();
+        let saver = |memory_mib| Saver {
+            hibernations: Arc::new(Hibernations::open(&root.path().join("h")).unwrap()),
+            runtime_dir: root.path().to_owned(),
+            size: VmSize {
+                memory_mib,
+                vcpus: 1,
+            },
+            machine: String::new(),
+        };
+        // A VM of 16 MiB fits on any disk the tests run on; one of a billion TiB on none.
+        assert_eq!(room_for(&saver(16), 0), Ok(()));
+        let why = room_for(&saver(1 << 40), 0).unwrap_err();
+        assert!(why.contains("MiB free"), "{why}");
+        assert!(room_for(&saver(16), u64::MAX).is_err());
+    }
 
     #[test]
     fn records_are_read_back_only_for_their_kernel_and_unfinished_saves_go() {

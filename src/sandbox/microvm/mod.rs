@@ -843,7 +843,11 @@ impl Core {
         let pid = child.id().unwrap_or(0);
         tracing::info!(kernel_id = %spec.kernel_id, pid, accel = self.accel.as_str(),
             memory_mib = size.memory_mib, vcpus = size.vcpus, vmm_uid = ?jail.uid(),
-            from = if restore { "snapshot" } else { "boot" },
+            from = match (hibernated, restore) {
+                (Some(_), _) => "hibernation",
+                (None, true) => "snapshot",
+                (None, false) => "boot",
+            },
             "microvm: VM started");
         let keeps_control = saver.is_some();
         let handle = Arc::new(MicrovmHandle::new(pid, jail.clone(), saver));
