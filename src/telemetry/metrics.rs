@@ -873,6 +873,9 @@ mod tests {
             "cellgate_zygote_forks_total{outcome=\"failed\"} 0".to_owned(),
             "cellgate_zygote_cold_starts_total 0".to_owned(),
             "cellgate_pool_misses_total 0".to_owned(),
+            "cellgate_hibernations_total{outcome=\"failed\"} 0".to_owned(),
+            "cellgate_restores_total{outcome=\"ok\"} 0".to_owned(),
+            "cellgate_hibernations_refused_total 0".to_owned(),
         ] {
             assert!(text.contains(&line), "{line} missing from:\n{text}");
         }
