@@ -954,7 +954,8 @@ impl KernelManager {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let age = Duration::from_millis(now_ms.saturating_sub(survivor.started_ms));
-        let kernel = self
+        let restoring = std::time::Instant::now();
+        let launched = self
             .launch_with_age(
                 &spec,
                 &policy,
@@ -964,7 +965,13 @@ impl KernelManager {
                 Some((id, survivor.generation.saturating_sub(1))),
                 Some(age),
             )
-            .await?;
+            .await;
+        if survivor.hibernated {
+            // The VM restored (to its kernel's process running, not yet ready), or not.
+            crate::telemetry::metrics::metrics()
+                .hibernation_restored(restoring.elapsed(), launched.is_ok());
+        }
+        let kernel = launched?;
         if let Some(tenant) = &tenant {
             kernel.set_owner(tenant);
         }

@@ -1116,6 +1116,17 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     assert!(!saved.exists());
     let r = v1.execute(&id, "1 + 1").await?;
     assert_eq!(r["result"], "2", "{r}");
+
+    // This gateway's saves and restores, counted: one restore after the restart, one save,
+    // the damaged one's failed restore.
+    let metrics = crate::operations::scrape(&gateway).await?;
+    let sample = |series: &str| crate::operations::sample(&metrics, series);
+    assert_eq!(sample("cellgate_hibernations_total{outcome=\"ok\"}"), 1.0);
+    assert_eq!(sample("cellgate_restores_total{outcome=\"ok\"}"), 1.0);
+    assert_eq!(sample("cellgate_restores_total{outcome=\"failed\"}"), 1.0);
+    assert_eq!(sample("cellgate_hibernate_seconds_count"), 1.0);
+    assert_eq!(sample("cellgate_hibernated_bytes_count"), 1.0);
+    assert!(sample("cellgate_hibernated_bytes_sum") > 1e6);
     Ok(())
 }
 
