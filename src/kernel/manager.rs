@@ -895,6 +895,17 @@ impl KernelManager {
 
     /// Whether `id`'s kernel (of `policy`) is hibernated on disk from a gateway before this
     /// one: its session is listed `hibernated`, and its next request restores it.
+    /// Removes what `id`'s backend kept of its sandbox for a later gateway (a hibernated
+    /// VM's files): its session is gone for good.
+    pub fn forget_sandbox(&self, id: &crate::ids::KernelId, policy: &str) {
+        let Ok(policy) = self.options.policies.get(policy) else {
+            return;
+        };
+        if let Ok(sandbox) = self.backends.get(policy.backend) {
+            sandbox.forget(id.as_str());
+        }
+    }
+
     /// Its state generation when it is.
     pub fn hibernated_generation(&self, id: &crate::ids::KernelId, policy: &str) -> Option<u64> {
         let policy = self.options.policies.get(policy).ok()?;

@@ -696,13 +696,15 @@ impl Sessions {
             // Under the map's lock, as `end` does: a revival racing the expiry either took
             // it first (then it is live, not expired) or finds it gone.
             let mut dormant = self.dormant.write();
-            if dormant.remove(&id).is_none() {
+            let Some(gone) = dormant.remove(&id) else {
                 continue;
-            }
+            };
             if let Some(store) = &self.store {
                 store.delete_session(id.as_str());
             }
             drop(dormant);
+            // A sandbox kept for it (hibernated on disk) goes with it.
+            self.kernels.forget_sandbox(&id.kernel(), &gone.row.policy);
             self.artifacts.expire_session(id.as_str());
             tracing::info!(session_id = %id, "dormant session expired: its policy's idle timeout or lifetime, or --dormant-retention, has passed");
             removed.push(id);
@@ -1095,10 +1097,12 @@ impl Sessions {
     /// working until they expire or the artifacts go: a one-shot execute's session ends with
     /// its result, whose links are what the caller shows.
     pub async fn end(&self, id: &SessionId) -> Result<(), SessionError> {
-        if self.dormant.write().remove(id).is_some() {
+        let gone = self.dormant.write().remove(id);
+        if let Some(gone) = gone {
             if let Some(store) = &self.store {
                 store.delete_session(id.as_str());
             }
+            self.kernels.forget_sandbox(&id.kernel(), &gone.row.policy);
             self.artifacts.expire_session(id.as_str());
             tracing::info!(session_id = %id, "dormant session deleted");
             return Ok(());
