@@ -370,6 +370,11 @@ pub struct AuthArgs {
     /// `quota_exceeded` (config file: `[tenants] concurrent_sessions`) [default: unlimited].
     #[arg(long, env = "CELLGATE_TENANT_CONCURRENT_SESSIONS")]
     pub tenant_concurrent_sessions: Option<usize>,
+    /// Bytes of hibernated sessions a tenant may keep on disk: a save past it is not made,
+    /// the session stays running (config file: `[tenants] hibernated_storage`)
+    /// [default: unlimited].
+    #[arg(long, env = "CELLGATE_TENANT_HIBERNATED_STORAGE")]
+    pub tenant_hibernated_storage: Option<u64>,
     /// Policies from least to most permissive, comma separated: a tenant capped at P may
     /// use P and those before it (config file: `[tenants] policy_order`) [default: only P].
     #[arg(long, env = "CELLGATE_POLICY_ORDER", value_delimiter = ',')]
@@ -870,6 +875,9 @@ fn tenants(args: &ServeArgs, file: &mut FileConfig) -> Result<TenantSettings, Co
     }
     if let Some(sessions) = args.auth.tenant_concurrent_sessions {
         tenants.concurrent_sessions = Some(sessions);
+    }
+    if let Some(bytes) = args.auth.tenant_hibernated_storage {
+        tenants.hibernated_storage = Some(bytes);
     }
     if let Some(order) = &args.auth.policy_order {
         // `a, b` in a variable means `a` and `b`.
@@ -1441,6 +1449,10 @@ mod tests {
             ("tenant_burst", "burst = 5"),
             ("tenant_cpu_seconds_per_day", "cpu_seconds_per_day = 3600"),
             ("tenant_concurrent_sessions", "concurrent_sessions = 4"),
+            (
+                "tenant_hibernated_storage",
+                "hibernated_storage = 1073741824",
+            ),
             ("policy_order", "policy_order = [\"strict\", \"default\"]"),
         ];
         let command = ServeArgs::augment_args(clap::Command::new("serve"));

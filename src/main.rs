@@ -278,7 +278,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("loading kernelspecs from {}", config.kernels_dir.display()))?;
     let policies = cellgate::policy::Policies::load(&config.policies_dir)
         .with_context(|| format!("loading policies from {}", config.policies_dir.display()))?;
-    let mut backends = Backends::new(config.sandbox, config.microvm.clone())
+    let mut microvm = config.microvm.clone();
+    // Hibernated microVMs are saved in the state directory, and wait there across restarts.
+    microvm.hibernate_dir = config.state_dir.as_ref().map(|dir| dir.join("hibernated"));
+    let mut backends = Backends::new(config.sandbox, microvm)
         .with_zygote(ZygoteSettings {
             enabled: config.kernel_zygote,
             max_forks: config.kernel_zygote_max_forks,
@@ -380,6 +383,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!(
             kernels = handed,
             "kernel pods handed over to the other replicas"
+        );
+    }
+    let hibernated = kernels.detach_hibernated();
+    if hibernated > 0 {
+        tracing::info!(
+            kernels = hibernated,
+            "hibernated kernels kept on disk for the next gateway on this state directory"
         );
     }
     if config_outlive {

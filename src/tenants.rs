@@ -32,6 +32,15 @@
 //! with 429 `quota_exceeded`, naming the quota and when it resets (the next UTC midnight). An
 //! execution that started under the quota runs to its end.
 //!
+//! **Hibernated-storage quota.** Bytes of hibernated sessions (`hibernated_storage`: VMs
+//! saved to disk while idle, see `[limits] hibernate_after`) a tenant may keep. No request
+//! waits on a hibernation (the gateway decides it while the session is idle), so nothing is
+//! answered 429: a session whose save would pass the quota is not saved, it stays running
+//! (its memory kept) until its policy's `idle_timeout` ends it as before, and the gateway
+//! logs and counts the refusal (`cellgate_hibernations_refused_total`). Hibernated sessions
+//! count against this quota, not against memory; they still count as sessions
+//! (`concurrent_sessions`, `max_kernels`): restoring one must not find its place taken.
+//!
 //! Defaults apply to every tenant; `[tenants.limits.<name>]` overrides them for one.
 //!
 //! Must not depend on: HTTP, kernels.
@@ -64,6 +73,8 @@ pub struct TenantSettings {
     pub cpu_seconds_per_day: Option<u64>,
     /// Sessions (kernels) per tenant at once, as a quota (429); unlimited when unset.
     pub concurrent_sessions: Option<usize>,
+    /// Bytes of hibernated sessions per tenant; unlimited when unset.
+    pub hibernated_storage: Option<u64>,
     /// Per-tenant overrides of the limits above.
     #[serde(default)]
     pub limits: BTreeMap<String, TenantLimits>,
@@ -79,6 +90,7 @@ pub struct TenantLimits {
     pub burst: Option<u32>,
     pub cpu_seconds_per_day: Option<u64>,
     pub concurrent_sessions: Option<usize>,
+    pub hibernated_storage: Option<u64>,
 }
 
 /// Open MCP sessions a tenant may keep when no setting says otherwise.
@@ -199,6 +211,15 @@ impl Tenants {
             .or(self.settings.concurrent_sessions)
     }
 
+    /// Bytes of hibernated sessions `tenant` may keep.
+    pub fn hibernated_storage(&self, tenant: &str) -> Option<u64> {
+        self.settings
+            .limits
+            .get(tenant)
+            .and_then(|l| l.hibernated_storage)
+            .or(self.settings.hibernated_storage)
+    }
+
     /// CPU seconds `tenant`'s executions may use per UTC day.
     pub fn cpu_seconds_per_day(&self, tenant: &str) -> Option<u64> {
         self.settings
@@ -286,6 +307,14 @@ mod tests {
         let t = tenants("");
         assert_eq!(t.choose_policy("strict", Some("strict")).unwrap(), "strict");
         assert!(t.choose_policy("strict", Some("default")).is_err());
+    }
+
+    #[test]
+    fn hibernated_storage_has_a_default_and_overrides() {
+        let t = tenants("hibernated_storage = 1000\n[limits.big]\nhibernated_storage = 5000\n");
+        assert_eq!(t.hibernated_storage("anyone"), Some(1000));
+        assert_eq!(t.hibernated_storage("big"), Some(5000));
+        assert_eq!(tenants("").hibernated_storage("anyone"), None);
     }
 
     #[test]

@@ -165,7 +165,14 @@ fn snapshot(state: &AppState) -> Snapshot {
     // Every policy's states exist from the start, at zero: a dashboard's series do not
     // appear and vanish with the first and last kernel.
     for policy in kernels.policies().iter() {
-        for s in ["starting", "idle", "busy", "restarting", "dead"] {
+        for s in [
+            "starting",
+            "idle",
+            "busy",
+            "restarting",
+            "dead",
+            "hibernated",
+        ] {
             snapshot.kernels.insert(
                 KernelGroup {
                     state: s,
@@ -180,7 +187,12 @@ fn snapshot(state: &AppState) -> Snapshot {
         *snapshot
             .kernels
             .entry(KernelGroup {
-                state: kernel.execution_state().as_str(),
+                // Saved to disk: not a kernel in memory, counted apart.
+                state: if kernel.is_hibernated() {
+                    "hibernated"
+                } else {
+                    kernel.execution_state().as_str()
+                },
                 policy: kernel.policy.clone(),
                 backend: kernel.backend().as_str(),
             })

@@ -42,6 +42,8 @@ impl AppState {
         let checks = crate::kernel::health::Checks::spawn(&kernels);
         let jwt = JwtVerifier::from_settings(&config.jwt)?.map(Arc::new);
         let tenants = Arc::new(Tenants::new(config.tenants.clone())?);
+        let quotas = tenants.clone();
+        kernels.set_hibernation_quota(Arc::new(move |tenant| quotas.hibernated_storage(tenant)));
         Ok(AppState {
             config,
             kernels,

@@ -16,6 +16,15 @@
 //! cell with an error, a reply and `idle` itself. The kernel model (`KernelModel`) carries
 //! cellgate's own fields under `cellgate`: policy, sandbox, and `state_generation`, which
 //! changes whenever the kernel's variables were lost.
+//!
+//! **Hibernation.** An idle kernel whose sandbox can be saved ([`Kernel::hibernate`]: a
+//! microVM under a policy with `hibernate_after`) has its sandbox written to disk and ended;
+//! the kernel stays registered, `hibernated`, with its id, clients, history and generation.
+//! Whatever next waits for the kernel to be ready (a message to send, a client attaching, a
+//! file operation) restores it first ([`Kernel::wake`]): the backend adopts the saved
+//! sandbox under the same generation and key, and the next execution's result says
+//! `restored`. A restore that fails is a lost sandbox: a fresh process starts, the
+//! generation moves on, and `last_restart_reason` says why.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -122,6 +131,8 @@ pub enum Readiness {
     Ready,
     Dead(String),
     Terminated,
+    /// Saved to disk, no process: restored by whatever next needs it ready.
+    Hibernated,
 }
 
 struct Instance {
@@ -131,6 +142,8 @@ struct Instance {
     expected_exit: Arc<AtomicBool>,
     channels: Channels,
     heartbeat: JoinHandle<()>,
+    /// The key the process signs with (a restore gives the saved process the same).
+    key: String,
 }
 
 impl Drop for Instance {
@@ -167,6 +180,22 @@ pub struct Kernel {
     egress: parking_lot::Mutex<Option<crate::egress::Listener>>,
     /// A stored session holds it (see [`Kernel::outlives_gateway`]).
     adoptable: AtomicBool,
+    /// The kernel itself, for the restore that waiting for readiness may start.
+    me: std::sync::Weak<Kernel>,
+    /// The key of the hibernated process, while the kernel is hibernated.
+    saved_key: parking_lot::Mutex<Option<String>>,
+    /// Restored from hibernation since the last execution's result took the news.
+    restored: AtomicBool,
+    /// Its sandbox refused to hibernate (a backend or a VM that cannot): not asked again.
+    cannot_hibernate: AtomicBool,
+    /// Bytes its saved sandbox takes on disk, while hibernated (0 otherwise).
+    hibernated_bytes: AtomicU64,
+    /// Its tenant's hibernated-storage quota refused its save (said once until it fits).
+    quota_refused: AtomicBool,
+    /// Held while a client's request is checked against readiness and registered, and
+    /// while a save marks the kernel hibernated: a request is either seen by the save (which
+    /// then does not happen) or sees the kernel hibernated (and restores it).
+    send_gate: parking_lot::Mutex<()>,
 }
 
 /// A duration as people write it: `300 s`, `10 min`, `2 h`.
@@ -226,7 +255,14 @@ impl Kernel {
             .age
             .and_then(|age| std::time::Instant::now().checked_sub(age))
             .unwrap_or_else(std::time::Instant::now);
-        let kernel = Arc::new(Kernel {
+        let kernel = Arc::new_cyclic(|me| Kernel {
+            me: me.clone(),
+            saved_key: parking_lot::Mutex::new(None),
+            restored: AtomicBool::new(false),
+            cannot_hibernate: AtomicBool::new(false),
+            hibernated_bytes: AtomicU64::new(0),
+            quota_refused: AtomicBool::new(false),
+            send_gate: parking_lot::Mutex::new(()),
             router: Arc::new(
                 Router::new(id.as_str())
                     .with_output_limit(options.output_limit)
@@ -269,6 +305,15 @@ impl Kernel {
             .adopt
             .clone()
             .filter(|_| generation == self.options.first_generation + 1);
+        self.launch_as(generation, adopt).await
+    }
+
+    /// Launches `generation`, or adopts the sandbox `adopt` names (signing with its key).
+    async fn launch_as(
+        &self,
+        generation: u64,
+        adopt: Option<(KernelRecord, String)>,
+    ) -> Result<(u64, Launched), KernelError> {
         let (runtime_dir, connection_file, connection) = write_connection_file(
             &self.dirs,
             generation,
@@ -355,6 +400,7 @@ impl Kernel {
                 expected_exit: expected_exit.clone(),
                 channels,
                 heartbeat,
+                key: launched.connection.key.clone(),
             });
             *self.instance.lock() = Some(instance.clone());
             self.router.set_sandbox(Some(launched.handle.clone()));
@@ -616,6 +662,11 @@ impl Kernel {
                     Readiness::Dead(reason) => return Err(KernelError::Dead(reason)),
                     Readiness::Terminated => return Err(KernelError::Terminated),
                     Readiness::Starting | Readiness::Restarting => {}
+                    Readiness::Hibernated => {
+                        if let Some(kernel) = self.me.upgrade() {
+                            kernel.wake().await?;
+                        }
+                    }
                 }
                 if watch.changed().await.is_err() {
                     return Err(KernelError::Terminated);
@@ -638,6 +689,194 @@ impl Kernel {
         self.ready_instance().await.map(|_| ())
     }
 
+    /// Bytes its saved sandbox takes on disk while it is hibernated; 0 otherwise.
+    pub fn hibernated_bytes(&self) -> u64 {
+        if self.is_hibernated() {
+            self.hibernated_bytes.load(Ordering::SeqCst)
+        } else {
+            0
+        }
+    }
+
+    /// Notes whether its tenant's quota refuses its hibernation now; true when that is
+    /// news (refused, and not refused at the last look).
+    pub fn quota_refuses_hibernation(&self, refused: bool) -> bool {
+        self.quota_refused.swap(refused, Ordering::SeqCst) != refused && refused
+    }
+
+    /// Whether the kernel is saved to disk, without a process.
+    pub fn is_hibernated(&self) -> bool {
+        self.readiness() == Readiness::Hibernated
+    }
+
+    /// Notes that the kernel's first process is a hibernated one restored (adopted from the
+    /// gateway before this one): the next result says `restored`.
+    pub(crate) fn mark_restored(&self) {
+        self.restored.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the kernel was restored from hibernation since the last call (an
+    /// execution's result says so once).
+    pub fn take_restored(&self) -> bool {
+        self.restored.swap(false, Ordering::SeqCst)
+    }
+
+    /// Saves the kernel's sandbox to disk and ends it (see the module's doc): only a ready
+    /// kernel with no cell running. Bytes the sandbox takes on disk.
+    pub async fn hibernate(self: &Arc<Self>) -> Result<u64, KernelError> {
+        let _ops = self.ops.lock().await;
+        if self.readiness() != Readiness::Ready {
+            return Err(KernelError::NotHibernatable("it is not ready".to_owned()));
+        }
+        if self.router.activity().execution_state == ExecutionState::Busy
+            || self.router.running().is_some()
+        {
+            return Err(KernelError::NotHibernatable("a cell is running".to_owned()));
+        }
+        let Some(instance) = self.instance.lock().clone() else {
+            return Err(KernelError::NotHibernatable("it has no process".to_owned()));
+        };
+        let started_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .saturating_sub(self.started.elapsed())
+            .as_millis();
+        let about = crate::sandbox::Hibernation {
+            kernel_id: self.id.to_string(),
+            key: instance.key.clone(),
+            generation: instance.generation,
+            started_ms: u64::try_from(started_ms).unwrap_or(u64::MAX),
+        };
+        // The process's end is the save's: not a death to report. Hibernated from now on:
+        // whatever needs the kernel meanwhile waits for the save, then restores it.
+        instance.expected_exit.store(true, Ordering::SeqCst);
+        let running = {
+            let _gate = self.send_gate.lock();
+            self.readiness.send_replace(Readiness::Hibernated);
+            self.router.running().is_some()
+        };
+        if running {
+            // A cell came in just before: not now.
+            instance.expected_exit.store(false, Ordering::SeqCst);
+            self.readiness.send_replace(Readiness::Ready);
+            return Err(KernelError::NotHibernatable("a cell is running".to_owned()));
+        }
+        let saving = std::time::Instant::now();
+        let saved = instance.handle.hibernate(&about).await;
+        match &saved {
+            // Not now (a full disk): tried again at a later pass.
+            Err(crate::sandbox::SandboxError::NotNow(_)) => {}
+            // Refused, the sandbox untouched: this one never will.
+            Err(_) if instance.handle.alive() => {
+                self.cannot_hibernate.store(true, Ordering::SeqCst);
+            }
+            _ => {}
+        }
+        crate::telemetry::metrics::metrics()
+            .hibernation_saved(saving.elapsed(), saved.as_ref().ok().map(|s| s.bytes));
+        match saved {
+            Ok(saved) => {
+                *self.saved_key.lock() = Some(instance.key.clone());
+                self.hibernated_bytes.store(saved.bytes, Ordering::SeqCst);
+                self.instance.lock().take();
+                self.router.clear_internal();
+                tracing::info!(kernel_id = %self.id, generation = instance.generation, bytes = saved.bytes, "kernel hibernated");
+                Ok(saved.bytes)
+            }
+            Err(err) => {
+                instance.expected_exit.store(false, Ordering::SeqCst);
+                self.readiness.send_replace(Readiness::Ready);
+                if !instance.handle.alive() {
+                    // Its end went by while it was expected: said here instead.
+                    let reason = format!("sandbox_lost: saving the kernel to disk failed: {err}");
+                    tracing::error!(kernel_id = %self.id, %reason, "hibernation failed");
+                    self.router.fail_pending_executions(
+                        "KernelDiedError",
+                        &reason,
+                        super::execution::Outcome::SandboxLost,
+                    );
+                    self.mark_dead(reason);
+                }
+                Err(err.into())
+            }
+        }
+    }
+
+    /// Restores a hibernated kernel (see the module's doc); nothing to do for one that is
+    /// not. A restore that fails starts a fresh process instead (the generation moves on).
+    pub async fn wake(self: &Arc<Self>) -> Result<(), KernelError> {
+        if !self.is_hibernated() {
+            return Ok(());
+        }
+        let _ops = self.ops.lock().await;
+        if !self.is_hibernated() {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        let generation = self.generation();
+        let key = self.saved_key.lock().clone().unwrap_or_default();
+        let record = KernelRecord {
+            kernel_id: self.id.to_string(),
+            owner: String::new(),
+            incarnation: String::new(),
+            sandbox: self.sandbox.backend().as_str().to_owned(),
+            namespace: String::new(),
+            kernelspec: self.spec.name.clone(),
+            policy: self.policy.clone(),
+            tenant: self.options.tenant.clone(),
+        };
+        let failure = match self.launch_as(generation, Some((record, key))).await {
+            Ok(launched) => {
+                self.clone().finish_boot(launched).await;
+                match self.readiness() {
+                    Readiness::Ready => None,
+                    Readiness::Dead(reason) => Some(reason),
+                    other => Some(format!("it ended {other:?}")),
+                }
+            }
+            Err(err) => Some(err.to_string()),
+        };
+        let metrics = crate::telemetry::metrics::metrics();
+        self.hibernated_bytes.store(0, Ordering::SeqCst);
+        let Some(failure) = failure else {
+            self.saved_key.lock().take();
+            self.restored.store(true, Ordering::SeqCst);
+            // The user is back: the idle clock starts again.
+            self.router.touch();
+            metrics.hibernation_restored(started.elapsed(), true);
+            tracing::info!(kernel_id = %self.id, generation, seconds = started.elapsed().as_secs_f64(), "kernel restored from hibernation");
+            return Ok(());
+        };
+        metrics.hibernation_restored(started.elapsed(), false);
+        self.saved_key.lock().take();
+        self.sandbox.forget(self.id.as_str());
+        if let Some(instance) = self.instance.lock().take() {
+            instance.expected_exit.store(true, Ordering::SeqCst);
+            let _ = instance.handle.kill();
+        }
+        let reason = format!(
+            "sandbox_lost: the hibernated kernel could not be restored ({failure}); a new \
+             kernel was started and its variables and workspace files are lost"
+        );
+        tracing::warn!(kernel_id = %self.id, %reason, "restore failed");
+        *self.last_restart_reason.lock() = Some(reason);
+        self.readiness.send_replace(Readiness::Restarting);
+        self.router.set_execution_state(ExecutionState::Starting);
+        let launched = match self.launch_generation().await {
+            Ok(launched) => launched,
+            Err(err) => {
+                self.mark_dead(err.to_string());
+                return Err(err);
+            }
+        };
+        self.clone().finish_boot(launched).await;
+        match self.readiness() {
+            Readiness::Ready => Ok(()),
+            Readiness::Dead(reason) => Err(KernelError::Dead(reason)),
+            _ => Err(KernelError::NotReady),
+        }
+    }
+
     /// Sends a client's message to the kernel, remembering who asked.
     pub async fn send(
         &self,
@@ -645,12 +884,19 @@ impl Kernel {
         session: &str,
         mut message: Message,
     ) -> Result<(), KernelError> {
-        let instance = self.ready_instance().await?;
         if message.msg_type() == "shutdown_request" && message.channel == Channel::Shell {
             // Protocol 5.4 moved shutdown to control; old clients still use shell.
             message.channel = Channel::Control;
         }
-        self.router.register_request(client, session, &message);
+        let instance = loop {
+            let instance = self.ready_instance().await?;
+            let _gate = self.send_gate.lock();
+            // A save may have begun since: then wait for it, and restore.
+            if self.readiness() == Readiness::Ready {
+                self.router.register_request(client, session, &message);
+                break instance;
+            }
+        };
         instance.channels.send(&message).await
     }
 
@@ -765,6 +1011,11 @@ impl Kernel {
         if self.readiness() == Readiness::Terminated {
             return Err(KernelError::Terminated);
         }
+        if self.is_hibernated() {
+            // A restart asked of a hibernated kernel starts afresh: what was saved goes.
+            self.saved_key.lock().take();
+            self.sandbox.forget(self.id.as_str());
+        }
         self.stop_instance(true).await;
         self.router.clear_running();
         self.readiness.send_replace(Readiness::Restarting);
@@ -794,6 +1045,8 @@ impl Kernel {
         self.readiness.send_replace(Readiness::Terminated);
         self.router.close_all();
         self.dirs.remove();
+        // A hibernated kernel's saved sandbox goes with it.
+        self.saved_key.lock().take();
         self.sandbox.forget(self.id.as_str());
         tracing::info!(kernel_id = %self.id, "kernel shut down");
     }
@@ -824,6 +1077,14 @@ impl Kernel {
 
     pub fn policy_idle_timeout(&self) -> Option<Duration> {
         self.options.idle_timeout
+    }
+
+    /// The policy's `hibernate_after`, unless this kernel's sandbox refused to hibernate.
+    pub fn policy_hibernate_after(&self) -> Option<Duration> {
+        if self.cannot_hibernate.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.options.policy.as_ref()?.limits.hibernate_after
     }
 
     pub fn policy_lifetime(&self) -> Option<Duration> {
@@ -860,7 +1121,8 @@ impl Kernel {
     /// `KernelManager::detach_survivors`): a backend that keeps its sandboxes, and a kernel
     /// a stored session will ask for again (a kernel no session holds is never adopted).
     pub fn outlives_gateway(&self) -> bool {
-        self.sandbox.kernels_outlive_gateway() && self.adoptable.load(Ordering::SeqCst)
+        (self.sandbox.kernels_outlive_gateway() || self.is_hibernated())
+            && self.adoptable.load(Ordering::SeqCst)
     }
 
     /// A stored session holds this kernel: a later gateway may adopt it.
@@ -929,7 +1191,8 @@ impl Kernel {
             Readiness::Starting
             | Readiness::Restarting
             | Readiness::Ready
-            | Readiness::Terminated => activity.execution_state,
+            | Readiness::Terminated
+            | Readiness::Hibernated => activity.execution_state,
         }
     }
 

@@ -86,6 +86,17 @@ pub struct KernelManager {
     pools: parking_lot::Mutex<HashMap<String, Pool>>,
     /// Kernels being started per tenant, so concurrent starts count toward its cap.
     starting: parking_lot::Mutex<HashMap<String, usize>>,
+    /// Each tenant's hibernated-storage quota in bytes (`None`: unlimited).
+    hibernation_quota: parking_lot::RwLock<Option<HibernationQuota>>,
+}
+
+/// A tenant's hibernated-storage quota, from the tenant settings (which this module does
+/// not read itself).
+pub type HibernationQuota = Arc<dyn Fn(&str) -> Option<u64> + Send + Sync>;
+
+/// Whether a save of about `estimate` bytes fits a quota of `limit` with `used` taken.
+fn hibernation_fits(used: u64, estimate: u64, limit: u64) -> bool {
+    used.saturating_add(estimate) <= limit
 }
 
 /// A tenant's place among kernels being started; released on drop.
@@ -240,6 +251,7 @@ impl KernelManager {
             options,
             pools: parking_lot::Mutex::new(HashMap::new()),
             starting: parking_lot::Mutex::new(HashMap::new()),
+            hibernation_quota: parking_lot::RwLock::new(None),
         });
         // Each policy's counters exist at zero before its first start, failure, execution
         // or denial, so that alerts on their increase see the first one (telemetry::metrics).
@@ -886,9 +898,35 @@ impl KernelManager {
         let Ok(policy) = self.options.policies.get(policy) else {
             return false;
         };
-        self.backends
+        self.backends.get(policy.backend).is_ok_and(|sandbox| {
+            sandbox
+                .survivor(id.as_str())
+                .is_some_and(|survivor| !survivor.hibernated)
+        })
+    }
+
+    /// Whether `id`'s kernel (of `policy`) is hibernated on disk from a gateway before this
+    /// one: its session is listed `hibernated`, and its next request restores it.
+    /// Removes what `id`'s backend kept of its sandbox for a later gateway (a hibernated
+    /// VM's files): its session is gone for good.
+    pub fn forget_sandbox(&self, id: &crate::ids::KernelId, policy: &str) {
+        let Ok(policy) = self.options.policies.get(policy) else {
+            return;
+        };
+        if let Ok(sandbox) = self.backends.get(policy.backend) {
+            sandbox.forget(id.as_str());
+        }
+    }
+
+    /// Its state generation when it is.
+    pub fn hibernated_generation(&self, id: &crate::ids::KernelId, policy: &str) -> Option<u64> {
+        let policy = self.options.policies.get(policy).ok()?;
+        let survivor = self
+            .backends
             .get(policy.backend)
-            .is_ok_and(|sandbox| sandbox.survivor(id.as_str()).is_some())
+            .ok()?
+            .survivor(id.as_str())?;
+        survivor.hibernated.then_some(survivor.generation)
     }
 
     /// Takes back the kernel of a session whose sandbox outlived the gateway before this one
@@ -939,19 +977,29 @@ impl KernelManager {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let age = Duration::from_millis(now_ms.saturating_sub(survivor.started_ms));
-        let kernel = self
+        let restoring = std::time::Instant::now();
+        let launched = self
             .launch_with_age(
                 &spec,
                 &policy,
                 BTreeMap::new(),
                 tenant.clone(),
-                Some((record, survivor.key)),
+                Some((record, survivor.key.clone())),
                 Some((id, survivor.generation.saturating_sub(1))),
                 Some(age),
             )
-            .await?;
+            .await;
+        if survivor.hibernated {
+            // The VM restored (to its kernel's process running, not yet ready), or not.
+            crate::telemetry::metrics::metrics()
+                .hibernation_restored(restoring.elapsed(), launched.is_ok());
+        }
+        let kernel = launched?;
         if let Some(tenant) = &tenant {
             kernel.set_owner(tenant);
+        }
+        if survivor.hibernated {
+            kernel.mark_restored();
         }
         self.kernels
             .write()
@@ -964,6 +1012,12 @@ impl KernelManager {
     /// gateway on this state directory (this one is stopping); how many.
     pub fn detach_survivors(&self) -> usize {
         self.detach_where(|k| k.outlives_gateway())
+    }
+
+    /// Lets every hibernated kernel a stored session holds go, its saved sandbox kept on
+    /// disk for the next gateway on this state directory (this one is stopping); how many.
+    pub fn detach_hibernated(&self) -> usize {
+        self.detach_where(|k| k.is_hibernated() && k.outlives_gateway())
     }
 
     /// Removes the kernels `which` picks and detaches them (their sandboxes run on); how many.
@@ -1097,6 +1151,68 @@ impl KernelManager {
             tracing::info!(kernel_id = %kernel.id, connections = kernel.connections(), reason, "culling kernel");
             let _ = self.shutdown(kernel.id.as_str()).await;
         }
+        self.hibernate_idle(now);
+    }
+
+    /// Sets each tenant's hibernated-storage quota (`[tenants] hibernated_storage`).
+    pub fn set_hibernation_quota(&self, quota: HibernationQuota) {
+        *self.hibernation_quota.write() = Some(quota);
+    }
+
+    /// Whether `kernel`'s tenant may keep it hibernated as well: what its hibernated kernels
+    /// take, plus this one's memory now (about what its save takes), within its quota.
+    fn hibernation_allowed(&self, kernel: &Kernel) -> bool {
+        let Some(tenant) = kernel.owner() else {
+            return true;
+        };
+        let Some(limit) = self
+            .hibernation_quota
+            .read()
+            .as_ref()
+            .and_then(|quota| quota(tenant))
+        else {
+            return true;
+        };
+        let used: u64 = self
+            .list()
+            .iter()
+            .filter(|k| k.owner() == Some(tenant))
+            .map(|k| k.hibernated_bytes())
+            .sum();
+        let estimate = kernel
+            .usage()
+            .and_then(|usage| usage.memory_bytes)
+            .unwrap_or(0);
+        let fits = hibernation_fits(used, estimate, limit);
+        if kernel.quota_refuses_hibernation(!fits) {
+            crate::telemetry::metrics::metrics().hibernation_refused();
+            tracing::warn!(kernel_id = %kernel.id, tenant, used, estimate, limit, "not hibernated: the tenant's hibernated_storage quota would be passed; the session stays running until its idle_timeout");
+        }
+        fits
+    }
+
+    /// Saves to disk, in the background, the ready kernels idle past their policy's
+    /// `hibernate_after` with no cell running (a connected client does not keep a kernel
+    /// awake: its next message restores it).
+    fn hibernate_idle(&self, now: OffsetDateTime) {
+        for kernel in self.list() {
+            let Some(after) = kernel.policy_hibernate_after() else {
+                continue;
+            };
+            let idle = kernel.readiness() == Readiness::Ready
+                && kernel.router().activity().execution_state == super::ExecutionState::Idle
+                && kernel.router().running().is_none()
+                && now - kernel.last_activity() > after;
+            if !idle || !self.hibernation_allowed(&kernel) {
+                continue;
+            }
+            tracing::info!(kernel_id = %kernel.id, "hibernating an idle kernel");
+            tokio::spawn(async move {
+                if let Err(err) = kernel.hibernate().await {
+                    tracing::warn!(kernel_id = %kernel.id, %err, "the kernel was not hibernated");
+                }
+            });
+        }
     }
 }
 
@@ -1108,5 +1224,19 @@ impl Drop for KernelManager {
                 tracing::warn!(dir = %self.options.runtime_root.display(), %err, "could not remove the runtime directory");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hibernation_fits_its_tenants_quota_or_is_not_made() {
+        assert!(hibernation_fits(0, 100, 100));
+        assert!(hibernation_fits(40, 60, 100));
+        assert!(!hibernation_fits(40, 61, 100));
+        assert!(!hibernation_fits(100, 1, 100));
+        assert!(!hibernation_fits(u64::MAX, 1, u64::MAX - 1));
     }
 }

@@ -104,6 +104,8 @@ pub enum KernelError {
     Terminated,
     #[error("kernel is not ready")]
     NotReady,
+    #[error("the kernel cannot hibernate now: {0}")]
+    NotHibernatable(String),
     #[error("kernel process died while starting")]
     DiedDuringStart,
     #[error("no reply to {0} from the kernel")]

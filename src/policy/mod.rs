@@ -112,6 +112,8 @@ struct LimitsSection {
     #[serde(default, with = "units::serde_duration")]
     idle_timeout: Option<Duration>,
     #[serde(default, with = "units::serde_duration")]
+    hibernate_after: Option<Duration>,
+    #[serde(default, with = "units::serde_duration")]
     lifetime: Option<Duration>,
     #[serde(default, with = "units::serde_size")]
     memory: Option<u64>,
@@ -141,6 +143,10 @@ pub struct PolicyLimits {
     pub interrupt_grace: Duration,
     /// A kernel with no activity this long is shut down.
     pub idle_timeout: Duration,
+    /// A kernel with no activity this long (and no client connected) is saved to disk and
+    /// its memory freed, to be restored at the next request (microvm only; shorter than
+    /// `idle_timeout`, which goes on counting while it is hibernated). `None`: never.
+    pub hibernate_after: Option<Duration>,
     /// A kernel is shut down this long after it started, whatever it does.
     pub lifetime: Duration,
     pub memory_bytes: u64,
@@ -169,6 +175,7 @@ impl Default for PolicyLimits {
             execution_timeout: Duration::from_secs(300),
             interrupt_grace: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(30 * 60),
+            hibernate_after: None,
             lifetime: Duration::from_secs(12 * 3600),
             memory_bytes: 1 << 30,
             cpu_millis: 1000,
@@ -211,10 +218,13 @@ impl Policy {
     /// The policy's settings for its sandbox backend, as the kernel core passes them on
     /// without looking inside.
     pub fn backend_settings(&self) -> crate::sandbox::BackendSettings {
-        self.kubernetes
+        let mut settings = self
+            .kubernetes
             .clone()
             .map(crate::sandbox::BackendSettings::kubernetes)
-            .unwrap_or_default()
+            .unwrap_or_default();
+        settings.hibernate = self.limits.hibernate_after.is_some();
+        settings
     }
 }
 
@@ -351,6 +361,7 @@ impl Policy {
             execution_timeout: l.execution_timeout.unwrap_or(d.execution_timeout),
             interrupt_grace: l.interrupt_grace.unwrap_or(d.interrupt_grace),
             idle_timeout: l.idle_timeout.unwrap_or(d.idle_timeout),
+            hibernate_after: l.hibernate_after,
             lifetime: l.lifetime.unwrap_or(d.lifetime),
             memory_bytes: l.memory.unwrap_or(d.memory_bytes),
             cpu_millis: match l.cpus {
@@ -418,6 +429,28 @@ impl Policy {
                 "sandbox.zygote",
                 "only the namespaces backend forks kernels from a zygote",
             ));
+        }
+        if let Some(after) = limits.hibernate_after {
+            if backend != Backend::Microvm {
+                return Err(invalid(
+                    path,
+                    "limits.hibernate_after",
+                    "only the microvm backend can hibernate a kernel so far (namespaces, \
+                     gvisor and kubernetes kernels cannot be saved to disk: their idle kernels \
+                     are culled at idle_timeout)",
+                ));
+            }
+            if after.is_zero() || after >= limits.idle_timeout {
+                return Err(invalid(
+                    path,
+                    "limits.hibernate_after",
+                    format!(
+                        "must be longer than zero and shorter than idle_timeout ({} s), which \
+                         ends a hibernated kernel too",
+                        limits.idle_timeout.as_secs()
+                    ),
+                ));
+            }
         }
         if file.sandbox.allow_emulation && backend != Backend::Microvm {
             return Err(invalid(
@@ -654,6 +687,33 @@ mod tests {
                 .unwrap()
                 .allow_emulation
         );
+    }
+
+    #[test]
+    fn only_microvm_policies_hibernate_and_before_their_idle_timeout() {
+        let vm = "[sandbox]\nbackend = \"microvm\"\n[limits]\n";
+        let p = parse(&format!("{vm}hibernate_after = \"5m\"\n")).unwrap();
+        assert_eq!(p.limits.hibernate_after, Some(Duration::from_secs(300)));
+        assert!(p.backend_settings().hibernate);
+        assert_eq!(parse(vm).unwrap().limits.hibernate_after, None);
+        assert!(!parse(vm).unwrap().backend_settings().hibernate);
+        for backend in ["namespaces", "gvisor"] {
+            let err = parse(&format!(
+                "[sandbox]\nbackend = \"{backend}\"\n[limits]\nhibernate_after = \"5m\"\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("limits.hibernate_after"), "{err}");
+            assert!(err.contains("only the microvm backend"), "{err}");
+        }
+        for late in [
+            "hibernate_after = \"30m\"\n",
+            "hibernate_after = \"1h\"\nidle_timeout = \"10m\"\n",
+            "hibernate_after = \"0s\"\n",
+        ] {
+            let err = parse(&format!("{vm}{late}")).unwrap_err().to_string();
+            assert!(err.contains("shorter than idle_timeout"), "{late}: {err}");
+        }
     }
 
     #[test]

@@ -398,6 +398,9 @@ pub struct KernelLabels {
 #[derive(Debug, Clone, Default)]
 pub struct BackendSettings {
     pub(crate) kubernetes: Option<Arc<PodSettings>>,
+    /// The policy asks for hibernation (`[limits] hibernate_after`): the sandbox must be one
+    /// that can be saved (a microVM on virtio-serial, with its VMM's control socket kept).
+    pub(crate) hibernate: bool,
 }
 
 impl BackendSettings {
@@ -405,6 +408,7 @@ impl BackendSettings {
     pub fn kubernetes(settings: Arc<PodSettings>) -> BackendSettings {
         BackendSettings {
             kubernetes: Some(settings),
+            hibernate: false,
         }
     }
 }
@@ -567,6 +571,21 @@ pub trait SandboxHandle: Send + Sync {
     /// over): its end is not reported and nothing is killed. Backends whose kernels die with
     /// the gateway have nothing to do.
     fn detach(&self) {}
+    /// Saves the running sandbox to disk and ends it, its memory freed (hibernation): a
+    /// later launch with [`LaunchSpec::adopt`] restores it, the kernel's process and
+    /// variables as they were. What the save needs to know of the kernel is in `about`.
+    /// Backends that cannot (all but a hibernation-capable microVM) refuse, the sandbox
+    /// untouched.
+    fn hibernate<'a>(
+        &'a self,
+        _about: &'a Hibernation,
+    ) -> BoxFuture<'a, Result<Hibernated, SandboxError>> {
+        Box::pin(async {
+            Err(SandboxError::Setup(
+                "this sandbox cannot hibernate".to_owned(),
+            ))
+        })
+    }
     /// Whether the kernel process still exists. Checked *after* opening a path from
     /// [`SandboxHandle::workspace_root`] under `/proc/<pid>`: a process that has not exited
     /// cannot have had its pid reused, so the handle opened was the sandbox's.
@@ -640,6 +659,27 @@ pub struct SurvivorInfo {
     pub generation: u64,
     /// When the kernel started (Unix time, milliseconds).
     pub started_ms: u64,
+    /// It is saved on disk (hibernated), not running: adopting it restores it, which is
+    /// left to the session's next request rather than done at start.
+    pub hibernated: bool,
+}
+
+/// What a backend saving a sandbox to disk records of its kernel (see
+/// [`SandboxHandle::hibernate`]), to give it back as a [`SurvivorInfo`].
+#[derive(Debug, Clone)]
+pub struct Hibernation {
+    pub kernel_id: String,
+    pub key: String,
+    pub generation: u64,
+    pub started_ms: u64,
+}
+
+/// A sandbox saved to disk.
+#[derive(Debug, Clone, Copy)]
+pub struct Hibernated {
+    /// Bytes on disk: the saved state and what the sandbox keeps beside it (a workspace
+    /// disk, as allocated).
+    pub bytes: u64,
 }
 
 /// Errors of sandbox backends.
@@ -661,6 +701,10 @@ pub enum SandboxError {
     Signal(#[source] std::io::Error),
     #[error("sandbox set-up failed: {0}")]
     Setup(String),
+    /// A save to disk (hibernation) not made now, the sandbox untouched: it may be tried
+    /// again later (the disk is too full, say).
+    #[error("not saved now: {0}")]
+    NotNow(String),
     #[error(transparent)]
     Namespaces(#[from] NamespacesError),
     #[error(transparent)]

@@ -72,6 +72,7 @@ impl ExecutionResult {
             duration_ms: 0,
             state_generation,
             resources: Resources::default(),
+            restored: false,
         }
     }
 }
@@ -184,6 +185,10 @@ pub struct ExecutionResult {
     /// Changes whenever the kernel's variables were lost (restart, crash, OOM).
     pub state_generation: u64,
     pub resources: Resources,
+    /// The session had been hibernated (saved to disk while idle) and was restored for
+    /// this execution, its variables intact (the generation is the same). Absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub restored: bool,
 }
 
 /// One event of a session: the stream of an execution, or the kernel's state.
@@ -269,6 +274,8 @@ pub enum KernelPhase {
     Ready,
     Dead,
     Terminated,
+    /// Saved to disk while idle; restored (`ready`, same generation) by the next request.
+    Hibernated,
 }
 
 impl SessionEvent {
@@ -377,6 +384,7 @@ mod tests {
                 memory_peak_bytes: None,
                 memory_bytes: Some(2),
             },
+            restored: true,
         }
     }
 

@@ -429,6 +429,7 @@ impl Session {
             duration_ms,
             state_generation: self.kernel.generation(),
             resources,
+            restored: self.kernel.take_restored(),
         }
     }
 }

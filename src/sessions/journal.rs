@@ -291,6 +291,7 @@ mod tests {
             duration_ms: 1,
             state_generation: 1,
             resources: Default::default(),
+            restored: false,
         }
     }
 

@@ -176,6 +176,9 @@ pub enum SessionState {
     Restarting,
     Dead,
     Terminated,
+    /// Saved to disk while idle (`[limits] hibernate_after`): the next request restores it,
+    /// its variables intact.
+    Hibernated,
 }
 
 impl From<ExecutionState> for SessionState {
@@ -254,6 +257,7 @@ impl Session {
         let state = match &readiness {
             Readiness::Terminated => SessionState::Terminated,
             Readiness::Dead(_) => SessionState::Dead,
+            Readiness::Hibernated => SessionState::Hibernated,
             Readiness::Starting | Readiness::Restarting | Readiness::Ready => {
                 self.kernel.execution_state().into()
             }
@@ -462,6 +466,7 @@ impl Session {
             Readiness::Restarting => (KernelPhase::Restarting, generation, None),
             Readiness::Dead(reason) => (KernelPhase::Dead, generation, Some(reason)),
             Readiness::Terminated => (KernelPhase::Terminated, generation, None),
+            Readiness::Hibernated => (KernelPhase::Hibernated, generation, None),
         }
     }
 
@@ -691,13 +696,15 @@ impl Sessions {
             // Under the map's lock, as `end` does: a revival racing the expiry either took
             // it first (then it is live, not expired) or finds it gone.
             let mut dormant = self.dormant.write();
-            if dormant.remove(&id).is_none() {
+            let Some(gone) = dormant.remove(&id) else {
                 continue;
-            }
+            };
             if let Some(store) = &self.store {
                 store.delete_session(id.as_str());
             }
             drop(dormant);
+            // A sandbox kept for it (hibernated on disk) goes with it.
+            self.kernels.forget_sandbox(&id.kernel(), &gone.row.policy);
             self.artifacts.expire_session(id.as_str());
             tracing::info!(session_id = %id, "dormant session expired: its policy's idle timeout or lifetime, or --dormant-retention, has passed");
             removed.push(id);
@@ -715,6 +722,21 @@ impl Sessions {
         self.dormant.read().get(id).cloned()
     }
 
+    /// A dormant session as listed: `hibernated`, its generation kept, when its kernel was
+    /// saved to disk by the gateway before this one (its next request restores it).
+    pub fn dormant_model(&self, dormant: &Dormant) -> SessionModel {
+        let mut model = dormant.model();
+        if let Some(generation) = self
+            .kernels
+            .hibernated_generation(&dormant.id.kernel(), &dormant.row.policy)
+        {
+            model.state = SessionState::Hibernated;
+            model.state_generation = generation;
+            model.reason = None;
+        }
+        model
+    }
+
     /// Every session as listed, live and dormant, with its owner, oldest first.
     pub fn models(&self) -> Vec<(Option<String>, SessionModel)> {
         let mut out: Vec<(Option<String>, SessionModel)> = self
@@ -726,7 +748,7 @@ impl Sessions {
             self.dormant
                 .read()
                 .values()
-                .map(|d| (d.row.tenant.clone(), d.model())),
+                .map(|d| (d.row.tenant.clone(), self.dormant_model(d))),
         );
         out.sort_by(|a, b| a.1.created.cmp(&b.1.created).then(a.1.id.cmp(&b.1.id)));
         out
@@ -1075,10 +1097,12 @@ impl Sessions {
     /// working until they expire or the artifacts go: a one-shot execute's session ends with
     /// its result, whose links are what the caller shows.
     pub async fn end(&self, id: &SessionId) -> Result<(), SessionError> {
-        if self.dormant.write().remove(id).is_some() {
+        let gone = self.dormant.write().remove(id);
+        if let Some(gone) = gone {
             if let Some(store) = &self.store {
                 store.delete_session(id.as_str());
             }
+            self.kernels.forget_sandbox(&id.kernel(), &gone.row.policy);
             self.artifacts.expire_session(id.as_str());
             tracing::info!(session_id = %id, "dormant session deleted");
             return Ok(());

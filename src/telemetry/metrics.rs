@@ -4,7 +4,8 @@
 //! Events (kernel starts by source: pool, cold or refill; start failures; pool hits and
 //! misses; executions and their durations by outcome; denials; rate-limited requests; HTTP
 //! requests by route template; open connections and WebSockets; the zygotes' starts, forks
-//! and cold starts) are recorded into process-wide families ([`metrics()`]), as the logger is
+//! and cold starts; hibernations and restores by outcome, their durations, and the saved
+//! sandboxes' sizes) are recorded into process-wide families ([`metrics()`]), as the logger is
 //! process-wide: kernels, the egress proxy, tenants and the HTTP edge all record without
 //! being handed a registry. Nothing here sits on the per-message path: an execution, a
 //! kernel start, a request or a denial costs an atomic add and, for histograms, one
@@ -193,12 +194,50 @@ pub struct Metrics {
     zygote_forks: Family<ZygoteLabels, Counter>,
     zygote_cold_starts: Counter,
     zygote_preload_missing: Gauge,
+    hibernations: Family<HibernationLabels, Counter>,
+    hibernate_seconds: Histogram,
+    hibernated_bytes: Histogram,
+    restores: Family<HibernationLabels, Counter>,
+    restore_seconds: Histogram,
+    hibernations_refused: Counter,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HibernationLabels {
+    outcome: ZygoteOutcome,
+}
+
+/// Saves and restores of a VM: about a second natively, tens of seconds under emulation.
+fn hibernation_histogram() -> Histogram {
+    Histogram::new([
+        0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0,
+    ])
+}
+
+/// A saved sandbox on disk: about its RAM plus its workspace's used blocks.
+fn size_histogram() -> Histogram {
+    Histogram::new(
+        [
+            16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+        ]
+        .map(|mib| mib * 1048576.0),
+    )
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     let metrics = new_metrics();
     // At zero from the start, so that an alert on the first failure has a series to see.
     for outcome in [ZygoteOutcome::ok, ZygoteOutcome::failed] {
+        drop(
+            metrics
+                .hibernations
+                .get_or_create(&HibernationLabels { outcome }),
+        );
+        drop(
+            metrics
+                .restores
+                .get_or_create(&HibernationLabels { outcome }),
+        );
         drop(
             metrics
                 .zygote_starts
@@ -231,6 +270,12 @@ fn new_metrics() -> Metrics {
         zygote_forks: Family::default(),
         zygote_cold_starts: Counter::default(),
         zygote_preload_missing: Gauge::default(),
+        hibernations: Family::default(),
+        hibernate_seconds: hibernation_histogram(),
+        hibernated_bytes: size_histogram(),
+        restores: Family::default(),
+        restore_seconds: hibernation_histogram(),
+        hibernations_refused: Counter::default(),
     }
 }
 
@@ -370,6 +415,41 @@ impl Metrics {
             .inc();
     }
 
+    /// A kernel's sandbox was saved to disk (`bytes` on disk) or failed to be (`None`).
+    pub fn hibernation_saved(&self, elapsed: Duration, bytes: Option<u64>) {
+        let outcome = match bytes {
+            Some(bytes) => {
+                self.hibernate_seconds.observe(elapsed.as_secs_f64());
+                self.hibernated_bytes.observe(bytes as f64);
+                ZygoteOutcome::ok
+            }
+            None => ZygoteOutcome::failed,
+        };
+        self.hibernations
+            .get_or_create(&HibernationLabels { outcome })
+            .inc();
+    }
+
+    /// A save was not made: its tenant's hibernated-storage quota would have been passed.
+    pub fn hibernation_refused(&self) {
+        self.hibernations_refused.inc();
+    }
+
+    /// A hibernated kernel was restored (`ok`), or could not be and started afresh.
+    pub fn hibernation_restored(&self, elapsed: Duration, ok: bool) {
+        if ok {
+            self.restore_seconds.observe(elapsed.as_secs_f64());
+        }
+        let outcome = if ok {
+            ZygoteOutcome::ok
+        } else {
+            ZygoteOutcome::failed
+        };
+        self.restores
+            .get_or_create(&HibernationLabels { outcome })
+            .inc();
+    }
+
     /// A kernel a zygote could have forked started cold (no zygote ready, or a failed fork).
     pub fn zygote_cold_start(&self) {
         self.zygote_cold_starts.inc();
@@ -477,6 +557,7 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
     register_executions(&mut registry, m);
     register_traffic(&mut registry, m);
     register_zygotes(&mut registry, m);
+    register_hibernation(&mut registry, m);
     register_snapshot(&mut registry, snapshot);
     // Unprefixed, as every Prometheus client library names them.
     let mut process = Registry::default();
@@ -485,6 +566,40 @@ pub fn render(snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
     prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)?;
     prometheus_client::encoding::prometheus_text::encode(&mut out, &process)?;
     Ok(out)
+}
+
+/// Hibernation: saves and restores.
+fn register_hibernation(registry: &mut Registry, m: &Metrics) {
+    registry.register(
+        "hibernations",
+        "Kernels' sandboxes saved to disk (hibernated), by outcome",
+        m.hibernations.clone(),
+    );
+    registry.register(
+        "hibernate_seconds",
+        "Time to save a kernel's sandbox to disk",
+        m.hibernate_seconds.clone(),
+    );
+    registry.register(
+        "hibernated_bytes",
+        "Bytes on disk of a hibernated sandbox (its saved state and workspace)",
+        m.hibernated_bytes.clone(),
+    );
+    registry.register(
+        "hibernations_refused",
+        "Idle kernels not hibernated: their tenant's hibernated_storage quota would be passed",
+        m.hibernations_refused.clone(),
+    );
+    registry.register(
+        "restores",
+        "Hibernated kernels restored (ok) or lost (failed: a fresh kernel started)",
+        m.restores.clone(),
+    );
+    registry.register(
+        "restore_seconds",
+        "Time to restore a hibernated kernel, to ready",
+        m.restore_seconds.clone(),
+    );
 }
 
 /// Kernel starts and the warm pool.
@@ -758,6 +873,9 @@ mod tests {
             "cellgate_zygote_forks_total{outcome=\"failed\"} 0".to_owned(),
             "cellgate_zygote_cold_starts_total 0".to_owned(),
             "cellgate_pool_misses_total 0".to_owned(),
+            "cellgate_hibernations_total{outcome=\"failed\"} 0".to_owned(),
+            "cellgate_restores_total{outcome=\"ok\"} 0".to_owned(),
+            "cellgate_hibernations_refused_total 0".to_owned(),
         ] {
             assert!(text.contains(&line), "{line} missing from:\n{text}");
         }

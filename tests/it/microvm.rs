@@ -945,3 +945,235 @@ async fn microvm_runs_python3_lean_in_its_own_venv() -> Result<()> {
     assert_eq!(r["stdout"], "/opt/cellgate/venv True True\n", "{r}");
     Ok(())
 }
+
+/// Whether a process other than the test's runs with its working directory under a path
+/// naming `kernel_id`: the kernel's VMM (QEMU runs in the VM's runtime directory).
+fn vmm_of(kernel_id: &str) -> bool {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|entry| {
+            std::fs::read_link(entry.path().join("cwd"))
+                .is_ok_and(|cwd| cwd.to_string_lossy().contains(kernel_id))
+        })
+}
+
+/// The session's listing once its state is `state` (at most [`PATIENCE`]).
+async fn session_once(v1: &V1Client<'_>, id: &str, state: &str) -> Result<Value> {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        let (status, session) = v1.get(&format!("/v1/sessions/{id}")).await?;
+        anyhow::ensure!(status == 200, "{session}");
+        if session["state"] == state {
+            return Ok(session);
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the session never became {state}: {session}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// Hibernation (issue 31): an idle session's VM is saved to the state directory and ended,
+/// and the next request restores it with its variables and files, the generation kept and
+/// the result saying `restored`; a saved VM that cannot be restored (its state damaged) is
+/// a lost sandbox: a fresh kernel, the generation moved on, the next execute working.
+#[tokio::test]
+async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Result<()> {
+    let port = test_server("allowed").await?;
+    let state = tempfile::Builder::new().prefix("cg-hib").tempdir()?;
+    let state_dir = state.path().to_str().context("path")?.to_owned();
+    let (gateway, _dir) = vm_gateway_with(
+        port,
+        "memory = \"384MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"4s\"",
+        true,
+        // One culling pass a second; no warm-pool zygote competing for the CPU.
+        &[
+            "--cull-interval",
+            "1",
+            "--microvm-snapshots",
+            "false",
+            "--state-dir",
+            &state_dir,
+        ],
+    )
+    .await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let r = v1
+        .execute(&id, "x = 41 + 1\nopen('kept.txt', 'w').write('intact')\nx")
+        .await?;
+    assert_eq!(r["result"], "42", "{r}");
+    let generation = r["state_generation"].clone();
+    assert!(r.get("restored").is_none(), "{r}");
+
+    let hibernated = session_once(&v1, &id, "hibernated")
+        .await
+        .with_context(|| gateway.log())?;
+    assert_eq!(hibernated["state_generation"], generation, "{hibernated}");
+    // Listed `hibernated` from the start of the save; its record is written last.
+    let saved = state.path().join("hibernated").join(&id);
+    assert!(
+        eventually(PATIENCE, || saved.join("record.json").is_file()).await,
+        "{}",
+        gateway.log()
+    );
+    assert!(saved.join("vm.state").is_file());
+    assert!(saved.join("workspace.ext4").is_file());
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&saved)?.permissions().mode() & 0o777,
+        0o700
+    );
+    assert_eq!(
+        std::fs::metadata(saved.join("vm.state"))?
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+    assert!(
+        eventually(PATIENCE, || !vmm_of(&id)).await,
+        "the VM's QEMU is gone once it is saved"
+    );
+
+    // A file request restores it: the workspace file is intact…
+    let response = v1
+        .request(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/files/kept.txt"),
+        )
+        .send()
+        .await?;
+    assert_eq!(response.status(), 200, "{}", gateway.log());
+    assert_eq!(response.text().await?, "intact");
+    // …and the variables: the same kernel, not a restart.
+    let r = v1.execute(&id, "x").await?;
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["result"], "42", "{r}");
+    assert_eq!(r["state_generation"], generation, "{r}");
+    assert_eq!(r["restored"], true, "{r}");
+    assert!(
+        !saved.exists(),
+        "what was saved is gone once the VM runs from it"
+    );
+    let r = v1.execute(&id, "x + 1").await?;
+    assert!(r.get("restored").is_none(), "said once: {r}");
+
+    // Hibernated again, and the gateway stopped: the next one on the state directory lists
+    // the session hibernated and restores it at its next execute.
+    session_once(&v1, &id, "hibernated").await?;
+    assert!(eventually(PATIENCE, || saved.join("record.json").is_file()).await);
+    drop(v1);
+    drop(gateway);
+    assert!(saved.join("record.json").is_file(), "kept across the stop");
+    let (gateway, _dir2) = vm_gateway_with(
+        port,
+        "memory = \"384MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"4s\"",
+        true,
+        &[
+            "--cull-interval",
+            "1",
+            "--microvm-snapshots",
+            "false",
+            "--state-dir",
+            &state_dir,
+        ],
+    )
+    .await?;
+    let v1 = V1Client::new(&gateway);
+    let (status, listed) = v1.get(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed["state"], "hibernated", "{listed}");
+    assert_eq!(listed["state_generation"], generation, "{listed}");
+    let r = v1.execute(&id, "x").await?;
+    assert_eq!(r["result"], "42", "{r}\n{}", gateway.log());
+    assert_eq!(r["state_generation"], generation, "{r}");
+    assert_eq!(r["restored"], true, "{r}");
+
+    // Hibernated again, then its saved state damaged: the restore fails, reported as a lost
+    // sandbox, and the session goes on with a fresh kernel.
+    session_once(&v1, &id, "hibernated").await?;
+    assert!(eventually(PATIENCE, || saved.join("record.json").is_file()).await);
+    std::fs::write(saved.join("vm.state"), b"not a VM's state")?;
+    let r = v1.execute(&id, "x").await?;
+    assert_eq!(r["error"]["ename"], "NameError", "a fresh kernel: {r}");
+    assert!(r.get("restored").is_none(), "{r}");
+    let bumped = r["state_generation"].as_u64().context("generation")?;
+    assert!(bumped > generation.as_u64().context("generation")?, "{r}");
+    let (_, kernel) = v1.get(&format!("/api/kernels/{id}")).await?;
+    assert!(
+        kernel["cellgate"]["last_restart_reason"]
+            .as_str()
+            .is_some_and(|reason| reason.starts_with("sandbox_lost")),
+        "{kernel}"
+    );
+    assert!(!saved.exists());
+    let r = v1.execute(&id, "1 + 1").await?;
+    assert_eq!(r["result"], "2", "{r}");
+
+    // This gateway's saves and restores, counted: one restore after the restart, one save,
+    // the damaged one's failed restore.
+    let metrics = crate::operations::scrape(&gateway).await?;
+    let sample = |series: &str| crate::operations::sample(&metrics, series);
+    assert_eq!(sample("cellgate_hibernations_total{outcome=\"ok\"}"), 1.0);
+    assert_eq!(sample("cellgate_restores_total{outcome=\"ok\"}"), 1.0);
+    assert_eq!(sample("cellgate_restores_total{outcome=\"failed\"}"), 1.0);
+    assert_eq!(sample("cellgate_hibernate_seconds_count"), 1.0);
+    assert_eq!(sample("cellgate_hibernated_bytes_count"), 1.0);
+    assert!(sample("cellgate_hibernated_bytes_sum") > 1e6);
+    Ok(())
+}
+
+/// The tenant quota `hibernated_storage`: a session whose save would pass it is not saved,
+/// and stays running with its variables (said in the log), rather than being hibernated.
+#[tokio::test]
+async fn a_tenant_past_its_hibernated_storage_keeps_its_session_running() -> Result<()> {
+    let port = test_server("allowed").await?;
+    let secrets = tempfile::tempdir()?;
+    let secret = crate::tenants::secret_file(secrets.path());
+    let (gateway, _dir) = vm_gateway_with(
+        port,
+        "memory = \"384MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"2s\"",
+        true,
+        &[
+            "--cull-interval",
+            "1",
+            "--microvm-snapshots",
+            "false",
+            "--jwt-secret-file",
+            secret.to_str().context("path")?,
+            "--tenant-hibernated-storage",
+            "1",
+        ],
+    )
+    .await?;
+    let acme = V1Client::bearer(
+        &gateway,
+        &crate::tenants::hs256(&crate::tenants::claims("acme", "vm")),
+    );
+    let id = acme
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let r = acme.execute(&id, "x = 7\nx").await?;
+    assert_eq!(r["result"], "7", "{r}");
+    let refused = "not hibernated: the tenant's hibernated_storage quota";
+    assert!(
+        eventually(PATIENCE, || gateway.log().contains(refused)).await,
+        "{}",
+        gateway.log()
+    );
+    let (_, session) = acme.get(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(session["state"], "idle", "{session}");
+    assert!(vmm_of(&id), "its VM runs on");
+    let r = acme.execute(&id, "x").await?;
+    assert_eq!(r["result"], "7", "{r}");
+    assert!(r.get("restored").is_none(), "{r}");
+    Ok(())
+}

@@ -190,6 +190,8 @@ async fn metrics_count_what_kernels_did_and_only_operators_read_them() -> Result
     let states = ["starting", "idle", "busy", "restarting", "dead"];
     let live: f64 = states.iter().map(|s| kernels(s)).sum();
     assert_eq!(live, 3.0, "{:?}", states.map(|s| (s, kernels(s))));
+    // Saved to disk, counted apart (none here: the default policy does not hibernate).
+    assert_eq!(kernels("hibernated"), 0.0);
     assert!(
         kernels("idle") >= 2.0,
         "{:?}",

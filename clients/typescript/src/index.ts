@@ -122,6 +122,9 @@ export interface Execution {
   duration_ms: number;
   state_generation: number;
   resources: { cpu_time_ms?: number; memory_peak_bytes?: number; memory_bytes?: number };
+  /** True on the first result after the session was restored from hibernation (saved to
+   * disk while idle): its variables are intact and `state_generation` is unchanged. */
+  restored?: boolean;
 }
 
 export interface FileEntry {

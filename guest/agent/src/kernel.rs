@@ -63,6 +63,10 @@ struct State {
     kmsg: Option<Kmsg>,
     /// The environment shown at [`ENVIRONMENT_AT`], once bound.
     environment: Option<String>,
+    /// Whether a kernel was started (a later session must attach), and the key its
+    /// connection file signs with (none for a plain program: nothing can attach to it).
+    started: bool,
+    key: Option<Vec<u8>>,
 }
 
 /// A prepared zygote: its process, the agent's end of its socket, and what it was started
@@ -165,6 +169,22 @@ impl Kernel {
         self.state().workspace.clone()
     }
 
+    /// Whether a host session must attach (prove the kernel's key) before it may do
+    /// anything: once a kernel was started, and its key (`None`: none to prove, so no
+    /// session can attach).
+    pub fn attach_key(&self) -> (bool, Option<Vec<u8>>) {
+        let state = self.state();
+        (state.started, state.key.clone())
+    }
+
+    /// Makes the kernel look started with `key`, for the session's tests.
+    #[cfg(test)]
+    pub fn pretend_started(&self, key: &[u8]) {
+        let mut state = self.state();
+        state.started = true;
+        state.key = Some(key.to_vec());
+    }
+
     pub fn running(&self) -> bool {
         self.state().pid.is_some() && self.exit.borrow().is_none()
     }
@@ -212,6 +232,11 @@ impl Kernel {
             None => self.spawn_kernel(start, cgroup.as_deref())?,
         };
         state.pid = Some(pid);
+        state.started = true;
+        state.key = start
+            .connection
+            .as_ref()
+            .and_then(|c| c.info.get("key")?.as_str().map(|k| k.as_bytes().to_vec()));
         state.endpoints = endpoints;
         state.cgroup = cgroup;
         state.log = Some(PathBuf::from(LOG_FILE));

@@ -46,6 +46,23 @@
 //! This authenticates the two ends; it does not encrypt what follows (see SCALING.md: the
 //! cluster network between gateway and kernel pods is trusted to be private, as for Jupyter
 //! Enterprise Gateway's ZMQ ports; a service mesh's mTLS adds confidentiality).
+//!
+//! **A kernel outlives its session.** The host may end a session with [`Op::Detach`]: the
+//! agent answers, then closes the session's streams (the kernel's channel bridges) and the
+//! link; the kernel runs on, and the agent waits for the next host (a VM saved to disk and
+//! restored later, a gateway that restarted). Once a kernel was started, a later session is
+//! *unattached* until it proves the kernel's key on its control stream, the same mutual
+//! HMAC-SHA256 over a nonce from each side as the TCP proof, with labels of its own:
+//! 1. the host asks [`Op::Challenge`] with its nonce;
+//! 2. the guest answers [`Reply::Challenge`]: its nonce and its proof ([`attach_guest_mac`]);
+//! 3. the host checks it and sends [`Op::Attach`] with its own proof ([`attach_host_mac`]);
+//! 4. the guest checks it: [`Reply::Done`], and the session may do everything; a wrong proof
+//!    is answered [`Reply::Failed`] and ends the session.
+//!
+//! Until then the guest opens nothing but the control stream and answers nothing but these
+//! two requests, so a restored VM serves only a gateway that holds its kernel's key. A
+//! session over TCP proved the key already and starts attached; a VM whose kernel was never
+//! started (a fresh boot, a warm-pool clone) has no key yet and starts attached too.
 
 use std::collections::BTreeMap;
 
@@ -53,7 +70,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The protocol's name and version, first on both handshake lines.
-pub const MAGIC: &str = "CELLGATE-AGENT/2";
+pub const MAGIC: &str = "CELLGATE-AGENT/3";
 
 /// The longest JSON line either side accepts. Requests carry a kernel's environment and
 /// argv; replies carry at most a log tail of [`LOG_TAIL_BYTES`].
@@ -125,6 +142,31 @@ pub fn check_host_proof(key: &[u8], host_nonce: &str, guest_nonce: &str, line: &
     line.strip_prefix(&format!("{MAGIC} PROOF "))
         .map(str::trim_end)
         .is_some_and(|mac| mac_matches(key, "host", guest_nonce, host_nonce, mac))
+}
+
+/// The guest's proof of `key` when a host attaches (see the module's doc), in hex.
+pub fn attach_guest_mac(key: &[u8], host_nonce: &str, guest_nonce: &str) -> String {
+    proof_mac(key, "attach-guest", host_nonce, guest_nonce)
+}
+
+/// Whether `mac` is the guest's attach proof of `key` for these nonces.
+pub fn check_attach_guest_mac(key: &[u8], host_nonce: &str, guest_nonce: &str, mac: &str) -> bool {
+    valid_nonce(guest_nonce) && mac_matches(key, "attach-guest", host_nonce, guest_nonce, mac)
+}
+
+/// The host's proof of `key` when it attaches, over the nonces in the other order.
+pub fn attach_host_mac(key: &[u8], host_nonce: &str, guest_nonce: &str) -> String {
+    proof_mac(key, "attach-host", guest_nonce, host_nonce)
+}
+
+/// Whether `mac` is the host's attach proof of `key` for these nonces.
+pub fn check_attach_host_mac(key: &[u8], host_nonce: &str, guest_nonce: &str, mac: &str) -> bool {
+    mac_matches(key, "attach-host", guest_nonce, host_nonce, mac)
+}
+
+/// Whether `nonce` is one a proof may be made over: 8 to 64 letters and digits.
+pub fn is_valid_nonce(nonce: &str) -> bool {
+    valid_nonce(nonce)
 }
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
@@ -429,6 +471,15 @@ pub enum Op {
     Restored { seed: String, unix_time_ns: u64 },
     /// Powers the VM off.
     Poweroff,
+    /// Ends this session, not the kernel: the agent answers [`Reply::Done`], then closes the
+    /// session's streams and the link, and waits for the next host, which must attach (see
+    /// the module's doc).
+    Detach,
+    /// The first step of attaching to a running kernel: the host's nonce; answered with
+    /// [`Reply::Challenge`].
+    Challenge { nonce: String },
+    /// The second step: the host's proof over both nonces ([`attach_host_mac`]).
+    Attach { proof: String },
 }
 
 /// How to start the kernel inside the guest.
@@ -546,10 +597,19 @@ pub enum GuestMessage {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "snake_case")]
 pub enum Reply {
-    Started { pid: u32 },
+    Started {
+        pid: u32,
+    },
     Done,
     Usage(Usage),
-    Failed { message: String },
+    Failed {
+        message: String,
+    },
+    /// The guest's nonce and its proof of the kernel's key ([`attach_guest_mac`]).
+    Challenge {
+        nonce: String,
+        proof: String,
+    },
 }
 
 /// The kernel's resource use, as the guest measures it (its cgroup).
@@ -682,6 +742,7 @@ mod tests {
         assert_eq!(parse_ready(&ready("abcdef123456")), Some("abcdef123456"));
         assert_eq!(parse_hello(&ready("abcdef123456")), None);
         assert_eq!(parse_hello("CELLGATE-AGENT/1 HELLO abcdef123456"), None);
+        assert_eq!(parse_hello("CELLGATE-AGENT/2 HELLO abcdef123456"), None);
         // What an old session left may precede an answer on its line.
         let junk = format!("\u{1}\u{2}yamux{}", ready("abcdef123456"));
         assert_eq!(parse_ready(&junk), Some("abcdef123456"));
@@ -739,6 +800,49 @@ mod tests {
             guest,
             &format!("{MAGIC} PROOF zz")
         ));
+    }
+
+    #[test]
+    fn attach_proofs_hold_for_the_key_and_the_nonces_only() {
+        let key = b"0123456789abcdef0123456789abcdef";
+        let (host, guest) = ("aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb");
+        let guest_mac = attach_guest_mac(key, host, guest);
+        assert!(check_attach_guest_mac(key, host, guest, &guest_mac));
+        assert!(!check_attach_guest_mac(
+            b"another key",
+            host,
+            guest,
+            &guest_mac
+        ));
+        assert!(!check_attach_guest_mac(
+            key,
+            "cccccccccccccccc",
+            guest,
+            &guest_mac
+        ));
+        let host_mac = attach_host_mac(key, host, guest);
+        assert!(check_attach_host_mac(key, host, guest, &host_mac));
+        assert!(!check_attach_host_mac(
+            b"another key",
+            host,
+            guest,
+            &host_mac
+        ));
+        // Neither side's proof passes as the other's, nor as a TCP proof.
+        assert!(!check_attach_host_mac(key, host, guest, &guest_mac));
+        assert!(!check_attach_guest_mac(key, host, guest, &host_mac));
+        assert!(!check_host_proof(
+            key,
+            host,
+            guest,
+            &format!("{MAGIC} PROOF {host_mac}")
+        ));
+        let wire = serde_json::to_string(&Request {
+            id: 3,
+            op: Op::Attach { proof: "00".into() },
+        })
+        .unwrap();
+        assert_eq!(wire, r#"{"id":3,"op":"attach","proof":"00"}"#);
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub struct Stream {
     /// End of stream means "no host yet" (a virtio-serial port with its host side closed),
     /// not "gone": the handshake keeps waiting instead of giving up.
     pub eof_is_idle: bool,
+    /// The peer proved the kernel's key already (TCP): the session starts attached.
+    pub proven: bool,
 }
 
 pub enum Transport {
@@ -104,14 +106,17 @@ impl Transport {
             Transport::Vsock => Stream {
                 io: Box::new(SmallWrites(dial_host().await)),
                 eof_is_idle: false,
+                proven: false,
             },
             Transport::Serial(path) => Stream {
                 io: Box::new(SerialPort::open(path)?),
                 eof_is_idle: true,
+                proven: false,
             },
             Transport::Unix(listener) => Stream {
                 io: Box::new(listener.accept().await?.0),
                 eof_is_idle: false,
+                proven: false,
             },
             Transport::Tcp(proven) => proven.recv().await.ok_or_else(|| {
                 io::Error::new(io::ErrorKind::BrokenPipe, "the TCP listener ended")
@@ -121,7 +126,7 @@ impl Transport {
 }
 
 /// 128 bits from the kernel's generator, in hex: the guest's side of a proof.
-fn random_nonce() -> String {
+pub fn random_nonce() -> String {
     let mut bytes = [0u8; 16];
     let mut filled = 0;
     while filled < bytes.len() {
@@ -164,6 +169,7 @@ fn accept_proven(
                         let stream = Stream {
                             io: Box::new(io),
                             eof_is_idle: false,
+                            proven: true,
                         };
                         let _ = proven_tx.send(stream).await;
                     }

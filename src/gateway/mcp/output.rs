@@ -555,6 +555,7 @@ mod tests {
             duration_ms: 3,
             state_generation: 1,
             resources: Resources::default(),
+            restored: false,
         }
     }
 

@@ -12,7 +12,7 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{session_for, ApiError, STREAM_CHUNK};
+use super::{awake_session_for, ApiError, STREAM_CHUNK};
 use crate::gateway::auth::Principal;
 use crate::gateway::state::AppState;
 use crate::sessions::Session;
@@ -110,7 +110,7 @@ pub async fn list(
     query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Vec<ListedFile>>, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
-    let session = session_for(&state, &principal, &id)?;
+    let session = awake_session_for(&state, &principal, &id).await?;
     let (recursive, hidden) = (query.recursive, query.hidden);
     let listing = crate::workspace::Listing { recursive, hidden };
     let dir = query.dir.unwrap_or_default().trim_matches('/').to_owned();
@@ -146,7 +146,7 @@ pub async fn upload(
     Path((id, path)): Path<(String, String)>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let session = session_for(&state, &principal, &id)?;
+    let session = awake_session_for(&state, &principal, &id).await?;
     crate::workspace::check_path(&path)?;
     let limit = upload_limit(&state, &session);
     // The body streams through a bounded channel into a blocking writer: never more than
@@ -228,7 +228,7 @@ pub async fn head(
     Extension(principal): Extension<Principal>,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let session = session_for(&state, &principal, &id)?;
+    let session = awake_session_for(&state, &principal, &id).await?;
     let entry = on_workspace(session, move |workspace| workspace.stat(&path)).await?;
     let mut response = StatusCode::OK.into_response();
     let headers = response.headers_mut();
@@ -277,7 +277,7 @@ pub async fn remove(
     query: Result<Query<RemoveQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Removed>, ApiError> {
     let Query(query) = query.map_err(|err| ApiError::bad_request(err.body_text()))?;
-    let session = session_for(&state, &principal, &id)?;
+    let session = awake_session_for(&state, &principal, &id).await?;
     let removed_path = path.clone();
     let removed = on_workspace(session, move |workspace| {
         workspace.remove(&removed_path, query.recursive)
@@ -320,7 +320,7 @@ pub async fn operate(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let operation: FileOperation = super::body::parse(&body)?;
-    let session = session_for(&state, &principal, &id)?;
+    let session = awake_session_for(&state, &principal, &id).await?;
     let (status, entry) = on_workspace(session, move |workspace| match operation {
         FileOperation::Mkdir => {
             let existed = matches!(workspace.stat(&path), Ok(entry) if entry.kind == "dir");
@@ -385,7 +385,7 @@ pub async fn download(
     Extension(principal): Extension<Principal>,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let session = session_for(&state, &principal, &id)?;
+    let session = awake_session_for(&state, &principal, &id).await?;
     let open_path = path.clone();
     let (reader, size) = tokio::task::spawn_blocking(move || {
         let workspace = session.open_workspace()?;

@@ -178,8 +178,27 @@ async fn live_session_for(
             });
             Ok(state.sessions.revive(&dormant.id, caps).await?)
         }
-        None => session_for(state, principal, id),
+        None => awake_session_for(state, principal, id).await,
     }
+}
+
+/// The session a path names, as [`session_for`], its kernel restored first if it was
+/// hibernated (saved to disk while idle): the routes that need its kernel's process
+/// (files, and through [`live_session_for`] the ones that run code). A restore that fails
+/// starts a fresh kernel (the session's generation moves on); only a kernel that cannot
+/// start at all is an error here.
+async fn awake_session_for(
+    state: &AppState,
+    principal: &Principal,
+    id: &str,
+) -> Result<Arc<Session>, ApiError> {
+    let session = session_for(state, principal, id)?;
+    session
+        .kernel
+        .wake()
+        .await
+        .map_err(|err| ApiError::from(SessionError::Kernel(err)))?;
+    Ok(session)
 }
 
 /// The execution an `input` reply names (`None`: whichever waits). Body fields stay text

@@ -284,7 +284,7 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<SessionModel>, ApiError> {
     if let Some(dormant) = dormant_for(&state, &principal, &id) {
-        return Ok(Json(dormant.model()));
+        return Ok(Json(state.sessions.dormant_model(&dormant)));
     }
     Ok(Json(session_for(&state, &principal, &id)?.model()))
 }

@@ -47,6 +47,8 @@ pub struct Agent {
     closed: watch::Receiver<Option<String>>,
     /// The task that owns the session and its transport: aborting it closes the link.
     session: tokio::task::AbortHandle,
+    /// The host detached: the link's end is expected, not the guest breaking the protocol.
+    detaching: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How long the handshake waits for an answer before it says `HELLO` again. A VM restored
@@ -145,10 +147,12 @@ impl Agent {
         let (reader, writer) = tokio::io::split(control);
         let pending: Pending = Arc::default();
         let (exit_tx, exit) = watch::channel(None);
+        let detaching = Arc::new(std::sync::atomic::AtomicBool::new(false));
         tokio::spawn(read_control(
             BufReader::new(reader),
             pending.clone(),
             exit_tx,
+            detaching.clone(),
         ));
         Ok(Agent {
             streams: Mutex::new(streams),
@@ -158,12 +162,51 @@ impl Agent {
             exit,
             closed,
             session,
+            detaching,
         })
     }
 
     /// Closes the link: the guest sees its host go away and waits for the next one.
     pub fn close(&self) {
         self.session.abort();
+    }
+
+    /// Proves `key` (the running kernel's) to an agent whose kernel was started by an
+    /// earlier session, and checks the agent's own proof: a guest that cannot prove the key
+    /// is not this kernel's (see `cellgate_agent::protocol`'s module doc).
+    pub async fn attach(&self, key: &[u8]) -> Result<(), AgentError> {
+        let ours = format!("{:032x}", rand::random::<u128>());
+        let (theirs, proof) = match self
+            .request(Op::Challenge {
+                nonce: ours.clone(),
+            })
+            .await?
+        {
+            Reply::Challenge { nonce, proof } => (nonce, proof),
+            other => return Err(AgentError(format!("unexpected reply {other:?}"))),
+        };
+        if !protocol::check_attach_guest_mac(key, &ours, &theirs, &proof) {
+            return Err(AgentError(
+                "the guest did not prove the kernel's key: it is not this kernel's VM".into(),
+            ));
+        }
+        let proof = protocol::attach_host_mac(key, &ours, &theirs);
+        match self.request(Op::Attach { proof }).await? {
+            Reply::Done => Ok(()),
+            other => Err(AgentError(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// Ends the session, not the kernel: once the agent answered, the link is closed, and
+    /// the agent waits for the next host, which must [`Agent::attach`].
+    pub async fn detach(&self) -> Result<(), AgentError> {
+        self.detaching.store(true, Ordering::SeqCst);
+        let answered = self.request(Op::Detach).await;
+        self.close();
+        match answered? {
+            Reply::Done => Ok(()),
+            other => Err(AgentError(format!("unexpected reply {other:?}"))),
+        }
     }
 
     /// Sends `op` and waits for its reply.
@@ -287,6 +330,7 @@ async fn read_control(
     mut reader: BufReader<tokio::io::ReadHalf<tokio_yamux::StreamHandle>>,
     pending: Pending,
     exit: watch::Sender<Option<Exit>>,
+    detaching: Arc<std::sync::atomic::AtomicBool>,
 ) {
     loop {
         match read_json::<GuestMessage, _>(&mut reader).await {
@@ -299,6 +343,7 @@ async fn read_control(
                 exit.send_replace(Some(ended));
             }
             Ok(None) => break,
+            Err(_) if detaching.load(Ordering::SeqCst) => break,
             Err(error) => {
                 tracing::warn!(%error, "agent: the guest agent broke the protocol");
                 break;

@@ -15,6 +15,11 @@ use crate::sandbox::diagnosis::{euid, find_on_path, run_command, Diagnosis};
 /// with `probe`, `runsc do /bin/true`.
 pub async fn diagnose(probe: bool) -> Diagnosis {
     let mut s = Diagnosis::new("gvisor");
+    // `runsc checkpoint` needs the kernel's sockets off host paths first: not yet.
+    s.fact(
+        "hibernation",
+        "unsupported: idle kernels are culled at the policy's idle_timeout",
+    );
     let Some(runsc) = find_on_path("runsc") else {
         s.fact("runsc", Value::Null);
         s.fail(

@@ -15,6 +15,10 @@ use crate::sandbox::diagnosis::{find_on_path, probe as run_probe, run_command, D
 
 pub async fn diagnose(probe: bool, config: &MicrovmConfig) -> Diagnosis {
     let mut s = Diagnosis::new("microvm");
+    s.fact(
+        "hibernation",
+        "supported: policies with hibernate_after, with a state directory",
+    );
     let config = config.clone();
     match find_on_path(&config.qemu.to_string_lossy()) {
         Some(qemu) => {

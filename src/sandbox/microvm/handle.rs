@@ -11,6 +11,9 @@
 //!   counts it);
 //! - the VMM itself crashed or was killed by someone else.
 //!
+//! A VM saved to disk (hibernated, `hibernate.rs`) ends on purpose too: its agent session
+//! closes first, which is not taken for a failure while the save runs.
+//!
 //! A kernel killed by a fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE) also carries the guest
 //! kernel's record of it (`guest/agent/src/fault.rs`: the `segfault at … ip … in module[…]`
 //! line from `/dev/kmsg`, the offset in the module and the code bytes), as the namespaces
@@ -46,10 +49,18 @@ pub(super) struct MicrovmHandle {
     killed: AtomicBool,
     /// The VM's confinement on the host: its cgroup tells what the VM costs.
     jail: Arc<Jail>,
+    /// How to save the VM, when its policy asks for hibernation.
+    saver: Option<super::hibernate::Saver>,
+    /// A save is under way: the agent session's end is the save's doing.
+    hibernating: AtomicBool,
 }
 
 impl MicrovmHandle {
-    pub(super) fn new(vmm_pid: u32, jail: Arc<Jail>) -> MicrovmHandle {
+    pub(super) fn new(
+        vmm_pid: u32,
+        jail: Arc<Jail>,
+        saver: Option<super::hibernate::Saver>,
+    ) -> MicrovmHandle {
         MicrovmHandle {
             vmm_pid,
             agent: OnceLock::new(),
@@ -57,6 +68,8 @@ impl MicrovmHandle {
             exited: Arc::new(AtomicBool::new(false)),
             killed: AtomicBool::new(false),
             jail,
+            saver,
+            hibernating: AtomicBool::new(false),
         }
     }
 
@@ -139,6 +152,42 @@ impl SandboxHandle for MicrovmHandle {
     fn alive(&self) -> bool {
         !self.exited.load(Ordering::SeqCst)
     }
+
+    fn hibernate<'a>(
+        &'a self,
+        about: &'a crate::sandbox::Hibernation,
+    ) -> futures_util::future::BoxFuture<'a, Result<crate::sandbox::Hibernated, SandboxError>> {
+        Box::pin(async move {
+            let refused =
+                |why: &str| SandboxError::Microvm(super::MicrovmError::Start(why.to_owned()));
+            let Some(saver) = &self.saver else {
+                return Err(refused(
+                    "this VM cannot hibernate: its policy has no hibernate_after, or the \
+                     gateway has no state directory",
+                ));
+            };
+            let Some(agent) = self.agent.get().cloned() else {
+                return Err(refused("the VM's agent is not attached yet"));
+            };
+            let disk = super::hibernate::allocated(&saver.runtime_dir.join(super::WORKSPACE_DISK));
+            if let Err(why) = super::hibernate::room_for(saver, disk) {
+                return Err(SandboxError::NotNow(why));
+            }
+            if self.exited.load(Ordering::SeqCst) || self.hibernating.swap(true, Ordering::SeqCst) {
+                return Err(refused("the VM is gone, or being saved already"));
+            }
+            let exited = self.exited.clone();
+            let saved =
+                super::hibernate::save(saver, about, &agent, || exited.load(Ordering::SeqCst))
+                    .await;
+            if saved.is_err() {
+                // Stopped, detached or half saved: the VM cannot go on. What was saved goes.
+                self.kill_vmm(false);
+                saver.hibernations.remove(&about.kernel_id);
+            }
+            Ok(saved?)
+        })
+    }
 }
 
 /// Watches the VM until it ends and reports exactly once.
@@ -175,6 +224,20 @@ pub(super) fn watch_exit(
                 }
                 reaped(&handle);
                 kernel_report(&exit)
+            }
+            Ok(None) if handle.hibernating.load(Ordering::SeqCst) => {
+                // Being saved: the VMM ends once its state is written (or the save, failing,
+                // kills it).
+                let status = child.wait().await;
+                reaped(&handle);
+                match status {
+                    Ok(status) if status.success() => ExitReport {
+                        code: Some(0),
+                        signal: None,
+                        reason: None,
+                    },
+                    status => vm_report(status.ok(), &handle, &log_file, &console),
+                }
             }
             Ok(None) => {
                 // The agent session ended without a word on the kernel (the guest broke the

@@ -58,6 +58,18 @@
 //! **The warm pool** (`snapshot.rs`, `qmp.rs`): later sessions of a kind of VM are restored
 //! from a snapshot of a zygote VM instead of booting.
 //!
+//! **Hibernation** (`hibernate.rs`): a session's VM, idle past its policy's
+//! `hibernate_after`, is saved whole to the state directory (its RAM and devices through QMP
+//! `migrate`, its workspace disk moved beside it; 0700/0600, the kernel's key in its record)
+//! and ended; the next request restores it (`-incoming` on the saved state, `cont`), the
+//! gateway and the agent proving the kernel's key to each other before the agent serves
+//! anything (the agent's kernel outlived its detached session). Such a VM runs on
+//! virtio-serial (a vhost-user device cannot be migrated) and keeps its VMM's QMP socket
+//! for its life. A save that fails ends the VM (reported as a lost sandbox); a restore that
+//! fails (files damaged or gone, other guest images, QEMU or VM shape, a guest that does
+//! not prove the key) removes what was saved and the kernel layer starts a fresh kernel,
+//! its generation moved on. Every step has a deadline.
+//!
 //! # Invariants
 //!
 //! - Everything from the guest is hostile input: lines are capped, requests and replies have
@@ -66,7 +78,8 @@
 //!   message ends the session and the VM (reported as a sandbox failure).
 //! - A VMM its guest took over holds nothing else (`confine.rs`, `hostview.rs`).
 //! - A snapshot holds nothing per session or secret, and every clone redraws what the zygote
-//!   drew (`snapshot.rs`).
+//!   drew (`snapshot.rs`). A hibernated VM is one session's, in the gateway's private
+//!   directory, restored once, into its own session only.
 //!
 //! Must not depend on: kernels' channels, sessions, HTTP.
 
@@ -74,6 +87,7 @@ pub mod accel;
 mod confine;
 pub mod diagnose;
 mod handle;
+mod hibernate;
 mod hostview;
 pub mod image;
 pub mod link;
@@ -98,6 +112,7 @@ use super::spawner::Spawner;
 use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
 pub use confine::IDENTITY_BASE as VMM_IDENTITY_BASE;
 use handle::MicrovmHandle;
+pub use hibernate::Hibernations;
 use vmm::{Accel, VmSpec, Vmm};
 
 /// RAM the guest gets beyond the policy's memory limit: its kernel, the agent and a little
@@ -177,6 +192,9 @@ pub struct MicrovmConfig {
     pub guest_kernel: Option<PathBuf>,
     /// Whether [`Self::guest_kernel`] is a PVM guest (for hosts whose KVM is PVM-only).
     pub guest_kernel_pvm: bool,
+    /// Where hibernated VMs are saved (`<state-dir>/hibernated`, see `hibernate.rs`);
+    /// `None` (no state directory): no VM hibernates.
+    pub hibernate_dir: Option<PathBuf>,
 }
 
 impl MicrovmConfig {
@@ -201,6 +219,7 @@ impl Default for MicrovmConfig {
             preload_under_emulation: false,
             guest_kernel: None,
             guest_kernel_pvm: false,
+            hibernate_dir: None,
         }
     }
 }
@@ -225,6 +244,11 @@ struct Core {
     emulation_refused: Option<String>,
     /// The warm pool's snapshots, when they are on and their directory could be made.
     snapshots: Option<snapshot::Snapshots>,
+    /// Hibernated VMs, when the gateway has a state directory.
+    hibernations: Option<Arc<hibernate::Hibernations>>,
+    /// What a saved VM state depends on beyond its shape: the guest images, the VMM, the
+    /// accelerator and CPU model (a hibernated VM is restored only into the same).
+    machine: String,
 }
 
 impl MicrovmSandbox {
@@ -300,6 +324,25 @@ impl MicrovmSandbox {
             .snapshots
             .then(|| open_snapshots(&config, &images, &qemu_binary, accel, &host_cmdline))
             .flatten();
+        let hibernations = match &config.hibernate_dir {
+            Some(dir) => match hibernate::Hibernations::open(dir) {
+                Ok(hibernations) => Some(Arc::new(hibernations)),
+                Err(error) => {
+                    tracing::warn!(%error, "microvm: VMs cannot hibernate (their kernels are culled at idle_timeout instead)");
+                    None
+                }
+            },
+            None => None,
+        };
+        let machine = [
+            snapshot::file_input(&images.kernel),
+            snapshot::file_input(&images.initramfs),
+            snapshot::file_input(&images.root),
+            snapshot::file_input(&qemu_binary),
+            accel.as_str().to_owned(),
+            cellgate_agent::protocol::MAGIC.to_owned(),
+        ]
+        .join(" ");
         Ok(MicrovmSandbox {
             core: Arc::new(Core {
                 confiner,
@@ -314,6 +357,8 @@ impl MicrovmSandbox {
                 accel,
                 spawner,
                 snapshots,
+                hibernations,
+                machine,
             }),
         })
     }
@@ -404,6 +449,17 @@ impl Sandbox for MicrovmSandbox {
         Box::pin(async move { Ok(self.core.launch_vm(spec).await?) })
     }
 
+    /// A hibernated VM is a sandbox the kernel layer may adopt: adopting restores it.
+    fn survivor(&self, kernel_id: &str) -> Option<super::SurvivorInfo> {
+        self.core.hibernations.as_ref()?.survivor(kernel_id)
+    }
+
+    fn forget(&self, kernel_id: &str) {
+        if let Some(hibernations) = &self.core.hibernations {
+            hibernations.remove(kernel_id);
+        }
+    }
+
     /// Under emulation Python runs ~50x slower: ipykernel's imports alone took over the
     /// default 60 s on a busy 2-core machine while the VM was healthy.
     fn start_time_factor(&self) -> u32 {
@@ -463,6 +519,11 @@ impl Core {
         let map = agent::relocation(spec);
         let connection = agent::guest_connection(spec, &map)?;
         let size = VmSize::of(&spec.limits);
+        if spec.adopt.is_some() {
+            return self
+                .restore_hibernated(spec, &map, environment, connection, size)
+                .await;
+        }
         let plan = self.zygote_plan(spec, &map, environment, size, connection.is_some());
         let snapshots = self.snapshots.as_ref();
         if let Some((plan, snapshots)) = plan.as_ref().zip(snapshots) {
@@ -554,6 +615,90 @@ impl Core {
         })
     }
 
+    /// `spec`'s kernel's VM, restored from where it hibernated (`hibernate.rs`). Whatever
+    /// happens, what was saved is gone afterwards: the VM runs from it, or it could not be
+    /// restored (and a fresh kernel is the kernel layer's answer).
+    async fn restore_hibernated(
+        &self,
+        spec: &LaunchSpec,
+        map: &Relocation,
+        environment: Option<&str>,
+        connection: Option<ConnectionFile>,
+        size: VmSize,
+    ) -> Result<Launched, MicrovmError> {
+        let hibernations = self.hibernations.as_ref().ok_or_else(|| {
+            MicrovmError::Start(
+                "no hibernated VM to restore: this gateway has no state directory".to_owned(),
+            )
+        })?;
+        let restored = self
+            .restore_from(hibernations, spec, map, environment, connection, size)
+            .await;
+        hibernations.remove(&spec.kernel_id);
+        if restored.is_err() {
+            clear_runtime_dir(&spec.runtime_dir);
+        }
+        restored
+    }
+
+    async fn restore_from(
+        &self,
+        hibernations: &hibernate::Hibernations,
+        spec: &LaunchSpec,
+        map: &Relocation,
+        environment: Option<&str>,
+        connection: Option<ConnectionFile>,
+        size: VmSize,
+    ) -> Result<Launched, MicrovmError> {
+        let started = std::time::Instant::now();
+        let (state, record) = hibernate::take_for_restore(
+            hibernations,
+            &spec.kernel_id,
+            &spec.runtime_dir,
+            size,
+            &self.machine,
+        )?;
+        if record.key != spec.connection.key {
+            return Err(MicrovmError::Start(
+                "the kernel's key is not the one its VM was saved with".to_owned(),
+            ));
+        }
+        let disk = spec.runtime_dir.join(WORKSPACE_DISK);
+        let disk_bytes = std::fs::metadata(&disk)
+            .map_err(io_error(disk.display().to_string()))?
+            .len();
+        let unique = uuid::Uuid::new_v4().simple().to_string();
+        let jail = Arc::new(self.confiner.prepare(
+            &crate::sandbox::cgroups::cgroup_name(&spec.kernel_id, &format!("vm-{}", &unique[..8])),
+            &confine::host_limits(size.memory_mib + VMM_OVERHEAD_MIB, spec.limits.cpu_millis),
+            &spec.runtime_dir,
+            &[&disk],
+            confine::fsize(disk_bytes, size.memory_mib),
+        )?);
+        let key = record.key.as_bytes().to_vec();
+        let booted = self
+            .boot(
+                spec,
+                map,
+                environment,
+                connection,
+                size,
+                jail.clone(),
+                Some(state),
+                Some(&key),
+            )
+            .await;
+        match &booted {
+            Ok(_) => {
+                tracing::info!(kernel_id = %spec.kernel_id, seconds = started.elapsed().as_secs_f64(), "microvm: hibernated VM restored")
+            }
+            Err(_) => {
+                let _ = tokio::task::spawn_blocking(move || jail.release()).await;
+            }
+        }
+        booted
+    }
+
     /// One try at `spec`'s VM: booted, or restored from `snapshot`.
     async fn attempt(
         &self,
@@ -591,6 +736,7 @@ impl Core {
                 size,
                 jail.clone(),
                 snapshot,
+                None,
             )
             .await;
         if booted.is_err() {
@@ -634,7 +780,10 @@ impl Core {
 
     /// Starts the VMM (and the link's device backend) confined in `jail`, waits for the
     /// agent and starts the kernel. With `snapshot`, the VM is restored from it instead of
-    /// booted (over virtio-serial: QEMU cannot save a VM with a vhost-user device). On
+    /// booted (over virtio-serial: QEMU cannot save a VM with a vhost-user device). With
+    /// `hibernated` too (the kernel's key), the snapshot is a hibernated VM whose kernel
+    /// runs already: the gateway attaches to it instead of starting one. A VM whose policy
+    /// asks for hibernation runs on virtio-serial and keeps its VMM's control socket. On
     /// failure, the processes it started are reaped.
     #[expect(
         clippy::too_many_arguments,
@@ -649,10 +798,21 @@ impl Core {
         size: VmSize,
         jail: Arc<confine::Jail>,
         snapshot: Option<std::fs::File>,
+        hibernated: Option<&[u8]>,
     ) -> Result<Launched, MicrovmError> {
         let dir = &spec.runtime_dir;
         let restore = snapshot.is_some();
-        let transport = if restore {
+        let saver = self
+            .hibernations
+            .clone()
+            .filter(|_| spec.backend_settings.hibernate)
+            .map(|hibernations| hibernate::Saver {
+                hibernations,
+                runtime_dir: dir.clone(),
+                size,
+                machine: self.machine.clone(),
+            });
+        let transport = if restore || saver.is_some() {
             link::Transport::Serial
         } else {
             self.transport.clone()
@@ -660,7 +820,7 @@ impl Core {
         let console = create_console(dir, jail.uid())?;
         let mut link =
             link::Link::prepare(&transport, dir, &self.spawner, &spec.log_file, &jail).await?;
-        let vm = self.vm_spec(&transport, &link, size, restore, restore);
+        let vm = self.vm_spec(&transport, &link, size, restore || saver.is_some(), restore);
         let mut command = self.vmm.command(&vm);
         plain_child(&mut command, dir, &spec.log_file)?;
         jail.apply(&mut command);
@@ -685,23 +845,36 @@ impl Core {
         let pid = child.id().unwrap_or(0);
         tracing::info!(kernel_id = %spec.kernel_id, pid, accel = self.accel.as_str(),
             memory_mib = size.memory_mib, vcpus = size.vcpus, vmm_uid = ?jail.uid(),
-            from = if restore { "snapshot" } else { "boot" },
+            from = match (hibernated, restore) {
+                (Some(_), _) => "hibernation",
+                (None, true) => "snapshot",
+                (None, false) => "boot",
+            },
             "microvm: VM started");
-        let handle = Arc::new(MicrovmHandle::new(pid, jail.clone()));
+        let keeps_control = saver.is_some();
+        let handle = Arc::new(MicrovmHandle::new(pid, jail.clone(), saver));
 
         let started = async {
             if restore {
                 let mut qmp =
                     qmp::Qmp::connect(&dir.join(QMP_SOCKET), self.config.boot_timeout).await?;
                 qmp::resume(&mut qmp, self.config.boot_timeout).await?;
-                // Nothing else is asked of the VMM: no control socket for the VM's life.
                 drop(qmp);
-                let _ = std::fs::remove_file(dir.join(QMP_SOCKET));
+                if !keeps_control {
+                    // Nothing else is asked of the VMM: no control socket for the VM's life.
+                    let _ = std::fs::remove_file(dir.join(QMP_SOCKET));
+                }
             }
             let io = link.connect(self.config.boot_timeout).await?;
             let agent =
                 agent::Agent::connect(io, spec.egress_socket.clone(), self.config.boot_timeout)
                     .await?;
+            if let Some(key) = hibernated {
+                // The kernel runs already: prove its key (and have the guest prove it).
+                agent.attach(key).await?;
+                agent.request(restored_op()).await?;
+                return Ok(Arc::new(agent));
+            }
             if restore {
                 agent.request(restored_op()).await?;
             }

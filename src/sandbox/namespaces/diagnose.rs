@@ -14,6 +14,12 @@ use crate::sandbox::diagnosis::{self, euid, read_trim, Diagnosis};
 /// Whether this host can run namespaces sandboxes, and what it lacks.
 pub async fn diagnose(probe: bool, zygote_wanted: bool) -> Diagnosis {
     let mut s = Diagnosis::new("namespaces");
+    // Said whatever the host: no namespaces kernel can be saved to disk yet (CRIU cannot dump
+    // its user and mount namespaces), so a policy asking `hibernate_after` is refused.
+    s.fact(
+        "hibernation",
+        "unsupported: idle kernels are culled at the policy's idle_timeout",
+    );
     check_user_namespaces(&mut s);
     check_cgroups(&mut s);
     check_seccomp_and_landlock(&mut s);

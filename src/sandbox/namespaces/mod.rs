@@ -1149,6 +1149,7 @@ impl Sandbox for NamespacesSandbox {
             key: record.key,
             generation: record.generation,
             started_ms: record.started_ms,
+            hibernated: false,
         })
     }
 

@@ -236,6 +236,9 @@ class Execution:
     output_truncated: bool = False
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    #: True on the first result after the session was restored from hibernation (saved to
+    #: disk while idle): its variables are intact and ``state_generation`` is unchanged.
+    restored: bool = False
 
     @property
     def ok(self) -> bool:
@@ -270,6 +273,7 @@ class Execution:
             output_truncated=bool(data.get("output_truncated", False)),
             stdout_truncated=bool(data.get("stdout_truncated", False)),
             stderr_truncated=bool(data.get("stderr_truncated", False)),
+            restored=bool(data.get("restored", False)),
         )
 
 
