@@ -614,6 +614,12 @@ mod gvisor {
     /// Nothing of the sandbox is left: no process names its container, its keeper is gone,
     /// and its cgroups, bundle (runsc's state with it) and kernel directories are removed.
     async fn all_gone(record: &Value) -> Result<()> {
+        gone(record, true).await
+    }
+
+    /// The same, but for the kernel's directories when `with_dirs` (a restart's next
+    /// generation keeps them).
+    async fn gone(record: &Value, with_dirs: bool) -> Result<()> {
         let container = container(record)?;
         let keeper = keeper(record)?;
         let ended = eventually(PATIENCE, || {
@@ -621,8 +627,13 @@ mod gvisor {
         })
         .await;
         anyhow::ensure!(ended, "the sandbox's processes are left ({container})");
-        let kept: Vec<PathBuf> = ["cgroup_dirs", "bundle", "kernel_dir"]
-            .into_iter()
+        let fields: &[&str] = if with_dirs {
+            &["cgroup_dirs", "bundle", "kernel_dir"]
+        } else {
+            &["cgroup_dirs", "bundle"]
+        };
+        let kept: Vec<PathBuf> = fields
+            .iter()
             .flat_map(|field| paths(record, field))
             .collect();
         eventually(PATIENCE, || kept.iter().all(|path| !path.exists())).await;
@@ -710,9 +721,35 @@ mod gvisor {
         let now = record(&state, &id)?;
         assert_eq!(now["keeper"], kept["keeper"], "{now}");
         assert_eq!(now["container_id"], kept["container_id"], "{now}");
+        // Interrupts reach the adopted kernel (through runsc, with the recorded state).
+        let r = client
+            .execute_with(
+                &id,
+                json!({"code": "import time\ntime.sleep(60)", "timeout_s": 1.5}),
+            )
+            .await?;
+        assert_eq!(r["status"], "timeout", "{r}");
+        assert_eq!(client.run(&id, "print(x)").await?.stdout, "42\n");
 
+        let last = if sigterm {
+            // A restart ends the adopted sandbox and starts the next generation kept too.
+            let (status, model) = client
+                .post(&format!("/v1/sessions/{id}/restart"), json!({}))
+                .await?;
+            assert_eq!(status, 200, "{model}");
+            gone(&kept, false).await?;
+            let next = record(&state, &id)?;
+            assert!(
+                next["generation"].as_u64() > kept["generation"].as_u64(),
+                "{next}"
+            );
+            assert!(alive(keeper(&next)?), "{next}");
+            next
+        } else {
+            kept
+        };
         delete(&client, &id).await?;
-        all_gone(&kept).await?;
+        all_gone(&last).await?;
         assert!(
             eventually(PATIENCE, || !state.join("sandboxes").join(&id).exists()).await,
             "its survival directory outlived it"

@@ -570,6 +570,9 @@ async fn watch_keeper(watch: Watch) {
             )),
         },
     };
+    // Forgotten before the report: the report may start the kernel's next generation, whose
+    // record this must not remove.
+    forget(&survival, &kernel_id, generation);
     let _ = exit_tx.send(Some(report));
     // The keeper cleans up after the sandbox, then ends.
     if let Some(commands) = link.commands.lock().take() {
@@ -582,5 +585,4 @@ async fn watch_keeper(watch: Watch) {
         (None, Some(pidfd)) => crate::sandbox::sys::pidfd_wait(pidfd).await,
         (None, None) => {}
     }
-    forget(&survival, &kernel_id, generation);
 }
