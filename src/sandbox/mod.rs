@@ -161,7 +161,7 @@ impl std::str::FromStr for Backend {
 }
 
 /// Makes the sandbox of `backend`: the microvm backend with `microvm`, the namespaces backend
-/// with `zygote`, the kubernetes backend
+/// with `zygote`, the namespaces and gvisor backends with `survival`, the kubernetes backend
 /// with this gateway's membership among replicas, the others with their default
 /// configuration.
 pub fn create(

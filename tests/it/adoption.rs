@@ -821,31 +821,44 @@ mod gvisor {
         delete(&client, &id).await
     }
 
-    /// With no gateway back within the grace, the keeper ends the container and removes
-    /// everything but the record; the next gateway reports the sandbox lost.
+    /// An adopted sandbox whose second gateway is gone too is an orphan again: with no
+    /// gateway back within the grace, the keeper ends the container and removes everything
+    /// but the record; the next gateway reports the sandbox lost.
     #[tokio::test]
     async fn a_gvisor_orphan_ends_itself_after_its_grace() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let state = dir.path().join("state");
         gvisor_policies(dir.path())?;
-        let first = gateway(dir.path(), &state, true, "2").await?;
+        // Long enough for the second gateway to start and adopt it on a loaded machine.
+        let grace = "20";
+        let first = gateway(dir.path(), &state, true, grace).await?;
         let client = V1Client::new(&first);
         let id = client.create_session(json!({})).await?;
-        assert_eq!(client.run(&id, "print(3)").await?.stdout, "3\n");
+        assert_eq!(client.run(&id, "y = 3").await?.stdout, "");
         let kept = record(&state, &id)?;
         assert!(
             !paths(&kept, "cgroup_dirs").is_empty(),
             "no cgroup in {kept}"
         );
         killed(first).await?;
+        let second = gateway(dir.path(), &state, true, grace).await?;
+        let client = V1Client::new(&second);
+        let model = adopted(&client, &id).await?;
+        assert_ne!(model["state"], "dead", "{model}");
+        assert_eq!(client.run(&id, "print(y)").await?.stdout, "3\n");
+        killed(second).await?;
+        assert!(
+            alive(keeper(&kept)?),
+            "the keeper ended with the second gateway"
+        );
         all_gone(&kept).await?;
         assert!(
             pids_with(&id).is_empty(),
             "a process still names the kernel"
         );
 
-        let second = gateway(dir.path(), &state, true, "2").await?;
-        let client = V1Client::new(&second);
+        let third = gateway(dir.path(), &state, true, grace).await?;
+        let client = V1Client::new(&third);
         assert!(
             eventually(PATIENCE, || !record_path(&state, &id).exists()).await,
             "the orphan's record outlived it"

@@ -14,6 +14,11 @@
 //! the hex HMAC-SHA256 of [`CHALLENGE_CONTEXT`] and the challenge under the kernel's key;
 //! the helper answers `ok` and counts the peer as its gateway while the connection stays
 //! open, or closes it.
+//!
+//! The gvisor backend keeps its surviving sandboxes here too (`gvisor::survival`): the same
+//! directory per kernel, control socket and exchange ([`challenge`], run by its keeper), and
+//! a record of its own shape in `record.json` ([`Survival::write_record`],
+//! [`Survival::read_record`]); each backend's records do not read as the other's.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -43,7 +48,7 @@ const EGRESS: &str = "egress";
 /// How long either side of the exchange waits for the other.
 pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The backend's settings for surviving kernels.
+/// The settings for surviving kernels (the namespaces and gvisor backends').
 #[derive(Debug, Clone)]
 pub struct Survival {
     /// `<state dir>/sandboxes`.
