@@ -158,3 +158,27 @@ pub(super) fn report(
         reason,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runsc_statuses_past_128_are_signals() {
+        assert_eq!(
+            Ended::of(Some(137), None),
+            Ended {
+                code: None,
+                signal: Some(9)
+            }
+        );
+        assert_eq!(Ended::of(Some(0), None).code, Some(0));
+        let oom = report(Ended::of(Some(137), None), 0, 1, Some(1 << 20));
+        assert_eq!(oom.reason.map(|r| r.cause), Some(ExitCause::OutOfMemory));
+        let limit = report(Ended::of(Some(2), None), 3, 0, None);
+        assert_eq!(limit.reason.map(|r| r.cause), Some(ExitCause::PidsLimit));
+        assert!(report(Ended::of(Some(0), None), 3, 1, None)
+            .reason
+            .is_none());
+    }
+}

@@ -127,6 +127,8 @@ fn run() -> io::Result<()> {
         .map_err(|err| io::Error::other(format!("the plan: {err}")))?;
     // SAFETY: the gateway put the listening socket at CONTROL_FD for this process.
     let control = unsafe { UnixListener::from_raw_fd(CONTROL_FD) };
+    // Not inherited by `runsc run`: only the keeper answers on it.
+    // SAFETY: fcntl(2) on a descriptor this process holds.
     sys::check(unsafe { libc::fcntl(CONTROL_FD, libc::F_SETFD, libc::FD_CLOEXEC) })?;
     control.set_nonblocking(true)?;
     let runsc = Runsc {

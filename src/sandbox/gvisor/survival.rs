@@ -277,7 +277,7 @@ impl GvisorSandbox {
             Err(err) => {
                 let _ = child.start_kill();
                 let _ = child.wait().await;
-                survival.remove_record(&spec.kernel_id, spec.generation);
+                forget(survival, &spec.kernel_id, spec.generation);
                 return Err(failed(err));
             }
         };
@@ -584,5 +584,44 @@ async fn watch_keeper(watch: Watch) {
         }
         (None, Some(pidfd)) => crate::sandbox::sys::pidfd_wait(pidfd).await,
         (None, None) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_state_directories_are_refused_for_kept_sandboxes() {
+        let kept = |dir: &str| Survival {
+            dir: PathBuf::from(dir),
+            grace: Duration::from_secs(1),
+        };
+        assert!(paths_fit(&kept("/var/lib/cellgate/state/sandboxes")));
+        assert!(!paths_fit(&kept(&format!("/{}/sandboxes", "x".repeat(60)))));
+    }
+
+    #[test]
+    fn a_record_of_another_backend_does_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let survival = Survival {
+            dir: dir.path().to_owned(),
+            grace: Duration::from_secs(1),
+        };
+        std::fs::create_dir(dir.path().join("k1")).unwrap();
+        survival
+            .write_record(
+                "k1",
+                &serde_json::json!({"kernel_id": "k1", "generation": 1}),
+            )
+            .unwrap();
+        assert!(matches!(
+            read(&survival, "k1"),
+            Err(SurvivalError::BadRecord(_))
+        ));
+        assert!(matches!(
+            read(&survival, "k2"),
+            Err(SurvivalError::NoRecord)
+        ));
     }
 }

@@ -230,7 +230,7 @@ impl Survival {
     }
 
     /// The record of `kernel_id`'s sandbox as a backend wrote it (a record of another
-    /// backend's does not read: [`SurvivalError::BadRecord`]).
+    /// backend's does not read: `SurvivalError::BadRecord`).
     pub fn read_record<T: serde::de::DeserializeOwned>(
         &self,
         kernel_id: &str,
