@@ -40,6 +40,9 @@ pub struct DoctorOptions {
     pub microvm: crate::sandbox::MicrovmConfig,
     /// Whether the configuration forks namespaces kernels from a zygote.
     pub kernel_zygote: bool,
+    /// Whether kernels outlive the gateway (`--kernels-outlive-gateway` with a state
+    /// directory): each backend's section says whether its kernels are kept.
+    pub kernels_outlive_gateway: bool,
 }
 
 use crate::sandbox::diagnosis::{euid, read_trim, run_command, run_command_with};
@@ -138,6 +141,12 @@ pub async fn run(options: &DoctorOptions) -> Report {
             .await,
         );
     }
+    for section in &mut backends {
+        section.facts.insert(
+            "kernels_outlive_gateway".to_owned(),
+            json!(outlives(&section.name, options.kernels_outlive_gateway)),
+        );
+    }
     let mut setup = vec![kernels_section(&options.kernels_dir).await];
     setup.push(policies_section(&options.policies_dir, &backends));
     if let Some(source) = &options.package_source {
@@ -154,6 +163,20 @@ pub async fn run(options: &DoctorOptions) -> Report {
         host,
         backends,
         setup,
+    }
+}
+
+/// Whether `backend`'s kernels outlive a gateway that stops or dies, as configured.
+fn outlives(backend: &str, configured: bool) -> &'static str {
+    match backend {
+        "namespaces" | "gvisor" if configured => {
+            "yes: the next gateway on this state directory adopts them"
+        }
+        "namespaces" | "gvisor" => {
+            "no: they end with the gateway (--kernels-outlive-gateway false, or no state directory)"
+        }
+        "kubernetes" => "with --replica-url: the other replicas take them over",
+        _ => "no: they end with the gateway (their sessions come back dormant)",
     }
 }
 

@@ -119,6 +119,13 @@ fn main() -> anyhow::Result<()> {
     {
         cellgate::sandbox::sandbox_init_main()
     }
+    // So does a gVisor sandbox's keeper (a kernel that outlives the gateway).
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|arg| arg == cellgate::sandbox::GVISOR_KEEPER_ARG)
+    {
+        cellgate::sandbox::gvisor_keeper_main()
+    }
     // An empty CELLGATE_* or KG_* variable means unset (an env file's `CELLGATE_AUTH_TOKEN=`),
     // as it always has: clap would parse "" as the option's value. Still one thread here.
     for (name, value) in std::env::vars_os() {
@@ -197,6 +204,7 @@ fn doctor_options(args: DoctorArgs) -> anyhow::Result<cellgate::doctor::DoctorOp
         probe: !args.no_probe,
         microvm: config.microvm,
         kernel_zygote: config.kernel_zygote,
+        kernels_outlive_gateway: config.kernels_outlive_gateway && config.state_dir.is_some(),
         package_source: Some(match config.wheelhouse {
             Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
             None => cellgate::egress::packages::Source::Upstream(config.package_index),
@@ -291,10 +299,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_survival(survival(&config));
     if survival(&config).is_some() {
         // Said once at start, so that an operator restarting a gateway knows which sessions
-        // keep their variables: only the namespaces backend keeps its sandboxes so far.
+        // keep their variables: the namespaces and gVisor backends keep their sandboxes.
         tracing::info!(
             grace_s = config.orphan_grace.as_secs(),
-            "kernels outlive the gateway: namespaces kernels are kept for the next gateway on this state directory; gVisor and microVM kernels still end with the gateway (their sessions come back dormant)"
+            "kernels outlive the gateway: namespaces and gVisor kernels are kept for the next gateway on this state directory; microVM kernels still end with the gateway (their sessions come back dormant)"
         );
     }
     // A replica takes its Lease before any kernel starts: every kernel it makes has a live

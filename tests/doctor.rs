@@ -211,3 +211,27 @@ fn empty_variables_count_as_unset() {
     assert_eq!(report["default_backend"], "namespaces");
     assert_eq!(section(&report, "setup", "policies")["available"], true);
 }
+
+/// Each backend says whether its kernels outlive a gateway that stops or dies, as the
+/// configuration would have it (`kernels_outlive_gateway`, on by default).
+#[test]
+fn it_says_which_backends_keep_their_kernels() {
+    let kept = |report: &Value, name: &str| {
+        section(report, "backends", name)["facts"]["kernels_outlive_gateway"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no kernels_outlive_gateway fact for {name}: {report:#}"))
+            .to_owned()
+    };
+    let (_, report) = doctor(&["--no-probe"]);
+    for name in ["namespaces", "gvisor"] {
+        assert!(kept(&report, name).starts_with("yes"), "{report:#}");
+    }
+    assert!(kept(&report, "microvm").starts_with("no"), "{report:#}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("cellgate.toml");
+    std::fs::write(&config, "kernels_outlive_gateway = false\n").expect("write config");
+    let (_, report) = doctor(&["--config", config.to_str().expect("path"), "--no-probe"]);
+    for name in ["namespaces", "gvisor"] {
+        assert!(kept(&report, name).starts_with("no"), "{report:#}");
+    }
+}

@@ -43,6 +43,27 @@ impl KernelDirs {
         Ok(KernelDirs { root, run, work })
     }
 
+    /// The directories at `root` itself, made when missing (0700) and kept when there: a
+    /// kernel whose directories must stay where an adopting gateway finds them.
+    pub fn create_at(root: &Path) -> Result<KernelDirs, KernelError> {
+        let (run, work) = (root.join("run"), root.join("work"));
+        for dir in [root, &run, &work] {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|source| KernelError::Io {
+                    what: format!("create {}", dir.display()),
+                    source,
+                })?;
+        }
+        Ok(KernelDirs {
+            root: root.to_owned(),
+            run,
+            work,
+        })
+    }
+
     pub fn remove(&self) {
         if let Err(err) = std::fs::remove_dir_all(&self.root) {
             if err.kind() != std::io::ErrorKind::NotFound {

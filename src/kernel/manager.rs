@@ -585,7 +585,10 @@ impl KernelManager {
             reason: err.to_string(),
         };
         let sandbox = self.backends.get(policy.backend).map_err(unavailable)?;
-        let dirs = KernelDirs::create(&self.options.runtime_root, id.as_str())?;
+        let dirs = match sandbox.kernel_dir(id.as_str()) {
+            Some(root) => KernelDirs::create_at(&root)?,
+            None => KernelDirs::create(&self.options.runtime_root, id.as_str())?,
+        };
         let started = Kernel::start(
             id,
             Arc::new(spec.clone()),

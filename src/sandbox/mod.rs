@@ -72,7 +72,10 @@ use tokio::sync::watch;
 use crate::ownership::{KernelRecord, Ownership, SingleGateway};
 use crate::protocol::ConnectionInfo;
 
-pub use gvisor::{GvisorConfig, GvisorSandbox, PIDS_OVERHEAD as GVISOR_PIDS_OVERHEAD};
+pub use gvisor::{
+    gvisor_keeper_main, GvisorConfig, GvisorSandbox, GVISOR_KEEPER_ARG,
+    PIDS_OVERHEAD as GVISOR_PIDS_OVERHEAD,
+};
 pub use kubernetes::{KubernetesError, KubernetesSandbox, PodSettings};
 pub use microvm::{MicrovmConfig, MicrovmError, MicrovmSandbox};
 pub use namespaces::{
@@ -158,7 +161,7 @@ impl std::str::FromStr for Backend {
 }
 
 /// Makes the sandbox of `backend`: the microvm backend with `microvm`, the namespaces backend
-/// with `zygote`, the kubernetes backend
+/// with `zygote`, the namespaces and gvisor backends with `survival`, the kubernetes backend
 /// with this gateway's membership among replicas, the others with their default
 /// configuration.
 pub fn create(
@@ -175,7 +178,10 @@ pub fn create(
             survival,
             ..NamespacesConfig::default()
         })?),
-        Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig::default())?),
+        Backend::Gvisor => Arc::new(GvisorSandbox::new(GvisorConfig {
+            survival,
+            ..GvisorConfig::default()
+        })?),
         Backend::Microvm => Arc::new(MicrovmSandbox::new(microvm.clone())?),
         Backend::Kubernetes => Arc::new(KubernetesSandbox::new(replicas)),
     })
@@ -247,7 +253,8 @@ impl Backends {
         self
     }
 
-    /// Namespaces kernels outlive the gateway (see `namespaces`, "Outliving the gateway").
+    /// Namespaces and gVisor kernels outlive the gateway (see `namespaces`, "Outliving the
+    /// gateway", and `gvisor`, *Lifetime*).
     pub fn with_survival(mut self, survival: Option<Survival>) -> Backends {
         self.survival = survival;
         self
@@ -629,7 +636,7 @@ pub trait Sandbox: Send + Sync {
         false
     }
     /// Whether this backend's kernels outlive the gateway's process, for the next gateway on
-    /// the same state directory to adopt (the namespaces backend with
+    /// the same state directory to adopt (the namespaces and gvisor backends with
     /// `--kernels-outlive-gateway`).
     fn kernels_outlive_gateway(&self) -> bool {
         false
@@ -643,6 +650,12 @@ pub trait Sandbox: Send + Sync {
     /// gateway on this state directory (a surviving sandbox's bridge connects there);
     /// `None`: in the kernel's runtime directory.
     fn egress_dir(&self, _kernel_id: &str) -> Option<PathBuf> {
+        None
+    }
+    /// Where `kernel_id`'s directories (runtime directory, workspace, log) go when the next
+    /// gateway must find them at the same host paths (a kept gVisor sandbox's `ipc://`
+    /// sockets and workspace mount are there); `None`: below the gateway's runtime root.
+    fn kernel_dir(&self, _kernel_id: &str) -> Option<PathBuf> {
         None
     }
     /// `kernel_id` is shut down for good: whatever this backend kept of it for a later

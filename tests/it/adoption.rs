@@ -1,5 +1,6 @@
 //! Kernels that outlive their gateway (`--kernels-outlive-gateway`, the namespaces backend,
-//! src/sandbox/namespaces/survival.rs): a gateway killed (SIGKILL) or stopped (SIGTERM)
+//! src/sandbox/namespaces/survival.rs, and gVisor's, src/sandbox/gvisor/survival.rs, in
+//! `mod gvisor` below): a gateway killed (SIGKILL) or stopped (SIGTERM)
 //! mid-session leaves its sandboxes running, and the next gateway on the same state
 //! directory adopts them, their variables, workspace files and generation kept; a sandbox
 //! that died meanwhile is reported `sandbox_lost`; an orphan nobody adopts ends itself after
@@ -549,4 +550,348 @@ async fn an_adopted_sandbox_ends_when_its_second_gateway_is_gone_past_the_grace(
         "an orphan outlived its grace after its adoption: {pids:?}"
     );
     Ok(())
+}
+
+/// gVisor kernels that outlive their gateway (src/sandbox/gvisor/survival.rs): each runs
+/// under a keeper process whose record names it; the keeper holds the workspace's mount
+/// namespace and `runsc run`.
+mod gvisor {
+    use super::*;
+
+    /// Policies whose default runs its kernels under gVisor.
+    fn gvisor_policies(dir: &Path) -> Result<PathBuf> {
+        let policies = dir.join("policies");
+        std::fs::create_dir(&policies)?;
+        let default =
+            std::fs::read_to_string(crate::support::repo().join("policies/default.toml"))?;
+        let gvisor = default.replace("backend = \"namespaces\"", "backend = \"gvisor\"");
+        anyhow::ensure!(
+            gvisor != default,
+            "the default policy names no namespaces backend"
+        );
+        std::fs::write(policies.join("default.toml"), gvisor)?;
+        Ok(policies)
+    }
+
+    /// A gateway on `state` running gVisor kernels, kept (`grace` seconds) or not.
+    async fn gateway(dir: &Path, state: &Path, outlive: bool, grace: &str) -> Result<Gateway> {
+        Gateway::builder()
+            .policies_dir(dir.join("policies"))
+            .arg("--state-dir")
+            .arg(state.to_str().context("path")?)
+            .args(&[
+                "--kernels-outlive-gateway",
+                if outlive { "true" } else { "false" },
+                "--orphan-grace",
+                grace,
+            ])
+            .start()
+            .await
+    }
+
+    fn keeper(record: &Value) -> Result<u32> {
+        pid_of(record, "keeper")
+    }
+
+    fn container(record: &Value) -> Result<String> {
+        record["container_id"]
+            .as_str()
+            .map(str::to_owned)
+            .with_context(|| format!("no container in {record}"))
+    }
+
+    fn paths(record: &Value, field: &str) -> Vec<PathBuf> {
+        match &record[field] {
+            Value::Array(items) => items
+                .iter()
+                .filter_map(|p| p.as_str().map(PathBuf::from))
+                .collect(),
+            Value::String(path) => vec![PathBuf::from(path)],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Nothing of the sandbox is left: no process names its container, its keeper is gone,
+    /// and its cgroups, bundle (runsc's state with it) and kernel directories are removed.
+    async fn all_gone(record: &Value) -> Result<()> {
+        gone(record, true).await
+    }
+
+    /// The same, but for the kernel's directories when `with_dirs` (a restart's next
+    /// generation keeps them).
+    async fn gone(record: &Value, with_dirs: bool) -> Result<()> {
+        let container = container(record)?;
+        let keeper = keeper(record)?;
+        let ended = eventually(PATIENCE, || {
+            !alive(keeper) && pids_with(&container).is_empty()
+        })
+        .await;
+        anyhow::ensure!(ended, "the sandbox's processes are left ({container})");
+        let fields: &[&str] = if with_dirs {
+            &["cgroup_dirs", "bundle", "kernel_dir"]
+        } else {
+            &["cgroup_dirs", "bundle"]
+        };
+        let kept: Vec<PathBuf> = fields
+            .iter()
+            .flat_map(|field| paths(record, field))
+            .collect();
+        eventually(PATIENCE, || kept.iter().all(|path| !path.exists())).await;
+        let left: Vec<&PathBuf> = kept.iter().filter(|path| path.exists()).collect();
+        anyhow::ensure!(left.is_empty(), "left behind: {left:?}");
+        Ok(())
+    }
+
+    /// A session used, its gateway SIGKILLed (or stopped with SIGTERM), and the next gateway
+    /// adopts the kernel: same variable, workspace file, generation and container.
+    async fn survives(sigterm: bool) -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("state");
+        gvisor_policies(dir.path())?;
+        let first = gateway(dir.path(), &state, true, "120").await?;
+        let client = V1Client::new(&first);
+        let id = client.create_session(json!({})).await?;
+        let set = client
+            .run(
+                &id,
+                "x = 6 * 7\nopen('made.txt', 'w').write('by the kernel')\nprint(x)",
+            )
+            .await?;
+        assert_eq!(set.stdout, "42\n", "{set:?}");
+        assert_eq!(
+            client
+                .put_file(&id, "kept.txt", b"still here".to_vec())
+                .await?,
+            201
+        );
+        let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+        let generation = model["state_generation"].as_u64().context("generation")?;
+        let kept = record(&state, &id)?;
+        assert_eq!(kept["backend"], "gvisor", "{kept}");
+        let keeper_pid = keeper(&kept)?;
+        let container = container(&kept)?;
+        // The keeper's door: a challenge, and a wrong answer closes it.
+        {
+            use std::io::{BufRead, BufReader, Write};
+            let control = state
+                .join("sandboxes")
+                .join(&id)
+                .join(format!("control-g{generation}.sock"));
+            let stream = std::os::unix::net::UnixStream::connect(&control)?;
+            stream.set_read_timeout(Some(PATIENCE))?;
+            let mut reader = BufReader::new(stream.try_clone()?);
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            assert!(line.starts_with("challenge "), "{line:?}");
+            (&stream).write_all(format!("{}\n", "00".repeat(32)).as_bytes())?;
+            line.clear();
+            assert_eq!(reader.read_line(&mut line)?, 0, "answered {line:?}");
+        }
+
+        if sigterm {
+            drop(first);
+        } else {
+            killed(first).await?;
+        }
+        assert!(alive(keeper_pid), "the keeper ended with its gateway");
+        assert!(
+            !pids_with(&container).is_empty(),
+            "the container ended with its gateway"
+        );
+
+        let second = gateway(dir.path(), &state, true, "120").await?;
+        let client = V1Client::new(&second);
+        let model = adopted(&client, &id).await?;
+        assert_ne!(model["state"], "dead", "{model}");
+        assert_eq!(
+            model["state_generation"].as_u64(),
+            Some(generation),
+            "{model}"
+        );
+        let x = client.run(&id, "print(x, open('kept.txt').read())").await?;
+        assert_eq!(x.stdout, "42 still here\n", "{x:?}");
+        assert_eq!(x.state_generation, generation);
+        let file = client
+            .request(Method::GET, &format!("/v1/sessions/{id}/files/made.txt"))
+            .send()
+            .await?;
+        assert_eq!(file.status().as_u16(), 200);
+        assert_eq!(file.bytes().await?.as_ref(), b"by the kernel");
+        // The kernel is the one from before, in the same container.
+        let now = record(&state, &id)?;
+        assert_eq!(now["keeper"], kept["keeper"], "{now}");
+        assert_eq!(now["container_id"], kept["container_id"], "{now}");
+        // Interrupts reach the adopted kernel (through runsc, with the recorded state).
+        let r = client
+            .execute_with(
+                &id,
+                json!({"code": "import time\ntime.sleep(60)", "timeout_s": 1.5}),
+            )
+            .await?;
+        assert_eq!(r["status"], "timeout", "{r}");
+        assert_eq!(client.run(&id, "print(x)").await?.stdout, "42\n");
+
+        let last = if sigterm {
+            // A restart ends the adopted sandbox and starts the next generation kept too.
+            let (status, model) = client
+                .post(&format!("/v1/sessions/{id}/restart"), json!({}))
+                .await?;
+            assert_eq!(status, 200, "{model}");
+            gone(&kept, false).await?;
+            let next = record(&state, &id)?;
+            assert!(
+                next["generation"].as_u64() > kept["generation"].as_u64(),
+                "{next}"
+            );
+            assert!(alive(keeper(&next)?), "{next}");
+            next
+        } else {
+            kept
+        };
+        delete(&client, &id).await?;
+        all_gone(&last).await?;
+        assert!(
+            eventually(PATIENCE, || !state.join("sandboxes").join(&id).exists()).await,
+            "its survival directory outlived it"
+        );
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_gvisor_kernel_outlives_a_sigkilled_gateway_and_is_adopted() -> Result<()> {
+        survives(false).await
+    }
+
+    #[tokio::test]
+    async fn a_gvisor_kernel_outlives_a_stopped_gateway_and_is_adopted() -> Result<()> {
+        survives(true).await
+    }
+
+    /// The keeper killed while no gateway runs (the container with it): the next gateway
+    /// sweeps what it left and reports the sandbox lost; the next execute starts afresh.
+    #[tokio::test]
+    async fn a_gvisor_sandbox_killed_meanwhile_is_reported_lost_and_swept() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("state");
+        gvisor_policies(dir.path())?;
+        let first = gateway(dir.path(), &state, true, "120").await?;
+        let client = V1Client::new(&first);
+        let id = client.create_session(json!({})).await?;
+        assert_eq!(client.run(&id, "x = 1").await?.stdout, "");
+        let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+        let generation = model["state_generation"].as_u64().context("generation")?;
+        let kept = record(&state, &id)?;
+        killed(first).await?;
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(i32::try_from(keeper(&kept)?)?).context("pid")?,
+            rustix::process::Signal::KILL,
+        )?;
+        let container = container(&kept)?;
+        assert!(
+            eventually(PATIENCE, || pids_with(&container).is_empty()).await,
+            "the container outlived its keeper"
+        );
+
+        let second = gateway(dir.path(), &state, true, "120").await?;
+        let client = V1Client::new(&second);
+        let deadline = std::time::Instant::now() + PATIENCE;
+        let model = loop {
+            let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+            let reason = model["reason"].as_str().unwrap_or_default();
+            if reason.starts_with("sandbox_lost") || std::time::Instant::now() > deadline {
+                break model;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(
+            model["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("sandbox_lost")),
+            "{model}"
+        );
+        let lost_generation = model["state_generation"].as_u64().context("generation")?;
+        assert!(lost_generation > generation, "{model}");
+        all_gone(&kept).await?;
+        let fresh = client.run(&id, "x").await?;
+        assert_eq!(
+            fresh.error.as_ref().map(|e| e.ename.as_str()),
+            Some("NameError"),
+            "{fresh:?}"
+        );
+        delete(&client, &id).await
+    }
+
+    /// An adopted sandbox whose second gateway is gone too is an orphan again: with no
+    /// gateway back within the grace, the keeper ends the container and removes everything
+    /// but the record; the next gateway reports the sandbox lost.
+    #[tokio::test]
+    async fn a_gvisor_orphan_ends_itself_after_its_grace() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("state");
+        gvisor_policies(dir.path())?;
+        // Long enough for the second gateway to start and adopt it on a loaded machine.
+        let grace = "20";
+        let first = gateway(dir.path(), &state, true, grace).await?;
+        let client = V1Client::new(&first);
+        let id = client.create_session(json!({})).await?;
+        assert_eq!(client.run(&id, "y = 3").await?.stdout, "");
+        let kept = record(&state, &id)?;
+        assert!(
+            !paths(&kept, "cgroup_dirs").is_empty(),
+            "no cgroup in {kept}"
+        );
+        killed(first).await?;
+        let second = gateway(dir.path(), &state, true, grace).await?;
+        let client = V1Client::new(&second);
+        let model = adopted(&client, &id).await?;
+        assert_ne!(model["state"], "dead", "{model}");
+        assert_eq!(client.run(&id, "print(y)").await?.stdout, "3\n");
+        killed(second).await?;
+        assert!(
+            alive(keeper(&kept)?),
+            "the keeper ended with the second gateway"
+        );
+        all_gone(&kept).await?;
+        assert!(
+            pids_with(&id).is_empty(),
+            "a process still names the kernel"
+        );
+
+        let third = gateway(dir.path(), &state, true, grace).await?;
+        let client = V1Client::new(&third);
+        assert!(
+            eventually(PATIENCE, || !record_path(&state, &id).exists()).await,
+            "the orphan's record outlived it"
+        );
+        let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+        assert!(
+            model["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("sandbox_lost")),
+            "{model}"
+        );
+        delete(&client, &id).await
+    }
+
+    /// With the option off, a gVisor kernel ends with its gateway, even one SIGKILLed.
+    #[tokio::test]
+    async fn with_the_option_off_gvisor_kernels_end_with_their_gateway() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("state");
+        gvisor_policies(dir.path())?;
+        let first = gateway(dir.path(), &state, false, "120").await?;
+        let client = V1Client::new(&first);
+        let id = client.create_session(json!({})).await?;
+        assert_eq!(client.run(&id, "x = 5").await?.stdout, "");
+        let sandbox = pids_with(&id);
+        assert!(!sandbox.is_empty(), "no runsc process found");
+        assert!(!state.join("sandboxes").join(&id).exists());
+        killed(first).await?;
+        let ended = eventually(PATIENCE, || sandbox.iter().all(|&pid| !alive(pid))).await;
+        assert!(
+            ended,
+            "a gVisor sandbox outlived its gateway with the option off"
+        );
+        Ok(())
+    }
 }

@@ -23,13 +23,7 @@ const SWEEP_MIN_AGE: Duration = Duration::from_secs(120);
 
 /// How many forks the sandbox's pids cgroup refused (`max` in `pids.events`).
 pub(super) fn pids_limit_hits(cgroups_path: &str) -> Option<u64> {
-    cgroup_dirs(cgroups_path).into_iter().find_map(|dir| {
-        std::fs::read_to_string(dir.join("pids.events"))
-            .ok()?
-            .lines()
-            .find_map(|line| line.strip_prefix("max "))
-            .and_then(|n| n.trim().parse().ok())
-    })
+    pids_limit_hits_in(&cgroup_dirs(cgroups_path))
 }
 
 /// How many processes the OOM killer killed in the memory cgroup `dir` (v1's
@@ -122,6 +116,33 @@ pub(super) fn cgroup_dirs(cgroups_path: &str) -> Vec<PathBuf> {
         .into_iter()
         .map(|dir| dir.join(cgroups_path))
         .collect()
+}
+
+/// Removes a sandbox's cgroup `dirs` (one per hierarchy), waiting a little for each to empty.
+/// runsc leaves its cgroups in place when one of them existed before (the memory and pids
+/// cgroups made by the launch); each is empty once the sandbox's last process is gone.
+pub(super) fn remove_cgroup_dirs(dirs: &[PathBuf]) {
+    for dir in dirs {
+        for _ in 0..50 {
+            match std::fs::remove_dir(dir) {
+                Err(err) if err.kind() != io::ErrorKind::NotFound => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => break,
+            }
+        }
+    }
+}
+
+/// How many forks the pids cgroup among `dirs` refused (`max` in `pids.events`).
+pub(super) fn pids_limit_hits_in(dirs: &[PathBuf]) -> Option<u64> {
+    dirs.iter().find_map(|dir| {
+        std::fs::read_to_string(dir.join("pids.events"))
+            .ok()?
+            .lines()
+            .find_map(|line| line.strip_prefix("max "))
+            .and_then(|n| n.trim().parse().ok())
+    })
 }
 
 /// Removes the empty cgroups of sandboxes whose `runsc run` was killed before it could

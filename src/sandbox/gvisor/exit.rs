@@ -10,7 +10,6 @@
 
 #![allow(unsafe_code)]
 
-use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,7 +19,9 @@ use std::time::Duration;
 use tokio::process::Child;
 use tokio::sync::watch;
 
-use super::cgroups::{cgroup_dirs, controller_cgroup_dir, oom_kills, pids_limit_hits};
+use super::cgroups::{
+    cgroup_dirs, controller_cgroup_dir, oom_kills, pids_limit_hits, remove_cgroup_dirs,
+};
 use super::runsc::Runsc;
 use crate::sandbox::{ExitCause, ExitReason, ExitReport};
 
@@ -61,46 +62,12 @@ pub(super) async fn watch_exit(
     let pids_hits = pids_limit_hits(&cgroups_path).unwrap_or(0);
     let oom_kills = oom_kills(memory_cgroup.as_deref());
     let report = match status {
-        Ok(status) => {
-            // runsc exits with the container's status, 128 + n for a signal.
-            let (code, signal) = match (status.code(), status.signal()) {
-                (Some(code), _) if code > 128 => (None, Some(code - 128)),
-                (code, signal) => (code, signal),
-            };
-            // The OOM killer may pick any process of the sandbox: the sentry (runsc reports
-            // SIGKILL) or a runsc helper (runsc then fails with its own status, seen as 2 on
-            // a CI run). Any abnormal end with an OOM kill counted is an out-of-memory end.
-            let abnormal = signal.is_some() || code != Some(0);
-            let reason = if abnormal && oom_kills > 0 {
-                Some(ExitReason::new(
-                    ExitCause::OutOfMemory,
-                    match memory_limit {
-                        Some(bytes) => format!(
-                            "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, \
-                             workspace files included; gVisor ends the whole sandbox)"
-                        ),
-                        None => "kernel process killed by the out-of-memory killer".to_owned(),
-                    },
-                ))
-            } else if abnormal && pids_hits > 0 {
-                // The Sentry cannot run without creating threads: when the guest's forks
-                // exhaust the pids limit, gVisor itself fails and the sandbox ends.
-                Some(ExitReason::new(
-                    ExitCause::PidsLimit,
-                    format!(
-                        "the sandbox reached its process limit ({}: {pids_hits} forks refused) and gVisor ended it",
-                        crate::sandbox::PIDS_LIMIT_REASON
-                    ),
-                ))
-            } else {
-                None
-            };
-            ExitReport {
-                code,
-                signal,
-                reason,
-            }
-        }
+        Ok(status) => report(
+            Ended::of(status.code(), status.signal()),
+            pids_hits,
+            oom_kills,
+            memory_limit,
+        ),
         Err(err) => ExitReport {
             code: None,
             signal: None,
@@ -122,19 +89,96 @@ pub(super) async fn watch_exit(
     .await;
     let cleanup = tokio::task::spawn_blocking(move || {
         let _ = std::fs::remove_dir_all(&bundle);
-        // runsc leaves its cgroups in place when one of them existed before (the memory
-        // and pids cgroups made by the launch): remove the sandbox's cgroup in every
-        // hierarchy. Each is empty once the sandbox's last process is gone.
-        for dir in cgroup_dirs(&cgroups_path) {
-            for _ in 0..50 {
-                match std::fs::remove_dir(&dir) {
-                    Err(err) if err.kind() != io::ErrorKind::NotFound => {
-                        std::thread::sleep(Duration::from_millis(20))
-                    }
-                    _ => break,
-                }
-            }
-        }
+        remove_cgroup_dirs(&cgroup_dirs(&cgroups_path));
     });
     let _ = cleanup.await;
+}
+
+/// How `runsc run` ended, as the keeper of a surviving sandbox reports it too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Ended {
+    pub(super) code: Option<i32>,
+    pub(super) signal: Option<i32>,
+}
+
+impl Ended {
+    /// From `runsc run`'s wait status: runsc exits with the container's status, 128 + n for
+    /// a signal.
+    pub(super) fn of(code: Option<i32>, signal: Option<i32>) -> Ended {
+        match (code, signal) {
+            (Some(code), _) if code > 128 => Ended {
+                code: None,
+                signal: Some(code - 128),
+            },
+            (code, signal) => Ended { code, signal },
+        }
+    }
+}
+
+/// The exit report of a sandbox that ended as `ended`, with the limits' counters read from
+/// its cgroups before they were removed.
+pub(super) fn report(
+    ended: Ended,
+    pids_hits: u64,
+    oom_kills: u64,
+    memory_limit: Option<u64>,
+) -> ExitReport {
+    let Ended { code, signal } = ended;
+    // The OOM killer may pick any process of the sandbox: the sentry (runsc reports
+    // SIGKILL) or a runsc helper (runsc then fails with its own status, seen as 2 on a CI
+    // run). Any abnormal end with an OOM kill counted is an out-of-memory end.
+    let abnormal = signal.is_some() || code != Some(0);
+    let reason = if abnormal && oom_kills > 0 {
+        Some(ExitReason::new(
+            ExitCause::OutOfMemory,
+            match memory_limit {
+                Some(bytes) => format!(
+                    "kernel process killed by the out-of-memory killer (the sandbox's limit of {bytes} bytes, \
+                     workspace files included; gVisor ends the whole sandbox)"
+                ),
+                None => "kernel process killed by the out-of-memory killer".to_owned(),
+            },
+        ))
+    } else if abnormal && pids_hits > 0 {
+        // The Sentry cannot run without creating threads: when the guest's forks exhaust
+        // the pids limit, gVisor itself fails and the sandbox ends.
+        Some(ExitReason::new(
+            ExitCause::PidsLimit,
+            format!(
+                "the sandbox reached its process limit ({}: {pids_hits} forks refused) and gVisor ended it",
+                crate::sandbox::PIDS_LIMIT_REASON
+            ),
+        ))
+    } else {
+        None
+    };
+    ExitReport {
+        code,
+        signal,
+        reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runsc_statuses_past_128_are_signals() {
+        assert_eq!(
+            Ended::of(Some(137), None),
+            Ended {
+                code: None,
+                signal: Some(9)
+            }
+        );
+        assert_eq!(Ended::of(Some(0), None).code, Some(0));
+        let oom = report(Ended::of(Some(137), None), 0, 1, Some(1 << 20));
+        assert_eq!(oom.reason.map(|r| r.cause), Some(ExitCause::OutOfMemory));
+        let limit = report(Ended::of(Some(2), None), 3, 0, None);
+        assert_eq!(limit.reason.map(|r| r.cause), Some(ExitCause::PidsLimit));
+        assert!(report(Ended::of(Some(0), None), 3, 1, None)
+            .reason
+            .is_none());
+    }
 }

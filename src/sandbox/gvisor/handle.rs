@@ -1,13 +1,15 @@
 //! Control of one running gVisor sandbox: the gateway's [`SandboxHandle`] for it.
 //!
 //! The kernel runs inside the Sentry and has no host process, so the handle holds
-//! `runsc run`'s pid (leader of its process group, pinned by a pidfd) and a [`Runsc`] for
-//! the container: signals and kills go through runsc, the size-limited workspace through
-//! `runsc run`'s root in /proc, and the pids counter through the sandbox's cgroup.
+//! `runsc run`'s pid (leader of its process group, pinned by a pidfd), or for a sandbox
+//! that outlives the gateway its keeper's (see [`super::keeper`]), and a [`Runsc`] for the
+//! container: signals and kills go through runsc, the size-limited workspace through that
+//! process's root in /proc, and the pids counter through the sandbox's cgroup.
 
 #![allow(unsafe_code)]
 
-use std::io;
+use std::io::{self, Write};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -19,9 +21,9 @@ use crate::sandbox::{SandboxError, SandboxHandle};
 
 /// Control of one gVisor sandbox.
 pub(super) struct GvisorHandle {
-    /// `runsc run`'s pid, leader of its process group.
+    /// `runsc run`'s pid, leader of its process group; a kept sandbox's keeper's.
     pub(super) pid: u32,
-    /// A pidfd of `runsc run`, when the host has pidfds (Linux 5.3+).
+    /// A pidfd of that process, when the host has pidfds (Linux 5.3+).
     pub(super) pidfd: Option<std::os::fd::OwnedFd>,
     /// Whether the workspace is the tmpfs in `runsc run`'s mount namespace (a size limit)
     /// rather than the host directory.
@@ -31,8 +33,44 @@ pub(super) struct GvisorHandle {
     pub(super) gid: u32,
     pub(super) exited: Arc<AtomicBool>,
     pub(super) runsc: Runsc,
-    /// The sandbox's cgroup (relative), when runsc manages cgroups.
-    pub(super) cgroups_path: Option<String>,
+    /// The sandbox's cgroup in every hierarchy, when runsc manages cgroups.
+    pub(super) cgroup_dirs: Vec<PathBuf>,
+    /// The keeper of a sandbox that outlives the gateway.
+    pub(super) keeper: Option<KeeperLink>,
+}
+
+/// The gateway's line to a kept sandbox's keeper.
+#[derive(Clone)]
+pub(super) struct KeeperLink {
+    /// Where `kill` is asked for; closed when the gateway lets the sandbox go (the keeper
+    /// then counts its gateway gone).
+    pub(super) commands: Arc<parking_lot::Mutex<Option<Commands>>>,
+    /// Let go for the next gateway: its end is not this gateway's to report.
+    pub(super) detached: Arc<AtomicBool>,
+}
+
+/// The keeper's command channel: the launching gateway's pipe to its stdin, or an
+/// adopting gateway's control connection.
+pub(super) enum Commands {
+    Pipe(std::fs::File),
+    Stream(UnixStream),
+}
+
+impl Commands {
+    fn send(&mut self, line: &str) -> io::Result<()> {
+        match self {
+            Commands::Pipe(file) => file.write_all(line.as_bytes()),
+            Commands::Stream(stream) => stream.write_all(line.as_bytes()),
+        }
+    }
+
+    /// Closes the channel (a connection for both directions: its other copy, the exit
+    /// watcher's, ends too).
+    pub(super) fn close(self) {
+        if let Commands::Stream(stream) = &self {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
 }
 
 impl SandboxHandle for GvisorHandle {
@@ -68,7 +106,18 @@ impl SandboxHandle for GvisorHandle {
     /// Every guest process has a ptrace stub on the host, so a refused guest fork shows in
     /// the `pids` cgroup of the sandbox like any other.
     fn pids_limit_hits(&self) -> Option<u64> {
-        cgroups::pids_limit_hits(self.cgroups_path.as_deref()?)
+        cgroups::pids_limit_hits_in(&self.cgroup_dirs)
+    }
+
+    /// A kept sandbox goes on for the next gateway: the keeper is told by the end of this
+    /// gateway's channel, and its end is no longer reported here.
+    fn detach(&self) {
+        if let Some(keeper) = &self.keeper {
+            keeper.detached.store(true, Ordering::SeqCst);
+            if let Some(commands) = keeper.commands.lock().take() {
+                commands.close();
+            }
+        }
     }
 
     /// The kernel has no host process of its own under gVisor (the Sentry runs it).
@@ -114,6 +163,9 @@ impl SandboxHandle for GvisorHandle {
         // Let runsc end the container's processes (so `runsc run` reaps its children), then
         // make sure: the sandbox and gofer die with `runsc run` by their parent-death signal.
         let _ = self.runsc.run(&["kill", "--all"], &["KILL"]);
+        if let Some(keeper) = &self.keeper {
+            return self.kill_kept(keeper);
+        }
         if self.exited.load(Ordering::SeqCst) || self.pid == 0 {
             return Ok(());
         }
@@ -129,6 +181,33 @@ impl SandboxHandle for GvisorHandle {
             }
         }
         Ok(())
+    }
+}
+
+impl GvisorHandle {
+    /// Asks the keeper to end `runsc run` (it then reports and cleans up); a keeper that
+    /// cannot be asked is killed, and the sandbox with it (parent-death signals), its
+    /// leftovers swept by the next gateway's start.
+    fn kill_kept(&self, keeper: &KeeperLink) -> Result<(), SandboxError> {
+        let asked = keeper
+            .commands
+            .lock()
+            .as_mut()
+            .is_some_and(|commands| commands.send("kill\n").is_ok());
+        if asked || self.exited.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        match &self.pidfd {
+            Some(pidfd) => match crate::sandbox::sys::pidfd_send_signal(pidfd, libc::SIGKILL) {
+                Err(err) if err.raw_os_error() != Some(libc::ESRCH) => {
+                    Err(SandboxError::Signal(err))
+                }
+                _ => Ok(()),
+            },
+            None => Err(SandboxError::Signal(io::Error::other(
+                "the sandbox's keeper cannot be reached",
+            ))),
+        }
     }
 }
 

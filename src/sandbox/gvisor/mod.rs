@@ -32,7 +32,8 @@
 //!   `nodev`, mounted over the workspace directory), so the gofer serves the tmpfs while the
 //!   host's directory stays empty and nothing shows in the host's mount table. The mount
 //!   lives exactly as long as the sandbox's processes (they all die with the gateway, see
-//!   *Lifetime*). The gateway reaches it through `/proc/<runsc pid>/root` (see
+//!   *Lifetime*, unless a keeper holds the namespace: *Outliving the gateway*). The gateway
+//!   reaches it through `/proc/<runsc pid>/root` (or the keeper's; see
 //!   [`GvisorHandle::workspace_root`](GvisorHandle#method.workspace_root)), which is what
 //!   gives gVisor sessions the file API and `outputs/` artifacts. Without a limit, the host
 //!   directory itself. (A tmpfs of the Sentry would keep the files out of the gateway's
@@ -75,6 +76,54 @@
 //! an arbitrary thread, and CPython only notices it when its main thread wakes (see
 //! [`GvisorHandle::signal`](GvisorHandle#method.signal)). `signal` and `kill` wait for runsc.
 //!
+//! **Outliving the gateway** (`--kernels-outlive-gateway`, with a state directory; see
+//! [`survival`] and [`keeper`]). The chain above is kept, with one link added that does not
+//! depend on the gateway: a **keeper**, this binary run with [`GVISOR_KEEPER_ARG`], spawned
+//! *without* a parent-death signal in a mount namespace of its own (the workspace tmpfs is
+//! mounted there, in the keeper's child before exec, exactly as for `runsc run` above).
+//! The keeper runs `runsc run` attached as its own child (parent-death signal towards the
+//! keeper), so killing the keeper still ends everything, and nothing ends with the gateway.
+//! Why a keeper rather than `runsc run --detach` or `create` + `start` (this 2022 build has
+//! both): a detached container has no process of ours to hold the workspace's mount
+//! namespace (the gofer pivots into the container's root), to be told its exit status
+//! (`runsc wait` must then run somewhere), or to end it when no gateway comes back; the
+//! namespaces backend's keeper cannot be reused as it is (it is that backend's helper,
+//! single-threaded around the sandbox's init), but its key exchange and records are
+//! (`namespaces::survival`).
+//!
+//! What outlives the gateway: the keeper, `runsc run`, the Sentry and the gofer, the
+//! sandbox's cgroups, and the kernel's directories, which live at
+//! `<state dir>/sandboxes/<kernel id>/k/` instead of below the gateway's runtime root (see
+//! [`Sandbox::kernel_dir`]): the runtime directory whose `ipc://` sockets `--host-uds` made
+//! real host sockets (the next gateway connects to the same paths), the workspace's mount
+//! point, the kernel's log (`runsc run` writes to the keeper's stderr, the log file), and
+//! the bundle with runsc's `--root` state in it. gVisor kernels have no egress (no network
+//! at all), so there is no proxy socket to keep. The state directory must leave the socket
+//! paths under 108 bytes (`<state dir>` under ~40 characters); a longer one turns survival
+//! off for gVisor with a warning at start.
+//!
+//! What the next gateway re-finds: the record `record.json` (0600 in a 0700 directory; the
+//! keeper's pid and start time, the container id, runsc's `--root`, the cgroups, the
+//! gateway's view of the connection, the kernel's key), written once the keeper has started
+//! `runsc run`. Adopting, a gateway opens a pidfd of the keeper, checks its start time (a
+//! reused pid fails), answers the keeper's challenge on `control-g<generation>.sock` with
+//! an HMAC under the kernel's key (`cellgate-adopt-v1:`), then connects to the kernel's
+//! sockets with that key. It reaches the workspace through `/proc/<keeper>/root`, signals
+//! and kills through runsc with the recorded `--root`, and is told the exit status by the
+//! keeper (`exited` on the control connection, with the OOM and pids counters), unlike an
+//! adopted namespaces kernel. A keeper that is gone means the sandbox is lost
+//! (`sandbox_lost`); what it left is removed (`runsc delete`, bundle, cgroups, directories),
+//! at the backend's start for every such record, and at the failed adoption.
+//!
+//! What ends an orphan: the keeper counts the launching gateway as there while its command
+//! pipe (the keeper's stdin) is open, and an adopting gateway while its control connection
+//! is. With neither for `--orphan-grace`, it ends the container (`runsc kill`, then
+//! `runsc run` killed) and, once `runsc run` has ended, removes the container, bundle,
+//! cgroups, the kernel's directories and its control socket; the record stays for the next
+//! gateway to report the session's sandbox lost. A stopping gateway (SIGTERM) closes its
+//! pipes to the keepers of API v1 sessions' kernels (detach) and shuts the others down, as
+//! the namespaces backend does.
+//!
 //! **The container's init.** The container's first process is its PID 1; the kernel is
 //! started under Debian's `tini` (`bundle::INIT`, from `/usr`), which reaps the orphans cells
 //! leave (a kernel as PID 1 never would: zombies holding pids until the session ended) and
@@ -93,6 +142,8 @@
 //! * [`workspace`]: the size-limited workspace, a tmpfs only `runsc run` sees;
 //! * [`cgroups`]: the memory and pids cgroups the gateway makes, reads and sweeps;
 //! * [`runsc`]: runsc's command line for one container (`kill`, `exec`, `delete`);
+//! * [`keeper`]: the process that keeps a sandbox going without its gateway;
+//! * [`survival`]: a kept sandbox's launch, record, adoption and sweep;
 //! * [`exit`]: the exit watcher (one [`ExitReport`](super::ExitReport), then the clean-up);
 //! * [`handle`]: [`GvisorHandle`], the gateway's control of a running sandbox;
 //! * [`diagnose`](mod@diagnose): what `cellgate doctor` checks;
@@ -104,7 +155,9 @@ mod diagnose;
 mod error;
 mod exit;
 mod handle;
+mod keeper;
 mod runsc;
+mod survival;
 mod workspace;
 
 use std::io;
@@ -119,6 +172,7 @@ use tokio::sync::watch;
 
 use super::diagnosis;
 use super::host_paths::{argv_files, visible_roots, SYSTEM_PREFIXES};
+use super::namespaces::survival::Survival;
 use super::relocate::KernelView;
 use super::spawner::Spawner;
 use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
@@ -131,6 +185,7 @@ pub use diagnose::diagnose;
 use error::setup;
 use exit::watch_exit;
 use handle::GvisorHandle;
+pub use keeper::{gvisor_keeper_main, GVISOR_KEEPER_ARG};
 use runsc::Runsc;
 use workspace::WorkspaceMount;
 
@@ -155,6 +210,11 @@ pub struct GvisorConfig {
     pub hostname: String,
     /// How long `runsc kill` and `runsc delete` may take.
     pub command_timeout: Duration,
+    /// Kernels outlive the gateway, each under a keeper, for the next gateway on the same
+    /// state directory to adopt (see *Lifetime*); `None`: they end with it.
+    pub survival: Option<Survival>,
+    /// The binary run as a kept sandbox's keeper with [`GVISOR_KEEPER_ARG`] (this one).
+    pub keeper_program: PathBuf,
 }
 
 impl Default for GvisorConfig {
@@ -168,6 +228,8 @@ impl Default for GvisorConfig {
             cgroups: true,
             hostname: "sandbox".to_owned(),
             command_timeout: Duration::from_secs(10),
+            survival: None,
+            keeper_program: PathBuf::from("/proc/self/exe"),
         }
     }
 }
@@ -183,7 +245,7 @@ impl GvisorSandbox {
     /// Finds runsc and checks the gateway may use it. Must be called from within a tokio
     /// runtime: the spawner thread registers children with it.
     #[allow(unsafe_code)] // geteuid(2)
-    pub fn new(config: GvisorConfig) -> Result<GvisorSandbox, SandboxError> {
+    pub fn new(mut config: GvisorConfig) -> Result<GvisorSandbox, SandboxError> {
         let runsc = match &config.runsc {
             Some(path) => path.clone(),
             None => diagnosis::find_on_path("runsc").ok_or_else(|| {
@@ -200,7 +262,15 @@ impl GvisorSandbox {
         if config.cgroups {
             sweep_cgroups();
         }
-        tracing::info!(runsc = %runsc.display(), platform = %config.platform, "gvisor sandbox backend ready");
+        if let Some(kept) = &config.survival {
+            if survival::paths_fit(kept) {
+                survival::sweep(kept, config.command_timeout);
+            } else {
+                tracing::warn!(dir = %kept.dir.display(), "gVisor kernels end with the gateway: their socket paths below this state directory would be too long for a unix socket (choose a shorter --state-dir)");
+                config.survival = None;
+            }
+        }
+        tracing::info!(runsc = %runsc.display(), platform = %config.platform, kept = config.survival.is_some(), "gvisor sandbox backend ready");
         Ok(GvisorSandbox {
             config,
             runsc,
@@ -352,20 +422,7 @@ impl GvisorSandbox {
         }
         command
             .args(self.global_args(&names.state))
-            // Explicit because the file API depends on it (see the module doc).
-            .args([
-                "--network=none",
-                "--host-uds=all",
-                "--file-access-mounts=shared",
-                // The bundle's seccomp profile keeps the container's init out of the
-                // kernel's reach (`bundle::init_guard`); runsc ignores OCI profiles without it.
-                "--oci-seccomp",
-            ])
-            .args(if self.config.cgroups {
-                &[][..]
-            } else {
-                &["--ignore-cgroups"][..]
-            })
+            .args(self.run_flags())
             .arg("run")
             .arg("--bundle")
             .arg(&names.bundle)
@@ -412,7 +469,11 @@ impl GvisorSandbox {
             id: container_id.clone(),
             timeout: self.config.command_timeout,
         };
-        let handle_cgroup = self.config.cgroups.then(|| cgroup_path.clone());
+        let handle_cgroups = if self.config.cgroups {
+            cgroups::cgroup_dirs(&cgroup_path)
+        } else {
+            Vec::new()
+        };
         tokio::spawn(watch_exit(
             child,
             cgroup_path,
@@ -433,11 +494,31 @@ impl GvisorSandbox {
                 gid: self.config.gid,
                 exited,
                 runsc,
-                cgroups_path: handle_cgroup,
+                cgroup_dirs: handle_cgroups,
+                keeper: None,
             }),
             exit: exit_rx,
             connection: spec.connection.clone(),
         }
+    }
+
+    /// runsc's flags for every launch, after the global ones.
+    fn run_flags(&self) -> Vec<String> {
+        let mut flags: Vec<String> = [
+            // Explicit because the file API depends on it (see the module doc).
+            "--network=none",
+            "--host-uds=all",
+            "--file-access-mounts=shared",
+            // The bundle's seccomp profile keeps the container's init out of the
+            // kernel's reach (`bundle::init_guard`); runsc ignores OCI profiles without it.
+            "--oci-seccomp",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        if !self.config.cgroups {
+            flags.push("--ignore-cgroups".to_owned());
+        }
+        flags
     }
 
     fn global_args(&self, state: &Path) -> Vec<String> {
@@ -456,7 +537,39 @@ impl Sandbox for GvisorSandbox {
     }
 
     fn launch<'a>(&'a self, spec: &'a LaunchSpec) -> BoxFuture<'a, Result<Launched, SandboxError>> {
-        Box::pin(self.launch_gvisor(spec))
+        Box::pin(async move {
+            match (&self.config.survival, spec.adopt.is_some()) {
+                (Some(kept), true) => self.adopt(spec, kept).await,
+                (None, true) => Err(setup(
+                    "no sandbox to adopt: gVisor kernels do not outlive the gateway here",
+                )),
+                (Some(kept), false) => self.launch_kept(spec, kept).await,
+                (None, false) => self.launch_gvisor(spec).await,
+            }
+        })
+    }
+
+    fn kernels_outlive_gateway(&self) -> bool {
+        self.config.survival.is_some()
+    }
+
+    fn survivor(&self, kernel_id: &str) -> Option<super::SurvivorInfo> {
+        let record = survival::read(self.config.survival.as_ref()?, kernel_id).ok()?;
+        Some(super::SurvivorInfo {
+            key: record.key,
+            generation: record.generation,
+            started_ms: record.started_ms,
+        })
+    }
+
+    fn kernel_dir(&self, kernel_id: &str) -> Option<PathBuf> {
+        survival::kernel_dir(self.config.survival.as_ref()?, kernel_id)
+    }
+
+    fn forget(&self, kernel_id: &str) {
+        if let Some(kept) = &self.config.survival {
+            kept.remove(kernel_id);
+        }
     }
 }
 

@@ -21,8 +21,6 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
-use rand::RngCore;
-
 use super::plan::{Keep, Plan, Role, EGRESS_FD};
 use super::report::{at, Failure};
 use super::survival;
@@ -158,7 +156,7 @@ impl Keeper {
             }
             if fds[1].revents & libc::POLLIN != 0 {
                 if let Ok((stream, _)) = self.control.accept() {
-                    if let Some(stream) = challenge(stream, &self.key) {
+                    if let Some(stream) = survival::challenge(stream, &self.key) {
                         // The newest gateway with the key is the sandbox's gateway.
                         gateway = Some(stream);
                     }
@@ -283,37 +281,4 @@ fn copy_some(pipe: &mut std::fs::File, buf: &mut [u8], written: &mut u64) -> io:
         }
     }
     Ok(true)
-}
-
-/// The control socket's exchange with a new peer (see `survival.rs`): the connection when
-/// it answered with the kernel's key, `None` (and closed) otherwise.
-fn challenge(stream: UnixStream, key: &[u8]) -> Option<UnixStream> {
-    stream.set_nonblocking(false).ok()?;
-    stream
-        .set_read_timeout(Some(survival::EXCHANGE_TIMEOUT))
-        .ok()?;
-    stream
-        .set_write_timeout(Some(survival::EXCHANGE_TIMEOUT))
-        .ok()?;
-    let mut nonce = [0u8; 32];
-    rand::rng().fill_bytes(&mut nonce);
-    (&stream)
-        .write_all(format!("challenge {}\n", hex::encode(nonce)).as_bytes())
-        .ok()?;
-    // One short line, read byte by byte so nothing past it is consumed.
-    let mut answer = Vec::with_capacity(80);
-    let mut byte = [0u8; 1];
-    while answer.len() < 200 {
-        match (&stream).read(&mut byte) {
-            Ok(1) if byte[0] == b'\n' => break,
-            Ok(1) => answer.push(byte[0]),
-            _ => return None,
-        }
-    }
-    let answer = String::from_utf8(answer).ok()?;
-    if !survival::verify(key, &nonce, &answer) {
-        return None;
-    }
-    (&stream).write_all(b"ok\n").ok()?;
-    Some(stream)
 }

@@ -14,14 +14,20 @@
 //! the hex HMAC-SHA256 of [`CHALLENGE_CONTEXT`] and the challenge under the kernel's key;
 //! the helper answers `ok` and counts the peer as its gateway while the connection stays
 //! open, or closes it.
+//!
+//! The gvisor backend keeps its surviving sandboxes here too (`gvisor::survival`): the same
+//! directory per kernel, control socket and exchange ([`challenge`], run by its keeper), and
+//! a record of its own shape in `record.json` ([`Survival::write_record`],
+//! [`Survival::read_record`]); each backend's records do not read as the other's.
 
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
+use rand::RngCore;
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
@@ -42,7 +48,7 @@ const EGRESS: &str = "egress";
 /// How long either side of the exchange waits for the other.
 pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The backend's settings for surviving kernels.
+/// The settings for surviving kernels (the namespaces and gvisor backends').
 #[derive(Debug, Clone)]
 pub struct Survival {
     /// `<state dir>/sandboxes`.
@@ -122,7 +128,8 @@ impl Survival {
         plain.then(|| self.dir.join(kernel_id))
     }
 
-    fn make_dir(path: &Path) -> Result<(), SurvivalError> {
+    /// Makes `path` (and its parents) 0700 when missing.
+    pub fn make_dir(path: &Path) -> Result<(), SurvivalError> {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -179,9 +186,17 @@ impl Survival {
 
     /// Writes `record` (0600), replacing the file atomically.
     pub fn write(&self, record: &Record) -> Result<(), SurvivalError> {
-        let dir = self
-            .kernel_dir(&record.kernel_id)
-            .ok_or(SurvivalError::NoRecord)?;
+        self.write_record(&record.kernel_id, record)
+    }
+
+    /// Writes the record of `kernel_id`'s sandbox, whichever backend's (0600), replacing
+    /// the file atomically.
+    pub fn write_record(
+        &self,
+        kernel_id: &str,
+        record: &impl Serialize,
+    ) -> Result<(), SurvivalError> {
+        let dir = self.kernel_dir(kernel_id).ok_or(SurvivalError::NoRecord)?;
         let path = dir.join(RECORD);
         let partial = dir.join(format!("{RECORD}.partial"));
         let io = |what| {
@@ -204,6 +219,22 @@ impl Survival {
 
     /// The record of `kernel_id`'s sandbox.
     pub fn read(&self, kernel_id: &str) -> Result<Record, SurvivalError> {
+        let record: Record = self.read_record(kernel_id)?;
+        if record.kernel_id != kernel_id {
+            return Err(SurvivalError::BadRecord(format!(
+                "it names kernel {}",
+                record.kernel_id
+            )));
+        }
+        Ok(record)
+    }
+
+    /// The record of `kernel_id`'s sandbox as a backend wrote it (a record of another
+    /// backend's does not read: `SurvivalError::BadRecord`).
+    pub fn read_record<T: serde::de::DeserializeOwned>(
+        &self,
+        kernel_id: &str,
+    ) -> Result<T, SurvivalError> {
         let path = self
             .kernel_dir(kernel_id)
             .ok_or(SurvivalError::NoRecord)?
@@ -221,15 +252,21 @@ impl Survival {
                 })
             }
         };
-        let record: Record =
-            serde_json::from_slice(&bytes).map_err(|e| SurvivalError::BadRecord(e.to_string()))?;
-        if record.kernel_id != kernel_id {
-            return Err(SurvivalError::BadRecord(format!(
-                "it names kernel {}",
-                record.kernel_id
-            )));
+        serde_json::from_slice(&bytes).map_err(|e| SurvivalError::BadRecord(e.to_string()))
+    }
+
+    /// Removes the record of `kernel_id`'s sandbox and the control socket of its
+    /// `generation` (whichever backend's).
+    pub fn remove_record(&self, kernel_id: &str, generation: u64) {
+        if let Some(dir) = self.kernel_dir(kernel_id) {
+            let _ = std::fs::remove_file(dir.join(control(generation)));
+            let _ = std::fs::remove_file(dir.join(RECORD));
         }
-        Ok(record)
+    }
+
+    /// The control socket's path for `kernel_id`'s `generation`.
+    pub fn control_path(&self, kernel_id: &str, generation: u64) -> Option<PathBuf> {
+        Some(self.kernel_dir(kernel_id)?.join(control(generation)))
     }
 
     /// Forgets the sandbox of `kernel_id`'s `generation`, which ended or failed to start:
@@ -356,6 +393,36 @@ pub fn verify(key: &[u8], challenge: &[u8], given: &str) -> bool {
     mac.update(CHALLENGE_CONTEXT);
     mac.update(challenge);
     mac.verify_slice(&given).is_ok()
+}
+
+/// The keeper's side of the control socket's exchange with a new peer (see the module
+/// doc), in both backends' keepers: the connection when it answered with the kernel's key,
+/// `None` (and closed) otherwise.
+pub fn challenge(stream: UnixStream, key: &[u8]) -> Option<UnixStream> {
+    stream.set_nonblocking(false).ok()?;
+    stream.set_read_timeout(Some(EXCHANGE_TIMEOUT)).ok()?;
+    stream.set_write_timeout(Some(EXCHANGE_TIMEOUT)).ok()?;
+    let mut nonce = [0u8; 32];
+    rand::rng().fill_bytes(&mut nonce);
+    (&stream)
+        .write_all(format!("challenge {}\n", hex::encode(nonce)).as_bytes())
+        .ok()?;
+    // One short line, read byte by byte so nothing past it is consumed.
+    let mut answer = Vec::with_capacity(80);
+    let mut byte = [0u8; 1];
+    while answer.len() < 200 {
+        match (&stream).read(&mut byte) {
+            Ok(1) if byte[0] == b'\n' => break,
+            Ok(1) => answer.push(byte[0]),
+            _ => return None,
+        }
+    }
+    let answer = String::from_utf8(answer).ok()?;
+    if !verify(key, &nonce, &answer) {
+        return None;
+    }
+    (&stream).write_all(b"ok\n").ok()?;
+    Some(stream)
 }
 
 /// The start time of `pid` (clock ticks since boot), `None` when it does not exist.
