@@ -1127,6 +1127,34 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     assert_eq!(sample("cellgate_hibernate_seconds_count"), 1.0);
     assert_eq!(sample("cellgate_hibernated_bytes_count"), 1.0);
     assert!(sample("cellgate_hibernated_bytes_sum") > 1e6);
+
+    // Hibernated across one more stop, then deleted before it was restored: its saved VM
+    // goes with it.
+    session_once(&v1, &id, "hibernated").await?;
+    assert!(eventually(PATIENCE, || saved.join("record.json").is_file()).await);
+    drop(v1);
+    drop(gateway);
+    let (gateway, _dir3) = vm_gateway_with(
+        port,
+        "memory = \"384MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"4s\"",
+        true,
+        &[
+            "--cull-interval",
+            "1",
+            "--microvm-snapshots",
+            "false",
+            "--state-dir",
+            &state_dir,
+        ],
+    )
+    .await?;
+    let v1 = V1Client::new(&gateway);
+    let response = v1
+        .request(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"))
+        .send()
+        .await?;
+    assert!(response.status().is_success(), "{}", response.status());
+    assert!(!saved.exists(), "{}", gateway.log());
     Ok(())
 }
 
