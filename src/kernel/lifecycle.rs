@@ -410,6 +410,10 @@ impl Kernel {
         match result {
             Ok(Ok(())) => {
                 tracing::info!(kernel_id = %self.id, generation, "kernel ready");
+                // Its idle clock starts now, not when its start was asked: a start that took
+                // longer than `hibernate_after` (an emulated VM on a busy host) must not be
+                // saved to disk the moment it is ready.
+                self.router.touch();
                 self.readiness.send_replace(Readiness::Ready);
             }
             Ok(Err(KernelError::DiedDuringStart)) => {

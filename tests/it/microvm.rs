@@ -1101,7 +1101,7 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     session_once(&v1, &id, "hibernated").await?;
     assert!(eventually(PATIENCE, || saved.join("record.json").is_file()).await);
     std::fs::write(saved.join("vm.state"), b"not a VM's state")?;
-    let r = v1.execute(&id, "x").await?;
+    let r = v1.execute(&id, "x").await.with_context(|| gateway.log())?;
     assert_eq!(r["error"]["ename"], "NameError", "a fresh kernel: {r}");
     assert!(r.get("restored").is_none(), "{r}");
     let bumped = r["state_generation"].as_u64().context("generation")?;
@@ -1127,6 +1127,50 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     assert_eq!(sample("cellgate_hibernate_seconds_count"), 1.0);
     assert_eq!(sample("cellgate_hibernated_bytes_count"), 1.0);
     assert!(sample("cellgate_hibernated_bytes_sum") > 1e6);
+
+    // Two sessions hibernated across one more stop: one deleted before it was restored,
+    // whose saved VM goes with it; one restarted, which gives a new kernel (not the saved
+    // one), its saved VM gone too.
+    let other = v1.create_session(json!({"policy": "vm"})).await?;
+    let other_saved = state.path().join("hibernated").join(&other);
+    session_once(&v1, &id, "hibernated").await?;
+    session_once(&v1, &other, "hibernated").await?;
+    assert!(eventually(PATIENCE, || saved.join("record.json").is_file()).await);
+    assert!(eventually(PATIENCE, || other_saved.join("record.json").is_file()).await);
+    drop(v1);
+    drop(gateway);
+    let (gateway, _dir3) = vm_gateway_with(
+        port,
+        "memory = \"384MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"4s\"",
+        true,
+        &[
+            "--cull-interval",
+            "1",
+            "--microvm-snapshots",
+            "false",
+            "--state-dir",
+            &state_dir,
+        ],
+    )
+    .await?;
+    let v1 = V1Client::new(&gateway);
+    let response = v1
+        .request(reqwest::Method::DELETE, &format!("/v1/sessions/{other}"))
+        .send()
+        .await?;
+    assert!(response.status().is_success(), "{}", response.status());
+    assert!(!other_saved.exists(), "{}", gateway.log());
+    let (status, restarted) = v1
+        .post(&format!("/v1/sessions/{id}/restart"), json!({}))
+        .await?;
+    assert_eq!(status, 200, "{restarted}");
+    assert!(
+        restarted["state_generation"].as_u64() > Some(bumped),
+        "{restarted}"
+    );
+    assert!(!saved.exists(), "{}", gateway.log());
+    let r = v1.execute(&id, "x").await?;
+    assert_eq!(r["error"]["ename"], "NameError", "a new kernel: {r}");
     Ok(())
 }
 

@@ -614,8 +614,16 @@ pub async fn restart(
     Extension(principal): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Result<Json<SessionModel>, ApiError> {
-    if dormant_for(&state, &principal, &id).is_some() {
-        // A new kernel is what a restart gives.
+    if let Some(dormant) = dormant_for(&state, &principal, &id) {
+        // A new kernel is what a restart gives: not the one hibernated before the gateway
+        // restarted, which its revival would restore.
+        let kernels = state.sessions.kernels();
+        if kernels
+            .hibernated_generation(&dormant.id.kernel(), &dormant.row.policy)
+            .is_some()
+        {
+            kernels.forget_sandbox(&dormant.id.kernel(), &dormant.row.policy);
+        }
         return Ok(Json(
             live_session_for(&state, &principal, &id).await?.model(),
         ));
