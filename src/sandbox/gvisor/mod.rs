@@ -559,6 +559,7 @@ impl Sandbox for GvisorSandbox {
             key: record.key,
             generation: record.generation,
             started_ms: record.started_ms,
+            hibernated: false,
         })
     }
 
