@@ -189,17 +189,9 @@ fn check_pool_runs(
         return Ok(());
     }
     let held = backends.image_environments(backend);
-    // Kubernetes: the kernelspecs the default policy names an image of their own for.
-    let own_images = options
-        .policies
-        .default_policy()
-        .kubernetes
-        .as_ref()
-        .filter(|_| backend == crate::sandbox::Backend::Kubernetes)
-        .map(|pods| pods.kernel_images.clone())
-        .unwrap_or_default();
+    let settings = options.policies.default_policy().backend_settings();
     for name in pooled_specs(specs, options) {
-        if own_images.contains_key(&name) {
+        if backends.has_own_image(backend, &settings, &name) {
             continue;
         }
         let Some(spec) = specs.get(&name) else {

@@ -287,6 +287,16 @@ impl Backends {
         self.forced
     }
 
+    /// Whether a policy with `settings` runs kernelspec `name` in an image of its own on
+    /// `backend` (Kubernetes' `kernel_images`), whatever the backend's default image holds.
+    pub fn has_own_image(&self, backend: Backend, settings: &BackendSettings, name: &str) -> bool {
+        backend == Backend::Kubernetes
+            && settings
+                .kubernetes
+                .as_ref()
+                .is_some_and(|pods| pods.kernel_images.contains_key(name))
+    }
+
     /// The kernelspecs whose environments `backend`'s image holds, for a backend whose
     /// kernels run from an image: the microVM root image's manifest lists them; the
     /// kernel pod image lists none (it holds the python3 venv alone).
