@@ -21,8 +21,9 @@ Modes (`--modes`):
             benchmark checks that NameError, so the two modes cannot be mixed up).
 The ratio restart/survive is how much sooner a user gets an answer, and with state.
 
-Backend: the gateway's default (namespaces; forked from the zygote). Both modes run on the
-same machine, build and policy, interleaved per round.
+Backend: the policy's (`--policy`, default the gateway's default policy: namespaces kernels
+forked from the zygote; `--sandbox gvisor` writes a policy for gVisor kernels under their
+keepers). Both modes run on the same machine, build and policy, interleaved per round.
 
 Run with the tools venv:  .venv-tools/bin/python bench/adoption.py [--sizes 1,10] [--rounds 3]
 Default binary: target/release/cellgate (debug numbers are not representative). Listens on
@@ -45,7 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402  (the end-to-end harness: targets, reaper, stats)
 from e2e import HOST, REPO, ScenarioError, log, pct  # noqa: E402
-from api_v1 import KeepAlive, new_session  # noqa: E402
+from api_v1 import KeepAlive  # noqa: E402
 
 ADOPTED = re.compile(r"session_id=(\S+).*adoption_ms=(\d+)|adoption_ms=(\d+).*session_id=(\S+)")
 
@@ -56,8 +57,19 @@ def gateway_cmd(a, state, outlive):
                 "--kernels-dir", a.kernels_dir, "--policies-dir", a.policies_dir,
                 "--state-dir", state, "--kernels-outlive-gateway", "true" if outlive else "false",
                 # An orphan of a run this harness could not clean up ends soon.
-                "--orphan-grace", "60", *a.cellgate_arg]
+                "--orphan-grace", "60",
+                # No warm pool: its kernels belong to no session, so after the SIGKILL nothing
+                # adopts them and they would idle on until the grace (ARCHITECTURE.md, "left").
+                "--pool-size", "0", *a.cellgate_arg]
     return fn
+
+
+async def new_session(http, a):
+    body = {"policy": a.policy} if a.policy else {}
+    status, text = await http.request("POST", "/v1/sessions", body)
+    if status != 201:
+        raise ScenarioError(f"POST /v1/sessions: {status} {text[:300]!r}")
+    return json.loads(text)["id"]
 
 
 async def execute(http, session, code):
@@ -94,7 +106,7 @@ async def one_round(a, size, outlive):
     try:
         await first.start()
         http = KeepAlive(first.port, first.token)
-        sessions = [await new_session(http) for _ in range(size)]
+        sessions = [await new_session(http, a) for _ in range(size)]
         tokens = {s: secrets.randbelow(1 << 40) for s in sessions}
         for s in sessions:
             for code in ([a.setup] if a.setup else []) + [f"x = {tokens[s]}"]:
@@ -186,12 +198,26 @@ def parse_args():
     p.add_argument("--sizes", default="1,10", help="sessions per round, comma-separated")
     p.add_argument("--modes", default="survive,restart")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--policy", help="the sessions' policy (default: the gateway's default)")
+    p.add_argument("--sandbox", choices=["gvisor"],
+                   help="write a policies directory whose default policy runs this backend")
     p.add_argument("--setup", default="import numpy, pandas",
                    help="a cell run in every session before x (state worth keeping)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--start-timeout", type=float, default=60)
     p.add_argument("--http-timeout", type=float, default=300)
-    return p.parse_args()
+    a = p.parse_args()
+    if a.sandbox:
+        # The shipped default policy with another backend, in a scratch directory (removed
+        # at the end, in main).
+        a.policies_dir = tempfile.mkdtemp(prefix="cg-bench-adopt-policies-")
+        with open(os.path.join(REPO, "policies", "default.toml")) as f:
+            text = f.read()
+        if 'backend = "namespaces"' not in text:
+            raise SystemExit("policies/default.toml no longer names backend = \"namespaces\"")
+        with open(os.path.join(a.policies_dir, "default.toml"), "w") as f:
+            f.write(text.replace('backend = "namespaces"', f'backend = "{a.sandbox}"'))
+    return a
 
 
 def main():
@@ -207,6 +233,8 @@ def main():
         sys.exit(130)
     finally:
         e2e.final_cleanup()
+        if a.sandbox:
+            shutil.rmtree(a.policies_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
