@@ -887,6 +887,15 @@ impl KernelManager {
         Ok(kernel)
     }
 
+    /// Ends the sandboxes that outlived the gateway before this one and that no stored
+    /// session claims (`claimed`: the stored sessions' kernel ids), in the backends the
+    /// policies use. Blocking; the number ended.
+    pub fn end_unclaimed_survivors(&self, claimed: &std::collections::HashSet<String>) -> usize {
+        let used = self.options.policies.iter().map(|policy| policy.backend);
+        self.backends
+            .end_unclaimed(used, &|id: &str| claimed.contains(id))
+    }
+
     /// Whether `id`'s kernel (of `policy`) has a sandbox that outlived the gateway before
     /// this one, which [`KernelManager::adopt_survivor`] may take back.
     pub fn has_survivor(&self, id: &crate::ids::KernelId, policy: &str) -> bool {

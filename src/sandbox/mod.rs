@@ -307,6 +307,31 @@ impl Backends {
         }
     }
 
+    /// Ends the sandboxes that outlived the gateway before this one and that no session
+    /// claims ([`Sandbox::end_unclaimed`]), in those of the `used` backends that keep
+    /// kernels (namespaces and gVisor; no other backend is set up for it). Blocking; the
+    /// number ended.
+    pub fn end_unclaimed(
+        &self,
+        used: impl IntoIterator<Item = Backend>,
+        claimed: &dyn Fn(&str) -> bool,
+    ) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        let mut ended = 0;
+        for wanted in used {
+            let backend = self.forced.unwrap_or(wanted);
+            if !matches!(backend, Backend::Namespaces | Backend::Gvisor) || !seen.insert(backend) {
+                continue;
+            }
+            if let Ok(sandbox) = self.get(backend) {
+                if sandbox.kernels_outlive_gateway() {
+                    ended += sandbox.end_unclaimed(claimed);
+                }
+            }
+        }
+        ended
+    }
+
     /// The sandbox for a policy that names `wanted` (or the forced one). A backend this host
     /// cannot run is an error each time it is asked for, so a fixed host needs no restart.
     pub fn get(&self, wanted: Backend) -> Result<Arc<dyn Sandbox>, SandboxError> {
@@ -671,6 +696,13 @@ pub trait Sandbox: Send + Sync {
     /// `kernel_id` is shut down for good: whatever this backend kept of it for a later
     /// gateway goes.
     fn forget(&self, _kernel_id: &str) {}
+    /// Ends at once the sandboxes that outlived the gateway before this one and that no
+    /// session claims (`claimed(kernel_id)` false: a pool's or a Kernel Gateway API kernel,
+    /// which nothing would ask for again), rather than leaving them to their orphan grace.
+    /// Called once at start, under the state directory's lock. Blocking; the number ended.
+    fn end_unclaimed(&self, _claimed: &dyn Fn(&str) -> bool) -> usize {
+        0
+    }
 }
 
 /// A sandbox that outlived its gateway, as far as the kernel's layer needs to know it.

@@ -811,6 +811,24 @@ impl Sessions {
     /// comes back live, its generation kept; one whose sandbox did not survive stays
     /// dormant, `sandbox_lost`, until its next execute starts a new kernel.
     pub fn spawn_survivor_adoption(self: &Arc<Self>) {
+        // Sandboxes no stored session claims (the dead gateway's pool, its Kernel Gateway
+        // API kernels) would idle until their orphan grace: ended now.
+        let claimed: std::collections::HashSet<String> = self
+            .dormant
+            .read()
+            .values()
+            .map(|d| d.id.kernel().as_str().to_owned())
+            .collect();
+        let kernels = self.kernels.clone();
+        tokio::task::spawn_blocking(move || {
+            let ended = kernels.end_unclaimed_survivors(&claimed);
+            if ended > 0 {
+                tracing::info!(
+                    ended,
+                    "ended the kernels that outlived the gateway before this one and that no session claims (a pool's, the Kernel Gateway API's)"
+                );
+            }
+        });
         let found: Vec<SessionId> = self
             .dormant
             .read()

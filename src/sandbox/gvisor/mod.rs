@@ -567,6 +567,12 @@ impl Sandbox for GvisorSandbox {
         survival::kernel_dir(self.config.survival.as_ref()?, kernel_id)
     }
 
+    fn end_unclaimed(&self, claimed: &dyn Fn(&str) -> bool) -> usize {
+        self.config.survival.as_ref().map_or(0, |kept| {
+            survival::end_unclaimed(kept, claimed, self.config.command_timeout)
+        })
+    }
+
     fn forget(&self, kernel_id: &str) {
         if let Some(kept) = &self.config.survival {
             kept.remove(kernel_id);

@@ -147,6 +147,39 @@ fn remove_leftovers(survival: &Survival, record: &GvisorRecord, timeout: Duratio
     }
 }
 
+/// Ends at once the gVisor sandboxes recorded here that no session claims (see
+/// [`Survival::end_unclaimed`]): each keeper, pinned, is killed (`runsc run` and the
+/// sandbox end with it), then what it would have cleaned up is removed, and the record.
+/// Blocking; the number ended.
+pub(super) fn end_unclaimed(
+    survival: &Survival,
+    claimed: &dyn Fn(&str) -> bool,
+    timeout: Duration,
+) -> usize {
+    let Ok(entries) = std::fs::read_dir(&survival.dir) else {
+        return 0;
+    };
+    let mut ended = 0;
+    for entry in entries.flatten() {
+        let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if claimed(&id) {
+            continue;
+        }
+        let Ok(record) = read(survival, &id) else {
+            continue;
+        };
+        if survival::kill_pinned(&record.keeper) {
+            ended += 1;
+        }
+        survival::wait_gone(&record.keeper, survival::UNCLAIMED_WAIT);
+        remove_leftovers(survival, &record, timeout);
+        survival.remove(&id);
+    }
+    ended
+}
+
 /// At the backend's start: the gVisor sandboxes recorded here whose keeper is gone lose
 /// what they left; their records stay for the session layer to report them lost.
 pub(super) fn sweep(survival: &Survival, timeout: Duration) {

@@ -1159,6 +1159,14 @@ impl Sandbox for NamespacesSandbox {
         }
     }
 
+    fn end_unclaimed(&self, claimed: &dyn Fn(&str) -> bool) -> usize {
+        self.core
+            .config
+            .survival
+            .as_ref()
+            .map_or(0, |survival| survival.end_unclaimed(claimed))
+    }
+
     fn egress_dir(&self, kernel_id: &str) -> Option<PathBuf> {
         let survival = self.core.config.survival.as_ref()?;
         let ids = self.core.ids;

@@ -319,6 +319,43 @@ impl Survival {
         }
     }
 
+    /// Ends at once the sandboxes recorded here that no session claims (`claimed` false:
+    /// a pool's or a Kernel Gateway API kernel, which nothing will ask for again), rather
+    /// than leaving them to their orphan grace: each helper, pinned by its pidfd and start
+    /// time, is killed (its init has the helper as its parent-death signal's source, and
+    /// the pid namespace ends with the init), then its cgroup and record are removed.
+    /// Records of another backend's shape are left to it. Blocking; the number ended.
+    pub fn end_unclaimed(&self, claimed: &dyn Fn(&str) -> bool) -> usize {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        let mut ended = 0;
+        for entry in entries.flatten() {
+            let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if claimed(&id) {
+                continue;
+            }
+            let Ok(record) = self.read(&id) else {
+                continue;
+            };
+            if kill_pinned(&record.helper) {
+                ended += 1;
+            }
+            wait_gone(&record.init, UNCLAIMED_WAIT);
+            if let Some(cgroup) = record
+                .cgroup
+                .as_ref()
+                .and_then(crate::sandbox::cgroups::KernelCgroup::from_parts)
+            {
+                cgroup.remove();
+            }
+            self.remove(&id);
+        }
+        ended
+    }
+
     /// Forgets `kernel_id`'s sandbox (it ended, or never will be adopted).
     pub fn remove(&self, kernel_id: &str) {
         if let Some(dir) = self.kernel_dir(kernel_id) {
@@ -435,6 +472,30 @@ pub fn start_time(pid: i32) -> Option<u64> {
 }
 
 /// Milliseconds since the Unix epoch.
+/// How long an unclaimed sandbox's processes may take to end once killed.
+pub const UNCLAIMED_WAIT: Duration = Duration::from_secs(5);
+
+/// Kills `process` with SIGKILL if it is still the one recorded (its pidfd opened first,
+/// then its start time compared, so a reused pid is never signalled); whether it was.
+pub fn kill_pinned(process: &Proc) -> bool {
+    use crate::sandbox::sys;
+    let Ok(pidfd) = sys::pidfd_open(process.pid) else {
+        return false;
+    };
+    if start_time(process.pid) != Some(process.start) || sys::pidfd_exited(&pidfd) {
+        return false;
+    }
+    sys::pidfd_send_signal(&pidfd, libc::SIGKILL).is_ok()
+}
+
+/// Waits, at most `timeout`, until `process` is gone (its pid ended, or names another).
+pub fn wait_gone(process: &Proc, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while start_time(process.pid) == Some(process.start) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
