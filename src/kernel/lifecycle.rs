@@ -726,16 +726,22 @@ impl Kernel {
     }
 
     /// Saves the kernel's sandbox to disk and ends it (see the module's doc): only a ready
-    /// kernel with no cell running. Bytes the sandbox takes on disk.
-    pub async fn hibernate(self: &Arc<Self>) -> Result<u64, KernelError> {
+    /// kernel with no cell running and no request since `idle_since` (its last activity when
+    /// it was found idle: any message after it, an execute or a completion, may await a
+    /// reply the saved VM would never send). Bytes the sandbox takes on disk.
+    pub async fn hibernate(
+        self: &Arc<Self>,
+        idle_since: OffsetDateTime,
+    ) -> Result<u64, KernelError> {
         let _ops = self.ops.lock().await;
         if self.readiness() != Readiness::Ready {
             return Err(KernelError::NotHibernatable("it is not ready".to_owned()));
         }
         if self.router.activity().execution_state == ExecutionState::Busy
             || self.router.running().is_some()
+            || self.last_activity() != idle_since
         {
-            return Err(KernelError::NotHibernatable("a cell is running".to_owned()));
+            return Err(KernelError::NotHibernatable("it is in use".to_owned()));
         }
         let Some(instance) = self.instance.lock().clone() else {
             return Err(KernelError::NotHibernatable("it has no process".to_owned()));
@@ -757,10 +763,10 @@ impl Kernel {
         let running = {
             let _gate = self.send_gate.lock();
             self.readiness.send_replace(Readiness::Hibernated);
-            self.router.running().is_some()
+            self.router.running().is_some() || self.last_activity() != idle_since
         };
         if running {
-            // A cell came in just before: not now.
+            // A message came in just before: not now.
             instance.expected_exit.store(false, Ordering::SeqCst);
             self.readiness.send_replace(Readiness::Ready);
             return Err(KernelError::NotHibernatable("a cell is running".to_owned()));

@@ -88,6 +88,9 @@ pub struct KernelManager {
     starting: parking_lot::Mutex<HashMap<String, usize>>,
     /// Each tenant's hibernated-storage quota in bytes (`None`: unlimited).
     hibernation_quota: parking_lot::RwLock<Option<HibernationQuota>>,
+    /// A pass of saves is under way: saves run one at a time, so each one's disk-room and
+    /// quota checks see what the ones before it took.
+    saving: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A tenant's hibernated-storage quota, from the tenant settings (which this module does
@@ -244,6 +247,7 @@ impl KernelManager {
             pools: parking_lot::Mutex::new(HashMap::new()),
             starting: parking_lot::Mutex::new(HashMap::new()),
             hibernation_quota: parking_lot::RwLock::new(None),
+            saving: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
         });
         // Each policy's counters exist at zero before its first start, failure, execution
         // or denial, so that alerts on their increase see the first one (telemetry::metrics).
@@ -1127,7 +1131,7 @@ impl KernelManager {
     /// Shuts down kernels that are idle past the gateway's culling timeout (unconnected ones
     /// only, unless `cull_connected`), idle past their policy's `idle_timeout`, or older than
     /// their policy's `lifetime`. A kernel busy with a cell is never idle.
-    async fn cull_once(&self) {
+    async fn cull_once(self: &Arc<Self>) {
         let now = OffsetDateTime::now_utc();
         let mut doomed = Vec::new();
         for kernel in self.list() {
@@ -1198,25 +1202,51 @@ impl KernelManager {
     /// Saves to disk, in the background, the ready kernels idle past their policy's
     /// `hibernate_after` with no cell running (a connected client does not keep a kernel
     /// awake: its next message restores it).
-    fn hibernate_idle(&self, now: OffsetDateTime) {
-        for kernel in self.list() {
-            let Some(after) = kernel.policy_hibernate_after() else {
-                continue;
-            };
-            let idle = kernel.readiness() == Readiness::Ready
-                && kernel.router().activity().execution_state == super::ExecutionState::Idle
-                && kernel.router().running().is_none()
-                && now - kernel.last_activity() > after;
-            if !idle || !self.hibernation_allowed(&kernel) {
-                continue;
+    fn hibernate_idle(self: &Arc<Self>, now: OffsetDateTime) {
+        use std::sync::atomic::Ordering;
+        let idle: Vec<(Arc<Kernel>, OffsetDateTime)> = self
+            .list()
+            .into_iter()
+            .filter_map(|kernel| {
+                let after = kernel.policy_hibernate_after()?;
+                let idle_since = kernel.last_activity();
+                let idle = kernel.readiness() == Readiness::Ready
+                    && kernel.router().activity().execution_state == super::ExecutionState::Idle
+                    && kernel.router().running().is_none()
+                    && now - idle_since > after;
+                idle.then_some((kernel, idle_since))
+            })
+            .collect();
+        // One pass at a time, its saves one after another: each save's room on disk and
+        // its tenant's quota are checked after the saves before it have taken theirs.
+        if idle.is_empty() || self.saving.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        /// Ends the pass however its task ends (a panic too), so later passes run.
+        struct Pass(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Pass {
+            fn drop(&mut self) {
+                self.0.store(false, std::sync::atomic::Ordering::SeqCst);
             }
-            tracing::info!(kernel_id = %kernel.id, "hibernating an idle kernel");
-            tokio::spawn(async move {
-                if let Err(err) = kernel.hibernate().await {
+        }
+        let manager = Arc::downgrade(self);
+        let pass = Pass(self.saving.clone());
+        tokio::spawn(async move {
+            let _pass = pass;
+            for (kernel, idle_since) in idle {
+                let Some(manager) = manager.upgrade() else {
+                    break;
+                };
+                if !manager.hibernation_allowed(&kernel) {
+                    continue;
+                }
+                drop(manager);
+                tracing::info!(kernel_id = %kernel.id, "hibernating an idle kernel");
+                if let Err(err) = kernel.hibernate(idle_since).await {
                     tracing::warn!(kernel_id = %kernel.id, %err, "the kernel was not hibernated");
                 }
-            });
-        }
+            }
+        });
     }
 }
 

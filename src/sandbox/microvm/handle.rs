@@ -177,9 +177,10 @@ impl SandboxHandle for MicrovmHandle {
                 return Err(refused("the VM is gone, or being saved already"));
             }
             let exited = self.exited.clone();
-            let saved =
-                super::hibernate::save(saver, about, &agent, || exited.load(Ordering::SeqCst))
-                    .await;
+            let saved = super::hibernate::save(saver, about, &agent, self.vmm_pid, || {
+                exited.load(Ordering::SeqCst)
+            })
+            .await;
             if saved.is_err() {
                 // Stopped, detached or half saved: the VM cannot go on. What was saved goes.
                 self.kill_vmm(false);

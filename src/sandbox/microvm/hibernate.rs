@@ -223,12 +223,26 @@ pub(super) fn allocated(path: &Path) -> u64 {
     std::fs::symlink_metadata(path).map_or(0, |m| m.blocks() * 512)
 }
 
-/// Moves `from` to `to`: a rename, or (another file system) a copy then removal.
+/// Moves `from` to `to`: a rename, or (another file system) a copy then removal. `from`
+/// may be in a directory the VMM owns: it must be a regular file, never followed through
+/// a link (a planted link would have the gateway copy a host file of its choosing), and
+/// the copy keeps a sparse disk's holes (its size would otherwise be written out whole).
 fn move_file(from: &Path, to: &Path) -> Result<(), MicrovmError> {
+    let source = open_private(from)?;
     match std::fs::rename(from, to) {
         Ok(()) => Ok(()),
         Err(error) if error.raw_os_error() == Some(libc::EXDEV) => {
-            std::fs::copy(from, to).map_err(io_error(to.display().to_string()))?;
+            let target = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(to)
+                .map_err(io_error(to.display().to_string()))?;
+            if let Err(error) = copy_sparse(&source, &target) {
+                let _ = std::fs::remove_file(to);
+                return Err(io_error(to.display().to_string())(error));
+            }
             let _ = std::fs::remove_file(from);
             Ok(())
         }
@@ -237,6 +251,47 @@ fn move_file(from: &Path, to: &Path) -> Result<(), MicrovmError> {
             source: error,
         }),
     }
+}
+
+/// Copies `source` into the empty `target` extent by extent (`SEEK_DATA`/`SEEK_HOLE`), so
+/// its holes stay holes, then makes it durable.
+fn copy_sparse(source: &std::fs::File, target: &std::fs::File) -> std::io::Result<()> {
+    use rustix::fs::{seek, SeekFrom};
+    use std::os::unix::fs::FileExt;
+    let len = source.metadata()?.len();
+    target.set_len(len)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < len {
+        let data = match seek(source, SeekFrom::Data(at)) {
+            Ok(data) => data,
+            // No data past `at`: the rest is a hole.
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let hole = seek(source, SeekFrom::Hole(data))?.min(len);
+        let mut offset = data;
+        while offset < hole {
+            let want = usize::try_from(hole - offset)
+                .unwrap_or(usize::MAX)
+                .min(buf.len());
+            let got = source.read_at(&mut buf[..want], offset)?;
+            if got == 0 {
+                break;
+            }
+            target.write_all_at(&buf[..got], offset)?;
+            offset += got as u64;
+        }
+        at = hole;
+    }
+    target.sync_all()
+}
+
+/// Makes `dir`'s entries (a rename, a new file) durable.
+fn sync_dir(dir: &Path) -> Result<(), MicrovmError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_error(dir.display().to_string()))
 }
 
 /// Room left on the state directory's disk beyond a save's estimate.
@@ -273,12 +328,14 @@ pub(super) struct Saver {
     pub machine: String,
 }
 
-/// Saves the VM behind `agent` and `runtime_dir` (see the module's doc); `vmm_gone` says
-/// when QEMU has ended. On error, the caller ends the VM.
+/// Saves the VM behind `agent` and `runtime_dir` (see the module's doc); `vmm_pid` is the
+/// VMM's process (the only peer its control socket may have), `vmm_gone` says when it has
+/// ended. On error, the caller ends the VM.
 pub(super) async fn save(
     saver: &Saver,
     about: &Hibernation,
     agent: &crate::sandbox::agent::Agent,
+    vmm_pid: u32,
     vmm_gone: impl Fn() -> bool,
 ) -> Result<Hibernated, MicrovmError> {
     let started = std::time::Instant::now();
@@ -302,9 +359,16 @@ pub(super) async fn save(
         .custom_flags(libc::O_NOFOLLOW)
         .open(&partial)
         .map_err(io_error(partial.display().to_string()))?;
-    let mut qmp =
-        qmp::Qmp::connect(&saver.runtime_dir.join(QMP_SOCKET), Duration::from_secs(10)).await?;
+    let mut qmp = qmp::Qmp::connect_to_vmm(
+        &saver.runtime_dir.join(QMP_SOCKET),
+        Duration::from_secs(10),
+        vmm_pid,
+    )
+    .await?;
     qmp::save(&mut qmp, &file, SAVE_TIMEOUT).await?;
+    // Durable before the record says the save is whole.
+    file.sync_all()
+        .map_err(io_error(partial.display().to_string()))?;
     drop(file);
     let _ = qmp.execute("quit", serde_json::json!({})).await;
     drop(qmp);
@@ -318,9 +382,14 @@ pub(super) async fn save(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let disk = dir.join(WORKSPACE_DISK);
-    move_file(&saver.runtime_dir.join(WORKSPACE_DISK), &disk)?;
+    let from = saver.runtime_dir.join(WORKSPACE_DISK);
+    let to = disk.clone();
+    tokio::task::spawn_blocking(move || move_file(&from, &to))
+        .await
+        .map_err(|e| MicrovmError::Start(format!("moving the workspace disk: {e}")))??;
     let state = dir.join(STATE);
     std::fs::rename(&partial, &state).map_err(io_error(state.display().to_string()))?;
+    sync_dir(&dir)?;
     let bytes = allocated(&state) + allocated(&disk);
     let record = Record {
         kernel_id: about.kernel_id.clone(),
@@ -396,6 +465,36 @@ pub(super) fn take_for_restore(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_moved_disk_keeps_its_holes_and_a_link_is_never_followed() {
+        use std::os::unix::fs::FileExt;
+        let root = tempfile::tempdir().unwrap();
+        let from = root.path().join("disk");
+        let disk = std::fs::File::create(&from).unwrap();
+        disk.set_len(64 << 20).unwrap();
+        disk.write_all_at(b"head", 0).unwrap();
+        disk.write_all_at(b"tail", (64 << 20) - 4).unwrap();
+        drop(disk);
+        let copy = root.path().join("copy");
+        let target = std::fs::File::create(&copy).unwrap();
+        copy_sparse(&std::fs::File::open(&from).unwrap(), &target).unwrap();
+        assert_eq!(std::fs::read(&copy).unwrap(), std::fs::read(&from).unwrap());
+        assert!(
+            allocated(&copy) < 8 << 20,
+            "{} bytes allocated",
+            allocated(&copy)
+        );
+
+        // A link where the disk should be: refused, and its target left alone.
+        let secret = root.path().join("secret");
+        std::fs::write(&secret, b"not yours").unwrap();
+        let planted = root.path().join("planted");
+        std::os::unix::fs::symlink(&secret, &planted).unwrap();
+        assert!(move_file(&planted, &root.path().join("moved")).is_err());
+        assert!(!root.path().join("moved").exists());
+        assert_eq!(std::fs::read(&secret).unwrap(), b"not yours");
+    }
 
     #[test]
     fn a_save_is_not_begun_without_room_for_it() {

@@ -39,6 +39,25 @@ impl Qmp {
     /// Connects to the VMM's QMP socket at `path` (retried until `timeout` while the VMM
     /// starts) and enters command mode.
     pub(super) async fn connect(path: &Path, timeout: Duration) -> Result<Qmp, MicrovmError> {
+        Qmp::connect_to(path, timeout, None).await
+    }
+
+    /// [`Qmp::connect`] to a socket in a directory the VMM's guest may have had a hand in
+    /// (a running VM's, whose VMM owns it): the peer must be the process `vmm_pid`, so a
+    /// link planted there cannot point the gateway at another VM's control socket.
+    pub(super) async fn connect_to_vmm(
+        path: &Path,
+        timeout: Duration,
+        vmm_pid: u32,
+    ) -> Result<Qmp, MicrovmError> {
+        Qmp::connect_to(path, timeout, Some(vmm_pid)).await
+    }
+
+    async fn connect_to(
+        path: &Path,
+        timeout: Duration,
+        peer: Option<u32>,
+    ) -> Result<Qmp, MicrovmError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let stream = loop {
             match tokio::net::UnixStream::connect(path).await {
@@ -49,6 +68,17 @@ impl Qmp {
                 Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
             }
         };
+        if let Some(vmm_pid) = peer {
+            let cred = rustix::net::sockopt::socket_peercred(&stream)
+                .map_err(|e| failed(format!("{}: its peer: {e}", path.display())))?;
+            if cred.pid.as_raw_nonzero().get() as u32 != vmm_pid {
+                return Err(failed(format!(
+                    "{} is not this VM's VMM's socket (its peer is pid {})",
+                    path.display(),
+                    cred.pid.as_raw_nonzero()
+                )));
+            }
+        }
         let (reader, writer) = stream.into_split();
         let mut qmp = Qmp {
             reader: BufReader::new(reader),
