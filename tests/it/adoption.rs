@@ -285,6 +285,49 @@ async fn an_orphan_ends_itself_after_its_grace() -> Result<()> {
     delete(&client, &id).await
 }
 
+/// After a crash, a kept sandbox no stored session claims (a Kernel Gateway API kernel; a
+/// pool's is the same) is ended by the next gateway at its start, long before its grace,
+/// while a session's is adopted as ever.
+#[tokio::test]
+async fn the_next_gateway_ends_the_kernels_no_session_claims() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    // A grace longer than the test's patience: only the next gateway can end it in time.
+    let first = gateway_on(&state, true, "3600").await?;
+    let client = V1Client::new(&first);
+    let id = client.create_session(json!({})).await?;
+    assert_eq!(client.run(&id, "x = 7\nprint(x)").await?.stdout, "7\n");
+    let unclaimed = first.start_kernel().await?;
+    let kept = record(&state, &unclaimed)?;
+    let pids = processes(&kept)?;
+    assert!(pids.iter().all(|&pid| alive(pid)), "{pids:?}");
+    killed(first).await?;
+    assert!(
+        pids.iter().all(|&pid| alive(pid)),
+        "the unclaimed sandbox did not outlive its gateway"
+    );
+
+    let second = gateway_on(&state, true, "3600").await?;
+    let client = V1Client::new(&second);
+    let ended = eventually(PATIENCE, || pids.iter().all(|&pid| !alive(pid))).await;
+    assert!(
+        ended,
+        "the unclaimed sandbox still runs: {pids:?}\n{}",
+        second.log()
+    );
+    let forgotten = eventually(PATIENCE, || !record_path(&state, &unclaimed).exists()).await;
+    assert!(forgotten, "its record is left");
+    assert!(
+        second.log().contains("no session claims"),
+        "{}",
+        second.log()
+    );
+    let model = adopted(&client, &id).await?;
+    assert_eq!(model["state"], "idle", "{model}");
+    assert_eq!(client.run(&id, "print(x)").await?.stdout, "7\n");
+    delete(&client, &id).await
+}
+
 /// The gateway's children: with the option off, the helpers die with it.
 fn children_of(parent: u32) -> Vec<u32> {
     let mut out = Vec::new();
