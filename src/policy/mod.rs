@@ -143,7 +143,7 @@ pub struct PolicyLimits {
     pub interrupt_grace: Duration,
     /// A kernel with no activity this long is shut down.
     pub idle_timeout: Duration,
-    /// A kernel with no activity this long (and no client connected) is saved to disk and
+    /// A kernel with no activity this long (a connected client does not keep it awake) is saved to disk and
     /// its memory freed, to be restored at the next request (microvm only; shorter than
     /// `idle_timeout`, which goes on counting while it is hibernated). `None`: never.
     pub hibernate_after: Option<Duration>,

@@ -354,15 +354,15 @@ async fn the_gateway_serves_with_the_units_exact_command_line_and_stops_on_sigte
         "no host process of kernel {kernel}"
     );
 
-    // SIGTERM, as `systemctl stop` sends it (KillMode=mixed: to the gateway alone), with the
+    // SIGTERM, as `systemctl stop` sends it (KillMode=process: to the gateway alone), with the
     // kernel running and its WebSocket open: the gateway must be gone within the unit's
     // TimeoutStopSec (past it systemd would SIGKILL the unit), having ended its kernels.
     let timeout_stop = setting(&settings, "TimeoutStopSec");
     ensure!(timeout_stop.len() == 1, "TimeoutStopSec: {timeout_stop:?}");
     let timeout_stop = time_span(timeout_stop[0])?;
     ensure!(
-        setting(&settings, "KillMode") == ["mixed"],
-        "KillMode=mixed: the gateway alone gets SIGTERM and ends its kernels itself"
+        setting(&settings, "KillMode") == ["process"],
+        "KillMode=process: the gateway alone gets SIGTERM, ends its kernels itself and leaves the kept ones for the next gateway"
     );
     // TimeoutStopSec is the unit's own bound, not a guess at this machine's speed: the
     // gateway's own deadlines (10 s for requests, then 10 s for kernels) keep it within.
