@@ -94,13 +94,13 @@ purelib() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["p
 # python_files NAME VENV: the kernel's own Python files into VENV, compiled (changed ones only).
 python_files() {
   local name=$1 venv=$2 lib file src
-  lib="$(purelib "$venv")"
+  lib="$(purelib "$venv")" && [ -d "$lib" ] || { warn "$name: $venv has no site-packages"; return 1; }
   for file in ${kernel_files[$name]}; do
     src="$here/share/kernels/$name/$file"
     [ -f "$src" ] || src="$here/share/kernels/python3/$file"
     if ! cmp -s "$src" "$lib/$file"; then
-      install -m 0644 "$src" "$lib/$file"
-      "$venv/bin/python" -m compileall -q "$lib/$file" >/dev/null
+      install -m 0644 "$src" "$lib/$file" || return 1
+      "$venv/bin/python" -m compileall -q "$lib/$file" >/dev/null || return 1
     fi
   done
 }
@@ -115,14 +115,16 @@ python_env() {
   local make="$python -m venv \"\$0\" && \"\$0/bin/pip\" install --no-input --disable-pip-version-check --quiet -r \"\$1\""
   if [ "$dir" = "$SHOWN_AT" ]; then
     log "kernel $name: $dir from its lock file"
-    sh -c "$make" "$dir" "$lock"
+    sh -c "$make" "$dir" "$lock" || return 1
   else
     install -d "$dir" "$SHOWN_AT"
-    log "kernel $name: $dir from its lock file (made as if at $SHOWN_AT)"
-    if ! unshare --mount --propagation private sh -c \
-      "mount --bind \"\$2\" \"\$0\" && $make" "$SHOWN_AT" "$lock" "$dir"; then
-      warn "$name: no private mount namespace here; its files will name $dir"
-      sh -c "$make" "$dir" "$lock"
+    if unshare --mount --propagation private true 2>/dev/null; then
+      log "kernel $name: $dir from its lock file (made as if at $SHOWN_AT)"
+      unshare --mount --propagation private sh -c \
+        "mount --bind \"\$2\" \"\$0\" && $make" "$SHOWN_AT" "$lock" "$dir" || return 1
+    else
+      warn "$name: no private mount namespace here (unshare); its files will name $dir"
+      sh -c "$make" "$dir" "$lock" || return 1
     fi
   fi
 }
@@ -138,7 +140,7 @@ deno_env() {
   package="$(sed -n 's/^package=//p' "$lock")"
   version="$(sed -n 's/^version=//p' "$lock")"
   sha="$(sed -n 's/^sha256=//p' "$lock")"
-  install -d "$dir/bin"
+  install -d "$dir/bin" || return 1
   if ! [ -x "$dir/bin/deno" ] || [ "$(cat "$dir/.installed" 2>/dev/null)" != "$package@$version sha256=$sha" ]; then
     tmp="$(mktemp -d)"
     SCRATCH+=("$tmp")
@@ -157,8 +159,8 @@ deno_env() {
     [ "$(sha256sum <"$tarball" | cut -d' ' -f1)" = "$sha" ] ||
       { warn "deno: $package@$version's tarball does not have the sha256 the release names"; return 1; }
     tar -xzf "$tarball" -C "$tmp" package/deno || { warn "deno: no binary in $package@$version"; return 1; }
-    install -m 0755 "$tmp/package/deno" "$dir/bin/deno"
-    printf '%s\n' "$package@$version sha256=$sha" >"$dir/.installed"
+    install -m 0755 "$tmp/package/deno" "$dir/bin/deno" || return 1
+    printf '%s\n' "$package@$version sha256=$sha" >"$dir/.installed" || return 1
   fi
   mark "$dir"
 }
@@ -179,16 +181,18 @@ r_env() {
 }
 
 # r_files DIR, deno_files DIR: the kernel's own files into its environment.
+# (Each step checked: these run where `set -e` is off, under `if ! environment`.)
 r_files() {
-  install -d "$1/bin" "$1/lib"
-  install -m 0755 "$here/share/kernels/ir/r-kernel" "$1/bin/r-kernel"
-  install -m 0644 "$here/share/kernels/ir/cellgate_kernel.R" "$1/lib/cellgate_kernel.R"
-  mark "$1"
+  install -d "$1/bin" "$1/lib" &&
+    install -m 0755 "$here/share/kernels/ir/r-kernel" "$1/bin/r-kernel" &&
+    install -m 0644 "$here/share/kernels/ir/cellgate_kernel.R" "$1/lib/cellgate_kernel.R" &&
+    mark "$1"
 }
 deno_files() {
-  install -d "$1/bin"
+  install -d "$1/bin" || return 1
   cmp -s "$here/share/kernels/deno/cellgate-tcp-kernel" "$1/bin/cellgate-tcp-kernel" ||
-    install -m 0755 "$here/share/kernels/deno/cellgate-tcp-kernel" "$1/bin/cellgate-tcp-kernel"
+    install -m 0755 "$here/share/kernels/deno/cellgate-tcp-kernel" "$1/bin/cellgate-tcp-kernel" ||
+    return 1
   mark "$1"
 }
 
