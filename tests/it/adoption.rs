@@ -286,14 +286,15 @@ async fn an_orphan_ends_itself_after_its_grace() -> Result<()> {
 }
 
 /// After a crash, a kept sandbox no stored session claims (a Kernel Gateway API kernel; a
-/// pool's is the same) is ended by the next gateway at its start, long before its grace,
+/// pool's is the same) is ended by the next gateway at its start, before its grace,
 /// while a session's is adopted as ever.
 #[tokio::test]
 async fn the_next_gateway_ends_the_kernels_no_session_claims() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let state = dir.path().join("state");
-    // A grace longer than the test's patience: only the next gateway can end it in time.
-    let first = gateway_on(&state, true, "3600").await?;
+    // A grace longer than the test's patience (240 s): only the next gateway can end it in
+    // time. Not much longer: what a failed run leaves ends by itself soon after.
+    let first = gateway_on(&state, true, "300").await?;
     let client = V1Client::new(&first);
     let id = client.create_session(json!({})).await?;
     assert_eq!(client.run(&id, "x = 7\nprint(x)").await?.stdout, "7\n");
@@ -307,7 +308,7 @@ async fn the_next_gateway_ends_the_kernels_no_session_claims() -> Result<()> {
         "the unclaimed sandbox did not outlive its gateway"
     );
 
-    let second = gateway_on(&state, true, "3600").await?;
+    let second = gateway_on(&state, true, "300").await?;
     let client = V1Client::new(&second);
     let ended = eventually(PATIENCE, || pids.iter().all(|&pid| !alive(pid))).await;
     assert!(
