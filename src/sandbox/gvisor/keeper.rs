@@ -145,6 +145,8 @@ fn run() -> io::Result<()> {
     let grace = Duration::from_millis(plan.grace_ms);
     let mut alone_since: Option<Instant> = None;
     let mut killed = false;
+    // What the gateway last said, for a command split across reads.
+    let mut heard: Vec<u8> = Vec::new();
     loop {
         if matches!(gateway, Gateway::None) {
             alone_since.get_or_insert_with(Instant::now);
@@ -193,10 +195,14 @@ fn run() -> io::Result<()> {
             match read {
                 Ok(0) | Err(_) => gateway = Gateway::None,
                 Ok(n) => {
-                    if buf[..n].windows(4).any(|w| w == b"kill") && !killed {
+                    // A command may come split across reads: the last read's end is kept.
+                    heard.extend_from_slice(&buf[..n]);
+                    if heard.windows(4).any(|w| w == b"kill") && !killed {
                         end(&runsc, pid);
                         killed = true;
                     }
+                    let keep = heard.len().saturating_sub(3);
+                    heard.drain(..keep);
                 }
             }
         }
@@ -205,6 +211,7 @@ fn run() -> io::Result<()> {
                 if let Some(stream) = survival::challenge(stream, plan.key.as_bytes()) {
                     // The newest gateway with the key is the sandbox's gateway.
                     gateway = Gateway::Adopter(stream);
+                    heard.clear();
                 }
             }
         }
