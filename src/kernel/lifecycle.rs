@@ -870,6 +870,12 @@ impl Kernel {
         );
         tracing::warn!(kernel_id = %self.id, %reason, "restore failed");
         *self.last_restart_reason.lock() = Some(reason);
+        self.relaunch().await
+    }
+
+    /// Starts the kernel's next generation in place of the last (restarting, then ready
+    /// or dead): what a restart and a failed restore share.
+    async fn relaunch(self: &Arc<Self>) -> Result<(), KernelError> {
         self.readiness.send_replace(Readiness::Restarting);
         self.router.set_execution_state(ExecutionState::Starting);
         let launched = match self.launch_generation().await {
@@ -1028,21 +1034,7 @@ impl Kernel {
         }
         self.stop_instance(true).await;
         self.router.clear_running();
-        self.readiness.send_replace(Readiness::Restarting);
-        self.router.set_execution_state(ExecutionState::Starting);
-        let launched = match self.launch_generation().await {
-            Ok(launched) => launched,
-            Err(err) => {
-                self.mark_dead(err.to_string());
-                return Err(err);
-            }
-        };
-        self.clone().finish_boot(launched).await;
-        match self.readiness() {
-            Readiness::Ready => Ok(()),
-            Readiness::Dead(reason) => Err(KernelError::Dead(reason)),
-            _ => Err(KernelError::NotReady),
-        }
+        self.relaunch().await
     }
 
     /// Shuts the kernel down for good: its clients are disconnected and its directories removed.

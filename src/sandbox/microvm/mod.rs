@@ -667,15 +667,43 @@ impl Core {
         let disk_bytes = std::fs::metadata(&disk)
             .map_err(io_error(disk.display().to_string()))?
             .len();
+        let key = record.key.as_bytes().to_vec();
+        let booted = self
+            .boot_jailed(
+                spec,
+                (map, environment, connection),
+                size,
+                (&disk, disk_bytes),
+                Some(state),
+                Some(&key),
+            )
+            .await;
+        if booted.is_ok() {
+            tracing::info!(kernel_id = %spec.kernel_id, seconds = started.elapsed().as_secs_f64(), "microvm: hibernated VM restored");
+        }
+        booted
+    }
+
+    /// [`Core::boot`] in a jail of its own for `spec`'s VM of `size` with its workspace
+    /// `disk` (path, bytes); on failure, whatever of the VM is left goes with the jail's
+    /// cgroup.
+    async fn boot_jailed(
+        &self,
+        spec: &LaunchSpec,
+        (map, environment, connection): (&Relocation, Option<&str>, Option<ConnectionFile>),
+        size: VmSize,
+        (disk, disk_bytes): (&Path, u64),
+        snapshot: Option<std::fs::File>,
+        hibernated: Option<&[u8]>,
+    ) -> Result<Launched, MicrovmError> {
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let jail = Arc::new(self.confiner.prepare(
             &crate::sandbox::cgroups::cgroup_name(&spec.kernel_id, &format!("vm-{}", &unique[..8])),
             &confine::host_limits(size.memory_mib + VMM_OVERHEAD_MIB, spec.limits.cpu_millis),
             &spec.runtime_dir,
-            &[&disk],
+            &[disk],
             confine::fsize(disk_bytes, size.memory_mib),
         )?);
-        let key = record.key.as_bytes().to_vec();
         let booted = self
             .boot(
                 spec,
@@ -684,17 +712,12 @@ impl Core {
                 connection,
                 size,
                 jail.clone(),
-                Some(state),
-                Some(&key),
+                snapshot,
+                hibernated,
             )
             .await;
-        match &booted {
-            Ok(_) => {
-                tracing::info!(kernel_id = %spec.kernel_id, seconds = started.elapsed().as_secs_f64(), "microvm: hibernated VM restored")
-            }
-            Err(_) => {
-                let _ = tokio::task::spawn_blocking(move || jail.release()).await;
-            }
+        if booted.is_err() {
+            let _ = tokio::task::spawn_blocking(move || jail.release()).await;
         }
         booted
     }
@@ -719,31 +742,15 @@ impl Core {
             KERNEL_UID,
         )
         .await?;
-        let unique = uuid::Uuid::new_v4().simple().to_string();
-        let jail = Arc::new(self.confiner.prepare(
-            &crate::sandbox::cgroups::cgroup_name(&spec.kernel_id, &format!("vm-{}", &unique[..8])),
-            &confine::host_limits(size.memory_mib + VMM_OVERHEAD_MIB, spec.limits.cpu_millis),
-            dir,
-            &[&disk],
-            confine::fsize(disk_bytes, size.memory_mib),
-        )?);
-        let booted = self
-            .boot(
-                spec,
-                map,
-                environment,
-                connection,
-                size,
-                jail.clone(),
-                snapshot,
-                None,
-            )
-            .await;
-        if booted.is_err() {
-            // Whatever of the VM is left goes with its cgroup.
-            let _ = tokio::task::spawn_blocking(move || jail.release()).await;
-        }
-        booted
+        self.boot_jailed(
+            spec,
+            (map, environment, connection),
+            size,
+            (&disk, disk_bytes),
+            snapshot,
+            None,
+        )
+        .await
     }
 
     /// The VM of `size` on `transport`'s `link`: booted, or (`restore`) loaded from the
