@@ -44,7 +44,15 @@ impl Sessions {
     /// taken over on the way.
     pub async fn route(&self, kernel_id: &str, forwarded: bool) -> Route {
         let ownership = self.kernels.ownership();
-        if !ownership.shared() || self.kernels.get(kernel_id).is_some() {
+        if !ownership.shared() {
+            return Route::Here;
+        }
+        if self.kernels.get(kernel_id).is_some() {
+            if self.taking_over.lock().contains(kernel_id) {
+                // Attached but not ready or without its session yet: a 404 now would be a
+                // lie the client cannot retry past.
+                return Route::Moving("the kernel is being taken over; try again");
+            }
             return Route::Here;
         }
         match ownership.owner_of(kernel_id).await {
@@ -85,6 +93,7 @@ impl Sessions {
         }
         let key = ownership.signing_key(&record).await?;
         let tenant = record.tenant.clone();
+        let _moving = TakingOver::begin(self, &record.kernel_id);
         let kernel = self.kernels.adopt(record, key).await?;
         kernel.wait_ready().await?;
         self.adopt(kernel, tenant);
@@ -133,5 +142,28 @@ impl Sessions {
                 }
             }
         });
+    }
+}
+
+/// Marks a kernel as being taken over for as long as it lives (until its session is given,
+/// or the take-over failed).
+struct TakingOver<'a> {
+    sessions: &'a Sessions,
+    kernel_id: String,
+}
+
+impl<'a> TakingOver<'a> {
+    fn begin(sessions: &'a Sessions, kernel_id: &str) -> TakingOver<'a> {
+        sessions.taking_over.lock().insert(kernel_id.to_owned());
+        TakingOver {
+            sessions,
+            kernel_id: kernel_id.to_owned(),
+        }
+    }
+}
+
+impl Drop for TakingOver<'_> {
+    fn drop(&mut self) {
+        self.sessions.taking_over.lock().remove(&self.kernel_id);
     }
 }

@@ -605,6 +605,9 @@ pub struct Sessions {
     dormant: RwLock<HashMap<SessionId, Arc<Dormant>>>,
     /// The gateway is stopping: kernels ending now keep their sessions in the store.
     closing: std::sync::atomic::AtomicBool,
+    /// Kernels being taken over from a replica that is gone: held here already, their
+    /// session not given yet (requests for them are told to retry, not answered 404).
+    taking_over: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Sessions {
@@ -631,6 +634,7 @@ impl Sessions {
             store,
             dormant: RwLock::new(HashMap::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
+            taking_over: Mutex::new(std::collections::HashSet::new()),
         })
     }
 

@@ -531,7 +531,8 @@ async fn taken_over(api: &KubeApi, gateway: &Gateway, meter: &Meter, id: &str) -
         gateway
             .log()
             .lines()
-            .any(|l| l.contains("kernel taken over") && l.contains(id))
+            // The session, not only the kernel: a request before it is told to retry (503).
+            .any(|l| l.contains("session taken over") && l.contains(id))
             .then_some(())
     })
     .await;
