@@ -43,7 +43,15 @@ impl AppState {
         let jwt = JwtVerifier::from_settings(&config.jwt)?.map(Arc::new);
         let tenants = Arc::new(Tenants::new(config.tenants.clone())?);
         let quotas = tenants.clone();
-        kernels.set_hibernation_quota(Arc::new(move |tenant| quotas.hibernated_storage(tenant)));
+        // Weak: the kernel manager, which keeps the closure, outlives nothing it points to.
+        let dormant = Arc::downgrade(&sessions);
+        kernels.set_hibernation_quota(Arc::new(move |tenant| {
+            let limit = quotas.hibernated_storage(tenant)?;
+            let kept = dormant
+                .upgrade()
+                .map_or(0, |sessions| sessions.dormant_hibernated_bytes(tenant));
+            Some(crate::kernel::TenantHibernation { limit, kept })
+        }));
         Ok(AppState {
             config,
             kernels,

@@ -94,8 +94,18 @@ pub struct KernelManager {
 }
 
 /// A tenant's hibernated-storage quota, from the tenant settings (which this module does
-/// not read itself).
-pub type HibernationQuota = Arc<dyn Fn(&str) -> Option<u64> + Send + Sync>;
+/// not read itself), and what the tenant has hibernated beyond this gateway's kernels.
+pub type HibernationQuota = Arc<dyn Fn(&str) -> Option<TenantHibernation> + Send + Sync>;
+
+/// A tenant's hibernated-storage quota as the save pass checks it.
+#[derive(Debug, Clone, Copy)]
+pub struct TenantHibernation {
+    /// The quota, in bytes.
+    pub limit: u64,
+    /// Bytes on disk of its sessions saved by an earlier gateway on this state directory
+    /// and not restored since (dormant sessions: no kernel of this gateway holds them).
+    pub kept: u64,
+}
 
 /// Whether a save of about `estimate` bytes fits a quota of `limit` with `used` taken.
 fn hibernation_fits(used: u64, estimate: u64, limit: u64) -> bool {
@@ -937,6 +947,20 @@ impl KernelManager {
         survivor.hibernated.then_some(survivor.generation)
     }
 
+    /// Bytes on disk of `id`'s sandbox, saved by the gateway before this one and not
+    /// restored yet; 0 when it has none.
+    pub fn kept_hibernated_bytes(&self, id: &crate::ids::KernelId, policy: &str) -> u64 {
+        let Ok(policy) = self.options.policies.get(policy) else {
+            return 0;
+        };
+        self.backends
+            .get(policy.backend)
+            .ok()
+            .and_then(|backend| backend.survivor(id.as_str()))
+            .filter(|survivor| survivor.hibernated)
+            .map_or(0, |survivor| survivor.hibernated_bytes)
+    }
+
     /// Takes back the kernel of a session whose sandbox outlived the gateway before this one
     /// (same state directory): attached to, not started, under its id, generation,
     /// kernelspec, policy and tenant. `Ok(None)`: it has no such sandbox; an error: it had
@@ -1173,7 +1197,7 @@ impl KernelManager {
         let Some(tenant) = kernel.owner() else {
             return true;
         };
-        let Some(limit) = self
+        let Some(TenantHibernation { limit, kept }) = self
             .hibernation_quota
             .read()
             .as_ref()
@@ -1181,12 +1205,13 @@ impl KernelManager {
         else {
             return true;
         };
-        let used: u64 = self
+        let held: u64 = self
             .list()
             .iter()
             .filter(|k| k.owner() == Some(tenant))
             .map(|k| k.hibernated_bytes())
             .sum();
+        let used = held.saturating_add(kept);
         let estimate = kernel
             .usage()
             .and_then(|usage| usage.memory_bytes)
@@ -1194,7 +1219,7 @@ impl KernelManager {
         let fits = hibernation_fits(used, estimate, limit);
         if kernel.quota_refuses_hibernation(!fits) {
             crate::telemetry::metrics::metrics().hibernation_refused();
-            tracing::warn!(kernel_id = %kernel.id, tenant, used, estimate, limit, "not hibernated: the tenant's hibernated_storage quota would be passed; the session stays running until its idle_timeout");
+            tracing::warn!(kernel_id = %kernel.id, tenant, used, kept, estimate, limit, "not hibernated: the tenant's hibernated_storage quota would be passed; the session stays running until its idle_timeout");
         }
         fits
     }

@@ -50,7 +50,9 @@ pub use crate::sandbox::ResourceUsage;
 // format is every surface's, so it lives in `crate::timestamp`.
 pub use crate::timestamp::format_timestamp;
 pub use launch::client_may_set;
-pub use manager::{EnvRefusal, KernelManager, ManagerOptions, Owner, PoolStatus, POLICY_ENV};
+pub use manager::{
+    EnvRefusal, KernelManager, ManagerOptions, Owner, PoolStatus, TenantHibernation, POLICY_ENV,
+};
 pub use router::{client_queue, ClientId, Inbox, Outbox, Router};
 pub use spec::{KernelSpec, KernelSpecs};
 

@@ -717,6 +717,8 @@ pub struct SurvivorInfo {
     /// It is saved on disk (hibernated), not running: adopting it restores it, which is
     /// left to the session's next request rather than done at start.
     pub hibernated: bool,
+    /// What it takes on disk while hibernated (0 otherwise): tenants' quotas count it.
+    pub hibernated_bytes: u64,
 }
 
 /// What a backend saving a sandbox to disk records of its kernel (see

@@ -741,6 +741,25 @@ impl Sessions {
         model
     }
 
+    /// Bytes on disk of `tenant`'s dormant sessions whose kernels the gateway before this
+    /// one hibernated: its hibernated-storage quota counts them before they are restored.
+    pub fn dormant_hibernated_bytes(&self, tenant: &str) -> u64 {
+        let dormant: Vec<Arc<Dormant>> = self
+            .dormant
+            .read()
+            .values()
+            .filter(|d| d.row.tenant.as_deref() == Some(tenant))
+            .cloned()
+            .collect();
+        dormant
+            .iter()
+            .map(|d| {
+                self.kernels
+                    .kept_hibernated_bytes(&d.id.kernel(), &d.row.policy)
+            })
+            .sum()
+    }
+
     /// Every session as listed, live and dormant, with its owner, oldest first.
     pub fn models(&self) -> Vec<(Option<String>, SessionModel)> {
         let mut out: Vec<(Option<String>, SessionModel)> = self

@@ -1221,3 +1221,107 @@ async fn a_tenant_past_its_hibernated_storage_keeps_its_session_running() -> Res
     assert!(r.get("restored").is_none(), "{r}");
     Ok(())
 }
+
+/// A session hibernated by the gateway before this one (dormant here until its next request)
+/// counts against its tenant's `hibernated_storage`: a second session that would pass the
+/// quota with it stays running, although its own save alone would fit.
+#[tokio::test]
+async fn an_earlier_gateways_hibernated_session_counts_against_its_tenants_quota() -> Result<()> {
+    let port = test_server("allowed").await?;
+    let secrets = tempfile::tempdir()?;
+    let secret = crate::tenants::secret_file(secrets.path());
+    let secret = secret.to_str().context("path")?.to_owned();
+    let state = tempfile::Builder::new().prefix("cg-hq").tempdir()?;
+    let state_dir = state.path().to_str().context("path")?.to_owned();
+    let limits = "memory = \"768MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"2s\"";
+    let token = crate::tenants::hs256(&crate::tenants::claims("acme", "vm"));
+    let args = [
+        "--cull-interval",
+        "1",
+        "--microvm-snapshots",
+        "false",
+        "--jwt-secret-file",
+        &secret,
+        "--state-dir",
+        &state_dir,
+    ];
+
+    // The first gateway, no quota: the first session hibernates.
+    let (gateway, _dir) = vm_gateway_with(port, limits, true, &args).await?;
+    let acme = V1Client::bearer(&gateway, &token);
+    let first = acme
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    // 400 MiB that do not compress: the first session's save outweighs a fresh VM's
+    // estimate, so the quota below fits the second's save alone and not both.
+    let r = acme
+        .execute(&first, "import os\nx = os.urandom(400 << 20)\nlen(x)")
+        .await?;
+    assert_eq!(r["result"], (400u64 << 20).to_string(), "{r}");
+    session_once(&acme, &first, "hibernated")
+        .await
+        .with_context(|| gateway.log())?;
+    let record = state
+        .path()
+        .join("hibernated")
+        .join(&first)
+        .join("record.json");
+    assert!(eventually(PATIENCE, || record.is_file()).await);
+    let saved: Value = serde_json::from_slice(&std::fs::read(&record)?)?;
+    let kept = saved["bytes"].as_u64().context("the record's bytes")?;
+    drop(acme);
+    drop(gateway);
+
+    // The next gateway, its quota the first session's bytes.
+    let quota = kept.to_string();
+    let mut with_quota = args.to_vec();
+    with_quota.extend(["--tenant-hibernated-storage", &quota]);
+    let (gateway, _dir2) = vm_gateway_with(port, limits, true, &with_quota).await?;
+    let acme = V1Client::bearer(&gateway, &token);
+    let (_, listed) = acme.get(&format!("/v1/sessions/{first}")).await?;
+    assert_eq!(listed["state"], "hibernated", "{listed}");
+    let second = acme
+        .create_session(json!({"policy": "vm"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let r = acme.execute(&second, "y = 2\ny").await?;
+    assert_eq!(r["result"], "2", "{r}");
+    let refused = "not hibernated: the tenant's hibernated_storage quota";
+    let line = |log: &str| {
+        log.lines()
+            .find(|l| l.contains(refused) && l.contains(&second))
+            .map(str::to_owned)
+    };
+    assert!(
+        eventually(PATIENCE, || line(&gateway.log()).is_some()).await,
+        "{}",
+        gateway.log()
+    );
+    let line = line(&gateway.log()).context("the refusal")?;
+    let field = |name: &str| -> Result<u64> {
+        let at = line
+            .find(&format!("{name}="))
+            .with_context(|| format!("{name} in {line}"))?;
+        let digits: String = line[at + name.len() + 1..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        Ok(digits.parse()?)
+    };
+    // The earlier gateway's save is what passed the quota: this one's alone fits.
+    assert_eq!(field("kept")?, kept, "{line}");
+    assert!(field("estimate")? <= field("limit")?, "{line}");
+    let (_, session) = acme.get(&format!("/v1/sessions/{second}")).await?;
+    assert_eq!(session["state"], "idle", "{session}");
+    assert!(vmm_of(&second), "its VM runs on");
+    // The first session comes back with its variables.
+    let r = acme.execute(&first, "len(x)").await?;
+    assert_eq!(
+        r["result"],
+        (400u64 << 20).to_string(),
+        "{r}\n{}",
+        gateway.log()
+    );
+    Ok(())
+}

@@ -560,6 +560,7 @@ impl Sandbox for GvisorSandbox {
             generation: record.generation,
             started_ms: record.started_ms,
             hibernated: false,
+            hibernated_bytes: 0,
         })
     }
 

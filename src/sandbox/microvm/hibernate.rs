@@ -170,6 +170,7 @@ impl Hibernations {
             generation: record.generation,
             started_ms: record.started_ms,
             hibernated: true,
+            hibernated_bytes: record.bytes,
         })
     }
 

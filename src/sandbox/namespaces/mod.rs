@@ -1150,6 +1150,7 @@ impl Sandbox for NamespacesSandbox {
             generation: record.generation,
             started_ms: record.started_ms,
             hibernated: false,
+            hibernated_bytes: 0,
         })
     }
 
