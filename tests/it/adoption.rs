@@ -812,7 +812,9 @@ mod gvisor {
     }
 
     /// The keeper killed while no gateway runs (the container with it): the next gateway
-    /// sweeps what it left and reports the sandbox lost; the next execute starts afresh.
+    /// sweeps what it left and reports the sandbox lost; the next execute starts afresh. A
+    /// process still in the sandbox's cgroups (one on its way out on a loaded host, played
+    /// here by a `sleep` the test puts there) is killed, and the cgroups go all the same.
     #[tokio::test]
     async fn a_gvisor_sandbox_killed_meanwhile_is_reported_lost_and_swept() -> Result<()> {
         let dir = tempfile::tempdir()?;
@@ -835,6 +837,15 @@ mod gvisor {
             eventually(PATIENCE, || pids_with(&container).is_empty()).await,
             "the container outlived its keeper"
         );
+        let mut straggler = Straggler(std::process::Command::new("sleep").arg("600").spawn()?);
+        let mut joined = 0;
+        // The hierarchies runsc made a cgroup in (not every one the record names).
+        for cgroup in paths(&kept, "cgroup_dirs").iter().filter(|d| d.is_dir()) {
+            std::fs::write(cgroup.join("cgroup.procs"), straggler.0.id().to_string())
+                .with_context(|| format!("join {}", cgroup.display()))?;
+            joined += 1;
+        }
+        assert!(joined > 0, "no cgroup left to join: {kept}");
 
         let second = gateway(dir.path(), &state, true, "120").await?;
         let client = V1Client::new(&second);
@@ -855,7 +866,13 @@ mod gvisor {
         );
         let lost_generation = model["state_generation"].as_u64().context("generation")?;
         assert!(lost_generation > generation, "{model}");
-        all_gone(&kept).await?;
+        all_gone(&kept).await.with_context(|| second.log())?;
+        use std::os::unix::process::ExitStatusExt;
+        let ended = straggler.0.try_wait()?;
+        assert!(
+            ended.is_some_and(|status| status.signal() == Some(libc::SIGKILL)),
+            "the process left in the cgroups: {ended:?}"
+        );
         let fresh = client.run(&id, "x").await?;
         assert_eq!(
             fresh.error.as_ref().map(|e| e.ename.as_str()),
@@ -863,6 +880,16 @@ mod gvisor {
             "{fresh:?}"
         );
         delete(&client, &id).await
+    }
+
+    /// A process of the test's, killed when the test ends however it ends.
+    struct Straggler(std::process::Child);
+
+    impl Drop for Straggler {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 
     /// An adopted sandbox whose second gateway is gone too is an orphan again: with no

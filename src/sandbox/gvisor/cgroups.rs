@@ -134,6 +134,70 @@ pub(super) fn remove_cgroup_dirs(dirs: &[PathBuf]) {
     }
 }
 
+/// How long the processes a dead sandbox left may take to leave its cgroups once killed.
+const LEFTOVER_WAIT: Duration = Duration::from_secs(15);
+
+/// Ends what a sandbox whose keeper is gone left in its cgroup `dirs`, then removes them.
+///
+/// Why not [`remove_cgroup_dirs`] alone: its short wait suits a sandbox that has just ended
+/// in order; here the sandbox was killed from outside, its processes may still be on their
+/// way out (a loaded host took seconds), and nothing would try again, so the cgroups stayed
+/// for good. Every process still listed is killed, pinned by a pidfd and seen in the cgroup
+/// after the pin, so a pid reused meanwhile is never signalled; nothing else joins these
+/// cgroups, which are named for this one sandbox.
+pub(super) fn end_and_remove_cgroup_dirs(dirs: &[PathBuf]) {
+    let deadline = std::time::Instant::now() + LEFTOVER_WAIT;
+    for dir in dirs {
+        loop {
+            kill_members(dir);
+            match std::fs::remove_dir(dir) {
+                Err(err)
+                    if err.kind() != io::ErrorKind::NotFound
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(err) if err.kind() != io::ErrorKind::NotFound => {
+                    tracing::warn!(dir = %dir.display(), %err, "gvisor: a dead sandbox's cgroup could not be removed");
+                    break;
+                }
+                _ => break,
+            }
+        }
+    }
+}
+
+/// The pids `cgroup.procs` of `dir` lists.
+fn members(dir: &Path) -> Vec<libc::pid_t> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| line.trim().parse().ok())
+        .collect()
+}
+
+/// SIGKILLs the processes in the cgroup `dir` (see [`end_and_remove_cgroup_dirs`]).
+fn kill_members(dir: &Path) {
+    let listed = members(dir);
+    if listed.is_empty() {
+        return;
+    }
+    let pinned: Vec<_> = listed
+        .into_iter()
+        .filter_map(|pid| {
+            crate::sandbox::sys::pidfd_open(pid)
+                .ok()
+                .map(|fd| (pid, fd))
+        })
+        .collect();
+    let still = members(dir);
+    for (pid, pidfd) in pinned {
+        if still.contains(&pid) {
+            let _ = crate::sandbox::sys::pidfd_send_signal(&pidfd, libc::SIGKILL);
+        }
+    }
+}
+
 /// How many forks the pids cgroup among `dirs` refused (`max` in `pids.events`).
 pub(super) fn pids_limit_hits_in(dirs: &[PathBuf]) -> Option<u64> {
     dirs.iter().find_map(|dir| {

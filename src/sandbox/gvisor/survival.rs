@@ -25,7 +25,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::watch;
 
-use super::cgroups::{cgroup_dirs, remove_cgroup_dirs};
+use super::cgroups::{cgroup_dirs, end_and_remove_cgroup_dirs, remove_cgroup_dirs};
 use super::error::setup;
 use super::exit::report;
 use super::handle::{Commands, GvisorHandle, KeeperLink};
@@ -140,7 +140,7 @@ fn remove_leftovers(survival: &Survival, record: &GvisorRecord, timeout: Duratio
     if record.bundle.exists() {
         let _ = record.runsc(timeout).run(&["delete", "--force"], &[]);
     }
-    remove_cgroup_dirs(&record.cgroup_dirs);
+    end_and_remove_cgroup_dirs(&record.cgroup_dirs);
     let _ = std::fs::remove_dir_all(&record.kernel_dir);
     if let Some(path) = survival.control_path(&record.kernel_id, record.generation) {
         let _ = std::fs::remove_file(path);

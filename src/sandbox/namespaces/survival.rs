@@ -462,13 +462,21 @@ pub fn challenge(stream: UnixStream, key: &[u8]) -> Option<UnixStream> {
     Some(stream)
 }
 
-/// The start time of `pid` (clock ticks since boot), `None` when it does not exist.
+/// The start time of `pid` (clock ticks since boot), `None` when it does not exist or has
+/// ended. A process that ended stays in /proc until its parent reaps it, and a keeper whose
+/// gateway died is reaped by whoever adopted it, at its own pace (seen: the next gateway
+/// took such a zombie keeper for a live one and left its sandbox's leftovers for good).
 pub fn start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may hold spaces and parentheses: fields are counted after its end.
     let rest = stat.rsplit_once(')')?.1;
-    // Field 22 of proc(5); `rest` starts at field 3.
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = rest.split_whitespace();
+    // Field 3 of proc(5), the state: Z (zombie) and X (dead) have ended.
+    if matches!(fields.next(), Some("Z" | "X" | "x")) {
+        return None;
+    }
+    // Field 22; the state was field 3.
+    fields.nth(18)?.parse().ok()
 }
 
 /// Milliseconds since the Unix epoch.
@@ -522,6 +530,27 @@ mod tests {
         let own = i32::try_from(std::process::id()).unwrap();
         assert!(start_time(own).is_some_and(|t| t > 0));
         assert_eq!(start_time(i32::MAX), None);
+        // A child that ended and is not reaped yet has ended.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let mut zombie = false;
+        for _ in 0..500 {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+            if stat
+                .rsplit_once(')')
+                .unwrap()
+                .1
+                .trim_start()
+                .starts_with('Z')
+            {
+                zombie = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(zombie, "the child never ended");
+        assert_eq!(start_time(pid), None);
+        child.wait().unwrap();
     }
 
     #[test]
