@@ -1064,6 +1064,23 @@ mod microvm {
                 .mode();
             assert_eq!(mode & 0o777, 0o600);
         }
+        // The keeper's door: a challenge, and a wrong answer closes it.
+        {
+            use std::io::{BufRead, BufReader, Write};
+            let control = state
+                .join("sandboxes")
+                .join(&id)
+                .join(format!("control-g{generation}.sock"));
+            let stream = std::os::unix::net::UnixStream::connect(&control)?;
+            stream.set_read_timeout(Some(PATIENCE))?;
+            let mut reader = BufReader::new(stream.try_clone()?);
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            assert!(line.starts_with("challenge "), "{line:?}");
+            (&stream).write_all(format!("{}\n", "00".repeat(32)).as_bytes())?;
+            line.clear();
+            assert_eq!(reader.read_line(&mut line)?, 0, "answered {line:?}");
+        }
         killed(first).await?;
         assert!(alive(vmm), "the VMM ended with its gateway");
         assert!(alive(keeper), "the keeper ended with its gateway");
@@ -1165,6 +1182,77 @@ mod microvm {
         assert!(
             eventually(PATIENCE, || !state.join("sandboxes").join(&id).exists()).await,
             "its survival directory outlived it"
+        );
+        Ok(())
+    }
+
+    /// A VM killed while no gateway ran: the next gateway sweeps what it left (its keeper,
+    /// cgroup and files), reports the sandbox lost, and the next execute gets a new kernel.
+    #[tokio::test]
+    async fn a_microvm_killed_meanwhile_is_reported_lost_and_swept() -> Result<()> {
+        let port = crate::microvm::test_server("allowed").await?;
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("state");
+        let first = gateway(dir.path(), &state, port, true, "120").await?;
+        let client = V1Client::new(&first);
+        let id = client
+            .create_session(json!({"policy": "vm"}))
+            .await
+            .with_context(|| first.log())?;
+        assert_eq!(client.run(&id, "x = 1").await?.stdout, "");
+        let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+        let generation = model["state_generation"].as_u64().context("generation")?;
+        let kept = record(&state, &id)?;
+        let (vmm, keeper) = (pid_of(&kept, "vmm")?, pid_of(&kept, "keeper")?);
+        killed(first).await?;
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(i32::try_from(vmm)?).context("pid")?,
+            rustix::process::Signal::KILL,
+        )?;
+        assert!(eventually(PATIENCE, || !alive(vmm)).await, "the VMM lives");
+
+        let second = gateway(dir.path(), &state, port, true, "120").await?;
+        let client = V1Client::new(&second);
+        let deadline = std::time::Instant::now() + PATIENCE;
+        let model = loop {
+            let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+            let reason = model["reason"].as_str().unwrap_or_default();
+            if reason.starts_with("sandbox_lost") || std::time::Instant::now() > deadline {
+                break model;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(
+            model["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("sandbox_lost")),
+            "{model}\n{}",
+            second.log()
+        );
+        let lost_generation = model["state_generation"].as_u64().context("generation")?;
+        assert!(lost_generation > generation, "{model}");
+        assert!(
+            eventually(PATIENCE, || !alive(keeper)).await,
+            "the dead VM's keeper is left"
+        );
+        let left: Vec<PathBuf> = cgroups(&kept)
+            .into_iter()
+            .filter(|path| path.exists())
+            .collect();
+        assert!(left.is_empty(), "the dead VM left {left:?}");
+        let fresh = client.run(&id, "x").await?;
+        assert_eq!(
+            fresh.error.as_ref().map(|e| e.ename.as_str()),
+            Some("NameError"),
+            "{fresh:?}"
+        );
+        assert_eq!(client.run(&id, "print(2)").await?.stdout, "2\n");
+        let next = record(&state, &id)?;
+        delete(&client, &id).await?;
+        let next_vmm = pid_of(&next, "vmm")?;
+        assert!(
+            eventually(PATIENCE, || !alive(next_vmm)).await,
+            "the deleted session's VM is left"
         );
         Ok(())
     }
