@@ -169,10 +169,10 @@ pub async fn run(options: &DoctorOptions) -> Report {
 /// Whether `backend`'s kernels outlive a gateway that stops or dies, as configured.
 fn outlives(backend: &str, configured: bool) -> &'static str {
     match backend {
-        "namespaces" | "gvisor" if configured => {
+        "namespaces" | "gvisor" | "microvm" if configured => {
             "yes: the next gateway on this state directory adopts them"
         }
-        "namespaces" | "gvisor" => {
+        "namespaces" | "gvisor" | "microvm" => {
             "no: they end with the gateway (--kernels-outlive-gateway false, or no state directory)"
         }
         "kubernetes" => "with --replica-url: the other replicas take them over",

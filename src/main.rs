@@ -126,6 +126,13 @@ fn main() -> anyhow::Result<()> {
     {
         cellgate::sandbox::gvisor_keeper_main()
     }
+    // And a microVM's keeper.
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|arg| arg == cellgate::sandbox::MICROVM_KEEPER_ARG)
+    {
+        cellgate::sandbox::microvm_keeper_main()
+    }
     // An empty CELLGATE_* or KG_* variable means unset (an env file's `CELLGATE_AUTH_TOKEN=`),
     // as it always has: clap would parse "" as the option's value. Still one thread here.
     for (name, value) in std::env::vars_os() {
@@ -299,10 +306,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_survival(survival(&config));
     if survival(&config).is_some() {
         // Said once at start, so that an operator restarting a gateway knows which sessions
-        // keep their variables: the namespaces and gVisor backends keep their sandboxes.
+        // keep their variables: the namespaces, gVisor and microVM backends keep their
+        // sandboxes.
         tracing::info!(
             grace_s = config.orphan_grace.as_secs(),
-            "kernels outlive the gateway: namespaces and gVisor kernels are kept for the next gateway on this state directory; microVM kernels still end with the gateway (their sessions come back dormant)"
+            "kernels outlive the gateway: namespaces, gVisor and microVM kernels are kept for the next gateway on this state directory"
         );
     }
     // A replica takes its Lease before any kernel starts: every kernel it makes has a live

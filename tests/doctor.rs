@@ -223,15 +223,18 @@ fn it_says_which_backends_keep_their_kernels() {
             .to_owned()
     };
     let (_, report) = doctor(&["--no-probe"]);
-    for name in ["namespaces", "gvisor"] {
+    for name in ["namespaces", "gvisor", "microvm"] {
         assert!(kept(&report, name).starts_with("yes"), "{report:#}");
     }
-    assert!(kept(&report, "microvm").starts_with("no"), "{report:#}");
+    assert!(
+        kept(&report, "kubernetes").starts_with("with"),
+        "{report:#}"
+    );
     let dir = tempfile::tempdir().expect("tempdir");
     let config = dir.path().join("cellgate.toml");
     std::fs::write(&config, "kernels_outlive_gateway = false\n").expect("write config");
     let (_, report) = doctor(&["--config", config.to_str().expect("path"), "--no-probe"]);
-    for name in ["namespaces", "gvisor"] {
+    for name in ["namespaces", "gvisor", "microvm"] {
         assert!(kept(&report, name).starts_with("no"), "{report:#}");
     }
 }

@@ -77,7 +77,9 @@ pub use gvisor::{
     PIDS_OVERHEAD as GVISOR_PIDS_OVERHEAD,
 };
 pub use kubernetes::{KubernetesError, KubernetesSandbox, PodSettings};
-pub use microvm::{MicrovmConfig, MicrovmError, MicrovmSandbox};
+pub use microvm::{
+    microvm_keeper_main, MicrovmConfig, MicrovmError, MicrovmSandbox, MICROVM_KEEPER_ARG,
+};
 pub use namespaces::{
     become_kernel, sandbox_init_main, NamespacesConfig, NamespacesError, NamespacesSandbox,
     Survival, ZygoteSettings, SANDBOX_INIT_ARG, ZYGOTE_ONE_THREAD,
@@ -182,7 +184,10 @@ pub fn create(
             survival,
             ..GvisorConfig::default()
         })?),
-        Backend::Microvm => Arc::new(MicrovmSandbox::new(microvm.clone())?),
+        Backend::Microvm => Arc::new(MicrovmSandbox::new(MicrovmConfig {
+            survival,
+            ..microvm.clone()
+        })?),
         Backend::Kubernetes => Arc::new(KubernetesSandbox::new(replicas)),
     })
 }
@@ -253,8 +258,9 @@ impl Backends {
         self
     }
 
-    /// Namespaces and gVisor kernels outlive the gateway (see `namespaces`, "Outliving the
-    /// gateway", and `gvisor`, *Lifetime*).
+    /// Namespaces, gVisor and microVM kernels outlive the gateway (see `namespaces`,
+    /// "Outliving the gateway", `gvisor`, *Lifetime*, and `microvm`, *Outliving the
+    /// gateway*).
     pub fn with_survival(mut self, survival: Option<Survival>) -> Backends {
         self.survival = survival;
         self
@@ -671,7 +677,7 @@ pub trait Sandbox: Send + Sync {
         false
     }
     /// Whether this backend's kernels outlive the gateway's process, for the next gateway on
-    /// the same state directory to adopt (the namespaces and gvisor backends with
+    /// the same state directory to adopt (the namespaces, gvisor and microvm backends with
     /// `--kernels-outlive-gateway`).
     fn kernels_outlive_gateway(&self) -> bool {
         false

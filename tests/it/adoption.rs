@@ -1,6 +1,6 @@
 //! Kernels that outlive their gateway (`--kernels-outlive-gateway`, the namespaces backend,
-//! src/sandbox/namespaces/survival.rs, and gVisor's, src/sandbox/gvisor/survival.rs, in
-//! `mod gvisor` below): a gateway killed (SIGKILL) or stopped (SIGTERM)
+//! src/sandbox/namespaces/survival.rs; gVisor's, src/sandbox/gvisor/survival.rs, in
+//! `mod gvisor` below; microVMs', src/sandbox/microvm/survival.rs, in `mod microvm`): a gateway killed (SIGKILL) or stopped (SIGTERM)
 //! mid-session leaves its sandboxes running, and the next gateway on the same state
 //! directory adopts them, their variables, workspace files and generation kept; a sandbox
 //! that died meanwhile is reported `sandbox_lost`; an orphan nobody adopts ends itself after
@@ -963,6 +963,347 @@ mod gvisor {
             ended,
             "a gVisor sandbox outlived its gateway with the option off"
         );
+        Ok(())
+    }
+}
+
+/// The microvm backend (`sandbox::microvm`, *Outliving the gateway*): real VMs under
+/// emulation (TCG), each boot tens of seconds, so the guarantees share few VMs.
+mod microvm {
+    use super::*;
+
+    /// A gateway on `state` whose policy `vm` runs kernels in microVMs (emulation allowed),
+    /// reaching `allowed.test:port` only, kept (`grace` seconds) or not.
+    async fn gateway(
+        dir: &Path,
+        state: &Path,
+        port: u16,
+        outlive: bool,
+        grace: &str,
+    ) -> Result<Gateway> {
+        let policies = dir.join("policies");
+        if !policies.exists() {
+            std::fs::create_dir(&policies)?;
+            std::fs::write(policies.join("default.toml"), "")?;
+            std::fs::write(
+                policies.join("vm.toml"),
+                format!(
+                    "[sandbox]\nbackend = \"microvm\"\n[limits]\nmemory = \"384MiB\"\n\
+                     workspace = \"16MiB\"\n[egress]\nallow = [\"allowed.test:{port}\"]\n"
+                ),
+            )?;
+            std::fs::write(
+                dir.join("cellgate.toml"),
+                format!(
+                    "package_cache_dir = {:?}\n[egress_hosts]\n\"allowed.test\" = \"127.0.0.1\"\n",
+                    dir.join("cache")
+                ),
+            )?;
+        }
+        Gateway::builder()
+            .policies_dir(policies)
+            .arg("--config")
+            .arg(dir.join("cellgate.toml").to_str().context("path")?)
+            .arg("--microvm-allow-emulation")
+            .arg("--state-dir")
+            .arg(state.to_str().context("path")?)
+            .args(&[
+                "--kernels-outlive-gateway",
+                if outlive { "true" } else { "false" },
+                "--orphan-grace",
+                grace,
+            ])
+            .start()
+            .await
+    }
+
+    /// The cgroup directories of a record.
+    fn cgroups(record: &Value) -> Vec<PathBuf> {
+        record["cgroup"]["dirs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|dir| dir[1].as_str().map(PathBuf::from))
+            .collect()
+    }
+
+    /// The QEMU processes `gateway` started.
+    fn vmms_of(gateway: &Gateway) -> Vec<u32> {
+        let parent = gateway.child.id();
+        let mut out = vec![];
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let Some((name, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let ppid = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok());
+            if name.contains("qemu") && ppid == Some(parent) && alive(pid) {
+                out.push(pid);
+            }
+        }
+        out
+    }
+
+    /// A session's VM outlives its gateway (SIGKILL) and the next gateway adopts it: same
+    /// variable, workspace file, generation and VMM, egress through the new gateway's
+    /// proxy. That gateway stopped (SIGTERM), a third adopts it again. Then, killed too, it
+    /// leaves an orphan that ends itself after the grace and leaves no VMM, keeper, cgroup
+    /// or files but its record; the fourth gateway reports the sandbox lost and the next
+    /// execute gets a new kernel.
+    #[tokio::test]
+    async fn a_microvm_outlives_its_gateway_and_an_orphan_ends_itself() -> Result<()> {
+        let port = crate::microvm::test_server("allowed").await?;
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("state");
+        // Long enough for the second gateway to start and adopt the VM on a loaded machine.
+        let grace = "30";
+        let first = gateway(dir.path(), &state, port, true, grace).await?;
+        let client = V1Client::new(&first);
+        let id = client
+            .create_session(json!({"policy": "vm"}))
+            .await
+            .with_context(|| first.log())?;
+        let set = client.run(&id, "x = 6 * 7\nprint(x)").await?;
+        assert_eq!(set.stdout, "42\n", "{set:?}");
+        assert_eq!(
+            client
+                .put_file(&id, "kept.txt", b"still here".to_vec())
+                .await?,
+            201
+        );
+        let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+        let generation = model["state_generation"].as_u64().context("generation")?;
+        let kept = record(&state, &id)?;
+        assert_eq!(kept["backend"], "microvm", "{kept}");
+        let vmm = pid_of(&kept, "vmm")?;
+        let keeper = pid_of(&kept, "keeper")?;
+        assert!(!cgroups(&kept).is_empty(), "no cgroup in {kept}");
+        // The record is the gateway's alone.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(record_path(&state, &id))?
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+        // The keeper's door: a challenge, and a wrong answer closes it.
+        {
+            use std::io::{BufRead, BufReader, Write};
+            let control = state
+                .join("sandboxes")
+                .join(&id)
+                .join(format!("control-g{generation}.sock"));
+            let stream = std::os::unix::net::UnixStream::connect(&control)?;
+            stream.set_read_timeout(Some(PATIENCE))?;
+            let mut reader = BufReader::new(stream.try_clone()?);
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            assert!(line.starts_with("challenge "), "{line:?}");
+            (&stream).write_all(format!("{}\n", "00".repeat(32)).as_bytes())?;
+            line.clear();
+            assert_eq!(reader.read_line(&mut line)?, 0, "answered {line:?}");
+        }
+        killed(first).await?;
+        assert!(alive(vmm), "the VMM ended with its gateway");
+        assert!(alive(keeper), "the keeper ended with its gateway");
+
+        let second = gateway(dir.path(), &state, port, true, grace).await?;
+        let client = V1Client::new(&second);
+        let adopting = std::time::Instant::now();
+        let model = adopted(&client, &id).await?;
+        assert_ne!(model["state"], "dead", "{model}\n{}", second.log());
+        assert_eq!(
+            model["state_generation"].as_u64(),
+            Some(generation),
+            "{model}"
+        );
+        let x = client.run(&id, "print(x, open('kept.txt').read())").await?;
+        eprintln!(
+            "adopted and ran a cell in {:.2} s",
+            adopting.elapsed().as_secs_f64()
+        );
+        assert_eq!(x.stdout, "42 still here\n", "{x:?}\n{}", second.log());
+        assert_eq!(x.state_generation, generation);
+        assert_eq!(pid_of(&record(&state, &id)?, "vmm")?, vmm, "another VM");
+        let r = client
+            .execute(
+                &id,
+                &format!(
+                    "import urllib.request\n\
+                     print(urllib.request.urlopen('http://allowed.test:{port}/', timeout=60).read().decode())"
+                ),
+            )
+            .await?;
+        assert_eq!(r["stdout"], "hello from allowed\n", "{r}");
+
+        // Stopped (SIGTERM), the adopting gateway lets the VM go again, for the next one.
+        drop(second);
+        assert!(alive(vmm), "the VMM ended with its stopped gateway");
+        let third = gateway(dir.path(), &state, port, true, grace).await?;
+        let client = V1Client::new(&third);
+        let model = adopted(&client, &id).await?;
+        assert_ne!(model["state"], "dead", "{model}\n{}", third.log());
+        let x = client.run(&id, "print(x)").await?;
+        assert_eq!(x.stdout, "42\n", "{x:?}\n{}", third.log());
+        // For BENCHMARKS.md: how long the adoption took, in the gateway's words.
+        for line in third
+            .log()
+            .lines()
+            .filter(|l| l.contains("VM adopted") || l.contains("session adopted"))
+        {
+            eprintln!("{line}");
+        }
+
+        // Its gateway gone again, nobody comes back: the orphan ends after the grace.
+        killed(third).await?;
+        assert!(alive(vmm), "the VMM ended with its adopting gateway");
+        let ended = eventually(PATIENCE, || !alive(vmm) && !alive(keeper)).await;
+        assert!(ended, "an orphan VM outlived its grace");
+        let kernel_dir = PathBuf::from(kept["kernel_dir"].as_str().context("kernel_dir")?);
+        let left: Vec<PathBuf> = cgroups(&kept)
+            .into_iter()
+            .chain([kernel_dir])
+            .filter(|path| path.exists())
+            .collect();
+        assert!(left.is_empty(), "the orphan left {left:?}");
+        assert!(record_path(&state, &id).exists(), "the record went too");
+
+        let fourth = gateway(dir.path(), &state, port, true, grace).await?;
+        let client = V1Client::new(&fourth);
+        let deadline = std::time::Instant::now() + PATIENCE;
+        let model = loop {
+            let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+            let reason = model["reason"].as_str().unwrap_or_default();
+            if reason.starts_with("sandbox_lost") || std::time::Instant::now() > deadline {
+                break model;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(
+            model["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("sandbox_lost")),
+            "{model}"
+        );
+        let lost_generation = model["state_generation"].as_u64().context("generation")?;
+        assert!(lost_generation > generation, "{model}");
+        let fresh = client.run(&id, "x").await?;
+        assert_eq!(
+            fresh.error.as_ref().map(|e| e.ename.as_str()),
+            Some("NameError"),
+            "{fresh:?}"
+        );
+        let next = record(&state, &id)?;
+        delete(&client, &id).await?;
+        let next_vmm = pid_of(&next, "vmm")?;
+        let next_keeper = pid_of(&next, "keeper")?;
+        assert!(
+            eventually(PATIENCE, || !alive(next_vmm) && !alive(next_keeper)).await,
+            "the deleted session's VM or keeper is left"
+        );
+        assert!(
+            eventually(PATIENCE, || !state.join("sandboxes").join(&id).exists()).await,
+            "its survival directory outlived it"
+        );
+        Ok(())
+    }
+
+    /// A VM killed while no gateway ran: the next gateway sweeps what it left (its keeper,
+    /// cgroup and files), reports the sandbox lost, and the next execute gets a new kernel.
+    #[tokio::test]
+    async fn a_microvm_killed_meanwhile_is_reported_lost_and_swept() -> Result<()> {
+        let port = crate::microvm::test_server("allowed").await?;
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("state");
+        let first = gateway(dir.path(), &state, port, true, "120").await?;
+        let client = V1Client::new(&first);
+        let id = client
+            .create_session(json!({"policy": "vm"}))
+            .await
+            .with_context(|| first.log())?;
+        assert_eq!(client.run(&id, "x = 1").await?.stdout, "");
+        let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+        let generation = model["state_generation"].as_u64().context("generation")?;
+        let kept = record(&state, &id)?;
+        let (vmm, keeper) = (pid_of(&kept, "vmm")?, pid_of(&kept, "keeper")?);
+        killed(first).await?;
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(i32::try_from(vmm)?).context("pid")?,
+            rustix::process::Signal::KILL,
+        )?;
+        assert!(eventually(PATIENCE, || !alive(vmm)).await, "the VMM lives");
+
+        let second = gateway(dir.path(), &state, port, true, "120").await?;
+        let client = V1Client::new(&second);
+        let deadline = std::time::Instant::now() + PATIENCE;
+        let model = loop {
+            let (_, model) = client.get(&format!("/v1/sessions/{id}")).await?;
+            let reason = model["reason"].as_str().unwrap_or_default();
+            if reason.starts_with("sandbox_lost") || std::time::Instant::now() > deadline {
+                break model;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(
+            model["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("sandbox_lost")),
+            "{model}\n{}",
+            second.log()
+        );
+        let lost_generation = model["state_generation"].as_u64().context("generation")?;
+        assert!(lost_generation > generation, "{model}");
+        assert!(
+            eventually(PATIENCE, || !alive(keeper)).await,
+            "the dead VM's keeper is left"
+        );
+        let left: Vec<PathBuf> = cgroups(&kept)
+            .into_iter()
+            .filter(|path| path.exists())
+            .collect();
+        assert!(left.is_empty(), "the dead VM left {left:?}");
+        let fresh = client.run(&id, "x").await?;
+        assert_eq!(
+            fresh.error.as_ref().map(|e| e.ename.as_str()),
+            Some("NameError"),
+            "{fresh:?}"
+        );
+        assert_eq!(client.run(&id, "print(2)").await?.stdout, "2\n");
+        let next = record(&state, &id)?;
+        delete(&client, &id).await?;
+        let next_vmm = pid_of(&next, "vmm")?;
+        assert!(
+            eventually(PATIENCE, || !alive(next_vmm)).await,
+            "the deleted session's VM is left"
+        );
+        Ok(())
+    }
+
+    /// With the option off, a VM ends with its gateway, even one SIGKILLed.
+    #[tokio::test]
+    async fn with_the_option_off_microvms_end_with_their_gateway() -> Result<()> {
+        let port = crate::microvm::test_server("allowed").await?;
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("state");
+        let first = gateway(dir.path(), &state, port, false, "120").await?;
+        let client = V1Client::new(&first);
+        let id = client
+            .create_session(json!({"policy": "vm"}))
+            .await
+            .with_context(|| first.log())?;
+        assert_eq!(client.run(&id, "x = 5").await?.stdout, "");
+        // The session's VM, and a zygote's when the gateway is making a snapshot.
+        let vmms = vmms_of(&first);
+        assert!(!vmms.is_empty(), "no VMM found");
+        assert!(!state.join("sandboxes").join(&id).exists());
+        killed(first).await?;
+        let ended = eventually(PATIENCE, || vmms.iter().all(|&pid| !alive(pid))).await;
+        assert!(ended, "a VM outlived its gateway with the option off");
         Ok(())
     }
 }

@@ -213,6 +213,47 @@ impl Confiner {
     }
 }
 
+impl Confiner {
+    /// The confinement of a VM an earlier gateway started (adopted): its cgroup as
+    /// recorded, and its uid, which no VM of this gateway is given while it lives. Nothing
+    /// is started in it.
+    pub(super) fn adopt(
+        &self,
+        uid: Option<u32>,
+        cgroup: Option<&cgroups::CgroupParts>,
+        dir: &Path,
+    ) -> Result<Jail, ConfineError> {
+        let root = self.view.plan(dir)?;
+        let identity = match uid {
+            Some(id) if (IDENTITY_BASE..IDENTITY_BASE + IDENTITY_SLOTS).contains(&id) => {
+                let slot = id - IDENTITY_BASE;
+                self.identities.0.lock().live.insert(slot);
+                Identity::Dropped {
+                    id,
+                    groups: self.kvm_group.into_iter().collect(),
+                    _slot: SlotGuard {
+                        slot,
+                        identities: self.identities.clone(),
+                    },
+                }
+            }
+            _ => Identity::Own {
+                uid_map: Vec::new(),
+                gid_map: Vec::new(),
+            },
+        };
+        Ok(Jail {
+            cgroup: parking_lot::Mutex::new(cgroup.and_then(KernelCgroup::from_parts)),
+            plan: Arc::new(ChildPlan {
+                cgroup_procs: Vec::new(),
+                identity,
+                fsize: 0,
+                root,
+            }),
+        })
+    }
+}
+
 impl Identities {
     fn take(&self) -> Result<u32, ConfineError> {
         let mut slots = self.0.lock();
@@ -350,6 +391,17 @@ impl Jail {
             .as_ref()
             .and_then(KernelCgroup::oom_kills)
             .unwrap_or(0)
+    }
+
+    /// Lets the cgroup be, with the VM in it: the VM outlives this gateway, and the next one
+    /// (or the VM's keeper) removes it.
+    pub(super) fn keep(&self) {
+        drop(self.cgroup.lock().take());
+    }
+
+    /// The cgroup, written down for a gateway that adopts the VM.
+    pub(super) fn cgroup_parts(&self) -> Option<cgroups::CgroupParts> {
+        self.cgroup.lock().as_ref().map(KernelCgroup::parts)
     }
 
     /// Removes the cgroup, killing what is left in it (the identity is free once the jail

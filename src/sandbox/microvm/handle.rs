@@ -14,6 +14,11 @@
 //! A VM saved to disk (hibernated, `hibernate.rs`) ends on purpose too: its agent session
 //! closes first, which is not taken for a failure while the save runs.
 //!
+//! A VM that outlives the gateway (`survival.rs`) has a keeper besides: the handle holds
+//! the link to it (the launching gateway's command pipe, or an adopting one's control
+//! connection), and [`SandboxHandle::detach`] lets it go with the VM running. An adopted
+//! VMM is not this gateway's child: its end is watched, and it is killed, through a pidfd.
+//!
 //! A kernel killed by a fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE) also carries the guest
 //! kernel's record of it (`guest/agent/src/fault.rs`: the `segfault at … ip … in module[…]`
 //! line from `/dev/kmsg`, the offset in the module and the code bytes), as the namespaces
@@ -39,8 +44,79 @@ use crate::sandbox::{
 /// How long a guest gets to power off after its kernel ended before the VMM is killed.
 const POWEROFF_GRACE: Duration = Duration::from_secs(2);
 
+/// The VMM process: this gateway's child, or (adopted) another gateway's, held by a pidfd.
+pub(super) enum VmmProcess {
+    Child(tokio::process::Child),
+    Adopted(std::os::fd::OwnedFd),
+}
+
+impl VmmProcess {
+    /// Waits for the VMM's end: its status when it is this gateway's child.
+    pub(super) async fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        match self {
+            VmmProcess::Child(child) => child.wait().await,
+            VmmProcess::Adopted(pidfd) => {
+                let pidfd = pidfd.try_clone()?;
+                crate::sandbox::sys::pidfd_wait(pidfd).await;
+                Err(std::io::Error::other(
+                    "it was adopted from an earlier gateway: its exit status is not known",
+                ))
+            }
+        }
+    }
+}
+
+/// The link to the keeper of a VM that outlives the gateway: closing it (dropping it) tells
+/// the keeper that no gateway holds the VM any more.
+pub(super) enum KeeperLink {
+    /// The launching gateway's command pipe.
+    Pipe(#[expect(dead_code, reason = "held open: its end is the message")] std::fs::File),
+    /// An adopting gateway's control connection.
+    Stream(
+        #[expect(dead_code, reason = "held open: its end is the message")]
+        std::os::unix::net::UnixStream,
+    ),
+}
+
+/// What a VM that outlives the gateway adds to its handle.
+pub(super) struct Kept {
+    pub keeper: parking_lot::Mutex<Option<KeeperLink>>,
+    pub keeper_proc: crate::sandbox::namespaces::survival::Proc,
+    pub survival: crate::sandbox::Survival,
+    pub kernel_id: String,
+    pub generation: u64,
+}
+
+impl Kept {
+    /// Forgets the VM, which ended: its control socket, and its record when it is this
+    /// generation's (the kernel's next generation may have written its own already).
+    pub(super) fn forget(&self) {
+        #[derive(serde::Deserialize)]
+        struct Generation {
+            generation: u64,
+        }
+        let ours = self
+            .survival
+            .read_record::<Generation>(&self.kernel_id)
+            .is_ok_and(|record| record.generation == self.generation);
+        if ours {
+            self.survival
+                .remove_record(&self.kernel_id, self.generation);
+        } else if let Some(path) = self.survival.control_path(&self.kernel_id, self.generation) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 pub(super) struct MicrovmHandle {
     vmm_pid: u32,
+    /// The VMM's pidfd, when it was adopted (not this gateway's child: its pid could be
+    /// reused once it ends, and nobody here reaps it).
+    pidfd: Option<std::os::fd::OwnedFd>,
+    /// The VM outlives the gateway: its keeper and record.
+    kept: Option<Kept>,
+    /// Let go for the next gateway: its end is not reported, and nothing is killed.
+    detached: AtomicBool,
     agent: OnceLock<Arc<Agent>>,
     files: OnceLock<Arc<AgentFiles>>,
     /// The VMM is gone (never signal a pid that may have been reused).
@@ -60,9 +136,14 @@ impl MicrovmHandle {
         vmm_pid: u32,
         jail: Arc<Jail>,
         saver: Option<super::hibernate::Saver>,
+        pidfd: Option<std::os::fd::OwnedFd>,
+        kept: Option<Kept>,
     ) -> MicrovmHandle {
         MicrovmHandle {
             vmm_pid,
+            pidfd,
+            kept,
+            detached: AtomicBool::new(false),
             agent: OnceLock::new(),
             files: OnceLock::new(),
             exited: Arc::new(AtomicBool::new(false)),
@@ -83,6 +164,11 @@ impl MicrovmHandle {
         let _ = self.agent.set(agent);
     }
 
+    /// What the VM adds when it outlives the gateway.
+    pub(super) fn kept(&self) -> Option<&Kept> {
+        self.kept.as_ref()
+    }
+
     /// Ends the VMM at once, and with it the guest and everything in it. `on_purpose`: the
     /// gateway ended the kernel (its report is a plain kill), not a failure's clean-up.
     pub(super) fn kill_vmm(&self, on_purpose: bool) {
@@ -91,6 +177,10 @@ impl MicrovmHandle {
         }
         if on_purpose {
             self.killed.store(true, Ordering::SeqCst);
+        }
+        if let Some(pidfd) = &self.pidfd {
+            let _ = crate::sandbox::sys::pidfd_send_signal(pidfd, libc::SIGKILL);
+            return;
         }
         let pid = rustix::process::Pid::from_raw(self.vmm_pid as i32);
         if let Some(pid) = pid {
@@ -153,6 +243,21 @@ impl SandboxHandle for MicrovmHandle {
         !self.exited.load(Ordering::SeqCst)
     }
 
+    /// Lets a VM that outlives the gateway go, running: the link to its agent closes (the
+    /// guest waits for the next gateway, its kernel running on), the keeper is told no
+    /// gateway holds it, and its cgroup stays.
+    fn detach(&self) {
+        let Some(kept) = &self.kept else {
+            return;
+        };
+        self.detached.store(true, Ordering::SeqCst);
+        self.jail.keep();
+        if let Some(agent) = self.agent.get() {
+            agent.close();
+        }
+        drop(kept.keeper.lock().take());
+    }
+
     fn hibernate<'a>(
         &'a self,
         about: &'a crate::sandbox::Hibernation,
@@ -193,7 +298,7 @@ impl SandboxHandle for MicrovmHandle {
 
 /// Watches the VM until it ends and reports exactly once.
 pub(super) fn watch_exit(
-    mut child: tokio::process::Child,
+    mut child: VmmProcess,
     companion: Option<tokio::process::Child>,
     agent: Arc<Agent>,
     handle: Arc<MicrovmHandle>,
@@ -207,6 +312,14 @@ pub(super) fn watch_exit(
             status = child.wait() => Err(status),
             ended = kernel_exit.wait_for(Option::is_some) => Ok(ended.ok().and_then(|e| e.clone())),
         };
+        if handle.detached.load(Ordering::SeqCst) {
+            // Let go for the next gateway: the VM runs on, its cgroup kept; nothing is
+            // reported (the kernel layer expects no end), and the VMM is never killed.
+            if let VmmProcess::Child(child) = child {
+                std::mem::forget(child);
+            }
+            return;
+        }
         // Marked as soon as the VMM is reaped: its pid may be another process's from then on.
         let reaped = |handle: &MicrovmHandle| handle.exited.store(true, Ordering::SeqCst);
         let exit_report = match ended {
@@ -265,6 +378,12 @@ pub(super) fn watch_exit(
         }
         let jail = handle.jail.clone();
         let _ = tokio::task::spawn_blocking(move || jail.release()).await;
+        if let Some(kept) = &handle.kept {
+            // Forgotten before the report: the report may start the kernel's next
+            // generation, whose record this must not remove. The keeper ends by itself.
+            kept.forget();
+            drop(kept.keeper.lock().take());
+        }
         let _ = report.send(Some(exit_report));
     });
 }

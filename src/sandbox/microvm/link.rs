@@ -157,7 +157,7 @@ impl Link {
             LinkKind::Serial { socket } => {
                 let deadline = tokio::time::Instant::now() + timeout;
                 loop {
-                    match tokio::net::UnixStream::connect(socket).await {
+                    match connect_unix(socket).await {
                         Ok(stream) => return Ok(Box::new(stream)),
                         Err(error) if tokio::time::Instant::now() >= deadline => {
                             return Err(never(error.to_string()))
@@ -174,5 +174,57 @@ impl Link {
                 }
             }
         }
+    }
+}
+
+/// The longest path a unix socket address holds, with its terminating NUL.
+const SUN_PATH: usize = 108;
+
+/// Connects to the unix socket at `path`, whatever its length: one longer than a socket
+/// address holds is reached through a descriptor of its directory
+/// (`/proc/self/fd/<n>/<name>`). A kept VM's sockets below a state directory can be that
+/// long, where QEMU itself binds them by a relative name in its working directory.
+pub(super) async fn connect_unix(path: &Path) -> std::io::Result<tokio::net::UnixStream> {
+    use std::os::fd::AsRawFd;
+    if path.as_os_str().len() < SUN_PATH {
+        return tokio::net::UnixStream::connect(path).await;
+    }
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return tokio::net::UnixStream::connect(path).await;
+    };
+    let dir = rustix::fs::open(
+        dir,
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    let short = Path::new("/proc/self/fd")
+        .join(dir.as_raw_fd().to_string())
+        .join(name);
+    tokio::net::UnixStream::connect(short).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_socket_past_the_address_limit_is_reached_through_its_directory() {
+        use std::os::fd::AsRawFd;
+        let root = tempfile::tempdir().unwrap();
+        let mut dir = root.path().to_owned();
+        while dir.as_os_str().len() < SUN_PATH {
+            dir = dir.join("a-long-directory-name");
+        }
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let held = std::fs::File::open(&dir).unwrap();
+        let _listener = tokio::net::UnixListener::bind(
+            Path::new("/proc/self/fd")
+                .join(held.as_raw_fd().to_string())
+                .join("s.sock"),
+        )
+        .unwrap();
+        assert!(tokio::net::UnixStream::connect(&path).await.is_err());
+        assert!(connect_unix(&path).await.is_ok());
     }
 }

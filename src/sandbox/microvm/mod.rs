@@ -70,6 +70,60 @@
 //! not prove the key) removes what was saved and the kernel layer starts a fresh kernel,
 //! its generation moved on. Every step has a deadline.
 //!
+//! **Outliving the gateway** (`--kernels-outlive-gateway`, with a state directory;
+//! [`survival`], [`keeper`]). A session's VM keeps running when its gateway stops (SIGTERM:
+//! API v1 sessions' kernels only, as for the other backends) or dies (SIGKILL), and the next
+//! gateway on the same state directory adopts it: the session is live again with its
+//! variables, workspace files and state generation.
+//!
+//! - *What outlives the gateway*: QEMU, started as every VMM is (its own uid, cgroup,
+//!   host view and limits, `confine.rs`) but with no parent-death signal, in a process group
+//!   of its own, never killed when the gateway's handle on it is dropped; its cgroup; and
+//!   the kernel's directories, at `<state dir>/sandboxes/<kernel id>/k/` instead of below the
+//!   gateway's runtime root ([`Sandbox::kernel_dir`]): the VM's runtime directory with its
+//!   console, workspace disk, the virtio-serial socket and (for a VM that may hibernate) its
+//!   QMP socket, and the kernel's log.
+//! - *The link*: such a VM always runs on virtio-serial, QEMU listening on `agent.sock` in
+//!   its runtime directory, which the next gateway connects to. Hybrid vsock would need its
+//!   device backend (`vhost-device-vsock`, a process per VM) kept as well, with the guest's
+//!   RAM shared with it; QEMU already listens, and hibernation uses the same link. The
+//!   agent treats a lost link as a detach (its kernel runs on) and serves a new session only
+//!   once it attached with the key proof both ways (`Agent::attach`): a gateway that does not
+//!   hold the kernel's key reaches nothing of the kernel, and the gateway uses no VM that
+//!   cannot prove it. The state directory must leave the kernels' socket paths under 108
+//!   bytes (`<state dir>` under ~33 characters); a longer one turns survival off for
+//!   microVMs with a warning at start.
+//! - *What ends an orphan*: a keeper, this binary run with [`MICROVM_KEEPER_ARG`], started
+//!   with the VM (no parent-death signal either). It holds a pidfd of QEMU (opened while the
+//!   launching gateway, QEMU's parent, was alive, and checked against QEMU's start time),
+//!   counts the launching gateway as there while its command pipe is open and an adopting
+//!   one while its control connection is (after the challenge `namespaces::survival` runs,
+//!   `control-g<generation>.sock`), and with neither for `--orphan-grace` kills QEMU through
+//!   the pidfd, then removes the VM's cgroup, the kernel's directories and the control
+//!   socket; the record stays, so the next gateway reports the session's sandbox lost. A
+//!   keeper on the host rather than the agent powering the guest off: the guest runs the
+//!   kernel's code, and a guest taken over would keep its VM forever.
+//! - *Adoption*: the record (`record.json`, 0600 in a 0700 directory: QEMU's and the
+//!   keeper's pid and start time, the VM's directory, cgroup, uid and shape, the
+//!   generation, the kernel's key), written once the kernel started. Adopting, a gateway
+//!   opens a pidfd of QEMU and checks its start time (a reused pid fails), proves the key to
+//!   the keeper, connects to the serial socket, handshakes with the agent and attaches (both
+//!   prove the key), then serves the kernel's channels again; guest egress streams are
+//!   joined to the new gateway's proxy. The VMM's uid is reserved for it (no new VM gets it),
+//!   its end is watched through the pidfd (not its child: no exit status, but the agent
+//!   still reports the kernel's end, and the console a guest panic), and `kill` signals the
+//!   pidfd. A VM whose QEMU is gone is `sandbox_lost` (its leftovers swept at the backend's
+//!   start, or at the failed adoption), and the next execute starts a fresh kernel; one that
+//!   does not prove the key is killed. Kept VMs no session claims (a kernel pool's, the
+//!   Kernel Gateway API's) are ended by the next gateway at its start
+//!   ([`Sandbox::end_unclaimed`]).
+//! - *Hibernated and warm-pool VMs*: a hibernated VM is already on disk
+//!   (`<state dir>/hibernated/`) and is restored at its session's next request, as before;
+//!   the VM it is restored into is kept like any other. A kept VM started for a policy with
+//!   `hibernate_after` keeps its QMP socket, so an adopted one can still hibernate. The warm
+//!   pool's snapshots are files, untouched by a restart; its zygote VMs are the gateway's own
+//!   and end with it.
+//!
 //! # Invariants
 //!
 //! - Everything from the guest is hostile input: lines are capped, requests and replies have
@@ -90,10 +144,12 @@ mod handle;
 mod hibernate;
 mod hostview;
 pub mod image;
+mod keeper;
 pub mod link;
 mod qemu;
 mod qmp;
 mod snapshot;
+mod survival;
 pub mod vmm;
 
 use std::path::{Path, PathBuf};
@@ -113,6 +169,7 @@ use super::{Backend, LaunchSpec, Launched, Sandbox, SandboxError};
 pub use confine::IDENTITY_BASE as VMM_IDENTITY_BASE;
 use handle::MicrovmHandle;
 pub use hibernate::Hibernations;
+pub use keeper::{microvm_keeper_main, MICROVM_KEEPER_ARG};
 use vmm::{Accel, VmSpec, Vmm};
 
 /// RAM the guest gets beyond the policy's memory limit: its kernel, the agent and a little
@@ -195,6 +252,9 @@ pub struct MicrovmConfig {
     /// Where hibernated VMs are saved (`<state-dir>/hibernated`, see `hibernate.rs`);
     /// `None` (no state directory): no VM hibernates.
     pub hibernate_dir: Option<PathBuf>,
+    /// Session VMs outlive the gateway, each under a keeper, for the next gateway on the
+    /// same state directory (`survival.rs`); `None`: they end with it.
+    pub survival: Option<super::Survival>,
 }
 
 impl MicrovmConfig {
@@ -220,6 +280,7 @@ impl Default for MicrovmConfig {
             guest_kernel: None,
             guest_kernel_pvm: false,
             hibernate_dir: None,
+            survival: None,
         }
     }
 }
@@ -254,7 +315,15 @@ struct Core {
 impl MicrovmSandbox {
     /// Finds the guest images and decides how VMs get their CPU. Must be called from within
     /// a tokio runtime (the spawner thread registers children with it).
-    pub fn new(config: MicrovmConfig) -> Result<MicrovmSandbox, SandboxError> {
+    pub fn new(mut config: MicrovmConfig) -> Result<MicrovmSandbox, SandboxError> {
+        if let Some(kept) = &config.survival {
+            if survival::paths_fit(kept) {
+                survival::sweep(kept);
+            } else {
+                tracing::warn!(dir = %kept.dir.display(), "microVM kernels end with the gateway: their socket paths below this state directory would be too long for a unix socket (choose a shorter --state-dir)");
+                config.survival = None;
+            }
+        }
         let images = image::GuestImages::locate(&config.guest_dir, config.own_kernel())?;
         let decision = accel::choose(&accel::HostFacts::read(Path::new("/")), images.pvm_guest);
         // Emulation is refused per launch, not here: a policy may allow it for its own
@@ -306,6 +375,7 @@ impl MicrovmSandbox {
         tracing::info!(
             accel = accel.as_str(),
             transport = transport.name(),
+            kept = config.survival.is_some(),
             "microvm backend ready"
         );
         let spawner = Spawner::start("cellgate-microvm-spawner")?;
@@ -449,14 +519,48 @@ impl Sandbox for MicrovmSandbox {
         Box::pin(async move { Ok(self.core.launch_vm(spec).await?) })
     }
 
-    /// A hibernated VM is a sandbox the kernel layer may adopt: adopting restores it.
+    fn kernels_outlive_gateway(&self) -> bool {
+        self.core.config.survival.is_some()
+    }
+
+    /// A hibernated VM is a sandbox the kernel layer may adopt: adopting restores it; so is
+    /// a running VM that outlived the gateway before this one.
     fn survivor(&self, kernel_id: &str) -> Option<super::SurvivorInfo> {
-        self.core.hibernations.as_ref()?.survivor(kernel_id)
+        if let Some(hibernated) = self
+            .core
+            .hibernations
+            .as_ref()
+            .and_then(|h| h.survivor(kernel_id))
+        {
+            return Some(hibernated);
+        }
+        let record = survival::read(self.core.config.survival.as_ref()?, kernel_id).ok()?;
+        Some(super::SurvivorInfo {
+            key: record.key,
+            generation: record.generation,
+            started_ms: record.started_ms,
+            hibernated: false,
+        })
+    }
+
+    fn kernel_dir(&self, kernel_id: &str) -> Option<PathBuf> {
+        survival::kernel_dir(self.core.config.survival.as_ref()?, kernel_id)
+    }
+
+    fn end_unclaimed(&self, claimed: &dyn Fn(&str) -> bool) -> usize {
+        self.core
+            .config
+            .survival
+            .as_ref()
+            .map_or(0, |kept| survival::end_unclaimed(kept, claimed))
     }
 
     fn forget(&self, kernel_id: &str) {
         if let Some(hibernations) = &self.core.hibernations {
             hibernations.remove(kernel_id);
+        }
+        if let Some(kept) = &self.core.config.survival {
+            kept.remove(kernel_id);
         }
     }
 
@@ -520,6 +624,13 @@ impl Core {
         let connection = agent::guest_connection(spec, &map)?;
         let size = VmSize::of(&spec.limits);
         if spec.adopt.is_some() {
+            let hibernated = self
+                .hibernations
+                .as_ref()
+                .is_some_and(|h| h.survivor(&spec.kernel_id).is_some());
+            if let (false, Some(kept)) = (hibernated, &self.config.survival) {
+                return self.adopt_running(spec, kept).await;
+            }
             return self
                 .restore_hibernated(spec, &map, environment, connection, size)
                 .await;
@@ -819,7 +930,11 @@ impl Core {
                 size,
                 machine: self.machine.clone(),
             });
-        let transport = if restore || saver.is_some() {
+        // A VM that outlives the gateway is reached again over virtio-serial: QEMU listens
+        // on a socket in the VM's directory, which the next gateway connects to (a vsock
+        // device's backend would be one more process to keep).
+        let kept = self.config.survival.as_ref();
+        let transport = if restore || saver.is_some() || kept.is_some() {
             link::Transport::Serial
         } else {
             self.transport.clone()
@@ -830,13 +945,19 @@ impl Core {
         let vm = self.vm_spec(&transport, &link, size, restore || saver.is_some(), restore);
         let mut command = self.vmm.command(&vm);
         plain_child(&mut command, dir, &spec.log_file)?;
+        if kept.is_some() {
+            // Nothing of the gateway's end (its exit, its runtime's drop, a signal to its
+            // process group) ends the VMM: its keeper does, or the gateway on purpose. A
+            // launch abandoned midway still loses its VM with the jail's cgroup.
+            command.kill_on_drop(false).process_group(0);
+        }
         jail.apply(&mut command);
         if let Some(file) = snapshot {
             confine::Jail::pass_snapshot(&mut command, file);
         }
         let child = self
             .spawner
-            .spawn(command)
+            .spawn_with(command, kept.is_none(), None)
             .await
             .map_err(|e| MicrovmError::Start(format!("{}: {e}", self.vmm.name())));
         let mut companion = link.companion.take();
@@ -859,7 +980,21 @@ impl Core {
             },
             "microvm: VM started");
         let keeps_control = saver.is_some();
-        let handle = Arc::new(MicrovmHandle::new(pid, jail.clone(), saver));
+        let kept = match kept {
+            Some(survival) => match self.keep(spec, survival, pid, &jail).await {
+                Ok(kept) => Some(kept),
+                Err(error) => {
+                    let _ = child.start_kill();
+                    let _ = child.wait().await;
+                    if let Some(companion) = &mut companion {
+                        let _ = companion.kill().await;
+                    }
+                    return Err(error);
+                }
+            },
+            None => None,
+        };
+        let handle = Arc::new(MicrovmHandle::new(pid, jail.clone(), saver, None, kept));
 
         let started = async {
             if restore {
@@ -909,6 +1044,9 @@ impl Core {
             Err(error) => {
                 handle.kill_vmm(false);
                 let _ = child.wait().await;
+                if let Some(kept) = handle.kept() {
+                    kept.forget();
+                }
                 if let Some(companion) = &mut companion {
                     let _ = companion.kill().await;
                 }
@@ -921,9 +1059,12 @@ impl Core {
                 });
             }
         };
+        if let (Some(survival), Some(kept)) = (&self.config.survival, handle.kept()) {
+            self.record(spec, survival, kept, pid, &jail, size);
+        }
         let (exit_tx, exit_rx) = watch::channel(None);
         handle::watch_exit(
-            child,
+            handle::VmmProcess::Child(child),
             companion,
             agent,
             handle.clone(),

@@ -60,7 +60,7 @@ impl Qmp {
     ) -> Result<Qmp, MicrovmError> {
         let deadline = tokio::time::Instant::now() + timeout;
         let stream = loop {
-            match tokio::net::UnixStream::connect(path).await {
+            match super::link::connect_unix(path).await {
                 Ok(stream) => break stream,
                 Err(error) if tokio::time::Instant::now() >= deadline => {
                     return Err(failed(format!("{}: {error}", path.display())))
