@@ -15,8 +15,9 @@
 //!   `memory.max`, `memory.swap.max = 0`, `pids.max`, `cpu.max`. Enabling controllers for
 //!   children needs the gateway's own cgroup to have no processes of its own (the "no
 //!   internal processes" rule); if it has, creation fails and the gateway runs the kernel
-//!   without cgroup limits, saying so. Not exercised on the development hosts, which only
-//!   have v1 controllers.
+//!   without cgroup limits, saying so. The development hosts only have v1 controllers:
+//!   `tests/it/cgroup_v2.rs` runs the limit tests in a VM with the v2 hierarchy alone, each
+//!   gateway started in a cgroup holding its processes (so through [`move_into_leaf`]).
 //! * **v1** (hybrid hosts such as ours: `cgroup` mounts per controller, the unified mount has
 //!   no controllers): `memory.limit_in_bytes` (and `memory.memsw.limit_in_bytes`, so swap is
 //!   no way around it), `pids.max`, `cpu.cfs_quota_us`/`cpu.cfs_period_us`, and `cpuacct`
@@ -269,19 +270,22 @@ fn create_v2(own_dir: &Path, name: &str, limits: &Limits) -> Result<KernelCgroup
         dirs: vec![("unified", dir.clone())],
         memory_limited: false,
     };
+    // A controller the gateway's cgroup was not given (a delegation of `memory pids` alone,
+    // say) has no files here: its limit is left out, and the caller warns about it
+    // ([`KernelCgroup::has`]), rather than failing the whole cgroup and losing the others.
     let result = (|| {
         let mut memory_limited = false;
-        if let Some(bytes) = limits.memory_bytes {
+        if let Some(bytes) = limits.memory_bytes.filter(|_| wanted.contains(&"memory")) {
             write(&dir, "memory.max", &bytes.to_string())?;
             if dir.join("memory.swap.max").exists() {
                 write(&dir, "memory.swap.max", "0")?;
             }
             memory_limited = true;
         }
-        if let Some(pids) = limits.pids {
+        if let Some(pids) = limits.pids.filter(|_| wanted.contains(&"pids")) {
             write(&dir, "pids.max", &pids.to_string())?;
         }
-        if let Some(millis) = limits.cpu_millis {
+        if let Some(millis) = limits.cpu_millis.filter(|_| wanted.contains(&"cpu")) {
             write(
                 &dir,
                 "cpu.max",
@@ -417,9 +421,17 @@ impl KernelCgroup {
         self.memory_limited
     }
 
-    /// Whether this cgroup enforces pid and CPU limits (it has those controllers).
+    /// Whether this cgroup enforces pid and CPU limits (it has those controllers). On v2, the
+    /// controllers its parent hands it (`cgroup.controllers`), which need not be all three.
     pub fn has(&self, controller: &str) -> bool {
-        self.version == 2 || self.dirs.iter().any(|(name, _)| *name == controller)
+        if self.version == 2 {
+            self.dirs.iter().any(|(_, dir)| {
+                fs::read_to_string(dir.join("cgroup.controllers"))
+                    .is_ok_and(|c| c.split_whitespace().any(|c| c == controller))
+            })
+        } else {
+            self.dirs.iter().any(|(name, _)| *name == controller)
+        }
     }
 
     /// Moves a process (and so its future children) into the cgroup.
@@ -627,6 +639,35 @@ mod tests {
             Hierarchy::from_tables("", "0::/\n"),
             Hierarchy::Unavailable(_)
         ));
+    }
+
+    /// A gateway's cgroup given `memory` and `cpu` but not `pids` (files stand in for the
+    /// cgroup file system): the kernel's cgroup gets the memory and CPU limits, not a failure
+    /// for want of `pids.max`, and says it has no pids controller.
+    #[test]
+    fn v2_limits_only_for_the_controllers_handed_down() {
+        let own = tempfile::tempdir().expect("tempdir");
+        fs::write(own.path().join("cgroup.controllers"), "cpu memory io\n").expect("write");
+        let limits = Limits {
+            memory_bytes: Some(256 << 20),
+            pids: Some(64),
+            cpu_millis: Some(500),
+            ..Limits::default()
+        };
+        let cgroup = create_v2(own.path(), "k.1", &limits).expect("create");
+        let dir = own.path().join(PARENT).join("k.1");
+        let read = |file: &str| fs::read_to_string(dir.join(file)).ok();
+        assert_eq!(read("memory.max").as_deref(), Some("268435456"));
+        assert_eq!(read("cpu.max").as_deref(), Some("50000 100000"));
+        assert_eq!(read("pids.max"), None);
+        assert!(cgroup.memory_limited());
+        assert_eq!(
+            fs::read_to_string(own.path().join("cgroup.subtree_control")).ok(),
+            Some("+memory +cpu".to_owned())
+        );
+        // What the kernel would list in the new cgroup.
+        fs::write(dir.join("cgroup.controllers"), "cpu memory\n").expect("write");
+        assert!(cgroup.has("memory") && cgroup.has("cpu") && !cgroup.has("pids"));
     }
 
     #[test]

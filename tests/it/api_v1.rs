@@ -382,6 +382,76 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
     Ok(())
 }
 
+/// The policy's `pids` and `cpus` hold in the sandbox: a fork loop stops below the pids limit
+/// with EAGAIN and the kernel answers on; a busy loop gets at most half a CPU under
+/// `cpus = 0.5`, measured in the kernel's own CPU time (which a busy machine can only
+/// lower). Also run on a cgroup v2-only host (`cgroup_v2::`).
+#[tokio::test]
+async fn policy_pids_and_cpu_limits_hold() -> Result<()> {
+    if sandbox_backend() == "process" {
+        panic!("this test needs a sandbox with limits; CELLGATE_TEST_SANDBOX=process has none");
+    }
+    let policies = tempfile::tempdir()?;
+    std::fs::write(
+        policies.path().join("default.toml"),
+        "[limits]\npids = 64\n",
+    )?;
+    std::fs::write(policies.path().join("half.toml"), "[limits]\ncpus = 0.5\n")?;
+    let gateway = Gateway::builder()
+        .policies_dir(policies.path().to_owned())
+        .start()
+        .await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1
+        .create_session(json!({}))
+        .await
+        .with_context(|| gateway.log())?;
+    let fork_loop = "import os, errno, time\nkids, err = [], None\n\
+        for _ in range(200):\n\
+        \x20   try:\n\
+        \x20       pid = os.fork()\n\
+        \x20   except OSError as e:\n\
+        \x20       err = e.errno\n\
+        \x20       break\n\
+        \x20   if pid == 0:\n\
+        \x20       time.sleep(60)\n\
+        \x20       os._exit(0)\n\
+        \x20   kids.append(pid)\n\
+        for k in kids:\n\
+        \x20   os.kill(k, 9)\n\
+        \x20   os.waitpid(k, 0)\n\
+        print(len(kids), err == errno.EAGAIN)";
+    let r = v1.execute(&id, fork_loop).await?;
+    let stdout = r["stdout"].as_str().context("stdout")?;
+    let (forked, eagain) = stdout.trim().split_once(' ').context("two words")?;
+    let forked: usize = forked.parse().with_context(|| format!("{r}"))?;
+    assert!(forked < 64, "forked {forked} under a pids limit of 64: {r}");
+    assert_eq!(eagain, "True", "the fork failed with EAGAIN: {r}");
+    assert_eq!(v1.execute(&id, "1 + 1").await?["result"], "2");
+
+    let id = v1
+        .create_session(json!({"policy": "half"}))
+        .await
+        .with_context(|| gateway.log())?;
+    let busy = "import time, json\nwall0, cpu0 = time.monotonic(), time.process_time()\n\
+        while time.monotonic() - wall0 < 3:\n\
+        \x20   pass\n\
+        print(json.dumps([time.monotonic() - wall0, time.process_time() - cpu0]))";
+    let r = v1.execute(&id, busy).await?;
+    let measured: Vec<f64> = serde_json::from_str(r["stdout"].as_str().context("stdout")?)
+        .with_context(|| format!("{r}"))?;
+    let (wall, cpu) = (measured[0], measured[1]);
+    println!("busy loop: {wall:.2} s wall, {cpu:.2} s CPU under a half-CPU limit");
+    // The slack is two CFS periods' quota at the window's edges. Half a CPU rather than
+    // less: the kernel starts under the limit too, which under emulation (`cgroup_v2::`)
+    // costs minutes at a quarter.
+    assert!(
+        cpu <= wall * 0.5 + 0.1,
+        "{cpu} s of CPU in {wall} s wall under cpus = 0.5"
+    );
+    Ok(())
+}
+
 /// The result's stdout is capped (the full stream went out as events); the kernel runs on.
 #[tokio::test]
 async fn large_stdout_is_capped_in_the_result() -> Result<()> {

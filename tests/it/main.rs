@@ -9,6 +9,7 @@ mod api_v1;
 mod api_v1_flow;
 mod artifact_links;
 mod attacks;
+mod cgroup_v2;
 mod clients;
 mod commands;
 mod compat;

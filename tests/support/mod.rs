@@ -150,6 +150,14 @@ impl GatewayBuilder {
         if !self.args.iter().any(|a| a == "--kernel-zygote") {
             command.args(["--kernel-zygote", "false"]);
         }
+        // Under emulation (tests/it/cgroup_v2.rs runs tests in an emulated VM, beside the
+        // rest of the suite) a kernel's start can take longer than the default 60 s: the VM
+        // sets a longer bound, which only fails a start that never ends.
+        if !self.args.iter().any(|a| a == "--start-timeout") {
+            if let Ok(seconds) = std::env::var("CELLGATE_TEST_START_TIMEOUT") {
+                command.args(["--start-timeout", &seconds]);
+            }
+        }
         // Kernels end with their gateway unless a test asks otherwise: hundreds of test
         // gateways are dropped or killed, and their kernels must not pile up on the machine
         // for an orphan's grace (tests/it/adoption.rs asks, with a short grace).
