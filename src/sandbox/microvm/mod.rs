@@ -71,7 +71,7 @@
 //! its generation moved on. Every step has a deadline.
 //!
 //! **Outliving the gateway** (`--kernels-outlive-gateway`, with a state directory;
-//! [`survival`], [`keeper`]). A session's VM keeps running when its gateway stops (SIGTERM:
+//! `survival.rs`, `keeper.rs`). A session's VM keeps running when its gateway stops (SIGTERM:
 //! API v1 sessions' kernels only, as for the other backends) or dies (SIGKILL), and the next
 //! gateway on the same state directory adopts it: the session is live again with its
 //! variables, workspace files and state generation.
@@ -540,6 +540,7 @@ impl Sandbox for MicrovmSandbox {
             generation: record.generation,
             started_ms: record.started_ms,
             hibernated: false,
+            hibernated_bytes: 0,
         })
     }
 
