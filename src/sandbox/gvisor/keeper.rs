@@ -145,6 +145,10 @@ fn run() -> io::Result<()> {
     let grace = Duration::from_millis(plan.grace_ms);
     let mut alone_since: Option<Instant> = None;
     let mut killed = false;
+    // A gateway asked for the end (a restart, a shutdown): what the sandbox leaves behind
+    // is that gateway's to clean, whether or not it is still connected when the container
+    // is gone (its next generation may already use the kernel's directories).
+    let mut told_to_kill = false;
     // What the gateway last said, for a command split across reads.
     let mut heard: Vec<u8> = Vec::new();
     loop {
@@ -200,6 +204,7 @@ fn run() -> io::Result<()> {
                     if heard.windows(4).any(|w| w == b"kill") && !killed {
                         end(&runsc, pid);
                         killed = true;
+                        told_to_kill = true;
                     }
                     let keep = heard.len().saturating_sub(3);
                     heard.drain(..keep);
@@ -226,7 +231,11 @@ fn run() -> io::Result<()> {
         "exited {}",
         serde_json::to_string(&exited).unwrap_or_default()
     ));
-    clean_up(&plan, &runsc, matches!(gateway, Gateway::None));
+    clean_up(
+        &plan,
+        &runsc,
+        matches!(gateway, Gateway::None) && !told_to_kill,
+    );
     Ok(())
 }
 
