@@ -1060,8 +1060,9 @@ mod microvm {
         let port = crate::microvm::test_server("allowed").await?;
         let dir = tempfile::tempdir()?;
         let state = dir.path().join("state");
-        // Long enough for the second gateway to start and adopt the VM on a loaded machine.
-        let grace = "30";
+        // Long enough for the second gateway to start and adopt the VM on a loaded machine
+        // (CI runs the cgroup v2 VM and the main pass beside it).
+        let grace = "60";
         let first = gateway(dir.path(), &state, port, true, grace).await?;
         let client = V1Client::new(&first);
         let id = client

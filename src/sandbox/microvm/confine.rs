@@ -214,6 +214,13 @@ impl Confiner {
 }
 
 impl Confiner {
+    /// Marks the uids of VMs an earlier gateway left running as taken, before this gateway
+    /// gives any VM one: a surviving VM keeps its uid whether or not it is ever adopted (an
+    /// adopted one's is freed when it ends, by its jail).
+    pub(super) fn reserve(&self, uids: &[u32]) {
+        self.identities.reserve(uids);
+    }
+
     /// The confinement of a VM an earlier gateway started (adopted): its cgroup as
     /// recorded, and its uid, which no VM of this gateway is given while it lives. Nothing
     /// is started in it.
@@ -265,6 +272,16 @@ impl Identities {
             }
         }
         Err(ConfineError::NoIdentity)
+    }
+
+    /// Marks the slots of these uids taken (uids outside the range are not ours).
+    fn reserve(&self, uids: &[u32]) {
+        let mut slots = self.0.lock();
+        for &id in uids {
+            if (IDENTITY_BASE..IDENTITY_BASE + IDENTITY_SLOTS).contains(&id) {
+                slots.live.insert(id - IDENTITY_BASE);
+            }
+        }
     }
 
     fn give_back(&self, slot: u32) {
@@ -520,6 +537,16 @@ mod tests {
         identities.give_back(a);
         let live = identities.0.lock().live.clone();
         assert_eq!(live, HashSet::from([b]));
+    }
+
+    #[test]
+    fn a_surviving_vms_uid_is_never_given_again() {
+        let identities = Identities::default();
+        identities.reserve(&[IDENTITY_BASE, IDENTITY_BASE + 1, 1000]);
+        let taken: Vec<u32> = (0..3).map(|_| identities.take().unwrap()).collect();
+        assert_eq!(taken, vec![2, 3, 4]);
+        // The uid outside the range took no slot.
+        assert_eq!(identities.0.lock().live, HashSet::from([0, 1, 2, 3, 4]));
     }
 
     #[test]

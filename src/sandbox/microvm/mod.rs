@@ -390,6 +390,9 @@ impl MicrovmSandbox {
         }
         let confiner = confine::Confiner::new(accel == Accel::Kvm, &shown)
             .map_err(|e| SandboxError::Setup(format!("microvm: {e}")))?;
+        if let Some(kept) = &config.survival {
+            confiner.reserve(&survival::live_uids(kept));
+        }
         let snapshots = config
             .snapshots
             .then(|| open_snapshots(&config, &images, &qemu_binary, accel, &host_cmdline))
@@ -561,7 +564,7 @@ impl Sandbox for MicrovmSandbox {
             hibernations.remove(kernel_id);
         }
         if let Some(kept) = &self.core.config.survival {
-            kept.remove(kernel_id);
+            survival::forget(kept, kernel_id);
         }
     }
 

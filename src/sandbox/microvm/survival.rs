@@ -190,6 +190,12 @@ pub(super) fn sweep(survival: &Survival) {
             continue;
         };
         if let Ok(record) = read(survival, &id) {
+            let keeper_alive = survival::start_time(record.keeper.pid) == Some(record.keeper.start);
+            if record.vmm_alive() && !keeper_alive {
+                // Nothing would end it after its grace: ended now, reported lost.
+                survival::kill_pinned(&record.vmm);
+                survival::wait_gone(&record.vmm, survival::UNCLAIMED_WAIT);
+            }
             if !record.vmm_alive() {
                 survival::kill_pinned(&record.keeper);
                 remove_leftovers(survival, &record);
@@ -311,16 +317,49 @@ pub(super) fn serial_socket(record: &MicrovmRecord) -> PathBuf {
     record.vm_dir.join(link::SERIAL_SOCKET)
 }
 
-/// After a failed adoption: a VM that is gone leaves nothing, and its record goes (one this
-/// gateway could not prove it may hold is left to its keeper's grace).
-pub(super) fn give_up(survival: &Survival, kernel_id: &str) {
+/// Forgets `kernel_id`'s kept VM (which the kernel layer ended or will not restore): its
+/// record and control socket; the whole directory once the kernel's own directories (`k/`)
+/// are gone (a shutdown removes them first). Why not always the whole directory: before a
+/// restart the kernel layer forgets the old sandbox and then starts the next generation in
+/// `k/` (seen: a hibernated kernel's restart failed, its `k/run` gone).
+pub(super) fn forget(survival: &Survival, kernel_id: &str) {
     if let Ok(record) = read(survival, kernel_id) {
-        if !record.vmm_alive() {
-            survival::kill_pinned(&record.keeper);
-            remove_leftovers(survival, &record);
+        survival.remove_record(kernel_id, record.generation);
+    }
+    if let Some(dir) = survival.kernel_dir(kernel_id) {
+        if !dir.join(KERNEL_DIR).exists() {
+            survival.remove(kernel_id);
         }
     }
+}
+
+/// After a failed adoption: the VM is ended (keeper first, each pinned) and leaves nothing,
+/// and its record goes. Why not leave a live one to its keeper's grace: with its record gone
+/// nothing would end it if its keeper is gone too, and a keeper ending it later would
+/// remove the kernel's directories that its session's next generation uses by then.
+pub(super) fn give_up(survival: &Survival, kernel_id: &str) {
+    if let Ok(record) = read(survival, kernel_id) {
+        survival::kill_pinned(&record.keeper);
+        survival::kill_pinned(&record.vmm);
+        survival::wait_gone(&record.vmm, survival::UNCLAIMED_WAIT);
+        remove_leftovers(survival, &record);
+    }
     survival.remove(kernel_id);
+}
+
+/// The uids of the recorded VMMs that still run, which no new VM may be given (a VM of
+/// this gateway sharing a surviving VM's uid could signal, trace or read it).
+pub(super) fn live_uids(survival: &Survival) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir(&survival.dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str().map(str::to_owned))
+        .filter_map(|id| read(survival, &id).ok())
+        .filter(MicrovmRecord::vmm_alive)
+        .filter_map(|record| record.uid)
+        .collect()
 }
 
 impl super::Core {
