@@ -479,7 +479,6 @@ pub fn start_time(pid: i32) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
-/// Milliseconds since the Unix epoch.
 /// How long an unclaimed sandbox's processes may take to end once killed.
 pub const UNCLAIMED_WAIT: Duration = Duration::from_secs(5);
 
@@ -504,6 +503,7 @@ pub fn wait_gone(process: &Proc, timeout: Duration) {
     }
 }
 
+/// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
