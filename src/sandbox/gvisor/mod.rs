@@ -263,7 +263,7 @@ impl GvisorSandbox {
             sweep_cgroups();
         }
         if let Some(kept) = &config.survival {
-            if survival::paths_fit(kept) {
+            if kept.kept_paths_fit() {
                 survival::sweep(kept, config.command_timeout);
             } else {
                 tracing::warn!(dir = %kept.dir.display(), "gVisor kernels end with the gateway: their socket paths below this state directory would be too long for a unix socket (choose a shorter --state-dir)");
@@ -565,7 +565,7 @@ impl Sandbox for GvisorSandbox {
     }
 
     fn kernel_dir(&self, kernel_id: &str) -> Option<PathBuf> {
-        survival::kernel_dir(self.config.survival.as_ref()?, kernel_id)
+        self.config.survival.as_ref()?.kept_kernel_dir(kernel_id)
     }
 
     fn end_unclaimed(&self, claimed: &dyn Fn(&str) -> bool) -> usize {

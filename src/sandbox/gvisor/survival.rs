@@ -39,12 +39,6 @@ use crate::sandbox::{ExitCause, ExitReason, ExitReport, LaunchSpec, Launched, Sa
 
 /// What tells a gVisor record from a namespaces sandbox's.
 const BACKEND: &str = "gvisor";
-/// The kernel's directories below its survival directory: short, because the kernel's
-/// `ipc://` socket paths below it must stay under the 108-byte limit of a unix socket.
-const KERNEL_DIR: &str = "k";
-/// The longest path of a kernel's ipc socket below its kernel directory
-/// (`run/g<generation>-<8 hex>/k-<port>`, with a generous generation).
-const SOCKET_SUFFIX: &str = "run/g999999-00000000/k-5";
 
 /// A surviving gVisor sandbox, as the gateway that started it wrote it down.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -99,28 +93,6 @@ pub(super) fn read(survival: &Survival, kernel_id: &str) -> Result<GvisorRecord,
         )));
     }
     Ok(record)
-}
-
-/// Whether kernels' socket paths below `survival`'s directory fit a unix socket address.
-pub(super) fn paths_fit(survival: &Survival) -> bool {
-    let longest = survival
-        .dir
-        .join("00000000-0000-0000-0000-000000000000")
-        .join(KERNEL_DIR)
-        .join(SOCKET_SUFFIX);
-    longest.as_os_str().len() < 108
-}
-
-/// Where `kernel_id`'s directories go (made, 0700, up to their parent).
-pub(super) fn kernel_dir(survival: &Survival, kernel_id: &str) -> Option<PathBuf> {
-    let dir = survival.kernel_dir(kernel_id)?;
-    match Survival::make_dir(&dir) {
-        Ok(()) => Some(dir.join(KERNEL_DIR)),
-        Err(err) => {
-            tracing::warn!(kernel_id, %err, "cannot make the kernel's survival directory: its directories go below the runtime directory");
-            None
-        }
-    }
 }
 
 /// Forgets the sandbox of `kernel_id`'s `generation`, which ended: its control socket and
@@ -630,8 +602,8 @@ mod tests {
             dir: PathBuf::from(dir),
             grace: Duration::from_secs(1),
         };
-        assert!(paths_fit(&kept("/var/lib/cellgate/state/sandboxes")));
-        assert!(!paths_fit(&kept(&format!("/{}/sandboxes", "x".repeat(60)))));
+        assert!(kept("/var/lib/cellgate/state/sandboxes").kept_paths_fit());
+        assert!(!kept(&format!("/{}/sandboxes", "x".repeat(60))).kept_paths_fit());
     }
 
     #[test]

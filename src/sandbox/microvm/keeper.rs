@@ -90,7 +90,7 @@ impl Gateway {
 fn run() -> io::Result<()> {
     // SAFETY: signal(2) with SIG_IGN: a write to a gone gateway must fail with EPIPE.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-    let plan: KeeperPlan = serde_json::from_slice(&read_line(0)?)
+    let plan: KeeperPlan = serde_json::from_slice(&survival::read_plan_line(0)?)
         .map_err(|err| io::Error::other(format!("the plan: {err}")))?;
     // SAFETY: the gateway put the listening socket at CONTROL_FD for this process.
     let control = unsafe { UnixListener::from_raw_fd(CONTROL_FD) };
@@ -131,9 +131,9 @@ fn run() -> io::Result<()> {
             None => -1,
         };
         let mut fds = [
-            poll_fd(pidfd.as_raw_fd()),
-            poll_fd(control.as_raw_fd()),
-            poll_fd(gateway.read_fd()),
+            survival::poll_in(pidfd.as_raw_fd()),
+            survival::poll_in(control.as_raw_fd()),
+            survival::poll_in(gateway.read_fd()),
         ];
         // SAFETY: a valid array of pollfd of the given length.
         let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
@@ -189,33 +189,5 @@ fn clean_up(plan: &KeeperPlan) {
     }
     for path in &plan.orphan_leftovers {
         let _ = std::fs::remove_dir_all(path).or_else(|_| std::fs::remove_file(path));
-    }
-}
-
-/// One line from `fd`, read byte by byte so that nothing after it is consumed.
-fn read_line(fd: RawFd) -> io::Result<Vec<u8>> {
-    // SAFETY: `fd` is the keeper's stdin; ManuallyDrop keeps it open.
-    let mut file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    loop {
-        match file.read(&mut byte) {
-            Ok(0) => return Err(io::Error::other("the plan ended early")),
-            Ok(_) if byte[0] == b'\n' => return Ok(line),
-            Ok(_) => line.push(byte[0]),
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-            Err(err) => return Err(err),
-        }
-        if line.len() > 1 << 20 {
-            return Err(io::Error::other("the plan is too long"));
-        }
-    }
-}
-
-fn poll_fd(fd: RawFd) -> libc::pollfd {
-    libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
     }
 }

@@ -317,7 +317,7 @@ impl MicrovmSandbox {
     /// a tokio runtime (the spawner thread registers children with it).
     pub fn new(mut config: MicrovmConfig) -> Result<MicrovmSandbox, SandboxError> {
         if let Some(kept) = &config.survival {
-            if survival::paths_fit(kept) {
+            if kept.kept_paths_fit() {
                 survival::sweep(kept);
             } else {
                 tracing::warn!(dir = %kept.dir.display(), "microVM kernels end with the gateway: their socket paths below this state directory would be too long for a unix socket (choose a shorter --state-dir)");
@@ -548,7 +548,11 @@ impl Sandbox for MicrovmSandbox {
     }
 
     fn kernel_dir(&self, kernel_id: &str) -> Option<PathBuf> {
-        survival::kernel_dir(self.core.config.survival.as_ref()?, kernel_id)
+        self.core
+            .config
+            .survival
+            .as_ref()?
+            .kept_kernel_dir(kernel_id)
     }
 
     fn end_unclaimed(&self, claimed: &dyn Fn(&str) -> bool) -> usize {

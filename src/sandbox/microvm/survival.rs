@@ -31,13 +31,11 @@ use crate::sandbox::{LaunchSpec, Launched};
 
 /// What tells a microVM record from the other backends'.
 const BACKEND: &str = "microvm";
-/// The kernel's directories below its survival directory (short: socket paths below).
-const KERNEL_DIR: &str = "k";
-/// The longest socket path below the kernel directory that must be bound by its full name:
-/// a kernel channel's, which the gateway listens on (`run/g<generation>-<8 hex>/k-<port>`,
-/// with a generous generation). The VM's own sockets there, a few bytes longer, are bound
-/// by QEMU by a relative name and reached through their directory (`link::connect_unix`).
-const SOCKET_SUFFIX: &str = "run/g999999-00000000/k-5";
+/// The kernel's directories below its survival directory. The VM's own sockets there are
+/// a few bytes longer than the kernel channels' that `Survival::kept_paths_fit` measures:
+/// QEMU binds them by a relative name, and they are reached through their directory
+/// (`link::connect_unix`).
+use survival::KEPT_KERNEL_DIR as KERNEL_DIR;
 /// How long the keeper may take to say it holds the VMM.
 const KEEPER_START: Duration = Duration::from_secs(10);
 
@@ -113,28 +111,6 @@ pub(super) fn read(survival: &Survival, kernel_id: &str) -> Result<MicrovmRecord
         )));
     }
     Ok(record)
-}
-
-/// Whether the VMs' socket paths below `survival`'s directory fit a unix socket address.
-pub(super) fn paths_fit(survival: &Survival) -> bool {
-    let longest = survival
-        .dir
-        .join("00000000-0000-0000-0000-000000000000")
-        .join(KERNEL_DIR)
-        .join(SOCKET_SUFFIX);
-    longest.as_os_str().len() < 108
-}
-
-/// Where `kernel_id`'s directories go (made, 0700, up to their parent).
-pub(super) fn kernel_dir(survival: &Survival, kernel_id: &str) -> Option<PathBuf> {
-    let dir = survival.kernel_dir(kernel_id)?;
-    match Survival::make_dir(&dir) {
-        Ok(()) => Some(dir.join(KERNEL_DIR)),
-        Err(err) => {
-            tracing::warn!(kernel_id, %err, "cannot make the VM's survival directory: its directories go below the runtime directory");
-            None
-        }
-    }
 }
 
 /// What a VM whose VMM is gone may have left (its keeper killed too, or it ended while no
@@ -605,9 +581,9 @@ mod tests {
             dir: PathBuf::from(dir),
             grace: Duration::from_secs(1),
         };
-        assert!(paths_fit(&kept("/var/lib/cellgate/state/sandboxes")));
-        assert!(paths_fit(&kept("/root/.local/state/cellgate/sandboxes")));
-        assert!(!paths_fit(&kept(&format!("/{}/sandboxes", "x".repeat(40)))));
+        assert!(kept("/var/lib/cellgate/state/sandboxes").kept_paths_fit());
+        assert!(kept("/root/.local/state/cellgate/sandboxes").kept_paths_fit());
+        assert!(!kept(&format!("/{}/sandboxes", "x".repeat(40))).kept_paths_fit());
     }
 
     #[test]

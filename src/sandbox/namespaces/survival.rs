@@ -503,6 +503,72 @@ pub fn wait_gone(process: &Proc, timeout: Duration) {
     }
 }
 
+/// A kept kernel's own directories below its survival directory (gVisor and microVM): short,
+/// because the kernel's `ipc://` socket paths below it must stay under the 108-byte limit
+/// of a unix socket address.
+pub const KEPT_KERNEL_DIR: &str = "k";
+/// The longest socket path below a kept kernel's directory that must be bound by its full
+/// name: a kernel channel's, which the gateway listens on (`run/g<generation>-<8 hex>/
+/// k-<port>`, with a generous generation).
+const KEPT_SOCKET_SUFFIX: &str = "run/g999999-00000000/k-5";
+
+impl Survival {
+    /// Whether kept kernels' socket paths below this directory fit a unix socket address.
+    pub fn kept_paths_fit(&self) -> bool {
+        let longest = self
+            .dir
+            .join("00000000-0000-0000-0000-000000000000")
+            .join(KEPT_KERNEL_DIR)
+            .join(KEPT_SOCKET_SUFFIX);
+        longest.as_os_str().len() < 108
+    }
+
+    /// Where `kernel_id`'s kept directories go (its survival directory made, 0700, up to
+    /// its parent); `None`, said in the log, when it cannot be made.
+    pub fn kept_kernel_dir(&self, kernel_id: &str) -> Option<PathBuf> {
+        let dir = self.kernel_dir(kernel_id)?;
+        match Survival::make_dir(&dir) {
+            Ok(()) => Some(dir.join(KEPT_KERNEL_DIR)),
+            Err(err) => {
+                tracing::warn!(kernel_id, %err, "cannot make the kernel's survival directory: its directories go below the runtime directory");
+                None
+            }
+        }
+    }
+}
+
+/// A keeper's read of its plan: one line from `fd` (its stdin), read byte by byte so that
+/// nothing after it is consumed.
+#[allow(unsafe_code)] // the stdin descriptor borrowed, not closed
+pub fn read_plan_line(fd: std::os::fd::RawFd) -> io::Result<Vec<u8>> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: `fd` is the keeper's stdin; ManuallyDrop keeps it open.
+    let mut file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        match file.read(&mut byte) {
+            Ok(0) => return Err(io::Error::other("the plan ended early")),
+            Ok(_) if byte[0] == b'\n' => return Ok(line),
+            Ok(_) => line.push(byte[0]),
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(err) => return Err(err),
+        }
+        if line.len() > 1 << 20 {
+            return Err(io::Error::other("the plan is too long"));
+        }
+    }
+}
+
+/// A `poll(2)` entry waiting for `fd` to be readable.
+pub fn poll_in(fd: std::os::fd::RawFd) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
