@@ -153,8 +153,17 @@ async fn survives(zygote: bool, sigterm: bool) -> Result<()> {
         .request(Method::GET, &format!("/v1/sessions/{id}/files/kept.txt"))
         .send()
         .await?;
-    assert_eq!(file.status().as_u16(), 200);
-    assert_eq!(file.bytes().await?.as_ref(), b"still here");
+    // Seen once on CI (a forked kernel, after SIGKILL): 404 here, while `x` was there; not
+    // reproduced in a dozen runs. The body and the kernel's pids say which 404 it was.
+    let status = file.status().as_u16();
+    let body = file.bytes().await?;
+    assert_eq!(
+        (status, body.as_ref()),
+        (200, b"still here".as_ref()),
+        "{}; record before {kept}, now {}",
+        String::from_utf8_lossy(&body),
+        record(&state, &id)?
+    );
     let image = client.artifact(&png).await?;
     assert_eq!(image.status().as_u16(), 200);
     assert!(image.bytes().await?.starts_with(b"\x89PNG"));
