@@ -370,10 +370,10 @@ pub struct AuthArgs {
     /// `quota_exceeded` (config file: `[tenants] concurrent_sessions`) [default: unlimited].
     #[arg(long, env = "CELLGATE_TENANT_CONCURRENT_SESSIONS")]
     pub tenant_concurrent_sessions: Option<usize>,
-    /// Bytes of hibernated sessions a tenant may keep on disk: a save past it is not made,
-    /// the session stays running (config file: `[tenants] hibernated_storage`)
-    /// [default: unlimited].
-    #[arg(long, env = "CELLGATE_TENANT_HIBERNATED_STORAGE")]
+    /// Hibernated sessions' bytes a tenant may keep on disk (`4GiB`, or a number of bytes):
+    /// a save past it is not made, the session stays running (config file: `[tenants]
+    /// hibernated_storage`) [default: unlimited].
+    #[arg(long, env = "CELLGATE_TENANT_HIBERNATED_STORAGE", value_parser = crate::units::parse_size_or_bytes)]
     pub tenant_hibernated_storage: Option<u64>,
     /// Policies from least to most permissive, comma separated: a tenant capped at P may
     /// use P and those before it (config file: `[tenants] policy_order`) [default: only P].
@@ -1449,10 +1449,7 @@ mod tests {
             ("tenant_burst", "burst = 5"),
             ("tenant_cpu_seconds_per_day", "cpu_seconds_per_day = 3600"),
             ("tenant_concurrent_sessions", "concurrent_sessions = 4"),
-            (
-                "tenant_hibernated_storage",
-                "hibernated_storage = 1073741824",
-            ),
+            ("tenant_hibernated_storage", "hibernated_storage = \"1GiB\""),
             ("policy_order", "policy_order = [\"strict\", \"default\"]"),
         ];
         let command = ServeArgs::augment_args(clap::Command::new("serve"));

@@ -40,9 +40,10 @@ pub struct DoctorOptions {
     pub microvm: crate::sandbox::MicrovmConfig,
     /// Whether the configuration forks namespaces kernels from a zygote.
     pub kernel_zygote: bool,
-    /// Whether kernels outlive the gateway (`--kernels-outlive-gateway` with a state
-    /// directory): each backend's section says whether its kernels are kept.
-    pub kernels_outlive_gateway: bool,
+    /// Where kept kernels would be recorded (`--kernels-outlive-gateway` with a state
+    /// directory; `None`: they end with the gateway): each backend's section says whether
+    /// its kernels are kept.
+    pub survival: Option<crate::sandbox::Survival>,
 }
 
 use crate::sandbox::diagnosis::{euid, read_trim, run_command, run_command_with};
@@ -144,7 +145,7 @@ pub async fn run(options: &DoctorOptions) -> Report {
     for section in &mut backends {
         section.facts.insert(
             "kernels_outlive_gateway".to_owned(),
-            json!(outlives(&section.name, options.kernels_outlive_gateway)),
+            json!(outlives(&section.name, options.survival.as_ref())),
         );
     }
     let mut setup = vec![kernels_section(&options.kernels_dir).await];
@@ -166,16 +167,21 @@ pub async fn run(options: &DoctorOptions) -> Report {
     }
 }
 
-/// Whether `backend`'s kernels outlive a gateway that stops or dies, as configured.
-fn outlives(backend: &str, configured: bool) -> &'static str {
-    match backend {
-        "namespaces" | "gvisor" | "microvm" if configured => {
+/// Whether `backend`'s kernels outlive a gateway that stops or dies, as configured (and as
+/// `serve` decides: gVisor's and microVMs' kept sockets must fit a unix socket's address
+/// below the state directory).
+fn outlives(backend: &str, survival: Option<&crate::sandbox::Survival>) -> &'static str {
+    match (backend, survival) {
+        ("gvisor" | "microvm", Some(kept)) if !kept.kept_paths_fit() => {
+            "no: the state directory's path is too long for their sockets' addresses (choose a shorter --state-dir)"
+        }
+        ("namespaces" | "gvisor" | "microvm", Some(_)) => {
             "yes: the next gateway on this state directory adopts them"
         }
-        "namespaces" | "gvisor" | "microvm" => {
+        ("namespaces" | "gvisor" | "microvm", None) => {
             "no: they end with the gateway (--kernels-outlive-gateway false, or no state directory)"
         }
-        "kubernetes" => "with --replica-url: the other replicas take them over",
+        ("kubernetes", _) => "with --replica-url: the other replicas take them over",
         _ => "no: they end with the gateway (their sessions come back dormant)",
     }
 }

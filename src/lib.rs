@@ -39,4 +39,5 @@ pub mod store;
 pub mod telemetry;
 pub mod tenants;
 pub mod timestamp;
+pub mod units;
 pub mod workspace;

@@ -211,7 +211,14 @@ fn doctor_options(args: DoctorArgs) -> anyhow::Result<cellgate::doctor::DoctorOp
         probe: !args.no_probe,
         microvm: config.microvm,
         kernel_zygote: config.kernel_zygote,
-        kernels_outlive_gateway: config.kernels_outlive_gateway && config.state_dir.is_some(),
+        survival: config
+            .state_dir
+            .as_ref()
+            .filter(|_| config.kernels_outlive_gateway)
+            .map(|dir| cellgate::sandbox::Survival {
+                dir: dir.join("sandboxes"),
+                grace: config.orphan_grace,
+            }),
         package_source: Some(match config.wheelhouse {
             Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
             None => cellgate::egress::packages::Source::Upstream(config.package_index),

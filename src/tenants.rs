@@ -73,7 +73,9 @@ pub struct TenantSettings {
     pub cpu_seconds_per_day: Option<u64>,
     /// Sessions (kernels) per tenant at once, as a quota (429); unlimited when unset.
     pub concurrent_sessions: Option<usize>,
-    /// Bytes of hibernated sessions per tenant; unlimited when unset.
+    /// Bytes of hibernated sessions per tenant (`1073741824` or `1GiB`); unlimited when
+    /// unset.
+    #[serde(default, with = "crate::units::serde_size_or_bytes")]
     pub hibernated_storage: Option<u64>,
     /// Per-tenant overrides of the limits above.
     #[serde(default)]
@@ -90,6 +92,7 @@ pub struct TenantLimits {
     pub burst: Option<u32>,
     pub cpu_seconds_per_day: Option<u64>,
     pub concurrent_sessions: Option<usize>,
+    #[serde(default, with = "crate::units::serde_size_or_bytes")]
     pub hibernated_storage: Option<u64>,
 }
 
@@ -311,9 +314,9 @@ mod tests {
 
     #[test]
     fn hibernated_storage_has_a_default_and_overrides() {
-        let t = tenants("hibernated_storage = 1000\n[limits.big]\nhibernated_storage = 5000\n");
+        let t = tenants("hibernated_storage = 1000\n[limits.big]\nhibernated_storage = \"5KiB\"\n");
         assert_eq!(t.hibernated_storage("anyone"), Some(1000));
-        assert_eq!(t.hibernated_storage("big"), Some(5000));
+        assert_eq!(t.hibernated_storage("big"), Some(5 << 10));
         assert_eq!(tenants("").hibernated_storage("anyone"), None);
     }
 

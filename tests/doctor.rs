@@ -237,4 +237,20 @@ fn it_says_which_backends_keep_their_kernels() {
     for name in ["namespaces", "gvisor", "microvm"] {
         assert!(kept(&report, name).starts_with("no"), "{report:#}");
     }
+    // A state directory whose kept sockets' paths would not fit a socket address: `serve`
+    // keeps namespaces kernels only, and doctor says so.
+    let long = dir.path().join("x".repeat(60)).join("state");
+    std::fs::write(
+        &config,
+        format!("state_dir = {:?}\n", long.to_str().expect("path")),
+    )
+    .expect("write config");
+    let (_, report) = doctor(&["--config", config.to_str().expect("path"), "--no-probe"]);
+    assert!(kept(&report, "namespaces").starts_with("yes"), "{report:#}");
+    for name in ["gvisor", "microvm"] {
+        assert!(
+            kept(&report, name).contains("too long"),
+            "{name}: {report:#}"
+        );
+    }
 }

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 /// Lowest first. A module may use the modules of the layers before its own, never its own
 /// layer's or a later one's.
 const LAYERS: &[&[&str]] = &[
+    // Quantities as people write them (sizes, durations), read by settings of every layer.
+    &["units"],
     // Plain values and formats.
     &[
         "protocol",

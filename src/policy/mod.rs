@@ -13,7 +13,7 @@ pub mod access;
 pub mod denial;
 pub mod environment;
 pub mod npm;
-pub mod units;
+pub use crate::units;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -203,6 +203,23 @@ pub(super) async fn connect_unix(path: &Path) -> std::io::Result<tokio::net::Uni
     tokio::net::UnixStream::connect(short).await
 }
 
+/// Whose listening socket a connection reached: `Err` with what was found unless the peer
+/// is the process `pid`. For sockets in a directory a VMM (and so a guest that took it over)
+/// can write: a link planted in place of QEMU's socket could point the gateway at any
+/// socket it may reach (another VM's, a host daemon's), and nothing is sent before this
+/// check passes.
+pub(super) fn check_peer(stream: &tokio::net::UnixStream, pid: u32) -> Result<(), String> {
+    let cred = rustix::net::sockopt::socket_peercred(stream)
+        .map_err(|e| format!("its peer's credentials: {e}"))?;
+    let peer = cred.pid.as_raw_nonzero().get();
+    if u32::try_from(peer).ok() != Some(pid) {
+        return Err(format!(
+            "not this VM's VMM's socket (its peer is pid {peer}, the VMM {pid})"
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,5 +243,24 @@ mod tests {
         .unwrap();
         assert!(tokio::net::UnixStream::connect(&path).await.is_err());
         assert!(connect_unix(&path).await.is_ok());
+    }
+
+    /// A socket whose listener is another process than the VMM is refused: what a link
+    /// planted in place of QEMU's socket leads to.
+    #[tokio::test]
+    async fn only_the_vmms_own_socket_passes_the_peer_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let _listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let stream = connect_unix(&path).await.unwrap();
+        assert!(check_peer(&stream, std::process::id()).is_ok());
+        let mut other = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let err = check_peer(&stream, other.id()).unwrap_err();
+        other.kill().unwrap();
+        other.wait().unwrap();
+        assert!(err.contains("not this VM's VMM's socket"), "{err}");
     }
 }

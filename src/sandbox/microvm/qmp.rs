@@ -69,15 +69,8 @@ impl Qmp {
             }
         };
         if let Some(vmm_pid) = peer {
-            let cred = rustix::net::sockopt::socket_peercred(&stream)
-                .map_err(|e| failed(format!("{}: its peer: {e}", path.display())))?;
-            if cred.pid.as_raw_nonzero().get() as u32 != vmm_pid {
-                return Err(failed(format!(
-                    "{} is not this VM's VMM's socket (its peer is pid {})",
-                    path.display(),
-                    cred.pid.as_raw_nonzero()
-                )));
-            }
+            super::link::check_peer(&stream, vmm_pid)
+                .map_err(|e| failed(format!("{}: {e}", path.display())))?;
         }
         let (reader, writer) = stream.into_split();
         let mut qmp = Qmp {

@@ -484,6 +484,10 @@ impl super::Core {
         let io = link::connect_unix(&socket)
             .await
             .map_err(|e| MicrovmError::Start(format!("{}: {e}", socket.display())))?;
+        // The VM's directory is the VMM's to write: the socket must be the recorded QEMU's.
+        let vmm_pid = u32::try_from(record.vmm.pid).unwrap_or(0);
+        link::check_peer(&io, vmm_pid)
+            .map_err(|e| MicrovmError::Start(format!("{}: {e}", socket.display())))?;
         let agent = crate::sandbox::agent::Agent::connect(
             io,
             spec.egress_socket.clone(),

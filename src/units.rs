@@ -1,5 +1,5 @@
-//! Human-readable quantities in policy files: sizes (`512MiB`, `1GiB`, `1500000B`) and durations
-//! (`300s`, `30m`, `12h`, `1h30m`).
+//! Human-readable quantities in policy files and settings: sizes (`512MiB`, `1GiB`,
+//! `1500000B`) and durations (`300s`, `30m`, `12h`, `1h30m`).
 //!
 //! Written here rather than taken from a crate so that policies accept exactly one spelling
 //! per unit (binary sizes only: a policy saying `1GB` is ambiguous and refused) and errors
@@ -89,6 +89,40 @@ pub mod serde_size {
     }
 }
 
+/// Parses a size as [`parse_size`] does, or a plain whole number of bytes: for settings that
+/// took bytes before they took units (a tenant's `hibernated_storage`). Policies keep
+/// refusing a bare number.
+pub fn parse_size_or_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        return text.parse().map_err(|_| format!("{text:?} is too large"));
+    }
+    parse_size(text)
+}
+
+/// Serde adapter (`#[serde(with = …)]`) for an optional size written as text or as a whole
+/// number of bytes, read by [`parse_size_or_bytes`].
+pub mod serde_size_or_bytes {
+    use serde::{Deserialize, Deserializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Bytes(u64),
+        Text(String),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        Ok(match Option::<Written>::deserialize(d)? {
+            None => None,
+            Some(Written::Bytes(bytes)) => Some(bytes),
+            Some(Written::Text(text)) => {
+                Some(super::parse_size_or_bytes(&text).map_err(serde::de::Error::custom)?)
+            }
+        })
+    }
+}
+
 /// Serde adapter (`#[serde(with = …)]`) for an optional duration written as text, read by
 /// [`parse_duration`].
 pub mod serde_duration {
@@ -105,6 +139,17 @@ pub mod serde_duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_or_bytes() {
+        assert_eq!(parse_size_or_bytes("1024"), Ok(1024));
+        assert_eq!(parse_size_or_bytes(" 2GiB "), Ok(2 << 30));
+        assert!(parse_size_or_bytes("1GB").unwrap_err().contains("GiB"));
+        assert!(parse_size_or_bytes("").is_err());
+        assert!(parse_size_or_bytes("99999999999999999999")
+            .unwrap_err()
+            .contains("too large"));
+    }
 
     #[test]
     fn sizes() {
