@@ -48,7 +48,7 @@ impl Sessions {
             return Route::Here;
         }
         if self.kernels.get(kernel_id).is_some() {
-            if self.taking_over.lock().contains(kernel_id) {
+            if self.taking_over.lock().contains_key(kernel_id) {
                 // Attached but not ready or without its session yet: a 404 now would be a
                 // lie the client cannot retry past.
                 return Route::Moving("the kernel is being taken over; try again");
@@ -154,7 +154,11 @@ struct TakingOver<'a> {
 
 impl<'a> TakingOver<'a> {
     fn begin(sessions: &'a Sessions, kernel_id: &str) -> TakingOver<'a> {
-        sessions.taking_over.lock().insert(kernel_id.to_owned());
+        *sessions
+            .taking_over
+            .lock()
+            .entry(kernel_id.to_owned())
+            .or_default() += 1;
         TakingOver {
             sessions,
             kernel_id: kernel_id.to_owned(),
@@ -164,6 +168,14 @@ impl<'a> TakingOver<'a> {
 
 impl Drop for TakingOver<'_> {
     fn drop(&mut self) {
-        self.sessions.taking_over.lock().remove(&self.kernel_id);
+        // Counted, not a set: of two overlapping take-overs of one kernel, the first to end
+        // must not unmark the other's.
+        let mut taking_over = self.sessions.taking_over.lock();
+        if let Some(count) = taking_over.get_mut(&self.kernel_id) {
+            *count -= 1;
+            if *count == 0 {
+                taking_over.remove(&self.kernel_id);
+            }
+        }
     }
 }

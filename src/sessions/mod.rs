@@ -607,7 +607,8 @@ pub struct Sessions {
     closing: std::sync::atomic::AtomicBool,
     /// Kernels being taken over from a replica that is gone: held here already, their
     /// session not given yet (requests for them are told to retry, not answered 404).
-    taking_over: Mutex<std::collections::HashSet<String>>,
+    /// How many take-overs of each are under way.
+    taking_over: Mutex<HashMap<String, usize>>,
 }
 
 impl Sessions {
@@ -634,7 +635,7 @@ impl Sessions {
             store,
             dormant: RwLock::new(HashMap::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
-            taking_over: Mutex::new(std::collections::HashSet::new()),
+            taking_over: Mutex::new(HashMap::new()),
         })
     }
 
