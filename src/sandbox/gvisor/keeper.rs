@@ -185,6 +185,12 @@ fn run() -> io::Result<()> {
             }
             return Err(err);
         }
+        // The container's end first: a gateway that let go in the same wake-up (a restart's
+        // kill, then its connection closed) is still the one that cleans up, so the sandbox
+        // is not taken for an orphan's and `k/`, which its next generation may use, stays.
+        if fds[0].revents != 0 {
+            break;
+        }
         if fds[2].revents != 0 {
             let mut buf = [0u8; 256];
             let read = match &gateway {
@@ -219,9 +225,6 @@ fn run() -> io::Result<()> {
                     heard.clear();
                 }
             }
-        }
-        if fds[0].revents != 0 {
-            break;
         }
     }
     let status = child.wait()?;
