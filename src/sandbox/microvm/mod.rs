@@ -989,7 +989,7 @@ impl Core {
             "microvm: VM started");
         let keeps_control = saver.is_some();
         let kept = match kept {
-            Some(survival) => match self.keep(spec, survival, pid, &jail).await {
+            Some(survival) => match self.keep(spec, survival, pid, &jail, size).await {
                 Ok(kept) => Some(kept),
                 Err(error) => {
                     let _ = child.start_kill();

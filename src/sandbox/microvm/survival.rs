@@ -39,6 +39,12 @@ use survival::KEPT_KERNEL_DIR as KERNEL_DIR;
 /// How long the keeper may take to say it holds the VMM.
 const KEEPER_START: Duration = Duration::from_secs(10);
 
+/// The keeper of a record written between the VMM's start and its keeper's: none. A gateway
+/// killed in that window leaves a VM nothing would end; the next one's sweep finds it by
+/// this record (a live VMM without a live keeper) and ends it. No process has pid 0, so
+/// nothing is ever signalled through it.
+pub(super) const NO_KEEPER: Proc = Proc { pid: 0, start: 0 };
+
 /// A microVM that outlives its gateway, as the gateway that started it wrote it down.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct MicrovmRecord {
@@ -49,7 +55,8 @@ pub(super) struct MicrovmRecord {
     pub(super) key: String,
     /// QEMU, pinned by its start time.
     pub(super) vmm: Proc,
-    /// The process that ends the VM when no gateway holds it.
+    /// The process that ends the VM when no gateway holds it; [`NO_KEEPER`] in the record
+    /// written before the keeper starts.
     pub(super) keeper: Proc,
     /// The VM's runtime directory (the VMM's working directory).
     pub(super) vm_dir: PathBuf,
@@ -166,7 +173,8 @@ pub(super) fn sweep(survival: &Survival) {
             continue;
         };
         if let Ok(record) = read(survival, &id) {
-            let keeper_alive = survival::start_time(record.keeper.pid) == Some(record.keeper.start);
+            let keeper_alive = record.keeper != NO_KEEPER
+                && survival::start_time(record.keeper.pid) == Some(record.keeper.start);
             if record.vmm_alive() && !keeper_alive {
                 // Nothing would end it after its grace: ended now, reported lost.
                 survival::kill_pinned(&record.vmm);
@@ -347,6 +355,7 @@ impl super::Core {
         survival: &Survival,
         pid: u32,
         jail: &Jail,
+        size: VmSize,
     ) -> Result<Kept, MicrovmError> {
         let vmm = i32::try_from(pid)
             .ok()
@@ -356,7 +365,22 @@ impl super::Core {
             .kernel_dir(&spec.kernel_id)
             .map(|dir| dir.join(KERNEL_DIR))
             .ok_or_else(|| MicrovmError::Start("not a kernel id".to_owned()))?;
-        let (pipe, keeper) = start_keeper(
+        // Recorded before the keeper starts (see NO_KEEPER): QEMU has no parent-death
+        // signal, so from here on only a record lets a next gateway find it.
+        let provisional = MicrovmRecord::new(
+            spec,
+            vmm,
+            NO_KEEPER,
+            jail.uid(),
+            jail.cgroup_parts(),
+            size,
+            kernel_dir.clone(),
+            survival::now_ms(),
+        );
+        survival
+            .write_record(&spec.kernel_id, &provisional)
+            .map_err(|e| MicrovmError::Start(format!("the VM's record: {e}")))?;
+        let started = start_keeper(
             &self.spawner,
             survival,
             spec,
@@ -364,7 +388,15 @@ impl super::Core {
             jail.cgroup_parts(),
             &kernel_dir,
         )
-        .await?;
+        .await;
+        let (pipe, keeper) = match started {
+            Ok(started) => started,
+            Err(error) => {
+                // The caller ends the VMM.
+                survival.remove(&spec.kernel_id);
+                return Err(error);
+            }
+        };
         Ok(Kept {
             keeper: parking_lot::Mutex::new(Some(KeeperLink::Pipe(pipe))),
             keeper_proc: keeper,
@@ -609,5 +641,43 @@ mod tests {
             read(&survival, "k2"),
             Err(SurvivalError::NoRecord)
         ));
+    }
+
+    /// A gateway killed between starting QEMU and its keeper left only the record written
+    /// before the keeper: the next gateway's sweep ends that VMM (a `sleep` stands in for
+    /// QEMU) and removes what it left; the record stays, for the session to be reported lost.
+    #[test]
+    fn a_vm_recorded_before_its_keeper_started_is_ended_by_the_sweep() {
+        use std::os::unix::process::ExitStatusExt;
+        let dir = tempfile::tempdir().unwrap();
+        let survival = Survival {
+            dir: dir.path().join("sandboxes"),
+            grace: Duration::from_secs(1),
+        };
+        let mut vmm = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(vmm.id()).unwrap();
+        let kernel_dir = dir.path().join("k");
+        std::fs::create_dir(&kernel_dir).unwrap();
+        std::fs::create_dir_all(survival.dir.join("k1")).unwrap();
+        survival
+            .write_record(
+                "k1",
+                &serde_json::json!({
+                    "backend": BACKEND, "kernel_id": "k1", "generation": 1, "key": "x",
+                    "vmm": Proc::of(pid).unwrap(), "keeper": NO_KEEPER,
+                    "vm_dir": dir.path(), "log_file": dir.path().join("log"),
+                    "uid": null, "cgroup": null, "memory_mib": 512, "vcpus": 1,
+                    "kernel_dir": kernel_dir, "started_ms": 1
+                }),
+            )
+            .unwrap();
+        sweep(&survival);
+        let status = vmm.wait().unwrap();
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+        assert!(!kernel_dir.exists());
+        assert!(read(&survival, "k1").is_ok());
     }
 }
