@@ -385,7 +385,8 @@ async fn policy_limits_give_output_truncated_and_oom() -> Result<()> {
 /// The policy's `pids` and `cpus` hold in the sandbox: a fork loop stops below the pids limit
 /// with EAGAIN and the kernel answers on; a busy loop gets at most half a CPU under
 /// `cpus = 0.5`, measured in the kernel's own CPU time (which a busy machine can only
-/// lower). Also run on a cgroup v2-only host (`cgroup_v2::`).
+/// lower), and its cgroup's `cpu.stat` shows it throttled (which a busy machine cannot fake).
+/// Also run on a cgroup v2-only host (`cgroup_v2::`).
 #[tokio::test]
 async fn policy_pids_and_cpu_limits_hold() -> Result<()> {
     if sandbox_backend() == "process" {
@@ -449,6 +450,11 @@ async fn policy_pids_and_cpu_limits_hold() -> Result<()> {
         cpu <= wall * 0.5 + 0.1,
         "{cpu} s of CPU in {wall} s wall under cpus = 0.5"
     );
+    // A machine too busy to give the loop half a CPU would meet that bound with no limit
+    // at all: the limit must also have held the kernel back.
+    let throttled = crate::support::cpu_throttled(&id)
+        .with_context(|| format!("no cpu.stat for the kernel of session {id}"))?;
+    assert!(throttled > 0, "the CPU limit never throttled the busy loop");
     Ok(())
 }
 
