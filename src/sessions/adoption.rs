@@ -95,8 +95,12 @@ impl Sessions {
         let tenant = record.tenant.clone();
         let _moving = TakingOver::begin(self, &record.kernel_id);
         let kernel = self.kernels.adopt(record, key).await?;
-        kernel.wait_ready().await?;
+        let ready = kernel.wait_ready().await;
+        // The session is given even to a kernel that did not get ready: held here without
+        // one, API v1 would answer 404 for good; with one, the client sees the kernel dead
+        // (and why) and its next execute starts it again.
         self.adopt(kernel, tenant);
+        ready?;
         Ok(true)
     }
 
