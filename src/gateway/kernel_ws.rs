@@ -6,8 +6,12 @@
 //! `session_id` had no socket for a while, the output buffered meanwhile. Several sockets may
 //! share a `session_id`; none is evicted for it.
 //!
-//! The `Origin` is checked at the handshake. A reader loop decodes client frames and sends
-//! them to the kernel; a writer task encodes kernel messages for this client (as raw frames:
+//! The `Origin` is checked at the handshake. A reader loop decodes client frames and queues
+//! them for a forwarder task that sends them to the kernel in order (a send waits while the
+//! kernel restarts, or is restored from hibernation, for minutes under emulation; the reader
+//! keeps reading meanwhile, so the client's pings are answered and its close is seen: a
+//! reader waiting on the kernel left jupyter_server's pings unanswered and it dropped the
+//! socket after 90 s); a writer task encodes kernel messages for this client (as raw frames:
 //! a large message in fragments, see `ws_upgrade`; queued frames batched per flush) and
 //! pings it every 30 s. A client that cannot keep up is disconnected past 256 MiB queued,
 //! and its session buffers like any other. A frame that cannot be decoded closes this
@@ -38,6 +42,9 @@ use crate::protocol::{Channel, Message};
 
 /// How often idle sockets are pinged (Kernel Gateway uses 30 s).
 const PING_INTERVAL: Duration = Duration::from_secs(30);
+/// Client messages read but not yet sent to the kernel (while it restarts): past this, the
+/// reader waits for the forwarder, as it waited for the kernel before.
+const TO_KERNEL_QUEUE: usize = 256;
 /// Messages encoded per flush when output is queued.
 const WRITE_BATCH: usize = 64;
 /// Messages larger than this go out as fragments of this size, cut from the kernel's bytes:
@@ -332,12 +339,46 @@ async fn write_batch(
 /// the socket ends. Whether it ended gracefully: a client that closes with a close frame
 /// read everything it wanted; one that vanishes may have missed what was last written to it.
 async fn read_frames(
-    mut stream: FrameSource,
-    kernel: &Kernel,
+    stream: FrameSource,
+    kernel: &Arc<Kernel>,
     client: ClientId,
     session: &str,
     framing: Framing,
     close_tx: oneshot::Sender<CloseRequest>,
+) -> bool {
+    let (to_kernel, queued) = tokio::sync::mpsc::channel(TO_KERNEL_QUEUE);
+    let forwarder = tokio::spawn(forward(kernel.clone(), client, session.to_owned(), queued));
+    let graceful = read_into(stream, kernel, session, framing, close_tx, to_kernel).await;
+    // What the client sent before it went is still delivered, as when the reader sent
+    // each message itself before reading the next frame.
+    let _ = forwarder.await;
+    graceful
+}
+
+/// Sends the client's messages to the kernel, one after the other, each once the kernel is
+/// ready for it.
+async fn forward(
+    kernel: Arc<Kernel>,
+    client: ClientId,
+    session: String,
+    mut queued: tokio::sync::mpsc::Receiver<Message>,
+) {
+    while let Some(message) = queued.recv().await {
+        let msg_id = message.msg_id().to_owned();
+        if let Err(err) = kernel.send(client, &session, message).await {
+            tracing::warn!(kernel_id = %kernel.id, session_id = %session, %msg_id, %err, "could not send a client message to the kernel");
+        }
+    }
+}
+
+/// The reader's loop: frames decoded into `to_kernel` until the socket ends.
+async fn read_into(
+    mut stream: FrameSource,
+    kernel: &Kernel,
+    session: &str,
+    framing: Framing,
+    close_tx: oneshot::Sender<CloseRequest>,
+    to_kernel: tokio::sync::mpsc::Sender<Message>,
 ) -> bool {
     while let Some(frame) = stream.next().await {
         let frame = match frame {
@@ -362,9 +403,8 @@ async fn read_frames(
         };
         match decoded {
             Ok(message) => {
-                let msg_id = message.msg_id().to_owned();
-                if let Err(err) = kernel.send(client, session, message).await {
-                    tracing::warn!(kernel_id = %kernel.id, session_id = %session, %msg_id, %err, "could not send a client message to the kernel");
+                if to_kernel.send(message).await.is_err() {
+                    return false;
                 }
             }
             Err(err) => {

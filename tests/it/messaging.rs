@@ -398,3 +398,98 @@ async fn large_messages_are_fragmented_and_small_ones_are_not() -> anyhow::Resul
     gateway.delete_kernel(&kernel).await?;
     Ok(())
 }
+
+/// A socket whose message waits for the kernel (a restart, or a hibernated VM's restore,
+/// minutes under emulation) still answers the client's pings at once, and its message
+/// reaches the kernel once it is back. A reader that waited on the kernel answered no ping
+/// for as long: jupyter_server gives up on a socket after 90 s without a pong (seen on CI,
+/// a microVM restart of 132 s). The kernel here restarts slowly on purpose: its kernelspec
+/// sleeps 20 s before `exec`ing ipykernel while a marker file exists; `--sandbox process`,
+/// since only the socket's handling is under test.
+#[tokio::test]
+async fn pings_are_answered_while_a_message_waits_for_the_kernel() -> anyhow::Result<()> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message as WsMessage;
+
+    let dir = tempfile::tempdir()?;
+    let spec = dir.path().join("kernels/python3");
+    std::fs::create_dir_all(&spec)?;
+    std::os::unix::fs::symlink(kernels_dir().join("python3/.venv"), spec.join(".venv"))?;
+    let slow = dir.path().join("slow");
+    let script = format!(
+        "[ -e '{}' ] && sleep 20; exec {{prefix}}/bin/python -m ipykernel_launcher -f \"$1\"",
+        slow.display()
+    );
+    std::fs::write(
+        spec.join("kernel.json"),
+        serde_json::to_vec(&json!({
+            "argv": ["sh", "-c", script, "sh", "{connection_file}"],
+            "display_name": "Python 3 (slow restarts)",
+            "language": "python",
+        }))?,
+    )?;
+    let gateway = Gateway::builder()
+        .kernels_dir(dir.path().join("kernels"))
+        .args(&["--sandbox", "process", "--pool-size", "0"])
+        .start()
+        .await?;
+    let kernel = gateway.start_kernel().await?;
+    let mut client = gateway.connect(&kernel, "s-ping", true).await?;
+    let msgs = client.run("1 + 1").await?;
+    assert_eq!(reply(&msgs).content["status"], "ok", "{msgs:?}");
+
+    std::fs::write(&slow, "")?;
+    let restart = {
+        let request = gateway
+            .request(
+                reqwest::Method::POST,
+                &format!("/api/kernels/{kernel}/restart"),
+            )
+            .header("Content-Type", "application/json")
+            .body("{}");
+        tokio::spawn(async move { request.send().await.map(|r| r.status().as_u16()) })
+    };
+    // The restart has begun when the kernel is no longer idle.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        let (_, model) = gateway.get_json(&format!("/api/kernels/{kernel}")).await?;
+        if model["execution_state"] != "idle" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restart never began: {}",
+            gateway.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let execute = client.execute("6 * 7").await?;
+    client
+        .socket
+        .send(WsMessage::Ping(b"still there?".to_vec().into()))
+        .await?;
+    let pong = tokio::time::timeout(PATIENCE, async {
+        while let Some(frame) = client.socket.next().await {
+            if let WsMessage::Pong(payload) = frame? {
+                return anyhow::Ok(payload);
+            }
+        }
+        anyhow::bail!("the socket closed")
+    })
+    .await??;
+    assert_eq!(&pong[..], b"still there?");
+    assert!(
+        !restart.is_finished(),
+        "the pong came only once the kernel was back"
+    );
+
+    assert_eq!(restart.await??, 200);
+    let msgs = client.collect(&execute, PATIENCE).await?;
+    assert_eq!(
+        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+        "42",
+        "{msgs:?}"
+    );
+    Ok(())
+}

@@ -105,10 +105,15 @@
 //!   kernel's code, and a guest taken over would keep its VM forever.
 //! - *Adoption*: the record (`record.json`, 0600 in a 0700 directory: QEMU's and the
 //!   keeper's pid and start time, the VM's directory, cgroup, uid and shape, the
-//!   generation, the kernel's key), written once the kernel started. Adopting, a gateway
+//!   generation, the kernel's key), written once the kernel started, and before that,
+//!   between QEMU's start and its keeper's, with no keeper (`survival::NO_KEEPER`): a
+//!   gateway killed in that window leaves a record, and the next one's start-up sweep ends
+//!   the live QEMU it names whose keeper is not alive. Adopting, a gateway
 //!   opens a pidfd of QEMU and checks its start time (a reused pid fails), proves the key to
-//!   the keeper, connects to the serial socket, handshakes with the agent and attaches (both
-//!   prove the key), then serves the kernel's channels again; guest egress streams are
+//!   the keeper, connects to the serial socket and checks that its listener is that QEMU
+//!   (`SO_PEERCRED`: the VM's directory is the VMM's to write, and a link planted in place
+//!   of the socket must lead nowhere; nothing is sent before), handshakes with the agent and
+//!   attaches (both prove the key), then serves the kernel's channels again; guest egress streams are
 //!   joined to the new gateway's proxy. The VMM's uid is reserved for it (no new VM gets it),
 //!   its end is watched through the pidfd (not its child: no exit status, but the agent
 //!   still reports the kernel's end, and the console a guest panic), and `kill` signals the
