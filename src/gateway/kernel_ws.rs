@@ -24,12 +24,13 @@ use std::time::Duration;
 use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{SinkExt, Stream, StreamExt};
 use serde::Deserialize;
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::{CloseCode, Data, OpCode};
 use tokio_tungstenite::tungstenite::protocol::frame::Frame as WsFrame;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::Error as WsError;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 use super::auth::Principal;
@@ -199,9 +200,8 @@ fn decode(
     }
 }
 
-/// The socket's two halves: frames to the client, frames from it.
+/// The socket's half that carries frames to the client.
 type FrameSink = futures_util::stream::SplitSink<KernelSocket, WsMessage>;
-type FrameSource = futures_util::stream::SplitStream<KernelSocket>;
 
 /// A close code and reason the reader wants the writer to send.
 type CloseRequest = (u16, String);
@@ -213,8 +213,31 @@ async fn serve_socket(
     framing: Framing,
 ) {
     let _open = crate::telemetry::metrics::metrics().websocket_opened();
-    let (mut sink, stream) = socket.split();
-    if let Err(err) = kernel.wait_ready().await {
+    let (mut sink, mut stream) = socket.split();
+    // Frames are read while the kernel starts (minutes for an emulated VM or a pod whose
+    // image is pulled), so that pings are answered; what they carry is handled once it is
+    // ready.
+    let mut early = Vec::new();
+    let ready = {
+        let ready = kernel.wait_ready();
+        tokio::pin!(ready);
+        loop {
+            tokio::select! {
+                ready = &mut ready => break ready,
+                frame = stream.next() => match frame {
+                    Some(Ok(WsMessage::Close(_))) | Some(Err(_)) | None => return,
+                    Some(Ok(frame)) if early.len() < TO_KERNEL_QUEUE => early.push(frame),
+                    Some(Ok(_)) => {
+                        let _ = sink
+                            .send(close_frame(1008, "too many messages before the kernel was ready"))
+                            .await;
+                        return;
+                    }
+                },
+            }
+        }
+    };
+    if let Err(err) = ready {
         let reason = format!("kernel unavailable: {err}");
         let _ = sink
             .send(close_frame(
@@ -224,6 +247,7 @@ async fn serve_socket(
             .await;
         return;
     }
+    let stream = futures_util::stream::iter(early.into_iter().map(Ok)).chain(stream);
     let (outbox, inbox) = client_queue();
     let (client, replayed) = kernel.router().attach(&session, outbox);
     tracing::info!(kernel_id = %kernel.id, session_id = %session, ?framing, replayed, "client connected");
@@ -339,7 +363,7 @@ async fn write_batch(
 /// the socket ends. Whether it ended gracefully: a client that closes with a close frame
 /// read everything it wanted; one that vanishes may have missed what was last written to it.
 async fn read_frames(
-    stream: FrameSource,
+    stream: impl Stream<Item = Result<WsMessage, WsError>> + Unpin,
     kernel: &Arc<Kernel>,
     client: ClientId,
     session: &str,
@@ -373,7 +397,7 @@ async fn forward(
 
 /// The reader's loop: frames decoded into `to_kernel` until the socket ends.
 async fn read_into(
-    mut stream: FrameSource,
+    mut stream: impl Stream<Item = Result<WsMessage, WsError>> + Unpin,
     kernel: &Kernel,
     session: &str,
     framing: Framing,

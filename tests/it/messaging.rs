@@ -464,32 +464,45 @@ async fn pings_are_answered_while_a_message_waits_for_the_kernel() -> anyhow::Re
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
+    // A message waiting for the kernel on an open socket, and a socket opened meanwhile
+    // (it waits for the kernel before it is served): both answer a ping now.
+    let began = std::time::Instant::now();
     let execute = client.execute("6 * 7").await?;
-    client
-        .socket
-        .send(WsMessage::Ping(b"still there?".to_vec().into()))
-        .await?;
-    let pong = tokio::time::timeout(PATIENCE, async {
-        while let Some(frame) = client.socket.next().await {
-            if let WsMessage::Pong(payload) = frame? {
-                return anyhow::Ok(payload);
+    let mut late = gateway.connect(&kernel, "s-ping-late", false).await?;
+    let early = late.execute("7 * 6").await?;
+    for socket in [&mut client.socket, &mut late.socket] {
+        socket
+            .send(WsMessage::Ping(b"still there?".to_vec().into()))
+            .await?;
+        let pong = tokio::time::timeout(PATIENCE, async {
+            while let Some(frame) = socket.next().await {
+                if let WsMessage::Pong(payload) = frame? {
+                    return anyhow::Ok(payload);
+                }
             }
-        }
-        anyhow::bail!("the socket closed")
-    })
-    .await??;
-    assert_eq!(&pong[..], b"still there?");
-    assert!(
-        !restart.is_finished(),
-        "the pong came only once the kernel was back"
-    );
+            anyhow::bail!("the socket closed")
+        })
+        .await??;
+        assert_eq!(&pong[..], b"still there?");
+        eprintln!(
+            "pong after {:?}; state {:?}",
+            began.elapsed(),
+            gateway.get_json(&format!("/api/kernels/{kernel}")).await?.1["execution_state"]
+        );
+        assert!(
+            !restart.is_finished(),
+            "the pong came only once the kernel was back"
+        );
+    }
 
     assert_eq!(restart.await??, 200);
-    let msgs = client.collect(&execute, PATIENCE).await?;
-    assert_eq!(
-        of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
-        "42",
-        "{msgs:?}"
-    );
+    for (client, execute) in [(&mut client, execute), (&mut late, early)] {
+        let msgs = client.collect(&execute, PATIENCE).await?;
+        assert_eq!(
+            of_type(&msgs, "execute_result")[0].content["data"]["text/plain"],
+            "42",
+            "{msgs:?}"
+        );
+    }
     Ok(())
 }
