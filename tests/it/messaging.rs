@@ -2,8 +2,11 @@
 
 use std::time::Duration;
 
+use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
+use tokio_tungstenite::tungstenite::Message as WsMessage;
 
+use crate::support::v1::{ws_next, ws_send, V1Client};
 use crate::support::*;
 
 async fn all_output_kinds(v1: bool) -> anyhow::Result<()> {
@@ -399,23 +402,14 @@ async fn large_messages_are_fragmented_and_small_ones_are_not() -> anyhow::Resul
     Ok(())
 }
 
-/// A socket whose message waits for the kernel (a restart, or a hibernated VM's restore,
-/// minutes under emulation) still answers the client's pings at once, and its message
-/// reaches the kernel once it is back. A reader that waited on the kernel answered no ping
-/// for as long: jupyter_server gives up on a socket after 90 s without a pong (seen on CI,
-/// a microVM restart of 132 s). The kernel here restarts slowly on purpose: its kernelspec
-/// sleeps 20 s before `exec`ing ipykernel while a marker file exists; `--sandbox process`,
-/// since only the socket's handling is under test.
-#[tokio::test]
-async fn pings_are_answered_while_a_message_waits_for_the_kernel() -> anyhow::Result<()> {
-    use futures_util::{SinkExt, StreamExt};
-    use tokio_tungstenite::tungstenite::Message as WsMessage;
-
-    let dir = tempfile::tempdir()?;
-    let spec = dir.path().join("kernels/python3");
+/// A gateway (`--sandbox process`: only the sockets are under test) whose python3 kernel
+/// sleeps 20 s before it starts while the returned marker file exists: restarts made slow
+/// on purpose.
+async fn slow_restarts(dir: &std::path::Path) -> anyhow::Result<(Gateway, std::path::PathBuf)> {
+    let spec = dir.join("kernels/python3");
     std::fs::create_dir_all(&spec)?;
     std::os::unix::fs::symlink(kernels_dir().join("python3/.venv"), spec.join(".venv"))?;
-    let slow = dir.path().join("slow");
+    let slow = dir.join("slow");
     let script = format!(
         "[ -e '{}' ] && sleep 20; exec {{prefix}}/bin/python -m ipykernel_launcher -f \"$1\"",
         slow.display()
@@ -429,10 +423,42 @@ async fn pings_are_answered_while_a_message_waits_for_the_kernel() -> anyhow::Re
         }))?,
     )?;
     let gateway = Gateway::builder()
-        .kernels_dir(dir.path().join("kernels"))
+        .kernels_dir(dir.join("kernels"))
         .args(&["--sandbox", "process", "--pool-size", "0"])
         .start()
         .await?;
+    Ok((gateway, slow))
+}
+
+/// Sends a ping on `socket` and waits for its pong.
+async fn ping(socket: &mut Socket) -> anyhow::Result<()> {
+    socket
+        .send(WsMessage::Ping(b"still there?".to_vec().into()))
+        .await?;
+    let pong = tokio::time::timeout(PATIENCE, async {
+        while let Some(frame) = socket.next().await {
+            if let WsMessage::Pong(payload) = frame? {
+                return anyhow::Ok(payload);
+            }
+        }
+        anyhow::bail!("the socket closed")
+    })
+    .await??;
+    anyhow::ensure!(&pong[..] == b"still there?", "pong {pong:?}");
+    Ok(())
+}
+
+/// A socket whose message waits for the kernel (a restart, or a hibernated VM's restore,
+/// minutes under emulation) still answers the client's pings at once, and its message
+/// reaches the kernel once it is back. A reader that waited on the kernel answered no ping
+/// for as long: jupyter_server gives up on a socket after 90 s without a pong (seen on CI,
+/// a microVM restart of 132 s). The kernel here restarts slowly on purpose: its kernelspec
+/// sleeps 20 s before `exec`ing ipykernel while a marker file exists; `--sandbox process`,
+/// since only the socket's handling is under test.
+#[tokio::test]
+async fn pings_are_answered_while_a_message_waits_for_the_kernel() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (gateway, slow) = slow_restarts(dir.path()).await?;
     let kernel = gateway.start_kernel().await?;
     let mut client = gateway.connect(&kernel, "s-ping", true).await?;
     let msgs = client.run("1 + 1").await?;
@@ -471,24 +497,7 @@ async fn pings_are_answered_while_a_message_waits_for_the_kernel() -> anyhow::Re
     let mut late = gateway.connect(&kernel, "s-ping-late", false).await?;
     let early = late.execute("7 * 6").await?;
     for socket in [&mut client.socket, &mut late.socket] {
-        socket
-            .send(WsMessage::Ping(b"still there?".to_vec().into()))
-            .await?;
-        let pong = tokio::time::timeout(PATIENCE, async {
-            while let Some(frame) = socket.next().await {
-                if let WsMessage::Pong(payload) = frame? {
-                    return anyhow::Ok(payload);
-                }
-            }
-            anyhow::bail!("the socket closed")
-        })
-        .await??;
-        assert_eq!(&pong[..], b"still there?");
-        eprintln!(
-            "pong after {:?}; state {:?}",
-            began.elapsed(),
-            gateway.get_json(&format!("/api/kernels/{kernel}")).await?.1["execution_state"]
-        );
+        ping(socket).await?;
         assert!(
             !restart.is_finished(),
             "the pong came only once the kernel was back"
@@ -504,5 +513,47 @@ async fn pings_are_answered_while_a_message_waits_for_the_kernel() -> anyhow::Re
             "{msgs:?}"
         );
     }
+    Ok(())
+}
+
+/// The same for API v1's session socket: while a restart it asked for runs, it answers
+/// pings, and the restart's end reaches it.
+#[tokio::test]
+async fn the_session_socket_answers_pings_while_a_restart_runs() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (gateway, slow) = slow_restarts(dir.path()).await?;
+    let v1 = V1Client::new(&gateway);
+    let id = v1.create_session(json!({})).await?;
+    assert_eq!(v1.execute(&id, "1 + 1").await?["result"], "2");
+    let mut socket = v1.ws(&id).await?;
+    assert_eq!(ws_next(&mut socket).await?["type"], "session");
+    std::fs::write(&slow, "")?;
+    ws_send(&mut socket, json!({"type": "restart"})).await?;
+    let state = || async {
+        let (_, model) = v1.get(&format!("/v1/sessions/{id}")).await?;
+        anyhow::Ok(model["state"].as_str().unwrap_or_default().to_owned())
+    };
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while state().await? == "idle" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restart never began"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ping(&mut socket).await?;
+    let now = state().await?;
+    assert!(
+        now == "starting" || now == "restarting",
+        "the pong came only once the kernel was back ({now})"
+    );
+    // The restart's end reaches the socket: the kernel ready again.
+    loop {
+        let event = ws_next(&mut socket).await?;
+        if event["type"] == "kernel" && event["state"] == "ready" {
+            break;
+        }
+    }
+    assert_eq!(v1.execute(&id, "6 * 7").await?["result"], "42");
     Ok(())
 }

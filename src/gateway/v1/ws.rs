@@ -264,6 +264,26 @@ async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>, ca
             }
         }
     });
+    // Messages are handled in order by a task of their own: a restart (or a restore behind
+    // an interrupt) takes minutes under emulation, and the reader must keep reading
+    // meanwhile so that the client's pings are answered and its close is seen.
+    let (to_handler, mut queued) = tokio::sync::mpsc::channel::<ClientMessage>(QUEUED_MESSAGES);
+    let handler = {
+        let (session, reply_tx) = (session.clone(), reply_tx.clone());
+        tokio::spawn(async move {
+            while let Some(message) = queued.recv().await {
+                if matches!(message, ClientMessage::Execute { .. }) {
+                    if let Err(err) = super::usage::check_quota(&caller.0, &caller.1).await {
+                        let _ = reply_tx.send(client_error(&err.message));
+                        continue;
+                    }
+                }
+                if let Err(message) = handle(&session, message).await {
+                    let _ = reply_tx.send(client_error(&message));
+                }
+            }
+        })
+    };
     while let Some(Ok(frame)) = stream.next().await {
         let text = match frame {
             WsMessage::Text(text) => text.to_string(),
@@ -284,18 +304,19 @@ async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>, ca
                 continue;
             }
         };
-        if matches!(message, ClientMessage::Execute { .. }) {
-            if let Err(err) = super::usage::check_quota(&caller.0, &caller.1).await {
-                let _ = reply_tx.send(client_error(&err.message));
-                continue;
-            }
-        }
-        if let Err(message) = handle(&session, message).await {
-            let _ = reply_tx.send(client_error(&message));
+        if to_handler.send(message).await.is_err() {
+            break;
         }
     }
+    // What the client sent before it went is still handled, as before.
+    drop(to_handler);
+    let _ = handler.await;
     writer.abort();
 }
+
+/// Client messages read but not handled yet (a restart running): past this, the reader
+/// waits for the handler.
+const QUEUED_MESSAGES: usize = 64;
 
 fn client_error(message: &str) -> String {
     json!({"type": "client_error", "message": message}).to_string()
