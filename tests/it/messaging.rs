@@ -492,7 +492,6 @@ async fn pings_are_answered_while_a_message_waits_for_the_kernel() -> anyhow::Re
 
     // A message waiting for the kernel on an open socket, and a socket opened meanwhile
     // (it waits for the kernel before it is served): both answer a ping now.
-    let began = std::time::Instant::now();
     let execute = client.execute("6 * 7").await?;
     let mut late = gateway.connect(&kernel, "s-ping-late", false).await?;
     let early = late.execute("7 * 6").await?;
