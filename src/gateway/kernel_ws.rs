@@ -46,6 +46,11 @@ const PING_INTERVAL: Duration = Duration::from_secs(30);
 /// Client messages read but not yet sent to the kernel (while it restarts): past this, the
 /// reader waits for the forwarder, as it waited for the kernel before.
 const TO_KERNEL_QUEUE: usize = 256;
+/// Bytes of a socket's client frames held before the kernel takes them, in messages of the
+/// largest size allowed: past it, the reader waits for the forwarder (and, before the
+/// kernel was ever ready, the socket is closed with 1008). One message in flight was the
+/// bound when the reader waited on the kernel itself.
+const HELD_MESSAGES_OF_MAX_SIZE: usize = 2;
 /// Messages encoded per flush when output is queued.
 const WRITE_BATCH: usize = 64;
 /// Messages larger than this go out as fragments of this size, cut from the kernel's bytes:
@@ -133,7 +138,13 @@ pub async fn channels(
         Framing::Legacy
     };
     upgrade.on_upgrade(config, move |socket| {
-        serve_socket(socket, kernel, session, framing)
+        serve_socket(
+            socket,
+            kernel,
+            session,
+            framing,
+            held_budget(state.config.max_message_bytes),
+        )
     })
 }
 
@@ -206,33 +217,62 @@ type FrameSink = futures_util::stream::SplitSink<KernelSocket, WsMessage>;
 /// A close code and reason the reader wants the writer to send.
 type CloseRequest = (u16, String);
 
+/// The byte budget of a socket's held frames (see [`HELD_MESSAGES_OF_MAX_SIZE`]), as
+/// semaphore permits (at most `u32::MAX`).
+fn held_budget(max_message_bytes: usize) -> u32 {
+    u32::try_from(max_message_bytes.saturating_mul(HELD_MESSAGES_OF_MAX_SIZE)).unwrap_or(u32::MAX)
+}
+
+/// What a frame counts against the held-bytes budget (never more than the whole budget, or
+/// it would wait for ever).
+fn held_cost(frame: &WsMessage, budget: u32) -> u32 {
+    u32::try_from(frame.len())
+        .unwrap_or(u32::MAX)
+        .clamp(1, budget.max(1))
+}
+
 async fn serve_socket(
     socket: KernelSocket,
     kernel: Arc<Kernel>,
     session: String,
     framing: Framing,
+    budget: u32,
 ) {
     let _open = crate::telemetry::metrics::metrics().websocket_opened();
     let (mut sink, mut stream) = socket.split();
     // Frames are read while the kernel starts (minutes for an emulated VM or a pod whose
-    // image is pulled), so that pings are answered; what they carry is handled once it is
-    // ready.
-    let mut early = Vec::new();
+    // image is pulled), so that pings are answered (tungstenite answers them as it reads);
+    // the messages they carry are handled once it is ready.
+    let (mut early, mut early_bytes) = (Vec::new(), 0u64);
+    // The client went before the kernel was ready (`Some(graceful)`): what it sent is still
+    // delivered once the kernel is, as when the reader waited for the kernel first.
+    let mut gone: Option<bool> = None;
     let ready = {
         let ready = kernel.wait_ready();
         tokio::pin!(ready);
         loop {
             tokio::select! {
+                // Ready first: a frame waiting beside a ready kernel is read by the reader.
+                biased;
                 ready = &mut ready => break ready,
-                frame = stream.next() => match frame {
-                    Some(Ok(WsMessage::Close(_))) | Some(Err(_)) | None => return,
-                    Some(Ok(frame)) if early.len() < TO_KERNEL_QUEUE => early.push(frame),
-                    Some(Ok(_)) => {
-                        let _ = sink
-                            .send(close_frame(1008, "too many messages before the kernel was ready"))
-                            .await;
-                        return;
+                frame = stream.next(), if gone.is_none() => match frame {
+                    Some(Ok(WsMessage::Close(_))) => gone = Some(true),
+                    None => gone = Some(false),
+                    Some(Err(err)) => {
+                        tracing::info!(kernel_id = %kernel.id, session_id = %session, %err, "client socket error while the kernel started");
+                        gone = Some(false);
                     }
+                    Some(Ok(frame @ (WsMessage::Text(_) | WsMessage::Binary(_)))) => {
+                        early_bytes += u64::from(held_cost(&frame, budget));
+                        if early.len() >= TO_KERNEL_QUEUE || early_bytes > u64::from(budget) {
+                            let _ = sink
+                                .send(close_frame(1008, "too much sent before the kernel was ready"))
+                                .await;
+                            return;
+                        }
+                        early.push(frame);
+                    }
+                    Some(Ok(_)) => {}
                 },
             }
         }
@@ -247,7 +287,13 @@ async fn serve_socket(
             .await;
         return;
     }
-    let stream = futures_util::stream::iter(early.into_iter().map(Ok)).chain(stream);
+    // The early frames, then the socket's (none once the client is gone; a close frame
+    // if it closed).
+    let stream = futures_util::stream::iter(early.into_iter().map(Ok))
+        .chain(stream.take(if gone.is_some() { 0 } else { usize::MAX }))
+        .chain(futures_util::stream::iter(
+            (gone == Some(true)).then_some(Ok(WsMessage::Close(None))),
+        ));
     let (outbox, inbox) = client_queue();
     let (client, replayed) = kernel.router().attach(&session, outbox);
     tracing::info!(kernel_id = %kernel.id, session_id = %session, ?framing, replayed, "client connected");
@@ -256,7 +302,15 @@ async fn serve_socket(
     // The reader drops `close_tx` when it ends: that ends the writer (after a close frame
     // it was asked to send), which hands back what it did not deliver; the router keeps
     // that for the session's next socket.
-    let graceful = read_frames(stream, &kernel, client, &session, framing, close_tx).await;
+    let (graceful, forwarder) =
+        read_frames(stream, &kernel, client, &session, framing, close_tx, budget).await;
+    // What the client sent before it went is still delivered, as when the reader sent each
+    // message itself before reading the next frame; before the detach, so that the requests
+    // are this socket's when their replies come (a JupyterLab reconnecting with the same
+    // session_id gets them: clients::same_session_reconnect_race_loses_no_reply). While
+    // the kernel restarts that keeps a gone socket attached, as the reader waiting on the
+    // kernel did before.
+    let _ = forwarder.await;
     match tokio::time::timeout(Duration::from_secs(2), writer).await {
         Ok(Ok(end)) => {
             let mut leftovers = if graceful {
@@ -362,6 +416,7 @@ async fn write_batch(
 /// The reader: decodes the client's frames and sends their messages to the kernel until
 /// the socket ends. Whether it ended gracefully: a client that closes with a close frame
 /// read everything it wanted; one that vanishes may have missed what was last written to it.
+/// Also the forwarder task, which the caller awaits before it detaches the socket.
 async fn read_frames(
     stream: impl Stream<Item = Result<WsMessage, WsError>> + Unpin,
     kernel: &Arc<Kernel>,
@@ -369,25 +424,35 @@ async fn read_frames(
     session: &str,
     framing: Framing,
     close_tx: oneshot::Sender<CloseRequest>,
-) -> bool {
+    budget: u32,
+) -> (bool, tokio::task::JoinHandle<()>) {
     let (to_kernel, queued) = tokio::sync::mpsc::channel(TO_KERNEL_QUEUE);
     let forwarder = tokio::spawn(forward(kernel.clone(), client, session.to_owned(), queued));
-    let graceful = read_into(stream, kernel, session, framing, close_tx, to_kernel).await;
-    // What the client sent before it went is still delivered, as when the reader sent
-    // each message itself before reading the next frame.
-    let _ = forwarder.await;
-    graceful
+    let held = Held {
+        to_kernel,
+        budget: Arc::new(tokio::sync::Semaphore::new(budget as usize)),
+        size: budget,
+    };
+    let graceful = read_into(stream, kernel, session, framing, close_tx, held).await;
+    (graceful, forwarder)
+}
+
+/// The way from the reader to the forwarder: messages with the permits of their bytes.
+struct Held {
+    to_kernel: tokio::sync::mpsc::Sender<(Message, tokio::sync::OwnedSemaphorePermit)>,
+    budget: Arc<tokio::sync::Semaphore>,
+    size: u32,
 }
 
 /// Sends the client's messages to the kernel, one after the other, each once the kernel is
-/// ready for it.
+/// ready for it; a message's bytes count against the budget until it is sent.
 async fn forward(
     kernel: Arc<Kernel>,
     client: ClientId,
     session: String,
-    mut queued: tokio::sync::mpsc::Receiver<Message>,
+    mut queued: tokio::sync::mpsc::Receiver<(Message, tokio::sync::OwnedSemaphorePermit)>,
 ) {
-    while let Some(message) = queued.recv().await {
+    while let Some((message, _held)) = queued.recv().await {
         let msg_id = message.msg_id().to_owned();
         if let Err(err) = kernel.send(client, &session, message).await {
             tracing::warn!(kernel_id = %kernel.id, session_id = %session, %msg_id, %err, "could not send a client message to the kernel");
@@ -402,7 +467,7 @@ async fn read_into(
     session: &str,
     framing: Framing,
     close_tx: oneshot::Sender<CloseRequest>,
-    to_kernel: tokio::sync::mpsc::Sender<Message>,
+    held: Held,
 ) -> bool {
     while let Some(frame) = stream.next().await {
         let frame = match frame {
@@ -427,7 +492,12 @@ async fn read_into(
         };
         match decoded {
             Ok(message) => {
-                if to_kernel.send(message).await.is_err() {
+                let cost = held_cost(&frame, held.size);
+                drop(frame);
+                let Ok(permit) = held.budget.clone().acquire_many_owned(cost).await else {
+                    return false;
+                };
+                if held.to_kernel.send((message, permit)).await.is_err() {
                     return false;
                 }
             }

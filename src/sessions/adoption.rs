@@ -98,8 +98,15 @@ impl Sessions {
         let ready = kernel.wait_ready().await;
         // The session is given even to a kernel that did not get ready: held here without
         // one, API v1 would answer 404 for good; with one, the client sees the kernel dead
-        // (and why) and its next execute starts it again.
-        self.adopt(kernel, tenant);
+        // (and why) and its next execute starts it again. Not to one shut down or let go to
+        // another gateway meanwhile: this gateway no longer holds it.
+        let held = self
+            .kernels
+            .get(kernel.id.as_str())
+            .is_some_and(|now| Arc::ptr_eq(&now, &kernel));
+        if held && !matches!(ready, Err(KernelError::Terminated)) {
+            self.adopt(kernel, tenant);
+        }
         ready?;
         Ok(true)
     }

@@ -745,36 +745,40 @@ pub fn pids_with(needle: &str) -> Vec<u32> {
     out
 }
 
-/// How many times the cgroup CPU controller held back the kernel process of `kernel_id`
-/// (`nr_throttled` in its cgroup's `cpu.stat`, v1 or v2), read from the host's cgroup
-/// filesystem; `None` when there is no such process or cgroup.
+/// How many times the cgroup CPU controller held back the kernel of `kernel_id`
+/// (`nr_throttled` in `cpu.stat`, v1 or v2, the most of the cgroups of the host processes
+/// that carry its id: under gVisor some of them sit outside the limited cgroup), read from
+/// the host's cgroup filesystem; `None` when there is no such process or cgroup.
 pub fn cpu_throttled(kernel_id: &str) -> Option<u64> {
-    pids_with(kernel_id).into_iter().find_map(|pid| {
-        let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-        cgroups.lines().find_map(|line| {
-            let mut fields = line.splitn(3, ':');
-            let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
-            let path = path.trim_start_matches('/');
-            let dirs: Vec<PathBuf> = if controllers.is_empty() {
-                vec![PathBuf::from("/sys/fs/cgroup").join(path)]
-            } else if controllers.split(',').any(|c| c == "cpu") {
-                ["cpu,cpuacct", "cpu", "cpuacct,cpu"]
-                    .iter()
-                    .map(|mount| PathBuf::from("/sys/fs/cgroup").join(mount).join(path))
-                    .collect()
-            } else {
-                vec![]
-            };
-            dirs.iter().find_map(|dir| {
-                let stat = std::fs::read_to_string(dir.join("cpu.stat")).ok()?;
-                stat.lines()
-                    .find_map(|l| l.strip_prefix("nr_throttled "))?
-                    .trim()
-                    .parse()
-                    .ok()
+    pids_with(kernel_id)
+        .into_iter()
+        .filter_map(|pid| {
+            let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+            cgroups.lines().find_map(|line| {
+                let mut fields = line.splitn(3, ':');
+                let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+                let path = path.trim_start_matches('/');
+                let dirs: Vec<PathBuf> = if controllers.is_empty() {
+                    vec![PathBuf::from("/sys/fs/cgroup").join(path)]
+                } else if controllers.split(',').any(|c| c == "cpu") {
+                    ["cpu,cpuacct", "cpu", "cpuacct,cpu"]
+                        .iter()
+                        .map(|mount| PathBuf::from("/sys/fs/cgroup").join(mount).join(path))
+                        .collect()
+                } else {
+                    vec![]
+                };
+                dirs.iter().find_map(|dir| {
+                    let stat = std::fs::read_to_string(dir.join("cpu.stat")).ok()?;
+                    stat.lines()
+                        .find_map(|l| l.strip_prefix("nr_throttled "))?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
             })
         })
-    })
+        .max()
 }
 
 /// How long a test waits for something that must happen (a process to go, a message or a log

@@ -316,7 +316,7 @@ async fn serve(socket: WebSocket, session: Arc<Session>, resume: Option<u64>, ca
 
 /// Client messages read but not handled yet (a restart running): past this, the reader
 /// waits for the handler.
-const QUEUED_MESSAGES: usize = 64;
+const QUEUED_MESSAGES: usize = 16;
 
 fn client_error(message: &str) -> String {
     json!({"type": "client_error", "message": message}).to_string()

@@ -208,11 +208,35 @@ pub(super) async fn connect_unix(path: &Path) -> std::io::Result<tokio::net::Uni
 /// can write: a link planted in place of QEMU's socket could point the gateway at any
 /// socket it may reach (another VM's, a host daemon's), and nothing is sent before this
 /// check passes.
+#[allow(unsafe_code)] // getsockopt(2) into a local ucred
 pub(super) fn check_peer(stream: &tokio::net::UnixStream, pid: u32) -> Result<(), String> {
-    let cred = rustix::net::sockopt::socket_peercred(stream)
-        .map_err(|e| format!("its peer's credentials: {e}"))?;
-    let peer = cred.pid.as_raw_nonzero().get();
-    if u32::try_from(peer).ok() != Some(pid) {
+    use std::os::fd::AsRawFd;
+    // Read with libc rather than rustix: a peer in a pid namespace this process cannot see
+    // is reported as pid 0, which rustix's non-zero `Pid` cannot hold.
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a valid socket descriptor, and a buffer of the length given.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(format!(
+            "its peer's credentials: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let peer = cred.pid;
+    if peer <= 0 || u32::try_from(peer).ok() != Some(pid) {
         return Err(format!(
             "not this VM's VMM's socket (its peer is pid {peer}, the VMM {pid})"
         ));

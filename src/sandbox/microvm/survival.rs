@@ -392,11 +392,21 @@ impl super::Core {
         let (pipe, keeper) = match started {
             Ok(started) => started,
             Err(error) => {
-                // The caller ends the VMM.
-                survival.remove(&spec.kernel_id);
+                // The caller ends the VMM. Only the record goes: the kernel's directories
+                // (`k/`: workspace, log) and its egress directory are its next generation's.
+                survival.remove_record(&spec.kernel_id, spec.generation);
                 return Err(error);
             }
         };
+        // The keeper is known now: a gateway killed while the VM boots leaves a record whose
+        // keeper the next gateway's sweep finds alive (it ends the orphan after its grace).
+        let with_keeper = MicrovmRecord {
+            keeper,
+            ..provisional
+        };
+        if let Err(error) = survival.write_record(&spec.kernel_id, &with_keeper) {
+            tracing::warn!(kernel_id = %spec.kernel_id, %error, "microvm: the VM's record could not be rewritten with its keeper");
+        }
         Ok(Kept {
             keeper: parking_lot::Mutex::new(Some(KeeperLink::Pipe(pipe))),
             keeper_proc: keeper,
