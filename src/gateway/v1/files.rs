@@ -174,7 +174,12 @@ pub async fn upload(
         match chunk {
             Ok(chunk) => {
                 if tx.send(Some(chunk)).await.is_err() {
-                    break; // the writer stopped: its error says why
+                    // The writer stopped (its error says why, a 413 say). What the client
+                    // still sends is read and dropped, within bounds, before the answer:
+                    // a connection closed with its upload unread is reset, and the client
+                    // sees an error sending instead of the 413 (seen on CI).
+                    drain(&mut stream).await;
+                    break;
                 }
             }
             Err(err) => {
@@ -196,6 +201,27 @@ pub async fn upload(
         .await
         .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "file task failed"))??;
     Ok((StatusCode::CREATED, Json(Uploaded { path, bytes })).into_response())
+}
+
+/// How much of a refused upload's rest is read and dropped, and for how long at most.
+const DRAIN_BYTES: usize = 64 << 20;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Reads and drops what is left of a body (see `upload`), up to [`DRAIN_BYTES`] or
+/// [`DRAIN_TIME`]; past either, the connection closes as before.
+async fn drain(
+    stream: &mut (impl futures_util::Stream<Item = Result<axum::body::Bytes, axum::Error>> + Unpin),
+) {
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        let mut read = 0usize;
+        while let Some(Ok(chunk)) = stream.next().await {
+            read += chunk.len();
+            if read > DRAIN_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// Runs `work` on the session's workspace on a blocking thread.
