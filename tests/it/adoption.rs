@@ -1036,6 +1036,17 @@ mod microvm {
             .collect()
     }
 
+    /// What a recorded VM's end must remove that is still there: its cgroup directories and
+    /// the kernel's directory.
+    fn left_behind(record: &Value) -> Result<Vec<PathBuf>> {
+        let kernel_dir = PathBuf::from(record["kernel_dir"].as_str().context("kernel_dir")?);
+        Ok(cgroups(record)
+            .into_iter()
+            .chain([kernel_dir])
+            .filter(|path| path.exists())
+            .collect())
+    }
+
     /// The QEMU processes `gateway` started.
     fn vmms_of(gateway: &Gateway) -> Vec<u32> {
         let parent = gateway.child.id();
@@ -1174,12 +1185,7 @@ mod microvm {
         assert!(alive(vmm), "the VMM ended with its adopting gateway");
         let ended = eventually(PATIENCE, || !alive(vmm) && !alive(keeper)).await;
         assert!(ended, "an orphan VM outlived its grace");
-        let kernel_dir = PathBuf::from(kept["kernel_dir"].as_str().context("kernel_dir")?);
-        let left: Vec<PathBuf> = cgroups(&kept)
-            .into_iter()
-            .chain([kernel_dir])
-            .filter(|path| path.exists())
-            .collect();
+        let left = left_behind(&kept)?;
         assert!(left.is_empty(), "the orphan left {left:?}");
         assert!(record_path(&state, &id).exists(), "the record went too");
 
@@ -1252,12 +1258,7 @@ mod microvm {
             )?;
             assert!(eventually(PATIENCE, || !alive(pid)).await, "{pid} lives");
         }
-        let kernel_dir = PathBuf::from(kept["kernel_dir"].as_str().context("kernel_dir")?);
-        let left_by_the_kill: Vec<PathBuf> = cgroups(&kept)
-            .into_iter()
-            .chain([kernel_dir])
-            .filter(|path| path.exists())
-            .collect();
+        let left_by_the_kill = left_behind(&kept)?;
         assert!(
             !left_by_the_kill.is_empty(),
             "nothing left for the sweep to remove: the test proves nothing"
