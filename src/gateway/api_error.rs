@@ -226,6 +226,13 @@ impl From<KernelError> for ApiError {
             E::NotReady => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
                 .code(ErrorCode::KernelNotReady)
                 .retry_after(2),
+            // Nothing lost, nothing done: the same request may restore it in a while.
+            E::RestoreDeferred(_) => {
+                tracing::warn!(error = %err, "restore deferred");
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
+                    .code(ErrorCode::RestoreDeferred)
+                    .retry_after(10)
+            }
             E::Dead(_) | E::DiedDuringStart => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
                     .code(ErrorCode::KernelDead)

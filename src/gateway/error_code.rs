@@ -69,6 +69,7 @@ error_codes! {
     KernelLimit = "kernel_limit",
     TenantKernelLimit = "tenant_kernel_limit",
     KernelNotReady = "kernel_not_ready",
+    RestoreDeferred = "restore_deferred",
     KernelDead = "kernel_dead",
     KernelBusy = "kernel_busy",
     SandboxStartFailed = "sandbox_start_failed",

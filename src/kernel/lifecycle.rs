@@ -23,8 +23,13 @@
 //! Whatever next waits for the kernel to be ready (a message to send, a client attaching, a
 //! file operation) restores it first ([`Kernel::wake`]): the backend adopts the saved
 //! sandbox under the same generation and key, and the next execution's result says
-//! `restored`. A restore that fails is a lost sandbox: a fresh process starts, the
-//! generation moves on, and `last_restart_reason` says why.
+//! `restored`. A restore that fails while what was saved is still there (the backend keeps
+//! it after a failure of the host's before the sandbox ran) leaves the kernel hibernated:
+//! the request is refused with [`KernelError::RestoreDeferred`] and the next one tries
+//! again; a restart is the user's way to start afresh instead. One that fails with the save
+//! gone is a lost sandbox: a fresh process starts, the generation moves on, and
+//! `last_restart_reason` says why. A restore runs in a task of its own: a waiter that gives
+//! up (a request's timeout) never cuts it midway.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,6 +53,7 @@ use crate::protocol::{Channel, Message};
 use crate::sandbox::{
     ExitReport, KernelLabels, LaunchSpec, Launched, Limits, Sandbox, SandboxHandle,
 };
+use crate::telemetry::metrics::RestoreOutcome;
 use crate::timestamp::format_timestamp;
 
 /// The environment variable that tells the kernel launcher
@@ -192,6 +198,9 @@ pub struct Kernel {
     hibernated_bytes: AtomicU64,
     /// Its tenant's hibernated-storage quota refused its save (said once until it fits).
     quota_refused: AtomicBool,
+    /// The last restore that failed with what was saved kept: when it ended and why
+    /// (a request that waited for it is answered the same, not with another try).
+    restore_deferred: parking_lot::Mutex<Option<(std::time::Instant, String)>>,
     /// Held while a client's request is checked against readiness and registered, and
     /// while a save marks the kernel hibernated: a request is either seen by the save (which
     /// then does not happen) or sees the kernel hibernated (and restores it).
@@ -261,6 +270,7 @@ impl Kernel {
             restored: AtomicBool::new(false),
             cannot_hibernate: AtomicBool::new(false),
             hibernated_bytes: AtomicU64::new(0),
+            restore_deferred: parking_lot::Mutex::new(None),
             quota_refused: AtomicBool::new(false),
             send_gate: parking_lot::Mutex::new(()),
             router: Arc::new(
@@ -813,14 +823,33 @@ impl Kernel {
     }
 
     /// Restores a hibernated kernel (see the module's doc); nothing to do for one that is
-    /// not. A restore that fails starts a fresh process instead (the generation moves on).
+    /// not. A restore that fails starts a fresh process instead (the generation moves on),
+    /// unless what was saved is kept: then the kernel stays hibernated and this answers
+    /// [`KernelError::RestoreDeferred`].
     pub async fn wake(self: &Arc<Self>) -> Result<(), KernelError> {
         if !self.is_hibernated() {
             return Ok(());
         }
+        let kernel = self.clone();
+        tokio::spawn(async move { kernel.restore().await })
+            .await
+            .map_err(|error| KernelError::Io {
+                what: "restoring the hibernated kernel".to_owned(),
+                source: std::io::Error::other(error),
+            })?
+    }
+
+    async fn restore(self: Arc<Self>) -> Result<(), KernelError> {
+        let asked = std::time::Instant::now();
         let _ops = self.ops.lock().await;
         if !self.is_hibernated() {
             return Ok(());
+        }
+        // A restore that failed while this one waited for it: the same answer.
+        if let Some((ended, why)) = self.restore_deferred.lock().clone() {
+            if ended > asked {
+                return Err(KernelError::RestoreDeferred(why));
+            }
         }
         let started = std::time::Instant::now();
         let generation = self.generation();
@@ -835,6 +864,7 @@ impl Kernel {
             policy: self.policy.clone(),
             tenant: self.options.tenant.clone(),
         };
+        let metrics = crate::telemetry::metrics::metrics();
         let failure = match self.launch_as(generation, Some((record, key))).await {
             Ok(launched) => {
                 self.clone().finish_boot(launched).await;
@@ -844,20 +874,27 @@ impl Kernel {
                     other => Some(format!("it ended {other:?}")),
                 }
             }
+            Err(err) if self.save_is_kept() => {
+                let why = err.to_string();
+                tracing::warn!(kernel_id = %self.id, error = %why, "restore failed; what was saved is kept, the next request tries again");
+                metrics.hibernation_restored(started.elapsed(), RestoreOutcome::deferred);
+                *self.restore_deferred.lock() = Some((std::time::Instant::now(), why.clone()));
+                return Err(KernelError::RestoreDeferred(why));
+            }
             Err(err) => Some(err.to_string()),
         };
-        let metrics = crate::telemetry::metrics::metrics();
+        self.restore_deferred.lock().take();
         self.hibernated_bytes.store(0, Ordering::SeqCst);
         let Some(failure) = failure else {
             self.saved_key.lock().take();
             self.restored.store(true, Ordering::SeqCst);
             // The user is back: the idle clock starts again.
             self.router.touch();
-            metrics.hibernation_restored(started.elapsed(), true);
+            metrics.hibernation_restored(started.elapsed(), RestoreOutcome::ok);
             tracing::info!(kernel_id = %self.id, generation, seconds = started.elapsed().as_secs_f64(), "kernel restored from hibernation");
             return Ok(());
         };
-        metrics.hibernation_restored(started.elapsed(), false);
+        metrics.hibernation_restored(started.elapsed(), RestoreOutcome::failed);
         self.saved_key.lock().take();
         self.sandbox.forget(self.id.as_str());
         if let Some(instance) = self.instance.lock().take() {
@@ -871,6 +908,14 @@ impl Kernel {
         tracing::warn!(kernel_id = %self.id, %reason, "restore failed");
         *self.last_restart_reason.lock() = Some(reason);
         self.relaunch().await
+    }
+
+    /// Whether the backend still holds this kernel's saved sandbox (after a restore that
+    /// failed: it keeps it only when another try can work).
+    fn save_is_kept(&self) -> bool {
+        self.sandbox
+            .survivor(self.id.as_str())
+            .is_some_and(|survivor| survivor.hibernated)
     }
 
     /// Starts the kernel's next generation in place of the last (restarting, then ready

@@ -15,7 +15,7 @@ use super::KernelError;
 use crate::ownership::{Count, KernelRecord, Ownership};
 use crate::policy::{Policies, Policy};
 use crate::sandbox::{Backends, Limits, SandboxError};
-use crate::telemetry::metrics::StartSource;
+use crate::telemetry::metrics::{RestoreOutcome, StartSource};
 
 /// The environment variable (from the start request) that names a kernel's policy.
 /// GatewayClient forwards every `KERNEL_*` variable of the lab server's environment, so a
@@ -964,7 +964,9 @@ impl KernelManager {
     /// Takes back the kernel of a session whose sandbox outlived the gateway before this one
     /// (same state directory): attached to, not started, under its id, generation,
     /// kernelspec, policy and tenant. `Ok(None)`: it has no such sandbox; an error: it had
-    /// one, which is gone or refused this gateway (see `sandbox::namespaces::survival`).
+    /// one, which is gone or refused this gateway (see `sandbox::namespaces::survival`), or
+    /// (a hibernated one) could not be restored now but is kept
+    /// ([`KernelError::RestoreDeferred`]).
     pub async fn adopt_survivor(
         &self,
         id: crate::ids::KernelId,
@@ -1010,6 +1012,7 @@ impl KernelManager {
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let age = Duration::from_millis(now_ms.saturating_sub(survivor.started_ms));
         let restoring = std::time::Instant::now();
+        let kernel_id = id.to_string();
         let launched = self
             .launch_with_age(
                 &spec,
@@ -1022,9 +1025,22 @@ impl KernelManager {
             )
             .await;
         if survivor.hibernated {
-            // The VM restored (to its kernel's process running, not yet ready), or not.
-            crate::telemetry::metrics::metrics()
-                .hibernation_restored(restoring.elapsed(), launched.is_ok());
+            // The VM restored (to its kernel's process running, not yet ready), or not:
+            // with what was saved kept for another try (a failure of the host's before the
+            // VM ran), or gone.
+            let kept = launched.is_err()
+                && sandbox
+                    .survivor(&kernel_id)
+                    .is_some_and(|survivor| survivor.hibernated);
+            let outcome = match (&launched, kept) {
+                (Ok(_), _) => RestoreOutcome::ok,
+                (Err(_), true) => RestoreOutcome::deferred,
+                (Err(_), false) => RestoreOutcome::failed,
+            };
+            crate::telemetry::metrics::metrics().hibernation_restored(restoring.elapsed(), outcome);
+            if let (Err(err), true) = (&launched, kept) {
+                return Err(KernelError::RestoreDeferred(err.to_string()));
+            }
         }
         let kernel = launched?;
         if let Some(tenant) = &tenant {

@@ -108,6 +108,10 @@ pub enum KernelError {
     NotReady,
     #[error("the kernel cannot hibernate now: {0}")]
     NotHibernatable(String),
+    /// A restore from hibernation that failed with what was saved kept (see
+    /// [`Kernel::wake`]): the same request may work later.
+    #[error("the hibernated kernel could not be restored now ({0}); what it saved is kept and the next request tries again (restart the session to start afresh instead, losing its variables and workspace files)")]
+    RestoreDeferred(String),
     #[error("kernel process died while starting")]
     DiedDuringStart,
     #[error("no reply to {0} from the kernel")]

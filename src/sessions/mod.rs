@@ -803,8 +803,9 @@ impl Sessions {
             concurrent_sessions,
         });
         // A sandbox that outlived the gateway before this one is taken back (a request may
-        // come before the adoption at start got to it).
-        if let Some(kernel) = self.adopt_kernel(&dormant).await {
+        // come before the adoption at start got to it). A hibernated one that could not be
+        // restored now, but is kept, leaves the session dormant for the next request.
+        if let Some(kernel) = self.adopt_kernel(&dormant).await? {
             let session = self.bring_back(id, kernel).await?;
             tracing::info!(session_id = %session.id, generation = session.kernel.generation(), "session adopted: its kernel outlived the gateway before this one");
             return Ok(session);
@@ -886,7 +887,7 @@ impl Sessions {
             return;
         }
         let asked = std::time::Instant::now();
-        let Some(kernel) = self.adopt_kernel(&dormant).await else {
+        let Ok(Some(kernel)) = self.adopt_kernel(&dormant).await else {
             return;
         };
         match self.bring_back(id, kernel).await {
@@ -904,9 +905,10 @@ impl Sessions {
 
     /// The dormant session's kernel, adopted and ready, when its sandbox outlived the
     /// gateway before this one; `None` otherwise (a sandbox that was kept but is gone or
-    /// cannot be adopted marks the session [`SANDBOX_LOST`]). Called under its `reviving`
-    /// lock.
-    async fn adopt_kernel(&self, dormant: &Dormant) -> Option<Arc<Kernel>> {
+    /// cannot be adopted marks the session [`SANDBOX_LOST`]); an error for a hibernated one
+    /// not restored now but kept (the session stays dormant, not lost). Called under its
+    /// `reviving` lock.
+    async fn adopt_kernel(&self, dormant: &Dormant) -> Result<Option<Arc<Kernel>>, KernelError> {
         let row = &dormant.row;
         let adopted = self
             .kernels
@@ -918,14 +920,15 @@ impl Sessions {
             )
             .await;
         let failure = match adopted {
-            Ok(None) => return None,
+            Ok(None) => return Ok(None),
+            Err(deferred @ KernelError::RestoreDeferred(_)) => return Err(deferred),
             Ok(Some(kernel)) => match kernel.wait_ready().await {
                 Ok(()) => {
                     // Idle culling goes on counting from before the restart.
                     if let Some(at) = dormant.last_active() {
                         kernel.router().set_last_activity(at);
                     }
-                    return Some(kernel);
+                    return Ok(Some(kernel));
                 }
                 Err(err) => {
                     let _ = self.kernels.shutdown(kernel.id.as_str()).await;
@@ -938,7 +941,7 @@ impl Sessions {
         dormant
             .lost
             .store(true, std::sync::atomic::Ordering::SeqCst);
-        None
+        Ok(None)
     }
 
     /// Makes a dormant session live again on `kernel` (ready), its history going on from

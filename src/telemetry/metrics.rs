@@ -197,7 +197,7 @@ pub struct Metrics {
     hibernations: Family<HibernationLabels, Counter>,
     hibernate_seconds: Histogram,
     hibernated_bytes: Histogram,
-    restores: Family<HibernationLabels, Counter>,
+    restores: Family<RestoreLabels, Counter>,
     restore_seconds: Histogram,
     hibernations_refused: Counter,
 }
@@ -205,6 +205,23 @@ pub struct Metrics {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct HibernationLabels {
     outcome: ZygoteOutcome,
+}
+
+/// How a restore from hibernation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[allow(non_camel_case_types)] // The label's values, as Prometheus shows them.
+pub enum RestoreOutcome {
+    /// The saved kernel runs again.
+    ok,
+    /// It could not be restored and what was saved is gone: a fresh kernel replaced it.
+    failed,
+    /// Not restored this time, what was saved kept: the next request tries again.
+    deferred,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RestoreLabels {
+    outcome: RestoreOutcome,
 }
 
 /// Saves and restores of a VM: about a second natively, tens of seconds under emulation.
@@ -235,11 +252,6 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         );
         drop(
             metrics
-                .restores
-                .get_or_create(&HibernationLabels { outcome }),
-        );
-        drop(
-            metrics
                 .zygote_starts
                 .get_or_create(&ZygoteLabels { outcome }),
         );
@@ -248,6 +260,13 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
                 .zygote_forks
                 .get_or_create(&ZygoteLabels { outcome }),
         );
+    }
+    for outcome in [
+        RestoreOutcome::ok,
+        RestoreOutcome::failed,
+        RestoreOutcome::deferred,
+    ] {
+        drop(metrics.restores.get_or_create(&RestoreLabels { outcome }));
     }
     metrics
 });
@@ -436,17 +455,12 @@ impl Metrics {
     }
 
     /// A hibernated kernel was restored (`ok`), or could not be and started afresh.
-    pub fn hibernation_restored(&self, elapsed: Duration, ok: bool) {
-        if ok {
+    pub fn hibernation_restored(&self, elapsed: Duration, outcome: RestoreOutcome) {
+        if outcome == RestoreOutcome::ok {
             self.restore_seconds.observe(elapsed.as_secs_f64());
         }
-        let outcome = if ok {
-            ZygoteOutcome::ok
-        } else {
-            ZygoteOutcome::failed
-        };
         self.restores
-            .get_or_create(&HibernationLabels { outcome })
+            .get_or_create(&RestoreLabels { outcome })
             .inc();
     }
 
@@ -592,7 +606,7 @@ fn register_hibernation(registry: &mut Registry, m: &Metrics) {
     );
     registry.register(
         "restores",
-        "Hibernated kernels restored (ok) or lost (failed: a fresh kernel started)",
+        "Restores of hibernated kernels: ok, failed (what was saved lost, a fresh kernel started) or deferred (not restored this time, what was saved kept for the next request)",
         m.restores.clone(),
     );
     registry.register(
@@ -875,6 +889,7 @@ mod tests {
             "cellgate_pool_misses_total 0".to_owned(),
             "cellgate_hibernations_total{outcome=\"failed\"} 0".to_owned(),
             "cellgate_restores_total{outcome=\"ok\"} 0".to_owned(),
+            "cellgate_restores_total{outcome=\"deferred\"} 0".to_owned(),
             "cellgate_hibernations_refused_total 0".to_owned(),
         ] {
             assert!(text.contains(&line), "{line} missing from:\n{text}");

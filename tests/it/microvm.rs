@@ -959,6 +959,82 @@ fn vmm_of(kernel_id: &str) -> bool {
         })
 }
 
+/// A file where a kernel's directory is or will be, while this lives: what a restore
+/// makes there first fails, as on a host whose runtime directory was cleaned away or
+/// filled up. Put back as it was when dropped.
+struct DirUnusable {
+    path: std::path::PathBuf,
+    aside: Option<std::path::PathBuf>,
+}
+
+impl DirUnusable {
+    /// The kernel's `run` directory below `root` (its directory in the state directory,
+    /// for a kernel that may outlive its gateway) made unusable.
+    fn run_dir(root: &std::path::Path, kernel_id: &str) -> Result<DirUnusable> {
+        let run = walkdir_find(root, &|path| {
+            path.file_name().is_some_and(|name| name == "run")
+                && path.is_dir()
+                && path.components().any(|c| c.as_os_str() == kernel_id)
+        })
+        .with_context(|| format!("no run directory of {kernel_id} in {}", root.display()))?;
+        let aside = run.with_file_name("run.aside");
+        std::fs::rename(&run, &aside)?;
+        std::fs::write(&run, b"not a directory")?;
+        Ok(DirUnusable {
+            path: run,
+            aside: Some(aside),
+        })
+    }
+
+    /// `path`, which does not exist yet, taken by a file.
+    fn taken(path: std::path::PathBuf) -> Result<DirUnusable> {
+        anyhow::ensure!(!path.exists(), "{} exists", path.display());
+        std::fs::write(&path, b"not a directory")?;
+        Ok(DirUnusable { path, aside: None })
+    }
+}
+
+impl Drop for DirUnusable {
+    fn drop(&mut self) {
+        std::fs::remove_file(&self.path).unwrap();
+        if let Some(aside) = &self.aside {
+            std::fs::rename(aside, &self.path).unwrap();
+        }
+    }
+}
+
+/// The first path below `dir` (itself excluded) that `wanted` takes, depth first.
+fn walkdir_find(
+    dir: &std::path::Path,
+    wanted: &dyn Fn(&std::path::Path) -> bool,
+) -> Option<std::path::PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        if wanted(&path) {
+            return Some(path);
+        }
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            if let Some(found) = walkdir_find(&path, wanted) {
+                return Some(found);
+            }
+        }
+    }
+    None
+}
+
+/// A restore refused for now: 503 `restore_deferred` with a `Retry-After`, saying the save is kept.
+async fn assert_restore_deferred(response: reqwest::Response, gateway: &Gateway) -> Result<()> {
+    let status = response.status();
+    let retry = response.headers().get("retry-after").cloned();
+    let body: Value = response.json().await?;
+    assert_eq!(status, 503, "{body}\n{}", gateway.log());
+    assert_eq!(body["code"], "restore_deferred", "{body}");
+    assert!(retry.is_some(), "a Retry-After: {body}");
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(message.contains("what it saved is kept"), "{body}");
+    Ok(())
+}
+
 /// The session's listing once its state is `state` (at most [`PATIENCE`]).
 async fn session_once(v1: &V1Client<'_>, id: &str, state: &str) -> Result<Value> {
     let deadline = std::time::Instant::now() + PATIENCE;
@@ -1046,6 +1122,25 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
         "the VM's QEMU is gone once it is saved"
     );
 
+    // A restore that fails for the host's reason before the VM ran (here the kernel's
+    // runtime directory is unusable) keeps what was saved: 503 restore_deferred, the
+    // session still hibernated, its files as they were; the next request restores it.
+    let unusable = DirUnusable::run_dir(state.path(), &id)?;
+    let response = v1
+        .request(
+            reqwest::Method::GET,
+            &format!("/v1/sessions/{id}/files/kept.txt"),
+        )
+        .send()
+        .await?;
+    assert_restore_deferred(response, &gateway).await?;
+    let (_, listed) = v1.get(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(listed["state"], "hibernated", "{listed}");
+    for file in ["record.json", "vm.state", "workspace.ext4"] {
+        assert!(saved.join(file).is_file(), "{file} kept");
+    }
+    drop(unusable);
+
     // A file request restores it: the workspace file is intact…
     let response = v1
         .request(
@@ -1076,6 +1171,7 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     drop(v1);
     drop(gateway);
     assert!(saved.join("record.json").is_file(), "kept across the stop");
+    let runtime = tempfile::Builder::new().prefix("cg-run").tempdir()?;
     let (gateway, _dir2) = vm_gateway_with(
         port,
         "memory = \"384MiB\"\nworkspace = \"16MiB\"\nhibernate_after = \"4s\"",
@@ -1087,6 +1183,8 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
             "false",
             "--state-dir",
             &state_dir,
+            "--runtime-dir",
+            runtime.path().to_str().context("path")?,
         ],
     )
     .await?;
@@ -1095,6 +1193,27 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     assert_eq!(status, 200, "{listed}");
     assert_eq!(listed["state"], "hibernated", "{listed}");
     assert_eq!(listed["state_generation"], generation, "{listed}");
+    // The same on a session the gateway before this one hibernated (its kernel's directory
+    // below the runtime directory taken by a file): kept, still listed hibernated, and not
+    // lost.
+    // The gateway's own directory below the runtime directory: `cellgate-<pid>`.
+    let runtime_root = walkdir_find(runtime.path(), &|path| {
+        path.file_name()
+            .is_some_and(|name| name.to_string_lossy().starts_with("cellgate-"))
+    })
+    .context("the gateway's runtime directory")?;
+    let unusable = DirUnusable::taken(runtime_root.join(&id))?;
+    let response = v1
+        .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
+        .json(&json!({"code": "x"}))
+        .send()
+        .await?;
+    assert_restore_deferred(response, &gateway).await?;
+    let (_, listed) = v1.get(&format!("/v1/sessions/{id}")).await?;
+    assert_eq!(listed["state"], "hibernated", "{listed}");
+    assert_eq!(listed["state_generation"], generation, "{listed}");
+    assert!(saved.join("record.json").is_file());
+    drop(unusable);
     let r = v1.execute(&id, "x").await?;
     assert_eq!(r["result"], "42", "{r}\n{}", gateway.log());
     assert_eq!(r["state_generation"], generation, "{r}");
@@ -1128,6 +1247,7 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
     assert_eq!(sample("cellgate_hibernations_total{outcome=\"ok\"}"), 1.0);
     assert_eq!(sample("cellgate_restores_total{outcome=\"ok\"}"), 1.0);
     assert_eq!(sample("cellgate_restores_total{outcome=\"failed\"}"), 1.0);
+    assert_eq!(sample("cellgate_restores_total{outcome=\"deferred\"}"), 1.0);
     assert_eq!(sample("cellgate_hibernate_seconds_count"), 1.0);
     assert_eq!(sample("cellgate_hibernated_bytes_count"), 1.0);
     assert!(sample("cellgate_hibernated_bytes_sum") > 1e6);

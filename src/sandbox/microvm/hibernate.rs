@@ -26,14 +26,21 @@
 //! **What can fail, and how it is said.** A save is not begun without room for it on the
 //! state directory's disk (the VM's RAM, its workspace disk's used blocks and a margin): the
 //! VM runs on, and a later pass tries again. A save that fails once begun ends the VM (it
-//! is stopped by then) and the kernel is reported dead with the reason, as a lost sandbox. A restore that
-//! fails (the files are gone or damaged, the guest images or the VM's shape changed, the
-//! guest does not prove the key) removes what was saved and is reported to the kernel
-//! layer, which starts a fresh kernel (its state generation moves on, as for a lost
-//! sandbox). Never a hang: every step has a deadline.
+//! is stopped by then) and the kernel is reported dead with the reason, as a lost sandbox.
+//! A restore that fails before the guest ran, for what the host did (the VMM could not
+//! start or was killed, the state took longer to load than the boot timeout, a cgroup or
+//! a socket could not be made) keeps what was saved as it was ([`hand_back`]): the kernel
+//! stays hibernated and the next request tries again ([`Waking`] says how far a restore
+//! got). One that cannot work (the files are gone or damaged, the guest images or the VM's
+//! shape changed, the VMM refused the state) or that failed once the guest ran (its
+//! workspace disk may have changed under the saved memory: restoring that memory again
+//! could corrupt it) removes what was saved; the kernel layer then starts a fresh kernel
+//! (its state generation moves on, as for a lost sandbox). Never a hang: every step has a
+//! deadline.
 
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -429,15 +436,65 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), MicrovmError> {
     std::fs::rename(&temporary, path).map_err(io_error(path.display().to_string()))
 }
 
+/// How far a hibernated VM's restore got, which decides whether a failed one may keep
+/// what was saved for another try: only one whose guest never ran, and whose save was not
+/// itself refused.
+#[derive(Debug, Default)]
+pub(super) struct Waking {
+    /// The guest was let run (`cont` sent, or the VM found running).
+    ran: AtomicBool,
+    /// The save cannot be restored here: its record does not fit this gateway, its files
+    /// are unreadable, or the VMM ended by itself while loading it (a damaged state).
+    refused: AtomicBool,
+}
+
+impl Waking {
+    /// Notes that the guest runs (or may): from here a failure loses what was saved.
+    pub(super) fn ran(&self) {
+        self.ran.store(true, Ordering::SeqCst);
+    }
+
+    /// Notes that the save itself was refused: another try would fail the same way.
+    pub(super) fn refused(&self) {
+        self.refused.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a failed restore may keep what was saved for the next request.
+    pub(super) fn may_retry(&self) -> bool {
+        !self.ran.load(Ordering::SeqCst) && !self.refused.load(Ordering::SeqCst)
+    }
+}
+
 /// What a restore takes from a kernel's directory: the saved state, open, and the record;
-/// the workspace disk is moved to `runtime_dir`. Checked against the VM it is to become.
+/// the workspace disk is moved to `runtime_dir`. Checked against the VM it is to become (a
+/// record that does not fit, or files that are not there, are noted `waking.refused()`).
 pub(super) fn take_for_restore(
     hibernations: &Hibernations,
     kernel_id: &str,
     runtime_dir: &Path,
     size: VmSize,
     machine: &str,
+    waking: &Waking,
 ) -> Result<(std::fs::File, Record), MicrovmError> {
+    let refused = |error: MicrovmError| {
+        waking.refused();
+        error
+    };
+    let (state, record, disk) =
+        checked_save(hibernations, kernel_id, size, machine).map_err(refused)?;
+    // A move that fails leaves the disk where it was: a host's failure, tried again.
+    move_file(&disk, &runtime_dir.join(WORKSPACE_DISK))?;
+    Ok((state, record))
+}
+
+/// The saved state (open), the record and the disk's path of `kernel_id`'s save, if they
+/// fit the VM it is to become.
+fn checked_save(
+    hibernations: &Hibernations,
+    kernel_id: &str,
+    size: VmSize,
+    machine: &str,
+) -> Result<(std::fs::File, Record, PathBuf), MicrovmError> {
     let record = hibernations.read(kernel_id)?;
     if record.machine != machine {
         return Err(MicrovmError::Start(format!(
@@ -459,8 +516,28 @@ pub(super) fn take_for_restore(
     let disk = dir.join(WORKSPACE_DISK);
     // Checked as the state is: the gateway's regular file, not a link.
     drop(open_private(&disk)?);
-    move_file(&disk, &runtime_dir.join(WORKSPACE_DISK))?;
-    Ok((state, record))
+    Ok((state, record, disk))
+}
+
+/// Puts back what [`take_for_restore`] took, after a restore whose guest never ran: the
+/// workspace disk returns beside the saved state and the record, all as they were saved.
+pub(super) fn hand_back(
+    hibernations: &Hibernations,
+    kernel_id: &str,
+    runtime_dir: &Path,
+) -> Result<(), MicrovmError> {
+    let dir = hibernations
+        .kernel_dir(kernel_id)
+        .ok_or_else(|| MicrovmError::Start("not a kernel id".to_owned()))?;
+    let taken = runtime_dir.join(WORKSPACE_DISK);
+    if std::fs::symlink_metadata(&taken).is_ok() {
+        move_file(&taken, &dir.join(WORKSPACE_DISK))?;
+        sync_dir(&dir)?;
+    }
+    // Whole again, or not at all: the next restore checks it as this one did.
+    drop(open_private(&dir.join(WORKSPACE_DISK))?);
+    drop(open_private(&dir.join(STATE))?);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -514,6 +591,82 @@ mod tests {
         let why = room_for(&saver(1 << 40), 0).unwrap_err();
         assert!(why.contains("MiB free"), "{why}");
         assert!(room_for(&saver(16), u64::MAX).is_err());
+    }
+
+    #[test]
+    fn a_restore_that_failed_before_the_guest_ran_puts_everything_back() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("hibernated");
+        let hibernations = Hibernations::open(&dir).unwrap();
+        let id = "0b0e6f3c-1111-4222-8333-444455556666";
+        let saved = dir.join(id);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&saved)
+            .unwrap();
+        let record = Record {
+            kernel_id: id.to_owned(),
+            key: "k".repeat(32),
+            generation: 3,
+            started_ms: 1,
+            saved_ms: 2,
+            memory_mib: 512,
+            vcpus: 1,
+            machine: "m".to_owned(),
+            bytes: 10,
+        };
+        write_private(&saved.join(RECORD), &serde_json::to_vec(&record).unwrap()).unwrap();
+        write_private(&saved.join(STATE), b"state").unwrap();
+        write_private(&saved.join(WORKSPACE_DISK), b"disk").unwrap();
+        let run = root.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        let size = VmSize {
+            memory_mib: 512,
+            vcpus: 1,
+        };
+
+        // A save that does not fit the VM asked for is refused, and nothing is moved.
+        let waking = Waking::default();
+        let smaller = VmSize {
+            memory_mib: 256,
+            vcpus: 1,
+        };
+        assert!(take_for_restore(&hibernations, id, &run, smaller, "m", &waking).is_err());
+        assert!(!waking.may_retry());
+        let waking = Waking::default();
+        assert!(take_for_restore(&hibernations, id, &run, size, "other", &waking).is_err());
+        assert!(!waking.may_retry());
+        assert!(saved.join(WORKSPACE_DISK).is_file());
+
+        // Taken, then put back: as it was, and taken again.
+        let waking = Waking::default();
+        let (_, taken) = take_for_restore(&hibernations, id, &run, size, "m", &waking).unwrap();
+        assert_eq!(taken, record);
+        assert!(waking.may_retry());
+        assert!(!saved.join(WORKSPACE_DISK).exists());
+        assert_eq!(std::fs::read(run.join(WORKSPACE_DISK)).unwrap(), b"disk");
+        hand_back(&hibernations, id, &run).unwrap();
+        assert!(!run.join(WORKSPACE_DISK).exists());
+        assert_eq!(std::fs::read(saved.join(WORKSPACE_DISK)).unwrap(), b"disk");
+        assert_eq!(hibernations.read(id).unwrap(), record);
+        assert!(hibernations.survivor(id).is_some());
+        take_for_restore(&hibernations, id, &run, size, "m", &Waking::default()).unwrap();
+
+        // Once the guest ran, or the VMM refused the state, a failure keeps nothing.
+        let waking = Waking::default();
+        waking.ran();
+        assert!(!waking.may_retry());
+        let waking = Waking::default();
+        waking.refused();
+        assert!(!waking.may_retry());
+
+        // A save whose disk is gone is refused; one that cannot be made whole again is
+        // said so (and is then removed by the caller).
+        std::fs::remove_file(run.join(WORKSPACE_DISK)).unwrap();
+        assert!(hand_back(&hibernations, id, &run).is_err());
+        let waking = Waking::default();
+        assert!(take_for_restore(&hibernations, id, &run, size, "m", &waking).is_err());
+        assert!(!waking.may_retry());
     }
 
     #[test]

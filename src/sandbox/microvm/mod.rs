@@ -739,9 +739,10 @@ impl Core {
         })
     }
 
-    /// `spec`'s kernel's VM, restored from where it hibernated (`hibernate.rs`). Whatever
-    /// happens, what was saved is gone afterwards: the VM runs from it, or it could not be
-    /// restored (and a fresh kernel is the kernel layer's answer).
+    /// `spec`'s kernel's VM, restored from where it hibernated (`hibernate.rs`). Afterwards
+    /// what was saved is gone (the VM runs from it, or it cannot be restored: a fresh kernel
+    /// is then the kernel layer's answer), or, after a failure before the guest ran, kept
+    /// as it was for the next try.
     async fn restore_hibernated(
         &self,
         spec: &LaunchSpec,
@@ -755,10 +756,30 @@ impl Core {
                 "no hibernated VM to restore: this gateway has no state directory".to_owned(),
             )
         })?;
+        let waking = hibernate::Waking::default();
         let restored = self
-            .restore_from(hibernations, spec, map, environment, connection, size)
+            .restore_from(
+                hibernations,
+                spec,
+                (map, environment, connection),
+                size,
+                &waking,
+            )
             .await;
-        hibernations.remove(&spec.kernel_id);
+        match &restored {
+            Err(error) if waking.may_retry() => {
+                match hibernate::hand_back(hibernations, &spec.kernel_id, &spec.runtime_dir) {
+                    Ok(()) => {
+                        tracing::warn!(kernel_id = %spec.kernel_id, %error, "microvm: the restore failed before the guest ran; what was saved is kept for the next try");
+                    }
+                    Err(lost) => {
+                        tracing::error!(kernel_id = %spec.kernel_id, %error, %lost, "microvm: the restore failed and what was saved could not be put back");
+                        hibernations.remove(&spec.kernel_id);
+                    }
+                }
+            }
+            _ => hibernations.remove(&spec.kernel_id),
+        }
         if restored.is_err() {
             clear_runtime_dir(&spec.runtime_dir);
         }
@@ -769,10 +790,9 @@ impl Core {
         &self,
         hibernations: &hibernate::Hibernations,
         spec: &LaunchSpec,
-        map: &Relocation,
-        environment: Option<&str>,
-        connection: Option<ConnectionFile>,
+        (map, environment, connection): (&Relocation, Option<&str>, Option<ConnectionFile>),
         size: VmSize,
+        waking: &hibernate::Waking,
     ) -> Result<Launched, MicrovmError> {
         let started = std::time::Instant::now();
         let (state, record) = hibernate::take_for_restore(
@@ -781,8 +801,10 @@ impl Core {
             &spec.runtime_dir,
             size,
             &self.machine,
+            waking,
         )?;
         if record.key != spec.connection.key {
+            waking.refused();
             return Err(MicrovmError::Start(
                 "the kernel's key is not the one its VM was saved with".to_owned(),
             ));
@@ -799,7 +821,7 @@ impl Core {
                 size,
                 (&disk, disk_bytes),
                 Some(state),
-                Some(&key),
+                Some((&key, waking)),
             )
             .await;
         if booted.is_ok() {
@@ -818,7 +840,7 @@ impl Core {
         size: VmSize,
         (disk, disk_bytes): (&Path, u64),
         snapshot: Option<std::fs::File>,
-        hibernated: Option<&[u8]>,
+        hibernated: Option<(&[u8], &hibernate::Waking)>,
     ) -> Result<Launched, MicrovmError> {
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let jail = Arc::new(self.confiner.prepare(
@@ -929,7 +951,7 @@ impl Core {
         size: VmSize,
         jail: Arc<confine::Jail>,
         snapshot: Option<std::fs::File>,
-        hibernated: Option<&[u8]>,
+        hibernated: Option<(&[u8], &hibernate::Waking)>,
     ) -> Result<Launched, MicrovmError> {
         let dir = &spec.runtime_dir;
         let restore = snapshot.is_some();
@@ -1013,7 +1035,12 @@ impl Core {
             if restore {
                 let mut qmp =
                     qmp::Qmp::connect(&dir.join(QMP_SOCKET), self.config.boot_timeout).await?;
-                qmp::resume(&mut qmp, self.config.boot_timeout).await?;
+                let ran = || {
+                    if let Some((_, waking)) = hibernated {
+                        waking.ran();
+                    }
+                };
+                qmp::resume(&mut qmp, self.config.boot_timeout, ran).await?;
                 drop(qmp);
                 if !keeps_control {
                     // Nothing else is asked of the VMM: no control socket for the VM's life.
@@ -1024,7 +1051,7 @@ impl Core {
             let agent =
                 agent::Agent::connect(io, spec.egress_socket.clone(), self.config.boot_timeout)
                     .await?;
-            if let Some(key) = hibernated {
+            if let Some((key, _)) = hibernated {
                 // The kernel runs already: prove its key (and have the guest prove it).
                 agent.attach(key).await?;
                 agent.request(restored_op()).await?;
@@ -1055,6 +1082,19 @@ impl Core {
         let agent = match served {
             Ok(agent) => agent,
             Err(error) => {
+                if let Some((_, waking)) = hibernated.filter(|(_, w)| w.may_retry()) {
+                    // A VMM that ends by itself (an exit code, not a signal) before the
+                    // guest ran refused the saved state (damaged, or not its own): trying
+                    // again would not help, unless what it lacked was the host's memory. A
+                    // moment for it to end, when its end is what failed the boot.
+                    let ended = tokio::time::timeout(Duration::from_millis(500), child.wait());
+                    if let Ok(Ok(status)) = ended.await {
+                        let words = handle::last_words(&spec.log_file, &console);
+                        if status.code().is_some() && !lacked_memory(&words) {
+                            waking.refused();
+                        }
+                    }
+                }
                 handle.kill_vmm(false);
                 let _ = child.wait().await;
                 if let Some(kept) = handle.kept() {
@@ -1333,6 +1373,12 @@ fn absolute_program(program: &Path) -> Result<PathBuf, SandboxError> {
     };
     std::fs::canonicalize(&found)
         .map_err(|e| SandboxError::Setup(format!("microvm: {}: {e}", program.display())))
+}
+
+/// Whether a VMM's last words say it ended for want of the host's memory (a passing
+/// condition, unlike a state it could not load).
+fn lacked_memory(words: &str) -> bool {
+    words.contains("Cannot allocate memory") || words.contains("Resource temporarily unavailable")
 }
 
 /// Makes `command` a plain child of the backend: nothing of the gateway's environment, no

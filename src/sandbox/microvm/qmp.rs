@@ -231,7 +231,11 @@ pub(super) async fn save(
 
 /// Waits until a VM started with `-incoming` has loaded its state (at most `timeout`),
 /// then runs it: a snapshot of a stopped VM loads paused.
-pub(super) async fn resume(qmp: &mut Qmp, timeout: Duration) -> Result<(), MicrovmError> {
+pub(super) async fn resume(
+    qmp: &mut Qmp,
+    timeout: Duration,
+    ran: impl FnOnce(),
+) -> Result<(), MicrovmError> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         match qmp.status().await?.as_str() {
@@ -243,8 +247,13 @@ pub(super) async fn resume(qmp: &mut Qmp, timeout: Duration) -> Result<(), Micro
                     "the snapshot was not loaded within {timeout:?}"
                 )))
             }
-            "running" => return Ok(()),
+            "running" => {
+                ran();
+                return Ok(());
+            }
             "paused" | "postmigrate" | "prelaunch" => {
+                // From the `cont` on, the guest may run whatever its answer.
+                ran();
                 qmp.execute("cont", json!({})).await?;
                 return Ok(());
             }
