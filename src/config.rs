@@ -1205,6 +1205,19 @@ fn microvm(args: &ServeArgs, file: &mut FileConfig) -> crate::sandbox::MicrovmCo
 }
 
 impl GatewayConfig {
+    /// Where the sandboxes that outlive the gateway are kept, when they do: with
+    /// `kernels_outlive_gateway` and a state directory. What `serve` and `doctor` both use,
+    /// so that doctor judges the directory serve will use.
+    pub fn survival(&self) -> Option<crate::sandbox::Survival> {
+        if !self.kernels_outlive_gateway {
+            return None;
+        }
+        Some(crate::sandbox::Survival {
+            dir: self.state_dir.as_ref()?.join("sandboxes"),
+            grace: self.orphan_grace,
+        })
+    }
+
     /// Resolves the settings: command line, then environment, then file, then defaults.
     /// The groups are resolved in a fixed order: the first problem found is the one
     /// reported.
@@ -1351,6 +1364,26 @@ mod tests {
         // The default persists somewhere.
         let default = GatewayConfig::resolve(&ServeArgs::default()).unwrap();
         assert!(default.state_dir.is_some_and(|d| d.ends_with("cellgate")));
+    }
+
+    #[test]
+    fn sandboxes_outlive_the_gateway_only_with_a_state_directory_and_the_option() {
+        let with = |dir: &str, outlive: Option<bool>| {
+            GatewayConfig::resolve(&ServeArgs {
+                state_dir: Some(PathBuf::from(dir)),
+                kernels_outlive_gateway: outlive,
+                ..ServeArgs::default()
+            })
+            .unwrap()
+            .survival()
+            .map(|survival| survival.dir)
+        };
+        assert_eq!(
+            with("/srv/state", None),
+            Some(PathBuf::from("/srv/state/sandboxes"))
+        );
+        assert_eq!(with("/srv/state", Some(false)), None);
+        assert_eq!(with("none", Some(true)), None);
     }
 
     #[test]

@@ -204,6 +204,7 @@ fn doctor_options(args: DoctorArgs) -> anyhow::Result<cellgate::doctor::DoctorOp
         ..Default::default()
     };
     let config = GatewayConfig::resolve(&serve_args)?;
+    let survival = config.survival();
     Ok(cellgate::doctor::DoctorOptions {
         kernels_dir: config.kernels_dir,
         policies_dir: config.policies_dir,
@@ -211,14 +212,7 @@ fn doctor_options(args: DoctorArgs) -> anyhow::Result<cellgate::doctor::DoctorOp
         probe: !args.no_probe,
         microvm: config.microvm,
         kernel_zygote: config.kernel_zygote,
-        survival: config
-            .state_dir
-            .as_ref()
-            .filter(|_| config.kernels_outlive_gateway)
-            .map(|dir| cellgate::sandbox::Survival {
-                dir: dir.join("sandboxes"),
-                grace: config.orphan_grace,
-            }),
+        survival,
         package_source: Some(match config.wheelhouse {
             Some(dir) => cellgate::egress::packages::Source::Wheelhouse(dir),
             None => cellgate::egress::packages::Source::Upstream(config.package_index),
@@ -488,17 +482,10 @@ async fn open_state(
 
 /// Where kernels that outlive the gateway are recorded (`None`: they end with it).
 fn survival(config: &GatewayConfig) -> Option<cellgate::sandbox::Survival> {
-    if !config.kernels_outlive_gateway {
-        return None;
-    }
-    let Some(state_dir) = &config.state_dir else {
+    if config.kernels_outlive_gateway && config.state_dir.is_none() {
         tracing::warn!("--kernels-outlive-gateway needs a state directory: without one (--state-dir none) kernels end with the gateway");
-        return None;
-    };
-    Some(cellgate::sandbox::Survival {
-        dir: state_dir.join("sandboxes"),
-        grace: config.orphan_grace,
-    })
+    }
+    config.survival()
 }
 
 /// The directory of this gateway's kernels' run directories.
