@@ -198,9 +198,8 @@ pub struct Kernel {
     hibernated_bytes: AtomicU64,
     /// Its tenant's hibernated-storage quota refused its save (said once until it fits).
     quota_refused: AtomicBool,
-    /// The last restore that failed with what was saved kept: when it ended and why
-    /// (a request that waited for it is answered the same, not with another try).
-    restore_deferred: parking_lot::Mutex<Option<(std::time::Instant, String)>>,
+    /// The restores that failed in a row with what was saved kept.
+    deferrals: parking_lot::Mutex<Deferrals>,
     /// Held while a client's request is checked against readiness and registered, and
     /// while a save marks the kernel hibernated: a request is either seen by the save (which
     /// then does not happen) or sees the kernel hibernated (and restores it).
@@ -270,7 +269,7 @@ impl Kernel {
             restored: AtomicBool::new(false),
             cannot_hibernate: AtomicBool::new(false),
             hibernated_bytes: AtomicU64::new(0),
-            restore_deferred: parking_lot::Mutex::new(None),
+            deferrals: parking_lot::Mutex::new(Deferrals::default()),
             quota_refused: AtomicBool::new(false),
             send_gate: parking_lot::Mutex::new(()),
             router: Arc::new(
@@ -385,7 +384,17 @@ impl Kernel {
                 .unwrap_or_default(),
             generation,
         };
-        let launched = self.sandbox.launch(&spec).await?;
+        let launched = match self.sandbox.launch(&spec).await {
+            Ok(launched) => launched,
+            Err(error) => {
+                // Nothing runs from it: a kernel whose launches keep failing (a hibernated
+                // one's restores, tried at each request) must not pile them up.
+                if let Err(err) = std::fs::remove_dir_all(&spec.runtime_dir) {
+                    tracing::debug!(dir = %spec.runtime_dir.display(), %err, "a failed launch's runtime directory stays");
+                }
+                return Err(error.into());
+            }
+        };
         tracing::info!(kernel_id = %self.id, generation, backend = self.sandbox.backend().as_str(), pid = ?launched.handle.pid(), "kernel process launched");
         Ok((generation, launched))
     }
@@ -846,10 +855,8 @@ impl Kernel {
             return Ok(());
         }
         // A restore that failed while this one waited for it: the same answer.
-        if let Some((ended, why)) = self.restore_deferred.lock().clone() {
-            if ended > asked {
-                return Err(KernelError::RestoreDeferred(why));
-            }
+        if let Some(why) = self.deferrals.lock().since(asked) {
+            return Err(KernelError::RestoreDeferred(why));
         }
         let started = std::time::Instant::now();
         let generation = self.generation();
@@ -876,14 +883,18 @@ impl Kernel {
             }
             Err(err) if self.save_is_kept() => {
                 let why = err.to_string();
-                tracing::warn!(kernel_id = %self.id, error = %why, "restore failed; what was saved is kept, the next request tries again");
-                metrics.hibernation_restored(started.elapsed(), RestoreOutcome::deferred);
-                *self.restore_deferred.lock() = Some((std::time::Instant::now(), why.clone()));
-                return Err(KernelError::RestoreDeferred(why));
+                match self.deferrals.lock().note(&why) {
+                    None => {
+                        tracing::warn!(kernel_id = %self.id, error = %why, "restore failed; what was saved is kept, the next request tries again");
+                        metrics.hibernation_restored(started.elapsed(), RestoreOutcome::deferred);
+                        return Err(KernelError::RestoreDeferred(why));
+                    }
+                    Some(given_up) => Some(given_up),
+                }
             }
             Err(err) => Some(err.to_string()),
         };
-        self.restore_deferred.lock().take();
+        *self.deferrals.lock() = Deferrals::default();
         self.hibernated_bytes.store(0, Ordering::SeqCst);
         let Some(failure) = failure else {
             self.saved_key.lock().take();
@@ -1295,4 +1306,82 @@ pub struct CellgateFields {
     pub state_generation: u64,
     /// Always present (`null` until a limit restarted the kernel).
     pub last_restart_reason: Option<String>,
+}
+
+/// Restores of a hibernated kernel that failed in a row with what was saved kept. Each
+/// request tries again, but not forever: a save that keeps failing for a reason the
+/// backend took for a passing one ([`GIVE_UP_TRIES`] tries over at least
+/// [`GIVE_UP_AFTER`]) is given up, and the kernel starts afresh as for a lost sandbox.
+#[derive(Debug, Default)]
+pub(crate) struct Deferrals {
+    first: Option<std::time::Instant>,
+    last: Option<(std::time::Instant, String)>,
+    tries: u32,
+}
+
+/// See [`Deferrals`]: long enough for a host to get over a passing shortage (memory, a
+/// full disk an operator is freeing), short enough that a session is not refused all day.
+const GIVE_UP_AFTER: Duration = Duration::from_secs(600);
+/// See [`Deferrals`].
+const GIVE_UP_TRIES: u32 = 3;
+
+impl Deferrals {
+    /// Why the last deferred restore failed, if it ended after `asked`: a request that
+    /// waited for it gets its answer instead of another try.
+    pub(crate) fn since(&self, asked: std::time::Instant) -> Option<String> {
+        self.last
+            .as_ref()
+            .filter(|(ended, _)| *ended > asked)
+            .map(|(_, why)| why.clone())
+    }
+
+    /// Notes a restore deferred for `why` now; `Some(reason)` when restores are to be
+    /// given up (what was saved is then discarded, and `reason` says so).
+    pub(crate) fn note(&mut self, why: &str) -> Option<String> {
+        self.note_at(why, std::time::Instant::now())
+    }
+
+    fn note_at(&mut self, why: &str, now: std::time::Instant) -> Option<String> {
+        let first = *self.first.get_or_insert(now);
+        self.tries += 1;
+        self.last = Some((now, why.to_owned()));
+        let over = now.saturating_duration_since(first);
+        (self.tries >= GIVE_UP_TRIES && over >= GIVE_UP_AFTER).then(|| {
+            format!(
+                "{why}; {} restores failed over {} s: what was saved is given up",
+                self.tries,
+                over.as_secs()
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deferred_restores_are_given_up_after_tries_and_time_both() {
+        let start = std::time::Instant::now();
+        let mut deferrals = Deferrals::default();
+        assert_eq!(deferrals.since(start), None);
+        // Many tries at once: not given up (a client retrying is not a host failing long).
+        for _ in 0..10 {
+            assert_eq!(deferrals.note_at("no memory", start), None);
+        }
+        // A waiter that asked before the last try ended gets its answer.
+        let before = start - Duration::from_millis(1);
+        assert_eq!(deferrals.since(before).as_deref(), Some("no memory"));
+        assert_eq!(deferrals.since(start), None);
+        // Long after, but one try only: not given up.
+        let mut deferrals = Deferrals::default();
+        assert_eq!(deferrals.note_at("no memory", start), None);
+        let later = start + GIVE_UP_AFTER;
+        assert_eq!(deferrals.note_at("no memory", later), None);
+        let given_up = deferrals.note_at("no memory", later).expect("given up");
+        assert!(
+            given_up.starts_with("no memory; 3 restores failed over 600 s"),
+            "{given_up}"
+        );
+    }
 }

@@ -923,10 +923,8 @@ impl KernelManager {
         })
     }
 
-    /// Whether `id`'s kernel (of `policy`) is hibernated on disk from a gateway before this
-    /// one: its session is listed `hibernated`, and its next request restores it.
     /// Removes what `id`'s backend kept of its sandbox for a later gateway (a hibernated
-    /// VM's files): its session is gone for good.
+    /// VM's files): its session is gone for good, or starts afresh.
     pub fn forget_sandbox(&self, id: &crate::ids::KernelId, policy: &str) {
         let Ok(policy) = self.options.policies.get(policy) else {
             return;
@@ -936,7 +934,9 @@ impl KernelManager {
         }
     }
 
-    /// Its state generation when it is.
+    /// Whether `id`'s kernel (of `policy`) is hibernated on disk from a gateway before this
+    /// one (its session is listed `hibernated`, and its next request restores it): its
+    /// state generation when it is.
     pub fn hibernated_generation(&self, id: &crate::ids::KernelId, policy: &str) -> Option<u64> {
         let policy = self.options.policies.get(policy).ok()?;
         let survivor = self

@@ -43,6 +43,7 @@ pub use channels::DROPPED_INVALID;
 pub use client::{ExecEvent, ExecuteOptions, ExecuteReply, Execution, KernelClient};
 pub use execution::{CellEnd, Denial, DenialKind, ExecutionState, ExitCause, Outcome};
 pub use history::{History, HistorySnapshot};
+pub(crate) use lifecycle::Deferrals;
 pub use lifecycle::{CellgateFields, Kernel, KernelModel, KernelOptions, Readiness};
 // A kernel's resource figures ([`Kernel::usage`]), as its sandbox reads them.
 pub use crate::sandbox::ResourceUsage;

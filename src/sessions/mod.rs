@@ -783,6 +783,24 @@ impl Sessions {
     /// quota. A session that is
     /// live already is returned as it is.
     pub async fn revive(
+        self: &Arc<Self>,
+        id: &SessionId,
+        caps: (Option<usize>, Option<usize>),
+    ) -> Result<Arc<Session>, SessionError> {
+        // In a task of its own: a client that goes away must not cut a kernel's start or a
+        // hibernated sandbox's restore midway.
+        let (sessions, id) = (self.clone(), id.clone());
+        tokio::spawn(async move { sessions.revive_now(&id, caps).await })
+            .await
+            .map_err(|error| {
+                SessionError::Kernel(KernelError::Io {
+                    what: "reviving the session".to_owned(),
+                    source: std::io::Error::other(error),
+                })
+            })?
+    }
+
+    async fn revive_now(
         &self,
         id: &SessionId,
         (max_kernels, concurrent_sessions): (Option<usize>, Option<usize>),
@@ -790,11 +808,16 @@ impl Sessions {
         let Some(dormant) = self.dormant(id) else {
             return self.get(id).ok_or(SessionError::NotFound);
         };
+        let asked = std::time::Instant::now();
         let reviving = dormant.reviving.clone();
         let _one_at_a_time = reviving.lock().await;
         // Revived by the request this one waited for.
         if let Some(session) = self.get(id) {
             return Ok(session);
+        }
+        // Or its restore deferred: the same answer, not another try.
+        if let Some(why) = dormant.deferrals.lock().since(asked) {
+            return Err(KernelError::RestoreDeferred(why).into());
         }
         let row = &dormant.row;
         let owner = row.tenant.as_ref().map(|tenant| crate::kernel::Owner {
@@ -921,7 +944,14 @@ impl Sessions {
             .await;
         let failure = match adopted {
             Ok(None) => return Ok(None),
-            Err(deferred @ KernelError::RestoreDeferred(_)) => return Err(deferred),
+            Err(KernelError::RestoreDeferred(why)) => {
+                let Some(given_up) = dormant.deferrals.lock().note(&why) else {
+                    return Err(KernelError::RestoreDeferred(why));
+                };
+                self.kernels
+                    .forget_sandbox(&dormant.id.kernel(), &row.policy);
+                given_up
+            }
             Ok(Some(kernel)) => match kernel.wait_ready().await {
                 Ok(()) => {
                     // Idle culling goes on counting from before the restart.

@@ -72,6 +72,8 @@ pub struct Dormant {
     pub(super) reviving: Arc<tokio::sync::Mutex<()>>,
     /// Its sandbox was kept for adoption, which failed (see [`SANDBOX_LOST`]).
     pub(super) lost: Arc<std::sync::atomic::AtomicBool>,
+    /// Its hibernated sandbox's restores that failed in a row with what was saved kept.
+    pub(super) deferrals: Arc<parking_lot::Mutex<crate::kernel::Deferrals>>,
 }
 
 impl Dormant {
@@ -93,6 +95,7 @@ impl Dormant {
             last_event_id: stored.last_event_id,
             reviving: Arc::default(),
             lost: Arc::default(),
+            deferrals: Arc::default(),
         })
     }
 

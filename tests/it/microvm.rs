@@ -959,47 +959,33 @@ fn vmm_of(kernel_id: &str) -> bool {
         })
 }
 
-/// A file where a kernel's directory is or will be, while this lives: what a restore
-/// makes there first fails, as on a host whose runtime directory was cleaned away or
-/// filled up. Put back as it was when dropped.
-struct DirUnusable {
-    path: std::path::PathBuf,
-    aside: Option<std::path::PathBuf>,
-}
+/// Something in the way of what a restore writes, while this lives (put there by the
+/// test, as a full disk or a cleaned-away runtime directory would be): a file where a
+/// directory is to be made, or a directory where a file is to be written. Gone when
+/// dropped.
+struct Obstacle(std::path::PathBuf);
 
-impl DirUnusable {
-    /// The kernel's `run` directory below `root` (its directory in the state directory,
-    /// for a kernel that may outlive its gateway) made unusable.
-    fn run_dir(root: &std::path::Path, kernel_id: &str) -> Result<DirUnusable> {
-        let run = walkdir_find(root, &|path| {
-            path.file_name().is_some_and(|name| name == "run")
-                && path.is_dir()
-                && path.components().any(|c| c.as_os_str() == kernel_id)
-        })
-        .with_context(|| format!("no run directory of {kernel_id} in {}", root.display()))?;
-        let aside = run.with_file_name("run.aside");
-        std::fs::rename(&run, &aside)?;
-        std::fs::write(&run, b"not a directory")?;
-        Ok(DirUnusable {
-            path: run,
-            aside: Some(aside),
-        })
-    }
-
-    /// `path`, which does not exist yet, taken by a file.
-    fn taken(path: std::path::PathBuf) -> Result<DirUnusable> {
+impl Obstacle {
+    /// A file at `path` (which does not exist yet).
+    fn file(path: std::path::PathBuf) -> Result<Obstacle> {
         anyhow::ensure!(!path.exists(), "{} exists", path.display());
-        std::fs::write(&path, b"not a directory")?;
-        Ok(DirUnusable { path, aside: None })
+        std::fs::write(&path, b"in the way")?;
+        Ok(Obstacle(path))
+    }
+
+    /// A directory at `path` (which does not exist yet).
+    fn dir(path: std::path::PathBuf) -> Result<Obstacle> {
+        anyhow::ensure!(!path.exists(), "{} exists", path.display());
+        std::fs::create_dir(&path)?;
+        Ok(Obstacle(path))
     }
 }
 
-impl Drop for DirUnusable {
+impl Drop for Obstacle {
     fn drop(&mut self) {
-        std::fs::remove_file(&self.path).unwrap();
-        if let Some(aside) = &self.aside {
-            std::fs::rename(aside, &self.path).unwrap();
-        }
+        std::fs::remove_dir(&self.0)
+            .or_else(|_| std::fs::remove_file(&self.0))
+            .unwrap();
     }
 }
 
@@ -1023,15 +1009,25 @@ fn walkdir_find(
 }
 
 /// A restore refused for now: 503 `restore_deferred` with a `Retry-After`, saying the save is kept.
-async fn assert_restore_deferred(response: reqwest::Response, gateway: &Gateway) -> Result<()> {
+/// `why` is in the message: the failure is the one the test caused.
+async fn assert_restore_deferred(
+    response: reqwest::Response,
+    gateway: &Gateway,
+    why: &str,
+) -> Result<()> {
     let status = response.status();
     let retry = response.headers().get("retry-after").cloned();
     let body: Value = response.json().await?;
     assert_eq!(status, 503, "{body}\n{}", gateway.log());
     assert_eq!(body["code"], "restore_deferred", "{body}");
-    assert!(retry.is_some(), "a Retry-After: {body}");
+    assert_eq!(
+        retry.as_ref().and_then(|v| v.to_str().ok()),
+        Some("10"),
+        "{body}"
+    );
     let message = body["message"].as_str().unwrap_or_default();
     assert!(message.contains("what it saved is kept"), "{body}");
+    assert!(message.contains(why), "{why}: {body}");
     Ok(())
 }
 
@@ -1122,10 +1118,14 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
         "the VM's QEMU is gone once it is saved"
     );
 
-    // A restore that fails for the host's reason before the VM ran (here the kernel's
-    // runtime directory is unusable) keeps what was saved: 503 restore_deferred, the
-    // session still hibernated, its files as they were; the next request restores it.
-    let unusable = DirUnusable::run_dir(state.path(), &id)?;
+    // A restore that fails for the host's reason before the VM ran keeps what was saved:
+    // 503 restore_deferred, the session still hibernated, its files as they were (the
+    // workspace disk back in place); the next request restores it. Here the VM's record
+    // cannot be written (a directory where its temporary file goes): QEMU was started
+    // with the saved state and is ended before the guest runs.
+    let sandbox_dir = state.path().join("sandboxes").join(&id);
+    anyhow::ensure!(sandbox_dir.is_dir(), "{}", sandbox_dir.display());
+    let unusable = Obstacle::dir(sandbox_dir.join("record.json.partial"))?;
     let response = v1
         .request(
             reqwest::Method::GET,
@@ -1133,12 +1133,16 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
         )
         .send()
         .await?;
-    assert_restore_deferred(response, &gateway).await?;
+    assert_restore_deferred(response, &gateway, "the VM's record").await?;
     let (_, listed) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(listed["state"], "hibernated", "{listed}");
     for file in ["record.json", "vm.state", "workspace.ext4"] {
         assert!(saved.join(file).is_file(), "{file} kept");
     }
+    assert!(
+        eventually(PATIENCE, || !vmm_of(&id)).await,
+        "the VMM started for the restore is gone"
+    );
     drop(unusable);
 
     // A file request restores it: the workspace file is intact…
@@ -1202,13 +1206,13 @@ async fn an_idle_microvm_hibernates_and_is_restored_by_the_next_request() -> Res
             .is_some_and(|name| name.to_string_lossy().starts_with("cellgate-"))
     })
     .context("the gateway's runtime directory")?;
-    let unusable = DirUnusable::taken(runtime_root.join(&id))?;
+    let unusable = Obstacle::file(runtime_root.join(&id))?;
     let response = v1
         .request(reqwest::Method::POST, &format!("/v1/sessions/{id}/execute"))
         .json(&json!({"code": "x"}))
         .send()
         .await?;
-    assert_restore_deferred(response, &gateway).await?;
+    assert_restore_deferred(response, &gateway, "File exists").await?;
     let (_, listed) = v1.get(&format!("/v1/sessions/{id}")).await?;
     assert_eq!(listed["state"], "hibernated", "{listed}");
     assert_eq!(listed["state_generation"], generation, "{listed}");

@@ -27,16 +27,19 @@
 //! state directory's disk (the VM's RAM, its workspace disk's used blocks and a margin): the
 //! VM runs on, and a later pass tries again. A save that fails once begun ends the VM (it
 //! is stopped by then) and the kernel is reported dead with the reason, as a lost sandbox.
-//! A restore that fails before the guest ran, for what the host did (the VMM could not
-//! start or was killed, the state took longer to load than the boot timeout, a cgroup or
-//! a socket could not be made) keeps what was saved as it was ([`hand_back`]): the kernel
-//! stays hibernated and the next request tries again ([`Waking`] says how far a restore
-//! got). One that cannot work (the files are gone or damaged, the guest images or the VM's
-//! shape changed, the VMM refused the state) or that failed once the guest ran (its
-//! workspace disk may have changed under the saved memory: restoring that memory again
-//! could corrupt it) removes what was saved; the kernel layer then starts a fresh kernel
-//! (its state generation moves on, as for a lost sandbox). Never a hang: every step has a
-//! deadline.
+//! A restore that fails before the guest ran, for what the host did (the VMM could not be
+//! spawned, was killed by a signal, or ended for want of memory; its keeper did not start;
+//! the state took longer to load than the boot timeout; the save could not be read for a
+//! passing reason such as no free descriptor) keeps what was saved as it was
+//! ([`hand_back`]): the kernel stays hibernated and the next request tries again
+//! ([`Waking`] says how far a restore got; the saved disk stays in place until the guest
+//! runs, so a restore cut off by a crash loses nothing either). One that cannot work (the
+//! files are gone, links or damaged; the guest images or the VM's shape changed; the VMM
+//! ended with an exit code while loading the state, which is how QEMU refuses one) or that
+//! failed once the guest ran (its workspace disk may have changed under the saved memory:
+//! restoring that memory again could corrupt it) removes what was saved; the kernel layer
+//! then starts a fresh kernel (its state generation moves on, as for a lost sandbox).
+//! Never a hang: every step has a deadline.
 
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -438,20 +441,31 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), MicrovmError> {
 
 /// How far a hibernated VM's restore got, which decides whether a failed one may keep
 /// what was saved for another try: only one whose guest never ran, and whose save was not
-/// itself refused.
+/// itself refused. Until the guest runs, the saved workspace disk stays where it was saved
+/// (the VM gets a link to it, or a copy): a restore cut off before then, by a crash or a
+/// stop, loses nothing.
 #[derive(Debug, Default)]
 pub(super) struct Waking {
     /// The guest was let run (`cont` sent, or the VM found running).
     ran: AtomicBool,
     /// The save cannot be restored here: its record does not fit this gateway, its files
-    /// are unreadable, or the VMM ended by itself while loading it (a damaged state).
+    /// are gone or not regular files, or the VMM ended by itself while loading it (a
+    /// damaged state).
     refused: AtomicBool,
+    /// The saved workspace disk the VM's is linked to or copied from, once taken.
+    saved_disk: parking_lot::Mutex<Option<PathBuf>>,
 }
 
 impl Waking {
-    /// Notes that the guest runs (or may): from here a failure loses what was saved.
+    /// Notes that the guest is about to run: from here a failure loses what was saved, and
+    /// the saved name of the disk goes (the VM's link or copy is the disk from now on).
     pub(super) fn ran(&self) {
         self.ran.store(true, Ordering::SeqCst);
+        if let Some(disk) = self.saved_disk.lock().take() {
+            if let Err(error) = std::fs::remove_file(&disk) {
+                tracing::warn!(disk = %disk.display(), %error, "microvm: a restored VM's saved disk could not be removed (it goes with its save)");
+            }
+        }
     }
 
     /// Notes that the save itself was refused: another try would fail the same way.
@@ -465,9 +479,24 @@ impl Waking {
     }
 }
 
+/// Whether a failure to read a save says the save itself is unusable (gone, a link, not a
+/// regular file, a record that does not read or does not fit), rather than a passing
+/// failure of the host's (descriptors, I/O).
+fn unusable(error: &MicrovmError) -> bool {
+    match error {
+        MicrovmError::Io { source, .. } => {
+            source.kind() == std::io::ErrorKind::NotFound
+                || source.raw_os_error() == Some(libc::ELOOP)
+        }
+        _ => true,
+    }
+}
+
 /// What a restore takes from a kernel's directory: the saved state, open, and the record;
-/// the workspace disk is moved to `runtime_dir`. Checked against the VM it is to become (a
-/// record that does not fit, or files that are not there, are noted `waking.refused()`).
+/// the workspace disk is linked into `runtime_dir` (copied where that is another file
+/// system), the saved one staying until the guest runs ([`Waking::ran`]). Checked against
+/// the VM it is to become (a save that does not fit, or is not there, is noted
+/// `waking.refused()`).
 pub(super) fn take_for_restore(
     hibernations: &Hibernations,
     kernel_id: &str,
@@ -476,14 +505,32 @@ pub(super) fn take_for_restore(
     machine: &str,
     waking: &Waking,
 ) -> Result<(std::fs::File, Record), MicrovmError> {
-    let refused = |error: MicrovmError| {
-        waking.refused();
-        error
-    };
     let (state, record, disk) =
-        checked_save(hibernations, kernel_id, size, machine).map_err(refused)?;
-    // A move that fails leaves the disk where it was: a host's failure, tried again.
-    move_file(&disk, &runtime_dir.join(WORKSPACE_DISK))?;
+        checked_save(hibernations, kernel_id, size, machine).inspect_err(|error| {
+            if unusable(error) {
+                waking.refused();
+            }
+        })?;
+    let taken = runtime_dir.join(WORKSPACE_DISK);
+    match std::fs::hard_link(&disk, &taken) {
+        Ok(()) => {}
+        Err(error) if error.raw_os_error() == Some(libc::EXDEV) => {
+            let source = open_private(&disk)?;
+            let target = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&taken)
+                .map_err(io_error(taken.display().to_string()))?;
+            if let Err(error) = copy_sparse(&source, &target) {
+                let _ = std::fs::remove_file(&taken);
+                return Err(io_error(taken.display().to_string())(error));
+            }
+        }
+        Err(error) => return Err(io_error(taken.display().to_string())(error)),
+    }
+    *waking.saved_disk.lock() = Some(disk);
     Ok((state, record))
 }
 
@@ -520,7 +567,8 @@ fn checked_save(
 }
 
 /// Puts back what [`take_for_restore`] took, after a restore whose guest never ran: the
-/// workspace disk returns beside the saved state and the record, all as they were saved.
+/// VM's link to (or copy of) the workspace disk goes, and the saved disk is the gateway's
+/// again (the VM's jail was given it); the save is as it was.
 pub(super) fn hand_back(
     hibernations: &Hibernations,
     kernel_id: &str,
@@ -529,15 +577,19 @@ pub(super) fn hand_back(
     let dir = hibernations
         .kernel_dir(kernel_id)
         .ok_or_else(|| MicrovmError::Start("not a kernel id".to_owned()))?;
-    let taken = runtime_dir.join(WORKSPACE_DISK);
-    if std::fs::symlink_metadata(&taken).is_ok() {
-        move_file(&taken, &dir.join(WORKSPACE_DISK))?;
-        sync_dir(&dir)?;
-    }
-    // Whole again, or not at all: the next restore checks it as this one did.
-    drop(open_private(&dir.join(WORKSPACE_DISK))?);
+    let saved = dir.join(WORKSPACE_DISK);
+    // Checked as a restore checks it: the gateway's regular file, not a link.
+    drop(open_private(&saved)?);
     drop(open_private(&dir.join(STATE))?);
-    Ok(())
+    let taken = runtime_dir.join(WORKSPACE_DISK);
+    match std::fs::remove_file(&taken) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(io_error(taken.display().to_string())(error)),
+    }
+    let (uid, gid) = (rustix::process::geteuid(), rustix::process::getegid());
+    std::os::unix::fs::lchown(&saved, Some(uid.as_raw()), Some(gid.as_raw()))
+        .map_err(io_error(saved.display().to_string()))
 }
 
 #[cfg(test)]
@@ -638,35 +690,48 @@ mod tests {
         assert!(!waking.may_retry());
         assert!(saved.join(WORKSPACE_DISK).is_file());
 
-        // Taken, then put back: as it was, and taken again.
+        // Taken: the VM gets the disk, the save keeps it until the guest runs (a restore
+        // cut off midway loses nothing); then put back, as it was, and taken again.
         let waking = Waking::default();
         let (_, taken) = take_for_restore(&hibernations, id, &run, size, "m", &waking).unwrap();
         assert_eq!(taken, record);
         assert!(waking.may_retry());
-        assert!(!saved.join(WORKSPACE_DISK).exists());
         assert_eq!(std::fs::read(run.join(WORKSPACE_DISK)).unwrap(), b"disk");
+        assert_eq!(std::fs::read(saved.join(WORKSPACE_DISK)).unwrap(), b"disk");
         hand_back(&hibernations, id, &run).unwrap();
         assert!(!run.join(WORKSPACE_DISK).exists());
         assert_eq!(std::fs::read(saved.join(WORKSPACE_DISK)).unwrap(), b"disk");
         assert_eq!(hibernations.read(id).unwrap(), record);
         assert!(hibernations.survivor(id).is_some());
-        take_for_restore(&hibernations, id, &run, size, "m", &Waking::default()).unwrap();
 
-        // Once the guest ran, or the VMM refused the state, a failure keeps nothing.
+        // Once the guest runs, the saved disk goes (the VM's is the disk), and a failure
+        // keeps nothing; the VMM refusing the state keeps nothing either.
         let waking = Waking::default();
+        take_for_restore(&hibernations, id, &run, size, "m", &waking).unwrap();
         waking.ran();
         assert!(!waking.may_retry());
+        assert!(!saved.join(WORKSPACE_DISK).exists());
+        assert_eq!(std::fs::read(run.join(WORKSPACE_DISK)).unwrap(), b"disk");
         let waking = Waking::default();
         waking.refused();
         assert!(!waking.may_retry());
 
-        // A save whose disk is gone is refused; one that cannot be made whole again is
-        // said so (and is then removed by the caller).
-        std::fs::remove_file(run.join(WORKSPACE_DISK)).unwrap();
+        // A save whose disk is gone is refused, and cannot be put back.
         assert!(hand_back(&hibernations, id, &run).is_err());
         let waking = Waking::default();
         assert!(take_for_restore(&hibernations, id, &run, size, "m", &waking).is_err());
         assert!(!waking.may_retry());
+        // A passing failure of the host's to read a save is not a refusal.
+        let busy = MicrovmError::Io {
+            what: "vm.state".to_owned(),
+            source: std::io::Error::from_raw_os_error(libc::EMFILE),
+        };
+        assert!(!unusable(&busy));
+        let gone = MicrovmError::Io {
+            what: "vm.state".to_owned(),
+            source: std::io::Error::from_raw_os_error(libc::ENOENT),
+        };
+        assert!(unusable(&gone));
     }
 
     #[test]
