@@ -351,7 +351,15 @@ async fn jupyter_server_in_gateway_mode_drives_a_microvm_kernel() -> Result<()> 
 /// restarts and closes it as the JupyterLab frontend does.
 async fn drive_through_jupyter_server(gateway: &Gateway, lab_args: &[String]) -> Result<()> {
     let lab = JupyterServer::start(gateway, lab_args).await?;
-    let context = |what: &str| format!("{what}\n--- jupyter_server log:\n{}", lab.log());
+    // Both sides' logs: a socket jupyter_server gave up on (a ping timeout) is explained by
+    // what the gateway did meanwhile.
+    let context = |what: &str| {
+        format!(
+            "{what}\n--- jupyter_server log:\n{}\n--- cellgate log:\n{}",
+            lab.log(),
+            gateway.log()
+        )
+    };
 
     // Kernelspecs come from cellgate.
     let (status, specs) = lab
