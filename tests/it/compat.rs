@@ -33,9 +33,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use futures_util::StreamExt;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 use crate::support::*;
 
@@ -347,6 +349,26 @@ async fn jupyter_server_in_gateway_mode_drives_a_microvm_kernel() -> Result<()> 
     Ok(())
 }
 
+/// `work`'s output, `client`'s socket read (its pings answered, its messages dropped)
+/// until then; an error if the socket closes meanwhile.
+async fn answering_pings<T>(
+    client: &mut Client,
+    work: impl std::future::Future<Output = T>,
+) -> Result<T> {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            done = &mut work => return Ok(done),
+            frame = client.socket.next() => match frame {
+                Some(Ok(WsMessage::Close(frame))) => bail!("jupyter_server closed the socket: {frame:?}"),
+                Some(Ok(_)) => {}
+                Some(Err(error)) => bail!("the socket failed: {error}"),
+                None => bail!("jupyter_server closed the socket"),
+            },
+        }
+    }
+}
+
 /// Opens a notebook through jupyter_server in front of `gateway`, runs, interrupts,
 /// restarts and closes it as the JupyterLab frontend does.
 async fn drive_through_jupyter_server(gateway: &Gateway, lab_args: &[String]) -> Result<()> {
@@ -463,13 +485,15 @@ async fn drive_through_jupyter_server(gateway: &Gateway, lab_args: &[String]) ->
 
     // Restart through jupyter_server's REST: same id, fresh state, same socket keeps working.
     let restart_began = std::time::Instant::now();
-    let (status, model) = lab
-        .json(
-            reqwest::Method::POST,
-            &format!("/api/kernels/{kernel}/restart"),
-            Some(json!({})),
-        )
-        .await?;
+    let restart_path = format!("/api/kernels/{kernel}/restart");
+    let restart = lab.json(reqwest::Method::POST, &restart_path, Some(json!({})));
+    // A browser answers jupyter_server's pings whatever its page awaits; this client does
+    // only while its socket is read. An emulated VM's restart can take over two minutes on
+    // a busy machine, past jupyter_server's ping timeout: the socket is read meanwhile (what
+    // comes is the restart's status traffic, which nothing below looks for).
+    let (status, model) = answering_pings(&mut client, restart)
+        .await
+        .with_context(|| context("restart"))??;
     assert_eq!(status, 200, "{}", context(&model.to_string()));
     eprintln!(
         "the restart through jupyter_server took {:.1} s",
