@@ -234,6 +234,22 @@ pub(super) fn allocated(path: &Path) -> u64 {
     std::fs::symlink_metadata(path).map_or(0, |m| m.blocks() * 512)
 }
 
+/// A sparse copy of `source` at `to`, a new 0600 file (never through a link); nothing is
+/// left at `to` when it fails.
+fn copy_to_new(source: &std::fs::File, to: &Path) -> Result<(), MicrovmError> {
+    let target = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(to)
+        .map_err(io_error(to.display().to_string()))?;
+    copy_sparse(source, &target).map_err(|error| {
+        let _ = std::fs::remove_file(to);
+        io_error(to.display().to_string())(error)
+    })
+}
+
 /// Moves `from` to `to`: a rename, or (another file system) a copy then removal. `from`
 /// may be in a directory the VMM owns: it must be a regular file, never followed through
 /// a link (a planted link would have the gateway copy a host file of its choosing), and
@@ -243,17 +259,7 @@ fn move_file(from: &Path, to: &Path) -> Result<(), MicrovmError> {
     match std::fs::rename(from, to) {
         Ok(()) => Ok(()),
         Err(error) if error.raw_os_error() == Some(libc::EXDEV) => {
-            let target = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(to)
-                .map_err(io_error(to.display().to_string()))?;
-            if let Err(error) = copy_sparse(&source, &target) {
-                let _ = std::fs::remove_file(to);
-                return Err(io_error(to.display().to_string())(error));
-            }
+            copy_to_new(&source, to)?;
             let _ = std::fs::remove_file(from);
             Ok(())
         }
@@ -515,18 +521,7 @@ pub(super) fn take_for_restore(
     match std::fs::hard_link(&disk, &taken) {
         Ok(()) => {}
         Err(error) if error.raw_os_error() == Some(libc::EXDEV) => {
-            let source = open_private(&disk)?;
-            let target = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&taken)
-                .map_err(io_error(taken.display().to_string()))?;
-            if let Err(error) = copy_sparse(&source, &target) {
-                let _ = std::fs::remove_file(&taken);
-                return Err(io_error(taken.display().to_string())(error));
-            }
+            copy_to_new(&open_private(&disk)?, &taken)?;
         }
         Err(error) => return Err(io_error(taken.display().to_string())(error)),
     }
@@ -645,6 +640,21 @@ mod tests {
         assert!(room_for(&saver(16), u64::MAX).is_err());
     }
 
+    /// A record of `id`'s save: 512 MiB, 1 vCPU, machine "m", generation 3.
+    fn a_record(id: &str) -> Record {
+        Record {
+            kernel_id: id.to_owned(),
+            key: "k".repeat(32),
+            generation: 3,
+            started_ms: 1,
+            saved_ms: 2,
+            memory_mib: 512,
+            vcpus: 1,
+            machine: "m".to_owned(),
+            bytes: 10,
+        }
+    }
+
     #[test]
     fn a_restore_that_failed_before_the_guest_ran_puts_everything_back() {
         let root = tempfile::tempdir().unwrap();
@@ -656,17 +666,7 @@ mod tests {
             .mode(0o700)
             .create(&saved)
             .unwrap();
-        let record = Record {
-            kernel_id: id.to_owned(),
-            key: "k".repeat(32),
-            generation: 3,
-            started_ms: 1,
-            saved_ms: 2,
-            memory_mib: 512,
-            vcpus: 1,
-            machine: "m".to_owned(),
-            bytes: 10,
-        };
+        let record = a_record(id);
         write_private(&saved.join(RECORD), &serde_json::to_vec(&record).unwrap()).unwrap();
         write_private(&saved.join(STATE), b"state").unwrap();
         write_private(&saved.join(WORKSPACE_DISK), b"disk").unwrap();
@@ -744,17 +744,7 @@ mod tests {
             .mode(0o700)
             .create(dir.join(id))
             .unwrap();
-        let record = Record {
-            kernel_id: id.to_owned(),
-            key: "k".repeat(32),
-            generation: 3,
-            started_ms: 1,
-            saved_ms: 2,
-            memory_mib: 512,
-            vcpus: 1,
-            machine: "m".to_owned(),
-            bytes: 10,
-        };
+        let record = a_record(id);
         write_private(
             &dir.join(id).join(RECORD),
             &serde_json::to_vec(&record).unwrap(),
