@@ -8,6 +8,7 @@ mod adoption;
 mod api_v1;
 mod api_v1_flow;
 mod artifact_links;
+mod attack_passes;
 mod attacks;
 mod cgroup_v2;
 mod clients;
