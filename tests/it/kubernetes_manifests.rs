@@ -68,19 +68,19 @@ fn gateway_rights() -> BTreeMap<(&'static str, &'static str), BTreeSet<&'static 
         .collect()
 }
 
-fn kit() -> PathBuf {
+pub(crate) fn kit() -> PathBuf {
     support::repo().join("deploy/kubernetes")
 }
 
 /// A path as the messages show it: relative to the repository.
-fn shown(path: &Path) -> String {
+pub(crate) fn shown(path: &Path) -> String {
     path.strip_prefix(support::repo())
         .unwrap_or(path)
         .display()
         .to_string()
 }
 
-fn read(path: &Path) -> Result<String> {
+pub(crate) fn read(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("read {}", shown(path)))
 }
 
@@ -106,25 +106,25 @@ fn yaml_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// The documents of a YAML file (split on `---`; empty documents skipped), read as
 /// Kubernetes reads them: YAML 1.1's octal `0440` is 288, as `defaultMode` means it.
-fn yaml_documents(text: &str) -> Result<Vec<Value>> {
+pub(crate) fn yaml_documents(text: &str) -> Result<Vec<Value>> {
     let options = serde_saphyr::options! { legacy_octal_numbers: true };
     serde_saphyr::from_multiple_with_options::<Value>(text, options).map_err(|e| anyhow!("{e}"))
 }
 
 /// One Kubernetes object of the kit.
-struct Manifest {
-    file: PathBuf,
+pub(crate) struct Manifest {
+    pub(crate) file: PathBuf,
     /// Its place in a multi-document file, from 1.
-    document: usize,
-    value: Value,
+    pub(crate) document: usize,
+    pub(crate) value: Value,
 }
 
 impl Manifest {
-    fn kind(&self) -> &str {
+    pub(crate) fn kind(&self) -> &str {
         self.value["kind"].as_str().unwrap_or_default()
     }
 
-    fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         self.value["metadata"]["name"].as_str().unwrap_or_default()
     }
 
@@ -139,7 +139,7 @@ impl Manifest {
     }
 
     /// The directory below `deploy/kubernetes` the file is in ("" for the base).
-    fn dir(&self) -> String {
+    pub(crate) fn dir(&self) -> String {
         self.file
             .parent()
             .and_then(|dir| dir.strip_prefix(kit()).ok())
@@ -154,7 +154,7 @@ impl Manifest {
 
 /// Every Kubernetes object of the kit: each document of each YAML file but the
 /// kustomization (a file for kustomize, not an object of the API).
-fn manifests() -> Result<Vec<Manifest>> {
+pub(crate) fn manifests() -> Result<Vec<Manifest>> {
     let mut manifests = Vec::new();
     for file in yaml_files(&kit())? {
         if file
@@ -389,7 +389,7 @@ const KUSTOMIZATION_FIELDS: [&str; 30] = [
     "buildMetadata",
 ];
 
-fn kustomization() -> Result<Value> {
+pub(crate) fn kustomization() -> Result<Value> {
     let path = kit().join("kustomization.yaml");
     let mut documents = yaml_documents(&read(&path)?)?;
     ensure!(documents.len() == 1, "kustomization.yaml: one document");
@@ -397,7 +397,7 @@ fn kustomization() -> Result<Value> {
 }
 
 /// The file names a generator entry reads (`file` or `key=file`).
-fn generator_files(entry: &Value) -> Vec<String> {
+pub(crate) fn generator_files(entry: &Value) -> Vec<String> {
     entry["files"]
         .as_array()
         .into_iter()
@@ -407,7 +407,7 @@ fn generator_files(entry: &Value) -> Vec<String> {
         .collect()
 }
 
-fn strings(value: &Value) -> Vec<&str> {
+pub(crate) fn strings(value: &Value) -> Vec<&str> {
     value
         .as_array()
         .into_iter()

@@ -17,6 +17,7 @@ mod compat;
 mod contract;
 mod deploy;
 mod egress;
+mod helm_chart;
 mod hostile;
 mod http;
 mod kube_api;

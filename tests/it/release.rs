@@ -68,6 +68,7 @@ async fn a_release_installs_and_serves() -> Result<()> {
         format!("cellgate-{version}-py3-none-any.whl"),
         format!("cellgate-{version}.tar.gz"),
         format!("cellgate-client-{version}.tgz"),
+        format!("cellgate-helm-chart-{version}.tgz"),
     ] {
         ensure!(
             sums.contains(&format!("  {file}\n")),
@@ -77,6 +78,23 @@ async fn a_release_installs_and_serves() -> Result<()> {
     run(std::process::Command::new("sha256sum")
         .args(["--check", "--quiet", "SHA256SUMS"])
         .current_dir(&dist))?;
+
+    // The Helm chart's archive holds the chart, its files included (helm_chart.rs renders it).
+    let chart = run(std::process::Command::new("tar")
+        .arg("-tzf")
+        .arg(dist.join(format!("cellgate-helm-chart-{version}.tgz"))))?;
+    for file in [
+        "cellgate/Chart.yaml",
+        "cellgate/values.yaml",
+        "cellgate/templates/deployment.yaml",
+        "cellgate/files/cellgate.toml",
+        "cellgate/files/policies/default.toml",
+    ] {
+        ensure!(
+            chart.lines().any(|l| l == file),
+            "{file} is not in the chart's archive:\n{chart}"
+        );
+    }
 
     // The binary and the library come without their debug info, which is apart.
     let unpacked = scratch.path().join("unpacked");
