@@ -6,16 +6,22 @@
 //! are its own: `tests/it/microvm.rs`). The attackers' policies name the backend
 //! (`CELLGATE_TEST_ATTACKER_SANDBOX`); the bystander stays in the default sandbox.
 //!
-//! Each pass is one test here that runs this very binary on its list of attacks, one at a
-//! time (libtest's own harness, as `cgroup_v2` runs the limit tests inside its VM), and fails
-//! with the inner output unless every attack ran and passed. So the passes are scheduled by
-//! nextest with the rest of the suite, filling the last minutes of a pass that mostly waits on
-//! kernels, instead of running after it (`./dev test` ran them as separate nextest runs once
-//! the main pass was done: minutes of CI's wall time). The gVisor attacks come in two halves,
-//! two tests that run side by side.
+//! Each pass is one test here that runs this very binary once per attack, one after another
+//! (libtest's own harness, `--exact NAME`, as `cgroup_v2` runs the limit tests inside its VM):
+//! a process per attack as under nextest, each in a process group of its own, ended with its
+//! group past the bound nextest's CI profile gives that attack. The pass fails with the
+//! output of every attack that failed, after running them all. So the passes are scheduled
+//! by nextest with the rest of the suite, where a core would otherwise idle, instead of
+//! running after it (`./dev test` ran them as separate nextest runs once the main pass was
+//! done: minutes of CI's wall time).
+//!
+//! Under gVisor the attacks on the machine's resources (CPU, processes, memory, output,
+//! disk) are a pass of their own, which runs alone at the start of the suite with the
+//! namespaces backend's resource attacks (`.config/nextest.toml`); the others come in two
+//! halves.
 
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 
@@ -31,17 +37,44 @@ const VM_ATTACKS: &[&str] = &[
     "attacks::kill_everything_from_inside",
 ];
 
-/// A pass's own bound: each attack has bounds of its own (the fork bomb's is 15 min), so this
-/// only ends a harness that hangs.
-const PASS_BOUND: Duration = Duration::from_secs(40 * 60);
+/// The attacks on the machine's resources: the ones nextest runs alone
+/// (`.config/nextest.toml`, the same list).
+const RESOURCE_ATTACKS: &[&str] = &[
+    "attacks::fork_bomb",
+    "attacks::cpu_spin_past_the_timeout",
+    "attacks::memory_bombs",
+    "attacks::output_flood",
+    "attacks::output_floods::",
+    "attacks::fill_the_workspace",
+    "attacks::workspace_memory::",
+];
 
-/// Every test of this binary, by name (`--list --format terse`).
-fn all_tests() -> Result<Vec<String>> {
+/// Whether `test` is an attack on resources: a prefix match, as nextest's regex is.
+fn is_resource_attack(test: &str) -> bool {
+    RESOURCE_ATTACKS.iter().any(|p| test.starts_with(p))
+}
+
+/// An attack's bound: the one nextest's CI profile gives it as a test of its own (its own
+/// waits come first; this only ends an attack that hangs).
+fn bound(test: &str) -> Duration {
+    if test.contains("token_is_nowhere") {
+        Duration::from_secs(25 * 60)
+    } else if test == "attacks::fork_bomb" {
+        Duration::from_secs(20 * 60)
+    } else {
+        Duration::from_secs(5 * 60)
+    }
+}
+
+/// The tests of this binary, by name (`--list --format terse`), `--ignored` ones or not.
+fn listed(ignored: bool) -> Result<Vec<String>> {
     let exe = std::env::current_exe().context("this test binary's path")?;
-    let out = std::process::Command::new(exe)
-        .args(["--list", "--format", "terse"])
-        .stdin(Stdio::null())
-        .output()?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["--list", "--format", "terse"]);
+    if ignored {
+        cmd.arg("--ignored");
+    }
+    let out = cmd.stdin(Stdio::null()).output()?;
     ensure!(out.status.success(), "listing the tests failed: {out:?}");
     Ok(String::from_utf8(out.stdout)?
         .lines()
@@ -50,14 +83,16 @@ fn all_tests() -> Result<Vec<String>> {
         .collect())
 }
 
-/// The gVisor pass's attacks, half `half` (0 or 1) of them: every other one in name order.
-fn gvisor_half(half: usize) -> Result<Vec<String>> {
-    let mut attacks: Vec<String> = all_tests()?
+/// The attacks the gVisor passes run (not ignored ones), in name order.
+fn gvisor_attacks() -> Result<Vec<String>> {
+    let ignored = listed(true)?;
+    let mut attacks: Vec<String> = listed(false)?
         .into_iter()
         .filter(|t| {
             t.starts_with("attacks::")
                 && !t.starts_with("attacks::connections::")
                 && !t.starts_with("attacks::replay_and_origin::")
+                && !ignored.contains(t)
         })
         .collect();
     attacks.sort();
@@ -66,56 +101,117 @@ fn gvisor_half(half: usize) -> Result<Vec<String>> {
         "only {} attacks found: {attacks:?}",
         attacks.len()
     );
-    Ok(attacks
+    Ok(attacks)
+}
+
+/// Half `half` (0 or 1) of the gVisor attacks that are not on resources: every other one.
+fn gvisor_half(half: usize) -> Result<Vec<String>> {
+    Ok(gvisor_attacks()?
         .into_iter()
+        .filter(|t| !is_resource_attack(t))
         .enumerate()
         .filter(|(i, _)| i % 2 == half)
         .map(|(_, t)| t)
         .collect())
 }
 
-/// Runs `tests` of this binary one at a time with the attackers in `backend`, and fails with
-/// their output unless all of them ran and passed.
-async fn run_pass(backend: &str, tests: &[String]) -> Result<()> {
-    ensure!(!tests.is_empty(), "no attacks to run");
+/// Ends a process group, whatever is left of it.
+fn kill_group(pgid: u32) {
+    let pgid = i32::try_from(pgid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw);
+    if let Some(pgid) = pgid {
+        // Gone already is fine.
+        let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
+    }
+}
+
+/// Runs one attack in a process (group) of its own with the attackers in `backend`: its
+/// output if it failed.
+async fn run_one(backend: &str, test: &str) -> Result<Option<String>> {
     let exe = std::env::current_exe().context("this test binary's path")?;
     let mut cmd = tokio::process::Command::new(exe);
-    cmd.arg("--exact")
-        .args(tests)
-        .args(["--test-threads", "1"])
+    cmd.args(["--exact", test, "--test-threads", "1", "--nocapture"])
         .env("CELLGATE_TEST_ATTACKER_SANDBOX", backend)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .process_group(0)
         .kill_on_drop(true);
+    let child = cmd.spawn()?;
+    let pgid = child.id().context("the attack's process has no pid")?;
+    let limit = bound(test);
+    let out = match tokio::time::timeout(limit, child.wait_with_output()).await {
+        Ok(out) => out?,
+        Err(_) => {
+            kill_group(pgid);
+            return Ok(Some(format!(
+                "{test} ran past its bound of {limit:?} and was ended (its process group \
+                 killed); its output is lost with it"
+            )));
+        }
+    };
+    // What its gateways and kernels left in the group (a failed test may not have ended them).
+    kill_group(pgid);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let want = "test result: ok. 1 passed; 0 failed";
+    if out.status.success() && stdout.contains(want) {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "{test} failed ({}; wanted {want:?}):\n--- stdout ---\n{stdout}\n--- stderr ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    )))
+}
+
+/// Runs `tests` one after another with the attackers in `backend`; fails with the output of
+/// every one that failed.
+async fn run_pass(backend: &str, tests: &[String]) -> Result<()> {
+    ensure!(!tests.is_empty(), "no attacks to run");
     println!(
         "{} attacks with their attackers in {backend}: {tests:?}",
         tests.len()
     );
-    let started = std::time::Instant::now();
-    let out = tokio::time::timeout(PASS_BOUND, cmd.output())
-        .await
-        .with_context(|| format!("the {backend} attack pass ran past {PASS_BOUND:?}"))??;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let want = format!("test result: ok. {} passed; 0 failed", tests.len());
-    if !out.status.success() || !stdout.contains(&want) {
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    for test in tests {
+        let one = Instant::now();
+        let failure = run_one(backend, test).await?;
+        println!(
+            "{test}: {} in {:.1} s",
+            if failure.is_some() { "FAILED" } else { "ok" },
+            one.elapsed().as_secs_f64()
+        );
+        failures.extend(failure);
+    }
+    if !failures.is_empty() {
         bail!(
-            "the attacks with their attackers in {backend} failed ({}; wanted {want:?}):\n\
-             --- stdout ---\n{stdout}\n--- stderr ---\n{stderr}",
-            out.status
+            "{} of {} attacks with their attackers in {backend} failed:\n\n{}",
+            failures.len(),
+            tests.len(),
+            failures.join("\n\n")
         );
     }
-    // Each attack's line with its time, for the record (nextest shows it with --success-output).
-    for line in stdout.lines().filter(|l| l.starts_with("test ")) {
-        println!("{line}");
-    }
     println!(
-        "{backend}: {} attacks passed in {:?}",
+        "{backend}: {} attacks passed in {:.1} s",
         tests.len(),
-        started.elapsed()
+        started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+#[tokio::test]
+async fn attacks_on_resources_with_attackers_under_gvisor() -> Result<()> {
+    let tests: Vec<String> = gvisor_attacks()?
+        .into_iter()
+        .filter(|t| is_resource_attack(t))
+        .collect();
+    ensure!(
+        tests.len() >= RESOURCE_ATTACKS.len(),
+        "fewer resource attacks than their list names: {tests:?}"
+    );
+    run_pass("gvisor", &tests).await
 }
 
 #[tokio::test]
@@ -130,10 +226,26 @@ async fn attacks_with_attackers_under_gvisor_second_half() -> Result<()> {
 
 #[tokio::test]
 async fn attacks_with_attackers_in_microvms() -> Result<()> {
-    let all = all_tests()?;
+    let all = listed(false)?;
     let tests: Vec<String> = VM_ATTACKS.iter().map(|t| (*t).to_owned()).collect();
     for t in &tests {
         ensure!(all.contains(t), "no attack {t} in this binary");
     }
     run_pass("microvm", &tests).await
+}
+
+#[test]
+fn the_resource_attacks_are_the_ones_nextest_runs_alone() -> Result<()> {
+    let config = std::fs::read_to_string(crate::support::repo().join(".config/nextest.toml"))?;
+    let names: Vec<&str> = RESOURCE_ATTACKS
+        .iter()
+        .map(|p| p.trim_start_matches("attacks::"))
+        .collect();
+    let alone = format!("test(/^attacks::({})/)", names.join("|"));
+    ensure!(
+        config.contains(&alone),
+        "nextest's filter of the resource attacks is not {alone}: keep RESOURCE_ATTACKS and \
+         .config/nextest.toml the same"
+    );
+    Ok(())
 }

@@ -179,10 +179,23 @@ fn kustomize_build() -> Result<Objects> {
         .into_iter()
         .flatten()
     {
+        for field in generator
+            .as_object()
+            .context("a generator that is not a map")?
+            .keys()
+        {
+            ensure!(
+                field == "name" || field == "files",
+                "a configMapGenerator with {field:?}, which this test's model does not know: teach it"
+            );
+        }
         let mut data = serde_json::Map::new();
-        for file in generator_files(generator) {
-            let base = file.rsplit('/').next().unwrap_or(&file).to_owned();
-            data.insert(base, Value::String(read(&kit().join(&file))?));
+        for entry in strings(&generator["files"]) {
+            // `key=file`, or the file's base name as its key.
+            let (key, file) = entry
+                .split_once('=')
+                .unwrap_or((entry.rsplit('/').next().unwrap_or(entry), entry));
+            data.insert(key.to_owned(), Value::String(read(&kit().join(file))?));
         }
         objects.push(json!({
             "apiVersion": "v1",
@@ -197,19 +210,27 @@ fn kustomize_build() -> Result<Objects> {
         } else {
             object["metadata"]["namespace"] = json!(namespace);
         }
+        // The namespace transformer's default: only subjects named `default` move (others
+        // follow their ServiceAccount by name reference, already in this namespace here).
         // `get_mut`, not indexing: an index inserts a null where the key is missing.
         let subjects = object.get_mut("subjects").and_then(Value::as_array_mut);
         for subject in subjects.into_iter().flatten() {
-            if subject["kind"] == "ServiceAccount" {
+            if subject["name"] == "default" {
                 subject["namespace"] = json!(namespace);
             }
         }
     }
     for entry in kustomization["labels"].as_array().into_iter().flatten() {
-        ensure!(
-            entry.get("includeSelectors").is_none() && entry.get("includeTemplates").is_none(),
-            "labels with includeSelectors/includeTemplates: not modelled"
-        );
+        for field in entry
+            .as_object()
+            .context("a labels entry that is not a map")?
+            .keys()
+        {
+            ensure!(
+                field == "pairs",
+                "labels with {field:?}, which this test's model does not know: teach it"
+            );
+        }
         let pairs = entry["pairs"].as_object().context("labels without pairs")?;
         for object in &mut objects {
             let metadata = object["metadata"]
@@ -445,6 +466,32 @@ fn the_charts_values_change_what_they_say() -> Result<()> {
     ensure!(
         get("ConfigMap", "cellgate-config")?["data"] == json!({"cellgate.toml": "port = 8888\n"}),
         "config"
+    );
+
+    // A log filter YAML would read as a boolean stays a string (the API server wants one).
+    let off = render("cellgate", "cellgate", json!({"log": {"filter": "off"}}))?;
+    let env = &off.objects[&("Deployment".to_owned(), "cellgate".to_owned())]["spec"]["template"]
+        ["spec"]["containers"][0]["env"];
+    ensure!(
+        env.as_array()
+            .into_iter()
+            .flatten()
+            .any(|e| e["name"] == "RUST_LOG" && e["value"] == "off"),
+        "RUST_LOG off is not the string \"off\": {env}"
+    );
+    // The Namespace is never rendered as `default` with the restricted profile.
+    let refused = render(
+        "cellgate",
+        "default",
+        json!({"namespace": {"create": true}}),
+    );
+    ensure!(
+        refused
+            .as_ref()
+            .err()
+            .is_some_and(|e| e.to_string().contains("restricted Pod Security profile")),
+        "namespace.create in namespace default was not refused: {:?}",
+        refused.err()
     );
     Ok(())
 }
